@@ -1,0 +1,291 @@
+"""LLaMA model configuration: one dataclass, a table of named presets, HF conversion.
+
+Presets are data. Each family states only what differs from the one it builds on,
+so every field is written once:
+
+    LLAMA_PRESETS['llama2_70b'] = {**_LLAMA2, **shape of 70B}
+
+`LLaMAConfig.from_preset('llama3_8b', max_position_embeddings=4096)` applies
+overrides on top. On the command line the same happens through
+`--llama.base_model=llama3_8b --llama.max_position_embeddings=4096`.
+"""
+
+import dataclasses
+from typing import Any
+
+from ml_collections import ConfigDict
+from ml_collections.config_dict import placeholder
+
+from easylm.errors import UserError
+
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "dot_product", "cudnn")
+REMAT_POLICIES = (
+    "none",
+    "nothing_saveable",
+    "checkpoint_dots",
+    "checkpoint_dots_with_no_batch_dims",
+    "save_attention_out",
+)
+ROPE_SCALING_TYPES = ("none", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class LLaMAConfig:
+    # Shape.
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None  # None: multi-head attention (= num_attention_heads)
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    tie_word_embeddings: bool = False
+    # Numerics.
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling_type: str = "none"  # 'llama3': Llama-3.1 style frequency scaling
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int = 8192
+    initializer_range: float = 0.02
+    bos_token_id: int = 1
+    eos_token_id: int = 2
+    # Implementation choices: none of these change the numbers.
+    attention: str = "auto"
+    scan_layers: bool = False
+    remat_policy: str = "none"
+
+    def __post_init__(self):
+        if self.num_key_value_heads is None:
+            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        self._check()
+
+    def _check(self):
+        def choice(field, allowed):
+            value = getattr(self, field)
+            if value not in allowed:
+                raise UserError(
+                    f"llama.{field}={value!r} is not one of {', '.join(allowed)}"
+                )
+
+        choice("attention", ATTENTION_IMPLEMENTATIONS)
+        choice("remat_policy", REMAT_POLICIES)
+        choice("rope_scaling_type", ROPE_SCALING_TYPES)
+        for field in ("vocab_size", "hidden_size", "intermediate_size",
+                      "num_hidden_layers", "num_attention_heads",
+                      "num_key_value_heads", "head_dim"):
+            if getattr(self, field) < 1:
+                raise UserError(f"llama.{field} must be >= 1, got {getattr(self, field)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise UserError(
+                f"llama.num_attention_heads={self.num_attention_heads} is not a multiple "
+                f"of llama.num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.head_dim % 2:
+            raise UserError(f"llama.head_dim must be even for rotary embeddings, got {self.head_dim}")
+
+    # ----------------------------------------------------------------- presets
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "LLaMAConfig":
+        if name not in LLAMA_PRESETS:
+            raise UserError(
+                f"unknown llama preset {name!r}; known presets: {', '.join(LLAMA_PRESETS)}"
+            )
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise UserError(f"unknown llama config field(s): {', '.join(sorted(unknown))}")
+        return cls(**{**LLAMA_PRESETS[name], **overrides})
+
+    @classmethod
+    def get_default_config(cls, updates=None) -> ConfigDict:
+        """Flag tree for `--llama.*`: a preset name plus optional per-field overrides."""
+        config = ConfigDict()
+        config.base_model = "debug"
+        for field in dataclasses.fields(cls):
+            config[field.name] = placeholder(_flag_type(field))
+        if updates is not None:
+            config.update(ConfigDict(updates).copy_and_resolve_references())
+        return config
+
+    @classmethod
+    def from_flags(cls, config: ConfigDict) -> "LLaMAConfig":
+        """Build from the `--llama.*` flag tree: the preset, then the fields the user set."""
+        config = dict(config)
+        name = config.pop("base_model")
+        return cls.from_preset(name, **{k: v for k, v in config.items() if v is not None})
+
+    def replace(self, **changes) -> "LLaMAConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # --------------------------------------------------------------- counting
+
+    def num_parameters(self) -> int:
+        """Parameters of the model as built (embeddings counted once when tied)."""
+        d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q = self.num_attention_heads * self.head_dim
+        kv = self.num_key_value_heads * self.head_dim
+        layer = d * (q + 2 * kv) + q * d + 3 * d * f + 2 * d
+        head = 0 if self.tie_word_embeddings else v * d
+        return v * d + self.num_hidden_layers * layer + d + head
+
+    def num_matmul_parameters(self) -> int:
+        """Parameters that take part in a matmul per token: all but the input embedding
+        and the norms (the output projection counts, tied or not). This is N in the
+        6*N FLOPs-per-token rule."""
+        d, v = self.hidden_size, self.vocab_size
+        norms = (2 * self.num_hidden_layers + 1) * d
+        head = v * d if self.tie_word_embeddings else 0
+        return self.num_parameters() - v * d - norms + head
+
+    def flops_per_token(self, seq_length: int) -> float:
+        """Training FLOPs per token: 6*N + 12*L*d_attn*seq (PaLM appendix B; the second
+        term is the attention score and value matmuls, forward and backward)."""
+        attn_width = self.num_attention_heads * self.head_dim
+        return 6 * self.num_matmul_parameters() + 12 * self.num_hidden_layers * attn_width * seq_length
+
+    # ---------------------------------------------------- HF transformers
+
+    def to_hf_config(self):
+        from transformers import LlamaConfig
+
+        rope = {"rope_type": "default", "rope_theta": float(self.rope_theta)}
+        if self.rope_scaling_type == "llama3":
+            rope.update(
+                rope_type="llama3",
+                factor=float(self.rope_scaling_factor),
+                low_freq_factor=float(self.rope_low_freq_factor),
+                high_freq_factor=float(self.rope_high_freq_factor),
+                original_max_position_embeddings=int(self.rope_original_max_position_embeddings),
+            )
+        return LlamaConfig(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            max_position_embeddings=self.max_position_embeddings,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_parameters=rope,
+            tie_word_embeddings=self.tie_word_embeddings,
+            initializer_range=self.initializer_range,
+            bos_token_id=self.bos_token_id,
+            eos_token_id=self.eos_token_id,
+            hidden_act="silu",
+            attention_bias=False,
+            mlp_bias=False,
+        )
+
+    @classmethod
+    def from_hf_config(cls, hf_config, **overrides) -> "LLaMAConfig":
+        """From a `transformers.LlamaConfig` (or its dict); unsupported variants are errors."""
+        hf = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
+        if hf.get("model_type", "llama") != "llama":
+            raise UserError(f"model_type {hf.get('model_type')!r} is not a LLaMA model")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise UserError(f"hidden_act {hf['hidden_act']!r} is not supported (LLaMA uses silu)")
+        for bias in ("attention_bias", "mlp_bias"):
+            if hf.get(bias):
+                raise UserError(f"{bias}=True is not supported by this LLaMA implementation")
+        # transformers >= 5 keeps rope_theta inside rope_parameters; older config.json
+        # files have rope_theta and rope_scaling at the top level.
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        fields = dict(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=hf["num_attention_heads"],
+            num_key_value_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            initializer_range=hf.get("initializer_range", 0.02),
+            bos_token_id=_first_int(hf.get("bos_token_id"), 1),
+            eos_token_id=_first_int(hf.get("eos_token_id"), 2),
+        )
+        if rope_type == "llama3":
+            fields.update(
+                rope_scaling_type="llama3",
+                rope_scaling_factor=float(rope["factor"]),
+                rope_low_freq_factor=float(rope["low_freq_factor"]),
+                rope_high_freq_factor=float(rope["high_freq_factor"]),
+                rope_original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+            )
+        elif rope_type != "default":
+            raise UserError(f"rope type {rope_type!r} is not supported (supported: default, llama3)")
+        return cls(**{**fields, **overrides})
+
+
+def _flag_type(field: dataclasses.Field) -> type:
+    kind = field.type
+    if isinstance(kind, str):  # postponed annotations
+        kind = {"int": int, "float": float, "str": str, "bool": bool}[kind.split(" ")[0]]
+    if kind not in (int, float, str, bool):  # `int | None`
+        kind = int
+    return kind
+
+
+def _first_int(value, default: int) -> int:
+    if value is None:
+        return default
+    if isinstance(value, (list, tuple)):
+        return int(value[0])
+    return int(value)
+
+
+# -------------------------------------------------------------------- presets
+# Shapes as published: LLaMA 1 (Touvron et al. 2023a), OpenLLaMA 3B, LLaMA 2
+# (2023b), Llama 3 / 3.2 (Meta's released config.json files). `llama_1b` is
+# EasyLM's 1B shape, used by the benchmarks.
+
+_LLAMA1 = dict(vocab_size=32000, max_position_embeddings=2048, rms_norm_eps=1e-6,
+               bos_token_id=1, eos_token_id=2)
+_LLAMA2 = dict(_LLAMA1, max_position_embeddings=4096, rms_norm_eps=1e-5)
+_LLAMA3 = dict(vocab_size=128256, max_position_embeddings=8192, rms_norm_eps=1e-5,
+               rope_theta=500000.0, num_key_value_heads=8,
+               bos_token_id=128000, eos_token_id=128001)
+_LLAMA3_2 = dict(_LLAMA3, max_position_embeddings=131072, tie_word_embeddings=True,
+                 rope_scaling_type="llama3", rope_scaling_factor=32.0,
+                 rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                 rope_original_max_position_embeddings=8192, eos_token_id=128009)
+
+
+def _shape(d, f, layers, heads, **extra):
+    return dict(hidden_size=d, intermediate_size=f, num_hidden_layers=layers,
+                num_attention_heads=heads, **extra)
+
+
+LLAMA_PRESETS: dict[str, dict[str, Any]] = {
+    # Tiny and fast, for tests: GQA (4 heads, 2 kv heads) and every dimension
+    # divisible by 8 so any (dp, fsdp, mp) mesh of 8 devices shards it.
+    "debug": dict(vocab_size=512, max_position_embeddings=512, rms_norm_eps=1e-6,
+                  bos_token_id=1, eos_token_id=2,
+                  **_shape(64, 128, 2, 4, num_key_value_heads=2)),
+    "llama_1b": dict(_LLAMA1, **_shape(2048, 5504, 22, 16)),
+    "llama_3b": dict(_LLAMA1, **_shape(3200, 8640, 26, 32)),
+    "llama_7b": dict(_LLAMA1, **_shape(4096, 11008, 32, 32)),
+    "llama_13b": dict(_LLAMA1, **_shape(5120, 13824, 40, 40)),
+    "llama_30b": dict(_LLAMA1, **_shape(6656, 17920, 60, 52)),
+    "llama_65b": dict(_LLAMA1, **_shape(8192, 22016, 80, 64)),
+    "llama2_7b": dict(_LLAMA2, **_shape(4096, 11008, 32, 32)),
+    "llama2_13b": dict(_LLAMA2, **_shape(5120, 13824, 40, 40)),
+    "llama2_70b": dict(_LLAMA2, **_shape(8192, 28672, 80, 64, num_key_value_heads=8)),
+    "llama3_8b": dict(_LLAMA3, **_shape(4096, 14336, 32, 32)),
+    "llama3_70b": dict(_LLAMA3, **_shape(8192, 28672, 80, 64)),
+    "llama3.2_1b": dict(_LLAMA3_2, **_shape(2048, 8192, 16, 32, head_dim=64)),
+    "llama3.2_3b": dict(_LLAMA3_2, **_shape(3072, 8192, 28, 24, head_dim=128)),
+}

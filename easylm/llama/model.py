@@ -1,0 +1,242 @@
+"""The LLaMA causal language model in Flax (LLaMA 1, 2, 3 and 3.2).
+
+Parameter names follow Hugging Face's `LlamaForCausalLM`, so converting a
+checkpoint is a table lookup (see `easylm/llama/hf_weights.py`):
+
+    model/embed_tokens/embedding                 (V, D)
+    model/layers/<i>/input_layernorm/weight      (D,)
+    model/layers/<i>/self_attn/q_proj/kernel     (D, N*H)   k_proj, v_proj: (D, K*H)
+    model/layers/<i>/self_attn/o_proj/kernel     (N*H, D)
+    model/layers/<i>/post_attention_layernorm/weight
+    model/layers/<i>/mlp/gate_proj/kernel        (D, F)     up_proj (D, F), down_proj (F, D)
+    model/norm/weight                            (D,)
+    lm_head/kernel                               (D, V)     absent with tied embeddings
+
+With `scan_layers=True` the layers are one stacked module: `model/layers/...`
+with a leading layer axis of size L.
+
+Shape letters: B batch, T positions, D width, F MLP width, V vocabulary,
+N query heads, K key/value heads, H head dim, L layers.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
+
+from easylm.attention import attention, segment_mask
+from easylm.llama.config import LLaMAConfig
+from easylm.sharding import BATCH_AXES, constrain
+
+# Parameter partition rules: the one place that says how LLaMA is sharded.
+PARTITION_RULES = (
+    (r"model/embed_tokens/embedding", P("mp", "fsdp")),
+    (r"self_attn/(q_proj|k_proj|v_proj)/kernel", P("fsdp", "mp")),
+    (r"self_attn/o_proj/kernel", P("mp", "fsdp")),
+    (r"mlp/(gate_proj|up_proj)/kernel", P("fsdp", "mp")),
+    (r"mlp/down_proj/kernel", P("mp", "fsdp")),
+    (r"(input_layernorm|post_attention_layernorm)/weight", P(None)),
+    (r"model/norm/weight", P(None)),
+    (r"lm_head/kernel", P("fsdp", "mp")),
+)
+
+REMAT_POLICIES = {
+    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+    "checkpoint_dots": jax.checkpoint_policies.checkpoint_dots,
+    "checkpoint_dots_with_no_batch_dims": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    # Keep each layer's attention output; recompute the rest in the backward pass.
+    "save_attention_out": jax.checkpoint_policies.save_only_these_names("attention_out"),
+}
+
+
+def rope_frequencies(config: LLaMAConfig) -> jnp.ndarray:
+    """Inverse frequencies (H/2,), with Llama-3 frequency scaling when configured."""
+    H = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))
+    if config.rope_scaling_type != "llama3":
+        return inv_freq
+    factor = config.rope_scaling_factor
+    low, high = config.rope_low_freq_factor, config.rope_high_freq_factor
+    old_context = config.rope_original_max_position_embeddings
+    wavelength = 2 * np.pi / inv_freq
+    # Long wavelengths are slowed down by `factor`, short ones kept, and the band
+    # between is interpolated smoothly.
+    scaled = jnp.where(wavelength > old_context / low, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelength - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    in_band = (wavelength >= old_context / high) & (wavelength <= old_context / low)
+    return jnp.where(in_band, smoothed, scaled)
+
+
+def rotary_embedding(positions, config: LLaMAConfig, dtype):
+    """cos, sin of shape (B, T, H) for integer positions (B, T)."""
+    angles = positions[..., None].astype(jnp.float32) * rope_frequencies(config)
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+
+
+def apply_rotary(x, cos, sin):
+    """Rotate (B, T, heads, H) by the half-split convention HF LLaMA uses."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    dtype: jnp.dtype
+    param_dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):
+        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+        return weight.astype(self.dtype) * x32.astype(self.dtype)
+
+
+class _Layer(nn.Module):
+    config: LLaMAConfig
+    dtype: jnp.dtype
+    param_dtype: jnp.dtype
+
+    def dense(self, features, name):
+        return nn.Dense(
+            features, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
+            kernel_init=nn.initializers.normal(self.config.initializer_range), name=name,
+        )
+
+    def norm(self, name):
+        return RMSNorm(self.config.rms_norm_eps, self.dtype, self.param_dtype, name=name)
+
+
+class Attention(_Layer):
+    @nn.compact
+    def __call__(self, x, cos, sin, mask):
+        c = self.config
+        B, T, _ = x.shape
+        N, K, H = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        q = self.dense(N * H, "q_proj")(x).reshape(B, T, N, H)
+        k = self.dense(K * H, "k_proj")(x).reshape(B, T, K, H)
+        v = self.dense(K * H, "v_proj")(x).reshape(B, T, K, H)
+        q = constrain(apply_rotary(q, cos, sin), P(BATCH_AXES, None, "mp", None))
+        k = constrain(apply_rotary(k, cos, sin), P(BATCH_AXES, None, "mp", None))
+        v = constrain(v, P(BATCH_AXES, None, "mp", None))
+        out = attention(q, k, v, mask, c.attention)  # (B, T, N, H)
+        out = checkpoint_name(out, "attention_out")
+        return self.dense(c.hidden_size, "o_proj")(out.reshape(B, T, N * H))
+
+
+class MLP(_Layer):
+    @nn.compact
+    def __call__(self, x):
+        F = self.config.intermediate_size
+        h = nn.silu(self.dense(F, "gate_proj")(x)) * self.dense(F, "up_proj")(x)
+        h = constrain(h, P(BATCH_AXES, None, "mp"))  # (B, T, F)
+        return self.dense(self.config.hidden_size, "down_proj")(h)
+
+
+class DecoderLayer(_Layer):
+    @nn.compact
+    def __call__(self, x, cos, sin, mask):
+        kw = dict(config=self.config, dtype=self.dtype, param_dtype=self.param_dtype)
+        x = x + Attention(**kw, name="self_attn")(self.norm("input_layernorm")(x), cos, sin, mask)
+        x = x + MLP(**kw, name="mlp")(self.norm("post_attention_layernorm")(x))
+        x = constrain(x, P(BATCH_AXES, None, None))
+        return x, None  # (carry, output) so that nn.scan can stack it
+
+
+def _layer_class(config: LLaMAConfig):
+    if config.remat_policy == "none":
+        return DecoderLayer
+    return nn.remat(
+        DecoderLayer, policy=REMAT_POLICIES[config.remat_policy], prevent_cse=not config.scan_layers
+    )
+
+
+class DecoderStack(_Layer):
+    """Unscanned layers, named model/layers/<i>/... like HF's model.layers.<i>."""
+
+    @nn.compact
+    def __call__(self, x, cos, sin, mask):
+        layer = _layer_class(self.config)
+        for i in range(self.config.num_hidden_layers):
+            x, _ = layer(self.config, self.dtype, self.param_dtype, name=str(i))(x, cos, sin, mask)
+        return x
+
+
+class LLaMAModel(_Layer):
+    @nn.compact
+    def __call__(self, input_ids, positions, segment_ids):
+        c = self.config
+        embed = nn.Embed(
+            c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype,
+            embedding_init=nn.initializers.normal(c.initializer_range), name="embed_tokens",
+        )
+        x = constrain(embed(input_ids), P(BATCH_AXES, None, None))  # (B, T, D)
+        cos, sin = rotary_embedding(positions, c, self.dtype)
+        mask = None if segment_ids is None else segment_mask(segment_ids)
+        if c.scan_layers:
+            # One layer scanned L times: model/layers/... with a leading layer axis.
+            stack = nn.scan(
+                _layer_class(c),
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+                length=c.num_hidden_layers,
+            )
+            x, _ = stack(c, self.dtype, self.param_dtype, name="layers")(x, cos, sin, mask)
+        else:
+            x = DecoderStack(c, self.dtype, self.param_dtype, name="layers")(x, cos, sin, mask)
+        return self.norm("norm")(x)
+
+
+class LLaMAForCausalLM(nn.Module):
+    """`apply(params, input_ids)` -> logits (B, T, V) in the compute dtype."""
+
+    config: LLaMAConfig
+    dtype: jnp.dtype = jnp.float32  # compute
+    param_dtype: jnp.dtype = jnp.float32  # storage
+
+    @nn.compact
+    def __call__(self, input_ids, positions=None, segment_ids=None):
+        B, T = input_ids.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        model = LLaMAModel(self.config, self.dtype, self.param_dtype, name="model")
+        hidden = model(input_ids, positions, segment_ids)  # (B, T, D)
+        if self.config.tie_word_embeddings:
+            embedding = self.variables["params"]["model"]["embed_tokens"]["embedding"]
+            logits = hidden @ embedding.astype(self.dtype).T
+        else:
+            logits = nn.Dense(
+                self.config.vocab_size, use_bias=False, dtype=self.dtype,
+                param_dtype=self.param_dtype,
+                kernel_init=nn.initializers.normal(self.config.initializer_range),
+                name="lm_head",
+            )(hidden)
+        return constrain(logits, P(BATCH_AXES, None, "mp"))
+
+    def init_params(self, rng, seq_length: int = 8):
+        """Parameters only (pure function of rng; wrap with `sharding.init_sharded`)."""
+        ids = jnp.zeros((1, seq_length), jnp.int32)
+        return self.init(rng, ids)["params"]
+
+
+def stack_layers(params, num_layers: int):
+    """Unscanned params (model/layers/<i>/...) -> scanned (model/layers/... with axis L)."""
+    layers = params["model"]["layers"]
+    def stack(*xs):  # numpy stays on the host (converters), jax arrays stay jax
+        return np.stack(xs) if isinstance(xs[0], np.ndarray) else jnp.stack(xs)
+
+    stacked = jax.tree_util.tree_map(stack, *[layers[str(i)] for i in range(num_layers)])
+    return {**params, "model": {**params["model"], "layers": stacked}}
+
+
+def unstack_layers(params, num_layers: int):
+    """Scanned params -> unscanned, the inverse of `stack_layers`."""
+    stacked = params["model"]["layers"]
+    layers = {str(i): jax.tree_util.tree_map(lambda x: x[i], stacked) for i in range(num_layers)}
+    return {**params, "model": {**params["model"], "layers": layers}}

@@ -1,0 +1,148 @@
+"""The device mesh, parameter partition rules, and activation constraints.
+
+Parameters are sharded by a model's table of `(regex, PartitionSpec)` rules,
+matched in order against each parameter's path (`model/layers/0/self_attn/
+q_proj/kernel`). A parameter that matches no rule is an error, never a silent
+replicate. Activations are constrained in a few places only, through
+`constrain`, which is a no-op when no mesh is set (single-device use).
+
+Mesh axes:
+    dp    data parallel: parameters replicated, batch split
+    fsdp  fully sharded data parallel: parameters and batch split
+    mp    model (tensor) parallel: heads and hidden features split
+"""
+
+import math
+import re
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from easylm.errors import UserError
+
+MESH_AXES = ("dp", "fsdp", "mp")
+BATCH_AXES = ("dp", "fsdp")  # the batch dimension is split over both
+
+PartitionRules = Sequence[tuple[str, P]]
+
+
+def parse_mesh_dim(mesh_dim: str, num_devices: int) -> tuple[int, ...]:
+    """'dp,fsdp,mp' -> a shape whose product is num_devices; one entry may be -1."""
+    try:
+        dims = [int(d) for d in str(mesh_dim).split(",")]
+    except ValueError:
+        raise UserError(f"--mesh_dim={mesh_dim!r} must be comma-separated integers like '1,-1,1'")
+    if len(dims) != len(MESH_AXES):
+        raise UserError(
+            f"--mesh_dim={mesh_dim!r} has {len(dims)} entries; expected {len(MESH_AXES)} "
+            f"({','.join(MESH_AXES)})"
+        )
+    if dims.count(-1) > 1 or any(d == 0 or d < -1 for d in dims):
+        raise UserError(f"--mesh_dim={mesh_dim!r}: entries must be >= 1, with at most one -1")
+    known = math.prod(d for d in dims if d != -1)
+    if -1 in dims:
+        if num_devices % known:
+            raise UserError(
+                f"--mesh_dim={mesh_dim!r}: the product of the given entries, {known}, "
+                f"does not divide the {num_devices} devices"
+            )
+        dims[dims.index(-1)] = num_devices // known
+    elif known != num_devices:
+        raise UserError(
+            f"--mesh_dim={mesh_dim!r}: the product {known} does not match the "
+            f"{num_devices} devices"
+        )
+    return tuple(dims)
+
+
+def make_mesh(mesh_dim: str = "1,-1,1", devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A (dp, fsdp, mp) mesh over `devices` (all devices by default)."""
+    devices = list(jax.devices() if devices is None else devices)
+    shape = parse_mesh_dim(mesh_dim, len(devices))
+    device_array = mesh_utils.create_device_mesh(shape, devices=devices)
+    return Mesh(device_array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def path_to_string(path) -> str:
+    """A jax tree path as 'a/b/0/c'."""
+    parts = []
+    for key in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+        else:
+            parts.append(str(key))
+    return "/".join(parts)
+
+
+def match_partition_rules(rules: PartitionRules, tree):
+    """A PartitionSpec for every leaf of `tree` (arrays or ShapeDtypeStructs).
+
+    Rules are tried in order with `re.search` on the leaf's path. Scalars and
+    single-element leaves (step counters) are replicated. A rule written for an
+    unscanned parameter also fits its scanned form, whose extra leading axis
+    (the layer index) is left unsharded.
+    """
+
+    def spec_for(path, leaf):
+        name = path_to_string(path)
+        shape = np.shape(leaf)
+        if len(shape) == 0 or math.prod(shape) == 1:
+            return P()
+        for pattern, spec in rules:
+            if re.search(pattern, name) is None:
+                continue
+            if len(spec) == len(shape) - 1:
+                return P(None, *spec)
+            if len(spec) > len(shape):
+                raise UserError(
+                    f"partition rule {pattern!r} gives {spec} to parameter {name!r} "
+                    f"of shape {shape}, which has fewer dimensions"
+                )
+            return spec
+        raise UserError(
+            f"no partition rule matches parameter {name!r} (shape {shape}); "
+            f"add a rule for it to the model's partition rule table"
+        )
+
+    return jax.tree_util.tree_map_with_path(spec_for, tree)
+
+
+def named_shardings(mesh: Mesh, specs):
+    return jax.tree_util.tree_map(
+        lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, P)
+    )
+
+
+def constrain(x: jax.Array, spec: P) -> jax.Array:
+    """`with_sharding_constraint` under the current mesh; nothing without one.
+
+    Axes of `spec` that the mesh splits in a way the dimension cannot take
+    (a batch of 1 over 8 devices in decoding) are left to XLA.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    for dim, axes in zip(x.shape, spec):
+        axes = axes if isinstance(axes, tuple) else (axes,)
+        size = math.prod(mesh.shape[a] for a in axes if a is not None)
+        if dim % size:
+            return x
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
+def init_sharded(init_fn: Callable, rules: PartitionRules, mesh: Mesh, *args):
+    """Run `init_fn(*args)` with its outputs created directly in their shards.
+
+    The shapes come from `jax.eval_shape`, the specs from the rules, and the
+    real initialisation runs under jit with those out_shardings, so no device
+    ever holds the whole model.
+    """
+    shapes = jax.eval_shape(init_fn, *args)
+    shardings = named_shardings(mesh, match_partition_rules(rules, shapes))
+    with jax.set_mesh(mesh):
+        return jax.jit(init_fn, out_shardings=shardings)(*args)

@@ -1,0 +1,144 @@
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaForCausalLM as HFLlama
+
+from easylm.attention import segment_mask, xla_attention
+from easylm.llama.config import REMAT_POLICIES, LLaMAConfig
+from easylm.llama.hf_weights import from_hf, to_hf
+from easylm.llama.model import LLaMAForCausalLM, stack_layers, unstack_layers
+
+# Larger-than-default init so attention is peaked and a wrong rotary angle or
+# mask shows up far above the tolerance.
+PARITY_CONFIGS = {
+    "mha": dict(num_key_value_heads=4),
+    "gqa": dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16),
+    "tied": dict(tie_word_embeddings=True),
+    # Positions run to 95, past original_max_position_embeddings=32.
+    "llama3_rope": dict(rope_scaling_type="llama3", rope_scaling_factor=8.0,
+                        rope_original_max_position_embeddings=32, rope_theta=500000.0),
+}
+
+
+def hf_model(config):
+    torch.manual_seed(0)
+    return HFLlama(config.to_hf_config()).eval()
+
+
+@pytest.mark.parametrize("name", sorted(PARITY_CONFIGS))
+def test_logits_match_hf(name):
+    config = LLaMAConfig.from_preset("debug", initializer_range=0.2, **PARITY_CONFIGS[name])
+    hf = hf_model(config)
+    ids = np.random.RandomState(0).randint(0, config.vocab_size, (2, 96))
+    with torch.no_grad():
+        expected = hf(torch.tensor(ids)).logits.numpy()
+    params = from_hf(hf.state_dict(), config)
+    logits = LLaMAForCausalLM(config).apply({"params": params}, jnp.asarray(ids))
+    assert np.abs(expected).max() > 1.0  # a real signal, not near-zero logits
+    np.testing.assert_allclose(np.asarray(logits), expected, atol=1e-4, rtol=0)
+
+
+def test_parity_test_detects_a_wrong_rope():
+    # The parity check above must be able to fail: a different rope_theta changes logits.
+    config = LLaMAConfig.from_preset("debug", initializer_range=0.2)
+    hf = hf_model(config)
+    ids = np.random.RandomState(0).randint(0, config.vocab_size, (1, 96))
+    with torch.no_grad():
+        expected = hf(torch.tensor(ids)).logits.numpy()
+    params = from_hf(hf.state_dict(), config)
+    wrong = LLaMAForCausalLM(config.replace(rope_theta=20000.0)).apply({"params": params}, jnp.asarray(ids))
+    assert np.abs(np.asarray(wrong) - expected).max() > 1e-2
+
+
+def test_hf_weight_mapping_round_trip():
+    config = LLaMAConfig.from_preset("debug", tie_word_embeddings=True)
+    state = hf_model(config).state_dict()
+    back = dict(to_hf(from_hf(state, config), config))
+    assert set(back) == set(state) - {"lm_head.weight"}  # tied: HF lists the shared tensor twice
+    for key, tensor in back.items():
+        np.testing.assert_array_equal(tensor, state[key].numpy())
+    # Scanned parameters map to the same HF tensors.
+    scanned = config.replace(scan_layers=True)
+    back_scanned = dict(to_hf(from_hf(state, scanned), scanned))
+    for key, tensor in back_scanned.items():
+        np.testing.assert_array_equal(tensor, state[key].numpy())
+
+
+def loss_and_grads(config, params, ids, segment_ids=None):
+    model = LLaMAForCausalLM(config)
+
+    def loss_fn(params):
+        logits = model.apply({"params": params}, ids, segment_ids=segment_ids).astype(jnp.float32)
+        logp = jax.nn.log_softmax(logits[:, :-1])
+        return -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1).mean(), logits
+
+    (loss, logits), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params)
+    return loss, logits, grads
+
+
+@pytest.fixture(scope="module")
+def reference():
+    config = LLaMAConfig.from_preset("debug", initializer_range=0.2, attention="xla")
+    params = LLaMAForCausalLM(config).init_params(jax.random.PRNGKey(1))
+    ids = jnp.asarray(np.random.RandomState(1).randint(0, config.vocab_size, (2, 32)))
+    segment_ids = jnp.asarray(np.repeat([[0] * 10 + [1] * 22], 2, axis=0))
+    return config, params, ids, segment_ids, loss_and_grads(config, params, ids)
+
+
+@pytest.mark.parametrize(
+    "attention, remat_policy, scan_layers",
+    [(a, "none", False) for a in ("dot_product", "auto")]
+    + list(itertools.product(["xla"], [p for p in REMAT_POLICIES if p != "none"], [False, True]))
+    + [("xla", "none", True), ("auto", "checkpoint_dots", True)],
+)
+def test_implementations_give_the_same_numbers(reference, attention, remat_policy, scan_layers):
+    config, params, ids, _, (loss, logits, grads) = reference
+    variant = config.replace(attention=attention, remat_policy=remat_policy, scan_layers=scan_layers)
+    if scan_layers:
+        params = stack_layers(params, config.num_hidden_layers)
+    loss2, logits2, grads2 = loss_and_grads(variant, params, ids)
+    if scan_layers:
+        grads2 = unstack_layers(grads2, config.num_hidden_layers)
+    np.testing.assert_allclose(logits2, logits, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(loss2, loss, atol=1e-6, rtol=0)
+    for g, g2 in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(grads2)):
+        np.testing.assert_allclose(g2, g, atol=1e-5, rtol=0)
+
+
+def test_segment_ids_block_attention_across_documents(reference):
+    config, params, ids, segment_ids, _ = reference
+    model = LLaMAForCausalLM(config)
+    packed = model.apply({"params": params}, ids, segment_ids=segment_ids)
+    # The second document alone, at the positions it had in the packed row.
+    alone = model.apply({"params": params}, ids[:, 10:], positions=jnp.broadcast_to(jnp.arange(10, 32), (2, 22)))
+    np.testing.assert_allclose(packed[:, 10:], alone, atol=1e-5, rtol=0)
+    for implementation in ("dot_product", "auto"):
+        other = LLaMAForCausalLM(config.replace(attention=implementation))
+        np.testing.assert_allclose(
+            other.apply({"params": params}, ids, segment_ids=segment_ids), packed, atol=1e-5, rtol=0
+        )
+
+
+def test_gqa_reference_equals_repeated_heads():
+    rng = np.random.RandomState(0)
+    q = jnp.asarray(rng.randn(2, 5, 8, 4), jnp.float32)
+    k = jnp.asarray(rng.randn(2, 5, 2, 4), jnp.float32)
+    v = jnp.asarray(rng.randn(2, 5, 2, 4), jnp.float32)
+    mask = segment_mask(jnp.zeros((2, 5), jnp.int32))
+    grouped = xla_attention(q, k, v)
+    repeated = xla_attention(q, jnp.repeat(k, 4, axis=2), jnp.repeat(v, 4, axis=2), mask)
+    np.testing.assert_allclose(grouped, repeated, atol=1e-6)
+
+
+def test_bf16_compute_with_fp32_params_runs_close():
+    config = LLaMAConfig.from_preset("debug")
+    params = LLaMAForCausalLM(config).init_params(jax.random.PRNGKey(0))
+    ids = jnp.zeros((1, 16), jnp.int32)
+    full = LLaMAForCausalLM(config).apply({"params": params}, ids)
+    half = LLaMAForCausalLM(config, dtype=jnp.bfloat16).apply({"params": params}, ids)
+    assert half.dtype == jnp.bfloat16 and jax.tree_util.tree_leaves(params)[0].dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(half, np.float32), full, atol=5e-2)

@@ -1,0 +1,107 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from easylm.errors import UserError
+from easylm.llama.config import LLaMAConfig
+from easylm.llama.model import PARTITION_RULES, LLaMAForCausalLM, stack_layers, unstack_layers
+from easylm.sharding import (
+    BATCH_AXES, make_mesh, match_partition_rules, named_shardings, parse_mesh_dim, path_to_string,
+    init_sharded,
+)
+
+
+def test_parse_mesh_dim():
+    assert parse_mesh_dim("1,-1,1", 8) == (1, 8, 1)
+    assert parse_mesh_dim("2,-1,2", 8) == (2, 2, 2)
+    assert parse_mesh_dim("2,2,2", 8) == (2, 2, 2)
+
+
+@pytest.mark.parametrize(
+    "mesh_dim, message",
+    [
+        ("3,-1,1", r"the product of the given entries, 3, does not divide the 8 devices"),
+        ("2,2,1", r"the product 4 does not match the 8 devices"),
+        ("1,8", r"has 2 entries; expected 3 \(dp,fsdp,mp\)"),
+        ("a,1,1", r"must be comma-separated integers"),
+        ("-1,-1,1", r"at most one -1"),
+    ],
+)
+def test_bad_mesh_dim(mesh_dim, message):
+    with pytest.raises(UserError, match=message):
+        make_mesh(mesh_dim)
+
+
+def test_unmatched_parameter_is_an_error():
+    params = {"model": {"new_adapter": {"kernel": jnp.zeros((4, 4))}}}
+    with pytest.raises(UserError, match=r"no partition rule matches parameter 'model/new_adapter/kernel' \(shape \(4, 4\)\)"):
+        match_partition_rules(PARTITION_RULES, params)
+
+
+def test_scalars_replicated_and_scanned_rules_get_a_layer_axis():
+    shapes = {"step": jnp.zeros(()), "model": {"layers": {"mlp": {"down_proj": {"kernel": jnp.zeros((2, 8, 4))}}}}}
+    specs = match_partition_rules(PARTITION_RULES, shapes)
+    assert specs["step"] == P()
+    assert specs["model"]["layers"]["mlp"]["down_proj"]["kernel"] == P(None, "mp", "fsdp")
+
+
+def _loss_and_grads(model, params, ids):
+    def loss_fn(params):
+        logits = model.apply({"params": params}, ids).astype(jnp.float32)
+        logp = jax.nn.log_softmax(logits[:, :-1])
+        return -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1).mean()
+
+    return jax.value_and_grad(loss_fn)(params)
+
+
+@pytest.fixture(scope="module")
+def single_device():
+    config = LLaMAConfig.from_preset("debug", initializer_range=0.1)
+    model = LLaMAForCausalLM(config)
+    ids = jnp.asarray(np.random.RandomState(0).randint(0, config.vocab_size, (8, 16)))
+    device = jax.devices()[0]
+    params = jax.device_put(model.init_params(jax.random.PRNGKey(0)), device)
+    loss, grads = jax.jit(_loss_and_grads, static_argnums=0)(model, params, jax.device_put(ids, device))
+    return config, ids, loss, grads
+
+
+@pytest.mark.parametrize("mesh_dim", ["8,1,1", "1,8,1", "1,1,8", "2,2,2"])
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_sharded_equals_single_device(single_device, mesh_dim, scan_layers):
+    config, ids, loss, grads = single_device
+    config = config.replace(scan_layers=scan_layers)
+    model = LLaMAForCausalLM(config)
+    mesh = make_mesh(mesh_dim)
+    init = LLaMAForCausalLM(config.replace(scan_layers=False)).init_params
+    if scan_layers:  # the same values as the single-device run, stacked
+        init = lambda rng, init=init: stack_layers(init(rng), config.num_hidden_layers)  # noqa: E731
+    params = init_sharded(init, PARTITION_RULES, mesh, jax.random.PRNGKey(0))
+
+    # Every parameter is created with the sharding its rule gives.
+    specs = match_partition_rules(PARTITION_RULES, params)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        spec = specs
+        for key in path:
+            spec = spec[key.key]
+        assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, spec), leaf.ndim)
+
+    batch = jax.device_put(ids, NamedSharding(mesh, P(BATCH_AXES, None)))
+    grad_shardings = named_shardings(mesh, specs)
+    with jax.set_mesh(mesh):
+        step = jax.jit(_loss_and_grads, static_argnums=0, out_shardings=(NamedSharding(mesh, P()), grad_shardings))
+        loss2, grads2 = step(model, params, batch)
+    if scan_layers:
+        grads2 = unstack_layers(jax.device_get(grads2), config.num_hidden_layers)
+    np.testing.assert_allclose(loss2, loss, atol=1e-5, rtol=0)
+    for (path, g), g2 in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree_util.tree_leaves(grads2)):
+        np.testing.assert_allclose(np.asarray(g2), np.asarray(g), atol=1e-5, rtol=0, err_msg=path_to_string(path))
+
+
+def test_parameters_are_never_whole_on_one_device():
+    # fsdp=8: each device holds 1/8 of every matrix.
+    model = LLaMAForCausalLM(LLaMAConfig.from_preset("debug"))
+    params = init_sharded(model.init_params, PARTITION_RULES, make_mesh("1,8,1"), jax.random.PRNGKey(0))
+    kernel = params["model"]["layers"]["0"]["mlp"]["up_proj"]["kernel"]
+    assert {shard.data.shape for shard in kernel.addressable_shards} == {(8, 128)}
