@@ -1,0 +1,324 @@
+"""The data pipeline the trainer iterates: batches of packed rows, with exact state.
+
+Layout. Row r of every global batch (r < batch_size B) is packed from its own stream of
+documents: the documents in slots r, r+B, r+2B, ... of the source order (see
+`sources.py`). Process p of P serves rows [p*B/P, (p+1)*B/P), so it reads and tokenizes
+only its own streams' documents; the shares are disjoint, together they are the data,
+and the global batch is the same whatever P is.
+
+State. A stream's position is (slot, offset): the next row starts at token `offset` of
+the document in `slot`. The data state is every stream's position plus what must not
+change (batch size, sequence length, seed, number of documents), as JSON. Resuming
+re-reads each stream from its slot, so it continues with exactly the next token, also
+with a different number of processes. Documents read ahead and not yet used are simply
+read again; nothing buffered needs saving.
+
+Work. `reader.py` reads slots in windows, tokenizes them beside packing (a worker thread,
+or `tokenizer_processes` worker processes) and packs batches ahead of the trainer in a
+background thread. The results do not depend on window sizes or worker counts.
+
+Evaluation (`for_eval=True`) is one pass in file order. Every process tokenizes the
+whole eval set (it is small) so that all agree, without talking, on how many batches
+there are; the last rows are padded with loss mask 0 and each process yields its rows.
+"""
+
+import json
+import logging
+import time
+
+import numpy as np
+from ml_collections import ConfigDict
+
+from easylm.data.packing import Stream, segment_positions
+from easylm.data.reader import Prefetcher, WindowReader
+from easylm.data.sources import (HuggingfaceSource, IndexedOrder, JsonSource,
+                                 StreamingOrder)
+from easylm.data.text import TextProcessor
+from easylm.errors import UserError
+
+logger = logging.getLogger(__name__)
+STATE_VERSION = 1
+_MAX_WARNINGS = 10
+
+
+_LOADER_HELP = {
+    "seq_length": "tokens per row; documents are packed into rows and split across them",
+    "batch_size": "rows per batch, over all processes together",
+    "shuffle": "a fresh seeded permutation of the documents every epoch",
+    "seed": "seed of the shuffle",
+    "segment_ids": "also yield segment_ids and positions so attention stays in a document",
+    "strict": "a malformed or empty line is an error instead of a counted warning",
+    "tokenizer_processes": "1: tokenize in a thread beside packing; more: worker processes",
+    "tokenizer_parallel_batch_size": "documents read and tokenized per window",
+    "tokenizer_parallel_chunk_size": "documents per task of a tokenizer worker",
+}
+
+
+def _loader_config(config):
+    """Options shared by both source types (EasyLM keeps them per type)."""
+    config.seq_length = 1024
+    config.batch_size = 8
+    config.shuffle = False
+    config.seed = 0
+    config.segment_ids = False
+    config.strict = False
+    config.tokenizer_processes = 1
+    config.tokenizer_parallel_batch_size = 1024
+    config.tokenizer_parallel_chunk_size = 64
+    return config
+
+
+class DatasetFactory:
+
+    HELP = {
+        "type": "json or huggingface: which of json_dataset.* / huggingface_dataset.* is used",
+        "json_dataset.path": "JSON-lines files: 'embedded', a path, a glob, a comma-separated "
+                             "list; local or fsspec URLs (gs://...)",
+        "huggingface_dataset.path": "a save_to_disk directory, a builder such as json (with "
+                                    "data_files), or a dataset name in the local cache",
+        "huggingface_dataset.name": "the dataset's configuration name",
+        "huggingface_dataset.split": "the split to read",
+        "huggingface_dataset.data_files": "comma-separated files for a builder such as json",
+        "huggingface_dataset.streaming": "iterate without downloading/preparing it all first",
+        "huggingface_dataset.shuffle_buffer_size": "shuffle buffer of a streaming dataset",
+        **{f"text_processor.{k}": v for k, v in TextProcessor.HELP.items()},
+        **{f"{source}.{k}": v for k, v in _LOADER_HELP.items()
+           for source in ("json_dataset", "huggingface_dataset")},
+    }
+
+    @staticmethod
+    def get_default_config(updates=None):
+        config = ConfigDict()
+        config.type = "json"
+        config.text_processor = TextProcessor.get_default_config()
+        config.json_dataset = _loader_config(ConfigDict())
+        config.json_dataset.path = "embedded"
+        config.huggingface_dataset = _loader_config(ConfigDict())
+        config.huggingface_dataset.path = ""
+        config.huggingface_dataset.name = ""
+        config.huggingface_dataset.split = "train"
+        config.huggingface_dataset.data_files = ""
+        config.huggingface_dataset.streaming = False
+        config.huggingface_dataset.shuffle_buffer_size = 10000
+        if updates is not None:
+            config.update(ConfigDict(updates).copy_and_resolve_references())
+        return config
+
+    @classmethod
+    def load_dataset(cls, config, tokenizer, for_eval=False, process_index=None,
+                     process_count=None):
+        """process_index/process_count default to JAX's; tests pass them to simulate hosts."""
+        config = cls.get_default_config(config)
+        processor = TextProcessor(config.text_processor, tokenizer)
+        if config.type == "json":
+            loader = config.json_dataset
+            source = JsonSource(loader.path)
+            order = IndexedOrder(source, loader.shuffle and not for_eval, loader.seed)
+        elif config.type == "huggingface":
+            loader = config.huggingface_dataset
+            if not loader.path:
+                raise UserError("--train_dataset.type=huggingface needs "
+                                "huggingface_dataset.path")
+            source = HuggingfaceSource(loader)
+            shuffle = loader.shuffle and not for_eval
+            order = (StreamingOrder(source, shuffle, loader.seed, loader.shuffle_buffer_size)
+                     if source.streaming else IndexedOrder(source, shuffle, loader.seed))
+        else:
+            raise UserError(f"unknown dataset type {config.type!r}; expected json or "
+                            f"huggingface")
+        if process_index is None or process_count is None:
+            import jax
+
+            process_index, process_count = jax.process_index(), jax.process_count()
+        return Dataset(loader, order, processor, for_eval, process_index, process_count)
+
+
+class Dataset:
+
+    def __init__(self, config, order, processor, for_eval, process_index, process_count):
+        self.config, self.order, self.processor = config, order, processor
+        self.for_eval = for_eval
+        self.process_index, self.process_count = process_index, process_count
+        B = config.batch_size
+        if B <= 0 or config.seq_length <= 0:
+            raise UserError(f"batch_size and seq_length must be positive, got {B} and "
+                            f"{config.seq_length}")
+        if B % process_count:
+            raise UserError(f"batch_size={B} is not divisible by the {process_count} "
+                            f"processes")
+        local = B // process_count
+        self.rows = range(process_index * local, (process_index + 1) * local)
+        tokenizer = processor.tokenizer
+        self.pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0)
+                           if i is not None)
+        self._positions = {r: (r, 0) for r in range(B)}
+        self._batches = 0
+        self._skipped = 0
+        self._prefetcher = None
+
+    @property
+    def seq_length(self):
+        return self.config.seq_length
+
+    @property
+    def batch_size(self):
+        return self.config.batch_size
+
+    @property
+    def tokenizer(self):
+        return self.processor.tokenizer
+
+    @property
+    def vocab_size(self):
+        return len(self.processor.tokenizer)
+
+    def __iter__(self):
+        self.close()
+        if self.for_eval:   # every process packs all rows; see the module docstring
+            positions, batches = {r: (r, 0) for r in range(self.batch_size)}, 0
+        else:
+            positions, batches = {r: self._positions[r] for r in self.rows}, self._batches
+        prefetcher = Prefetcher(self._generate(positions, batches))
+        self._prefetcher = prefetcher
+        try:
+            for batch, metrics, state in prefetcher:
+                if state is not None:
+                    self._positions.update(state)
+                    self._batches += 1
+                yield batch, metrics
+        finally:
+            prefetcher.close()
+
+    def close(self):
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+            self._prefetcher = None
+
+    # -- state -------------------------------------------------------------------------
+
+    def _fixed(self):
+        return dict(version=STATE_VERSION, batch_size=self.config.batch_size,
+                    seq_length=self.config.seq_length, shuffle=self.order.shuffle,
+                    seed=self.config.seed, num_documents=self.order.num_documents)
+
+    def get_state_dict(self):
+        """JSON-serialisable. With several real JAX processes every process must call it
+        (it gathers all streams); with simulated ones, merge with merge_state_dicts."""
+        state = dict(self._fixed(), batches=self._batches,
+                     streams={str(r): list(self._positions[r]) for r in self.rows})
+        import jax
+
+        if self.process_count > 1 and jax.process_count() == self.process_count:
+            state = merge_state_dicts(_allgather_json(state))
+        return state
+
+    def load_state_dict(self, state):
+        self.close()
+        fixed = self._fixed()
+        for key in ("version", "batch_size", "seq_length", "shuffle", "seed"):
+            if state.get(key) != fixed[key]:
+                raise UserError(f"the data state was saved with {key}={state.get(key)!r} "
+                                f"but this run has {key}={fixed[key]!r}")
+        saved, now = state.get("num_documents"), fixed["num_documents"]
+        if saved is not None and now is not None and saved != now:
+            raise UserError(f"the data changed: the state was saved with {saved} "
+                            f"documents, the source now has {now}")
+        if saved is not None and now is None:
+            self.order.num_documents = saved   # a streaming source's learnt epoch size
+        missing = [r for r in self.rows if str(r) not in state["streams"]]
+        if missing:
+            raise UserError(f"the data state has no position for rows {missing[:8]} of "
+                            f"process {self.process_index}; merge the states of all "
+                            f"processes (merge_state_dicts)")
+        self._positions = {int(r): tuple(p) for r, p in state["streams"].items()}
+        self._batches = state["batches"]
+
+    # -- production (runs in the background thread) ------------------------------------
+
+    def _generate(self, positions, batches):
+        """Yields (batch, metrics, positions of this process's rows after the batch)."""
+        B, T = self.config.batch_size, self.config.seq_length
+        streams = {r: Stream(T, *position) for r, position in positions.items()}
+        reader = WindowReader(self.order, self.processor, streams, B, self.config,
+                              single_pass=self.for_eval, skip=self._skip)
+        busy, tokens = 0.0, 0
+        try:
+            while True:
+                t = time.perf_counter()
+                for stream in streams.values():
+                    while not stream.has_row() and reader.fill():
+                        pass
+                if self.for_eval and all(s.is_done() for s in streams.values()):
+                    return
+                rows = {r: s.next_row(self.pad_id) for r, s in streams.items()}
+                batch = _make_batch([rows[r] for r in self.rows], self.config.segment_ids)
+                batches += 1
+                tokens += batch["target_tokens"].size
+                busy += time.perf_counter() - t
+                metrics = dict(
+                    dataset_batches=batches,
+                    dataset_total_tokens=batches * B * T,
+                    dataset_epoch=min(self.order.epoch(s.position()[0])
+                                      for s in streams.values()),
+                    dataset_skipped_documents=self._skipped,
+                    dataset_tokens_per_second=tokens / max(busy, 1e-9),
+                )
+                state = None if self.for_eval else {
+                    r: streams[r].position() for r in self.rows}
+                yield batch, metrics, state
+        finally:
+            reader.close()
+
+    def _skip(self, message):
+        if self.config.strict:
+            raise UserError(message)
+        self._skipped += 1
+        if self._skipped <= _MAX_WARNINGS:
+            logger.warning("skipped %s%s", message,
+                           " (further skips are only counted)" if self._skipped ==
+                           _MAX_WARNINGS else "")
+
+
+def _make_batch(rows, with_segments):
+    tokens, masks, segments = (np.stack(x) for x in zip(*rows))   # (b, T+1) each
+    batch = dict(input_tokens=tokens[:, :-1], target_tokens=tokens[:, 1:],
+                 loss_masks=masks[:, 1:])
+    if with_segments:
+        batch["segment_ids"] = segments[:, :-1]
+        batch["positions"] = segment_positions(segments[:, :-1])
+    return batch
+
+
+def merge_state_dicts(states):
+    """One state from the states of all processes (each holds its own rows)."""
+    merged = dict(states[0], streams={})
+    for state in states:
+        for key in ("version", "batch_size", "seq_length", "shuffle", "seed", "batches"):
+            if state[key] != merged[key]:
+                raise UserError(f"data states of different processes disagree on {key}: "
+                                f"{merged[key]!r} vs {state[key]!r}")
+        merged["num_documents"] = merged["num_documents"] or state["num_documents"]
+        merged["streams"].update(state["streams"])
+    return merged
+
+
+def _allgather_json(obj):
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+    lengths = np.asarray(multihost_utils.process_allgather(np.int32(len(data)))).ravel()
+    padded = np.zeros(int(lengths.max()), np.uint8)
+    padded[:len(data)] = data
+    gathered = np.asarray(multihost_utils.process_allgather(padded))
+    return [json.loads(bytes(row[:n])) for row, n in zip(gathered, lengths)]
+
+
+def make_global_batch(batch, mesh):
+    """This process's rows -> global jax.Arrays, rows split over ('dp', 'fsdp')."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from easylm.sharding import BATCH_AXES
+
+    sharding = NamedSharding(mesh, P(BATCH_AXES, None))
+    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}

@@ -1,0 +1,98 @@
+"""Show what the model will be trained on, before training on it.
+
+    python -m easylm.data.preview --tokenizer=embedded \\
+        --train_dataset.json_dataset.path=sft.jsonl \\
+        --train_dataset.text_processor.fields='[prompt],answer'
+
+prints the first documents as text with the spans that get no loss inside [[ ]], then
+token and loss statistics over the first batches (all processes' rows).
+"""
+
+import sys
+
+from ml_collections import ConfigDict
+
+from easylm import flags
+from easylm.data.dataset import DatasetFactory
+from easylm.data.reader import tokenize_records
+from easylm.errors import exit_on_user_error
+from easylm.tokenizer import load_tokenizer
+
+USAGE = "usage: python -m easylm.data.preview [--train_dataset.*=...] [--tokenizer=...]"
+HELP = {
+    "tokenizer": "'embedded', a tokenizer directory, tokenizer.json or SentencePiece .model",
+    "num_examples": "documents to print",
+    "num_batches": "batches to compute the statistics over",
+    **{f"train_dataset.{k}": v for k, v in DatasetFactory.HELP.items()},
+}
+
+
+def default_config():
+    config = ConfigDict()
+    config.train_dataset = DatasetFactory.get_default_config()
+    config.tokenizer = "embedded"
+    config.num_examples = 3
+    config.num_batches = 8
+    return config
+
+
+def render(tokenizer, tokens, masks):
+    """Text of a document with the no-loss spans inside [[ ]]."""
+    pieces, start = [], 0
+    for end in range(1, len(tokens) + 1):
+        if end == len(tokens) or masks[end] != masks[start]:
+            text = tokenizer.decode(tokens[start:end])
+            pieces.append(text if masks[start] else f"[[{text}]]")
+            start = end
+    return "".join(pieces)
+
+
+def preview(config, tokenizer, num_examples, num_batches):
+    dataset = DatasetFactory.load_dataset(config, tokenizer, process_index=0,
+                                          process_count=1)
+    slots = list(range(min(num_examples, dataset.order.num_documents or num_examples)))
+    documents = tokenize_records(dataset.order.read(slots), dataset.processor)
+    lines = ["legend: [[text]] gets no loss", ""]
+    for slot, document in zip(slots, documents):
+        lines.append(f"--- document {slot}")
+        if isinstance(document, tuple):
+            tokens, masks = document
+            lines += [render(tokenizer, tokens, masks),
+                      f"({len(tokens)} tokens, {int(masks.sum())} with loss)"]
+        else:
+            lines.append(f"(skipped: {document})" if document else "(blank line)")
+        lines.append("")
+
+    batches = targets = loss = starts = 0
+    metrics = {}
+    for batch, metrics in dataset:
+        if batches == num_batches:
+            break
+        batches += 1
+        targets += batch["target_tokens"].size
+        loss += int(batch["loss_masks"].sum())
+        starts += int((batch["input_tokens"] == tokenizer.bos_token_id).sum())
+    dataset.close()
+    lines += [
+        f"{batches} batches of "
+        f"{dataset.batch_size} x {dataset.seq_length} tokens",
+        f"target tokens: {targets}, with loss: {loss} ({100 * loss / max(targets, 1):.1f}%)",
+        f"documents started (BOS in inputs): {starts}",
+        f"documents skipped: {metrics.get('dataset_skipped_documents', 0)}",
+        f"pipeline speed: {metrics.get('dataset_tokens_per_second', 0):.0f} tokens/s",
+    ]
+    return "\n".join(lines)
+
+
+@exit_on_user_error
+def main(argv=None):
+    argv = argv or sys.argv
+    if flags.wants_help(argv):
+        flags.print_help_and_exit(default_config(), HELP, USAGE)
+    config = flags.parse(default_config(), HELP, argv)
+    print(preview(config.train_dataset, load_tokenizer(config.tokenizer),
+                  config.num_examples, config.num_batches))
+
+
+if __name__ == "__main__":
+    main()

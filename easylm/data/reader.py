@@ -1,0 +1,159 @@
+"""Keeping the trainer fed: windows of documents tokenized in parallel, batches made ahead.
+
+`WindowReader` reads slots in windows (all slots lo..hi of the streams it serves) and
+hands each stream its tokenized documents in slot order. Tokenizing runs beside packing:
+in one worker thread (Rust releases the GIL, so it overlaps) or, with
+`tokenizer_processes > 1`, in spawned worker processes (JAX and fork do not mix).
+`Prefetcher` runs the batch generator in a background thread a few batches ahead.
+Neither changes what is produced, only when.
+"""
+
+import multiprocessing
+import os
+import queue
+import threading
+from concurrent import futures
+
+import numpy as np
+
+from easylm.data.text import parse_json_line
+from easylm.errors import UserError
+
+_PREFETCH_WINDOWS = 2      # windows being tokenized while one is packed
+_PREFETCH_BATCHES = 2
+
+
+class WindowReader:
+
+    def __init__(self, order, processor, streams, batch_size, config, single_pass, skip):
+        """streams: {row: Stream}; skip(message) is called for each unusable document."""
+        self.order, self.streams, self.B = order, streams, batch_size
+        self.single_pass, self.skip = single_pass, skip
+        self.chunk_size = config.tokenizer_parallel_chunk_size
+        self.start = np.full(batch_size, np.iinfo(np.int64).max)
+        for r, stream in streams.items():
+            self.start[r] = stream.next_slot
+        self.lo = int(self.start.min())
+        # Wide enough that each window holds about tokenizer_parallel_batch_size documents
+        # of these streams.
+        self.width = -(-config.tokenizer_parallel_batch_size // len(streams)) * batch_size
+        self.exhausted = False
+        self.pending = []   # windows being tokenized: (end slot, slots, futures)
+        if config.tokenizer_processes > 1:
+            self.executor = futures.ProcessPoolExecutor(
+                config.tokenizer_processes, multiprocessing.get_context("spawn"),
+                initializer=_init_worker, initargs=(processor,))
+            self.processor = None   # the workers hold it
+        else:
+            self.executor = futures.ThreadPoolExecutor(1)
+            self.processor = processor
+
+    def fill(self):
+        """Give the streams one more window of documents; False once a single pass ends."""
+        while len(self.pending) < _PREFETCH_WINDOWS and not self.exhausted:
+            self._submit()
+        if not self.pending:
+            return False
+        hi, slots, chunks = self.pending.pop(0)
+        documents = (document for chunk in chunks for document in chunk.result())
+        for slot, document in zip(slots, documents):
+            if isinstance(document, str):
+                self.skip(document)
+            elif document is not None:
+                self.streams[slot % self.B].push(slot, *document)
+        for r, stream in self.streams.items():
+            stream.skip_to(hi + (r - hi) % self.B)   # the stream's first slot >= hi
+        self._check_starvation(hi)
+        return True
+
+    def _submit(self):
+        lo, hi = self.lo, self.lo + self.width
+        slots = np.arange(lo, hi)
+        slots = slots[slots >= self.start[slots % self.B]]   # only our streams, resumed
+        records = self.order.read(slots, single_pass=self.single_pass)
+        if len(records) < len(slots):
+            self.exhausted = True
+            slots = slots[:len(records)]
+        self.lo = hi
+        chunks = [self.executor.submit(tokenize_records, records[i:i + self.chunk_size],
+                                       self.processor)
+                  for i in range(0, len(records), self.chunk_size)]
+        self.pending.append((hi, slots.tolist(), chunks))
+
+    def _check_starvation(self, hi):
+        n = self.order.num_documents
+        if n is None:
+            return
+        for r, stream in self.streams.items():
+            if not stream.has_row() and hi - stream.last_usable > self.B * n + self.width:
+                raise UserError(f"row {r} of the batch found no usable document in a whole "
+                                f"epoch ({n} documents); the data has too few usable "
+                                f"documents for batch_size={self.B}")
+
+    def close(self):
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.order.source.close()
+
+
+_WORKER_PROCESSOR = None
+
+
+def _init_worker(processor):
+    global _WORKER_PROCESSOR
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"   # the workers are the parallelism
+    _WORKER_PROCESSOR = processor
+
+
+def tokenize_records(records, processor=None):
+    """records: [(raw, where)] -> one tokenized document (or None / skip reason) each."""
+    examples = [(parse_json_line(raw, where) if isinstance(raw, bytes) else raw, where)
+                for raw, where in records]
+    return (processor or _WORKER_PROCESSOR).process(examples)
+
+
+class Prefetcher:
+    """Runs a generator in a background thread, a few items ahead of the consumer."""
+
+    _END = object()
+
+    def __init__(self, generator):
+        self.queue = queue.Queue(_PREFETCH_BATCHES)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(generator,), daemon=True)
+        self.thread.start()
+
+    def _run(self, generator):
+        try:
+            for item in generator:
+                if not self._put(item):
+                    break
+        except BaseException as e:  # re-raised in the consumer's thread
+            self._put(e)
+        finally:
+            generator.close()
+            self._put(self._END)
+
+    def _put(self, item):
+        while not self.stop.is_set():
+            try:
+                self.queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def __iter__(self):
+        while True:
+            item = self.queue.get()
+            if item is self._END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def close(self):
+        self.stop.set()
+        self.thread.join()
+        while not self.queue.empty():   # so that a stale consumer ends instead of waiting
+            self.queue.get_nowait()
+        self.queue.put(self._END)
