@@ -1,0 +1,339 @@
+"""Checkpoints: orbax directories of named items, written by every host in parallel.
+
+A checkpoint is one directory holding these orbax items:
+
+    params      the model parameters (always)
+    opt_state   the rest of the train state: optimizer state, step, rng (optional)
+    data        the data pipeline's JSON state (`get_state_dict()`), for exact resume
+    metadata    JSON: the flags, the model config, library versions
+    checksums   one uint32 per array of params/opt_state, checked on every restore:
+                tensorstore notices a truncated file, not a flipped bit
+
+The training loop's checkpoints are `<run dir>/checkpoints/<step>/`, each such a
+directory; `save_params` writes one directly (a parameter-only export). Writes
+go to a temporary directory renamed on completion, so a half-written checkpoint
+is never taken for a complete one. Nothing here unpickles: arrays are
+tensorstore/OCDBT, the rest JSON.
+
+Load specs (`--load_checkpoint`), as in EasyLM:
+
+    params::DIR             parameters only (a fresh optimizer)
+    trainstate::DIR         everything, to resume (the trainer handles it)
+    trainstate_params::DIR  the parameters out of a full train state
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from absl import logging as absl_logging
+from etils import epath
+from ml_collections import ConfigDict
+
+from easylm.errors import UserError
+from easylm.sharding import path_to_string
+
+LOAD_PREFIXES = ("params", "trainstate", "trainstate_params")
+ITEMS = ("params", "opt_state", "data", "metadata", "checksums")
+FLOAT_DTYPES = {"": None, "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+HELP = {
+    "keep": "how many of the latest --save_model_freq checkpoints to keep (milestones "
+            "and the final one are kept regardless)",
+    "save_optimizer_state": "save the optimizer state too (needed for an exact resume)",
+    "float_dtype": "cast parameters to this dtype (bf16, fp16, fp32) in checkpoints "
+                   "without optimizer state; empty: keep their dtype",
+}
+
+
+def get_default_config(updates=None) -> ConfigDict:
+    config = ConfigDict()
+    config.keep = 2
+    config.save_optimizer_state = True
+    config.float_dtype = ""
+    if updates is not None:
+        config.update(ConfigDict(updates).copy_and_resolve_references())
+    return config
+
+
+def _item_handlers() -> dict:
+    return dict(
+        params=ocp.StandardCheckpointHandler(),
+        opt_state=ocp.StandardCheckpointHandler(),
+        data=ocp.JsonCheckpointHandler(),
+        metadata=ocp.JsonCheckpointHandler(),
+        checksums=ocp.StandardCheckpointHandler(),
+    )
+
+
+def _handler():
+    return ocp.CompositeCheckpointHandler(**_item_handlers())
+
+
+def absolute_path(path: str) -> str:
+    """Absolute local paths; URLs (gs://...) as given. orbax writes to either."""
+    return path if "://" in path else os.path.abspath(os.path.expanduser(path))
+
+
+def _is_dir(path: str) -> bool:
+    return epath.Path(path).is_dir()
+
+
+def parse_load_spec(spec: str) -> tuple[str, str]:
+    """'params::DIR' -> ('params', absolute DIR)."""
+    prefix, sep, path = spec.partition("::")
+    if not sep or not path:
+        raise UserError(
+            f"--load_checkpoint={spec!r}: expected PREFIX::PATH with PREFIX one of "
+            f"{', '.join(LOAD_PREFIXES)}"
+        )
+    if prefix not in LOAD_PREFIXES:
+        raise UserError(
+            f"--load_checkpoint={spec!r}: unknown prefix {prefix!r}; expected one of "
+            f"{', '.join(LOAD_PREFIXES)}"
+        )
+    return prefix, absolute_path(path)
+
+
+def cast_floats(tree, dtype_name: str):
+    """Cast floating-point leaves to `--checkpointer.float_dtype` ('' keeps them)."""
+    if dtype_name not in FLOAT_DTYPES:
+        raise UserError(
+            f"--checkpointer.float_dtype={dtype_name!r} is not one of "
+            f"{', '.join(repr(k) for k in FLOAT_DTYPES)}"
+        )
+    dtype = FLOAT_DTYPES[dtype_name]
+    if dtype is None:
+        return tree
+    # jit keeps each leaf's sharding, so the cast happens shard by shard.
+    return jax.jit(lambda t: jax.tree.map(
+        lambda x: x.astype(dtype) if jax.numpy.issubdtype(x.dtype, jax.numpy.floating) else x, t
+    ))(tree)
+
+
+def _fingerprint(x):
+    """Raw bits times odd position weights, summed mod 2^32: any one flipped bit
+    changes it, and so does a swap of two elements."""
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+    bits = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+    weights = jnp.arange(x.size, dtype=jnp.uint32).reshape(x.shape) * jnp.uint32(2654435761) | 1
+    return jnp.sum(bits * weights, dtype=jnp.uint32)
+
+
+# Computed on the devices, asynchronously like the rest of the step; no gathering.
+fingerprints = jax.jit(lambda tree: jax.tree.map(_fingerprint, tree))
+
+
+def _save_args(params, opt_state, data_state, metadata) -> ocp.args.Composite:
+    arrays = {"params": params} if opt_state is None else {"params": params, "opt_state": opt_state}
+    items = {name: ocp.args.StandardSave(tree) for name, tree in arrays.items()}
+    items["checksums"] = ocp.args.StandardSave(fingerprints(arrays))
+    if data_state is not None:
+        items["data"] = ocp.args.JsonSave(data_state)
+    items["metadata"] = ocp.args.JsonSave(metadata)
+    return ocp.args.Composite(**items)
+
+
+def save_params(directory: str, params, metadata: dict, float_dtype: str = "") -> str:
+    """Write a parameter-only checkpoint (params + metadata) to `directory`; blocks.
+
+    `directory` must not exist yet: an existing checkpoint is never overwritten.
+    Load it back with `load_params('params::' + directory, abstract_params)`.
+    """
+    directory = absolute_path(directory)
+    if epath.Path(directory).exists():
+        raise UserError(f"{directory} already exists; refusing to overwrite it")
+    with ocp.Checkpointer(_handler()) as checkpointer:
+        checkpointer.save(directory, _save_args(cast_floats(params, float_dtype), None, None, metadata))
+    return directory
+
+
+def check_checkpoint_dir(directory: str, items=("params",)) -> None:
+    """A clear error unless `directory` is a complete checkpoint with `items`."""
+    if not _is_dir(directory):
+        raise UserError(f"no checkpoint at {directory}: the directory does not exist")
+    if ocp.utils.is_tmp_checkpoint(directory) or not ocp.utils.is_checkpoint_finalized(directory):
+        raise UserError(
+            f"{directory} is an unfinished checkpoint (its save never completed); "
+            f"use an earlier one"
+        )
+    for item in items:
+        if not has_item(directory, item):
+            present = sorted(i for i in ITEMS if has_item(directory, i))
+            raise UserError(
+                f"no checkpoint at {directory}: it has no {item!r} item "
+                f"(found: {', '.join(present) or 'nothing orbax wrote'})"
+            )
+
+
+def has_item(directory: str, item: str) -> bool:
+    return _is_dir(os.path.join(directory, item))
+
+
+def _stored_tree(directory: str, item: str):
+    """The checkpoint's tree of ArrayMetadata (shape, dtype) for `item`."""
+    verbosity = absl_logging.get_verbosity()
+    absl_logging.set_verbosity(absl_logging.ERROR)  # orbax warns before we can explain
+    try:
+        with ocp.Checkpointer(_handler()) as checkpointer:
+            metadata = checkpointer.metadata(directory).item_metadata[item]
+    except Exception as e:  # orbax raises many kinds for unreadable files
+        raise _unreadable(directory, e) from None
+    finally:
+        absl_logging.set_verbosity(verbosity)
+    if metadata is None:
+        raise UserError(f"cannot read the {item!r} metadata of the checkpoint at {directory} "
+                        f"(corrupted or truncated?)")
+    return metadata.tree
+
+
+def _unreadable(directory: str, error: Exception) -> UserError:
+    first_line = (str(error).strip().splitlines() or [""])[0]
+    first_line = first_line.split(" See full TensorStore details")[0][:300]
+    return UserError(
+        f"cannot read the checkpoint at {directory} (corrupted or truncated?): "
+        f"{type(error).__name__}: {first_line}"
+    )
+
+
+def check_shapes(stored, abstract, directory: str, item: str = "params") -> None:
+    """Compare names and shapes; name the first difference and both shapes."""
+    stored_leaves, wanted = _by_path(stored), _by_path(abstract)
+    missing = [name for name in wanted if name not in stored_leaves]
+    if missing:
+        raise UserError(
+            f"checkpoint {directory} has no {item} entry {missing[0]!r} that the configured "
+            f"model needs ({len(missing)} missing)"
+        )
+    unexpected = [name for name in stored_leaves if name not in wanted]
+    if unexpected:
+        raise UserError(
+            f"checkpoint {directory} has {item} entry {unexpected[0]!r} that the configured "
+            f"model does not have ({len(unexpected)} unexpected)"
+        )
+    for name, leaf in wanted.items():
+        stored_shape = tuple(stored_leaves[name].shape)
+        if stored_shape != tuple(leaf.shape):
+            raise UserError(
+                f"checkpoint {directory}: {item} entry {name!r} has shape {stored_shape} "
+                f"but the configured model expects {tuple(leaf.shape)}"
+            )
+
+
+def _with_sharding(tree):
+    """Leaves given without a sharding are restored onto the first device."""
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.tree.map(
+        lambda x: x if getattr(x, "sharding", None) is not None
+        else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), tree)
+
+
+def restore_items(directory: str, abstract: dict, json_items=()) -> dict:
+    """Restore array items (checked against `abstract`, resharded to its shardings,
+    verified against their checksums) and JSON items from a complete checkpoint."""
+    check_checkpoint_dir(directory, tuple(abstract) + tuple(json_items))
+    stored = {item: _stored_tree(directory, item) for item in abstract}
+    for item, tree in abstract.items():
+        check_shapes(stored[item], tree, directory, item)
+    args = {item: ocp.args.StandardRestore(_with_sharding(tree)) for item, tree in abstract.items()}
+    args.update({item: ocp.args.JsonRestore() for item in json_items})
+    verify = bool(abstract) and has_item(directory, "checksums")
+    if verify:
+        sums = _stored_tree(directory, "checksums")
+        args["checksums"] = ocp.args.StandardRestore(_with_sharding(jax.tree.map(
+            lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), sums)))
+    try:
+        with ocp.Checkpointer(_handler()) as checkpointer:
+            restored = dict(checkpointer.restore(directory, ocp.args.Composite(**args)))
+    except Exception as e:
+        raise _unreadable(directory, e) from None
+    if verify:
+        for item in abstract:
+            _verify(directory, item, restored[item], stored[item], restored["checksums"][item])
+        del restored["checksums"]
+    return restored
+
+
+def _by_path(tree) -> dict:
+    """{'a/b/0/c': leaf}: stored trees come back with lists where ours have tuples."""
+    return {path_to_string(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _verify(directory: str, item: str, tree, stored, expected):
+    # Back to the dtype it was saved in (a bf16 export restored as fp32 casts back
+    # exactly), then the same fingerprint as at save time.
+    dtypes = {name: m.dtype for name, m in _by_path(stored).items()}
+    as_saved = jax.tree_util.tree_map_with_path(
+        lambda p, x: x.astype(dtypes[path_to_string(p)]), tree)
+    actual = _by_path(jax.device_get(fingerprints(as_saved)))
+    for name, want in _by_path(jax.device_get(expected)).items():
+        if actual.get(name) != want:
+            raise UserError(
+                f"checkpoint {directory} is corrupted: {item} entry {name!r} "
+                f"does not match the checksum saved with it"
+            )
+
+
+def load_params(spec: str, abstract_params):
+    """Parameters from a load spec, placed as `abstract_params` says.
+
+    `abstract_params` is a pytree of `jax.ShapeDtypeStruct` with `sharding=` set;
+    the stored arrays are resharded and cast to it, whatever mesh or dtype they
+    were saved with. Every prefix reads the `params` item.
+    """
+    _, directory = parse_load_spec(spec)
+    return restore_items(directory, {"params": abstract_params})["params"]
+
+
+def read_metadata(directory: str) -> dict:
+    """The checkpoint's metadata JSON (flags, model config, versions)."""
+    return restore_items(directory, {}, json_items=("metadata",))["metadata"]
+
+
+class CheckpointManager:
+    """The training loop's checkpoints, `DIRECTORY/<step>/`, saved asynchronously.
+
+    `save` returns once the arrays are copied off the devices; the write and
+    the atomic rename finish in the background. Kept: the latest
+    `--checkpointer.keep`, every multiple of `milestone_freq`, and (being the
+    latest) the final one.
+    """
+
+    def __init__(self, directory: str, config: ConfigDict, milestone_freq: int = 0):
+        if config.keep < 1:
+            raise UserError(f"--checkpointer.keep must be >= 1, got {config.keep}")
+        cast_floats({}, config.float_dtype)  # validates the name early
+        self.directory = absolute_path(directory)
+        self.config = config
+        policies = [ocp.checkpoint_managers.LatestN(config.keep)]
+        if milestone_freq > 0:
+            policies.append(ocp.checkpoint_managers.EveryNSteps(milestone_freq))
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(
+                enable_async_checkpointing=True,
+                preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
+            ),
+            item_handlers=_item_handlers(),
+        )
+
+    def latest_step(self) -> int | None:
+        """The newest complete checkpoint's step; unfinished saves are never listed."""
+        return self._manager.latest_step()
+
+    def step_directory(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
+
+    def save(self, step: int, params, opt_state, data_state: dict, metadata: dict):
+        """Start an asynchronous save; `opt_state` is the train state minus params."""
+        if not self.config.save_optimizer_state:
+            params, opt_state = cast_floats(params, self.config.float_dtype), None
+        self._manager.save(step, args=_save_args(params, opt_state, data_state, metadata),
+                           force=True)
+
+    def wait(self):
+        self._manager.wait_until_finished()
+
+    def close(self):
+        self._manager.close()

@@ -1,0 +1,146 @@
+"""Training logs: Weights & Biases (offline unless `--logger.online`), `metrics.jsonl`,
+a one-line summary per log step, and a tqdm progress bar.
+
+Only process 0 writes; the others keep quiet. wandb is called directly (mlxu's
+WandBLogger passes a `start_method` setting current wandb rejects).
+`WANDB_MODE=disabled` in the environment turns wandb off entirely.
+"""
+
+import json
+import math
+import os
+
+import jax
+from ml_collections import ConfigDict
+from tqdm import tqdm
+
+from easylm.errors import UserError
+
+HELP = {
+    "online": "sync to Weights & Biases as the run goes (default: write offline; "
+              "`wandb sync DIR` uploads later)",
+    "project": "W&B project name",
+    "entity": "W&B entity (user or team); empty: your default",
+    "prefix": "prepended to the project name as PREFIX_PROJECT (EasyLM's convention)",
+    "output_dir": "runs are written to OUTPUT_DIR/EXPERIMENT_ID",
+    "experiment_id": "the run's name and W&B id; empty: derived from the flags, so the "
+                     "same command writes (and resumes) in the same directory",
+    "notes": "W&B notes for the run",
+    "wandb_dir": "local directory for W&B files and metrics.jsonl; empty: the run directory "
+                 "(set it when --logger.output_dir is a bucket)",
+}
+
+# Shown in the one-line summary, in this order, when present.
+_SUMMARY = (("loss", "loss {:.4f}"), ("accuracy", "acc {:.3f}"), ("learning_rate", "lr {:.2e}"),
+            ("gradient_norm", "grad_norm {:.3f}"), ("tokens_per_second", "tokens/s {:,.0f}"))
+
+
+def get_default_config(updates=None) -> ConfigDict:
+    config = ConfigDict()
+    config.online = False
+    config.project = "easylm"
+    config.entity = ""
+    config.prefix = ""
+    config.output_dir = "runs"
+    config.experiment_id = ""
+    config.notes = ""
+    config.wandb_dir = ""
+    if updates is not None:
+        config.update(ConfigDict(updates).copy_and_resolve_references())
+    return config
+
+
+def format_metrics(step: int, metrics: dict) -> str:
+    parts = [f"step {step}"]
+    for key, fmt in _SUMMARY:
+        if metrics.get(key) is not None:
+            parts.append(fmt.format(metrics[key]))
+    if metrics.get("tokens_per_second") is None and "loss" in metrics:
+        parts.append("tokens/s n/a (compiling)")
+    mfu = metrics.get("mfu")
+    parts.append("MFU n/a" if mfu is None else f"MFU {100 * mfu:.1f}%")
+    return " | ".join(parts)
+
+
+class Logger:
+    """`log(step, metrics)` writes everywhere; `close()` at the end."""
+
+    def __init__(self, config: ConfigDict, run_dir: str, flags: dict,
+                 total_steps: int, start_step: int = 0):
+        self.enabled = jax.process_index() == 0
+        log_dir = config.wandb_dir or run_dir
+        if "://" in log_dir:
+            raise UserError(f"--logger.wandb_dir must be a local directory for W&B files and "
+                            f"metrics.jsonl when the run directory is {run_dir}")
+        self.metrics_path = os.path.join(log_dir, "metrics.jsonl")
+        self.wandb_run = None
+        self.progress = None
+        if not self.enabled:
+            return
+        os.makedirs(log_dir, exist_ok=True)
+        _truncate_after(self.metrics_path, start_step)
+        self.metrics_file = open(self.metrics_path, "a")
+        if os.environ.get("WANDB_MODE") != "disabled":
+            import wandb
+
+            project = f"{config.prefix}_{config.project}" if config.prefix else config.project
+            self.wandb_run = wandb.init(
+                project=project, entity=config.entity or None, notes=config.notes or None,
+                id=os.path.basename(run_dir), name=os.path.basename(run_dir), dir=log_dir,
+                config=flags, resume="allow", mode="online" if config.online else "offline",
+                settings=wandb.Settings(silent=True),
+            )
+        # disable=None: no bar when stderr is not a terminal (CI logs, files).
+        self.progress = tqdm(total=total_steps, initial=start_step, disable=None,
+                             dynamic_ncols=True, unit="step")
+
+    def advance(self, steps: int = 1):
+        if self.progress is not None:
+            self.progress.update(steps)
+
+    def log(self, step: int, metrics: dict, echo: bool = True):
+        if not self.enabled:
+            return
+        metrics = {k: _plain(v) for k, v in metrics.items()}
+        self.metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.metrics_file.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in metrics.items() if v is not None}, step=step)
+        if self.progress is not None and "loss" in metrics:
+            self.progress.set_postfix(loss=f"{metrics['loss']:.4f}",
+                                      tok_s=f"{metrics.get('tokens_per_second') or 0:,.0f}")
+        if echo:
+            self.print(format_metrics(step, metrics))
+
+    def print(self, line: str):
+        if self.enabled:
+            tqdm.write(line)  # prints above the bar without breaking it
+
+    def close(self):
+        if not self.enabled:
+            return
+        if self.progress is not None:
+            self.progress.close()
+        self.metrics_file.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+
+def _plain(value):
+    """JSON-friendly: numpy scalars to Python numbers, NaN/Inf kept as strings."""
+    if value is None or isinstance(value, (str, bool)):
+        return value
+    value = value.item() if hasattr(value, "item") else value
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def _truncate_after(path: str, step: int):
+    """On resume, drop lines logged after the checkpoint by the run that died."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+    with open(path, "w") as f:
+        f.writelines(kept)

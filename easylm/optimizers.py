@@ -1,0 +1,165 @@
+"""Optimizers (optax): AdamW with warmup + cosine decay, and PaLM's Adafactor.
+
+`--optimizer.type` picks one; each reads only its own block of flags:
+
+    --optimizer.type=adamw --optimizer.adamw_optimizer.lr=3e-4 ...
+    --optimizer.type=palm  --optimizer.palm_optimizer.lr=1e-2 ...
+
+Both clip the gradient's global norm first and decay weights through a mask:
+parameters whose path matches one of `weight_decay_exclusions` (comma-separated
+regexes, searched in paths like `model/layers/0/input_layernorm/weight`) are
+not decayed. `--optimizer.accumulate_gradient_steps=k` is applied by the train
+step (it splits each batch into k micro-batches), not here.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import optax
+from ml_collections import ConfigDict
+
+from easylm.errors import UserError
+from easylm.sharding import path_to_string
+
+OPTIMIZER_TYPES = ("adamw", "palm")
+
+HELP = {
+    "type": f"optimizer: {' or '.join(OPTIMIZER_TYPES)}",
+    "accumulate_gradient_steps": "split each batch into this many micro-batches whose "
+                                 "gradients are summed before one update (saves memory)",
+    "adamw_optimizer.init_lr": "learning rate at step 0",
+    "adamw_optimizer.lr": "peak learning rate, reached at the end of warmup",
+    "adamw_optimizer.end_lr": "learning rate at the end of the cosine decay, kept after it",
+    "adamw_optimizer.lr_warmup_steps": "steps of linear warmup from init_lr to lr",
+    "adamw_optimizer.lr_decay_steps": "step at which the cosine decay (which starts after "
+                                      "warmup) reaches end_lr",
+    "adamw_optimizer.b1": "Adam beta1",
+    "adamw_optimizer.b2": "Adam beta2",
+    "adamw_optimizer.eps": "Adam epsilon",
+    "adamw_optimizer.weight_decay": "decoupled weight decay (multiplied by the learning rate)",
+    "adamw_optimizer.weight_decay_exclusions": "comma-separated regexes; matching parameter "
+                                               "paths get no weight decay",
+    "adamw_optimizer.clip_gradient": "clip the gradient's global norm to this (0: no clipping)",
+    "adamw_optimizer.bf16_momentum": "keep Adam's first moment in bfloat16 (saves memory)",
+    "palm_optimizer.lr": "learning rate during warmup; then lr*sqrt(warmup/step) (PaLM)",
+    "palm_optimizer.lr_warmup_steps": "steps at the constant learning rate",
+    "palm_optimizer.b1": "momentum",
+    "palm_optimizer.decay_rate": "second-moment decay: beta2 = 1 - step^-decay_rate (PaLM: 0.8)",
+    "palm_optimizer.weight_decay": "weight decay coefficient c, applied as c*lr(step)^2 (PaLM: 1)",
+    "palm_optimizer.weight_decay_exclusions": "comma-separated regexes; matching parameter "
+                                              "paths get no weight decay",
+    "palm_optimizer.clip_gradient": "clip the gradient's global norm to this (0: no clipping)",
+    "palm_optimizer.bf16_momentum": "keep the momentum in bfloat16 (saves memory)",
+}
+
+
+def get_default_config(updates=None) -> ConfigDict:
+    config = ConfigDict()
+    config.type = "adamw"
+    config.accumulate_gradient_steps = 1
+
+    config.adamw_optimizer = ConfigDict()
+    config.adamw_optimizer.init_lr = 0.0
+    config.adamw_optimizer.lr = 3e-4
+    config.adamw_optimizer.end_lr = 3e-5
+    config.adamw_optimizer.lr_warmup_steps = 2000
+    config.adamw_optimizer.lr_decay_steps = 500000
+    config.adamw_optimizer.b1 = 0.9
+    config.adamw_optimizer.b2 = 0.95
+    config.adamw_optimizer.eps = 1e-8
+    config.adamw_optimizer.weight_decay = 0.1
+    config.adamw_optimizer.weight_decay_exclusions = "norm,embed"
+    config.adamw_optimizer.clip_gradient = 1.0
+    config.adamw_optimizer.bf16_momentum = False
+
+    config.palm_optimizer = ConfigDict()
+    config.palm_optimizer.lr = 1e-2
+    config.palm_optimizer.lr_warmup_steps = 10000
+    config.palm_optimizer.b1 = 0.9
+    config.palm_optimizer.decay_rate = 0.8
+    config.palm_optimizer.weight_decay = 1.0
+    config.palm_optimizer.weight_decay_exclusions = "norm,embed"
+    config.palm_optimizer.clip_gradient = 1.0
+    config.palm_optimizer.bf16_momentum = False
+
+    if updates is not None:
+        config.update(ConfigDict(updates).copy_and_resolve_references())
+    return config
+
+
+def adamw_schedule(config: ConfigDict) -> optax.Schedule:
+    """init_lr -> linear warmup -> lr -> cosine decay -> end_lr at lr_decay_steps."""
+    if config.lr_decay_steps <= config.lr_warmup_steps:
+        raise UserError(
+            f"--optimizer.adamw_optimizer.lr_decay_steps={config.lr_decay_steps} must exceed "
+            f"lr_warmup_steps={config.lr_warmup_steps}"
+        )
+    return optax.warmup_cosine_decay_schedule(
+        init_value=config.init_lr, peak_value=config.lr, warmup_steps=config.lr_warmup_steps,
+        decay_steps=config.lr_decay_steps, end_value=config.end_lr,
+    )
+
+
+def palm_schedule(config: ConfigDict) -> optax.Schedule:
+    """PaLM: lr for the first lr_warmup_steps, then lr * sqrt(warmup / step)."""
+    warmup = max(config.lr_warmup_steps, 1)
+    return lambda step: config.lr * jnp.sqrt(warmup / jnp.maximum(step, warmup))
+
+
+def weight_decay_mask(exclusions: str):
+    """A function params -> tree of bools, False where a path matches an exclusion."""
+    patterns = [p for p in exclusions.split(",") if p]
+    for pattern in patterns:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise UserError(f"weight_decay_exclusions: bad regex {pattern!r}: {e}")
+
+    def mask(params):
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: not any(re.search(p, path_to_string(path)) for p in patterns),
+            params,
+        )
+
+    return mask
+
+
+def _clip(norm: float):
+    return [optax.clip_by_global_norm(norm)] if norm > 0 else []
+
+
+def get_optimizer(config: ConfigDict) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """The optax transformation and its learning-rate schedule (for logging)."""
+    if config.type not in OPTIMIZER_TYPES:
+        raise UserError(
+            f"--optimizer.type={config.type!r} is not one of {', '.join(OPTIMIZER_TYPES)}"
+        )
+    if config.accumulate_gradient_steps < 1:
+        raise UserError(
+            f"--optimizer.accumulate_gradient_steps must be >= 1, "
+            f"got {config.accumulate_gradient_steps}"
+        )
+    if config.type == "adamw":
+        c = config.adamw_optimizer
+        schedule = adamw_schedule(c)
+        tx = optax.chain(*_clip(c.clip_gradient), optax.adamw(
+            learning_rate=schedule, b1=c.b1, b2=c.b2, eps=c.eps,
+            mu_dtype=jnp.bfloat16 if c.bf16_momentum else None,
+            weight_decay=c.weight_decay, mask=weight_decay_mask(c.weight_decay_exclusions),
+        ))
+        return tx, schedule
+    c = config.palm_optimizer
+    schedule = palm_schedule(c)
+    tx = optax.chain(*_clip(c.clip_gradient), optax.adafactor(
+        learning_rate=schedule,
+        multiply_by_parameter_scale=True,
+        momentum=c.b1,
+        decay_rate=c.decay_rate,
+        factored=False,  # PaLM: "Adafactor without factorization"
+        clipping_threshold=None,
+        dtype_momentum=jnp.bfloat16 if c.bf16_momentum else jnp.float32,
+        weight_decay_rate=lambda step: c.weight_decay * schedule(step) ** 2,
+        weight_decay_mask=weight_decay_mask(c.weight_decay_exclusions),
+    ))
+    return tx, schedule

@@ -1,0 +1,510 @@
+"""The training loop and the train/eval steps, for any model family.
+
+A model family hands the trainer a `Model` (how to initialise parameters, the
+loss, the partition rules, FLOPs per token); `easylm/llama/train.py` is the
+LLaMA one. The train step is a pure function `(state, batch) -> (state,
+metrics)` jitted with explicit shardings and the state donated; the loop around
+it only feeds batches, logs, evaluates and saves, each every N steps.
+
+Nothing waits for the device on an ordinary step: metrics are fetched only on
+log steps, and a non-finite loss is caught inside the step (the update is not
+applied and the step number recorded) and reported at the next log step.
+"""
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import signal
+import sys
+import time
+from typing import Any, Callable
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+from ml_collections import ConfigDict
+
+from easylm import checkpoint, distributed, flops, logger, optimizers
+from easylm import flags as flag_lib
+from easylm.errors import UserError
+from easylm.losses import LossSums
+from easylm.sharding import BATCH_AXES, PartitionRules, constrain, init_sharded, make_mesh
+
+DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+
+HELP = {
+    "seed": "random seed: parameter initialisation and the per-step RNG",
+    "mesh_dim": "device mesh dp,fsdp,mp; one entry may be -1 (all remaining devices)",
+    "dtype": "compute dtype: bf16, fp16, fp32, or auto (bf16 on GPU/TPU, fp32 on CPU)",
+    "param_dtype": "dtype the parameters (and their updates) are kept in",
+    "total_steps": "number of optimizer updates to train for",
+    "log_freq": "log metrics every this many steps (the only time the host waits "
+                "for the device)",
+    "save_model_freq": "save a checkpoint every this many steps, keeping the latest "
+                       "--checkpointer.keep (0: only the final one)",
+    "save_milestone_freq": "save a checkpoint every this many steps that is never deleted "
+                           "(0: none)",
+    "eval_freq": "evaluate on --eval_dataset every this many steps (0: never)",
+    "eval_steps": "batches per evaluation (0: one full pass over --eval_dataset)",
+    "load_checkpoint": "start from params::DIR (parameters), trainstate::DIR (everything) or "
+                       "trainstate_params::DIR (parameters of a train state)",
+    "resume": "continue from the newest complete checkpoint in the run directory, if any",
+    "tokenizer": "'embedded', a tokenizer directory, a tokenizer.json or a SentencePiece .model",
+    "peak_tflops": "peak TFLOP/s of one device for MFU (0: look the device up; unknown "
+                   "devices such as CPUs report MFU as n/a)",
+    "skip_nonfinite_updates": "skip updates whose loss or gradient norm is NaN/Inf and count "
+                              "them, instead of stopping the run",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """What the trainer needs from a model family."""
+
+    name: str  # flag section and run-name prefix, e.g. 'llama'
+    config: dict  # the model config, saved in checkpoint metadata
+    vocab_size: int
+    init_params: Callable  # rng -> params, a pure function (run sharded)
+    loss_fn: Callable  # (params, batch, rng) -> LossSums
+    partition_rules: PartitionRules
+    flops_per_token: Callable  # seq_length -> training FLOPs per token
+    serve_module: str = ""  # printed in the "how to serve it" hint
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array  # int32 (), updates applied so far
+    params: Any
+    opt_state: Any
+    skipped_updates: jax.Array  # int32 (), non-finite steps whose update was skipped
+    first_nonfinite_step: jax.Array  # int32 (), -1 until one occurs
+
+
+def get_default_config(dataset_config: ConfigDict | None = None) -> ConfigDict:
+    """Top-level flags and each component's own block (`--optimizer.*`, ...)."""
+    config = ConfigDict()
+    config.seed = 42
+    config.mesh_dim = "1,-1,1"
+    config.dtype = "auto"
+    config.param_dtype = "fp32"
+    config.total_steps = 10000
+    config.log_freq = 50
+    config.save_model_freq = 0
+    config.save_milestone_freq = 0
+    config.eval_freq = 0
+    config.eval_steps = 0
+    config.load_checkpoint = ""
+    config.resume = True
+    config.tokenizer = "embedded"
+    config.peak_tflops = 0.0
+    config.skip_nonfinite_updates = False
+    if dataset_config is not None:
+        config.train_dataset = dataset_config
+        config.eval_dataset = ConfigDict(dataset_config.to_dict())
+    config.optimizer = optimizers.get_default_config()
+    config.checkpointer = checkpoint.get_default_config()
+    config.logger = logger.get_default_config()
+    config.jax_distributed = distributed.get_default_config()
+    return config
+
+
+def help_text(dataset_help: dict | None = None) -> dict:
+    text = dict(HELP)
+    sections = {"optimizer": optimizers.HELP, "checkpointer": checkpoint.HELP,
+                "logger": logger.HELP, "jax_distributed": distributed.HELP}
+    for section in ("train_dataset", "eval_dataset"):
+        sections[section] = dataset_help or {}
+    for section, entries in sections.items():
+        text.update({f"{section}.{name}": entry for name, entry in entries.items()})
+    return text
+
+
+def dtype_from_flag(flag: str, name: str):
+    """'bf16' -> jnp.bfloat16; 'auto' is bf16 on GPU/TPU and fp32 on CPU (where bf16
+    matmuls are slow)."""
+    if name == "auto":
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    if name not in DTYPES:
+        raise UserError(f"--{flag}={name!r} is not one of auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+# ------------------------------------------------------------------ the steps
+
+
+def _loss_and_grads(loss_fn, params, batch, rng, accumulate_steps: int):
+    """Summed loss statistics and gradients of the summed loss over the batch.
+
+    With k > 1 the batch is split into k micro-batches (rows j, j+k, ... form
+    micro-batch j, so each stays spread over all batch shards) and the
+    gradients are summed in a scan, so only one micro-batch's activations live
+    at a time. Sums add exactly, so this equals the unsplit batch.
+    """
+
+    def one(micro_batch, rng):
+        def summed_loss(p):
+            sums = loss_fn(p, micro_batch, rng)
+            return sums.loss, sums
+
+        (_, sums), grads = jax.value_and_grad(summed_loss, has_aux=True)(params)
+        return grads, sums
+
+    if accumulate_steps == 1:
+        return one(batch, rng)
+
+    def split(x):  # (B, ...) -> (k, B/k, ...)
+        return x.reshape(x.shape[0] // accumulate_steps, accumulate_steps, *x.shape[1:]).swapaxes(0, 1)
+
+    def body(total, inputs):
+        micro_batch, i = inputs
+        micro_batch = jax.tree.map(lambda x: constrain(x, P(BATCH_AXES)), micro_batch)
+        out = one(micro_batch, jax.random.fold_in(rng, i))
+        return jax.tree.map(jnp.add, total, out), None
+
+    zeros = (jax.tree.map(jnp.zeros_like, params), LossSums(*(jnp.zeros((), jnp.float32),) * 3))
+    micro_batches = jax.tree.map(split, batch)
+    (grads, sums), _ = jax.lax.scan(body, zeros, (micro_batches, jnp.arange(accumulate_steps)))
+    return grads, sums
+
+
+def make_train_step(loss_fn, tx: optax.GradientTransformation, schedule, seed: int,
+                    accumulate_steps: int = 1):
+    """The pure train step `(state, batch) -> (state, metrics)` (jit it)."""
+
+    def train_step(state: TrainState, batch: dict):
+        rng = jax.random.fold_in(jax.random.key(seed), state.step)
+        grads, sums = _loss_and_grads(loss_fn, state.params, batch, rng, accumulate_steps)
+        tokens = jnp.maximum(sums.tokens, 1.0)
+        grads = jax.tree.map(lambda g: g / tokens.astype(g.dtype), grads)  # mean over tokens
+        loss = sums.loss / tokens
+        gradient_norm = optax.tree.norm(grads)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        # A NaN/Inf step leaves parameters and optimizer state as they were; the
+        # loop stops (or counts it) when it next looks at the metrics.
+        finite = jnp.isfinite(loss) & jnp.isfinite(gradient_norm)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+        first_bad = jnp.where((state.first_nonfinite_step < 0) & ~finite,
+                              state.step + 1, state.first_nonfinite_step)
+        new_state = TrainState(
+            step=state.step + 1,
+            params=keep(params, state.params),
+            opt_state=keep(opt_state, state.opt_state),
+            skipped_updates=state.skipped_updates + (~finite).astype(jnp.int32),
+            first_nonfinite_step=first_bad,
+        )
+        metrics = dict(
+            loss=loss,
+            accuracy=sums.correct / tokens,
+            perplexity=jnp.exp(loss),
+            learning_rate=schedule(state.step),
+            gradient_norm=gradient_norm,
+            param_norm=optax.tree.norm(new_state.params),
+            loss_tokens=sums.tokens,
+            skipped_updates=new_state.skipped_updates,
+            first_nonfinite_step=first_bad,
+        )
+        return new_state, metrics
+
+    return train_step
+
+
+def make_eval_step(loss_fn):
+    """`(params, batch, totals) -> totals`: LossSums added over eval batches."""
+
+    def eval_step(params, batch, totals: LossSums):
+        sums = loss_fn(params, batch, jax.random.key(0))
+        return LossSums(*(t + s for t, s in zip(totals, sums)))
+
+    return eval_step
+
+
+def init_state(model: Model, tx, mesh, seed: int, params=None) -> TrainState:
+    """A fresh train state created in its shards (or around given `params`)."""
+
+    def init(rng, params):
+        if params is None:
+            params = model.init_params(rng)
+        zero = jnp.zeros((), jnp.int32)
+        return TrainState(step=zero, params=params, opt_state=tx.init(params),
+                          skipped_updates=zero, first_nonfinite_step=zero - 1)
+
+    if params is None:
+        return init_sharded(lambda rng: init(rng, None), model.partition_rules, mesh,
+                            jax.random.key(seed))
+    return init_sharded(lambda p: init(None, p), model.partition_rules, mesh, params)
+
+
+def abstract_state(model: Model, tx, mesh, seed: int) -> TrainState:
+    """ShapeDtypeStructs with shardings: the restore target for checkpoints."""
+    from easylm.sharding import match_partition_rules, named_shardings
+
+    def init(rng):
+        params = model.init_params(rng)
+        zero = jnp.zeros((), jnp.int32)
+        return TrainState(step=zero, params=params, opt_state=tx.init(params),
+                          skipped_updates=zero, first_nonfinite_step=zero)
+
+    shapes = jax.eval_shape(init, jax.random.key(seed))
+    shardings = named_shardings(mesh, match_partition_rules(model.partition_rules, shapes))
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                        shapes, shardings)
+
+
+# ------------------------------------------------------------------- the loop
+
+
+def run_directory(config: ConfigDict, model_name: str) -> str:
+    """OUTPUT_DIR/EXPERIMENT_ID; by default the id hashes the flags, so re-running the
+    same command (say, after preemption) lands in the same directory and resumes."""
+    experiment_id = config.logger.experiment_id
+    if not experiment_id:
+        flat = {k: v for k, v in flag_lib.flatten(config).items()
+                if k != "resume" and not k.startswith("logger.")}
+        digest = hashlib.sha1(json.dumps(flat, sort_keys=True).encode()).hexdigest()[:8]
+        experiment_id = f"{model_name}-{digest}"
+    return checkpoint.absolute_path(os.path.join(config.logger.output_dir, experiment_id))
+
+
+def _state_rest(state: TrainState) -> dict:
+    """The train state minus parameters: the checkpoint's 'opt_state' item."""
+    return {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.name != "params"}
+
+
+def _metadata(config: ConfigDict, model: Model, step: int) -> dict:
+    import orbax.checkpoint
+
+    # `model` and `<model>_config` as the HF converter writes them, so that serving
+    # and conversion back to HF read trained and converted checkpoints alike.
+    return {
+        "model": model.name, f"{model.name}_config": model.config, "step": step,
+        "flags": flag_lib.flatten(config),
+        "versions": {"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__,
+                     "orbax-checkpoint": orbax.checkpoint.__version__},
+    }
+
+
+def _load_state(kind: str, directory: str, model: Model, tx, mesh, seed: int):
+    """(state, data state or None) from a checkpoint directory."""
+    abstract = abstract_state(model, tx, mesh, seed)
+    if kind == "trainstate" and checkpoint.has_item(directory, "opt_state"):
+        items = checkpoint.restore_items(
+            directory, {"params": abstract.params, "opt_state": _state_rest(abstract)},
+            json_items=("data",) if checkpoint.has_item(directory, "data") else (),
+        )
+        return TrainState(params=items["params"], **items["opt_state"]), items.get("data")
+    params = checkpoint.restore_items(directory, {"params": abstract.params})["params"]
+    state = init_state(model, tx, mesh, seed, params=params)
+    if kind != "trainstate":
+        return state, None
+    # A checkpoint saved with --checkpointer.save_optimizer_state=False: resume the
+    # step and the data, with a fresh optimizer.
+    print(f"note: {directory} has no optimizer state; the optimizer starts afresh")
+    items = checkpoint.restore_items(directory, {}, json_items=("data", "metadata"))
+    step = int(items["metadata"]["step"])
+    state = state.replace(step=jax.device_put(jnp.int32(step), state.step.sharding))
+    return state, items["data"]
+
+
+def _evaluate(eval_step, params, dataset, eval_steps: int, make_batch) -> dict:
+    totals = LossSums(*(jnp.zeros((), jnp.float32),) * 3)
+    for i, (batch, _) in enumerate(dataset):
+        if eval_steps and i >= eval_steps:
+            break
+        totals = eval_step(params, make_batch(batch), totals)
+    totals = jax.device_get(totals)
+    loss = float(totals.loss) / max(float(totals.tokens), 1.0)
+    return {"eval_loss": loss, "eval_accuracy": float(totals.correct) / max(float(totals.tokens), 1.0),
+            "eval_perplexity": math.exp(min(loss, 80.0)), "eval_tokens": float(totals.tokens)}
+
+
+class _Preemption:
+    """Turns SIGTERM into a flag the loop checks after each step."""
+
+    def __init__(self):
+        self.requested = False
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+
+def _check_config(config: ConfigDict):
+    if config.load_checkpoint:
+        checkpoint.check_checkpoint_dir(checkpoint.parse_load_spec(config.load_checkpoint)[1])
+    if config.total_steps < 1:
+        raise UserError(f"--total_steps must be >= 1, got {config.total_steps}")
+    if config.log_freq < 1:
+        raise UserError(f"--log_freq must be >= 1, got {config.log_freq}")
+    for name in ("save_model_freq", "save_milestone_freq", "eval_freq", "eval_steps"):
+        if config[name] < 0:
+            raise UserError(f"--{name} must be >= 0, got {config[name]}")
+
+
+def _check_batch(batch_size: int, mesh, accumulate_steps: int):
+    shards = mesh.shape["dp"] * mesh.shape["fsdp"]
+    if batch_size % (shards * accumulate_steps):
+        raise UserError(
+            f"--train_dataset batch size {batch_size} must be a multiple of the dp*fsdp="
+            f"{shards} batch shards times --optimizer.accumulate_gradient_steps="
+            f"{accumulate_steps}"
+        )
+
+
+def _load_data(config: ConfigDict, tokenizer):
+    """The train and (if evaluating) eval datasets, and the host->device batch function."""
+    from easylm.data import DatasetFactory, make_global_batch
+
+    train = DatasetFactory.load_dataset(config.train_dataset, tokenizer)
+    evaluation = None
+    if config.eval_freq > 0:
+        evaluation = DatasetFactory.load_dataset(config.eval_dataset, tokenizer, for_eval=True)
+    return train, evaluation, make_global_batch
+
+
+def train(config: ConfigDict, build_model: Callable[[ConfigDict], Model]) -> str:
+    """Train as `config` says; returns the final checkpoint's directory."""
+    from easylm.tokenizer import load_tokenizer
+
+    distributed.initialize(config.jax_distributed)
+    _check_config(config)
+    mesh = make_mesh(config.mesh_dim)
+    tokenizer = load_tokenizer(config.tokenizer)
+    model = build_model(config)
+    if model.vocab_size < len(tokenizer):
+        raise UserError(
+            f"the model's vocabulary (--{model.name}.vocab_size={model.vocab_size}) is smaller "
+            f"than the {len(tokenizer)} tokens of --tokenizer={config.tokenizer}"
+        )
+    tx, schedule = optimizers.get_optimizer(config.optimizer)
+    accumulate = config.optimizer.accumulate_gradient_steps
+    dataset, eval_dataset, make_global_batch = _load_data(config, tokenizer)
+    _check_batch(dataset.batch_size, mesh, accumulate)
+    make_batch = lambda batch: make_global_batch(batch, mesh)
+
+    run_dir = run_directory(config, model.name)
+    manager = checkpoint.CheckpointManager(
+        os.path.join(run_dir, "checkpoints"), config.checkpointer, config.save_milestone_freq
+    )
+    latest = manager.latest_step()
+    if latest is not None and not config.resume:
+        raise UserError(
+            f"{run_dir} already has checkpoints (latest: step {latest}); pass --resume=True "
+            f"to continue from it, or set another --logger.experiment_id"
+        )
+    source = None
+    if latest is not None:
+        source = ("trainstate", manager.step_directory(latest))
+    elif config.load_checkpoint:
+        source = checkpoint.parse_load_spec(config.load_checkpoint)
+
+    with jax.set_mesh(mesh):
+        if source is None:
+            state, data_state = init_state(model, tx, mesh, config.seed), None
+        else:
+            print(f"loading {source[0]}::{source[1]}")
+            state, data_state = _load_state(*source, model, tx, mesh, config.seed)
+        if data_state is not None:
+            dataset.load_state_dict(data_state)
+        start_step = int(state.step)
+        state_shardings = jax.tree.map(lambda x: x.sharding, state)
+        batch_sharding = NamedSharding(mesh, P(BATCH_AXES))
+        replicated = NamedSharding(mesh, P())
+        train_step = jax.jit(
+            make_train_step(model.loss_fn, tx, schedule, config.seed, accumulate),
+            in_shardings=(state_shardings, batch_sharding),
+            out_shardings=(state_shardings, replicated),
+            donate_argnums=(0,),
+        )
+        eval_step = jax.jit(make_eval_step(model.loss_fn),
+                            in_shardings=(state_shardings.params, batch_sharding, replicated),
+                            out_shardings=replicated)
+
+        log = logger.Logger(config.logger, run_dir, flag_lib.flatten(config),
+                            config.total_steps, start_step)
+        batch_tokens = dataset.batch_size * dataset.seq_length
+        flops_per_token = model.flops_per_token(dataset.seq_length)
+        peak = flops.peak_flops_per_device(jax.devices()[0], config.peak_tflops)
+        num_params = sum(x.size for x in jax.tree.leaves(state.params))
+        log.print(f"run directory: {run_dir}")
+        log.print(f"{model.name}: {num_params:,} parameters | {jax.device_count()} "
+                  f"{jax.devices()[0].platform} device(s), mesh {dict(mesh.shape)} | "
+                  f"{batch_tokens:,} tokens/step | steps {start_step} -> {config.total_steps}")
+
+        preemption = _Preemption()
+        saved_step = start_step if source and source[0] == "trainstate" else None
+
+        def save(step):
+            nonlocal saved_step
+            if saved_step != step:
+                manager.save(step, state.params, _state_rest(state),
+                             dataset.get_state_dict(), _metadata(config, model, step))
+                saved_step = step
+
+        step = start_step
+        data = iter(dataset)
+        clock = None  # (time, step) after the first (compiling) step
+        try:
+            while step < config.total_steps:
+                batch, data_metrics = next(data)
+                state, metrics = train_step(state, make_batch(batch))
+                step += 1
+                log.advance()
+                if clock is None:  # the first step compiles; time from after it
+                    jax.block_until_ready(metrics)
+                    clock = (time.time(), step)
+                if step % config.log_freq == 0 or step in (start_step + 1, config.total_steps):
+                    values = {k: v.item() for k, v in jax.device_get(metrics).items()}
+                    bad = values.pop("first_nonfinite_step")
+                    if bad >= 0 and not config.skip_nonfinite_updates:
+                        raise UserError(
+                            f"loss or gradient norm became NaN/Inf at step {bad}; stopping "
+                            f"(lower the learning rate, or pass --skip_nonfinite_updates=True "
+                            f"to skip such steps)"
+                        )
+                    now = time.time()
+                    tokens_per_second = None
+                    if step > clock[1]:
+                        tokens_per_second = (step - clock[1]) * batch_tokens / (now - clock[0])
+                    clock = (now, step)
+                    values.update(
+                        tokens_seen=step * batch_tokens,
+                        tokens_per_second=tokens_per_second,
+                        mfu=flops.mfu(flops_per_token, tokens_per_second or 0.0, peak,
+                                      jax.device_count()) if tokens_per_second else None,
+                        **{f"data/{k}": v for k, v in data_metrics.items()},
+                    )
+                    log.log(step, values)
+                if eval_dataset is not None and step % config.eval_freq == 0:
+                    log.log(step, _evaluate(eval_step, state.params, eval_dataset,
+                                            config.eval_steps, make_batch))
+                if (config.save_model_freq and step % config.save_model_freq == 0) or (
+                        config.save_milestone_freq and step % config.save_milestone_freq == 0):
+                    save(step)
+                if preemption.requested:
+                    log.print(f"SIGTERM: saving a checkpoint at step {step} and exiting")
+                    break
+            save(step)
+        finally:
+            manager.wait()
+            manager.close()
+            log.close()
+    final = manager.step_directory(step)
+    if jax.process_index() == 0:
+        print(f"checkpoint: {final}")
+        if model.serve_module and step == config.total_steps:
+            print(f"serve it:   python -m {model.serve_module} --load_checkpoint=params::{final} "
+                  f"--tokenizer={config.tokenizer}")
+    return final
+
+
+def main(argv: list[str], config: ConfigDict, help_entries: dict, build_model, usage: str):
+    """Parse `argv` into `config` (or print --help) and train."""
+    if flag_lib.wants_help(argv):
+        flag_lib.print_help_and_exit(config, help_entries, usage)
+    train(flag_lib.parse(config, help_entries, argv), build_model)
