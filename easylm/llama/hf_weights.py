@@ -75,7 +75,7 @@ def from_hf(tensors: Mapping[str, Any], config: LLaMAConfig, dtype=None, source:
         tensor = to_numpy(tensors[key])
         _, transpose = hf_key(path)
         if transpose:
-            tensor = tensor.T
+            tensor = np.ascontiguousarray(tensor.T)
         if tensor.shape != shapes[path]:
             want = shapes[path][::-1] if transpose else shapes[path]
             got = tensor.shape[::-1] if transpose else tensor.shape

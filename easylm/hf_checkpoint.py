@@ -1,0 +1,149 @@
+"""Reading and writing Hugging Face checkpoint directories, one tensor at a time.
+
+Model-agnostic: a model family's converter maps names (see
+`easylm/llama/hf_weights.py`); this module only moves tensors.
+
+Reading: `HFTensors(directory)` is a lazy mapping from tensor name to numpy
+array over `*.safetensors` (sharded with an index or not) or
+`pytorch_model*.bin` files. A tensor is read when it is looked up, so a
+converter never holds the source model and its output at once.
+`.bin` files are opened with `torch.load(weights_only=True, mmap=True)`:
+anything that needs pickle globals beyond plain tensors is refused.
+"""
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from easylm.errors import UserError
+
+
+def read_config(directory: str) -> dict:
+    path = os.path.join(directory, "config.json")
+    if not os.path.isdir(directory):
+        raise UserError(f"{directory}: no such directory")
+    if not os.path.isfile(path):
+        raise UserError(f"{directory}: no config.json; expected a Hugging Face model directory")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}: not valid JSON ({e})")
+
+
+class HFTensors(Mapping):
+    """name -> numpy array, read lazily from a HF checkpoint directory."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self._bin_cache: dict[str, dict] = {}
+        self._file_of = self._index()
+
+    def _index(self) -> dict[str, str]:
+        files = sorted(os.listdir(self.directory))
+        for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+            if index_name in files:
+                with open(os.path.join(self.directory, index_name)) as f:
+                    weight_map = json.load(f)["weight_map"]
+                missing = sorted({v for v in weight_map.values() if v not in files})
+                if missing:
+                    raise UserError(f"{self.directory}: {index_name} names missing file(s): {', '.join(missing)}")
+                return dict(weight_map)
+        shards = [f for f in files if f.endswith(".safetensors")] or [
+            f for f in files if f.startswith("pytorch_model") and f.endswith(".bin")
+        ]
+        if not shards:
+            raise UserError(f"{self.directory}: no *.safetensors or pytorch_model*.bin weight files")
+        file_of = {}
+        for shard in shards:
+            for name in self._names_in(shard):
+                file_of[name] = shard
+        return file_of
+
+    def _names_in(self, shard: str) -> list[str]:
+        if shard.endswith(".safetensors"):
+            from safetensors import safe_open
+
+            with safe_open(os.path.join(self.directory, shard), framework="np") as f:
+                return list(f.keys())
+        return list(self._load_bin(shard))
+
+    def _load_bin(self, shard: str) -> dict:
+        if shard not in self._bin_cache:
+            import pickle
+
+            import torch
+
+            path = os.path.join(self.directory, shard)
+            try:
+                # mmap: tensors stay on disk until read; weights_only: no pickled code runs.
+                self._bin_cache[shard] = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            except pickle.UnpicklingError as e:
+                reason = str(e).strip().splitlines()[0]
+                raise UserError(f"{path}: refused, it needs pickle globals beyond plain tensors ({reason})")
+            except RuntimeError as e:
+                raise UserError(f"{path}: not a readable PyTorch checkpoint ({str(e).splitlines()[0]})")
+        return self._bin_cache[shard]
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        shard = self._file_of[name]
+        if shard.endswith(".safetensors"):
+            from safetensors import safe_open
+
+            with safe_open(os.path.join(self.directory, shard), framework="np") as f:
+                return f.get_tensor(name)
+        from easylm.llama.hf_weights import to_numpy
+
+        return to_numpy(self._load_bin(shard)[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._file_of)
+
+    def __len__(self) -> int:
+        return len(self._file_of)
+
+    def __contains__(self, name) -> bool:
+        return name in self._file_of
+
+
+def write_safetensors(
+    tensors: Iterable[tuple[str, np.ndarray]], directory: str, max_shard_bytes: int = 5 * 2**30
+) -> list[str]:
+    """Write (name, array) pairs as `model-0000i-of-0000n.safetensors` shards plus
+    `model.safetensors.index.json`, holding at most one shard in memory."""
+    from safetensors.numpy import save_file
+
+    shards, current, size, total = [], {}, 0, 0
+
+    def flush():
+        nonlocal current, size
+        if current:
+            name = f"shard-{len(shards):05d}.tmp"
+            save_file(current, os.path.join(directory, name), metadata={"format": "pt"})
+            shards.append((name, list(current)))
+            current, size = {}, 0
+
+    for name, array in tensors:
+        array = np.ascontiguousarray(array)
+        if size and size + array.nbytes > max_shard_bytes:
+            flush()
+        current[name] = array
+        size += array.nbytes
+        total += array.nbytes
+    flush()
+
+    weight_map, files = {}, []
+    for i, (tmp_name, names) in enumerate(shards):
+        final = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        if len(shards) == 1:
+            final = "model.safetensors"
+        os.replace(os.path.join(directory, tmp_name), os.path.join(directory, final))
+        files.append(final)
+        weight_map.update({n: final for n in names})
+    if len(shards) > 1:
+        with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return files

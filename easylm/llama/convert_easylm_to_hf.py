@@ -1,0 +1,140 @@
+"""Export an easylm LLaMA checkpoint as a Hugging Face model directory, and check it.
+
+    python -m easylm.llama.convert_easylm_to_hf --load_checkpoint=params::DIR --output_dir=DIR \
+        [--tokenizer=SPEC] [--dtype=keep|bf16|fp32] [--verify=True]
+
+Writes `config.json`, `generation_config.json`, `model*.safetensors` (sharded at
+`--max_shard_gb`, with an index when there is more than one shard) and, with
+`--tokenizer`, the tokenizer files. With `--verify` (the default, when torch is
+installed) the export is loaded back with `transformers` and its logits on
+fixed sequences are compared with ours; the command fails above
+`--verify_tolerance`. Everything is written to `<output_dir>.partial` and renamed
+at the end, so a failed export never looks complete.
+"""
+
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import absl.flags
+import mlxu
+import numpy as np
+
+from easylm.checkpoint import _stored_tree, load_params, parse_load_spec, read_metadata
+from easylm.errors import UserError, exit_on_user_error
+from easylm.hf_checkpoint import write_safetensors
+from easylm.llama.config import LLaMAConfig
+from easylm.llama.hf_weights import to_hf
+from easylm.llama.model import LLaMAForCausalLM
+
+DTYPES = {"keep": None, "bf16": "bfloat16", "fp32": "float32"}
+
+FLAG_DEFAULTS = dict(
+    load_checkpoint=("", "params::DIR, trainstate::DIR or trainstate_params::DIR"),
+    output_dir=("", "the Hugging Face model directory to write (must not exist)"),
+    tokenizer=("", "tokenizer to save alongside (a path, or 'embedded'); empty: none"),
+    dtype=("keep", "tensor dtype of the export: keep, bf16 or fp32"),
+    max_shard_gb=(5.0, "largest safetensors shard, in GiB"),
+    verify=(True, "reload the export with transformers and compare logits with ours"),
+    verify_tolerance=(1e-3, "largest max |logit difference| --verify accepts"),
+)
+
+
+def config_from_metadata(metadata: dict, directory: str) -> LLaMAConfig:
+    if "llama_config" not in metadata:
+        raise UserError(f"{directory}: the checkpoint metadata has no llama_config; not a LLaMA checkpoint")
+    return LLaMAConfig(**metadata["llama_config"])
+
+
+def load_checkpoint(spec: str):
+    """(config, params on one host device, in their stored dtype)."""
+    _, directory = parse_load_spec(spec)
+    config = config_from_metadata(read_metadata(directory), directory)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree_util.tree_map(
+        lambda leaf: jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype, sharding=device),
+        _stored_tree(directory, "params"),
+    )
+    return config, load_params(spec, abstract)
+
+
+def export(params, config: LLaMAConfig, directory: str, dtype: str = "keep",
+           tokenizer: str = "", max_shard_gb: float = 5.0) -> None:
+    """Write the HF directory (no verification)."""
+    from transformers import GenerationConfig
+
+    cast = DTYPES[dtype]
+    tensors = ((name, t if cast is None else t.astype(cast)) for name, t in to_hf(params, config))
+    os.makedirs(directory)
+    write_safetensors(tensors, directory, int(max_shard_gb * 2**30))
+    hf_config = config.to_hf_config()
+    hf_config.architectures = ["LlamaForCausalLM"]
+    first = jax.tree_util.tree_leaves(params)[0]
+    hf_config.dtype = str(jnp.dtype(cast or first.dtype))
+    hf_config.save_pretrained(directory)
+    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id).save_pretrained(directory)
+    if tokenizer:
+        from easylm.tokenizer import load_tokenizer
+
+        load_tokenizer(tokenizer).save_pretrained(directory)
+
+
+def verify(params, config: LLaMAConfig, directory: str) -> float:
+    """Max |logits(HF export) - logits(ours)| on fixed sequences, both in fp32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(
+        directory, dtype=torch.float32, output_loading_info=True
+    )
+    bad = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys") and v}
+    if bad:
+        raise UserError(f"{directory}: transformers reports {bad}")
+    ids = np.random.RandomState(0).randint(0, config.vocab_size, (2, 32))
+    with torch.no_grad():
+        theirs = model(torch.tensor(ids)).logits.numpy()
+    params32 = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float32), params)
+    ours = LLaMAForCausalLM(config.replace(attention="xla")).apply({"params": params32}, jnp.asarray(ids))
+    return float(np.abs(np.asarray(ours) - theirs).max())
+
+
+@exit_on_user_error
+def main(argv):
+    FLAGS = absl.flags.FLAGS
+    if len(argv) > 1:
+        raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
+    if not FLAGS.load_checkpoint or not FLAGS.output_dir:
+        raise UserError("both --load_checkpoint and --output_dir are required")
+    if FLAGS.dtype not in DTYPES:
+        raise UserError(f"--dtype={FLAGS.dtype!r} is not one of {', '.join(DTYPES)}")
+    output_dir = os.path.abspath(FLAGS.output_dir)
+    if os.path.exists(output_dir):
+        raise UserError(f"{output_dir} already exists; refusing to overwrite it")
+    config, params = load_checkpoint(FLAGS.load_checkpoint)
+    partial = output_dir + ".partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        export(params, config, partial, FLAGS.dtype, FLAGS.tokenizer, FLAGS.max_shard_gb)
+        if FLAGS.verify:
+            try:
+                import torch  # noqa: F401
+            except ImportError:
+                print("verify: skipped, torch is not installed")
+            else:
+                diff = verify(params, config, partial)
+                print(f"verify: max |logit difference| vs transformers = {diff:.3g}")
+                if not diff <= FLAGS.verify_tolerance:
+                    raise UserError(
+                        f"verification failed: max |logit difference| {diff:.3g} exceeds "
+                        f"--verify_tolerance={FLAGS.verify_tolerance}"
+                    )
+        os.replace(partial, output_dir)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    print(f"wrote {output_dir}")
+
+
+if __name__ == "__main__":
+    mlxu.define_flags_with_default(**FLAG_DEFAULTS)
+    mlxu.run(main)

@@ -1,0 +1,70 @@
+"""Convert a Hugging Face LLaMA checkpoint directory into an easylm parameters checkpoint.
+
+    python -m easylm.llama.convert_hf_to_easylm --hf_model=DIR --output_dir=DIR [--dtype=keep|bf16|fp32]
+
+The result loads with `--load_checkpoint=params::DIR` in the trainer and the
+server. Tensors are read one at a time (safetensors, or `.bin` through
+`torch.load(weights_only=True, mmap=True)`), so peak memory stays near the size
+of the output. The HF config (GQA, tied embeddings, rope_theta, Llama-3 rope
+scaling, rms_norm_eps, vocabulary) becomes the checkpoint's `llama_config`
+metadata.
+"""
+
+import absl.flags
+import mlxu
+
+from easylm.checkpoint import save_params
+from easylm.errors import UserError, exit_on_user_error
+from easylm.hf_checkpoint import HFTensors, read_config
+from easylm.llama.config import LLaMAConfig
+from easylm.llama.hf_weights import from_hf
+
+DTYPES = {"keep": None, "bf16": "bfloat16", "fp32": "float32"}
+
+FLAG_DEFAULTS = dict(
+    hf_model=("", "Hugging Face model directory (config.json + *.safetensors or pytorch_model*.bin)"),
+    output_dir=("", "where to write the easylm parameters checkpoint (must not exist)"),
+    dtype=("keep", "parameter dtype of the output: keep, bf16 or fp32"),
+)
+
+
+def read_hf_config(directory: str) -> LLaMAConfig:
+    hf = read_config(directory)
+    architectures = hf.get("architectures") or ["LlamaForCausalLM"]
+    if hf.get("model_type", "llama") != "llama" or "LlamaForCausalLM" not in architectures:
+        raise UserError(
+            f"{directory}: model_type {hf.get('model_type')!r} / architectures {architectures} "
+            f"is not a LLaMA causal LM (expected model_type 'llama', LlamaForCausalLM)"
+        )
+    return LLaMAConfig.from_hf_config(hf)
+
+
+def load_hf_params(directory: str, dtype: str = "keep", scan_layers: bool = False):
+    """(config, params as numpy) from a HF directory; used by `hf::DIR` load specs too."""
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype={dtype!r} is not one of {', '.join(DTYPES)}")
+    config = read_hf_config(directory).replace(scan_layers=scan_layers)
+    params = from_hf(HFTensors(directory), config, dtype=DTYPES[dtype], source=directory)
+    return config, params
+
+
+def metadata_for(config: LLaMAConfig, source: str) -> dict:
+    return {"model": "llama", "llama_config": config.to_dict(), "source": source}
+
+
+@exit_on_user_error
+def main(argv):
+    FLAGS = absl.flags.FLAGS
+    if len(argv) > 1:
+        raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
+    if not FLAGS.hf_model or not FLAGS.output_dir:
+        raise UserError("both --hf_model and --output_dir are required")
+    config, params = load_hf_params(FLAGS.hf_model, FLAGS.dtype)
+    directory = save_params(FLAGS.output_dir, params, metadata_for(config, FLAGS.hf_model))
+    print(f"wrote {config.num_parameters():,} parameters to {directory}")
+    print(f"load it with --load_checkpoint=params::{directory}")
+
+
+if __name__ == "__main__":
+    mlxu.define_flags_with_default(**FLAG_DEFAULTS)
+    mlxu.run(main)
