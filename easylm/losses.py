@@ -45,3 +45,34 @@ def causal_lm_loss(apply_fn):
         return next_token_loss(logits, batch["target_tokens"], batch["loss_masks"])
 
     return loss_fn
+
+
+def chunked_next_token_loss(hidden, head_weight, target_tokens, loss_masks, chunk_size: int) -> LossSums:
+    """`next_token_loss(hidden @ head_weight, ...)` without the whole (B, T, V) logits.
+
+    The positions are cut into chunks of `chunk_size`; each chunk's logits are made
+    (in the compute dtype with fp32 accumulation), reduced to LossSums, and dropped.
+    `jax.checkpoint` makes the backward pass recompute them chunk by chunk too, so at
+    most (B, chunk_size, V) logits are live. hidden (B, T, D), head_weight (D, V).
+    """
+    B, T, D = hidden.shape
+    chunks = T // chunk_size if chunk_size and T % chunk_size == 0 else 1
+
+    @jax.checkpoint
+    def chunk_sums(h, targets, masks):  # h (B, c, D)
+        logits = jnp.einsum("BcD,DV->BcV", h, head_weight.astype(h.dtype),
+                            preferred_element_type=jnp.float32)
+        return next_token_loss(logits, targets, masks)
+
+    if chunks == 1:
+        return chunk_sums(hidden, target_tokens, loss_masks)
+
+    def split(x):  # (B, T, ...) -> (chunks, B, c, ...)
+        return x.reshape(B, chunks, T // chunks, *x.shape[2:]).swapaxes(0, 1)
+
+    def body(total, xs):
+        return LossSums(*(t + s for t, s in zip(total, chunk_sums(*xs)))), None
+
+    zeros = LossSums(*(jnp.zeros((), jnp.float32),) * 3)
+    sums, _ = jax.lax.scan(body, zeros, (split(hidden), split(target_tokens), split(loss_masks)))
+    return sums

@@ -65,7 +65,7 @@ def test_overrides_and_flags():
 
 
 def test_unknown_preset_is_one_clear_error():
-    with pytest.raises(UserError, match=r"unknown llama preset 'llama4_8b'; known presets: debug, llama_1b"):
+    with pytest.raises(UserError, match=r"unknown llama preset 'llama4_8b'; known presets: debug, embedded, llama_1b"):
         LLaMAConfig.from_preset("llama4_8b")
 
 

@@ -15,8 +15,15 @@ checkpoint is a table lookup (see `easylm/llama/hf_weights.py`):
 With `scan_layers=True` the layers are one stacked module: `model/layers/...`
 with a leading layer axis of size L.
 
-Shape letters: B batch, T positions, D width, F MLP width, V vocabulary,
-N query heads, K key/value heads, H head dim, L layers.
+Decoding passes a key/value cache (`init_cache`): each layer's keys and values
+(B, S, K, H) for S cache positions, laid out like the layers (one entry per
+layer, or stacked on a leading L axis when scanned). Each call writes its
+tokens' keys/values at their `positions` and attends over the whole cache
+under a positions-aware causal mask, so every batch row can be at its own
+length (continuous batching).
+
+Shape letters: B batch, T positions, S cache positions, D width, F MLP width,
+V vocabulary, N query heads, K key/value heads, H head dim, L layers.
 """
 
 import flax.linen as nn
@@ -41,6 +48,11 @@ PARTITION_RULES = (
     (r"model/norm/weight", P(None)),
     (r"lm_head/kernel", P("fsdp", "mp")),
 )
+
+# The key/value cache (B, S, K, H): batch split like activations, heads on 'mp'
+# like the k/v projections that fill it.
+CACHE_SPEC = P(BATCH_AXES, None, "mp", None)
+CACHE_PARTITION_RULES = ((r"(^|/)(k|v)$", CACHE_SPEC),)
 
 REMAT_POLICIES = {
     "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
@@ -114,7 +126,7 @@ class _Layer(nn.Module):
 
 class Attention(_Layer):
     @nn.compact
-    def __call__(self, x, cos, sin, mask):
+    def __call__(self, x, cos, sin, mask, positions, cache):
         c = self.config
         B, T, _ = x.shape
         N, K, H = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -124,9 +136,16 @@ class Attention(_Layer):
         q = constrain(apply_rotary(q, cos, sin), P(BATCH_AXES, None, "mp", None))
         k = constrain(apply_rotary(k, cos, sin), P(BATCH_AXES, None, "mp", None))
         v = constrain(v, P(BATCH_AXES, None, "mp", None))
+        if cache is not None:
+            # Write this call's keys/values at their positions; attend over all S.
+            rows = jnp.arange(B)[:, None]
+            k = cache["k"].at[rows, positions].set(k.astype(cache["k"].dtype))  # (B, S, K, H)
+            v = cache["v"].at[rows, positions].set(v.astype(cache["v"].dtype))
+            cache = {"k": constrain(k, CACHE_SPEC), "v": constrain(v, CACHE_SPEC)}
+            k, v = k.astype(self.dtype), v.astype(self.dtype)
         out = attention(q, k, v, mask, c.attention)  # (B, T, N, H)
         out = checkpoint_name(out, "attention_out")
-        return self.dense(c.hidden_size, "o_proj")(out.reshape(B, T, N * H))
+        return self.dense(c.hidden_size, "o_proj")(out.reshape(B, T, N * H)), cache
 
 
 class MLP(_Layer):
@@ -140,12 +159,14 @@ class MLP(_Layer):
 
 class DecoderLayer(_Layer):
     @nn.compact
-    def __call__(self, x, cos, sin, mask):
+    def __call__(self, x, cos, sin, mask, positions=None, cache=None):
         kw = dict(config=self.config, dtype=self.dtype, param_dtype=self.param_dtype)
-        x = x + Attention(**kw, name="self_attn")(self.norm("input_layernorm")(x), cos, sin, mask)
+        h, cache = Attention(**kw, name="self_attn")(
+            self.norm("input_layernorm")(x), cos, sin, mask, positions, cache)
+        x = x + h
         x = x + MLP(**kw, name="mlp")(self.norm("post_attention_layernorm")(x))
         x = constrain(x, P(BATCH_AXES, None, None))
-        return x, None  # (carry, output) so that nn.scan can stack it
+        return x, cache  # (carry, output) so that nn.scan can stack the caches
 
 
 def _layer_class(config: LLaMAConfig):
@@ -160,16 +181,18 @@ class DecoderStack(_Layer):
     """Unscanned layers, named model/layers/<i>/... like HF's model.layers.<i>."""
 
     @nn.compact
-    def __call__(self, x, cos, sin, mask):
+    def __call__(self, x, cos, sin, mask, positions, cache):
         layer = _layer_class(self.config)
+        new_cache = {}
         for i in range(self.config.num_hidden_layers):
-            x, _ = layer(self.config, self.dtype, self.param_dtype, name=str(i))(x, cos, sin, mask)
-        return x
+            x, new_cache[str(i)] = layer(self.config, self.dtype, self.param_dtype, name=str(i))(
+                x, cos, sin, mask, positions, None if cache is None else cache[str(i)])
+        return x, (None if cache is None else new_cache)
 
 
 class LLaMAModel(_Layer):
     @nn.compact
-    def __call__(self, input_ids, positions, segment_ids):
+    def __call__(self, input_ids, positions, segment_ids, cache):
         c = self.config
         embed = nn.Embed(
             c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype,
@@ -178,35 +201,50 @@ class LLaMAModel(_Layer):
         x = constrain(embed(input_ids), P(BATCH_AXES, None, None))  # (B, T, D)
         cos, sin = rotary_embedding(positions, c, self.dtype)
         mask = None if segment_ids is None else segment_mask(segment_ids)
+        if cache is not None:
+            # Query at position p sees cache slots 0..p: (B, T, S).
+            S = jax.tree_util.tree_leaves(cache)[0].shape[-3]
+            mask = jnp.arange(S)[None, None, :] <= positions[:, :, None]
         if c.scan_layers:
             # One layer scanned L times: model/layers/... with a leading layer axis.
             stack = nn.scan(
                 _layer_class(c),
                 variable_axes={"params": 0},
                 split_rngs={"params": True},
-                in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+                in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, 0),
                 length=c.num_hidden_layers,
             )
-            x, _ = stack(c, self.dtype, self.param_dtype, name="layers")(x, cos, sin, mask)
+            x, cache = stack(c, self.dtype, self.param_dtype, name="layers")(
+                x, cos, sin, mask, positions, cache)
         else:
-            x = DecoderStack(c, self.dtype, self.param_dtype, name="layers")(x, cos, sin, mask)
-        return self.norm("norm")(x)
+            x, cache = DecoderStack(c, self.dtype, self.param_dtype, name="layers")(
+                x, cos, sin, mask, positions, cache)
+        return self.norm("norm")(x), cache
 
 
 class LLaMAForCausalLM(nn.Module):
-    """`apply(params, input_ids)` -> logits (B, T, V) in the compute dtype."""
+    """`apply(params, input_ids)` -> logits (B, T, V) in the compute dtype.
+
+    With `cache=` (from `init_cache`) and `positions=` it returns `(logits, cache)`
+    with this call's keys/values written into the cache.
+    """
 
     config: LLaMAConfig
     dtype: jnp.dtype = jnp.float32  # compute
     param_dtype: jnp.dtype = jnp.float32  # storage
 
     @nn.compact
-    def __call__(self, input_ids, positions=None, segment_ids=None):
+    def __call__(self, input_ids, positions=None, segment_ids=None, cache=None,
+                 return_hidden=False):
         B, T = input_ids.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        if cache is not None and segment_ids is not None:
+            raise ValueError("segment_ids (packed documents) cannot be used with a cache")
         model = LLaMAModel(self.config, self.dtype, self.param_dtype, name="model")
-        hidden = model(input_ids, positions, segment_ids)  # (B, T, D)
+        hidden, new_cache = model(input_ids, positions, segment_ids, cache)  # (B, T, D)
+        if return_hidden:  # for losses that apply the head themselves (lm_head_weight)
+            return hidden
         if self.config.tie_word_embeddings:
             embedding = self.variables["params"]["model"]["embed_tokens"]["embedding"]
             logits = hidden @ embedding.astype(self.dtype).T
@@ -217,7 +255,20 @@ class LLaMAForCausalLM(nn.Module):
                 kernel_init=nn.initializers.normal(self.config.initializer_range),
                 name="lm_head",
             )(hidden)
-        return constrain(logits, P(BATCH_AXES, None, "mp"))
+        logits = constrain(logits, P(BATCH_AXES, None, "mp"))
+        return logits if cache is None else (logits, new_cache)
+
+    def init_cache(self, batch_size: int, length: int, dtype=None):
+        """Zeros for `length` cache positions, shaped like the layers (see module doc)."""
+        c = self.config
+        shape = (batch_size, length, c.num_key_value_heads, c.head_dim)
+
+        def kv(*layers):
+            return {name: jnp.zeros((*layers, *shape), dtype or self.dtype) for name in ("k", "v")}
+
+        if c.scan_layers:
+            return kv(c.num_hidden_layers)
+        return {str(i): kv() for i in range(c.num_hidden_layers)}
 
     def init_params(self, rng, seq_length: int = 8):
         """Parameters only (pure function of rng; wrap with `sharding.init_sharded`)."""
@@ -240,3 +291,10 @@ def unstack_layers(params, num_layers: int):
     stacked = params["model"]["layers"]
     layers = {str(i): jax.tree_util.tree_map(lambda x: x[i], stacked) for i in range(num_layers)}
     return {**params, "model": {**params["model"], "layers": layers}}
+
+
+def lm_head_weight(params, config: LLaMAConfig):
+    """The output projection (D, V): lm_head's kernel, or the embedding when tied."""
+    if config.tie_word_embeddings:
+        return params["model"]["embed_tokens"]["embedding"].T
+    return params["lm_head"]["kernel"]

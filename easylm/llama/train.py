@@ -13,17 +13,14 @@ from ml_collections import ConfigDict
 from easylm import trainer
 from easylm.errors import exit_on_user_error
 from easylm.llama.config import LLAMA_PRESETS, LLaMAConfig
-from easylm.llama.model import PARTITION_RULES, LLaMAForCausalLM
-from easylm.losses import causal_lm_loss
+from easylm.llama.model import PARTITION_RULES, LLaMAForCausalLM, lm_head_weight
+from easylm.losses import causal_lm_loss, chunked_next_token_loss
 
-# The embedded default: `debug`'s vocabulary (the embedded tokenizer's 512
-# tokens) with a wider, deeper body so that it learns the corpus's patterns,
-# sized to train in about three minutes on two CPU cores.
+# The embedded default: the `embedded` preset on the embedded corpus, sized to
+# train in about three minutes on two CPU cores. Only run-level settings here:
+# a `--llama.base_model=...` flag must get that preset's shape untouched.
 EMBEDDED_DEFAULTS = {
-    "llama.base_model": "debug",
-    "llama.hidden_size": 128,
-    "llama.intermediate_size": 384,
-    "llama.num_hidden_layers": 4,
+    "llama.base_model": "embedded",
     "train_dataset.json_dataset.seq_length": 256,
     "train_dataset.json_dataset.batch_size": 16,
     "total_steps": 200,
@@ -66,12 +63,20 @@ def build_model(config: ConfigDict) -> trainer.Model:
         return model.apply({"params": params}, batch["input_tokens"],
                            positions=batch.get("positions"), segment_ids=batch.get("segment_ids"))
 
+    def chunked_loss(params, batch, rng):  # the same numbers, never all (B, T, V) logits
+        del rng
+        hidden = model.apply({"params": params}, batch["input_tokens"], positions=batch.get("positions"),
+                             segment_ids=batch.get("segment_ids"), return_hidden=True)
+        return chunked_next_token_loss(hidden, lm_head_weight(params, llama_config),
+                                       batch["target_tokens"], batch["loss_masks"],
+                                       llama_config.loss_chunk_size)
+
     return trainer.Model(
         name="llama",
         config=llama_config.to_dict(),
         vocab_size=llama_config.vocab_size,
         init_params=model.init_params,
-        loss_fn=causal_lm_loss(logits),
+        loss_fn=causal_lm_loss(logits) if not llama_config.loss_chunk_size else chunked_loss,
         partition_rules=PARTITION_RULES,
         flops_per_token=llama_config.flops_per_token,
         serve_module="easylm.llama.serve",

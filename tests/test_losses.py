@@ -1,0 +1,36 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from easylm.llama.config import LLaMAConfig
+from easylm.llama.model import LLaMAForCausalLM, lm_head_weight
+from easylm.losses import chunked_next_token_loss, next_token_loss
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("chunk_size", [8, 16, 24])  # 24 does not divide 32: one chunk
+def test_chunked_loss_equals_full_logits(tied, chunk_size):
+    config = LLaMAConfig.from_preset("debug", tie_word_embeddings=tied, initializer_range=0.2)
+    model = LLaMAForCausalLM(config)
+    params = model.init_params(jax.random.PRNGKey(0))
+    rng = np.random.RandomState(0)
+    ids = jnp.asarray(rng.randint(0, config.vocab_size, (2, 33)))
+    masks = jnp.asarray(rng.rand(2, 32) > 0.3, jnp.float32)
+
+    def full(params):
+        logits = model.apply({"params": params}, ids[:, :-1])
+        sums = next_token_loss(logits, ids[:, 1:], masks)
+        return sums.loss / sums.tokens, sums  # the mean, as the train step uses
+
+    def chunked(params):
+        hidden = model.apply({"params": params}, ids[:, :-1], return_hidden=True)
+        sums = chunked_next_token_loss(hidden, lm_head_weight(params, config), ids[:, 1:], masks, chunk_size)
+        return sums.loss / sums.tokens, sums  # the mean, as the train step uses
+
+    (_, want), grads = jax.value_and_grad(full, has_aux=True)(params)
+    (_, got), grads2 = jax.jit(jax.value_and_grad(chunked, has_aux=True))(params)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-5)
+    for g, g2 in zip(jax.tree.leaves(grads), jax.tree.leaves(grads2)):
+        np.testing.assert_allclose(g2, g, atol=1e-5, rtol=0)
