@@ -1,8 +1,10 @@
 """Training logs: Weights & Biases (offline unless `--logger.online`), `metrics.jsonl`,
 a one-line summary per log step, and a tqdm progress bar.
 
-Only process 0 writes; the others keep quiet. wandb is called directly (mlxu's
-WandBLogger passes a `start_method` setting current wandb rejects).
+Only process 0 writes; the others keep quiet, unless `--log_all_worker`: then
+process i > 0 also prints (prefixed `[process i]`) and writes
+`metrics.process<i>.jsonl` (W&B stays one run, process 0's). wandb is called
+directly (mlxu's WandBLogger passes a `start_method` setting current wandb rejects).
 `WANDB_MODE=disabled` in the environment turns wandb off entirely.
 """
 
@@ -66,13 +68,16 @@ class Logger:
     """`log(step, metrics)` writes everywhere; `close()` at the end."""
 
     def __init__(self, config: ConfigDict, run_dir: str, flags: dict,
-                 total_steps: int, start_step: int = 0):
-        self.enabled = jax.process_index() == 0
+                 total_steps: int, start_step: int = 0, all_processes: bool = False):
+        process = jax.process_index()
+        self.enabled = process == 0 or all_processes
+        self.prefix = f"[process {process}] " if process else ""
         log_dir = config.wandb_dir or run_dir
         if "://" in log_dir:
             raise UserError(f"--logger.wandb_dir must be a local directory for W&B files and "
                             f"metrics.jsonl when the run directory is {run_dir}")
-        self.metrics_path = os.path.join(log_dir, "metrics.jsonl")
+        self.metrics_path = os.path.join(
+            log_dir, f"metrics.process{process}.jsonl" if process else "metrics.jsonl")
         self.wandb_run = None
         self.progress = None
         if not self.enabled:
@@ -80,7 +85,7 @@ class Logger:
         os.makedirs(log_dir, exist_ok=True)
         _truncate_after(self.metrics_path, start_step)
         self.metrics_file = open(self.metrics_path, "a")
-        if os.environ.get("WANDB_MODE") != "disabled":
+        if process == 0 and os.environ.get("WANDB_MODE") != "disabled":
             import wandb
 
             project = f"{config.prefix}_{config.project}" if config.prefix else config.project
@@ -91,7 +96,8 @@ class Logger:
                 settings=wandb.Settings(silent=True),
             )
         # disable=None: no bar when stderr is not a terminal (CI logs, files).
-        self.progress = tqdm(total=total_steps, initial=start_step, disable=None,
+        self.progress = tqdm(total=total_steps, initial=start_step,
+                             disable=None if process == 0 else True,
                              dynamic_ncols=True, unit="step")
 
     def advance(self, steps: int = 1):
@@ -114,7 +120,7 @@ class Logger:
 
     def print(self, line: str):
         if self.enabled:
-            tqdm.write(line)  # prints above the bar without breaking it
+            tqdm.write(self.prefix + line)  # prints above the bar without breaking it
 
     def close(self):
         if not self.enabled:

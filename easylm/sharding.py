@@ -29,40 +29,77 @@ BATCH_AXES = ("dp", "fsdp")  # the batch dimension is split over both
 PartitionRules = Sequence[tuple[str, P]]
 
 
-def parse_mesh_dim(mesh_dim: str, num_devices: int) -> tuple[int, ...]:
-    """'dp,fsdp,mp' -> a shape whose product is num_devices; one entry may be -1."""
+def parse_mesh_dim(mesh_dim: str, num_devices: int, flag: str = "mesh_dim",
+                   unit: str = "devices") -> tuple[int, ...]:
+    """'dp,fsdp,mp' -> a shape whose product is num_devices; one entry may be -1.
+
+    `flag` and `unit` name what is being split in error messages (`dcn_mesh_dim`
+    splits processes or slices, not devices).
+    """
     try:
         dims = [int(d) for d in str(mesh_dim).split(",")]
     except ValueError:
-        raise UserError(f"--mesh_dim={mesh_dim!r} must be comma-separated integers like '1,-1,1'")
+        raise UserError(f"--{flag}={mesh_dim!r} must be comma-separated integers like '1,-1,1'")
     if len(dims) != len(MESH_AXES):
         raise UserError(
-            f"--mesh_dim={mesh_dim!r} has {len(dims)} entries; expected {len(MESH_AXES)} "
+            f"--{flag}={mesh_dim!r} has {len(dims)} entries; expected {len(MESH_AXES)} "
             f"({','.join(MESH_AXES)})"
         )
     if dims.count(-1) > 1 or any(d == 0 or d < -1 for d in dims):
-        raise UserError(f"--mesh_dim={mesh_dim!r}: entries must be >= 1, with at most one -1")
+        raise UserError(f"--{flag}={mesh_dim!r}: entries must be >= 1, with at most one -1")
     known = math.prod(d for d in dims if d != -1)
     if -1 in dims:
         if num_devices % known:
             raise UserError(
-                f"--mesh_dim={mesh_dim!r}: the product of the given entries, {known}, "
-                f"does not divide the {num_devices} devices"
+                f"--{flag}={mesh_dim!r}: the product of the given entries, {known}, "
+                f"does not divide the {num_devices} {unit}"
             )
         dims[dims.index(-1)] = num_devices // known
     elif known != num_devices:
         raise UserError(
-            f"--mesh_dim={mesh_dim!r}: the product {known} does not match the "
-            f"{num_devices} devices"
+            f"--{flag}={mesh_dim!r}: the product {known} does not match the "
+            f"{num_devices} {unit}"
         )
     return tuple(dims)
 
 
-def make_mesh(mesh_dim: str = "1,-1,1", devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A (dp, fsdp, mp) mesh over `devices` (all devices by default)."""
+def hybrid_mesh_shape(mesh_dim: str, dcn_mesh_dim: str, num_devices: int, num_granules: int,
+                      granule: str = "process") -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(ici, dcn) shapes: `dcn_mesh_dim` splits the granules (processes, or TPU slices),
+    `mesh_dim` the devices of one granule; the mesh is their elementwise product."""
+    granules = {"process": "processes", "slice": "slices"}[granule]
+    if num_devices % num_granules:
+        raise UserError(f"{num_devices} devices cannot be split evenly over {num_granules} "
+                        f"{granules}")
+    dcn = parse_mesh_dim(dcn_mesh_dim, num_granules, "dcn_mesh_dim", granules)
+    ici = parse_mesh_dim(mesh_dim, num_devices // num_granules, "mesh_dim",
+                         f"devices per {granule} (--dcn_mesh_dim is set)")
+    return ici, dcn
+
+
+def make_mesh(mesh_dim: str = "1,-1,1", devices: Sequence[jax.Device] | None = None,
+              dcn_mesh_dim: str = "") -> Mesh:
+    """A (dp, fsdp, mp) mesh over `devices` (all devices by default).
+
+    Without `dcn_mesh_dim`, `mesh_dim` splits all devices. With it (Paxml's
+    hybrid mesh), `mesh_dim` splits the devices inside one TPU slice, or one
+    process on GPU/CPU, which talk over the fast interconnect (ICI/NVLink), and
+    `dcn_mesh_dim` how the slices/processes are combined over the data-center
+    network: `--dcn_mesh_dim=2,1,1 --mesh_dim=1,-1,1` is data parallel across
+    two slices and fsdp inside each, so only gradients cross the slow network.
+    """
     devices = list(jax.devices() if devices is None else devices)
-    shape = parse_mesh_dim(mesh_dim, len(devices))
-    device_array = mesh_utils.create_device_mesh(shape, devices=devices)
+    if not dcn_mesh_dim:
+        shape = parse_mesh_dim(mesh_dim, len(devices))
+        device_array = mesh_utils.create_device_mesh(shape, devices=devices)
+    else:
+        # TPU devices know their slice; elsewhere each process (host) is a granule.
+        by_slice = devices[0].platform == "tpu" and hasattr(devices[0], "slice_index")
+        granules = {d.slice_index if by_slice else d.process_index for d in devices}
+        ici, dcn = hybrid_mesh_shape(mesh_dim, dcn_mesh_dim, len(devices), len(granules),
+                                     "slice" if by_slice else "process")
+        device_array = mesh_utils.create_hybrid_device_mesh(
+            ici, dcn, devices=devices, process_is_granule=not by_slice)
     return Mesh(device_array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 

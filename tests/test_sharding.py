@@ -8,8 +8,8 @@ from easylm.errors import UserError
 from easylm.llama.config import LLaMAConfig
 from easylm.llama.model import PARTITION_RULES, LLaMAForCausalLM, stack_layers, unstack_layers
 from easylm.sharding import (
-    BATCH_AXES, make_mesh, match_partition_rules, named_shardings, parse_mesh_dim, path_to_string,
-    init_sharded,
+    BATCH_AXES, hybrid_mesh_shape, make_mesh, match_partition_rules, named_shardings,
+    parse_mesh_dim, path_to_string, init_sharded,
 )
 
 
@@ -32,6 +32,37 @@ def test_parse_mesh_dim():
 def test_bad_mesh_dim(mesh_dim, message):
     with pytest.raises(UserError, match=message):
         make_mesh(mesh_dim)
+
+
+def test_hybrid_mesh_shape():
+    # --dcn_mesh_dim splits the processes (TPU: slices), --mesh_dim the devices of each.
+    assert hybrid_mesh_shape("1,-1,1", "2,1,1", 16, 2) == ((1, 8, 1), (2, 1, 1))
+    assert hybrid_mesh_shape("1,4,2", "1,-1,1", 32, 4) == ((1, 4, 2), (1, 4, 1))
+
+
+@pytest.mark.parametrize(
+    "mesh_dim, dcn_mesh_dim, devices, granules, message",
+    [
+        ("1,-1,1", "3,1,1", 16, 2,
+         "--dcn_mesh_dim='3,1,1': the product 3 does not match the 2 processes"),
+        ("1,16,1", "2,1,1", 16, 2, "--mesh_dim='1,16,1': the product 16 does not match the "
+                                   "8 devices per process (--dcn_mesh_dim is set)"),
+        ("1,-1,1", "1,-1,1", 10, 3, "10 devices cannot be split evenly over 3 processes"),
+    ],
+)
+def test_bad_hybrid_mesh(mesh_dim, dcn_mesh_dim, devices, granules, message):
+    with pytest.raises(UserError) as e:
+        hybrid_mesh_shape(mesh_dim, dcn_mesh_dim, devices, granules)
+    assert str(e.value) == message
+
+
+def test_hybrid_mesh_of_one_process_is_the_flat_mesh():
+    # The two-process layout is tested in test_multihost.py.
+    flat, hybrid = make_mesh("2,4,1"), make_mesh("2,4,1", dcn_mesh_dim="1,1,1")
+    assert hybrid.shape == flat.shape and (hybrid.devices == flat.devices).all()
+    with pytest.raises(UserError, match=r"^--dcn_mesh_dim='2,1,1': the product 2 does not "
+                                        r"match the 1 processes$"):
+        make_mesh("1,4,1", dcn_mesh_dim="2,1,1")
 
 
 def test_unmatched_parameter_is_an_error():

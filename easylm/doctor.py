@@ -1,0 +1,174 @@
+"""Check a machine (or every host of a cluster) before training on it.
+
+    python -m easylm.doctor [trainer flags]
+
+Run it with the same flags (or `--flagfile`) as the training run, on every host
+when there are several. It starts `jax.distributed` as the trainer would, then
+prints the library versions, the backend and each process's devices, and checks:
+
+    the mesh (`--mesh_dim`, `--dcn_mesh_dim`) divides the devices
+    the batch splits over the processes and the mesh's batch shards
+    every process joined, and a sum over all devices sees all of them
+    the compilation cache directory (if set) and `--logger.output_dir` are writable
+
+Process 0 prints the report; every process prints its own problems, one line
+each (`problem: ...`). Exit status: 0 healthy, 1 problems, 2 bad flags or a peer
+that never connected (see `--jax_distributed.initialization_timeout`).
+"""
+
+import importlib.metadata
+import os
+import platform
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from easylm import distributed
+from easylm import flags as flag_lib
+from easylm.errors import UserError, exit_on_user_error
+from easylm.sharding import make_mesh
+
+PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "transformers")
+# Reported when installed: the accelerator plugins jax runs on.
+PLUGINS = ("jax-cuda12-plugin", "jax-cuda12-pjrt", "jax-cuda13-plugin", "libtpu",
+           "libtpu-nightly")
+
+
+def versions() -> str:
+    found = {"python": platform.python_version()}
+    for name in PACKAGES + PLUGINS:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            if name in PACKAGES:
+                found[name] = "missing"
+    backend = jax.extend.backend.get_backend()
+    if backend.platform != "cpu":  # e.g. 'cuda 12080' or the libtpu build
+        found[backend.platform] = backend.platform_version.strip()
+    return " | ".join(f"{name} {version}" for name, version in found.items())
+
+
+def _writable(directory: str) -> str | None:
+    """None if a file can be created in `directory` (or, when it does not exist yet,
+    its nearest existing parent); else why not."""
+    if "://" in directory:
+        return None  # buckets: the trainer's first save tells
+    path = os.path.abspath(os.path.expanduser(directory))
+    while not os.path.isdir(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    try:
+        with tempfile.NamedTemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        return f"{path} is not writable ({e.strerror})"
+    return None
+
+
+def _all_devices_sum() -> float:
+    """Sum of one 1.0 per device, computed across every process's devices."""
+    mesh = Mesh(np.asarray(jax.devices()), ("all",))
+    sharding = NamedSharding(mesh, P("all"))
+    ones = jax.make_array_from_callback((jax.device_count(),), sharding,
+                                        lambda index: np.ones((1,), np.float32))
+    return float(jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))(ones))
+
+
+def check(config) -> tuple[list[str], list[str]]:
+    """(report lines, problem lines) for this process."""
+    from jax.experimental import multihost_utils
+
+    report, problems = [versions()], []
+    device = jax.devices()[0]
+    report.append(f"backend {jax.default_backend()}: {jax.device_count()} {device.device_kind} "
+                  f"device(s), {jax.process_count()} process(es)")
+    local_counts = np.asarray(multihost_utils.process_allgather(
+        np.int32(jax.local_device_count()))).ravel()
+    report.append("devices per process: " + ", ".join(
+        f"{i}: {n}" for i, n in enumerate(local_counts)))
+
+    expected = config.jax_distributed.num_processes
+    if config.jax_distributed.initialize and expected and jax.process_count() != expected:
+        problems.append(f"{jax.process_count()} processes joined but "
+                        f"--jax_distributed.num_processes={expected}")
+    total = _all_devices_sum()
+    if total != jax.device_count():
+        problems.append(f"a sum over all devices gave {total:g}, expected "
+                        f"{jax.device_count()}: the collectives do not reach every device")
+    else:
+        report.append(f"all {jax.process_count()} process(es) joined; a sum over all "
+                      f"{jax.device_count()} devices is correct")
+
+    try:
+        mesh = make_mesh(config.mesh_dim, dcn_mesh_dim=config.dcn_mesh_dim)
+    except UserError as e:
+        problems.append(str(e))
+    else:
+        shape = " ".join(f"{axis}={size}" for axis, size in mesh.shape.items())
+        dcn = f", --dcn_mesh_dim={config.dcn_mesh_dim}" if config.dcn_mesh_dim else ""
+        report.append(f"mesh: {shape} (--mesh_dim={config.mesh_dim}{dcn})")
+        data = config.train_dataset[f"{config.train_dataset.type}_dataset"]
+        shards = mesh.shape["dp"] * mesh.shape["fsdp"]
+        accumulate = config.optimizer.accumulate_gradient_steps
+        if data.batch_size % (shards * accumulate):
+            problems.append(
+                f"--train_dataset batch size {data.batch_size} must be a multiple of the "
+                f"dp*fsdp={shards} batch shards times --optimizer.accumulate_gradient_steps="
+                f"{accumulate}")
+        if data.batch_size % jax.process_count():
+            problems.append(f"--train_dataset batch size {data.batch_size} does not split "
+                            f"over the {jax.process_count()} processes")
+
+    cache = jax.config.jax_compilation_cache_dir
+    if cache:
+        why = _writable(cache)
+        if why:
+            problems.append(f"compilation cache: {why}")
+        else:
+            report.append(f"compilation cache: {cache} (writable)")
+    else:
+        report.append("compilation cache: off (set JAX_COMPILATION_CACHE_DIR to reuse "
+                      "compilations across runs)")
+    why = _writable(config.logger.output_dir)
+    if why:
+        problems.append(f"--logger.output_dir: {why}")
+    return report, problems
+
+
+def default_config():
+    from easylm.llama import train
+
+    return train.default_config()
+
+
+@exit_on_user_error
+def main(argv=None):
+    from easylm.llama import train
+
+    argv = argv or sys.argv
+    config, help_entries = default_config(), train.help_entries()
+    usage = "usage: python -m easylm.doctor [trainer flags]"
+    if flag_lib.wants_help(argv):
+        flag_lib.print_help_and_exit(config, help_entries, usage)
+    config = flag_lib.parse(config, help_entries, argv)
+    distributed.initialize(config.jax_distributed)
+    report, problems = check(config)
+    process = jax.process_index()
+    if process == 0:
+        print("\n".join(report))
+    prefix = f"[process {process}] " if process else ""
+    for line in problems:
+        print(f"{prefix}problem: {line}", file=sys.stderr)
+    if process == 0 and not problems:
+        print("no problems found")
+    sys.exit(1 if problems else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""easylm.doctor in one process (8 CPU devices): the report, and one line per
+problem with a non-zero exit. Several processes: tests/test_multihost.py."""
+
+import os
+import subprocess
+import sys
+
+import flax
+import jax
+import pytest
+
+from easylm import doctor
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_doctor(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        doctor.main(["doctor", *argv])
+    captured = capsys.readouterr()
+    return e.value.code, captured.out, captured.err
+
+
+def test_healthy_setup_exits_0(tmp_path, capsys):
+    code, out, err = run_doctor([f"--logger.output_dir={tmp_path}/runs"], capsys)
+    assert code == 0 and err == ""
+    lines = out.splitlines()
+    assert lines[0].startswith("python ")
+    assert f"| jax {jax.__version__} | jaxlib " in lines[0]
+    assert f"| flax {flax.__version__} |" in lines[0]
+    assert lines[1:] == [
+        "backend cpu: 8 cpu device(s), 1 process(es)",
+        "devices per process: 0: 8",
+        "all 1 process(es) joined; a sum over all 8 devices is correct",
+        "mesh: dp=1 fsdp=8 mp=1 (--mesh_dim=1,-1,1)",
+        "compilation cache: off (set JAX_COMPILATION_CACHE_DIR to reuse compilations across runs)",
+        "no problems found",
+    ]
+
+
+@pytest.mark.parametrize("argv, problems", [
+    (["--mesh_dim=3,1,1"], ["--mesh_dim='3,1,1': the product 3 does not match the 8 devices"]),
+    (["--mesh_dim=2,2,2", "--train_dataset.json_dataset.batch_size=6"],
+     ["--train_dataset batch size 6 must be a multiple of the dp*fsdp=4 batch shards times "
+      "--optimizer.accumulate_gradient_steps=1"]),
+    (["--dcn_mesh_dim=2,1,1", "--mesh_dim=1,4,1"],
+     ["--dcn_mesh_dim='2,1,1': the product 2 does not match the 1 processes"]),
+    (["--mesh_dim=1,1,1", "--logger.output_dir=/proc/easylm-runs"],
+     ["--mesh_dim='1,1,1': the product 1 does not match the 8 devices",
+      "--logger.output_dir: /proc is not writable (No such file or directory)"]),
+])
+def test_each_problem_is_one_line_and_exit_1(argv, problems, tmp_path, capsys):
+    if not any(a.startswith("--logger.output_dir") for a in argv):
+        argv = [*argv, f"--logger.output_dir={tmp_path}"]
+    code, out, err = run_doctor(argv, capsys)
+    assert code == 1
+    assert err.splitlines() == [f"problem: {p}" for p in problems]
+    assert "no problems found" not in out
+
+
+def test_unwritable_compilation_cache(tmp_path):
+    # A subprocess: the cache directory is read when jax starts.
+    result = subprocess.run(
+        [sys.executable, "-m", "easylm.doctor", f"--logger.output_dir={tmp_path}"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": REPO, "JAX_COMPILATION_CACHE_DIR": "/proc/easylm-cache"})
+    assert result.returncode == 1
+    assert result.stderr.splitlines()[-1] == (
+        "problem: compilation cache: /proc is not writable (No such file or directory)")
+
+
+def test_bad_flag_exits_2(capsys):
+    code, _, err = run_doctor(["--mesh_dimm=1,8,1"], capsys)
+    assert code == 2
+    assert err == "error: Unknown command line flag 'mesh_dimm'. Did you mean: mesh_dim ?\n"

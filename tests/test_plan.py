@@ -1,0 +1,124 @@
+"""easylm.plan: its estimate against XLA's own `memory_analysis()` of the compiled
+train step (8 CPU devices), and the fix it names when a run does not fit."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from easylm import flags, optimizers, plan, trainer
+from easylm.llama import train
+from easylm.sharding import BATCH_AXES, make_mesh
+
+# Two CPU-sized shapes with scanned layers (see plan.py on unscanned ones): attention
+# scores dominate A's activations (T=256 > D=128); projections and weights dominate B's.
+COMMON = ["--llama.base_model=debug", "--llama.scan_layers=True", "--llama.num_hidden_layers=4",
+          "--train_dataset.json_dataset.batch_size=32", "--plan.num_devices=8"]
+A = [*COMMON, "--llama.num_attention_heads=4", "--llama.num_key_value_heads=2",
+     "--train_dataset.json_dataset.seq_length=256"]
+B = [*COMMON, "--llama.hidden_size=256", "--llama.intermediate_size=768",
+     "--llama.num_attention_heads=4", "--llama.num_key_value_heads=4",
+     "--train_dataset.json_dataset.seq_length=64"]
+MIB = 2 ** 20
+
+
+def parse(*argv):
+    return flags.parse(plan.default_config(), {**train.help_entries(), **plan.HELP},
+                       ["plan", *argv])
+
+
+def compiled_bytes(config) -> int:
+    """Peak bytes per device of the train step as the trainer jits it, says XLA."""
+    model = train.build_model(config)
+    tx, schedule = optimizers.get_optimizer(config.optimizer)
+    mesh = make_mesh(config.mesh_dim)
+    data = config.train_dataset.json_dataset
+    with jax.set_mesh(mesh):
+        state = trainer.abstract_state(model, tx, mesh, config.seed)
+        state_shardings = jax.tree.map(lambda x: x.sharding, state)
+        batch_sharding = NamedSharding(mesh, P(BATCH_AXES))
+        batch = {name: jax.ShapeDtypeStruct((data.batch_size, data.seq_length), dtype,
+                                            sharding=batch_sharding)
+                 for name, dtype in (("input_tokens", jnp.int32), ("target_tokens", jnp.int32),
+                                     ("loss_masks", jnp.float32))}
+        step = jax.jit(trainer.make_train_step(model.loss_fn, tx, schedule, config.seed,
+                                               config.optimizer.accumulate_gradient_steps),
+                       in_shardings=(state_shardings, batch_sharding),
+                       out_shardings=(state_shardings, NamedSharding(mesh, P())),
+                       donate_argnums=(0,))
+        memory = step.lower(state, batch).compile().memory_analysis()
+    return (memory.argument_size_in_bytes + memory.output_size_in_bytes
+            - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
+
+
+@pytest.mark.parametrize("argv", [
+    [*B, "--mesh_dim=1,8,1"],                                        # fsdp, no remat
+    [*B, "--mesh_dim=8,1,1", "--llama.remat_policy=nothing_saveable"],  # dp, full remat
+    [*A, "--mesh_dim=1,8,1", "--llama.remat_policy=checkpoint_dots"],   # fsdp, attention-heavy
+    [*B, "--mesh_dim=1,4,2"],                                        # fsdp x mp
+], ids=["B-fsdp8-none", "B-dp8-nothing_saveable", "A-fsdp8-checkpoint_dots", "B-fsdp4-mp2-none"])
+def test_estimate_is_within_20_percent_of_xla(argv):
+    config = parse(*argv)
+    estimate = plan.estimate(config, train.build_model, num_devices=8)
+    measured = compiled_bytes(config)
+    print(f"{' '.join(argv[-2:])}: planned {estimate.total / MIB:.1f} MiB, "
+          f"XLA {measured / MIB:.1f} MiB, ratio {estimate.total / measured:.3f}")
+    assert 0.8 <= estimate.total / measured <= 1.2
+
+
+def run_plan(argv, capsys) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as e:
+        plan.main(["plan", *argv])
+    captured = capsys.readouterr()
+    return e.value.code, captured.out, captured.err
+
+
+@pytest.mark.parametrize("argv, budget_gib, fix", [
+    # Replicated parameters and Adam moments dominate: shard them.
+    ([*B, "--mesh_dim=8,1,1"], 0.08, ["--mesh_dim=1,8,1"]),
+    # Attention activations dominate (fsdp already): remat, the cheapest policy that fits.
+    ([*A, "--mesh_dim=1,8,1"], 0.05, ["--llama.remat_policy=checkpoint_dots_with_no_batch_dims"]),
+], ids=["more-fsdp", "remat"])
+def test_over_budget_names_the_fix_and_xla_agrees(argv, budget_gib, fix, capsys):
+    code, out, _ = run_plan([*argv, f"--plan.device_memory_gib={budget_gib}"], capsys)
+    assert code == 1
+    assert f"does NOT fit in {budget_gib * 1024:.1f} MiB" in out
+    match = re.search(r"^fix: (.*) -> [\d.]+ MiB per device$", out, re.MULTILINE)
+    assert match and match.group(1).split() == fix, out
+    # XLA agrees: the run as given does not fit, the fixed one does.
+    budget = budget_gib * 2 ** 30
+    assert compiled_bytes(parse(*argv)) > budget
+    assert compiled_bytes(parse(*argv, *fix)) <= budget
+
+
+def test_fits_and_hopeless(capsys):
+    code, out, _ = run_plan([*A, "--mesh_dim=1,8,1", "--plan.device_memory_gib=1"], capsys)
+    assert code == 0 and "fits in 1.00 GiB (10%)" in out and "fix:" not in out
+    code, out, _ = run_plan([*A, "--mesh_dim=1,8,1", "--plan.device_memory_gib=0.001"], capsys)
+    assert code == 1 and out.splitlines()[-1] == (
+        "nothing tried fits (more fsdp, remat, gradient accumulation, bf16 moments); use more "
+        "devices or a smaller model or sequence")
+
+
+def test_parameters_and_moments_are_exact():
+    # B with fsdp=8: matrices split 8 ways, norm weights replicated; Adam's m and v
+    # like the parameters (m in bf16 with bf16_momentum), plus a few int32 step counts.
+    matrices = 2 * 512 * 256 + 4 * (4 * 256 * 256 + 3 * 256 * 768)
+    norms = 4 * 2 * 256 + 256
+    parameters = 4 * (matrices // 8 + norms)
+    estimate = plan.estimate(parse(*B, "--mesh_dim=1,8,1"), train.build_model, num_devices=8)
+    assert estimate.parameters == parameters
+    assert 0 < estimate.optimizer - 2 * parameters <= 16
+    assert estimate.gradients == 2 * parameters
+    bf16 = plan.estimate(parse(*B, "--mesh_dim=1,8,1",
+                               "--optimizer.adamw_optimizer.bf16_momentum=True"),
+                         train.build_model, num_devices=8)
+    assert 0 < bf16.optimizer - 3 * parameters // 2 <= 16
+
+
+def test_bad_flags_are_one_line(capsys):
+    code, _, err = run_plan([*B, "--mesh_dim=1,8,1", "--plan.num_devices=6"], capsys)
+    assert code == 2
+    assert err == "error: --mesh_dim='1,8,1': the product 8 does not match the 6 devices\n"
