@@ -40,6 +40,9 @@ DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 HELP = {
     "seed": "random seed: parameter initialisation and the per-step RNG",
     "mesh_dim": "device mesh dp,fsdp,mp; one entry may be -1 (all remaining devices)",
+    "dcn_mesh_dim": "hybrid mesh: how TPU slices (GPU/CPU: processes) combine, dp,fsdp,mp; "
+                    "--mesh_dim then splits the devices of one slice/process (empty: flat mesh)",
+    "log_all_worker": "every process logs (metrics.process<i>.jsonl), not only process 0",
     "dtype": "compute dtype: bf16, fp16, fp32, or auto (bf16 on GPU/TPU, fp32 on CPU)",
     "param_dtype": "dtype the parameters (and their updates) are kept in",
     "total_steps": "number of optimizer updates to train for",
@@ -57,6 +60,8 @@ HELP = {
     "tokenizer": "'embedded', a tokenizer directory, a tokenizer.json or a SentencePiece .model",
     "peak_tflops": "peak TFLOP/s of one device for MFU (0: look the device up; unknown "
                    "devices such as CPUs report MFU as n/a)",
+    "compilation_cache_dir": "persistent XLA compilation cache: a second start of the same "
+                             "step skips compiling ('' to disable)",
     "skip_nonfinite_updates": "skip updates whose loss or gradient norm is NaN/Inf and count "
                               "them, instead of stopping the run",
 }
@@ -90,6 +95,7 @@ def get_default_config(dataset_config: ConfigDict | None = None) -> ConfigDict:
     config = ConfigDict()
     config.seed = 42
     config.mesh_dim = "1,-1,1"
+    config.dcn_mesh_dim = ""
     config.dtype = "auto"
     config.param_dtype = "fp32"
     config.total_steps = 10000
@@ -102,7 +108,9 @@ def get_default_config(dataset_config: ConfigDict | None = None) -> ConfigDict:
     config.resume = True
     config.tokenizer = "embedded"
     config.peak_tflops = 0.0
+    config.compilation_cache_dir = "~/.cache/easylm/jax"
     config.skip_nonfinite_updates = False
+    config.log_all_worker = False
     if dataset_config is not None:
         config.train_dataset = dataset_config
         config.eval_dataset = ConfigDict(dataset_config.to_dict())
@@ -214,6 +222,54 @@ def make_train_step(loss_fn, tx: optax.GradientTransformation, schedule, seed: i
     return train_step
 
 
+def jit_train_step(model: Model, tx, schedule, seed: int, accumulate_steps: int, state, mesh):
+    """The jitted train step, sharded like `state`, the batch over BATCH_AXES, state donated.
+    The trainer and `python -m easylm.bench train` both run this one."""
+    state_shardings = jax.tree.map(lambda x: x.sharding, state)
+    return jax.jit(
+        make_train_step(model.loss_fn, tx, schedule, seed, accumulate_steps),
+        in_shardings=(state_shardings, NamedSharding(mesh, P(BATCH_AXES))),
+        out_shardings=(state_shardings, NamedSharding(mesh, P())),
+        donate_argnums=(0,),
+    )
+
+
+def device_batch(batch: dict, mesh) -> dict:
+    """A host batch (numpy, this process's rows) as global arrays split over BATCH_AXES."""
+    from easylm.data import make_global_batch
+
+    return make_global_batch(batch, mesh)
+
+
+# XLA flags for GPU training: the latency-hiding scheduler overlaps collectives with
+# compute. Added on GPU hosts only, never over a flag the user set in XLA_FLAGS.
+GPU_XLA_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true",)
+
+
+def setup_compilation(cache_dir: str) -> None:
+    """Before the first compile: the persistent compilation cache (a second start of the
+    same step skips XLA compilation) and, on GPU hosts, GPU_XLA_FLAGS."""
+    if cache_dir:
+        cache_dir = os.path.expanduser(cache_dir)
+        jax.config.update("jax_compilation_cache_dir", cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    if _gpu_plugin_installed():
+        present = os.environ.get("XLA_FLAGS", "")
+        extra = [f for f in GPU_XLA_FLAGS if f.split("=")[0] not in present]
+        os.environ["XLA_FLAGS"] = " ".join([present, *extra]).strip()
+
+
+def _gpu_plugin_installed() -> bool:
+    """Whether jax's CUDA plugin is installed, decided without starting a backend (XLA
+    reads XLA_FLAGS when the backend starts, so the flags must be set before)."""
+    import importlib.util
+
+    if os.environ.get("JAX_PLATFORMS", "") == "cpu":
+        return False
+    return any(importlib.util.find_spec(name) is not None
+               for name in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12"))
+
+
 def make_eval_step(loss_fn):
     """`(params, batch, totals) -> totals`: LossSums added over eval batches."""
 
@@ -265,7 +321,8 @@ def run_directory(config: ConfigDict, model_name: str) -> str:
     experiment_id = config.logger.experiment_id
     if not experiment_id:
         flat = {k: v for k, v in flag_lib.flatten(config).items()
-                if k != "resume" and not k.startswith("logger.")}
+                if k not in ("resume", "log_all_worker")
+                and not k.startswith(("logger.", "jax_distributed."))}  # same on every host
         digest = hashlib.sha1(json.dumps(flat, sort_keys=True).encode()).hexdigest()[:8]
         experiment_id = f"{model_name}-{digest}"
     return checkpoint.absolute_path(os.path.join(config.logger.output_dir, experiment_id))
@@ -304,7 +361,8 @@ def _load_state(kind: str, directory: str, model: Model, tx, mesh, seed: int):
         return state, None
     # A checkpoint saved with --checkpointer.save_optimizer_state=False: resume the
     # step and the data, with a fresh optimizer.
-    print(f"note: {directory} has no optimizer state; the optimizer starts afresh")
+    if jax.process_index() == 0:
+        print(f"note: {directory} has no optimizer state; the optimizer starts afresh")
     items = checkpoint.restore_items(directory, {}, json_items=("data", "metadata"))
     step = int(items["metadata"]["step"])
     state = state.replace(step=jax.device_put(jnp.int32(step), state.step.sharding))
@@ -371,9 +429,10 @@ def train(config: ConfigDict, build_model: Callable[[ConfigDict], Model]) -> str
     """Train as `config` says; returns the final checkpoint's directory."""
     from easylm.tokenizer import load_tokenizer
 
+    setup_compilation(config.compilation_cache_dir)
     distributed.initialize(config.jax_distributed)
     _check_config(config)
-    mesh = make_mesh(config.mesh_dim)
+    mesh = make_mesh(config.mesh_dim, dcn_mesh_dim=config.dcn_mesh_dim)
     tokenizer = load_tokenizer(config.tokenizer)
     model = build_model(config)
     if model.vocab_size < len(tokenizer):
@@ -407,7 +466,8 @@ def train(config: ConfigDict, build_model: Callable[[ConfigDict], Model]) -> str
         if source is None:
             state, data_state = init_state(model, tx, mesh, config.seed), None
         else:
-            print(f"loading {source[0]}::{source[1]}")
+            if jax.process_index() == 0:
+                print(f"loading {source[0]}::{source[1]}")
             state, data_state = _load_state(*source, model, tx, mesh, config.seed)
         if data_state is not None:
             dataset.load_state_dict(data_state)
@@ -415,18 +475,13 @@ def train(config: ConfigDict, build_model: Callable[[ConfigDict], Model]) -> str
         state_shardings = jax.tree.map(lambda x: x.sharding, state)
         batch_sharding = NamedSharding(mesh, P(BATCH_AXES))
         replicated = NamedSharding(mesh, P())
-        train_step = jax.jit(
-            make_train_step(model.loss_fn, tx, schedule, config.seed, accumulate),
-            in_shardings=(state_shardings, batch_sharding),
-            out_shardings=(state_shardings, replicated),
-            donate_argnums=(0,),
-        )
+        train_step = jit_train_step(model, tx, schedule, config.seed, accumulate, state, mesh)
         eval_step = jax.jit(make_eval_step(model.loss_fn),
                             in_shardings=(state_shardings.params, batch_sharding, replicated),
                             out_shardings=replicated)
 
         log = logger.Logger(config.logger, run_dir, flag_lib.flatten(config),
-                            config.total_steps, start_step)
+                            config.total_steps, start_step, config.log_all_worker)
         batch_tokens = dataset.batch_size * dataset.seq_length
         flops_per_token = model.flops_per_token(dataset.seq_length)
         peak = flops.peak_flops_per_device(jax.devices()[0], config.peak_tflops)

@@ -1,0 +1,152 @@
+"""Benchmarks: `python -m easylm.bench {train,data,decode} [--flag=value ...]`.
+
+    train   the trainer's own jitted train step on synthetic tokens: warm-up steps,
+            then timed steps; prints one JSON line (tokens/s, step time, MFU, peak
+            device memory, compile time, versions, device).
+    data    the data pipeline against raw `tokenizers` batch encoding (easylm/data/bench.py)
+    decode  the serving engine's generated tokens/s (easylm/serving/bench.py)
+
+Example, the llama_1b shape on one GPU:
+
+    python -m easylm.bench train --llama.base_model=llama_1b --seq_length=2048 \
+        --batch_size=8 --dtype=bf16 --llama.attention=cudnn --llama.loss_chunk_size=1024
+"""
+
+import json
+import platform
+import sys
+import time
+
+import jax
+import numpy as np
+from ml_collections import ConfigDict
+
+from easylm import flags, flops, optimizers, trainer
+from easylm.errors import UserError, exit_on_user_error
+from easylm.sharding import make_mesh
+
+USAGE = "usage: python -m easylm.bench {train,data,decode} [--flag=value ...]"
+
+TRAIN_HELP = {
+    "seq_length": "tokens per row",
+    "batch_size": "rows per step (global)",
+    "warmup_steps": "steps run before timing (the first one compiles)",
+    "steps": "timed steps",
+    "mesh_dim": "dp,fsdp,mp; one entry may be -1",
+    "dtype": "compute dtype: auto, fp32, bf16, fp16",
+    "param_dtype": "parameter dtype: fp32, bf16, fp16",
+    "peak_tflops": "peak TFLOP/s per device for MFU (0: from the device table)",
+    "seed": "seed of the parameters and the synthetic tokens",
+    "compilation_cache_dir": "persistent compilation cache ('' to disable)",
+}
+
+
+def train_config() -> ConfigDict:
+    from easylm.llama.config import LLaMAConfig
+
+    config = ConfigDict()
+    config.seq_length = 128
+    config.batch_size = 8
+    config.warmup_steps = 2
+    config.steps = 5
+    config.mesh_dim = "1,-1,1"
+    config.dtype = "auto"
+    config.param_dtype = "fp32"
+    config.peak_tflops = 0.0
+    config.seed = 0
+    config.compilation_cache_dir = ""
+    config.llama = LLaMAConfig.get_default_config()
+    config.optimizer = optimizers.get_default_config()
+    return config
+
+
+def _train_help() -> dict:
+    from easylm.llama.config import LLAMA_PRESETS, LLaMAConfig
+
+    text = dict(TRAIN_HELP)
+    text["llama.base_model"] = f"preset: {', '.join(LLAMA_PRESETS)}"
+    text.update({f"llama.{f}": "override the preset's value" for f in LLaMAConfig.__dataclass_fields__})
+    text.update({f"optimizer.{k}": v for k, v in optimizers.HELP.items()})
+    return text
+
+
+def synthetic_batch(config: ConfigDict, vocab_size: int) -> dict:
+    rng = np.random.RandomState(config.seed)
+    tokens = rng.randint(0, vocab_size, (config.batch_size, config.seq_length + 1)).astype(np.int32)
+    return {"input_tokens": tokens[:, :-1], "target_tokens": tokens[:, 1:],
+            "loss_masks": np.ones((config.batch_size, config.seq_length), np.float32)}
+
+
+def bench_train(config: ConfigDict) -> dict:
+    from easylm.llama.train import build_model
+
+    if config.steps < 1 or config.warmup_steps < 1:
+        raise UserError("--steps and --warmup_steps must be >= 1 (the first warm-up step compiles)")
+    trainer.setup_compilation(config.compilation_cache_dir)
+    mesh = make_mesh(config.mesh_dim)
+    model = build_model(config)
+    tx, schedule = optimizers.get_optimizer(config.optimizer)
+    accumulate = config.optimizer.accumulate_gradient_steps
+    with jax.set_mesh(mesh):
+        state = trainer.init_state(model, tx, mesh, config.seed)
+        step = trainer.jit_train_step(model, tx, schedule, config.seed, accumulate, state, mesh)
+        batch = trainer.device_batch(synthetic_batch(config, model.vocab_size), mesh)
+        start = time.perf_counter()
+        compiled = step.lower(state, batch).compile()
+        compile_seconds = time.perf_counter() - start
+        for _ in range(config.warmup_steps):
+            state, metrics = compiled(state, batch)
+        jax.block_until_ready(metrics)
+        start = time.perf_counter()
+        for _ in range(config.steps):
+            state, metrics = compiled(state, batch)
+        loss = float(metrics["loss"])  # waits for the last step
+        seconds = (time.perf_counter() - start) / config.steps
+    tokens_per_second = config.batch_size * config.seq_length / seconds
+    peak = flops.peak_flops_per_device(jax.devices()[0], config.peak_tflops)
+    mfu = flops.mfu(model.flops_per_token(config.seq_length), tokens_per_second, peak, jax.device_count())
+    memory = jax.devices()[0].memory_stats() or {}
+    return {
+        "benchmark": "train",
+        "model": config.llama.base_model,
+        "parameters": sum(x.size for x in jax.tree.leaves(state.params)),
+        "seq_length": config.seq_length,
+        "batch_size": config.batch_size,
+        "mesh": dict(mesh.shape),
+        "tokens_per_second": round(tokens_per_second, 1),
+        "step_time_s": round(seconds, 5),
+        "mfu": None if mfu is None else round(mfu, 4),
+        "peak_memory_gb": round(memory["peak_bytes_in_use"] / 2**30, 3) if "peak_bytes_in_use" in memory else None,
+        "compile_time_s": round(compile_seconds, 2),
+        "final_loss": round(loss, 4),
+        "device": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
+        "versions": {"python": platform.python_version(), "jax": jax.__version__,
+                     "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__") else None},
+    }
+
+
+def _train_main(argv):
+    config = train_config()
+    usage = "usage: python -m easylm.bench train [--flag=value ...]"
+    if flags.wants_help(argv):
+        flags.print_help_and_exit(config, _train_help(), usage)
+    print(json.dumps(bench_train(flags.parse(config, _train_help(), argv))))
+
+
+@exit_on_user_error
+def main(argv=None):
+    argv = list(argv or sys.argv)
+    if len(argv) < 2 or argv[1] not in ("train", "data", "decode"):
+        raise UserError(f"expected a benchmark name, train, data or decode ({USAGE})")
+    name, rest = argv[1], [f"{argv[0]} {argv[1]}"] + argv[2:]
+    if name == "train":
+        return _train_main(rest)
+    if name == "data":
+        from easylm.data.bench import main as data_main
+    else:
+        from easylm.serving.bench import main as data_main
+    return data_main(rest)
+
+
+if __name__ == "__main__":
+    main()

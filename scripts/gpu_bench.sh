@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# All GPU measurements of issue 8 (train step) and issue 7 (decode) in one run, < 8 minutes
+# on one H200. Run from the repository root on the GPU machine, after
+#   bash ../shared/device/prepare_wheels.sh fastapi uvicorn   (here, fills .whl/; carry .whl)
+# with:  bash scripts/gpu_bench.sh 2>&1 | tee $OUT/gpu_bench.txt
+# Prints one JSON line per measurement; copy them into docs/benchmarks.md with the date.
+set -uo pipefail
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+export WANDB_MODE=offline
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+bench() { timeout "${T:-150}" python3 -m easylm.bench train "$@" --compilation_cache_dir=/tmp/jax-cache \
+            || echo "{\"failed\": \"$*\"}"; }
+shape="--llama.base_model=llama_1b --seq_length=2048 --batch_size=8 --dtype=bf16 --param_dtype=fp32"
+# Issue 8 acceptance 1: the llama_1b shape, the reference path and the optimised one.
+bench $shape --llama.attention=xla --steps=5
+bench $shape --llama.attention=cudnn --llama.loss_chunk_size=1024 --steps=10
+bench $shape --llama.attention=cudnn --llama.loss_chunk_size=1024 --llama.remat_policy=save_attention_out --steps=10
+bench $shape --llama.attention=cudnn --llama.loss_chunk_size=1024 --llama.scan_layers=True --steps=10
+# Issue 8 acceptance 2: llama3_8b shape, seq 4096, bf16 parameters and moments.
+T=200 bench --llama.base_model=llama3_8b --seq_length=4096 --batch_size=2 --dtype=bf16 --param_dtype=bf16 \
+  --optimizer.adamw_optimizer.bf16_momentum=True --llama.attention=cudnn --llama.loss_chunk_size=1024 \
+  --llama.remat_policy=checkpoint_dots_with_no_batch_dims --llama.scan_layers=True --steps=3
+# Issue 8 acceptance 3: cold compile of llama_7b scanned, then a warm start from the cache.
+rm -rf /tmp/jax-cache-7b
+for run in cold warm; do
+  T=200 timeout 200 python3 -m easylm.bench train --llama.base_model=llama_7b --seq_length=2048 --batch_size=1 \
+    --dtype=bf16 --param_dtype=bf16 --llama.scan_layers=True --llama.remat_policy=nothing_saveable \
+    --llama.attention=cudnn --steps=1 --warmup_steps=1 --compilation_cache_dir=/tmp/jax-cache-7b \
+    | sed "s/^/$run: /"
+done
+# Issue 7 acceptance 6: decode throughput at batch 1, 16, 64 (llama_1b, bf16, prompt 128, 256 new).
+timeout 150 python3 -m easylm.bench decode --llama.base_model=llama_1b --dtype=bf16 \
+  --batch_sizes=1,16,64 --prompt_length=128 --new_tokens=256 || echo '{"failed": "decode"}'

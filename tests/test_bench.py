@@ -1,0 +1,31 @@
+import json
+import os
+import subprocess
+import sys
+
+
+def run_bench(*flags):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-m", "easylm.bench", *flags], capture_output=True,
+                          text=True, env=env, timeout=300)
+
+
+def test_train_bench_prints_one_json_line_and_fills_the_compilation_cache(tmp_path):
+    cache = tmp_path / "cache"
+    result = run_bench("train", "--seq_length=32", "--batch_size=8", "--steps=2", "--mesh_dim=2,2,2",
+                       "--llama.loss_chunk_size=16", f"--compilation_cache_dir={cache}")
+    assert result.returncode == 0, result.stderr
+    row = json.loads(result.stdout.strip().splitlines()[-1])
+    assert row["benchmark"] == "train" and row["mesh"] == {"dp": 2, "fsdp": 2, "mp": 2}
+    assert row["tokens_per_second"] > 0 and row["step_time_s"] > 0 and row["compile_time_s"] > 0
+    assert row["mfu"] is None  # CPUs have no peak in the table
+    assert 5.0 < row["final_loss"] < 7.0  # ~ln(512) for random tokens
+    assert any(cache.iterdir())  # the compiled step was stored for the next start
+
+
+def test_bench_bad_input():
+    result = run_bench("train", "--steps=0")
+    assert result.returncode == 2
+    assert result.stderr.strip() == "error: --steps and --warmup_steps must be >= 1 (the first warm-up step compiles)"
+    result = run_bench("speed")
+    assert result.returncode == 2 and result.stderr.startswith("error: expected a benchmark name")
