@@ -16,7 +16,8 @@ from easylm.sharding import BATCH_AXES, make_mesh
 # scores dominate A's activations (T=256 > D=128); projections and weights dominate B's.
 COMMON = ["--llama.base_model=debug", "--llama.scan_layers=True", "--llama.num_hidden_layers=4",
           "--train_dataset.json_dataset.batch_size=32", "--plan.num_devices=8"]
-A = [*COMMON, "--llama.num_attention_heads=4", "--llama.num_key_value_heads=2",
+A = [*COMMON, "--llama.hidden_size=128", "--llama.intermediate_size=384",
+     "--llama.num_attention_heads=4", "--llama.num_key_value_heads=2",
      "--train_dataset.json_dataset.seq_length=256"]
 B = [*COMMON, "--llama.hidden_size=256", "--llama.intermediate_size=768",
      "--llama.num_attention_heads=4", "--llama.num_key_value_heads=4",

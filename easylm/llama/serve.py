@@ -1,0 +1,164 @@
+"""Serve a LLaMA model over HTTP: `python -m easylm.llama.serve [--flag=value ...]`.
+
+    python -m easylm.llama.serve --load_checkpoint=params::DIR --tokenizer=embedded
+    python -m easylm.llama.serve --load_checkpoint=hf::DIR --tokenizer=DIR --mesh_dim=1,1,-1
+
+The model shape comes from the checkpoint (its metadata, or config.json for
+`hf::`); `--llama.*` flags override fields. All flags: `--help`. The API and the
+chat page are described in docs/serving.md.
+"""
+
+import logging
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+from ml_collections import ConfigDict
+
+from easylm import flags as flag_lib
+from easylm.errors import UserError, exit_on_user_error
+from easylm.llama.config import LLaMAConfig
+from easylm.llama.model import CACHE_PARTITION_RULES, PARTITION_RULES, LLaMAForCausalLM
+from easylm.serving import engine as engine_lib
+from easylm.serving import server as server_lib
+from easylm.serving.batcher import Batcher
+from easylm.serving.engine import ModelFns
+from easylm.sharding import init_sharded, make_mesh, match_partition_rules, named_shardings
+from easylm.trainer import dtype_from_flag
+
+
+def llama_model_fns(config: LLaMAConfig, dtype=jnp.float32, param_dtype=jnp.float32):
+    """(ModelFns for the serving engine, the Flax module)."""
+    model = LLaMAForCausalLM(config, dtype=dtype, param_dtype=param_dtype)
+
+    def apply(params, ids, positions, cache):
+        return model.apply({"params": params}, ids, positions=positions, cache=cache)
+
+    return ModelFns(apply=apply, init_cache=model.init_cache, cache_rules=CACHE_PARTITION_RULES,
+                    vocab_size=config.vocab_size), model
+
+
+def default_config() -> ConfigDict:
+    """One flat tree: the entry point's own flags, the engine's and the server's, and --llama.*."""
+    config = ConfigDict()
+    config.load_checkpoint = ""
+    config.tokenizer = "embedded"
+    config.mesh_dim = "1,1,-1"
+    config.dtype = "auto"
+    config.update(engine_lib.get_default_config())
+    config.update(server_lib.get_default_config())
+    config.llama = LLaMAConfig.get_default_config()
+    return config
+
+
+def help_entries() -> dict:
+    entries = {
+        "load_checkpoint": "params::DIR, trainstate::DIR, trainstate_params::DIR (easylm "
+                           "checkpoints) or hf::DIR (a Hugging Face model directory); empty: "
+                           "random weights, for trying the server out",
+        "tokenizer": "'embedded', a tokenizer directory, a tokenizer.json or a SentencePiece .model",
+        "mesh_dim": "device mesh dp,fsdp,mp; one entry may be -1 (default: all devices on mp)",
+        "dtype": "compute and parameter dtype: bf16, fp16, fp32, or auto (bf16 on GPU/TPU, "
+                 "fp32 on CPU)",
+        "llama.base_model": "preset, used when the checkpoint does not record its config",
+        **engine_lib.HELP, **server_lib.HELP,
+    }
+    for field in LLaMAConfig.__dataclass_fields__:
+        entries[f"llama.{field}"] = "override the checkpoint's (or preset's) value"
+    return entries
+
+
+def model_config(config: ConfigDict) -> LLaMAConfig:
+    """The checkpoint's own model config when it records one, else the preset; then the
+    --llama.* fields given on the command line."""
+    overrides = {k: v for k, v in config.llama.items() if k != "base_model" and v is not None}
+    prefix, _, path = config.load_checkpoint.partition("::")
+    recorded = None
+    if prefix == "hf":
+        from easylm.llama.convert_hf_to_easylm import read_hf_config
+
+        recorded = read_hf_config(path).to_dict()
+    elif config.load_checkpoint:
+        from easylm import checkpoint
+
+        _, directory = checkpoint.parse_load_spec(config.load_checkpoint)
+        if os.path.isdir(os.path.join(directory, "metadata")):
+            metadata = checkpoint.read_metadata(directory)
+            # The trainer records `model_config`, the HF converter `llama_config`.
+            recorded = metadata.get("model_config") or metadata.get("llama_config")
+    if recorded is None:
+        llama = LLaMAConfig.from_flags(config.llama)
+    else:
+        llama = LLaMAConfig(**{**recorded, **overrides})
+    return llama.replace(remat_policy="none")  # remat only matters for gradients
+
+
+def load_params(config: ConfigDict, model: LLaMAForCausalLM, mesh):
+    """Parameters placed on `mesh` by PARTITION_RULES, cast to the serving dtype."""
+    shapes = jax.eval_shape(model.init_params, jax.random.PRNGKey(0))
+    shardings = named_shardings(mesh, match_partition_rules(PARTITION_RULES, shapes))
+    dtype = model.param_dtype
+    if not config.load_checkpoint:
+        logging.warning("no --load_checkpoint: serving RANDOM weights")
+        params = init_sharded(model.init_params, PARTITION_RULES, mesh, jax.random.PRNGKey(0))
+        return jax.tree.map(lambda x: x.astype(dtype), params)
+    prefix, _, path = config.load_checkpoint.partition("::")
+    if prefix == "hf":
+        from easylm.llama.convert_hf_to_easylm import load_hf_params
+
+        _, host_params = load_hf_params(path, scan_layers=model.config.scan_layers)
+        return jax.tree.map(lambda x, s: jax.device_put(x.astype(dtype), s), host_params, shardings)
+    from easylm import checkpoint
+
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, dtype, sharding=s),
+                            shapes, shardings)
+    return checkpoint.load_params(config.load_checkpoint, abstract)
+
+
+def build(config: ConfigDict):
+    """(FastAPI app, batcher) from a parsed flag tree; the batcher thread is started."""
+    from easylm.tokenizer import load_tokenizer
+
+    llama = model_config(config)
+    dtype = dtype_from_flag("dtype", config.dtype)
+    tokenizer = load_tokenizer(config.tokenizer)
+    if len(tokenizer) > llama.vocab_size:
+        raise UserError(f"--tokenizer={config.tokenizer!r} has {len(tokenizer)} tokens but the "
+                        f"model's vocabulary has {llama.vocab_size}")
+    if config.seq_length == 0:
+        config.seq_length = min(llama.max_position_embeddings, 2048)
+    if config.seq_length > llama.max_position_embeddings:
+        raise UserError(f"--seq_length={config.seq_length} is above the model's "
+                        f"max_position_embeddings={llama.max_position_embeddings}")
+    engine_lib.check_config(config)
+    mesh = make_mesh(config.mesh_dim)
+    fns, model = llama_model_fns(llama, dtype, dtype)
+    params = load_params(config, model, mesh)
+    engine = engine_lib.Engine(config, fns, params, mesh)
+    if config.pre_compile:
+        start = time.time()
+        engine.warmup()
+        logging.info("pre-compiled %d prompt buckets in %.1fs", len(engine.length_buckets),
+                     time.time() - start)
+    stop_ids = {i for i in (tokenizer.eos_token_id, llama.eos_token_id) if i is not None}
+    batcher = Batcher(engine, stop_ids).start()
+    service = server_lib.Service(config, batcher, tokenizer)
+    return server_lib.create_app(service), batcher
+
+
+@exit_on_user_error
+def main(argv=None):
+    argv = argv or sys.argv
+    usage = "usage: python -m easylm.llama.serve [--flag=value ...]"
+    if flag_lib.wants_help(argv):
+        flag_lib.print_help_and_exit(default_config(), help_entries(), usage)
+    config = flag_lib.parse(default_config(), help_entries(), argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    app, _ = build(config)
+    server_lib.run(app, config)
+
+
+if __name__ == "__main__":
+    main()

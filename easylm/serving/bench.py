@@ -1,0 +1,163 @@
+"""Decode throughput: generated tokens/s of the serving engine at several batch sizes.
+
+    python -m easylm.bench decode --llama.base_model=debug --batch_sizes=1,16,64 \
+        --prompt_length=128 --new_tokens=256
+
+Each batch size gets its own engine with exactly that many slots; every slot is
+given a random prompt and generates new_tokens greedily (no stop tokens), through
+the same batcher the server uses (detokenization included). A first run compiles
+and is not timed. With --hf (default on CPU), Hugging Face transformers'
+`generate` with a static cache runs the same weights on the same prompts in the
+same process, and the table shows the ratio.
+"""
+
+import json
+import sys
+import time
+
+import jax
+import numpy as np
+from ml_collections import ConfigDict
+
+from easylm import flags as flag_lib
+from easylm.errors import UserError, exit_on_user_error
+from easylm.llama.config import LLaMAConfig
+from easylm.llama.model import PARTITION_RULES
+from easylm.serving import engine as engine_lib
+from easylm.serving.batcher import Batcher, SamplingParams
+from easylm.sharding import init_sharded, make_mesh
+
+HELP = {
+    "batch_sizes": "comma-separated batch sizes (decode slots) to measure",
+    "prompt_length": "prompt tokens per request",
+    "new_tokens": "tokens generated per request",
+    "decode_steps": "tokens decoded per device call",
+    "dtype": "bf16, fp16, fp32, or auto (bf16 on GPU/TPU, fp32 on CPU)",
+    "mesh_dim": "device mesh dp,fsdp,mp",
+    "hf": "also time HF transformers generate (static cache) on CPU: auto, true, false",
+}
+
+
+def default_config() -> ConfigDict:
+    config = ConfigDict()
+    config.batch_sizes = "1,16,64"
+    config.prompt_length = 128
+    config.new_tokens = 256
+    config.decode_steps = 8
+    config.dtype = "auto"
+    config.mesh_dim = "1,1,-1"
+    config.hf = "auto"
+    config.llama = LLaMAConfig.get_default_config()
+    return config
+
+
+def engine_tokens_per_second(llama: LLaMAConfig, params, batch: int, config, tokenizer,
+                             prompts, mesh, dtype) -> float:
+    from easylm.llama.serve import llama_model_fns
+
+    fns, _ = llama_model_fns(llama, dtype, dtype)
+    engine = engine_lib.Engine(
+        {"batch_size": batch, "seq_length": config.prompt_length + config.new_tokens,
+         "decode_steps": config.decode_steps, "min_bucket": config.prompt_length},
+        fns, params, mesh)
+    batcher = Batcher(engine).start()
+    greedy = SamplingParams(max_tokens=config.new_tokens, temperature=0.0)
+    try:
+        batcher.generate(prompts, greedy, tokenizer)  # compile
+        start = time.perf_counter()
+        gens = batcher.generate(prompts, greedy, tokenizer)
+        elapsed = time.perf_counter() - start
+    finally:
+        batcher.stop()
+    assert all(len(g.tokens) == config.new_tokens for g in gens)
+    return batch * config.new_tokens / elapsed
+
+
+def hf_tokens_per_second(hf_model, prompts, new_tokens: int) -> float:
+    import torch
+
+    ids = torch.tensor(prompts)
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                  cache_implementation="static", pad_token_id=0)
+    with torch.no_grad():
+        hf_model.generate(ids, **kwargs)  # warm-up, as for the engine
+        start = time.perf_counter()
+        out = hf_model.generate(ids, **kwargs)
+        elapsed = time.perf_counter() - start
+    assert out.shape[1] == ids.shape[1] + new_tokens
+    return len(prompts) * new_tokens / elapsed
+
+
+def run(config: ConfigDict) -> list[dict]:
+    from easylm.llama.hf_weights import to_hf
+    from easylm.llama.serve import llama_model_fns
+    from easylm.tokenizer import load_tokenizer
+    from easylm.trainer import dtype_from_flag
+
+    llama = LLaMAConfig.from_flags(config.llama).replace(remat_policy="none")
+    try:
+        batch_sizes = [int(b) for b in config.batch_sizes.split(",")]
+    except ValueError:
+        raise UserError(f"--batch_sizes={config.batch_sizes!r} must be comma-separated integers")
+    if config.prompt_length + config.new_tokens > llama.max_position_embeddings:
+        raise UserError(f"--prompt_length + --new_tokens = "
+                        f"{config.prompt_length + config.new_tokens} is above the model's "
+                        f"max_position_embeddings={llama.max_position_embeddings}")
+    dtype = dtype_from_flag("dtype", config.dtype)
+    use_hf = {"auto": jax.default_backend() == "cpu", "true": True, "false": False}.get(config.hf)
+    if use_hf is None:
+        raise UserError(f"--hf={config.hf!r} is not one of auto, true, false")
+    mesh = make_mesh(config.mesh_dim)
+    _, model = llama_model_fns(llama, dtype, dtype)
+    params = init_sharded(model.init_params, PARTITION_RULES, mesh, jax.random.PRNGKey(0))
+    params = jax.tree.map(lambda x: x.astype(dtype), params)
+    hf_model = None
+    if use_hf:
+        import torch
+        from transformers import LlamaForCausalLM
+
+        hf_model = LlamaForCausalLM(llama.to_hf_config()).eval()
+        state = {k: torch.from_numpy(np.array(v, np.float32)) for k, v in to_hf(params, llama)}
+        hf_model.load_state_dict(state, strict=False)  # tied models list lm_head twice
+        hf_model.generation_config.eos_token_id = None
+    tokenizer = load_tokenizer("embedded")
+    rows = []
+    for batch in batch_sizes:
+        prompts = np.random.RandomState(batch).randint(
+            3, llama.vocab_size, (batch, config.prompt_length)).tolist()
+        row = {"batch": batch, "easylm_tokens_per_s": engine_tokens_per_second(
+            llama, params, batch, config, tokenizer, prompts, mesh, dtype)}
+        if hf_model is not None:
+            row["hf_tokens_per_s"] = hf_tokens_per_second(hf_model, prompts, config.new_tokens)
+            row["ratio"] = row["easylm_tokens_per_s"] / row["hf_tokens_per_s"]
+        rows.append(row)
+        print(format_row(row), flush=True)
+    return rows
+
+
+def format_row(row: dict) -> str:
+    text = f"batch {row['batch']:>4}: easylm {row['easylm_tokens_per_s']:>10,.0f} tokens/s"
+    if "hf_tokens_per_s" in row:
+        text += f"   HF static cache {row['hf_tokens_per_s']:>10,.0f} tokens/s   ratio {row['ratio']:.2f}x"
+    return text
+
+
+@exit_on_user_error
+def main(argv=None):
+    argv = argv or sys.argv
+    usage = "usage: python -m easylm.bench decode [--flag=value ...]"
+    help_text = {**HELP, "llama.base_model": "preset of the model shape"}
+    if flag_lib.wants_help(argv):
+        flag_lib.print_help_and_exit(default_config(), help_text, usage)
+    config = flag_lib.parse(default_config(), help_text, argv)
+    device = f"{jax.devices()[0].device_kind} ({jax.default_backend()})"
+    print(f"decode benchmark on {device}: {config.llama.base_model}, prompt "
+          f"{config.prompt_length}, {config.new_tokens} new tokens, dtype {config.dtype}")
+    rows = run(config)
+    # One JSON line too, like `python -m easylm.bench train`, for scripts.
+    print(json.dumps({"benchmark": "decode", "device": device, "flags": flag_lib.flatten(config),
+                      "results": rows}))
+
+
+if __name__ == "__main__":
+    main()

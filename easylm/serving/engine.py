@@ -1,0 +1,281 @@
+"""The device side of serving: weights, a preallocated key/value cache, and three jitted calls.
+
+    prefill  run prompts (n rows, bucketed length T) and write their keys/values
+             into cache rows ("slots"); draw each row's first new token
+    decode   C steps for all B slots at once, each slot at its own position
+    score    a full forward over (n, T) tokens: log-probabilities of given targets
+
+Which request sits in which slot is `batcher.py`'s business; this file only
+runs arrays. The cache is sharded like training activations (batch over
+('dp', 'fsdp'), heads over 'mp'), so a model that needs 'mp' to fit serves too.
+
+Model-agnostic: a model family supplies `ModelFns` (see `easylm/llama/serve.py`).
+
+Shapes: B slots, S cache positions (seq_length), n rows of one prefill or score
+call, T bucketed length, C decode steps per call, V vocabulary, N top logprobs.
+"""
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from ml_collections import ConfigDict
+
+from easylm.errors import UserError
+from easylm.serving.sampling import TOP_LOGPROBS, next_tokens
+from easylm.sharding import match_partition_rules
+
+HELP = {
+    "batch_size": "decode slots: requests generated concurrently (continuous batching)",
+    "seq_length": "context length served (prompt plus new tokens, per request); 0: the "
+                  "model's max_position_embeddings, at most 2048",
+    "decode_steps": "tokens decoded per device call between scheduling decisions",
+    "min_bucket": "shortest prompt-length bucket; buckets double up to seq_length",
+    "pre_compile": "compile every prefill/score bucket and the decode step at start",
+}
+
+
+def get_default_config(updates=None) -> ConfigDict:
+    config = ConfigDict()
+    config.batch_size = 8
+    config.seq_length = 0
+    config.decode_steps = 8
+    config.min_bucket = 16
+    config.pre_compile = False
+    if updates is not None:
+        config.update(ConfigDict(updates).copy_and_resolve_references())
+    return config
+
+
+def check_config(config: ConfigDict):
+    for name in ("batch_size", "seq_length", "decode_steps", "min_bucket"):
+        if config[name] < 1:
+            raise UserError(f"--{name} must be >= 1, got {config[name]}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFns:
+    """What the engine needs from a model family.
+
+    apply(params, ids (n, T), positions (n, T) or None, cache or None)
+        -> logits (n, T, V), or (logits, cache) when a cache is given.
+    init_cache(batch, length) -> a pytree of zeros, keys/values with axes (..., B, S, K, H).
+    cache_rules: partition rules for the cache leaves (`easylm.sharding` format).
+    """
+
+    apply: Callable
+    init_cache: Callable
+    cache_rules: Any
+    vocab_size: int
+
+
+def buckets(largest: int, smallest: int) -> list[int]:
+    """smallest, 2*smallest, ... below largest, then largest."""
+    out, size = [], max(1, smallest)
+    while size < largest:
+        out.append(size)
+        size *= 2
+    return out + [largest]
+
+
+def bucket_for(length: int, sizes: list[int]) -> int:
+    return next(size for size in sizes if size >= length)
+
+
+def fitted_spec(spec: P, shape, mesh) -> P:
+    """`spec` with the mesh axes a dimension cannot be split over dropped (batch 1 on 8 devices)."""
+    dims = []
+    for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+        names = axes if isinstance(axes, tuple) else (axes,)
+        size = math.prod(mesh.shape[a] for a in names if a is not None)
+        dims.append(axes if dim % size == 0 else None)
+    return P(*dims)
+
+
+@dataclasses.dataclass
+class Sampling:
+    """Per-row sampling settings as host arrays, one entry per row: (rows,)."""
+
+    keys: np.ndarray  # (rows, 2) uint32
+    temperature: np.ndarray  # float32, 0 = greedy
+    top_k: np.ndarray  # int32, 0 = off
+    top_p: np.ndarray  # float32, 1 = off
+
+    @classmethod
+    def empty(cls, rows: int) -> "Sampling":
+        return cls(np.zeros((rows, 2), np.uint32), np.zeros(rows, np.float32),
+                   np.zeros(rows, np.int32), np.ones(rows, np.float32))
+
+    def pad(self, rows: int) -> "Sampling":
+        extra = rows - len(self.temperature)
+        pad = Sampling.empty(extra)
+        return Sampling(*(np.concatenate([a, b]) for a, b in
+                          zip(dataclasses.astuple(self), dataclasses.astuple(pad))))
+
+    def arrays(self):
+        # Copies: the batcher edits its arrays while an asynchronous call may still read them.
+        return tuple(np.array(a) for a in (self.keys, self.temperature, self.top_k, self.top_p))
+
+
+def _prefill(model: ModelFns, params, state, tokens, lengths, slots, keys,
+             temperature, top_k, top_p):
+    cache, last, slot_positions = state
+    n, T = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (n, T))
+    # A fresh T-long cache: the prompt attends over T keys, not S, then lands in its slots.
+    logits, fresh = model.apply(params, tokens, positions, model.init_cache(n, T))
+    out = next_tokens(logits[jnp.arange(n), lengths - 1], keys, lengths, temperature, top_k, top_p)
+    # Padding rows carry slot index B, out of range, and are dropped.
+    cache = jax.tree.map(lambda c, f: c.at[..., slots, :T, :, :].set(f, mode="drop"), cache, fresh)
+    last = last.at[slots].set(out[0], mode="drop")
+    slot_positions = slot_positions.at[slots].set(lengths, mode="drop")
+    # A leading step axis, like decode's outputs: (1, n, ...).
+    return (cache, last, slot_positions), tuple(x[None] for x in out)
+
+
+def _decode(model: ModelFns, steps: int, params, state, keys, temperature,
+            top_k, top_p):
+    cache, tokens, positions = state
+    S = jax.tree.leaves(cache)[0].shape[-3]
+
+    def step(carry, _):
+        cache, tokens, positions = carry  # tokens (B,): the last token, not yet in the cache
+        at = jnp.minimum(positions, S - 1)[:, None]  # finished slots may run past the end
+        logits, cache = model.apply(params, tokens[:, None], at, cache)
+        out = next_tokens(logits[:, 0], keys, positions + 1, temperature, top_k, top_p)
+        return (cache, out[0], positions + 1), out
+
+    state, outs = jax.lax.scan(step, state, None, length=steps)
+    return state, outs  # outs: (C, B, ...)
+
+
+def _score(model: ModelFns, params, tokens, targets):
+    logits = model.apply(params, tokens, None, None).astype(jnp.float32)  # (n, T, V)
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    target_logprobs = jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]
+    is_greedy = jnp.argmax(logits, axis=-1) == targets
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, min(TOP_LOGPROBS, logits.shape[-1]))
+    return target_logprobs, is_greedy, top_ids, top_logprobs
+
+
+class Engine:
+    """Holds params and the slots' device state; called from one thread (the batcher's).
+
+    The state is (cache, each slot's last token (B,), its position (B,)) and stays on
+    the device: prefill and decode only dispatch work and return their outputs as
+    device arrays (`fetch` brings them over), so the host can prepare the next call
+    while the device runs this one.
+    """
+
+    def __init__(self, config: ConfigDict, model: ModelFns, params, mesh=None):
+        self.config = config = get_default_config(config)
+        check_config(config)
+        self.model, self.params, self.mesh = model, params, mesh
+        self.batch_size, self.seq_length = config.batch_size, config.seq_length
+        self.length_buckets = buckets(config.seq_length, config.min_bucket)
+        self.row_buckets = buckets(config.batch_size, 1)
+        B, S = self.batch_size, self.seq_length
+
+        def init_state():  # (cache, each slot's last token, its position)
+            return model.init_cache(B, S), jnp.zeros(B, jnp.int32), jnp.zeros(B, jnp.int32)
+
+        if mesh is None:
+            self.state_shardings = None
+            self.state = jax.jit(init_state)()
+        else:
+            # The state is created with the shardings the calls return, so that the
+            # first call's inputs look like every later call's: one compile each.
+            shapes = jax.eval_shape(lambda: model.init_cache(B, S))
+            specs = match_partition_rules(model.cache_rules, shapes)
+            cache_shardings = jax.tree.map(
+                lambda spec, s: NamedSharding(mesh, fitted_spec(spec, s.shape, mesh)),
+                specs, shapes, is_leaf=lambda x: isinstance(x, P))
+            replicated = NamedSharding(mesh, P())
+            self.state_shardings = (cache_shardings, replicated, replicated)
+            with jax.set_mesh(mesh):
+                self.state = jax.jit(init_state, out_shardings=self.state_shardings)()
+        # Calls return the state with exactly the shardings it came in with (and small
+        # replicated outputs), so the donated buffers are reused and nothing recompiles.
+        out_shardings = {} if mesh is None else {
+            "out_shardings": (self.state_shardings, NamedSharding(mesh, P()))}
+        self._prefill_fn = jax.jit(functools.partial(_prefill, model), donate_argnums=(1,),
+                                   **out_shardings)
+        self._decode_fn = jax.jit(functools.partial(_decode, model, config.decode_steps),
+                                  donate_argnums=(1,), **out_shardings)
+        self._score_fn = jax.jit(functools.partial(_score, model))
+
+    def _run(self, fn, *args):
+        if self.mesh is None:
+            return fn(*args)
+        with jax.set_mesh(self.mesh):
+            return fn(*args)
+
+    @property
+    def cache(self):
+        return self.state[0]
+
+    @staticmethod
+    def fetch(out) -> tuple[np.ndarray, ...]:
+        """Device outputs -> host arrays (waits for the call that makes them)."""
+        return tuple(np.asarray(x) for x in jax.device_get(out))
+
+    def prefill(self, prompts: list[list[int]], slots: list[int], sampling: Sampling):
+        """Write prompts into `slots` and draw their first tokens. Returns device arrays,
+        rows padded to a bucket: tokens (1, n), logprobs (1, n), top ids and logprobs (1, n, N)."""
+        n = len(prompts)
+        rows = bucket_for(n, self.row_buckets)
+        T = bucket_for(max(len(p) for p in prompts), self.length_buckets)
+        tokens = np.zeros((rows, T), np.int32)
+        lengths = np.ones(rows, np.int32)
+        for i, prompt in enumerate(prompts):
+            tokens[i, :len(prompt)] = prompt
+            lengths[i] = len(prompt)
+        slot_ids = np.full(rows, self.batch_size, np.int32)
+        slot_ids[:n] = slots
+        self.state, out = self._run(self._prefill_fn, self.params, self.state, tokens, lengths,
+                                    slot_ids, *sampling.pad(rows).arrays())
+        return out
+
+    def decode(self, sampling: Sampling):
+        """decode_steps tokens for every slot, as device arrays: tokens (C, B),
+        logprobs (C, B), top ids and logprobs (C, B, N)."""
+        self.state, out = self._run(self._decode_fn, self.params, self.state, *sampling.arrays())
+        return out
+
+    def score(self, tokens: list[list[int]], targets: list[list[int]]):
+        """Per row: target log-probabilities (len,), greedy flags (len,), top ids and
+        top log-probabilities (len, N), for rows of up to seq_length tokens."""
+        results = []
+        for start in range(0, len(tokens), self.batch_size):
+            chunk_tokens = tokens[start:start + self.batch_size]
+            chunk_targets = targets[start:start + self.batch_size]
+            rows = bucket_for(len(chunk_tokens), self.row_buckets)
+            T = bucket_for(max(len(t) for t in chunk_tokens), self.length_buckets)
+            ids = np.zeros((rows, T), np.int32)
+            tgt = np.zeros((rows, T), np.int32)
+            for i, (row, target) in enumerate(zip(chunk_tokens, chunk_targets)):
+                ids[i, :len(row)], tgt[i, :len(target)] = row, target
+            out = jax.device_get(self._run(self._score_fn, self.params, ids, tgt))
+            for i, row in enumerate(chunk_tokens):
+                results.append(tuple(np.asarray(x)[i, :len(row)] for x in out))
+        return results
+
+    def warmup(self):
+        """Compile every bucket now rather than on the first request that needs it."""
+        for rows in self.row_buckets:
+            for T in self.length_buckets:
+                # Slot index B: the writes are dropped, the cache stays as it is.
+                tokens = np.zeros((rows, T), np.int32)
+                slots = np.full(rows, self.batch_size, np.int32)
+                self.state, _ = self._run(self._prefill_fn, self.params, self.state, tokens,
+                                          np.ones(rows, np.int32), slots,
+                                          *Sampling.empty(rows).arrays())
+                self.score([[0] * T] * rows, [[0] * T] * rows)
+        # Decoding writes garbage into idle slots, which nothing reads: each slot's
+        # positions are written again before its queries can see them.
+        jax.block_until_ready(self.decode(Sampling.empty(self.batch_size)))

@@ -1,0 +1,301 @@
+"""OpenAI-compatible endpoints: /v1/models, /v1/completions, /v1/chat/completions.
+
+What clients rely on is supported: several prompts, string or token-id prompts,
+`stream` (server-sent events, with `stream_options.include_usage`), `stop`,
+`seed`, `logprobs`, and `echo` with `max_tokens` 0 or 1, which
+lm-evaluation-harness's `local-completions` uses to score log-likelihoods.
+`top_k` is accepted as an extension. Options that would change the output but
+are not implemented (n > 1, penalties, logit_bias) are 400 errors, never ignored.
+"""
+
+import time
+import uuid
+from typing import Any, Literal, Union
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictStr, field_validator
+
+from easylm.serving import scoring
+from easylm.serving.batcher import SamplingParams, Token
+from easylm.serving.sampling import TOP_LOGPROBS
+from easylm.serving.server import APIError, Service, sse
+
+Stop = Union[StrictStr, list[StrictStr], None]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)  # extension (vLLM's); 0 or -1: off
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: dict | None = None
+    stop: Stop = Field(None)
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict | None = None
+    user: str | None = None
+
+    def check_supported(self):
+        if self.n != 1:
+            raise APIError(400, f"n={self.n} is not supported; send n=1 (or several prompts)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise APIError(400, f"{name} is not supported; leave it at 0")
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported")
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > 16:
+            raise APIError(400, f"at most 16 stop strings, got {len(stops)}")
+        return tuple(stops)
+
+    def sampling(self, max_tokens: int, stops) -> SamplingParams:
+        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature,
+                              top_p=self.top_p, top_k=max(self.top_k, 0), seed=self.seed,
+                              stop=stops)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class CompletionRequest(_Request):
+    prompt: Any
+    max_tokens: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=TOP_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1, le=1)
+    suffix: None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompts(cls, prompt):
+        """-> a non-empty list of prompts, each a string or a list of token ids."""
+        def ids(x):
+            return isinstance(x, list) and all(type(t) is int for t in x)
+
+        if isinstance(prompt, str) or (ids(prompt) and prompt):
+            prompt = [prompt]
+        if not (isinstance(prompt, list) and all(isinstance(p, str) or ids(p) for p in prompt)):
+            raise ValueError("must be a string, a list of strings, a list of token ids, "
+                             "or a list of token-id lists")
+        if not prompt or any(len(p) == 0 for p in prompt):
+            raise ValueError("must not be empty")
+        return prompt
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[StrictStr, list[TextPart]]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatRequest(_Request):
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=TOP_LOGPROBS)
+
+
+def _token_text(service: Service, token: int) -> str:
+    return service.tokenizer.decode([token])
+
+
+def _completion_logprobs(service: Service, ids, logprobs, tops, k: int, offset: int):
+    """OpenAI's completions `logprobs` object for tokens starting at text offset `offset`."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token, logprob, top in zip(ids, logprobs, tops):
+        text = _token_text(service, token)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(logprob)
+        out["top_logprobs"].append(
+            None if top is None else {_token_text(service, i): p for i, p in top[:k]})
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+def _merge_logprobs(a: dict | None, b: dict) -> dict:
+    return b if a is None else {key: a[key] + b[key] for key in a}
+
+
+def _chat_logprobs(service: Service, tokens: list[Token], k: int):
+    def entry(token, logprob):
+        text = _token_text(service, token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [{**entry(t.id, t.logprob),
+                         "top_logprobs": [entry(i, p) for i, p in t.top[:k]]} for t in tokens]}
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def router(service: Service) -> APIRouter:
+    api = APIRouter()
+    name = service.config.model_name
+
+    @api.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": name, "object": "model", "created": 0, "owned_by": "easylm",
+            "max_model_len": service.seq_length}]}
+
+    @api.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        service.check_model(body.model)
+        stops = body.check_supported()
+        prompt = body.prompt  # a list of strings and token-id lists (see the validator)
+        texts = [p if isinstance(p, str) else None for p in prompt]
+        prompts = [service.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+        for ids in prompts:
+            if any(not 0 <= t < service.batcher.engine.model.vocab_size for t in ids):
+                raise APIError(400, "prompt token ids must be in [0, vocab_size)")
+        if body.max_tokens == 0 and not body.echo:
+            raise APIError(400, "max_tokens must be >= 1 (0 is allowed only with echo=true)")
+        generate = body.max_tokens != 0
+        limits = [service.max_tokens(p, body.max_tokens, default=16) if generate else 0
+                  for p in prompts]
+        k = body.logprobs
+        echoed = None
+        if body.echo:
+            if k is not None:
+                echoed = await service.run(scoring.prompt_logprobs, prompts)
+            texts = [t if t is not None else service.tokenizer.decode(p)
+                     for t, p in zip(texts, prompts)]
+        common = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+                  "created": int(time.time()), "model": name}
+
+        def prefix(i):
+            """Echo: the prompt's text and logprobs, before any generated text."""
+            if not body.echo:
+                return "", None
+            lp = None
+            if echoed is not None:
+                lp = _completion_logprobs(service, prompts[i], *echoed[i], k, 0)
+            return texts[i], lp
+
+        if not generate:
+            choices = []
+            for i in range(len(prompts)):
+                text, lp = prefix(i)
+                choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": "length"})
+            usage = _usage(sum(map(len, prompts)), 0)
+            if body.stream:
+                return _stream_once(common, choices, usage if body.include_usage else None)
+            return {**common, "choices": choices, "usage": usage}
+
+        params = [body.sampling(m, stops) for m in limits]
+        if body.stream:
+            return StreamingResponse(_stream_completion(service, body, common, prompts, params,
+                                                        prefix, k), media_type="text/event-stream")
+        gens = await service.complete(request, prompts, params)
+        choices = []
+        for i, g in enumerate(gens):
+            text, lp = prefix(i)
+            if k is not None:
+                lp = _merge_logprobs(lp, _completion_logprobs(
+                    service, [t.id for t in g.tokens], [t.logprob for t in g.tokens],
+                    [t.top for t in g.tokens], k, len(text)))
+            choices.append({"index": i, "text": text + g.stream.text, "logprobs": lp,
+                            "finish_reason": g.finish_reason})
+        usage = _usage(sum(map(len, prompts)), sum(len(g.tokens) for g in gens))
+        return {**common, "choices": choices, "usage": usage}
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request):
+        service.check_model(body.model)
+        stops = body.check_supported()
+        prompt = service.apply_chat_template(
+            [{"role": m.role, "content": m.text()} for m in body.messages])
+        field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        requested = body.max_completion_tokens if field == "max_completion_tokens" else body.max_tokens
+        params = body.sampling(service.max_tokens(prompt, requested, field=field), stops)
+        k = (body.top_logprobs or 0) if body.logprobs else None
+        common = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": name}
+        if body.stream:
+            return StreamingResponse(_stream_chat(service, body, common, prompt, params, k),
+                                     media_type="text/event-stream")
+        (g,) = await service.complete(request, [prompt], [params])
+        return {**common, "object": "chat.completion", "choices": [{
+            "index": 0, "message": {"role": "assistant", "content": g.stream.text},
+            "logprobs": None if k is None else _chat_logprobs(service, g.tokens, k),
+            "finish_reason": g.finish_reason}],
+            "usage": _usage(len(prompt), len(g.tokens))}
+
+    return api
+
+
+def _stream_once(common, choices, usage):
+    async def events():
+        yield sse({**common, "choices": choices})
+        if usage is not None:
+            yield sse({**common, "choices": [], "usage": usage})
+        yield sse("[DONE]")
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+async def _stream_completion(service: Service, body, common, prompts, params, prefix, k):
+    _, events = service.start(prompts, params)
+    offsets, generated = [0] * len(prompts), [0] * len(prompts)
+    for i in range(len(prompts)):
+        text, lp = prefix(i)
+        offsets[i] = len(text)
+        if text:
+            yield sse({**common, "choices": [{"index": i, "text": text, "logprobs": lp,
+                                              "finish_reason": None}]})
+    async for i, event in events:
+        if event.error:
+            yield sse({"error": {"message": "generation failed", "type": "server_error"}})
+            return
+        generated[i] += len(event.tokens)
+        lp = None
+        if k is not None:
+            lp = _completion_logprobs(service, [t.id for t in event.tokens],
+                                      [t.logprob for t in event.tokens],
+                                      [t.top for t in event.tokens], k, offsets[i])
+        offsets[i] += len(event.text)
+        if event.text or event.finish_reason or lp:
+            yield sse({**common, "choices": [{"index": i, "text": event.text, "logprobs": lp,
+                                              "finish_reason": event.finish_reason}]})
+    if body.include_usage:
+        yield sse({**common, "choices": [], "usage": _usage(sum(map(len, prompts)), sum(generated))})
+    yield sse("[DONE]")
+
+
+async def _stream_chat(service: Service, body, common, prompt, params, k):
+    _, events = service.start([prompt], [params])
+    common = {**common, "object": "chat.completion.chunk"}
+    yield sse({**common, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None}]})
+    generated = 0
+    async for _, event in events:
+        if event.error:
+            yield sse({"error": {"message": "generation failed", "type": "server_error"}})
+            return
+        generated += len(event.tokens)
+        lp = None if k is None else _chat_logprobs(service, event.tokens, k)
+        delta = {"content": event.text} if event.text else {}
+        if delta or event.finish_reason or (lp and lp["content"]):
+            yield sse({**common, "choices": [{"index": 0, "delta": delta, "logprobs": lp,
+                                              "finish_reason": event.finish_reason}]})
+    if body.include_usage:
+        yield sse({**common, "choices": [], "usage": _usage(len(prompt), generated)})
+    yield sse("[DONE]")

@@ -1,0 +1,59 @@
+"""Choosing the next token on the device: greedy, or sampled with temperature, top-k, top-p.
+
+Every row of a batch carries its own settings, so requests with different
+settings share one decode step. A row's random key is folded with the position
+of the token it draws, so a seeded request draws the same tokens whichever
+slot it runs in and whatever else is in the batch.
+
+Shapes: B rows, V vocabulary, N = TOP_LOGPROBS alternatives reported per token.
+"""
+
+import jax
+import jax.numpy as jnp
+
+TOP_LOGPROBS = 5  # alternatives reported per token (OpenAI's `logprobs` maximum)
+
+
+def _sample(logits, keys, temperature, top_k, top_p):
+    """Draw from softmax(logits / temperature) restricted by top-k, then top-p (HF's order)."""
+    V = logits.shape[-1]
+    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]  # (B, V)
+    ordered = -jnp.sort(-scaled, axis=-1)  # descending
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
+    ordered = jnp.where(jnp.arange(V)[None, :] < k[:, None], ordered, -jnp.inf)
+    probs = jax.nn.softmax(ordered, axis=-1)
+    # Keep the smallest prefix whose mass reaches top_p: an entry stays if the
+    # mass before it is still below top_p (so the first one always stays).
+    keep = (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]
+    threshold = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)
+    allowed = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+    return jax.vmap(jax.random.categorical)(keys, allowed)
+
+
+def next_tokens(logits, keys, positions, temperature, top_k, top_p):
+    """Pick one token per row and report log-probabilities.
+
+    Args:
+      logits: (B, V) for the next token.
+      keys: (B, 2) uint32 raw PRNG keys, one per request.
+      positions: (B,) position of the token being drawn (folded into the key).
+      temperature: (B,) float, 0 for greedy; top_k: (B,) int, 0 for off;
+      top_p: (B,) float, 1 for off.
+    Returns:
+      tokens (B,), their log-probability (B,), and the N most likely tokens'
+      ids (B, N) and log-probabilities (B, N), all under the model's own
+      distribution (temperature 1, no truncation), as OpenAI reports them.
+    """
+    logits = logits.astype(jnp.float32)
+    keys = jax.vmap(jax.random.fold_in)(keys, positions)
+    greedy = jnp.argmax(logits, axis=-1)
+    # Sorting the vocabulary is the costly part; skip it when no row samples.
+    tokens = jax.lax.cond(
+        jnp.any(temperature > 0),
+        lambda: jnp.where(temperature > 0, _sample(logits, keys, temperature, top_k, top_p), greedy),
+        lambda: greedy,
+    )
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, min(TOP_LOGPROBS, logits.shape[-1]))
+    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    return tokens.astype(jnp.int32), chosen, top_ids.astype(jnp.int32), top_logprobs

@@ -1,0 +1,105 @@
+"""Shared pieces of the serving tests: a tiny tokenizer and a tiny model behind a batcher."""
+
+import functools
+import socket
+import threading
+import time
+
+import jax
+import numpy as np
+import uvicorn
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from easylm.llama.config import LLaMAConfig
+from easylm.llama.model import PARTITION_RULES
+from easylm.llama.serve import llama_model_fns
+from easylm.serving import engine as engine_lib
+from easylm.serving.batcher import Batcher
+from easylm.sharding import init_sharded
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Serving language models means batching requests that arrive at any time.",
+    "Continuous batching lets a new request join while others are decoding.",
+    "Héllo wörld, ünïcödé and emoji 🙂 exercise multi-byte characters.",
+] * 20
+
+
+def make_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer with <s>, </s>, <pad> and a chat template."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def tiny_config(**overrides) -> LLaMAConfig:
+    # A larger init than training's makes the next-token distribution peaked, so
+    # greedy choices are far from ties and comparisons are meaningful.
+    return LLaMAConfig.from_preset("debug", initializer_range=0.2, **overrides)
+
+
+@functools.lru_cache
+def _forward(model):
+    return jax.jit(lambda params, ids: jax.nn.log_softmax(model.apply({"params": params}, ids)))
+
+
+def log_softmax(model, params, ids, length=64):
+    """Log-probabilities (len(ids), V) from a full forward, no cache (padded to one jit shape:
+    causal attention makes the padding invisible to the real positions)."""
+    padded = np.zeros((1, length), np.int32)
+    padded[0, :len(ids)] = ids
+    return np.asarray(_forward(model)(params, padded))[0, :len(ids)]
+
+
+def make_batcher(config=None, mesh=None, stop_token_ids=(), **engine_config):
+    config = config or tiny_config()
+    fns, model = llama_model_fns(config)
+    if mesh is None:
+        params = jax.jit(model.init_params)(jax.random.PRNGKey(0))
+    else:
+        params = init_sharded(model.init_params, PARTITION_RULES, mesh, jax.random.PRNGKey(0))
+    engine = engine_lib.Engine(
+        engine_lib.get_default_config({"batch_size": 4, "seq_length": 64, "decode_steps": 4,
+                                       **engine_config}),
+        fns, params, mesh)
+    return Batcher(engine, stop_token_ids).start(), model, params
+
+
+class ServerThread:
+    """uvicorn serving `app` on a free 127.0.0.1 port from a thread, for the tests' lifetime."""
+
+    def __init__(self, app):
+        self.socket = socket.socket()
+        self.socket.bind(("127.0.0.1", 0))
+        self.port = self.socket.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]},
+                                       daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        for _ in range(600):
+            if self.server.started:
+                return self
+            time.sleep(0.05)
+        raise RuntimeError("uvicorn did not start")
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(30)

@@ -1,0 +1,132 @@
+"""`python -m easylm.llama.serve`: loading params:: and hf:: checkpoints, flags, user errors."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import jax
+import numpy as np
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from transformers import LlamaForCausalLM as HFLlama
+
+from easylm import checkpoint
+from easylm import flags as flag_lib
+from easylm.errors import UserError
+from easylm.llama import serve
+from easylm.llama.model import LLaMAForCausalLM
+from serving_utils import log_softmax, make_tokenizer, tiny_config
+
+ENV = {k: os.environ[k] for k in ("JAX_PLATFORMS", "XLA_FLAGS", "HF_HUB_OFFLINE", "WANDB_MODE")}
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("tokenizer"))
+    make_tokenizer().save_pretrained(directory)
+    return directory
+
+
+def greedy_text(tokenizer, model, params, prompt, steps, eos):
+    ids = list(prompt)
+    for _ in range(steps):
+        ids.append(int(np.argmax(log_softmax(model, params, ids)[-1])))
+        if ids[-1] == eos:
+            ids.pop()
+            break
+    return tokenizer.decode(ids[len(prompt):], skip_special_tokens=True)
+
+
+def parse(argv):
+    return flag_lib.parse(serve.default_config(), serve.help_entries(), ["serve"] + argv)
+
+
+def test_serves_a_trained_checkpoint(tmp_path, tokenizer_dir):
+    """The command the trainer prints works: the model shape comes from the checkpoint."""
+    config = tiny_config(hidden_size=32, intermediate_size=64)  # not the debug preset's shape
+    model = LLaMAForCausalLM(config)
+    params = jax.jit(model.init_params)(jax.random.PRNGKey(3))
+    directory = checkpoint.save_params(str(tmp_path / "ckpt"), params,
+                                       {"model_config": config.to_dict()})
+    port = _free_port()
+    log = open(tmp_path / "serve.log", "w+")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "easylm.llama.serve", f"--load_checkpoint=params::{directory}",
+         f"--tokenizer={tokenizer_dir}", f"--port={port}", "--seq_length=64", "--batch_size=2",
+         "--decode_steps=4", "--min_bucket=64", "--pre_compile", "--api_key=k"],
+        env={**os.environ, **ENV}, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):  # bounded: at most ~5 minutes on a loaded machine
+            if process.poll() is not None:
+                break
+            try:
+                if httpx.get(url + "/health", headers={"Authorization": "Bearer k"}).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        log.seek(0)
+        assert process.poll() is None, log.read()
+        prompt = [1, 40, 41, 42]
+        response = httpx.post(url + "/v1/completions", headers={"Authorization": "Bearer k"},
+                              json={"prompt": prompt, "max_tokens": 10, "temperature": 0},
+                              timeout=120).json()
+        tokenizer = make_tokenizer()
+        expected = greedy_text(tokenizer, model, params, prompt, 10, tokenizer.eos_token_id)
+        assert response["choices"][0]["text"] == expected
+    finally:
+        process.terminate()
+        process.wait(30)
+        log.close()
+
+
+def test_serves_a_hugging_face_directory_like_hf_generate(tmp_path, tokenizer_dir):
+    config = tiny_config()
+    torch.manual_seed(0)
+    hf = HFLlama(config.to_hf_config()).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    app, batcher = serve.build(parse([f"--load_checkpoint=hf::{tmp_path / 'hf'}",
+                                      f"--tokenizer={tokenizer_dir}", "--seq_length=64",
+                                      "--batch_size=2", "--mesh_dim=1,-1,1"]))
+    try:
+        prompt = [1, 7, 8, 9, 10]
+        body = {"prompt": prompt, "max_tokens": 12, "temperature": 0}
+        response = TestClient(app).post("/v1/completions", json=body).json()
+    finally:
+        batcher.stop()
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0]
+    ids = out[len(prompt):].tolist()
+    ids = ids[:ids.index(config.eos_token_id)] if config.eos_token_id in ids else ids
+    assert response["choices"][0]["text"] == make_tokenizer().decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--tokenizer=/nonexistent/tok"], "tokenizer '/nonexistent/tok' does not exist"),
+    (["--seq_length=1024"], "--seq_length=1024 is above the model's max_position_embeddings=512"),
+    (["--load_checkpoint=nope::/x"], "unknown prefix 'nope'"),
+    (["--batch_size=0"], "--batch_size must be >= 1, got 0"),
+    (["--chat_template=/nonexistent.jinja"], "--chat_template='/nonexistent.jinja': cannot read it"),
+])
+def test_bad_flags_are_one_line_errors(argv, message, tokenizer_dir):
+    argv = argv if any(a.startswith("--tokenizer") for a in argv) else argv + [f"--tokenizer={tokenizer_dir}"]
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        serve.build(parse(argv))
+
+
+def test_cli_user_error_exits_2_without_traceback():
+    result = subprocess.run([sys.executable, "-m", "easylm.llama.serve", "--port=notaport"],
+                            env={**os.environ, **ENV}, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: ") and "Traceback" not in result.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
