@@ -6,8 +6,12 @@ A checkpoint is one directory holding these orbax items:
     opt_state   the rest of the train state: optimizer state, step, rng (optional)
     data        the data pipeline's JSON state (`get_state_dict()`), for exact resume
     metadata    JSON: the flags, the model config, library versions
-    checksums   one uint32 per array of params/opt_state, checked on every restore:
-                tensorstore notices a truncated file, not a flipped bit
+
+and a file `checksums.json`: one uint32 per array of params/opt_state, checked on
+every restore (tensorstore notices a truncated file, not a flipped bit). It is
+computed on the devices when a save starts and written once the save is
+complete, so it never delays the loop; a checkpoint without it (the process died
+in between) loads unverified.
 
 The training loop's checkpoints are `<run dir>/checkpoints/<step>/`, each such a
 directory; `save_params` writes one directly (a parameter-only export). Writes
@@ -22,10 +26,13 @@ Load specs (`--load_checkpoint`), as in EasyLM:
     trainstate_params::DIR  the parameters out of a full train state
 """
 
+import functools
+import json
 import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging as absl_logging
 from etils import epath
@@ -35,7 +42,8 @@ from easylm.errors import UserError
 from easylm.sharding import path_to_string
 
 LOAD_PREFIXES = ("params", "trainstate", "trainstate_params")
-ITEMS = ("params", "opt_state", "data", "metadata", "checksums")
+ITEMS = ("params", "opt_state", "data", "metadata")
+CHECKSUMS = "checksums.json"
 FLOAT_DTYPES = {"": None, "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 HELP = {
@@ -44,6 +52,12 @@ HELP = {
     "save_optimizer_state": "save the optimizer state too (needed for an exact resume)",
     "float_dtype": "cast parameters to this dtype (bf16, fp16, fp32) in checkpoints "
                    "without optimizer state; empty: keep their dtype",
+    "checksums": "also write checksums.json (computed on the devices, one pass over the "
+                 "state: free on GPU/TPU, about 1.3 s per GB on a 2-core CPU); restores "
+                 "verify it whenever present",
+    "ocdbt": "write arrays into a few OCDBT files per process instead of one file per "
+             "array chunk: use it for multi-host runs and buckets (far fewer files); "
+             "slower on a local disk with few cores (0.4x dd here, against 0.9x)",
 }
 
 
@@ -52,23 +66,27 @@ def get_default_config(updates=None) -> ConfigDict:
     config.keep = 2
     config.save_optimizer_state = True
     config.float_dtype = ""
+    config.checksums = True
+    config.ocdbt = False
     if updates is not None:
         config.update(ConfigDict(updates).copy_and_resolve_references())
     return config
 
 
-def _item_handlers() -> dict:
-    return dict(
-        params=ocp.StandardCheckpointHandler(),
-        opt_state=ocp.StandardCheckpointHandler(),
-        data=ocp.JsonCheckpointHandler(),
-        metadata=ocp.JsonCheckpointHandler(),
-        checksums=ocp.StandardCheckpointHandler(),
-    )
+def _item_handlers(for_saving: bool = False, ocdbt: bool = False) -> dict:
+    # Arrays are written uncompressed: zstd gains ~8% on float weights and costs
+    # more CPU time than the write itself (and, while writing, a second copy of the
+    # state in its buffers). Reading handles every layout.
+    if for_saving:
+        arrays = lambda: ocp.PyTreeCheckpointHandler(use_compression=False, use_ocdbt=ocdbt)
+    else:
+        arrays = ocp.StandardCheckpointHandler
+    return dict(params=arrays(), opt_state=arrays(),
+                data=ocp.JsonCheckpointHandler(), metadata=ocp.JsonCheckpointHandler())
 
 
-def _handler():
-    return ocp.CompositeCheckpointHandler(**_item_handlers())
+def _handler(for_saving: bool = False):
+    return ocp.CompositeCheckpointHandler(**_item_handlers(for_saving))
 
 
 def absolute_path(path: str) -> str:
@@ -112,23 +130,126 @@ def cast_floats(tree, dtype_name: str):
     ))(tree)
 
 
-def _fingerprint(x):
-    """Raw bits times odd position weights, summed mod 2^32: any one flipped bit
-    changes it, and so does a swap of two elements."""
-    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
-    bits = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
-    weights = jnp.arange(x.size, dtype=jnp.uint32).reshape(x.shape) * jnp.uint32(2654435761) | 1
-    return jnp.sum(bits * weights, dtype=jnp.uint32)
+def _block_fingerprint(block, starts, shape):
+    """sum(raw bits * odd weight of the global flat index) mod 2^32 over a block whose
+    first element sits at `starts` in an array of `shape`. Any one flipped bit, or a
+    swap of two elements, changes it; blocks add up to the whole array's value."""
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[block.dtype.itemsize]
+    bits = jax.lax.bitcast_convert_type(block, unsigned).astype(jnp.uint32)
+    flat = jnp.zeros(block.shape, jnp.uint32)
+    for dim, (start, size) in enumerate(zip(starts, shape)):
+        index = jax.lax.broadcasted_iota(jnp.uint32, block.shape, dim) + jnp.uint32(start)
+        flat = flat * jnp.uint32(size) + index
+    return jnp.sum(bits * (flat * jnp.uint32(2654435761) | 1), dtype=jnp.uint32)
 
 
-# Computed on the devices, asynchronously like the rest of the step; no gathering.
-fingerprints = jax.jit(lambda tree: jax.tree.map(_fingerprint, tree))
+def _partial_fingerprints(x, sharding):
+    """Per-device partial fingerprints, shaped like the mesh, computed without any
+    collective: XLA:CPU can deadlock when a collective program runs alongside the
+    train step, and nothing needs gathering."""
+    spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec)) \
+        if isinstance(sharding, jax.sharding.NamedSharding) else None
+    if spec is None or any(size % _axes_size(sharding.mesh, axes) for size, axes in zip(x.shape, spec)):
+        return _block_fingerprint(x, (0,) * x.ndim, x.shape)[None]  # unsharded (or uneven)
+    mesh = sharding.mesh
+
+    def local(block):
+        starts, used = [], set()
+        for dim, axes in enumerate(spec):
+            position = 0
+            for axis in _axes(axes):
+                position = position * mesh.shape[axis] + jax.lax.axis_index(axis)
+                used.add(axis)
+            starts.append(position * block.shape[dim])
+        # A block replicated over some mesh axes counts once, on their index 0.
+        first_copy = jnp.uint32(1)
+        for axis in mesh.axis_names:
+            if axis not in used:
+                first_copy = first_copy * (jax.lax.axis_index(axis) == 0).astype(jnp.uint32)
+        value = _block_fingerprint(block, starts, x.shape) * first_copy
+        return value.reshape((1,) * len(mesh.axis_names))
+
+    return jax.shard_map(local, mesh=mesh, in_specs=jax.sharding.PartitionSpec(*spec),
+                         out_specs=jax.sharding.PartitionSpec(*mesh.axis_names),
+                         check_vma=False)(x)
+
+
+def _axes(axes) -> tuple:
+    return () if axes is None else axes if isinstance(axes, tuple) else (axes,)
+
+
+def _axes_size(mesh, axes) -> int:
+    size = 1
+    for axis in _axes(axes):
+        size *= mesh.shape[axis]
+    return size
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _partial_fingerprints_flat(leaves, shardings):
+    return [_partial_fingerprints(x, s) for x, s in zip(leaves, shardings)]
+
+
+def partial_fingerprints(tree):
+    """`_partial_fingerprints` of every jax.Array leaf, in one program dispatched
+    asynchronously like a train step (the shardings, needed to split the work, are
+    static); numpy leaves (a converter's weights) are fingerprinted on the host in
+    chunks, never copied whole to a device."""
+    leaves, treedef = jax.tree.flatten(tree)
+    on_device = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+    out = [None] * len(leaves)
+    device_out = _partial_fingerprints_flat([leaves[i] for i in on_device],
+                                            tuple(leaves[i].sharding for i in on_device))
+    for i, value in zip(on_device, device_out):
+        out[i] = value
+    for i, x in enumerate(leaves):
+        if out[i] is None:
+            out[i] = np.array([_host_fingerprint(np.asarray(x))], np.uint32)
+    return treedef.unflatten(out)
+
+
+def _host_fingerprint(x: np.ndarray, chunk: int = 1 << 24) -> int:
+    """`_block_fingerprint` of a whole numpy array, in uint32 arithmetic like XLA's."""
+    unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32}[x.dtype.itemsize]
+    bits = np.ascontiguousarray(x).reshape(-1).view(unsigned)
+    total = 0
+    for start in range(0, bits.size, chunk):
+        part = bits[start:start + chunk].astype(np.uint32)
+        index = np.arange(start, start + part.size, dtype=np.uint64).astype(np.uint32)
+        weights = index * np.uint32(2654435761) | np.uint32(1)
+        total += int(np.sum(part * weights, dtype=np.uint64))
+    return total % 2**32
+
+
+def _total(partials) -> int:
+    return int(np.sum(np.asarray(partials, dtype=np.uint64)) % 2**32)
+
+
+def _totals(partials) -> dict:
+    """{item: {path: checksum}} from partial fingerprints (waits for them)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        partials = jax.tree.map(
+            lambda p: multihost_utils.process_allgather(p, tiled=True)
+            if isinstance(p, jax.Array) and not p.is_fully_addressable else p, partials)
+    partials = jax.device_get(partials)
+    return {item: {name: _total(p) for name, p in _by_path(tree).items()}
+            for item, tree in partials.items()}
+
+
+def _write_checksums(directory: str, partials):
+    totals = _totals(partials)
+    if jax.process_index() == 0 and _is_dir(directory):
+        tmp = epath.Path(directory) / (CHECKSUMS + ".tmp")
+        tmp.write_text(json.dumps(totals))
+        tmp.rename(epath.Path(directory) / CHECKSUMS)
 
 
 def _save_args(params, opt_state, data_state, metadata) -> ocp.args.Composite:
-    arrays = {"params": params} if opt_state is None else {"params": params, "opt_state": opt_state}
-    items = {name: ocp.args.StandardSave(tree) for name, tree in arrays.items()}
-    items["checksums"] = ocp.args.StandardSave(fingerprints(arrays))
+    items = {"params": ocp.args.PyTreeSave(params)}
+    if opt_state is not None:
+        items["opt_state"] = ocp.args.PyTreeSave(opt_state)
     if data_state is not None:
         items["data"] = ocp.args.JsonSave(data_state)
     items["metadata"] = ocp.args.JsonSave(metadata)
@@ -144,8 +265,10 @@ def save_params(directory: str, params, metadata: dict, float_dtype: str = "") -
     directory = absolute_path(directory)
     if epath.Path(directory).exists():
         raise UserError(f"{directory} already exists; refusing to overwrite it")
-    with ocp.Checkpointer(_handler()) as checkpointer:
-        checkpointer.save(directory, _save_args(cast_floats(params, float_dtype), None, None, metadata))
+    params = cast_floats(params, float_dtype)
+    with ocp.Checkpointer(_handler(for_saving=True)) as checkpointer:
+        checkpointer.save(directory, _save_args(params, None, None, metadata))
+    _write_checksums(directory, partial_fingerprints({"params": params}))
     return directory
 
 
@@ -236,23 +359,29 @@ def restore_items(directory: str, abstract: dict, json_items=()) -> dict:
     stored = {item: _stored_tree(directory, item) for item in abstract}
     for item, tree in abstract.items():
         check_shapes(stored[item], tree, directory, item)
+    checksums = _read_checksums(directory) if abstract else None
     args = {item: ocp.args.StandardRestore(_with_sharding(tree)) for item, tree in abstract.items()}
     args.update({item: ocp.args.JsonRestore() for item in json_items})
-    verify = bool(abstract) and has_item(directory, "checksums")
-    if verify:
-        sums = _stored_tree(directory, "checksums")
-        args["checksums"] = ocp.args.StandardRestore(_with_sharding(jax.tree.map(
-            lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), sums)))
     try:
         with ocp.Checkpointer(_handler()) as checkpointer:
             restored = dict(checkpointer.restore(directory, ocp.args.Composite(**args)))
     except Exception as e:
         raise _unreadable(directory, e) from None
-    if verify:
+    if checksums is not None:
         for item in abstract:
-            _verify(directory, item, restored[item], stored[item], restored["checksums"][item])
-        del restored["checksums"]
+            _verify(directory, item, restored[item], stored[item], checksums.get(item, {}))
     return restored
+
+
+def _read_checksums(directory: str) -> dict | None:
+    path = epath.Path(directory) / CHECKSUMS
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise UserError(f"checkpoint {directory} is corrupted: {CHECKSUMS} is not valid "
+                        f"JSON ({e})") from None
 
 
 def _by_path(tree) -> dict:
@@ -260,14 +389,14 @@ def _by_path(tree) -> dict:
     return {path_to_string(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 
-def _verify(directory: str, item: str, tree, stored, expected):
+def _verify(directory: str, item: str, tree, stored, expected: dict):
     # Back to the dtype it was saved in (a bf16 export restored as fp32 casts back
-    # exactly), then the same fingerprint as at save time.
+    # exactly), then the same fingerprint as at save time, whatever the layout.
     dtypes = {name: m.dtype for name, m in _by_path(stored).items()}
     as_saved = jax.tree_util.tree_map_with_path(
         lambda p, x: x.astype(dtypes[path_to_string(p)]), tree)
-    actual = _by_path(jax.device_get(fingerprints(as_saved)))
-    for name, want in _by_path(jax.device_get(expected)).items():
+    actual = _totals({item: partial_fingerprints(as_saved)})[item]
+    for name, want in expected.items():
         if actual.get(name) != want:
             raise UserError(
                 f"checkpoint {directory} is corrupted: {item} entry {name!r} "
@@ -315,8 +444,9 @@ class CheckpointManager:
                 enable_async_checkpointing=True,
                 preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
             ),
-            item_handlers=_item_handlers(),
+            item_handlers=_item_handlers(for_saving=True, ocdbt=config.ocdbt),
         )
+        self._pending = None  # (step, checksums still being computed)
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step; unfinished saves are never listed."""
@@ -327,13 +457,25 @@ class CheckpointManager:
 
     def save(self, step: int, params, opt_state, data_state: dict, metadata: dict):
         """Start an asynchronous save; `opt_state` is the train state minus params."""
+        self._write_pending_checksums()
         if not self.config.save_optimizer_state:
             params, opt_state = cast_floats(params, self.config.float_dtype), None
         self._manager.save(step, args=_save_args(params, opt_state, data_state, metadata),
                            force=True)
+        if self.config.checksums:
+            arrays = {"params": params} if opt_state is None else {"params": params, "opt_state": opt_state}
+            self._pending = (step, partial_fingerprints(arrays))  # runs on the devices meanwhile
+
+    def _write_pending_checksums(self):
+        if self._pending is not None:
+            step, partials = self._pending
+            self._pending = None
+            self._manager.wait_until_finished()  # the step directory is final now
+            _write_checksums(self.step_directory(step), partials)
 
     def wait(self):
         self._manager.wait_until_finished()
+        self._write_pending_checksums()
 
     def close(self):
         self._manager.close()

@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
+from absl import logging as absl_logging
 from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import ConfigDict
 
@@ -33,7 +35,8 @@ from easylm import checkpoint, distributed, flops, logger, optimizers
 from easylm import flags as flag_lib
 from easylm.errors import UserError
 from easylm.losses import LossSums
-from easylm.sharding import BATCH_AXES, PartitionRules, constrain, init_sharded, make_mesh
+from easylm.sharding import (BATCH_AXES, PartitionRules, constrain, init_sharded, make_mesh,
+                             match_partition_rules, named_shardings)
 
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 
@@ -266,7 +269,14 @@ def _gpu_plugin_installed() -> bool:
 
     if os.environ.get("JAX_PLATFORMS", "") == "cpu":
         return False
-    return any(importlib.util.find_spec(name) is not None
+
+    def installed(name):  # find_spec of 'a.b' raises when package 'a' is missing
+        try:
+            return importlib.util.find_spec(name) is not None
+        except ModuleNotFoundError:
+            return False
+
+    return any(installed(name)
                for name in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12"))
 
 
@@ -298,7 +308,6 @@ def init_state(model: Model, tx, mesh, seed: int, params=None) -> TrainState:
 
 def abstract_state(model: Model, tx, mesh, seed: int) -> TrainState:
     """ShapeDtypeStructs with shardings: the restore target for checkpoints."""
-    from easylm.sharding import match_partition_rules, named_shardings
 
     def init(rng):
         params = model.init_params(rng)
@@ -334,15 +343,13 @@ def _state_rest(state: TrainState) -> dict:
 
 
 def _metadata(config: ConfigDict, model: Model, step: int) -> dict:
-    import orbax.checkpoint
-
     # `model` and `<model>_config` as the HF converter writes them, so that serving
     # and conversion back to HF read trained and converted checkpoints alike.
     return {
         "model": model.name, f"{model.name}_config": model.config, "step": step,
         "flags": flag_lib.flatten(config),
         "versions": {"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__,
-                     "orbax-checkpoint": orbax.checkpoint.__version__},
+                     "orbax-checkpoint": ocp.__version__},
     }
 
 
@@ -560,6 +567,7 @@ def train(config: ConfigDict, build_model: Callable[[ConfigDict], Model]) -> str
 
 def main(argv: list[str], config: ConfigDict, help_entries: dict, build_model, usage: str):
     """Parse `argv` into `config` (or print --help) and train."""
+    absl_logging.set_verbosity(absl_logging.ERROR)  # orbax's per-save chatter
     if flag_lib.wants_help(argv):
         flag_lib.print_help_and_exit(config, help_entries, usage)
     train(flag_lib.parse(config, help_entries, argv), build_model)

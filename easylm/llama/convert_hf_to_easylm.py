@@ -11,6 +11,7 @@ metadata.
 """
 
 import absl.flags
+import jax
 import mlxu
 
 from easylm.checkpoint import save_params
@@ -39,12 +40,14 @@ def read_hf_config(directory: str) -> LLaMAConfig:
     return LLaMAConfig.from_hf_config(hf)
 
 
-def load_hf_params(directory: str, dtype: str = "keep", scan_layers: bool = False):
-    """(config, params as numpy) from a HF directory; used by `hf::DIR` load specs too."""
+def load_hf_params(directory: str, dtype: str = "keep", scan_layers: bool = False, place=None):
+    """(config, params) from a HF directory; used by `hf::DIR` load specs too.
+
+    Params are numpy arrays, or whatever `place` makes of each (e.g. jax.device_put)."""
     if dtype not in DTYPES:
         raise UserError(f"--dtype={dtype!r} is not one of {', '.join(DTYPES)}")
     config = read_hf_config(directory).replace(scan_layers=scan_layers)
-    params = from_hf(HFTensors(directory), config, dtype=DTYPES[dtype], source=directory)
+    params = from_hf(HFTensors(directory), config, dtype=DTYPES[dtype], source=directory, place=place)
     return config, params
 
 
@@ -59,7 +62,9 @@ def main(argv):
         raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
     if not FLAGS.hf_model or not FLAGS.output_dir:
         raise UserError("both --hf_model and --output_dir are required")
-    config, params = load_hf_params(FLAGS.hf_model, FLAGS.dtype)
+    # Each tensor becomes a jax array as it is read: orbax saves jax arrays without
+    # a second host copy of the whole model, which numpy inputs would cost.
+    config, params = load_hf_params(FLAGS.hf_model, FLAGS.dtype, place=jax.device_put)
     directory = save_params(FLAGS.output_dir, params, metadata_for(config, FLAGS.hf_model))
     print(f"wrote {config.num_parameters():,} parameters to {directory}")
     print(f"load it with --load_checkpoint=params::{directory}")

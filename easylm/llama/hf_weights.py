@@ -10,7 +10,7 @@ Flax Dense kernels are (in, out); torch Linear weights are (out, in). Both
 directions work tensor by tensor, so converters can stream.
 """
 
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -52,10 +52,13 @@ def to_hf(params, config: LLaMAConfig) -> Iterator[tuple[str, np.ndarray]]:
         yield key, (tensor.T if transpose else tensor)
 
 
-def from_hf(tensors: Mapping[str, Any], config: LLaMAConfig, dtype=None, source: str = "checkpoint"):
+def from_hf(tensors: Mapping[str, Any], config: LLaMAConfig, dtype=None, source: str = "checkpoint",
+            place: Callable[[np.ndarray], Any] | None = None):
     """Build our parameter tree from HF-named tensors (numpy, torch, or anything array-like).
 
-    Missing tensors, unexpected tensors and shape mismatches are UserErrors that name them.
+    Missing tensors, unexpected tensors and shape mismatches are UserErrors that name
+    them. `place` (e.g. `jax.device_put`) moves each tensor as soon as it is converted,
+    so that the host copy can be freed before the next one is read.
     """
     shapes = param_shapes(config)
     expected = {hf_key(path)[0]: path for path in shapes}
@@ -80,7 +83,9 @@ def from_hf(tensors: Mapping[str, Any], config: LLaMAConfig, dtype=None, source:
             want = shapes[path][::-1] if transpose else shapes[path]
             got = tensor.shape[::-1] if transpose else tensor.shape
             raise UserError(f"{source}: tensor {key} has shape {got}, but the config implies {want}")
-        flat[path] = tensor if dtype is None else tensor.astype(dtype)
+        tensor = tensor if dtype is None else tensor.astype(dtype)
+        flat[path] = tensor if place is None else place(tensor)
+        del tensor
     params = traverse_util.unflatten_dict(flat, sep="/")
     if config.scan_layers:
         params = stack_layers(params, config.num_hidden_layers)

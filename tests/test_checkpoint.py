@@ -1,0 +1,381 @@
+"""Checkpoints: exact resume after SIGKILL and SIGTERM, atomic saves, resharding on
+restore, the keep/milestone policy, bad checkpoints, no pickle on the load path."""
+
+import hashlib
+import json
+import os
+import pickle
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from ml_collections import ConfigDict
+
+from easylm import checkpoint, optimizers, trainer
+from easylm.errors import UserError
+from easylm.llama import train
+from easylm.llama.config import LLaMAConfig
+from easylm.sharding import make_mesh
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOTAL_STEPS = 40
+# Subprocess runs use 2 devices: sharded saves, but quicker to compile than 8.
+ENV = {**os.environ, "PYTHONPATH": REPO, "WANDB_MODE": "disabled",
+       "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+
+
+@pytest.fixture(scope="module")
+def data_path(tmp_path_factory):
+    rng = random.Random(0)
+    words = "the a cat dog ran sat on mat sun moon red blue big small happy sad tree".split()
+    path = tmp_path_factory.mktemp("data") / "docs.jsonl"
+    with open(path, "w") as f:
+        for _ in range(300):
+            f.write(json.dumps({"text": " ".join(rng.choices(words, k=rng.randint(5, 40)))}) + "\n")
+    return str(path)
+
+
+def command(data_path, output_dir):
+    """The debug model on shuffled JSONL, a checkpoint every 5 steps, every step logged."""
+    return [sys.executable, "-m", "easylm.llama.train",
+            "--llama.base_model=debug",
+            f"--train_dataset.json_dataset.path={data_path}", "--train_dataset.json_dataset.shuffle=True",
+            "--train_dataset.json_dataset.seq_length=32", "--train_dataset.json_dataset.batch_size=8",
+            f"--total_steps={TOTAL_STEPS}", "--log_freq=1", "--save_model_freq=5",
+            "--optimizer.adamw_optimizer.lr_warmup_steps=5",
+            f"--optimizer.adamw_optimizer.lr_decay_steps={TOTAL_STEPS}",
+            f"--logger.output_dir={output_dir}", "--logger.experiment_id=run"]
+
+
+def metrics(output_dir) -> dict:
+    path = os.path.join(output_dir, "run", "metrics.jsonl")
+    if not os.path.exists(path):
+        return {}
+    lines = open(path).read().split("\n")[:-1]  # the last may be half written
+    return {m["step"]: m for m in map(json.loads, lines)}
+
+
+def final_params(output_dir, step=TOTAL_STEPS):
+    config = ConfigDict(dict(llama=LLaMAConfig.get_default_config(), dtype="fp32", param_dtype="fp32"))
+    abstract = jax.eval_shape(train.build_model(config).init_params, jax.random.key(0))
+    directory = os.path.join(output_dir, "run", "checkpoints", str(step))
+    return jax.tree.map(np.asarray, checkpoint.load_params(f"params::{directory}", abstract))
+
+
+def run_until(cmd, output_dir, step, signum):
+    """Start `cmd`, send `signum` once step `step` is logged and a checkpoint is complete."""
+    out, err = open(f"{output_dir}/stdout", "w+"), open(f"{output_dir}/stderr", "w+")
+    process = subprocess.Popen(cmd, env=ENV, stdout=out, stderr=err, text=True)
+    directory = os.path.join(output_dir, "run", "checkpoints")
+
+    def complete_checkpoint():  # unfinished saves are named '<step>.orbax-checkpoint-tmp-...'
+        return os.path.isdir(directory) and any(d.isdigit() for d in os.listdir(directory))
+
+    deadline = time.time() + 300
+    while not (max(metrics(output_dir), default=0) >= step and complete_checkpoint()):
+        assert process.poll() is None, open(err.name).read()[-2000:]
+        assert time.time() < deadline
+        time.sleep(0.005)
+    process.send_signal(signum)
+    process.wait(timeout=300)
+    return process.returncode, open(out.name).read(), open(err.name).read()
+
+
+def assert_same_run(resumed_dir, reference, resumed_from):
+    got = metrics(resumed_dir)
+    assert sorted(got) == list(range(1, TOTAL_STEPS + 1))
+    for step, line in got.items():  # JSON floats round-trip exactly: this is bitwise
+        for key in ("loss", "gradient_norm", "param_norm"):
+            assert line[key] == reference["metrics"][step][key], (step, key, resumed_from)
+    for a, b in zip(jax.tree.leaves(final_params(resumed_dir)), jax.tree.leaves(reference["params"])):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def reference(data_path, tmp_path_factory):
+    """Run A: 40 steps, uninterrupted."""
+    output_dir = str(tmp_path_factory.mktemp("a"))
+    result = subprocess.run(command(data_path, output_dir), env=ENV, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {"metrics": metrics(output_dir), "params": final_params(output_dir)}
+
+
+def test_sigkill_then_resume_is_bitwise_identical(data_path, reference, tmp_path):
+    kill_step = random.randint(6, 30)
+    code, _, _ = run_until(command(data_path, tmp_path), tmp_path, kill_step, signal.SIGKILL)
+    assert code == -signal.SIGKILL
+    resume_from = checkpoint.CheckpointManager(
+        str(tmp_path / "run" / "checkpoints"), checkpoint.get_default_config()).latest_step()
+    assert resume_from is not None and 5 <= resume_from < TOTAL_STEPS
+    result = subprocess.run(command(data_path, tmp_path), env=ENV, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"loading trainstate::{tmp_path}/run/checkpoints/{resume_from}" in result.stdout
+    assert_same_run(tmp_path, reference, (kill_step, resume_from))
+
+
+def test_sigterm_saves_exits_cleanly_and_resumes_exactly(data_path, reference, tmp_path):
+    code, out, err = run_until(command(data_path, tmp_path), tmp_path, random.randint(6, 30),
+                               signal.SIGTERM)
+    assert code == 0, err[-3000:]
+    stopped_at = max(metrics(tmp_path))
+    assert f"SIGTERM: saving a checkpoint at step {stopped_at} and exiting" in out
+    assert os.path.isdir(tmp_path / "run" / "checkpoints" / str(stopped_at))
+    result = subprocess.run(command(data_path, tmp_path), env=ENV, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"loading trainstate::{tmp_path}/run/checkpoints/{stopped_at}" in result.stdout
+    assert_same_run(tmp_path, reference, stopped_at)
+
+
+# The child trains normally, but the save of step 10 hangs just before the atomic
+# rename that completes it (orbax's finalize of the step directory), as a slow
+# writer would; the items inside it are written and finalized.
+STUCK_WRITER = """
+import asyncio, sys
+from orbax.checkpoint._src.path import atomicity
+finalize = atomicity.AtomicRenameTemporaryPath.finalize
+async def stuck(self):
+    if self._final_path.name == "10":
+        print("writing 10", flush=True)
+        await asyncio.sleep(3600)
+    return await finalize(self)
+atomicity.AtomicRenameTemporaryPath.finalize = stuck
+from easylm.llama.train import main
+main(["train", *sys.argv[1:]])
+"""
+
+
+def test_sigkill_during_a_save_keeps_the_previous_checkpoint(data_path, tmp_path):
+    cmd = [sys.executable, "-c", STUCK_WRITER, *command(data_path, tmp_path)[3:]]
+    # stderr to a file: an unread pipe fills up and stalls the child.
+    with open(tmp_path / "stderr", "w") as stderr:
+        process = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        watchdog = threading.Timer(300, process.kill)  # never hang the test suite
+        watchdog.start()
+        for line in process.stdout:
+            if line.startswith("writing 10"):
+                break
+        process.kill()
+        process.communicate()
+        watchdog.cancel()
+    directory = tmp_path / "run" / "checkpoints"
+    (partial,) = [d for d in os.listdir(directory) if d.startswith("10.")]  # the unfinished save
+    assert os.listdir(directory / partial / "params")  # data had been written
+    manager = checkpoint.CheckpointManager(str(directory), checkpoint.get_default_config())
+    assert manager.latest_step() == 5  # what a resumed run starts from
+    with pytest.raises(UserError) as e:
+        final_params(tmp_path, partial)
+    assert str(e.value) == (f"{directory / partial} is an unfinished checkpoint (its save never "
+                            f"completed); use an earlier one")
+    assert final_params(tmp_path, 5)["lm_head"]["kernel"].shape == (64, 512)
+
+
+# ------------------------------------------------------------ in-process tests
+
+
+def debug_state(mesh_dim, devices):
+    config = ConfigDict(dict(llama=LLaMAConfig.get_default_config(), dtype="fp32", param_dtype="fp32"))
+    model = train.build_model(config)
+    tx, _ = optimizers.get_optimizer(optimizers.get_default_config())
+    mesh = make_mesh(mesh_dim, jax.devices()[:devices])
+    return model, tx, mesh
+
+
+def test_restore_reshards_to_another_mesh_and_one_device(tmp_path):
+    model, tx, mesh = debug_state("1,8,1", 8)
+    with jax.set_mesh(mesh):
+        state = trainer.init_state(model, tx, mesh, seed=0)
+        # Make the optimizer state non-trivial so that its restore is checked too.
+        state = state.replace(opt_state=jax.tree.map(lambda x: x + 1, state.opt_state))
+    manager = checkpoint.CheckpointManager(str(tmp_path), checkpoint.get_default_config())
+    manager.save(3, state.params, trainer._state_rest(state), {"position": 7}, {"step": 3})
+    manager.wait()
+    assert os.path.exists(os.path.join(manager.step_directory(3), "checksums.json"))
+    expected = jax.tree.map(np.asarray, state)
+    for mesh_dim, devices in (("2,2,2", 8), ("1,1,1", 1)):
+        model, tx, mesh = debug_state(mesh_dim, devices)
+        with jax.set_mesh(mesh):
+            restored, data = trainer._load_state("trainstate", manager.step_directory(3), model, tx,
+                                                 mesh, seed=0)
+        assert data == {"position": 7}
+        for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(expected)):
+            np.testing.assert_array_equal(np.asarray(a), b)
+        kernel = restored.params["model"]["layers"]["0"]["self_attn"]["q_proj"]["kernel"]
+        assert kernel.sharding.mesh.shape == mesh.shape
+        assert kernel.sharding.spec == jax.sharding.PartitionSpec("fsdp", "mp")
+
+
+def test_checksum_is_layout_free_and_sees_one_flipped_bit():
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(16, 24)), jnp.float32)
+    totals = set()
+    for mesh_dim, spec in (("1,8,1", P("fsdp", "mp")), ("2,2,2", P(("dp", "fsdp"), "mp")),
+                           ("2,2,2", P(None, "mp")), ("1,1,1", P())):
+        mesh = make_mesh(mesh_dim, jax.devices()[:8 if mesh_dim != "1,1,1" else 1])
+        placed = jax.device_put(x, NamedSharding(mesh, spec))
+        totals.add(checkpoint._total(checkpoint.partial_fingerprints({"x": placed})["x"]))
+    totals.add(checkpoint._total(checkpoint.partial_fingerprints({"x": np.asarray(x)})["x"]))
+    assert len(totals) == 1
+    bits = np.asarray(x).view(np.uint32).copy()
+    bits[5, 7] ^= 1 << 31
+    flipped = checkpoint.partial_fingerprints({"x": bits.view(np.float32)})["x"]
+    assert checkpoint._total(flipped) not in totals
+
+
+def test_bf16_export_restores_into_fp32(tmp_path):
+    params = {"w": jnp.linspace(-1, 1, 64, dtype=jnp.float32).reshape(8, 8), "n": jnp.arange(3)}
+    directory = checkpoint.save_params(str(tmp_path / "export"), params, {"note": "x"},
+                                       float_dtype="bf16")
+    stored = checkpoint._stored_tree(directory, "params")
+    assert stored["w"].dtype == jnp.bfloat16 and stored["n"].dtype == jnp.int32
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    loaded = checkpoint.load_params(f"params::{directory}", abstract)
+    assert loaded["w"].dtype == jnp.float32
+    np.testing.assert_array_equal(loaded["w"], params["w"].astype(jnp.bfloat16).astype(jnp.float32))
+    assert checkpoint.read_metadata(directory) == {"note": "x"}
+    with pytest.raises(UserError) as e:
+        checkpoint.save_params(directory, params, {})
+    assert str(e.value) == f"{directory} already exists; refusing to overwrite it"
+
+
+def test_keeps_the_latest_and_the_milestones(tmp_path):
+    config = checkpoint.get_default_config({"keep": 2})
+    manager = checkpoint.CheckpointManager(str(tmp_path), config, milestone_freq=4)
+    params = {"w": jnp.zeros((2,))}
+    for step in range(1, 11):
+        manager.save(step, params, {"step": jnp.int32(step)}, {}, {})
+    manager.wait()
+    assert sorted(int(d) for d in os.listdir(tmp_path)) == [4, 8, 9, 10]
+
+
+# --------------------------------------------------------------- bad checkpoints
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A parameter checkpoint of the embedded default model."""
+    model = train.build_model(train.default_config())
+    params = model.init_params(jax.random.key(0))
+    return checkpoint.save_params(str(tmp_path_factory.mktemp("saved") / "params"), params,
+                                  {"model": "llama"})
+
+
+def fingerprint(directory) -> str:
+    digest = hashlib.sha256()
+    for root, _, files in sorted(os.walk(directory)):
+        for name in sorted(files):
+            digest.update(name.encode() + open(os.path.join(root, name), "rb").read())
+    return digest.hexdigest()
+
+
+def cli_error(argv, capsys, tmp_path) -> str:
+    with pytest.raises(SystemExit) as e:
+        train.main(["train", *argv, f"--logger.output_dir={tmp_path}", "--total_steps=1"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    return err.removeprefix("error: ").rstrip("\n")
+
+
+def largest_file(directory):
+    files = [os.path.join(r, f) for r, _, fs in os.walk(directory) for f in fs]
+    return max(files, key=os.path.getsize)
+
+
+def damaged_copy(saved, tmp_path, damage):
+    import shutil
+
+    copy = str(tmp_path / "damaged")
+    shutil.copytree(saved, copy)
+    damage(largest_file(os.path.join(copy, "params")))
+    return copy
+
+
+def truncate(path):
+    os.truncate(path, os.path.getsize(path) // 2)
+
+
+def flip_bits(path):
+    data = bytearray(open(path, "rb").read())
+    for i in range(len(data) // 2, len(data) // 2 + 16):
+        data[i] ^= 0xFF
+    open(path, "wb").write(data)
+
+
+def test_missing_path_and_unknown_prefix(capsys, tmp_path):
+    assert cli_error(["--load_checkpoint=params::/no/such/dir"], capsys, tmp_path) == \
+        "no checkpoint at /no/such/dir: the directory does not exist"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli_error([f"--load_checkpoint=params::{empty}"], capsys, tmp_path) == \
+        f"no checkpoint at {empty}: it has no 'params' item (found: nothing orbax wrote)"
+    assert cli_error(["--load_checkpoint=weights::/x"], capsys, tmp_path) == \
+        "--load_checkpoint='weights::/x': unknown prefix 'weights'; expected one of params, " \
+        "trainstate, trainstate_params"
+
+
+def test_truncated_checkpoint(saved, capsys, tmp_path):
+    copy = damaged_copy(saved, tmp_path, truncate)
+    before = fingerprint(copy)
+    message = cli_error([f"--load_checkpoint=params::{copy}"], capsys, tmp_path)
+    assert message.startswith(f"cannot read the checkpoint at {copy} (corrupted or truncated?): ")
+    assert fingerprint(copy) == before
+
+
+def test_corrupted_checkpoint_fails_its_checksum(saved, capsys, tmp_path):
+    copy = damaged_copy(saved, tmp_path, flip_bits)
+    before = fingerprint(copy)
+    message = cli_error([f"--load_checkpoint=params::{copy}"], capsys, tmp_path)
+    assert message.startswith(f"checkpoint {copy} is corrupted: params entry '")
+    assert message.endswith("' does not match the checksum saved with it")
+    assert fingerprint(copy) == before
+
+
+def test_shape_mismatch_names_the_parameter_and_both_shapes(saved, capsys, tmp_path):
+    before = fingerprint(saved)
+    assert cli_error([f"--load_checkpoint=params::{saved}", "--llama.hidden_size=64"],
+                     capsys, tmp_path) == \
+        f"checkpoint {saved}: params entry 'lm_head/kernel' has shape (128, 512) but the " \
+        f"configured model expects (64, 512)"
+    assert fingerprint(saved) == before
+
+
+def test_nothing_on_the_load_path_unpickles(saved, monkeypatch, tmp_path):
+    def refuse(*args, **kwargs):
+        raise AssertionError("pickle used on the load path")
+
+    model, tx, mesh = debug_state("1,1,1", 1)
+    with jax.set_mesh(mesh):
+        state = trainer.init_state(model, tx, mesh, seed=0)
+    manager = checkpoint.CheckpointManager(str(tmp_path), checkpoint.get_default_config())
+    manager.save(1, state.params, trainer._state_rest(state), {"position": 1}, {"step": 1})
+    manager.wait()
+    for name in ("load", "loads", "Unpickler"):
+        monkeypatch.setattr(pickle, name, refuse)
+    with jax.set_mesh(mesh):
+        restored, data = trainer._load_state("trainstate", manager.step_directory(1), model, tx,
+                                             mesh, seed=0)
+    assert data == {"position": 1} and int(restored.step) == 0
+    abstract = jax.eval_shape(train.build_model(train.default_config()).init_params,
+                              jax.random.key(0))
+    checkpoint.load_params(f"params::{saved}", abstract)
+    assert checkpoint.read_metadata(saved) == {"model": "llama"}
+
+
+def test_resume_false_never_overwrites_a_run(capsys, tmp_path):
+    manager = checkpoint.CheckpointManager(str(tmp_path / "run" / "checkpoints"),
+                                           checkpoint.get_default_config())
+    manager.save(7, {"w": jnp.zeros((2,))}, None, {}, {})
+    manager.wait()
+    before = fingerprint(tmp_path / "run")
+    assert cli_error(["--resume=False", "--logger.experiment_id=run"], capsys, tmp_path) == \
+        f"{tmp_path}/run already has checkpoints (latest: step 7); pass --resume=True to " \
+        f"continue from it, or set another --logger.experiment_id"
+    assert fingerprint(tmp_path / "run") == before
