@@ -35,6 +35,8 @@ HELP = {
 # Shown in the one-line summary, in this order, when present.
 _SUMMARY = (("loss", "loss {:.4f}"), ("accuracy", "acc {:.3f}"), ("learning_rate", "lr {:.2e}"),
             ("gradient_norm", "grad_norm {:.3f}"), ("tokens_per_second", "tokens/s {:,.0f}"))
+_EVAL_SUMMARY = (("eval_loss", "eval loss {:.4f}"), ("eval_accuracy", "acc {:.3f}"),
+                 ("eval_perplexity", "perplexity {:.2f}"), ("eval_tokens", "tokens {:,.0f}"))
 
 
 def get_default_config(updates=None) -> ConfigDict:
@@ -54,6 +56,9 @@ def get_default_config(updates=None) -> ConfigDict:
 
 def format_metrics(step: int, metrics: dict) -> str:
     parts = [f"step {step}"]
+    if "eval_loss" in metrics:
+        return " | ".join(parts + [fmt.format(metrics[key]) for key, fmt in _EVAL_SUMMARY
+                                   if metrics.get(key) is not None])
     for key, fmt in _SUMMARY:
         if metrics.get(key) is not None:
             parts.append(fmt.format(metrics[key]))

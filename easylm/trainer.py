@@ -545,6 +545,7 @@ def train(config: ConfigDict, build_model: Callable[[ConfigDict], Model]) -> str
                 if eval_dataset is not None and step % config.eval_freq == 0:
                     log.log(step, _evaluate(eval_step, state.params, eval_dataset,
                                             config.eval_steps, make_batch))
+                    clock = (time.time(), step)  # tokens/s counts training time only
                 if (config.save_model_freq and step % config.save_model_freq == 0) or (
                         config.save_milestone_freq and step % config.save_milestone_freq == 0):
                     save(step)

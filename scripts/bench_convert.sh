@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Peak memory of the HF -> easylm converter as a ratio of its output size.
-#   bash scripts/bench_convert.sh [WORKDIR]
+#   [LAYERS=16] bash scripts/bench_convert.sh [WORKDIR]
 # Builds a random ~1.1 GB (fp32) LLaMA in HF format, converts it under
 # /usr/bin/time -v, and prints peak RSS / output size (target <= 1.5).
 set -euo pipefail
 work=${1:-$(mktemp -d)}
 export JAX_PLATFORMS=cpu
 python - "$work/hf" <<'PY'
-import sys, torch
+import os, sys, torch
 from transformers import LlamaConfig, LlamaForCausalLM
 config = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
-                     num_hidden_layers=16, num_attention_heads=16)
+                     num_hidden_layers=int(os.environ.get("LAYERS", 16)), num_attention_heads=16)
 with torch.device("meta"):
     model = LlamaForCausalLM(config)
 model = model.to_empty(device="cpu")

@@ -43,12 +43,15 @@ def data_path(tmp_path_factory):
 
 
 def command(data_path, output_dir):
-    """The debug model on shuffled JSONL, a checkpoint every 5 steps, every step logged."""
+    """The debug model on shuffled JSONL, a checkpoint every 5 steps, every step logged,
+    an evaluation every 10."""
     return [sys.executable, "-m", "easylm.llama.train",
             "--llama.base_model=debug",
             f"--train_dataset.json_dataset.path={data_path}", "--train_dataset.json_dataset.shuffle=True",
             "--train_dataset.json_dataset.seq_length=32", "--train_dataset.json_dataset.batch_size=8",
             f"--total_steps={TOTAL_STEPS}", "--log_freq=1", "--save_model_freq=5",
+            "--eval_freq=10", "--eval_steps=2", f"--eval_dataset.json_dataset.path={data_path}",
+            "--eval_dataset.json_dataset.seq_length=32", "--eval_dataset.json_dataset.batch_size=8",
             "--optimizer.adamw_optimizer.lr_warmup_steps=5",
             f"--optimizer.adamw_optimizer.lr_decay_steps={TOTAL_STEPS}",
             f"--logger.output_dir={output_dir}", "--logger.experiment_id=run"]
@@ -59,7 +62,10 @@ def metrics(output_dir) -> dict:
     if not os.path.exists(path):
         return {}
     lines = open(path).read().split("\n")[:-1]  # the last may be half written
-    return {m["step"]: m for m in map(json.loads, lines)}
+    merged = {}
+    for line in map(json.loads, lines):  # a train line and maybe an eval line per step
+        merged.setdefault(line["step"], {}).update(line)
+    return merged
 
 
 def final_params(output_dir, step=TOTAL_STEPS):
@@ -92,7 +98,8 @@ def assert_same_run(resumed_dir, reference, resumed_from):
     got = metrics(resumed_dir)
     assert sorted(got) == list(range(1, TOTAL_STEPS + 1))
     for step, line in got.items():  # JSON floats round-trip exactly: this is bitwise
-        for key in ("loss", "gradient_norm", "param_norm"):
+        keys = ("loss", "gradient_norm", "param_norm") + (("eval_loss",) if step % 10 == 0 else ())
+        for key in keys:
             assert line[key] == reference["metrics"][step][key], (step, key, resumed_from)
     for a, b in zip(jax.tree.leaves(final_params(resumed_dir)), jax.tree.leaves(reference["params"])):
         np.testing.assert_array_equal(a, b)

@@ -77,8 +77,8 @@ def from_hf(tensors: Mapping[str, Any], config: LLaMAConfig, dtype=None, source:
     for key, path in expected.items():
         tensor = to_numpy(tensors[key])
         _, transpose = hf_key(path)
-        if transpose:
-            tensor = np.ascontiguousarray(tensor.T)
+        if transpose:  # `place` copies anyway: no contiguous host copy first
+            tensor = tensor.T if place else np.ascontiguousarray(tensor.T)
         if tensor.shape != shapes[path]:
             want = shapes[path][::-1] if transpose else shapes[path]
             got = tensor.shape[::-1] if transpose else tensor.shape
