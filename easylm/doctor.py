@@ -125,7 +125,8 @@ def check(config) -> tuple[list[str], list[str]]:
             problems.append(f"--train_dataset batch size {data.batch_size} does not split "
                             f"over the {jax.process_count()} processes")
 
-    cache = jax.config.jax_compilation_cache_dir
+    # The trainer's --compilation_cache_dir (JAX_COMPILATION_CACHE_DIR when that is '').
+    cache = os.path.expanduser(config.compilation_cache_dir or jax.config.jax_compilation_cache_dir or "")
     if cache:
         why = _writable(cache)
         if why:
@@ -133,7 +134,7 @@ def check(config) -> tuple[list[str], list[str]]:
         else:
             report.append(f"compilation cache: {cache} (writable)")
     else:
-        report.append("compilation cache: off (set JAX_COMPILATION_CACHE_DIR to reuse "
+        report.append("compilation cache: off (set --compilation_cache_dir to reuse "
                       "compilations across runs)")
     why = _writable(config.logger.output_dir)
     if why:

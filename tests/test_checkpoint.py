@@ -111,7 +111,7 @@ def reference(data_path, tmp_path_factory):
     output_dir = str(tmp_path_factory.mktemp("a"))
     result = subprocess.run(command(data_path, output_dir), env=ENV, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
-    return {"metrics": metrics(output_dir), "params": final_params(output_dir)}
+    return {"metrics": metrics(output_dir), "params": final_params(output_dir), "dir": output_dir}
 
 
 def test_sigkill_then_resume_is_bitwise_identical(data_path, reference, tmp_path):
@@ -138,6 +138,26 @@ def test_sigterm_saves_exits_cleanly_and_resumes_exactly(data_path, reference, t
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"loading trainstate::{tmp_path}/run/checkpoints/{stopped_at}" in result.stdout
     assert_same_run(tmp_path, reference, stopped_at)
+
+
+def test_load_checkpoint_trainstate_continues_and_params_starts_afresh(
+        data_path, reference, tmp_path, capsys):
+    checkpoint_35 = os.path.join(reference["dir"], "run", "checkpoints", "35")
+    # trainstate:: into a new run directory continues exactly where that run was.
+    cmd = command(data_path, tmp_path / "b") + [f"--load_checkpoint=trainstate::{checkpoint_35}",
+                                                "--total_steps=37"]
+    result = subprocess.run(cmd, env=ENV, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = metrics(tmp_path / "b")
+    assert sorted(got) == [36, 37]
+    assert [got[s]["loss"] for s in (36, 37)] == [reference["metrics"][s]["loss"] for s in (36, 37)]
+    # params:: starts at step 0 with a fresh optimizer (lr 0 at step 0: the norm stays).
+    train.main(["train", *command(data_path, tmp_path / "c")[3:],
+                f"--load_checkpoint=params::{checkpoint_35}", "--total_steps=1"])
+    first = metrics(tmp_path / "c")[1]
+    assert first["learning_rate"] == 0.0
+    assert first["param_norm"] == pytest.approx(reference["metrics"][35]["param_norm"], rel=1e-6)
+    assert f"loading params::{checkpoint_35}" in capsys.readouterr().out
 
 
 # The child trains normally, but the save of step 10 hangs just before the atomic

@@ -22,7 +22,8 @@ def run_doctor(argv, capsys):
 
 
 def test_healthy_setup_exits_0(tmp_path, capsys):
-    code, out, err = run_doctor([f"--logger.output_dir={tmp_path}/runs"], capsys)
+    code, out, err = run_doctor([f"--logger.output_dir={tmp_path}/runs",
+                                 f"--compilation_cache_dir={tmp_path}/cache"], capsys)
     assert code == 0 and err == ""
     lines = out.splitlines()
     assert lines[0].startswith("python ")
@@ -33,7 +34,7 @@ def test_healthy_setup_exits_0(tmp_path, capsys):
         "devices per process: 0: 8",
         "all 1 process(es) joined; a sum over all 8 devices is correct",
         "mesh: dp=1 fsdp=8 mp=1 (--mesh_dim=1,-1,1)",
-        "compilation cache: off (set JAX_COMPILATION_CACHE_DIR to reuse compilations across runs)",
+        f"compilation cache: {tmp_path}/cache (writable)",
         "no problems found",
     ]
 
@@ -61,9 +62,9 @@ def test_each_problem_is_one_line_and_exit_1(argv, problems, tmp_path, capsys):
 def test_unwritable_compilation_cache(tmp_path):
     # A subprocess: the cache directory is read when jax starts.
     result = subprocess.run(
-        [sys.executable, "-m", "easylm.doctor", f"--logger.output_dir={tmp_path}"],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": REPO, "JAX_COMPILATION_CACHE_DIR": "/proc/easylm-cache"})
+        [sys.executable, "-m", "easylm.doctor", f"--logger.output_dir={tmp_path}",
+         "--compilation_cache_dir=/proc/easylm-cache"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, env={**os.environ, "PYTHONPATH": REPO})
     assert result.returncode == 1
     assert result.stderr.splitlines()[-1] == (
         "problem: compilation cache: /proc is not writable (No such file or directory)")
