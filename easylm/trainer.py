@@ -255,7 +255,7 @@ def setup_compilation(cache_dir: str) -> None:
     if cache_dir:
         cache_dir = os.path.expanduser(cache_dir)
         jax.config.update("jax_compilation_cache_dir", cache_dir)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     if _gpu_plugin_installed():
         present = os.environ.get("XLA_FLAGS", "")
         extra = [f for f in GPU_XLA_FLAGS if f.split("=")[0] not in present]
