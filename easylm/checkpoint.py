@@ -296,7 +296,7 @@ def has_item(directory: str, item: str) -> bool:
     return _is_dir(os.path.join(directory, item))
 
 
-def _stored_tree(directory: str, item: str):
+def stored_tree(directory: str, item: str):
     """The checkpoint's tree of ArrayMetadata (shape, dtype) for `item`."""
     verbosity = absl_logging.get_verbosity()
     absl_logging.set_verbosity(absl_logging.ERROR)  # orbax warns before we can explain
@@ -358,7 +358,7 @@ def restore_items(directory: str, abstract: dict, json_items=()) -> dict:
     """Restore array items (checked against `abstract`, resharded to its shardings,
     verified against their checksums) and JSON items from a complete checkpoint."""
     check_checkpoint_dir(directory, tuple(abstract) + tuple(json_items))
-    stored = {item: _stored_tree(directory, item) for item in abstract}
+    stored = {item: stored_tree(directory, item) for item in abstract}
     for item, tree in abstract.items():
         check_shapes(stored[item], tree, directory, item)
     checksums = _read_checksums(directory) if abstract else None

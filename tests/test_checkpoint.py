@@ -260,7 +260,7 @@ def test_bf16_export_restores_into_fp32(tmp_path):
     params = {"w": jnp.linspace(-1, 1, 64, dtype=jnp.float32).reshape(8, 8), "n": jnp.arange(3)}
     directory = checkpoint.save_params(str(tmp_path / "export"), params, {"note": "x"},
                                        float_dtype="bf16")
-    stored = checkpoint._stored_tree(directory, "params")
+    stored = checkpoint.stored_tree(directory, "params")
     assert stored["w"].dtype == jnp.bfloat16 and stored["n"].dtype == jnp.int32
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     loaded = checkpoint.load_params(f"params::{directory}", abstract)

@@ -21,7 +21,7 @@ import absl.flags
 import mlxu
 import numpy as np
 
-from easylm.checkpoint import _stored_tree, load_params, parse_load_spec, read_metadata
+from easylm.checkpoint import load_params, parse_load_spec, read_metadata, stored_tree
 from easylm.errors import UserError, exit_on_user_error
 from easylm.hf_checkpoint import write_safetensors
 from easylm.llama.config import LLaMAConfig
@@ -54,7 +54,7 @@ def load_checkpoint(spec: str):
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     abstract = jax.tree_util.tree_map(
         lambda leaf: jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype, sharding=device),
-        _stored_tree(directory, "params"),
+        stored_tree(directory, "params"),
     )
     return config, load_params(spec, abstract)
 
