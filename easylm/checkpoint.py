@@ -24,6 +24,9 @@ Load specs (`--load_checkpoint`), as in EasyLM:
     params::DIR             parameters only (a fresh optimizer)
     trainstate::DIR         everything, to resume (the trainer handles it)
     trainstate_params::DIR  the parameters out of a full train state
+
+The trainer and the server also take `hf::DIR`, a Hugging Face directory
+converted as it loads; the model family supplies that loader.
 """
 
 import functools
@@ -98,18 +101,18 @@ def _is_dir(path: str) -> bool:
     return epath.Path(path).is_dir()
 
 
-def parse_load_spec(spec: str) -> tuple[str, str]:
-    """'params::DIR' -> ('params', absolute DIR)."""
+def parse_load_spec(spec: str, prefixes: tuple[str, ...] = LOAD_PREFIXES) -> tuple[str, str]:
+    """'params::DIR' -> ('params', absolute DIR); `prefixes` are those the caller can load."""
     prefix, sep, path = spec.partition("::")
     if not sep or not path:
         raise UserError(
             f"--load_checkpoint={spec!r}: expected PREFIX::PATH with PREFIX one of "
-            f"{', '.join(LOAD_PREFIXES)}"
+            f"{', '.join(prefixes)}"
         )
-    if prefix not in LOAD_PREFIXES:
+    if prefix not in prefixes:
         raise UserError(
             f"--load_checkpoint={spec!r}: unknown prefix {prefix!r}; expected one of "
-            f"{', '.join(LOAD_PREFIXES)}"
+            f"{', '.join(prefixes)}"
         )
     return prefix, absolute_path(path)
 

@@ -39,6 +39,8 @@ from easylm.sharding import (BATCH_AXES, PartitionRules, constrain, init_sharded
                              match_partition_rules, named_shardings)
 
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+# `hf::DIR` is read by the model family's `Model.load_hf`, the rest by easylm.checkpoint.
+LOAD_PREFIXES = checkpoint.LOAD_PREFIXES + ("hf",)
 
 HELP = {
     "seed": "random seed: parameter initialisation and the per-step RNG",
@@ -57,8 +59,10 @@ HELP = {
                            "(0: none)",
     "eval_freq": "evaluate on --eval_dataset every this many steps (0: never)",
     "eval_steps": "batches per evaluation (0: one full pass over --eval_dataset)",
-    "load_checkpoint": "start from params::DIR (parameters), trainstate::DIR (everything) or "
-                       "trainstate_params::DIR (parameters of a train state)",
+    "load_checkpoint": "start from params::DIR (parameters), trainstate::DIR (everything), "
+                       "trainstate_params::DIR (parameters of a train state) or hf::DIR (a "
+                       "Hugging Face model directory, converted as it loads; its config.json "
+                       "gives the model's shape)",
     "resume": "continue from the newest complete checkpoint in the run directory, if any",
     "tokenizer": "'embedded', a tokenizer directory, a tokenizer.json or a SentencePiece .model",
     "peak_tflops": "peak TFLOP/s of one device for MFU (0: look the device up; unknown "
@@ -82,6 +86,8 @@ class Model:
     partition_rules: PartitionRules
     flops_per_token: Callable  # seq_length -> training FLOPs per token
     serve_module: str = ""  # printed in the "how to serve it" hint
+    # (directory, abstract params with shardings) -> params: `--load_checkpoint=hf::DIR`
+    load_hf: Callable | None = None
 
 
 @flax.struct.dataclass
@@ -356,6 +362,11 @@ def _metadata(config: ConfigDict, model: Model, step: int) -> dict:
 def _load_state(kind: str, directory: str, model: Model, tx, mesh, seed: int):
     """(state, data state or None) from a checkpoint directory."""
     abstract = abstract_state(model, tx, mesh, seed)
+    if kind == "hf":
+        if model.load_hf is None:
+            raise UserError(f"--load_checkpoint=hf::{directory}: the {model.name} model "
+                            f"cannot load Hugging Face checkpoints")
+        return init_state(model, tx, mesh, seed, params=model.load_hf(directory, abstract.params)), None
     if kind == "trainstate" and checkpoint.has_item(directory, "opt_state"):
         items = checkpoint.restore_items(
             directory, {"params": abstract.params, "opt_state": _state_rest(abstract)},
@@ -401,7 +412,9 @@ class _Preemption:
 
 def _check_config(config: ConfigDict):
     if config.load_checkpoint:
-        checkpoint.check_checkpoint_dir(checkpoint.parse_load_spec(config.load_checkpoint)[1])
+        kind, directory = checkpoint.parse_load_spec(config.load_checkpoint, LOAD_PREFIXES)
+        if kind != "hf":  # the model family reads (and checks) a HF directory
+            checkpoint.check_checkpoint_dir(directory)
     if config.total_steps < 1:
         raise UserError(f"--total_steps must be >= 1, got {config.total_steps}")
     if config.log_freq < 1:
@@ -442,6 +455,10 @@ def train(config: ConfigDict, build_model: Callable[[ConfigDict], Model]) -> str
     mesh = make_mesh(config.mesh_dim, dcn_mesh_dim=config.dcn_mesh_dim)
     tokenizer = load_tokenizer(config.tokenizer)
     model = build_model(config)
+    if config.load_checkpoint.startswith("hf::") and config.tokenizer == "embedded" \
+            and jax.process_index() == 0:
+        print(f"warning: training {config.load_checkpoint} with --tokenizer=embedded; pass "
+              f"--tokenizer=DIR for the model's own tokenizer", file=sys.stderr)
     if model.vocab_size < len(tokenizer):
         raise UserError(
             f"the model's vocabulary (--{model.name}.vocab_size={model.vocab_size}) is smaller "
@@ -467,7 +484,7 @@ def train(config: ConfigDict, build_model: Callable[[ConfigDict], Model]) -> str
     if latest is not None:
         source = ("trainstate", manager.step_directory(latest))
     elif config.load_checkpoint:
-        source = checkpoint.parse_load_spec(config.load_checkpoint)
+        source = checkpoint.parse_load_spec(config.load_checkpoint, LOAD_PREFIXES)
 
     with jax.set_mesh(mesh):
         if source is None:

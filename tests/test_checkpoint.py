@@ -345,7 +345,7 @@ def test_missing_path_and_unknown_prefix(capsys, tmp_path):
         f"no checkpoint at {empty}: it has no 'params' item (found: nothing orbax wrote)"
     assert cli_error(["--load_checkpoint=weights::/x"], capsys, tmp_path) == \
         "--load_checkpoint='weights::/x': unknown prefix 'weights'; expected one of params, " \
-        "trainstate, trainstate_params"
+        "trainstate, trainstate_params, hf"
 
 
 def test_truncated_checkpoint(saved, capsys, tmp_path):

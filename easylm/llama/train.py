@@ -11,10 +11,12 @@ import jax
 from ml_collections import ConfigDict
 
 from easylm import trainer
-from easylm.errors import exit_on_user_error
+from easylm.errors import UserError, exit_on_user_error
 from easylm.llama.config import LLAMA_PRESETS, LLaMAConfig
+from easylm.llama.convert_hf_to_easylm import load_hf_params, read_hf_config
 from easylm.llama.model import PARTITION_RULES, LLaMAForCausalLM, lm_head_weight
 from easylm.losses import causal_lm_loss, chunked_next_token_loss
+from easylm.sharding import path_to_string
 
 # The embedded default: the `embedded` preset on the embedded corpus, sized to
 # train in about three minutes on two CPU cores. Only run-level settings here:
@@ -47,12 +49,22 @@ def help_entries() -> dict:
     entries = trainer.help_text(getattr(DatasetFactory, "HELP", None))
     entries["llama.base_model"] = f"preset: {', '.join(LLAMA_PRESETS)}"
     for field in LLaMAConfig.__dataclass_fields__:
-        entries[f"llama.{field}"] = "override the preset's value"
+        entries[f"llama.{field}"] = "override the preset's (or hf::DIR config.json's) value"
     return entries
 
 
+def model_config(config: ConfigDict) -> LLaMAConfig:
+    """The `--llama.base_model` preset, or with `--load_checkpoint=hf::DIR` the shape in
+    DIR/config.json; then the `--llama.*` fields given on the command line."""
+    spec = config.get("load_checkpoint", "")
+    if not spec.startswith("hf::"):
+        return LLaMAConfig.from_flags(config.llama)
+    overrides = {k: v for k, v in config.llama.items() if k != "base_model" and v is not None}
+    return read_hf_config(spec[len("hf::"):]).replace(**overrides)
+
+
 def build_model(config: ConfigDict) -> trainer.Model:
-    llama_config = LLaMAConfig.from_flags(config.llama)
+    llama_config = model_config(config)
     model = LLaMAForCausalLM(
         llama_config,
         dtype=trainer.dtype_from_flag("dtype", config.dtype),
@@ -71,6 +83,23 @@ def build_model(config: ConfigDict) -> trainer.Model:
                                        batch["target_tokens"], batch["loss_masks"],
                                        llama_config.loss_chunk_size)
 
+    def load_hf(directory, abstract_params):
+        """DIR's tensors, each placed straight into its shards of `abstract_params` (host
+        memory: one copy of the model; each device: its shards)."""
+        _, host = load_hf_params(directory, scan_layers=llama_config.scan_layers)
+        if jax.tree.structure(host) != jax.tree.structure(abstract_params):
+            raise UserError(f"{directory}: the --llama.* flags describe a model with other "
+                            f"parameters than its config.json")
+
+        def place(path, array, target):
+            if array.shape != target.shape:
+                raise UserError(f"{directory}: parameter {path_to_string(path)} has shape "
+                                f"{array.shape}, but the --llama.* flags imply {target.shape}")
+            array = array.astype(target.dtype)
+            return jax.make_array_from_callback(target.shape, target.sharding, lambda i: array[i])
+
+        return jax.tree_util.tree_map_with_path(place, host, abstract_params)
+
     return trainer.Model(
         name="llama",
         config=llama_config.to_dict(),
@@ -80,6 +109,7 @@ def build_model(config: ConfigDict) -> trainer.Model:
         partition_rules=PARTITION_RULES,
         flops_per_token=llama_config.flops_per_token,
         serve_module="easylm.llama.serve",
+        load_hf=load_hf,
     )
 
 

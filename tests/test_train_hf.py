@@ -1,0 +1,98 @@
+"""`--load_checkpoint=hf::DIR` in the trainer: fine-tuning a Hugging Face directory is one
+command. The first step's loss is HF's loss on the same batch, the parameters land in
+their shards unchanged, and bad directories or flags give one line."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+import torch
+from flax import traverse_util
+from transformers import LlamaForCausalLM as HFLlama
+
+from easylm import checkpoint, flags, trainer
+from easylm.data import DatasetFactory
+from easylm.errors import UserError
+from easylm.llama import train
+from easylm.llama.config import LLaMAConfig
+from easylm.llama.convert_hf_to_easylm import load_hf_params
+from easylm.tokenizer import load_tokenizer
+
+
+def make_hf(directory):
+    """A random GQA model with tied embeddings, unlike the `embedded` preset's shape."""
+    config = LLaMAConfig.from_preset("debug", initializer_range=0.2, num_hidden_layers=3,
+                                     num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+                                     tie_word_embeddings=True, rope_theta=50000.0)
+    torch.manual_seed(0)
+    model = HFLlama(config.to_hf_config()).eval()
+    model.save_pretrained(directory)
+    return model
+
+
+def parse(tmp_path, *argv):
+    return flags.parse(train.default_config(), train.help_entries(), [
+        "train", "--total_steps=1", "--log_freq=1", "--train_dataset.json_dataset.seq_length=32",
+        "--train_dataset.json_dataset.batch_size=4", f"--logger.output_dir={tmp_path / 'runs'}",
+        "--compilation_cache_dir=", "--dtype=fp32", "--mesh_dim=1,1,-1",
+        # lr 0: the run's only update leaves the parameters as loaded.
+        "--optimizer.adamw_optimizer.init_lr=0", "--optimizer.adamw_optimizer.lr=0",
+        "--optimizer.adamw_optimizer.end_lr=0", *argv])
+
+
+@pytest.mark.parametrize("mesh_dim,scan", [("1,1,-1", False), ("2,2,2", True)])
+def test_first_loss_is_hf_loss_and_params_load_unchanged(tmp_path, mesh_dim, scan):
+    hf = make_hf(tmp_path / "hf")
+    config = parse(tmp_path, f"--load_checkpoint=hf::{tmp_path / 'hf'}", f"--mesh_dim={mesh_dim}",
+                   f"--llama.scan_layers={scan}")
+    final = trainer.train(config, train.build_model)
+
+    # The loss logged for step 1 is HF's mean cross-entropy on the first batch.
+    dataset = DatasetFactory.load_dataset(config.train_dataset, load_tokenizer("embedded"))
+    batch, _ = next(iter(dataset))
+    with torch.no_grad():
+        logits = hf(torch.tensor(batch["input_tokens"]).long()).logits
+    nll = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), torch.tensor(batch["target_tokens"]).long().flatten(), reduction="none")
+    mask = torch.tensor(batch["loss_masks"]).flatten()
+    expected = float((nll * mask).sum() / mask.sum())
+    (line,) = [json.loads(x) for x in open(os.path.join(os.path.dirname(os.path.dirname(final)),
+                                                          "metrics.jsonl"))]
+    assert line["step"] == 1
+    np.testing.assert_allclose(line["loss"], expected, rtol=2e-6)
+
+    # The checkpoint records HF's shape and holds HF's tensors bit for bit.
+    metadata = checkpoint.read_metadata(final)
+    recorded = metadata["llama_config"]
+    assert (recorded["num_hidden_layers"], recorded["num_key_value_heads"],
+            recorded["tie_word_embeddings"], recorded["rope_theta"]) == (3, 2, True, 50000.0)
+    llama_config, expected_params = load_hf_params(str(tmp_path / "hf"), scan_layers=scan)
+    model = train.build_model(config)
+    abstract = jax.eval_shape(model.init_params, jax.random.key(0))
+    params = checkpoint.load_params(f"params::{final}", abstract)
+    ours = traverse_util.flatten_dict(jax.device_get(params), sep="/")
+    theirs = traverse_util.flatten_dict(expected_params, sep="/")
+    assert ours.keys() == theirs.keys()
+    for key in theirs:
+        np.testing.assert_array_equal(ours[key], theirs[key], err_msg=key)
+
+
+def test_bad_hf_directory_or_flags_are_one_line(tmp_path):
+    with pytest.raises(UserError, match=r"missing: no such directory$"):
+        trainer.train(parse(tmp_path, f"--load_checkpoint=hf::{tmp_path / 'missing'}"),
+                      train.build_model)
+    make_hf(tmp_path / "hf")
+    with pytest.raises(UserError, match=r"the --llama.\* flags describe a model with other "
+                                        r"parameters than its config.json"):
+        trainer.train(parse(tmp_path, f"--load_checkpoint=hf::{tmp_path / 'hf'}",
+                            "--llama.num_hidden_layers=2"), train.build_model)
+    with pytest.raises(UserError, match=r"model/embed_tokens/embedding has shape \(512, 64\), "
+                                        r"but the --llama.\* flags imply \(512, 32\)"):
+        trainer.train(parse(tmp_path, f"--load_checkpoint=hf::{tmp_path / 'hf'}",
+                            "--llama.hidden_size=32"), train.build_model)
+    with pytest.raises(UserError, match=r"unknown prefix 'hug'; expected one of params, "
+                                        r"trainstate, trainstate_params, hf$"):
+        trainer.train(parse(tmp_path, f"--load_checkpoint=hug::{tmp_path / 'hf'}"),
+                      train.build_model)
