@@ -17,8 +17,8 @@ case "$mode" in
     for tag in manylinux_2_28 manylinux_2_27 manylinux_2_17 manylinux2014; do
       platforms="$platforms --platform ${tag}_${arch}"
     done
-    # easylm itself and mlxu ship as source only: build their (pure-Python) wheels here.
-    python3 -m pip wheel --no-deps -w wheelhouse . mlxu
+    # easylm ships as source only: build its (pure-Python) wheel here.
+    python3 -m pip wheel --no-deps -w wheelhouse .
     python3 -m pip download -d wheelhouse --find-links wheelhouse --only-binary=:all: \
         --python-version "$pyver" $platforms --platform any "$(ls wheelhouse/easylm-*.whl | head -n 1)${extra}"
     echo "wheelhouse: $(ls wheelhouse | wc -l) files, $(du -sh wheelhouse | cut -f1)";;

@@ -145,3 +145,15 @@ def test_bad_input_is_one_clear_line(tmp_path, case):
     assert result.stderr.startswith("error: ") and message in result.stderr, result.stderr
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
     assert not out.exists()
+
+
+def test_bad_flags_are_one_line(tmp_path):
+    result = run_cli("easylm.llama.convert_hf_to_easylm", "--hf_model=x", "--output_dri=y")
+    assert (result.returncode, result.stderr) == (
+        2, "error: Unknown command line flag 'output_dri'. Did you mean: output_dir ?\n")
+    result = run_cli("easylm.llama.convert_easylm_to_hf", "--load_checkpoint=params::x",
+                     "--output_dir=y", "--max_shard_gb=big")
+    assert result.returncode == 2
+    assert result.stderr == "error: flag --max_shard_gb=big: could not convert string to float: 'big'\n"
+    result = run_cli("easylm.llama.convert_easylm_to_hf", "--help")
+    assert result.returncode == 0 and "--verify_tolerance=0.001" in result.stdout

@@ -14,13 +14,14 @@ at the end, so a failed export never looks complete.
 
 import os
 import shutil
+import sys
 
 import jax
 import jax.numpy as jnp
-import absl.flags
-import mlxu
 import numpy as np
+from ml_collections import ConfigDict
 
+from easylm import flags
 from easylm.checkpoint import load_params, parse_load_spec, read_metadata, stored_tree
 from easylm.errors import UserError, exit_on_user_error
 from easylm.hf_checkpoint import write_safetensors
@@ -30,15 +31,22 @@ from easylm.llama.model import LLaMAForCausalLM
 
 DTYPES = {"keep": None, "bf16": "bfloat16", "fp32": "float32"}
 
-FLAG_DEFAULTS = dict(
-    load_checkpoint=("", "params::DIR, trainstate::DIR or trainstate_params::DIR"),
-    output_dir=("", "the Hugging Face model directory to write (must not exist)"),
-    tokenizer=("", "tokenizer to save alongside (a path, or 'embedded'); empty: none"),
-    dtype=("keep", "tensor dtype of the export: keep, bf16 or fp32"),
-    max_shard_gb=(5.0, "largest safetensors shard, in GiB"),
-    verify=(True, "reload the export with transformers and compare logits with ours"),
-    verify_tolerance=(1e-3, "largest max |logit difference| --verify accepts"),
-)
+HELP = {
+    "load_checkpoint": "params::DIR, trainstate::DIR or trainstate_params::DIR",
+    "output_dir": "the Hugging Face model directory to write (must not exist)",
+    "tokenizer": "tokenizer to save alongside (a path, or 'embedded'); empty: none",
+    "dtype": "tensor dtype of the export: keep, bf16 or fp32",
+    "max_shard_gb": "largest safetensors shard, in GiB",
+    "verify": "reload the export with transformers and compare logits with ours",
+    "verify_tolerance": "largest max |logit difference| --verify accepts",
+}
+USAGE = ("usage: python -m easylm.llama.convert_easylm_to_hf --load_checkpoint=params::DIR "
+         "--output_dir=DIR")
+
+
+def get_default_config() -> ConfigDict:
+    return ConfigDict(dict(load_checkpoint="", output_dir="", tokenizer="", dtype="keep",
+                           max_shard_gb=5.0, verify=True, verify_tolerance=1e-3))
 
 
 def config_from_metadata(metadata: dict, directory: str) -> LLaMAConfig:
@@ -100,10 +108,11 @@ def verify(params, config: LLaMAConfig, directory: str) -> float:
 
 
 @exit_on_user_error
-def main(argv):
-    FLAGS = absl.flags.FLAGS
-    if len(argv) > 1:
-        raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
+def main(argv=None):
+    argv = list(argv or sys.argv)
+    if flags.wants_help(argv):
+        flags.print_help_and_exit(get_default_config(), HELP, USAGE)
+    FLAGS = flags.parse(get_default_config(), HELP, argv)
     if not FLAGS.load_checkpoint or not FLAGS.output_dir:
         raise UserError("both --load_checkpoint and --output_dir are required")
     if FLAGS.dtype not in DTYPES:
@@ -136,5 +145,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    mlxu.define_flags_with_default(**FLAG_DEFAULTS)
-    mlxu.run(main)
+    main()

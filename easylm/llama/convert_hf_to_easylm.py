@@ -10,10 +10,12 @@ scaling, rms_norm_eps, vocabulary) becomes the checkpoint's `llama_config`
 metadata.
 """
 
-import absl.flags
-import jax
-import mlxu
+import sys
 
+import jax
+from ml_collections import ConfigDict
+
+from easylm import flags
 from easylm.checkpoint import save_params
 from easylm.errors import UserError, exit_on_user_error
 from easylm.hf_checkpoint import HFTensors, read_config
@@ -22,11 +24,16 @@ from easylm.llama.hf_weights import from_hf
 
 DTYPES = {"keep": None, "bf16": "bfloat16", "fp32": "float32"}
 
-FLAG_DEFAULTS = dict(
-    hf_model=("", "Hugging Face model directory (config.json + *.safetensors or pytorch_model*.bin)"),
-    output_dir=("", "where to write the easylm parameters checkpoint (must not exist)"),
-    dtype=("keep", "parameter dtype of the output: keep, bf16 or fp32"),
-)
+HELP = {
+    "hf_model": "Hugging Face model directory (config.json + *.safetensors or pytorch_model*.bin)",
+    "output_dir": "where to write the easylm parameters checkpoint (must not exist)",
+    "dtype": "parameter dtype of the output: keep, bf16 or fp32",
+}
+USAGE = "usage: python -m easylm.llama.convert_hf_to_easylm --hf_model=DIR --output_dir=DIR"
+
+
+def get_default_config() -> ConfigDict:
+    return ConfigDict(dict(hf_model="", output_dir="", dtype="keep"))
 
 
 def read_hf_config(directory: str) -> LLaMAConfig:
@@ -56,10 +63,11 @@ def metadata_for(config: LLaMAConfig, source: str) -> dict:
 
 
 @exit_on_user_error
-def main(argv):
-    FLAGS = absl.flags.FLAGS
-    if len(argv) > 1:
-        raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
+def main(argv=None):
+    argv = list(argv or sys.argv)
+    if flags.wants_help(argv):
+        flags.print_help_and_exit(get_default_config(), HELP, USAGE)
+    FLAGS = flags.parse(get_default_config(), HELP, argv)
     if not FLAGS.hf_model or not FLAGS.output_dir:
         raise UserError("both --hf_model and --output_dir are required")
     # Each tensor becomes a jax array as it is read: orbax saves jax arrays without
@@ -71,5 +79,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    mlxu.define_flags_with_default(**FLAG_DEFAULTS)
-    mlxu.run(main)
+    main()
