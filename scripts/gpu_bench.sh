@@ -22,7 +22,7 @@ bench $shape --llama.attention=cudnn --llama.loss_chunk_size=1024 --llama.remat_
 bench $shape --llama.attention=cudnn --llama.loss_chunk_size=1024 --llama.scan_layers=True --steps=10
 # Issue 8 acceptance 2: llama3_8b shape, seq 4096, bf16 parameters and moments.
 T=200 bench --llama.base_model=llama3_8b --seq_length=4096 --batch_size=2 --dtype=bf16 --param_dtype=bf16 \
-  --optimizer.adamw_optimizer.bf16_momentum=True --llama.attention=cudnn --llama.loss_chunk_size=1024 \
+  --optimizer.state_dtype=bf16 --llama.attention=cudnn --llama.loss_chunk_size=1024 \
   --llama.remat_policy=checkpoint_dots_with_no_batch_dims --llama.scan_layers=True --steps=3
 # Issue 8 acceptance 3: cold compile of llama_7b scanned, then a warm start from the cache.
 rm -rf /tmp/jax-cache-7b

@@ -133,3 +133,61 @@ def test_bad_optimizer_config_is_one_clear_error(config, message):
     with pytest.raises(UserError) as e:
         optimizers.get_optimizer(optimizers.get_default_config(config))
     assert str(e.value) == message
+
+
+def _run(tx, params, steps=5, seed=0):
+    """`steps` updates with random gradients; the final parameters and state."""
+    state = tx.init(params)
+    for i in range(steps):
+        grads = jax.tree.map(  # bf16-representable, so fp32 and bf16 runs see the same
+            lambda p: jax.random.normal(jax.random.key(seed + i), p.shape).astype(
+                jnp.bfloat16).astype(p.dtype), params)
+        updates, state = tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    return params, state
+
+
+def _floating_dtypes(tree):
+    return {str(x.dtype) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)}
+
+
+def test_bf16_parameters_get_fp32_optimizer_math():
+    config = adamw_config(lr=1e-2, init_lr=1e-2, lr_warmup_steps=1, lr_decay_steps=10)
+    tx, _ = optimizers.get_optimizer(config)
+    bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), PARAMS)
+    params, state = _run(tx, bf16, steps=1)
+    assert _floating_dtypes(state) == {"float32"}  # moments are fp32, not bf16
+    assert _floating_dtypes(params) == {"bfloat16"}
+    # One update equals the fp32 optimizer's on the same (upcast) numbers, rounded once.
+    reference, _ = optimizers._optimizer(config)
+    expected, _ = _run(reference, jax.tree.map(lambda x: x.astype(jnp.float32), bf16), steps=1)
+    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(expected)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want.astype(jnp.bfloat16)))
+
+
+@pytest.mark.parametrize("kind", ["adamw", "palm"])
+def test_bf16_state_tracks_fp32_state(kind):
+    config = optimizers.get_default_config({"type": kind, "state_dtype": "bf16"})
+    config.adamw_optimizer.update(lr_warmup_steps=1, lr_decay_steps=10, lr=1e-2, b2=0.95)
+    config.palm_optimizer.update(lr_warmup_steps=1)
+    low, _ = optimizers.get_optimizer(config)
+    config.state_dtype = "fp32"
+    high, _ = optimizers.get_optimizer(config)
+    params_low, state_low = _run(low, PARAMS)
+    params_high, state_high = _run(high, PARAMS)
+    assert _floating_dtypes(state_low) == {"bfloat16"}
+    assert _floating_dtypes(state_high) == {"float32"}
+    # Stored moments are the fp32 ones to bf16 precision, and so are the parameters.
+    for got, want in zip(jax.tree.leaves(state_low), jax.tree.leaves(state_high)):
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=2e-2, atol=1e-6)
+    moved = [np.abs(np.asarray(h) - np.asarray(p)).max()
+             for h, p in zip(jax.tree.leaves(params_high), jax.tree.leaves(PARAMS))]
+    for got, want, scale in zip(jax.tree.leaves(params_low), jax.tree.leaves(params_high), moved):
+        assert scale > 0
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=0.05 * scale)
+
+
+def test_bad_state_dtype_is_named():
+    config = optimizers.get_default_config({"state_dtype": "fp8"})
+    with pytest.raises(UserError, match=r"^--optimizer.state_dtype='fp8' is not one of fp32, bf16$"):
+        optimizers.get_optimizer(config)

@@ -16,9 +16,9 @@ from easylm.losses import LossSums
 from easylm.sharding import BATCH_AXES, make_mesh
 
 
-def debug_model(dtype="fp32", **llama):
+def debug_model(dtype="fp32", param_dtype="fp32", **llama):
     config = ConfigDict(dict(llama=LLaMAConfig.get_default_config(llama), dtype=dtype,
-                             param_dtype="fp32"))
+                             param_dtype=param_dtype))
     return llama_train.build_model(config)
 
 
@@ -149,6 +149,23 @@ def test_bf16_compute_keeps_fp32_parameters(runner):
         assert {x.dtype for x in jax.tree.leaves(run.state.params)} == {jnp.dtype("float32")}
     np.testing.assert_allclose(runs["bf16"], runs["fp32"], rtol=2e-2)
     assert runs["bf16"] != runs["fp32"]  # really computed in bf16
+
+
+def test_bf16_parameters_and_moments_learn_like_fp32(runner):
+    # The memory option for big models on one device: 2-byte parameters, gradients
+    # and Adam moments, with fp32 optimizer math.
+    batch = make_batch()
+    runner.reset()
+    reference = [runner.step(batch)["loss"] for _ in range(20)]
+    tx = optimizers.get_optimizer(optimizers.get_default_config({
+        "state_dtype": "bf16", "adamw_optimizer": dict(
+            init_lr=1e-2, lr=1e-2, end_lr=1e-2, lr_warmup_steps=1, lr_decay_steps=100)}))
+    low = Runner(debug_model("bf16", param_dtype="bf16"), tx)
+    losses = [low.step(batch)["loss"] for _ in range(20)]
+    leaves = jax.tree.leaves((low.state.params, low.state.opt_state))
+    assert {str(x.dtype) for x in leaves if jnp.issubdtype(x.dtype, jnp.floating)} == {"bfloat16"}
+    assert losses[-1] < 0.6 * losses[0]
+    np.testing.assert_allclose(losses, reference, rtol=0.05, atol=0.05)  # bf16 noise
 
 
 def test_metrics_report_schedule_and_norms(runner):
