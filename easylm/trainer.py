@@ -6,7 +6,8 @@ LLaMA one. The train step is a pure function `(state, batch) -> (state,
 metrics)` jitted with explicit shardings and the state donated; the loop around
 it only feeds batches, logs, evaluates and saves, each every N steps.
 
-Nothing waits for the device on an ordinary step: metrics are fetched only on
+Batches reach the devices from the data pipeline's background thread, a few
+steps ahead. Nothing waits for the device on an ordinary step: metrics are fetched only on
 log steps, and a non-finite loss is caught inside the step (the update is not
 applied and the step number recorded) and reported at the next log step.
 """
@@ -389,10 +390,10 @@ def _load_state(kind: str, directory: str, model: Model, tx, mesh, seed: int):
 
 def _evaluate(eval_step, params, dataset, eval_steps: int, make_batch) -> dict:
     totals = LossSums(*(jnp.zeros((), jnp.float32),) * 3)
-    for i, (batch, _) in enumerate(dataset):
+    for i, (batch, _) in enumerate(dataset.iterate(place=make_batch)):
         if eval_steps and i >= eval_steps:
             break
-        totals = eval_step(params, make_batch(batch), totals)
+        totals = eval_step(params, batch, totals)
     totals = jax.device_get(totals)
     loss = float(totals.loss) / max(float(totals.tokens), 1.0)
     return {"eval_loss": loss, "eval_accuracy": float(totals.correct) / max(float(totals.tokens), 1.0),
@@ -526,12 +527,12 @@ def train(config: ConfigDict, build_model: Callable[[ConfigDict], Model]) -> str
                 saved_step = step
 
         step = start_step
-        data = iter(dataset)
+        data = dataset.iterate(place=make_batch)  # batches arrive on the devices
         clock = None  # (time, step) after the first (compiling) step
         try:
             while step < config.total_steps:
                 batch, data_metrics = next(data)
-                state, metrics = train_step(state, make_batch(batch))
+                state, metrics = train_step(state, batch)
                 step += 1
                 log.advance()
                 if clock is None:  # the first step compiles; time from after it

@@ -319,6 +319,24 @@ def test_make_global_batch(data, tokenizer):
         np.testing.assert_array_equal(np.asarray(global_batch[k]), v)
 
 
+def test_placed_batches_arrive_on_devices_and_the_state_counts_only_those_taken(data, tokenizer):
+    cfg = config(data[0] / "*.jsonl", batch_size=8, shuffle=True)
+    expected = read(load(cfg, tokenizer), 10)
+    mesh = make_mesh("2,2,2")
+    [dataset] = load(cfg, tokenizer)
+    placed = dataset.iterate(place=lambda batch: make_global_batch(batch, mesh))
+    got = [next(placed)[0] for _ in range(4)]
+    for batch in got:
+        assert isinstance(batch["input_tokens"], jax.Array)
+        assert batch["input_tokens"].sharding.spec == jax.sharding.PartitionSpec(("dp", "fsdp"), None)
+    state = dataset.get_state_dict()  # the thread may have placed more by now
+    placed.close()
+    assert state["batches"] == 4
+    [resumed] = load(cfg, tokenizer)
+    resumed.load_state_dict(state)
+    assert_same(expected, [jax.tree.map(np.asarray, b) for b in got] + read([resumed], 6))
+
+
 def test_every_flag_has_help():
     from easylm.flags import flatten
 

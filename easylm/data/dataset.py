@@ -173,12 +173,20 @@ class Dataset:
         return len(self.processor.tokenizer)
 
     def __iter__(self):
+        return self.iterate()
+
+    def iterate(self, place=None):
+        """Yields (batch, metrics), produced a few batches ahead in a background thread.
+        `place` (the trainer's host->device transfer) runs in that thread too, so batches
+        arrive already on the devices. The state (get_state_dict) counts only the batches
+        yielded, however far ahead the thread is."""
         self.close()
         if self.for_eval:   # every process packs all rows; see the module docstring
             positions, batches = {r: (r, 0) for r in range(self.batch_size)}, 0
         else:
             positions, batches = {r: self._positions[r] for r in self.rows}, self._batches
-        prefetcher = Prefetcher(self._generate(positions, batches))
+        generator = self._generate(positions, batches)
+        prefetcher = Prefetcher(generator if place is None else _placed(generator, place))
         self._prefetcher = prefetcher
         try:
             for batch, metrics, state in prefetcher:
@@ -311,6 +319,14 @@ def _allgather_json(obj):
     padded[:len(data)] = data
     gathered = np.asarray(multihost_utils.process_allgather(padded))
     return [json.loads(bytes(row[:n])) for row, n in zip(gathered, lengths)]
+
+
+def _placed(generator, place):
+    try:
+        for batch, metrics, state in generator:
+            yield place(batch), metrics, state
+    finally:
+        generator.close()
 
 
 def make_global_batch(batch, mesh):
