@@ -198,7 +198,13 @@ class LLaMAModel(_Layer):
             c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype,
             embedding_init=nn.initializers.normal(c.initializer_range), name="embed_tokens",
         )
-        x = constrain(embed(input_ids), P(BATCH_AXES, None, None))  # (B, T, D)
+        # The lookup (and, in the backward pass, the scatter into the table) happens
+        # where the table's D is split: over 'fsdp', batch over 'dp' only. Then an
+        # all-to-all splits the batch over ('dp', 'fsdp') as everywhere else. Going
+        # straight from the batch split to the table's D split would make XLA gather
+        # the whole (B, T, D) gradient on every device when dp > 1.
+        x = constrain(embed(input_ids), P("dp", None, "fsdp"))
+        x = constrain(x, P(BATCH_AXES, None, None))  # (B, T, D)
         cos, sin = rotary_embedding(positions, c, self.dtype)
         mask = None if segment_ids is None else segment_mask(segment_ids)
         if cache is not None:
