@@ -110,9 +110,9 @@ def shard_bytes(tree, specs, sizes: dict) -> int:
 
 
 def model_config(config: ConfigDict):
-    from easylm.llama.config import LLaMAConfig
+    from easylm.llama.train import model_config as llama_model_config
 
-    return LLaMAConfig.from_flags(config.llama)
+    return llama_model_config(config)  # the preset, or hf::DIR's config.json
 
 
 def _llama_variant(config: ConfigDict, layers: int, mp: int, remat: str | None = None):
@@ -260,6 +260,8 @@ def candidate_fixes(config: ConfigDict, num_devices: int, num_processes: int) ->
     optimizer = f"{config.optimizer.type}_optimizer"
     if not config.optimizer[optimizer].bf16_momentum:
         fixes.append({f"optimizer.{optimizer}.bf16_momentum": True})
+    if config.optimizer.state_dtype == "fp32":
+        fixes.append({"optimizer.state_dtype": "bf16"})
     return fixes
 
 

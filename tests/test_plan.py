@@ -117,6 +117,9 @@ def test_parameters_and_moments_are_exact():
                                "--optimizer.adamw_optimizer.bf16_momentum=True"),
                          train.build_model, num_devices=8)
     assert 0 < bf16.optimizer - 3 * parameters // 2 <= 16
+    both = plan.estimate(parse(*B, "--mesh_dim=1,8,1", "--optimizer.state_dtype=bf16"),
+                         train.build_model, num_devices=8)
+    assert 0 < both.optimizer - parameters <= 16
 
 
 def test_bad_flags_are_one_line(capsys):
