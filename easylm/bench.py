@@ -94,14 +94,18 @@ def bench_train(config: ConfigDict) -> dict:
         start = time.perf_counter()
         compiled = step.lower(state, batch).compile()
         compile_seconds = time.perf_counter() - start
+        losses = []  # device scalars, fetched at the end: no per-step host sync
         for _ in range(config.warmup_steps):
             state, metrics = compiled(state, batch)
+            losses.append(metrics["loss"])
         jax.block_until_ready(metrics)
         start = time.perf_counter()
         for _ in range(config.steps):
             state, metrics = compiled(state, batch)
+            losses.append(metrics["loss"])
         loss = float(metrics["loss"])  # waits for the last step
         seconds = (time.perf_counter() - start) / config.steps
+        losses = [round(float(x), 4) for x in jax.device_get(losses)]
     tokens_per_second = config.batch_size * config.seq_length / seconds
     peak = flops.peak_flops_per_device(jax.devices()[0], config.peak_tflops)
     mfu = flops.mfu(model.flops_per_token(config.seq_length), tokens_per_second, peak, jax.device_count())
@@ -119,6 +123,7 @@ def bench_train(config: ConfigDict) -> dict:
         "peak_memory_gb": round(memory["peak_bytes_in_use"] / 2**30, 3) if "peak_bytes_in_use" in memory else None,
         "compile_time_s": round(compile_seconds, 2),
         "final_loss": round(loss, 4),
+        "losses": losses,  # every step's, warm-up included: compare runs' loss curves
         "device": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
         "versions": {"python": platform.python_version(), "jax": jax.__version__,
                      "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__") else None},

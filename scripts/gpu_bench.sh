@@ -12,14 +12,18 @@ fi
 export WANDB_MODE=offline
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+results=${OUT:-/tmp}/gpu_bench.jsonl
+: > "$results"
 bench() { timeout "${T:-150}" python3 -m easylm.bench train "$@" --compilation_cache_dir=/tmp/jax-cache \
-            || echo "{\"failed\": \"$*\"}"; }
+            | tee -a "$results" || echo "{\"failed\": \"$*\"}"; }
 shape="--llama.base_model=llama_1b --seq_length=2048 --batch_size=8 --dtype=bf16 --param_dtype=fp32"
 # Issue 8 acceptance 1: the llama_1b shape, the reference path and the optimised one.
-bench $shape --llama.attention=xla --steps=5
-bench $shape --llama.attention=cudnn --llama.loss_chunk_size=1024 --steps=10
-bench $shape --llama.attention=cudnn --llama.loss_chunk_size=1024 --llama.remat_policy=save_attention_out --steps=10
-bench $shape --llama.attention=cudnn --llama.loss_chunk_size=1024 --llama.scan_layers=True --steps=10
+# 20 steps each (2 warm-up + 18 timed) on the same batch, so the loss curves compare.
+shape="$shape --warmup_steps=2 --steps=18"
+bench $shape --llama.attention=xla
+bench $shape --llama.attention=cudnn --llama.loss_chunk_size=1024
+bench $shape --llama.attention=cudnn --llama.loss_chunk_size=1024 --llama.remat_policy=save_attention_out
+bench $shape --llama.attention=cudnn --llama.loss_chunk_size=1024 --llama.scan_layers=True
 # Issue 8 acceptance 2: llama3_8b shape, seq 4096, bf16 parameters and moments.
 T=200 bench --llama.base_model=llama3_8b --seq_length=4096 --batch_size=2 --dtype=bf16 --param_dtype=bf16 \
   --optimizer.state_dtype=bf16 --llama.attention=cudnn --llama.loss_chunk_size=1024 \
@@ -35,3 +39,13 @@ done
 # Issue 7 acceptance 6: decode throughput at batch 1, 16, 64 (llama_1b, bf16, prompt 128, 256 new).
 timeout 150 python3 -m easylm.bench decode --llama.base_model=llama_1b --dtype=bf16 \
   --batch_sizes=1,16,64 --prompt_length=128 --new_tokens=256 || echo '{"failed": "decode"}'
+# Loss curves of the llama_1b runs against the first (unoptimised) one.
+python3 - "$results" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1]) if line.startswith("{")]
+runs = [r for r in rows if r.get("model") == "llama_1b" and "losses" in r]
+for r in runs[1:]:
+    diff = max(abs(a - b) for a, b in zip(r["losses"], runs[0]["losses"]))
+    print(f"llama_1b {r['tokens_per_second']:.0f} tok/s, mfu {r['mfu']}: max |loss - reference| "
+          f"over {len(r['losses'])} steps = {diff:.4f}")
+PY

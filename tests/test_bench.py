@@ -20,6 +20,8 @@ def test_train_bench_prints_one_json_line_and_fills_the_compilation_cache(tmp_pa
     assert row["tokens_per_second"] > 0 and row["step_time_s"] > 0 and row["compile_time_s"] > 0
     assert row["mfu"] is None  # CPUs have no peak in the table
     assert 5.0 < row["final_loss"] < 7.0  # ~ln(512) for random tokens
+    assert len(row["losses"]) == 2 + 2 and row["losses"][-1] == row["final_loss"]
+    assert row["losses"][-1] < row["losses"][0]  # the same batch each step: it learns
     assert any(cache.iterdir())  # the compiled step was stored for the next start
     # With dp > 1 no activation or gradient is replicated to change its sharding.
     assert "Involuntary full rematerialization" not in result.stderr
