@@ -19,11 +19,12 @@ import time
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import ConfigDict
 
 from easylm import flags, flops, optimizers, trainer
 from easylm.errors import UserError, exit_on_user_error
-from easylm.sharding import make_mesh
+from easylm.sharding import BATCH_AXES, make_mesh
 
 USAGE = "usage: python -m easylm.bench {train,data,decode} [--flag=value ...]"
 
@@ -38,6 +39,9 @@ TRAIN_HELP = {
     "peak_tflops": "peak TFLOP/s per device for MFU (0: from the device table)",
     "seed": "seed of the parameters and the synthetic tokens",
     "compilation_cache_dir": "persistent compilation cache ('' to disable)",
+    "compile_only": "only lower and compile the step from abstract shapes, allocating "
+                    "nothing: compile time and XLA's per-device memory, for shapes too big "
+                    "for this machine",
 }
 
 
@@ -55,6 +59,7 @@ def train_config() -> ConfigDict:
     config.peak_tflops = 0.0
     config.seed = 0
     config.compilation_cache_dir = ""
+    config.compile_only = False
     config.llama = LLaMAConfig.get_default_config()
     config.optimizer = optimizers.get_default_config()
     return config
@@ -87,6 +92,8 @@ def bench_train(config: ConfigDict) -> dict:
     model = build_model(config)
     tx, schedule = optimizers.get_optimizer(config.optimizer)
     accumulate = config.optimizer.accumulate_gradient_steps
+    if config.compile_only:
+        return _compile_only(config, model, tx, schedule, mesh)
     with jax.set_mesh(mesh):
         state = trainer.init_state(model, tx, mesh, config.seed)
         step = trainer.jit_train_step(model, tx, schedule, config.seed, accumulate, state, mesh)
@@ -124,9 +131,44 @@ def bench_train(config: ConfigDict) -> dict:
         "compile_time_s": round(compile_seconds, 2),
         "final_loss": round(loss, 4),
         "losses": losses,  # every step's, warm-up included: compare runs' loss curves
-        "device": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
-        "versions": {"python": platform.python_version(), "jax": jax.__version__,
-                     "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__") else None},
+        **_machine(),
+    }
+
+
+def _machine() -> dict:
+    return {"device": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
+            "versions": {"python": platform.python_version(), "jax": jax.__version__,
+                         "jaxlib": getattr(jax.lib, "__version__", None)}}
+
+
+def _compile_only(config: ConfigDict, model, tx, schedule, mesh) -> dict:
+    """The step compiled for abstract state and batch (ShapeDtypeStructs with shardings)."""
+    batch_sharding = NamedSharding(mesh, P(BATCH_AXES, None))
+    with jax.set_mesh(mesh):
+        state = trainer.abstract_state(model, tx, mesh, config.seed)
+        step = trainer.jit_train_step(model, tx, schedule, config.seed,
+                                      config.optimizer.accumulate_gradient_steps, state, mesh)
+        batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sharding)
+                 for k, v in synthetic_batch(config, model.vocab_size).items()}
+        start = time.perf_counter()
+        compiled = step.lower(state, batch).compile()
+        compile_seconds = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    per_device = None
+    if memory is not None:  # arguments (the state is donated: outputs alias it) + temporaries
+        per_device = (memory.argument_size_in_bytes + memory.output_size_in_bytes
+                      - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
+    return {
+        "benchmark": "train",
+        "compile_only": True,
+        "model": config.llama.base_model,
+        "parameters": sum(x.size for x in jax.tree.leaves(state.params)),
+        "seq_length": config.seq_length,
+        "batch_size": config.batch_size,
+        "mesh": dict(mesh.shape),
+        "compile_time_s": round(compile_seconds, 2),
+        "xla_memory_gb_per_device": None if per_device is None else round(per_device / 2**30, 3),
+        **_machine(),
     }
 
 

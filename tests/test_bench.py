@@ -27,6 +27,21 @@ def test_train_bench_prints_one_json_line_and_fills_the_compilation_cache(tmp_pa
     assert "Involuntary full rematerialization" not in result.stderr
 
 
+def test_compile_only_allocates_nothing_and_reports_xla_memory():
+    # llama_7b would need ~40 GB to run; compiling it for 8 devices needs none of that.
+    result = run_bench("train", "--compile_only=True", "--llama.base_model=llama_7b",
+                       "--llama.scan_layers=True", "--llama.remat_policy=nothing_saveable",
+                       "--dtype=bf16", "--param_dtype=bf16", "--optimizer.state_dtype=bf16",
+                       "--seq_length=256", "--batch_size=8", "--mesh_dim=1,-1,1")
+    assert result.returncode == 0, result.stderr
+    row = json.loads(result.stdout.strip().splitlines()[-1])
+    assert row["compile_only"] and row["parameters"] == 6_738_415_616
+    # Each device's eighth of the donated state, bf16 parameters and two bf16 moments (6
+    # bytes a parameter), plus gradients and temporaries.
+    assert 6 * row["parameters"] / 8 / 2**30 < row["xla_memory_gb_per_device"] < 20
+    assert row["compile_time_s"] > 0
+
+
 def test_bench_bad_input():
     result = run_bench("train", "--steps=0")
     assert result.returncode == 2
