@@ -15,6 +15,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from easylm.errors import UserError
+
 
 class LossSums(NamedTuple):
     loss: jax.Array  # sum over counted tokens of -log p(target), fp32 scalar
@@ -56,7 +58,10 @@ def chunked_next_token_loss(hidden, head_weight, target_tokens, loss_masks, chun
     most (B, chunk_size, V) logits are live. hidden (B, T, D), head_weight (D, V).
     """
     B, T, D = hidden.shape
-    chunks = T // chunk_size if chunk_size and T % chunk_size == 0 else 1
+    if T % chunk_size:  # one chunk instead would build the full logits this avoids
+        raise UserError(f"--llama.loss_chunk_size={chunk_size} must divide the sequence "
+                        f"length {T}")
+    chunks = T // chunk_size
 
     @jax.checkpoint
     def chunk_sums(h, targets, masks):  # h (B, c, D)

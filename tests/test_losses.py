@@ -5,11 +5,12 @@ import pytest
 
 from easylm.llama.config import LLaMAConfig
 from easylm.llama.model import LLaMAForCausalLM, lm_head_weight
+from easylm.errors import UserError
 from easylm.losses import chunked_next_token_loss, next_token_loss
 
 
 @pytest.mark.parametrize("tied", [False, True])
-@pytest.mark.parametrize("chunk_size", [8, 16, 24])  # 24 does not divide 32: one chunk
+@pytest.mark.parametrize("chunk_size", [8, 16, 32])
 def test_chunked_loss_equals_full_logits(tied, chunk_size):
     config = LLaMAConfig.from_preset("debug", tie_word_embeddings=tied, initializer_range=0.2)
     model = LLaMAForCausalLM(config)
@@ -34,3 +35,11 @@ def test_chunked_loss_equals_full_logits(tied, chunk_size):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-5)
     for g, g2 in zip(jax.tree.leaves(grads), jax.tree.leaves(grads2)):
         np.testing.assert_allclose(g2, g, atol=1e-5, rtol=0)
+
+
+def test_chunk_size_must_divide_the_sequence():
+    hidden, weight = jnp.zeros((2, 32, 4)), jnp.zeros((4, 16))
+    targets, masks = jnp.zeros((2, 32), jnp.int32), jnp.ones((2, 32))
+    with pytest.raises(UserError, match=r"^--llama.loss_chunk_size=24 must divide the "
+                                        r"sequence length 32$"):
+        chunked_next_token_loss(hidden, weight, targets, masks, 24)
