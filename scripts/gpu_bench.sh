@@ -20,14 +20,21 @@ shape="--llama.base_model=llama_1b --seq_length=2048 --batch_size=8 --dtype=bf16
 # Issue 8 acceptance 1: the llama_1b shape, the reference path and the optimised one.
 # 20 steps each (2 warm-up + 18 timed) on the same batch, so the loss curves compare.
 shape="$shape --warmup_steps=2 --steps=18"
-bench $shape --llama.attention=xla
+# The reference recomputes everything: XLA attention keeps (B, N, T, S) scores per layer
+# (XLA:CPU sizes the step without remat at 220 GB), and remat does not change the numbers.
+bench $shape --llama.attention=xla --llama.remat_policy=nothing_saveable
 bench $shape --llama.attention=cudnn --llama.loss_chunk_size=1024
 bench $shape --llama.attention=cudnn --llama.loss_chunk_size=1024 --llama.remat_policy=save_attention_out
 bench $shape --llama.attention=cudnn --llama.loss_chunk_size=1024 --llama.scan_layers=True
-# Issue 8 acceptance 2: llama3_8b shape, seq 4096, bf16 parameters and moments.
-T=200 bench --llama.base_model=llama3_8b --seq_length=4096 --batch_size=2 --dtype=bf16 --param_dtype=bf16 \
-  --optimizer.state_dtype=bf16 --llama.attention=cudnn --llama.loss_chunk_size=1024 \
-  --llama.remat_policy=checkpoint_dots_with_no_batch_dims --llama.scan_layers=True --steps=3
+# Issue 8 acceptance 2: llama3_8b shape, seq 4096, bf16 parameters and moments. Saving the
+# projections' outputs (XLA:CPU sizes it at 156 GB with XLA attention) may not fit; then
+# recompute everything (119 GB there).
+for remat in checkpoint_dots_with_no_batch_dims nothing_saveable; do
+  T=200 bench --llama.base_model=llama3_8b --seq_length=4096 --batch_size=2 --dtype=bf16 --param_dtype=bf16 \
+    --optimizer.state_dtype=bf16 --llama.attention=cudnn --llama.loss_chunk_size=1024 \
+    --llama.remat_policy=$remat --llama.scan_layers=True --steps=3
+  tail -n 1 "$results" | grep -q '"llama3_8b"' && break
+done
 # Issue 8 acceptance 3: cold compile of llama_7b scanned, then a warm start from the cache.
 rm -rf /tmp/jax-cache-7b
 for run in cold warm; do
