@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# All GPU measurements of issue 8 (train step) and issue 7 (decode) in one run, < 8 minutes
+# All GPU measurements of issue 8 (train step) and issue 7 (decode) in one run, about 8 minutes
 # on one H200. Run from the repository root on the GPU machine, after
 #   bash ../shared/device/prepare_wheels.sh fastapi uvicorn   (here, fills .whl/; carry .whl)
 # with:  bash scripts/gpu_bench.sh 2>&1 | tee $OUT/gpu_bench.txt
