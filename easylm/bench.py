@@ -175,9 +175,7 @@ def _compile_only(config: ConfigDict, model, tx, schedule, mesh) -> dict:
 def _train_main(argv):
     config = train_config()
     usage = "usage: python -m easylm.bench train [--flag=value ...]"
-    if flags.wants_help(argv):
-        flags.print_help_and_exit(config, _train_help(), usage)
-    print(json.dumps(bench_train(flags.parse(config, _train_help(), argv))))
+    print(json.dumps(bench_train(flags.parse(config, _train_help(), argv, usage))))
 
 
 @exit_on_user_error

@@ -155,9 +155,7 @@ def main(argv=None):
     argv = argv or sys.argv
     config, help_entries = default_config(), train.help_entries()
     usage = "usage: python -m easylm.doctor [trainer flags]"
-    if flag_lib.wants_help(argv):
-        flag_lib.print_help_and_exit(config, help_entries, usage)
-    config = flag_lib.parse(config, help_entries, argv)
+    config = flag_lib.parse(config, help_entries, argv, usage)
     distributed.initialize(config.jax_distributed)
     report, problems = check(config)
     process = jax.process_index()

@@ -54,8 +54,11 @@ def define(config: ConfigDict, help_text: dict) -> flags.FlagValues:
     return flag_values
 
 
-def parse(config: ConfigDict, help_text: dict, argv: list[str]) -> ConfigDict:
-    """A copy of `config` with the values given in `argv` (argv[0] is the program)."""
+def parse(config: ConfigDict, help_text: dict, argv: list[str], usage: str = "") -> ConfigDict:
+    """A copy of `config` with the values given in `argv` (argv[0] is the program).
+    With --help (or -h) in `argv`, prints `usage` and every flag, and exits 0."""
+    if wants_help(argv):
+        print_help_and_exit(config, help_text, usage)
     flag_values = define(config, help_text)
     try:
         rest = flag_values(argv)

@@ -346,9 +346,7 @@ def main(argv=None):
     argv = argv or sys.argv
     config, help_entries = default_config(), {**train.help_entries(), **HELP}
     usage = "usage: python -m easylm.plan [trainer flags] [--plan.device_memory_gib=GiB]"
-    if flag_lib.wants_help(argv):
-        flag_lib.print_help_and_exit(config, help_entries, usage)
-    config = flag_lib.parse(config, help_entries, argv)
+    config = flag_lib.parse(config, help_entries, argv, usage)
     num_devices = config.plan.num_devices or jax.device_count()
     num_processes = config.plan.num_processes or jax.process_count()
     budget = int(config.plan.device_memory_gib * GIB) or None

@@ -25,7 +25,6 @@ from typing import Any, Callable
 import flax
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from absl import logging as absl_logging
@@ -587,6 +586,4 @@ def train(config: ConfigDict, build_model: Callable[[ConfigDict], Model]) -> str
 def main(argv: list[str], config: ConfigDict, help_entries: dict, build_model, usage: str):
     """Parse `argv` into `config` (or print --help) and train."""
     absl_logging.set_verbosity(absl_logging.ERROR)  # orbax's per-save chatter
-    if flag_lib.wants_help(argv):
-        flag_lib.print_help_and_exit(config, help_entries, usage)
-    train(flag_lib.parse(config, help_entries, argv), build_model)
+    train(flag_lib.parse(config, help_entries, argv, usage), build_model)

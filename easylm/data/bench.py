@@ -91,9 +91,7 @@ def default_config():
 def main(argv=None):
     usage = "usage: python -m easylm.data.bench [--workers=1,2] [--path=...]"
     argv = argv or sys.argv
-    if flags.wants_help(argv):
-        flags.print_help_and_exit(default_config(), HELP, usage)
-    c = flags.parse(default_config(), HELP, argv)
+    c = flags.parse(default_config(), HELP, argv, usage)
     results = bench_data(c.path, c.tokenizer, [int(w) for w in c.workers.split(",")],
                          c.seq_length, c.batch_size, c.epochs)
     threads = os.environ.get("TOKENIZERS_PARALLELISM", "true (default)")

@@ -87,9 +87,7 @@ def preview(config, tokenizer, num_examples, num_batches):
 @exit_on_user_error
 def main(argv=None):
     argv = argv or sys.argv
-    if flags.wants_help(argv):
-        flags.print_help_and_exit(default_config(), HELP, USAGE)
-    config = flags.parse(default_config(), HELP, argv)
+    config = flags.parse(default_config(), HELP, argv, USAGE)
     print(preview(config.train_dataset, load_tokenizer(config.tokenizer),
                   config.num_examples, config.num_batches))
 

@@ -110,9 +110,7 @@ def verify(params, config: LLaMAConfig, directory: str) -> float:
 @exit_on_user_error
 def main(argv=None):
     argv = list(argv or sys.argv)
-    if flags.wants_help(argv):
-        flags.print_help_and_exit(get_default_config(), HELP, USAGE)
-    FLAGS = flags.parse(get_default_config(), HELP, argv)
+    FLAGS = flags.parse(get_default_config(), HELP, argv, USAGE)
     if not FLAGS.load_checkpoint or not FLAGS.output_dir:
         raise UserError("both --load_checkpoint and --output_dir are required")
     if FLAGS.dtype not in DTYPES:

@@ -65,9 +65,7 @@ def metadata_for(config: LLaMAConfig, source: str) -> dict:
 @exit_on_user_error
 def main(argv=None):
     argv = list(argv or sys.argv)
-    if flags.wants_help(argv):
-        flags.print_help_and_exit(get_default_config(), HELP, USAGE)
-    FLAGS = flags.parse(get_default_config(), HELP, argv)
+    FLAGS = flags.parse(get_default_config(), HELP, argv, USAGE)
     if not FLAGS.hf_model or not FLAGS.output_dir:
         raise UserError("both --hf_model and --output_dir are required")
     # Each tensor becomes a jax array as it is read: orbax saves jax arrays without

@@ -152,9 +152,7 @@ def build(config: ConfigDict):
 def main(argv=None):
     argv = argv or sys.argv
     usage = "usage: python -m easylm.llama.serve [--flag=value ...]"
-    if flag_lib.wants_help(argv):
-        flag_lib.print_help_and_exit(default_config(), help_entries(), usage)
-    config = flag_lib.parse(default_config(), help_entries(), argv)
+    config = flag_lib.parse(default_config(), help_entries(), argv, usage)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     app, _ = build(config)
     server_lib.run(app, config)

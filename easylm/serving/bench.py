@@ -147,9 +147,7 @@ def main(argv=None):
     argv = argv or sys.argv
     usage = "usage: python -m easylm.bench decode [--flag=value ...]"
     help_text = {**HELP, "llama.base_model": "preset of the model shape"}
-    if flag_lib.wants_help(argv):
-        flag_lib.print_help_and_exit(default_config(), help_text, usage)
-    config = flag_lib.parse(default_config(), help_text, argv)
+    config = flag_lib.parse(default_config(), help_text, argv, usage)
     device = f"{jax.devices()[0].device_kind} ({jax.default_backend()})"
     print(f"decode benchmark on {device}: {config.llama.base_model}, prompt "
           f"{config.prompt_length}, {config.new_tokens} new tokens, dtype {config.dtype}")
