@@ -175,18 +175,30 @@ def test_text_stream_matches_whole_decode_and_holds_back_stop_prefixes(tokenizer
 def test_new_requests_join_between_decode_steps(served, tokenizer):
     """Continuous batching: a short request submitted while a long one decodes finishes first."""
     batcher, _, _ = served
-    long_started, short_done = threading.Event(), threading.Event()
+    long_started, short_submitted, short_done = (threading.Event() for _ in range(3))
+
+    def on_long(event):  # on the batcher's thread: hold it until the short one is queued
+        if not long_started.is_set():
+            long_started.set()
+            short_submitted.wait(60)
+
     long = Generation(PROMPTS[0], SamplingParams(max_tokens=48, temperature=0.0), tokenizer,
-                      lambda event: long_started.set())
+                      on_long)
     short = Generation(PROMPTS[1], SamplingParams(max_tokens=2, temperature=0.0), tokenizer,
                        lambda event: event.finish_reason and short_done.set())
     batcher.submit(long)
     assert long_started.wait(60)
     batcher.submit(short)
+    short_submitted.set()
     assert short_done.wait(60)
     assert short.finish_reason == "length"
     assert long.finish_reason is None and len(long.tokens) < 48  # still decoding
     batcher.cancel(long)
+
+
+def _compiled(engine):
+    return [f._cache_size() for f in (*engine._prefill_fns.values(), *engine._decode_fns.values(),
+                                      engine._score_fn)]
 
 
 def test_pre_compile_covers_every_bucket(tokenizer):
@@ -196,16 +208,30 @@ def test_pre_compile_covers_every_bucket(tokenizer):
     try:
         engine = batcher.engine
         engine.warmup()
-        compiled = [f._cache_size() for f in (engine._prefill_fn, engine._decode_fn, engine._score_fn)]
-        assert compiled == [2, 1, 2]  # prefill and score: lengths 16 and 32
-        # ... and nothing compiles again when requests of every shape come in.
-        batcher.generate([[1, 2, 3], [1] + list(range(20)), [1, 5]],
-                         SamplingParams(max_tokens=8, temperature=0.0), tokenizer)
+        # prefill and score: lengths 16 and 32; prefill and decode: greedy and sampling.
+        assert _compiled(engine) == [2, 2, 1, 1, 2]
+        # ... and nothing compiles again when requests of every shape and kind come in.
+        for temperature in (0.0, 0.8):
+            batcher.generate([[1, 2, 3], [1] + list(range(20)), [1, 5]],
+                             SamplingParams(max_tokens=8, temperature=temperature), tokenizer)
         engine.score([[1, 2, 3]], [[2, 3, 4]])
-        assert [f._cache_size() for f in (engine._prefill_fn, engine._decode_fn,
-                                          engine._score_fn)] == compiled
+        assert _compiled(engine) == [2, 2, 1, 1, 2]
     finally:
         batcher.stop()
+
+
+def test_device_programs_have_no_data_dependent_branch(served):
+    # On GPU a `lax.cond` on device data copies its predicate to the host, every token:
+    # whether a call samples is decided on the host instead.
+    batcher, _, _ = served
+    engine = batcher.engine
+    for sample in (False, True):
+        sampling = engine_lib.Sampling.empty(engine.batch_size)
+        sampling.temperature[:] = float(sample)
+        hlo = engine._decode_fns[sample].lower(engine.params, engine.state,
+                                               *sampling.arrays()).as_text()
+        assert "conditional" not in hlo and "stablehlo.case" not in hlo
+        assert ("stablehlo.sort" in hlo) == sample  # only a sampling call sorts the vocabulary
 
 
 def test_sharded_cache_serves_the_same_tokens(served, tokenizer):

@@ -117,19 +117,24 @@ class Sampling:
         return Sampling(*(np.concatenate([a, b]) for a, b in
                           zip(dataclasses.astuple(self), dataclasses.astuple(pad))))
 
+    def samples(self) -> bool:
+        """Whether any row samples (temperature > 0); else every row is greedy."""
+        return bool((self.temperature > 0).any())
+
     def arrays(self):
         # Copies: the batcher edits its arrays while an asynchronous call may still read them.
         return tuple(np.array(a) for a in (self.keys, self.temperature, self.top_k, self.top_p))
 
 
-def _prefill(model: ModelFns, params, state, tokens, lengths, slots, keys,
+def _prefill(model: ModelFns, sample: bool, params, state, tokens, lengths, slots, keys,
              temperature, top_k, top_p):
     cache, last, slot_positions = state
     n, T = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (n, T))
     # A fresh T-long cache: the prompt attends over T keys, not S, then lands in its slots.
     logits, fresh = model.apply(params, tokens, positions, model.init_cache(n, T))
-    out = next_tokens(logits[jnp.arange(n), lengths - 1], keys, lengths, temperature, top_k, top_p)
+    out = next_tokens(logits[jnp.arange(n), lengths - 1], keys, lengths, temperature, top_k,
+                      top_p, sample)
     # Padding rows carry slot index B, out of range, and are dropped.
     cache = jax.tree.map(lambda c, f: c.at[..., slots, :T, :, :].set(f, mode="drop"), cache, fresh)
     last = last.at[slots].set(out[0], mode="drop")
@@ -138,7 +143,7 @@ def _prefill(model: ModelFns, params, state, tokens, lengths, slots, keys,
     return (cache, last, slot_positions), tuple(x[None] for x in out)
 
 
-def _decode(model: ModelFns, steps: int, params, state, keys, temperature,
+def _decode(model: ModelFns, steps: int, sample: bool, params, state, keys, temperature,
             top_k, top_p):
     cache, tokens, positions = state
     S = jax.tree.leaves(cache)[0].shape[-3]
@@ -147,7 +152,7 @@ def _decode(model: ModelFns, steps: int, params, state, keys, temperature,
         cache, tokens, positions = carry  # tokens (B,): the last token, not yet in the cache
         at = jnp.minimum(positions, S - 1)[:, None]  # finished slots may run past the end
         logits, cache = model.apply(params, tokens[:, None], at, cache)
-        out = next_tokens(logits[:, 0], keys, positions + 1, temperature, top_k, top_p)
+        out = next_tokens(logits[:, 0], keys, positions + 1, temperature, top_k, top_p, sample)
         return (cache, out[0], positions + 1), out
 
     state, outs = jax.lax.scan(step, state, None, length=steps)
@@ -203,10 +208,15 @@ class Engine:
         # replicated outputs), so the donated buffers are reused and nothing recompiles.
         out_shardings = {} if mesh is None else {
             "out_shardings": (self.state_shardings, NamedSharding(mesh, P()))}
-        self._prefill_fn = jax.jit(functools.partial(_prefill, model), donate_argnums=(1,),
-                                   **out_shardings)
-        self._decode_fn = jax.jit(functools.partial(_decode, model, config.decode_steps),
-                                  donate_argnums=(1,), **out_shardings)
+        # Two programs each: all rows greedy, or some sampling (`next_tokens`'s `sample`);
+        # the sampling one compiles when a request first samples.
+        self._prefill_fns = {sample: jax.jit(functools.partial(_prefill, model, sample),
+                                             donate_argnums=(1,), **out_shardings)
+                             for sample in (False, True)}
+        self._decode_fns = {sample: jax.jit(functools.partial(_decode, model, config.decode_steps,
+                                                              sample),
+                                            donate_argnums=(1,), **out_shardings)
+                            for sample in (False, True)}
         self._score_fn = jax.jit(functools.partial(_score, model))
 
     def _run(self, fn, *args):
@@ -237,14 +247,16 @@ class Engine:
             lengths[i] = len(prompt)
         slot_ids = np.full(rows, self.batch_size, np.int32)
         slot_ids[:n] = slots
-        self.state, out = self._run(self._prefill_fn, self.params, self.state, tokens, lengths,
-                                    slot_ids, *sampling.pad(rows).arrays())
+        self.state, out = self._run(self._prefill_fns[sampling.samples()], self.params,
+                                    self.state, tokens, lengths, slot_ids,
+                                    *sampling.pad(rows).arrays())
         return out
 
     def decode(self, sampling: Sampling):
         """decode_steps tokens for every slot, as device arrays: tokens (C, B),
         logprobs (C, B), top ids and logprobs (C, B, N)."""
-        self.state, out = self._run(self._decode_fn, self.params, self.state, *sampling.arrays())
+        self.state, out = self._run(self._decode_fns[sampling.samples()], self.params, self.state,
+                                    *sampling.arrays())
         return out
 
     def score(self, tokens: list[list[int]], targets: list[list[int]]):
@@ -266,16 +278,19 @@ class Engine:
         return results
 
     def warmup(self):
-        """Compile every bucket now rather than on the first request that needs it."""
+        """Compile every bucket now, the greedy and the sampling programs alike, rather than
+        on the first request that needs them."""
+        for temperature in (0.0, 1.0):
+            sampling = Sampling.empty(self.batch_size)
+            sampling.temperature[:] = temperature
+            for rows in self.row_buckets:
+                for T in self.length_buckets:
+                    # Slot index B: the writes are dropped, the cache stays as it is.
+                    self.prefill([[0] * T] * rows, [self.batch_size] * rows,
+                                 Sampling(*(a[:rows] for a in dataclasses.astuple(sampling))))
+            # Decoding writes garbage into idle slots, which nothing reads: each slot's
+            # positions are written again before its queries can see them.
+            jax.block_until_ready(self.decode(sampling))
         for rows in self.row_buckets:
             for T in self.length_buckets:
-                # Slot index B: the writes are dropped, the cache stays as it is.
-                tokens = np.zeros((rows, T), np.int32)
-                slots = np.full(rows, self.batch_size, np.int32)
-                self.state, _ = self._run(self._prefill_fn, self.params, self.state, tokens,
-                                          np.ones(rows, np.int32), slots,
-                                          *Sampling.empty(rows).arrays())
                 self.score([[0] * T] * rows, [[0] * T] * rows)
-        # Decoding writes garbage into idle slots, which nothing reads: each slot's
-        # positions are written again before its queries can see them.
-        jax.block_until_ready(self.decode(Sampling.empty(self.batch_size)))

@@ -30,7 +30,7 @@ def _sample(logits, keys, temperature, top_k, top_p):
     return jax.vmap(jax.random.categorical)(keys, allowed)
 
 
-def next_tokens(logits, keys, positions, temperature, top_k, top_p):
+def next_tokens(logits, keys, positions, temperature, top_k, top_p, sample: bool = True):
     """Pick one token per row and report log-probabilities.
 
     Args:
@@ -39,20 +39,21 @@ def next_tokens(logits, keys, positions, temperature, top_k, top_p):
       positions: (B,) position of the token being drawn (folded into the key).
       temperature: (B,) float, 0 for greedy; top_k: (B,) int, 0 for off;
       top_p: (B,) float, 1 for off.
+      sample: static. False: every row is greedy whatever its temperature, and the
+        vocabulary is never sorted (the costly part); the caller knows from the
+        temperatures on the host. A data-dependent `lax.cond` instead would copy its
+        predicate to the host on every token on GPU, stalling the device.
     Returns:
       tokens (B,), their log-probability (B,), and the N most likely tokens'
       ids (B, N) and log-probabilities (B, N), all under the model's own
       distribution (temperature 1, no truncation), as OpenAI reports them.
     """
     logits = logits.astype(jnp.float32)
-    keys = jax.vmap(jax.random.fold_in)(keys, positions)
-    greedy = jnp.argmax(logits, axis=-1)
-    # Sorting the vocabulary is the costly part; skip it when no row samples.
-    tokens = jax.lax.cond(
-        jnp.any(temperature > 0),
-        lambda: jnp.where(temperature > 0, _sample(logits, keys, temperature, top_k, top_p), greedy),
-        lambda: greedy,
-    )
+    tokens = jnp.argmax(logits, axis=-1)
+    if sample:
+        keys = jax.vmap(jax.random.fold_in)(keys, positions)
+        sampled = _sample(logits, keys, temperature, top_k, top_p)
+        tokens = jnp.where(temperature > 0, sampled, tokens)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     top_logprobs, top_ids = jax.lax.top_k(logprobs, min(TOP_LOGPROBS, logits.shape[-1]))
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
