@@ -56,6 +56,9 @@ if [ "$mode" = tune ]; then
   XLA_FLAGS=--xla_gpu_enable_triton_gemm=false bench $one_b $fast
   XLA_FLAGS=--xla_gpu_enable_command_buffer= bench $one_b $fast
   bench $one_b $fast --llama.loss_chunk_size=2048
+  bench $one_b --llama.attention=cudnn --llama.loss_chunk_size=0  # the default: no chunks
+  # A breakdown, not a candidate: bf16 parameters and moments halve the optimizer's traffic.
+  bench $one_b $fast --param_dtype=bf16 --optimizer.state_dtype=bf16
 else
 # Issue 8 acceptance 1: the llama_1b shape, the unoptimised path and the optimised one,
 # 20 steps each (2 warm-up + 18 timed) on the same batch, so the loss curves compare.
