@@ -281,16 +281,18 @@ class Engine:
         """Compile every bucket now, the greedy and the sampling programs alike, rather than
         on the first request that needs them."""
         for temperature in (0.0, 1.0):
-            sampling = Sampling.empty(self.batch_size)
-            sampling.temperature[:] = temperature
+            def sampling(rows):
+                s = Sampling.empty(rows)
+                s.temperature[:] = temperature
+                return s
+
             for rows in self.row_buckets:
                 for T in self.length_buckets:
                     # Slot index B: the writes are dropped, the cache stays as it is.
-                    self.prefill([[0] * T] * rows, [self.batch_size] * rows,
-                                 Sampling(*(a[:rows] for a in dataclasses.astuple(sampling))))
+                    self.prefill([[0] * T] * rows, [self.batch_size] * rows, sampling(rows))
             # Decoding writes garbage into idle slots, which nothing reads: each slot's
             # positions are written again before its queries can see them.
-            jax.block_until_ready(self.decode(sampling))
+            jax.block_until_ready(self.decode(sampling(self.batch_size)))
         for rows in self.row_buckets:
             for T in self.length_buckets:
                 self.score([[0] * T] * rows, [[0] * T] * rows)
