@@ -191,3 +191,72 @@ def test_bad_state_dtype_is_named():
     config = optimizers.get_default_config({"state_dtype": "fp8"})
     with pytest.raises(UserError, match=r"^--optimizer.state_dtype='fp8' is not one of fp32, bf16$"):
         optimizers.get_optimizer(config)
+
+
+def _bf16_neighbours(value):
+    """The bf16 numbers just below and above |value| (same sign as value), as fp32."""
+    lo = np.float32(np.asarray(jnp.asarray(value, jnp.float32).astype(jnp.bfloat16), np.float32))
+    if abs(lo) > abs(value):  # rounded away from zero: step one bf16 back
+        lo = (np.array(lo).view(np.uint32) - np.uint32(0x10000)).view(np.float32)
+    hi = (np.array(lo).view(np.uint32) + np.uint32(0x10000)).view(np.float32)
+    return float(lo), float(hi)
+
+
+@pytest.mark.parametrize("value", [1 + 0.3 * 2**-7, -(0.02 + 0.8 * 2**-13), 3.1e-7])
+def test_stochastic_rounding_is_unbiased(value):
+    n = 200_000
+    lo, hi = _bf16_neighbours(value)
+    assert abs(lo) < abs(value) < abs(hi)
+    got = np.asarray(optimizers.round_bf16_stochastically(
+        jnp.full((n,), value, jnp.float32), jax.random.key(0)), np.float32)
+    assert set(np.unique(got).tolist()) == {lo, hi}  # only the two neighbours
+    up = (value - lo) / (hi - lo)  # probability of the far neighbour
+    assert np.mean(got == hi) == pytest.approx(up, abs=4 * math.sqrt(up * (1 - up) / n))
+    assert np.mean(got.astype(np.float64)) == pytest.approx(value, abs=4 * abs(hi - lo) / math.sqrt(n))
+
+
+def test_stochastic_rounding_keeps_representable_and_special_values():
+    exact = jnp.asarray([0.0, -0.0, 1.0, -2.5, 2.0**-20, 2.0**127, jnp.inf, -jnp.inf], jnp.float32)
+    got = optimizers.round_bf16_stochastically(exact, jax.random.key(1))
+    np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                  np.asarray(exact.astype(jnp.bfloat16), np.float32))
+    assert np.isnan(np.asarray(optimizers.round_bf16_stochastically(
+        jnp.asarray([jnp.nan]), jax.random.key(1)), np.float32)).all()
+
+
+def test_stochastic_rounding_lets_small_updates_accumulate():
+    # Adam moves every weight by ~lr per step: 1e-3 is under half a bf16 step at 2.0
+    # (2^-7), so rounding to nearest loses every update; stochastic rounding follows fp32.
+    config = adamw_config(init_lr=1e-3, lr=1e-3, end_lr=1e-3, lr_warmup_steps=1, lr_decay_steps=100)
+    params = {"w": jnp.full((64, 64), 2.0)}
+    grads = {"w": jnp.ones((64, 64))}
+
+    def run(stochastic, dtype, steps=40):
+        config.stochastic_rounding = stochastic
+        tx, _ = optimizers.get_optimizer(config)
+        p = jax.tree.map(lambda x: x.astype(dtype), params)
+        state = tx.init(p)
+        update = jax.jit(tx.update)
+        for _ in range(steps):
+            updates, state = update(grads, state, p)
+            p = optax.apply_updates(p, updates)
+        return np.asarray(p["w"], np.float32), p["w"].dtype
+
+    reference, _ = run(False, jnp.float32)
+    moved = 2.0 - reference.mean()
+    assert moved > 0.03  # several bf16 steps (2^-6 = 0.0156 at 2.0)
+    nearest, dtype = run(False, jnp.bfloat16)
+    assert dtype == jnp.bfloat16 and (nearest == 2.0).all()  # every update lost
+    stochastic, dtype = run(True, jnp.bfloat16)
+    assert dtype == jnp.bfloat16
+    # Unbiased on average; each weight random-walks about it (no gradient feedback here).
+    assert abs(stochastic.mean() - reference.mean()) < 0.05 * moved
+    same, _ = run(True, jnp.float32)
+    np.testing.assert_array_equal(same, reference)  # fp32 parameters: a no-op
+
+
+def test_stochastic_rounding_rejects_fp16_parameters():
+    tx, _ = optimizers.get_optimizer(optimizers.get_default_config({"stochastic_rounding": True}))
+    with pytest.raises(UserError, match=r"^--optimizer.stochastic_rounding supports bf16 and fp32 "
+                                        r"parameters, got fp16 ones$"):
+        tx.init({"w": jnp.ones(3, jnp.float16)})

@@ -168,6 +168,23 @@ def test_bf16_parameters_and_moments_learn_like_fp32(runner):
     np.testing.assert_allclose(losses, reference, rtol=0.05, atol=0.05)  # bf16 noise
 
 
+def test_stochastic_rounding_trains_sharded_bf16_parameters(runner):
+    # The optimizer state gains a scalar counter (replicated by the partition rules);
+    # parameters sharded over two devices draw their rounding noise in their shards.
+    batch = make_batch()
+    runner.reset()
+    reference = [runner.step(batch)["loss"] for _ in range(10)]
+    tx = optimizers.get_optimizer(optimizers.get_default_config({
+        "stochastic_rounding": True, "adamw_optimizer": dict(
+            init_lr=1e-2, lr=1e-2, end_lr=1e-2, lr_warmup_steps=1, lr_decay_steps=100)}))
+    low = Runner(debug_model("bf16", param_dtype="bf16"), tx, mesh_dim="1,2,1", devices=2)
+    losses = [low.step(batch)["loss"] for _ in range(10)]
+    assert int(low.state.opt_state.count) == 10
+    assert {str(x.dtype) for x in jax.tree.leaves(low.state.params)} == {"bfloat16"}
+    assert losses[-1] < 0.6 * losses[0]
+    np.testing.assert_allclose(losses, reference, rtol=0.05, atol=0.05)  # bf16 noise
+
+
 def test_metrics_report_schedule_and_norms(runner):
     runner.reset()
     before = jax.tree.map(np.asarray, runner.state.params)
