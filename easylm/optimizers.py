@@ -15,7 +15,7 @@ Precision: the optimizer's math is fp32 whatever the parameters' dtype. With
 `--param_dtype=bf16` the gradients and parameters are cast up, the moments kept
 in fp32, and each update rounded once when added to the bf16 parameters (so an
 update below about 2^-9 of a weight is lost: at fine-tuning learning rates such
-as 2e-5, keep fp32 parameters).
+as 2e-5, keep fp32 parameters or turn on stochastic rounding, below).
 `--optimizer.state_dtype=bf16` stores every floating optimizer-state leaf (both
 Adam moments) in bfloat16, cast up for each update: the memory of a llama3_8b on
 one GPU is 2+2+2+2 bytes per parameter (parameters, gradients, two moments)
