@@ -55,7 +55,10 @@ def chunked_next_token_loss(hidden, head_weight, target_tokens, loss_masks, chun
     The positions are cut into chunks of `chunk_size`; each chunk's logits are made
     (in the compute dtype with fp32 accumulation), reduced to LossSums, and dropped.
     `jax.checkpoint` makes the backward pass recompute them chunk by chunk too, so at
-    most (B, chunk_size, V) logits are live. hidden (B, T, D), head_weight (D, V).
+    most (B, chunk_size, V) logits are live. One chunk (chunk_size = T) is not
+    recomputed: its logits are made right before the backward pass needs them, so
+    keeping them costs no extra peak memory, and recomputing would cost a third
+    matmul the size of the output projection's. hidden (B, T, D), head_weight (D, V).
     """
     B, T, D = hidden.shape
     if T % chunk_size:  # one chunk instead would build the full logits this avoids
@@ -63,7 +66,6 @@ def chunked_next_token_loss(hidden, head_weight, target_tokens, loss_masks, chun
                         f"length {T}")
     chunks = T // chunk_size
 
-    @jax.checkpoint
     def chunk_sums(h, targets, masks):  # h (B, c, D)
         logits = jnp.einsum("BcD,DV->BcV", h, head_weight.astype(h.dtype),
                             preferred_element_type=jnp.float32)
@@ -71,6 +73,7 @@ def chunked_next_token_loss(hidden, head_weight, target_tokens, loss_masks, chun
 
     if chunks == 1:
         return chunk_sums(hidden, target_tokens, loss_masks)
+    chunk_sums = jax.checkpoint(chunk_sums)
 
     def split(x):  # (B, T, ...) -> (chunks, B, c, ...)
         return x.reshape(B, chunks, T // chunks, *x.shape[2:]).swapaxes(0, 1)

@@ -43,3 +43,19 @@ def test_chunk_size_must_divide_the_sequence():
     with pytest.raises(UserError, match=r"^--llama.loss_chunk_size=24 must divide the "
                                         r"sequence length 32$"):
         chunked_next_token_loss(hidden, weight, targets, masks, 24)
+
+
+@pytest.mark.parametrize("chunk_size", [8, 32])
+def test_only_several_chunks_recompute_their_logits(chunk_size):
+    # Forward + backward of the loss: the head matmul once forward, twice backward
+    # (hidden's and the weight's gradients), plus once more per recomputed chunk.
+    hidden, weight = jnp.ones((2, 32, 4)), jnp.ones((4, 16))
+    targets, masks = jnp.zeros((2, 32), jnp.int32), jnp.ones((2, 32))
+
+    def loss(hidden, weight):
+        return chunked_next_token_loss(hidden, weight, targets, masks, chunk_size).loss
+
+    # The program as emitted (XLA:CPU happens to merge the single chunk's recompute
+    # back into the forward matmul; nothing promises every backend does).
+    hlo = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(hidden, weight).as_text()
+    assert hlo.count("dot_general") == (3 if chunk_size == 32 else 4), hlo
