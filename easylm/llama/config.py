@@ -59,6 +59,11 @@ class LLaMAConfig:
     # > 0: the training loss makes logits this many positions at a time instead of
     # holding (B, T, V) at once (`losses.chunked_next_token_loss`); 0: all at once.
     loss_chunk_size: int = 0
+    # One matmul for q, k and v, and one for gate and up, on kernels concatenated at
+    # each step (parameters stay HF's). Meant for meshes without 'mp': a concatenation
+    # of 'mp'-split kernels moves data between devices.
+    fused_qkv: bool = False
+    fused_mlp: bool = False
 
     def __post_init__(self):
         if self.num_key_value_heads is None:

@@ -26,6 +26,8 @@ Shape letters: B batch, T positions, S cache positions, D width, F MLP width,
 V vocabulary, N query heads, K key/value heads, H head dim, L layers.
 """
 
+from typing import Callable
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -123,6 +125,32 @@ class _Layer(nn.Module):
     def norm(self, name):
         return RMSNorm(self.config.rms_norm_eps, self.dtype, self.param_dtype, name=name)
 
+    def kernels(self, x, names_and_features):
+        """x @ [W_1 | W_2 | ...] as one matmul, split back into one output per kernel.
+        The kernels are the `self.dense(features, name)` ones (same names, shapes and
+        initial values), concatenated in the compute dtype at each call: one wider
+        matmul reads x once and, in the backward pass, sums x's gradient in one
+        contraction instead of adding several."""
+        init = nn.initializers.normal(self.config.initializer_range)
+        D = x.shape[-1]
+        weights = [_Kernel((D, f), init, self.param_dtype, name=name)().astype(self.dtype)
+                   for name, f in names_and_features]
+        out = jnp.einsum("BTD,DF->BTF", x.astype(self.dtype), jnp.concatenate(weights, axis=1))
+        edges = np.cumsum([f for _, f in names_and_features])[:-1]
+        return jnp.split(out, edges, axis=-1)
+
+
+class _Kernel(nn.Module):
+    """Only the kernel of an `nn.Dense` (same parameter name, shape and initialiser)."""
+
+    shape: tuple
+    initializer: Callable
+    param_dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self):
+        return self.param("kernel", self.initializer, self.shape, self.param_dtype)
+
 
 class Attention(_Layer):
     @nn.compact
@@ -130,9 +158,12 @@ class Attention(_Layer):
         c = self.config
         B, T, _ = x.shape
         N, K, H = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        q = self.dense(N * H, "q_proj")(x).reshape(B, T, N, H)
-        k = self.dense(K * H, "k_proj")(x).reshape(B, T, K, H)
-        v = self.dense(K * H, "v_proj")(x).reshape(B, T, K, H)
+        if c.fused_qkv:
+            q, k, v = self.kernels(x, [("q_proj", N * H), ("k_proj", K * H), ("v_proj", K * H)])
+        else:
+            q, k, v = (self.dense(N * H, "q_proj")(x), self.dense(K * H, "k_proj")(x),
+                       self.dense(K * H, "v_proj")(x))
+        q, k, v = q.reshape(B, T, N, H), k.reshape(B, T, K, H), v.reshape(B, T, K, H)
         q = constrain(apply_rotary(q, cos, sin), P(BATCH_AXES, None, "mp", None))
         k = constrain(apply_rotary(k, cos, sin), P(BATCH_AXES, None, "mp", None))
         v = constrain(v, P(BATCH_AXES, None, "mp", None))
@@ -152,7 +183,11 @@ class MLP(_Layer):
     @nn.compact
     def __call__(self, x):
         F = self.config.intermediate_size
-        h = nn.silu(self.dense(F, "gate_proj")(x)) * self.dense(F, "up_proj")(x)
+        if self.config.fused_mlp:
+            gate, up = self.kernels(x, [("gate_proj", F), ("up_proj", F)])
+        else:
+            gate, up = self.dense(F, "gate_proj")(x), self.dense(F, "up_proj")(x)
+        h = nn.silu(gate) * up
         h = constrain(h, P(BATCH_AXES, None, "mp"))  # (B, T, F)
         return self.dense(self.config.hidden_size, "down_proj")(h)
 
