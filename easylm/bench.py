@@ -2,7 +2,9 @@
 
     train   the trainer's own jitted train step on synthetic tokens: warm-up steps,
             then timed steps; prints one JSON line (tokens/s, step time, MFU, peak
-            device memory, compile time, versions, device).
+            device memory, compile time, versions, device). With --profile_steps=N, N
+            more steps run under the profiler and 'profile' summarises where their time
+            went (easylm/profiling.py).
     data    the data pipeline against raw `tokenizers` batch encoding (easylm/data/bench.py)
     decode  the serving engine's generated tokens/s (easylm/serving/bench.py)
 
@@ -14,7 +16,9 @@ Example, the llama_1b shape on one GPU:
 
 import json
 import platform
+import shutil
 import sys
+import tempfile
 import time
 
 import jax
@@ -22,7 +26,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import ConfigDict
 
-from easylm import flags, flops, optimizers, trainer
+from easylm import flags, flops, optimizers, profiling, trainer
 from easylm.errors import UserError, exit_on_user_error
 from easylm.sharding import BATCH_AXES, make_mesh
 
@@ -42,6 +46,10 @@ TRAIN_HELP = {
     "compile_only": "only lower and compile the step from abstract shapes, allocating "
                     "nothing: compile time and XLA's per-device memory, for shapes too big "
                     "for this machine",
+    "profile_steps": "after the timed steps, trace this many more with the jax profiler and "
+                     "add a summary of the trace under 'profile' (0: no profiling)",
+    "profile_dir": "where the trace (and its kernels.csv) goes; '': a temporary directory, "
+                   "deleted after summarising",
 }
 
 
@@ -60,6 +68,8 @@ def train_config() -> ConfigDict:
     config.seed = 0
     config.compilation_cache_dir = ""
     config.compile_only = False
+    config.profile_steps = 0
+    config.profile_dir = ""
     config.llama = LLaMAConfig.get_default_config()
     config.optimizer = optimizers.get_default_config()
     return config
@@ -87,6 +97,10 @@ def bench_train(config: ConfigDict) -> dict:
 
     if config.steps < 1 or config.warmup_steps < 1:
         raise UserError("--steps and --warmup_steps must be >= 1 (the first warm-up step compiles)")
+    if config.profile_steps < 0:
+        raise UserError(f"--profile_steps must be >= 0, got {config.profile_steps}")
+    if config.profile_steps and config.compile_only:
+        raise UserError("--profile_steps needs steps to run; --compile_only runs none")
     trainer.setup_compilation(config.compilation_cache_dir)
     mesh = make_mesh(config.mesh_dim)
     model = build_model(config)
@@ -113,6 +127,9 @@ def bench_train(config: ConfigDict) -> dict:
         loss = float(metrics["loss"])  # waits for the last step
         seconds = (time.perf_counter() - start) / config.steps
         losses = [round(float(x), 4) for x in jax.device_get(losses)]
+        profile = None
+        if config.profile_steps:
+            state, profile = _profile(compiled, state, batch, config)
     tokens_per_second = config.batch_size * config.seq_length / seconds
     peak = flops.peak_flops_per_device(jax.devices()[0], config.peak_tflops)
     mfu = flops.mfu(model.flops_per_token(config.seq_length), tokens_per_second, peak, jax.device_count())
@@ -132,7 +149,31 @@ def bench_train(config: ConfigDict) -> dict:
         "final_loss": round(loss, 4),
         "losses": losses,  # every step's, warm-up included: compare runs' loss curves
         **_machine(),
+        **({"profile": profile} if profile else {}),
     }
+
+
+def _profile(compiled, state, batch, config: ConfigDict):
+    """(state, summary): `config.profile_steps` more steps under the profiler. They run
+    after the timed steps and change neither their figures nor `losses`."""
+    directory = config.profile_dir or tempfile.mkdtemp(prefix="easylm-profile-")
+    try:
+        with jax.profiler.trace(directory, create_perfetto_trace=True):
+            start = time.perf_counter()
+            for _ in range(config.profile_steps):
+                state, metrics = compiled(state, batch)
+            jax.block_until_ready((state, metrics))
+            seconds = (time.perf_counter() - start) / config.profile_steps
+        # Traced steps run slower (and on GPU without CUDA graphs, see easylm/profiling.py):
+        # compare this with the untraced step_time_s.
+        summary = {"traced_step_time_s": round(seconds, 5),
+                   **profiling.summarize_trace(directory, config.profile_steps)}
+    finally:
+        if not config.profile_dir:
+            shutil.rmtree(directory, ignore_errors=True)
+    if not config.profile_dir:  # deleted
+        summary.update(trace=None, kernels_csv=None)
+    return state, summary
 
 
 def _machine() -> dict:

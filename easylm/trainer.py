@@ -4,7 +4,8 @@ A model family hands the trainer a `Model` (how to initialise parameters, the
 loss, the partition rules, FLOPs per token); `easylm/llama/train.py` is the
 LLaMA one. The train step is a pure function `(state, batch) -> (state,
 metrics)` jitted with explicit shardings and the state donated; the loop around
-it only feeds batches, logs, evaluates and saves, each every N steps.
+it only feeds batches, logs, evaluates and saves, each every N steps, and traces a
+window of steps with the profiler (`easylm.profiling.Profiler`).
 
 Batches reach the devices from the data pipeline's background thread, a few
 steps ahead. Nothing waits for the device on an ordinary step: metrics are fetched only on
@@ -31,7 +32,7 @@ from absl import logging as absl_logging
 from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import ConfigDict
 
-from easylm import checkpoint, distributed, flops, logger, optimizers
+from easylm import checkpoint, distributed, flops, logger, optimizers, profiling
 from easylm import flags as flag_lib
 from easylm.errors import UserError
 from easylm.losses import LossSums
@@ -71,6 +72,9 @@ HELP = {
                              "step skips compiling ('' to disable)",
     "skip_nonfinite_updates": "skip updates whose loss or gradient norm is NaN/Inf and count "
                               "them, instead of stopping the run",
+    "profile_steps": "trace this many steps with the jax profiler into RUN_DIR/profile/"
+                     "process<i> (--logger.wandb_dir, when set, instead of RUN_DIR); 0: off",
+    "profile_start_step": "the first traced step (steps count from 1; the first one compiles)",
 }
 
 
@@ -119,6 +123,8 @@ def get_default_config(dataset_config: ConfigDict | None = None) -> ConfigDict:
     config.peak_tflops = 0.0
     config.compilation_cache_dir = "~/.cache/easylm/jax"
     config.skip_nonfinite_updates = False
+    config.profile_steps = 0
+    config.profile_start_step = 5
     config.log_all_worker = False
     if dataset_config is not None:
         config.train_dataset = dataset_config
@@ -332,11 +338,12 @@ def abstract_state(model: Model, tx, mesh, seed: int) -> TrainState:
 
 def run_directory(config: ConfigDict, model_name: str) -> str:
     """OUTPUT_DIR/EXPERIMENT_ID; by default the id hashes the flags, so re-running the
-    same command (say, after preemption) lands in the same directory and resumes."""
+    same command (say, after preemption) lands in the same directory and resumes. Flags
+    that do not change what is trained (resuming, logging, profiling) are left out."""
     experiment_id = config.logger.experiment_id
     if not experiment_id:
         flat = {k: v for k, v in flag_lib.flatten(config).items()
-                if k not in ("resume", "log_all_worker")
+                if k not in ("resume", "log_all_worker", "profile_steps", "profile_start_step")
                 and not k.startswith(("logger.", "jax_distributed."))}  # same on every host
         digest = hashlib.sha1(json.dumps(flat, sort_keys=True).encode()).hexdigest()[:8]
         experiment_id = f"{model_name}-{digest}"
@@ -419,7 +426,10 @@ def _check_config(config: ConfigDict):
         raise UserError(f"--total_steps must be >= 1, got {config.total_steps}")
     if config.log_freq < 1:
         raise UserError(f"--log_freq must be >= 1, got {config.log_freq}")
-    for name in ("save_model_freq", "save_milestone_freq", "eval_freq", "eval_steps"):
+    if config.profile_start_step < 1:
+        raise UserError(f"--profile_start_step must be >= 1, got {config.profile_start_step}")
+    for name in ("save_model_freq", "save_milestone_freq", "eval_freq", "eval_steps",
+                 "profile_steps"):
         if config[name] < 0:
             raise UserError(f"--{name} must be >= 0, got {config[name]}")
 
@@ -516,6 +526,15 @@ def train(config: ConfigDict, build_model: Callable[[ConfigDict], Model]) -> str
                   f"{batch_tokens:,} tokens/step | steps {start_step} -> {config.total_steps}")
 
         preemption = _Preemption()
+        # Every process traces its own devices; W&B's directory is local also when the run
+        # directory is a bucket.
+        profiler = profiling.Profiler(
+            os.path.join(config.logger.wandb_dir or run_dir, "profile",
+                         f"process{jax.process_index()}"),
+            config.profile_start_step, config.profile_steps, log.print)
+        if config.profile_steps and config.profile_start_step <= start_step:
+            log.print(f"note: not profiling: --profile_start_step={config.profile_start_step} "
+                      f"is before this run's first step, {start_step + 1}")
         saved_step = start_step if source and source[0] == "trainstate" else None
 
         def save(step):
@@ -531,8 +550,10 @@ def train(config: ConfigDict, build_model: Callable[[ConfigDict], Model]) -> str
         try:
             while step < config.total_steps:
                 batch, data_metrics = next(data)
+                profiler.before(step + 1)
                 state, metrics = train_step(state, batch)
                 step += 1
+                profiler.after(step, metrics)
                 log.advance()
                 if clock is None:  # the first step compiles; time from after it
                     jax.block_until_ready(metrics)
@@ -569,8 +590,10 @@ def train(config: ConfigDict, build_model: Callable[[ConfigDict], Model]) -> str
                 if preemption.requested:
                     log.print(f"SIGTERM: saving a checkpoint at step {step} and exiting")
                     break
+            profiler.stop()  # a run that ends inside the profile window; the save is not traced
             save(step)
         finally:
+            profiler.stop()  # after an error
             manager.wait()
             manager.close()
             log.close()
