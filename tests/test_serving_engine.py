@@ -21,6 +21,7 @@ from easylm.sharding import make_mesh
 from serving_utils import log_softmax, make_batcher, make_tokenizer, tiny_config
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+SHORT = SamplingParams(max_tokens=8, temperature=0.0)
 PROMPTS = [[1, 5, 9, 33], [1, 7], [1] + list(range(40, 63)), [1, 3, 3, 3, 3], [1, 99, 100]]
 
 
@@ -77,6 +78,31 @@ def test_engine_greedy_and_logprobs_match_full_forward(served, tokenizer):
         assert [t.id for t in g.tokens] == expected
         np.testing.assert_allclose([t.logprob for t in g.tokens], logprobs, atol=1e-5, rtol=0)
         assert g.finish_reason == "length"
+
+
+def test_decode_attends_over_the_shortest_window_covering_active_slots(tokenizer):
+    # seq_length 64: decode calls read 16, 32 or all 64 cache positions. A short request
+    # next to a long one, and a request that outlives a long one, get the same tokens as
+    # a full forward pass, and short ones really ran on a short window.
+    batcher, model, params = make_batcher()
+    engine, lengths = batcher.engine, []
+    decode = engine._decode
+    engine._decode = lambda sampling, length: lengths.append(length) or decode(sampling, length)
+    try:
+        # Positions 3..10, and up to 14 in the call the batcher dispatches before it
+        # sees the request finished: 16.
+        short = batcher.generate([[1, 5, 9]], SHORT, tokenizer)
+        assert set(lengths) == {16}
+        lengths.clear()
+        prompts = [[1, 7], [1] + list(range(40, 80))]  # the long one needs all 64
+        both = batcher.generate(prompts, GREEDY, tokenizer)
+        assert set(lengths) == {64}
+    finally:
+        batcher.stop()
+    for prompt, g in zip([[1, 5, 9], *prompts], short + both):
+        expected, logprobs = full_forward_greedy(model, params, prompt, len(g.tokens))
+        assert [t.id for t in g.tokens] == expected
+        np.testing.assert_allclose([t.logprob for t in g.tokens], logprobs, atol=1e-5, rtol=0)
 
 
 def test_greedy_matches_hf_generate(tokenizer):
@@ -208,14 +234,15 @@ def test_pre_compile_covers_every_bucket(tokenizer):
     try:
         engine = batcher.engine
         engine.warmup()
-        # prefill and score: lengths 16 and 32; prefill and decode: greedy and sampling.
-        assert _compiled(engine) == [2, 2, 1, 1, 2]
+        # prefill and score: lengths 16 and 32; prefill and decode: greedy and sampling;
+        # decode: over 16 or 32 cache positions.
+        assert _compiled(engine) == [2, 2, 1, 1, 1, 1, 2]
         # ... and nothing compiles again when requests of every shape and kind come in.
         for temperature in (0.0, 0.8):
             batcher.generate([[1, 2, 3], [1] + list(range(20)), [1, 5]],
                              SamplingParams(max_tokens=8, temperature=temperature), tokenizer)
         engine.score([[1, 2, 3]], [[2, 3, 4]])
-        assert _compiled(engine) == [2, 2, 1, 1, 2]
+        assert _compiled(engine) == [2, 2, 1, 1, 1, 1, 2]
     finally:
         batcher.stop()
 
@@ -225,11 +252,10 @@ def test_device_programs_have_no_data_dependent_branch(served):
     # whether a call samples is decided on the host instead.
     batcher, _, _ = served
     engine = batcher.engine
-    for sample in (False, True):
+    for (sample, _), fn in engine._decode_fns.items():
         sampling = engine_lib.Sampling.empty(engine.batch_size)
         sampling.temperature[:] = float(sample)
-        hlo = engine._decode_fns[sample].lower(engine.params, engine.state,
-                                               *sampling.arrays()).as_text()
+        hlo = fn.lower(engine.params, engine.state, *sampling.arrays()).as_text()
         assert "conditional" not in hlo and "stablehlo.case" not in hlo
         assert ("stablehlo.sort" in hlo) == sample  # only a sampling call sorts the vocabulary
 

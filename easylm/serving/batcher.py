@@ -170,7 +170,9 @@ class Batcher:
                 prefilled = self._admit(admitted, free)
                 previous, self._in_flight = self._in_flight, None
                 if any(s is not None for s in self.slots):
-                    self._in_flight = (self.engine.decode(self.sampling), list(enumerate(self.slots)))
+                    active = [s is not None for s in self.slots]
+                    self._in_flight = (self.engine.decode(self.sampling, active),
+                                       list(enumerate(self.slots)))
                 if prefilled is not None:
                     self._deliver(*prefilled)
                 if previous is not None:

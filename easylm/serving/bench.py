@@ -31,6 +31,8 @@ HELP = {
     "batch_sizes": "comma-separated batch sizes (decode slots) to measure",
     "prompt_length": "prompt tokens per request",
     "new_tokens": "tokens generated per request",
+    "seq_length": "the engine's context (the server's --seq_length): cache positions per "
+                  "slot; 0: prompt_length + new_tokens",
     "decode_steps": "tokens decoded per device call",
     "dtype": "bf16, fp16, fp32, or auto (bf16 on GPU/TPU, fp32 on CPU)",
     "mesh_dim": "device mesh dp,fsdp,mp",
@@ -43,6 +45,7 @@ def default_config() -> ConfigDict:
     config.batch_sizes = "1,16,64"
     config.prompt_length = 128
     config.new_tokens = 256
+    config.seq_length = 0
     config.decode_steps = 8
     config.dtype = "auto"
     config.mesh_dim = "1,1,-1"
@@ -57,7 +60,7 @@ def engine_tokens_per_second(llama: LLaMAConfig, params, batch: int, config, tok
 
     fns, _ = llama_model_fns(llama, dtype, dtype)
     engine = engine_lib.Engine(
-        {"batch_size": batch, "seq_length": config.prompt_length + config.new_tokens,
+        {"batch_size": batch, "seq_length": config.seq_length or config.prompt_length + config.new_tokens,
          "decode_steps": config.decode_steps, "min_bucket": config.prompt_length},
         fns, params, mesh)
     batcher = Batcher(engine).start()
@@ -103,6 +106,11 @@ def run(config: ConfigDict) -> list[dict]:
         raise UserError(f"--prompt_length + --new_tokens = "
                         f"{config.prompt_length + config.new_tokens} is above the model's "
                         f"max_position_embeddings={llama.max_position_embeddings}")
+    if config.seq_length and not (config.prompt_length + config.new_tokens <= config.seq_length
+                                  <= llama.max_position_embeddings):
+        raise UserError(f"--seq_length={config.seq_length} must be between prompt_length + "
+                        f"new_tokens = {config.prompt_length + config.new_tokens} and the "
+                        f"model's max_position_embeddings={llama.max_position_embeddings}")
     dtype = dtype_from_flag("dtype", config.dtype)
     use_hf = {"auto": jax.default_backend() == "cpu", "true": True, "false": False}.get(config.hf)
     if use_hf is None:
@@ -150,7 +158,8 @@ def main(argv=None):
     config = flag_lib.parse(default_config(), help_text, argv, usage)
     device = f"{jax.devices()[0].device_kind} ({jax.default_backend()})"
     print(f"decode benchmark on {device}: {config.llama.base_model}, prompt "
-          f"{config.prompt_length}, {config.new_tokens} new tokens, dtype {config.dtype}")
+          f"{config.prompt_length}, {config.new_tokens} new tokens, context "
+          f"{config.seq_length or config.prompt_length + config.new_tokens}, dtype {config.dtype}")
     rows = run(config)
     # One JSON line too, like `python -m easylm.bench train`, for scripts.
     print(json.dumps({"benchmark": "decode", "device": device, "flags": flag_lib.flatten(config),

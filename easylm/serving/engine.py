@@ -2,7 +2,9 @@
 
     prefill  run prompts (n rows, bucketed length T) and write their keys/values
              into cache rows ("slots"); draw each row's first new token
-    decode   C steps for all B slots at once, each slot at its own position
+    decode   C steps for all B slots at once, each slot at its own position,
+             attending over the first L cache positions (a bucket covering the
+             active slots' positions)
     score    a full forward over (n, T) tokens: log-probabilities of given targets
 
 Which request sits in which slot is `batcher.py`'s business; this file only
@@ -143,20 +145,30 @@ def _prefill(model: ModelFns, sample: bool, params, state, tokens, lengths, slot
     return (cache, last, slot_positions), tuple(x[None] for x in out)
 
 
-def _decode(model: ModelFns, steps: int, sample: bool, params, state, keys, temperature,
-            top_k, top_p):
+def _decode(model: ModelFns, steps: int, sample: bool, length: int, params, state, keys,
+            temperature, top_k, top_p):
+    """`steps` tokens for every slot, attending over the first `length` cache positions
+    only (the host picks a length that covers every active slot's positions)."""
     cache, tokens, positions = state
     S = jax.tree.leaves(cache)[0].shape[-3]
+    # The first `length` positions, decoded in a copy and written back once per call:
+    # each step then reads L positions of keys and values, not S.
+    window = cache if length == S else jax.tree.map(lambda c: c[..., :length, :, :], cache)
 
     def step(carry, _):
-        cache, tokens, positions = carry  # tokens (B,): the last token, not yet in the cache
-        at = jnp.minimum(positions, S - 1)[:, None]  # finished slots may run past the end
-        logits, cache = model.apply(params, tokens[:, None], at, cache)
+        window, tokens, positions = carry  # tokens (B,): the last token, not yet in the cache
+        # Idle and finished slots run past the end: they write (garbage, never read) at
+        # the last position instead.
+        at = jnp.minimum(positions, length - 1)[:, None]
+        logits, window = model.apply(params, tokens[:, None], at, window)
         out = next_tokens(logits[:, 0], keys, positions + 1, temperature, top_k, top_p, sample)
-        return (cache, out[0], positions + 1), out
+        return (window, out[0], positions + 1), out
 
-    state, outs = jax.lax.scan(step, state, None, length=steps)
-    return state, outs  # outs: (C, B, ...)
+    (window, tokens, positions), outs = jax.lax.scan(step, (window, tokens, positions), None,
+                                                     length=steps)
+    if length < S:
+        window = jax.tree.map(lambda c, w: c.at[..., :length, :, :].set(w), cache, window)
+    return (window, tokens, positions), outs  # outs: (C, B, ...)
 
 
 def _score(model: ModelFns, params, tokens, targets):
@@ -184,6 +196,12 @@ class Engine:
         self.batch_size, self.seq_length = config.batch_size, config.seq_length
         self.length_buckets = buckets(config.seq_length, config.min_bucket)
         self.row_buckets = buckets(config.batch_size, 1)
+        # Cache lengths a decode call attends over: S/8, S/4, S/2, S (or from min_bucket
+        # when that is larger), so short requests on a long-context server read a fraction
+        # of the cache per token, at the cost of at most four decode programs per kind.
+        self.decode_buckets = buckets(config.seq_length, max(config.min_bucket, config.seq_length // 8))
+        # Each slot's position as the device has it (every decode call advances all).
+        self.positions = np.zeros(config.batch_size, np.int64)
         B, S = self.batch_size, self.seq_length
 
         def init_state():  # (cache, each slot's last token, its position)
@@ -213,10 +231,10 @@ class Engine:
         self._prefill_fns = {sample: jax.jit(functools.partial(_prefill, model, sample),
                                              donate_argnums=(1,), **out_shardings)
                              for sample in (False, True)}
-        self._decode_fns = {sample: jax.jit(functools.partial(_decode, model, config.decode_steps,
-                                                              sample),
-                                            donate_argnums=(1,), **out_shardings)
-                            for sample in (False, True)}
+        self._decode_fns = {(sample, length): jax.jit(
+                                functools.partial(_decode, model, config.decode_steps, sample, length),
+                                donate_argnums=(1,), **out_shardings)
+                            for sample in (False, True) for length in self.decode_buckets}
         self._score_fn = jax.jit(functools.partial(_score, model))
 
     def _run(self, fn, *args):
@@ -250,13 +268,23 @@ class Engine:
         self.state, out = self._run(self._prefill_fns[sampling.samples()], self.params,
                                     self.state, tokens, lengths, slot_ids,
                                     *sampling.pad(rows).arrays())
+        real = slot_ids < self.batch_size
+        self.positions[slot_ids[real]] = lengths[real]
         return out
 
-    def decode(self, sampling: Sampling):
+    def decode(self, sampling: Sampling, active=None):
         """decode_steps tokens for every slot, as device arrays: tokens (C, B),
-        logprobs (C, B), top ids and logprobs (C, B, N)."""
-        self.state, out = self._run(self._decode_fns[sampling.samples()], self.params, self.state,
-                                    *sampling.arrays())
+        logprobs (C, B), top ids and logprobs (C, B, N). `active` (B,) bool marks the
+        slots whose tokens matter (default: all); the call attends over the shortest
+        cache length that holds their positions."""
+        active = np.ones(self.batch_size, bool) if active is None else np.asarray(active, bool)
+        end = int(self.positions[active].max()) + self.config.decode_steps if active.any() else 0
+        return self._decode(sampling, bucket_for(min(end, self.seq_length), self.decode_buckets))
+
+    def _decode(self, sampling: Sampling, length: int):
+        self.state, out = self._run(self._decode_fns[sampling.samples(), length], self.params,
+                                    self.state, *sampling.arrays())
+        self.positions += self.config.decode_steps
         return out
 
     def score(self, tokens: list[list[int]], targets: list[list[int]]):
@@ -292,7 +320,8 @@ class Engine:
                     self.prefill([[0] * T] * rows, [self.batch_size] * rows, sampling(rows))
             # Decoding writes garbage into idle slots, which nothing reads: each slot's
             # positions are written again before its queries can see them.
-            jax.block_until_ready(self.decode(sampling(self.batch_size)))
+            for length in self.decode_buckets:
+                jax.block_until_ready(self._decode(sampling(self.batch_size), length))
         for rows in self.row_buckets:
             for T in self.length_buckets:
                 self.score([[0] * T] * rows, [[0] * T] * rows)
