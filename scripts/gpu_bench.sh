@@ -5,8 +5,9 @@
 # would start with under 45 s left is skipped, so the command always ends in time and keeps
 # what it measured.
 # `bash scripts/gpu_bench.sh tune` instead runs what the first H200 session (2026-11-30,
-# docs/benchmarks.md) left open: the optimised llama_1b step twice (run-to-run noise), with
-# XLA flag variants, and the decode benchmark with time to compile.
+# docs/benchmarks.md) left open, likeliest first: the llama_1b step with one loss chunk
+# (and a profile of it), without chunks, with fused projections; decode with time to
+# compile; the step again (run-to-run noise) and with XLA flag variants.
 # Run from the repository root on the GPU machine, after
 #   bash ../shared/device/prepare_wheels.sh fastapi starlette uvicorn annotated-doc typing-extensions
 # here (fills .whl/; carry .whl), with:
@@ -46,20 +47,31 @@ one_b="--llama.base_model=llama_1b --seq_length=2048 --batch_size=8 --dtype=bf16
 fast="--llama.attention=cudnn --llama.loss_chunk_size=1024"
 # Decode throughput (issue 7 acceptance 6): llama_1b, bf16, prompt 128, 256 new tokens. Each
 # batch size builds its own engine and compiles its prefill and decode programs first.
-decode() { run "$1" python3 -m easylm.bench decode --llama.base_model=llama_1b --dtype=bf16 \
-             --batch_sizes=1,16,64 --prompt_length=128 --new_tokens=256 | tee -a "$results"; }
+# decode CAP [FLAGS...]: later flags override earlier ones.
+decode() { local cap=$1; shift
+           run "$cap" python3 -m easylm.bench decode --llama.base_model=llama_1b --dtype=bf16 \
+             --batch_sizes=1,16,64 --prompt_length=128 --new_tokens=256 "$@" | tee -a "$results"; }
 
 if [ "$mode" = tune ]; then
-  bench $one_b $fast
-  # The default, no loss chunks: saves recomputing the logits in the backward pass (~3 ms).
+  # 1. One loss chunk (fp32-accumulated logits, not recomputed since 2c40c4c): 65,866 tok/s
+  #    on 2026-11-30, the fastest measured. Then 3 steps under the profiler: where the step
+  #    goes (matmul / attention / the rest, idle gaps), the "profile" key of its JSON line.
+  one=$one_b" --llama.attention=cudnn --llama.loss_chunk_size=2048"
+  bench $one --profile_steps=3 --profile_dir=/tmp/profile-1b
+  # 2. No chunks: the model's own bf16 logits.
   bench $one_b --llama.attention=cudnn --llama.loss_chunk_size=0
-  decode 200
-  bench $one_b $fast  # again: run-to-run noise
-  XLA_FLAGS=--xla_gpu_enable_triton_gemm=false bench $one_b $fast
-  XLA_FLAGS=--xla_gpu_enable_command_buffer= bench $one_b $fast
-  bench $one_b $fast --llama.loss_chunk_size=2048
+  # 3. One matmul for q/k/v and one for gate/up.
+  bench $one --llama.fused_qkv=True --llama.fused_mlp=True
+  # 4. Decode without the per-token host sync (150966c), with time to compile.
+  decode 200 --hf=false  # HF generate: 381 tok/s at batch 1 (the brief)
+  # 5. Run-to-run noise, then XLA flag variants of the same step.
+  bench $one
+  XLA_FLAGS=--xla_gpu_enable_triton_gemm=false bench $one
+  XLA_FLAGS=--xla_gpu_enable_command_buffer= bench $one
   # A breakdown, not a candidate: bf16 parameters and moments halve the optimizer's traffic.
-  bench $one_b $fast --param_dtype=bf16 --optimizer.state_dtype=bf16
+  bench $one --param_dtype=bf16 --optimizer.state_dtype=bf16
+  # Batch-1 decode with fused projections: three fewer kernels per layer and token.
+  decode 120 --hf=false --batch_sizes=1 --llama.fused_qkv=True --llama.fused_mlp=True
 else
 # Issue 8 acceptance 1: the llama_1b shape, the unoptimised path and the optimised one,
 # 20 steps each (2 warm-up + 18 timed) on the same batch, so the loss curves compare.
@@ -104,6 +116,13 @@ for line in open(sys.argv[1]):
         rows.append(json.loads(line))
     except ValueError:
         pass
+for r in rows:
+    p = r.get("profile")
+    if p:  # where the profiled step's time went
+        print("profile:", json.dumps({k: p.get(k) for k in (
+            "traced_step_time_s", "wall_ms", "busy_ms", "idle_fraction", "categories_ms")}))
+        for k in (p.get("top_kernels") or [])[:10]:
+            print(f"  {k['ms']:8.2f} ms x{k['calls']:<6} {k['name'][:100]}")
 runs = [r for r in rows if r.get("model") == "llama_1b" and "losses" in r]
 for r in runs[1:]:
     diff = max(abs(a - b) for a, b in zip(r["losses"], runs[0]["losses"]))
