@@ -72,6 +72,8 @@ if [ "$mode" = tune ]; then
   bench $one --param_dtype=bf16 --optimizer.state_dtype=bf16
   # Batch-1 decode with fused projections: three fewer kernels per layer and token.
   decode 120 --hf=false --batch_sizes=1 --llama.fused_qkv=True --llama.fused_mlp=True
+  # cuBLASLt, whose epilogues can absorb some elementwise work around the matmuls.
+  XLA_FLAGS=--xla_gpu_enable_cublaslt=true bench $one
 else
 # Issue 8 acceptance 1: the llama_1b shape, the unoptimised path and the optimised one,
 # 20 steps each (2 warm-up + 18 timed) on the same batch, so the loss curves compare.

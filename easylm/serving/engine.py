@@ -37,7 +37,8 @@ HELP = {
     "seq_length": "context length served (prompt plus new tokens, per request); 0: the "
                   "model's max_position_embeddings, at most 2048",
     "decode_steps": "tokens decoded per device call between scheduling decisions",
-    "min_bucket": "shortest prompt-length bucket; buckets double up to seq_length",
+    "min_bucket": "shortest prompt-length bucket; buckets double up to seq_length (decode "
+                  "windows over the cache: from the larger of this and seq_length/8)",
     "pre_compile": "compile every prefill/score bucket and the decode step at start",
 }
 
