@@ -39,7 +39,7 @@ HELP = {
     "decode_steps": "tokens decoded per device call between scheduling decisions",
     "min_bucket": "shortest prompt-length bucket; buckets double up to seq_length (decode "
                   "windows over the cache: from the larger of this and seq_length/8)",
-    "pre_compile": "compile every prefill/score bucket and the decode step at start",
+    "pre_compile": "compile every prefill/score bucket and decode window at start",
 }
 
 
