@@ -79,6 +79,8 @@ def test_serves_a_trained_checkpoint(tmp_path, tokenizer_dir):
         tokenizer = make_tokenizer()
         expected = greedy_text(tokenizer, model, params, prompt, 10, tokenizer.eos_token_id)
         assert response["choices"][0]["text"] == expected
+        log.seek(0)
+        assert "pre-compiled 1 prompt buckets and 1 decode windows in" in log.read()
     finally:
         process.terminate()
         process.wait(30)

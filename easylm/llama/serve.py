@@ -140,8 +140,8 @@ def build(config: ConfigDict):
     if config.pre_compile:
         start = time.time()
         engine.warmup()
-        logging.info("pre-compiled %d prompt buckets in %.1fs", len(engine.length_buckets),
-                     time.time() - start)
+        logging.info("pre-compiled %d prompt buckets and %d decode windows in %.1fs",
+                     len(engine.length_buckets), len(engine.decode_buckets), time.time() - start)
     stop_ids = {i for i in (tokenizer.eos_token_id, llama.eos_token_id) if i is not None}
     batcher = Batcher(engine, stop_ids).start()
     service = server_lib.Service(config, batcher, tokenizer)
@@ -153,7 +153,9 @@ def main(argv=None):
     argv = argv or sys.argv
     usage = "usage: python -m easylm.llama.serve [--flag=value ...]"
     config = flag_lib.parse(default_config(), help_entries(), argv, usage)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    # force: importing orbax already gave the root logger a WARNING-level handler (absl).
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
+                        force=True)
     app, _ = build(config)
     server_lib.run(app, config)
 
