@@ -96,12 +96,19 @@ def reference():
     + [("xla", "none", True), ("auto", "checkpoint_dots", True)],
 )
 def test_implementations_give_the_same_numbers(reference, attention, remat_policy, scan_layers):
+    config = reference[0]
+    assert_same_numbers(reference, config.replace(attention=attention, remat_policy=remat_policy,
+                                                  scan_layers=scan_layers))
+
+
+def assert_same_numbers(reference, variant):
+    """`variant` (the reference config with implementation choices changed) gives the
+    reference's logits, loss and gradients on the reference's parameters."""
     config, params, ids, _, (loss, logits, grads) = reference
-    variant = config.replace(attention=attention, remat_policy=remat_policy, scan_layers=scan_layers)
-    if scan_layers:
+    if variant.scan_layers:
         params = stack_layers(params, config.num_hidden_layers)
     loss2, logits2, grads2 = loss_and_grads(variant, params, ids)
-    if scan_layers:
+    if variant.scan_layers:
         grads2 = unstack_layers(grads2, config.num_hidden_layers)
     np.testing.assert_allclose(logits2, logits, atol=1e-5, rtol=0)
     np.testing.assert_allclose(loss2, loss, atol=1e-6, rtol=0)
@@ -112,22 +119,14 @@ def test_implementations_give_the_same_numbers(reference, attention, remat_polic
 @pytest.mark.parametrize("fused_qkv, fused_mlp, scan_layers",
                          [(True, False, False), (False, True, False), (True, True, True)])
 def test_fused_projections_give_the_same_numbers(reference, fused_qkv, fused_mlp, scan_layers):
-    config, params, ids, _, (loss, logits, grads) = reference
+    config, params = reference[:2]
     variant = config.replace(fused_qkv=fused_qkv, fused_mlp=fused_mlp, scan_layers=scan_layers)
     # Same parameter names, shapes and initial values: checkpoints and converters don't care.
     fresh = LLaMAForCausalLM(variant.replace(scan_layers=False)).init_params(jax.random.PRNGKey(1))
     for a, b in zip(jax.tree_util.tree_leaves_with_path(fresh), jax.tree_util.tree_leaves_with_path(params)):
         assert a[0] == b[0]
         np.testing.assert_array_equal(a[1], b[1])
-    if scan_layers:
-        params = stack_layers(params, config.num_hidden_layers)
-    loss2, logits2, grads2 = loss_and_grads(variant, params, ids)
-    if scan_layers:
-        grads2 = unstack_layers(grads2, config.num_hidden_layers)
-    np.testing.assert_allclose(logits2, logits, atol=1e-5, rtol=0)
-    np.testing.assert_allclose(loss2, loss, atol=1e-6, rtol=0)
-    for g, g2 in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(grads2)):
-        np.testing.assert_allclose(g2, g, atol=1e-5, rtol=0)
+    assert_same_numbers(reference, variant)
 
 
 def test_segment_ids_block_attention_across_documents(reference):
