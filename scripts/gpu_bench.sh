@@ -53,27 +53,24 @@ decode() { local cap=$1; shift
              --batch_sizes=1,16,64 --prompt_length=128 --new_tokens=256 "$@" | tee -a "$results"; }
 
 if [ "$mode" = tune ]; then
-  # 1. One loss chunk (fp32-accumulated logits, not recomputed since 2c40c4c): 65,866 tok/s
-  #    on 2026-11-30, the fastest measured. Then 3 steps under the profiler: where the step
-  #    goes (matmul / attention / the rest, idle gaps), the "profile" key of its JSON line.
+  # What the first H200 session (2026-11-30, docs/benchmarks.md) left open, in one short
+  # command (DEADLINE=320): the step with one loss chunk (65,866 tok/s then), profiled, with
+  # the optimised HLO and the trace copied to $OUT; fused projections; XLA's Triton GEMMs
+  # off (NVIDIA's JAX-Toolbox setting for LLMs); both together.
   one=$one_b" --llama.attention=cudnn --llama.loss_chunk_size=2048"
-  bench $one --profile_steps=3 --profile_dir=/tmp/profile-1b
-  # 2. No chunks: the model's own bf16 logits.
-  bench $one_b --llama.attention=cudnn --llama.loss_chunk_size=0
-  # 3. One matmul for q/k/v and one for gate/up.
-  bench $one --llama.fused_qkv=True --llama.fused_mlp=True
-  # 4. Decode without the per-token host sync (150966c), with time to compile.
-  decode 200 --hf=false  # HF generate: 381 tok/s at batch 1 (the brief)
-  # 5. Run-to-run noise, then XLA flag variants of the same step.
-  bench $one
-  XLA_FLAGS=--xla_gpu_enable_triton_gemm=false bench $one
-  XLA_FLAGS=--xla_gpu_enable_command_buffer= bench $one
-  # A breakdown, not a candidate: bf16 parameters and moments halve the optimizer's traffic.
-  bench $one --param_dtype=bf16 --optimizer.state_dtype=bf16
-  # Batch-1 decode with fused projections: three fewer kernels per layer and token.
-  decode 120 --hf=false --batch_sizes=1 --llama.fused_qkv=True --llama.fused_mlp=True
-  # cuBLASLt, whose epilogues can absorb some elementwise work around the matmuls.
-  XLA_FLAGS=--xla_gpu_enable_cublaslt=true bench $one
+  fused="--llama.fused_qkv=True --llama.fused_mlp=True"
+  CAP=110 XLA_FLAGS="--xla_dump_to=/tmp/hlo --xla_dump_hlo_module_re=.*train_step.*" \
+    bench $one --profile_steps=3 --profile_dir=/tmp/profile-1b
+  CAP=90 bench $one $fused
+  CAP=90 XLA_FLAGS=--xla_gpu_enable_triton_gemm=false bench $one
+  CAP=90 XLA_FLAGS=--xla_gpu_enable_triton_gemm=false bench $one $fused
+  if [ -n "${OUT:-}" ]; then  # the trace, its kernel table and the optimised step for reading here
+    t=$(ls -t /tmp/profile-1b/plugins/profile/*/perfetto_trace.json.gz 2>/dev/null | head -n 1)
+    [ -n "$t" ] && cp "$t" "$(dirname "$t")/kernels.csv" "$OUT"/
+    h=$(ls -S /tmp/hlo/*train_step*after_optimizations.txt 2>/dev/null | head -n 1)
+    [ -n "$h" ] && gzip -c "$h" > "$OUT"/train_step_after_optimizations.txt.gz
+    ls -la "$OUT"
+  fi
 else
 # Issue 8 acceptance 1: the llama_1b shape, the unoptimised path and the optimised one,
 # 20 steps each (2 warm-up + 18 timed) on the same batch, so the loss curves compare.
