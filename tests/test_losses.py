@@ -59,3 +59,34 @@ def test_only_several_chunks_recompute_their_logits(chunk_size):
     # back into the forward matmul; nothing promises every backend does).
     hlo = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(hidden, weight).as_text()
     assert hlo.count("dot_general") == (3 if chunk_size == 32 else 4), hlo
+
+
+def test_head_backward_matmuls_run_in_the_compute_dtype():
+    # bf16 hidden states, an fp32 head: autodiff alone makes the logits' fp32 gradient
+    # meet an upcast weight and hidden in two fp32 matmuls. Every matmul of the loss's
+    # forward and backward pass must take bf16 operands (fp32 accumulation allowed).
+    rng = np.random.RandomState(0)
+    hidden = jnp.asarray(rng.randn(2, 32, 8), jnp.bfloat16)
+    weight = jnp.asarray(rng.randn(8, 16) * 0.1, jnp.float32)
+    targets = jnp.asarray(rng.randint(0, 16, (2, 32)))
+    masks = jnp.ones((2, 32))
+
+    def loss(hidden, weight):
+        return chunked_next_token_loss(hidden, weight, targets, masks, 32).loss
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    dots = [line for line in grad.lower(hidden, weight).as_text().splitlines()
+            if "dot_general" in line]
+    assert len(dots) == 3, dots
+    for line in dots:
+        operands = line.rsplit(":", 1)[1].split("->")[0]
+        assert operands.count("bf16>") == 2, line
+
+    # The gradients are autodiff's of the same computation in fp32, to bf16 precision;
+    # the weight's comes back in its own dtype.
+    d_hidden, d_weight = grad(hidden, weight)
+    want_hidden, want_weight = jax.grad(loss, argnums=(0, 1))(
+        hidden.astype(jnp.float32), weight.astype(jnp.bfloat16).astype(jnp.float32))
+    assert d_hidden.dtype == jnp.bfloat16 and d_weight.dtype == jnp.float32
+    np.testing.assert_allclose(d_hidden.astype(jnp.float32), want_hidden, rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(d_weight, want_weight, rtol=2e-2, atol=5e-2)

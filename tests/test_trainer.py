@@ -1,6 +1,8 @@
 """The train and eval steps on synthetic batches: learning, accumulation, sharding,
 loss masks, mixed precision, the NaN guard."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -220,3 +222,17 @@ def test_nonfinite_step_is_skipped_and_named():
     metrics = runner.step(good)
     assert np.isfinite(metrics["loss"]) and metrics["first_nonfinite_step"] == 2
     assert int(runner.state.step) == 3
+
+
+def test_gpu_xla_flags_are_added_on_gpu_hosts_but_never_over_the_users(monkeypatch):
+    monkeypatch.setattr(trainer, "_gpu_plugin_installed", lambda: True)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true --xla_dump_to=/tmp/x")
+    trainer.setup_compilation("")
+    flags = os.environ["XLA_FLAGS"].split()
+    assert flags == ["--xla_gpu_enable_triton_gemm=true", "--xla_dump_to=/tmp/x",
+                     "--xla_gpu_enable_latency_hiding_scheduler=true"]
+
+    monkeypatch.setattr(trainer, "_gpu_plugin_installed", lambda: False)
+    monkeypatch.setenv("XLA_FLAGS", "")
+    trainer.setup_compilation("")
+    assert os.environ["XLA_FLAGS"] == ""
