@@ -11,7 +11,7 @@
 Example, the llama_1b shape on one GPU:
 
     python -m easylm.bench train --llama.base_model=llama_1b --seq_length=2048 \
-        --batch_size=8 --dtype=bf16 --llama.attention=cudnn --llama.loss_chunk_size=1024
+        --batch_size=8 --dtype=bf16 --llama.attention=cudnn --llama.loss_chunk_size=2048
 """
 
 import json

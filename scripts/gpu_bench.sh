@@ -4,10 +4,8 @@
 # is left of the deadline (DEADLINE seconds from the start, default 560), and a run that
 # would start with under 45 s left is skipped, so the command always ends in time and keeps
 # what it measured.
-# `bash scripts/gpu_bench.sh tune` instead runs what the first H200 session (2026-11-30,
-# docs/benchmarks.md) left open, likeliest first: the llama_1b step with one loss chunk
-# (and a profile of it), without chunks, with fused projections; decode with time to
-# compile; the step again (run-to-run noise) and with XLA flag variants.
+# `bash scripts/gpu_bench.sh tune` instead runs the shorter list of variants the last
+# lease compared (2026-11-30, second lease: docs/benchmarks.md), with a profile of the first.
 # Run from the repository root on the GPU machine, after
 #   bash ../shared/device/prepare_wheels.sh fastapi starlette uvicorn annotated-doc typing-extensions
 # here (fills .whl/; carry .whl), with:
@@ -44,7 +42,8 @@ bench() { run "${CAP:-150}" python3 -m easylm.bench train "$@" --compilation_cac
             | tee -a "$results"; [ "${PIPESTATUS[0]}" = 0 ] || echo "{\"failed\": \"$*\"}" | tee -a "$results"; }
 
 one_b="--llama.base_model=llama_1b --seq_length=2048 --batch_size=8 --dtype=bf16 --param_dtype=fp32 --warmup_steps=2 --steps=18"
-fast="--llama.attention=cudnn --llama.loss_chunk_size=1024"
+fast="--llama.attention=cudnn --llama.loss_chunk_size=2048"  # llama_1b: one loss chunk per row
+big="--llama.attention=cudnn --llama.loss_chunk_size=1024"   # 8B and 7B, as measured on 2026-11-30
 # Decode throughput (issue 7 acceptance 6): llama_1b, bf16, prompt 128, 256 new tokens. Each
 # batch size builds its own engine and compiles its prefill and decode programs first.
 # decode CAP [FLAGS...]: later flags override earlier ones.
@@ -81,7 +80,7 @@ bench $one_b $fast
 # projections' outputs may not fit; then recompute everything.
 for remat in checkpoint_dots_with_no_batch_dims nothing_saveable; do
   CAP=180 bench --llama.base_model=llama3_8b --seq_length=4096 --batch_size=2 --dtype=bf16 --param_dtype=bf16 \
-    --optimizer.state_dtype=bf16 $fast --llama.remat_policy=$remat --llama.scan_layers=True --steps=3
+    --optimizer.state_dtype=bf16 $big --llama.remat_policy=$remat --llama.scan_layers=True --steps=3
   tail -n 1 "$results" | grep -q '"llama3_8b"' && break
 done
 
@@ -92,7 +91,7 @@ for start in cold warm; do
   t0=$(date +%s.%N)
   run 150 python3 -m easylm.bench train --llama.base_model=llama_7b --seq_length=2048 --batch_size=1 \
     --dtype=bf16 --param_dtype=bf16 --optimizer.state_dtype=bf16 --llama.scan_layers=True \
-    --llama.remat_policy=nothing_saveable $fast --steps=1 --warmup_steps=1 \
+    --llama.remat_policy=nothing_saveable $big --steps=1 --warmup_steps=1 \
     --compilation_cache_dir=/tmp/jax-cache-7b | sed "s/^{/{\"run\": \"7b_$start\", /" | tee -a "$results"
   echo "{\"run\": \"7b_$start\", \"whole_process_s\": $(python3 -c "import time; print(round(time.time() - $t0, 2))")}" | tee -a "$results"
 done
