@@ -2,11 +2,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from easylm.llama.config import LLaMAConfig
-from easylm.llama.model import LLaMAForCausalLM, lm_head_weight
 from easylm.errors import UserError
+from easylm.llama.config import LLaMAConfig
+from easylm.llama.model import PARTITION_RULES, LLaMAForCausalLM, lm_head_weight
 from easylm.losses import chunked_next_token_loss, next_token_loss
+from easylm.sharding import BATCH_AXES, init_sharded, make_mesh
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -90,3 +92,31 @@ def test_head_backward_matmuls_run_in_the_compute_dtype():
     assert d_hidden.dtype == jnp.bfloat16 and d_weight.dtype == jnp.float32
     np.testing.assert_allclose(d_hidden.astype(jnp.float32), want_hidden, rtol=2e-2, atol=2e-2)
     np.testing.assert_allclose(d_weight, want_weight, rtol=2e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("mesh_dim", ["2,2,2", "1,1,8"])
+@pytest.mark.parametrize("chunk_size", [8, 16])
+def test_chunked_loss_sharded_equals_single_device(mesh_dim, chunk_size):
+    config = LLaMAConfig.from_preset("debug", initializer_range=0.2)
+    model = LLaMAForCausalLM(config)
+    rng = np.random.RandomState(0)
+    ids = jnp.asarray(rng.randint(0, config.vocab_size, (8, 17)))
+    masks = jnp.asarray(rng.rand(8, 16) > 0.3, jnp.float32)
+
+    def loss(params, ids, masks):
+        hidden = model.apply({"params": params}, ids[:, :-1], return_hidden=True)
+        sums = chunked_next_token_loss(hidden, lm_head_weight(params, config), ids[:, 1:], masks,
+                                       chunk_size)
+        return sums.loss / sums.tokens
+
+    params = model.init_params(jax.random.PRNGKey(0))
+    want, want_grads = jax.jit(jax.value_and_grad(loss))(params, ids, masks)
+    mesh = make_mesh(mesh_dim)
+    sharded = init_sharded(model.init_params, PARTITION_RULES, mesh, jax.random.PRNGKey(0))
+    batch = NamedSharding(mesh, P(BATCH_AXES))
+    with jax.set_mesh(mesh):
+        got, grads = jax.jit(jax.value_and_grad(loss))(
+            sharded, jax.device_put(ids, batch), jax.device_put(masks, batch))
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    for g, g2 in zip(jax.tree.leaves(want_grads), jax.tree.leaves(grads)):
+        np.testing.assert_allclose(np.asarray(g2), np.asarray(g), atol=1e-5, rtol=0)
