@@ -51,7 +51,13 @@ decode() { local cap=$1; shift
            run "$cap" python3 -m easylm.bench decode --llama.base_model=llama_1b --dtype=bf16 \
              --batch_sizes=1,16,64 --prompt_length=128 --new_tokens=256 "$@" | tee -a "$results"; }
 
-if [ "$mode" = tune ]; then
+if [ "$mode" = decode ]; then
+  # Batch-1 decode (issue 7's target: >= 1,000 tokens/s), the steps of a call as a loop
+  # and unrolled (--decode_unroll), then unrolled with fused projections; DEADLINE=190.
+  decode 50 --hf=false --batch_sizes=1
+  decode 80 --hf=false --batch_sizes=1,64 --decode_unroll=True
+  decode 60 --hf=false --batch_sizes=1 --decode_unroll=True --llama.fused_qkv=True --llama.fused_mlp=True
+elif [ "$mode" = tune ]; then
   # The second command of 2026-11-30's second H200 lease (DEADLINE=430). The first one's
   # profile showed the loss head's two backward matmuls running as fp32 (TF32) GEMMs, 15.8
   # of 245 ms; they now take bf16 operands (losses.head_logits), and Triton GEMMs are off by

@@ -105,6 +105,29 @@ def test_decode_attends_over_the_shortest_window_covering_active_slots(tokenizer
         np.testing.assert_allclose([t.logprob for t in g.tokens], logprobs, atol=1e-5, rtol=0)
 
 
+def test_unrolled_decode_is_the_same_program_without_a_loop(served, tokenizer):
+    # --decode_unroll: the same tokens and log-probabilities, greedy and sampled, from a
+    # decode program with the steps laid out one after another (no while loop).
+    looped, _, _ = served
+    unrolled, _, _ = make_batcher(decode_unroll=True)
+    sampled = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, top_k=50, seed=7)
+    try:
+        for params in (GREEDY, sampled):
+            want = looped.generate(PROMPTS, params, tokenizer)
+            got = unrolled.generate(PROMPTS, params, tokenizer)
+            for w, g in zip(want, got):
+                assert [t.id for t in g.tokens] == [t.id for t in w.tokens]
+                np.testing.assert_allclose([t.logprob for t in g.tokens],
+                                           [t.logprob for t in w.tokens], atol=1e-5, rtol=0)
+        engine = unrolled.engine
+        args = (engine.params, engine.state, *engine_lib.Sampling.empty(engine.batch_size).arrays())
+        for unroll, fns in ((True, engine._decode_fns), (False, looped.engine._decode_fns)):
+            hlo = fns[False, 16].lower(*args).as_text()
+            assert ("stablehlo.while" in hlo) != unroll
+    finally:
+        unrolled.stop()
+
+
 def test_greedy_matches_hf_generate(tokenizer):
     config = tiny_config(tie_word_embeddings=True)
     torch.manual_seed(0)

@@ -34,6 +34,7 @@ HELP = {
     "seq_length": "the engine's context (the server's --seq_length): cache positions per "
                   "slot; 0: prompt_length + new_tokens",
     "decode_steps": "tokens decoded per device call",
+    "decode_unroll": "the engine's --decode_unroll: the steps of a call unrolled, not a loop",
     "dtype": "bf16, fp16, fp32, or auto (bf16 on GPU/TPU, fp32 on CPU)",
     "mesh_dim": "device mesh dp,fsdp,mp",
     "hf": "also time HF transformers generate (static cache) on CPU: auto, true, false",
@@ -47,6 +48,7 @@ def default_config() -> ConfigDict:
     config.new_tokens = 256
     config.seq_length = 0
     config.decode_steps = 8
+    config.decode_unroll = False
     config.dtype = "auto"
     config.mesh_dim = "1,1,-1"
     config.hf = "auto"
@@ -61,7 +63,8 @@ def engine_tokens_per_second(llama: LLaMAConfig, params, batch: int, config, tok
     fns, _ = llama_model_fns(llama, dtype, dtype)
     engine = engine_lib.Engine(
         {"batch_size": batch, "seq_length": config.seq_length or config.prompt_length + config.new_tokens,
-         "decode_steps": config.decode_steps, "min_bucket": config.prompt_length},
+         "decode_steps": config.decode_steps, "decode_unroll": config.decode_unroll,
+         "min_bucket": config.prompt_length},
         fns, params, mesh)
     batcher = Batcher(engine).start()
     greedy = SamplingParams(max_tokens=config.new_tokens, temperature=0.0)

@@ -40,6 +40,9 @@ HELP = {
     "min_bucket": "shortest prompt-length bucket; buckets double up to seq_length (decode "
                   "windows over the cache: from the larger of this and seq_length/8)",
     "pre_compile": "compile every prefill/score bucket and decode window at start",
+    "decode_unroll": "unroll a decode call's decode_steps steps into one straight-line "
+                     "program instead of a loop (longer compile; fewer kernel launches and "
+                     "no loop bookkeeping per token)",
 }
 
 
@@ -50,6 +53,7 @@ def get_default_config(updates=None) -> ConfigDict:
     config.decode_steps = 8
     config.min_bucket = 16
     config.pre_compile = False
+    config.decode_unroll = False
     if updates is not None:
         config.update(ConfigDict(updates).copy_and_resolve_references())
     return config
@@ -146,10 +150,11 @@ def _prefill(model: ModelFns, sample: bool, params, state, tokens, lengths, slot
     return (cache, last, slot_positions), tuple(x[None] for x in out)
 
 
-def _decode(model: ModelFns, steps: int, sample: bool, length: int, params, state, keys,
-            temperature, top_k, top_p):
+def _decode(model: ModelFns, steps: int, unroll: bool, sample: bool, length: int, params, state,
+            keys, temperature, top_k, top_p):
     """`steps` tokens for every slot, attending over the first `length` cache positions
-    only (the host picks a length that covers every active slot's positions)."""
+    only (the host picks a length that covers every active slot's positions); a loop, or
+    with `unroll` the steps one after another in one program."""
     cache, tokens, positions = state
     S = jax.tree.leaves(cache)[0].shape[-3]
     # The first `length` positions, decoded in a copy and written back once per call:
@@ -166,7 +171,7 @@ def _decode(model: ModelFns, steps: int, sample: bool, length: int, params, stat
         return (window, out[0], positions + 1), out
 
     (window, tokens, positions), outs = jax.lax.scan(step, (window, tokens, positions), None,
-                                                     length=steps)
+                                                     length=steps, unroll=steps if unroll else 1)
     if length < S:
         window = jax.tree.map(lambda c, w: c.at[..., :length, :, :].set(w), cache, window)
     return (window, tokens, positions), outs  # outs: (C, B, ...)
@@ -233,7 +238,8 @@ class Engine:
                                              donate_argnums=(1,), **out_shardings)
                              for sample in (False, True)}
         self._decode_fns = {(sample, length): jax.jit(
-                                functools.partial(_decode, model, config.decode_steps, sample, length),
+                                functools.partial(_decode, model, config.decode_steps, config.decode_unroll,
+                                                  sample, length),
                                 donate_argnums=(1,), **out_shardings)
                             for sample in (False, True) for length in self.decode_buckets}
         self._score_fn = jax.jit(functools.partial(_score, model))
