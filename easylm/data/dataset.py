@@ -154,6 +154,7 @@ class Dataset:
         self._positions = {r: (r, 0) for r in range(B)}
         self._batches = 0
         self._skipped = 0
+        self._first_skip = None
         self._prefetcher = None
 
     @property
@@ -248,7 +249,8 @@ class Dataset:
         B, T = self.config.batch_size, self.config.seq_length
         streams = {r: Stream(T, *position) for r, position in positions.items()}
         reader = WindowReader(self.order, self.processor, streams, B, self.config,
-                              single_pass=self.for_eval, skip=self._skip)
+                              single_pass=self.for_eval, skip=self._skip,
+                              skipped=self._skipped_so_far)
         busy, tokens = 0.0, 0
         try:
             while True:
@@ -281,10 +283,17 @@ class Dataset:
         if self.config.strict:
             raise UserError(message)
         self._skipped += 1
+        self._first_skip = self._first_skip or message
         if self._skipped <= _MAX_WARNINGS:
             logger.warning("skipped %s%s", message,
                            " (further skips are only counted)" if self._skipped ==
                            _MAX_WARNINGS else "")
+
+
+    def _skipped_so_far(self):
+        if not self._skipped:
+            return ""
+        return f"{self._skipped} skips so far, the first: {self._first_skip}"
 
 
 def _make_batch(rows, with_segments):

@@ -48,6 +48,9 @@ def render(tokenizer, tokens, masks):
 
 
 def preview(config, tokenizer, num_examples, num_batches):
+    # Segment ids (they change nothing else) tell where documents start.
+    config = DatasetFactory.get_default_config(config)
+    config[config.type + "_dataset"].segment_ids = True
     dataset = DatasetFactory.load_dataset(config, tokenizer, process_index=0,
                                           process_count=1)
     slots = list(range(min(num_examples, dataset.order.num_documents or num_examples)))
@@ -65,23 +68,40 @@ def preview(config, tokenizer, num_examples, num_batches):
 
     batches = targets = loss = starts = 0
     metrics = {}
+    offsets = _row_offsets(dataset)
     for batch, metrics in dataset:
         if batches == num_batches:
             break
         batches += 1
         targets += batch["target_tokens"].size
         loss += int(batch["loss_masks"].sum())
-        starts += int((batch["input_tokens"] == tokenizer.bos_token_id).sum())
+        starts += _documents_started(batch["segment_ids"], offsets)
+        offsets = _row_offsets(dataset)
     dataset.close()
     lines += [
         f"{batches} batches of "
         f"{dataset.batch_size} x {dataset.seq_length} tokens",
         f"target tokens: {targets}, with loss: {loss} ({100 * loss / max(targets, 1):.1f}%)",
-        f"documents started (BOS in inputs): {starts}",
+        f"documents started in inputs: {starts}",
         f"documents skipped: {metrics.get('dataset_skipped_documents', 0)}",
         f"pipeline speed: {metrics.get('dataset_tokens_per_second', 0):.0f} tokens/s",
     ]
     return "\n".join(lines)
+
+
+def _row_offsets(dataset):
+    """Where each row's next piece starts in its document: 0 at a document's first token."""
+    streams = dataset.get_state_dict()["streams"]
+    return [streams[str(r)][1] for r in range(dataset.batch_size)]
+
+
+def _documents_started(segment_ids, offsets):
+    """Documents whose first token is among the inputs: the pieces of each row (segments
+    1..k, 0 being padding) but a first piece that continues the previous row's document.
+    Counting BOS tokens instead counts every turn of a chat template that starts turns
+    with it."""
+    pieces = segment_ids.max(axis=1)
+    return int(sum(k - (k > 0 and offset > 0) for k, offset in zip(pieces, offsets)))
 
 
 @exit_on_user_error
