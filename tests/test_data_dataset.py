@@ -233,7 +233,8 @@ def test_config_and_state_errors(data, tokenizer):
     with pytest.raises(UserError) as e:
         DatasetFactory.load_dataset(DatasetFactory.get_default_config({"type": "csv"}),
                                     tokenizer)
-    assert str(e.value) == "unknown dataset type 'csv'; expected json or huggingface"
+    assert str(e.value) == ("unknown dataset type 'csv'; expected json, huggingface, cache, "
+                            "mixture")
     first = load(config(data[0] / "*.jsonl"), tokenizer, processes=2)
     [other] = load(config(data[0] / "*.jsonl", batch_size=8), tokenizer)
     with pytest.raises(UserError) as e:

@@ -9,7 +9,9 @@ padding) and positions restart at 0 for each piece, so attention can stay inside
 document.
 
 The stream's exact position is (slot, offset): the next row starts at token `offset`
-of the document in `slot`. Documents without tokens never enter the queue.
+of the document in `slot`. Documents without tokens never enter the queue. After a row,
+`row_slots` are the slots of its segments 1, 2, ... and `finished` the slots of the
+documents it completed (what a mixture counts per source).
 """
 
 import collections
@@ -27,9 +29,11 @@ class Stream:
         self.queue = collections.deque()   # (slot, tokens, masks)
         self.available = 0           # tokens from the current position to the queue's end
         self.last_usable = slot      # the last slot that had tokens (to detect starvation)
+        self.ended = None            # why no documents follow (a mixture source ran dry)
+        self.row_slots, self.finished = [], []
 
     def push(self, slot, tokens, masks):
-        if slot < self.next_slot:    # read again because a window started earlier
+        if slot < self.next_slot or self.ended:   # read again: a window started earlier
             return
         self.next_slot = slot + 1    # the loader moves it on to the stream's next slot
         if len(tokens):
@@ -37,6 +41,12 @@ class Stream:
             skip = self.offset if not self.queue and self.offset else 0
             self.queue.append((slot, tokens, masks))
             self.available += len(tokens) - skip
+
+    def end(self, slot, reason):
+        """No documents from `slot` on; the loader raises `reason` once the rows before
+        it are used up."""
+        if slot >= self.next_slot and not self.ended:
+            self.ended = reason
 
     def skip_to(self, slot):
         """No more documents below `slot` (the loader read its window up to there)."""
@@ -62,7 +72,9 @@ class Stream:
         masks = np.zeros(self.row_length, np.float32)
         segments = np.zeros(self.row_length, np.int32)
         filled, offset = 0, self.offset
-        for segment, (_, doc_tokens, doc_masks) in enumerate(self.queue, 1):
+        self.row_slots, self.finished = [], []
+        for segment, (slot, doc_tokens, doc_masks) in enumerate(self.queue, 1):
+            self.row_slots.append(slot)
             n = min(len(doc_tokens) - offset, self.row_length - filled)
             tokens[filled:filled + n] = doc_tokens[offset:offset + n]
             masks[filled:filled + n] = doc_masks[offset:offset + n]
@@ -77,7 +89,9 @@ class Stream:
         self.available -= n
         n += self.offset
         while self.queue and n >= len(self.queue[0][1]):
-            n -= len(self.queue.popleft()[1])
+            slot, tokens, _ = self.queue.popleft()
+            self.finished.append(slot)
+            n -= len(tokens)
         self.offset = n
 
 

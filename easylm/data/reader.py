@@ -5,7 +5,8 @@ hands each stream its tokenized documents in slot order. Tokenizing runs beside 
 in one worker thread (Rust releases the GIL, so it overlaps) or, with
 `tokenizer_processes > 1`, in spawned worker processes (JAX and fork do not mix).
 `Prefetcher` runs the batch generator in a background thread a few batches ahead.
-Neither changes what is produced, only when.
+Neither changes what is produced, only when. Records that are documents already (from a
+token cache) and a dry mixture source's UserError skip the tokenizer.
 """
 
 import multiprocessing
@@ -26,7 +27,9 @@ _PREFETCH_BATCHES = 2
 class WindowReader:
 
     def __init__(self, order, processor, streams, batch_size, config, single_pass, skip):
-        """streams: {row: Stream}; skip(message) is called for each unusable document."""
+        """streams: {row: Stream}; skip(message) is called for each unusable document.
+        processor: a TextProcessor; for a mixture a list, one per source (None for a token
+        cache); None when nothing needs tokenizing."""
         self.order, self.streams, self.B = order, streams, batch_size
         self.single_pass, self.skip = single_pass, skip
         self.chunk_size = config.tokenizer_parallel_chunk_size
@@ -38,8 +41,10 @@ class WindowReader:
         # of these streams.
         self.width = -(-config.tokenizer_parallel_batch_size // len(streams)) * batch_size
         self.exhausted = False
-        self.pending = []   # windows being tokenized: (end slot, slots, futures)
-        if config.tokenizer_processes > 1:
+        self.pending = []   # windows being tokenized: (end slot, slots, documents, chunks)
+        if processor is None or (isinstance(processor, list) and not any(processor)):
+            self.executor = None   # a token cache: no tokenizer in the loop
+        elif config.tokenizer_processes > 1:
             self.executor = futures.ProcessPoolExecutor(
                 config.tokenizer_processes, multiprocessing.get_context("spawn"),
                 initializer=_init_worker, initargs=(processor,))
@@ -54,11 +59,15 @@ class WindowReader:
             self._submit()
         if not self.pending:
             return False
-        hi, slots, chunks = self.pending.pop(0)
-        documents = (document for chunk in chunks for document in chunk.result())
+        hi, slots, documents, chunks = self.pending.pop(0)
+        for indices, chunk in chunks:
+            for i, document in zip(indices, chunk.result()):
+                documents[i] = document
         for slot, document in zip(slots, documents):
             if isinstance(document, str):
                 self.skip(document)
+            elif isinstance(document, UserError):
+                self.streams[slot % self.B].end(slot, str(document))
             elif document is not None:
                 self.streams[slot % self.B].push(slot, *document)
         for r, stream in self.streams.items():
@@ -75,23 +84,27 @@ class WindowReader:
             self.exhausted = True
             slots = slots[:len(records)]
         self.lo = hi
-        chunks = [self.executor.submit(tokenize_records, records[i:i + self.chunk_size],
-                                       self.processor)
-                  for i in range(0, len(records), self.chunk_size)]
-        self.pending.append((hi, slots.tolist(), chunks))
+        documents, text = _split(records)
+        chunks = [(indices, self.executor.submit(
+                      tokenize_records, [records[i] for i in indices], self.processor))
+                  for indices in (text[i:i + self.chunk_size]
+                                  for i in range(0, len(text), self.chunk_size))]
+        self.pending.append((hi, slots.tolist(), documents, chunks))
 
     def _check_starvation(self, hi):
         n = self.order.num_documents
         if n is None:
             return
         for r, stream in self.streams.items():
-            if not stream.has_row() and hi - stream.last_usable > self.B * n + self.width:
+            if not stream.has_row() and not stream.ended and \
+                    hi - stream.last_usable > self.B * n + self.width:
                 raise UserError(f"row {r} of the batch found no usable document in a whole "
                                 f"epoch ({n} documents); the data has too few usable "
                                 f"documents for batch_size={self.B}")
 
     def close(self):
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.executor is not None:
+            self.executor.shutdown(wait=False, cancel_futures=True)
         self.order.source.close()
 
 
@@ -105,10 +118,38 @@ def _init_worker(processor):
 
 
 def tokenize_records(records, processor=None):
-    """records: [(raw, where)] -> one tokenized document (or None / skip reason) each."""
+    """records: [(raw, where)] -> one tokenized document (or None / skip reason) each.
+    A mixture's records are (raw, where, source) and `processor` a list, one per source."""
+    processor = processor or _WORKER_PROCESSOR
+    if isinstance(processor, list):
+        groups = {}
+        for i, (_, _, source) in enumerate(records):
+            groups.setdefault(source, []).append(i)
+        documents = [None] * len(records)
+        for source, indices in groups.items():
+            results = tokenize_records([records[i][:2] for i in indices], processor[source])
+            for i, document in zip(indices, results):
+                documents[i] = document
+        return documents
     examples = [(parse_json_line(raw, where) if isinstance(raw, bytes) else raw, where)
                 for raw, where in records]
-    return (processor or _WORKER_PROCESSOR).process(examples)
+    return processor.process(examples)
+
+
+def prepare_records(records, processor):
+    """What the loader makes of records, done in this thread (for the preview)."""
+    documents, text = _split(records)
+    if text:
+        for i, document in zip(text, tokenize_records([records[i] for i in text], processor)):
+            documents[i] = document
+    return documents
+
+
+def _split(records):
+    """(each record's document as far as known, indices of the records to tokenize): a
+    cache's (tokens, masks) and a dry source's UserError are final already."""
+    documents = [raw for raw, *_ in records]
+    return documents, [i for i, raw in enumerate(documents) if isinstance(raw, (bytes, dict))]
 
 
 class Prefetcher:
