@@ -22,6 +22,7 @@ from easylm.errors import UserError
 
 _PREFETCH_WINDOWS = 2      # windows being tokenized while one is packed
 _PREFETCH_BATCHES = 2
+_CACHED_PER_STREAM = 64
 
 
 class WindowReader:
@@ -38,12 +39,17 @@ class WindowReader:
             self.start[r] = stream.next_slot
         self.lo = int(self.start.min())
         # Wide enough that each window holds about tokenizer_parallel_batch_size documents
-        # of these streams.
-        self.width = -(-config.tokenizer_parallel_batch_size // len(streams)) * batch_size
+        # of these streams; from a token cache (nothing to tokenize) at least
+        # _CACHED_PER_STREAM per stream, so that packing works on long runs of documents.
+        per_window = config.tokenizer_parallel_batch_size
+        cached = processor is None or (isinstance(processor, list) and not any(processor))
+        if cached:
+            per_window = max(per_window, _CACHED_PER_STREAM * len(streams))
+        self.width = -(-per_window // len(streams)) * batch_size
         self.exhausted = False
         self.pending = []   # windows being tokenized: (end slot, slots, documents, chunks)
-        if processor is None or (isinstance(processor, list) and not any(processor)):
-            self.executor = None   # a token cache: no tokenizer in the loop
+        if cached:
+            self.executor = None   # no tokenizer in the loop
         elif config.tokenizer_processes > 1:
             self.executor = futures.ProcessPoolExecutor(
                 config.tokenizer_processes, multiprocessing.get_context("spawn"),
@@ -63,13 +69,19 @@ class WindowReader:
         for indices, chunk in chunks:
             for i, document in zip(indices, chunk.result()):
                 documents[i] = document
+        runs = {r: [] for r in self.streams}   # each stream's documents: one push each
         for slot, document in zip(slots, documents):
-            if isinstance(document, str):
+            if type(document) is tuple:
+                runs[slot % self.B].append((slot, document))
+            elif isinstance(document, str):
                 self.skip(document)
             elif isinstance(document, UserError):
-                self.streams[slot % self.B].end(slot, str(document))
-            elif document is not None:
-                self.streams[slot % self.B].push(slot, *document)
+                r = slot % self.B
+                self.streams[r].push_run(runs[r])
+                runs[r] = []
+                self.streams[r].end(slot, str(document))
+        for r, run in runs.items():
+            self.streams[r].push_run(run)
         for r, stream in self.streams.items():
             stream.skip_to(hi + (r - hi) % self.B)   # the stream's first slot >= hi
         self._check_starvation(hi)
@@ -148,7 +160,7 @@ def prepare_records(records, processor):
 def _split(records):
     """(each record's document as far as known, indices of the records to tokenize): a
     cache's (tokens, masks) and a dry source's UserError are final already."""
-    documents = [raw for raw, *_ in records]
+    documents = [record[0] for record in records]
     return documents, [i for i, raw in enumerate(documents) if isinstance(raw, (bytes, dict))]
 
 
