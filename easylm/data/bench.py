@@ -57,9 +57,10 @@ def pipeline_tokens_per_second(tokenizer, config, num_tokens, min_seconds=2.0):
 
 
 def bench_data(path="embedded", tokenizer="embedded", workers=(1, 2), seq_length=1024,
-               batch_size=8, epochs=3, copies=1, cache_processes=(), mixture=""):
-    """Returns {'raw': tokens/s, 'pipeline_<w>', 'cache_build_<p>', 'cache_pipeline',
-    'mixture_pipeline': tokens/s, 'ratio_<key>': that / raw, 'cache_build_<p>_seconds'}."""
+               batch_size=8, epochs=3, copies=1, cache_processes=(), mixture="", seconds=2.0):
+    """Returns {'raw', 'pipeline_<w>', 'cache_build_<p>', 'cache_build_<p>_started' (after
+    the workers started), 'cache_pipeline', 'mixture_pipeline': tokens/s; 'ratio_<key>':
+    that / raw; 'cache_build_<p>_seconds', 'cache_build_<p>_start_seconds'}."""
     tokenizer = load_tokenizer(tokenizer)
     lines = []
     for file in expand_paths(path):
@@ -79,32 +80,35 @@ def bench_data(path="embedded", tokenizer="embedded", workers=(1, 2), seq_length
         text = DatasetFactory.get_default_config({"json_dataset": dict(loader, path=corpus)})
         for w in workers:
             text.json_dataset.tokenizer_processes = w
-            results[f"pipeline_{w}"] = pipeline_tokens_per_second(tokenizer, text, num_tokens)
+            results[f"pipeline_{w}"] = pipeline_tokens_per_second(tokenizer, text, num_tokens,
+                                                                   seconds)
         text.json_dataset.tokenizer_processes = 1
         cache = None
         for p in cache_processes:
             from easylm.data.cache import build
 
             cache = os.path.join(scratch, f"cache{p}")
-            start = time.perf_counter()
             # About four shards per process, so that every process has work to the end.
-            build(text, tokenizer, cache, -(-len(texts) // (4 * max(cache_processes))), p,
-                  progress=False)
-            seconds = time.perf_counter() - start
-            results[f"cache_build_{p}_seconds"] = seconds
-            results[f"cache_build_{p}"] = results["tokens"] / seconds
+            index = build(text, tokenizer, cache, -(-len(texts) // (4 * max(cache_processes))),
+                          p, progress=False)
+            took, start = index["build_seconds"], index["start_seconds"]
+            results[f"cache_build_{p}_seconds"] = took
+            results[f"cache_build_{p}_start_seconds"] = start
+            results[f"cache_build_{p}"] = results["tokens"] / took
+            results[f"cache_build_{p}_started"] = results["tokens"] / (took - start)
         if cache is not None:
             cached = DatasetFactory.get_default_config(
                 {"type": "cache", "cache": dict(loader, path=cache)})
             results["cache_pipeline"] = pipeline_tokens_per_second(tokenizer, cached,
-                                                                   num_tokens)
+                                                                   num_tokens, seconds)
     if mixture:
         mixed = DatasetFactory.get_default_config(
             {"type": "mixture", "mixture": dict(loader, sources=mixture)})
-        results["mixture_pipeline"] = pipeline_tokens_per_second(tokenizer, mixed, num_tokens)
+        results["mixture_pipeline"] = pipeline_tokens_per_second(tokenizer, mixed, num_tokens,
+                                                                 seconds)
     for key in list(results):
-        if key.startswith(("pipeline_", "cache_pipeline", "mixture_pipeline")) or (
-                key.startswith("cache_build_") and not key.endswith("seconds")):
+        if key.startswith(("pipeline_", "cache_pipeline", "mixture_pipeline", "cache_build_")) \
+                and not key.endswith("seconds"):
             results[f"ratio_{key}"] = results[key] / results["raw"]
     return results
 
@@ -119,13 +123,14 @@ HELP = {
     "cache_processes": "comma-separated worker counts to build a token cache of the data "
                        "with, then read from it ('' = no cache)",
     "mixture": "also time a mixture: a .json/.yaml file of sources, or the JSON itself",
+    "seconds": "read each pipeline for at least this long",
 }
 
 
 def default_config():
     return ConfigDict(dict(path="embedded", tokenizer="embedded", workers="1,2",
                            seq_length=1024, batch_size=8, epochs=3, copies=1,
-                           cache_processes="1,2", mixture=""))
+                           cache_processes="1,2", mixture="", seconds=2.0))
 
 
 def _counts(spec):
@@ -139,7 +144,7 @@ def main(argv=None):
     argv = argv or sys.argv
     c = flags.parse(default_config(), HELP, argv, usage)
     r = bench_data(c.path, c.tokenizer, _counts(c.workers), c.seq_length, c.batch_size,
-                   c.epochs, c.copies, _counts(c.cache_processes), c.mixture)
+                   c.epochs, c.copies, _counts(c.cache_processes), c.mixture, c.seconds)
     threads = os.environ.get("TOKENIZERS_PARALLELISM", "true (default)")
     print(f"TOKENIZERS_PARALLELISM={threads}; {os.cpu_count()} CPUs; {r['documents']:,} "
           f"documents, {r['tokens']:,} tokens")
@@ -149,10 +154,14 @@ def main(argv=None):
             w = key.split("_")[1]
             print(f"pipeline, tokenizer_processes={w}: {value:,.0f} tokens/s "
                   f"({r['ratio_' + key]:.2f}x raw)")
-        elif key.startswith("cache_build_") and not key.endswith("seconds"):
+        elif key.startswith("cache_build_") and key.count("_") == 2:
             p = key.split("_")[2]
-            print(f"cache build, processes={p}: {value:,.0f} tokens/s "
-                  f"({r['ratio_' + key]:.2f}x raw; {r[key + '_seconds']:.1f} s whole)")
+            start = r[key + "_start_seconds"]
+            print(f"cache build, processes={p}: {value:,.0f} tokens/s ({r['ratio_' + key]:.2f}x "
+                  f"raw) in {r[key + '_seconds']:.1f} s" + (
+                      f"; after the {start:.1f} s its workers took to start: "
+                      f"{r[key + '_started']:,.0f} tokens/s "
+                      f"({r['ratio_' + key + '_started']:.2f}x)" if start else ""))
     for key, what in (("cache_pipeline", "pipeline from the cache (no tokenizer)"),
                       ("mixture_pipeline", "pipeline over the mixture")):
         if key in r:

@@ -117,7 +117,7 @@ def build(dataset_config, tokenizer, output, shard_size=65536, processes=1, prog
     done = {i: entry for i in range(num_shards)
             if (entry := _finished_shard(fs, root, i)) is not None}
     todo = [i for i in range(num_shards) if i not in done]
-    start = time.perf_counter()
+    start, started = time.time(), None
     work = _ShardWriter(processor, settings["dtype"], loader.strict, fs, root)
 
     def records(i):
@@ -134,7 +134,7 @@ def build(dataset_config, tokenizer, output, shard_size=65536, processes=1, prog
                 done[i] = work(i, records(i))
                 bar.update()
         else:
-            _build_in_processes(work, todo, records, processes, done, bar)
+            started = _build_in_processes(work, todo, records, processes, done, bar)
     finally:
         bar.close()
         source.close()
@@ -142,9 +142,10 @@ def build(dataset_config, tokenizer, output, shard_size=65536, processes=1, prog
     index = dict(settings, shards=shards, documents=settings["num_documents"],
                  tokens=sum(s["tokens"] for s in shards),
                  skipped=sum(s["skipped"] for s in shards),
-                 build_seconds=time.perf_counter() - start, built_shards=len(todo))
+                 build_seconds=time.time() - start, built_shards=len(todo),
+                 start_seconds=started - start if started else 0.0)
     _write_json(fs, f"{root}/index.json", {k: v for k, v in index.items()
-                                           if k not in ("build_seconds", "built_shards")})
+                                           if k not in _RUN_ONLY})
     return index
 
 
@@ -189,13 +190,14 @@ def _finished_shard(fs, root, i):
 
 def _build_in_processes(work, todo, records, processes, done, bar):
     """The parent reads each shard's records, spawned workers tokenize and write it;
-    at most `processes` + 1 shards are in flight, so memory stays bounded."""
+    at most `processes` + 1 shards are in flight, so memory stays bounded. Returns when
+    the last worker that got a shard had started (spawned, tokenizer loaded)."""
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")   # JAX and fork do not mix
     with futures.ProcessPoolExecutor(processes, context, initializer=_init_worker,
                                      initargs=(work,)) as executor:
-        pending, queue = {}, list(todo)
+        pending, queue, started = {}, list(todo), 0.0
         try:
             while queue or pending:
                 while queue and len(pending) <= processes:
@@ -203,24 +205,27 @@ def _build_in_processes(work, todo, records, processes, done, bar):
                     pending[executor.submit(_work_in_worker, i, records(i))] = i
                 finished, _ = futures.wait(pending, return_when=futures.FIRST_COMPLETED)
                 for future in finished:
-                    done[pending.pop(future)] = future.result()
+                    done[pending.pop(future)], ready = future.result()
+                    started = max(started, ready)
                     bar.update()
         except BaseException:
             executor.shutdown(wait=False, cancel_futures=True)
             raise
+    return started
 
 
-_WORKER = None
+_WORKER = _READY = None
+_RUN_ONLY = ("build_seconds", "built_shards", "start_seconds")   # not in index.json
 
 
 def _init_worker(work):
-    global _WORKER
+    global _WORKER, _READY
     os.environ["TOKENIZERS_PARALLELISM"] = "false"   # the workers are the parallelism
-    _WORKER = work
+    _WORKER, _READY = work, time.time()   # wall clock: comparable across processes
 
 
 def _work_in_worker(i, records):
-    return _WORKER(i, records)
+    return _WORKER(i, records), _READY
 
 
 class _ShardWriter:
@@ -508,11 +513,12 @@ def main(argv=None):
     processes = c.processes or os.cpu_count()
     index = build(c.train_dataset, load_tokenizer(c.tokenizer), c.output, c.shard_size,
                   processes)
-    seconds = index["build_seconds"]
+    started = (f", {index['start_seconds']:.1f} s of them starting workers"
+               if index["start_seconds"] else "")
     print(f"{c.output}: {len(index['shards'])} shards ({index['built_shards']} built now, "
           f"{processes} processes), {index['documents']:,} documents "
           f"({index['skipped']} skipped), {index['tokens']:,} tokens, {index['dtype']}; "
-          f"{seconds:.1f} s")
+          f"{index['build_seconds']:.1f} s{started}")
 
 
 if __name__ == "__main__":

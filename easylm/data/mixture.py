@@ -63,8 +63,11 @@ def load_mixture(loader, text_processor, tokenizer, shuffle, for_eval):
                            {_OPTIONS[k]: v for k, v in entry.items() if k in _OPTIONS}, label)
         processing = _updated(text_processor, entry.get("text_processor", {}),
                               f"{label}: text_processor")
-        source, processor = open_source(entry["type"], options, processing, tokenizer,
-                                        loader.strict)
+        try:
+            source, processor = open_source(entry["type"], options, processing, tokenizer,
+                                            loader.strict)
+        except UserError as e:
+            raise UserError(f"{label}: {e}") from None
         if getattr(source, "streaming", False) and (for_eval or not entry["repeat"]):
             raise UserError(f"{label}: {'an eval mixture' if for_eval else 'repeat=false'} "
                             f"needs a source with a known length, not a streaming one")
