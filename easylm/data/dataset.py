@@ -308,7 +308,9 @@ class Dataset:
         """Yields (batch, metrics, (positions, source counts) of this process's rows after
         the batch); counts: (B, sources, 2), updated in place for the rows served."""
         B, T = self.config.batch_size, self.config.seq_length
-        streams = {r: Stream(T, *position) for r, position in positions.items()}
+        track = bool(self.mixture)
+        streams = {r: Stream(T, *position, track=track) for r, position in positions.items()}
+        with_segments = self.config.segment_ids or track   # a mixture counts by segment
         reader = WindowReader(self.order, self.processor, streams, B, self.config,
                               single_pass=self.for_eval, skip=self._skip)
         busy, tokens = 0.0, 0
@@ -323,11 +325,12 @@ class Dataset:
                             break
                 if self.for_eval and all(s.is_done() for s in streams.values()):
                     return
-                rows = {r: s.next_row(self.pad_id) for r, s in streams.items()}
+                rows = {r: s.next_row(self.pad_id, with_segments) for r, s in streams.items()}
                 batch = _make_batch([rows[r] for r in self.rows], self.config.segment_ids)
                 batches += 1
                 tokens += batch["target_tokens"].size
-                frontier = min(s.position()[0] for s in streams.values())
+                after = {r: s.position() for r, s in streams.items()}
+                frontier = min(slot for slot, _ in after.values())
                 metrics = dict(
                     dataset_batches=batches,
                     dataset_total_tokens=batches * B * T,
@@ -341,7 +344,7 @@ class Dataset:
                 busy += time.perf_counter() - t
                 metrics["dataset_tokens_per_second"] = tokens / max(busy, 1e-9)
                 state = None if self.for_eval else (
-                    {r: streams[r].position() for r in self.rows},
+                    {r: after[r] for r in self.rows},
                     counts[self.rows.start:self.rows.stop].copy())
                 yield batch, metrics, state
         finally:
@@ -358,10 +361,11 @@ class Dataset:
 
 
 def _make_batch(rows, with_segments):
-    tokens, masks, segments = (np.stack(x) for x in zip(*rows))   # (b, T+1) each
+    tokens, masks = (np.stack(x) for x in list(zip(*rows))[:2])   # (b, T+1) each
     batch = dict(input_tokens=tokens[:, :-1], target_tokens=tokens[:, 1:],
                  loss_masks=masks[:, 1:])
     if with_segments:
+        segments = np.stack([row[2] for row in rows])
         batch["segment_ids"] = segments[:, :-1]
         batch["positions"] = segment_positions(segments[:, :-1])
     return batch

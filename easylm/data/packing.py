@@ -9,9 +9,9 @@ padding) and positions restart at 0 for each piece, so attention can stay inside
 document.
 
 The stream's exact position is (slot, offset): the next row starts at token `offset`
-of the document in `slot`. Documents without tokens never enter the queue. After a row,
-`row_slots` are the slots of its segments 1, 2, ... and `finished` the slots of the
-documents it completed (what a mixture counts per source).
+of the document in `slot`. Documents without tokens never enter the queue. With
+`track`, after a row `row_slots` are the slots of its segments 1, 2, ... and `finished`
+the slots of the documents it completed (what a mixture counts per source).
 """
 
 import collections
@@ -24,8 +24,10 @@ class Stream:
     as runs (many documents in one array, as the loader pushes a window's worth), so a
     row is cut with a few numpy calls however short the documents are."""
 
-    def __init__(self, seq_length, slot, offset=0):
+    def __init__(self, seq_length, slot, offset=0, track=False):
+        """track: keep row_slots and finished (what a mixture counts) after each row."""
         self.row_length = seq_length + 1
+        self.track = track
         self.next_slot = slot        # the next slot to read into the queue
         self.offset = offset         # into the first document pushed (when resuming)
         self.queue = collections.deque()   # runs: (slots (n,), starts (n+1,), tokens, masks)
@@ -91,9 +93,10 @@ class Stream:
         """For a finite pass: whether any target is left (a lone token has none)."""
         return self.available <= 1
 
-    def next_row(self, pad_id=0):
-        """tokens (T+1,), masks (T+1,), segments (T+1,); short rows are padded with
-        pad_id, mask 0 and segment 0 (only at the end of a finite pass)."""
+    def next_row(self, pad_id=0, segments=True):
+        """tokens (T+1,), masks (T+1,), segments (T+1,) or, if not asked for, None; short
+        rows are padded with pad_id, mask 0 and segment 0 (only at the end of a finite
+        pass)."""
         tokens, masks, lengths = [], [], []
         need, head = self.row_length, self.head
         self.row_slots = []
@@ -101,24 +104,29 @@ class Stream:
             n = min(len(run_tokens) - head, need)
             tokens.append(run_tokens[head:head + n])
             masks.append(run_masks[head:head + n])
-            first = int(starts.searchsorted(head, "right")) - 1
-            last = int(starts.searchsorted(head + n))   # documents first..last-1
-            bounds = starts[first:last + 1].copy()
-            bounds[0], bounds[-1] = head, head + n
-            lengths.append(bounds[1:] - bounds[:-1])
-            self.row_slots += slots[first:last].tolist()
+            if segments or self.track:
+                first = int(starts.searchsorted(head, "right")) - 1
+                last = int(starts.searchsorted(head + n))   # documents first..last-1
+                bounds = starts[first:last + 1].copy()
+                bounds[0], bounds[-1] = head, head + n
+                lengths.append(bounds[1:] - bounds[:-1])
+                if self.track:
+                    self.row_slots += slots[first:last].tolist()
             need, head = need - n, 0
             if not need:
                 break
-        segments = np.arange(1, len(self.row_slots) + 1, dtype=np.int32).repeat(
-            np.concatenate(lengths) if lengths else np.zeros(0, np.int64))
+        ids = None
+        if segments:
+            lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+            ids = np.arange(1, len(lengths) + 1, dtype=np.int32).repeat(lengths)
         if need:
             tokens.append(np.full(need, pad_id, np.int32))
             masks.append(np.zeros(need, np.float32))
-            segments = np.concatenate([segments, np.zeros(need, np.int32)])
+            if segments:
+                ids = np.concatenate([ids, np.zeros(need, np.int32)])
         self._advance(min(self.row_length - 1, self.available))
         return (np.concatenate(tokens, dtype=np.int32),
-                np.concatenate(masks, dtype=np.float32), segments)
+                np.concatenate(masks, dtype=np.float32), ids)
 
     def _advance(self, n):
         self.available -= n
@@ -127,11 +135,13 @@ class Stream:
         while self.queue:
             slots, starts, run_tokens, _ = self.queue[0]
             if head < len(run_tokens):
-                d = int(starts.searchsorted(head, "right")) - 1
-                self.finished += slots[self.done:d].tolist()
-                self.done = d
+                if self.track:
+                    d = int(starts.searchsorted(head, "right")) - 1
+                    self.finished += slots[self.done:d].tolist()
+                    self.done = d
                 break
-            self.finished += slots[self.done:].tolist()
+            if self.track:
+                self.finished += slots[self.done:].tolist()
             head -= len(run_tokens)
             self.queue.popleft()
             self.done = 0

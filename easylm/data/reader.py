@@ -96,7 +96,7 @@ class WindowReader:
             self.exhausted = True
             slots = slots[:len(records)]
         self.lo = hi
-        documents, text = _split(records)
+        documents, text = _split(records, tokenize=self.executor is not None)
         chunks = [(indices, self.executor.submit(
                       tokenize_records, [records[i] for i in indices], self.processor))
                   for indices in (text[i:i + self.chunk_size]
@@ -157,10 +157,12 @@ def prepare_records(records, processor):
     return documents
 
 
-def _split(records):
+def _split(records, tokenize=True):
     """(each record's document as far as known, indices of the records to tokenize): a
     cache's (tokens, masks) and a dry source's UserError are final already."""
     documents = [record[0] for record in records]
+    if not tokenize:
+        return documents, []
     return documents, [i for i, raw in enumerate(documents) if isinstance(raw, (bytes, dict))]
 
 
