@@ -108,6 +108,12 @@ def test_shares_follow_the_weights_and_the_seed_fixes_the_sequence(data, tokeniz
     np.testing.assert_array_equal(again.order.locate(slots)[0], which)
     [other] = load(config(sources(data), shuffle=True, seed=8), tokenizer)
     assert (other.order.locate(slots)[0] != which).mean() > 0.3
+    # The same sources as a YAML file of {"sources": [...]} are the same mixture.
+    import yaml
+
+    (data / "mix.yaml").write_text(yaml.safe_dump({"sources": sources(data)}))
+    [from_yaml] = load(config(str(data / "mix.yaml"), shuffle=True, seed=7), tokenizer)
+    np.testing.assert_array_equal(from_yaml.order.locate(slots)[0], which)
 
 
 def test_one_or_two_processes_give_the_same_global_batches(data, tokenizer):
