@@ -11,10 +11,11 @@ import sys
 import fsspec
 import numpy as np
 import pytest
+from data_utils import assert_same, load, read
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from easylm.data import DatasetFactory, merge_state_dicts
+from easylm.data import DatasetFactory
 from easylm.data import cache as cache_module
 from easylm.data.cache import CacheSource, build, verify
 from easylm.data.embedded.stories import documents
@@ -62,30 +63,6 @@ def cache_config(path, text_processor=FIELDS, **loader):
     return DatasetFactory.get_default_config({
         "type": "cache", "text_processor": text_processor,
         "cache": dict(dict(path=str(path), seq_length=T, batch_size=B), **loader)})
-
-
-def load(cfg, tokenizer, processes=1):
-    return [DatasetFactory.load_dataset(cfg, tokenizer, process_index=p,
-                                        process_count=processes) for p in range(processes)]
-
-
-def read(datasets, n):
-    iterators = [iter(d) for d in datasets]
-    out = []
-    for _ in range(n):
-        parts = [next(it)[0] for it in iterators]
-        out.append({k: np.concatenate([p[k] for p in parts]) for k in parts[0]})
-    for it in iterators:
-        it.close()
-    return out
-
-
-def assert_same(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        assert x.keys() == y.keys()
-        for k in x:
-            np.testing.assert_array_equal(x[k], y[k], err_msg=k)
 
 
 def checksums(directory):

@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import pytest
+from data_utils import assert_same, load, read
 
 from easylm.data import DatasetFactory, merge_state_dicts
 from easylm.data.cache import build
@@ -55,33 +56,6 @@ def config(spec, **loader):
     return DatasetFactory.get_default_config({"type": "mixture", "mixture": loader})
 
 
-def load(cfg, tokenizer, processes=1, **kwargs):
-    return [DatasetFactory.load_dataset(cfg, tokenizer, process_index=p,
-                                        process_count=processes, **kwargs)
-            for p in range(processes)]
-
-
-def read(datasets, n):
-    """n global batches (the processes' rows concatenated) and the last metrics of each."""
-    iterators = [iter(d) for d in datasets]
-    out, metrics = [], None
-    for _ in range(n):
-        parts = [next(it) for it in iterators]
-        out.append({k: np.concatenate([p[0][k] for p in parts]) for k in parts[0][0]})
-        metrics = [m for _, m in parts]
-    for it in iterators:
-        it.close()
-    return out, metrics
-
-
-def assert_same(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        assert x.keys() == y.keys()
-        for k in x:
-            np.testing.assert_array_equal(x[k], y[k], err_msg=k)
-
-
 def test_shares_follow_the_weights_and_the_seed_fixes_the_sequence(data, tokenizer):
     [dataset] = load(config(sources(data), shuffle=True, seed=7), tokenizer)
     order, n = dataset.order, 20_000
@@ -118,8 +92,8 @@ def test_shares_follow_the_weights_and_the_seed_fixes_the_sequence(data, tokeniz
 
 def test_one_or_two_processes_give_the_same_global_batches(data, tokenizer):
     cfg = config(sources(data), shuffle=True, segment_ids=True)
-    one, _ = read(load(cfg, tokenizer), 12)
-    two, _ = read(load(cfg, tokenizer, processes=2), 12)
+    one = read(load(cfg, tokenizer), 12)
+    two = read(load(cfg, tokenizer, processes=2), 12)
     assert_same(one, two)
 
 
@@ -127,15 +101,15 @@ def test_one_or_two_processes_give_the_same_global_batches(data, tokenizer):
 def test_resume_gives_the_uninterrupted_batches(data, tokenizer, before, after):
     cfg = config(sources(data)[1:], shuffle=True, segment_ids=True, seed=3)  # JSONL + cache
     n, m = 9, 25     # 34 batches of 4 x 32: past the end of both sources
-    expected, [metrics] = read(load(cfg, tokenizer), n + m)
+    expected, [metrics] = read(load(cfg, tokenizer), n + m, with_metrics=True)
     assert metrics["source/b/epoch"] >= 1 and metrics["source/c/epoch"] >= 1
     first = load(cfg, tokenizer, before)
-    got, _ = read(first, n)
+    got = read(first, n)
     state = json.loads(json.dumps(merge_state_dicts([d.get_state_dict() for d in first])))
     second = load(cfg, tokenizer, after)
     for d in second:
         d.load_state_dict(state)
-    rest, resumed = read(second, m)
+    rest, resumed = read(second, m, with_metrics=True)
     assert_same(expected, got + rest)
     # The counters continue too: summed over the processes they are the uninterrupted ones.
     for key in ("source/b/tokens", "source/b/documents", "source/c/tokens"):
@@ -146,7 +120,7 @@ def test_counters_count_each_sources_targets_and_finished_documents(data, tokeni
     cfg = config(sources(data), batch_size=1)
     [dataset] = load(cfg, tokenizer)
     n = 40
-    _, [metrics] = read([dataset], n)
+    _, [metrics] = read([dataset], n, with_metrics=True)
     # Walk the one stream by hand: document lengths in slot order, sources by locate.
     order = dataset.order
     which, _ = order.locate(np.arange(200))
@@ -189,10 +163,10 @@ def test_changed_weights_on_resume_continue_each_source(data, tokenizer):
     shares = np.bincount(which[start:], minlength=3) / 6000
     np.testing.assert_allclose(shares, [0.1, 0.1, 0.8], atol=0.01)
     # The changed state resumes exactly in turn.
-    expected, _ = read([second], 8)
+    expected = read([second], 8)
     [third] = load(config(sources(data, weights=(0.1, 0.1, 0.8)), shuffle=True), tokenizer)
     third.load_state_dict(state)
-    assert_same(expected, read([third], 8)[0])
+    assert_same(expected, read([third], 8))
 
 
 def test_eval_mixture_is_one_pass_over_every_source(data, tokenizer):
@@ -252,7 +226,7 @@ def test_a_source_that_runs_dry_without_repeat_stops_with_one_line(data, tokeniz
     # Until then it served every batch: the error names the first one it could not make.
     made = int(str(e.value).rsplit(" ", 1)[1].rstrip(")")) - 1
     [again] = load(config(spec, batch_size=2), tokenizer)
-    assert len(read([again], made)[0]) == made > 10
+    assert len(read([again], made)) == made > 10
 
 
 def test_state_mismatches_are_one_line(data, tokenizer, tmp_path):
