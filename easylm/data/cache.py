@@ -59,7 +59,7 @@ def tokenizer_identity(tokenizer):
     special tokens the text processor uses."""
     return dict(sha256=hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode())
                 .hexdigest(), vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+                eos_token_id=tokenizer.eos_token_id)
 
 
 def processor_settings(text_processor, tokenizer):

@@ -7,11 +7,12 @@
       "text_processor": {"fields": "[prompt],answer"}, "repeat": false},
      {"name": "books", "weight": 0.1, "type": "cache", "path": "books-cache"}]
 
-A source is a json (default), huggingface or cache block of options (the keys of
---train_dataset.json_dataset.path etc.) with a weight, a `name` for its counters, its own
-`text_processor` options on top of the run's --train_dataset.text_processor.*, and
-`repeat` (default true; false: running out of documents is an error). Each source keeps
-its own order: its own seeded shuffle and epochs.
+A source is a json (default), huggingface or cache source with its path (and for
+huggingface subset, split, data_files, streaming, shuffle_buffer_size), a weight, a
+`name` for its counters, its own `text_processor` options on top of the run's
+--train_dataset.text_processor.*, and `repeat` (default true; false: running out of
+documents is an error). Each source keeps its own order: its own seeded shuffle and
+epochs. docs/data.md has the whole format.
 
 Sampling is per document and stratified, like Levanter's MixtureDataset. The mixture's
 slots are cut into blocks of about BLOCK slots; the first b blocks hold exactly
@@ -24,8 +25,8 @@ stream of documents (packing.py): mixing documents keeps that layout, so the sta
 still each row's (slot, offset) and every row sees every source. Weights are therefore
 shares of documents; the per-source token counters show the token shares.
 
-Changing the weights on resume starts a new segment of slots at the first slot no row
-has reached; each source continues with its next unread document, so no document is
+Changing the weights on resume starts a new segment of slots after the furthest slot a
+row has reached; each source continues with its next unread document, so no document is
 repeated or skipped, but batches after the change differ from any uninterrupted run.
 """
 
@@ -37,6 +38,7 @@ import os
 import numpy as np
 from ml_collections import ConfigDict
 
+from easylm.data.text import TextProcessor
 from easylm.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -165,8 +167,6 @@ def _check_source(i, entry, where):
     if not isinstance(repeat, bool):
         raise UserError(f"{label}: repeat must be true or false, got {repeat!r}")
     processing = entry.get("text_processor", {})
-    from easylm.data.text import TextProcessor
-
     if not isinstance(processing, dict) or any(k not in TextProcessor.HELP for k in processing):
         bad = processing if not isinstance(processing, dict) else next(
             k for k in processing if k not in TextProcessor.HELP)
@@ -315,9 +315,6 @@ class MixtureOrder:
     def source_epochs(self, slot):
         return [int(c // order.num_documents) if order.num_documents else 0
                 for c, order in zip(self.counts_before(slot), self.orders)]
-
-    def close(self):
-        self.source.close()
 
     # -- counters -------------------------------------------------------------------------
 
