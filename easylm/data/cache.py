@@ -515,10 +515,11 @@ def main(argv=None):
                   processes)
     started = (f", {index['start_seconds']:.1f} s of them starting workers"
                if index["start_seconds"] else "")
+    workers = f"{processes} process" + ("es" if processes > 1 else "")
     print(f"{c.output}: {len(index['shards'])} shards ({index['built_shards']} built now, "
-          f"{processes} processes), {index['documents']:,} documents "
-          f"({index['skipped']} skipped), {index['tokens']:,} tokens, {index['dtype']}; "
-          f"{index['build_seconds']:.1f} s{started}")
+          f"{workers}), {index['documents']:,} documents ({index['skipped']} skipped), "
+          f"{index['tokens']:,} tokens, {index['dtype']}; {index['build_seconds']:.1f} s"
+          f"{started}")
 
 
 if __name__ == "__main__":
