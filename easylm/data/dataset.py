@@ -61,17 +61,22 @@ _LOADER_HELP = {
 }
 
 
-def _loader_config(config):
-    """Options shared by both source types (EasyLM keeps them per type)."""
+_TOKENIZING = ("tokenizer_processes", "tokenizer_parallel_batch_size",
+               "tokenizer_parallel_chunk_size")   # not for a token cache: nothing to tokenize
+
+
+def _loader_config(config, tokenizes=True):
+    """Options shared by the source types (EasyLM keeps them per type)."""
     config.seq_length = 1024
     config.batch_size = 8
     config.shuffle = False
     config.seed = 0
     config.segment_ids = False
     config.strict = False
-    config.tokenizer_processes = 1
-    config.tokenizer_parallel_batch_size = 1024
-    config.tokenizer_parallel_chunk_size = 64
+    if tokenizes:
+        config.tokenizer_processes = 1
+        config.tokenizer_parallel_batch_size = 1024
+        config.tokenizer_parallel_chunk_size = 64
     return config
 
 
@@ -94,7 +99,9 @@ class DatasetFactory:
         "mixture.sources": "the mixture's sources, weights and per-source options: a .json "
                            "or .yaml file, or the JSON itself (see docs/data.md)",
         **{f"text_processor.{k}": v for k, v in TextProcessor.HELP.items()},
-        **{f"{block}.{k}": v for k, v in _LOADER_HELP.items() for block in _TYPES.values()},
+        **{f"{block}.{k}": v for k, v in _LOADER_HELP.items() for block in _TYPES.values()
+           if block != "cache" or k not in _TOKENIZING},
+        "cache.strict": "refuse a cache whose build skipped malformed or empty documents",
     }
 
     @staticmethod
@@ -111,7 +118,7 @@ class DatasetFactory:
         config.huggingface_dataset.data_files = ""
         config.huggingface_dataset.streaming = False
         config.huggingface_dataset.shuffle_buffer_size = 10000
-        config.cache = _loader_config(ConfigDict())
+        config.cache = _loader_config(ConfigDict(), tokenizes=False)
         config.cache.path = ""
         config.mixture = _loader_config(ConfigDict())
         config.mixture.sources = ""

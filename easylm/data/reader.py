@@ -33,7 +33,7 @@ class WindowReader:
         cache); None when nothing needs tokenizing."""
         self.order, self.streams, self.B = order, streams, batch_size
         self.single_pass, self.skip = single_pass, skip
-        self.chunk_size = config.tokenizer_parallel_chunk_size
+        self.chunk_size = config.get("tokenizer_parallel_chunk_size", 1)   # none: a cache
         self.start = np.full(batch_size, np.iinfo(np.int64).max)
         for r, stream in streams.items():
             self.start[r] = stream.next_slot
@@ -41,7 +41,7 @@ class WindowReader:
         # Wide enough that each window holds about tokenizer_parallel_batch_size documents
         # of these streams; from a token cache (nothing to tokenize) at least
         # _CACHED_PER_STREAM per stream, so that packing works on long runs of documents.
-        per_window = config.tokenizer_parallel_batch_size
+        per_window = config.get("tokenizer_parallel_batch_size", 0)
         cached = processor is None or (isinstance(processor, list) and not any(processor))
         if cached:
             per_window = max(per_window, _CACHED_PER_STREAM * len(streams))
