@@ -175,9 +175,9 @@ RUN_DEFAULTS_HELP = {
     "optimizer.adamw_optimizer.lr_decay_steps": "--total_steps",
     **{f"train_dataset.{loader}.seq_length": "1024, or the model's max_position_embeddings "
                                              "if smaller"
-       for loader in ("json_dataset", "huggingface_dataset")},
+       for loader in ("json_dataset", "huggingface_dataset", "cache", "mixture")},
     **{f"eval_dataset.{loader}.{field}": f"--train_dataset's {field}"
-       for loader in ("json_dataset", "huggingface_dataset")
+       for loader in ("json_dataset", "huggingface_dataset", "cache", "mixture")
        for field in ("seq_length", "batch_size")},
 }
 
@@ -194,7 +194,9 @@ def starts_from_pretrained(config: ConfigDict) -> bool:
 
 
 def _loader(dataset_config: ConfigDict) -> str:
-    return "huggingface_dataset" if dataset_config.type == "huggingface" else "json_dataset"
+    from easylm.data.dataset import loader_block
+
+    return loader_block(dataset_config)
 
 
 def _schedule_defaults(config: ConfigDict) -> dict:
