@@ -152,7 +152,7 @@ def help_text(dataset_help: dict | None = None) -> dict:
     for section, entries in sections.items():
         text.update({f"{section}.{name}": entry for name, entry in entries.items()})
     for name, default in RUN_DEFAULTS_HELP.items():
-        text[name] = f"{text.get(name, '')} (default: {default})".strip()
+        text[name] = f"{text.get(name, '')} ({default})".strip()
     return text
 
 
@@ -166,17 +166,17 @@ FINE_TUNING_MAX_LR = 1e-4
 FINE_TUNING_DEFAULTS = {"optimizer.adamw_optimizer.lr": 2e-5,
                         "optimizer.adamw_optimizer.end_lr": 2e-6}
 RUN_DEFAULTS_HELP = {
-    "optimizer.adamw_optimizer.lr": f"{FINE_TUNING_DEFAULTS['optimizer.adamw_optimizer.lr']:g} "
-                                    f"from a pretrained params::, trainstate_params:: or hf:: "
-                                    f"--load_checkpoint",
-    "optimizer.adamw_optimizer.end_lr": f"{FINE_TUNING_DEFAULTS['optimizer.adamw_optimizer.end_lr']:g}"
-                                        f" from a pretrained --load_checkpoint",
-    "optimizer.adamw_optimizer.lr_warmup_steps": "a tenth of --total_steps, at most 2000",
-    "optimizer.adamw_optimizer.lr_decay_steps": "--total_steps",
-    **{f"train_dataset.{loader}.seq_length": "1024, or the model's max_position_embeddings "
-                                             "if smaller"
+    "optimizer.adamw_optimizer.lr": "from a pretrained params::, trainstate_params:: or hf:: "
+                                    "--load_checkpoint: "
+                                    f"{FINE_TUNING_DEFAULTS['optimizer.adamw_optimizer.lr']:g}",
+    "optimizer.adamw_optimizer.end_lr": "from a pretrained --load_checkpoint: "
+                                        f"{FINE_TUNING_DEFAULTS['optimizer.adamw_optimizer.end_lr']:g}",
+    "optimizer.adamw_optimizer.lr_warmup_steps": "default: a tenth of --total_steps, at most 2000",
+    "optimizer.adamw_optimizer.lr_decay_steps": "default: --total_steps",
+    **{f"train_dataset.{loader}.seq_length": "default: 1024, or the model's "
+                                             "max_position_embeddings if smaller"
        for loader in ("json_dataset", "huggingface_dataset", "cache", "mixture")},
-    **{f"eval_dataset.{loader}.{field}": f"--train_dataset's {field}"
+    **{f"eval_dataset.{loader}.{field}": f"default: --train_dataset's {field}"
        for loader in ("json_dataset", "huggingface_dataset", "cache", "mixture")
        for field in ("seq_length", "batch_size")},
 }

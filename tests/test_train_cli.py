@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import jax
 import pytest
@@ -26,11 +27,15 @@ def run_cli(*args, cwd, env=None):
 
 def test_embedded_default_trains_and_saves(tmp_path):
     # The README's first command, with only the step count made small.
+    before = time.time()
     result = run_cli("--total_steps=4", "--log_freq=2", cwd=tmp_path)
+    after = time.time()
     assert result.returncode == 0, result.stderr[-3000:]
     (run_dir,) = glob.glob(str(tmp_path / "runs" / "llama-*"))
     lines = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     assert [line["step"] for line in lines] == [1, 2, 4]  # the first step, then every 2
+    times = [line["time"] for line in lines]  # wall-clock seconds, as written
+    assert before < times[0] <= times[1] <= times[2] < after
     assert lines[0]["tokens_per_second"] is None  # step 1 includes compilation
     for key in ("loss", "accuracy", "perplexity", "learning_rate", "gradient_norm",
                 "param_norm", "tokens_seen", "tokens_per_second", "mfu"):
