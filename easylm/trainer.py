@@ -599,7 +599,8 @@ def _load_with_hint(load, manager, resumed_step: int | None):
                 continue
             earlier = step
             break
-        move = f"move the damaged one away (mv {damaged} {damaged}.damaged) and run the same command again"
+        move = (f"move the damaged one away (mv {damaged} {damaged}.damaged) and run the same "
+                f"command again")
         if earlier is None:
             hint = f"; it is the run's only checkpoint: to start the run afresh, {move}"
         else:
