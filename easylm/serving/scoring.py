@@ -25,7 +25,7 @@ from easylm.errors import UserError
 from easylm.serving.engine import Engine
 
 
-def _score_rows(engine: Engine, rows):
+def score_rows(engine: Engine, rows):
     """rows: (inputs, targets, first scored index) -> [(sum logprob, all greedy)]."""
     if not rows:
         return []
@@ -46,7 +46,7 @@ def loglikelihood(engine: Engine, bos_id: int, pairs: Sequence[tuple[list[int], 
         tokens = [bos_id] + prefix + list(text)
         # An empty text has log-likelihood 0 and is (vacuously) greedy: nothing to run.
         rows.append((tokens[:-1], tokens[1:], len(prefix)) if text else None)
-    scored = iter(_score_rows(engine, [r for r in rows if r is not None]))
+    scored = iter(score_rows(engine, [r for r in rows if r is not None]))
     return [next(scored) if r is not None else (0.0, True) for r in rows]
 
 
@@ -71,7 +71,7 @@ def loglikelihood_rolling(engine: Engine, bos_id: int, texts: Sequence[list[int]
             rows.append(window)
             owner.append(index)
     totals = [[0.0, True] for _ in texts]
-    for index, (logprob, greedy) in zip(owner, _score_rows(engine, rows)):
+    for index, (logprob, greedy) in zip(owner, score_rows(engine, rows)):
         totals[index][0] += logprob
         totals[index][1] &= greedy
     return [tuple(t) for t in totals]
