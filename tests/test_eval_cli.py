@@ -14,6 +14,7 @@ from easylm import checkpoint
 from easylm.errors import UserError
 from easylm.llama import eval as eval_cli
 from easylm.llama.model import LLaMAForCausalLM
+from cli_utils import one_line_error
 from serving_utils import make_tokenizer, tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -82,12 +83,7 @@ def test_registered_as_lm_eval_model_easylm(trained):
 
 
 def expect_error(argv, capsys) -> str:
-    with pytest.raises(SystemExit) as e:
-        eval_cli.main(["eval", *argv])
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("error: "), err
-    return err[len("error: "):-1]
+    return one_line_error(eval_cli.main, ["eval", *argv], capsys)
 
 
 def test_bad_input_is_one_line(trained, tmp_path, capsys, monkeypatch):

@@ -3,7 +3,6 @@ the HTTP server under `local-completions`: one tiny random HF model, the local t
 tests/eval_tasks/ (multiple choice, rolling log-likelihood, generate_until), and a
 tokenizer that adds BOS and one that does not."""
 
-import json
 import os
 
 import lm_eval
@@ -80,6 +79,16 @@ def served(hf_model):
 
 
 @pytest.fixture(scope="module")
+def twin_engine(served):
+    """A second engine, made as the trainer will make one: over parameters on the devices."""
+    engine = served[0]
+    lm = HarnessLM.from_params(engine.model, engine.params, make_tokenizer(), engine.mesh,
+                               {"seq_length": S, "min_bucket": S})
+    assert lm.engine is not engine and lm.max_length == S
+    return lm.engine
+
+
+@pytest.fixture(scope="module")
 def manager():
     return task_manager(TASKS, "tests/eval_tasks")
 
@@ -124,7 +133,7 @@ def assert_close_per_request(ours, theirs, lm):
 
 
 @pytest.mark.parametrize("adds_bos", [True, False], ids=["adds-bos", "no-bos"])
-def test_in_process_matches_hf_and_the_server(adds_bos, hf_model, served, manager):
+def test_in_process_matches_hf_and_the_server(adds_bos, hf_model, served, twin_engine, manager):
     _, model, tokenizers = hf_model
     engine, stop_ids, url = served
     tokenizer = bos_tokenizer() if adds_bos else make_tokenizer()
@@ -158,7 +167,7 @@ def test_in_process_matches_hf_and_the_server(adds_bos, hf_model, served, manage
 
     # Negative twin: the other BOS rule and half the window move the numbers well past
     # the tolerance.
-    wrong = HarnessLM(engine, make_tokenizer() if adds_bos else bos_tokenizer(), stop_ids,
+    wrong = HarnessLM(twin_engine, make_tokenizer() if adds_bos else bos_tokenizer(), stop_ids,
                       max_length=L // 2)
     for task, kind in (("tiny_mc", "loglikelihood"), ("tiny_rolling", "loglikelihood_rolling")):
         expected, args = responses(hf, task)

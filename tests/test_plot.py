@@ -4,9 +4,9 @@ one PNG, read back and checked pixel by pixel; one clear line for each bad run d
 import json
 
 import numpy as np
-import pytest
 from PIL import Image
 
+from cli_utils import one_line_error
 from easylm import plot
 
 # matplotlib's first two cycle colours: run 1, run 2.
@@ -62,12 +62,7 @@ def test_reads_what_the_trainer_writes(tmp_path):
 
 
 def expect_error(argv, capsys) -> str:
-    with pytest.raises(SystemExit) as e:
-        plot.main(["plot", *argv])
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("error: "), err
-    return err[len("error: "):-1]
+    return one_line_error(plot.main, ["plot", *argv], capsys)
 
 
 def test_bad_runs_are_one_line(tmp_path, capsys):
