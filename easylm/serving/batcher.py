@@ -2,8 +2,9 @@
 
 One thread owns the engine (and so the device). Each turn of its loop:
 
-    1. run queued jobs (`run`), then ONE chunk (at most batch_size rows) of the
-       oldest scoring job (`score`); drop cancelled requests, freeing their slots
+    1. run queued jobs (`run`), then ONE chunk of the oldest scoring job (`score`):
+       the rows that fit one seq_length-token forward (a long prompt's prefill); drop
+       cancelled requests, freeing their slots
     2. admit waiting requests into free slots, round-robin over the requests they
        came in (so a 300-prompt request does not hold a 1-prompt one behind it):
        one prefill call for all of them, whose first tokens are handed out at once
@@ -32,7 +33,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from easylm.serving.engine import Engine, Sampling
+from easylm.serving.engine import Engine, Sampling, bucket_for
 from easylm.serving.text import TextStream
 
 log = logging.getLogger(__name__)
@@ -148,9 +149,9 @@ class Batcher:
             raise ValueError("a generation needs a prompt and max_tokens >= 1")
         if len(generation.prompt) + generation.params.max_tokens > self.engine.seq_length:
             raise ValueError("prompt + max_tokens exceeds seq_length")
-        vocab = self.engine.model.vocab_size
-        if any(type(t) is not int or not 0 <= t < vocab for t in generation.prompt):
-            raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
+        vocab, ids = self.engine.model.vocab_size, np.asarray(generation.prompt)
+        if ids.ndim != 1 or ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= vocab:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         check_params(generation.params)
         generation.stop_ids |= self.stop_token_ids
         with self._wake:
@@ -173,8 +174,8 @@ class Batcher:
         return future
 
     def score(self, tokens: Sequence[Sequence[int]], targets: Sequence[Sequence[int]]) -> Future:
-        """`engine.score(tokens, targets)`'s results, computed batch_size rows per turn
-        between decode calls. Cancelling the future drops the rows not scored yet."""
+        """`engine.score(tokens, targets)`'s results, computed a chunk per turn between
+        decode calls. Cancelling the future drops the rows not scored yet."""
         future: Future = Future()
         if not tokens:
             future.set_result([])
@@ -261,7 +262,8 @@ class Batcher:
         if not self._scoring:
             return
         job = self._scoring.popleft()
-        start, rows = len(job.results), self.engine.batch_size
+        start = len(job.results)
+        rows = self._chunk_rows(job.tokens[start:start + self.engine.batch_size])
         try:
             job.results += self.engine.score(job.tokens[start:start + rows],
                                              job.targets[start:start + rows])
@@ -273,6 +275,20 @@ class Batcher:
             self._scoring.append(job)
         elif job.future.set_running_or_notify_cancel():
             job.future.set_result(job.results)
+
+    def _chunk_rows(self, rows: list) -> int:
+        """How many of `rows` (at most batch_size) to score now: as many as fit one
+        seq_length-token forward, bucketed, and at least one. That is what one long
+        prompt's prefill costs, so a decode call never waits longer for scoring."""
+        engine, longest, fit = self.engine, 0, 1
+        for n in engine.row_buckets:
+            if n > len(rows):
+                break
+            longest = max([longest] + [len(r) for r in rows[:n]])
+            if n * bucket_for(longest, engine.length_buckets) > engine.seq_length:
+                break
+            fit = n
+        return fit
 
     def _free_cancelled(self):
         for i, g in enumerate(self.slots):
