@@ -1,6 +1,7 @@
 """What one HTTP client can make the server hold: bytes, time, connections, hosts.
 
-    BodyLimit        ASGI: 411 without Content-Length, 413 above --max_request_bytes
+    SizeLimit        ASGI: 431 above --max_header_bytes, 411 without Content-Length,
+                     413 above --max_request_bytes
     HostCheck        ASGI: on a loopback bind, only loopback Host headers (and
                      --allowed_hosts), so a DNS-rebinding web page cannot drive the API
     Protocol         uvicorn's h11 protocol with a read deadline (--read_timeout: a
@@ -9,11 +10,13 @@
                      errors for requests h11 cannot parse
     uvicorn_settings the uvicorn keyword arguments that put these in place
 
-uvicorn itself closes idle keep-alive connections (--keep_alive_timeout) and h11
-bounds the request line plus headers (--max_header_bytes). uvicorn has no read
-timeout of its own, and its `limit_concurrency` answers requests over the limit but
-never closes the connections that hold it, so both live here. Every error is the
-JSON shape the API uses: {"error": {"message", "type", "code"}}.
+uvicorn itself closes idle keep-alive connections (--keep_alive_timeout), and h11
+refuses to buffer more than --max_header_bytes of a request line and headers that
+have not ended yet; headers that arrive whole in one read pass h11 at any size, so
+SizeLimit counts them again. uvicorn has no read timeout of its own, and its
+`limit_concurrency` answers requests over the limit but never closes the connections
+that hold it, so both live here. Every error is the JSON shape the API uses:
+{"error": {"message", "type", "code"}}.
 """
 
 import functools
@@ -44,14 +47,24 @@ async def send_error(send, status: int, message: str, kind: str = "invalid_reque
     await send({"type": "http.response.body", "body": body})
 
 
-class BodyLimit:
-    """411 without Content-Length, 413 above the limit, before any parsing."""
+HEADERS_TOO_LARGE = "the request line and headers are above the limit (--max_header_bytes)"
 
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+
+class SizeLimit:
+    """431 above the header limit; 411 without Content-Length, 413 above the body limit,
+    before any parsing."""
+
+    def __init__(self, app, max_bytes: int, max_header_bytes: int):
+        self.app, self.max_bytes, self.max_header_bytes = app, max_bytes, max_header_bytes
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["method"] in ("POST", "PUT", "PATCH"):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        size = len(scope["raw_path"]) + len(scope["query_string"]) + sum(
+            len(k) + len(v) + 4 for k, v in scope["headers"])
+        if size > self.max_header_bytes:
+            return await send_error(send, 431, HEADERS_TOO_LARGE)
+        if scope["method"] in ("POST", "PUT", "PATCH"):
             length = dict(scope["headers"]).get(b"content-length")
             if length is None:
                 return await send_error(send, 411, "a Content-Length header is required")
@@ -119,6 +132,7 @@ class Protocol(H11Protocol):
         super().__init__(*args, **kwargs)
         self.read_timeout, self.max_connections = read_timeout, max_connections
         self._deadline = None  # the timer that closes a request not read in time
+        self._lingering = False  # answered and half-closed: what still comes is dropped
         self._parse_error: h11.RemoteProtocolError | None = None
         next_event = self.conn.next_event
 
@@ -133,20 +147,21 @@ class Protocol(H11Protocol):
 
     def connection_made(self, transport):
         super().connection_made(transport)
+        self._arm()
         if len(self.connections) > self.max_connections:
             log.warning("refused a connection: %d open (--max_connections)",
                         len(self.connections) - 1)
             self._reply_and_close(503, f"the server has {self.max_connections} connections "
                                        f"open, its limit (--max_connections); try again later",
                                   "server_error")
-            return
-        self._arm()
 
     def connection_lost(self, exc):
         self._disarm()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes):
+        if self._lingering:
+            return
         if self._deadline is None and self.conn.their_state is h11.IDLE:
             self._arm()  # the first bytes of the next request on a kept-alive connection
         super().data_received(data)
@@ -166,29 +181,38 @@ class Protocol(H11Protocol):
         self._deadline = None
         if self.transport.is_closing():
             return
-        if self.cycle is not None and self.cycle.response_started:
-            self.transport.close()  # the app answered early; the client never finished
+        if self._lingering or (self.cycle is not None and self.cycle.response_started):
+            self.transport.close()  # answered already; the client never finished
             return
-        self._reply_and_close(408, f"the request was not received within {self.read_timeout:g} "
-                                   f"s (--read_timeout)")
+        # The client has sent nothing for a while: nothing unread that a close would reset.
+        self._reply_and_close(408, f"the request was not received within "
+                                   f"{self.read_timeout:g} s (--read_timeout)", linger=False)
 
     def send_400_response(self, msg: str):
         error = self._parse_error
         status = getattr(error, "error_status_hint", 400)
-        detail = str(error) if error is not None else msg
         if status == 431:
-            detail = "the request line and headers are above the limit (--max_header_bytes)"
+            return self._reply_and_close(431, HEADERS_TOO_LARGE)
+        detail = str(error) if error is not None else msg
         self._reply_and_close(status, f"malformed HTTP request: {detail}")
 
-    def _reply_and_close(self, status: int, message: str, kind: str = "invalid_request_error"):
-        # Raw bytes: h11 may not be in a state where it would send a response (half a
-        # request line), and the connection closes right after anyway.
+    def _reply_and_close(self, status: int, message: str, kind: str = "invalid_request_error",
+                         linger: bool = True):
+        """Raw bytes: h11 may not be in a state where it would send a response (half a
+        request line). With `linger`, only our side closes and what the client still sends
+        is read and dropped until it closes or the read deadline passes: closing with
+        unread data would reset the connection before the client reads the answer."""
         body = error_body(status, message, kind)
         head = (f"HTTP/1.1 {status} {STATUS_PHRASES[status].decode()}\r\n"
                 f"content-type: application/json\r\ncontent-length: {len(body)}\r\n"
                 f"connection: close\r\n\r\n").encode()
         self.transport.write(head + body)
-        self.transport.close()
+        if linger and self.transport.can_write_eof():
+            self.transport.write_eof()
+            self._lingering = True
+            self._arm()
+        else:
+            self.transport.close()
 
 
 def uvicorn_settings(config) -> dict:

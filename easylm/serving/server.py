@@ -136,6 +136,8 @@ def _validation_message(exc: RequestValidationError) -> str:
     for error in exc.errors():
         if error.get("type") == "json_invalid":
             return f"malformed JSON body: {error.get('ctx', {}).get('error', error['msg'])}"
+        if tuple(error.get("loc", ())) == ("body",) and error.get("type") == "missing":
+            return "the request has no body; send a JSON object"
         # pydantic names each member of a union in the location ('str', 'list[TextPart]',
         # 'function-after[...]'); the field's path is the rest, and its first error says enough.
         where = ".".join(str(p) for p in error.get("loc", ())
@@ -333,7 +335,8 @@ def create_app(service: Service) -> FastAPI:
     from easylm.serving import easylm_api, openai_api
 
     app = FastAPI(title="easylm", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(limits.BodyLimit, max_bytes=service.config.max_request_bytes)
+    app.add_middleware(limits.SizeLimit, max_bytes=service.config.max_request_bytes,
+                       max_header_bytes=service.config.max_header_bytes)
     hosts = limits.allowed_hosts(service.config)
     if hosts is not None:  # added last: it runs first
         app.add_middleware(limits.HostCheck, allowed=hosts)
