@@ -157,13 +157,13 @@ def main(argv=None):
     argv = argv or sys.argv
     usage = "usage: python -m easylm.llama.serve [--flag=value ...]"
     config = flag_lib.parse(default_config(), help_entries(), argv, usage)
+    sock = server_lib.bind(config)
     # The console shows easylm's own lines (and warnings), not orbax's and jax's INFO chatter.
     # force: importing orbax already gave the root logger a handler (absl's).
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s",
                         force=True)
     logging.getLogger("easylm").setLevel(logging.INFO)
     absl_logging.set_verbosity(absl_logging.ERROR)
-    sock = server_lib.bind(config)
     app, batcher = build(config)
     server_lib.run(app, config, batcher, sock)
 
