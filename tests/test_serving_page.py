@@ -136,6 +136,14 @@ def set_field(browser, field, value):
     element.send_keys(value)
 
 
+def key_field_shown(browser):
+    from selenium.webdriver.common.by import By
+
+    if not js(browser, "return document.querySelector('details').open"):
+        browser.find_element(By.TAG_NAME, "summary").click()
+    return browser.find_element(By.ID, "api_key").is_displayed()
+
+
 def last(browser, selector, prop="textContent"):
     return js(browser, f"const all = document.querySelectorAll({selector!r}); "
                        f"return all.length ? all[all.length - 1].{prop} : null")
@@ -152,7 +160,7 @@ def test_chat_page_streams_an_answer(browser, servers):
         open_page(browser, url)
         # The server needs a key: the page says so and shows the field only now.
         assert "API key" in js(browser, "return document.getElementById('model').textContent")
-        assert not js(browser, "return document.getElementById('api_key_row').hidden")
+        assert key_field_shown(browser)
         set_field(browser, "temperature", "0")
         set_field(browser, "max_tokens", "12")
         set_field(browser, "api_key", KEY)
@@ -183,7 +191,7 @@ def test_stop_cancels_the_request_and_frees_its_slot(browser, servers):
     service, url = servers["open"]
     batcher = servers["batcher"]
     open_page(browser, url)
-    assert js(browser, "return document.getElementById('api_key_row').hidden")  # no key needed
+    assert not key_field_shown(browser)  # no key needed
     set_field(browser, "temperature", "0")
     with recorded_messages(service) as sent:
         with held_at_first_text(batcher) as (release, submitted):
