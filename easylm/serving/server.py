@@ -343,4 +343,7 @@ def run(app: FastAPI, config: ConfigDict, batcher: Batcher, sock: socket.socket 
             if self.started:
                 print(ready, flush=True)
 
-    Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+    try:
+        Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn has shut down cleanly, then re-raised it
+        pass
