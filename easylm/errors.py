@@ -16,7 +16,8 @@ import traceback
 
 # How to install an optional package, by the name Python imports it as.
 INSTALL = {
-    "torch": 'pip install torch==2.13.0 (the CPU build), or the torch extra: pip install -e ".[torch]"',
+    "torch": 'install the torch extra: pip install -e ".[torch]" (for the CPU-only build, first '
+             'pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu)',
     "gcsfs": "pip install gcsfs",
     "s3fs": "pip install s3fs",
     "adlfs": "pip install adlfs",

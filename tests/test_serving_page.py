@@ -83,6 +83,24 @@ def held_at_first_text(batcher):
 
 
 @contextlib.contextmanager
+def held_prefill(engine):
+    """The engine's prefill (a new prompt length compiling, as the page sees it) waits
+    until the yielded event is set."""
+    release, prefill = threading.Event(), engine.prefill
+
+    def held(*args):
+        release.wait(WAIT)
+        return prefill(*args)
+
+    engine.prefill = held
+    try:
+        yield release
+    finally:
+        release.set()
+        engine.prefill = prefill
+
+
+@contextlib.contextmanager
 def recorded_messages(service):
     """The `messages` of each chat request the server formats."""
     sent, real = [], service.apply_chat_template
@@ -195,7 +213,12 @@ def test_stop_cancels_the_request_and_frees_its_slot(browser, servers):
     set_field(browser, "temperature", "0")
     with recorded_messages(service) as sent:
         with held_at_first_text(batcher) as (release, submitted):
-            type_and_send(browser, "Tell me a story")
+            with held_prefill(batcher.engine):
+                type_and_send(browser, "Tell me a story")
+                # While the first token is not there, the page says what it waits for.
+                wait_until(browser, lambda: "waiting for the first token" in (last(
+                    browser, ".message.assistant.pending") or ""), "the waiting note")
+                assert "compiles" in last(browser, ".message.assistant")
             wait_until(browser, lambda: last(browser, ".message.assistant:not(.pending)"),
                        "the first text")
             assert js(browser, "return document.getElementById('send').textContent") == "Stop"
