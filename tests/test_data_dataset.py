@@ -7,6 +7,7 @@ import logging
 import jax
 import numpy as np
 import pytest
+from data_utils import assert_same, load, read
 
 from easylm.data import DatasetFactory, make_global_batch, merge_state_dicts
 from easylm.data.embedded.stories import documents
@@ -38,32 +39,6 @@ def config(path, **loader):
                        tokenizer_parallel_batch_size=8, tokenizer_parallel_chunk_size=4),
                   **loader)
     return DatasetFactory.get_default_config({"json_dataset": loader})
-
-
-def load(cfg, tokenizer, processes=1, **kwargs):
-    return [DatasetFactory.load_dataset(cfg, tokenizer, process_index=p,
-                                        process_count=processes, **kwargs)
-            for p in range(processes)]
-
-
-def read(datasets, n):
-    """n global batches: the processes' rows, concatenated in process order."""
-    iterators = [iter(d) for d in datasets]
-    out = []
-    for _ in range(n):
-        parts = [next(it)[0] for it in iterators]
-        out.append({k: np.concatenate([p[k] for p in parts]) for k in parts[0]})
-    for it in iterators:
-        it.close()
-    return out
-
-
-def assert_same(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        assert x.keys() == y.keys()
-        for k in x:
-            np.testing.assert_array_equal(x[k], y[k], err_msg=k)
 
 
 @pytest.mark.parametrize("shuffle, segment_ids, before, after", [
@@ -233,7 +208,8 @@ def test_config_and_state_errors(data, tokenizer):
     with pytest.raises(UserError) as e:
         DatasetFactory.load_dataset(DatasetFactory.get_default_config({"type": "csv"}),
                                     tokenizer)
-    assert str(e.value) == "unknown dataset type 'csv'; expected json or huggingface"
+    assert str(e.value) == ("unknown dataset type 'csv'; expected json, huggingface, cache, "
+                            "mixture")
     first = load(config(data[0] / "*.jsonl"), tokenizer, processes=2)
     [other] = load(config(data[0] / "*.jsonl", batch_size=8), tokenizer)
     with pytest.raises(UserError) as e:

@@ -17,6 +17,10 @@ Work. `reader.py` reads slots in windows, tokenizes them beside packing (a worke
 or `tokenizer_processes` worker processes) and packs batches ahead of the trainer in a
 background thread. The results do not depend on window sizes or worker counts.
 
+Mixtures (`mixture.py`) and token caches (`cache.py`) are orders and sources like the
+others: the layout, packing, state and shares above apply to them unchanged; a mixture
+adds its weights to the state and per-source counters to each row.
+
 Evaluation (`for_eval=True`) is one pass in file order. Every process tokenizes the
 whole eval set (it is small) so that all agree, without talking, on how many batches
 there are; the last rows are padded with loss mask 0 and each process yields its rows.
@@ -41,6 +45,9 @@ STATE_VERSION = 1
 _MAX_WARNINGS = 10
 
 
+_TYPES = {"json": "json_dataset", "huggingface": "huggingface_dataset", "cache": "cache",
+          "mixture": "mixture"}   # --train_dataset.type -> its block of options
+
 _LOADER_HELP = {
     "seq_length": "tokens per row; documents are packed into rows and split across them",
     "batch_size": "rows per batch, over all processes together",
@@ -54,24 +61,30 @@ _LOADER_HELP = {
 }
 
 
-def _loader_config(config):
-    """Options shared by both source types (EasyLM keeps them per type)."""
+_TOKENIZING = ("tokenizer_processes", "tokenizer_parallel_batch_size",
+               "tokenizer_parallel_chunk_size")   # not for a token cache: nothing to tokenize
+
+
+def _loader_config(config, tokenizes=True):
+    """Options shared by the source types (EasyLM keeps them per type)."""
     config.seq_length = 1024
     config.batch_size = 8
     config.shuffle = False
     config.seed = 0
     config.segment_ids = False
     config.strict = False
-    config.tokenizer_processes = 1
-    config.tokenizer_parallel_batch_size = 1024
-    config.tokenizer_parallel_chunk_size = 64
+    if tokenizes:
+        config.tokenizer_processes = 1
+        config.tokenizer_parallel_batch_size = 1024
+        config.tokenizer_parallel_chunk_size = 64
     return config
 
 
 class DatasetFactory:
 
     HELP = {
-        "type": "json or huggingface: which of json_dataset.* / huggingface_dataset.* is used",
+        "type": "json, huggingface, cache or mixture: which of json_dataset.*, "
+            "huggingface_dataset.*, cache.*, mixture.* is used",
         "json_dataset.path": "JSON-lines files: 'embedded', a path, a glob, a comma-separated "
                              "list; local or fsspec URLs (gs://...)",
         "huggingface_dataset.path": "a save_to_disk directory, a builder such as json (with "
@@ -81,9 +94,14 @@ class DatasetFactory:
         "huggingface_dataset.data_files": "comma-separated files for a builder such as json",
         "huggingface_dataset.streaming": "iterate without downloading/preparing it all first",
         "huggingface_dataset.shuffle_buffer_size": "shuffle buffer of a streaming dataset",
+        "cache.path": "a token cache directory written by python -m easylm.data.cache (local "
+                      "or an fsspec URL)",
+        "mixture.sources": "the mixture's sources, weights and per-source options: a .json "
+                           "or .yaml file, or the JSON itself (see docs/data.md)",
         **{f"text_processor.{k}": v for k, v in TextProcessor.HELP.items()},
-        **{f"{source}.{k}": v for k, v in _LOADER_HELP.items()
-           for source in ("json_dataset", "huggingface_dataset")},
+        **{f"{block}.{k}": v for k, v in _LOADER_HELP.items() for block in _TYPES.values()
+           if block != "cache" or k not in _TOKENIZING},
+        "cache.strict": "refuse a cache whose build skipped malformed or empty documents",
     }
 
     @staticmethod
@@ -100,6 +118,10 @@ class DatasetFactory:
         config.huggingface_dataset.data_files = ""
         config.huggingface_dataset.streaming = False
         config.huggingface_dataset.shuffle_buffer_size = 10000
+        config.cache = _loader_config(ConfigDict(), tokenizes=False)
+        config.cache.path = ""
+        config.mixture = _loader_config(ConfigDict())
+        config.mixture.sources = ""
         if updates is not None:
             config.update(ConfigDict(updates).copy_and_resolve_references())
         return config
@@ -109,34 +131,63 @@ class DatasetFactory:
                      process_count=None):
         """process_index/process_count default to JAX's; tests pass them to simulate hosts."""
         config = cls.get_default_config(config)
-        processor = TextProcessor(config.text_processor, tokenizer)
-        if config.type == "json":
-            loader = config.json_dataset
-            source = JsonSource(loader.path)
-            order = IndexedOrder(source, loader.shuffle and not for_eval, loader.seed)
-        elif config.type == "huggingface":
-            loader = config.huggingface_dataset
-            if not loader.path:
-                raise UserError("--train_dataset.type=huggingface needs "
-                                "huggingface_dataset.path")
-            source = HuggingfaceSource(loader)
-            shuffle = loader.shuffle and not for_eval
-            order = (StreamingOrder(source, shuffle, loader.seed, loader.shuffle_buffer_size)
-                     if source.streaming else IndexedOrder(source, shuffle, loader.seed))
+        if config.type not in _TYPES:
+            raise UserError(f"unknown dataset type {config.type!r}; expected "
+                            f"{', '.join(_TYPES)}")
+        loader = config[_TYPES[config.type]]
+        shuffle = loader.shuffle and not for_eval
+        if config.type == "mixture":
+            from easylm.data.mixture import load_mixture
+
+            order, processor = load_mixture(loader, config.text_processor, tokenizer, shuffle,
+                                            for_eval)
         else:
-            raise UserError(f"unknown dataset type {config.type!r}; expected json or "
-                            f"huggingface")
+            source, processor = open_source(config.type, loader, config.text_processor,
+                                            tokenizer, loader.strict)
+            order = make_order(source, loader, shuffle, loader.seed)
         if process_index is None or process_count is None:
             import jax
 
             process_index, process_count = jax.process_index(), jax.process_count()
-        return Dataset(loader, order, processor, for_eval, process_index, process_count)
+        return Dataset(loader, order, processor, tokenizer, for_eval, process_index,
+                       process_count)
+
+
+def open_source(kind, options, text_processor, tokenizer, strict):
+    """(source, what tokenizes its records) for a json, huggingface or cache block of
+    options; a token cache needs no tokenizing once its settings match the run's."""
+    if kind == "json":
+        return JsonSource(options.path), TextProcessor(text_processor, tokenizer)
+    if kind == "huggingface":
+        if not options.path:
+            raise UserError("--train_dataset.type=huggingface needs huggingface_dataset.path")
+        return HuggingfaceSource(options), TextProcessor(text_processor, tokenizer)
+    if kind == "cache":
+        from easylm.data.cache import CacheSource
+
+        if not options.path:
+            raise UserError("--train_dataset.type=cache needs cache.path (a directory written "
+                            "by python -m easylm.data.cache)")
+        source = CacheSource(options.path)
+        source.check(tokenizer, text_processor, strict)
+        return source, None
+    raise UserError(f"unknown source type {kind!r}; expected json, huggingface or cache")
+
+
+def make_order(source, options, shuffle, seed):
+    if getattr(source, "streaming", False):
+        return StreamingOrder(source, shuffle, seed, options.shuffle_buffer_size)
+    return IndexedOrder(source, shuffle, seed)
 
 
 class Dataset:
 
-    def __init__(self, config, order, processor, for_eval, process_index, process_count):
+    def __init__(self, config, order, processor, tokenizer, for_eval, process_index,
+                 process_count):
+        """processor: what the reader tokenizes records with (a TextProcessor, one per
+        source of a mixture, or None for a token cache)."""
         self.config, self.order, self.processor = config, order, processor
+        self._tokenizer = tokenizer
         self.for_eval = for_eval
         self.process_index, self.process_count = process_index, process_count
         B = config.batch_size
@@ -148,10 +199,12 @@ class Dataset:
                             f"processes")
         local = B // process_count
         self.rows = range(process_index * local, (process_index + 1) * local)
-        tokenizer = processor.tokenizer
         self.pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0)
                            if i is not None)
         self._positions = {r: (r, 0) for r in range(B)}
+        self.mixture = getattr(order, "names", None)   # the sources of a mixture
+        # documents finished and target tokens, per row and source (mixtures only)
+        self._counts = np.zeros((B, len(self.mixture or ()), 2), np.int64)
         self._batches = 0
         self._skipped = 0
         self._prefetcher = None
@@ -166,11 +219,11 @@ class Dataset:
 
     @property
     def tokenizer(self):
-        return self.processor.tokenizer
+        return self._tokenizer
 
     @property
     def vocab_size(self):
-        return len(self.processor.tokenizer)
+        return len(self._tokenizer)
 
     def __iter__(self):
         return self.iterate()
@@ -183,15 +236,19 @@ class Dataset:
         self.close()
         if self.for_eval:   # every process packs all rows; see the module docstring
             positions, batches = {r: (r, 0) for r in range(self.batch_size)}, 0
+            counts = np.zeros_like(self._counts)
         else:
             positions, batches = {r: self._positions[r] for r in self.rows}, self._batches
-        generator = self._generate(positions, batches)
+            counts = self._counts.copy()
+        generator = self._generate(positions, batches, counts)
         prefetcher = Prefetcher(generator if place is None else _placed(generator, place))
         self._prefetcher = prefetcher
         try:
             for batch, metrics, state in prefetcher:
                 if state is not None:
-                    self._positions.update(state)
+                    positions, counts = state
+                    self._positions.update(positions)
+                    self._counts[self.rows.start:self.rows.stop] = counts
                     self._batches += 1
                 yield batch, metrics
         finally:
@@ -214,6 +271,9 @@ class Dataset:
         (it gathers all streams); with simulated ones, merge with merge_state_dicts."""
         state = dict(self._fixed(), batches=self._batches,
                      streams={str(r): list(self._positions[r]) for r in self.rows})
+        if self.mixture:
+            state["mixture"] = self.order.state_dict()
+            state["source_counts"] = {str(r): self._counts[r].tolist() for r in self.rows}
         import jax
 
         if self.process_count > 1 and jax.process_count() == self.process_count:
@@ -227,11 +287,17 @@ class Dataset:
             if state.get(key) != fixed[key]:
                 raise UserError(f"the data state was saved with {key}={state.get(key)!r} "
                                 f"but this run has {key}={fixed[key]!r}")
+        if (state.get("mixture") is None) == bool(self.mixture):
+            raise UserError("the data state was saved from a mixture but this run's dataset is "
+                            "not one" if self.mixture is None else "the data state was not "
+                            "saved from a mixture but this run's dataset is one")
         saved, now = state.get("num_documents"), fixed["num_documents"]
-        if saved is not None and now is not None and saved != now:
+        if self.mixture:   # checks each source's size, and may change the weights
+            self.order.load_state_dict(state["mixture"], state["streams"].values())
+        elif saved is not None and now is not None and saved != now:
             raise UserError(f"the data changed: the state was saved with {saved} "
                             f"documents, the source now has {now}")
-        if saved is not None and now is None:
+        elif saved is not None and now is None:
             self.order.num_documents = saved   # a streaming source's learnt epoch size
         missing = [r for r in self.rows if str(r) not in state["streams"]]
         if missing:
@@ -239,14 +305,19 @@ class Dataset:
                             f"process {self.process_index}; merge the states of all "
                             f"processes (merge_state_dicts)")
         self._positions = {int(r): tuple(p) for r, p in state["streams"].items()}
+        for r, counts in state.get("source_counts", {}).items():
+            self._counts[int(r)] = counts
         self._batches = state["batches"]
 
     # -- production (runs in the background thread) ------------------------------------
 
-    def _generate(self, positions, batches):
-        """Yields (batch, metrics, positions of this process's rows after the batch)."""
+    def _generate(self, positions, batches, counts):
+        """Yields (batch, metrics, (positions, source counts) of this process's rows after
+        the batch); counts: (B, sources, 2), updated in place for the rows served."""
         B, T = self.config.batch_size, self.config.seq_length
-        streams = {r: Stream(T, *position) for r, position in positions.items()}
+        track = bool(self.mixture)
+        streams = {r: Stream(T, *position, track=track) for r, position in positions.items()}
+        with_segments = self.config.segment_ids or track   # a mixture counts by segment
         reader = WindowReader(self.order, self.processor, streams, B, self.config,
                               single_pass=self.for_eval, skip=self._skip)
         busy, tokens = 0.0, 0
@@ -254,25 +325,34 @@ class Dataset:
             while True:
                 t = time.perf_counter()
                 for stream in streams.values():
-                    while not stream.has_row() and reader.fill():
-                        pass
+                    while not stream.has_row():
+                        if stream.ended:
+                            raise UserError(f"{stream.ended} (making batch {batches + 1})")
+                        if not reader.fill():
+                            break
                 if self.for_eval and all(s.is_done() for s in streams.values()):
                     return
-                rows = {r: s.next_row(self.pad_id) for r, s in streams.items()}
+                rows = {r: s.next_row(self.pad_id, with_segments) for r, s in streams.items()}
                 batch = _make_batch([rows[r] for r in self.rows], self.config.segment_ids)
                 batches += 1
                 tokens += batch["target_tokens"].size
-                busy += time.perf_counter() - t
+                after = {r: s.position() for r, s in streams.items()}
+                frontier = min(slot for slot, _ in after.values())
                 metrics = dict(
                     dataset_batches=batches,
                     dataset_total_tokens=batches * B * T,
-                    dataset_epoch=min(self.order.epoch(s.position()[0])
-                                      for s in streams.values()),
+                    dataset_epoch=self.order.epoch(frontier),
                     dataset_skipped_documents=self._skipped,
-                    dataset_tokens_per_second=tokens / max(busy, 1e-9),
                 )
-                state = None if self.for_eval else {
-                    r: streams[r].position() for r in self.rows}
+                if self.mixture:
+                    self.order.count(counts, streams, {r: row[2] for r, row in rows.items()})
+                    metrics.update(self.order.metrics(counts[self.rows.start:self.rows.stop],
+                                                      frontier))
+                busy += time.perf_counter() - t
+                metrics["dataset_tokens_per_second"] = tokens / max(busy, 1e-9)
+                state = None if self.for_eval else (
+                    {r: after[r] for r in self.rows},
+                    counts[self.rows.start:self.rows.stop].copy())
                 yield batch, metrics, state
         finally:
             reader.close()
@@ -288,10 +368,11 @@ class Dataset:
 
 
 def _make_batch(rows, with_segments):
-    tokens, masks, segments = (np.stack(x) for x in zip(*rows))   # (b, T+1) each
+    tokens, masks = (np.stack(x) for x in list(zip(*rows))[:2])   # (b, T+1) each
     batch = dict(input_tokens=tokens[:, :-1], target_tokens=tokens[:, 1:],
                  loss_masks=masks[:, 1:])
     if with_segments:
+        segments = np.stack([row[2] for row in rows])
         batch["segment_ids"] = segments[:, :-1]
         batch["positions"] = segment_positions(segments[:, :-1])
     return batch
@@ -300,6 +381,8 @@ def _make_batch(rows, with_segments):
 def merge_state_dicts(states):
     """One state from the states of all processes (each holds its own rows)."""
     merged = dict(states[0], streams={})
+    if "source_counts" in merged:
+        merged["source_counts"] = {}
     for state in states:
         for key in ("version", "batch_size", "seq_length", "shuffle", "seed", "batches"):
             if state[key] != merged[key]:
@@ -307,6 +390,7 @@ def merge_state_dicts(states):
                                 f"{merged[key]!r} vs {state[key]!r}")
         merged["num_documents"] = merged["num_documents"] or state["num_documents"]
         merged["streams"].update(state["streams"])
+        merged.get("source_counts", {}).update(state.get("source_counts", {}))
     return merged
 
 

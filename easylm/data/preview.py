@@ -5,7 +5,9 @@
         --train_dataset.text_processor.fields='[prompt],answer'
 
 prints the first documents as text with the spans that get no loss inside [[ ]], then
-token and loss statistics over the first batches (all processes' rows).
+token and loss statistics over the first batches (all processes' rows). Token caches
+(--train_dataset.type=cache) and mixtures (type=mixture, each document labelled with its
+source, and per-source counts) preview the same way.
 """
 
 import sys
@@ -14,7 +16,7 @@ from ml_collections import ConfigDict
 
 from easylm import flags
 from easylm.data.dataset import DatasetFactory
-from easylm.data.reader import tokenize_records
+from easylm.data.reader import prepare_records
 from easylm.errors import exit_on_user_error
 from easylm.tokenizer import load_tokenizer
 
@@ -51,10 +53,12 @@ def preview(config, tokenizer, num_examples, num_batches):
     dataset = DatasetFactory.load_dataset(config, tokenizer, process_index=0,
                                           process_count=1)
     slots = list(range(min(num_examples, dataset.order.num_documents or num_examples)))
-    documents = tokenize_records(dataset.order.read(slots), dataset.processor)
+    records = dataset.order.read(slots)
+    documents = prepare_records(records, dataset.processor)
     lines = ["legend: [[text]] gets no loss", ""]
-    for slot, document in zip(slots, documents):
-        lines.append(f"--- document {slot}")
+    for slot, record, document in zip(slots, records, documents):
+        source = f" (source {dataset.mixture[record[2]]})" if dataset.mixture else ""
+        lines.append(f"--- document {slot}{source}")
         if isinstance(document, tuple):
             tokens, masks = document
             lines += [render(tokenizer, tokens, masks),
@@ -64,7 +68,7 @@ def preview(config, tokenizer, num_examples, num_batches):
         lines.append("")
 
     batches = targets = loss = starts = 0
-    metrics = {}
+    metrics = counted = {}
     for batch, metrics in dataset:
         if batches == num_batches:
             break
@@ -72,6 +76,7 @@ def preview(config, tokenizer, num_examples, num_batches):
         targets += batch["target_tokens"].size
         loss += int(batch["loss_masks"].sum())
         starts += int((batch["input_tokens"] == tokenizer.bos_token_id).sum())
+        counted = metrics   # the counters as of the last batch counted
     dataset.close()
     lines += [
         f"{batches} batches of "
@@ -81,6 +86,10 @@ def preview(config, tokenizer, num_examples, num_batches):
         f"documents skipped: {metrics.get('dataset_skipped_documents', 0)}",
         f"pipeline speed: {metrics.get('dataset_tokens_per_second', 0):.0f} tokens/s",
     ]
+    for name in dataset.mixture or ():
+        tokens = counted.get(f"source/{name}/tokens", 0)
+        lines.append(f"source {name}: {counted.get(f'source/{name}/documents', 0)} documents "
+                     f"finished, {tokens} target tokens ({100 * tokens / max(targets, 1):.1f}%)")
     return "\n".join(lines)
 
 

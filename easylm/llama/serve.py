@@ -15,6 +15,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+from absl import logging as absl_logging
 from ml_collections import ConfigDict
 
 from easylm import flags as flag_lib
@@ -27,6 +28,8 @@ from easylm.serving.batcher import Batcher
 from easylm.serving.engine import ModelFns
 from easylm.sharding import init_sharded, make_mesh, match_partition_rules, named_shardings
 from easylm.trainer import dtype_from_flag
+
+log = logging.getLogger("easylm.llama.serve")  # not __name__: that is __main__ under -m
 
 
 def llama_model_fns(config: LLaMAConfig, dtype=jnp.float32, param_dtype=jnp.float32):
@@ -49,7 +52,8 @@ def default_config() -> ConfigDict:
     config.dtype = "auto"
     config.update(engine_lib.get_default_config())
     config.update(server_lib.get_default_config())
-    config.llama = LLaMAConfig.get_default_config()
+    # The trainer's default model, so that both commands with no flags mean the same one.
+    config.llama = LLaMAConfig.get_default_config({"base_model": "embedded"})
     return config
 
 
@@ -101,7 +105,7 @@ def load_params(config: ConfigDict, model: LLaMAForCausalLM, mesh):
     shardings = named_shardings(mesh, match_partition_rules(PARTITION_RULES, shapes))
     dtype = model.param_dtype
     if not config.load_checkpoint:
-        logging.warning("no --load_checkpoint: serving RANDOM weights")
+        log.warning("no --load_checkpoint: serving RANDOM weights")
         params = init_sharded(model.init_params, PARTITION_RULES, mesh, jax.random.PRNGKey(0))
         return jax.tree.map(lambda x: x.astype(dtype), params)
     prefix, _, path = config.load_checkpoint.partition("::")
@@ -141,7 +145,7 @@ def build(config: ConfigDict):
     if config.pre_compile:
         start = time.time()
         engine.warmup()
-        logging.info("pre-compiled %d prompt buckets and %d decode windows in %.1fs",
+        log.info("pre-compiled %d prompt buckets and %d decode windows in %.1fs",
                      len(engine.length_buckets), len(engine.decode_buckets), time.time() - start)
     stop_ids = {i for i in (tokenizer.eos_token_id, llama.eos_token_id) if i is not None}
     batcher = Batcher(engine, stop_ids).start()
@@ -154,11 +158,15 @@ def main(argv=None):
     argv = argv or sys.argv
     usage = "usage: python -m easylm.llama.serve [--flag=value ...]"
     config = flag_lib.parse(default_config(), help_entries(), argv, usage)
-    # force: importing orbax already gave the root logger a WARNING-level handler (absl).
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
+    sock = server_lib.bind(config)
+    # The console shows easylm's own lines (and warnings), not orbax's and jax's INFO chatter.
+    # force: importing orbax already gave the root logger a handler (absl's).
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s",
                         force=True)
-    app, _ = build(config)
-    server_lib.run(app, config)
+    logging.getLogger("easylm").setLevel(logging.INFO)
+    absl_logging.set_verbosity(absl_logging.ERROR)
+    app, batcher = build(config)
+    server_lib.run(app, config, batcher, sock)
 
 
 if __name__ == "__main__":

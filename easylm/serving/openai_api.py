@@ -176,7 +176,9 @@ def router(service: Service) -> APIRouter:
     async def models():
         return {"object": "list", "data": [{
             "id": name, "object": "model", "created": 0, "owned_by": "easylm",
-            "max_model_len": service.seq_length}]}
+            "max_model_len": service.seq_length,
+            # easylm's: the largest max_tokens a request may ask for (the chat page's limit)
+            "max_tokens": service.config.max_tokens}]}
 
     @api.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

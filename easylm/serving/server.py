@@ -18,7 +18,10 @@ import importlib.resources
 import json
 import logging
 import re
+import socket
 from typing import Annotated, Sequence
+
+import jax
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -38,7 +41,7 @@ MAX_STOPS = 16  # stop strings per prompt (OpenAI allows 4; lm-eval sends a few)
 
 HELP = {
     "host": "address to bind; 127.0.0.1 serves this machine only, 0.0.0.0 every interface",
-    "port": "TCP port",
+    "port": "TCP port (0: any free one; the ready line names it)",
     "api_key": "if set, every API request needs the header `Authorization: Bearer KEY`",
     "model_name": "the model id in /v1/models; requests naming another model get a 404",
     "max_request_bytes": "largest request body accepted (413 above)",
@@ -399,8 +402,52 @@ def sse(data) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
-def run(app: FastAPI, config: ConfigDict):
+def bind(config: ConfigDict) -> socket.socket:
+    """The server's socket, bound before the model loads, so that a port already in use is
+    one error line at once, not after minutes of loading. `--port=0` takes a free port."""
+    sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((config.host, config.port))
+    except OSError as e:
+        sock.close()
+        raise UserError(f"--host={config.host} --port={config.port}: cannot listen there "
+                        f"({e.strerror or e}); is another server running? pick another --port")
+    return sock
+
+
+def ready_line(config: ConfigDict, batcher: Batcher, port: int) -> str:
+    """What a user needs once the server listens: where, which model, and its limits."""
+    host = config.host
+    if host in ("0.0.0.0", "::", ""):  # every interface: name this machine, not 0.0.0.0
+        host = socket.gethostname()
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    engine = batcher.engine
+    leaves = jax.tree.leaves(engine.params)
+    parameters = sum(x.size for x in leaves)
+    dtypes = "/".join(sorted({str(x.dtype) for x in leaves}))
+    key = " | API key required" if config.api_key else ""
+    return (f"ready: chat page {url}/ | OpenAI API {url}/v1 | model '{config.model_name}': "
+            f"{parameters:,} parameters, {dtypes}, context {engine.seq_length} tokens, "
+            f"{engine.batch_size} batch slots{key}")
+
+
+def run(app: FastAPI, config: ConfigDict, batcher: Batcher, sock: socket.socket | None = None):
+    """Serve until interrupted; prints the ready line once the socket accepts connections.
+    uvicorn logs warnings and errors only: no per-request lines."""
     import uvicorn
 
-    uvicorn.run(app, host=config.host, port=config.port, log_level="info",
-                **limits.uvicorn_settings(config))
+    sock = sock or bind(config)
+    ready = ready_line(config, batcher, sock.getsockname()[1])
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started:
+                print(ready, flush=True)
+
+    try:
+        Server(uvicorn.Config(app, log_level="warning", **limits.uvicorn_settings(config))
+               ).run(sockets=[sock])
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn has shut down cleanly, then re-raised it
+        pass

@@ -1,0 +1,526 @@
+"""A token cache: tokenize a dataset once, then train from its token ids.
+
+    python -m easylm.data.cache --tokenizer=DIR --output=web-cache \\
+        --train_dataset.json_dataset.path='web/*.jsonl' [--processes=8]
+    python -m easylm.data.cache --output=web-cache --verify
+    ... --train_dataset.type=cache --train_dataset.cache.path=web-cache
+
+A cache directory (local or an fsspec URL) holds:
+  build.json               what is being built: source, tokenizer, text processor, shards
+  shard-00000.tokens.npy   the shard's documents' token ids end to end (uint16 when the
+                           vocabulary fits, else uint32)
+  shard-00000.masks.npy    their loss masks, uint8 0/1
+  shard-00000.offsets.npy  int64 (documents + 1,): document i is tokens[offsets[i]:offsets[i+1]]
+  shard-00000.json         written after the shard's files: counts, byte sizes, sha256s
+  index.json               written last: build.json and every shard's entry
+
+Shard i holds documents [i * shard_size, (i + 1) * shard_size) of the source in file
+order. A document the pipeline would skip (malformed, empty) stays, with no tokens, so the
+cache has the source's documents one for one: with the same loader options it gives the
+batches of on-the-fly processing bit for bit (shuffle, packing, shares, exact state),
+and a run can even switch between the two on resume. Worker processes build whole
+shards; a build killed and run again keeps the shards whose .json is written and
+rebuilds the rest, and since the files are deterministic the checksums match an
+uninterrupted build. The reader checks every shard's size against the index when it
+opens the cache and the shapes when it opens a shard; --verify checks the checksums.
+
+Why .npy and not array_record or grain: numpy is here already, a memory-mapped .npy
+gives a document as a zero-copy slice, and fsspec reads byte ranges of one anywhere;
+array_record stores opaque byte records (a parse per document) behind its own file layer,
+and grain brings its own sampler and checkpoint state, which would replace the exact
+state of this pipeline rather than fit into it. No pickle: JSON and .npy (allow_pickle
+off).
+"""
+
+import hashlib
+import io
+import json
+import logging
+import os
+import sys
+import time
+from concurrent import futures
+
+import fsspec
+import numpy as np
+from ml_collections import ConfigDict
+
+from easylm.errors import UserError, exit_on_user_error
+
+logger = logging.getLogger(__name__)
+VERSION = 1
+_KINDS = ("tokens", "masks", "offsets")
+_CHUNK = 256            # documents per tokenizer call while building
+_MAX_OPEN_SHARDS = 64   # memory maps / file handles kept open while reading
+
+
+def tokenizer_identity(tokenizer):
+    """What must match between a cache and a run: the whole tokenizer.json and the
+    special tokens the text processor uses."""
+    return dict(sha256=hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode())
+                .hexdigest(), vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id)
+
+
+def processor_settings(text_processor, tokenizer):
+    """The --train_dataset.text_processor.* options, and in chat mode the template they
+    resolve to (a template file may change under the same flag)."""
+    from easylm.data.text import TextProcessor
+
+    settings = dict(ConfigDict(text_processor).to_dict())
+    if settings.get("chat"):
+        template = TextProcessor(text_processor, tokenizer).chat_template
+        settings["chat_template_sha256"] = hashlib.sha256(template.encode()).hexdigest()
+    return settings
+
+
+def _name(shard, kind):
+    return f"shard-{shard:05d}.{kind}.npy" if kind in _KINDS else f"shard-{shard:05d}.json"
+
+
+# ------------------------------------------------------------------------------- build
+
+
+def build(dataset_config, tokenizer, output, shard_size=65536, processes=1, progress=True):
+    """Builds (or finishes) the cache of the json or map-style huggingface dataset that
+    `dataset_config` (a DatasetFactory config) names. Returns the index."""
+    from easylm.data.dataset import DatasetFactory, open_source
+    from easylm.data.text import TextProcessor
+
+    config = DatasetFactory.get_default_config(dataset_config)
+    if config.type not in ("json", "huggingface"):
+        raise UserError(f"python -m easylm.data.cache builds from --train_dataset.type=json "
+                        f"or huggingface, not {config.type!r}")
+    if shard_size <= 0:
+        raise UserError(f"--shard_size must be positive, got {shard_size}")
+    loader = config.json_dataset if config.type == "json" else config.huggingface_dataset
+    source, processor = open_source(config.type, loader, config.text_processor, tokenizer,
+                                    loader.strict)
+    if getattr(source, "streaming", False):
+        raise UserError("a token cache needs a source with a known length; set "
+                        "huggingface_dataset.streaming=False")
+    vocab = max(len(tokenizer), 1 + max(tokenizer.all_special_ids or [0]))
+    settings = dict(
+        version=VERSION, source=dict(type=config.type, **loader.to_dict()),
+        tokenizer=tokenizer_identity(tokenizer),
+        text_processor=processor_settings(config.text_processor, tokenizer),
+        num_documents=len(source), shard_size=shard_size,
+        dtype="uint16" if vocab <= 1 << 16 else "uint32")
+    for key in ("seq_length", "batch_size", "shuffle", "seed", "segment_ids",
+                "tokenizer_processes", "tokenizer_parallel_batch_size",
+                "tokenizer_parallel_chunk_size"):
+        settings["source"].pop(key)   # reading options: the cache serves any of them
+    fs, root = fsspec.core.url_to_fs(output)
+    fs.makedirs(root, exist_ok=True)
+    _start_or_resume(fs, root, output, settings)
+    num_shards = -(-settings["num_documents"] // shard_size)
+    done = {i: entry for i in range(num_shards)
+            if (entry := _finished_shard(fs, root, i)) is not None}
+    todo = [i for i in range(num_shards) if i not in done]
+    start, started = time.time(), None
+    work = _ShardWriter(processor, settings["dtype"], loader.strict, fs, root)
+
+    def records(i):
+        return source.read(np.arange(i * shard_size,
+                                     min((i + 1) * shard_size, settings["num_documents"])))
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=num_shards, initial=len(done), desc=f"building {output}", unit="shard",
+               disable=None if progress else True)
+    try:
+        if processes <= 1:
+            for i in todo:
+                done[i] = work(i, records(i))
+                bar.update()
+        else:
+            started = _build_in_processes(work, todo, records, processes, done, bar)
+    finally:
+        bar.close()
+        source.close()
+    shards = [done[i] for i in range(num_shards)]
+    index = dict(settings, shards=shards, documents=settings["num_documents"],
+                 tokens=sum(s["tokens"] for s in shards),
+                 skipped=sum(s["skipped"] for s in shards),
+                 build_seconds=time.time() - start, built_shards=len(todo),
+                 start_seconds=started - start if started else 0.0)
+    _write_json(fs, f"{root}/index.json", {k: v for k, v in index.items()
+                                           if k not in _RUN_ONLY})
+    return index
+
+
+def _start_or_resume(fs, root, output, settings):
+    path = f"{root}/build.json"
+    if fs.exists(path):
+        with fs.open(path, "rb") as f:
+            previous = json.load(f)
+        if previous != settings:
+            key, was, now = _first_difference(previous, settings)
+            raise UserError(f"{output} holds a cache build with other settings ({key} was "
+                            f"{was!r}, now {now!r}); use another --output, or delete it")
+    else:
+        _write_json(fs, path, settings)
+
+
+def _first_difference(a, b, prefix=""):
+    for key in sorted(set(a) | set(b)):
+        x, y = a.get(key), b.get(key)
+        if isinstance(x, dict) and isinstance(y, dict):
+            found = _first_difference(x, y, f"{prefix}{key}.")
+            if found:
+                return found
+        elif x != y:
+            return f"{prefix}{key}", x, y
+    return None
+
+
+def _finished_shard(fs, root, i):
+    """The shard's entry if its .json was written and its files have the sizes it
+    says; None means build it (again)."""
+    try:
+        with fs.open(f"{root}/{_name(i, 'json')}", "rb") as f:
+            entry = json.load(f)
+        if all(fs.size(f"{root}/{_name(i, kind)}") == entry["files"][kind]["bytes"]
+               for kind in _KINDS):
+            return entry
+    except (FileNotFoundError, ValueError, KeyError):   # not written, or cut off
+        pass
+    return None
+
+
+def _build_in_processes(work, todo, records, processes, done, bar):
+    """The parent reads each shard's records, spawned workers tokenize and write it;
+    at most `processes` + 1 shards are in flight, so memory stays bounded. Returns when
+    the last worker that got a shard had started (spawned, tokenizer loaded)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")   # JAX and fork do not mix
+    with futures.ProcessPoolExecutor(processes, context, initializer=_init_worker,
+                                     initargs=(work,)) as executor:
+        pending, queue, started = {}, list(todo), 0.0
+        try:
+            while queue or pending:
+                while queue and len(pending) <= processes:
+                    i = queue.pop(0)
+                    pending[executor.submit(_work_in_worker, i, records(i))] = i
+                finished, _ = futures.wait(pending, return_when=futures.FIRST_COMPLETED)
+                for future in finished:
+                    done[pending.pop(future)], ready = future.result()
+                    started = max(started, ready)
+                    bar.update()
+        except BaseException:
+            executor.shutdown(wait=False, cancel_futures=True)
+            raise
+    return started
+
+
+_WORKER = _READY = None
+_RUN_ONLY = ("build_seconds", "built_shards", "start_seconds")   # not in index.json
+
+
+def _init_worker(work):
+    global _WORKER, _READY
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"   # the workers are the parallelism
+    _WORKER, _READY = work, time.time()   # wall clock: comparable across processes
+
+
+def _work_in_worker(i, records):
+    return _WORKER(i, records), _READY
+
+
+class _ShardWriter:
+    """Tokenizes one shard's records and writes its three files, then its .json."""
+
+    def __init__(self, processor, dtype, strict, fs, root):
+        self.processor, self.dtype, self.strict = processor, dtype, strict
+        self.fs, self.root = fs, root
+
+    def __call__(self, shard, records):
+        from easylm.data.reader import tokenize_records
+
+        tokens, masks, lengths, skipped, first_skip = [], [], [], 0, None
+        for i in range(0, len(records), _CHUNK):
+            for document in tokenize_records(records[i:i + _CHUNK], self.processor):
+                if isinstance(document, tuple):
+                    tokens.append(document[0])
+                    masks.append(document[1])
+                    lengths.append(len(document[0]))
+                    continue
+                if isinstance(document, str):
+                    if self.strict:
+                        raise UserError(document)
+                    skipped += 1
+                    first_skip = first_skip or document
+                lengths.append(0)   # kept, empty, so that slots stay the source's
+        tokens = np.concatenate(tokens) if tokens else np.zeros(0, np.int32)
+        masks = np.concatenate(masks) if masks else np.zeros(0, np.float32)
+        limit = np.iinfo(self.dtype).max
+        if len(tokens) and (tokens.min() < 0 or tokens.max() > limit):
+            raise UserError(f"token id {int(tokens.max())} does not fit the cache's "
+                            f"{self.dtype} (the tokenizer's vocabulary decided the dtype); "
+                            f"check <|id|> markers in text_processor.fields")
+        if len(masks) and not np.isin(masks, (0.0, 1.0)).all():
+            raise UserError("a loss mask other than 0 or 1 cannot be cached as uint8")
+        arrays = dict(tokens=tokens.astype(self.dtype), masks=masks.astype(np.uint8),
+                      offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+        files = {}
+        for kind, array in arrays.items():
+            buffer = io.BytesIO()
+            np.save(buffer, array, allow_pickle=False)
+            data = buffer.getvalue()
+            self.fs.pipe_file(f"{self.root}/{_name(shard, kind)}", data)
+            files[kind] = dict(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+        entry = dict(shard=shard, documents=len(lengths), tokens=len(tokens),
+                     skipped=skipped, files=files)
+        _write_json(self.fs, f"{self.root}/{_name(shard, 'json')}", entry)
+        if skipped:
+            logger.warning("shard %d: skipped %d documents (kept empty), the first: %s",
+                           shard, skipped, first_skip)
+        return entry
+
+
+def _write_json(fs, path, obj):
+    """Whole or not at all: a kill while writing leaves no half file under `path`."""
+    fs.pipe_file(path + ".tmp", json.dumps(obj, indent=1).encode())
+    fs.mv(path + ".tmp", path)
+
+
+# ------------------------------------------------------------------------------- read
+
+
+class CacheSource:
+    """A finished token cache as a source (sources.py): document i is shard i //
+    shard_size's document i % shard_size; records are ((tokens, masks), None)."""
+
+    def __init__(self, path):
+        self.path = path.rstrip("/")
+        self.fs, self.root = fsspec.core.url_to_fs(self.path)
+        self.local = "file" in np.atleast_1d(self.fs.protocol)
+        self.index = self._read_index()
+        self._shards = {}
+        listing = {os.path.basename(entry["name"]): entry["size"]
+                   for entry in self.fs.ls(self.root, detail=True)}
+        counts = []
+        for i, entry in enumerate(self.index["shards"]):
+            for kind in _KINDS:
+                name, expected = _name(i, kind), entry["files"][kind]["bytes"]
+                if name not in listing:
+                    raise UserError(f"token cache {path}: shard file {name} is missing")
+                if listing[name] != expected:
+                    raise UserError(f"token cache {path}: {name} has {listing[name]} bytes, "
+                                    f"the index says {expected} (truncated or replaced; "
+                                    f"rebuild the shard, check with --verify)")
+            counts.append(entry["documents"])
+        if sum(counts) != self.index["num_documents"]:
+            raise UserError(f"token cache {path}: its shards hold {sum(counts)} documents, "
+                            f"the index says {self.index['num_documents']}")
+        self._first = np.cumsum([0] + counts)
+
+    def _read_index(self):
+        path = f"{self.root}/index.json"
+        if not self.fs.exists(path):
+            if self.fs.exists(f"{self.root}/build.json"):
+                raise UserError(f"token cache {self.path} is not finished (no index.json); "
+                                f"run python -m easylm.data.cache again with the same "
+                                f"flags to finish it")
+            raise UserError(f"{self.path} is not a token cache (no index.json); build one "
+                            f"with python -m easylm.data.cache")
+        try:
+            with self.fs.open(path, "rb") as f:
+                index = json.load(f)
+            shards = index["shards"]
+            assert all(len(s["files"]) == len(_KINDS) for s in shards)
+        except (ValueError, KeyError, TypeError, AssertionError):
+            raise UserError(f"token cache {self.path}: index.json is not a valid index; "
+                            f"rebuild it with python -m easylm.data.cache") from None
+        if index.get("version") != VERSION:
+            raise UserError(f"token cache {self.path} has version {index.get('version')}, "
+                            f"this easylm reads version {VERSION}; rebuild it")
+        return index
+
+    def check(self, tokenizer, text_processor, strict):
+        """A run must tokenize as the cache was built; a mismatch names both."""
+        now = tokenizer_identity(tokenizer)
+        built = self.index["tokenizer"]
+        if built != now:
+            key = next(k for k in now if built.get(k) != now[k])
+            raise UserError(f"token cache {self.path} was built with another tokenizer "
+                            f"({key} {built.get(key)!r}, this run's --tokenizer has "
+                            f"{now[key]!r}); pass the tokenizer it was built with, or "
+                            f"rebuild the cache")
+        built, now = self.index["text_processor"], processor_settings(text_processor,
+                                                                      tokenizer)
+        if built != now:
+            key = next(k for k in sorted(set(built) | set(now)) if built.get(k) != now.get(k))
+            raise UserError(f"token cache {self.path} was built with text_processor.{key}="
+                            f"{built.get(key)!r} but this run has text_processor.{key}="
+                            f"{now.get(key)!r}; pass the same --train_dataset.text_processor.* "
+                            f"flags, or rebuild the cache")
+        if strict and self.index["skipped"]:
+            raise UserError(f"token cache {self.path} skipped {self.index['skipped']} bad "
+                            f"documents when it was built, and this run has strict=True")
+
+    def __len__(self):
+        return int(self._first[-1])
+
+    def read(self, ids):
+        ids = np.asarray(ids, np.int64)
+        shards = np.searchsorted(self._first, ids, side="right") - 1
+        records = [None] * len(ids)
+        for s in np.unique(shards):
+            where = np.flatnonzero(shards == s)
+            tokens, masks, offsets = self._open(int(s))
+            local = ids[where] - self._first[s]
+            for i, begin, end in zip(where.tolist(), offsets[local].tolist(),
+                                     offsets[local + 1].tolist()):
+                records[i] = ((tokens[begin:end], masks[begin:end]), None)
+        return records
+
+    def _open(self, i):
+        if i in self._shards:
+            return self._shards[i]
+        if len(self._shards) >= _MAX_OPEN_SHARDS:
+            self._close_shard(next(iter(self._shards)))
+        entry = self.index["shards"][i]
+        expected = dict(tokens=((entry["tokens"],), self.index["dtype"]),
+                        masks=((entry["tokens"],), "uint8"),
+                        offsets=((entry["documents"] + 1,), "int64"))
+        arrays = []
+        for kind in _KINDS:
+            name = _name(i, kind)
+            path = f"{self.root}/{name}"
+            try:
+                array = (np.load(path, mmap_mode="r", allow_pickle=False).view(np.ndarray)
+                         if self.local else _RangeArray(self.fs, path))
+            except ValueError as e:
+                raise UserError(f"token cache {self.path}: {name} is not a valid .npy file "
+                                f"({e})") from None
+            if (array.shape, str(array.dtype)) != expected[kind]:
+                raise UserError(f"token cache {self.path}: {name} holds {array.shape} "
+                                f"{array.dtype}, the index says {expected[kind][0]} "
+                                f"{expected[kind][1]}; rebuild the cache")
+            arrays.append(array)
+        offsets = np.asarray(arrays[2][0:entry["documents"] + 1])
+        if offsets[0] != 0 or offsets[-1] != entry["tokens"] or (np.diff(offsets) < 0).any():
+            raise UserError(f"token cache {self.path}: {_name(i, 'offsets')} does not "
+                            f"describe {entry['tokens']} tokens; rebuild the cache")
+        self._shards[i] = arrays[0], arrays[1], offsets
+        return self._shards[i]
+
+    def _close_shard(self, i):
+        for array in self._shards.pop(i)[:2]:
+            if isinstance(array, _RangeArray):
+                array.close()
+
+    def close(self):
+        for i in list(self._shards):
+            self._close_shard(i)
+
+
+class _RangeArray:
+    """A 1-D .npy file on any fsspec filesystem, read by byte range: array[a:b]."""
+
+    def __init__(self, fs, path):
+        self.file = fs.open(path, "rb")
+        read_header = {(1, 0): np.lib.format.read_array_header_1_0,
+                       (2, 0): np.lib.format.read_array_header_2_0}
+        version = np.lib.format.read_magic(self.file)
+        if version not in read_header:
+            raise ValueError(f".npy version {version}")
+        self.shape, _, self.dtype = read_header[version](self.file)
+        self.start = self.file.tell()
+
+    def __getitem__(self, key):
+        begin, end, _ = key.indices(self.shape[0])
+        self.file.seek(self.start + begin * self.dtype.itemsize)
+        data = self.file.read(max(0, end - begin) * self.dtype.itemsize)
+        return np.frombuffer(data, self.dtype)
+
+    def close(self):
+        self.file.close()
+
+
+# ------------------------------------------------------------------------------- verify
+
+
+def verify(path):
+    """Reads every file of the cache and checks counts and checksums; returns the index."""
+    source = CacheSource(path)
+    try:
+        for i, entry in enumerate(source.index["shards"]):
+            for kind in _KINDS:
+                name = _name(i, kind)
+                with source.fs.open(f"{source.root}/{name}", "rb") as f:
+                    digest = hashlib.sha256(f.read()).hexdigest()
+                if digest != entry["files"][kind]["sha256"]:
+                    raise UserError(f"token cache {path}: {name} has sha256 {digest[:12]}..., "
+                                    f"the index says {entry['files'][kind]['sha256'][:12]}...; "
+                                    f"rebuild the cache")
+            source._open(i)                 # shapes and offsets against the index
+            source._close_shard(i)
+    finally:
+        source.close()
+    return source.index
+
+
+# ------------------------------------------------------------------------------- command
+
+USAGE = ("usage: python -m easylm.data.cache --output=DIR [--train_dataset.*=...] "
+         "[--tokenizer=...] [--processes=N] [--shard_size=N] [--verify]")
+
+
+def default_config():
+    from easylm.data.dataset import DatasetFactory
+
+    config = ConfigDict()
+    config.train_dataset = DatasetFactory.get_default_config()
+    config.tokenizer = "embedded"
+    config.output = ""
+    config.processes = 0
+    config.shard_size = 65536
+    config.verify = False
+    return config
+
+
+def help_text():
+    from easylm.data.dataset import DatasetFactory
+
+    return {"tokenizer": "'embedded', a tokenizer directory, tokenizer.json or "
+                         "SentencePiece .model",
+            "output": "the cache directory (local or an fsspec URL); a build killed "
+                      "half-way continues when run again",
+            "processes": "worker processes that tokenize shards (0: one per CPU)",
+            "shard_size": "documents per shard",
+            "verify": "only check the cache in --output: every file's size, shape and "
+                      "sha256 against its index",
+            **{f"train_dataset.{k}": v for k, v in DatasetFactory.HELP.items()}}
+
+
+@exit_on_user_error
+def main(argv=None):
+    from easylm import flags
+    from easylm.tokenizer import load_tokenizer
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s", force=True)
+    c = flags.parse(default_config(), help_text(), argv or sys.argv, USAGE)
+    if not c.output:
+        raise UserError("--output is required: the directory of the cache")
+    if c.verify:
+        index = verify(c.output)
+        print(f"{c.output}: {len(index['shards'])} shards, {index['documents']:,} documents, "
+              f"{index['tokens']:,} tokens; sizes, shapes and checksums match the index")
+        return
+    processes = c.processes or os.cpu_count()
+    index = build(c.train_dataset, load_tokenizer(c.tokenizer), c.output, c.shard_size,
+                  processes)
+    started = (f", {index['start_seconds']:.1f} s of them starting workers"
+               if index["start_seconds"] else "")
+    workers = f"{processes} process" + ("es" if processes > 1 else "")
+    print(f"{c.output}: {len(index['shards'])} shards ({index['built_shards']} built now, "
+          f"{workers}), {index['documents']:,} documents ({index['skipped']} skipped), "
+          f"{index['tokens']:,} tokens, {index['dtype']}; {index['build_seconds']:.1f} s"
+          f"{started}")
+
+
+if __name__ == "__main__":
+    main()
