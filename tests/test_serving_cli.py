@@ -98,7 +98,9 @@ def test_serves_a_hugging_face_directory_like_hf_generate(tmp_path, tokenizer_di
     try:
         prompt = [1, 7, 8, 9, 10]
         body = {"prompt": prompt, "max_tokens": 12, "temperature": 0}
-        response = TestClient(app).post("/v1/completions", json=body).json()
+        # A loopback Host: the server answers no other on a loopback bind.
+        response = TestClient(app, base_url="http://127.0.0.1").post("/v1/completions",
+                                                                     json=body).json()
     finally:
         batcher.stop()
     with torch.no_grad():

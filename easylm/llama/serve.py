@@ -137,6 +137,7 @@ def build(config: ConfigDict):
         raise UserError(f"--seq_length={config.seq_length} is above the model's "
                         f"max_position_embeddings={llama.max_position_embeddings}")
     engine_lib.check_config(config)
+    server_lib.check_config(config)
     mesh = make_mesh(config.mesh_dim)
     fns, model = llama_model_fns(llama, dtype, dtype)
     params = load_params(config, model, mesh)
