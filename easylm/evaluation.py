@@ -110,7 +110,8 @@ class HarnessLM(TemplateLM):
         with tqdm(total=len(rows), disable=disable_tqdm, desc="loglikelihood") as bar:
             for start in range(0, len(order), step):
                 chunk = order[start:start + step]
-                for i, answer in zip(chunk, scoring.score_rows(self.engine, [rows[i] for i in chunk])):
+                job = scoring.summed([rows[i] for i in chunk], list)
+                for i, answer in zip(chunk, scoring.run(self.engine, job)):
                     results[i] = answer
                     if requests[i][0] is not None:
                         self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)

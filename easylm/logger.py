@@ -70,9 +70,16 @@ def format_metrics(step: int, metrics: dict) -> str:
             parts.append(fmt.format(metrics[key]))
     if metrics.get("tokens_per_second") is None and "loss" in metrics:
         parts.append("tokens/s n/a (compiling)")
-    mfu = metrics.get("mfu")
-    parts.append("MFU n/a" if mfu is None else f"MFU {100 * mfu:.1f}%")
+    if metrics.get("mfu") is not None:  # unknown peak: the run's header line says so once
+        parts.append(f"MFU {100 * metrics['mfu']:.1f}%")
     return " | ".join(parts)
+
+
+def progress_postfix(metrics: dict) -> dict:
+    """The progress bar's fields after a log step."""
+    speed = metrics.get("tokens_per_second")  # None while the first step compiles
+    return {"loss": f"{metrics['loss']:.4f}",
+            "tokens/s": "compiling" if speed is None else f"{speed:,.0f}"}
 
 
 class Logger:
@@ -149,8 +156,7 @@ class Logger:
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in metrics.items() if v is not None}, step=step)
         if self.progress is not None and "loss" in metrics:
-            self.progress.set_postfix(loss=f"{metrics['loss']:.4f}",
-                                      tok_s=f"{metrics.get('tokens_per_second') or 0:,.0f}")
+            self.progress.set_postfix(progress_postfix(metrics))
         if echo:
             self.print(format_metrics(step, metrics))
 
