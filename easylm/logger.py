@@ -105,11 +105,7 @@ class Logger:
         _truncate_after(self.metrics_path, start_step)
         self.metrics_file = open(self.metrics_path, "a")
         if config.tensorboard:
-            try:
-                from tensorboardX import SummaryWriter
-            except ImportError:
-                raise UserError("--logger.tensorboard=True needs tensorboardX: "
-                                "pip install tensorboardX (or easylm's eval extra)") from None
+            from tensorboardX import SummaryWriter
 
             # On resume, purge_step makes TensorBoard drop what the run that died logged
             # after the checkpoint, as _truncate_after does for metrics.jsonl. The file

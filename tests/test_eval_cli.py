@@ -4,6 +4,7 @@ written beside it, lm-eval's `--model easylm` registration, and one line per bad
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -67,6 +68,8 @@ def test_evaluates_a_checkpoint_and_writes_results_beside_it(trained):
 def test_registered_as_lm_eval_model_easylm(trained):
     import lm_eval.api.registry
 
+    import easylm.llama.harness  # noqa: F401
+
     directory, tokenizer = trained
     cls = lm_eval.api.registry.get_model("easylm")
     lm = cls.create_from_arg_string(
@@ -104,6 +107,14 @@ def test_bad_input_is_one_line(trained, tmp_path, capsys, monkeypatch):
     assert not os.path.exists(missing + "-eval")  # failed before writing anything
     assert expect_error([f"--load_checkpoint=hf::{missing}", *local, "--tasks=tiny_mc"],
                         capsys).startswith(missing)
+    # Without lm-eval: the line says how to install it.
+    with monkeypatch.context() as patch:
+        patch.setitem(sys.modules, "lm_eval", None)  # as if not installed
+        patch.delitem(sys.modules, "easylm.evaluation")
+        message = expect_error([*good, "--tasks=tiny_mc"], capsys)
+        assert re.fullmatch(r"the Python package 'lm_eval' is not installed \(needed by "
+                            r"easylm/evaluation\.py:\d+\); install the eval extra: "
+                            r'pip install -e "\.\[eval\]"', message), message
     blocked = tmp_path / "file"
     blocked.write_text("")
     assert expect_error([*good, "--tasks=tiny_mc", f"--output_dir={blocked}/out"], capsys) == (

@@ -8,24 +8,20 @@
 Prints lm-eval's table and writes its results as JSON (and with --log_samples every
 request and response) to --output_dir, by default CHECKPOINT-eval/ beside the
 checkpoint. The model loads as `easylm.llama.serve` loads it; its engine flags
-(--batch_size, --seq_length, ...) are the server's. Importing this module also
-registers the model with lm-eval as `easylm` (model_args: these flags).
-See docs/evaluation.md.
+(--batch_size, --seq_length, ...) are the server's. lm-eval's `--model easylm` is
+`easylm.llama.harness`. See docs/evaluation.md.
 """
 
 import logging
 import os
 import sys
 
-from lm_eval.api.registry import register_model
-from lm_eval.utils import simple_parse_args_string
 from ml_collections import ConfigDict
 from ml_collections.config_dict import placeholder
 
 from easylm import checkpoint
 from easylm import flags as flag_lib
 from easylm.errors import UserError, exit_on_user_error
-from easylm.evaluation import HarnessLM, evaluate, load_tasks, table, write_results
 from easylm.llama import serve
 
 USAGE = "usage: python -m easylm.llama.eval --load_checkpoint=... --tasks=a,b [--flag=value ...]"
@@ -68,38 +64,20 @@ def help_entries() -> dict:
     return {**serve.engine_help_entries(), **HELP}
 
 
-def load(config: ConfigDict, cls=HarnessLM) -> HarnessLM:
+def load(config: ConfigDict, cls=None):
+    """The model of `config` (`model_config()` flags) as an lm-eval model, a `HarnessLM`
+    (or `cls`, a subclass)."""
+    from easylm.evaluation import HarnessLM
+
     _require_checkpoint(config)
     engine, tokenizer, stop_ids = serve.load_engine(config)
-    return cls(engine, tokenizer, stop_ids, max_gen_toks=config.max_gen_toks)
+    return (cls or HarnessLM)(engine, tokenizer, stop_ids, max_gen_toks=config.max_gen_toks)
 
 
 def _require_checkpoint(config: ConfigDict):
     if not config.load_checkpoint:
         raise UserError("--load_checkpoint is required (params::DIR, trainstate::DIR, "
                         "trainstate_params::DIR or hf::DIR)")
-
-
-@register_model("easylm")
-class LLaMAHarnessLM(HarnessLM):
-    """`simple_evaluate(model="easylm", model_args="load_checkpoint=hf::DIR,tokenizer=DIR")`:
-    model_args are this module's model flags (load_checkpoint, tokenizer, dtype, mesh_dim,
-    batch_size, seq_length, llama.*, ...)."""
-
-    @classmethod
-    def create_from_arg_string(cls, arg_string, additional_config=None):
-        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
-
-    @classmethod
-    def create_from_arg_obj(cls, arg_dict, additional_config=None):
-        args = dict(arg_dict)
-        batch_size = (additional_config or {}).get("batch_size")
-        if batch_size is not None:  # simple_evaluate's own batch_size argument
-            if not str(batch_size).isdigit():
-                raise UserError(f"batch_size={batch_size!r}: easylm needs a number of rows")
-            args.setdefault("batch_size", int(batch_size))
-        argv = ["easylm"] + [f"--{key}={value}" for key, value in args.items()]
-        return load(flag_lib.parse(model_config(), help_entries(), argv), cls)
 
 
 def output_directory(config: ConfigDict) -> str:
@@ -126,6 +104,9 @@ def output_directory(config: ConfigDict) -> str:
 @exit_on_user_error
 def main(argv=None):
     config = flag_lib.parse(default_config(), help_entries(), argv or sys.argv, USAGE)
+    # Here, not at the top: without lm-eval installed, one line that says how to get it.
+    from easylm.evaluation import evaluate, load_tasks, table, write_results
+
     tasks = [t for t in config.tasks.split(",") if t]
     if not tasks:
         raise UserError("--tasks is required: comma-separated lm-eval task names")
