@@ -139,9 +139,8 @@ class HarnessLM(TemplateLM):
         max_tokens = kwargs.pop("max_gen_toks")
         unknown = sorted(set(kwargs) - _SAMPLING)
         if unknown:
-            raise UserError(f"generation_kwargs {', '.join(unknown)} are not supported by "
-                            f"easylm's engine (supported: until, max_gen_toks, "
-                            f"{', '.join(sorted(_SAMPLING))})")
+            raise UserError(f"unsupported generation_kwargs: {', '.join(unknown)} (easylm's "
+                            f"engine takes until, max_gen_toks, {', '.join(sorted(_SAMPLING))})")
         if max_tokens >= self.max_length:
             raise UserError(f"max_gen_toks={max_tokens} leaves no room for a prompt in the "
                             f"context of {self.max_length} tokens (--seq_length)")
