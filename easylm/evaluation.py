@@ -10,7 +10,7 @@ match the HTTP server under lm-eval's `local-completions` (the same engine calls
     loglikelihood(context, continuation)
         Text is tokenized as the tokenizer does (its BOS included when it adds one; a
         prompt that already starts with the BOS text gets no second one); an empty
-        context becomes the BOS token (EOS without one). The last seq_length + 1 tokens
+        context becomes the BOS token (EOS without one). The last max_length + 1 tokens
         of context + continuation are kept; the result is the continuation's summed
         log-probability and whether greedy decoding would produce it.
     loglikelihood_rolling(text)
@@ -30,10 +30,10 @@ windows, of its own max_length for the token it asks for.)
 import datetime
 import difflib
 import json
-import logging
 import os
 import threading
 
+import lm_eval
 import lm_eval.models  # noqa: F401  lm-eval fills its registry only when it is empty
 from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
@@ -44,8 +44,6 @@ from easylm.errors import UserError
 from easylm.serving import scoring
 from easylm.serving.batcher import Batcher, Generation, SamplingParams
 from easylm.serving.engine import Engine
-
-log = logging.getLogger(__name__)
 
 # Generation options a task may set that the engine honours; any other would change the
 # output unnoticed, so it is an error.
@@ -244,8 +242,6 @@ def evaluate(lm, tasks: list, manager, num_fewshot: int | None = None,
              bootstrap_iters: int = 100000) -> dict:
     """lm-eval's results dict (with `log_samples`, its `samples` too). `tasks`: names, or
     what `load_tasks` built."""
-    import lm_eval
-
     if limit is not None and limit >= 1:
         limit = int(limit)
     return lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager,

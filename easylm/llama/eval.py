@@ -29,6 +29,7 @@ USAGE = "usage: python -m easylm.llama.eval --load_checkpoint=... --tasks=a,b [-
 HELP = {
     "load_checkpoint": "params::DIR, trainstate::DIR, trainstate_params::DIR (easylm "
                        "checkpoints) or hf::DIR (a Hugging Face model directory)",
+    "batch_size": "rows per scoring call, and decode slots for generate_until requests",
     "max_gen_toks": "most tokens a generate_until request produces when its task does not say",
     "tasks": "comma-separated lm-eval task, group or tag names (or task YAML paths)",
     "num_fewshot": "few-shot examples per request; empty: each task's own",
