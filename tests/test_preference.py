@@ -84,11 +84,11 @@ def paper_formula(objective, hf_policy, hf_reference, batch):
         rc, rr = (beta * (p - torch_logps(hf_reference, batch, side)[0])
                   for p, side in ((pc, "chosen"), (pr, "rejected")))
         loss = -(1 - eps) * F.logsigmoid(rc - rr) - eps * F.logsigmoid(rr - rc)
-    elif objective == "simpo":  # Meng et al. 2024 eq. 6
+    elif objective == "simpo":  # Meng et al. 2024
         beta, gamma = CONFIG.simpo.beta, CONFIG.simpo.gamma
         rc, rr = beta * pc / nc, beta * pr / nr
         loss = -F.logsigmoid(rc - rr - gamma)
-    else:  # Hong et al. 2024 eqs. 4-7, odds from the length-normalised likelihood
+    else:  # Hong et al. 2024, odds of the length-normalised likelihood
         lam = CONFIG.orpo["lambda"]
         prob_c, prob_r = torch.exp(pc / nc), torch.exp(pr / nr)
         log_odds_ratio = torch.log((prob_c / (1 - prob_c)) / (prob_r / (1 - prob_r)))
