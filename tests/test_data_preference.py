@@ -7,26 +7,16 @@ import logging
 
 import numpy as np
 import pytest
-from data_utils import assert_same, load, read
+from data_utils import assert_same, encode, load, read, tokenizer  # noqa: F401 (a fixture)
 
 from easylm.data import DatasetFactory, merge_state_dicts
 from easylm.data.embedded.stories import documents
 from easylm.data.preference import PreferenceProcessor
 from easylm.data.preview import preview
 from easylm.errors import UserError
-from easylm.tokenizer import load_tokenizer
 
 T, B = 48, 4
 BOS, EOS = 1, 2
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer("embedded")
-
-
-def encode(tokenizer, text):
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def process(tokenizer, example, where="p.jsonl:1", seq_length=T, preference=None, **text):

@@ -53,11 +53,8 @@ class PreferenceProcessor:
 
     @staticmethod
     def get_default_config(updates=None):
-        config = ConfigDict()
-        config.enabled = False
-        config.prompt_field = "prompt"
-        config.chosen_field = "chosen"
-        config.rejected_field = "rejected"
+        config = ConfigDict(dict(enabled=False, prompt_field="prompt", chosen_field="chosen",
+                                 rejected_field="rejected"))
         if updates is not None:
             config.update(ConfigDict(updates).copy_and_resolve_references())
         return config
