@@ -199,6 +199,17 @@ def test_an_empty_pair_gives_finite_gradients(objective):
     assert grads.chosen[1] == grads.rejected[1] == 0 and grads.chosen[0] != 0
 
 
+def test_every_option_is_a_flag_with_help():
+    from easylm import flags
+
+    assert set(flags.flatten(preference.get_default_config())) == set(preference.HELP)
+    parsed = flags.parse(preference.get_default_config(), preference.HELP,
+                         ["x", "--orpo.lambda=0.3", "--dpo.label_smoothing=0.2"])
+    assert parsed.orpo["lambda"] == 0.3 and parsed.dpo.label_smoothing == 0.2
+    with pytest.raises(ValueError, match="unknown preference objective 'ipo'"):
+        preference.make_loss_fn("ipo", None, None)
+
+
 def test_chunked_logps_equal_full_logits():
     rng = np.random.RandomState(0)
     hidden = jnp.asarray(rng.randn(4, 16, 8), jnp.float32)
