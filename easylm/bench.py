@@ -222,6 +222,9 @@ def _train_main(argv):
 @exit_on_user_error
 def main(argv=None):
     argv = list(argv or sys.argv)
+    if argv[1:2] and flags.wants_help(argv[:2]):
+        print(f"{USAGE}\n(each benchmark's flags: python -m easylm.bench NAME --help)")
+        return
     if len(argv) < 2 or argv[1] not in ("train", "data", "decode"):
         raise UserError(f"expected a benchmark name, train, data or decode ({USAGE})")
     name, rest = argv[1], [f"{argv[0]} {argv[1]}"] + argv[2:]

@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from easylm import distributed
 from easylm import flags as flag_lib
 from easylm.errors import UserError, exit_on_user_error
-from easylm.sharding import make_mesh
+from easylm.sharding import make_mesh, mesh_string
 
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "transformers")
 # Reported when installed: the accelerator plugins jax runs on.
@@ -110,9 +110,8 @@ def check(config) -> tuple[list[str], list[str]]:
     except UserError as e:
         problems.append(str(e))
     else:
-        shape = " ".join(f"{axis}={size}" for axis, size in mesh.shape.items())
         dcn = f", --dcn_mesh_dim={config.dcn_mesh_dim}" if config.dcn_mesh_dim else ""
-        report.append(f"mesh: {shape} (--mesh_dim={config.mesh_dim}{dcn})")
+        report.append(f"mesh: {mesh_string(mesh)} (--mesh_dim={config.mesh_dim}{dcn})")
         data = config.train_dataset[f"{config.train_dataset.type}_dataset"]
         shards = mesh.shape["dp"] * mesh.shape["fsdp"]
         accumulate = config.optimizer.accumulate_gradient_steps

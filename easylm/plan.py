@@ -42,7 +42,8 @@ from ml_collections import ConfigDict
 from easylm import flags as flag_lib
 from easylm import optimizers
 from easylm.errors import UserError, exit_on_user_error
-from easylm.sharding import MESH_AXES, hybrid_mesh_shape, match_partition_rules, parse_mesh_dim
+from easylm.sharding import (MESH_AXES, hybrid_mesh_shape, match_partition_rules, mesh_string,
+                             parse_mesh_dim)
 
 GIB = 1024 ** 3
 
@@ -302,7 +303,7 @@ def report(config: ConfigDict, build_model, num_devices: int, num_processes: int
     model = model_config(config)
     data = _dataset(config)
     compute = jnp.dtype(dtype_from_flag("dtype", config.dtype)).name
-    mesh = " ".join(f"{axis}={size}" for axis, size in plan.mesh.items())
+    mesh = mesh_string(plan.mesh)
     lines = [
         f"plan: {config.llama.base_model}, {model.num_parameters() / 1e6:,.1f}M parameters, "
         f"{model.num_hidden_layers} layers | {num_devices} devices, mesh {mesh} | "

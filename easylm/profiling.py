@@ -237,9 +237,12 @@ class Profiler:
 @exit_on_user_error
 def main(argv=None):
     argv = list(argv or sys.argv)[1:]
+    usage = "usage: python -m easylm.profiling LOG_DIR [STEPS (traced steps, default 1)]"
+    if argv[:1] in (["--help"], ["-h"]):
+        print(usage)
+        return
     if not 1 <= len(argv) <= 2 or (len(argv) == 2 and not argv[1].isdigit()) or argv[1:] == ["0"]:
-        raise UserError("usage: python -m easylm.profiling LOG_DIR [STEPS (traced steps, "
-                        "default 1)]")
+        raise UserError(usage)
     print(json.dumps(summarize_trace(argv[0], int(argv[1]) if len(argv) > 1 else 1)))
 
 

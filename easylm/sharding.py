@@ -103,6 +103,12 @@ def make_mesh(mesh_dim: str = "1,-1,1", devices: Sequence[jax.Device] | None = N
     return Mesh(device_array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
+def mesh_string(shape) -> str:
+    """'dp=1 fsdp=8 mp=1' for a Mesh or its {axis: size} shape, as every command prints it."""
+    shape = getattr(shape, "shape", shape)
+    return " ".join(f"{axis}={size}" for axis, size in shape.items())
+
+
 def path_to_string(path) -> str:
     """A jax tree path as 'a/b/0/c'."""
     parts = []

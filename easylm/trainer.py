@@ -38,7 +38,7 @@ from easylm import flags as flag_lib
 from easylm.errors import UserError
 from easylm.losses import LossSums
 from easylm.sharding import (BATCH_AXES, PartitionRules, constrain, init_sharded, make_mesh,
-                             match_partition_rules, named_shardings)
+                             match_partition_rules, mesh_string, named_shardings)
 
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 # `hf::DIR` is read by the model family's `Model.load_hf`, the rest by easylm.checkpoint.
@@ -706,9 +706,13 @@ def _train_in(run_dir, config, model, mesh, tx, schedule, dataset, eval_dataset,
         peak = flops.peak_flops_per_device(jax.devices()[0], config.peak_tflops)
         num_params = sum(x.size for x in jax.tree.leaves(state.params))
         log.print(f"run directory: {run_dir}")
+        # MFU needs the device's peak; when unknown, say so once here, not on every line.
+        no_mfu = "" if peak else (f" | no MFU: peak FLOP/s of {jax.devices()[0].device_kind} "
+                                  f"unknown (--peak_tflops sets it)")
         log.print(f"{model.name}: {num_params:,} parameters | {jax.device_count()} "
-                  f"{jax.devices()[0].platform} device(s), mesh {dict(mesh.shape)} | "
-                  f"{batch_tokens:,} tokens/step | steps {start_step} -> {config.total_steps}")
+                  f"{jax.devices()[0].platform} device(s), mesh {mesh_string(mesh)} | "
+                  f"{batch_tokens:,} tokens/step | steps {start_step} -> {config.total_steps}"
+                  f"{no_mfu}")
         if latest is None:
             _warn_about_the_schedule(config, schedule, log.print)
 

@@ -3,7 +3,7 @@
 #   scripts/make_wheelhouse.sh build PYTHON_VERSION PLATFORM [EXTRA]   (on a machine with internet)
 #   scripts/make_wheelhouse.sh install [EXTRA]                         (on the offline machine)
 # PYTHON_VERSION like 3.11; PLATFORM a pip platform tag such as manylinux_2_28_x86_64;
-# EXTRA an optional extra of easylm such as gpu, tpu or serve. Wheels go to ./wheelhouse.
+# EXTRA an optional extra of easylm such as gpu, tpu or torch. Wheels go to ./wheelhouse.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:?usage: make_wheelhouse.sh build PYTHON_VERSION PLATFORM [EXTRA] | install [EXTRA]}

@@ -8,7 +8,7 @@ import time
 import jax
 import numpy as np
 import uvicorn
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
 from easylm.llama.config import LLaMAConfig
@@ -31,8 +31,10 @@ CORPUS = [
 ] * 20
 
 
-def make_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer with <s>, </s>, <pad> and a chat template."""
+def make_tokenizer(vocab_size: int = 320, adds_bos: bool = True) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer with <pad>, </s> and a chat template. `adds_bos`: like
+    LLaMA's, `tokenizer(text)` puts BOS <s> first; else like SmolLM2's, its BOS is
+    <|im_start|> but `tokenizer(text)` adds nothing. The same vocabulary either way."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -41,7 +43,12 @@ def make_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(CORPUS, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+    tok.add_special_tokens(["<|im_start|>"])  # id vocab_size, after the trained vocabulary
+    bos = "<s>" if adds_bos else "<|im_start|>"
+    if adds_bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token="</s>",
                                    pad_token="<pad>")
     fast.chat_template = CHAT_TEMPLATE
     return fast
@@ -81,14 +88,15 @@ def make_batcher(config=None, mesh=None, stop_token_ids=(), **engine_config):
 
 
 class ServerThread:
-    """uvicorn serving `app` on a free 127.0.0.1 port from a thread, for the tests' lifetime."""
+    """uvicorn serving `app` on a free 127.0.0.1 port from a thread, for the tests' lifetime;
+    `settings`: uvicorn.Config's (`easylm.serving.limits.uvicorn_settings`)."""
 
-    def __init__(self, app):
+    def __init__(self, app, **settings):
         self.socket = socket.socket()
         self.socket.bind(("127.0.0.1", 0))
         self.port = self.socket.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", **settings))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]},
                                        daemon=True)
 

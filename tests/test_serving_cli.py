@@ -98,7 +98,9 @@ def test_serves_a_hugging_face_directory_like_hf_generate(tmp_path, tokenizer_di
     try:
         prompt = [1, 7, 8, 9, 10]
         body = {"prompt": prompt, "max_tokens": 12, "temperature": 0}
-        response = TestClient(app).post("/v1/completions", json=body).json()
+        # A loopback Host: the server answers no other on a loopback bind.
+        response = TestClient(app, base_url="http://127.0.0.1").post("/v1/completions",
+                                                                     json=body).json()
     finally:
         batcher.stop()
     with torch.no_grad():
@@ -126,6 +128,37 @@ def test_cli_user_error_exits_2_without_traceback():
                             env={**os.environ, **ENV}, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
     assert result.stderr.startswith("error: ") and "Traceback" not in result.stderr
+
+
+def test_a_port_in_use_is_one_line_before_the_model_loads(capsys, monkeypatch):
+    monkeypatch.setattr(serve, "build", lambda config: pytest.fail("loaded the model first"))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(SystemExit) as exit_info:
+            serve.main(["serve", f"--port={port}"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        f"error: --host=127.0.0.1 --port={port}: cannot listen there (Address already in use); "
+        f"is another server running? pick another --port\n")
+
+
+def test_ready_line_says_where_and_what():
+    from types import SimpleNamespace
+
+    from easylm.serving import server as server_lib
+
+    engine = SimpleNamespace(params={"a": np.zeros((3, 4), np.float32), "b": np.zeros(5, np.float32)},
+                             seq_length=512, batch_size=8)
+    config = server_lib.get_default_config({"model_name": "tiny", "api_key": "k"})
+    line = server_lib.ready_line(config, SimpleNamespace(engine=engine), 5007)
+    assert line == ("ready: chat page http://127.0.0.1:5007/ | OpenAI API http://127.0.0.1:5007/v1 | "
+                    "model 'tiny': 17 parameters, float32, context 512 tokens, 8 batch slots | "
+                    "API key required")
+    config = server_lib.get_default_config({"host": "0.0.0.0"})
+    line = server_lib.ready_line(config, SimpleNamespace(engine=engine), 80)
+    assert line.startswith(f"ready: chat page http://{socket.gethostname()}:80/ |")
 
 
 def _free_port() -> int:

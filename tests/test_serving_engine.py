@@ -377,6 +377,74 @@ def test_a_failing_step_fails_its_requests_and_the_batcher_keeps_serving(served,
     assert ok.finish_reason == "length"
 
 
+class _BrokenTokenizer:
+    def decode(self, *args, **kwargs):
+        raise RuntimeError("detokenizer broke")
+
+
+def test_one_requests_failure_is_its_own(served, tokenizer):
+    # Three requests generate next to two that fail while taking their tokens (a client
+    # handler that raises, a detokenizer that raises): the three get what they get alone.
+    batcher, _, _ = served
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    alone = [[t.id for t in g.tokens] for g in batcher.generate(PROMPTS[:3], params, tokenizer)]
+    # Settings the device would overflow on are refused before anything is queued.
+    for bad in (dict(top_k=2**31), dict(top_p=1e-39), dict(seed=2**64), dict(temperature=-1.0)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            batcher.submit(Generation(PROMPTS[0], dataclasses.replace(params, **bad), tokenizer,
+                                      lambda event: None))
+    with pytest.raises(ValueError, match="token ids"):
+        batcher.submit(Generation([1, 2**40], params, tokenizer, lambda event: None))
+
+    finished, errors = threading.Semaphore(0), []
+
+    def on_event(event):
+        if event.finish_reason or event.error:
+            errors.append(event.error)
+            finished.release()
+
+    def raising(event):
+        on_event(event)
+        raise RuntimeError("client handler broke")
+
+    good = [Generation(p, params, tokenizer, on_event) for p in PROMPTS[:3]]
+    bad = [Generation(PROMPTS[3], params, tokenizer, raising),
+           Generation(PROMPTS[4], params, _BrokenTokenizer(), on_event)]
+    for g in (good[0], bad[0], good[1], bad[1], good[2]):
+        batcher.submit(g)
+    for _ in range(5):
+        assert finished.acquire(timeout=60)
+    assert [[t.id for t in g.tokens] for g in good] == alone
+    assert [g.finish_reason for g in good] == ["length"] * 3
+    assert [g.finish_reason for g in bad] == ["error"] * 2
+    assert sorted(e for e in errors if e) == ["RuntimeError: client handler broke",
+                                              "RuntimeError: detokenizer broke"]
+
+
+def test_prompts_of_different_requests_take_turns_for_slots(served, tokenizer):
+    # A 12-prompt request, then a 1-prompt one, on 4 slots: the single prompt is admitted
+    # with the first four, not after all twelve.
+    batcher, _, _ = served
+    hold, held = threading.Event(), threading.Event()
+    batcher.run(lambda: (held.set(), hold.wait(60)))  # keep the batcher from admitting
+    assert held.wait(60)
+    order, done = [], threading.Semaphore(0)
+
+    def on_event(name):
+        return lambda event: event.finish_reason and (order.append(name), done.release())
+
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    group = object()
+    for i in range(12):
+        batcher.submit(Generation(PROMPTS[i % 3], params, tokenizer, on_event(f"big{i}"), group))
+    batcher.submit(Generation(PROMPTS[3], params, tokenizer, on_event("single")))
+    hold.set()
+    for _ in range(13):
+        assert done.acquire(timeout=60)
+    assert "single" in order[:4], order
+    assert [n for n in order if n != "single"] == [f"big{i}" for i in range(12)]
+
+
 def test_decode_benchmark_reports_both_engines():
     from easylm.serving import bench
 

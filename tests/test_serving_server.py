@@ -2,6 +2,8 @@
 disconnects, bad input. One tiny model served by uvicorn on 127.0.0.1 for the module."""
 
 import json
+import os
+import shlex
 import socket
 import threading
 import time
@@ -10,7 +12,12 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+from fastapi.testclient import TestClient
 
+from easylm import flags as flag_lib
+from easylm.errors import UserError
+from easylm.llama import serve
+from easylm.serving import scoring
 from easylm.serving import server as server_lib
 from numerics import logprob_atol_for
 from serving_utils import ServerThread, log_softmax, make_batcher, make_tokenizer
@@ -28,8 +35,8 @@ def tokenizer():
 def live(tokenizer):
     """(base url, Service, model, params) of a running server."""
     batcher, model, params = make_batcher(stop_token_ids=(tokenizer.eos_token_id,))
-    service = server_lib.Service({"api_key": KEY, "max_tokens": 32, "max_request_bytes": 4096},
-                                 batcher, tokenizer)
+    service = server_lib.Service({"api_key": KEY, "max_tokens": 32, "max_request_bytes": 65536,
+                                  "max_prompts": 8}, batcher, tokenizer)
     with ServerThread(server_lib.create_app(service)) as server:
         yield server.url, service, model, params
     batcher.stop()
@@ -89,8 +96,8 @@ def lm_eval_loglikelihood(response, ctxlen):
 def test_echo_logprobs_score_like_lm_eval_expects(live, tokenizer):
     _, service, model, params = live
     atol = logprob_atol_for(model, params)  # each number from another program
-    context = [tokenizer.bos_token_id] + tokenizer("The quick brown")["input_ids"]
-    continuation = tokenizer(" fox jumps")["input_ids"]
+    context = tokenizer("The quick brown")["input_ids"]  # BOS first (this tokenizer adds it)
+    continuation = tokenizer(" fox jumps", add_special_tokens=False)["input_ids"]
     body = {"model": "easylm", "prompt": [context + continuation], "echo": True, "logprobs": 1,
             "temperature": 0, "seed": 1234}
     scored = post(live, "/v1/completions", {**body, "max_tokens": 1}).json()
@@ -161,18 +168,103 @@ BAD_INPUTS = [
      "model 'gpt-4' does not exist"),
     ("n > 1", "/v1/completions", {"prompt": "x", "n": 2}, AUTH, 400, "n=2 is not supported"),
     ("token id outside the vocabulary", "/v1/completions", {"prompt": [1, 99999]}, AUTH, 400,
-     "prompt token ids must be in [0, vocab_size)"),
+     "prompt token ids must be in [0, 512)"),
     ("missing API key", "/v1/completions", {"prompt": "x"}, {}, 401, "missing or wrong API key"),
     ("wrong API key", "/v1/models", None, {"Authorization": "Bearer nope"}, 401,
      "missing or wrong API key"),
-    ("body above the size limit", "/v1/completions", {"prompt": "x" * 5000}, AUTH, 413,
-     "above the limit of 4096 bytes"),
+    ("body above the size limit", "/v1/completions", {"prompt": "x" * 70000}, AUTH, 413,
+     "above the limit of 65536 bytes"),
+    # Numbers the device cannot hold: they once failed every request in flight with a 500.
+    ("top_k above the vocabulary", "/v1/completions",
+     {"prompt": "x", "max_tokens": 2, "top_k": 2147483648}, AUTH, 400,
+     "top_k=2147483648 is above the vocabulary size of 512"),
+    ("top_p that float32 flushes to 0", "/v1/completions", {"prompt": "x", "top_p": 1e-39},
+     AUTH, 400, "top_p: must be at least 1.18e-38"),
+    ("seed beyond 64 bits", "/v1/completions", {"prompt": "x", "seed": 2**64}, AUTH, 400,
+     "seed: Input should be less than 9223372036854775808"),
+    ("NaN temperature", "/v1/completions", b'{"prompt": "x", "temperature": NaN}', AUTH, 400,
+     "temperature: Input should be a finite number"),
+    ("more prompts than --max_prompts", "/v1/completions", {"prompt": ["a"] * 9}, AUTH, 400,
+     "prompt has 9 entries, above this server's limit of 8 per request (--max_prompts)"),
+    ("more EasyLM texts than --max_prompts", "/loglikelihood-rolling", {"text": ["a"] * 9},
+     AUTH, 400, "text has 9 entries"),
+    # Text that is not text, bodies that are not JSON: a JSON 400 naming the problem.
+    ("lone surrogate in a prompt", "/v1/completions", b'{"prompt": "ab\\ud800"}', AUTH, 400,
+     "prompt: entry 0 is not valid Unicode: a lone surrogate '\\ud800' at index 2"),
+    ("lone surrogate in chat content", "/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": "\\ud800"}]}', AUTH, 400,
+     "messages.0.content: is not valid Unicode"),
+    ("lone surrogate in an EasyLM text", "/loglikelihood", b'{"text": ["ok", "\\udfff"]}', AUTH,
+     400, "text.1: is not valid Unicode"),
+    ("body not UTF-8", "/v1/completions", b'{"prompt": "\xff\xfe"}', AUTH, 400,
+     "malformed JSON body: not UTF-8 (byte 0xff at position 12)"),
+    ("JSON nested 5000 deep", "/v1/completions", b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+     AUTH, 400, "malformed JSON body: nested too deeply"),
     ("EasyLM lists of different lengths", "/loglikelihood",
      {"prefix_text": ["a"], "text": ["b", "c"]}, AUTH, 400, "prefix_text has 1 entries"),
     ("EasyLM unknown field", "/generate", {"prefix_text": ["a"], "temprature": 0}, AUTH, 400,
      "temprature: Extra inputs are not permitted"),
     ("unknown path", "/v2/nothing", {}, AUTH, 404, "Not Found"),
 ]
+
+
+@pytest.mark.parametrize("adds_bos", [True, False], ids=["llama-style", "smollm-style"])
+def test_text_prompts_are_tokenized_as_the_tokenizer_does(live, adds_bos):
+    """A text prompt reads as `tokenizer(text)`: BOS first only where the tokenizer puts it
+    (SmolLM2's has a bos_token it never adds). EasyLM's scoring reads [BOS] + prefix + text
+    only then, else prefix + text."""
+    _, service, model, params = live
+    tokenizer = make_tokenizer(adds_bos=adds_bos)
+    ids = tokenizer("The quick brown")["input_ids"]
+    plain = tokenizer("The quick brown", add_special_tokens=False)["input_ids"]
+    assert ids == ([tokenizer.bos_token_id] if adds_bos else []) + plain
+    app = server_lib.create_app(server_lib.Service({"max_tokens": 32}, service.batcher, tokenizer))
+    http = TestClient(app, base_url="http://127.0.0.1")
+
+    def completion(prompt, **fields):
+        return http.post("/v1/completions", json={"prompt": prompt, "temperature": 0,
+                                                  **fields}).json()
+
+    echoed = completion("The quick brown", echo=True, logprobs=1, max_tokens=0)
+    assert echoed["usage"]["prompt_tokens"] == len(ids)
+    assert echoed["choices"][0]["logprobs"] == completion(ids, echo=True, logprobs=1,
+                                                          max_tokens=0)["choices"][0]["logprobs"]
+    assert (completion("The quick brown", max_tokens=8)["choices"][0]["text"]
+            == completion(ids, max_tokens=8)["choices"][0]["text"])
+
+    text = tokenizer(" fox jumps", add_special_tokens=False)["input_ids"]
+    bos = [tokenizer.bos_token_id]
+    scored = http.post("/loglikelihood", json={"prefix_text": ["The quick brown", ""],
+                                               "text": [" fox jumps"] * 2}).json()
+
+    def reference(context):
+        logp = log_softmax(model, params, context + text[:-1])
+        return float(sum(logp[len(context) - 1 + i, t] for i, t in enumerate(text)))
+
+    with_prefix = reference((bos if adds_bos else []) + plain)
+    assert scored["log_likelihood"][0] == pytest.approx(with_prefix, abs=1e-4)
+    # The other tokenization gives another number: the check can fail.
+    assert abs(reference((bos if not adds_bos else []) + plain) - with_prefix) > 1e-2
+    # An empty prefix: the text's first token is read after BOS, either way.
+    assert scored["log_likelihood"][1] == pytest.approx(reference(bos), abs=1e-4)
+
+
+def test_add_bos_token_overrides_the_tokenizer(live):
+    _, service, _, _ = live
+    batcher = service.batcher
+    for adds_bos in (True, False):
+        tokenizer = make_tokenizer(adds_bos=adds_bos)
+        plain = tokenizer("The quick", add_special_tokens=False)["input_ids"]
+        forced = server_lib.Service({"add_bos_token": "true"}, batcher, tokenizer)
+        assert forced.encode("The quick") == [tokenizer.bos_token_id] + plain
+        assert forced.prompts_start_with_bos
+        never = server_lib.Service({"add_bos_token": "false"}, batcher, tokenizer)
+        assert never.encode("The quick") == plain and not never.prompts_start_with_bos
+        # A chat template's text (this one writes its own bos_token) gets no second BOS.
+        assert forced.apply_chat_template([{"role": "user", "content": "hi"}]).count(
+            tokenizer.bos_token_id) == 1
+    with pytest.raises(UserError, match="--add_bos_token must be auto, true or false, got 'yes'"):
+        server_lib.Service({"add_bos_token": "yes"}, batcher, make_tokenizer())
 
 
 @pytest.mark.parametrize("what,path,body,headers,status,message", BAD_INPUTS,
@@ -281,7 +373,7 @@ def test_client_disconnect_frees_its_slot(live, stream):
             body = json.dumps({"prompt": "The", "max_tokens": 30, "temperature": 0,
                                "stream": stream}).encode()
             raw = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])))
-            raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+            raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
                         b"application/json\r\nAuthorization: Bearer " + KEY.encode() +
                         b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
             _wait_for(lambda: submitted and any(s is submitted[0] for s in batcher.slots),
@@ -293,3 +385,126 @@ def test_client_disconnect_frees_its_slot(live, stream):
         assert submitted[0].finish_reason == "cancelled"
     finally:
         batcher.submit = real_submit
+
+
+class _Trace:
+    """Records the engine's device calls in order ('prefill', 'decode', 'score'), and holds
+    the first scoring call until `release_first_score` is set."""
+
+    def __init__(self, engine, release_first_score: threading.Event | None = None):
+        self.engine, self.run, self.calls = engine, engine._run, []
+        self.release = release_first_score
+        self.names = {**{id(f): "prefill" for f in engine._prefill_fns.values()},
+                      **{id(f): "decode" for f in engine._decode_fns.values()},
+                      id(engine._score_fn): "score"}
+
+    def __enter__(self):
+        def traced(fn, *args):
+            name = self.names[id(fn)]
+            self.calls.append(name)
+            if name == "score" and self.release is not None and self.calls.count("score") == 1:
+                self.release.wait(60)
+            return self.run(fn, *args)
+
+        self.engine._run = traced
+        return self
+
+    def __exit__(self, *exc):
+        if self.release is not None:
+            self.release.set()
+        self.engine._run = self.run
+
+
+def test_scoring_interleaves_with_generation(live, tokenizer):
+    """A 4-token request sent while a >= 100-window rolling job scores gets its answer
+    within 3x the device calls it takes alone: the job runs a chunk per batcher turn."""
+    url, service, _, _ = live
+    batcher, engine = service.batcher, service.batcher.engine
+    text = "The quick brown fox jumps over the lazy dog. " * 210
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    # Every window fills the context: one window per chunk.
+    chunks = len(scoring.rolling_windows(ids, 1, 64))
+    assert chunks >= 100
+    body = {"prompt": "The quick", "max_tokens": 4, "temperature": 0}
+    with _Trace(engine) as alone:
+        expected = post(live, "/v1/completions", body).json()["choices"][0]["text"]
+
+    submitted = threading.Event()
+    real_submit = batcher.submit
+
+    def submit(g):  # marks, on the batcher's thread, where in the calls the request ends
+        emit = g.on_event
+        g.on_event = lambda e: (e.finish_reason and trace.calls.append("finished"), emit(e))
+        real_submit(g)
+        submitted.set()
+
+    batcher.submit = submit
+    try:
+        with _Trace(engine, release_first_score=submitted) as trace, ThreadPoolExecutor(2) as pool:
+            rolling = pool.submit(post, live, "/loglikelihood-rolling", {"text": [text]})
+            _wait_for(lambda: trace.calls, "the scoring job to start")
+            answer = pool.submit(post, live, "/v1/completions", body).result()
+            rolled = rolling.result().json()
+    finally:
+        batcher.submit = real_submit
+    assert answer.json()["choices"][0]["text"] == expected
+    until_finished = trace.calls[:trace.calls.index("finished")]
+    assert len(until_finished) <= 3 * len(alone.calls), (alone.calls, trace.calls)
+    assert until_finished.count("score") < chunks == trace.calls.count("score")
+    # Scored in chunks, the job's answer is the one it gets in one piece.
+    ((whole, greedy),) = batcher.run(scoring.loglikelihood_rolling, engine, service.bos_id,
+                                     [ids]).result()
+    assert rolled["log_likelihood"][0] == pytest.approx(whole, rel=1e-6)
+    assert rolled["is_greedy"][0] == greedy
+
+
+def test_a_scoring_job_stops_when_its_client_disconnects(live):
+    url, service, _, _ = live
+    batcher, engine = service.batcher, service.batcher.engine
+    futures, real_score = [], batcher.score
+    batcher.score = lambda *args: futures.append(real_score(*args)) or futures[-1]
+    gone = threading.Event()
+    body = json.dumps({"text": ["The quick brown fox. " * 200]}).encode()
+    try:
+        with _Trace(engine, release_first_score=gone) as trace:
+            raw = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+            raw.sendall(b"POST /loglikelihood-rolling HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                        b"Content-Type: application/json\r\nAuthorization: Bearer " +
+                        KEY.encode() + b"\r\nContent-Length: " + str(len(body)).encode() +
+                        b"\r\n\r\n" + body)
+            _wait_for(lambda: trace.calls, "the first chunk")
+            raw.close()
+            _wait_for(lambda: futures[0].cancelled(), "the server to cancel the job")
+            gone.set()
+            _wait_for(lambda: not batcher._scoring, "the batcher to drop the job")
+        assert trace.calls == ["score"]  # of 47 chunks, only the one under way ran
+    finally:
+        batcher.score = real_score
+
+
+def test_a_stream_shows_its_first_token_right_after_prefill(live):
+    url, service, _, _ = live
+    body = {"prompt": "The quick", "max_tokens": 20, "temperature": 0, "logprobs": 1}
+    expected = post(live, "/v1/completions", body).json()["choices"][0]
+    with _Gate(service.batcher.engine) as gate:  # no decode call runs until the gate opens
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True},
+                          headers=AUTH, timeout=30) as response:
+            lines = (line for line in response.iter_lines() if line.startswith("data: "))
+            first = json.loads(next(lines).removeprefix("data: "))
+            assert not gate.open.is_set()
+            assert len(first["choices"][0]["logprobs"]["tokens"]) == 1
+            gate.open.set()
+            rest = [json.loads(line.removeprefix("data: ")) for line in lines
+                    if line != "data: [DONE]"]
+    text = "".join(c["choices"][0]["text"] for c in [first] + rest)
+    assert text == expected["text"]
+
+
+def test_lm_eval_recipe_pre_compiles():
+    """docs/serving.md's lm-eval command compiles every bucket before lm-eval's first request."""
+    docs = open(os.path.join(os.path.dirname(__file__), "..", "docs", "serving.md")).read()
+    recipe = docs[docs.index("## Evaluating with lm-evaluation-harness"):]
+    command = next(line for line in recipe.splitlines() if "python -m easylm.llama.serve" in line)
+    argv = [a for a in shlex.split(command.rstrip("&").replace("\\", "")) if a.startswith("--")]
+    config = flag_lib.parse(serve.default_config(), serve.help_entries(), ["serve"] + argv)
+    assert config.pre_compile

@@ -25,7 +25,7 @@ from ml_collections import ConfigDict
 from easylm import flags
 from easylm.checkpoint import (check_free_space, disk_full_error, is_disk_full, load_params,
                                parse_load_spec, read_metadata, stored_tree)
-from easylm.errors import UserError, exit_on_user_error
+from easylm.errors import INSTALL, UserError, exit_on_user_error
 from easylm.hf_checkpoint import write_safetensors
 from easylm.llama.config import LLaMAConfig
 from easylm.llama.hf_weights import to_hf
@@ -144,7 +144,7 @@ def main(argv=None):
             try:
                 import torch  # noqa: F401
             except ImportError:
-                print("verify: skipped, torch is not installed")
+                print(f"verify: skipped, torch is not installed ({INSTALL['torch']})")
             else:
                 diff = verify(params, config, partial)
                 print(f"verify: max |logit difference| vs transformers = {diff:.3g}")

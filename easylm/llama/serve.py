@@ -15,6 +15,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+from absl import logging as absl_logging
 from ml_collections import ConfigDict
 
 from easylm import flags as flag_lib
@@ -28,6 +29,8 @@ from easylm.serving.engine import ModelFns
 from easylm.sharding import init_sharded, make_mesh, match_partition_rules, named_shardings
 from easylm.trainer import dtype_from_flag
 
+log = logging.getLogger("easylm.llama.serve")  # not __name__: that is __main__ under -m
+
 
 def llama_model_fns(config: LLaMAConfig, dtype=jnp.float32, param_dtype=jnp.float32):
     """(ModelFns for the serving engine, the Flax module)."""
@@ -40,20 +43,21 @@ def llama_model_fns(config: LLaMAConfig, dtype=jnp.float32, param_dtype=jnp.floa
                     vocab_size=config.vocab_size), model
 
 
-def default_config() -> ConfigDict:
-    """One flat tree: the entry point's own flags, the engine's and the server's, and --llama.*."""
+def engine_config() -> ConfigDict:
+    """The flags that put a model on an engine: checkpoint, tokenizer, mesh, dtype, the
+    engine's, --llama.* (shared with `easylm.llama.eval`)."""
     config = ConfigDict()
     config.load_checkpoint = ""
     config.tokenizer = "embedded"
     config.mesh_dim = "1,1,-1"
     config.dtype = "auto"
     config.update(engine_lib.get_default_config())
-    config.update(server_lib.get_default_config())
-    config.llama = LLaMAConfig.get_default_config()
+    # The trainer's default model, so that both commands with no flags mean the same one.
+    config.llama = LLaMAConfig.get_default_config({"base_model": "embedded"})
     return config
 
 
-def help_entries() -> dict:
+def engine_help_entries() -> dict:
     entries = {
         "load_checkpoint": "params::DIR, trainstate::DIR, trainstate_params::DIR (easylm "
                            "checkpoints) or hf::DIR (a Hugging Face model directory); empty: "
@@ -63,11 +67,22 @@ def help_entries() -> dict:
         "dtype": "compute and parameter dtype: bf16, fp16, fp32, or auto (bf16 on GPU/TPU, "
                  "fp32 on CPU)",
         "llama.base_model": "preset, used when the checkpoint does not record its config",
-        **engine_lib.HELP, **server_lib.HELP,
+        **engine_lib.HELP,
     }
     for field in LLaMAConfig.__dataclass_fields__:
         entries[f"llama.{field}"] = "override the checkpoint's (or preset's) value"
     return entries
+
+
+def default_config() -> ConfigDict:
+    """One flat tree: the entry point's own flags, the engine's and the server's, and --llama.*."""
+    config = engine_config()
+    config.update(server_lib.get_default_config())
+    return config
+
+
+def help_entries() -> dict:
+    return {**engine_help_entries(), **server_lib.HELP}
 
 
 def model_config(config: ConfigDict) -> LLaMAConfig:
@@ -101,7 +116,7 @@ def load_params(config: ConfigDict, model: LLaMAForCausalLM, mesh):
     shardings = named_shardings(mesh, match_partition_rules(PARTITION_RULES, shapes))
     dtype = model.param_dtype
     if not config.load_checkpoint:
-        logging.warning("no --load_checkpoint: serving RANDOM weights")
+        log.warning("no --load_checkpoint: serving RANDOM weights")
         params = init_sharded(model.init_params, PARTITION_RULES, mesh, jax.random.PRNGKey(0))
         return jax.tree.map(lambda x: x.astype(dtype), params)
     prefix, _, path = config.load_checkpoint.partition("::")
@@ -117,8 +132,9 @@ def load_params(config: ConfigDict, model: LLaMAForCausalLM, mesh):
     return checkpoint.load_params(config.load_checkpoint, abstract)
 
 
-def build(config: ConfigDict):
-    """(FastAPI app, batcher) from a parsed flag tree; the batcher thread is started."""
+def load_engine(config: ConfigDict):
+    """(Engine holding the checkpoint's parameters, tokenizer, end-of-sequence ids) from a
+    parsed flag tree (`engine_config()` or a tree containing it)."""
     from easylm.tokenizer import load_tokenizer
 
     llama = model_config(config)
@@ -140,9 +156,16 @@ def build(config: ConfigDict):
     if config.pre_compile:
         start = time.time()
         engine.warmup()
-        logging.info("pre-compiled %d prompt buckets and %d decode windows in %.1fs",
-                     len(engine.length_buckets), len(engine.decode_buckets), time.time() - start)
+        log.info("pre-compiled %d prompt buckets and %d decode windows in %.1fs",
+                 len(engine.length_buckets), len(engine.decode_buckets), time.time() - start)
     stop_ids = {i for i in (tokenizer.eos_token_id, llama.eos_token_id) if i is not None}
+    return engine, tokenizer, stop_ids
+
+
+def build(config: ConfigDict):
+    """(FastAPI app, batcher) from a parsed flag tree; the batcher thread is started."""
+    server_lib.check_config(config)  # before the weights load
+    engine, tokenizer, stop_ids = load_engine(config)
     batcher = Batcher(engine, stop_ids).start()
     service = server_lib.Service(config, batcher, tokenizer)
     return server_lib.create_app(service), batcher
@@ -153,11 +176,15 @@ def main(argv=None):
     argv = argv or sys.argv
     usage = "usage: python -m easylm.llama.serve [--flag=value ...]"
     config = flag_lib.parse(default_config(), help_entries(), argv, usage)
-    # force: importing orbax already gave the root logger a WARNING-level handler (absl).
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
+    sock = server_lib.bind(config)
+    # The console shows easylm's own lines (and warnings), not orbax's and jax's INFO chatter.
+    # force: importing orbax already gave the root logger a handler (absl's).
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s",
                         force=True)
-    app, _ = build(config)
-    server_lib.run(app, config)
+    logging.getLogger("easylm").setLevel(logging.INFO)
+    absl_logging.set_verbosity(absl_logging.ERROR)
+    app, batcher = build(config)
+    server_lib.run(app, config, batcher, sock)
 
 
 if __name__ == "__main__":

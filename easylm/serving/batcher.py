@@ -2,18 +2,28 @@
 
 One thread owns the engine (and so the device). Each turn of its loop:
 
-    1. run queued device jobs (scoring); drop cancelled requests, freeing their slots
-    2. admit waiting requests into free slots: one prefill call for all of them
+    1. run queued jobs (`run`), then ONE chunk of the oldest scoring job (`score`):
+       the rows that fit one seq_length-token forward (a long prompt's prefill); drop
+       cancelled requests, freeing their slots
+    2. admit waiting requests into free slots, round-robin over the requests they
+       came in (so a 300-prompt request does not hold a 1-prompt one behind it):
+       one prefill call for all of them, whose first tokens are handed out at once
+       (a stream shows its first token right after prefill, not after a decode call)
     3. dispatch one decode call (engine.decode_steps tokens for every slot)
     4. while it runs, hand out the previous call's tokens and text; requests that
        finished (stop token, stop string, max_tokens) free their slots
 
-So a request never waits for another to finish, only for the current decode
-call, and the host's bookkeeping overlaps the device's work. Being one call
-behind costs a little: a finished slot decodes one call too many, and tokens
-produced past a request's end are dropped.
+So a request never waits for another to finish, only for the current decode call
+and one scoring chunk, and the host's bookkeeping overlaps the device's work. Being
+one call behind costs a little: a finished slot decodes one call too many, and
+tokens produced past a request's end are dropped.
+
+A failure that belongs to one request (its settings, its detokenization, its
+client's event handler) fails that request alone; only a failing device call fails
+everything in flight.
 """
 
+import collections
 import dataclasses
 import logging
 import queue
@@ -23,7 +33,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from easylm.serving.engine import Engine, Sampling
+from easylm.serving.engine import Engine, Sampling, bucket_for
 from easylm.serving.text import TextStream
 
 log = logging.getLogger(__name__)
@@ -64,12 +74,14 @@ class Event:
 
 
 class Generation:
-    """One request in flight. `on_event` is called from the batcher's thread."""
+    """One prompt in flight. `on_event` is called from the batcher's thread. Prompts
+    with the same `group` (one HTTP request's) take turns with other groups for slots."""
 
     def __init__(self, prompt: Sequence[int], params: SamplingParams, tokenizer,
-                 on_event: Callable[[Event], None]):
+                 on_event: Callable[[Event], None], group=None):
         self.prompt = list(prompt)
         self.params = params
+        self.group = self if group is None else group
         self.stop_ids: set[int] = set(params.stop_token_ids)  # the batcher adds EOS
         self.on_event = on_event
         self.stream = TextStream(tokenizer, params.stop)
@@ -79,6 +91,28 @@ class Generation:
         seed = params.seed if params.seed is not None else int(np.random.randint(2**31))
         # jax.random.PRNGKey(seed)'s raw bits, made on the host.
         self.key = np.array([(seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF], np.uint32)
+
+
+def check_params(params: SamplingParams):
+    """Raise ValueError for settings the device would overflow on or misread (the
+    server checks first, with messages naming the fields)."""
+    if not 0 <= params.top_k < 2**31:
+        raise ValueError(f"top_k={params.top_k} is outside [0, 2**31)")
+    if not 0 <= params.temperature < float("inf"):
+        raise ValueError(f"temperature={params.temperature} is not a finite number >= 0")
+    # A top_p that float32 flushes to 0 would keep no token at all.
+    if not np.finfo(np.float32).tiny <= params.top_p <= 1:
+        raise ValueError(f"top_p={params.top_p} is outside [{np.finfo(np.float32).tiny:.3g}, 1]")
+    if params.seed is not None and not -2**63 <= params.seed < 2**64:
+        raise ValueError(f"seed={params.seed} does not fit 64 bits")
+
+
+@dataclasses.dataclass
+class _ScoreJob:
+    tokens: list
+    targets: list
+    future: Future
+    results: list = dataclasses.field(default_factory=list)
 
 
 class Batcher:
@@ -91,6 +125,7 @@ class Batcher:
         self._in_flight = None  # (decode outputs on the device, the slots when dispatched)
         self._waiting: list[Generation] = []
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._scoring: collections.deque[_ScoreJob] = collections.deque()
         self._wake = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="easylm-batcher", daemon=True)
@@ -108,11 +143,16 @@ class Batcher:
         self._thread.join()
 
     def submit(self, generation: Generation):
-        # The server checks these first, with messages for the client.
+        """Queue a generation; ValueError for one that cannot run (nothing is queued).
+        The server checks all of this first, with messages for the client."""
         if not generation.prompt or generation.params.max_tokens < 1:
             raise ValueError("a generation needs a prompt and max_tokens >= 1")
         if len(generation.prompt) + generation.params.max_tokens > self.engine.seq_length:
             raise ValueError("prompt + max_tokens exceeds seq_length")
+        vocab, ids = self.engine.model.vocab_size, np.asarray(generation.prompt)
+        if ids.ndim != 1 or ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= vocab:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        check_params(generation.params)
         generation.stop_ids |= self.stop_token_ids
         with self._wake:
             self._waiting.append(generation)
@@ -125,10 +165,23 @@ class Batcher:
             self._wake.notify()
 
     def run(self, fn: Callable, *args) -> Future:
-        """Run `fn(*args)` on the batcher's thread between decode calls (device jobs)."""
+        """Run `fn(*args)` on the batcher's thread between decode calls, in one piece
+        (so decoding waits for all of it; `score` is the server's way)."""
         future: Future = Future()
         self._jobs.put((future, fn, args))
         with self._wake:
+            self._wake.notify()
+        return future
+
+    def score(self, tokens: Sequence[Sequence[int]], targets: Sequence[Sequence[int]]) -> Future:
+        """`engine.score(tokens, targets)`'s results, computed a chunk per turn between
+        decode calls. Cancelling the future drops the rows not scored yet."""
+        future: Future = Future()
+        if not tokens:
+            future.set_result([])
+            return future
+        with self._wake:
+            self._scoring.append(_ScoreJob(list(tokens), list(targets), future))
             self._wake.notify()
         return future
 
@@ -152,7 +205,8 @@ class Batcher:
 
     def _has_work(self) -> bool:
         return (self._stopping or bool(self._waiting) or not self._jobs.empty()
-                or self._in_flight is not None or any(s is not None for s in self.slots))
+                or bool(self._scoring) or self._in_flight is not None
+                or any(s is not None for s in self.slots))
 
     def _loop(self):
         while True:
@@ -161,32 +215,36 @@ class Batcher:
                     self._wake.wait()
                 if self._stopping:
                     break
-                waiting = [g for g in self._waiting if not g.cancelled]
+                dropped = [g for g in self._waiting if g.cancelled]
                 free = [i for i, s in enumerate(self.slots) if s is None]
-                admitted, self._waiting = waiting[:len(free)], waiting[len(free):]
+                admitted, self._waiting = _take_turns(
+                    [g for g in self._waiting if not g.cancelled], len(free))
+            for g in dropped:
+                self._finish(None, g, "cancelled")
             try:
                 self._run_jobs()
+                self._score_chunk()
                 self._free_cancelled()
                 prefilled = self._admit(admitted, free)
+                if prefilled is not None:
+                    self._deliver(*prefilled)
                 previous, self._in_flight = self._in_flight, None
                 if any(s is not None for s in self.slots):
                     active = [s is not None for s in self.slots]
                     self._in_flight = (self.engine.decode(self.sampling, active),
                                        list(enumerate(self.slots)))
-                if prefilled is not None:
-                    self._deliver(*prefilled)
                 if previous is not None:
                     self._deliver(*previous)
-            except Exception as e:  # a bug: fail the requests in flight, keep serving
+            except Exception as e:  # a device call failed: fail what is in flight, keep serving
                 log.exception("batcher step failed")
                 self._in_flight = None
+                error = f"{type(e).__name__}: {e}"
                 for i, g in enumerate(self.slots):
                     if g is not None:
-                        self._finish(i, g, None, error=f"{type(e).__name__}: {e}")
+                        self._finish(i, g, None, error=error)
                 for g in admitted:
                     if g.finish_reason is None:
-                        g.finish_reason = "error"
-                        g.on_event(Event("", [], error=f"{type(e).__name__}: {e}"))
+                        self._finish(None, g, None, error=error)
 
     def _run_jobs(self):
         while not self._jobs.empty():
@@ -196,6 +254,41 @@ class Batcher:
                     future.set_result(fn(*args))
                 except Exception as e:
                     future.set_exception(e)
+
+    def _score_chunk(self):
+        """One chunk of the oldest scoring job; the job then goes to the back of the line."""
+        while self._scoring and self._scoring[0].future.cancelled():
+            self._scoring.popleft()
+        if not self._scoring:
+            return
+        job = self._scoring.popleft()
+        start = len(job.results)
+        rows = self._chunk_rows(job.tokens[start:start + self.engine.batch_size])
+        try:
+            job.results += self.engine.score(job.tokens[start:start + rows],
+                                             job.targets[start:start + rows])
+        except Exception as e:  # this job's rows, e.g. longer than the context
+            if job.future.set_running_or_notify_cancel():
+                job.future.set_exception(e)
+            return
+        if len(job.results) < len(job.tokens):
+            self._scoring.append(job)
+        elif job.future.set_running_or_notify_cancel():
+            job.future.set_result(job.results)
+
+    def _chunk_rows(self, rows: list) -> int:
+        """How many of `rows` (at most batch_size) to score now: as many as fit one
+        seq_length-token forward, bucketed, and at least one. That is what one long
+        prompt's prefill costs, so a decode call never waits longer for scoring."""
+        engine, longest, fit = self.engine, 0, 1
+        for n in engine.row_buckets:
+            if n > len(rows):
+                break
+            longest = max([longest] + [len(r) for r in rows[:n]])
+            if n * bucket_for(longest, engine.length_buckets) > engine.seq_length:
+                break
+            fit = n
+        return fit
 
     def _free_cancelled(self):
         for i, g in enumerate(self.slots):
@@ -207,12 +300,10 @@ class Batcher:
         if not generations:
             return None
         slots = free[:len(generations)]
-        rows = Sampling(
-            keys=np.stack([g.key for g in generations]),
-            temperature=np.array([g.params.temperature for g in generations], np.float32),
-            top_k=np.array([g.params.top_k for g in generations], np.int32),
-            top_p=np.array([g.params.top_p for g in generations], np.float32),
-        )
+        rows = Sampling.empty(len(generations))
+        for row, g in enumerate(generations):
+            rows.keys[row], rows.temperature[row] = g.key, g.params.temperature
+            rows.top_k[row], rows.top_p[row] = g.params.top_k, g.params.top_p
         out = self.engine.prefill([g.prompt for g in generations], slots, rows)
         for row, (slot, g) in enumerate(zip(slots, generations)):
             self.slots[slot] = g
@@ -226,8 +317,13 @@ class Batcher:
         tokens, logprobs, top_ids, top_logprobs = self.engine.fetch(out)
         for row, (slot, g) in enumerate(owners):
             if g is not None and g.finish_reason is None:
-                self._take(slot, g, tokens[:, row], logprobs[:, row], top_ids[:, row],
-                           top_logprobs[:, row])
+                try:
+                    self._take(slot, g, tokens[:, row], logprobs[:, row], top_ids[:, row],
+                               top_logprobs[:, row])
+                except Exception as e:  # its text or its client's handler: it alone fails
+                    log.exception("a request failed while taking its tokens")
+                    if g.finish_reason is None:
+                        self._finish(slot, g, None, error=f"{type(e).__name__}: {e}")
 
     def _take(self, slot: int, g: Generation, tokens, logprobs, top_ids, top_logprobs):
         """Give `g` its new tokens, then finish it if it has reached its end."""
@@ -253,10 +349,32 @@ class Batcher:
         else:
             self._finish(slot, g, reason, new)
 
-    def _finish(self, slot: int, g: Generation, reason, new=(), error=None):
-        if self.slots[slot] is g:
+    def _finish(self, slot: int | None, g: Generation, reason, new=(), error=None):
+        """End `g` (in `slot`, or None when it never got one) and tell its client; never
+        raises, so that one request's failure stays its own."""
+        if slot is not None and self.slots[slot] is g:
             self.slots[slot] = None
             self.sampling.temperature[slot] = 0  # an idle slot should not make others sort
-        g.stream.finish()
         g.finish_reason = reason or "error"
-        g.on_event(Event(g.stream.take(final=True), list(new), reason, error))
+        text = ""
+        try:
+            if error is None:
+                g.stream.finish()
+                text = g.stream.take(final=True)
+            g.on_event(Event(text, list(new), reason, error))
+        except Exception:
+            log.exception("a request's final event failed")
+
+
+def _take_turns(waiting: list[Generation], n: int):
+    """(the n generations to admit, the rest in arrival order): every group's first
+    waiting prompt, then every group's second, ... so requests share the free slots."""
+    seen: dict = collections.Counter()
+    turn = []
+    for g in waiting:
+        turn.append(seen[id(g.group)])
+        seen[id(g.group)] += 1
+    order = sorted(range(len(waiting)), key=lambda i: (turn[i], i))
+    chosen = set(order[:n])
+    return ([waiting[i] for i in sorted(chosen, key=lambda i: (turn[i], i))],
+            [g for i, g in enumerate(waiting) if i not in chosen])

@@ -11,6 +11,7 @@ and is not timed. With --hf (default on CPU), Hugging Face transformers'
 same process, and the table shows the ratio.
 """
 
+import importlib.util
 import json
 import sys
 import time
@@ -37,7 +38,8 @@ HELP = {
     "decode_unroll": "the engine's --decode_unroll: the steps of a call unrolled, not a loop",
     "dtype": "bf16, fp16, fp32, or auto (bf16 on GPU/TPU, fp32 on CPU)",
     "mesh_dim": "device mesh dp,fsdp,mp",
-    "hf": "also time HF transformers generate (static cache) on CPU: auto, true, false",
+    "hf": "also time HF transformers generate (static cache): auto (on CPU, when torch is "
+          "installed), true, false",
 }
 
 
@@ -115,7 +117,8 @@ def run(config: ConfigDict) -> list[dict]:
                         f"new_tokens = {config.prompt_length + config.new_tokens} and the "
                         f"model's max_position_embeddings={llama.max_position_embeddings}")
     dtype = dtype_from_flag("dtype", config.dtype)
-    use_hf = {"auto": jax.default_backend() == "cpu", "true": True, "false": False}.get(config.hf)
+    on_cpu_with_torch = jax.default_backend() == "cpu" and importlib.util.find_spec("torch")
+    use_hf = {"auto": bool(on_cpu_with_torch), "true": True, "false": False}.get(config.hf)
     if use_hf is None:
         raise UserError(f"--hf={config.hf!r} is not one of auto, true, false")
     mesh = make_mesh(config.mesh_dim)

@@ -5,43 +5,58 @@ What clients rely on is supported: several prompts, string or token-id prompts,
 `seed`, `logprobs`, and `echo` with `max_tokens` 0 or 1, which
 lm-evaluation-harness's `local-completions` uses to score log-likelihoods.
 `top_k` is accepted as an extension. Options that would change the output but
-are not implemented (n > 1, penalties, logit_bias) are 400 errors, never ignored.
+are not implemented (n > 1, penalties, logit_bias) are 400 errors, never ignored;
+so are numbers the device could not represent (a top_p that float32 flushes to 0,
+a top_k above the vocabulary, a seed beyond 64 bits).
 """
 
 import time
 import uuid
 from typing import Any, Literal, Union
 
+import numpy as np
+
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from easylm.serving import scoring
 from easylm.serving.batcher import SamplingParams, Token
 from easylm.serving.sampling import TOP_LOGPROBS
-from easylm.serving.server import APIError, Service, sse
+from easylm.serving.server import MAX_STOPS, APIError, Service, Text, check_unicode, sse
 
-Stop = Union[StrictStr, list[StrictStr], None]
+Stop = Union[Text, list[Text], None]
+# float32's smallest normal number: below it top_p is flushed to 0 on the device.
+MIN_TOP_P = float(np.finfo(np.float32).tiny)
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
-    model: str | None = None
+    model: Text | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)  # extension (vLLM's); 0 or -1: off
+    top_k: int = Field(0, ge=-1)  # extension (vLLM's); 0 or -1: off; at most the vocabulary
     n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: dict | None = None
     stop: Stop = Field(None)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-2**63, lt=2**63)  # int64, as OpenAI and vLLM
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict | None = None
-    user: str | None = None
+    user: Text | None = None
 
-    def check_supported(self):
+    @field_validator("top_p")
+    @classmethod
+    def _representable(cls, top_p):
+        if top_p < MIN_TOP_P:
+            raise ValueError(f"must be at least {MIN_TOP_P:.3g}: below, float32 (the device's "
+                             f"type) holds it as 0")
+        return top_p
+
+    def check_supported(self, service: Service):
+        service.check_sampling(self.top_k)
         if self.n != 1:
             raise APIError(400, f"n={self.n} is not supported; send n=1 (or several prompts)")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -50,8 +65,8 @@ class _Request(BaseModel):
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stops) > 16:
-            raise APIError(400, f"at most 16 stop strings, got {len(stops)}")
+        if len(stops) > MAX_STOPS:
+            raise APIError(400, f"stop has {len(stops)} strings, at most {MAX_STOPS}")
         return tuple(stops)
 
     def sampling(self, max_tokens: int, stops) -> SamplingParams:
@@ -86,18 +101,24 @@ class CompletionRequest(_Request):
                              "or a list of token-id lists")
         if not prompt or any(len(p) == 0 for p in prompt):
             raise ValueError("must not be empty")
+        for i, p in enumerate(prompt):
+            if isinstance(p, str):
+                try:
+                    check_unicode(p)
+                except ValueError as e:
+                    raise ValueError(f"entry {i} {e}") from None
         return prompt
 
 
 class TextPart(BaseModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class Message(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     role: Literal["system", "developer", "user", "assistant"]
-    content: Union[StrictStr, list[TextPart]]
+    content: Union[Text, list[TextPart]]
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
@@ -155,18 +176,21 @@ def router(service: Service) -> APIRouter:
     async def models():
         return {"object": "list", "data": [{
             "id": name, "object": "model", "created": 0, "owned_by": "easylm",
-            "max_model_len": service.seq_length}]}
+            "max_model_len": service.seq_length,
+            # easylm's: the largest max_tokens a request may ask for (the chat page's limit)
+            "max_tokens": service.config.max_tokens}]}
 
     @api.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         service.check_model(body.model)
-        stops = body.check_supported()
+        stops = body.check_supported(service)
         prompt = body.prompt  # a list of strings and token-id lists (see the validator)
+        service.check_prompts(len(prompt), "prompt")
         texts = [p if isinstance(p, str) else None for p in prompt]
         prompts = [service.encode(p) if isinstance(p, str) else list(p) for p in prompt]
         for ids in prompts:
-            if any(not 0 <= t < service.batcher.engine.model.vocab_size for t in ids):
-                raise APIError(400, "prompt token ids must be in [0, vocab_size)")
+            if any(not 0 <= t < service.vocab_size for t in ids):
+                raise APIError(400, f"prompt token ids must be in [0, {service.vocab_size})")
         if body.max_tokens == 0 and not body.echo:
             raise APIError(400, "max_tokens must be >= 1 (0 is allowed only with echo=true)")
         generate = body.max_tokens != 0
@@ -176,7 +200,8 @@ def router(service: Service) -> APIRouter:
         echoed = None
         if body.echo:
             if k is not None:
-                echoed = await service.run(scoring.prompt_logprobs, prompts)
+                echoed = await service.score(
+                    request, scoring.prompt_logprobs_job(service.seq_length, prompts))
             texts = [t if t is not None else service.tokenizer.decode(p)
                      for t, p in zip(texts, prompts)]
         common = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
@@ -221,7 +246,7 @@ def router(service: Service) -> APIRouter:
     @api.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
         service.check_model(body.model)
-        stops = body.check_supported()
+        stops = body.check_supported(service)
         prompt = service.apply_chat_template(
             [{"role": m.role, "content": m.text()} for m in body.messages])
         field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"

@@ -6,7 +6,10 @@ EasyLM's semantics, per text (so a result never depends on what else is in the b
         The model reads [BOS] + prefix + text; the result is the summed log-probability
         of the text's tokens, and whether each of them was the argmax. A prefix too
         long for the context loses tokens from its left (EasyLM's truncation side);
-        a text that alone does not fit is an error.
+        a text that alone does not fit is an error. Without `always_bos` (a tokenizer
+        that puts no BOS before text), the model reads prefix + text, and BOS only
+        where the prefix is empty (the first text token needs something before it),
+        as lm-evaluation-harness's `hf` model does.
 
     loglikelihood_rolling(text)
         For texts longer than the context (perplexity). The inputs are [BOS] + tokens,
@@ -14,10 +17,14 @@ EasyLM's semantics, per text (so a result never depends on what else is in the b
         tail is scored inside the last seq_length tokens, with only its new tokens counted.
         Every token is scored exactly once.
 
-Everything here runs on the batcher's thread (`Batcher.run`), between decode calls.
+Each `*_job` function checks its input (UserError for what does not fit) and returns a
+`Job`: the rows for `Engine.score` and how to turn their results into the answer, so
+the batcher can score the rows a chunk at a time between decode calls (`Batcher.score`).
+The functions without `_job` run one on an engine at once.
 """
 
-from typing import Sequence
+import dataclasses
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -25,29 +32,48 @@ from easylm.errors import UserError
 from easylm.serving.engine import Engine
 
 
-def _score_rows(engine: Engine, rows):
-    """rows: (inputs, targets, first scored index) -> [(sum logprob, all greedy)]."""
-    if not rows:
-        return []
-    scored = engine.score([r[0] for r in rows], [r[1] for r in rows])
-    return [(float(np.sum(lp[start:], dtype=np.float64)), bool(np.all(greedy[start:])))
-            for (_, _, start), (lp, greedy, _, _) in zip(rows, scored)]
+@dataclasses.dataclass
+class Job:
+    """Rows for `Engine.score` (inputs, targets) and `finish(its results) -> answer`."""
+
+    tokens: list[list[int]]
+    targets: list[list[int]]
+    finish: Callable[[list], Any]
 
 
-def loglikelihood(engine: Engine, bos_id: int, pairs: Sequence[tuple[list[int], list[int]]]):
+def run(engine: Engine, job: Job):
+    return job.finish(engine.score(job.tokens, job.targets) if job.tokens else [])
+
+
+def summed(rows, finish) -> Job:
+    """rows: (inputs, targets, first scored index); finish gets [(sum logprob, all greedy)]."""
+    def sums(scored):
+        return finish([(float(np.sum(lp[start:], dtype=np.float64)), bool(np.all(greedy[start:])))
+                       for (_, _, start), (lp, greedy, _, _) in zip(rows, scored)])
+
+    return Job([r[0] for r in rows], [r[1] for r in rows], sums)
+
+
+def loglikelihood_job(seq_length: int, bos_id: int, pairs: Sequence[tuple[list[int], list[int]]],
+                      always_bos: bool = True) -> Job:
     """[(prefix ids, text ids)] -> [(log-likelihood of text, is greedy)]."""
     rows = []
     for prefix, text in pairs:
-        if len(text) > engine.seq_length:
+        if len(text) > seq_length:
             raise UserError(f"a text of {len(text)} tokens does not fit the context of "
-                            f"{engine.seq_length} tokens")
-        keep = engine.seq_length - len(text)  # prefix tokens that fit after BOS
-        prefix = list(prefix)[max(0, len(prefix) - keep):]
-        tokens = [bos_id] + prefix + list(text)
+                            f"{seq_length} tokens")
+        first = [bos_id] if always_bos or not prefix else []
+        # Prefix tokens that fit: the inputs are everything but the last text token.
+        keep = seq_length + 1 - len(first) - len(text)
+        tokens = first + list(prefix)[max(0, len(prefix) - keep):] + list(text)
         # An empty text has log-likelihood 0 and is (vacuously) greedy: nothing to run.
-        rows.append((tokens[:-1], tokens[1:], len(prefix)) if text else None)
-    scored = iter(_score_rows(engine, [r for r in rows if r is not None]))
-    return [next(scored) if r is not None else (0.0, True) for r in rows]
+        rows.append((tokens[:-1], tokens[1:], len(tokens) - 1 - len(text)) if text else None)
+
+    def finish(scored):
+        scored = iter(scored)
+        return [next(scored) if r is not None else (0.0, True) for r in rows]
+
+    return summed([r for r in rows if r is not None], finish)
 
 
 def rolling_windows(tokens: list[int], bos_id: int, L: int):
@@ -63,36 +89,56 @@ def rolling_windows(tokens: list[int], bos_id: int, L: int):
     return windows
 
 
-def loglikelihood_rolling(engine: Engine, bos_id: int, texts: Sequence[list[int]]):
+def loglikelihood_rolling_job(seq_length: int, bos_id: int, texts: Sequence[list[int]]) -> Job:
     """[text ids] -> [(summed log-likelihood over all windows, all greedy)]."""
     rows, owner = [], []
     for index, tokens in enumerate(texts):
-        for window in rolling_windows(list(tokens), bos_id, engine.seq_length):
+        for window in rolling_windows(list(tokens), bos_id, seq_length):
             rows.append(window)
             owner.append(index)
-    totals = [[0.0, True] for _ in texts]
-    for index, (logprob, greedy) in zip(owner, _score_rows(engine, rows)):
-        totals[index][0] += logprob
-        totals[index][1] &= greedy
-    return [tuple(t) for t in totals]
+
+    def finish(sums):
+        totals = [[0.0, True] for _ in texts]
+        for index, (logprob, greedy) in zip(owner, sums):
+            totals[index][0] += logprob
+            totals[index][1] &= greedy
+        return [tuple(t) for t in totals]
+
+    return summed(rows, finish)
 
 
-def prompt_logprobs(engine: Engine, prompts: Sequence[list[int]]):
+def prompt_logprobs_job(seq_length: int, prompts: Sequence[list[int]]) -> Job:
     """Per prompt: each token's log-probability given the tokens before it (None for the
     first), and the most likely alternatives [(id, logprob)] at each position (None first).
     This is OpenAI's `echo` + `logprobs`, which lm-evaluation-harness scores with."""
     for prompt in prompts:
-        if len(prompt) > engine.seq_length:
+        if len(prompt) > seq_length:
             raise UserError(f"the prompt has {len(prompt)} tokens, more than the context "
-                            f"of {engine.seq_length}")
+                            f"of {seq_length}")
     long_enough = [list(p) for p in prompts if len(p) > 1]
-    scored = iter(engine.score([p[:-1] for p in long_enough], [p[1:] for p in long_enough]))
-    out = []
-    for prompt in prompts:
-        if len(prompt) <= 1:
-            out.append(([None] * len(prompt), [None] * len(prompt)))
-            continue
-        logprobs, _, top_ids, top_logprobs = next(scored)
-        top = [list(zip(map(int, ids), map(float, lps))) for ids, lps in zip(top_ids, top_logprobs)]
-        out.append(([None] + [float(x) for x in logprobs], [None] + top))
-    return out
+
+    def finish(scored):
+        scored, out = iter(scored), []
+        for prompt in prompts:
+            if len(prompt) <= 1:
+                out.append(([None] * len(prompt), [None] * len(prompt)))
+                continue
+            logprobs, _, top_ids, top_logprobs = next(scored)
+            top = [list(zip(map(int, ids), map(float, lps)))
+                   for ids, lps in zip(top_ids, top_logprobs)]
+            out.append(([None] + [float(x) for x in logprobs], [None] + top))
+        return out
+
+    return Job([p[:-1] for p in long_enough], [p[1:] for p in long_enough], finish)
+
+
+def loglikelihood(engine: Engine, bos_id: int, pairs, always_bos: bool = True):
+    return run(engine, loglikelihood_job(engine.seq_length, bos_id, pairs, always_bos))
+
+
+def loglikelihood_rolling(engine: Engine, bos_id: int, texts):
+    return run(engine, loglikelihood_rolling_job(engine.seq_length, bos_id, texts))
+
+
+def prompt_logprobs(engine: Engine, prompts):
+    return run(engine, prompt_logprobs_job(engine.seq_length, prompts))

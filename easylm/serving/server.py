@@ -6,9 +6,10 @@
     /loglikelihood ... EasyLM's API (easylm_api.py)
 
 Every endpoint but the static page requires `Authorization: Bearer KEY` when
-`--api_key` is set. Request bodies are capped at `--max_request_bytes`, and
-every error is a JSON body `{"error": {"message", "type", "code"}}` with a 4xx
-status for bad input (FastAPI's 422 validation errors become 400s).
+`--api_key` is set. Every error is a JSON body `{"error": {"message", "type",
+"code"}}` with a 4xx status for bad input (FastAPI's 422 validation errors become
+400s) that names the field; what bounds a client (body size, prompts per request,
+read timeouts, connections, Host names) is in limits.py and docs/serving.md.
 """
 
 import asyncio
@@ -16,30 +17,51 @@ import hmac
 import importlib.resources
 import json
 import logging
-from typing import Sequence
+import re
+import socket
+from typing import Annotated, Sequence
+
+import jax
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import HTMLResponse, Response
 from ml_collections import ConfigDict
+from pydantic import AfterValidator, StrictStr
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from easylm.errors import UserError
+from easylm.serving import limits
 from easylm.serving.batcher import Batcher, Generation, SamplingParams
+from easylm.serving.scoring import Job
 
 log = logging.getLogger(__name__)
 
+MAX_STOPS = 16  # stop strings per prompt (OpenAI allows 4; lm-eval sends a few)
+
 HELP = {
     "host": "address to bind; 127.0.0.1 serves this machine only, 0.0.0.0 every interface",
-    "port": "TCP port",
+    "port": "TCP port (0: any free one; the ready line names it)",
     "api_key": "if set, every API request needs the header `Authorization: Bearer KEY`",
     "model_name": "the model id in /v1/models; requests naming another model get a 404",
     "max_request_bytes": "largest request body accepted (413 above)",
+    "max_prompts": "most prompts (or texts) in one request (400 above)",
     "max_tokens": "largest max_tokens a request may ask for; also the default for chat",
+    "read_timeout": "seconds a client has to send a whole request (line, headers, body) "
+                    "from its first byte, or from connecting; then 408 and the "
+                    "connection closes",
+    "keep_alive_timeout": "seconds an idle kept-alive connection stays open between requests",
+    "max_connections": "open connections at most; more are answered 503 and closed",
+    "max_header_bytes": "largest request line plus headers (431 above)",
+    "allowed_hosts": "comma-separated Host names accepted besides loopback ones when "
+                     "bound to a loopback address ('*': any); when bound to another "
+                     "address and set, only these and loopback names",
     "chat_template": "Jinja chat template (a file path or the template itself); "
                      "empty: the tokenizer's own",
-    "add_bos_token": "prepend the tokenizer's BOS token to text prompts (not to chat "
-                     "templates or token-id prompts, which carry their own)",
+    "add_bos_token": "text prompts: auto tokenizes them as the tokenizer does by itself "
+                     "(HF's add_special_tokens=True); true puts BOS first (EOS if the "
+                     "tokenizer has none), false adds no special token. Chat templates "
+                     "and token-id prompts are never changed",
     "chat_prepend_text": "EasyLM /chat: text before the whole conversation",
     "chat_user_prefix": "EasyLM /chat: text before each user message",
     "chat_user_suffix": "EasyLM /chat: text after each user message",
@@ -55,9 +77,15 @@ def get_default_config(updates=None) -> ConfigDict:
     config.api_key = ""
     config.model_name = "easylm"
     config.max_request_bytes = 1 << 20
+    config.max_prompts = 128
     config.max_tokens = 1024
+    config.read_timeout = 30.0
+    config.keep_alive_timeout = 5.0
+    config.max_connections = 256
+    config.max_header_bytes = 16384
+    config.allowed_hosts = ""
     config.chat_template = ""
-    config.add_bos_token = True
+    config.add_bos_token = "auto"
     config.chat_prepend_text = ""
     config.chat_user_prefix = "User: "
     config.chat_user_suffix = "\n"
@@ -74,18 +102,67 @@ class APIError(Exception):
         self.status, self.message, self.kind = status, message, kind
 
 
+def check_config(config: ConfigDict):
+    for name in ("max_request_bytes", "max_prompts", "max_tokens", "max_connections",
+                 "max_header_bytes"):
+        if config[name] < 1:
+            raise UserError(f"--{name} must be >= 1, got {config[name]}")
+    for name in ("read_timeout", "keep_alive_timeout"):
+        if not config[name] > 0:
+            raise UserError(f"--{name} must be > 0 seconds, got {config[name]}")
+    if str(config.add_bos_token).lower() not in ("auto", "true", "false"):
+        raise UserError(f"--add_bos_token must be auto, true or false, got "
+                        f"{config.add_bos_token!r}")
+
+
 def error_response(status: int, message: str, kind: str = "invalid_request_error"):
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status)
+    return Response(limits.error_body(status, message, kind), status,
+                    media_type="application/json")
+
+
+def check_unicode(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"is not valid Unicode: a lone surrogate "
+                         f"{text[e.start]!r} at index {e.start}") from None
+    return text
+
+
+# Every string a client sends: a lone surrogate (JSON's "\ud800") is legal JSON but
+# no text, and would otherwise reach the tokenizer.
+Text = Annotated[StrictStr, AfterValidator(check_unicode)]
 
 
 def _validation_message(exc: RequestValidationError) -> str:
-    parts = []
+    parts = {}
     for error in exc.errors():
         if error.get("type") == "json_invalid":
             return f"malformed JSON body: {error.get('ctx', {}).get('error', error['msg'])}"
-        where = ".".join(str(p) for p in error.get("loc", ()) if p != "body") or "body"
-        parts.append(f"{where}: {error['msg'].removeprefix('Value error, ')}")
-    return "invalid request: " + "; ".join(parts)
+        if tuple(error.get("loc", ())) == ("body",) and error.get("type") == "missing":
+            return "the request has no body; send a JSON object"
+        # pydantic names each member of a union in the location ('str', 'list[TextPart]',
+        # 'function-after[...]'); the field's path is the rest, and its first error says enough.
+        where = ".".join(str(p) for p in error.get("loc", ())
+                         if p != "body" and not _UNION_MEMBER.fullmatch(str(p))) or "body"
+        parts.setdefault(where, f"{where}: {error['msg'].removeprefix('Value error, ')}")
+    return "invalid request: " + "; ".join(parts.values())
+
+
+_UNION_MEMBER = re.compile(r"str|int|float|bool|.*[\[(].*")
+
+
+def _body_error_message(exc: Exception) -> str:
+    """Why FastAPI could not read a JSON body (it raises a generic 400 from the cause)."""
+    cause = exc.__cause__
+    if isinstance(cause, UnicodeDecodeError):
+        return (f"malformed JSON body: not UTF-8 (byte 0x{cause.object[cause.start]:02x} at "
+                f"position {cause.start})")
+    if isinstance(cause, RecursionError):
+        return "malformed JSON body: nested too deeply"
+    if cause is not None:
+        return f"malformed JSON body: {type(cause).__name__}: {cause}"
+    return str(getattr(exc, "detail", exc))
 
 
 class Service:
@@ -93,11 +170,18 @@ class Service:
 
     def __init__(self, config: ConfigDict, batcher: Batcher, tokenizer):
         self.config = get_default_config(config)
+        check_config(self.config)
         self.batcher, self.tokenizer = batcher, tokenizer
         self.seq_length = batcher.engine.seq_length
+        self.vocab_size = batcher.engine.model.vocab_size
         self.chat_template = _read_template(self.config.chat_template)
+        self.add_bos = str(self.config.add_bos_token).lower()
         bos = tokenizer.bos_token_id
+        # What starts a scored text with nothing before it (lm-eval's prefix token).
         self.bos_id = bos if bos is not None else tokenizer.eos_token_id
+        # Whether text prompts start with BOS, so EasyLM's scoring reads [BOS] + prefix.
+        first = self.encode("a")[:1]
+        self.prompts_start_with_bos = first == [self.bos_id] and self.bos_id is not None
 
     # ---------------------------------------------------------- validation
 
@@ -106,10 +190,26 @@ class Service:
             raise APIError(404, f"model {name!r} does not exist; this server serves "
                                 f"{self.config.model_name!r}", "model_not_found")
 
-    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+    def encode(self, text: str, special_tokens: bool = True) -> list[int]:
+        """A text prompt's token ids, by --add_bos_token; `special_tokens=False`: the
+        text alone (a chat template's output, which has its own)."""
+        if special_tokens and self.add_bos == "auto":
+            return self.tokenizer(text)["input_ids"]
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        add_bos = self.config.add_bos_token if add_bos is None else add_bos
-        return ([self.bos_id] if add_bos and self.bos_id is not None else []) + ids
+        if special_tokens and self.add_bos == "true" and self.bos_id is not None:
+            return [self.bos_id] + ids
+        return ids
+
+    def check_prompts(self, count: int, field: str):
+        limit = self.config.max_prompts
+        if count > limit:
+            raise APIError(400, f"{field} has {count} entries, above this server's limit "
+                                f"of {limit} per request (--max_prompts)")
+
+    def check_sampling(self, top_k: int):
+        if top_k > self.vocab_size:
+            raise APIError(400, f"top_k={top_k} is above the vocabulary size of "
+                                f"{self.vocab_size}")
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         template = self.chat_template or self.tokenizer.chat_template
@@ -121,7 +221,7 @@ class Service:
                 messages, chat_template=template, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # jinja errors, and templates that raise on bad role order
             raise APIError(400, f"the chat template rejected these messages: {e}")
-        return self.encode(text, add_bos=False)
+        return self.encode(text, special_tokens=False)
 
     def max_tokens(self, prompt: Sequence[int], requested: int | None, default: int | None = None,
                    field: str = "max_tokens") -> int:
@@ -151,11 +251,18 @@ class Service:
         (index, Event)). Closing the iterator early cancels what is still running."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
+        group = object()  # this request's prompts take turns with other requests'
         gens = [Generation(p, sp, self.tokenizer,
-                           lambda e, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, e)))
+                           lambda e, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, e)),
+                           group)
                 for i, (p, sp) in enumerate(zip(prompts, params))]
-        for g in gens:
-            self.batcher.submit(g)
+        for i, g in enumerate(gens):
+            try:
+                self.batcher.submit(g)
+            except ValueError as e:  # all or nothing
+                for submitted in gens[:i]:
+                    self.batcher.cancel(submitted)
+                raise APIError(400, str(e))
 
         async def iterate():
             remaining = len(gens)
@@ -180,24 +287,32 @@ class Service:
             async for _ in events:
                 pass
 
-        work = asyncio.ensure_future(drain())
-        gone = asyncio.ensure_future(_wait_for_disconnect(request))
-        try:
-            await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not work.done():
-                work.cancel()  # its `finally` cancels the generations
-        if not work.done() or work.cancelled():
-            raise APIError(499, "client disconnected")
+        await _unless_disconnected(request, drain())  # cancelling `drain` cancels the gens
         for g in gens:
             if g.finish_reason == "error":
                 raise APIError(500, "generation failed", "server_error")
         return gens
 
-    async def run(self, fn, *args):
-        """A device job (scoring) on the batcher's thread."""
-        return await asyncio.wrap_future(self.batcher.run(fn, self.batcher.engine, *args))
+    async def score(self, request: Request, job: Job):
+        """A scoring job's answer, scored in chunks between decode calls; a client that
+        disconnects cancels the chunks not scored yet."""
+        future = self.batcher.score(job.tokens, job.targets)
+        return job.finish(await _unless_disconnected(request, asyncio.wrap_future(future)))
+
+
+async def _unless_disconnected(request: Request, work):
+    """`await work`, or cancel it and raise a 499 if the client goes away first."""
+    work = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+    if work.cancelled():
+        raise APIError(499, "client disconnected")
+    return work.result()
 
 
 async def _wait_for_disconnect(request: Request):
@@ -219,31 +334,15 @@ def _read_template(value: str) -> str:
         raise UserError(f"--chat_template={value!r}: cannot read it ({e.strerror})")
 
 
-class BodyLimit:
-    """ASGI middleware: 411 without Content-Length, 413 above the limit, before any parsing."""
-
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["method"] in ("POST", "PUT", "PATCH"):
-            length = dict(scope["headers"]).get(b"content-length")
-            if length is None:
-                response = error_response(411, "a Content-Length header is required")
-                return await response(scope, receive, send)
-            if not length.isdigit() or int(length) > self.max_bytes:
-                response = error_response(
-                    413, f"request body of {length.decode(errors='replace')} bytes is above "
-                         f"the limit of {self.max_bytes} bytes")
-                return await response(scope, receive, send)
-        await self.app(scope, receive, send)
-
-
 def create_app(service: Service) -> FastAPI:
     from easylm.serving import easylm_api, openai_api
 
     app = FastAPI(title="easylm", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(BodyLimit, max_bytes=service.config.max_request_bytes)
+    app.add_middleware(limits.SizeLimit, max_bytes=service.config.max_request_bytes,
+                       max_header_bytes=service.config.max_header_bytes)
+    hosts = limits.allowed_hosts(service.config)
+    if hosts is not None:  # added last: it runs first
+        app.add_middleware(limits.HostCheck, allowed=hosts)
 
     def authorize(request: Request):
         key = service.config.api_key
@@ -271,7 +370,14 @@ def create_app(service: Service) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, exc: StarletteHTTPException):
+        if exc.status_code == 400:  # FastAPI's "There was an error parsing the body"
+            return error_response(400, _body_error_message(exc))
         return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def bug(request, exc: Exception):  # logged with its traceback by uvicorn
+        return error_response(500, f"internal error ({type(exc).__name__}); see the "
+                                   f"server's log", "server_error")
 
     page = importlib.resources.files("easylm.serving").joinpath("static/chat.html").read_text()
 
@@ -296,7 +402,52 @@ def sse(data) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
-def run(app: FastAPI, config: ConfigDict):
+def bind(config: ConfigDict) -> socket.socket:
+    """The server's socket, bound before the model loads, so that a port already in use is
+    one error line at once, not after minutes of loading. `--port=0` takes a free port."""
+    sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((config.host, config.port))
+    except OSError as e:
+        sock.close()
+        raise UserError(f"--host={config.host} --port={config.port}: cannot listen there "
+                        f"({e.strerror or e}); is another server running? pick another --port")
+    return sock
+
+
+def ready_line(config: ConfigDict, batcher: Batcher, port: int) -> str:
+    """What a user needs once the server listens: where, which model, and its limits."""
+    host = config.host
+    if host in ("0.0.0.0", "::", ""):  # every interface: name this machine, not 0.0.0.0
+        host = socket.gethostname()
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    engine = batcher.engine
+    leaves = jax.tree.leaves(engine.params)
+    parameters = sum(x.size for x in leaves)
+    dtypes = "/".join(sorted({str(x.dtype) for x in leaves}))
+    key = " | API key required" if config.api_key else ""
+    return (f"ready: chat page {url}/ | OpenAI API {url}/v1 | model '{config.model_name}': "
+            f"{parameters:,} parameters, {dtypes}, context {engine.seq_length} tokens, "
+            f"{engine.batch_size} batch slots{key}")
+
+
+def run(app: FastAPI, config: ConfigDict, batcher: Batcher, sock: socket.socket | None = None):
+    """Serve until interrupted; prints the ready line once the socket accepts connections.
+    uvicorn logs warnings and errors only: no per-request lines."""
     import uvicorn
 
-    uvicorn.run(app, host=config.host, port=config.port, log_level="info")
+    sock = sock or bind(config)
+    ready = ready_line(config, batcher, sock.getsockname()[1])
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started:
+                print(ready, flush=True)
+
+    try:
+        Server(uvicorn.Config(app, log_level="warning", **limits.uvicorn_settings(config))
+               ).run(sockets=[sock])
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn has shut down cleanly, then re-raised it
+        pass

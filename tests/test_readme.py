@@ -1,0 +1,232 @@
+"""README.md as a newcomer runs it: what the Quick start installs is enough for the serve
+command the trainer prints; every command and flag it names exists; its links resolve."""
+
+import contextlib
+import importlib
+import io
+import json
+import os
+import re
+import select
+import shlex
+import signal
+import subprocess
+import sys
+import tomllib
+from importlib import metadata
+
+import httpx
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = open(os.path.join(REPO, "README.md")).read()
+# A fresh `python3.11 -m venv` has these before anything is installed.
+VENV_BUILTIN = {"pip", "setuptools"}
+
+
+def section(heading: str) -> str:
+    match = re.search(rf"(?ms)^## {re.escape(heading)}\n(.*?)(?=^## |\Z)", README)
+    assert match, f"README has no '## {heading}' section"
+    return match.group(1)
+
+
+def sh_block(heading: str) -> list[str]:
+    """The lines of the section's one ```sh block (what .ci/run and a newcomer run)."""
+    blocks = re.findall(r"(?ms)^```sh\n(.*?)^```", section(heading))
+    assert len(blocks) == 1, f"'## {heading}' should have exactly one ```sh block"
+    return [line for line in blocks[0].splitlines() if line.strip()]
+
+
+def installed_by(lines: list[str]) -> set[str]:
+    """Distributions (canonical names) that `lines`' pip installs bring, easylm included:
+    its pyproject dependencies and named extras, then everything they require."""
+    project = tomllib.load(open(os.path.join(REPO, "pyproject.toml"), "rb"))["project"]
+    wanted = []
+    for line in lines:
+        words = shlex.split(line.split("#")[0])
+        if words[:2] != ["pip", "install"]:
+            continue
+        for word in words[2:]:
+            if word.startswith("-"):
+                continue
+            match = re.fullmatch(r"\.(?:\[(.*)\])?", word)
+            if match is None:  # a requirement of its own, e.g. torch==2.13.0
+                wanted.append(word)
+                continue
+            wanted += project["dependencies"]
+            for extra in filter(None, (match.group(1) or "").split(",")):
+                wanted += project["optional-dependencies"][extra]
+    seen = set()  # (distribution, extra) pairs whose requirements are counted
+    todo = [(Requirement(r), "") for r in wanted]
+    while todo:
+        requirement, extra = todo.pop()
+        if requirement.marker and not requirement.marker.evaluate({"extra": extra}):
+            continue
+        name = canonicalize_name(requirement.name)
+        for wanted_extra in {"", *requirement.extras} - {e for n, e in seen if n == name}:
+            seen.add((name, wanted_extra))
+            try:
+                requires = metadata.requires(name) or []
+            except metadata.PackageNotFoundError:  # not for this platform (or not here)
+                continue
+            todo += [(Requirement(r), wanted_extra) for r in requires]
+    return {name for name, _ in seen} | {"easylm"} | VENV_BUILTIN
+
+
+def modules_not_installed_by(lines: list[str]) -> list[str]:
+    """Top-level modules of this environment that `lines` would not have installed."""
+    keep = installed_by(lines)
+    return sorted(module for module, dists in metadata.packages_distributions().items()
+                  if module.isidentifier() and module != "easylm"
+                  and not {canonicalize_name(d) for d in dists} & keep)
+
+
+# Runs `python -m MODULE ARGS` with the given top-level modules unimportable, as in an
+# environment where they were never installed (find_spec says None, import raises), and
+# Ctrl-C handled as in a terminal (a background shell may have left SIGINT ignored).
+WITHOUT = """
+import json, runpy, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
+for name in json.loads(sys.argv[1]):
+    sys.modules[name] = None
+sys.argv = sys.argv[2:]
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+"""
+
+
+def without(hidden: list[str], module: str, *args) -> list[str]:
+    return [sys.executable, "-c", WITHOUT, json.dumps(hidden), module, *args]
+
+
+def test_the_printed_serve_command_needs_only_what_the_quick_start_installs(tmp_path):
+    hidden = modules_not_installed_by(sh_block("Quick start"))
+    # The check means something only if this environment has extras to hide.
+    assert {"torch", "selenium", "openai", "pytest"} <= set(hidden), hidden
+    env = {**os.environ, "PYTHONPATH": REPO}
+
+    result = subprocess.run(without(hidden, "easylm.llama.serve", "--help"), env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "--load_checkpoint=" in result.stdout, result.stderr
+
+    train = subprocess.run(
+        without(hidden, "easylm.llama.train", "--total_steps=1",
+                f"--logger.output_dir={tmp_path}"),
+        env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert train.returncode == 0, train.stderr[-3000:]
+    (command,) = [line.split(":", 1)[1].strip() for line in train.stdout.splitlines()
+                  if line.startswith("serve it:")]
+    program = shlex.split(command)
+    assert program[:3] == ["python", "-m", "easylm.llama.serve"], command
+
+    log = open(tmp_path / "serve.log", "w+")
+    server = subprocess.Popen(without(hidden, *program[2:], "--port=0"), env=env, cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=log, text=True)
+    try:
+        # The ready line (bounded: a server that hangs before it fails here, not forever).
+        assert select.select([server.stdout], [], [], 600)[0], "no ready line in 10 minutes"
+        ready = server.stdout.readline()
+        log.seek(0)
+        assert ready.startswith("ready: chat page http://127.0.0.1:"), ready + log.read()
+        url = re.search(r"OpenAI API (\S+)", ready).group(1)
+        assert "918,656 parameters, float32, context 512 tokens, 8 batch slots" in ready
+        models = httpx.get(url + "/models", timeout=60).json()
+        assert models["data"][0]["id"] == "easylm"
+        # What the chat page sends (the chat template needs jinja2, which torch brought here).
+        reply = httpx.post(url + "/chat/completions", timeout=300, json={
+            "messages": [{"role": "user", "content": "Once upon a time"}], "max_tokens": 4,
+            "temperature": 0}).json()
+        assert reply.get("usage", {}).get("completion_tokens", 0) >= 1, reply
+        server.send_signal(signal.SIGINT)  # Ctrl-C
+        assert server.wait(60) == 0
+    finally:
+        server.kill()
+        server.wait(30)
+    log.seek(0)
+    # The ready line was all: no orbax or jax INFO chatter, no transformers advice, and no
+    # traceback on Ctrl-C.
+    assert log.read() == ""
+
+
+def test_hidden_modules_are_really_hidden():
+    """The negative twin: what the Quick start does not install cannot be imported."""
+    hidden = modules_not_installed_by(["pip install -e ."])
+    assert "torch" in hidden and "fastapi" not in hidden and "jax" not in hidden
+    assert "torch" not in modules_not_installed_by(["pip install -e .", "pip install torch"])
+    probe = subprocess.run(
+        [sys.executable, "-c", f"import sys\nfor n in {hidden!r}: sys.modules[n] = None\n"
+                               f"import easylm.serving.server\nimport torch"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": REPO})
+    assert probe.returncode != 0 and "ModuleNotFoundError" in probe.stderr, probe.stderr
+    assert probe.stderr.rstrip().endswith("import of torch halted; None in sys.modules")
+
+
+def snippets(text: str) -> list[str]:
+    """Each logical line of the fenced blocks (continuations joined) and each inline span."""
+    out = []
+    for block in re.findall(r"(?ms)^```\w*\n(.*?)^```", text):
+        out += block.replace("\\\n", " ").splitlines()
+    out += re.findall(r"`([^`\n]+)`", re.sub(r"(?ms)^```.*?^```", "", text))
+    return out
+
+
+def named_commands_and_flags(text: str):
+    """(module or None, flags) for each snippet that runs easylm or names flags alone;
+    snippets that run other programs (pip, lm_eval, apt-get) are not ours to check."""
+    for snippet in snippets(text):
+        flags = lambda s: re.findall(r"(?<![\w-])--([A-Za-z_][\w.]*)", s)
+        match = re.search(r"python -m ([\w.]+)(.*)", snippet)
+        if match:
+            yield match.group(1), flags(match.group(2))
+        elif snippet.lstrip().startswith("--"):
+            yield None, flags(snippet)
+
+
+def help_text(module: str) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_info:
+        importlib.import_module(module).main([f"python -m {module}", "--help"])
+        raise SystemExit(0)  # a main that printed its usage and returned
+    assert exit_info.value.code in (0, None), f"python -m {module} --help failed"
+    return out.getvalue()
+
+
+def test_every_command_and_flag_the_readme_names_exists():
+    named = list(named_commands_and_flags(README))
+    helps = {module: help_text(module) for module in {m for m, _ in named if m}}
+    assert {"easylm.llama.train", "easylm.llama.serve", "easylm.data.preview"} <= set(helps)
+    everywhere = "\n".join(helps.values())
+    missing = []
+    for module, flags in named:
+        for flag in flags:
+            if flag in ("help", "flagfile"):  # absl's own
+                continue
+            if f"--{flag}=" not in (helps[module] if module else everywhere):
+                missing.append(f"{module or 'any command'}: --{flag}")
+    assert not missing, missing
+    # The negative twin: a misspelt flag is caught.
+    assert "--train_dataset.json_dataset.pth=" not in helps["easylm.llama.train"]
+
+
+def _anchors(path: str) -> set[str]:
+    """GitHub's heading anchors of a markdown file."""
+    headings = re.findall(r"(?m)^#+ (.*)$", re.sub(r"(?ms)^```.*?^```", "", open(path).read()))
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+@pytest.mark.parametrize("page", ["README.md"] + sorted(
+    f"docs/{name}" for name in os.listdir(os.path.join(REPO, "docs")) if name.endswith(".md")))
+def test_links_resolve(page):
+    path = os.path.join(REPO, page)
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", open(path).read()):
+        if re.match(r"[a-z]+:", target):  # http(s): not fetched
+            continue
+        file, _, anchor = target.partition("#")
+        file = os.path.normpath(os.path.join(os.path.dirname(path), file)) if file else path
+        if not os.path.exists(file):
+            broken.append(target)
+        elif anchor and file.endswith(".md") and anchor not in _anchors(file):
+            broken.append(target)
+    assert not broken, broken
