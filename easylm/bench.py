@@ -53,9 +53,7 @@ TRAIN_HELP = {
 }
 
 
-def train_config() -> ConfigDict:
-    from easylm.llama.config import LLaMAConfig
-
+def train_config(family) -> ConfigDict:
     config = ConfigDict()
     config.seq_length = 128
     config.batch_size = 8
@@ -70,17 +68,14 @@ def train_config() -> ConfigDict:
     config.compile_only = False
     config.profile_steps = 0
     config.profile_dir = ""
-    config.llama = LLaMAConfig.get_default_config()
+    config[family.name] = family.flag_config(family.tiny_preset)
     config.optimizer = optimizers.get_default_config()
     return config
 
 
-def _train_help() -> dict:
-    from easylm.llama.config import LLAMA_PRESETS, LLaMAConfig
-
+def _train_help(family) -> dict:
     text = dict(TRAIN_HELP)
-    text["llama.base_model"] = f"preset: {', '.join(LLAMA_PRESETS)}"
-    text.update({f"llama.{f}": "override the preset's value" for f in LLaMAConfig.__dataclass_fields__})
+    text.update(family.help_entries())
     text.update({f"optimizer.{k}": v for k, v in optimizers.HELP.items()})
     return text
 
@@ -92,9 +87,7 @@ def synthetic_batch(config: ConfigDict, vocab_size: int) -> dict:
             "loss_masks": np.ones((config.batch_size, config.seq_length), np.float32)}
 
 
-def bench_train(config: ConfigDict) -> dict:
-    from easylm.llama.train import build_model
-
+def bench_train(config: ConfigDict, family) -> dict:
     if config.steps < 1 or config.warmup_steps < 1:
         raise UserError("--steps and --warmup_steps must be >= 1 (the first warm-up step compiles)")
     if config.profile_steps < 0:
@@ -103,7 +96,7 @@ def bench_train(config: ConfigDict) -> dict:
         raise UserError("--profile_steps needs steps to run; --compile_only runs none")
     trainer.setup_compilation(config.compilation_cache_dir)
     mesh = make_mesh(config.mesh_dim)
-    model = build_model(config)
+    model = family.build(config)
     tx, schedule = optimizers.get_optimizer(config.optimizer)
     accumulate = config.optimizer.accumulate_gradient_steps
     if config.compile_only:
@@ -136,7 +129,7 @@ def bench_train(config: ConfigDict) -> dict:
     memory = jax.devices()[0].memory_stats() or {}
     return {
         "benchmark": "train",
-        "model": config.llama.base_model,
+        "model": config[model.name].base_model,
         "parameters": sum(x.size for x in jax.tree.leaves(state.params)),
         "seq_length": config.seq_length,
         "batch_size": config.batch_size,
@@ -202,7 +195,7 @@ def _compile_only(config: ConfigDict, model, tx, schedule, mesh) -> dict:
     return {
         "benchmark": "train",
         "compile_only": True,
-        "model": config.llama.base_model,
+        "model": config[model.name].base_model,
         "parameters": sum(x.size for x in jax.tree.leaves(state.params)),
         "seq_length": config.seq_length,
         "batch_size": config.batch_size,
@@ -214,9 +207,12 @@ def _compile_only(config: ConfigDict, model, tx, schedule, mesh) -> dict:
 
 
 def _train_main(argv):
-    config = train_config()
-    usage = "usage: python -m easylm.bench train [--flag=value ...]"
-    print(json.dumps(bench_train(flags.parse(config, _train_help(), argv, usage))))
+    from easylm import families
+
+    family, argv = families.from_argv(argv)
+    usage = "usage: python -m easylm.bench train [--family=NAME] [--flag=value ...]"
+    config = flags.parse(train_config(family), _train_help(family), argv, usage)
+    print(json.dumps(bench_train(config, family)))
 
 
 @exit_on_user_error

@@ -51,8 +51,9 @@ from absl import logging as absl_logging
 from etils import epath
 from ml_collections import ConfigDict
 
+from easylm.dtypes import DTYPES, cast_names
 from easylm.errors import UserError
-from easylm.sharding import path_to_string
+from easylm.sharding import axes_size, path_to_string, spec_axes
 
 LOAD_PREFIXES = ("params", "trainstate", "trainstate_params")
 ITEMS = ("params", "opt_state", "data", "metadata")
@@ -62,7 +63,7 @@ TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's name for a save in progress
 # a tmpfs, 11 on ext4, measured with the debug model), and the JSON items.
 _BYTES_PER_ARRAY = 12 << 10
 _OVERHEAD_BYTES = 64 << 10
-FLOAT_DTYPES = {"": None, "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+FLOAT_DTYPES = cast_names(DTYPES, keep="")
 
 HELP = {
     "keep": "how many of the latest --save_model_freq checkpoints to keep (milestones "
@@ -167,7 +168,7 @@ def _partial_fingerprints(x, sharding):
     train step, and nothing needs gathering."""
     spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec)) \
         if isinstance(sharding, jax.sharding.NamedSharding) else None
-    if spec is None or any(size % _axes_size(sharding.mesh, axes) for size, axes in zip(x.shape, spec)):
+    if spec is None or any(size % axes_size(sharding.mesh.shape, axes) for size, axes in zip(x.shape, spec)):
         return _block_fingerprint(x, (0,) * x.ndim, x.shape)[None]  # unsharded (or uneven)
     mesh = sharding.mesh
 
@@ -175,7 +176,7 @@ def _partial_fingerprints(x, sharding):
         starts, used = [], set()
         for dim, axes in enumerate(spec):
             position = 0
-            for axis in _axes(axes):
+            for axis in spec_axes(axes):
                 position = position * mesh.shape[axis] + jax.lax.axis_index(axis)
                 used.add(axis)
             starts.append(position * block.shape[dim])
@@ -190,17 +191,6 @@ def _partial_fingerprints(x, sharding):
     return jax.shard_map(local, mesh=mesh, in_specs=jax.sharding.PartitionSpec(*spec),
                          out_specs=jax.sharding.PartitionSpec(*mesh.axis_names),
                          check_vma=False)(x)
-
-
-def _axes(axes) -> tuple:
-    return () if axes is None else axes if isinstance(axes, tuple) else (axes,)
-
-
-def _axes_size(mesh, axes) -> int:
-    size = 1
-    for axis in _axes(axes):
-        size *= mesh.shape[axis]
-    return size
 
 
 @functools.partial(jax.jit, static_argnums=1)

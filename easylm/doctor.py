@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from easylm import distributed
 from easylm import flags as flag_lib
 from easylm.errors import UserError, exit_on_user_error
-from easylm.sharding import make_mesh, mesh_string
+from easylm.sharding import check_batch_split, make_mesh, mesh_string
 
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "transformers")
 # Reported when installed: the accelerator plugins jax runs on.
@@ -113,13 +113,10 @@ def check(config) -> tuple[list[str], list[str]]:
         dcn = f", --dcn_mesh_dim={config.dcn_mesh_dim}" if config.dcn_mesh_dim else ""
         report.append(f"mesh: {mesh_string(mesh)} (--mesh_dim={config.mesh_dim}{dcn})")
         data = config.train_dataset[f"{config.train_dataset.type}_dataset"]
-        shards = mesh.shape["dp"] * mesh.shape["fsdp"]
-        accumulate = config.optimizer.accumulate_gradient_steps
-        if data.batch_size % (shards * accumulate):
-            problems.append(
-                f"--train_dataset batch size {data.batch_size} must be a multiple of the "
-                f"dp*fsdp={shards} batch shards times --optimizer.accumulate_gradient_steps="
-                f"{accumulate}")
+        try:
+            check_batch_split(data.batch_size, mesh.shape, config.optimizer.accumulate_gradient_steps)
+        except UserError as e:
+            problems.append(str(e))
         if data.batch_size % jax.process_count():
             problems.append(f"--train_dataset batch size {data.batch_size} does not split "
                             f"over the {jax.process_count()} processes")
@@ -141,20 +138,14 @@ def check(config) -> tuple[list[str], list[str]]:
     return report, problems
 
 
-def default_config():
-    from easylm.llama import train
-
-    return train.default_config()
-
-
 @exit_on_user_error
 def main(argv=None):
-    from easylm.llama import train
+    from easylm import families, trainer
 
-    argv = argv or sys.argv
-    config, help_entries = default_config(), train.help_entries()
-    usage = "usage: python -m easylm.doctor [trainer flags]"
-    config = flag_lib.parse(config, help_entries, argv, usage)
+    family, argv = families.from_argv(argv or sys.argv)
+    usage = "usage: python -m easylm.doctor [--family=NAME] [trainer flags]"
+    config = flag_lib.parse(trainer.default_config(family), trainer.help_entries(family), argv,
+                            usage)
     distributed.initialize(config.jax_distributed)
     report, problems = check(config)
     process = jax.process_index()

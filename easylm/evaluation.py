@@ -71,7 +71,7 @@ class HarnessLM(TemplateLM):
 
     @classmethod
     def from_params(cls, model, params, tokenizer, mesh=None, engine_config=None, **kwargs):
-        """Over parameters already on the devices (`model`: the family's `ModelFns`)."""
+        """Over parameters already on the devices (`model`: the family's `Model`)."""
         return cls(Engine(engine_config, model, params, mesh), tokenizer, **kwargs)
 
     # ------------------------------------------------------------ tokens

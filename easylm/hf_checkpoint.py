@@ -1,7 +1,7 @@
 """Reading and writing Hugging Face checkpoint directories, one tensor at a time.
 
-Model-agnostic: a model family's converter maps names (see
-`easylm/llama/hf_weights.py`); this module only moves tensors.
+Model-agnostic: a model family's converter maps names; this module only moves
+tensors.
 
 Reading: `HFTensors(directory)` is a lazy mapping from tensor name to numpy
 array over `*.safetensors` (sharded with an index or not) or
@@ -16,6 +16,7 @@ import os
 from collections.abc import Mapping
 from typing import Iterable, Iterator
 
+import ml_dtypes
 import numpy as np
 
 from easylm.errors import UserError
@@ -120,8 +121,6 @@ class HFTensors(Mapping):
                     return f.get_tensor(name)
                 except (SafetensorError, OSError) as e:
                     raise UserError(f"{path}: cannot read tensor {name} ({e})") from None
-        from easylm.llama.hf_weights import to_numpy
-
         return to_numpy(self._load_bin(shard)[name])
 
     def __iter__(self) -> Iterator[str]:
@@ -132,6 +131,18 @@ class HFTensors(Mapping):
 
     def __contains__(self, name) -> bool:
         return name in self._file_of
+
+
+def to_numpy(tensor) -> np.ndarray:
+    """A numpy array from numpy/jax/torch, keeping bfloat16 as ml_dtypes' bfloat16."""
+    if hasattr(tensor, "detach"):  # torch
+        tensor = tensor.detach().cpu()
+        if str(tensor.dtype) == "torch.bfloat16":
+            import torch
+
+            return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return tensor.numpy()
+    return np.asarray(tensor)
 
 
 def write_safetensors(

@@ -37,12 +37,13 @@ import jax.numpy as jnp
 import optax
 from ml_collections import ConfigDict
 
+from easylm.dtypes import dtype_from_flag
 from easylm.errors import UserError
 from easylm.sharding import path_to_string
 
 OPTIMIZER_TYPES = ("adamw", "palm")
 
-STATE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
+STATE_DTYPES = ("fp32", "bf16")
 
 HELP = {
     "type": f"optimizer: {' or '.join(OPTIMIZER_TYPES)}",
@@ -239,11 +240,10 @@ def stochastic_rounding(inner: optax.GradientTransformation, seed: int = 0):
 
 def get_optimizer(config: ConfigDict) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """The optax transformation and its learning-rate schedule (for logging)."""
-    if config.state_dtype not in STATE_DTYPES:
-        raise UserError(f"--optimizer.state_dtype={config.state_dtype!r} is not one of "
-                        f"{', '.join(STATE_DTYPES)}")
+    state_dtype = dtype_from_flag("optimizer.state_dtype", config.state_dtype, STATE_DTYPES,
+                                  auto=False)
     tx, schedule = _optimizer(config)
-    tx = fp32_math(tx, STATE_DTYPES[config.state_dtype])
+    tx = fp32_math(tx, state_dtype)
     if config.stochastic_rounding:
         tx = stochastic_rounding(tx)
     return tx, schedule

@@ -41,9 +41,10 @@ from ml_collections import ConfigDict
 
 from easylm import flags as flag_lib
 from easylm import optimizers
-from easylm.errors import UserError, exit_on_user_error
-from easylm.sharding import (MESH_AXES, hybrid_mesh_shape, match_partition_rules, mesh_string,
-                             parse_mesh_dim)
+from easylm.errors import exit_on_user_error
+from easylm.dtypes import dtype_from_flag
+from easylm.sharding import (MESH_AXES, axes_size, check_batch_split, hybrid_mesh_shape,
+                             match_partition_rules, mesh_string, parse_mesh_dim)
 
 GIB = 1024 ** 3
 
@@ -104,32 +105,18 @@ def shard_bytes(tree, specs, sizes: dict) -> int:
             specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))):
         shape = list(leaf.shape)
         for dim, axes in enumerate(spec):
-            axes = axes if isinstance(axes, tuple) else (axes,)
-            shape[dim] = math.ceil(shape[dim] / math.prod(sizes[a] for a in axes if a))
+            shape[dim] = math.ceil(shape[dim] / axes_size(sizes, axes))
         total += math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
     return total
 
 
-def model_config(config: ConfigDict):
-    from easylm.llama.train import model_config as llama_model_config
-
-    return llama_model_config(config)  # the preset, or hf::DIR's config.json
-
-
-def _llama_variant(config: ConfigDict, layers: int, mp: int, remat: str | None = None):
-    """A copy of `config` whose model has `layers` layers and one mp shard's heads, MLP
-    and vocabulary, so that its activations are one device's."""
-    llama = model_config(config)
-    variant = ConfigDict(config.to_dict(), type_safe=False)
-    variant.llama.update(
-        num_hidden_layers=layers, head_dim=llama.head_dim,
-        num_attention_heads=math.ceil(llama.num_attention_heads / mp),
-        num_key_value_heads=math.ceil(llama.num_key_value_heads / mp),
-        intermediate_size=math.ceil(llama.intermediate_size / mp),
-        vocab_size=math.ceil(llama.vocab_size / mp),
-        remat_policy=remat or llama.remat_policy,
-    )
-    return variant
+def _shard_model(family, config: ConfigDict, layers: int, mp: int, remat: str | None = None):
+    """The model of `config` with `layers` layers and one mp shard's heads, MLP and
+    vocabulary (and, with `remat`, that policy): its activations are one device's."""
+    variant = family.shard_variant(family.model_config(config), layers, mp)
+    if remat is not None:
+        variant = dataclasses.replace(variant, remat_policy=remat)
+    return family.build(config, variant)
 
 
 def _residual_bytes(model, batch) -> int:
@@ -144,9 +131,9 @@ def _residual_bytes(model, batch) -> int:
                if not source.startswith("from the argument"))
 
 
-def _layer_params(build_model, config, mp: int) -> int:
+def _layer_params(family, config, mp: int) -> int:
     """Elements of one layer's parameters as one mp shard holds them."""
-    one, two = (jax.eval_shape(build_model(_llama_variant(config, n, 1)).init_params,
+    one, two = (jax.eval_shape(_shard_model(family, config, n, 1).init_params,
                                jax.random.key(0)) for n in (1, 2))
     count = lambda tree: sum(x.size for x in jax.tree.leaves(tree))  # noqa: E731
     return (count(two) - count(one)) // mp
@@ -156,26 +143,17 @@ def _dataset(config: ConfigDict):
     return config.train_dataset[f"{config.train_dataset.type}_dataset"]
 
 
-def estimate(config: ConfigDict, build_model, num_devices: int, num_processes: int = 1) -> Estimate:
+def estimate(config: ConfigDict, family, num_devices: int, num_processes: int = 1) -> Estimate:
     """Per-device memory of training as `config` says, on `num_devices` devices."""
-    from easylm.trainer import DTYPES, dtype_from_flag
-
     sizes = mesh_sizes(config, num_devices, num_processes)
-    shards = sizes["dp"] * sizes["fsdp"]
     data = _dataset(config)
     accumulate = config.optimizer.accumulate_gradient_steps
-    if data.batch_size % (shards * accumulate):
-        raise UserError(
-            f"--train_dataset batch size {data.batch_size} must be a multiple of the dp*fsdp="
-            f"{shards} batch shards times --optimizer.accumulate_gradient_steps={accumulate}")
-    rows = data.batch_size // shards  # rows of one device per step
+    check_batch_split(data.batch_size, sizes, accumulate)
+    rows = data.batch_size // (sizes["dp"] * sizes["fsdp"])  # rows of one device per step
     T = data.seq_length
 
-    if model_config(config).attention == "cudnn" and jax.default_backend() != "gpu":
-        # 'auto' picks it on a GPU only; tracing it needs cuDNN present.
-        raise UserError("--llama.attention=cudnn can only be planned where cuDNN is: plan on "
-                        "the GPU host, or with --llama.attention=dot_product for an upper bound")
-    model = build_model(config)
+    family.check_plannable(family.model_config(config))
+    model = family.build(config)
     params = jax.eval_shape(model.init_params, jax.random.key(0))
     tx, _ = optimizers.get_optimizer(config.optimizer)
     opt_state = jax.eval_shape(tx.init, params)
@@ -190,8 +168,8 @@ def estimate(config: ConfigDict, build_model, num_devices: int, num_processes: i
     if data.segment_ids:
         batch.update(segment_ids=micro, positions=micro)
     mp = sizes["mp"]
-    L = model.config["num_hidden_layers"]
-    saved = [_residual_bytes(build_model(_llama_variant(config, n, mp)), batch) for n in (1, 2)]
+    L = model.num_layers
+    saved = [_residual_bytes(_shard_model(family, config, n, mp), batch) for n in (1, 2)]
     per_layer = saved[1] - saved[0]
     activations = saved[0] + (L - 1) * per_layer
 
@@ -199,15 +177,15 @@ def estimate(config: ConfigDict, build_model, num_devices: int, num_processes: i
     # keeps without remat, less what the policy keeps anyway) ...
     working = 0
     if model.config.get("remat_policy", "none") != "none":
-        plain = [_residual_bytes(build_model(_llama_variant(config, n, mp, "none")), batch)
+        plain = [_residual_bytes(_shard_model(family, config, n, mp, "none"), batch)
                  for n in (1, 2)]
         working += (plain[1] - plain[0]) - per_layer
     # ... and with fsdp its weights are gathered whole and their gradient is whole
     # until reduce-scattered.
     if sizes["fsdp"] > 1:
         compute = jnp.dtype(dtype_from_flag("dtype", config.dtype)).itemsize
-        stored = jnp.dtype(DTYPES[config.param_dtype]).itemsize
-        working += _layer_params(build_model, config, mp) * (compute + stored)
+        stored = jnp.dtype(dtype_from_flag("param_dtype", config.param_dtype)).itemsize
+        working += _layer_params(family, config, mp) * (compute + stored)
 
     return Estimate(
         parameters=parameters, optimizer=optimizer,
@@ -231,7 +209,7 @@ def _changed(config: ConfigDict, changes: dict) -> ConfigDict:
     return out
 
 
-def candidate_fixes(config: ConfigDict, num_devices: int, num_processes: int) -> list[dict]:
+def candidate_fixes(config: ConfigDict, family, num_devices: int, num_processes: int) -> list[dict]:
     """Single flag changes that lower memory, cheapest first: fsdp only adds
     communication, remat recomputes (checkpoint_dots the least), accumulation shrinks
     the per-device batch (less efficient matmuls), bf16 moments change the numerics."""
@@ -247,11 +225,11 @@ def candidate_fixes(config: ConfigDict, num_devices: int, num_processes: int) ->
         dp, fsdp, mp = parse_mesh_dim(config.mesh_dim, num_devices)
         if dp > 1:
             fixes.append({"mesh_dim": f"1,{dp * fsdp},{mp}"})
-    order = ("none", "checkpoint_dots", "checkpoint_dots_with_no_batch_dims",
-             "save_attention_out", "nothing_saveable")
-    remat = model_config(config).remat_policy
-    for policy in order[order.index(remat) + 1:]:
-        fixes.append({"llama.remat_policy": policy})
+    if family.remat_policies:  # ordered by what they recompute, least first
+        order = family.remat_policies
+        remat = family.model_config(config).remat_policy
+        for policy in order[order.index(remat) + 1:]:
+            fixes.append({f"{family.name}.remat_policy": policy})
     sizes = mesh_sizes(config, num_devices, num_processes)
     rows = _dataset(config).batch_size // (sizes["dp"] * sizes["fsdp"])
     k = config.optimizer.accumulate_gradient_steps
@@ -266,13 +244,13 @@ def candidate_fixes(config: ConfigDict, num_devices: int, num_processes: int) ->
     return fixes
 
 
-def find_fix(config: ConfigDict, build_model, num_devices: int, num_processes: int,
+def find_fix(config: ConfigDict, family, num_devices: int, num_processes: int,
              budget: int) -> tuple[dict, Estimate] | None:
     """The first single change whose estimate fits in `budget` bytes; failing that, the
     changes that help, taken together in order until it fits; None if nothing does."""
-    plan = lambda changes: estimate(_changed(config, changes), build_model,  # noqa: E731
+    plan = lambda changes: estimate(_changed(config, changes), family,  # noqa: E731
                                     num_devices, num_processes)
-    fixes = candidate_fixes(config, num_devices, num_processes)
+    fixes = candidate_fixes(config, family, num_devices, num_processes)
     for changes in fixes:
         fixed = plan(changes)
         if fixed.total <= budget:
@@ -294,23 +272,21 @@ def _size(n: int) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2 ** 20:.1f} MiB"
 
 
-def report(config: ConfigDict, build_model, num_devices: int, num_processes: int,
+def report(config: ConfigDict, family, num_devices: int, num_processes: int,
            budget: int | None) -> tuple[str, bool]:
     """The printed plan, and whether it fits (True when no budget is known)."""
-    from easylm.trainer import dtype_from_flag
-
-    plan = estimate(config, build_model, num_devices, num_processes)
-    model = model_config(config)
+    plan = estimate(config, family, num_devices, num_processes)
+    model = family.build(config)
     data = _dataset(config)
     compute = jnp.dtype(dtype_from_flag("dtype", config.dtype)).name
     mesh = mesh_string(plan.mesh)
     lines = [
-        f"plan: {config.llama.base_model}, {model.num_parameters() / 1e6:,.1f}M parameters, "
-        f"{model.num_hidden_layers} layers | {num_devices} devices, mesh {mesh} | "
+        f"plan: {config[family.name].base_model}, {model.num_parameters / 1e6:,.1f}M "
+        f"parameters, {model.num_layers} layers | {num_devices} devices, mesh {mesh} | "
         f"{data.batch_size} x {data.seq_length} tokens per step | compute {compute}"
         f"{' (--dtype=auto on ' + jax.default_backend() + ')' if config.dtype == 'auto' else ''}, "
         f"parameters {config.param_dtype} | {config.optimizer.type} | remat "
-        f"{model.remat_policy}",
+        f"{model.config.get('remat_policy', 'none')}",
         "per device:",
     ]
     lines += [f"  {name:<12} {_size(size):>12}" for name, size in plan.rows()]
@@ -321,7 +297,7 @@ def report(config: ConfigDict, build_model, num_devices: int, num_processes: int
     lines.append(f"{'fits' if fits else 'does NOT fit'} in {_size(budget)} "
                  f"({100 * plan.total / budget:.0f}%)")
     if not fits:
-        found = find_fix(config, build_model, num_devices, num_processes, budget)
+        found = find_fix(config, family, num_devices, num_processes, budget)
         if found is None:
             lines.append("nothing tried fits (more fsdp, remat, gradient accumulation, bf16 "
                          "moments); use more devices or a smaller model or sequence")
@@ -332,29 +308,35 @@ def report(config: ConfigDict, build_model, num_devices: int, num_processes: int
     return "\n".join(lines), fits
 
 
-def default_config() -> ConfigDict:
-    from easylm.llama import train
+def default_config(family) -> ConfigDict:
+    from easylm import trainer
 
-    config = train.default_config()
+    config = trainer.default_config(family)
     config.plan = get_default_config()
     return config
 
 
+def help_entries(family) -> dict:
+    from easylm import trainer
+
+    return {**HELP, **trainer.help_entries(family)}
+
+
 @exit_on_user_error
 def main(argv=None):
-    from easylm.llama import train
+    from easylm import families
 
-    argv = argv or sys.argv
-    config, help_entries = default_config(), {**train.help_entries(), **HELP}
-    usage = "usage: python -m easylm.plan [trainer flags] [--plan.device_memory_gib=GiB]"
-    config = flag_lib.parse(config, help_entries, argv, usage)
+    family, argv = families.from_argv(argv or sys.argv)
+    usage = (f"{__doc__.strip().splitlines()[0]}\n\nusage: python -m easylm.plan "
+             f"[--family=NAME] [trainer flags] [--plan.device_memory_gib=GiB]")
+    config = flag_lib.parse(default_config(family), help_entries(family), argv, usage)
     num_devices = config.plan.num_devices or jax.device_count()
     num_processes = config.plan.num_processes or jax.process_count()
     budget = int(config.plan.device_memory_gib * GIB) or None
     if budget is None:
         stats = jax.local_devices()[0].memory_stats() or {}
         budget = stats.get("bytes_limit")
-    text, fits = report(config, train.build_model, num_devices, num_processes, budget)
+    text, fits = report(config, family, num_devices, num_processes, budget)
     print(text)
     sys.exit(0 if fits else 1)
 

@@ -161,6 +161,28 @@ def named_shardings(mesh: Mesh, specs):
     )
 
 
+def spec_axes(axes) -> tuple:
+    """One entry of a PartitionSpec (an axis name, a tuple of them, or None) as a tuple."""
+    return () if axes is None else axes if isinstance(axes, tuple) else (axes,)
+
+
+def axes_size(mesh_shape, axes) -> int:
+    """How many ways one PartitionSpec entry splits a dimension over a mesh's
+    {axis: size}."""
+    return math.prod(mesh_shape[a] for a in spec_axes(axes) if a is not None)
+
+
+def check_batch_split(batch_size: int, mesh_shape, accumulate_steps: int = 1) -> None:
+    """A UserError unless a global batch of `batch_size` rows splits over the mesh's
+    dp*fsdp batch shards and into `accumulate_steps` micro-batches."""
+    shards = mesh_shape["dp"] * mesh_shape["fsdp"]
+    if batch_size % (shards * accumulate_steps):
+        raise UserError(
+            f"--train_dataset batch size {batch_size} must be a multiple of the dp*fsdp="
+            f"{shards} batch shards times --optimizer.accumulate_gradient_steps="
+            f"{accumulate_steps}")
+
+
 def constrain(x: jax.Array, spec: P) -> jax.Array:
     """`with_sharding_constraint` under the current mesh; nothing without one.
 
@@ -170,11 +192,8 @@ def constrain(x: jax.Array, spec: P) -> jax.Array:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
-    for dim, axes in zip(x.shape, spec):
-        axes = axes if isinstance(axes, tuple) else (axes,)
-        size = math.prod(mesh.shape[a] for a in axes if a is not None)
-        if dim % size:
-            return x
+    if any(dim % axes_size(mesh.shape, axes) for dim, axes in zip(x.shape, spec)):
+        return x
     return jax.lax.with_sharding_constraint(x, spec)
 
 

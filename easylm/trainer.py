@@ -35,12 +35,12 @@ from ml_collections import ConfigDict
 
 from easylm import checkpoint, distributed, flops, logger, optimizers, profiling, run_lock
 from easylm import flags as flag_lib
-from easylm.errors import UserError
+from easylm.errors import UserError, exit_on_user_error
+from easylm.family import Model, ModelFamily
 from easylm.losses import LossSums
-from easylm.sharding import (BATCH_AXES, PartitionRules, constrain, init_sharded, make_mesh,
+from easylm.sharding import (BATCH_AXES, check_batch_split, constrain, init_sharded, make_mesh,
                              match_partition_rules, mesh_string, named_shardings)
 
-DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 # `hf::DIR` is read by the model family's `Model.load_hf`, the rest by easylm.checkpoint.
 LOAD_PREFIXES = checkpoint.LOAD_PREFIXES + ("hf",)
 
@@ -82,30 +82,24 @@ HELP = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class Model:
-    """What the trainer needs from a model family."""
-
-    name: str  # flag section and run-name prefix, e.g. 'llama'
-    config: dict  # the model config, saved in checkpoint metadata
-    vocab_size: int
-    init_params: Callable  # rng -> params, a pure function (run sharded)
-    loss_fn: Callable  # (params, batch, rng) -> LossSums
-    partition_rules: PartitionRules
-    flops_per_token: Callable  # seq_length -> training FLOPs per token
-    serve_module: str = ""  # printed in the "how to serve it" hint
-    # (directory, abstract params with shardings) -> params: `--load_checkpoint=hf::DIR`
-    load_hf: Callable | None = None
-    max_seq_length: int = 0  # the longest row the model can take (0: no limit)
-
-
 @flax.struct.dataclass
 class TrainState:
     step: jax.Array  # int32 (), updates applied so far
-    params: Any
+    params: Any  # what the optimizer trains
     opt_state: Any
     skipped_updates: jax.Array  # int32 (), non-finite steps whose update was skipped
     first_nonfinite_step: jax.Array  # int32 (), -1 until one occurs
+    # What the model reads but does not train (`Model.init_frozen`; None: nothing): no
+    # gradient, no optimizer state, never updated, rebuilt (not saved) at each start.
+    frozen: Any = None
+
+
+def new_state(params, tx: optax.GradientTransformation, frozen=None) -> TrainState:
+    """The state of step 0 around `params`: the one constructor (traced by `init_state`
+    to create it in its shards, by `abstract_state` for its shapes)."""
+    zero = jnp.zeros((), jnp.int32)
+    return TrainState(step=zero, params=params, opt_state=tx.init(params), skipped_updates=zero,
+                      first_nonfinite_step=zero - 1, frozen=frozen)
 
 
 def get_default_config(dataset_config: ConfigDict | None = None) -> ConfigDict:
@@ -154,6 +148,44 @@ def help_text(dataset_help: dict | None = None) -> dict:
     for name, default in RUN_DEFAULTS_HELP.items():
         text[name] = f"{text.get(name, '')} ({default})".strip()
     return text
+
+
+def default_config(family: ModelFamily) -> ConfigDict:
+    """`family`'s training flags before those that depend on the run (`run_defaults`)."""
+    from easylm.data import DatasetFactory
+
+    config = get_default_config(DatasetFactory.get_default_config())
+    config[family.name] = family.flag_config()  # from scratch; hf:: gives its own shape
+    return config
+
+
+def help_entries(family: ModelFamily) -> dict:
+    from easylm.data import DatasetFactory
+
+    entries = help_text(getattr(DatasetFactory, "HELP", None))
+    entries.update(family.help_entries("the preset's, or hf::DIR config.json's"))
+    for name, value in family.demo.items():
+        entries[name] = f"{entries.get(name, '')} (the embedded demo, given no data and no " \
+                        f"checkpoint: {value:g})".strip()
+    return entries
+
+
+def family_run_defaults(family: ModelFamily) -> list[Callable[[ConfigDict], dict]]:
+    """`run_defaults` for `family`: its demo; rows no longer than its model takes (1024
+    tokens do not fit a small preset)."""
+    return run_defaults(family.demo,
+                        lambda config: family.bind(family.model_config(config)).max_seq_length)
+
+
+def usage(family: ModelFamily, command: str = "train") -> str:
+    return f"usage: python -m {family.commands}.{command} [--flag=value ...]"
+
+
+def parse_flags(family: ModelFamily, argv: list[str]) -> ConfigDict:
+    """`argv` (argv[0] is the program) as `python -m <family>.train` reads it, the
+    defaults of the run included."""
+    return flag_lib.parse(default_config(family), help_entries(family), argv, usage(family),
+                          derived=family_run_defaults(family))
 
 
 # ------------------------------------------------------------ defaults of a run
@@ -234,16 +266,6 @@ def run_defaults(demo: dict, max_seq_length: Callable[[ConfigDict], int] | None 
             rows, _schedule_defaults, eval_rows]
 
 
-def dtype_from_flag(flag: str, name: str):
-    """'bf16' -> jnp.bfloat16; 'auto' is bf16 on GPU/TPU and fp32 on CPU (where bf16
-    matmuls are slow)."""
-    if name == "auto":
-        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
-    if name not in DTYPES:
-        raise UserError(f"--{flag}={name!r} is not one of auto, {', '.join(DTYPES)}")
-    return DTYPES[name]
-
-
 # ------------------------------------------------------------------ the steps
 
 
@@ -282,13 +304,21 @@ def _loss_and_grads(loss_fn, params, batch, rng, accumulate_steps: int):
     return grads, sums
 
 
+def with_frozen(loss_fn, frozen):
+    """`loss_fn` as `(params, batch, rng)`, given the frozen parameters it also reads."""
+    if frozen is None:
+        return loss_fn
+    return lambda params, batch, rng: loss_fn(params, batch, rng, frozen=frozen)
+
+
 def make_train_step(loss_fn, tx: optax.GradientTransformation, schedule, seed: int,
                     accumulate_steps: int = 1):
     """The pure train step `(state, batch) -> (state, metrics)` (jit it)."""
 
     def train_step(state: TrainState, batch: dict):
         rng = jax.random.fold_in(jax.random.key(seed), state.step)
-        grads, sums = _loss_and_grads(loss_fn, state.params, batch, rng, accumulate_steps)
+        grads, sums = _loss_and_grads(with_frozen(loss_fn, state.frozen), state.params, batch,
+                                      rng, accumulate_steps)
         tokens = jnp.maximum(sums.tokens, 1.0)
         grads = jax.tree.map(lambda g: g / tokens.astype(g.dtype), grads)  # mean over tokens
         loss = sums.loss / tokens
@@ -301,7 +331,7 @@ def make_train_step(loss_fn, tx: optax.GradientTransformation, schedule, seed: i
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
         first_bad = jnp.where((state.first_nonfinite_step < 0) & ~finite,
                               state.step + 1, state.first_nonfinite_step)
-        new_state = TrainState(
+        new_state = state.replace(
             step=state.step + 1,
             params=keep(params, state.params),
             opt_state=keep(opt_state, state.opt_state),
@@ -383,42 +413,37 @@ def _gpu_plugin_installed() -> bool:
 
 
 def make_eval_step(loss_fn):
-    """`(params, batch, totals) -> totals`: LossSums added over eval batches."""
+    """`(params, batch, totals, frozen=None) -> totals`: LossSums added over eval batches."""
 
-    def eval_step(params, batch, totals: LossSums):
-        sums = loss_fn(params, batch, jax.random.key(0))
+    def eval_step(params, batch, totals: LossSums, frozen=None):
+        sums = with_frozen(loss_fn, frozen)(params, batch, jax.random.key(0))
         return LossSums(*(t + s for t, s in zip(totals, sums)))
 
     return eval_step
 
 
+def _state_rules(model: Model):
+    # Optimizer state leaves carry their parameter's path, so the parameter rules match them.
+    return tuple(model.partition_rules) + tuple(model.frozen_rules)
+
+
+def _initial_state(model: Model, tx, rng, params=None) -> TrainState:
+    """Traced by `init_state` and `abstract_state`: step 0 around `params` (default: fresh
+    ones from `rng`)."""
+    frozen = None if model.init_frozen is None else model.init_frozen(jax.random.fold_in(rng, 1))
+    return new_state(model.init_params(rng) if params is None else params, tx, frozen)
+
+
 def init_state(model: Model, tx, mesh, seed: int, params=None) -> TrainState:
     """A fresh train state created in its shards (or around given `params`)."""
-
-    def init(rng, params):
-        if params is None:
-            params = model.init_params(rng)
-        zero = jnp.zeros((), jnp.int32)
-        return TrainState(step=zero, params=params, opt_state=tx.init(params),
-                          skipped_updates=zero, first_nonfinite_step=zero - 1)
-
-    if params is None:
-        return init_sharded(lambda rng: init(rng, None), model.partition_rules, mesh,
-                            jax.random.key(seed))
-    return init_sharded(lambda p: init(None, p), model.partition_rules, mesh, params)
+    return init_sharded(lambda rng, p: _initial_state(model, tx, rng, p), _state_rules(model),
+                        mesh, jax.random.key(seed), params)
 
 
 def abstract_state(model: Model, tx, mesh, seed: int) -> TrainState:
     """ShapeDtypeStructs with shardings: the restore target for checkpoints."""
-
-    def init(rng):
-        params = model.init_params(rng)
-        zero = jnp.zeros((), jnp.int32)
-        return TrainState(step=zero, params=params, opt_state=tx.init(params),
-                          skipped_updates=zero, first_nonfinite_step=zero)
-
-    shapes = jax.eval_shape(init, jax.random.key(seed))
-    shardings = named_shardings(mesh, match_partition_rules(model.partition_rules, shapes))
+    shapes = jax.eval_shape(lambda rng: _initial_state(model, tx, rng), jax.random.key(seed))
+    shardings = named_shardings(mesh, match_partition_rules(_state_rules(model), shapes))
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         shapes, shardings)
 
@@ -444,8 +469,10 @@ def run_directory(config: ConfigDict, model_name: str) -> str:
 
 
 def _state_rest(state: TrainState) -> dict:
-    """The train state minus parameters: the checkpoint's 'opt_state' item."""
-    return {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.name != "params"}
+    """The train state minus parameters (and the frozen ones, which the model family
+    rebuilds): the checkpoint's 'opt_state' item."""
+    return {f.name: getattr(state, f.name) for f in dataclasses.fields(state)
+            if f.name not in ("params", "frozen")}
 
 
 def _metadata(config: ConfigDict, model: Model, step: int) -> dict:
@@ -472,7 +499,12 @@ def _load_state(kind: str, directory: str, model: Model, tx, mesh, seed: int):
             directory, {"params": abstract.params, "opt_state": _state_rest(abstract)},
             json_items=("data",) if checkpoint.has_item(directory, "data") else (),
         )
-        return TrainState(params=items["params"], **items["opt_state"]), items.get("data")
+        state = TrainState(params=items["params"], **items["opt_state"])
+        if model.init_frozen is not None:
+            frozen = init_sharded(lambda rng: model.init_frozen(jax.random.fold_in(rng, 1)),
+                                  model.frozen_rules, mesh, jax.random.key(seed))
+            state = state.replace(frozen=frozen)
+        return state, items.get("data")
     params = checkpoint.restore_items(directory, {"params": abstract.params})["params"]
     state = init_state(model, tx, mesh, seed, params=params)
     if kind != "trainstate":
@@ -487,12 +519,12 @@ def _load_state(kind: str, directory: str, model: Model, tx, mesh, seed: int):
     return state, items["data"]
 
 
-def _evaluate(eval_step, params, dataset, eval_steps: int, make_batch) -> dict:
+def _evaluate(eval_step, state: TrainState, dataset, eval_steps: int, make_batch) -> dict:
     totals = LossSums(*(jnp.zeros((), jnp.float32),) * 3)
     for i, (batch, _) in enumerate(dataset.iterate(place=make_batch)):
         if eval_steps and i >= eval_steps:
             break
-        totals = eval_step(params, batch, totals)
+        totals = eval_step(state.params, batch, totals, state.frozen)
     totals = jax.device_get(totals)
     loss = float(totals.loss) / max(float(totals.tokens), 1.0)
     return {"eval_loss": loss, "eval_accuracy": float(totals.correct) / max(float(totals.tokens), 1.0),
@@ -532,16 +564,6 @@ def _check_config(config: ConfigDict):
             f"would be the embedded demo corpus, not your data): set "
             f"--eval_dataset.json_dataset.path (or --eval_dataset.type=huggingface and its "
             f"huggingface_dataset.path), or --eval_freq=0")
-
-
-def _check_batch(batch_size: int, mesh, accumulate_steps: int):
-    shards = mesh.shape["dp"] * mesh.shape["fsdp"]
-    if batch_size % (shards * accumulate_steps):
-        raise UserError(
-            f"--train_dataset batch size {batch_size} must be a multiple of the dp*fsdp="
-            f"{shards} batch shards times --optimizer.accumulate_gradient_steps="
-            f"{accumulate_steps}"
-        )
 
 
 def _check_seq_length(config: ConfigDict, model: Model, datasets: dict):
@@ -609,8 +631,61 @@ def _load_with_hint(load, manager, resumed_step: int | None):
         raise UserError(f"{e}{hint}") from None
 
 
-def train(config: ConfigDict, build_model: Callable[[ConfigDict], Model]) -> str:
+@dataclasses.dataclass
+class StepInfo:
+    """What a hook sees after a step: the live state (do not keep it past the call, the
+    next step donates its buffers) and that step's device metrics."""
+
+    step: int
+    state: TrainState
+    metrics: dict
+
+
+class Run:
+    """One training run, set up by `start`: its flags, model, mesh, data, jitted steps, run
+    directory, checkpoints, log and state; `loop` trains it. Extras run every N steps
+    through `add_hook(fn, every=N)`: `fn(StepInfo)` after that step (after its metrics
+    are logged), in the order added; a hook may set `stop_requested` to end the run after
+    the current step (it is saved)."""
+
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+        self.hooks: list[tuple[int, Callable[[StepInfo], None]]] = []
+        self.stop_requested = False
+
+    def add_hook(self, fn: Callable[[StepInfo], None], every: int = 1):
+        if every < 1:
+            raise ValueError(f"a hook runs every N >= 1 steps, got {every}")
+        self.hooks.append((every, fn))
+
+    def save(self, step: int):
+        """A checkpoint of the current state at `step` (once per step)."""
+        if self.saved_step != step:
+            self.manager.save(step, self.state.params, _state_rest(self.state),
+                              self.dataset.get_state_dict(), _metadata(self.config, self.model, step))
+            self.saved_step = step
+
+
+def train(config: ConfigDict, family: ModelFamily) -> str:
     """Train as `config` says; returns the final checkpoint's directory."""
+    with contextlib.ExitStack() as cleanup:
+        run = start(config, family, cleanup)
+        add_standard_hooks(run)
+        step = loop(run)
+    final = run.manager.step_directory(step)
+    if jax.process_index() == 0:
+        print(f"checkpoint: {final}")
+        if family.serve_module and step == config.total_steps:
+            print(f"serve it:   python -m {family.serve_module} --load_checkpoint=params::{final} "
+                  f"--tokenizer={config.tokenizer}")
+    return final
+
+
+def start(config: ConfigDict, family: ModelFamily, cleanup: contextlib.ExitStack) -> Run:
+    """Checks, mesh, tokenizer, model, optimizer, data; the run directory (locked), its
+    checkpoints and log; the state, fresh, loaded or resumed; the jitted steps. What must
+    be undone at the end (the lock, the checkpoint manager, the log, the mesh) goes on
+    `cleanup`."""
     from easylm.tokenizer import load_tokenizer
 
     setup_compilation(config.compilation_cache_dir)
@@ -618,7 +693,7 @@ def train(config: ConfigDict, build_model: Callable[[ConfigDict], Model]) -> str
     _check_config(config)
     mesh = make_mesh(config.mesh_dim, dcn_mesh_dim=config.dcn_mesh_dim)
     tokenizer = load_tokenizer(config.tokenizer)
-    model = build_model(config)
+    model = family.build(config)
     if config.load_checkpoint.startswith("hf::") and config.tokenizer == "embedded" \
             and jax.process_index() == 0:
         print(f"warning: training {config.load_checkpoint} with --tokenizer=embedded; pass "
@@ -631,173 +706,213 @@ def train(config: ConfigDict, build_model: Callable[[ConfigDict], Model]) -> str
     tx, schedule = optimizers.get_optimizer(config.optimizer)
     accumulate = config.optimizer.accumulate_gradient_steps
     dataset, eval_dataset, make_global_batch = _load_data(config, tokenizer)
-    _check_batch(dataset.batch_size, mesh, accumulate)
+    check_batch_split(dataset.batch_size, mesh.shape, accumulate)
     _check_seq_length(config, model, {"train_dataset": dataset, "eval_dataset": eval_dataset})
-    make_batch = lambda batch: make_global_batch(batch, mesh)
 
     run_dir = run_directory(config, model.name)
     # One trainer per run directory (process 0 stands for all processes of a run).
-    lock = run_lock.RunLock(run_dir)
-    with lock if jax.process_index() == 0 else contextlib.nullcontext():
+    if jax.process_index() == 0:
+        lock = cleanup.enter_context(run_lock.RunLock(run_dir))
         if lock.note:
             print(lock.note, file=sys.stderr)
-        return _train_in(run_dir, config, model, mesh, tx, schedule, dataset, eval_dataset,
-                         make_batch)
-
-
-def _train_in(run_dir, config, model, mesh, tx, schedule, dataset, eval_dataset, make_batch):
-    """The run itself, with its directory locked."""
     manager = checkpoint.CheckpointManager(
         os.path.join(run_dir, "checkpoints"), config.checkpointer, config.save_milestone_freq
     )
+    cleanup.callback(manager.close)
     removed = manager.remove_unfinished()
     if removed:
         print(f"removed {len(removed)} unfinished checkpoint save(s) of an earlier run: "
               f"{', '.join(removed)}")
     latest = manager.latest_step()
     if latest is not None and not config.resume:
-        manager.close()
         raise UserError(
             f"{run_dir} already has checkpoints (latest: step {latest}); pass --resume=True "
             f"to continue from it, or set another --logger.experiment_id"
         )
-    source = None
+    cleanup.enter_context(jax.set_mesh(mesh))
+    source, state, data_state = _start_state(config, model, tx, mesh, manager, latest)
+    if data_state is not None:
+        dataset.load_state_dict(data_state)
+    start_step = int(state.step)
+    state_shardings = jax.tree.map(lambda x: x.sharding, state)
+    replicated = NamedSharding(mesh, P())
+    train_step = jit_train_step(model, tx, schedule, config.seed, accumulate, state, mesh)
+    eval_step = jax.jit(make_eval_step(model.loss_fn),
+                        in_shardings=(state_shardings.params, NamedSharding(mesh, P(BATCH_AXES)),
+                                      replicated, state_shardings.frozen),
+                        out_shardings=replicated)
+
+    log = logger.Logger(config.logger, run_dir, flag_lib.flatten(config),
+                        config.total_steps, start_step, config.log_all_worker)
+    cleanup.callback(log.close)
+    run = Run(config=config, family=family, model=model, mesh=mesh, tx=tx, schedule=schedule,
+              dataset=dataset, eval_dataset=eval_dataset,
+              make_batch=lambda batch: make_global_batch(batch, mesh), run_dir=run_dir,
+              manager=manager, log=log, state=state, start_step=start_step,
+              train_step=train_step, eval_step=eval_step,
+              saved_step=start_step if source and source[0] == "trainstate" else None)
+    _print_start(run, latest is None)
+    return run
+
+
+def _start_state(config, model, tx, mesh, manager, latest):
+    """(source or None, state, data state or None): resumed from the run's latest
+    checkpoint, else from --load_checkpoint, else fresh."""
     if latest is not None:
         source = ("trainstate", manager.step_directory(latest))
     elif config.load_checkpoint:
         source = checkpoint.parse_load_spec(config.load_checkpoint, LOAD_PREFIXES)
-
-    with contextlib.ExitStack() as cleanup, jax.set_mesh(mesh):
-        cleanup.callback(manager.close)
-        if source is None:
-            state, data_state = init_state(model, tx, mesh, config.seed), None
-        else:
-            if jax.process_index() == 0:
-                print(f"loading {source[0]}::{source[1]}")
-            kind, directory = source
-            if kind == "trainstate" and not config.allow_fresh_optimizer and \
-                    checkpoint.has_item(directory, "params") and \
-                    not checkpoint.has_item(directory, "opt_state"):
-                raise UserError(
-                    f"{directory} has no optimizer state (saved with --checkpointer."
-                    f"save_optimizer_state=False), so resuming would restart the optimizer "
-                    f"(Adam's moments from zero); pass --allow_fresh_optimizer=True to accept "
-                    f"that")
-            state, data_state = _load_with_hint(
-                lambda: _load_state(kind, directory, model, tx, mesh, config.seed), manager,
-                latest)
-        if data_state is not None:
-            dataset.load_state_dict(data_state)
-        start_step = int(state.step)
-        state_shardings = jax.tree.map(lambda x: x.sharding, state)
-        batch_sharding = NamedSharding(mesh, P(BATCH_AXES))
-        replicated = NamedSharding(mesh, P())
-        train_step = jit_train_step(model, tx, schedule, config.seed, config.optimizer.accumulate_gradient_steps,
-                                    state, mesh)
-        eval_step = jax.jit(make_eval_step(model.loss_fn),
-                            in_shardings=(state_shardings.params, batch_sharding, replicated),
-                            out_shardings=replicated)
-
-        log = logger.Logger(config.logger, run_dir, flag_lib.flatten(config),
-                            config.total_steps, start_step, config.log_all_worker)
-        cleanup.callback(log.close)
-        batch_tokens = dataset.batch_size * dataset.seq_length
-        flops_per_token = model.flops_per_token(dataset.seq_length)
-        peak = flops.peak_flops_per_device(jax.devices()[0], config.peak_tflops)
-        num_params = sum(x.size for x in jax.tree.leaves(state.params))
-        log.print(f"run directory: {run_dir}")
-        # MFU needs the device's peak; when unknown, say so once here, not on every line.
-        no_mfu = "" if peak else (f" | no MFU: peak FLOP/s of {jax.devices()[0].device_kind} "
-                                  f"unknown (--peak_tflops sets it)")
-        log.print(f"{model.name}: {num_params:,} parameters | {jax.device_count()} "
-                  f"{jax.devices()[0].platform} device(s), mesh {mesh_string(mesh)} | "
-                  f"{batch_tokens:,} tokens/step | steps {start_step} -> {config.total_steps}"
-                  f"{no_mfu}")
-        if latest is None:
-            _warn_about_the_schedule(config, schedule, log.print)
-
-        preemption = _Preemption()
-        # Every process traces its own devices; W&B's directory is local also when the run
-        # directory is a bucket.
-        profiler = profiling.Profiler(
-            os.path.join(config.logger.wandb_dir or run_dir, "profile",
-                         f"process{jax.process_index()}"),
-            config.profile_start_step, config.profile_steps, log.print)
-        if config.profile_steps and config.profile_start_step <= start_step:
-            log.print(f"note: not profiling: --profile_start_step={config.profile_start_step} "
-                      f"is before this run's first step, {start_step + 1}")
-        saved_step = start_step if source and source[0] == "trainstate" else None
-
-        def save(step):
-            nonlocal saved_step
-            if saved_step != step:
-                manager.save(step, state.params, _state_rest(state),
-                             dataset.get_state_dict(), _metadata(config, model, step))
-                saved_step = step
-
-        step = start_step
-        data = dataset.iterate(place=make_batch)  # batches arrive on the devices
-        clock = None  # (time, step) after the first (compiling) step
-        # Last in, first out: the profiler stops and the save in flight completes before
-        # the manager and the logs close (also after an error).
-        cleanup.callback(manager.wait)
-        cleanup.callback(profiler.stop)
-        while step < config.total_steps:
-            batch, data_metrics = next(data)
-            profiler.before(step + 1)
-            state, metrics = train_step(state, batch)
-            step += 1
-            profiler.after(step, metrics)
-            log.advance()
-            if clock is None:  # the first step compiles; time from after it
-                jax.block_until_ready(metrics)
-                clock = (time.time(), step)
-            if step % config.log_freq == 0 or step in (start_step + 1, config.total_steps):
-                values = {k: v.item() for k, v in jax.device_get(metrics).items()}
-                bad = values.pop("first_nonfinite_step")
-                if bad >= 0 and not config.skip_nonfinite_updates:
-                    raise UserError(
-                        f"loss or gradient norm became NaN/Inf at step {bad}; stopping "
-                        f"(lower the learning rate, or pass --skip_nonfinite_updates=True "
-                        f"to skip such steps)"
-                    )
-                now = time.time()
-                tokens_per_second = None
-                if step > clock[1]:
-                    tokens_per_second = (step - clock[1]) * batch_tokens / (now - clock[0])
-                clock = (now, step)
-                values.update(
-                    tokens_seen=step * batch_tokens,
-                    tokens_per_second=tokens_per_second,
-                    mfu=flops.mfu(flops_per_token, tokens_per_second or 0.0, peak,
-                                  jax.device_count()) if tokens_per_second else None,
-                    **{f"data/{k}": v for k, v in data_metrics.items()},
-                )
-                log.log(step, values)
-            if eval_dataset is not None and step % config.eval_freq == 0:
-                log.log(step, _evaluate(eval_step, state.params, eval_dataset,
-                                        config.eval_steps, make_batch))
-                clock = (time.time(), step)  # tokens/s counts training time only
-            if (config.save_model_freq and step % config.save_model_freq == 0) or (
-                    config.save_milestone_freq and step % config.save_milestone_freq == 0):
-                save(step)
-            if preemption.requested:
-                log.print(f"SIGTERM: saving a checkpoint at step {step} and exiting")
-                break
-        profiler.stop()  # a run that ends inside the profile window; the save is not traced
-        save(step)
-    final = manager.step_directory(step)
+    else:
+        return None, init_state(model, tx, mesh, config.seed), None
     if jax.process_index() == 0:
-        print(f"checkpoint: {final}")
-        if model.serve_module and step == config.total_steps:
-            print(f"serve it:   python -m {model.serve_module} --load_checkpoint=params::{final} "
-                  f"--tokenizer={config.tokenizer}")
-    return final
+        print(f"loading {source[0]}::{source[1]}")
+    kind, directory = source
+    if kind == "trainstate" and not config.allow_fresh_optimizer and \
+            checkpoint.has_item(directory, "params") and \
+            not checkpoint.has_item(directory, "opt_state"):
+        raise UserError(
+            f"{directory} has no optimizer state (saved with --checkpointer."
+            f"save_optimizer_state=False), so resuming would restart the optimizer "
+            f"(Adam's moments from zero); pass --allow_fresh_optimizer=True to accept "
+            f"that")
+    state, data_state = _load_with_hint(
+        lambda: _load_state(kind, directory, model, tx, mesh, config.seed), manager, latest)
+    return source, state, data_state
 
 
-def main(argv: list[str], config: ConfigDict, help_entries: dict, build_model, usage: str,
-         derived=()):
-    """Parse `argv` into `config` (or print --help), with the `derived` defaults
-    (`run_defaults`), and train."""
+def _print_start(run: Run, fresh: bool):
+    config, model, mesh = run.config, run.model, run.mesh
+    batch_tokens = run.dataset.batch_size * run.dataset.seq_length
+    num_params = sum(x.size for x in jax.tree.leaves(run.state.params))
+    run.log.print(f"run directory: {run.run_dir}")
+    # MFU needs the device's peak; when unknown, say so once here, not on every line.
+    peak = flops.peak_flops_per_device(jax.devices()[0], config.peak_tflops)
+    no_mfu = "" if peak else (f" | no MFU: peak FLOP/s of {jax.devices()[0].device_kind} "
+                              f"unknown (--peak_tflops sets it)")
+    run.log.print(f"{model.name}: {num_params:,} parameters | {jax.device_count()} "
+                  f"{jax.devices()[0].platform} device(s), mesh {mesh_string(mesh)} | "
+                  f"{batch_tokens:,} tokens/step | steps {run.start_step} -> "
+                  f"{config.total_steps}{no_mfu}")
+    if fresh:
+        _warn_about_the_schedule(config, run.schedule, run.log.print)
+
+
+def add_standard_hooks(run: Run):
+    """The profiler window, evaluation, checkpoints and preemption, as the flags say."""
+    config = run.config
+    # Every process traces its own devices; W&B's directory is local also when the run
+    # directory is a bucket.
+    profiler = profiling.Profiler(
+        os.path.join(config.logger.wandb_dir or run.run_dir, "profile",
+                     f"process{jax.process_index()}"),
+        config.profile_start_step, config.profile_steps, run.log.print)
+    if config.profile_steps and config.profile_start_step <= run.start_step:
+        run.log.print(f"note: not profiling: --profile_start_step={config.profile_start_step} "
+                      f"is before this run's first step, {run.start_step + 1}")
+    # Stopped before the manager and the logs close, also after an error; a run that ends
+    # inside the window stops it before its final save.
+    run.profiler = profiler
+    run.add_hook(lambda info: (profiler.after(info.step, info.metrics),
+                               profiler.before(info.step + 1)))
+    if run.eval_dataset is not None:
+        run.add_hook(lambda info: run.log.log(info.step, _evaluate(
+            run.eval_step, info.state, run.eval_dataset, config.eval_steps, run.make_batch)),
+            every=config.eval_freq)
+    for every in {config.save_model_freq, config.save_milestone_freq} - {0}:
+        run.add_hook(lambda info: run.save(info.step), every=every)
+    preemption = _Preemption()
+
+    def on_sigterm(info):
+        if preemption.requested:
+            run.log.print(f"SIGTERM: saving a checkpoint at step {info.step} and exiting")
+            run.stop_requested = True
+
+    run.add_hook(on_sigterm)
+
+
+def loop(run: Run) -> int:
+    """Train from `run.start_step` to --total_steps (or until a hook stops it), logging
+    every --log_freq steps, running the hooks, then save; returns the last step."""
+    config = run.config
+    step = run.start_step
+    data = run.dataset.iterate(place=run.make_batch)  # batches arrive on the devices
+    throughput = _Throughput(run)
+    # Last in, first out: the save in flight completes before the manager and the logs
+    # close (also after an error), and the profiler stops before that.
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(run.manager.wait)
+        profiler = getattr(run, "profiler", None)
+        if profiler is not None:
+            cleanup.callback(profiler.stop)
+            profiler.before(step + 1)
+        while step < config.total_steps and not run.stop_requested:
+            batch, data_metrics = next(data)
+            run.state, metrics = run.train_step(run.state, batch)
+            step += 1
+            run.log.advance()
+            throughput.started(step, metrics)
+            if step % config.log_freq == 0 or step in (run.start_step + 1, config.total_steps):
+                _log_step(run, step, metrics, data_metrics, throughput)
+            info = StepInfo(step, run.state, metrics)
+            with throughput.paused():
+                for every, hook in run.hooks:
+                    if step % every == 0:
+                        hook(info)
+        if profiler is not None:
+            profiler.stop()  # the final save is not traced
+        run.save(step)
+    return step
+
+
+class _Throughput:
+    """Tokens/s between log steps, from after the first (compiling) step, not counting
+    the time hooks take (evaluation, saves)."""
+
+    def __init__(self, run: Run):
+        self.batch_tokens = run.dataset.batch_size * run.dataset.seq_length
+        self.flops_per_token = run.model.flops_per_token(run.dataset.seq_length)
+        self.peak = flops.peak_flops_per_device(jax.devices()[0], run.config.peak_tflops)
+        self.clock = None  # (time, step)
+
+    def started(self, step: int, metrics):
+        if self.clock is None:  # the first step compiles; time from after it
+            jax.block_until_ready(metrics)
+            self.clock = (time.time(), step)
+
+    @contextlib.contextmanager
+    def paused(self):
+        began = time.time()
+        yield
+        self.clock = (self.clock[0] + time.time() - began, self.clock[1])
+
+    def measure(self, step: int) -> dict:
+        now = time.time()
+        tokens_per_second = None
+        if step > self.clock[1]:
+            tokens_per_second = (step - self.clock[1]) * self.batch_tokens / (now - self.clock[0])
+        self.clock = (now, step)
+        return dict(tokens_seen=step * self.batch_tokens, tokens_per_second=tokens_per_second,
+                    mfu=flops.mfu(self.flops_per_token, tokens_per_second, self.peak,
+                                  jax.device_count()) if tokens_per_second else None)
+
+
+def _log_step(run: Run, step: int, metrics: dict, data_metrics: dict, throughput: _Throughput):
+    """The one place the loop waits for the device: the step's metrics, checked for a
+    non-finite loss."""
+    values = {k: v.item() for k, v in jax.device_get(metrics).items()}
+    bad = values.pop("first_nonfinite_step")
+    if bad >= 0 and not run.config.skip_nonfinite_updates:
+        raise UserError(
+            f"loss or gradient norm became NaN/Inf at step {bad}; stopping "
+            f"(lower the learning rate, or pass --skip_nonfinite_updates=True "
+            f"to skip such steps)"
+        )
+    values.update(**throughput.measure(step), **{f"data/{k}": v for k, v in data_metrics.items()})
+    run.log.log(step, values)
+
+
+@exit_on_user_error
+def main(family: ModelFamily, argv: list[str] | None = None):
+    """`python -m <family>.train`: parse `argv` (or print --help) and train."""
     absl_logging.set_verbosity(absl_logging.ERROR)  # orbax's per-save chatter
-    train(flag_lib.parse(config, help_entries, argv, usage, derived=derived), build_model)
+    train(parse_flags(family, argv or sys.argv), family)

@@ -12,8 +12,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import PreTrainedTokenizerFast
 
 from easylm.llama.config import LLaMAConfig
-from easylm.llama.model import PARTITION_RULES
-from easylm.llama.serve import llama_model_fns
+from easylm.llama.family import FAMILY
+from easylm.llama.model import LLaMAForCausalLM
 from easylm.serving import engine as engine_lib
 from easylm.serving.batcher import Batcher
 from easylm.sharding import init_sharded
@@ -75,11 +75,11 @@ def log_softmax(model, params, ids, length=64):
 
 def make_batcher(config=None, mesh=None, stop_token_ids=(), **engine_config):
     config = config or tiny_config()
-    fns, model = llama_model_fns(config)
+    fns, model = FAMILY.bind(config), LLaMAForCausalLM(config)
     if mesh is None:
         params = jax.jit(model.init_params)(jax.random.PRNGKey(0))
     else:
-        params = init_sharded(model.init_params, PARTITION_RULES, mesh, jax.random.PRNGKey(0))
+        params = init_sharded(model.init_params, fns.partition_rules, mesh, jax.random.PRNGKey(0))
     engine = engine_lib.Engine(
         engine_lib.get_default_config({"batch_size": 4, "seq_length": 64, "decode_steps": 4,
                                        **engine_config}),

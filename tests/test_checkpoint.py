@@ -22,6 +22,8 @@ from ml_collections import ConfigDict
 from easylm import checkpoint, optimizers, trainer
 from easylm.errors import UserError
 from easylm.llama import train
+from easylm.llama.family import FAMILY
+from easylm.serving import cli as serving_cli
 from easylm.llama.config import LLaMAConfig
 from easylm.sharding import make_mesh
 
@@ -71,7 +73,7 @@ def metrics(output_dir) -> dict:
 
 def final_params(output_dir, step=TOTAL_STEPS):
     config = ConfigDict(dict(llama=LLaMAConfig.get_default_config(), dtype="fp32", param_dtype="fp32"))
-    abstract = jax.eval_shape(train.build_model(config).init_params, jax.random.key(0))
+    abstract = jax.eval_shape(FAMILY.build(config).init_params, jax.random.key(0))
     directory = os.path.join(output_dir, "run", "checkpoints", str(step))
     return jax.tree.map(np.asarray, checkpoint.load_params(f"params::{directory}", abstract))
 
@@ -209,7 +211,7 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint(data_path, tmp_path
 
 def debug_state(mesh_dim, devices):
     config = ConfigDict(dict(llama=LLaMAConfig.get_default_config(), dtype="fp32", param_dtype="fp32"))
-    model = train.build_model(config)
+    model = FAMILY.build(config)
     tx, _ = optimizers.get_optimizer(optimizers.get_default_config())
     mesh = make_mesh(mesh_dim, jax.devices()[:devices])
     return model, tx, mesh
@@ -289,7 +291,7 @@ def test_keeps_the_latest_and_the_milestones(tmp_path):
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """A parameter checkpoint of the embedded default model."""
-    model = train.build_model(train.default_config())
+    model = FAMILY.build(train.default_config())
     params = model.init_params(jax.random.key(0))
     return checkpoint.save_params(str(tmp_path_factory.mktemp("saved") / "params"), params,
                                   {"model": "llama"})
@@ -394,7 +396,7 @@ def test_nothing_on_the_load_path_unpickles(saved, monkeypatch, tmp_path):
         restored, data = trainer._load_state("trainstate", manager.step_directory(1), model, tx,
                                              mesh, seed=0)
     assert data == {"position": 1} and int(restored.step) == 0
-    abstract = jax.eval_shape(train.build_model(train.default_config()).init_params,
+    abstract = jax.eval_shape(FAMILY.build(train.default_config()).init_params,
                               jax.random.key(0))
     checkpoint.load_params(f"params::{saved}", abstract)
     assert checkpoint.read_metadata(saved) == {"model": "llama"}
@@ -422,7 +424,7 @@ def dtype_model(param_dtype, layers=1):
     config = ConfigDict(dict(llama=LLaMAConfig.get_default_config({"num_hidden_layers": layers}),
                              dtype=param_dtype, param_dtype=param_dtype))
     tx, _ = optimizers.get_optimizer(optimizers.get_default_config())
-    return train.build_model(config), tx
+    return FAMILY.build(config), tx
 
 
 def run_flags(output_dir, data_path, *extra):
@@ -441,7 +443,7 @@ def save_run(config, steps, cast_params=None, **checkpointer):
     from easylm.data import DatasetFactory
     from easylm.tokenizer import load_tokenizer
 
-    model = train.build_model(config)
+    model = FAMILY.build(config)
     tx, _ = optimizers.get_optimizer(config.optimizer)
     mesh = make_mesh("1,1,1", jax.devices()[:1])  # restores reshard; one device compiles fastest
     data = DatasetFactory.load_dataset(config.train_dataset, load_tokenizer("embedded"))
@@ -484,16 +486,16 @@ def assert_cast_from(loaded, stored_params, dtype):
 def test_every_stored_dtype_loads_in_every_dtype(stored, stored_dtype, requested, monkeypatch):
     # An fp32 checkpoint served or trained in bf16 or fp16 used to be "corrupted": the
     # checksum was computed on values cast on the way in.
-    from easylm.llama import serve
-
     monkeypatch.setenv("WANDB_MODE", "disabled")
     saved, dtype = stored[stored_dtype], DTYPES[requested]
     mesh = make_mesh("1,1,1", jax.devices()[:1])
     # serve --dtype=REQUESTED --load_checkpoint=params::DIR (the shape from its metadata)
-    config = serve.default_config()
+    config = serving_cli.default_config(FAMILY)
     config.load_checkpoint = f"params::{saved['directory']}"
-    _, module = serve.llama_model_fns(serve.model_config(config), dtype, dtype)
-    assert_cast_from(serve.load_params(config, module, mesh), saved["params"], dtype)
+    config.dtype = requested
+    settings = serving_cli.model_config(FAMILY, config)
+    served = serving_cli.load_params(FAMILY, config, settings, FAMILY.build(config, settings), mesh)
+    assert_cast_from(served, saved["params"], dtype)
     # The trainer with --param_dtype=REQUESTED: params:: and trainstate::.
     model, tx = dtype_model(requested)
     with jax.set_mesh(mesh):
@@ -503,7 +505,7 @@ def test_every_stored_dtype_loads_in_every_dtype(stored, stored_dtype, requested
     # Resuming the run (its latest checkpoint is its last step: nothing left to train).
     resume = ConfigDict(saved["config"].to_dict(), type_safe=False)
     resume.param_dtype = resume.dtype = requested
-    assert trainer.train(resume, train.build_model) == saved["directory"]
+    assert trainer.train(resume, FAMILY) == saved["directory"]
 
 
 def test_a_cast_restore_still_verifies_the_stored_bits(stored, tmp_path):
@@ -618,7 +620,7 @@ def test_disk_full_in_the_trainer_is_one_line(data_path, monkeypatch, capfd, tmp
     monkeypatch.setenv("WANDB_MODE", "disabled")
     os.makedirs(directory / f"2{checkpoint.TMP_SUFFIX}" / "params")
     config = run_flags(tmp_path, data_path, ONE_LAYER, "--total_steps=1")
-    assert trainer.train(config, train.build_model) == str(directory / "1")
+    assert trainer.train(config, FAMILY) == str(directory / "1")
     assert os.listdir(directory) == ["1"]
     assert "removed 1 unfinished checkpoint save(s) of an earlier run: " \
            f"2{checkpoint.TMP_SUFFIX}" in capfd.readouterr().out
@@ -703,7 +705,7 @@ def test_one_trainer_per_run_directory(data_path, tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     with run_lock.RunLock(str(run_dir)):  # as a trainer running there holds it
         with pytest.raises(UserError) as e:
-            trainer.train(config, train.build_model)
+            trainer.train(config, FAMILY)
     owner = f"pid {os.getpid()} on host {socket.gethostname()}, started "
     assert str(e.value).startswith(f"{run_dir} is in use by another trainer ({owner}")
     assert str(e.value).endswith("); wait for it to end or stop it, or set another "
@@ -727,7 +729,7 @@ def test_a_damaged_latest_checkpoint_names_the_earlier_one(data_path, tmp_path, 
     latest, earlier = manager.step_directory(4), manager.step_directory(2)
     flip_bits(largest_file(os.path.join(latest, "params")))
     with pytest.raises(UserError) as e:
-        trainer.train(config, train.build_model)
+        trainer.train(config, FAMILY)
     assert str(e.value).startswith(f"checkpoint {latest} is corrupted: params entry '")
     assert str(e.value).endswith(
         f"' does not match the checksum saved with it; the earlier checkpoint {earlier} (step "
@@ -735,12 +737,12 @@ def test_a_damaged_latest_checkpoint_names_the_earlier_one(data_path, tmp_path, 
         f"{latest}.damaged) and run the same command again")
     os.rename(latest, f"{latest}.damaged")  # as it says
     config.total_steps = 2
-    assert trainer.train(config, train.build_model) == earlier
+    assert trainer.train(config, FAMILY) == earlier
     # The only checkpoint damaged: how to start afresh.
     flip_bits(largest_file(os.path.join(earlier, "params")))
     with pytest.raises(UserError, match=r"; it is the run's only checkpoint: to start the run "
                                         r"afresh, move the damaged one away \(mv "):
-        trainer.train(config, train.build_model)
+        trainer.train(config, FAMILY)
 
 
 def test_resuming_without_optimizer_state_needs_a_flag(data_path, tmp_path, monkeypatch):
@@ -748,11 +750,11 @@ def test_resuming_without_optimizer_state_needs_a_flag(data_path, tmp_path, monk
     config = run_flags(tmp_path, data_path, ONE_LAYER, "--total_steps=2")
     manager, _ = save_run(config, [2], save_optimizer_state=False)
     with pytest.raises(UserError) as e:
-        trainer.train(config, train.build_model)
+        trainer.train(config, FAMILY)
     assert str(e.value) == (
         f"{manager.step_directory(2)} has no optimizer state (saved with --checkpointer."
         f"save_optimizer_state=False), so resuming would restart the optimizer (Adam's moments "
         f"from zero); pass --allow_fresh_optimizer=True to accept that")
     config.allow_fresh_optimizer = True
-    assert trainer.train(config, train.build_model) == manager.step_directory(2)
+    assert trainer.train(config, FAMILY) == manager.step_directory(2)
     assert trainer.run_directory(config, "llama") == str(tmp_path / "run")

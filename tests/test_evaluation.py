@@ -16,10 +16,11 @@ from transformers import LlamaForCausalLM as HFLlama
 from easylm import flags as flag_lib
 from easylm.errors import UserError
 from easylm.evaluation import HarnessLM, load_tasks, task_manager
-from easylm.llama import serve
 from easylm.serving import scoring
 from easylm.serving import server as server_lib
 from easylm.serving.batcher import Batcher
+from easylm.llama.family import FAMILY
+from easylm.serving import cli as serving_cli
 from serving_utils import ServerThread, make_tokenizer, tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -60,10 +61,10 @@ def served(hf_model):
     """(engine, stop ids, server url): the server and the in-process model share one engine
     (so one set of compiled programs); the tests use them one at a time."""
     directory, _, tokenizers = hf_model
-    config = flag_lib.parse(serve.default_config(), serve.help_entries(), [
+    config = flag_lib.parse(serving_cli.default_config(FAMILY), serving_cli.help_entries(FAMILY), [
         "serve", f"--load_checkpoint=hf::{directory}", f"--tokenizer={tokenizers[True]}",
         f"--seq_length={S}", f"--min_bucket={S}", "--dtype=fp32", "--mesh_dim=1,-1,1"])
-    engine, tokenizer, stop_ids = serve.load_engine(config)
+    engine, tokenizer, stop_ids = serving_cli.load_engine(FAMILY, config)
     batcher = Batcher(engine, stop_ids).start()
     with ServerThread(server_lib.create_app(server_lib.Service(config, batcher, tokenizer))) as server:
         yield engine, stop_ids, server.url

@@ -23,6 +23,7 @@ from easylm.llama import train
 from easylm.llama.config import LLaMAConfig
 from easylm.sharding import make_mesh
 from easylm.tokenizer import load_tokenizer
+from easylm.llama.family import FAMILY
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORPUS = os.path.join(REPO, "easylm", "data", "embedded", "corpus.jsonl")
@@ -159,7 +160,7 @@ def test_two_process_checkpoint_restores_in_one_process(runs):
     config = flags.parse(train.default_config(), train.help_entries(),
                          ["train", *TRAIN_FLAGS,
                           f"--train_dataset.json_dataset.path={runs['data']}"])
-    model = train.build_model(config)
+    model = FAMILY.build(config)
     tx, _ = optimizers.get_optimizer(config.optimizer)
     mesh = make_mesh("1,8,1")
     with jax.set_mesh(mesh):

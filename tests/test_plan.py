@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from easylm import flags, optimizers, plan, trainer
 from easylm.llama import train
 from easylm.sharding import BATCH_AXES, make_mesh
+from easylm.llama.family import FAMILY
 
 # Two CPU-sized shapes with scanned layers (see plan.py on unscanned ones): attention
 # scores dominate A's activations (T=256 > D=128); projections and weights dominate B's.
@@ -26,13 +27,13 @@ MIB = 2 ** 20
 
 
 def parse(*argv):
-    return flags.parse(plan.default_config(), {**train.help_entries(), **plan.HELP},
+    return flags.parse(plan.default_config(FAMILY), {**train.help_entries(), **plan.HELP},
                        ["plan", *argv])
 
 
 def compiled_bytes(config) -> int:
     """Peak bytes per device of the train step as the trainer jits it, says XLA."""
-    model = train.build_model(config)
+    model = FAMILY.build(config)
     tx, schedule = optimizers.get_optimizer(config.optimizer)
     mesh = make_mesh(config.mesh_dim)
     data = config.train_dataset.json_dataset
@@ -62,7 +63,7 @@ def compiled_bytes(config) -> int:
 ], ids=["B-fsdp8-none", "B-dp8-nothing_saveable", "A-fsdp8-checkpoint_dots", "B-fsdp4-mp2-none"])
 def test_estimate_is_within_20_percent_of_xla(argv):
     config = parse(*argv)
-    estimate = plan.estimate(config, train.build_model, num_devices=8)
+    estimate = plan.estimate(config, FAMILY, num_devices=8)
     measured = compiled_bytes(config)
     print(f"{' '.join(argv[-2:])}: planned {estimate.total / MIB:.1f} MiB, "
           f"XLA {measured / MIB:.1f} MiB, ratio {estimate.total / measured:.3f}")
@@ -109,16 +110,16 @@ def test_parameters_and_moments_are_exact():
     matrices = 2 * 512 * 256 + 4 * (4 * 256 * 256 + 3 * 256 * 768)
     norms = 4 * 2 * 256 + 256
     parameters = 4 * (matrices // 8 + norms)
-    estimate = plan.estimate(parse(*B, "--mesh_dim=1,8,1"), train.build_model, num_devices=8)
+    estimate = plan.estimate(parse(*B, "--mesh_dim=1,8,1"), FAMILY, num_devices=8)
     assert estimate.parameters == parameters
     assert 0 < estimate.optimizer - 2 * parameters <= 16
     assert estimate.gradients == 2 * parameters
     bf16 = plan.estimate(parse(*B, "--mesh_dim=1,8,1",
                                "--optimizer.adamw_optimizer.bf16_momentum=True"),
-                         train.build_model, num_devices=8)
+                         FAMILY, num_devices=8)
     assert 0 < bf16.optimizer - 3 * parameters // 2 <= 16
     both = plan.estimate(parse(*B, "--mesh_dim=1,8,1", "--optimizer.state_dtype=bf16"),
-                         train.build_model, num_devices=8)
+                         FAMILY, num_devices=8)
     assert 0 < both.optimizer - parameters <= 16
 
 

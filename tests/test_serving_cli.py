@@ -17,8 +17,9 @@ from transformers import LlamaForCausalLM as HFLlama
 from easylm import checkpoint
 from easylm import flags as flag_lib
 from easylm.errors import UserError
-from easylm.llama import serve
 from easylm.llama.model import LLaMAForCausalLM
+from easylm.llama.family import FAMILY
+from easylm.serving import cli as serving_cli
 from serving_utils import log_softmax, make_tokenizer, tiny_config
 
 ENV = {k: os.environ[k] for k in ("JAX_PLATFORMS", "XLA_FLAGS", "HF_HUB_OFFLINE", "WANDB_MODE")}
@@ -42,16 +43,17 @@ def greedy_text(tokenizer, model, params, prompt, steps, eos):
 
 
 def parse(argv):
-    return flag_lib.parse(serve.default_config(), serve.help_entries(), ["serve"] + argv)
+    return flag_lib.parse(serving_cli.default_config(FAMILY), serving_cli.help_entries(FAMILY), ["serve"] + argv)
 
 
 def test_serves_a_trained_checkpoint(tmp_path, tokenizer_dir):
-    """The command the trainer prints works: the model shape comes from the checkpoint."""
+    """A checkpoint that records its model config (as the trainer's and the converter's
+    do) serves with that shape, not the preset's."""
     config = tiny_config(hidden_size=32, intermediate_size=64)  # not the debug preset's shape
     model = LLaMAForCausalLM(config)
     params = jax.jit(model.init_params)(jax.random.PRNGKey(3))
     directory = checkpoint.save_params(str(tmp_path / "ckpt"), params,
-                                       {"model_config": config.to_dict()})
+                                       {"model": "llama", "llama_config": config.to_dict()})
     port = _free_port()
     log = open(tmp_path / "serve.log", "w+")
     process = subprocess.Popen(
@@ -92,7 +94,7 @@ def test_serves_a_hugging_face_directory_like_hf_generate(tmp_path, tokenizer_di
     torch.manual_seed(0)
     hf = HFLlama(config.to_hf_config()).eval()
     hf.save_pretrained(tmp_path / "hf")
-    app, batcher = serve.build(parse([f"--load_checkpoint=hf::{tmp_path / 'hf'}",
+    app, batcher = serving_cli.build(FAMILY, parse([f"--load_checkpoint=hf::{tmp_path / 'hf'}",
                                       f"--tokenizer={tokenizer_dir}", "--seq_length=64",
                                       "--batch_size=2", "--mesh_dim=1,-1,1"]))
     try:
@@ -120,7 +122,7 @@ def test_serves_a_hugging_face_directory_like_hf_generate(tmp_path, tokenizer_di
 def test_bad_flags_are_one_line_errors(argv, message, tokenizer_dir):
     argv = argv if any(a.startswith("--tokenizer") for a in argv) else argv + [f"--tokenizer={tokenizer_dir}"]
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace("[", r"\[")):
-        serve.build(parse(argv))
+        serving_cli.build(FAMILY, parse(argv))
 
 
 def test_cli_user_error_exits_2_without_traceback():
@@ -131,13 +133,13 @@ def test_cli_user_error_exits_2_without_traceback():
 
 
 def test_a_port_in_use_is_one_line_before_the_model_loads(capsys, monkeypatch):
-    monkeypatch.setattr(serve, "build", lambda config: pytest.fail("loaded the model first"))
+    monkeypatch.setattr(serving_cli, "build", lambda family, config: pytest.fail("loaded the model first"))
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
         with pytest.raises(SystemExit) as exit_info:
-            serve.main(["serve", f"--port={port}"])
+            serving_cli.main(FAMILY, ["serve", f"--port={port}"])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == (
         f"error: --host=127.0.0.1 --port={port}: cannot listen there (Address already in use); "

@@ -16,9 +16,10 @@ from fastapi.testclient import TestClient
 
 from easylm import flags as flag_lib
 from easylm.errors import UserError
-from easylm.llama import serve
 from easylm.serving import scoring
 from easylm.serving import server as server_lib
+from easylm.llama.family import FAMILY
+from easylm.serving import cli as serving_cli
 from numerics import logprob_atol_for
 from serving_utils import ServerThread, log_softmax, make_batcher, make_tokenizer
 
@@ -506,5 +507,5 @@ def test_lm_eval_recipe_pre_compiles():
     recipe = docs[docs.index("## Evaluating with lm-evaluation-harness"):]
     command = next(line for line in recipe.splitlines() if "python -m easylm.llama.serve" in line)
     argv = [a for a in shlex.split(command.rstrip("&").replace("\\", "")) if a.startswith("--")]
-    config = flag_lib.parse(serve.default_config(), serve.help_entries(), ["serve"] + argv)
+    config = flag_lib.parse(serving_cli.default_config(FAMILY), serving_cli.help_entries(FAMILY), ["serve"] + argv)
     assert config.pre_compile

@@ -15,6 +15,7 @@ import pytest
 from easylm import checkpoint, flags, optimizers, trainer
 from easylm.llama import train
 from easylm.llama.config import LLaMAConfig
+from easylm.llama.family import FAMILY
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -56,7 +57,7 @@ def test_embedded_default_trains_and_saves(tmp_path):
     metadata = checkpoint.read_metadata(final)
     assert metadata["step"] == 4 and metadata["llama_config"]["hidden_size"] == 128
     # The saved parameters load into the model the flags describe.
-    model = train.build_model(train.default_config())
+    model = FAMILY.build(train.default_config())
     abstract = jax.eval_shape(model.init_params, jax.random.key(0))
     params = checkpoint.load_params(f"params::{final}", abstract)
     assert params["model"]["embed_tokens"]["embedding"].shape == (512, 128)

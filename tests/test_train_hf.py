@@ -21,6 +21,7 @@ from easylm.llama import train
 from easylm.llama.config import LLaMAConfig
 from easylm.llama.convert_hf_to_easylm import load_hf_params
 from easylm.tokenizer import load_tokenizer
+from easylm.llama.family import FAMILY
 
 
 def make_hf(directory):
@@ -53,7 +54,7 @@ def test_first_loss_is_hf_loss_and_params_load_unchanged(tmp_path, mesh_dim, sca
     hf = make_hf(tmp_path / "hf")
     config = parse(tmp_path, f"--load_checkpoint=hf::{tmp_path / 'hf'}", f"--mesh_dim={mesh_dim}",
                    f"--llama.scan_layers={scan}")
-    final = trainer.train(config, train.build_model)
+    final = trainer.train(config, FAMILY)
 
     # The loss logged for step 1 is HF's mean cross-entropy on the first batch.
     dataset = DatasetFactory.load_dataset(config.train_dataset, load_tokenizer("embedded"))
@@ -77,7 +78,7 @@ def test_first_loss_is_hf_loss_and_params_load_unchanged(tmp_path, mesh_dim, sca
     assert (recorded["num_hidden_layers"], recorded["num_key_value_heads"],
             recorded["tie_word_embeddings"], recorded["rope_theta"]) == (3, 2, True, 50000.0)
     llama_config, expected_params = load_hf_params(str(tmp_path / "hf"), scan_layers=scan)
-    model = train.build_model(config)
+    model = FAMILY.build(config)
     abstract = jax.eval_shape(model.init_params, jax.random.key(0))
     params = checkpoint.load_params(f"params::{final}", abstract)
     ours = traverse_util.flatten_dict(jax.device_get(params), sep="/")
@@ -89,18 +90,16 @@ def test_first_loss_is_hf_loss_and_params_load_unchanged(tmp_path, mesh_dim, sca
 
 def test_bad_hf_directory_or_flags_are_one_line(tmp_path):
     with pytest.raises(UserError, match=r"missing: no such directory$"):
-        trainer.train(parse(tmp_path, f"--load_checkpoint=hf::{tmp_path / 'missing'}"),
-                      train.build_model)
+        trainer.train(parse(tmp_path, f"--load_checkpoint=hf::{tmp_path / 'missing'}"), FAMILY)
     make_hf(tmp_path / "hf")
     with pytest.raises(UserError, match=r"the --llama.\* flags describe a model with other "
                                         r"parameters than its config.json"):
         trainer.train(parse(tmp_path, f"--load_checkpoint=hf::{tmp_path / 'hf'}",
-                            "--llama.num_hidden_layers=2"), train.build_model)
+                            "--llama.num_hidden_layers=2"), FAMILY)
     with pytest.raises(UserError, match=r"model/embed_tokens/embedding has shape \(512, 64\), "
                                         r"but the --llama.\* flags imply \(512, 32\)"):
         trainer.train(parse(tmp_path, f"--load_checkpoint=hf::{tmp_path / 'hf'}",
-                            "--llama.hidden_size=32"), train.build_model)
+                            "--llama.hidden_size=32"), FAMILY)
     with pytest.raises(UserError, match=r"unknown prefix 'hug'; expected one of params, "
                                         r"trainstate, trainstate_params, hf$"):
-        trainer.train(parse(tmp_path, f"--load_checkpoint=hug::{tmp_path / 'hf'}"),
-                      train.build_model)
+        trainer.train(parse(tmp_path, f"--load_checkpoint=hug::{tmp_path / 'hf'}"), FAMILY)

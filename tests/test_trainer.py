@@ -14,10 +14,10 @@ from ml_collections import ConfigDict
 from numerics import assert_close, fp32_rel, forward_rel
 
 from easylm import optimizers, trainer
-from easylm.llama import train as llama_train
 from easylm.llama.config import LLaMAConfig
 from easylm.losses import LossSums
 from easylm.sharding import BATCH_AXES, make_mesh
+from easylm.llama.family import FAMILY
 
 
 # The debug model's forward pass at 32 positions, as a relative tolerance; at
@@ -29,7 +29,7 @@ REL = forward_rel(LLaMAConfig.from_preset("debug"), 32)
 def debug_model(dtype="fp32", param_dtype="fp32", **llama):
     config = ConfigDict(dict(llama=LLaMAConfig.get_default_config(llama), dtype=dtype,
                              param_dtype=param_dtype))
-    return llama_train.build_model(config)
+    return FAMILY.build(config)
 
 
 def constant_lr_optimizer(lr=1e-2, **overrides):

@@ -14,18 +14,12 @@ import dataclasses
 from typing import Any
 
 from ml_collections import ConfigDict
-from ml_collections.config_dict import placeholder
 
+from easylm import remat
 from easylm.errors import UserError
 
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "dot_product", "cudnn")
-REMAT_POLICIES = (
-    "none",
-    "nothing_saveable",
-    "checkpoint_dots",
-    "checkpoint_dots_with_no_batch_dims",
-    "save_attention_out",
-)
+REMAT_POLICIES = remat.NAMES
 ROPE_SCALING_TYPES = ("none", "llama3")
 
 
@@ -101,24 +95,15 @@ class LLaMAConfig:
 
     # ----------------------------------------------------------------- presets
 
+    # The generic preset and flag handling is the family's (easylm.family.ModelFamily).
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "LLaMAConfig":
-        if name not in LLAMA_PRESETS:
-            raise UserError(
-                f"unknown llama preset {name!r}; known presets: {', '.join(LLAMA_PRESETS)}"
-            )
-        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise UserError(f"unknown llama config field(s): {', '.join(sorted(unknown))}")
-        return cls(**{**LLAMA_PRESETS[name], **overrides})
+        return _family().from_preset(name, **overrides)
 
     @classmethod
     def get_default_config(cls, updates=None) -> ConfigDict:
         """Flag tree for `--llama.*`: a preset name plus optional per-field overrides."""
-        config = ConfigDict()
-        config.base_model = "debug"
-        for field in dataclasses.fields(cls):
-            config[field.name] = placeholder(_flag_type(field))
+        config = _family().flag_config("debug")
         if updates is not None:
             config.update(ConfigDict(updates).copy_and_resolve_references())
         return config
@@ -247,13 +232,10 @@ class LLaMAConfig:
         return cls(**{**fields, **overrides})
 
 
-def _flag_type(field: dataclasses.Field) -> type:
-    kind = field.type
-    if isinstance(kind, str):  # postponed annotations
-        kind = {"int": int, "float": float, "str": str, "bool": bool}[kind.split(" ")[0]]
-    if kind not in (int, float, str, bool):  # `int | None`
-        kind = int
-    return kind
+def _family():
+    from easylm.llama.family import FAMILY
+
+    return FAMILY
 
 
 def _first_int(value, default: int | None) -> int | None:

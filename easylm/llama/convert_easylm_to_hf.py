@@ -25,13 +25,14 @@ from ml_collections import ConfigDict
 from easylm import flags
 from easylm.checkpoint import (check_free_space, disk_full_error, is_disk_full, load_params,
                                parse_load_spec, read_metadata, stored_tree)
+from easylm.dtypes import cast_names
 from easylm.errors import INSTALL, UserError, exit_on_user_error
 from easylm.hf_checkpoint import write_safetensors
 from easylm.llama.config import LLaMAConfig
 from easylm.llama.hf_weights import to_hf
 from easylm.llama.model import LLaMAForCausalLM
 
-DTYPES = {"keep": None, "bf16": "bfloat16", "fp32": "float32"}
+DTYPES = cast_names(("bf16", "fp32"))
 
 HELP = {
     "load_checkpoint": "params::DIR, trainstate::DIR or trainstate_params::DIR",

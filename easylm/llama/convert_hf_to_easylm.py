@@ -18,12 +18,13 @@ from ml_collections import ConfigDict
 
 from easylm import flags
 from easylm.checkpoint import save_params
+from easylm.dtypes import cast_names
 from easylm.errors import UserError, exit_on_user_error
 from easylm.hf_checkpoint import HFTensors, read_config
 from easylm.llama.config import LLaMAConfig
 from easylm.llama.hf_weights import from_hf
 
-DTYPES = {"keep": None, "bf16": "bfloat16", "fp32": "float32"}
+DTYPES = cast_names(("bf16", "fp32"))
 
 HELP = {
     "hf_model": "Hugging Face model directory (config.json + *.safetensors or pytorch_model*.bin)",

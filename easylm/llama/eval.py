@@ -22,7 +22,8 @@ from ml_collections.config_dict import placeholder
 from easylm import checkpoint
 from easylm import flags as flag_lib
 from easylm.errors import UserError, exit_on_user_error
-from easylm.llama import serve
+from easylm.llama.family import FAMILY
+from easylm.serving import cli as serving_cli
 
 USAGE = "usage: python -m easylm.llama.eval --load_checkpoint=... --tasks=a,b [--flag=value ...]"
 
@@ -44,7 +45,7 @@ HELP = {
 
 def model_config() -> ConfigDict:
     """The flags that load the model: the server's checkpoint, tokenizer and engine flags."""
-    config = serve.engine_config()
+    config = serving_cli.engine_config(FAMILY)
     config.max_gen_toks = 256
     return config
 
@@ -62,7 +63,7 @@ def default_config() -> ConfigDict:
 
 
 def help_entries() -> dict:
-    return {**serve.engine_help_entries(), **HELP}
+    return {**serving_cli.engine_help_entries(FAMILY), **HELP}
 
 
 def load(config: ConfigDict, cls=None):
@@ -71,7 +72,7 @@ def load(config: ConfigDict, cls=None):
     from easylm.evaluation import HarnessLM
 
     _require_checkpoint(config)
-    engine, tokenizer, stop_ids = serve.load_engine(config)
+    engine, tokenizer, stop_ids = serving_cli.load_engine(FAMILY, config)
     return (cls or HarnessLM)(engine, tokenizer, stop_ids, max_gen_toks=config.max_gen_toks)
 
 

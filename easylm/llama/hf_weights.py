@@ -18,6 +18,7 @@ import numpy as np
 from flax import traverse_util
 
 from easylm.errors import UserError
+from easylm.hf_checkpoint import to_numpy  # noqa: F401  (also imported from here)
 from easylm.llama.config import LLaMAConfig
 from easylm.llama.model import LLaMAForCausalLM, stack_layers
 
@@ -90,18 +91,6 @@ def from_hf(tensors: Mapping[str, Any], config: LLaMAConfig, dtype=None, source:
     if config.scan_layers:
         params = stack_layers(params, config.num_hidden_layers)
     return params
-
-
-def to_numpy(tensor) -> np.ndarray:
-    """A numpy array from numpy/jax/torch, keeping bfloat16 as ml_dtypes' bfloat16."""
-    if hasattr(tensor, "detach"):  # torch
-        tensor = tensor.detach().cpu()
-        if str(tensor.dtype) == "torch.bfloat16":
-            import torch
-
-            return tensor.view(torch.int16).numpy().view(jnp.bfloat16)
-        return tensor.numpy()
-    return np.asarray(tensor)
 
 
 def _some(names, limit: int = 8) -> str:

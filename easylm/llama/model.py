@@ -35,6 +35,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+from easylm import remat
 from easylm.attention import attention, segment_mask
 from easylm.llama.config import LLaMAConfig
 from easylm.sharding import BATCH_AXES, constrain
@@ -55,14 +56,6 @@ PARTITION_RULES = (
 # like the k/v projections that fill it.
 CACHE_SPEC = P(BATCH_AXES, None, "mp", None)
 CACHE_PARTITION_RULES = ((r"(^|/)(k|v)$", CACHE_SPEC),)
-
-REMAT_POLICIES = {
-    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
-    "checkpoint_dots": jax.checkpoint_policies.checkpoint_dots,
-    "checkpoint_dots_with_no_batch_dims": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
-    # Keep each layer's attention output; recompute the rest in the backward pass.
-    "save_attention_out": jax.checkpoint_policies.save_only_these_names("attention_out"),
-}
 
 
 def rope_frequencies(config: LLaMAConfig) -> jnp.ndarray:
@@ -208,7 +201,7 @@ def _layer_class(config: LLaMAConfig):
     if config.remat_policy == "none":
         return DecoderLayer
     return nn.remat(
-        DecoderLayer, policy=REMAT_POLICIES[config.remat_policy], prevent_cse=not config.scan_layers
+        DecoderLayer, policy=remat.POLICIES[config.remat_policy], prevent_cse=not config.scan_layers
     )
 
 

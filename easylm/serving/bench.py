@@ -22,8 +22,6 @@ from ml_collections import ConfigDict
 
 from easylm import flags as flag_lib
 from easylm.errors import UserError, exit_on_user_error
-from easylm.llama.config import LLaMAConfig
-from easylm.llama.model import PARTITION_RULES
 from easylm.serving import engine as engine_lib
 from easylm.serving.batcher import Batcher, SamplingParams
 from easylm.sharding import init_sharded, make_mesh
@@ -43,7 +41,7 @@ HELP = {
 }
 
 
-def default_config() -> ConfigDict:
+def default_config(family) -> ConfigDict:
     config = ConfigDict()
     config.batch_sizes = "1,16,64"
     config.prompt_length = 128
@@ -54,20 +52,17 @@ def default_config() -> ConfigDict:
     config.dtype = "auto"
     config.mesh_dim = "1,1,-1"
     config.hf = "auto"
-    config.llama = LLaMAConfig.get_default_config()
+    config[family.name] = family.flag_config(family.tiny_preset)
     return config
 
 
-def engine_tokens_per_second(llama: LLaMAConfig, params, batch: int, config, tokenizer,
-                             prompts, mesh, dtype) -> float:
-    from easylm.llama.serve import llama_model_fns
-
-    fns, _ = llama_model_fns(llama, dtype, dtype)
+def engine_tokens_per_second(model, params, batch: int, config, tokenizer, prompts,
+                             mesh) -> float:
     engine = engine_lib.Engine(
         {"batch_size": batch, "seq_length": config.seq_length or config.prompt_length + config.new_tokens,
          "decode_steps": config.decode_steps, "decode_unroll": config.decode_unroll,
          "min_bucket": config.prompt_length},
-        fns, params, mesh)
+        model, params, mesh)
     batcher = Batcher(engine).start()
     greedy = SamplingParams(max_tokens=config.new_tokens, temperature=0.0)
     try:
@@ -96,51 +91,45 @@ def hf_tokens_per_second(hf_model, prompts, new_tokens: int) -> float:
     return len(prompts) * new_tokens / elapsed
 
 
-def run(config: ConfigDict) -> list[dict]:
-    from easylm.llama.hf_weights import to_hf
-    from easylm.llama.serve import llama_model_fns
+def run(config: ConfigDict, family) -> list[dict]:
+    from easylm.serving.cli import model_config
     from easylm.tokenizer import load_tokenizer
-    from easylm.trainer import dtype_from_flag
 
-    llama = LLaMAConfig.from_flags(config.llama).replace(remat_policy="none")
+    settings = model_config(family, config)
+    model = family.build(config, settings)
+    limit = model.max_seq_length
     try:
         batch_sizes = [int(b) for b in config.batch_sizes.split(",")]
     except ValueError:
         raise UserError(f"--batch_sizes={config.batch_sizes!r} must be comma-separated integers")
-    if config.prompt_length + config.new_tokens > llama.max_position_embeddings:
+    if config.prompt_length + config.new_tokens > limit:
         raise UserError(f"--prompt_length + --new_tokens = "
                         f"{config.prompt_length + config.new_tokens} is above the model's "
-                        f"max_position_embeddings={llama.max_position_embeddings}")
+                        f"max_position_embeddings={limit}")
     if config.seq_length and not (config.prompt_length + config.new_tokens <= config.seq_length
-                                  <= llama.max_position_embeddings):
+                                  <= limit):
         raise UserError(f"--seq_length={config.seq_length} must be between prompt_length + "
                         f"new_tokens = {config.prompt_length + config.new_tokens} and the "
-                        f"model's max_position_embeddings={llama.max_position_embeddings}")
-    dtype = dtype_from_flag("dtype", config.dtype)
+                        f"model's max_position_embeddings={limit}")
     on_cpu_with_torch = jax.default_backend() == "cpu" and importlib.util.find_spec("torch")
     use_hf = {"auto": bool(on_cpu_with_torch), "true": True, "false": False}.get(config.hf)
     if use_hf is None:
         raise UserError(f"--hf={config.hf!r} is not one of auto, true, false")
     mesh = make_mesh(config.mesh_dim)
-    _, model = llama_model_fns(llama, dtype, dtype)
-    params = init_sharded(model.init_params, PARTITION_RULES, mesh, jax.random.PRNGKey(0))
-    params = jax.tree.map(lambda x: x.astype(dtype), params)
-    hf_model = None
-    if use_hf:
-        import torch
-        from transformers import LlamaForCausalLM
-
-        hf_model = LlamaForCausalLM(llama.to_hf_config()).eval()
-        state = {k: torch.from_numpy(np.array(v, np.float32)) for k, v in to_hf(params, llama)}
-        hf_model.load_state_dict(state, strict=False)  # tied models list lm_head twice
+    params = init_sharded(model.init_params, model.partition_rules, mesh, jax.random.PRNGKey(0))
+    hf_model = family.torch_reference(settings, params) if use_hf else None
+    if use_hf and hf_model is None:
+        raise UserError(f"--hf={config.hf}: the {family.name} family has no transformers "
+                        f"counterpart to compare with")
+    if hf_model is not None:
         hf_model.generation_config.eos_token_id = None
     tokenizer = load_tokenizer("embedded")
     rows = []
     for batch in batch_sizes:
         prompts = np.random.RandomState(batch).randint(
-            3, llama.vocab_size, (batch, config.prompt_length)).tolist()
+            3, model.vocab_size, (batch, config.prompt_length)).tolist()
         row = {"batch": batch, "easylm_tokens_per_s": engine_tokens_per_second(
-            llama, params, batch, config, tokenizer, prompts, mesh, dtype)}
+            model, params, batch, config, tokenizer, prompts, mesh)}
         if hf_model is not None:
             row["hf_tokens_per_s"] = hf_tokens_per_second(hf_model, prompts, config.new_tokens)
             row["ratio"] = row["easylm_tokens_per_s"] / row["hf_tokens_per_s"]
@@ -158,15 +147,17 @@ def format_row(row: dict) -> str:
 
 @exit_on_user_error
 def main(argv=None):
-    argv = argv or sys.argv
-    usage = "usage: python -m easylm.bench decode [--flag=value ...]"
-    help_text = {**HELP, "llama.base_model": "preset of the model shape"}
-    config = flag_lib.parse(default_config(), help_text, argv, usage)
+    from easylm import families
+
+    family, argv = families.from_argv(argv or sys.argv)
+    usage = "usage: python -m easylm.bench decode [--family=NAME] [--flag=value ...]"
+    help_text = {**HELP, **family.help_entries()}
+    config = flag_lib.parse(default_config(family), help_text, argv, usage)
     device = f"{jax.devices()[0].device_kind} ({jax.default_backend()})"
-    print(f"decode benchmark on {device}: {config.llama.base_model}, prompt "
+    print(f"decode benchmark on {device}: {config[family.name].base_model}, prompt "
           f"{config.prompt_length}, {config.new_tokens} new tokens, context "
           f"{config.seq_length or config.prompt_length + config.new_tokens}, dtype {config.dtype}")
-    rows = run(config)
+    rows = run(config, family)
     # One JSON line too, like `python -m easylm.bench train`, for scripts.
     print(json.dumps({"benchmark": "decode", "device": device, "flags": flag_lib.flatten(config),
                       "results": rows}))

@@ -11,7 +11,8 @@ Which request sits in which slot is `batcher.py`'s business; this file only
 runs arrays. The cache is sharded like training activations (batch over
 ('dp', 'fsdp'), heads over 'mp'), so a model that needs 'mp' to fit serves too.
 
-Model-agnostic: a model family supplies `ModelFns` (see `easylm/llama/serve.py`).
+Model-agnostic: it runs a family's `easylm.family.Model` (its `apply`, `init_cache`,
+`cache_rules`; the cache's keys/values have axes (..., B, S, K, H)).
 
 Shapes: B slots, S cache positions (seq_length), n rows of one prefill or score
 call, T bucketed length, C decode steps per call, V vocabulary, N top logprobs.
@@ -19,8 +20,6 @@ call, T bucketed length, C decode steps per call, V vocabulary, N top logprobs.
 
 import dataclasses
 import functools
-import math
-from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +28,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import ConfigDict
 
 from easylm.errors import UserError
+from easylm.family import Model
 from easylm.serving.sampling import TOP_LOGPROBS, next_tokens
-from easylm.sharding import match_partition_rules
+from easylm.sharding import axes_size, match_partition_rules
 
 HELP = {
     "batch_size": "decode slots: requests generated concurrently (continuous batching)",
@@ -65,22 +65,6 @@ def check_config(config: ConfigDict):
             raise UserError(f"--{name} must be >= 1, got {config[name]}")
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelFns:
-    """What the engine needs from a model family.
-
-    apply(params, ids (n, T), positions (n, T) or None, cache or None)
-        -> logits (n, T, V), or (logits, cache) when a cache is given.
-    init_cache(batch, length) -> a pytree of zeros, keys/values with axes (..., B, S, K, H).
-    cache_rules: partition rules for the cache leaves (`easylm.sharding` format).
-    """
-
-    apply: Callable
-    init_cache: Callable
-    cache_rules: Any
-    vocab_size: int
-
-
 def buckets(largest: int, smallest: int) -> list[int]:
     """smallest, 2*smallest, ... below largest, then largest."""
     out, size = [], max(1, smallest)
@@ -98,9 +82,7 @@ def fitted_spec(spec: P, shape, mesh) -> P:
     """`spec` with the mesh axes a dimension cannot be split over dropped (batch 1 on 8 devices)."""
     dims = []
     for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
-        names = axes if isinstance(axes, tuple) else (axes,)
-        size = math.prod(mesh.shape[a] for a in names if a is not None)
-        dims.append(axes if dim % size == 0 else None)
+        dims.append(axes if dim % axes_size(mesh.shape, axes) == 0 else None)
     return P(*dims)
 
 
@@ -133,7 +115,7 @@ class Sampling:
         return tuple(np.array(a) for a in (self.keys, self.temperature, self.top_k, self.top_p))
 
 
-def _prefill(model: ModelFns, sample: bool, params, state, tokens, lengths, slots, keys,
+def _prefill(model: Model, sample: bool, params, state, tokens, lengths, slots, keys,
              temperature, top_k, top_p):
     cache, last, slot_positions = state
     n, T = tokens.shape
@@ -150,7 +132,7 @@ def _prefill(model: ModelFns, sample: bool, params, state, tokens, lengths, slot
     return (cache, last, slot_positions), tuple(x[None] for x in out)
 
 
-def _decode(model: ModelFns, steps: int, unroll: bool, sample: bool, length: int, params, state,
+def _decode(model: Model, steps: int, unroll: bool, sample: bool, length: int, params, state,
             keys, temperature, top_k, top_p):
     """`steps` tokens for every slot, attending over the first `length` cache positions
     only (the host picks a length that covers every active slot's positions); a loop, or
@@ -177,7 +159,7 @@ def _decode(model: ModelFns, steps: int, unroll: bool, sample: bool, length: int
     return (window, tokens, positions), outs  # outs: (C, B, ...)
 
 
-def _score(model: ModelFns, params, tokens, targets):
+def _score(model: Model, params, tokens, targets):
     logits = model.apply(params, tokens, None, None).astype(jnp.float32)  # (n, T, V)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     target_logprobs = jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]
@@ -195,7 +177,7 @@ class Engine:
     while the device runs this one.
     """
 
-    def __init__(self, config: ConfigDict, model: ModelFns, params, mesh=None):
+    def __init__(self, config: ConfigDict, model: Model, params, mesh=None):
         self.config = config = get_default_config(config)
         check_config(config)
         self.model, self.params, self.mesh = model, params, mesh

@@ -1,0 +1,226 @@
+"""The model-family boundary: everything train, serve, eval, plan, bench and doctor
+need from a model, behind one object.
+
+A family (LLaMA: `easylm/llama/family.py`) subclasses `ModelFamily`: its config
+dataclass and presets, and `bind(config, dtype, param_dtype) -> Model`, the pure
+functions over parameters that one configured model offers. The generic code
+never imports a family; commands take the family object (`easylm.families`
+names them for the generic commands).
+
+    family.model_config(flags)    --<name>.base_model's preset, or the config the
+                                  checkpoint records (hf::DIR's config.json, an easylm
+                                  checkpoint's metadata), then the --<name>.* fields given
+    family.build(flags)           that config bound to --dtype / --param_dtype: a Model
+
+A variant (adapters on a frozen base, another loss) is another `Model` from the
+same family: `Model.init_frozen` gives parameters the model reads but does not
+train; the trainer keeps them in `TrainState.frozen`, outside the optimizer, and
+passes them to `loss_fn(params, batch, rng, frozen=...)`.
+"""
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from ml_collections import ConfigDict
+from ml_collections.config_dict import placeholder
+
+from easylm.errors import UserError
+from easylm.sharding import PartitionRules, path_to_string
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """One configured model of a family: pure functions over its parameters."""
+
+    name: str  # the family's name: flag section, run-name prefix, metadata key
+    config: dict  # the model config, recorded in checkpoint metadata as `<name>_config`
+    vocab_size: int
+    init_params: Callable  # rng -> params, a pure function (run sharded)
+    loss_fn: Callable  # (params, batch, rng[, frozen=]) -> LossSums
+    partition_rules: PartitionRules
+    flops_per_token: Callable  # seq_length -> training FLOPs per token
+    # Serving: (params, ids (B, T), positions (B, T) or None, cache or None) -> logits
+    # (B, T, V), or (logits, cache) with a cache; init_cache(batch, length) -> zeros.
+    apply: Callable | None = None
+    init_cache: Callable | None = None
+    cache_rules: PartitionRules = ()
+    max_seq_length: int = 0  # the longest row the model can take (0: no limit)
+    eos_token_id: int | None = None
+    num_layers: int = 1  # what the planner extrapolates over
+    num_parameters: int = 0
+    # (directory, abstract params with shardings) -> params: `--load_checkpoint=hf::DIR`
+    # (`ModelFamily.build` sets it)
+    load_hf: Callable | None = None
+    # Parameters read but not trained (a frozen base under adapters): rng -> tree, and
+    # their partition rules.
+    init_frozen: Callable | None = None
+    frozen_rules: PartitionRules = ()
+
+
+class ModelFamily:
+    """Subclass per family; one instance, named in `easylm.families`."""
+
+    name: str = ""
+    config_class: type = None  # a frozen dataclass; field metadata "help" explains a field
+    presets: dict[str, dict] = {}
+    default_preset: str = ""  # the commands' model when no checkpoint says otherwise
+    tiny_preset: str = ""  # the benchmarks' default ('' : default_preset)
+    # Run-level flag defaults of the trainer's no-flags demo (data and steps, not shape).
+    demo: dict = {}
+    commands: str = ""  # the package of `python -m <commands>.train|serve`
+    remat_policies: tuple[str, ...] = ()  # the `remat_policy` field's values, cheapest first
+
+    # ---------------------------------------------------- what a family defines
+
+    def bind(self, config, dtype=jnp.float32, param_dtype=jnp.float32) -> Model:
+        raise NotImplementedError
+
+    def read_hf_config(self, directory: str):
+        """DIR/config.json as this family's config."""
+        raise UserError(f"hf::{directory}: the {self.name} family cannot read Hugging Face "
+                        f"checkpoints")
+
+    def hf_params(self, directory: str, config):
+        """DIR's tensors as a host (numpy) tree shaped like `bind(config).init_params`'s."""
+        raise UserError(f"hf::{directory}: the {self.name} family cannot read Hugging Face "
+                        f"checkpoints")
+
+    def shard_variant(self, config, layers: int, mp: int):
+        """`config` with `layers` layers and the widths one of `mp` model-parallel shards
+        holds (heads, MLP, vocabulary divided by mp): one device's activations."""
+        raise NotImplementedError
+
+    def check_plannable(self, config) -> None:
+        """A UserError when this machine cannot trace `config` (a GPU-only kernel)."""
+
+    def torch_reference(self, config, params):
+        """The same model in HF transformers (torch) for benchmarks, or None."""
+        return None
+
+    # ------------------------------------------------------------------ generic
+
+    @property
+    def serve_module(self) -> str:
+        return f"{self.commands}.serve" if self.commands else ""
+
+    def field_names(self) -> list[str]:
+        return [f.name for f in dataclasses.fields(self.config_class)]
+
+    def flag_config(self, base_model: str | None = None) -> ConfigDict:
+        """The `--<name>.*` flag tree: a preset name plus optional per-field overrides."""
+        config = ConfigDict()
+        config.base_model = base_model or self.default_preset
+        for field in dataclasses.fields(self.config_class):
+            config[field.name] = placeholder(_flag_type(field))
+        return config
+
+    def help_entries(self, source: str = "the preset's") -> dict:
+        """`--<name>.*` help: each field's own text and its default source."""
+        entries = {f"{self.name}.base_model": f"preset: {', '.join(self.presets)}"}
+        for field in dataclasses.fields(self.config_class):
+            text = field.metadata.get("help", "")
+            entries[f"{self.name}.{field.name}"] = f"{text} (unset: {source} value)".strip()
+        return entries
+
+    def from_preset(self, name: str, **overrides):
+        if name not in self.presets:
+            raise UserError(f"unknown {self.name} preset {name!r}; known presets: "
+                            f"{', '.join(self.presets)}")
+        unknown = set(overrides) - set(self.field_names())
+        if unknown:
+            raise UserError(f"unknown {self.name} config field(s): {', '.join(sorted(unknown))}")
+        return self.config_class(**{**self.presets[name], **overrides})
+
+    def model_config(self, flags: ConfigDict, from_checkpoint: bool = False):
+        """The model's config from a command's parsed flags: the config hf::DIR's
+        config.json gives (and, with `from_checkpoint`, the one an easylm checkpoint's
+        metadata records), else the --<name>.base_model preset; then the --<name>.*
+        fields given on the command line."""
+        block = dict(flags[self.name])
+        preset = block.pop("base_model")
+        overrides = {k: v for k, v in block.items() if v is not None}
+        recorded = self.recorded_config(flags.get("load_checkpoint", ""), from_checkpoint)
+        if recorded is None:
+            return self.from_preset(preset, **overrides)
+        return dataclasses.replace(recorded, **overrides)
+
+    def recorded_config(self, spec: str, from_checkpoint: bool = True):
+        """The config a `--load_checkpoint` spec records, or None."""
+        import os
+
+        from easylm import checkpoint
+
+        prefix, _, path = spec.partition("::")
+        if prefix == "hf":
+            return self.read_hf_config(path)
+        if not (spec and from_checkpoint):
+            return None
+        _, directory = checkpoint.parse_load_spec(spec)
+        if not os.path.isdir(os.path.join(directory, "metadata")):
+            return None
+        recorded = checkpoint.read_metadata(directory).get(self.metadata_key)
+        if recorded is None:
+            return None
+        unknown = set(recorded) - set(self.field_names())
+        if unknown:
+            raise UserError(f"{directory}: its {self.metadata_key} has field(s) the "
+                            f"{self.name} model does not know: {', '.join(sorted(unknown))}")
+        return self.config_class(**recorded)
+
+    @property
+    def metadata_key(self) -> str:
+        return f"{self.name}_config"
+
+    def build(self, flags: ConfigDict, config=None, from_checkpoint: bool = False) -> Model:
+        """The Model `flags` describe (`model_config`), bound to --dtype and --param_dtype
+        (when a command has no --param_dtype, parameters are kept in --dtype)."""
+        from easylm.dtypes import dtype_from_flag
+
+        config = self.model_config(flags, from_checkpoint) if config is None else config
+        dtype = dtype_from_flag("dtype", flags.dtype)
+        param_dtype = (dtype_from_flag("param_dtype", flags.param_dtype)
+                       if "param_dtype" in flags else dtype)
+        model = self.bind(config, dtype, param_dtype)
+        return dataclasses.replace(model, load_hf=lambda directory, abstract: self.load_hf(
+            directory, config, abstract))
+
+    def load_hf(self, directory: str, config, abstract_params):
+        """DIR's tensors, each placed straight into its shards of `abstract_params`
+        (host memory: one copy of the model; each device: its shards), after checking
+        that the tree and every shape are the ones `config` implies."""
+        host = self.hf_params(directory, config)
+        if jax.tree.structure(host) != jax.tree.structure(abstract_params):
+            raise UserError(f"{directory}: the --{self.name}.* flags describe a model with "
+                            f"other parameters than its config.json")
+
+        def place(path, array, target):
+            if array.shape != target.shape:
+                raise UserError(f"{directory}: parameter {path_to_string(path)} has shape "
+                                f"{array.shape}, but the --{self.name}.* flags imply "
+                                f"{target.shape}")
+            array = array.astype(target.dtype)
+            return jax.make_array_from_callback(target.shape, target.sharding, lambda i: array[i])
+
+        return jax.tree_util.tree_map_with_path(place, host, abstract_params)
+
+
+def _flag_type(field: dataclasses.Field) -> type:
+    kind = field.type
+    if isinstance(kind, str):  # postponed annotations
+        kind = {"int": int, "float": float, "str": str, "bool": bool}[kind.split(" ")[0]]
+    if kind not in (int, float, str, bool):  # `int | None`
+        kind = int
+    return kind
+
+
+def abstract_params(model: Model, mesh, dtype=None) -> Any:
+    """ShapeDtypeStructs of `model`'s parameters with their shardings on `mesh` (and, with
+    `dtype`, that dtype): a restore or load target."""
+    from easylm.sharding import match_partition_rules, named_shardings
+
+    shapes = jax.eval_shape(model.init_params, jax.random.PRNGKey(0))
+    shardings = named_shardings(mesh, match_partition_rules(model.partition_rules, shapes))
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype, sharding=s),
+                        shapes, shardings)

@@ -1,0 +1,119 @@
+"""The LLaMA family: the one object through which train, serve, eval, plan, bench,
+doctor and the converters reach the LLaMA model (`FAMILY`)."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from easylm import remat
+from easylm.errors import UserError
+from easylm.family import Model, ModelFamily
+from easylm.llama.config import LLAMA_PRESETS, LLaMAConfig
+from easylm.llama.model import (CACHE_PARTITION_RULES, PARTITION_RULES, LLaMAForCausalLM,
+                                lm_head_weight)
+from easylm.losses import causal_lm_loss, chunked_next_token_loss
+
+# The embedded demo: the `embedded` preset on the embedded corpus, sized to train in
+# about three minutes on two CPU cores (its warmup, 20 steps, and decay, to step 200,
+# follow --total_steps as in every run). Only run-level settings here: a
+# `--llama.base_model=...` flag must get that preset's shape untouched.
+EMBEDDED_DEFAULTS = {
+    "train_dataset.json_dataset.seq_length": 256,
+    "train_dataset.json_dataset.batch_size": 16,
+    "total_steps": 200,
+    "log_freq": 25,
+    "optimizer.adamw_optimizer.lr": 3e-3,
+    "optimizer.adamw_optimizer.end_lr": 3e-4,
+}
+
+
+class LLaMAFamily(ModelFamily):
+    name = "llama"
+    config_class = LLaMAConfig
+    presets = LLAMA_PRESETS
+    # The commands' model with no flags: the trainer's demo, and so what its checkpoints are.
+    default_preset = "embedded"
+    tiny_preset = "debug"
+    demo = EMBEDDED_DEFAULTS
+    commands = "easylm.llama"
+    remat_policies = remat.NAMES
+
+    def bind(self, config: LLaMAConfig, dtype=jnp.float32, param_dtype=jnp.float32) -> Model:
+        module = LLaMAForCausalLM(config, dtype=dtype, param_dtype=param_dtype)
+
+        def logits(params, batch):  # (B, T, V)
+            return module.apply({"params": params}, batch["input_tokens"],
+                                positions=batch.get("positions"),
+                                segment_ids=batch.get("segment_ids"))
+
+        def chunked_loss(params, batch, rng):  # the same numbers, never all (B, T, V) logits
+            del rng
+            hidden = module.apply({"params": params}, batch["input_tokens"],
+                                  positions=batch.get("positions"),
+                                  segment_ids=batch.get("segment_ids"), return_hidden=True)
+            return chunked_next_token_loss(hidden, lm_head_weight(params, config),
+                                           batch["target_tokens"], batch["loss_masks"],
+                                           config.loss_chunk_size)
+
+        def apply(params, ids, positions, cache):
+            return module.apply({"params": params}, ids, positions=positions, cache=cache)
+
+        return Model(
+            name=self.name,
+            config=config.to_dict(),
+            vocab_size=config.vocab_size,
+            init_params=module.init_params,
+            loss_fn=chunked_loss if config.loss_chunk_size else causal_lm_loss(logits),
+            partition_rules=PARTITION_RULES,
+            flops_per_token=config.flops_per_token,
+            apply=apply,
+            init_cache=module.init_cache,
+            cache_rules=CACHE_PARTITION_RULES,
+            max_seq_length=config.max_position_embeddings,
+            eos_token_id=config.eos_token_id,
+            num_layers=config.num_hidden_layers,
+            num_parameters=config.num_parameters(),
+        )
+
+    def read_hf_config(self, directory: str) -> LLaMAConfig:
+        from easylm.llama.convert_hf_to_easylm import read_hf_config
+
+        return read_hf_config(directory)
+
+    def hf_params(self, directory: str, config: LLaMAConfig):
+        # As config.json describes them (laid out as `config` says): `load_hf` then checks
+        # them against `config`, which the --llama.* flags may have changed.
+        from easylm.llama.convert_hf_to_easylm import load_hf_params
+
+        return load_hf_params(directory, scan_layers=config.scan_layers)[1]
+
+    def shard_variant(self, config: LLaMAConfig, layers: int, mp: int) -> LLaMAConfig:
+        return config.replace(
+            num_hidden_layers=layers, head_dim=config.head_dim,
+            num_attention_heads=math.ceil(config.num_attention_heads / mp),
+            num_key_value_heads=math.ceil(config.num_key_value_heads / mp),
+            intermediate_size=math.ceil(config.intermediate_size / mp),
+            vocab_size=math.ceil(config.vocab_size / mp))
+
+    def check_plannable(self, config: LLaMAConfig) -> None:
+        if config.attention == "cudnn" and jax.default_backend() != "gpu":
+            # 'auto' picks it on a GPU only; tracing it needs cuDNN present.
+            raise UserError("--llama.attention=cudnn can only be planned where cuDNN is: plan "
+                            "on the GPU host, or with --llama.attention=dot_product for an "
+                            "upper bound")
+
+    def torch_reference(self, config: LLaMAConfig, params):
+        import numpy as np
+        import torch
+        from transformers import LlamaForCausalLM
+
+        from easylm.llama.hf_weights import to_hf
+
+        model = LlamaForCausalLM(config.to_hf_config()).eval()
+        state = {k: torch.from_numpy(np.array(v, np.float32)) for k, v in to_hf(params, config)}
+        model.load_state_dict(state, strict=False)  # tied models list lm_head twice
+        return model
+
+
+FAMILY = LLaMAFamily()

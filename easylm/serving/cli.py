@@ -1,0 +1,159 @@
+"""Serving's setup for any model family, as `trainer.main` is training's: flags ->
+model -> parameters on the mesh -> Engine, Batcher, Service -> HTTP.
+
+    python -m easylm.llama.serve --load_checkpoint=params::DIR --tokenizer=embedded
+
+The model's config is the one the checkpoint records (its metadata's
+`<family>_config`, or config.json for `hf::DIR`), else the `--<family>.base_model`
+preset; `--<family>.*` flags override fields. `python -m easylm.llama.eval` loads
+its model through `load_engine` too.
+"""
+
+import dataclasses
+import logging
+import sys
+import time
+
+import jax
+from absl import logging as absl_logging
+from ml_collections import ConfigDict
+
+from easylm import flags as flag_lib
+from easylm.errors import UserError, exit_on_user_error
+from easylm.family import Model, ModelFamily, abstract_params
+from easylm.serving import engine as engine_lib
+from easylm.sharding import init_sharded, make_mesh
+
+log = logging.getLogger("easylm.serving")  # not __name__: that is __main__ under -m
+
+
+def engine_config(family: ModelFamily) -> ConfigDict:
+    """The flags that put a model on an engine: checkpoint, tokenizer, mesh, dtype, the
+    engine's, --<family>.* (shared with `easylm.llama.eval`)."""
+    config = ConfigDict()
+    config.load_checkpoint = ""
+    config.tokenizer = "embedded"
+    config.mesh_dim = "1,1,-1"
+    config.dtype = "auto"
+    config.update(engine_lib.get_default_config())
+    # The trainer's default model, so that both commands with no flags mean the same one.
+    config[family.name] = family.flag_config()
+    return config
+
+
+def engine_help_entries(family: ModelFamily) -> dict:
+    return {
+        "load_checkpoint": "params::DIR, trainstate::DIR, trainstate_params::DIR (easylm "
+                           "checkpoints) or hf::DIR (a Hugging Face model directory); empty: "
+                           "random weights, for trying the server out",
+        "tokenizer": "'embedded', a tokenizer directory, a tokenizer.json or a SentencePiece .model",
+        "mesh_dim": "device mesh dp,fsdp,mp; one entry may be -1 (default: all devices on mp)",
+        "dtype": "compute and parameter dtype: bf16, fp16, fp32, or auto (bf16 on GPU/TPU, "
+                 "fp32 on CPU)",
+        **engine_lib.HELP,
+        **family.help_entries("the checkpoint's, or the preset's"),
+        f"{family.name}.base_model": "preset, used when the checkpoint does not record its "
+                                     "config",
+    }
+
+
+def default_config(family: ModelFamily) -> ConfigDict:
+    """One flat tree: the command's own flags, the engine's and the server's, --<family>.*."""
+    from easylm.serving import server as server_lib
+
+    config = engine_config(family)
+    config.update(server_lib.get_default_config())
+    return config
+
+
+def help_entries(family: ModelFamily) -> dict:
+    from easylm.serving import server as server_lib
+
+    return {**engine_help_entries(family), **server_lib.HELP}
+
+
+def model_config(family: ModelFamily, config: ConfigDict):
+    """The checkpoint's own model config when it records one, else the preset; then the
+    --<family>.* fields given on the command line."""
+    model = family.model_config(config, from_checkpoint=True)
+    if family.remat_policies:  # remat only matters for gradients
+        model = dataclasses.replace(model, remat_policy="none")
+    return model
+
+
+def load_params(family: ModelFamily, config: ConfigDict, settings, model: Model, mesh):
+    """`model`'s parameters (its config: `settings`) placed on `mesh` by its partition
+    rules, in its parameter dtype (the serving dtype): --load_checkpoint's, or random."""
+    if not config.load_checkpoint:
+        log.warning("no --load_checkpoint: serving RANDOM weights")
+        return init_sharded(model.init_params, model.partition_rules, mesh, jax.random.PRNGKey(0))
+    target = abstract_params(model, mesh)
+    prefix, _, path = config.load_checkpoint.partition("::")
+    if prefix == "hf":  # the trainer's loader: tree and shapes checked against the flags
+        return family.load_hf(path, settings, target)
+    from easylm import checkpoint
+
+    return checkpoint.load_params(config.load_checkpoint, target)
+
+
+def load_engine(family: ModelFamily, config: ConfigDict):
+    """(Engine holding the checkpoint's parameters, tokenizer, end-of-sequence ids) from a
+    parsed flag tree (`engine_config()` or a tree containing it)."""
+    from easylm.tokenizer import load_tokenizer
+
+    settings = model_config(family, config)
+    model = family.build(config, settings)
+    tokenizer = load_tokenizer(config.tokenizer)
+    if len(tokenizer) > model.vocab_size:
+        raise UserError(f"--tokenizer={config.tokenizer!r} has {len(tokenizer)} tokens but the "
+                        f"model's vocabulary has {model.vocab_size}")
+    limit = model.max_seq_length or 2048
+    if config.seq_length == 0:
+        config.seq_length = min(limit, 2048)
+    if config.seq_length > limit:
+        raise UserError(f"--seq_length={config.seq_length} is above the model's "
+                        f"max_position_embeddings={limit}")
+    engine_lib.check_config(config)
+    mesh = make_mesh(config.mesh_dim)
+    params = load_params(family, config, settings, model, mesh)
+    engine = engine_lib.Engine(config, model, params, mesh)
+    if config.pre_compile:
+        start = time.time()
+        engine.warmup()
+        log.info("pre-compiled %d prompt buckets and %d decode windows in %.1fs",
+                 len(engine.length_buckets), len(engine.decode_buckets), time.time() - start)
+    stop_ids = {i for i in (tokenizer.eos_token_id, model.eos_token_id) if i is not None}
+    return engine, tokenizer, stop_ids
+
+
+def build(family: ModelFamily, config: ConfigDict):
+    """(FastAPI app, batcher) from a parsed flag tree; the batcher thread is started."""
+    from easylm.serving import server as server_lib
+    from easylm.serving.batcher import Batcher
+
+    server_lib.check_config(config)  # before the weights load
+    engine, tokenizer, stop_ids = load_engine(family, config)
+    batcher = Batcher(engine, stop_ids).start()
+    service = server_lib.Service(config, batcher, tokenizer)
+    return server_lib.create_app(service), batcher
+
+
+@exit_on_user_error
+def main(family: ModelFamily, argv=None):
+    """`python -m <family>.serve`: parse, bind the port, load, serve until stopped."""
+    from easylm.serving import server as server_lib
+
+    usage = (f"Serve a {family.name} model over HTTP (OpenAI-style API and a chat page).\n\n"
+             f"  python -m {family.serve_module} --load_checkpoint=params::DIR "
+             f"--tokenizer=embedded\n\nusage: python -m {family.serve_module} [--flag=value ...]")
+    config = flag_lib.parse(default_config(family), help_entries(family), argv or sys.argv,
+                            usage)
+    sock = server_lib.bind(config)
+    # The console shows easylm's own lines (and warnings), not orbax's and jax's INFO chatter.
+    # force: importing orbax already gave the root logger a handler (absl's).
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s",
+                        force=True)
+    logging.getLogger("easylm").setLevel(logging.INFO)
+    absl_logging.set_verbosity(absl_logging.ERROR)
+    app, batcher = build(family, config)
+    server_lib.run(app, config, batcher, sock)
