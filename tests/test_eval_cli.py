@@ -29,7 +29,7 @@ def trained(tmp_path_factory):
     config = tiny_config(hidden_size=32, intermediate_size=64)
     params = jax.jit(LLaMAForCausalLM(config).init_params)(jax.random.PRNGKey(3))
     directory = checkpoint.save_params(str(root / "checkpoints" / "7"), params,
-                                       {"model_config": config.to_dict()})
+                                       {"model": "llama", "llama_config": config.to_dict()})
     make_tokenizer().save_pretrained(root / "tokenizer")
     return directory, str(root / "tokenizer")
 

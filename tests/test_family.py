@@ -1,0 +1,162 @@
+"""The model-family boundary: nothing generic imports a family, and a second family
+(tests/toy_family.py) trains, resumes, serves, plans and benches through the generic
+code unchanged."""
+
+import ast
+import json
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+import toy_family
+from easylm import bench, checkpoint, families, plan, trainer
+from easylm import flags as flag_lib
+from easylm.errors import UserError
+from easylm.serving import cli as serving_cli
+from easylm.serving.batcher import SamplingParams
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "easylm"
+# Modules outside easylm/llama/ allowed to import easylm.llama. None: the generic commands
+# reach LLaMA through easylm/families.py, which names it by string and imports it lazily.
+ENTRY_POINTS: set[str] = set()
+TOY = toy_family.FAMILY
+
+
+def imported_modules(path: pathlib.Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_nothing_generic_imports_the_llama_family():
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE.parent).as_posix()
+        if relative.startswith("easylm/llama/") or relative in ENTRY_POINTS:
+            continue
+        bad = {m for m in imported_modules(path) if m == "easylm.llama" or m.startswith("easylm.llama.")}
+        offenders += [f"{relative}: {m}" for m in sorted(bad)]
+    assert offenders == []
+
+
+def test_the_import_check_sees_every_import_form(tmp_path):
+    # The negative twin: each way of importing the family is caught.
+    source = tmp_path / "m.py"
+    source.write_text("import easylm.llama.model\nfrom easylm.llama import train\n"
+                      "from easylm import llama\ndef f():\n    from easylm.llama.family import FAMILY\n")
+    found = {m for m in imported_modules(source) if m.startswith("easylm.llama")}
+    assert found == {"easylm.llama.model", "easylm.llama", "easylm.llama.train",
+                     "easylm.llama.family", "easylm.llama.family.FAMILY"}
+
+
+def test_the_registry_imports_families_lazily_and_names_bad_ones():
+    assert families.get("llama").name == "llama"
+    assert families.get("toy_family:FAMILY") is TOY
+    family, rest = families.from_argv(["prog", "--family=toy_family:FAMILY", "--x=1"])
+    assert family is TOY and rest == ["prog", "--x=1"]
+    with pytest.raises(UserError, match=r"^--family='gpt' is not one of llama \(or MODULE:ATTRIBUTE\)$"):
+        families.get("gpt")
+    with pytest.raises(UserError, match=r"is not a ModelFamily$"):
+        families.get("toy_family:ToyConfig")
+
+
+# ------------------------------------------------- the second family, end to end
+
+
+def train_flags(tmp_path, *argv):
+    return flag_lib.parse(trainer.default_config(TOY), trainer.help_entries(TOY), [
+        "train", "--train_dataset.json_dataset.seq_length=32",
+        "--train_dataset.json_dataset.batch_size=8", "--log_freq=1", "--mesh_dim=1,-1,1",
+        "--optimizer.adamw_optimizer.lr=1e-2", "--optimizer.adamw_optimizer.lr_warmup_steps=1",
+        "--optimizer.adamw_optimizer.lr_decay_steps=6",
+        # The three runs compile the same programs: the later ones read them from here.
+        f"--compilation_cache_dir={tmp_path / 'cache'}", f"--logger.output_dir={tmp_path}",
+        *argv], derived=trainer.family_run_defaults(TOY))
+
+
+def losses(run_dir) -> dict[int, float]:
+    lines = (pathlib.Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return {row["step"]: row["loss"] for row in map(json.loads, lines) if "loss" in row}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """6 steps at once, and 3 then 3 more resumed from the 3rd step's checkpoint."""
+    tmp_path = tmp_path_factory.mktemp("toy")
+    whole = trainer.train(train_flags(tmp_path, "--total_steps=6",
+                                      "--logger.experiment_id=whole"), TOY)
+    first = train_flags(tmp_path, "--total_steps=3", "--logger.experiment_id=split")
+    trainer.train(first, TOY)
+    resumed = trainer.train(train_flags(tmp_path, "--total_steps=6",
+                                        "--logger.experiment_id=split"), TOY)
+    return tmp_path, whole, resumed
+
+
+def test_a_second_family_trains_and_resumes_exactly(trained):
+    tmp_path, whole, resumed = trained
+    metadata = checkpoint.read_metadata(whole)
+    assert metadata["model"] == "toy" and metadata["toy_config"]["width"] == 32
+    uninterrupted, split = losses(tmp_path / "whole"), losses(tmp_path / "split")
+    assert sorted(uninterrupted) == list(range(1, 7))
+    assert uninterrupted[6] < uninterrupted[1]  # it learns
+    # Resume = uninterrupted: same device, same programs, so bit for bit.
+    assert [split[s] for s in range(4, 7)] == [uninterrupted[s] for s in range(4, 7)]
+
+
+def test_a_second_family_serves_its_checkpoint(trained):
+    _, whole, _ = trained
+    config = flag_lib.parse(serving_cli.default_config(TOY), serving_cli.help_entries(TOY), [
+        "serve", f"--load_checkpoint=params::{whole}", "--seq_length=32", "--batch_size=2",
+        "--decode_steps=4"])
+    app, batcher = serving_cli.build(TOY, config)
+    try:
+        engine = batcher.engine
+        # The engine's cached decode agrees with the model's uncached forward.
+        prompt = [1, 40, 41, 42]
+        ids = list(prompt)
+        for _ in range(6):
+            logits = engine.model.apply(engine.params, np.asarray([ids]), None, None)
+            ids.append(int(np.argmax(logits[0, -1])))
+        generated = batcher.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0),
+                                     serving_cli_tokenizer())[0]
+        expected = ids[len(prompt):]
+        stop = [i for i, t in enumerate(expected) if t == 2]
+        assert generated.tokens == expected[:stop[0] + 1] if stop else expected
+        response = TestClient(app, base_url="http://127.0.0.1").post(
+            "/v1/completions", json={"prompt": prompt, "max_tokens": 4, "temperature": 0})
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["prompt_tokens"] == len(prompt)
+    finally:
+        batcher.stop()
+
+
+def serving_cli_tokenizer():
+    from easylm.tokenizer import load_tokenizer
+
+    return load_tokenizer("embedded")
+
+
+def test_a_second_family_plans_and_benches(tmp_path):
+    config = flag_lib.parse(plan.default_config(TOY), plan.help_entries(TOY), [
+        "plan", "--train_dataset.json_dataset.seq_length=32",
+        "--train_dataset.json_dataset.batch_size=4", "--plan.device_memory_gib=1"])
+    text, fits = plan.report(config, TOY, num_devices=1, num_processes=1, budget=2 ** 30)
+    assert fits and text.startswith("plan: tiny, 0.1M parameters, 2 layers | 1 devices")
+    estimate = plan.estimate(config, TOY, num_devices=1)
+    params = jax.eval_shape(TOY.build(config).init_params, jax.random.key(0))
+    assert estimate.parameters == sum(x.size * 4 for x in jax.tree.leaves(params))
+    assert estimate.activations > 0
+    config = flag_lib.parse(bench.train_config(TOY), bench._train_help(TOY), [
+        "bench", "--seq_length=16", "--batch_size=8", "--steps=1", "--warmup_steps=1",
+        "--mesh_dim=1,-1,1"])
+    row = bench.bench_train(config, TOY)
+    assert row["model"] == "tiny" and row["parameters"] == TOY.build(config).num_parameters
+    assert row["tokens_per_second"] > 0 and len(row["losses"]) == 2
