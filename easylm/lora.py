@@ -37,9 +37,11 @@ compute dtype):
 """
 
 import dataclasses
+import json
 import math
+import os
 import re
-from typing import Any
+from typing import Any, Iterable
 
 import flax.linen as nn
 import jax
@@ -269,8 +271,8 @@ class LoraModel:
             if self.config.quantized and path in self.targets:
                 quantized = quantize_kernel(leaf, self.config.base_dtype, self.dtype)
                 out[path] = self._template[path].replace(array=quantized)
-            else:
-                out[path] = leaf.astype(storage)
+            else:  # jax arrays: qwix's dtype promotion passes numpy ones through uncast
+                out[path] = jnp.asarray(leaf, storage)
         return nested(out)
 
     def dequantized_base(self, base) -> Any:
@@ -298,7 +300,7 @@ class LoraModel:
         """The adapted module's `apply`; adapters are cast to the compute dtype (their
         gradients come back in fp32). `rng` draws the adapter dropout (training); without
         it there is none."""
-        adapters = jax.tree.map(lambda x: x.astype(self.dtype), adapters)
+        adapters = jax.tree.map(lambda x: jnp.asarray(x, self.dtype), adapters)
         variables = {"params": combine(base, adapters)}
         if rng is not None and self.config.dropout:
             return self.module.apply(variables, *args, rngs={"dropout": rng}, method=method,
@@ -307,3 +309,64 @@ class LoraModel:
 
     def num_adapter_parameters(self) -> int:
         return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.adapter_shapes))
+
+
+# ------------------------------------------------------ PEFT adapter directories
+
+PEFT_CONFIG = "adapter_config.json"
+PEFT_WEIGHTS = "adapter_model.safetensors"
+# adapter_config.json fields whose non-default values change what the adapters compute;
+# anything but these defaults is a variant this LoRA does not implement.
+_PEFT_DEFAULTS = {"use_dora": False, "fan_in_fan_out": False, "bias": "none", "lora_bias": False,
+                  "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {},
+                  "layer_replication": None, "target_parameters": None}
+
+
+def write_peft(directory: str, tensors: Iterable[tuple[str, np.ndarray]], config: LoraConfig,
+               target_modules: list[str], base_model: str = "") -> None:
+    """A PEFT LoRA directory: adapter_config.json and adapter_model.safetensors holding
+    `tensors` (PEFT names and layout) as they are given."""
+    from safetensors.numpy import save_file
+
+    os.makedirs(directory, exist_ok=True)
+    alpha = int(config.alpha) if float(config.alpha).is_integer() else config.alpha
+    peft_config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": config.rank, "lora_alpha": alpha,
+        "lora_dropout": config.dropout, "use_rslora": config.use_rslora,
+        "target_modules": target_modules, "base_model_name_or_path": base_model or None,
+        "init_lora_weights": True, "inference_mode": True, **_PEFT_DEFAULTS,
+    }
+    save_file(dict(tensors), os.path.join(directory, PEFT_WEIGHTS))
+    with open(os.path.join(directory, PEFT_CONFIG), "w") as f:
+        json.dump(peft_config, f, indent=2)
+
+
+def read_peft(directory: str) -> tuple[LoraConfig, dict[str, np.ndarray]]:
+    """(LoraConfig from adapter_config.json, PEFT-named tensors) of a PEFT LoRA directory.
+    target_modules is left at its default: the tensors say which modules are adapted."""
+    from safetensors.numpy import load_file
+
+    paths = [os.path.join(directory, name) for name in (PEFT_CONFIG, PEFT_WEIGHTS)]
+    missing = [path for path in paths if not os.path.isfile(path)]
+    if missing:
+        raise UserError(f"{directory} is not a PEFT adapter directory: no {', '.join(missing)}")
+    try:
+        with open(paths[0]) as f:
+            peft_config = json.load(f)
+    except json.JSONDecodeError as error:
+        raise UserError(f"{paths[0]}: not valid JSON ({error})")
+    if peft_config.get("peft_type") != "LORA":
+        raise UserError(f"{paths[0]}: peft_type is {peft_config.get('peft_type')!r}; "
+                        f"only LORA adapters can be loaded")
+    for field, default in _PEFT_DEFAULTS.items():
+        value = peft_config.get(field, default)
+        if value != default and (value or default):  # None, [] and {} are all "none"
+            raise UserError(f"{paths[0]}: {field}={peft_config[field]!r} is not supported "
+                            f"(only {field}={default!r})")
+    try:
+        config = LoraConfig(rank=int(peft_config["r"]), alpha=float(peft_config["lora_alpha"]),
+                            dropout=float(peft_config.get("lora_dropout") or 0.0),
+                            use_rslora=bool(peft_config.get("use_rslora", False)))
+    except KeyError as error:
+        raise UserError(f"{paths[0]} has no {error.args[0]!r}")
+    return config, load_file(paths[1])
