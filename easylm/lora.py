@@ -163,9 +163,9 @@ def partition_rules(rules: PartitionRules, config: LoraConfig) -> PartitionRules
     like its kernel's input dimension, B (r, out) like its output dimension, a quantized
     kernel's values like the kernel, and its scales like the output dimension only (an
     int8 scale has one row; nf4 has in/64 rows, which need not divide the input's mesh
-    axes: keeping them whole costs 2/64 byte per weight, 1/16 of its 4 bits). An adapter
-    of a kernel that no rule matches matches nothing either: an error, as for
-    parameters."""
+    axes: keeping them whole costs a bf16 scale's 2/64 byte per weight, 1/16 of its 4
+    bits). An adapter of a kernel that no rule matches matches nothing either: an error,
+    as for parameters."""
     derived = []
     for pattern, spec in rules:
         if len(spec) != 2:  # only (in, out) kernels carry adapters
@@ -252,13 +252,12 @@ class LoraModel:
 
     def init_adapters(self, rng) -> Any:
         """A ~ U(-1/sqrt(in), 1/sqrt(in)) (PEFT's default), B = 0, in fp32."""
-        out = {}
+        shapes, out = flat(self.adapter_shapes), {}
         for key, path in zip(jax.random.split(rng, len(self.targets)), self.targets):
-            a = flat(self.adapter_shapes)[path + "_lora_a"]
-            bound = 1.0 / math.sqrt(a.shape[-2])
-            out[path + "_lora_a"] = jax.random.uniform(key, a.shape, jnp.float32, -bound, bound)
-            out[path + "_lora_b"] = jnp.zeros(flat(self.adapter_shapes)[path + "_lora_b"].shape,
-                                              jnp.float32)
+            a, b = shapes[path + "_lora_a"].shape, shapes[path + "_lora_b"].shape
+            bound = 1.0 / math.sqrt(a[-2])
+            out[path + "_lora_a"] = jax.random.uniform(key, a, jnp.float32, -bound, bound)
+            out[path + "_lora_b"] = jnp.zeros(b, jnp.float32)
         return nested(out)
 
     def store_base(self, params) -> Any:
