@@ -13,12 +13,11 @@ import optax
 import pytest
 import qwix
 import torch
-from jax.sharding import NamedSharding
 from transformers import LlamaForCausalLM as HFLlama
 
 from easylm.errors import UserError
 from easylm.llama.config import LLaMAConfig
-from easylm.llama.hf_weights import from_hf
+from easylm.llama.hf_weights import from_hf, from_peft
 from easylm.llama.lora import load_peft, lora_model, save_peft
 from easylm.llama.model import PARTITION_RULES, LLaMAForCausalLM, stack_layers
 from easylm.lora import NF4_BLOCK, LoraConfig, partition_rules, quantize_kernel, read_peft
@@ -28,9 +27,13 @@ from easylm.sharding import make_mesh, match_partition_rules, named_shardings, p
 # wrong adapter shows far above the tolerances.
 CONFIG = LLaMAConfig.from_preset("debug", initializer_range=0.2, attention="xla")
 IDS = jnp.asarray(np.random.RandomState(0).randint(0, CONFIG.vocab_size, (2, 24)))
-# Adjacent NF4 levels (QLoRA, appendix E, as qwix has them); nearest-level rounding is
-# off by at most half the widest gap, -1 to -0.696.
-NF4_LEVELS = np.asarray(qwix._src.core.numerics.get_nf4_buckets())
+# The 16 NF4 levels as QLoRA defines them (Dettmers et al. 2023, appendix E; bitsandbytes'
+# table); nearest-level rounding is off by at most half the widest gap, -1 to -0.696.
+NF4_LEVELS = np.array([
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0], np.float32)
 NF4_MAX_HALF_GAP = float(np.max(np.diff(NF4_LEVELS)) / 2)
 
 
@@ -308,6 +311,18 @@ def test_bad_peft_directories_are_named(params, tmp_path):
     path.write_text("{not json")
     with pytest.raises(UserError, match="not valid JSON"):
         load_peft(str(tmp_path), config)
+    path.write_text(json.dumps(good))
+    tensors = dict(read_peft(str(tmp_path))[1])
+    for change, message in [({"base_model.model.model.layers.0.self_attn.wq.lora_A.weight": 1},
+                             "1 tensor.s. that are no LoRA adapter of this model's kernels: "
+                             r"base_model.model.model.layers.0.self_attn.wq.lora_A.weight"),
+                            ({name: None for name in tensors if "q_proj.lora_B" in name},
+                             "needs lora_A and lora_B; missing for model/layers/0/self_attn/q_proj")]:
+        broken = {k: v for k, v in {**tensors, **change}.items() if v is not None}
+        broken = {k: (np.zeros((2, 64), np.float32) if isinstance(v, int) else v)
+                  for k, v in broken.items()}
+        with pytest.raises(UserError, match=message):
+            from_peft(broken, config, rank=2)
 
 
 # ------------------------------------------------------------- acceptance 4
@@ -346,9 +361,13 @@ def test_quantization_error_within_the_formats_bound(base_dtype):
     w = weight_with_outliers()
     q = quantize_kernel(w, base_dtype, jnp.float32)
     assert q.qvalue.dtype == (jnp.int8 if base_dtype == "int8" else jnp.uint4)
-    error = np.abs(np.asarray(qwix.dequantize(q)) - np.asarray(w))
+    dequantized = np.asarray(qwix.dequantize(q))
+    error = np.abs(dequantized - np.asarray(w))
     m = block_absmax(w, base_dtype)
     assert np.all(error <= BOUND[base_dtype] * m + 4 * np.finfo(np.float32).eps * m)
+    if base_dtype == "nf4":  # and the values are the format's: a level times the absmax
+        nearest = np.min(np.abs(dequantized[..., None] / m[..., None] - NF4_LEVELS), axis=-1)
+        assert nearest.max() < 1e-6
     assert (error / m).max() > 0.5 * BOUND[base_dtype]  # the bound is nearly reached
     # Negative twin: scales taken along the input axis instead break the bound.
     if base_dtype == "int8":

@@ -18,11 +18,10 @@ transposed like kernels:
         <->  base_model.model.model.layers.3.self_attn.q_proj.lora_B.weight (out, r)
 """
 
+import re
 from typing import Any, Callable, Iterator, Mapping
 
 import jax
-import re
-
 import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
