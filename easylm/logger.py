@@ -7,13 +7,16 @@ process i > 0 also prints (prefixed `[process i]`) and writes
 `metrics.process<i>.jsonl` and TensorBoard files in `process<i>/` (W&B stays one run,
 process 0's). wandb is called
 directly (mlxu's WandBLogger passes a `start_method` setting current wandb rejects).
-`WANDB_MODE=disabled` in the environment turns wandb off entirely.
+`WANDB_MODE=disabled` in the environment turns wandb off entirely. Each metrics.jsonl
+row carries `time`, the wall-clock time (Unix seconds) it was written.
 """
 
 import json
 import math
 import numbers
 import os
+import re
+import time
 
 import jax
 from ml_collections import ConfigDict
@@ -60,14 +63,21 @@ def get_default_config(updates=None) -> ConfigDict:
     return config
 
 
+def _format(fmt: str, value) -> str:
+    """A number as `fmt` says; anything else (NaN and Inf are kept as strings) as it is."""
+    if isinstance(value, (int, float)):
+        return fmt.format(value)
+    return re.sub(r"\{[^}]*\}", "{}", fmt).format(value)
+
+
 def format_metrics(step: int, metrics: dict) -> str:
     parts = [f"step {step}"]
     if "eval_loss" in metrics:
-        return " | ".join(parts + [fmt.format(metrics[key]) for key, fmt in _EVAL_SUMMARY
+        return " | ".join(parts + [_format(fmt, metrics[key]) for key, fmt in _EVAL_SUMMARY
                                    if metrics.get(key) is not None])
     for key, fmt in _SUMMARY:
         if metrics.get(key) is not None:
-            parts.append(fmt.format(metrics[key]))
+            parts.append(_format(fmt, metrics[key]))
     if metrics.get("tokens_per_second") is None and "loss" in metrics:
         parts.append("tokens/s n/a (compiling)")
     if metrics.get("mfu") is not None:  # unknown peak: the run's header line says so once
@@ -78,7 +88,7 @@ def format_metrics(step: int, metrics: dict) -> str:
 def progress_postfix(metrics: dict) -> dict:
     """The progress bar's fields after a log step."""
     speed = metrics.get("tokens_per_second")  # None while the first step compiles
-    return {"loss": f"{metrics['loss']:.4f}",
+    return {"loss": _format("{:.4f}", metrics["loss"]),
             "tokens/s": "compiling" if speed is None else f"{speed:,.0f}"}
 
 
@@ -101,9 +111,13 @@ class Logger:
         self.progress = None
         if not self.enabled:
             return
-        os.makedirs(log_dir, exist_ok=True)
-        _truncate_after(self.metrics_path, start_step)
-        self.metrics_file = open(self.metrics_path, "a")
+        try:
+            os.makedirs(log_dir, exist_ok=True)
+            _truncate_after(self.metrics_path, start_step)
+            self.metrics_file = open(self.metrics_path, "a")
+        except OSError as e:
+            raise UserError(f"cannot write {self.metrics_path} (--logger.wandb_dir, or else "
+                            f"the run directory): {e.strerror}") from None
         if config.tensorboard:
             from tensorboardX import SummaryWriter
 
@@ -147,8 +161,12 @@ class Logger:
                     self.tensorboard.add_scalar(key, float(value), step)  # NaN and Inf too
             self.tensorboard.flush()
         metrics = {k: _plain(v) for k, v in metrics.items()}
-        self.metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
-        self.metrics_file.flush()
+        try:
+            self.metrics_file.write(json.dumps({"step": step, "time": time.time(), **metrics})
+                                    + "\n")
+            self.metrics_file.flush()
+        except OSError as e:
+            raise UserError(f"cannot write {self.metrics_path}: {e.strerror}") from None
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in metrics.items() if v is not None}, step=step)
         if self.progress is not None and "loss" in metrics:

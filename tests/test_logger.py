@@ -1,11 +1,12 @@
-"""The trainer's logs: the printed summary line and the progress bar's fields; TensorBoard
-event files (--logger.tensorboard) read back with TensorBoard's own reader: every logged
-scalar at its step, the flags as text, resume, other processes, a real run."""
+"""The trainer's logs: metrics.jsonl rows (their time, NaN kept), the printed summary line
+and the progress bar's fields; TensorBoard event files (--logger.tensorboard) read back
+with TensorBoard's own reader: every logged scalar at its step, the flags as text, resume, other processes, a real run."""
 
 import glob
 import json
 import math
 import os
+import time
 
 import jax
 import numpy as np
@@ -125,10 +126,26 @@ def test_a_training_run_logs_every_metric_to_tensorboard(tmp_path):
     expected = {}
     for line in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")):
         for key, value in line.items():
-            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+            if key not in ("step", "time") and isinstance(value, (int, float)) and not isinstance(value, bool):
                 expected.setdefault(key, []).append((line["step"], value))
     assert [s for s, _ in expected["loss"]] == [1, 2, 3, 4]
     assert [s for s, _ in expected["eval_loss"]] == [2, 4]
     scalars, texts = read_events(tmp_path / "run")
     close_to_float32(scalars, expected)
     assert "    --logger.tensorboard=True" in texts["flags/text_summary"][0].split("\n")
+
+
+def test_rows_carry_their_wall_clock_time_and_nan_is_printed(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    log = logger.Logger(logger.get_default_config(), str(tmp_path), {}, total_steps=2)
+    before = time.time()
+    log.log(1, {"loss": 2.5, "learning_rate": 1e-3})
+    log.log(2, {"loss": float("nan"), "learning_rate": float("nan"), "gradient_norm": float("inf")})
+    log.close()
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [row["step"] for row in rows] == [1, 2]
+    assert before <= rows[0]["time"] <= rows[1]["time"] <= time.time()
+    assert rows[1]["loss"] == "nan"  # JSON has no NaN: kept as text
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("step 1 | loss 2.5000 | lr 1.00e-03")
+    assert out[1].startswith("step 2 | loss nan | lr nan | grad_norm inf")

@@ -52,6 +52,11 @@ _MAX_WARNINGS = 10
 _TYPES = {"json": "json_dataset", "huggingface": "huggingface_dataset", "cache": "cache",
           "mixture": "mixture"}   # --train_dataset.type -> its block of options
 
+
+def loader_block(config) -> str:
+    """The block of options a dataset config's `type` selects (e.g. 'json_dataset')."""
+    return _TYPES.get(config.type, "json_dataset")
+
 _LOADER_HELP = {
     "seq_length": "tokens per row; documents are packed into rows and split across them",
     "batch_size": "rows per batch, over all processes together",
@@ -225,6 +230,7 @@ class Dataset:
                                 np.int64)
         self._batches = 0
         self._skipped = 0
+        self._first_skip = None
         self._prefetcher = None
 
     @property
@@ -347,7 +353,8 @@ class Dataset:
                    for r, (slot, offset) in positions.items()}
         with_segments = self.config.segment_ids or track   # a mixture counts by segment
         reader = WindowReader(self.order, self.processor, streams, B, self.config,
-                              single_pass=self.for_eval, skip=self._skip)
+                              single_pass=self.for_eval, skip=self._skip,
+                              skipped=self._skipped_so_far)
         busy, tokens = 0.0, 0
         try:
             while True:
@@ -399,10 +406,17 @@ class Dataset:
         if self.config.strict:
             raise UserError(message)
         self._skipped += 1
+        self._first_skip = self._first_skip or message
         if self._skipped <= _MAX_WARNINGS:
             logger.warning("skipped %s%s", message,
                            " (further skips are only counted)" if self._skipped ==
                            _MAX_WARNINGS else "")
+
+
+    def _skipped_so_far(self):
+        if not self._skipped:
+            return ""
+        return f"{self._skipped} skips so far, the first: {self._first_skip}"
 
 
 def _make_batch(rows, with_segments):

@@ -17,7 +17,7 @@ import sys
 from ml_collections import ConfigDict
 
 from easylm import flags
-from easylm.data.dataset import DatasetFactory
+from easylm.data.dataset import DatasetFactory, loader_block
 from easylm.data.preference import SIDES, render_pair
 from easylm.data.reader import prepare_records
 from easylm.errors import exit_on_user_error
@@ -53,6 +53,11 @@ def render(tokenizer, tokens, masks):
 
 
 def preview(config, tokenizer, num_examples, num_batches):
+    # Segment ids (they change nothing else) tell where documents start; pairs are not
+    # packed, so each side starts one (its BOS).
+    config = DatasetFactory.get_default_config(config)
+    if not config.preference.enabled:
+        config[loader_block(config)].segment_ids = True
     dataset = DatasetFactory.load_dataset(config, tokenizer, process_index=0,
                                           process_count=1, pairs=True)
     slots = list(range(min(num_examples, dataset.order.num_documents or num_examples)))
@@ -75,6 +80,7 @@ def preview(config, tokenizer, num_examples, num_batches):
     batches = targets = loss = starts = 0
     metrics = counted = {}
     prefixes = [f"{side}_" for side in SIDES] if dataset.pairs else [""]
+    offsets = None if dataset.pairs else _row_offsets(dataset)
     for batch, metrics in dataset:
         if batches == num_batches:
             break
@@ -82,7 +88,12 @@ def preview(config, tokenizer, num_examples, num_batches):
         for prefix in prefixes:
             targets += batch[f"{prefix}target_tokens"].size
             loss += int(batch[f"{prefix}loss_masks"].sum())
-            starts += int((batch[f"{prefix}input_tokens"] == tokenizer.bos_token_id).sum())
+        if dataset.pairs:
+            starts += sum(int((batch[f"{p}input_tokens"] == tokenizer.bos_token_id).sum())
+                          for p in prefixes)
+        else:
+            starts += _documents_started(batch["segment_ids"], offsets)
+            offsets = _row_offsets(dataset)
         counted = metrics   # the counters as of the last batch counted
     dataset.close()
     shape = f"{dataset.batch_size} pairs of 2 x {dataset.seq_length}" if dataset.pairs else \
@@ -90,7 +101,7 @@ def preview(config, tokenizer, num_examples, num_batches):
     lines += [
         f"{batches} batches of {shape} tokens",
         f"target tokens: {targets}, with loss: {loss} ({100 * loss / max(targets, 1):.1f}%)",
-        f"{'sides' if dataset.pairs else 'documents'} started (BOS in inputs): {starts}",
+        f"{'sides' if dataset.pairs else 'documents'} started in inputs: {starts}",
         f"{'pairs' if dataset.pairs else 'documents'} skipped: "
         f"{metrics.get('dataset_skipped_documents', 0)}",
         f"pipeline speed: {metrics.get('dataset_tokens_per_second', 0):.0f} tokens/s",
@@ -102,6 +113,21 @@ def preview(config, tokenizer, num_examples, num_batches):
         lines.append(f"source {name}: {counted.get(f'source/{name}/documents', 0)} documents "
                      f"finished, {tokens} target tokens ({100 * tokens / max(targets, 1):.1f}%)")
     return "\n".join(lines)
+
+
+def _row_offsets(dataset):
+    """Where each row's next piece starts in its document: 0 at a document's first token."""
+    streams = dataset.get_state_dict()["streams"]
+    return [streams[str(r)][1] for r in range(dataset.batch_size)]
+
+
+def _documents_started(segment_ids, offsets):
+    """Documents whose first token is among the inputs: the pieces of each row (segments
+    1..k, 0 being padding) but a first piece that continues the previous row's document.
+    Counting BOS tokens instead counts every turn of a chat template that starts turns
+    with it."""
+    pieces = segment_ids.max(axis=1)
+    return int(sum(k - (k > 0 and offset > 0) for k, offset in zip(pieces, offsets)))
 
 
 @exit_on_user_error

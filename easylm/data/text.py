@@ -61,8 +61,12 @@ class TextProcessor:
         if not c.chat and not c.fields and not c.fields_from_example:
             raise UserError("text_processor.fields and text_processor.fields_from_example "
                             "are both empty; say which fields hold the text")
+        self._vocab_size = len(tokenizer)
         if c.fields and not c.fields_from_example and not c.chat:
-            parse_fields(c.fields)  # fail now on a bad spec, not at the first example
+            # Fail now on a bad spec, not at the first example.
+            for _, special, _ in parse_fields(c.fields):
+                if special is not None:
+                    self._special_id(special)
         for flag, token in (("add_bos_token", "bos"), ("add_eos_token", "eos")):
             if c[flag] and not c.chat and getattr(tokenizer, f"{token}_token_id") is None:
                 raise UserError(f"text_processor.{flag}=True but the tokenizer has no "
@@ -146,6 +150,10 @@ class TextProcessor:
                 raise UserError(f"<|{name}|> in text_processor.fields: the tokenizer has no "
                                 f"such token; use <|bos|>, <|eos|> or a token id like <|2|>")
             token_id = int(name)
+            if token_id >= self._vocab_size:
+                raise UserError(f"<|{name}|> in text_processor.fields: token id {token_id} is "
+                                f"outside the tokenizer's {self._vocab_size} tokens (ids 0 to "
+                                f"{self._vocab_size - 1})")
         return token_id
 
     def _process_chat(self, examples):
