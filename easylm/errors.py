@@ -18,6 +18,9 @@ import traceback
 INSTALL = {
     "torch": 'install the torch extra: pip install -e ".[torch]" (for the CPU-only build, first '
              'pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu)',
+    "lm_eval": 'install the eval extra: pip install -e ".[eval]"',
+    "tensorboardX": 'install the eval extra: pip install -e ".[eval]"',
+    "matplotlib": 'install the eval extra: pip install -e ".[eval]"',
     "gcsfs": "pip install gcsfs",
     "s3fs": "pip install s3fs",
     "adlfs": "pip install adlfs",

@@ -8,6 +8,10 @@ absl parses them (types, `--flagfile=FILE`, `--noflag` for booleans). Unlike
 ml_collections' config-dict flags (what mlxu uses), a nested field is a flag of
 its own from the start, so `--help` lists it with its help text and an unknown
 or mistyped one is rejected by name. Errors become one-line `UserError`s.
+
+A default may depend on other flags (the trainer's learning-rate schedule follows
+`--total_steps`): `parse(..., derived=[rule, ...])` calls each rule on the parsed tree
+and sets what it returns, `{name: value}`, on the flags the command line did not give.
 """
 
 import sys
@@ -54,8 +58,10 @@ def define(config: ConfigDict, help_text: dict) -> flags.FlagValues:
     return flag_values
 
 
-def parse(config: ConfigDict, help_text: dict, argv: list[str], usage: str = "") -> ConfigDict:
-    """A copy of `config` with the values given in `argv` (argv[0] is the program).
+def parse(config: ConfigDict, help_text: dict, argv: list[str], usage: str = "",
+          derived=()) -> ConfigDict:
+    """A copy of `config` with the values given in `argv` (argv[0] is the program), then
+    the `derived` defaults (see the module docstring), each rule seeing the ones before.
     With --help (or -h) in `argv`, prints `usage` and every flag, and exits 0."""
     if wants_help(argv):
         print_help_and_exit(config, help_text, usage)
@@ -68,12 +74,26 @@ def parse(config: ConfigDict, help_text: dict, argv: list[str], usage: str = "")
         raise UserError(f"unexpected argument {rest[1]!r}; flags look like --name=value")
     parsed = ConfigDict(config.to_dict(), type_safe=False)
     for name in flatten(config):
-        *parents, key = name.split(".")
-        node = parsed
-        for parent in parents:
-            node = node[parent]
-        node[key] = flag_values[name].value
+        _set(parsed, name, flag_values[name].value)
+    for rule in derived:
+        for name, value in rule(parsed).items():
+            if not flag_values[name].present:
+                _set(parsed, name, value)
     return parsed
+
+
+def get(config: ConfigDict, name: str):
+    """The value of the dotted flag `name`."""
+    for key in name.split("."):
+        config = config[key]
+    return config
+
+
+def _set(config: ConfigDict, name: str, value):
+    *parents, key = name.split(".")
+    for parent in parents:
+        config = config[parent]
+    config[key] = value
 
 
 def wants_help(argv: list[str]) -> bool:

@@ -27,11 +27,31 @@ def read_config(directory: str) -> dict:
         raise UserError(f"{directory}: no such directory")
     if not os.path.isfile(path):
         raise UserError(f"{directory}: no config.json; expected a Hugging Face model directory")
+    config = _read_json(path)
+    if not isinstance(config, dict):
+        raise UserError(f"{path}: expected a JSON object of config fields, got a "
+                        f"{type(config).__name__}")
+    return config
+
+
+def _read_json(path: str):
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             return json.load(f)
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}: not valid JSON ({e})")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: not valid JSON ({e})") from None
+
+
+def _open_safetensors(path: str):
+    """safe_open, a damaged file (a bad header, truncated, not safetensors at all) being
+    a UserError that names it."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(path, framework="np")
+    except (SafetensorError, OSError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"{path}: not a readable safetensors file ({reason})") from None
 
 
 class HFTensors(Mapping):
@@ -46,8 +66,11 @@ class HFTensors(Mapping):
         files = sorted(os.listdir(self.directory))
         for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
             if index_name in files:
-                with open(os.path.join(self.directory, index_name)) as f:
-                    weight_map = json.load(f)["weight_map"]
+                path = os.path.join(self.directory, index_name)
+                index = _read_json(path)
+                weight_map = index.get("weight_map") if isinstance(index, dict) else None
+                if not isinstance(weight_map, dict):
+                    raise UserError(f"{path}: expected a JSON object with a 'weight_map' object")
                 missing = sorted({v for v in weight_map.values() if v not in files})
                 if missing:
                     raise UserError(f"{self.directory}: {index_name} names missing file(s): {', '.join(missing)}")
@@ -65,9 +88,7 @@ class HFTensors(Mapping):
 
     def _names_in(self, shard: str) -> list[str]:
         if shard.endswith(".safetensors"):
-            from safetensors import safe_open
-
-            with safe_open(os.path.join(self.directory, shard), framework="np") as f:
+            with _open_safetensors(os.path.join(self.directory, shard)) as f:
                 return list(f.keys())
         return list(self._load_bin(shard))
 
@@ -91,10 +112,14 @@ class HFTensors(Mapping):
     def __getitem__(self, name: str) -> np.ndarray:
         shard = self._file_of[name]
         if shard.endswith(".safetensors"):
-            from safetensors import safe_open
+            from safetensors import SafetensorError
 
-            with safe_open(os.path.join(self.directory, shard), framework="np") as f:
-                return f.get_tensor(name)
+            path = os.path.join(self.directory, shard)
+            with _open_safetensors(path) as f:
+                try:
+                    return f.get_tensor(name)
+                except (SafetensorError, OSError) as e:
+                    raise UserError(f"{path}: cannot read tensor {name} ({e})") from None
         from easylm.llama.hf_weights import to_numpy
 
         return to_numpy(self._load_bin(shard)[name])

@@ -1,16 +1,22 @@
 """Training logs: Weights & Biases (offline unless `--logger.online`), `metrics.jsonl`,
-a one-line summary per log step, and a tqdm progress bar.
+TensorBoard event files (`--logger.tensorboard`), a one-line summary per log step, and a
+tqdm progress bar.
 
 Only process 0 writes; the others keep quiet, unless `--log_all_worker`: then
 process i > 0 also prints (prefixed `[process i]`) and writes
-`metrics.process<i>.jsonl` (W&B stays one run, process 0's). wandb is called
+`metrics.process<i>.jsonl` and TensorBoard files in `process<i>/` (W&B stays one run,
+process 0's). wandb is called
 directly (mlxu's WandBLogger passes a `start_method` setting current wandb rejects).
-`WANDB_MODE=disabled` in the environment turns wandb off entirely.
+`WANDB_MODE=disabled` in the environment turns wandb off entirely. Each metrics.jsonl
+row carries `time`, the wall-clock time (Unix seconds) it was written.
 """
 
 import json
 import math
+import numbers
 import os
+import re
+import time
 
 import jax
 from ml_collections import ConfigDict
@@ -30,6 +36,8 @@ HELP = {
     "notes": "W&B notes for the run",
     "wandb_dir": "local directory for W&B files and metrics.jsonl; empty: the run directory "
                  "(set it when --logger.output_dir is a bucket)",
+    "tensorboard": "also write TensorBoard event files beside metrics.jsonl: every logged "
+                   "metric as a scalar, the flags as text (`tensorboard --logdir=OUTPUT_DIR`)",
 }
 
 # Shown in the one-line summary, in this order, when present.
@@ -49,19 +57,27 @@ def get_default_config(updates=None) -> ConfigDict:
     config.experiment_id = ""
     config.notes = ""
     config.wandb_dir = ""
+    config.tensorboard = False
     if updates is not None:
         config.update(ConfigDict(updates).copy_and_resolve_references())
     return config
 
 
+def _format(fmt: str, value) -> str:
+    """A number as `fmt` says; anything else (NaN and Inf are kept as strings) as it is."""
+    if isinstance(value, (int, float)):
+        return fmt.format(value)
+    return re.sub(r"\{[^}]*\}", "{}", fmt).format(value)
+
+
 def format_metrics(step: int, metrics: dict) -> str:
     parts = [f"step {step}"]
     if "eval_loss" in metrics:
-        return " | ".join(parts + [fmt.format(metrics[key]) for key, fmt in _EVAL_SUMMARY
+        return " | ".join(parts + [_format(fmt, metrics[key]) for key, fmt in _EVAL_SUMMARY
                                    if metrics.get(key) is not None])
     for key, fmt in _SUMMARY:
         if metrics.get(key) is not None:
-            parts.append(fmt.format(metrics[key]))
+            parts.append(_format(fmt, metrics[key]))
     if metrics.get("tokens_per_second") is None and "loss" in metrics:
         parts.append("tokens/s n/a (compiling)")
     if metrics.get("mfu") is not None:  # unknown peak: the run's header line says so once
@@ -72,7 +88,7 @@ def format_metrics(step: int, metrics: dict) -> str:
 def progress_postfix(metrics: dict) -> dict:
     """The progress bar's fields after a log step."""
     speed = metrics.get("tokens_per_second")  # None while the first step compiles
-    return {"loss": f"{metrics['loss']:.4f}",
+    return {"loss": _format("{:.4f}", metrics["loss"]),
             "tokens/s": "compiling" if speed is None else f"{speed:,.0f}"}
 
 
@@ -91,12 +107,31 @@ class Logger:
         self.metrics_path = os.path.join(
             log_dir, f"metrics.process{process}.jsonl" if process else "metrics.jsonl")
         self.wandb_run = None
+        self.tensorboard = None
         self.progress = None
         if not self.enabled:
             return
-        os.makedirs(log_dir, exist_ok=True)
-        _truncate_after(self.metrics_path, start_step)
-        self.metrics_file = open(self.metrics_path, "a")
+        try:
+            os.makedirs(log_dir, exist_ok=True)
+            _truncate_after(self.metrics_path, start_step)
+            self.metrics_file = open(self.metrics_path, "a")
+        except OSError as e:
+            raise UserError(f"cannot write {self.metrics_path} (--logger.wandb_dir, or else "
+                            f"the run directory): {e.strerror}") from None
+        if config.tensorboard:
+            from tensorboardX import SummaryWriter
+
+            # On resume, purge_step makes TensorBoard drop what the run that died logged
+            # after the checkpoint, as _truncate_after does for metrics.jsonl. The file
+            # name holds the time in seconds; the start step keeps a resumed run's file
+            # from replacing (or, read in name order, preceding) one made the same second.
+            self.tensorboard = SummaryWriter(
+                log_dir if process == 0 else os.path.join(log_dir, f"process{process}"),
+                purge_step=start_step + 1 if start_step else None,
+                filename_suffix=f".step{start_step:010d}")
+            # Indented: a Markdown code block, one flag per line as it would be typed.
+            self.tensorboard.add_text("flags", "\n".join(
+                f"    --{name}={value}" for name, value in flags.items()), start_step)
         if process == 0 and os.environ.get("WANDB_MODE") != "disabled":
             import wandb
 
@@ -119,9 +154,19 @@ class Logger:
     def log(self, step: int, metrics: dict, echo: bool = True):
         if not self.enabled:
             return
+        if self.tensorboard is not None:
+            for key, value in metrics.items():
+                value = value.item() if hasattr(value, "item") else value
+                if isinstance(value, numbers.Number) and not isinstance(value, bool):
+                    self.tensorboard.add_scalar(key, float(value), step)  # NaN and Inf too
+            self.tensorboard.flush()
         metrics = {k: _plain(v) for k, v in metrics.items()}
-        self.metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
-        self.metrics_file.flush()
+        try:
+            self.metrics_file.write(json.dumps({"step": step, "time": time.time(), **metrics})
+                                    + "\n")
+            self.metrics_file.flush()
+        except OSError as e:
+            raise UserError(f"cannot write {self.metrics_path}: {e.strerror}") from None
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in metrics.items() if v is not None}, step=step)
         if self.progress is not None and "loss" in metrics:
@@ -139,8 +184,11 @@ class Logger:
         if self.progress is not None:
             self.progress.close()
         self.metrics_file.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()
+
 
 
 def _plain(value):

@@ -28,6 +28,7 @@ lost: bf16 parameters then follow the fp32 run much more closely (tests/test_opt
 measures it). fp32 parameters are unaffected.
 """
 
+import math
 import re
 from typing import NamedTuple
 
@@ -248,11 +249,25 @@ def get_optimizer(config: ConfigDict) -> tuple[optax.GradientTransformation, opt
     return tx, schedule
 
 
+def _check_numbers(config: ConfigDict, section: str):
+    """Rates, decays and clipping that would train without a word, but wrongly: NaN,
+    negative (a negative learning rate climbs the loss), a beta outside [0, 1)."""
+    c = config[section]
+    for name in ("init_lr", "lr", "end_lr", "weight_decay", "clip_gradient"):
+        if name in c and not (math.isfinite(c[name]) and c[name] >= 0):
+            raise UserError(f"--optimizer.{section}.{name} must be a finite number >= 0, "
+                            f"got {c[name]}")
+    for name in ("b1", "b2"):
+        if name in c and not 0 <= c[name] < 1:
+            raise UserError(f"--optimizer.{section}.{name} must be in [0, 1), got {c[name]}")
+
+
 def _optimizer(config: ConfigDict) -> tuple[optax.GradientTransformation, optax.Schedule]:
     if config.type not in OPTIMIZER_TYPES:
         raise UserError(
             f"--optimizer.type={config.type!r} is not one of {', '.join(OPTIMIZER_TYPES)}"
         )
+    _check_numbers(config, f"{config.type}_optimizer")
     if config.accumulate_gradient_steps < 1:
         raise UserError(
             f"--optimizer.accumulate_gradient_steps must be >= 1, "

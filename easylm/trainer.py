@@ -13,6 +13,7 @@ log steps, and a non-finite loss is caught inside the step (the update is not
 applied and the step number recorded) and reported at the next log step.
 """
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -32,7 +33,7 @@ from absl import logging as absl_logging
 from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import ConfigDict
 
-from easylm import checkpoint, distributed, flops, logger, optimizers, profiling
+from easylm import checkpoint, distributed, flops, logger, optimizers, profiling, run_lock
 from easylm import flags as flag_lib
 from easylm.errors import UserError
 from easylm.losses import LossSums
@@ -65,6 +66,9 @@ HELP = {
                        "Hugging Face model directory, converted as it loads; its config.json "
                        "gives the model's shape)",
     "resume": "continue from the newest complete checkpoint in the run directory, if any",
+    "allow_fresh_optimizer": "resume from a checkpoint without optimizer state (saved with "
+                             "--checkpointer.save_optimizer_state=False) with a fresh "
+                             "optimizer, instead of stopping",
     "tokenizer": "'embedded', a tokenizer directory, a tokenizer.json or a SentencePiece .model",
     "peak_tflops": "peak TFLOP/s of one device for MFU (0: look the device up; unknown "
                    "devices such as CPUs report MFU as n/a)",
@@ -92,6 +96,7 @@ class Model:
     serve_module: str = ""  # printed in the "how to serve it" hint
     # (directory, abstract params with shardings) -> params: `--load_checkpoint=hf::DIR`
     load_hf: Callable | None = None
+    max_seq_length: int = 0  # the longest row the model can take (0: no limit)
 
 
 @flax.struct.dataclass
@@ -119,6 +124,7 @@ def get_default_config(dataset_config: ConfigDict | None = None) -> ConfigDict:
     config.eval_steps = 0
     config.load_checkpoint = ""
     config.resume = True
+    config.allow_fresh_optimizer = False
     config.tokenizer = "embedded"
     config.peak_tflops = 0.0
     config.compilation_cache_dir = "~/.cache/easylm/jax"
@@ -133,6 +139,7 @@ def get_default_config(dataset_config: ConfigDict | None = None) -> ConfigDict:
     config.checkpointer = checkpoint.get_default_config()
     config.logger = logger.get_default_config()
     config.jax_distributed = distributed.get_default_config()
+    config.update_from_flattened_dict(_schedule_defaults(config))
     return config
 
 
@@ -144,7 +151,87 @@ def help_text(dataset_help: dict | None = None) -> dict:
         sections[section] = dataset_help or {}
     for section, entries in sections.items():
         text.update({f"{section}.{name}": entry for name, entry in entries.items()})
+    for name, default in RUN_DEFAULTS_HELP.items():
+        text[name] = f"{text.get(name, '')} ({default})".strip()
     return text
+
+
+# ------------------------------------------------------------ defaults of a run
+# Some defaults depend on the run; `flags.parse(..., derived=run_defaults(demo))` applies
+# them to the flags not given, in this order.
+
+# Full fine-tuning of a pretrained model at a higher peak rate tends to diverge (the
+# embedded demo's 3e-3 drove a 135M model's perplexity from 144 to 296 in 22 steps).
+FINE_TUNING_MAX_LR = 1e-4
+FINE_TUNING_DEFAULTS = {"optimizer.adamw_optimizer.lr": 2e-5,
+                        "optimizer.adamw_optimizer.end_lr": 2e-6}
+RUN_DEFAULTS_HELP = {
+    "optimizer.adamw_optimizer.lr": "from a pretrained params::, trainstate_params:: or hf:: "
+                                    "--load_checkpoint: "
+                                    f"{FINE_TUNING_DEFAULTS['optimizer.adamw_optimizer.lr']:g}",
+    "optimizer.adamw_optimizer.end_lr": "from a pretrained --load_checkpoint: "
+                                        f"{FINE_TUNING_DEFAULTS['optimizer.adamw_optimizer.end_lr']:g}",
+    "optimizer.adamw_optimizer.lr_warmup_steps": "default: a tenth of --total_steps, at most 2000",
+    "optimizer.adamw_optimizer.lr_decay_steps": "default: --total_steps",
+    **{f"train_dataset.{loader}.seq_length": "default: 1024, or the model's "
+                                             "max_position_embeddings if smaller"
+       for loader in ("json_dataset", "huggingface_dataset", "cache", "mixture")},
+    **{f"eval_dataset.{loader}.{field}": f"default: --train_dataset's {field}"
+       for loader in ("json_dataset", "huggingface_dataset", "cache", "mixture")
+       for field in ("seq_length", "batch_size")},
+}
+
+
+def is_demo(config: ConfigDict) -> bool:
+    """No data and no checkpoint given: the embedded corpus, from scratch."""
+    return (not config.load_checkpoint and config.train_dataset.type == "json"
+            and config.train_dataset.json_dataset.path == "embedded")
+
+
+def starts_from_pretrained(config: ConfigDict) -> bool:
+    """Pretrained parameters with a fresh optimizer: fine-tuning."""
+    return config.load_checkpoint.partition("::")[0] in ("params", "trainstate_params", "hf")
+
+
+def _loader(dataset_config: ConfigDict) -> str:
+    from easylm.data.dataset import loader_block
+
+    return loader_block(dataset_config)
+
+
+def _schedule_defaults(config: ConfigDict) -> dict:
+    steps = config.total_steps
+    return {"optimizer.adamw_optimizer.lr_warmup_steps": min(2000, steps // 10),
+            "optimizer.adamw_optimizer.lr_decay_steps": steps}
+
+
+def run_defaults(demo: dict, max_seq_length: Callable[[ConfigDict], int] | None = None
+                 ) -> list[Callable[[ConfigDict], dict]]:
+    """For `flags.parse(derived=...)`: the embedded demo's settings (`demo`, from the model
+    family) for a run given no data and no checkpoint; a fine-tuning learning rate from a
+    pretrained checkpoint; rows no longer than the model takes (`max_seq_length(config)`,
+    from the family); a schedule that ends with the run; eval rows shaped like the train
+    rows."""
+
+    def rows(config):
+        if max_seq_length is None:
+            return {}
+        try:
+            limit = max_seq_length(config)
+        except UserError:
+            return {}  # a bad checkpoint or preset: the trainer reports it
+        name = f"train_dataset.{_loader(config.train_dataset)}.seq_length"
+        return {name: min(flag_lib.get(config, name), limit)}
+
+    def eval_rows(config):
+        train = config.train_dataset[_loader(config.train_dataset)]
+        loader = _loader(config.eval_dataset)
+        return {f"eval_dataset.{loader}.seq_length": train.seq_length,
+                f"eval_dataset.{loader}.batch_size": train.batch_size}
+
+    return [lambda config: dict(demo) if is_demo(config) else {},
+            lambda config: dict(FINE_TUNING_DEFAULTS) if starts_from_pretrained(config) else {},
+            rows, _schedule_defaults, eval_rows]
 
 
 def dtype_from_flag(flag: str, name: str):
@@ -345,9 +432,12 @@ def run_directory(config: ConfigDict, model_name: str) -> str:
     that do not change what is trained (resuming, logging, profiling) are left out."""
     experiment_id = config.logger.experiment_id
     if not experiment_id:
+        # logger.* and jax_distributed.* may differ between hosts; unset optional flags
+        # (None) are left out too, so that adding such a flag keeps existing ids.
         flat = {k: v for k, v in flag_lib.flatten(config).items()
-                if k not in ("resume", "log_all_worker", "profile_steps", "profile_start_step")
-                and not k.startswith(("logger.", "jax_distributed."))}  # same on every host
+                if k not in ("resume", "allow_fresh_optimizer", "log_all_worker",
+                             "profile_steps", "profile_start_step")
+                and not k.startswith(("logger.", "jax_distributed.")) and v is not None}
         digest = hashlib.sha1(json.dumps(flat, sort_keys=True).encode()).hexdigest()[:8]
         experiment_id = f"{model_name}-{digest}"
     return checkpoint.absolute_path(os.path.join(config.logger.output_dir, experiment_id))
@@ -387,8 +477,8 @@ def _load_state(kind: str, directory: str, model: Model, tx, mesh, seed: int):
     state = init_state(model, tx, mesh, seed, params=params)
     if kind != "trainstate":
         return state, None
-    # A checkpoint saved with --checkpointer.save_optimizer_state=False: resume the
-    # step and the data, with a fresh optimizer.
+    # (The trainer asks for --allow_fresh_optimizer first.) The step and the data resume,
+    # the optimizer starts afresh.
     if jax.process_index() == 0:
         print(f"note: {directory} has no optimizer state; the optimizer starts afresh")
     items = checkpoint.restore_items(directory, {}, json_items=("data", "metadata"))
@@ -435,6 +525,13 @@ def _check_config(config: ConfigDict):
                  "profile_steps"):
         if config[name] < 0:
             raise UserError(f"--{name} must be >= 0, got {config[name]}")
+    embedded = lambda c: c.type == "json" and c.json_dataset.path == "embedded"
+    if config.eval_freq and embedded(config.eval_dataset) and not embedded(config.train_dataset):
+        raise UserError(
+            f"--eval_freq={config.eval_freq} evaluates on --eval_dataset, which is not set (it "
+            f"would be the embedded demo corpus, not your data): set "
+            f"--eval_dataset.json_dataset.path (or --eval_dataset.type=huggingface and its "
+            f"huggingface_dataset.path), or --eval_freq=0")
 
 
 def _check_batch(batch_size: int, mesh, accumulate_steps: int):
@@ -447,6 +544,16 @@ def _check_batch(batch_size: int, mesh, accumulate_steps: int):
         )
 
 
+def _check_seq_length(config: ConfigDict, model: Model, datasets: dict):
+    for section, dataset in datasets.items():
+        if dataset is not None and model.max_seq_length and dataset.seq_length > model.max_seq_length:
+            flag = f"--{section}.{_loader(config[section])}.seq_length"
+            raise UserError(
+                f"{flag}={dataset.seq_length} is above the model's max_position_embeddings="
+                f"{model.max_seq_length}: lower {flag}, or raise --{model.name}."
+                f"max_position_embeddings if the model can take longer rows")
+
+
 def _load_data(config: ConfigDict, tokenizer):
     """The train and (if evaluating) eval datasets, and the host->device batch function."""
     from easylm.data import DatasetFactory, make_global_batch
@@ -456,6 +563,50 @@ def _load_data(config: ConfigDict, tokenizer):
     if config.eval_freq > 0:
         evaluation = DatasetFactory.load_dataset(config.eval_dataset, tokenizer, for_eval=True)
     return train, evaluation, make_global_batch
+
+
+def _warn_about_the_schedule(config: ConfigDict, schedule, print_fn):
+    """A fine-tuning learning rate too high for a pretrained model, and a decay that does
+    not end with the run: both train, but rarely as meant."""
+    if config.optimizer.type != "adamw":
+        return
+    c = config.optimizer.adamw_optimizer
+    if starts_from_pretrained(config) and c.lr > FINE_TUNING_MAX_LR:
+        print_fn(f"warning: fine-tuning {config.load_checkpoint} at a peak learning rate of "
+                 f"{c.lr:g}, above the {FINE_TUNING_MAX_LR:g} a pretrained model usually "
+                 f"tolerates (full fine-tuning uses about 1e-5 to 5e-5): lower "
+                 f"--optimizer.adamw_optimizer.lr if the loss rises")
+    if c.lr_decay_steps != config.total_steps:
+        print_fn(f"note: --optimizer.adamw_optimizer.lr_decay_steps={c.lr_decay_steps} but "
+                 f"--total_steps={config.total_steps}: the run ends at a learning rate of "
+                 f"{float(schedule(config.total_steps)):.3g} (end_lr={c.end_lr:g})")
+
+
+def _load_with_hint(load, manager, resumed_step: int | None):
+    """`load()`; if it fails on this run's own latest checkpoint (`resumed_step`), the
+    error also names the newest earlier complete one and how to resume from it."""
+    try:
+        return load()
+    except UserError as e:
+        if resumed_step is None:
+            raise
+        damaged = manager.step_directory(resumed_step)
+        earlier = None
+        for step in reversed([s for s in manager.all_steps() if s < resumed_step]):
+            try:
+                checkpoint.check_checkpoint_dir(manager.step_directory(step))
+            except UserError:
+                continue
+            earlier = step
+            break
+        move = (f"move the damaged one away (mv {damaged} {damaged}.damaged) and run the same "
+                f"command again")
+        if earlier is None:
+            hint = f"; it is the run's only checkpoint: to start the run afresh, {move}"
+        else:
+            hint = (f"; the earlier checkpoint {manager.step_directory(earlier)} (step "
+                    f"{earlier}) is complete: to resume from it, {move}")
+        raise UserError(f"{e}{hint}") from None
 
 
 def train(config: ConfigDict, build_model: Callable[[ConfigDict], Model]) -> str:
@@ -481,14 +632,31 @@ def train(config: ConfigDict, build_model: Callable[[ConfigDict], Model]) -> str
     accumulate = config.optimizer.accumulate_gradient_steps
     dataset, eval_dataset, make_global_batch = _load_data(config, tokenizer)
     _check_batch(dataset.batch_size, mesh, accumulate)
+    _check_seq_length(config, model, {"train_dataset": dataset, "eval_dataset": eval_dataset})
     make_batch = lambda batch: make_global_batch(batch, mesh)
 
     run_dir = run_directory(config, model.name)
+    # One trainer per run directory (process 0 stands for all processes of a run).
+    lock = run_lock.RunLock(run_dir)
+    with lock if jax.process_index() == 0 else contextlib.nullcontext():
+        if lock.note:
+            print(lock.note, file=sys.stderr)
+        return _train_in(run_dir, config, model, mesh, tx, schedule, dataset, eval_dataset,
+                         make_batch)
+
+
+def _train_in(run_dir, config, model, mesh, tx, schedule, dataset, eval_dataset, make_batch):
+    """The run itself, with its directory locked."""
     manager = checkpoint.CheckpointManager(
         os.path.join(run_dir, "checkpoints"), config.checkpointer, config.save_milestone_freq
     )
+    removed = manager.remove_unfinished()
+    if removed:
+        print(f"removed {len(removed)} unfinished checkpoint save(s) of an earlier run: "
+              f"{', '.join(removed)}")
     latest = manager.latest_step()
     if latest is not None and not config.resume:
+        manager.close()
         raise UserError(
             f"{run_dir} already has checkpoints (latest: step {latest}); pass --resume=True "
             f"to continue from it, or set another --logger.experiment_id"
@@ -499,26 +667,40 @@ def train(config: ConfigDict, build_model: Callable[[ConfigDict], Model]) -> str
     elif config.load_checkpoint:
         source = checkpoint.parse_load_spec(config.load_checkpoint, LOAD_PREFIXES)
 
-    with jax.set_mesh(mesh):
+    with contextlib.ExitStack() as cleanup, jax.set_mesh(mesh):
+        cleanup.callback(manager.close)
         if source is None:
             state, data_state = init_state(model, tx, mesh, config.seed), None
         else:
             if jax.process_index() == 0:
                 print(f"loading {source[0]}::{source[1]}")
-            state, data_state = _load_state(*source, model, tx, mesh, config.seed)
+            kind, directory = source
+            if kind == "trainstate" and not config.allow_fresh_optimizer and \
+                    checkpoint.has_item(directory, "params") and \
+                    not checkpoint.has_item(directory, "opt_state"):
+                raise UserError(
+                    f"{directory} has no optimizer state (saved with --checkpointer."
+                    f"save_optimizer_state=False), so resuming would restart the optimizer "
+                    f"(Adam's moments from zero); pass --allow_fresh_optimizer=True to accept "
+                    f"that")
+            state, data_state = _load_with_hint(
+                lambda: _load_state(kind, directory, model, tx, mesh, config.seed), manager,
+                latest)
         if data_state is not None:
             dataset.load_state_dict(data_state)
         start_step = int(state.step)
         state_shardings = jax.tree.map(lambda x: x.sharding, state)
         batch_sharding = NamedSharding(mesh, P(BATCH_AXES))
         replicated = NamedSharding(mesh, P())
-        train_step = jit_train_step(model, tx, schedule, config.seed, accumulate, state, mesh)
+        train_step = jit_train_step(model, tx, schedule, config.seed, config.optimizer.accumulate_gradient_steps,
+                                    state, mesh)
         eval_step = jax.jit(make_eval_step(model.loss_fn),
                             in_shardings=(state_shardings.params, batch_sharding, replicated),
                             out_shardings=replicated)
 
         log = logger.Logger(config.logger, run_dir, flag_lib.flatten(config),
                             config.total_steps, start_step, config.log_all_worker)
+        cleanup.callback(log.close)
         batch_tokens = dataset.batch_size * dataset.seq_length
         flops_per_token = model.flops_per_token(dataset.seq_length)
         peak = flops.peak_flops_per_device(jax.devices()[0], config.peak_tflops)
@@ -531,6 +713,8 @@ def train(config: ConfigDict, build_model: Callable[[ConfigDict], Model]) -> str
                   f"{jax.devices()[0].platform} device(s), mesh {mesh_string(mesh)} | "
                   f"{batch_tokens:,} tokens/step | steps {start_step} -> {config.total_steps}"
                   f"{no_mfu}")
+        if latest is None:
+            _warn_about_the_schedule(config, schedule, log.print)
 
         preemption = _Preemption()
         # Every process traces its own devices; W&B's directory is local also when the run
@@ -554,56 +738,54 @@ def train(config: ConfigDict, build_model: Callable[[ConfigDict], Model]) -> str
         step = start_step
         data = dataset.iterate(place=make_batch)  # batches arrive on the devices
         clock = None  # (time, step) after the first (compiling) step
-        try:
-            while step < config.total_steps:
-                batch, data_metrics = next(data)
-                profiler.before(step + 1)
-                state, metrics = train_step(state, batch)
-                step += 1
-                profiler.after(step, metrics)
-                log.advance()
-                if clock is None:  # the first step compiles; time from after it
-                    jax.block_until_ready(metrics)
-                    clock = (time.time(), step)
-                if step % config.log_freq == 0 or step in (start_step + 1, config.total_steps):
-                    values = {k: v.item() for k, v in jax.device_get(metrics).items()}
-                    bad = values.pop("first_nonfinite_step")
-                    if bad >= 0 and not config.skip_nonfinite_updates:
-                        raise UserError(
-                            f"loss or gradient norm became NaN/Inf at step {bad}; stopping "
-                            f"(lower the learning rate, or pass --skip_nonfinite_updates=True "
-                            f"to skip such steps)"
-                        )
-                    now = time.time()
-                    tokens_per_second = None
-                    if step > clock[1]:
-                        tokens_per_second = (step - clock[1]) * batch_tokens / (now - clock[0])
-                    clock = (now, step)
-                    values.update(
-                        tokens_seen=step * batch_tokens,
-                        tokens_per_second=tokens_per_second,
-                        mfu=flops.mfu(flops_per_token, tokens_per_second or 0.0, peak,
-                                      jax.device_count()) if tokens_per_second else None,
-                        **{f"data/{k}": v for k, v in data_metrics.items()},
+        # Last in, first out: the profiler stops and the save in flight completes before
+        # the manager and the logs close (also after an error).
+        cleanup.callback(manager.wait)
+        cleanup.callback(profiler.stop)
+        while step < config.total_steps:
+            batch, data_metrics = next(data)
+            profiler.before(step + 1)
+            state, metrics = train_step(state, batch)
+            step += 1
+            profiler.after(step, metrics)
+            log.advance()
+            if clock is None:  # the first step compiles; time from after it
+                jax.block_until_ready(metrics)
+                clock = (time.time(), step)
+            if step % config.log_freq == 0 or step in (start_step + 1, config.total_steps):
+                values = {k: v.item() for k, v in jax.device_get(metrics).items()}
+                bad = values.pop("first_nonfinite_step")
+                if bad >= 0 and not config.skip_nonfinite_updates:
+                    raise UserError(
+                        f"loss or gradient norm became NaN/Inf at step {bad}; stopping "
+                        f"(lower the learning rate, or pass --skip_nonfinite_updates=True "
+                        f"to skip such steps)"
                     )
-                    log.log(step, values)
-                if eval_dataset is not None and step % config.eval_freq == 0:
-                    log.log(step, _evaluate(eval_step, state.params, eval_dataset,
-                                            config.eval_steps, make_batch))
-                    clock = (time.time(), step)  # tokens/s counts training time only
-                if (config.save_model_freq and step % config.save_model_freq == 0) or (
-                        config.save_milestone_freq and step % config.save_milestone_freq == 0):
-                    save(step)
-                if preemption.requested:
-                    log.print(f"SIGTERM: saving a checkpoint at step {step} and exiting")
-                    break
-            profiler.stop()  # a run that ends inside the profile window; the save is not traced
-            save(step)
-        finally:
-            profiler.stop()  # after an error
-            manager.wait()
-            manager.close()
-            log.close()
+                now = time.time()
+                tokens_per_second = None
+                if step > clock[1]:
+                    tokens_per_second = (step - clock[1]) * batch_tokens / (now - clock[0])
+                clock = (now, step)
+                values.update(
+                    tokens_seen=step * batch_tokens,
+                    tokens_per_second=tokens_per_second,
+                    mfu=flops.mfu(flops_per_token, tokens_per_second or 0.0, peak,
+                                  jax.device_count()) if tokens_per_second else None,
+                    **{f"data/{k}": v for k, v in data_metrics.items()},
+                )
+                log.log(step, values)
+            if eval_dataset is not None and step % config.eval_freq == 0:
+                log.log(step, _evaluate(eval_step, state.params, eval_dataset,
+                                        config.eval_steps, make_batch))
+                clock = (time.time(), step)  # tokens/s counts training time only
+            if (config.save_model_freq and step % config.save_model_freq == 0) or (
+                    config.save_milestone_freq and step % config.save_milestone_freq == 0):
+                save(step)
+            if preemption.requested:
+                log.print(f"SIGTERM: saving a checkpoint at step {step} and exiting")
+                break
+        profiler.stop()  # a run that ends inside the profile window; the save is not traced
+        save(step)
     final = manager.step_directory(step)
     if jax.process_index() == 0:
         print(f"checkpoint: {final}")
@@ -613,7 +795,9 @@ def train(config: ConfigDict, build_model: Callable[[ConfigDict], Model]) -> str
     return final
 
 
-def main(argv: list[str], config: ConfigDict, help_entries: dict, build_model, usage: str):
-    """Parse `argv` into `config` (or print --help) and train."""
+def main(argv: list[str], config: ConfigDict, help_entries: dict, build_model, usage: str,
+         derived=()):
+    """Parse `argv` into `config` (or print --help), with the `derived` defaults
+    (`run_defaults`), and train."""
     absl_logging.set_verbosity(absl_logging.ERROR)  # orbax's per-save chatter
-    train(flag_lib.parse(config, help_entries, argv, usage), build_model)
+    train(flag_lib.parse(config, help_entries, argv, usage, derived=derived), build_model)

@@ -1,8 +1,20 @@
 """Shared pieces of the data tests: simulated processes, global batches, equality."""
 
 import numpy as np
+import pytest
 
 from easylm.data import DatasetFactory
+from easylm.tokenizer import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The embedded tokenizer (BOS 1, EOS 2); import it into a test module to use it."""
+    return load_tokenizer("embedded")
+
+
+def encode(tokenizer, text):
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def load(cfg, tokenizer, processes=1, **kwargs):

@@ -6,6 +6,7 @@ import json
 import os
 import pickle
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -295,9 +296,12 @@ def saved(tmp_path_factory):
 
 
 def fingerprint(directory) -> str:
+    """Of every file but the run directory's lock (a trainer that stops early takes it)."""
     digest = hashlib.sha256()
     for root, _, files in sorted(os.walk(directory)):
         for name in sorted(files):
+            if name == "lock" and root == str(directory):
+                continue
             digest.update(name.encode() + open(os.path.join(root, name), "rb").read())
     return digest.hexdigest()
 
@@ -406,3 +410,349 @@ def test_resume_false_never_overwrites_a_run(capsys, tmp_path):
         f"{tmp_path}/run already has checkpoints (latest: step 7); pass --resume=True to " \
         f"continue from it, or set another --logger.experiment_id"
     assert fingerprint(tmp_path / "run") == before
+
+
+# ------------------------------------------------------------ dtypes on restore
+
+DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+ONE_LAYER = "--llama.num_hidden_layers=1"  # fewer arrays: less to compile per checkpoint
+
+
+def dtype_model(param_dtype, layers=1):
+    config = ConfigDict(dict(llama=LLaMAConfig.get_default_config({"num_hidden_layers": layers}),
+                             dtype=param_dtype, param_dtype=param_dtype))
+    tx, _ = optimizers.get_optimizer(optimizers.get_default_config())
+    return train.build_model(config), tx
+
+
+def run_flags(output_dir, data_path, *extra):
+    """The debug model on `data_path`, run `OUTPUT_DIR/run`."""
+    return train.parse_flags([
+        "train", "--llama.base_model=debug", f"--train_dataset.json_dataset.path={data_path}",
+        "--train_dataset.json_dataset.seq_length=32", "--train_dataset.json_dataset.batch_size=8",
+        f"--logger.output_dir={output_dir}", "--logger.experiment_id=run",
+        "--compilation_cache_dir=", *extra])
+
+
+def save_run(config, steps, cast_params=None, **checkpointer):
+    """Checkpoints at `steps` of a fresh train state in the run directory of `config`,
+    as the trainer writes them (its data state included); `cast_params` stores the
+    parameters in another dtype, as --param_dtype would."""
+    from easylm.data import DatasetFactory
+    from easylm.tokenizer import load_tokenizer
+
+    model = train.build_model(config)
+    tx, _ = optimizers.get_optimizer(config.optimizer)
+    mesh = make_mesh("1,1,1", jax.devices()[:1])  # restores reshard; one device compiles fastest
+    data = DatasetFactory.load_dataset(config.train_dataset, load_tokenizer("embedded"))
+    with jax.set_mesh(mesh):
+        state = trainer.init_state(model, tx, mesh, config.seed)
+    if cast_params is not None:
+        state = state.replace(params=checkpoint.cast_floats(state.params, cast_params))
+    manager = checkpoint.CheckpointManager(
+        os.path.join(config.logger.output_dir, "run", "checkpoints"),
+        checkpoint.get_default_config(checkpointer))
+    for step in steps:
+        state = state.replace(step=jax.device_put(jnp.int32(step), state.step.sharding))
+        manager.save(step, state.params, trainer._state_rest(state), data.get_state_dict(),
+                     trainer._metadata(config, model, step))
+    manager.wait()
+    manager.close()
+    return manager, jax.tree.map(np.asarray, state.params)
+
+
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory, data_path):
+    """Per stored dtype: a run whose latest checkpoint is step 3, and its parameters."""
+    out = {}
+    for name in DTYPES:
+        root = tmp_path_factory.mktemp(name)
+        config = run_flags(root, data_path, "--total_steps=3", ONE_LAYER, f"--param_dtype={name}")
+        manager, params = save_run(config, [3], cast_params=name)
+        out[name] = dict(config=config, directory=manager.step_directory(3), params=params)
+    return out
+
+
+def assert_cast_from(loaded, stored_params, dtype):
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(stored_params)):
+        assert a.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(a), b.astype(dtype))  # one exact cast
+
+
+@pytest.mark.parametrize("requested", DTYPES)
+@pytest.mark.parametrize("stored_dtype", DTYPES)
+def test_every_stored_dtype_loads_in_every_dtype(stored, stored_dtype, requested, monkeypatch):
+    # An fp32 checkpoint served or trained in bf16 or fp16 used to be "corrupted": the
+    # checksum was computed on values cast on the way in.
+    from easylm.llama import serve
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    saved, dtype = stored[stored_dtype], DTYPES[requested]
+    mesh = make_mesh("1,1,1", jax.devices()[:1])
+    # serve --dtype=REQUESTED --load_checkpoint=params::DIR (the shape from its metadata)
+    config = serve.default_config()
+    config.load_checkpoint = f"params::{saved['directory']}"
+    _, module = serve.llama_model_fns(serve.model_config(config), dtype, dtype)
+    assert_cast_from(serve.load_params(config, module, mesh), saved["params"], dtype)
+    # The trainer with --param_dtype=REQUESTED: params:: and trainstate::.
+    model, tx = dtype_model(requested)
+    with jax.set_mesh(mesh):
+        for kind in ("params", "trainstate"):
+            state, _ = trainer._load_state(kind, saved["directory"], model, tx, mesh, seed=0)
+            assert_cast_from(state.params, saved["params"], dtype)
+    # Resuming the run (its latest checkpoint is its last step: nothing left to train).
+    resume = ConfigDict(saved["config"].to_dict(), type_safe=False)
+    resume.param_dtype = resume.dtype = requested
+    assert trainer.train(resume, train.build_model) == saved["directory"]
+
+
+def test_a_cast_restore_still_verifies_the_stored_bits(stored, tmp_path):
+    copy = damaged_copy(stored["fp32"]["directory"], tmp_path, flip_bits)
+    model, _ = dtype_model("bf16")
+    abstract = jax.eval_shape(model.init_params, jax.random.key(0))
+    with pytest.raises(UserError, match="is corrupted: params entry '.*' does not match the "
+                                        "checksum saved with it$"):
+        checkpoint.load_params(f"params::{copy}", abstract)
+
+
+# ------------------------------------------------------------------ disk full
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """make(size) -> a fresh tmpfs of `size` under tmp_path, or None where this process
+    cannot mount one (mounting needs root with CAP_SYS_ADMIN)."""
+    mounted = []
+
+    def make(size):
+        path = tmp_path / f"disk{len(mounted)}"
+        path.mkdir()
+        if os.geteuid() != 0 or subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                capture_output=True).returncode:
+            return None
+        mounted.append(path)
+        return path
+
+    yield make
+    for path in mounted:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def fail_finalize_with_enospc(monkeypatch, name):
+    """Injected at the write layer: the save of directory `name` fails as a full disk
+    makes it fail, its data half written, its temporary directory left behind."""
+    import errno
+
+    from orbax.checkpoint._src.path import atomicity
+
+    finalize = atomicity.AtomicRenameTemporaryPath.finalize
+
+    async def full(self, *args, **kwargs):
+        if self._final_path.name == name:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return await finalize(self, *args, **kwargs)
+
+    monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", full)
+
+
+@pytest.fixture(scope="module")
+def one_layer_state():
+    model, tx = dtype_model("fp32")
+    mesh = make_mesh("1,1,1", jax.devices()[:1])
+    with jax.set_mesh(mesh):
+        return trainer.init_state(model, tx, mesh, seed=0)
+
+
+@pytest.mark.parametrize("when", ["before writing", "while writing"])
+def test_a_small_disk_stops_a_save_and_keeps_the_earlier_ones(
+        when, one_layer_state, small_disk, monkeypatch):
+    # A 1-layer debug train state takes about 1.3 MB on a tmpfs: one fits in 2 MB, two do not.
+    disk = small_disk("2m")
+    if disk is None:
+        pytest.skip("cannot mount a tmpfs here (needs root with CAP_SYS_ADMIN); "
+                    "test_disk_full_in_the_trainer_is_one_line injects the error instead")
+    if when == "while writing":  # the free space cannot tell in advance
+        monkeypatch.setattr(checkpoint, "_free_bytes", lambda directory: None)
+    state = one_layer_state
+    manager = checkpoint.CheckpointManager(str(disk), checkpoint.get_default_config())
+    manager.save(1, state.params, trainer._state_rest(state), {}, {})
+    with pytest.raises(UserError) as e:
+        manager.save(2, state.params, trainer._state_rest(state), {}, {})
+        manager.wait()
+    manager.close()
+    if when == "before writing":
+        assert re.match(f"not enough disk space for the checkpoint of step 2 at {disk}/2: it "
+                        r"needs about [\d.]+ MiB, [\d.]+ [KM]iB are free;", str(e.value)), e.value
+    else:
+        assert re.match(f"disk full while writing the checkpoint of step 2 to {disk}/2: about "
+                        r"[\d.]+ MiB needed; what it had written is removed;", str(e.value)), e.value
+    assert str(e.value).endswith("; the earlier checkpoints are intact (latest: step 1)")
+    assert os.listdir(disk) == ["1"]
+    checkpoint.load_params(f"params::{disk}/1", jax.eval_shape(lambda: state.params))
+
+
+def test_disk_full_in_the_trainer_is_one_line(data_path, monkeypatch, capfd, tmp_path):
+    # Injected at the write layer (no root needed): the save of step 2 fails as a full
+    # disk makes it fail, half written.
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    fail_finalize_with_enospc(monkeypatch, "2")
+    argv = [f"--train_dataset.json_dataset.path={data_path}", ONE_LAYER, "--total_steps=2",
+            "--save_model_freq=1", "--llama.base_model=debug",
+            "--train_dataset.json_dataset.seq_length=32", "--train_dataset.json_dataset.batch_size=8",
+            f"--logger.output_dir={tmp_path}", "--logger.experiment_id=run",
+            "--compilation_cache_dir="]
+    with pytest.raises(SystemExit) as e:
+        train.main(["train", *argv])
+    assert e.value.code == 2
+    err = capfd.readouterr().err
+    directory = tmp_path / "run" / "checkpoints"
+    assert err.startswith(f"error: disk full while writing the checkpoint of step 2 to "
+                          f"{directory}/2: about "), err
+    assert err.endswith("; what it had written is removed; the earlier checkpoints are "
+                        "intact (latest: step 1)\n"), err
+    assert err.count("\n") == 1, err  # none of orbax's tracebacks
+    assert os.listdir(directory) == ["1"]  # no temporary directory of the failed save
+    # The next start removes what a save killed half way left behind, then resumes.
+    monkeypatch.undo()
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    os.makedirs(directory / f"2{checkpoint.TMP_SUFFIX}" / "params")
+    config = run_flags(tmp_path, data_path, ONE_LAYER, "--total_steps=1")
+    assert trainer.train(config, train.build_model) == str(directory / "1")
+    assert os.listdir(directory) == ["1"]
+    assert "removed 1 unfinished checkpoint save(s) of an earlier run: " \
+           f"2{checkpoint.TMP_SUFFIX}" in capfd.readouterr().out
+
+
+@pytest.mark.parametrize("disk", ["tmpfs", "injected"])
+@pytest.mark.parametrize("direction", ["hf_to_easylm", "easylm_to_hf"])
+def test_converters_on_a_full_disk_say_one_line_and_leave_nothing(
+        direction, disk, stored, small_disk, monkeypatch, capfd, tmp_path):
+    import torch
+    from transformers import LlamaForCausalLM as HFLlama
+
+    from easylm.llama import convert_easylm_to_hf, convert_hf_to_easylm
+
+    source = stored["fp32"]["directory"]
+    if direction == "hf_to_easylm":
+        config = LLaMAConfig.from_preset("debug", num_hidden_layers=1)
+        torch.manual_seed(0)
+        HFLlama(config.to_hf_config()).save_pretrained(tmp_path / "hf")
+        source = tmp_path / "hf"
+        capfd.readouterr()  # transformers' progress bar
+    disk_dir = small_disk("200k") if disk == "tmpfs" else tmp_path / "out"
+    if disk_dir is None:
+        pytest.skip("cannot mount a tmpfs here (needs root with CAP_SYS_ADMIN); the "
+                    "injected case covers the same path")
+    output = disk_dir / "model"
+    if disk == "injected":
+        disk_dir.mkdir()
+        monkeypatch.setattr(checkpoint, "_free_bytes", lambda directory: 100_000)
+    with pytest.raises(SystemExit) as e:
+        if direction == "hf_to_easylm":
+            convert_hf_to_easylm.main(["convert", f"--hf_model={source}", f"--output_dir={output}"])
+        else:
+            convert_easylm_to_hf.main(["convert", f"--load_checkpoint=params::{source}",
+                                       f"--output_dir={output}"])
+    assert e.value.code == 2
+    err = capfd.readouterr().err
+    assert err.startswith(f"error: not enough disk space for the "
+                          f"{'checkpoint' if direction == 'hf_to_easylm' else 'export'} at "
+                          f"{output}: it needs about "), err
+    assert err.count("\n") == 1, err
+    assert os.listdir(disk_dir) == []
+
+
+def test_a_write_that_fills_the_disk_leaves_nothing(stored, monkeypatch, capfd, tmp_path):
+    # Where the free space could not tell: the write itself fails.
+    import errno
+
+    import safetensors.numpy
+
+    from easylm.llama import convert_easylm_to_hf
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", full)
+    (tmp_path / "out").mkdir()
+    with pytest.raises(SystemExit):
+        convert_easylm_to_hf.main(["convert", f"--load_checkpoint=params::{stored['fp32']['directory']}",
+                                   f"--output_dir={tmp_path / 'out' / 'model'}"])
+    err = capfd.readouterr().err
+    assert err.startswith(f"error: disk full while writing the export to "
+                          f"{tmp_path / 'out' / 'model'}.partial: about "), err
+    assert err.count("\n") == 1 and os.listdir(tmp_path / "out") == []
+
+    fail_finalize_with_enospc(monkeypatch, "params")
+    with pytest.raises(UserError, match="^disk full while writing the checkpoint to "):
+        checkpoint.save_params(str(tmp_path / "out" / "params"), stored["fp32"]["params"], {})
+    assert os.listdir(tmp_path / "out") == []
+
+
+# --------------------------------------------------------- one trainer, resuming
+
+
+def test_one_trainer_per_run_directory(data_path, tmp_path, monkeypatch):
+    import socket
+
+    from easylm import run_lock
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    config = run_flags(tmp_path, data_path, ONE_LAYER, "--total_steps=1")
+    run_dir = tmp_path / "run"
+    with run_lock.RunLock(str(run_dir)):  # as a trainer running there holds it
+        with pytest.raises(UserError) as e:
+            trainer.train(config, train.build_model)
+    owner = f"pid {os.getpid()} on host {socket.gethostname()}, started "
+    assert str(e.value).startswith(f"{run_dir} is in use by another trainer ({owner}")
+    assert str(e.value).endswith("); wait for it to end or stop it, or set another "
+                                 "--logger.experiment_id")
+    assert os.listdir(run_dir) == ["lock"]  # the second trainer touched nothing
+    # A trainer killed with SIGKILL leaves its lock file, but not the lock.
+    killed = subprocess.run(
+        [sys.executable, "-c", "import os, signal, sys; from easylm.run_lock import RunLock; "
+                               "RunLock(sys.argv[1]).acquire(); os.kill(os.getpid(), signal.SIGKILL)",
+         str(run_dir)], env=ENV)
+    assert killed.returncode == -signal.SIGKILL
+    assert f'"pid": {os.getpid()}' not in (run_dir / "lock").read_text()  # the dead owner's
+    with run_lock.RunLock(str(run_dir)):
+        assert json.loads((run_dir / "lock").read_text())["pid"] == os.getpid()
+
+
+def test_a_damaged_latest_checkpoint_names_the_earlier_one(data_path, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    config = run_flags(tmp_path, data_path, ONE_LAYER, "--total_steps=4")
+    manager, _ = save_run(config, [2, 4])
+    latest, earlier = manager.step_directory(4), manager.step_directory(2)
+    flip_bits(largest_file(os.path.join(latest, "params")))
+    with pytest.raises(UserError) as e:
+        trainer.train(config, train.build_model)
+    assert str(e.value).startswith(f"checkpoint {latest} is corrupted: params entry '")
+    assert str(e.value).endswith(
+        f"' does not match the checksum saved with it; the earlier checkpoint {earlier} (step "
+        f"2) is complete: to resume from it, move the damaged one away (mv {latest} "
+        f"{latest}.damaged) and run the same command again")
+    os.rename(latest, f"{latest}.damaged")  # as it says
+    config.total_steps = 2
+    assert trainer.train(config, train.build_model) == earlier
+    # The only checkpoint damaged: how to start afresh.
+    flip_bits(largest_file(os.path.join(earlier, "params")))
+    with pytest.raises(UserError, match=r"; it is the run's only checkpoint: to start the run "
+                                        r"afresh, move the damaged one away \(mv "):
+        trainer.train(config, train.build_model)
+
+
+def test_resuming_without_optimizer_state_needs_a_flag(data_path, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    config = run_flags(tmp_path, data_path, ONE_LAYER, "--total_steps=2")
+    manager, _ = save_run(config, [2], save_optimizer_state=False)
+    with pytest.raises(UserError) as e:
+        trainer.train(config, train.build_model)
+    assert str(e.value) == (
+        f"{manager.step_directory(2)} has no optimizer state (saved with --checkpointer."
+        f"save_optimizer_state=False), so resuming would restart the optimizer (Adam's moments "
+        f"from zero); pass --allow_fresh_optimizer=True to accept that")
+    config.allow_fresh_optimizer = True
+    assert trainer.train(config, train.build_model) == manager.step_directory(2)
+    assert trainer.run_directory(config, "llama") == str(tmp_path / "run")

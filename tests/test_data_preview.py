@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import numpy as np
+
 from easylm.data import DatasetFactory
 from easylm.data.preview import preview
 from easylm.tokenizer import load_tokenizer
@@ -47,3 +49,30 @@ def test_cli(tmp_path):
     failed = run_cli(f"--train_dataset.json_dataset.path={tmp_path}/none.jsonl")
     assert failed.returncode == 2
     assert failed.stderr.strip() == f"error: data file '{tmp_path}/none.jsonl' does not exist"
+
+
+def test_documents_are_counted_not_the_bos_tokens_of_a_chat_template(tmp_path):
+    # SmolLM2's template starts every turn with its BOS (<|im_start|>); here <s> does that.
+    template = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>{% endfor %}"
+                "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+    path = tmp_path / "chat.jsonl"
+    conversations = [[{"role": "user", "content": f"What is {i} plus {i}?"},
+                      {"role": "assistant", "content": f"It is {2 * i}."}] for i in range(3)]
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in conversations))
+    tokenizer = load_tokenizer("embedded")
+    seq_length, batches = 24, 3
+    config = DatasetFactory.get_default_config({
+        "text_processor": {"chat": True, "chat_template": template},
+        "json_dataset": {"path": str(path), "seq_length": seq_length, "batch_size": 1}})
+    lines = preview(config, tokenizer, num_examples=0, num_batches=batches).splitlines()
+    # The one row reads the conversations in turn, epoch after epoch; a conversation
+    # starts in the inputs when its first token is among the first `batches * seq_length`.
+    documents = [tokenizer.encode(tokenizer.apply_chat_template(
+        m, chat_template=template, tokenize=False), add_special_tokens=False)
+        for m in conversations]
+    inputs = batches * seq_length
+    starts = np.cumsum([0] + [len(d) for d in documents] * batches)
+    expected = int((starts < inputs).sum())
+    bos_in_inputs = sum(documents * batches, [])[:inputs].count(tokenizer.bos_token_id)
+    assert bos_in_inputs > expected  # what the preview used to report
+    assert f"documents started in inputs: {expected}" in lines

@@ -15,10 +15,12 @@ import time
 import jax
 import numpy as np
 import pytest
+from numerics import forward_rel
 
 from easylm import flags, optimizers, trainer
 from easylm.data import DatasetFactory
 from easylm.llama import train
+from easylm.llama.config import LLaMAConfig
 from easylm.sharding import make_mesh
 from easylm.tokenizer import load_tokenizer
 
@@ -120,6 +122,9 @@ def runs(tmp_path_factory):
 def test_two_processes_train_like_one(runs):
     one, two = metrics(runs["one"]), metrics(runs["flat"])
     assert [m["step"] for m in two] == list(range(1, 11))
+    # The same 1,8,1 mesh: the same per-device programs and all-reduces, so the same bits
+    # bar the last (an Adam update would blow any real difference in a near-zero
+    # gradient up to the learning rate, 1e-3, within a step or two).
     np.testing.assert_allclose([m["loss"] for m in two], [m["loss"] for m in one],
                                rtol=0, atol=1e-6)
     assert two[-1]["loss"] < two[0]["loss"]
@@ -139,8 +144,13 @@ def test_two_processes_train_like_one(runs):
 
 def test_hybrid_mesh_equals_flat_mesh(runs):
     hybrid, one = metrics(runs["hybrid"]), metrics(runs["one"])
+    # dp=2 x fsdp=4 splits the sums otherwise than fsdp=8: the losses agree to the
+    # forward pass's reordering bound (the logits at initialisation are far smaller than
+    # the loss, so twice it relative to the loss is loose); other rows would move them
+    # by whole percents.
+    rel = 2 * forward_rel(LLaMAConfig.from_preset("debug"), 32)
     np.testing.assert_allclose([m["loss"] for m in hybrid], [m["loss"] for m in one],
-                               rtol=0, atol=1e-6)
+                               rtol=rel, atol=0)
 
 
 def test_two_process_checkpoint_restores_in_one_process(runs):
@@ -160,6 +170,7 @@ def test_two_process_checkpoint_restores_in_one_process(runs):
     assert int(two_state.step) == 10
     for a, b in zip(jax.tree.leaves((two_state.params, two_state.opt_state)),
                     jax.tree.leaves((one_state.params, one_state.opt_state))):
+        # The same mesh and programs (see test_two_processes_train_like_one).
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
     # Both processes' stream positions were gathered into one state: the same as one
     # process's, and a 1-process pipeline resumes from it.

@@ -4,6 +4,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from numerics import assert_close, forward_rel
+
 from easylm.errors import UserError
 from easylm.llama.config import LLaMAConfig
 from easylm.llama.model import PARTITION_RULES, LLaMAForCausalLM, stack_layers, unstack_layers
@@ -95,13 +97,14 @@ def single_device():
     device = jax.devices()[0]
     params = jax.device_put(model.init_params(jax.random.PRNGKey(0)), device)
     loss, grads = jax.jit(_loss_and_grads, static_argnums=0)(model, params, jax.device_put(ids, device))
-    return config, ids, loss, grads
+    logits_scale = float(jnp.abs(model.apply({"params": params}, ids)).max())
+    return config, ids, loss, grads, logits_scale
 
 
 @pytest.mark.parametrize("mesh_dim", ["8,1,1", "1,8,1", "1,1,8", "2,2,2"])
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_sharded_equals_single_device(single_device, mesh_dim, scan_layers):
-    config, ids, loss, grads = single_device
+    config, ids, loss, grads, logits_scale = single_device
     config = config.replace(scan_layers=scan_layers)
     model = LLaMAForCausalLM(config)
     mesh = make_mesh(mesh_dim)
@@ -125,9 +128,12 @@ def test_sharded_equals_single_device(single_device, mesh_dim, scan_layers):
         loss2, grads2 = step(model, params, batch)
     if scan_layers:
         grads2 = unstack_layers(jax.device_get(grads2), config.num_hidden_layers)
-    np.testing.assert_allclose(loss2, loss, atol=1e-5, rtol=0)
+    # Sharded matmuls and the loss's mean add their partial sums in other orders: the loss
+    # is within twice the largest logit error, gradients within the backward's depth.
+    rel = forward_rel(config, ids.shape[1])
+    assert abs(float(loss2) - float(loss)) <= 2 * rel * logits_scale
     for (path, g), g2 in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree_util.tree_leaves(grads2)):
-        np.testing.assert_allclose(np.asarray(g2), np.asarray(g), atol=1e-5, rtol=0, err_msg=path_to_string(path))
+        assert_close(np.asarray(g2), np.asarray(g), 2 * rel, err_msg=path_to_string(path))
 
 
 def test_parameters_are_never_whole_on_one_device():

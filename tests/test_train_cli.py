@@ -3,15 +3,18 @@
 
 import glob
 import json
+import logging
 import os
 import subprocess
 import sys
+import time
 
 import jax
 import pytest
 
-from easylm import checkpoint, flags
+from easylm import checkpoint, flags, optimizers, trainer
 from easylm.llama import train
+from easylm.llama.config import LLaMAConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -25,11 +28,15 @@ def run_cli(*args, cwd, env=None):
 
 def test_embedded_default_trains_and_saves(tmp_path):
     # The README's first command, with only the step count made small.
+    before = time.time()
     result = run_cli("--total_steps=4", "--log_freq=2", cwd=tmp_path)
+    after = time.time()
     assert result.returncode == 0, result.stderr[-3000:]
     (run_dir,) = glob.glob(str(tmp_path / "runs" / "llama-*"))
     lines = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     assert [line["step"] for line in lines] == [1, 2, 4]  # the first step, then every 2
+    times = [line["time"] for line in lines]  # wall-clock seconds, as written
+    assert before < times[0] <= times[1] <= times[2] < after
     assert lines[0]["tokens_per_second"] is None  # step 1 includes compilation
     for key in ("loss", "accuracy", "perplexity", "learning_rate", "gradient_norm",
                 "param_norm", "tokens_seen", "tokens_per_second", "mfu"):
@@ -89,10 +96,67 @@ def expect_error(argv, capsys) -> str:
      "--train_dataset batch size 12 must be a multiple of the dp*fsdp=8 batch shards times "
      "--optimizer.accumulate_gradient_steps=1"),
     (["stray"], "unexpected argument 'stray'; flags look like --name=value"),
+    # Each of these used to train, or end in a traceback.
+    (["--optimizer.adamw_optimizer.lr=nan"],
+     "--optimizer.adamw_optimizer.lr must be a finite number >= 0, got nan"),
+    (["--optimizer.adamw_optimizer.lr=-1e-3"],
+     "--optimizer.adamw_optimizer.lr must be a finite number >= 0, got -0.001"),
+    (["--train_dataset.json_dataset.seq_length=1024"],
+     "--train_dataset.json_dataset.seq_length=1024 is above the model's "
+     "max_position_embeddings=512: lower --train_dataset.json_dataset.seq_length, or raise "
+     "--llama.max_position_embeddings if the model can take longer rows"),
+    (["--train_dataset.text_processor.fields=text,<|99999|>"],
+     "<|99999|> in text_processor.fields: token id 99999 is outside the tokenizer's 512 "
+     "tokens (ids 0 to 511)"),
 ])
 def test_bad_input_is_one_clear_line(argv, message, capsys, tmp_path):
     assert expect_error([*argv, f"--logger.output_dir={tmp_path}"], capsys) == message
     assert os.listdir(tmp_path) == []  # failed before writing anything
+
+
+def alternating_lines(path):
+    """200 lines, every other one malformed: rows of an even batch size starve."""
+    with open(path, "w") as f:
+        for i in range(200):
+            f.write("{bad json\n" if i % 2 == 0 else json.dumps({"text": f"line {i}"}) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("case", ["eval_without_data", "output_dir_in_proc",
+                                  "output_dir_under_a_file", "starved_rows"])
+def test_bad_run_setup_is_one_clear_line(case, capsys, tmp_path, monkeypatch):
+    # The skip warnings before the error line are the pipeline's usual ones, not under test
+    # (and the root logger's handler may hold an earlier test's closed stream).
+    monkeypatch.setattr(logging.getLogger("easylm.data.dataset"), "disabled", True)
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "a b c"}\n')
+    argv, message = {
+        "eval_without_data": (
+            [f"--train_dataset.json_dataset.path={data}", "--eval_freq=10"],
+            "--eval_freq=10 evaluates on --eval_dataset, which is not set (it would be the "
+            "embedded demo corpus, not your data): set --eval_dataset.json_dataset.path (or "
+            "--eval_dataset.type=huggingface and its huggingface_dataset.path), or --eval_freq=0"),
+        "output_dir_in_proc": (
+            ["--logger.output_dir=/proc/easylm", "--logger.experiment_id=run"],
+            "cannot create the run directory /proc/easylm/run (from --logger.output_dir): "
+            "No such file or directory"),
+        "output_dir_under_a_file": (
+            [f"--logger.output_dir={data}/runs", "--logger.experiment_id=run"],
+            f"cannot create the run directory {data}/runs/run (from --logger.output_dir): "
+            f"Not a directory"),
+        "starved_rows": (
+            [f"--train_dataset.json_dataset.path={alternating_lines(data)}",
+             f"--logger.output_dir={tmp_path}/runs"],
+            "no usable document for row 0 of the batch: it reads documents 0, 8, 16, ... of "
+            "each epoch (25 of the 200), and all were skipped ("),
+    }[case]
+    error = expect_error([*argv, "--total_steps=1", "--compilation_cache_dir="], capsys)
+    assert error.startswith(message), error
+    if case == "starved_rows":  # the data is blamed: its file, line and the skip count
+        assert f"skips so far, the first: {data}:1: malformed JSON" in error
+        assert error.endswith("): fix the data, or set shuffle=True so that every row draws "
+                              "from all documents")
+    assert os.listdir(tmp_path) in (["data.jsonl"], ["data.jsonl", "runs"])
 
 
 def test_help_lists_every_flag_with_help_text(capsys):
@@ -117,15 +181,73 @@ def test_flagfile_and_command_line(tmp_path):
 
 
 def test_embedded_flagfile_is_the_default():
-    parsed = flags.parse(train.default_config(), train.help_entries(),
-                         ["train", f"--flagfile={REPO}/configs/embedded.flags"])
-    assert flags.flatten(parsed) == flags.flatten(train.default_config())
+    parsed = train.parse_flags(["train", f"--flagfile={REPO}/configs/embedded.flags"])
+    assert flags.flatten(parsed) == flags.flatten(train.parse_flags(["train"]))
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(f"{REPO}/configs/*.flags")))
 def test_example_configs_parse(path):
-    config = flags.parse(train.default_config(), train.help_entries(), ["train", f"--flagfile={path}"])
+    config = train.parse_flags(["train", f"--flagfile={path}"])
     assert config.total_steps >= 1
+
+
+def schedule_of(config) -> tuple:
+    c = config.optimizer.adamw_optimizer
+    return c.lr, c.end_lr, c.lr_warmup_steps, c.lr_decay_steps
+
+
+def test_the_demos_settings_belong_to_the_demo_run_only(tmp_path):
+    # The embedded demo: no data and no checkpoint given.
+    demo = train.parse_flags(["train"])
+    rows = demo.train_dataset.json_dataset
+    assert (demo.total_steps, rows.seq_length, rows.batch_size) == (200, 256, 16)
+    assert schedule_of(demo) == (3e-3, 3e-4, 20, 200)
+    assert demo.eval_dataset.json_dataset.seq_length == 256  # eval rows like the train rows
+    # Its schedule follows --total_steps (it used to end at 2.7e-3 of the 3e-3 peak).
+    assert schedule_of(train.parse_flags(["train", "--total_steps=60"])) == (3e-3, 3e-4, 6, 60)
+    # One's own data: the usual defaults; 1024-token rows do not fit the embedded
+    # preset's 512 positions, so rows default to 512.
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "a b c"}\n')
+    own = train.parse_flags(["train", f"--train_dataset.json_dataset.path={data}"])
+    rows = own.train_dataset.json_dataset
+    assert (own.total_steps, rows.seq_length, rows.batch_size) == (10000, 512, 8)
+    assert schedule_of(own) == (3e-4, 3e-5, 1000, 10000)
+    # Fine-tuning a pretrained checkpoint: a fine-tuning learning rate; the rows the
+    # checkpoint's model takes.
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(LLaMAConfig.from_preset(
+        "debug", max_position_embeddings=4096).to_hf_config().to_dict()))
+    tuned = train.parse_flags(["train", f"--load_checkpoint=hf::{hf}", "--total_steps=50",
+                               f"--train_dataset.json_dataset.path={data}"])
+    assert tuned.train_dataset.json_dataset.seq_length == 1024
+    assert schedule_of(tuned) == (2e-5, 2e-6, 5, 50)
+    # Flags given always win.
+    given = train.parse_flags(["train", f"--load_checkpoint=hf::{hf}", "--total_steps=50",
+                               "--optimizer.adamw_optimizer.lr=1e-4",
+                               "--optimizer.adamw_optimizer.lr_decay_steps=40",
+                               "--train_dataset.json_dataset.seq_length=2048"])
+    assert schedule_of(given) == (1e-4, 2e-6, 5, 40)
+    assert given.train_dataset.json_dataset.seq_length == 2048
+
+
+def test_schedule_warnings_name_the_flags():
+    config = train.parse_flags(["train", "--load_checkpoint=params::/some/model",
+                                "--total_steps=200", "--optimizer.adamw_optimizer.lr=3e-3",
+                                "--optimizer.adamw_optimizer.lr_decay_steps=400"])
+    _, schedule = optimizers.get_optimizer(config.optimizer)
+    printed = []
+    trainer._warn_about_the_schedule(config, schedule, printed.append)
+    assert printed == [
+        "warning: fine-tuning params::/some/model at a peak learning rate of 0.003, above the "
+        "0.0001 a pretrained model usually tolerates (full fine-tuning uses about 1e-5 to "
+        "5e-5): lower --optimizer.adamw_optimizer.lr if the loss rises",
+        f"note: --optimizer.adamw_optimizer.lr_decay_steps=400 but --total_steps=200: the run "
+        f"ends at a learning rate of {float(schedule(200)):.3g} (end_lr=2e-06)"]
+    printed.clear()
+    trainer._warn_about_the_schedule(train.parse_flags(["train"]), schedule, printed.append)
+    assert printed == []  # the demo from scratch: neither
 
 
 def test_nonfinite_loss_stops_the_run_naming_the_step(tmp_path):

@@ -11,11 +11,19 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import ConfigDict
 
+from numerics import assert_close, fp32_rel, forward_rel
+
 from easylm import optimizers, trainer
 from easylm.llama import train as llama_train
 from easylm.llama.config import LLaMAConfig
 from easylm.losses import LossSums
 from easylm.sharding import BATCH_AXES, make_mesh
+
+
+# The debug model's forward pass at 32 positions, as a relative tolerance; at
+# initialisation its logits (|logit| < 1) are far smaller than the loss (ln 512), so twice
+# the logits' error bound, relative to the loss, bounds the loss's (and the norms').
+REL = forward_rel(LLaMAConfig.from_preset("debug"), 32)
 
 
 def debug_model(dtype="fp32", param_dtype="fp32", **llama):
@@ -97,16 +105,18 @@ def test_accumulated_gradients_equal_one_big_batch():
     # One update from a batch of 32 split into 4 micro-batches of 8 equals one update
     # from the same 32 rows at once (fp32, batch split over 2 fsdp devices).
     batch = make_batch(batch_size=32, seq_length=16)
-    params, metrics = [], []
+    updates, metrics = [], []
     for accumulate in (1, 4):
         runner = Runner(debug_model(), sgd(1.0), "1,2,1", devices=2, accumulate=accumulate)
         metrics.append(runner.step(batch))
-        params.append(runner.state.params)
-    for a, b in zip(jax.tree.leaves(params[0]), jax.tree.leaves(params[1])):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
+        # SGD at lr 1: the update is minus the gradient, summed over micro-batches or not.
+        updates.append(jax.tree.map(lambda p, p0: np.asarray(p) - np.asarray(p0),
+                                    runner.state.params, runner.initial.params))
+    for a, b in zip(jax.tree.leaves(updates[0]), jax.tree.leaves(updates[1])):
+        assert_close(b, a, 2 * REL)  # backward: the depth twice
     assert metrics[1]["loss_tokens"] == 32 * 16
-    assert metrics[1]["loss"] == pytest.approx(metrics[0]["loss"], rel=1e-6)
-    assert metrics[1]["gradient_norm"] == pytest.approx(metrics[0]["gradient_norm"], rel=1e-5)
+    assert metrics[1]["loss"] == pytest.approx(metrics[0]["loss"], rel=2 * REL)
+    assert metrics[1]["gradient_norm"] == pytest.approx(metrics[0]["gradient_norm"], rel=2 * REL)
 
 
 def test_sharded_steps_equal_single_device(runner):
@@ -117,8 +127,8 @@ def test_sharded_steps_equal_single_device(runner):
     runner.reset()
     a, b = sharded.step(batch), runner.step(batch)
     for key in ("loss", "accuracy", "gradient_norm", "param_norm"):
-        assert a[key] == pytest.approx(b[key], rel=1e-5), key
-    assert sharded.step(batch)["loss"] == pytest.approx(runner.step(batch)["loss"], rel=1e-5)
+        assert a[key] == pytest.approx(b[key], rel=2 * REL), key
+    assert sharded.step(batch)["loss"] == pytest.approx(runner.step(batch)["loss"], rel=2 * REL)
 
 
 def test_masked_tokens_do_not_count(runner):
@@ -138,8 +148,9 @@ def test_eval_step_matches_train_step_loss(runner):
     batch = make_batch()
     sums = runner.evaluate(batch)
     metrics = runner.step(batch)  # reports the loss before its own update
-    assert float(sums.loss / sums.tokens) == pytest.approx(metrics["loss"], rel=1e-6)
-    assert float(sums.correct / sums.tokens) == pytest.approx(metrics["accuracy"], rel=1e-6)
+    # Two programs (the train step also differentiates) over the same forward pass.
+    assert float(sums.loss / sums.tokens) == pytest.approx(metrics["loss"], rel=2 * REL)
+    assert float(sums.correct / sums.tokens) == pytest.approx(metrics["accuracy"], rel=2 * REL)
 
 
 def test_bf16_compute_keeps_fp32_parameters(runner):
@@ -149,6 +160,8 @@ def test_bf16_compute_keeps_fp32_parameters(runner):
     for dtype, run in (("fp32", runner), ("bf16", Runner(debug_model("bf16"), constant_lr_optimizer(1e-2)))):
         runs[dtype] = [run.step(batch)["loss"] for _ in range(2)]
         assert {x.dtype for x in jax.tree.leaves(run.state.params)} == {jnp.dtype("float32")}
+    # The bf16 forward's logits are within sqrt(13) bf16 ulps (2.8e-2) of their scale, and
+    # at initialisation that scale is far below the loss: 2e-2 of the loss is loose.
     np.testing.assert_allclose(runs["bf16"], runs["fp32"], rtol=2e-2)
     assert runs["bf16"] != runs["fp32"]  # really computed in bf16
 
@@ -167,7 +180,9 @@ def test_bf16_parameters_and_moments_learn_like_fp32(runner):
     leaves = jax.tree.leaves((low.state.params, low.state.opt_state))
     assert {str(x.dtype) for x in leaves if jnp.issubdtype(x.dtype, jnp.floating)} == {"bfloat16"}
     assert losses[-1] < 0.6 * losses[0]
-    np.testing.assert_allclose(losses, reference, rtol=0.05, atol=0.05)  # bf16 noise
+    # Learning curves, not parity: 20 steps of bf16 rounding compound through the
+    # updates, so only the curve's course is compared (while it falls by 40% or more).
+    np.testing.assert_allclose(losses, reference, rtol=0.05, atol=0.05)
 
 
 def test_stochastic_rounding_trains_sharded_bf16_parameters(runner):
@@ -184,7 +199,7 @@ def test_stochastic_rounding_trains_sharded_bf16_parameters(runner):
     assert int(low.state.opt_state.count) == 10
     assert {str(x.dtype) for x in jax.tree.leaves(low.state.params)} == {"bfloat16"}
     assert losses[-1] < 0.6 * losses[0]
-    np.testing.assert_allclose(losses, reference, rtol=0.05, atol=0.05)  # bf16 noise
+    np.testing.assert_allclose(losses, reference, rtol=0.05, atol=0.05)  # curves, as above
 
 
 def test_metrics_report_schedule_and_norms(runner):
@@ -192,10 +207,14 @@ def test_metrics_report_schedule_and_norms(runner):
     before = jax.tree.map(np.asarray, runner.state.params)
     metrics = runner.step(make_batch())
     assert metrics["learning_rate"] == pytest.approx(1e-2)
-    assert metrics["perplexity"] == pytest.approx(np.exp(metrics["loss"]), rel=1e-5)
-    expected_norm = np.sqrt(sum(np.sum(np.square(x)) for x in jax.tree.leaves(
-        jax.tree.map(np.asarray, runner.state.params))))
-    assert metrics["param_norm"] == pytest.approx(expected_norm, rel=1e-5)
+    # exp in fp32 turns the loss's rounding (an ulp) into |loss| ulps of the perplexity.
+    assert metrics["perplexity"] == pytest.approx(np.exp(metrics["loss"]),
+                                                  rel=(1 + metrics["loss"]) * fp32_rel(1))
+    leaves = jax.tree.leaves(jax.tree.map(np.asarray, runner.state.params))
+    expected_norm = np.sqrt(sum(np.sum(np.square(x, dtype=np.float64)) for x in leaves))
+    # A sum of squares of every parameter, in fp32 on the device.
+    assert metrics["param_norm"] == pytest.approx(
+        expected_norm, rel=fp32_rel(sum(x.size for x in leaves)))
     assert 0 < metrics["gradient_norm"] < 100
     assert any(not np.array_equal(a, np.asarray(b)) for a, b in
                zip(jax.tree.leaves(before), jax.tree.leaves(runner.state.params)))

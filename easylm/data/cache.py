@@ -91,6 +91,9 @@ def build(dataset_config, tokenizer, output, shard_size=65536, processes=1, prog
     if config.type not in ("json", "huggingface"):
         raise UserError(f"python -m easylm.data.cache builds from --train_dataset.type=json "
                         f"or huggingface, not {config.type!r}")
+    if config.preference.enabled:
+        raise UserError("a token cache holds documents, not preference pairs; train on "
+                        "pairs from their json or huggingface source")
     if shard_size <= 0:
         raise UserError(f"--shard_size must be positive, got {shard_size}")
     loader = config.json_dataset if config.type == "json" else config.huggingface_dataset

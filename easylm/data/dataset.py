@@ -19,7 +19,9 @@ background thread. The results do not depend on window sizes or worker counts.
 
 Mixtures (`mixture.py`) and token caches (`cache.py`) are orders and sources like the
 others: the layout, packing, state and shares above apply to them unchanged; a mixture
-adds its weights to the state and per-source counters to each row.
+adds its weights to the state and per-source counters to each row. Preference pairs
+(`preference.py`) keep the layout and state too, with one pair per row instead of
+packed documents, and a counter of truncated pairs per row.
 
 Evaluation (`for_eval=True`) is one pass in file order. Every process tokenizes the
 whole eval set (it is small) so that all agree, without talking, on how many batches
@@ -34,6 +36,8 @@ import numpy as np
 from ml_collections import ConfigDict
 
 from easylm.data.packing import Stream, segment_positions
+from easylm.data.preference import (PairStream, PreferenceProcessor, make_pair_batch,
+                                    open_pairs)
 from easylm.data.reader import Prefetcher, WindowReader
 from easylm.data.sources import (HuggingfaceSource, IndexedOrder, JsonSource,
                                  StreamingOrder)
@@ -47,6 +51,11 @@ _MAX_WARNINGS = 10
 
 _TYPES = {"json": "json_dataset", "huggingface": "huggingface_dataset", "cache": "cache",
           "mixture": "mixture"}   # --train_dataset.type -> its block of options
+
+
+def loader_block(config) -> str:
+    """The block of options a dataset config's `type` selects (e.g. 'json_dataset')."""
+    return _TYPES.get(config.type, "json_dataset")
 
 _LOADER_HELP = {
     "seq_length": "tokens per row; documents are packed into rows and split across them",
@@ -99,6 +108,7 @@ class DatasetFactory:
         "mixture.sources": "the mixture's sources, weights and per-source options: a .json "
                            "or .yaml file, or the JSON itself (see docs/data.md)",
         **{f"text_processor.{k}": v for k, v in TextProcessor.HELP.items()},
+        **{f"preference.{k}": v for k, v in PreferenceProcessor.HELP.items()},
         **{f"{block}.{k}": v for k, v in _LOADER_HELP.items() for block in _TYPES.values()
            if block != "cache" or k not in _TOKENIZING},
         "cache.strict": "refuse a cache whose build skipped malformed or empty documents",
@@ -109,6 +119,7 @@ class DatasetFactory:
         config = ConfigDict()
         config.type = "json"
         config.text_processor = TextProcessor.get_default_config()
+        config.preference = PreferenceProcessor.get_default_config()
         config.json_dataset = _loader_config(ConfigDict())
         config.json_dataset.path = "embedded"
         config.huggingface_dataset = _loader_config(ConfigDict())
@@ -128,15 +139,24 @@ class DatasetFactory:
 
     @classmethod
     def load_dataset(cls, config, tokenizer, for_eval=False, process_index=None,
-                     process_count=None):
-        """process_index/process_count default to JAX's; tests pass them to simulate hosts."""
+                     process_count=None, pairs=False):
+        """process_index/process_count default to JAX's; tests pass them to simulate hosts.
+        pairs: the caller trains on preference pairs (batches of chosen_* and rejected_*
+        rows); other callers get a clear error for preference data."""
         config = cls.get_default_config(config)
         if config.type not in _TYPES:
             raise UserError(f"unknown dataset type {config.type!r}; expected "
                             f"{', '.join(_TYPES)}")
         loader = config[_TYPES[config.type]]
         shuffle = loader.shuffle and not for_eval
-        if config.type == "mixture":
+        if config.preference.enabled:
+            if not pairs:
+                raise UserError("--train_dataset.preference.enabled=True makes batches of "
+                                "preference pairs, which only a preference objective trains "
+                                "on; this command trains next-token prediction")
+            source, processor = open_pairs(config, loader, tokenizer)
+            order = make_order(source, loader, shuffle, loader.seed)
+        elif config.type == "mixture":
             from easylm.data.mixture import load_mixture
 
             order, processor = load_mixture(loader, config.text_processor, tokenizer, shuffle,
@@ -185,7 +205,7 @@ class Dataset:
     def __init__(self, config, order, processor, tokenizer, for_eval, process_index,
                  process_count):
         """processor: what the reader tokenizes records with (a TextProcessor, one per
-        source of a mixture, or None for a token cache)."""
+        source of a mixture, None for a token cache, or a PreferenceProcessor)."""
         self.config, self.order, self.processor = config, order, processor
         self._tokenizer = tokenizer
         self.for_eval = for_eval
@@ -203,10 +223,14 @@ class Dataset:
                            if i is not None)
         self._positions = {r: (r, 0) for r in range(B)}
         self.mixture = getattr(order, "names", None)   # the sources of a mixture
-        # documents finished and target tokens, per row and source (mixtures only)
-        self._counts = np.zeros((B, len(self.mixture or ()), 2), np.int64)
+        self.pairs = getattr(processor, "pairs", False)   # preference pairs, one per row
+        # Counters per row, kept in the state: a mixture's documents finished and target
+        # tokens per source, or the truncated pairs of preference data.
+        self._counts = np.zeros((B,) if self.pairs else (B, len(self.mixture or ()), 2),
+                                np.int64)
         self._batches = 0
         self._skipped = 0
+        self._first_skip = None
         self._prefetcher = None
 
     @property
@@ -274,6 +298,9 @@ class Dataset:
         if self.mixture:
             state["mixture"] = self.order.state_dict()
             state["source_counts"] = {str(r): self._counts[r].tolist() for r in self.rows}
+        if self.pairs:
+            state["pairs"] = True
+            state["truncated_pairs"] = {str(r): int(self._counts[r]) for r in self.rows}
         import jax
 
         if self.process_count > 1 and jax.process_count() == self.process_count:
@@ -291,6 +318,10 @@ class Dataset:
             raise UserError("the data state was saved from a mixture but this run's dataset is "
                             "not one" if self.mixture is None else "the data state was not "
                             "saved from a mixture but this run's dataset is one")
+        if state.get("pairs", False) != self.pairs:
+            raise UserError("the data state was saved from preference pairs but this run's "
+                            "data are not pairs" if not self.pairs else "the data state was "
+                            "not saved from preference pairs but this run's data are pairs")
         saved, now = state.get("num_documents"), fixed["num_documents"]
         if self.mixture:   # checks each source's size, and may change the weights
             self.order.load_state_dict(state["mixture"], state["streams"].values())
@@ -305,21 +336,25 @@ class Dataset:
                             f"process {self.process_index}; merge the states of all "
                             f"processes (merge_state_dicts)")
         self._positions = {int(r): tuple(p) for r, p in state["streams"].items()}
-        for r, counts in state.get("source_counts", {}).items():
-            self._counts[int(r)] = counts
+        for key in ("source_counts", "truncated_pairs"):   # a state has one or neither
+            for r, counts in state.get(key, {}).items():
+                self._counts[int(r)] = counts
         self._batches = state["batches"]
 
     # -- production (runs in the background thread) ------------------------------------
 
     def _generate(self, positions, batches, counts):
         """Yields (batch, metrics, (positions, source counts) of this process's rows after
-        the batch); counts: (B, sources, 2), updated in place for the rows served."""
+        the batch); counts: (B, sources, 2), or (B,) for pairs, updated in place for the
+        rows served."""
         B, T = self.config.batch_size, self.config.seq_length
         track = bool(self.mixture)
-        streams = {r: Stream(T, *position, track=track) for r, position in positions.items()}
+        streams = {r: PairStream(T, slot) if self.pairs else Stream(T, slot, offset, track=track)
+                   for r, (slot, offset) in positions.items()}
         with_segments = self.config.segment_ids or track   # a mixture counts by segment
         reader = WindowReader(self.order, self.processor, streams, B, self.config,
-                              single_pass=self.for_eval, skip=self._skip)
+                              single_pass=self.for_eval, skip=self._skip,
+                              skipped=self._skipped_so_far)
         busy, tokens = 0.0, 0
         try:
             while True:
@@ -332,15 +367,22 @@ class Dataset:
                             break
                 if self.for_eval and all(s.is_done() for s in streams.values()):
                     return
-                rows = {r: s.next_row(self.pad_id, with_segments) for r, s in streams.items()}
-                batch = _make_batch([rows[r] for r in self.rows], self.config.segment_ids)
+                if self.pairs:
+                    rows = {r: s.next_row(self.pad_id) for r, s in streams.items()}
+                    batch = make_pair_batch([rows[r] for r in self.rows])
+                    for r, row in rows.items():
+                        counts[r] += row[-1]   # truncated
+                else:
+                    rows = {r: s.next_row(self.pad_id, with_segments) for r, s in streams.items()}
+                    batch = _make_batch([rows[r] for r in self.rows], self.config.segment_ids)
                 batches += 1
-                tokens += batch["target_tokens"].size
+                row_tokens = 2 * T if self.pairs else T   # a pair is two rows
+                tokens += len(self.rows) * row_tokens
                 after = {r: s.position() for r, s in streams.items()}
                 frontier = min(slot for slot, _ in after.values())
                 metrics = dict(
                     dataset_batches=batches,
-                    dataset_total_tokens=batches * B * T,
+                    dataset_total_tokens=batches * B * row_tokens,
                     dataset_epoch=self.order.epoch(frontier),
                     dataset_skipped_documents=self._skipped,
                 )
@@ -348,6 +390,9 @@ class Dataset:
                     self.order.count(counts, streams, {r: row[2] for r, row in rows.items()})
                     metrics.update(self.order.metrics(counts[self.rows.start:self.rows.stop],
                                                       frontier))
+                if self.pairs:
+                    metrics["dataset_truncated_pairs"] = int(
+                        counts[self.rows.start:self.rows.stop].sum())
                 busy += time.perf_counter() - t
                 metrics["dataset_tokens_per_second"] = tokens / max(busy, 1e-9)
                 state = None if self.for_eval else (
@@ -361,10 +406,17 @@ class Dataset:
         if self.config.strict:
             raise UserError(message)
         self._skipped += 1
+        self._first_skip = self._first_skip or message
         if self._skipped <= _MAX_WARNINGS:
             logger.warning("skipped %s%s", message,
                            " (further skips are only counted)" if self._skipped ==
                            _MAX_WARNINGS else "")
+
+
+    def _skipped_so_far(self):
+        if not self._skipped:
+            return ""
+        return f"{self._skipped} skips so far, the first: {self._first_skip}"
 
 
 def _make_batch(rows, with_segments):
@@ -378,19 +430,20 @@ def _make_batch(rows, with_segments):
     return batch
 
 
+_PER_ROW = ("streams", "source_counts", "truncated_pairs")   # state entries keyed by row
+
+
 def merge_state_dicts(states):
     """One state from the states of all processes (each holds its own rows)."""
-    merged = dict(states[0], streams={})
-    if "source_counts" in merged:
-        merged["source_counts"] = {}
+    merged = dict(states[0], **{key: {} for key in _PER_ROW if key in states[0]})
     for state in states:
         for key in ("version", "batch_size", "seq_length", "shuffle", "seed", "batches"):
             if state[key] != merged[key]:
                 raise UserError(f"data states of different processes disagree on {key}: "
                                 f"{merged[key]!r} vs {state[key]!r}")
         merged["num_documents"] = merged["num_documents"] or state["num_documents"]
-        merged["streams"].update(state["streams"])
-        merged.get("source_counts", {}).update(state.get("source_counts", {}))
+        for key in _PER_ROW:
+            merged.get(key, {}).update(state.get(key, {}))
     return merged
 
 

@@ -7,7 +7,9 @@
 prints the first documents as text with the spans that get no loss inside [[ ]], then
 token and loss statistics over the first batches (all processes' rows). Token caches
 (--train_dataset.type=cache) and mixtures (type=mixture, each document labelled with its
-source, and per-source counts) preview the same way.
+source, and per-source counts) preview the same way; preference pairs
+(--train_dataset.preference.enabled=True) show both sides of each pair, and count the
+pairs truncated to seq_length.
 """
 
 import sys
@@ -15,7 +17,8 @@ import sys
 from ml_collections import ConfigDict
 
 from easylm import flags
-from easylm.data.dataset import DatasetFactory
+from easylm.data.dataset import DatasetFactory, loader_block
+from easylm.data.preference import SIDES, render_pair
 from easylm.data.reader import prepare_records
 from easylm.errors import exit_on_user_error
 from easylm.tokenizer import load_tokenizer
@@ -50,16 +53,23 @@ def render(tokenizer, tokens, masks):
 
 
 def preview(config, tokenizer, num_examples, num_batches):
+    # Segment ids (they change nothing else) tell where documents start; pairs are not
+    # packed, so each side starts one (its BOS).
+    config = DatasetFactory.get_default_config(config)
+    if not config.preference.enabled:
+        config[loader_block(config)].segment_ids = True
     dataset = DatasetFactory.load_dataset(config, tokenizer, process_index=0,
-                                          process_count=1)
+                                          process_count=1, pairs=True)
     slots = list(range(min(num_examples, dataset.order.num_documents or num_examples)))
     records = dataset.order.read(slots)
     documents = prepare_records(records, dataset.processor)
     lines = ["legend: [[text]] gets no loss", ""]
     for slot, record, document in zip(slots, records, documents):
         source = f" (source {dataset.mixture[record[2]]})" if dataset.mixture else ""
-        lines.append(f"--- document {slot}{source}")
-        if isinstance(document, tuple):
+        lines.append(f"--- {'pair' if dataset.pairs else 'document'} {slot}{source}")
+        if isinstance(document, tuple) and dataset.pairs:
+            lines += render_pair(render, tokenizer, document)
+        elif isinstance(document, tuple):
             tokens, masks = document
             lines += [render(tokenizer, tokens, masks),
                       f"({len(tokens)} tokens, {int(masks.sum())} with loss)"]
@@ -69,28 +79,55 @@ def preview(config, tokenizer, num_examples, num_batches):
 
     batches = targets = loss = starts = 0
     metrics = counted = {}
+    prefixes = [f"{side}_" for side in SIDES] if dataset.pairs else [""]
+    offsets = None if dataset.pairs else _row_offsets(dataset)
     for batch, metrics in dataset:
         if batches == num_batches:
             break
         batches += 1
-        targets += batch["target_tokens"].size
-        loss += int(batch["loss_masks"].sum())
-        starts += int((batch["input_tokens"] == tokenizer.bos_token_id).sum())
+        for prefix in prefixes:
+            targets += batch[f"{prefix}target_tokens"].size
+            loss += int(batch[f"{prefix}loss_masks"].sum())
+        if dataset.pairs:
+            starts += sum(int((batch[f"{p}input_tokens"] == tokenizer.bos_token_id).sum())
+                          for p in prefixes)
+        else:
+            starts += _documents_started(batch["segment_ids"], offsets)
+            offsets = _row_offsets(dataset)
         counted = metrics   # the counters as of the last batch counted
     dataset.close()
+    shape = f"{dataset.batch_size} pairs of 2 x {dataset.seq_length}" if dataset.pairs else \
+        f"{dataset.batch_size} x {dataset.seq_length}"
     lines += [
-        f"{batches} batches of "
-        f"{dataset.batch_size} x {dataset.seq_length} tokens",
+        f"{batches} batches of {shape} tokens",
         f"target tokens: {targets}, with loss: {loss} ({100 * loss / max(targets, 1):.1f}%)",
-        f"documents started (BOS in inputs): {starts}",
-        f"documents skipped: {metrics.get('dataset_skipped_documents', 0)}",
+        f"{'sides' if dataset.pairs else 'documents'} started in inputs: {starts}",
+        f"{'pairs' if dataset.pairs else 'documents'} skipped: "
+        f"{metrics.get('dataset_skipped_documents', 0)}",
         f"pipeline speed: {metrics.get('dataset_tokens_per_second', 0):.0f} tokens/s",
     ]
+    if dataset.pairs:
+        lines.append(f"pairs truncated to seq_length: {counted.get('dataset_truncated_pairs', 0)}")
     for name in dataset.mixture or ():
         tokens = counted.get(f"source/{name}/tokens", 0)
         lines.append(f"source {name}: {counted.get(f'source/{name}/documents', 0)} documents "
                      f"finished, {tokens} target tokens ({100 * tokens / max(targets, 1):.1f}%)")
     return "\n".join(lines)
+
+
+def _row_offsets(dataset):
+    """Where each row's next piece starts in its document: 0 at a document's first token."""
+    streams = dataset.get_state_dict()["streams"]
+    return [streams[str(r)][1] for r in range(dataset.batch_size)]
+
+
+def _documents_started(segment_ids, offsets):
+    """Documents whose first token is among the inputs: the pieces of each row (segments
+    1..k, 0 being padding) but a first piece that continues the previous row's document.
+    Counting BOS tokens instead counts every turn of a chat template that starts turns
+    with it."""
+    pieces = segment_ids.max(axis=1)
+    return int(sum(k - (k > 0 and offset > 0) for k, offset in zip(pieces, offsets)))
 
 
 @exit_on_user_error

@@ -27,12 +27,14 @@ _CACHED_PER_STREAM = 64
 
 class WindowReader:
 
-    def __init__(self, order, processor, streams, batch_size, config, single_pass, skip):
-        """streams: {row: Stream}; skip(message) is called for each unusable document.
+    def __init__(self, order, processor, streams, batch_size, config, single_pass, skip,
+                 skipped=None):
+        """streams: {row: Stream}; skip(message) is called for each unusable document;
+        skipped() says how many were skipped, and the first (or '' if none was).
         processor: a TextProcessor; for a mixture a list, one per source (None for a token
         cache); None when nothing needs tokenizing."""
         self.order, self.streams, self.B = order, streams, batch_size
-        self.single_pass, self.skip = single_pass, skip
+        self.single_pass, self.skip, self.skipped = single_pass, skip, skipped
         self.chunk_size = config.get("tokenizer_parallel_chunk_size", 1)   # none: a cache
         self.start = np.full(batch_size, np.iinfo(np.int64).max)
         for r, stream in streams.items():
@@ -110,9 +112,21 @@ class WindowReader:
         for r, stream in self.streams.items():
             if not stream.has_row() and not stream.ended and \
                     hi - stream.last_usable > self.B * n + self.width:
-                raise UserError(f"row {r} of the batch found no usable document in a whole "
-                                f"epoch ({n} documents); the data has too few usable "
-                                f"documents for batch_size={self.B}")
+                skipped = self.skipped() if self.skipped else ""
+                if not skipped:
+                    raise UserError(f"row {r} of the batch found no usable document in a whole "
+                                    f"epoch ({n} documents); the data has too few usable "
+                                    f"documents for batch_size={self.B}")
+                if self.B == 1:
+                    raise UserError(f"no usable document in a whole epoch of {n}: all were "
+                                    f"skipped ({skipped}): fix the data")
+                # Row r reads only slots r, r+B, ...: bad lines in step with B starve it.
+                shuffle = "" if self.order.shuffle else (
+                    ", or set shuffle=True so that every row draws from all documents")
+                raise UserError(f"no usable document for row {r} of the batch: it reads "
+                                f"documents {r}, {r + self.B}, {r + 2 * self.B}, ... of each "
+                                f"epoch ({len(range(r, n, self.B))} of the {n}), and all were "
+                                f"skipped ({skipped}): fix the data{shuffle}")
 
     def close(self):
         if self.executor is not None:

@@ -61,8 +61,12 @@ class TextProcessor:
         if not c.chat and not c.fields and not c.fields_from_example:
             raise UserError("text_processor.fields and text_processor.fields_from_example "
                             "are both empty; say which fields hold the text")
+        self._vocab_size = len(tokenizer)
         if c.fields and not c.fields_from_example and not c.chat:
-            parse_fields(c.fields)  # fail now on a bad spec, not at the first example
+            # Fail now on a bad spec, not at the first example.
+            for _, special, _ in parse_fields(c.fields):
+                if special is not None:
+                    self._special_id(special)
         for flag, token in (("add_bos_token", "bos"), ("add_eos_token", "eos")):
             if c[flag] and not c.chat and getattr(tokenizer, f"{token}_token_id") is None:
                 raise UserError(f"text_processor.{flag}=True but the tokenizer has no "
@@ -146,16 +150,23 @@ class TextProcessor:
                 raise UserError(f"<|{name}|> in text_processor.fields: the tokenizer has no "
                                 f"such token; use <|bos|>, <|eos|> or a token id like <|2|>")
             token_id = int(name)
+            if token_id >= self._vocab_size:
+                raise UserError(f"<|{name}|> in text_processor.fields: token id {token_id} is "
+                                f"outside the tokenizer's {self._vocab_size} tokens (ids 0 to "
+                                f"{self._vocab_size - 1})")
         return token_id
 
     def _process_chat(self, examples):
-        rendered = []
-        for example, where in examples:
-            if isinstance(example, dict):
-                messages = _get(example, "messages", where, "text_processor.chat=True")
-                rendered.append((*self._render(messages, where), where))
-            else:
-                rendered.append(example)
+        return self.encode_chats([
+            (_get(example, "messages", where, "text_processor.chat=True"), 0, where)
+            if isinstance(example, dict) else example for example, where in examples])
+
+    def encode_chats(self, chats):
+        """chats: (messages, first, where) each, or a value passed through as in `process`.
+        Only assistant messages from index `first` on get loss (preference pairs train
+        only the replies after their shared conversation)."""
+        rendered = [(*self._render(chat[0], chat[2], chat[1]), chat[2])
+                    if isinstance(chat, tuple) else chat for chat in chats]
         texts = [r[0] for r in rendered if isinstance(r, tuple)]
         encodings = iter(self.tokenizer.backend_tokenizer.encode_batch(
             texts, add_special_tokens=False))
@@ -176,12 +187,11 @@ class TextProcessor:
             results.append((np.asarray(encoding.ids, np.int32), masks))
         return results
 
-    def _render(self, messages, where):
-        """The conversation as text and the (begin, end) characters of each assistant turn.
-        A turn spans from the end of the prompt that asks for it to the end of the turn."""
-        if not isinstance(messages, list) or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str) for m in messages):
+    def _render(self, messages, where, first=0):
+        """The conversation as text and the (begin, end) characters of each assistant turn
+        from message `first` on. A turn spans from the end of the prompt that asks for it
+        to the end of the turn."""
+        if not is_messages(messages):
             raise UserError(f"{where}: 'messages' must be a list of "
                             f"{{\"role\": str, \"content\": str}} objects")
         render = functools.partial(self.tokenizer.apply_chat_template,
@@ -189,7 +199,7 @@ class TextProcessor:
         text = render(messages)
         spans = []
         for i, message in enumerate(messages):
-            if message["role"] != "assistant":
+            if message["role"] != "assistant" or i < first:
                 continue
             prompt = render(messages[:i], add_generation_prompt=True) if i else ""
             turn = render(messages[:i + 1])
@@ -199,6 +209,13 @@ class TextProcessor:
                                 f"turns cannot be located")
             spans.append((len(prompt), len(turn)))
         return text, spans
+
+
+def is_messages(value):
+    """Whether `value` is a list of {"role": str, "content": str} objects."""
+    return isinstance(value, list) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str)
+        and isinstance(m.get("content"), str) for m in value)
 
 
 @functools.lru_cache(maxsize=256)

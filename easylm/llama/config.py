@@ -52,6 +52,9 @@ class LLaMAConfig:
     initializer_range: float = 0.02
     bos_token_id: int = 1
     eos_token_id: int = 2
+    # Carried to and from HF's config.json (generation pads with it); the model has no use for them.
+    pad_token_id: int | None = None
+    unk_token_id: int | None = None
     # Implementation choices: none of these change the numbers.
     attention: str = "auto"
     scan_layers: bool = False
@@ -173,6 +176,8 @@ class LLaMAConfig:
                 high_freq_factor=float(self.rope_high_freq_factor),
                 original_max_position_embeddings=int(self.rope_original_max_position_embeddings),
             )
+        optional = {name: getattr(self, name) for name in ("pad_token_id", "unk_token_id")
+                    if getattr(self, name) is not None}
         return LlamaConfig(
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
@@ -191,6 +196,7 @@ class LLaMAConfig:
             hidden_act="silu",
             attention_bias=False,
             mlp_bias=False,
+            **optional,
         )
 
     @classmethod
@@ -205,8 +211,9 @@ class LLaMAConfig:
             if hf.get(bias):
                 raise UserError(f"{bias}=True is not supported by this LLaMA implementation")
         # transformers >= 5 keeps rope_theta inside rope_parameters; older config.json
-        # files have rope_theta and rope_scaling at the top level.
-        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        # files have rope_theta and rope_scaling at the top level. Where both are, HF
+        # reads rope_scaling, and so do we.
+        rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
         rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         fields = dict(
@@ -224,6 +231,8 @@ class LLaMAConfig:
             initializer_range=hf.get("initializer_range", 0.02),
             bos_token_id=_first_int(hf.get("bos_token_id"), 1),
             eos_token_id=_first_int(hf.get("eos_token_id"), 2),
+            pad_token_id=_first_int(hf.get("pad_token_id"), None),
+            unk_token_id=_first_int(hf.get("unk_token_id"), None),
         )
         if rope_type == "llama3":
             fields.update(
@@ -247,7 +256,7 @@ def _flag_type(field: dataclasses.Field) -> type:
     return kind
 
 
-def _first_int(value, default: int) -> int:
+def _first_int(value, default: int | None) -> int | None:
     if value is None:
         return default
     if isinstance(value, (list, tuple)):

@@ -5,7 +5,8 @@
 
 Writes `config.json`, `generation_config.json`, `model*.safetensors` (sharded at
 `--max_shard_gb`, with an index when there is more than one shard) and, with
-`--tokenizer`, the tokenizer files. With `--verify` (the default, when torch is
+`--tokenizer`, the tokenizer files (and its pad and unk ids into config.json when
+the checkpoint does not record them). With `--verify` (the default, when torch is
 installed) the export is loaded back with `transformers` and its logits on
 fixed sequences are compared with ours; the command fails above
 `--verify_tolerance`. Everything is written to `<output_dir>.partial` and renamed
@@ -22,7 +23,8 @@ import numpy as np
 from ml_collections import ConfigDict
 
 from easylm import flags
-from easylm.checkpoint import load_params, parse_load_spec, read_metadata, stored_tree
+from easylm.checkpoint import (check_free_space, disk_full_error, is_disk_full, load_params,
+                               parse_load_spec, read_metadata, stored_tree)
 from easylm.errors import INSTALL, UserError, exit_on_user_error
 from easylm.hf_checkpoint import write_safetensors
 from easylm.llama.config import LLaMAConfig
@@ -74,6 +76,13 @@ def export(params, config: LLaMAConfig, directory: str, dtype: str = "keep",
 
     cast = DTYPES[dtype]
     tensors = ((name, t if cast is None else t.astype(cast)) for name, t in to_hf(params, config))
+    if tokenizer:
+        from easylm.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(tokenizer)
+        config = config.replace(**{
+            name: getattr(tokenizer, name) for name in ("pad_token_id", "unk_token_id")
+            if getattr(config, name) is None and getattr(tokenizer, name) is not None})
     os.makedirs(directory)
     write_safetensors(tensors, directory, int(max_shard_gb * 2**30))
     hf_config = config.to_hf_config()
@@ -81,11 +90,10 @@ def export(params, config: LLaMAConfig, directory: str, dtype: str = "keep",
     first = jax.tree_util.tree_leaves(params)[0]
     hf_config.dtype = str(jnp.dtype(cast or first.dtype))
     hf_config.save_pretrained(directory)
-    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id).save_pretrained(directory)
+    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+                     pad_token_id=config.pad_token_id).save_pretrained(directory)
     if tokenizer:
-        from easylm.tokenizer import load_tokenizer
-
-        load_tokenizer(tokenizer).save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
 
 
 def verify(params, config: LLaMAConfig, directory: str) -> float:
@@ -121,8 +129,17 @@ def main(argv=None):
     config, params = load_checkpoint(FLAGS.load_checkpoint)
     partial = output_dir + ".partial"
     shutil.rmtree(partial, ignore_errors=True)
+    cast = DTYPES[FLAGS.dtype]
+    needed = check_free_space(output_dir, sum(
+        x.size * (jnp.dtype(cast).itemsize if cast else x.dtype.itemsize)
+        for x in jax.tree_util.tree_leaves(params)), "the export")
     try:
-        export(params, config, partial, FLAGS.dtype, FLAGS.tokenizer, FLAGS.max_shard_gb)
+        try:
+            export(params, config, partial, FLAGS.dtype, FLAGS.tokenizer, FLAGS.max_shard_gb)
+        except Exception as e:
+            if not is_disk_full(e):
+                raise
+            raise disk_full_error("the export", partial, needed) from None
         if FLAGS.verify:
             try:
                 import torch  # noqa: F401

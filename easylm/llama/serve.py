@@ -43,21 +43,21 @@ def llama_model_fns(config: LLaMAConfig, dtype=jnp.float32, param_dtype=jnp.floa
                     vocab_size=config.vocab_size), model
 
 
-def default_config() -> ConfigDict:
-    """One flat tree: the entry point's own flags, the engine's and the server's, and --llama.*."""
+def engine_config() -> ConfigDict:
+    """The flags that put a model on an engine: checkpoint, tokenizer, mesh, dtype, the
+    engine's, --llama.* (shared with `easylm.llama.eval`)."""
     config = ConfigDict()
     config.load_checkpoint = ""
     config.tokenizer = "embedded"
     config.mesh_dim = "1,1,-1"
     config.dtype = "auto"
     config.update(engine_lib.get_default_config())
-    config.update(server_lib.get_default_config())
     # The trainer's default model, so that both commands with no flags mean the same one.
     config.llama = LLaMAConfig.get_default_config({"base_model": "embedded"})
     return config
 
 
-def help_entries() -> dict:
+def engine_help_entries() -> dict:
     entries = {
         "load_checkpoint": "params::DIR, trainstate::DIR, trainstate_params::DIR (easylm "
                            "checkpoints) or hf::DIR (a Hugging Face model directory); empty: "
@@ -67,11 +67,22 @@ def help_entries() -> dict:
         "dtype": "compute and parameter dtype: bf16, fp16, fp32, or auto (bf16 on GPU/TPU, "
                  "fp32 on CPU)",
         "llama.base_model": "preset, used when the checkpoint does not record its config",
-        **engine_lib.HELP, **server_lib.HELP,
+        **engine_lib.HELP,
     }
     for field in LLaMAConfig.__dataclass_fields__:
         entries[f"llama.{field}"] = "override the checkpoint's (or preset's) value"
     return entries
+
+
+def default_config() -> ConfigDict:
+    """One flat tree: the entry point's own flags, the engine's and the server's, and --llama.*."""
+    config = engine_config()
+    config.update(server_lib.get_default_config())
+    return config
+
+
+def help_entries() -> dict:
+    return {**engine_help_entries(), **server_lib.HELP}
 
 
 def model_config(config: ConfigDict) -> LLaMAConfig:
@@ -121,8 +132,9 @@ def load_params(config: ConfigDict, model: LLaMAForCausalLM, mesh):
     return checkpoint.load_params(config.load_checkpoint, abstract)
 
 
-def build(config: ConfigDict):
-    """(FastAPI app, batcher) from a parsed flag tree; the batcher thread is started."""
+def load_engine(config: ConfigDict):
+    """(Engine holding the checkpoint's parameters, tokenizer, end-of-sequence ids) from a
+    parsed flag tree (`engine_config()` or a tree containing it)."""
     from easylm.tokenizer import load_tokenizer
 
     llama = model_config(config)
@@ -137,7 +149,6 @@ def build(config: ConfigDict):
         raise UserError(f"--seq_length={config.seq_length} is above the model's "
                         f"max_position_embeddings={llama.max_position_embeddings}")
     engine_lib.check_config(config)
-    server_lib.check_config(config)
     mesh = make_mesh(config.mesh_dim)
     fns, model = llama_model_fns(llama, dtype, dtype)
     params = load_params(config, model, mesh)
@@ -146,8 +157,15 @@ def build(config: ConfigDict):
         start = time.time()
         engine.warmup()
         log.info("pre-compiled %d prompt buckets and %d decode windows in %.1fs",
-                     len(engine.length_buckets), len(engine.decode_buckets), time.time() - start)
+                 len(engine.length_buckets), len(engine.decode_buckets), time.time() - start)
     stop_ids = {i for i in (tokenizer.eos_token_id, llama.eos_token_id) if i is not None}
+    return engine, tokenizer, stop_ids
+
+
+def build(config: ConfigDict):
+    """(FastAPI app, batcher) from a parsed flag tree; the batcher thread is started."""
+    server_lib.check_config(config)  # before the weights load
+    engine, tokenizer, stop_ids = load_engine(config)
     batcher = Batcher(engine, stop_ids).start()
     service = server_lib.Service(config, batcher, tokenizer)
     return server_lib.create_app(service), batcher

@@ -1,8 +1,13 @@
 """Train a LLaMA model: `python -m easylm.llama.train [--flag=value ...]`.
 
 With no flags it trains a small LLaMA on the corpus and tokenizer embedded in
-the package, on CPU in a few minutes, and prints how to serve the result. All
-flags: `python -m easylm.llama.train --help`; examples in `configs/`.
+the package, on CPU in a few minutes, and prints how to serve the result: the
+embedded demo, whose settings (`EMBEDDED_DEFAULTS`: 200 steps at a peak learning
+rate of 3e-3, rows of 256 tokens, 16 a batch) apply only to a run given no data
+and no checkpoint. Every other run starts from the usual defaults (10,000 steps,
+AdamW peaking at 3e-4, rows of 1024 tokens, 8 a batch; 2e-5 when fine-tuning a
+pretrained checkpoint), the schedule always ending with the run. All flags:
+`python -m easylm.llama.train --help`; examples in `configs/`.
 """
 
 import sys
@@ -18,29 +23,37 @@ from easylm.llama.model import PARTITION_RULES, LLaMAForCausalLM, lm_head_weight
 from easylm.losses import causal_lm_loss, chunked_next_token_loss
 from easylm.sharding import path_to_string
 
-# The embedded default: the `embedded` preset on the embedded corpus, sized to
-# train in about three minutes on two CPU cores. Only run-level settings here:
-# a `--llama.base_model=...` flag must get that preset's shape untouched.
+# The embedded demo: the `embedded` preset on the embedded corpus, sized to train in
+# about three minutes on two CPU cores (its warmup, 20 steps, and decay, to step 200,
+# follow --total_steps as in every run). Only run-level settings here: a
+# `--llama.base_model=...` flag must get that preset's shape untouched.
 EMBEDDED_DEFAULTS = {
-    "llama.base_model": "embedded",
     "train_dataset.json_dataset.seq_length": 256,
     "train_dataset.json_dataset.batch_size": 16,
     "total_steps": 200,
     "log_freq": 25,
     "optimizer.adamw_optimizer.lr": 3e-3,
     "optimizer.adamw_optimizer.end_lr": 3e-4,
-    "optimizer.adamw_optimizer.lr_warmup_steps": 20,
-    "optimizer.adamw_optimizer.lr_decay_steps": 200,
 }
+USAGE = "usage: python -m easylm.llama.train [--flag=value ...]"
 
 
 def default_config() -> ConfigDict:
+    """The flags' defaults before those that depend on the run (`parse_flags`)."""
     from easylm.data import DatasetFactory
 
     config = trainer.get_default_config(DatasetFactory.get_default_config())
     config.llama = LLaMAConfig.get_default_config()
-    config.update_from_flattened_dict(EMBEDDED_DEFAULTS)
+    config.llama.base_model = "embedded"  # a model from scratch; hf:: gives its own shape
     return config
+
+
+def parse_flags(argv: list[str]) -> ConfigDict:
+    """`argv` (argv[0] is the program) as the command line reads it, defaults of the run
+    included."""
+    from easylm import flags
+
+    return flags.parse(default_config(), help_entries(), argv, USAGE, derived=RUN_DEFAULTS)
 
 
 def help_entries() -> dict:
@@ -48,6 +61,9 @@ def help_entries() -> dict:
 
     entries = trainer.help_text(getattr(DatasetFactory, "HELP", None))
     entries["llama.base_model"] = f"preset: {', '.join(LLAMA_PRESETS)}"
+    for name, value in EMBEDDED_DEFAULTS.items():
+        entries[name] = f"{entries.get(name, '')} (the embedded demo, given no data and no " \
+                        f"checkpoint: {value:g})".strip()
     for field in LLaMAConfig.__dataclass_fields__:
         entries[f"llama.{field}"] = "override the preset's (or hf::DIR config.json's) value"
     return entries
@@ -61,6 +77,11 @@ def model_config(config: ConfigDict) -> LLaMAConfig:
         return LLaMAConfig.from_flags(config.llama)
     overrides = {k: v for k, v in config.llama.items() if k != "base_model" and v is not None}
     return read_hf_config(spec[len("hf::"):]).replace(**overrides)
+
+
+# Rows default to the model's length at most: 1024 tokens do not fit the embedded preset.
+RUN_DEFAULTS = trainer.run_defaults(
+    EMBEDDED_DEFAULTS, lambda config: model_config(config).max_position_embeddings)
 
 
 def build_model(config: ConfigDict) -> trainer.Model:
@@ -110,13 +131,14 @@ def build_model(config: ConfigDict) -> trainer.Model:
         flops_per_token=llama_config.flops_per_token,
         serve_module="easylm.llama.serve",
         load_hf=load_hf,
+        max_seq_length=llama_config.max_position_embeddings,
     )
 
 
 @exit_on_user_error
 def main(argv=None):
-    trainer.main(argv or sys.argv, default_config(), help_entries(), build_model,
-                 usage="usage: python -m easylm.llama.train [--flag=value ...]")
+    trainer.main(argv or sys.argv, default_config(), help_entries(), build_model, USAGE,
+                 derived=RUN_DEFAULTS)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ def run(engine: Engine, job: Job):
     return job.finish(engine.score(job.tokens, job.targets) if job.tokens else [])
 
 
-def _summed(rows, finish) -> Job:
+def summed(rows, finish) -> Job:
     """rows: (inputs, targets, first scored index); finish gets [(sum logprob, all greedy)]."""
     def sums(scored):
         return finish([(float(np.sum(lp[start:], dtype=np.float64)), bool(np.all(greedy[start:])))
@@ -73,7 +73,7 @@ def loglikelihood_job(seq_length: int, bos_id: int, pairs: Sequence[tuple[list[i
         scored = iter(scored)
         return [next(scored) if r is not None else (0.0, True) for r in rows]
 
-    return _summed([r for r in rows if r is not None], finish)
+    return summed([r for r in rows if r is not None], finish)
 
 
 def rolling_windows(tokens: list[int], bos_id: int, L: int):
@@ -104,7 +104,7 @@ def loglikelihood_rolling_job(seq_length: int, bos_id: int, texts: Sequence[list
             totals[index][1] &= greedy
         return [tuple(t) for t in totals]
 
-    return _summed(rows, finish)
+    return summed(rows, finish)
 
 
 def prompt_logprobs_job(seq_length: int, prompts: Sequence[list[int]]) -> Job:

@@ -1,0 +1,267 @@
+"""Preference pairs: a prompt with a chosen and a rejected response, one pair per row.
+
+    --train_dataset.preference.enabled=True --train_dataset.json_dataset.path=pairs.jsonl
+
+Formats (docs/preference.md shows each):
+- strings: {"prompt": str, "chosen": str, "rejected": str}. Each side is tokenized as
+  text_processor.fields='[prompt],chosen' would be: BOS (add_bos_token), prepend_text and
+  the prompt, the response, EOS (add_eos_token).
+- chat (text_processor.chat=True), rendered with the chat template: `chosen` and
+  `rejected` are whole conversations (message lists whose shared first messages are the
+  prompt, as in UltraFeedback-binarized), or only the replies (a string, or messages
+  starting with an assistant one) after `prompt` (a string: one user message; or
+  messages).
+Only the responses get loss: the response tokens (and EOS), or in chat mode the assistant
+messages after the shared conversation.
+
+Truncation: the prompt is kept whole and each response is cut at its end so that each
+side fits one row of seq_length + 1 tokens; such pairs count in dataset_truncated_pairs.
+A prompt longer than seq_length would leave no response token: that pair is skipped.
+
+Layout: pair i of a batch is row i of the chosen_* and of the rejected_* arrays (b, T), so
+both sides are on one host, on one device whatever the batch sharding, and in one
+micro-batch. Row r takes the pairs of slots r, r+B, r+2B, ... (sources.py), one pair per
+batch, never packed or split; its state is its next slot (offset 0), so resuming, process
+shares and shuffling are dataset.py's. Bad pairs (a missing or non-text field, chosen
+equal to rejected, a prompt longer than seq_length) are skipped, counted and warned
+about with their file and line, or with strict=True stop the run with that line.
+"""
+
+import collections
+
+import numpy as np
+from ml_collections import ConfigDict
+
+from easylm.data.text import TextProcessor, is_messages
+from easylm.errors import UserError
+
+SIDES = ("chosen", "rejected")
+
+
+class PreferenceProcessor:
+    """Examples -> pairs (chosen tokens, masks, rejected tokens, masks, truncated), each
+    side cut to seq_length + 1 tokens; or None / a skip reason, as TextProcessor.process."""
+
+    pairs = True   # what Dataset looks at to batch pairs instead of packing documents
+    HELP = {
+        "enabled": "examples are preference pairs: batches hold chosen_* and rejected_* "
+                   "rows, one pair per row and batch_size pairs (docs/preference.md)",
+        "prompt_field": "the field holding the prompt: text, or chat messages",
+        "chosen_field": "the field holding the chosen response: text, or chat messages",
+        "rejected_field": "the field holding the rejected response: text, or chat messages",
+    }
+
+    @staticmethod
+    def get_default_config(updates=None):
+        config = ConfigDict(dict(enabled=False, prompt_field="prompt", chosen_field="chosen",
+                                 rejected_field="rejected"))
+        if updates is not None:
+            config.update(ConfigDict(updates).copy_and_resolve_references())
+        return config
+
+    def __init__(self, config, text_processor, tokenizer, seq_length):
+        self.config = self.get_default_config(config)
+        self.row_length = seq_length + 1
+        self.chat = bool(text_processor.chat)
+        # The internal example {"prompt", "response"} of each side, tokenized EasyLM's way.
+        text = ConfigDict(text_processor.to_dict())
+        text.fields, text.fields_from_example = "[prompt],response", ""
+        self.text = TextProcessor(text, tokenizer)
+
+    def process(self, examples):
+        plans, sides = [], []
+        for example, where in examples:
+            if not isinstance(example, dict):
+                plans.append(example)
+                continue
+            pair = self._chat_sides(example, where) if self.chat else \
+                self._text_sides(example, where)
+            if isinstance(pair, str):
+                plans.append(pair)
+                continue
+            plans.append((len(sides), where))
+            sides += pair
+        encoded = (self.text.encode_chats if self.chat else self.text.process)(sides)
+        return [self._pair(plan, encoded) for plan in plans]
+
+    def _fields(self, example, where, names):
+        """The values of the named fields, or the reason the example is skipped."""
+        missing = [name for name in names if name not in example]
+        if missing:
+            return (f"{where}: missing field {missing[0]!r}; the example has: "
+                    f"{', '.join(map(str, example)) or 'no fields'}")
+        return [example[name] for name in names]
+
+    def _text_sides(self, example, where):
+        c = self.config
+        values = self._fields(example, where, (c.prompt_field, c.chosen_field,
+                                               c.rejected_field))
+        if isinstance(values, str):
+            return values
+        for name, value in zip((c.prompt_field, c.chosen_field, c.rejected_field), values):
+            if not isinstance(value, str):
+                return (f"{where}: field {name!r} is {type(value).__name__}, expected text "
+                        f"(or set text_processor.chat=True for messages)")
+        prompt, chosen, rejected = values
+        if chosen == rejected:
+            return f"{where}: chosen and rejected are the same"
+        return [({"prompt": prompt, "response": response}, where)
+                for response in (chosen, rejected)]
+
+    def _chat_sides(self, example, where):
+        c = self.config
+        values = self._fields(example, where, (c.chosen_field, c.rejected_field))
+        if isinstance(values, str):
+            return values
+        conversations = []
+        for name, value in zip((c.chosen_field, c.rejected_field), values):
+            if isinstance(value, str):
+                value = [{"role": "assistant", "content": value}]
+            elif not is_messages(value) or not value:
+                return (f"{where}: field {name!r} must be text or a non-empty list of "
+                        f"{{\"role\": str, \"content\": str}} objects")
+            if value[0]["role"] == "assistant":   # only the replies: the prompt goes first
+                prompt = self._chat_prompt(example, where)
+                if isinstance(prompt, str):
+                    return prompt
+                value = prompt + value
+            conversations.append(value)
+        chosen, rejected = conversations
+        if chosen == rejected:
+            return f"{where}: chosen and rejected are the same"
+        shared = next((i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b),
+                      min(len(chosen), len(rejected)))
+        for name, conversation in zip(SIDES, conversations):
+            if shared == len(conversation):
+                return (f"{where}: the {name} conversation has no reply after the "
+                        f"{shared} messages it shares with the other")
+            if conversation[shared]["role"] != "assistant":
+                return (f"{where}: chosen and rejected differ at message {shared + 1}, which "
+                        f"is a {conversation[shared]['role']!r} message, not an assistant "
+                        f"reply")
+        return [(conversation, shared, where) for conversation in conversations]
+
+    def _chat_prompt(self, example, where):
+        name = self.config.prompt_field
+        if name not in example:
+            return (f"{where}: missing field {name!r} (chosen and rejected hold only the "
+                    f"replies); the example has: {', '.join(map(str, example))}")
+        prompt = example[name]
+        if isinstance(prompt, str):
+            return [{"role": "user", "content": prompt}]
+        if not is_messages(prompt):
+            return (f"{where}: field {name!r} must be text or a list of "
+                    f"{{\"role\": str, \"content\": str}} objects")
+        return prompt
+
+    def _pair(self, plan, encoded):
+        if not isinstance(plan, tuple):
+            return plan
+        first, where = plan
+        sides = []
+        for name, side in zip(SIDES, encoded[first:first + 2]):
+            if isinstance(side, str):
+                return side
+            tokens, masks = side
+            if not masks[1:].any():   # the first token is never a target
+                return f"{where}: the {name} response has no tokens to train on"
+            trained = masks[1:self.row_length].any()
+            if not trained:
+                prompt = int(np.argmax(masks[1:] > 0)) + 1
+                return (f"{where}: the prompt is {prompt} tokens, longer than "
+                        f"seq_length={self.row_length - 1}")
+            sides.append((tokens[:self.row_length], masks[:self.row_length], len(tokens)))
+        (chosen, chosen_masks, n), (rejected, rejected_masks, m) = sides
+        if np.array_equal(chosen, rejected) and np.array_equal(chosen_masks, rejected_masks):
+            return (f"{where}: chosen and rejected differ only after seq_length="
+                    f"{self.row_length - 1} tokens")
+        return (chosen, chosen_masks, rejected, rejected_masks,
+                max(n, m) > self.row_length)
+
+
+def open_pairs(config, loader, tokenizer):
+    """(source, PreferenceProcessor) for a DatasetFactory config with preference.enabled."""
+    from easylm.data.dataset import open_source
+
+    if config.type not in ("json", "huggingface"):
+        raise UserError(f"--train_dataset.preference.enabled=True reads pairs from a json or "
+                        f"huggingface source, not --train_dataset.type={config.type}")
+    if loader.segment_ids:
+        raise UserError("segment_ids=True: preference pairs are not packed (one pair per "
+                        "row), so there are no segments; set it to False")
+    source, _ = open_source(config.type, loader, config.text_processor, tokenizer,
+                            loader.strict)
+    return source, PreferenceProcessor(config.preference, config.text_processor, tokenizer,
+                                       loader.seq_length)
+
+
+class PairStream:
+    """The pairs of one batch row: slots r, r+B, r+2B, ..., one pair per batch. What
+    WindowReader feeds (the interface of packing.Stream)."""
+
+    def __init__(self, seq_length, slot):
+        self.row_length = seq_length + 1
+        self.next_slot = slot
+        self.last_usable = slot
+        self.ended = None   # only mixtures end streams, and pairs come from no mixture
+        self.queue = collections.deque()   # (slot, pair)
+
+    def push_run(self, documents):
+        documents = [d for d in documents if d[0] >= self.next_slot]
+        if documents:
+            self.next_slot = documents[-1][0] + 1
+            self.last_usable = documents[-1][0]
+            self.queue.extend(documents)
+
+    def skip_to(self, slot):
+        self.next_slot = max(self.next_slot, slot)
+
+    def has_row(self):
+        return bool(self.queue)
+
+    def is_done(self):
+        return not self.queue
+
+    def position(self):
+        """(slot, 0): the next row is the pair in `slot`."""
+        return (self.queue[0][0] if self.queue else self.next_slot), 0
+
+    def next_row(self, pad_id):
+        """(chosen tokens (T+1,), masks, rejected tokens, masks, truncated), padded with
+        pad_id and mask 0; a row of padding only (no pair) at the end of a finite pass."""
+        if not self.queue:
+            empty = np.zeros(0, np.int32), np.zeros(0, np.float32)
+            return (*self._pad(*empty, pad_id), *self._pad(*empty, pad_id), False)
+        _, (chosen, chosen_masks, rejected, rejected_masks, truncated) = self.queue.popleft()
+        return (*self._pad(chosen, chosen_masks, pad_id),
+                *self._pad(rejected, rejected_masks, pad_id), truncated)
+
+    def _pad(self, tokens, masks, pad_id):
+        need = self.row_length - len(tokens)
+        return (np.concatenate([tokens, np.full(need, pad_id, np.int32)]).astype(np.int32),
+                np.concatenate([masks, np.zeros(need, np.float32)]).astype(np.float32))
+
+
+def make_pair_batch(rows):
+    """rows: PairStream.next_row results -> chosen_* and rejected_* (b, T) arrays."""
+    batch = {}
+    for i, side in enumerate(SIDES):
+        tokens, masks = np.stack([row[2 * i] for row in rows]), np.stack(
+            [row[2 * i + 1] for row in rows])   # (b, T+1)
+        batch[f"{side}_input_tokens"] = tokens[:, :-1]
+        batch[f"{side}_target_tokens"] = tokens[:, 1:]
+        batch[f"{side}_loss_masks"] = masks[:, 1:]
+    return batch
+
+
+def render_pair(render, tokenizer, pair):
+    """Preview lines of a pair; render(tokenizer, tokens, masks) marks the no-loss spans."""
+    chosen, chosen_masks, rejected, rejected_masks, truncated = pair
+    lines = []
+    for name, tokens, masks in (("chosen", chosen, chosen_masks),
+                                ("rejected", rejected, rejected_masks)):
+        lines += [f"{name}: {render(tokenizer, tokens, masks)}",
+                  f"({len(tokens)} tokens, {int(masks.sum())} with loss)"]
+    if truncated:
+        lines.append("(truncated to seq_length)")
+    return lines

@@ -1,0 +1,214 @@
+"""Preference objectives (DPO, SimPO, ORPO) as pure functions of sequence log-probabilities.
+
+A preference batch (easylm/data/preference.py) holds pair i in row i of chosen_* and of
+rejected_* (B, T): input_tokens, target_tokens, and loss_masks on the response tokens
+only; with a precomputed reference also reference_chosen_logps, reference_rejected_logps
+(B,). The steps:
+
+  per-sequence summed log-probabilities of the response tokens: `sequence_logps` from
+      logits, `chunked_sequence_logps` from hidden states without the (B, T, V) logits;
+  an objective (`OBJECTIVES`): (policy, reference or None, lengths, config) ->
+      (per-pair losses (B,), per-pair rewards, extra per-pair metrics);
+  `preference_sums`: sums over the pairs that have tokens on both sides.
+
+`make_loss_fn` composes them into the trainer's `(params, batch, rng) -> sums`. Like
+LossSums these are sums, so micro-batches and hosts add up exactly; the step divides by
+`pairs` once after adding them (a mean over pairs), where the language-model loss divides
+by tokens. Formulas, papers and metrics: docs/preference.md.
+"""
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from ml_collections import ConfigDict
+
+from easylm.losses import chunked_next_token_loss, next_token_loss
+
+ROW_KEYS = ("input_tokens", "target_tokens", "loss_masks")
+REFERENCE_KEYS = ("reference_chosen_logps", "reference_rejected_logps")
+
+
+class Pair(NamedTuple):
+    chosen: jax.Array  # (B,)
+    rejected: jax.Array  # (B,)
+
+
+class PreferenceSums(NamedTuple):
+    loss: jax.Array  # sum over pairs of each pair's loss, fp32 scalar
+    pairs: jax.Array  # pairs counted: the denominator of every entry
+    metrics: dict  # name -> sum over pairs (rewards/chosen, ...)
+
+
+HELP = {
+    "dpo.beta": "DPO's beta: the strength of the implicit KL penalty against the reference",
+    "dpo.label_smoothing": "DPO's label smoothing: the assumed share of flipped labels "
+                           "(conservative DPO); 0 is the paper's loss",
+    "simpo.beta": "SimPO's beta: the scale of the length-normalised reward",
+    "simpo.gamma": "SimPO's gamma: the target reward margin between chosen and rejected",
+    "orpo.lambda": "ORPO's lambda: the weight of the odds-ratio term beside the NLL of chosen",
+}
+
+
+def get_default_config(updates=None) -> ConfigDict:
+    """Each objective's options; the defaults are the papers' usual values."""
+    config = ConfigDict()
+    config.dpo = ConfigDict(dict(beta=0.1, label_smoothing=0.0))
+    config.simpo = ConfigDict(dict(beta=2.0, gamma=1.0))
+    config.orpo = ConfigDict({"lambda": 0.1})
+    if updates is not None:
+        config.update(ConfigDict(updates).copy_and_resolve_references())
+    return config
+
+
+# -------------------------------------------------------------- log-probabilities
+
+
+def sequence_logps(logits, target_tokens, loss_masks):
+    """(sum of log p(target) over each row's masked tokens (N,), their count (N,)), fp32.
+    logits (N, T, V). The row-wise next_token_loss: the same numbers as the LM loss."""
+    sums = jax.vmap(lambda l, t, m: next_token_loss(l[None], t[None], m[None]))(
+        logits, target_tokens, loss_masks)
+    return -sums.loss, sums.tokens
+
+
+def chunked_sequence_logps(hidden, head_weight, target_tokens, loss_masks, chunk_size):
+    """`sequence_logps(hidden @ head_weight, ...)` with at most (1, chunk_size, V) logits
+    per row live (chunked_next_token_loss, row by row). hidden (N, T, D)."""
+    sums = jax.vmap(lambda h, t, m: chunked_next_token_loss(
+        h[None], head_weight, t[None], m[None], chunk_size))(hidden, target_tokens, loss_masks)
+    return -sums.loss, sums.tokens
+
+
+# -------------------------------------------------------------- the objectives
+
+
+def _log1mexp(x):
+    """log(1 - exp(x)) for x < 0, accurate near 0 and far below (Maechler 2012)."""
+    return jnp.where(x > -0.6931472, jnp.log(-jnp.expm1(x)), jnp.log1p(-jnp.exp(x)))
+
+
+def dpo(policy: Pair, reference: Pair, lengths: Pair, config):
+    """Rafailov et al. 2023, with label smoothing eps (Mitchell 2023, conservative DPO):
+    h = beta * ((pi_c - ref_c) - (pi_r - ref_r)), loss = -(1-eps) log s(h) - eps log s(-h)."""
+    del lengths
+    rewards = Pair(config.beta * (policy.chosen - reference.chosen),
+                   config.beta * (policy.rejected - reference.rejected))
+    h = rewards.chosen - rewards.rejected
+    eps = config.label_smoothing
+    losses = -(1 - eps) * jax.nn.log_sigmoid(h) - eps * jax.nn.log_sigmoid(-h)
+    return losses, rewards, {}
+
+
+def simpo(policy: Pair, reference, lengths: Pair, config):
+    """Meng et al. 2024: rewards beta * (mean log-prob per response token), no reference;
+    loss = -log s(r_c - r_r - gamma)."""
+    del reference
+    rewards = Pair(config.beta * policy.chosen / lengths.chosen,
+                   config.beta * policy.rejected / lengths.rejected)
+    losses = -jax.nn.log_sigmoid(rewards.chosen - rewards.rejected - config.gamma)
+    return losses, rewards, {}
+
+
+def orpo(policy: Pair, reference, lengths: Pair, config):
+    """Hong et al. 2024: with P = exp(mean log-prob per token) and odds = P / (1 - P),
+    loss = NLL(chosen) - lambda * log s(log odds_c - log odds_r); the NLL is the mean over
+    the chosen response's tokens. Rewards are lambda * mean log-prob (as TRL logs them)."""
+    del reference
+    lam = config["lambda"]
+    mean = Pair(policy.chosen / lengths.chosen, policy.rejected / lengths.rejected)
+    log_odds = (mean.chosen - mean.rejected) - (_log1mexp(mean.chosen) - _log1mexp(mean.rejected))
+    nll = -mean.chosen
+    losses = nll - lam * jax.nn.log_sigmoid(log_odds)
+    return losses, Pair(lam * mean.chosen, lam * mean.rejected), {
+        "nll": nll, "log_odds_ratio": log_odds}
+
+
+OBJECTIVES: dict[str, Callable] = {"dpo": dpo, "simpo": simpo, "orpo": orpo}
+NEEDS_REFERENCE = ("dpo",)
+
+
+def preference_sums(objective: str, policy: Pair, reference: Pair | None, lengths: Pair,
+                    config) -> PreferenceSums:
+    """The objective's sums over pairs. A pair without tokens on both sides (the padding
+    of an eval batch) counts nowhere, its inputs replaced so no NaN reaches a gradient."""
+    valid = (lengths.chosen > 0) & (lengths.rejected > 0)
+    weight = valid.astype(jnp.float32)
+
+    def safe(pair, fill):
+        return Pair(*(jnp.where(valid, x, fill) for x in pair))
+
+    policy, lengths = safe(policy, -1.0), safe(lengths, 1.0)
+    reference = None if reference is None else safe(reference, -1.0)
+    losses, rewards, extra = OBJECTIVES[objective](policy, reference, lengths,
+                                                   config[objective])
+    # A tie counts one half: rewards that are all 0 (a policy against an identical
+    # reference) give accuracy 0.5, not 0.
+    correct = (rewards.chosen > rewards.rejected) + 0.5 * (rewards.chosen == rewards.rejected)
+    metrics = {
+        "rewards/chosen": rewards.chosen, "rewards/rejected": rewards.rejected,
+        "rewards/margin": rewards.chosen - rewards.rejected, "rewards/accuracy": correct,
+        "logps/chosen": policy.chosen, "logps/rejected": policy.rejected, **extra}
+    return PreferenceSums(loss=jnp.sum(losses * weight), pairs=jnp.sum(weight),
+                          metrics={k: jnp.sum(v * weight) for k, v in metrics.items()})
+
+
+def means(sums: PreferenceSums) -> dict:
+    """What a log step shows: every sum divided by the pairs counted."""
+    pairs = jnp.maximum(sums.pairs, 1.0)
+    return {"loss": sums.loss / pairs, **{k: v / pairs for k, v in sums.metrics.items()}}
+
+
+# -------------------------------------------------------------- the trainer's loss_fn
+
+
+def pair_rows(batch) -> dict:
+    """chosen_* and rejected_* (B, T) -> rows (2B, T), pair i in rows 2i (chosen) and
+    2i+1 (rejected): one forward pass for both, and a (B, 2, T) reshape keeps a pair on
+    the device that holds its batch row."""
+    return {k: jnp.stack([batch[f"chosen_{k}"], batch[f"rejected_{k}"]], axis=1)
+            .reshape(-1, *batch[f"chosen_{k}"].shape[1:]) for k in ROW_KEYS}
+
+
+def _as_pair(x) -> Pair:  # (2B,) interleaved -> Pair of (B,)
+    return Pair(*x.reshape(-1, 2).T)
+
+
+def make_loss_fn(objective: str, config, row_logps: Callable, reference: Callable | None = None):
+    """The trainer-style `loss_fn(params, batch, rng) -> PreferenceSums`.
+
+    row_logps(params, rows) -> (logps (N,), lengths (N,)) for rows of input_tokens,
+    target_tokens, loss_masks (N, T): e.g. sequence_logps of the model's logits.
+    reference: for DPO, the same kind of function giving the reference model's logps
+    (LoRA: the base with adapters off; a frozen copy); None reads them precomputed from
+    the batch (REFERENCE_KEYS, see `reference_logps`). The reference gets no gradient.
+    """
+    if objective not in OBJECTIVES:
+        raise ValueError(f"unknown preference objective {objective!r}; expected "
+                         f"{', '.join(OBJECTIVES)}")
+    config = get_default_config(config)
+
+    def loss_fn(params, batch, rng) -> PreferenceSums:
+        del rng  # LLaMA has no dropout
+        stored = objective in NEEDS_REFERENCE and reference is None
+        missing = [k for k in REFERENCE_KEYS if k not in batch] if stored else []
+        if missing:
+            raise ValueError(f"{objective} needs a reference: pass `reference`, or batches "
+                             f"with {', '.join(missing)}")
+        rows = pair_rows(batch)
+        logps, lengths = row_logps(params, rows)
+        ref = None
+        if stored:
+            ref = Pair(*(batch[k] for k in REFERENCE_KEYS))
+        elif objective in NEEDS_REFERENCE:
+            ref = _as_pair(jax.lax.stop_gradient(reference(params, rows)[0]))
+        return preference_sums(objective, _as_pair(logps), ref, _as_pair(lengths), config)
+
+    return loss_fn
+
+
+def reference_logps(row_logps: Callable, params, batch) -> dict:
+    """REFERENCE_KEYS -> (B,) arrays: the reference's logps of a batch, to store with it
+    so that training holds one model (what make_loss_fn reads when reference=None)."""
+    logps, _ = row_logps(params, pair_rows(batch))
+    return dict(zip(REFERENCE_KEYS, _as_pair(logps)))
