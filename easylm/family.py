@@ -15,7 +15,10 @@ names them for the generic commands).
 A variant (adapters on a frozen base, another loss) is another `Model` from the
 same family: `Model.init_frozen` gives parameters the model reads but does not
 train; the trainer keeps them in `TrainState.frozen`, outside the optimizer, and
-passes them to `loss_fn(params, batch, rng, frozen=...)`.
+passes them to `loss_fn(params, batch, rng, frozen=...)`. `Model.load_frozen` reads
+them from a checkpoint instead (a LoRA run's base: its --load_checkpoint); each
+checkpoint records their fingerprint, and a resume refuses frozen parameters that
+differ from those the run began on.
 """
 
 import dataclasses
@@ -57,6 +60,9 @@ class Model:
     # their partition rules.
     init_frozen: Callable | None = None
     frozen_rules: PartitionRules = ()
+    # mesh -> the frozen tree, read (not drawn) and placed in its shards: the trainer
+    # then trains fresh `init_params` on it, and --load_checkpoint names what it reads.
+    load_frozen: Callable | None = None
 
 
 class ModelFamily:
@@ -98,6 +104,20 @@ class ModelFamily:
     def torch_reference(self, config, params):
         """The same model in HF transformers (torch) for benchmarks, or None."""
         return None
+
+    def variant_flags(self) -> dict[str, ConfigDict]:
+        """Top-level flag sections that select a variant (LLaMA's `--lora.*`), with their
+        defaults; `build` reads them."""
+        return {}
+
+    def variant_help(self) -> dict:
+        """--help text of `variant_flags`' fields, by dotted name."""
+        return {}
+
+    def variant_run_defaults(self, flags: ConfigDict) -> dict:
+        """Run defaults a variant sets over the fine-tuning ones (LoRA's learning rates);
+        a variant that sets a learning rate gets no full-fine-tuning warning."""
+        return {}
 
     # ------------------------------------------------------------------ generic
 

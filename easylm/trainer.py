@@ -156,6 +156,8 @@ def default_config(family: ModelFamily) -> ConfigDict:
 
     config = get_default_config(DatasetFactory.get_default_config())
     config[family.name] = family.flag_config()  # from scratch; hf:: gives its own shape
+    for section, block in family.variant_flags().items():
+        config[section] = block
     return config
 
 
@@ -164,6 +166,7 @@ def help_entries(family: ModelFamily) -> dict:
 
     entries = help_text(getattr(DatasetFactory, "HELP", None))
     entries.update(family.help_entries("the preset's, or hf::DIR config.json's"))
+    entries.update(family.variant_help())
     for name, value in family.demo.items():
         entries[name] = f"{entries.get(name, '')} (the embedded demo, given no data and no " \
                         f"checkpoint: {value:g})".strip()
@@ -174,7 +177,8 @@ def family_run_defaults(family: ModelFamily) -> list[Callable[[ConfigDict], dict
     """`run_defaults` for `family`: its demo; rows no longer than its model takes (1024
     tokens do not fit a small preset)."""
     return run_defaults(family.demo,
-                        lambda config: family.bind(family.model_config(config)).max_seq_length)
+                        lambda config: family.bind(family.model_config(config)).max_seq_length,
+                        family.variant_run_defaults)
 
 
 def usage(family: ModelFamily, command: str = "train") -> str:
@@ -237,13 +241,14 @@ def _schedule_defaults(config: ConfigDict) -> dict:
             "optimizer.adamw_optimizer.lr_decay_steps": steps}
 
 
-def run_defaults(demo: dict, max_seq_length: Callable[[ConfigDict], int] | None = None
+def run_defaults(demo: dict, max_seq_length: Callable[[ConfigDict], int] | None = None,
+                 variant: Callable[[ConfigDict], dict] | None = None
                  ) -> list[Callable[[ConfigDict], dict]]:
     """For `flags.parse(derived=...)`: the embedded demo's settings (`demo`, from the model
     family) for a run given no data and no checkpoint; a fine-tuning learning rate from a
-    pretrained checkpoint; rows no longer than the model takes (`max_seq_length(config)`,
-    from the family); a schedule that ends with the run; eval rows shaped like the train
-    rows."""
+    pretrained checkpoint, then a variant's own (`variant(config)`, from the family); rows
+    no longer than the model takes (`max_seq_length(config)`, from the family); a schedule
+    that ends with the run; eval rows shaped like the train rows."""
 
     def rows(config):
         if max_seq_length is None:
@@ -263,7 +268,7 @@ def run_defaults(demo: dict, max_seq_length: Callable[[ConfigDict], int] | None 
 
     return [lambda config: dict(demo) if is_demo(config) else {},
             lambda config: dict(FINE_TUNING_DEFAULTS) if starts_from_pretrained(config) else {},
-            rows, _schedule_defaults, eval_rows]
+            variant or (lambda config: {}), rows, _schedule_defaults, eval_rows]
 
 
 # ------------------------------------------------------------------ the steps
@@ -427,17 +432,33 @@ def _state_rules(model: Model):
     return tuple(model.partition_rules) + tuple(model.frozen_rules)
 
 
-def _initial_state(model: Model, tx, rng, params=None) -> TrainState:
+def _initial_state(model: Model, tx, rng, params=None, frozen: bool = True) -> TrainState:
     """Traced by `init_state` and `abstract_state`: step 0 around `params` (default: fresh
-    ones from `rng`)."""
-    frozen = None if model.init_frozen is None else model.init_frozen(jax.random.fold_in(rng, 1))
-    return new_state(model.init_params(rng) if params is None else params, tx, frozen)
+    ones from `rng`), with fresh frozen parameters unless `frozen` is False."""
+    fresh = frozen and model.init_frozen is not None
+    return new_state(model.init_params(rng) if params is None else params, tx,
+                     model.init_frozen(jax.random.fold_in(rng, 1)) if fresh else None)
+
+
+def init_frozen(model: Model, mesh, seed: int):
+    """The frozen parameters in their shards: read (`model.load_frozen`) or drawn as
+    `init_state` draws them; None for a model without."""
+    if model.load_frozen is not None:
+        return model.load_frozen(mesh)
+    if model.init_frozen is None:
+        return None
+    return init_sharded(lambda rng: model.init_frozen(jax.random.fold_in(rng, 1)),
+                        model.frozen_rules, mesh, jax.random.key(seed))
 
 
 def init_state(model: Model, tx, mesh, seed: int, params=None) -> TrainState:
     """A fresh train state created in its shards (or around given `params`)."""
-    return init_sharded(lambda rng, p: _initial_state(model, tx, rng, p), _state_rules(model),
-                        mesh, jax.random.key(seed), params)
+    if model.load_frozen is None:
+        return init_sharded(lambda rng, p: _initial_state(model, tx, rng, p),
+                            _state_rules(model), mesh, jax.random.key(seed), params)
+    state = init_sharded(lambda rng, p: _initial_state(model, tx, rng, p, frozen=False),
+                         model.partition_rules, mesh, jax.random.key(seed), params)
+    return state.replace(frozen=init_frozen(model, mesh, seed))
 
 
 def abstract_state(model: Model, tx, mesh, seed: int) -> TrainState:
@@ -499,11 +520,8 @@ def _load_state(kind: str, directory: str, model: Model, tx, mesh, seed: int):
             directory, {"params": abstract.params, "opt_state": _state_rest(abstract)},
             json_items=("data",) if checkpoint.has_item(directory, "data") else (),
         )
-        state = TrainState(params=items["params"], **items["opt_state"])
-        if model.init_frozen is not None:
-            frozen = init_sharded(lambda rng: model.init_frozen(jax.random.fold_in(rng, 1)),
-                                  model.frozen_rules, mesh, jax.random.key(seed))
-            state = state.replace(frozen=frozen)
+        state = TrainState(params=items["params"], **items["opt_state"],
+                           frozen=init_frozen(model, mesh, seed))
         return state, items.get("data")
     params = checkpoint.restore_items(directory, {"params": abstract.params})["params"]
     state = init_state(model, tx, mesh, seed, params=params)
@@ -587,13 +605,14 @@ def _load_data(config: ConfigDict, tokenizer):
     return train, evaluation, make_global_batch
 
 
-def _warn_about_the_schedule(config: ConfigDict, schedule, print_fn):
+def _warn_about_the_schedule(config: ConfigDict, schedule, print_fn, variant: dict | None = None):
     """A fine-tuning learning rate too high for a pretrained model, and a decay that does
     not end with the run: both train, but rarely as meant."""
     if config.optimizer.type != "adamw":
         return
     c = config.optimizer.adamw_optimizer
-    if starts_from_pretrained(config) and c.lr > FINE_TUNING_MAX_LR:
+    if starts_from_pretrained(config) and c.lr > FINE_TUNING_MAX_LR and \
+            "optimizer.adamw_optimizer.lr" not in (variant or {}):
         print_fn(f"warning: fine-tuning {config.load_checkpoint} at a peak learning rate of "
                  f"{c.lr:g}, above the {FINE_TUNING_MAX_LR:g} a pretrained model usually "
                  f"tolerates (full fine-tuning uses about 1e-5 to 5e-5): lower "
@@ -661,8 +680,11 @@ class Run:
     def save(self, step: int):
         """A checkpoint of the current state at `step` (once per step)."""
         if self.saved_step != step:
+            metadata = _metadata(self.config, self.model, step)
+            if self.frozen_reference is not None:
+                metadata["frozen"] = self.frozen_reference
             self.manager.save(step, self.state.params, _state_rest(self.state),
-                              self.dataset.get_state_dict(), _metadata(self.config, self.model, step))
+                              self.dataset.get_state_dict(), metadata)
             self.saved_step = step
 
 
@@ -675,7 +697,8 @@ def train(config: ConfigDict, family: ModelFamily) -> str:
     final = run.manager.step_directory(step)
     if jax.process_index() == 0:
         print(f"checkpoint: {final}")
-        if family.serve_module and step == config.total_steps:
+        # A variant without `apply` (LoRA adapters alone) is not served as it is.
+        if family.serve_module and step == config.total_steps and run.model.apply is not None:
             print(f"serve it:   python -m {family.serve_module} --load_checkpoint=params::{final} "
                   f"--tokenizer={config.tokenizer}")
     return final
@@ -731,6 +754,7 @@ def start(config: ConfigDict, family: ModelFamily, cleanup: contextlib.ExitStack
         )
     cleanup.enter_context(jax.set_mesh(mesh))
     source, state, data_state = _start_state(config, model, tx, mesh, manager, latest)
+    frozen_reference = _frozen_reference(config, model, state, source)
     if data_state is not None:
         dataset.load_state_dict(data_state)
     start_step = int(state.step)
@@ -749,7 +773,7 @@ def start(config: ConfigDict, family: ModelFamily, cleanup: contextlib.ExitStack
               dataset=dataset, eval_dataset=eval_dataset,
               make_batch=lambda batch: make_global_batch(batch, mesh), run_dir=run_dir,
               manager=manager, log=log, state=state, start_step=start_step,
-              train_step=train_step, eval_step=eval_step,
+              train_step=train_step, eval_step=eval_step, frozen_reference=frozen_reference,
               saved_step=start_step if source and source[0] == "trainstate" else None)
     _print_start(run, latest is None)
     return run
@@ -760,9 +784,11 @@ def _start_state(config, model, tx, mesh, manager, latest):
     checkpoint, else from --load_checkpoint, else fresh."""
     if latest is not None:
         source = ("trainstate", manager.step_directory(latest))
-    elif config.load_checkpoint:
+    elif config.load_checkpoint and model.load_frozen is None:
         source = checkpoint.parse_load_spec(config.load_checkpoint, LOAD_PREFIXES)
-    else:
+    else:  # with `load_frozen`, --load_checkpoint is the frozen base under fresh parameters
+        if model.load_frozen is not None and jax.process_index() == 0:
+            print(f"loading the frozen base {config.load_checkpoint}")
         return None, init_state(model, tx, mesh, config.seed), None
     if jax.process_index() == 0:
         print(f"loading {source[0]}::{source[1]}")
@@ -780,6 +806,25 @@ def _start_state(config, model, tx, mesh, manager, latest):
     return source, state, data_state
 
 
+def _frozen_reference(config, model: Model, state: TrainState, source) -> dict | None:
+    """What the frozen parameters are ({"source", "fingerprint"}), for checkpoint
+    metadata. A train state resumed (or loaded) on frozen parameters other than those it
+    was trained on would continue from a different model: refused."""
+    if state.frozen is None:
+        return None
+    reference = {"source": config.load_checkpoint if model.load_frozen else "init",
+                 "fingerprint": checkpoint.fingerprint(state.frozen)}
+    if source and source[0] == "trainstate":
+        recorded = checkpoint.read_metadata(source[1]).get("frozen")
+        if recorded and recorded["fingerprint"] != reference["fingerprint"]:
+            raise UserError(
+                f"{source[1]} was trained on a frozen base ({recorded['source']}) with "
+                f"fingerprint {recorded['fingerprint']}, but {reference['source']} now gives "
+                f"{reference['fingerprint']}: restore that base, or start a new run "
+                f"(--logger.experiment_id)")
+    return reference
+
+
 def _print_start(run: Run, fresh: bool):
     config, model, mesh = run.config, run.model, run.mesh
     batch_tokens = run.dataset.batch_size * run.dataset.seq_length
@@ -794,7 +839,8 @@ def _print_start(run: Run, fresh: bool):
                   f"{batch_tokens:,} tokens/step | steps {run.start_step} -> "
                   f"{config.total_steps}{no_mfu}")
     if fresh:
-        _warn_about_the_schedule(config, run.schedule, run.log.print)
+        _warn_about_the_schedule(config, run.schedule, run.log.print,
+                                 run.family.variant_run_defaults(config))
 
 
 def add_standard_hooks(run: Run):

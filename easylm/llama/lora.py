@@ -8,12 +8,26 @@ choices change none), and every projection gets its adapters.
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
+from easylm import checkpoint
+from easylm.errors import UserError
+from easylm.family import Model
 from easylm.llama import hf_weights
 from easylm.llama.config import LLaMAConfig
-from easylm.llama.model import LLaMAForCausalLM
-from easylm.lora import LoraConfig, LoraModel, read_peft, write_peft
+from easylm.llama.model import PARTITION_RULES, LLaMAForCausalLM, lm_head_weight
+from easylm.losses import chunked_next_token_loss, next_token_loss
+from easylm.lora import LoraConfig, LoraModel, partition_rules, read_peft, write_peft
+from easylm.sharding import match_partition_rules, named_shardings
+
+# A LoRA run's learning rates from a pretrained base: the QLoRA paper's 2e-4 (7B-13B;
+# 1e-4 from 33B), far above full fine-tuning's, since only the adapters move.
+LORA_RUN_DEFAULTS = {"optimizer.adamw_optimizer.lr": 2e-4,
+                     "optimizer.adamw_optimizer.end_lr": 2e-5}
+# The base is read in bf16 unless kept in fp32: int8/nf4 quantize from it, as QLoRA does
+# from bf16/fp16 weights, and a 70B base is never whole in fp32 on a device.
+_READ_DTYPE = {"fp32": jnp.float32}
 
 
 def lora_model(config: LLaMAConfig, lora: LoraConfig, dtype=jnp.float32,
@@ -21,6 +35,61 @@ def lora_model(config: LLaMAConfig, lora: LoraConfig, dtype=jnp.float32,
     module = LLaMAForCausalLM(config.replace(fused_qkv=False, fused_mlp=False), dtype=dtype,
                               param_dtype=param_dtype)
     return LoraModel(module, lora, dtype)
+
+
+def lora_variant(model: Model, config: LLaMAConfig, lora: LoraConfig, dtype, load_spec: str,
+                 load_hf) -> Model:
+    """The LoRA `Model` of the LLaMA `model` (bound to `config`, compute `dtype`): it trains
+    the adapters (`params`) on the frozen base (`frozen`: `lora.base_dtype`, quantized on
+    the devices for int8/nf4), read from `load_spec` (hf::, params:: or trainstate_params::;
+    `load_hf(directory, abstract)` reads hf::) or, with none, drawn."""
+    lm = lora_model(config, lora, dtype=dtype)
+    rules = partition_rules(PARTITION_RULES, lora)
+    head_adapted = any(path.startswith("lm_head/") for path in lm.targets)
+    if config.loss_chunk_size and head_adapted:
+        raise UserError("--llama.loss_chunk_size computes the output projection outside the "
+                        "model: leave lm_head out of --lora.target_modules, or set "
+                        "--llama.loss_chunk_size=0")
+
+    def forward(adapters, batch, rng, frozen, **kwargs):
+        return lm.apply(frozen, adapters, batch["input_tokens"], positions=batch.get("positions"),
+                        segment_ids=batch.get("segment_ids"), rng=rng, **kwargs)
+
+    def loss_fn(adapters, batch, rng, frozen):
+        if not config.loss_chunk_size:
+            return next_token_loss(forward(adapters, batch, rng, frozen), batch["target_tokens"],
+                                   batch["loss_masks"])
+        hidden = forward(adapters, batch, rng, frozen, return_hidden=True)
+        head = lm_head_weight(lm.dequantized_base(frozen), config)
+        return chunked_next_token_loss(hidden, head, batch["target_tokens"], batch["loss_masks"],
+                                       config.loss_chunk_size)
+
+    def init_frozen(rng):
+        return lm.store_base(lm.base_module.init_params(rng))
+
+    def load_frozen(mesh):
+        kind, directory = checkpoint.parse_load_spec(load_spec, checkpoint.LOAD_PREFIXES + ("hf",))
+        if kind == "trainstate":
+            raise UserError(f"--load_checkpoint={load_spec}: a LoRA run (--lora.rank="
+                            f"{lora.rank}) trains adapters on a base: give the base as hf::, "
+                            f"params:: or trainstate_params::")
+        shapes = jax.eval_shape(lm.base_module.init_params, jax.random.key(0))
+        read = _READ_DTYPE.get(lora.base_dtype, jnp.bfloat16)
+        shardings = named_shardings(mesh, match_partition_rules(PARTITION_RULES, shapes))
+        abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, read, sharding=s),
+                                shapes, shardings)
+        base = (load_hf(directory, abstract) if kind == "hf"
+                else checkpoint.load_params(load_spec, abstract))
+        stored = jax.eval_shape(init_frozen, jax.random.key(0))
+        out = named_shardings(mesh, match_partition_rules(rules, stored))
+        return jax.jit(lm.store_base, out_shardings=out, donate_argnums=0)(base)
+
+    return dataclasses.replace(
+        model, init_params=lm.init_adapters, loss_fn=loss_fn, partition_rules=rules,
+        init_frozen=init_frozen, frozen_rules=rules,
+        load_frozen=load_frozen if load_spec else None, load_hf=None,
+        # Serving reads a merged model (--lora_checkpoint), not adapters alone.
+        apply=None, init_cache=None, num_parameters=lm.num_adapter_parameters())
 
 
 def save_peft(directory: str, lm: LoraModel, adapters, config: LLaMAConfig,
