@@ -105,6 +105,11 @@ class ModelFamily:
         """The same model in HF transformers (torch) for benchmarks, or None."""
         return None
 
+    def merge_adapters(self, spec: str, config, params, mesh):
+        """`params` (of `bind(config)`, on `mesh`) with the adapters at `spec` folded in:
+        the server's --lora_checkpoint."""
+        raise UserError(f"--lora_checkpoint={spec}: the {self.name} family has no adapters")
+
     def variant_flags(self) -> dict[str, ConfigDict]:
         """Top-level flag sections that select a variant (LLaMA's `--lora.*`), with their
         defaults; `build` reads them."""

@@ -19,16 +19,19 @@ import torch
 from flax import traverse_util
 from transformers import LlamaForCausalLM as HFLlama
 
+from cli_utils import one_line_error
 from test_checkpoint import ENV, command, data_path, metrics, run_until  # noqa: F401
 
-from easylm import checkpoint, trainer
+from easylm import checkpoint, flags, trainer
 from easylm.errors import UserError
-from easylm.llama import train
+from easylm.llama import convert_easylm_to_hf as convert, train
 from easylm.llama.config import LLaMAConfig
+from easylm.llama.convert_hf_to_easylm import load_hf_params
 from easylm.llama.family import FAMILY
 from easylm.llama.lora import lora_model
 from easylm.llama.model import LLaMAForCausalLM
 from easylm.lora import LoraConfig
+from easylm.serving import cli as serving_cli
 from easylm.sharding import path_to_string
 
 # nf4 blocks need kernels' input dimensions to be multiples of 64.
@@ -91,7 +94,8 @@ def lora_run(config, checks=None):
 STEPS = 40
 
 
-def test_qlora_starts_as_the_base_trains_adapters_only_and_learns_like_bf16(hf_dir, tmp_path):
+def test_qlora_starts_as_the_base_trains_adapters_only_and_learns_like_bf16(hf_dir, tmp_path,
+                                                                         capsys):
     # lm_head adapted too: on a random base, the rest alone barely learns in a few steps.
     common = [f"--load_checkpoint=hf::{hf_dir}", f"--total_steps={STEPS}", "--lora.rank=8",
               "--lora.target_modules=(proj|lm_head)/kernel$", "--lora.dropout=0.05",
@@ -128,6 +132,40 @@ def test_qlora_starts_as_the_base_trains_adapters_only_and_learns_like_bf16(hf_d
         traverse_util.flatten_dict(before.params, sep="/"))
     metadata_allowance = 256 * 1024  # orbax's JSON files, the flags, the data state
     assert directory_bytes(final) <= 3 * nbytes(before.params) + metadata_allowance
+
+    # Export: a PEFT directory and a merged HF model, each verified against peft or
+    # transformers by the command; the merged model computes the adapted one.
+    for mode in ("adapter", "merged"):
+        convert.main(["convert", f"--load_checkpoint=params::{final}", f"--lora_mode={mode}",
+                      f"--output_dir={tmp_path / mode}", "--verify_tolerance=1e-4"])
+    assert os.path.isfile(tmp_path / "adapter" / "adapter_model.safetensors")
+    with torch.no_grad():
+        merged = HFLlama.from_pretrained(tmp_path / "merged").eval()(torch.tensor(ids)).logits
+    adapted = np.asarray(lm.apply(after.frozen, after.params, ids))
+    base = np.asarray(lm.apply(after.frozen, before.params, ids))
+    # fp32 logits of O(1) after two layers, summed over <= 128 terms.
+    assert np.abs(merged.numpy() - adapted).max() <= 1e-4
+    assert np.abs(merged.numpy() - base).max() > 100 * 1e-4  # the adapters changed something
+    other = make_hf(tmp_path / "other_base", seed=1)
+    capsys.readouterr()
+    assert "is not the base" in one_line_error(convert.main, [
+        "convert", f"--load_checkpoint=params::{final}", "--lora_mode=merged",
+        f"--output_dir={tmp_path / 'other'}", f"--lora_base=hf::{other}"], capsys)
+    assert not os.path.exists(tmp_path / "other")
+    # Serving: the base plus --lora_checkpoint (the run's checkpoint or the PEFT export),
+    # merged as it loads.
+    served = []
+    for adapters in (final, tmp_path / "adapter"):
+        config = flags.parse(serving_cli.default_config(FAMILY), serving_cli.help_entries(FAMILY),
+                             ["serve", f"--load_checkpoint=hf::{hf_dir}", "--dtype=fp32",
+                              f"--lora_checkpoint={adapters}", "--pre_compile=False"])
+        served.append(jax.device_get(serving_cli.load_engine(FAMILY, config)[0].params))
+    assert same_bits(served[0], served[1])
+    hf_params = load_hf_params(str(hf_dir), scan_layers=False)[1]
+    want = jax.device_get(jax.jit(lm.merge)(hf_params, after.params))
+    for a, b in zip(jax.tree.leaves(served[0]), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)  # W + s A B: one fp32 rounding
+    assert not same_bits(served[0], hf_params)
 
     # Acceptance 4: QLoRA lowers the loss as LoRA on a bf16 base does (the same data and
     # seed; the mean of the last quarter of the steps, one batch each, within 10%). The

@@ -92,6 +92,11 @@ class LLaMAFamily(ModelFamily):
                             dtype_from_flag("dtype", flags.dtype), flags.get("load_checkpoint", ""),
                             lambda directory, abstract: self.load_hf(directory, config, abstract))
 
+    def merge_adapters(self, spec: str, config: LLaMAConfig, params, mesh):
+        from easylm.llama.lora import merge_into
+
+        return merge_into(spec, config, params)
+
     def variant_flags(self) -> dict:
         from easylm.lora import LoraConfig
 

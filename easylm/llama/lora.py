@@ -68,21 +68,7 @@ def lora_variant(model: Model, config: LLaMAConfig, lora: LoraConfig, dtype, loa
         return lm.store_base(lm.base_module.init_params(rng))
 
     def load_frozen(mesh):
-        kind, directory = checkpoint.parse_load_spec(load_spec, checkpoint.LOAD_PREFIXES + ("hf",))
-        if kind == "trainstate":
-            raise UserError(f"--load_checkpoint={load_spec}: a LoRA run (--lora.rank="
-                            f"{lora.rank}) trains adapters on a base: give the base as hf::, "
-                            f"params:: or trainstate_params::")
-        shapes = jax.eval_shape(lm.base_module.init_params, jax.random.key(0))
-        read = _READ_DTYPE.get(lora.base_dtype, jnp.bfloat16)
-        shardings = named_shardings(mesh, match_partition_rules(PARTITION_RULES, shapes))
-        abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, read, sharding=s),
-                                shapes, shardings)
-        base = (load_hf(directory, abstract) if kind == "hf"
-                else checkpoint.load_params(load_spec, abstract))
-        stored = jax.eval_shape(init_frozen, jax.random.key(0))
-        out = named_shardings(mesh, match_partition_rules(rules, stored))
-        return jax.jit(lm.store_base, out_shardings=out, donate_argnums=0)(base)
+        return load_base(lm, load_spec, mesh, load_hf)
 
     return dataclasses.replace(
         model, init_params=lm.init_adapters, loss_fn=loss_fn, partition_rules=rules,
@@ -90,6 +76,67 @@ def lora_variant(model: Model, config: LLaMAConfig, lora: LoraConfig, dtype, loa
         load_frozen=load_frozen if load_spec else None, load_hf=None,
         # Serving reads a merged model (--lora_checkpoint), not adapters alone.
         apply=None, init_cache=None, num_parameters=lm.num_adapter_parameters())
+
+
+def load_base(lm: LoraModel, spec: str, mesh, load_hf):
+    """The frozen base of `lm` from `spec` (hf::, params:: or trainstate_params::), each
+    tensor read into its shards of `mesh`, then stored (cast, or quantized) on the devices."""
+    kind, directory = checkpoint.parse_load_spec(spec, checkpoint.LOAD_PREFIXES + ("hf",))
+    if kind == "trainstate":
+        raise UserError(f"--load_checkpoint={spec}: a LoRA run (--lora.rank="
+                        f"{lm.config.rank}) trains adapters on a base: give the base as hf::, "
+                        f"params:: or trainstate_params::")
+    rules = partition_rules(PARTITION_RULES, lm.config)
+    shapes = jax.eval_shape(lm.base_module.init_params, jax.random.key(0))
+    read = _READ_DTYPE.get(lm.config.base_dtype, jnp.bfloat16)
+    shardings = named_shardings(mesh, match_partition_rules(PARTITION_RULES, shapes))
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, read, sharding=s),
+                            shapes, shardings)
+    base = load_hf(directory, abstract) if kind == "hf" else checkpoint.load_params(spec, abstract)
+    stored = jax.eval_shape(lm.store_base, shapes)
+    out = named_shardings(mesh, match_partition_rules(rules, stored))
+    return jax.jit(lm.store_base, out_shardings=out, donate_argnums=0)(base)
+
+
+def read_adapters(spec: str, config: LLaMAConfig) -> tuple[LoraConfig, dict]:
+    """(LoraConfig, adapters on the host) from a PEFT directory or a LoRA run's checkpoint
+    (DIR or params::DIR), shaped for `config`."""
+    import os
+
+    from easylm.lora import PEFT_CONFIG
+
+    directory = spec.partition("::")[2] if "::" in spec else spec
+    if os.path.isfile(os.path.join(directory, PEFT_CONFIG)):
+        return load_peft(directory, config)
+    checkpoint.check_checkpoint_dir(directory)
+    recorded = checkpoint.read_metadata(directory).get("flags", {})
+    fields = {name.split(".", 1)[1]: value for name, value in recorded.items()
+              if name.startswith("lora.")}
+    if not fields.get("rank"):
+        raise UserError(f"--lora_checkpoint={spec}: neither a PEFT adapter directory nor a "
+                        f"LoRA run's checkpoint (its flags have no --lora.rank)")
+    lora = LoraConfig(**fields)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype,
+                                                              sharding=device),
+                            checkpoint.stored_tree(directory, "params"))
+    return lora, checkpoint.load_params(f"params::{directory}", abstract)
+
+
+def merge_into(spec: str, config: LLaMAConfig, params):
+    """`params` (float, sharded) with the adapters at `spec` folded into their kernels, on
+    the devices and in each kernel's dtype and shards."""
+    lora, adapters = read_adapters(spec, config)
+    adapters = jax.device_get(adapters)  # small: jit places them beside the kernels
+    lm = lora_model(config, lora)
+    shardings = jax.tree.map(lambda x: x.sharding, params)
+    expected = jax.tree.structure(lm.adapter_shapes)
+    if jax.tree.structure(adapters) != expected or any(
+            a.shape != b.shape for a, b in zip(jax.tree.leaves(adapters),
+                                               jax.tree.leaves(lm.adapter_shapes))):
+        raise UserError(f"--lora_checkpoint={spec}: its adapters do not fit the served model "
+                        f"(another shape, or other adapted modules)")
+    return jax.jit(lm.merge, out_shardings=shardings)(params, adapters)
 
 
 def save_peft(directory: str, lm: LoraModel, adapters, config: LLaMAConfig,

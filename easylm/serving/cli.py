@@ -35,6 +35,7 @@ def engine_config(family: ModelFamily) -> ConfigDict:
     config.tokenizer = "embedded"
     config.mesh_dim = "1,1,-1"
     config.dtype = "auto"
+    config.lora_checkpoint = ""
     config.update(engine_lib.get_default_config())
     # The trainer's default model, so that both commands with no flags mean the same one.
     config[family.name] = family.flag_config()
@@ -50,6 +51,9 @@ def engine_help_entries(family: ModelFamily) -> dict:
         "mesh_dim": "device mesh dp,fsdp,mp; one entry may be -1 (default: all devices on mp)",
         "dtype": "compute and parameter dtype: bf16, fp16, fp32, or auto (bf16 on GPU/TPU, "
                  "fp32 on CPU)",
+        "lora_checkpoint": "LoRA adapters to fold into --load_checkpoint's weights as they "
+                           "load: a LoRA run's checkpoint (DIR, or params::DIR) or a PEFT "
+                           "adapter directory",
         **engine_lib.HELP,
         **family.help_entries("the checkpoint's, or the preset's"),
         f"{family.name}.base_model": "preset, used when the checkpoint does not record its "
@@ -116,6 +120,8 @@ def load_engine(family: ModelFamily, config: ConfigDict):
     engine_lib.check_config(config)
     mesh = make_mesh(config.mesh_dim)
     params = load_params(family, config, settings, model, mesh)
+    if config.get("lora_checkpoint"):
+        params = family.merge_adapters(config.lora_checkpoint, settings, params, mesh)
     engine = engine_lib.Engine(config, model, params, mesh)
     if config.pre_compile:
         start = time.time()
