@@ -148,8 +148,7 @@ def alternating_lines(path):
                                   "output_dir_under_a_file", "starved_rows"])
 def test_bad_run_setup_is_one_clear_line(case, capsys, tmp_path, monkeypatch):
     # The skip warnings before the error line are the pipeline's usual ones, not under test
-    # (and the root logger's handler may hold an earlier test's closed stream). Disabled,
-    # not just unpropagated: a logger without handlers falls back to logging.lastResort.
+    # (and the root logger's handler may hold an earlier test's closed stream).
     monkeypatch.setattr(logging.getLogger("easylm.data.dataset"), "disabled", True)
     data = tmp_path / "data.jsonl"
     data.write_text('{"text": "a b c"}\n')
