@@ -3,7 +3,8 @@
 A checkpoint is one directory holding these orbax items:
 
     params      the model parameters (always)
-    opt_state   the rest of the train state: optimizer state, step, rng (optional)
+    opt_state   the rest of the train state: optimizer state, step, skipped-update
+                counters (optional: --checkpointer.save_optimizer_state)
     data        the data pipeline's JSON state (`get_state_dict()`), for exact resume
     metadata    JSON: the flags, the model config, library versions
 

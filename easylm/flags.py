@@ -59,12 +59,14 @@ def define(config: ConfigDict, help_text: dict) -> flags.FlagValues:
 
 
 def parse(config: ConfigDict, help_text: dict, argv: list[str], usage: str = "",
-          derived=()) -> ConfigDict:
+          derived=(), common=()) -> ConfigDict:
     """A copy of `config` with the values given in `argv` (argv[0] is the program), then
     the `derived` defaults (see the module docstring), each rule seeing the ones before.
-    With --help (or -h) in `argv`, prints `usage` and every flag, and exits 0."""
+    With --help (or -h) in `argv`, prints `usage` and the `common` flags (all of them
+    when `common` is empty), with --helpfull every flag, and exits 0."""
     if wants_help(argv):
-        print_help_and_exit(config, help_text, usage)
+        print_help_and_exit(config, help_text, usage, common,
+                            full="--helpfull" in argv[1:] or not common)
     flag_values = define(config, help_text)
     try:
         rest = flag_values(argv)
@@ -100,24 +102,53 @@ def wants_help(argv: list[str]) -> bool:
     return any(arg in ("--help", "-h", "--helpfull", "-help") for arg in argv[1:])
 
 
-def format_help(config: ConfigDict, help_text: dict, usage: str) -> str:
-    """All flags with defaults and help, grouped by their first name component."""
+def _help_line(name: str, default, text: str) -> str:
+    flag = f"  --{name}={'' if default is None else default}"
+    return f"{flag:<50} {text}" if len(flag) < 50 else f"{flag}\n{'':<50} {text}"
+
+
+def format_help(config: ConfigDict, help_text: dict, usage: str, common=(),
+                full: bool = True) -> str:
+    """Not `full`: the `common` flags, in that order, and how to see the rest. `full`: all
+    flags with defaults and help, grouped by their first name component (the groups of
+    `common` first); a group with the same flags as an earlier one (eval_dataset's,
+    train_dataset's) lists only those that differ."""
+    values = flatten(config)
     lines = [usage, ""]
-    section = None
-    # Top-level flags first, then one block per section.
-    for name, default in sorted(flatten(config).items(), key=lambda kv: ("." in kv[0], kv[0])):
-        group = name.split(".")[0] if "." in name else ""
-        if group != section:
-            section = group
+    if not full:
+        lines.append("most used flags:")
+        lines += [_help_line(name, values[name], help_text.get(name, "")) for name in common]
+        lines += ["", f"all {len(values)} flags: --helpfull"]
+        return "\n".join(lines)
+    groups: dict[str, dict] = {"": {}}
+    # Top-level flags first, then the groups of the common flags, then the rest;
+    # alphabetical within each.
+    for name in [*common, *sorted(values)]:
+        groups.setdefault(name.partition(".")[0] if "." in name else "", {})
+    for name, default in sorted(values.items()):
+        groups[name.partition(".")[0] if "." in name else ""][name] = default
+    seen: dict[frozenset, str] = {}
+    for group, flags_ in groups.items():
+        suffixes = {name[len(group) + 1:]: (default, help_text.get(name, ""))
+                    for name, default in flags_.items()} if group else {}
+        twin = seen.get(frozenset(suffixes)) if group else None
+        if twin is None:
+            if group:
+                seen[frozenset(suffixes)] = group
             lines.append(f"{group}:" if group else "flags:")
-        shown = "" if default is None else str(default)
-        flag = f"  --{name}={shown}"
-        text = help_text.get(name, "")
-        lines.append(f"{flag:<50} {text}" if len(flag) < 50 else f"{flag}\n{'':<50} {text}")
+            lines += [_help_line(name, default, help_text.get(name, ""))
+                      for name, default in flags_.items()]
+            continue
+        lines.append(f"{group}: the same flags as {twin}.* (--{group}.NAME); those that "
+                     f"differ:")
+        for suffix, (default, text) in suffixes.items():
+            if (default, text) != (values[f"{twin}.{suffix}"], help_text.get(f"{twin}.{suffix}", "")):
+                lines.append(_help_line(f"{group}.{suffix}", default, text))
     lines += ["", "Flags may also come from a file: --flagfile=FILE (one --name=value a line)."]
     return "\n".join(lines)
 
 
-def print_help_and_exit(config: ConfigDict, help_text: dict, usage: str):
-    print(format_help(config, help_text, usage))
+def print_help_and_exit(config: ConfigDict, help_text: dict, usage: str, common=(),
+                        full: bool = True):
+    print(format_help(config, help_text, usage, common, full))
     sys.exit(0)

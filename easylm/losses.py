@@ -2,7 +2,7 @@
 
 A loss function maps (params, batch, rng) to a `LossSums`; the train step
 divides by the token count once, after summing over micro-batches. A model
-family supplies its own (see `easylm/llama/train.py`); `next_token_loss` is the
+family supplies its own (see `easylm/llama/family.py`); `next_token_loss` is the
 causal-LM one for models whose forward pass returns logits. A fused or chunked
 cross-entropy that never holds the full (B, T, V) logits can replace it without
 touching the trainer.

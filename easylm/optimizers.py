@@ -66,7 +66,9 @@ HELP = {
     "adamw_optimizer.weight_decay_exclusions": "comma-separated regexes; matching parameter "
                                                "paths get no weight decay",
     "adamw_optimizer.clip_gradient": "clip the gradient's global norm to this (0: no clipping)",
-    "adamw_optimizer.bf16_momentum": "keep Adam's first moment in bfloat16 (saves memory)",
+    "adamw_optimizer.bf16_momentum": "keep Adam's first moment (only) in bfloat16 (saves "
+                                     "memory; --optimizer.state_dtype=bf16 stores both moments "
+                                     "so)",
     "palm_optimizer.lr": "learning rate during warmup; then lr*sqrt(warmup/step) (PaLM)",
     "palm_optimizer.lr_warmup_steps": "steps at the constant learning rate",
     "palm_optimizer.b1": "momentum",
@@ -75,7 +77,8 @@ HELP = {
     "palm_optimizer.weight_decay_exclusions": "comma-separated regexes; matching parameter "
                                               "paths get no weight decay",
     "palm_optimizer.clip_gradient": "clip the gradient's global norm to this (0: no clipping)",
-    "palm_optimizer.bf16_momentum": "keep the momentum in bfloat16 (saves memory)",
+    "palm_optimizer.bf16_momentum": "keep the momentum (only) in bfloat16 (saves memory; "
+                                    "--optimizer.state_dtype=bf16 stores all the state so)",
 }
 
 

@@ -324,12 +324,17 @@ def help_entries(family) -> dict:
 
 @exit_on_user_error
 def main(argv=None):
-    from easylm import families
+    from easylm import families, trainer
 
     family, argv = families.from_argv(argv or sys.argv)
-    usage = (f"{__doc__.strip().splitlines()[0]}\n\nusage: python -m easylm.plan "
-             f"[--family=NAME] [trainer flags] [--plan.device_memory_gib=GiB]")
-    config = flag_lib.parse(default_config(family), help_entries(family), argv, usage)
+    usage = (f"{__doc__.strip().splitlines()[0]}\n\n  python -m easylm.plan "
+             f"--{family.name}.base_model=... --mesh_dim=1,-1,1 --plan.device_memory_gib=80\n\n"
+             f"usage: python -m easylm.plan [--family=NAME] [trainer flags] "
+             f"[--plan.device_memory_gib=GiB]  (all flags: --helpfull)")
+    config = default_config(family)
+    common = [f"plan.{name}" for name in get_default_config()] + [
+        name for name in trainer.common_flags(family) if name in flag_lib.flatten(config)]
+    config = flag_lib.parse(config, help_entries(family), argv, usage, common=common)
     num_devices = config.plan.num_devices or jax.device_count()
     num_processes = config.plan.num_processes or jax.process_count()
     budget = int(config.plan.device_memory_gib * GIB) or None

@@ -1,11 +1,13 @@
 """The training loop and the train/eval steps, for any model family.
 
-A model family hands the trainer a `Model` (how to initialise parameters, the
-loss, the partition rules, FLOPs per token); `easylm/llama/train.py` is the
-LLaMA one. The train step is a pure function `(state, batch) -> (state,
-metrics)` jitted with explicit shardings and the state donated; the loop around
-it only feeds batches, logs, evaluates and saves, each every N steps, and traces a
-window of steps with the profiler (`easylm.profiling.Profiler`).
+A model family (`easylm.family.ModelFamily`) gives the trainer a `Model` (how to
+initialise parameters, the loss, the partition rules, FLOPs per token);
+`python -m easylm.llama.train` passes LLaMA's. The train step is a pure function
+`(state, batch) -> (state, metrics)` jitted with explicit shardings and the state
+donated. `start` sets a run up (mesh, model, data, state: fresh, loaded or resumed);
+`loop` only feeds batches and logs, and calls the extras every N steps as hooks
+(`Run.add_hook(fn, every=N)`): evaluation, checkpoints, the profiler's window of
+steps (`easylm.profiling.Profiler`), preemption.
 
 Batches reach the devices from the data pipeline's background thread, a few
 steps ahead. Nothing waits for the device on an ordinary step: metrics are fetched only on
@@ -181,15 +183,32 @@ def family_run_defaults(family: ModelFamily) -> list[Callable[[ConfigDict], dict
                         family.variant_run_defaults)
 
 
-def usage(family: ModelFamily, command: str = "train") -> str:
-    return f"usage: python -m {family.commands}.{command} [--flag=value ...]"
+def common_flags(family: ModelFamily) -> list[str]:
+    """What `--help` shows, the flags most runs change, in the order one sets them."""
+    data = [f"train_dataset.{name}" for name in (
+        "type", "json_dataset.path", "json_dataset.seq_length", "json_dataset.batch_size",
+        "huggingface_dataset.path")]
+    return ["load_checkpoint", f"{family.name}.base_model", "tokenizer", *data, "total_steps",
+            "optimizer.adamw_optimizer.lr", "mesh_dim", "dtype", "log_freq", "save_model_freq",
+            "eval_freq", "eval_dataset.json_dataset.path", "logger.output_dir",
+            "logger.experiment_id", "resume"]
+
+
+def usage(family: ModelFamily) -> str:
+    command = f"python -m {family.commands}.train"
+    return (f"Train a {family.name} model (from scratch, or fine-tune a checkpoint).\n\n"
+            f"  {command} --{family.name}.base_model={family.default_preset} "
+            f"--train_dataset.json_dataset.path=data.jsonl --total_steps=1000\n\n"
+            f"usage: {command} [--flag=value ...]  (all flags: --helpfull)")
 
 
 def parse_flags(family: ModelFamily, argv: list[str]) -> ConfigDict:
     """`argv` (argv[0] is the program) as `python -m <family>.train` reads it, the
     defaults of the run included."""
-    return flag_lib.parse(default_config(family), help_entries(family), argv, usage(family),
-                          derived=family_run_defaults(family))
+    config = default_config(family)
+    common = [name for name in common_flags(family) if name in flag_lib.flatten(config)]
+    return flag_lib.parse(config, help_entries(family), argv, usage(family),
+                          derived=family_run_defaults(family), common=common)
 
 
 # ------------------------------------------------------------ defaults of a run
@@ -660,17 +679,33 @@ class StepInfo:
     metrics: dict
 
 
+@dataclasses.dataclass
 class Run:
-    """One training run, set up by `start`: its flags, model, mesh, data, jitted steps, run
-    directory, checkpoints, log and state; `loop` trains it. Extras run every N steps
+    """One training run, set up by `start`; `loop` trains it. Extras run every N steps
     through `add_hook(fn, every=N)`: `fn(StepInfo)` after that step (after its metrics
     are logged), in the order added; a hook may set `stop_requested` to end the run after
     the current step (it is saved)."""
 
-    def __init__(self, **fields):
-        self.__dict__.update(fields)
-        self.hooks: list[tuple[int, Callable[[StepInfo], None]]] = []
-        self.stop_requested = False
+    config: ConfigDict
+    family: ModelFamily
+    model: Model
+    mesh: Any
+    tx: optax.GradientTransformation
+    schedule: Callable
+    dataset: Any
+    eval_dataset: Any
+    make_batch: Callable  # host batch -> global device arrays
+    run_dir: str
+    manager: checkpoint.CheckpointManager
+    log: logger.Logger
+    state: TrainState  # the live state
+    start_step: int
+    train_step: Callable  # jitted (state, batch) -> (state, metrics)
+    eval_step: Callable
+    saved_step: int | None  # the step a checkpoint holds (no second save of it)
+    hooks: list = dataclasses.field(default_factory=list)  # (every, fn)
+    stop_requested: bool = False
+    profiler: Any = None
 
     def add_hook(self, fn: Callable[[StepInfo], None], every: int = 1):
         if every < 1:
@@ -887,7 +922,7 @@ def loop(run: Run) -> int:
     # close (also after an error), and the profiler stops before that.
     with contextlib.ExitStack() as cleanup:
         cleanup.callback(run.manager.wait)
-        profiler = getattr(run, "profiler", None)
+        profiler = run.profiler
         if profiler is not None:
             cleanup.callback(profiler.stop)
             profiler.before(step + 1)

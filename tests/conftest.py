@@ -11,3 +11,27 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+import pytest  # noqa: E402  (after the environment above)
+
+
+@pytest.fixture(scope="session")
+def served():
+    """(batcher, Flax module, params): the tiny LLaMA behind a batcher, shared by the
+    serving tests (tests/serving_utils.py)."""
+    from serving_utils import make_batcher
+
+    batcher, model, params = make_batcher()
+    yield batcher, model, params
+    batcher.stop()
+
+
+@pytest.fixture(scope="session")
+def logprob_atol(served):
+    """Tolerance of one log-probability: the engine's programs (prefill buckets, decode
+    windows, the cache) sum in other orders than a full forward pass."""
+    from numerics import logprob_atol_for
+
+    _, model, params = served
+    return logprob_atol_for(model, params)

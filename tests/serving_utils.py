@@ -7,6 +7,7 @@ import time
 
 import jax
 import numpy as np
+import pytest
 import uvicorn
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
@@ -15,8 +16,19 @@ from easylm.llama.config import LLaMAConfig
 from easylm.llama.family import FAMILY
 from easylm.llama.model import LLaMAForCausalLM
 from easylm.serving import engine as engine_lib
-from easylm.serving.batcher import Batcher
+from easylm.serving.batcher import Batcher, SamplingParams
 from easylm.sharding import init_sharded
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+SHORT = SamplingParams(max_tokens=8, temperature=0.0)
+PROMPTS = [[1, 5, 9, 33], [1, 7], [1] + list(range(40, 63)), [1, 3, 3, 3, 3], [1, 99, 100]]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The tests' tokenizer (`make_tokenizer()`); import it into a test module to use it."""
+    return make_tokenizer()
+
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>"
@@ -71,6 +83,16 @@ def log_softmax(model, params, ids, length=64):
     padded = np.zeros((1, length), np.int32)
     padded[0, :len(ids)] = ids
     return np.asarray(_forward(model)(params, padded))[0, :len(ids)]
+
+
+def full_forward_greedy(model, params, prompt, steps):
+    """Reference: re-run the whole sequence for every new token, no cache."""
+    ids, logprobs = list(prompt), []
+    for _ in range(steps):
+        logp = log_softmax(model, params, ids)[-1]
+        ids.append(int(np.argmax(logp)))
+        logprobs.append(float(logp[ids[-1]]))
+    return ids[len(prompt):], logprobs
 
 
 def make_batcher(config=None, mesh=None, stop_token_ids=(), **engine_config):

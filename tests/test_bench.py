@@ -1,4 +1,5 @@
 import json
+import pytest
 import os
 import subprocess
 import sys
@@ -10,6 +11,7 @@ def run_bench(*flags):
                           text=True, env=env, timeout=300)
 
 
+@pytest.mark.slow
 def test_train_bench_prints_one_json_line_and_fills_the_compilation_cache(tmp_path):
     cache = tmp_path / "cache"
     result = run_bench("train", "--seq_length=32", "--batch_size=8", "--steps=2", "--mesh_dim=2,2,2",
@@ -27,6 +29,7 @@ def test_train_bench_prints_one_json_line_and_fills_the_compilation_cache(tmp_pa
     assert "Involuntary full rematerialization" not in result.stderr
 
 
+@pytest.mark.slow
 def test_compile_only_allocates_nothing_and_reports_xla_memory():
     # llama_7b would need ~40 GB to run; compiling it for 8 devices needs none of that.
     result = run_bench("train", "--compile_only=True", "--llama.base_model=llama_7b",
@@ -42,6 +45,7 @@ def test_compile_only_allocates_nothing_and_reports_xla_memory():
     assert row["compile_time_s"] > 0
 
 
+@pytest.mark.slow
 def test_bench_bad_input():
     result = run_bench("train", "--steps=0")
     assert result.returncode == 2

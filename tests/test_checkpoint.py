@@ -117,6 +117,7 @@ def reference(data_path, tmp_path_factory):
     return {"metrics": metrics(output_dir), "params": final_params(output_dir), "dir": output_dir}
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_is_bitwise_identical(data_path, reference, tmp_path):
     kill_step = random.randint(6, 30)
     code, _, _ = run_until(command(data_path, tmp_path), tmp_path, kill_step, signal.SIGKILL)
@@ -130,6 +131,7 @@ def test_sigkill_then_resume_is_bitwise_identical(data_path, reference, tmp_path
     assert_same_run(tmp_path, reference, (kill_step, resume_from))
 
 
+@pytest.mark.slow
 def test_sigterm_saves_exits_cleanly_and_resumes_exactly(data_path, reference, tmp_path):
     code, out, err = run_until(command(data_path, tmp_path), tmp_path, random.randint(6, 30),
                                signal.SIGTERM)
@@ -143,6 +145,7 @@ def test_sigterm_saves_exits_cleanly_and_resumes_exactly(data_path, reference, t
     assert_same_run(tmp_path, reference, stopped_at)
 
 
+@pytest.mark.slow
 def test_load_checkpoint_trainstate_continues_and_params_starts_afresh(
         data_path, reference, tmp_path, capsys):
     checkpoint_35 = os.path.join(reference["dir"], "run", "checkpoints", "35")
@@ -181,6 +184,7 @@ main(["train", *sys.argv[1:]])
 """
 
 
+@pytest.mark.slow
 def test_sigkill_during_a_save_keeps_the_previous_checkpoint(data_path, tmp_path):
     cmd = [sys.executable, "-c", STUCK_WRITER, *command(data_path, tmp_path)[3:]]
     # stderr to a file: an unread pipe fills up and stalls the child.
@@ -566,6 +570,7 @@ def one_layer_state():
         return trainer.init_state(model, tx, mesh, seed=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("when", ["before writing", "while writing"])
 def test_a_small_disk_stops_a_save_and_keeps_the_earlier_ones(
         when, one_layer_state, small_disk, monkeypatch):
@@ -626,6 +631,7 @@ def test_disk_full_in_the_trainer_is_one_line(data_path, monkeypatch, capfd, tmp
            f"2{checkpoint.TMP_SUFFIX}" in capfd.readouterr().out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("disk", ["tmpfs", "injected"])
 @pytest.mark.parametrize("direction", ["hf_to_easylm", "easylm_to_hf"])
 def test_converters_on_a_full_disk_say_one_line_and_leave_nothing(
@@ -695,6 +701,7 @@ def test_a_write_that_fills_the_disk_leaves_nothing(stored, monkeypatch, capfd, 
 # --------------------------------------------------------- one trainer, resuming
 
 
+@pytest.mark.slow
 def test_one_trainer_per_run_directory(data_path, tmp_path, monkeypatch):
     import socket
 

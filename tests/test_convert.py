@@ -52,6 +52,7 @@ def test_converted_logits_match_hf(tmp_path, variant):
     assert_close(logits, expected, forward_rel(config, 40))  # torch vs XLA: reordered sums
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cli_round_trips_are_exact(tmp_path, dtype):
     make_hf(tmp_path / "hf", dtype=dtype, tie_word_embeddings=True)
@@ -142,6 +143,7 @@ def _write_bad(tmp_path, case):
     raise AssertionError(case)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["no_config", "not_llama", "missing_tensors", "bad_shape", "pickle_bin"])
 def test_bad_input_is_one_clear_line(tmp_path, case):
     source, message = _write_bad(tmp_path, case)
@@ -153,6 +155,7 @@ def test_bad_input_is_one_clear_line(tmp_path, case):
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_bad_flags_are_one_line(tmp_path):
     result = run_cli("easylm.llama.convert_hf_to_easylm", "--hf_model=x", "--output_dri=y")
     assert (result.returncode, result.stderr) == (

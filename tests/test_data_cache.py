@@ -138,6 +138,7 @@ def test_killed_build_finishes_with_the_checksums_of_an_uninterrupted_one(
                             f"was 7, now 8); use another --output, or delete it")
 
 
+@pytest.mark.slow
 def test_cli_builds_with_worker_processes_and_verifies(sft, built, tmp_path, capsys):
     output = tmp_path / "cli"
     done = subprocess.run(

@@ -255,6 +255,7 @@ def test_state_mismatches_are_one_line(data, tokenizer, tmp_path):
                             "is not one")
 
 
+@pytest.mark.slow
 def test_preview_cli_shows_sources_and_rejects_bad_weights(data, tmp_path, capsys):
     mix = tmp_path / "mix.json"
     mix.write_text(json.dumps(sources(data)))

@@ -1,5 +1,6 @@
 """`python -m easylm.data.preview`: marked spans, statistics, one-line errors."""
 
+import pytest
 import json
 import os
 import subprocess
@@ -39,6 +40,7 @@ def run_cli(*flags):
                           capture_output=True, text=True, env=env, timeout=120)
 
 
+@pytest.mark.slow
 def test_cli(tmp_path):
     path = sft_file(tmp_path)
     done = run_cli(f"--train_dataset.json_dataset.path={path}",

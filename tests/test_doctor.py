@@ -59,6 +59,7 @@ def test_each_problem_is_one_line_and_exit_1(argv, problems, tmp_path, capsys):
     assert "no problems found" not in out
 
 
+@pytest.mark.slow
 def test_unwritable_compilation_cache(tmp_path):
     # A subprocess: the cache directory is read when jax starts.
     result = subprocess.run(

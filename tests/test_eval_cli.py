@@ -34,6 +34,7 @@ def trained(tmp_path_factory):
     return directory, str(root / "tokenizer")
 
 
+@pytest.mark.slow
 def test_evaluates_a_checkpoint_and_writes_results_beside_it(trained):
     directory, tokenizer = trained
     result = subprocess.run(

@@ -25,6 +25,8 @@ from easylm.sharding import make_mesh
 from easylm.tokenizer import load_tokenizer
 from easylm.llama.family import FAMILY
 
+pytestmark = pytest.mark.slow  # several processes each
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORPUS = os.path.join(REPO, "easylm", "data", "embedded", "corpus.jsonl")
 BATCH = 8

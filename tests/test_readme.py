@@ -100,6 +100,7 @@ def without(hidden: list[str], module: str, *args) -> list[str]:
     return [sys.executable, "-c", WITHOUT, json.dumps(hidden), module, *args]
 
 
+@pytest.mark.slow
 def test_the_printed_serve_command_needs_only_what_the_quick_start_installs(tmp_path):
     hidden = modules_not_installed_by(sh_block("Quick start"))
     # The check means something only if this environment has extras to hide.
@@ -149,6 +150,7 @@ def test_the_printed_serve_command_needs_only_what_the_quick_start_installs(tmp_
     assert log.read() == ""
 
 
+@pytest.mark.slow
 def test_hidden_modules_are_really_hidden():
     """The negative twin: what the Quick start does not install cannot be imported."""
     hidden = modules_not_installed_by(["pip install -e ."])
@@ -184,11 +186,13 @@ def named_commands_and_flags(text: str):
 
 
 def help_text(module: str) -> str:
+    """--help and --helpfull: the common flags, and every other."""
     out = io.StringIO()
-    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_info:
-        importlib.import_module(module).main([f"python -m {module}", "--help"])
-        raise SystemExit(0)  # a main that printed its usage and returned
-    assert exit_info.value.code in (0, None), f"python -m {module} --help failed"
+    for option in ("--help", "--helpfull"):
+        with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_info:
+            importlib.import_module(module).main([f"python -m {module}", option])
+            raise SystemExit(0)  # a main that printed its usage and returned
+        assert exit_info.value.code in (0, None), f"python -m {module} {option} failed"
     return out.getvalue()
 
 

@@ -46,6 +46,7 @@ def parse(argv):
     return flag_lib.parse(serving_cli.default_config(FAMILY), serving_cli.help_entries(FAMILY), ["serve"] + argv)
 
 
+@pytest.mark.slow
 def test_serves_a_trained_checkpoint(tmp_path, tokenizer_dir):
     """A checkpoint that records its model config (as the trainer's and the converter's
     do) serves with that shape, not the preset's."""
@@ -125,6 +126,7 @@ def test_bad_flags_are_one_line_errors(argv, message, tokenizer_dir):
         serving_cli.build(FAMILY, parse(argv))
 
 
+@pytest.mark.slow
 def test_cli_user_error_exits_2_without_traceback():
     result = subprocess.run([sys.executable, "-m", "easylm.llama.serve", "--port=notaport"],
                             env={**os.environ, **ENV}, capture_output=True, text=True, timeout=300)

@@ -11,11 +11,13 @@ import time
 
 import jax
 import pytest
+from fastapi.testclient import TestClient
 
 from easylm import checkpoint, flags, optimizers, trainer
 from easylm.llama import train
 from easylm.llama.config import LLaMAConfig
 from easylm.llama.family import FAMILY
+from easylm.serving import cli as serving_cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -27,6 +29,7 @@ def run_cli(*args, cwd, env=None):
     )
 
 
+@pytest.mark.slow
 def test_embedded_default_trains_and_saves(tmp_path):
     # The README's first command, with only the step count made small.
     before = time.time()
@@ -61,8 +64,26 @@ def test_embedded_default_trains_and_saves(tmp_path):
     abstract = jax.eval_shape(model.init_params, jax.random.key(0))
     params = checkpoint.load_params(f"params::{final}", abstract)
     assert params["model"]["embed_tokens"]["embedding"].shape == (512, 128)
+    # The command it printed serves that checkpoint: its flags as printed, in-process,
+    # answering one request.
+    (printed,) = [line for line in result.stdout.splitlines() if line.startswith("serve it:")]
+    words = printed.split()[2:]
+    assert words[:3] == ["python", "-m", "easylm.llama.serve"]
+    served = flags.parse(serving_cli.default_config(FAMILY), serving_cli.help_entries(FAMILY),
+                         ["serve", *words[3:]])
+    app, batcher = serving_cli.build(FAMILY, served)
+    try:
+        assert batcher.engine.model.config == metadata["llama_config"] | {"remat_policy": "none"}
+        response = TestClient(app, base_url="http://127.0.0.1").post(
+            "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 4,
+                                     "temperature": 0})
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        batcher.stop()
 
 
+@pytest.mark.slow
 def test_bad_flag_is_one_line_without_traceback(tmp_path):
     result = run_cli("--total_steps=ten", cwd=tmp_path)
     assert result.returncode == 2
@@ -160,15 +181,33 @@ def test_bad_run_setup_is_one_clear_line(case, capsys, tmp_path, monkeypatch):
     assert os.listdir(tmp_path) in (["data.jsonl"], ["data.jsonl", "runs"])
 
 
-def test_help_lists_every_flag_with_help_text(capsys):
+def help_output(argv, capsys) -> str:
     with pytest.raises(SystemExit) as e:
-        train.main(["train", "--help"])
+        train.main(["train", *argv])
     assert e.value.code == 0
-    out = capsys.readouterr().out
+    return capsys.readouterr().out
+
+
+def test_help_lists_every_flag_with_help_text(capsys):
+    out = help_output(["--helpfull"], capsys)
     entries = train.help_entries()
+    # eval_dataset's flags are train_dataset's: listed once, with those that differ.
+    assert "eval_dataset: the same flags as train_dataset.* (--eval_dataset.NAME)" in out
     for name in flags.flatten(train.default_config()):
-        assert f"--{name}=" in out, name
+        listed = name.replace("eval_dataset.", "train_dataset.", 1)
+        assert f"--{name}=" in out or f"--{listed}=" in out, name
         assert entries.get(name), f"--{name} has no help text"
+    assert entries["llama.remat_policy"].startswith("recompute activations in the backward "
+                                                    "pass to save memory: none, ")
+
+
+def test_help_leads_with_purpose_an_example_and_the_common_flags(capsys):
+    out = help_output(["--help"], capsys)
+    lines = out.splitlines()
+    assert lines[0].startswith("Train a llama model") and "python -m easylm.llama.train --" in lines[2]
+    listed = [line.split("=")[0].strip() for line in lines if line.startswith("  --")]
+    assert listed[:3] == ["--load_checkpoint", "--llama.base_model", "--tokenizer"]
+    assert len(listed) < 25 and lines[-1].endswith("flags: --helpfull")
 
 
 def test_flagfile_and_command_line(tmp_path):
@@ -251,6 +290,7 @@ def test_schedule_warnings_name_the_flags():
     assert printed == []  # the demo from scratch: neither
 
 
+@pytest.mark.slow
 def test_nonfinite_loss_stops_the_run_naming_the_step(tmp_path):
     # A learning rate of 1e30 wrecks the parameters in the first update, so the
     # loss of step 2 is not finite.

@@ -23,44 +23,65 @@ REMAT_POLICIES = remat.NAMES
 ROPE_SCALING_TYPES = ("none", "llama3")
 
 
+def _field(default, help_text: str):
+    """A config field with its --llama.* help beside it."""
+    return dataclasses.field(default=default, metadata={"help": help_text})
+
+
 @dataclasses.dataclass(frozen=True)
 class LLaMAConfig:
     # Shape.
-    vocab_size: int = 32000
-    hidden_size: int = 4096
-    intermediate_size: int = 11008
-    num_hidden_layers: int = 32
-    num_attention_heads: int = 32
-    num_key_value_heads: int | None = None  # None: multi-head attention (= num_attention_heads)
-    head_dim: int | None = None  # None: hidden_size // num_attention_heads
-    tie_word_embeddings: bool = False
+    vocab_size: int = _field(32000, "vocabulary size (rows of the embedding and the output "
+                                    "projection); at least the tokenizer's")
+    hidden_size: int = _field(4096, "model width D")
+    intermediate_size: int = _field(11008, "MLP width F (gate, up and down projections)")
+    num_hidden_layers: int = _field(32, "decoder layers L")
+    num_attention_heads: int = _field(32, "query heads N")
+    num_key_value_heads: int | None = _field(
+        None, "key/value heads K for grouped-query attention (a divisor of the query "
+              "heads); unset: = num_attention_heads (multi-head)")
+    head_dim: int | None = _field(None, "width of one head H (even); unset: hidden_size // "
+                                        "num_attention_heads")
+    tie_word_embeddings: bool = _field(False, "the output projection is the input embedding")
     # Numerics.
-    max_position_embeddings: int = 2048
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling_type: str = "none"  # 'llama3': Llama-3.1 style frequency scaling
-    rope_scaling_factor: float = 8.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_position_embeddings: int = 8192
-    initializer_range: float = 0.02
-    bos_token_id: int = 1
-    eos_token_id: int = 2
+    max_position_embeddings: int = _field(2048, "longest sequence the model takes (rows, the "
+                                                "server's context)")
+    rms_norm_eps: float = _field(1e-6, "epsilon of the RMS norms")
+    rope_theta: float = _field(10000.0, "rotary embedding base")
+    rope_scaling_type: str = _field("none", "rotary frequency scaling: "
+                                            f"{' or '.join(ROPE_SCALING_TYPES)} (llama3: "
+                                            "Llama-3.1 long-context scaling)")
+    rope_scaling_factor: float = _field(8.0, "llama3 rope scaling: factor")
+    rope_low_freq_factor: float = _field(1.0, "llama3 rope scaling: low-frequency factor")
+    rope_high_freq_factor: float = _field(4.0, "llama3 rope scaling: high-frequency factor")
+    rope_original_max_position_embeddings: int = _field(
+        8192, "llama3 rope scaling: the context the model was pretrained at")
+    initializer_range: float = _field(0.02, "standard deviation of the random initialisation")
+    bos_token_id: int = _field(1, "beginning-of-sequence token id")
+    eos_token_id: int = _field(2, "end-of-sequence token id (generation stops at it)")
     # Carried to and from HF's config.json (generation pads with it); the model has no use for them.
-    pad_token_id: int | None = None
-    unk_token_id: int | None = None
+    pad_token_id: int | None = _field(None, "padding token id, carried to HF's config.json")
+    unk_token_id: int | None = _field(None, "unknown token id, carried to HF's config.json")
     # Implementation choices: none of these change the numbers.
-    attention: str = "auto"
-    scan_layers: bool = False
-    remat_policy: str = "none"
-    # > 0: the training loss makes logits this many positions at a time instead of
-    # holding (B, T, V) at once (`losses.chunked_next_token_loss`); 0: all at once.
-    loss_chunk_size: int = 0
+    attention: str = _field("auto", f"attention kernel: {', '.join(ATTENTION_IMPLEMENTATIONS)} "
+                                    "(auto: cuDNN flash attention on GPU, XLA elsewhere; "
+                                    "dot_product: jax.nn.dot_product_attention)")
+    scan_layers: bool = _field(False, "run the layers as one jax.lax.scan (one compiled layer, "
+                                      "faster compiles of deep models; parameters stacked)")
+    remat_policy: str = _field("none", "recompute activations in the backward pass to save "
+                                       f"memory: {', '.join(REMAT_POLICIES)} (least "
+                                       "recomputation first)")
+    # `losses.chunked_next_token_loss`
+    loss_chunk_size: int = _field(0, "training loss: logits for this many positions at a time, "
+                                     "never all (B, T, V) at once (saves memory with large "
+                                     "vocabularies); 0: all at once")
     # One matmul for q, k and v, and one for gate and up, on kernels concatenated at
     # each step (parameters stay HF's). Meant for meshes without 'mp': a concatenation
     # of 'mp'-split kernels moves data between devices.
-    fused_qkv: bool = False
-    fused_mlp: bool = False
+    fused_qkv: bool = _field(False, "one matmul for q, k and v (kernels concatenated each "
+                                    "step; for meshes without mp)")
+    fused_mlp: bool = _field(False, "one matmul for the gate and up projections (for meshes "
+                                    "without mp)")
 
     def __post_init__(self):
         if self.num_key_value_heads is None:

@@ -27,7 +27,7 @@ import numpy as np
 from flax import traverse_util
 
 from easylm.errors import UserError
-from easylm.hf_checkpoint import to_numpy  # noqa: F401  (also imported from here)
+from easylm.hf_checkpoint import to_numpy
 from easylm.llama.config import LLaMAConfig
 from easylm.llama.model import LLaMAForCausalLM, stack_layers
 

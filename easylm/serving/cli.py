@@ -152,8 +152,13 @@ def main(family: ModelFamily, argv=None):
     usage = (f"Serve a {family.name} model over HTTP (OpenAI-style API and a chat page).\n\n"
              f"  python -m {family.serve_module} --load_checkpoint=params::DIR "
              f"--tokenizer=embedded\n\nusage: python -m {family.serve_module} [--flag=value ...]")
-    config = flag_lib.parse(default_config(family), help_entries(family), argv or sys.argv,
-                            usage)
+    config = default_config(family)
+    common = [name for name in ("load_checkpoint", "tokenizer", "host", "port", "api_key",
+                                "mesh_dim", "dtype", "batch_size", "seq_length",
+                                f"{family.name}.base_model")
+              if name in flag_lib.flatten(config)]
+    config = flag_lib.parse(config, help_entries(family), argv or sys.argv,
+                            usage + "  (all flags: --helpfull)", common=common)
     sock = server_lib.bind(config)
     # The console shows easylm's own lines (and warnings), not orbax's and jax's INFO chatter.
     # force: importing orbax already gave the root logger a handler (absl's).

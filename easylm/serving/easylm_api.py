@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from easylm.serving import scoring
 from easylm.serving.batcher import SamplingParams
-from easylm.serving.server import MAX_STOPS, APIError, Service, Text
+from easylm.serving.service import MAX_STOPS, APIError, Service, Text
 
 Temperature = Field(None, ge=0.0, le=2.0)
 

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from easylm.serving import scoring
 from easylm.serving.batcher import SamplingParams, Token
 from easylm.serving.sampling import TOP_LOGPROBS
-from easylm.serving.server import MAX_STOPS, APIError, Service, Text, check_unicode, sse
+from easylm.serving.service import MAX_STOPS, APIError, Service, Text, check_unicode, sse
 
 Stop = Union[Text, list[Text], None]
 # float32's smallest normal number: below it top_p is flushed to 0 on the device.
@@ -184,64 +184,24 @@ def router(service: Service) -> APIRouter:
     async def completions(body: CompletionRequest, request: Request):
         service.check_model(body.model)
         stops = body.check_supported(service)
-        prompt = body.prompt  # a list of strings and token-id lists (see the validator)
-        service.check_prompts(len(prompt), "prompt")
-        texts = [p if isinstance(p, str) else None for p in prompt]
-        prompts = [service.encode(p) if isinstance(p, str) else list(p) for p in prompt]
-        for ids in prompts:
-            if any(not 0 <= t < service.vocab_size for t in ids):
-                raise APIError(400, f"prompt token ids must be in [0, {service.vocab_size})")
-        if body.max_tokens == 0 and not body.echo:
-            raise APIError(400, "max_tokens must be >= 1 (0 is allowed only with echo=true)")
-        generate = body.max_tokens != 0
-        limits = [service.max_tokens(p, body.max_tokens, default=16) if generate else 0
-                  for p in prompts]
-        k = body.logprobs
-        echoed = None
-        if body.echo:
-            if k is not None:
-                echoed = await service.score(
-                    request, scoring.prompt_logprobs_job(service.seq_length, prompts))
-            texts = [t if t is not None else service.tokenizer.decode(p)
-                     for t, p in zip(texts, prompts)]
+        prompts, texts = _completion_prompts(service, body)
+        # max_tokens=0 (with echo) only scores the prompt.
+        limits = [service.max_tokens(p, body.max_tokens, default=16)
+                  for p in prompts] if body.max_tokens != 0 else None
+        prefix = await _echo_prefix(service, request, body, prompts, texts)
         common = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                   "created": int(time.time()), "model": name}
-
-        def prefix(i):
-            """Echo: the prompt's text and logprobs, before any generated text."""
-            if not body.echo:
-                return "", None
-            lp = None
-            if echoed is not None:
-                lp = _completion_logprobs(service, prompts[i], *echoed[i], k, 0)
-            return texts[i], lp
-
-        if not generate:
-            choices = []
-            for i in range(len(prompts)):
-                text, lp = prefix(i)
-                choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": "length"})
-            usage = _usage(sum(map(len, prompts)), 0)
-            if body.stream:
-                return _stream_once(common, choices, usage if body.include_usage else None)
-            return {**common, "choices": choices, "usage": usage}
-
+        if limits is None:
+            return _echo_only(body, common, prompts, prefix)
         params = [body.sampling(m, stops) for m in limits]
         if body.stream:
             return StreamingResponse(_stream_completion(service, body, common, prompts, params,
-                                                        prefix, k), media_type="text/event-stream")
+                                                        prefix, body.logprobs),
+                                     media_type="text/event-stream")
         gens = await service.complete(request, prompts, params)
-        choices = []
-        for i, g in enumerate(gens):
-            text, lp = prefix(i)
-            if k is not None:
-                lp = _merge_logprobs(lp, _completion_logprobs(
-                    service, [t.id for t in g.tokens], [t.logprob for t in g.tokens],
-                    [t.top for t in g.tokens], k, len(text)))
-            choices.append({"index": i, "text": text + g.stream.text, "logprobs": lp,
-                            "finish_reason": g.finish_reason})
-        usage = _usage(sum(map(len, prompts)), sum(len(g.tokens) for g in gens))
-        return {**common, "choices": choices, "usage": usage}
+        return {**common, "choices": [_completion_choice(service, i, g, prefix, body.logprobs)
+                                      for i, g in enumerate(gens)],
+                "usage": _usage(sum(map(len, prompts)), sum(len(g.tokens) for g in gens))}
 
     @api.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
@@ -265,6 +225,60 @@ def router(service: Service) -> APIRouter:
             "usage": _usage(len(prompt), len(g.tokens))}
 
     return api
+
+
+def _completion_prompts(service: Service, body: CompletionRequest):
+    """(each prompt's token ids, its text or None for a token-id prompt), checked."""
+    prompt = body.prompt  # a list of strings and token-id lists (see the validator)
+    service.check_prompts(len(prompt), "prompt")
+    texts = [p if isinstance(p, str) else None for p in prompt]
+    prompts = [service.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+    for ids in prompts:
+        if any(not 0 <= t < service.vocab_size for t in ids):
+            raise APIError(400, f"prompt token ids must be in [0, {service.vocab_size})")
+    if body.max_tokens == 0 and not body.echo:
+        raise APIError(400, "max_tokens must be >= 1 (0 is allowed only with echo=true)")
+    return prompts, texts
+
+
+async def _echo_prefix(service: Service, request: Request, body: CompletionRequest, prompts,
+                       texts):
+    """`prefix(i)`: what choice i starts with, (text, logprobs): with echo, the prompt's
+    text (and, with logprobs, its tokens' log-probabilities, scored here); else nothing."""
+    if not body.echo:
+        return lambda i: ("", None)
+    k, echoed = body.logprobs, None
+    if k is not None:
+        echoed = await service.score(request, scoring.prompt_logprobs_job(service.seq_length,
+                                                                          prompts))
+    texts = [t if t is not None else service.tokenizer.decode(p) for t, p in zip(texts, prompts)]
+
+    def prefix(i):
+        lp = None if echoed is None else _completion_logprobs(service, prompts[i], *echoed[i], k, 0)
+        return texts[i], lp
+
+    return prefix
+
+
+def _echo_only(body: CompletionRequest, common: dict, prompts, prefix):
+    """max_tokens=0: the echoed prompts, nothing generated."""
+    choices = [{"index": i, "text": text, "logprobs": lp, "finish_reason": "length"}
+               for i, (text, lp) in enumerate(map(prefix, range(len(prompts))))]
+    usage = _usage(sum(map(len, prompts)), 0)
+    if body.stream:
+        return _stream_once(common, choices, usage if body.include_usage else None)
+    return {**common, "choices": choices, "usage": usage}
+
+
+def _completion_choice(service: Service, i: int, generation, prefix, k: int | None) -> dict:
+    text, lp = prefix(i)
+    if k is not None:
+        tokens = generation.tokens
+        lp = _merge_logprobs(lp, _completion_logprobs(
+            service, [t.id for t in tokens], [t.logprob for t in tokens], [t.top for t in tokens],
+            k, len(text)))
+    return {"index": i, "text": text + generation.stream.text, "logprobs": lp,
+            "finish_reason": generation.finish_reason}
 
 
 def _stream_once(common, choices, usage):
