@@ -193,6 +193,7 @@ def test_resume_on_another_base_is_refused(tmp_path):
                       FAMILY)
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_of_a_lora_run_is_bitwise_identical(data_path, tmp_path):
     steps = 16  # test_checkpoint's run (a checkpoint every 5 steps), shorter, with LoRA
     lora = ["--lora.rank=4", "--lora.dropout=0.1"]  # dropout: the per-step RNG resumes too
