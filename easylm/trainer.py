@@ -703,6 +703,7 @@ class Run:
     train_step: Callable  # jitted (state, batch) -> (state, metrics)
     eval_step: Callable
     saved_step: int | None  # the step a checkpoint holds (no second save of it)
+    frozen_reference: dict | None = None  # {"source", "fingerprint"} of state.frozen
     hooks: list = dataclasses.field(default_factory=list)  # (every, fn)
     stop_requested: bool = False
     profiler: Any = None
