@@ -45,6 +45,20 @@ def llama_model_fns(config: LLaMAConfig, dtype=jnp.float32, param_dtype=jnp.floa
                     vocab_size=config.vocab_size), model
 
 
+def int8_model_fns(config: LLaMAConfig, dtype, params, mesh):
+    """(ModelFns, parameters) of the int8 model (--quantize=int8) from float parameters
+    placed on `mesh`. qwix quantizes the matmuls that read a module's own kernel, so the
+    projections run unfused (the same numbers)."""
+    fns, model = llama_model_fns(config.replace(fused_qkv=False, fused_mlp=False), dtype, dtype)
+    int8 = quantize.Int8Model(model)
+
+    def apply(params, ids, positions, cache):
+        return int8.apply(params, ids, positions=positions, cache=cache)
+
+    return (dataclasses.replace(fns, apply=apply),
+            int8.quantize_sharded(params, PARTITION_RULES, mesh))
+
+
 def engine_config() -> ConfigDict:
     """The flags that put a model on an engine: checkpoint, tokenizer, mesh, dtype, the
     engine's, --llama.* (shared with `easylm.llama.eval`)."""
@@ -157,15 +171,10 @@ def load_engine(config: ConfigDict):
         raise UserError(f"--quantize={config.quantize!r}: expected one of "
                         f"{', '.join(quantize.MODES)}")
     mesh = make_mesh(config.mesh_dim)
-    if config.quantize == "int8":  # qwix reads each kernel in its own matmul: unfused
-        llama = llama.replace(fused_qkv=False, fused_mlp=False)
     fns, model = llama_model_fns(llama, dtype, dtype)
     params = load_params(config, model, mesh)
     if config.quantize == "int8":
-        int8 = quantize.Int8Model(model)
-        params = int8.quantize_sharded(params, PARTITION_RULES, mesh)
-        fns = dataclasses.replace(fns, apply=lambda p, ids, positions, cache: int8.apply(
-            p, ids, positions=positions, cache=cache))
+        fns, params = int8_model_fns(llama, dtype, params, mesh)
     engine = engine_lib.Engine(config, fns, params, mesh)
     if config.pre_compile:
         start = time.time()
