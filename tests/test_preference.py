@@ -123,7 +123,7 @@ def evaluate(models):
 
 
 def means(sums):
-    return {k: float(v) for k, v in preference.means(sums).items()}
+    return {k: float(v) for k, v in sums.means().items()}
 
 
 # 8 pairs (one per device of a 1,1,8 mesh): unequal responses, padding, a side that
@@ -291,7 +291,7 @@ def test_a_tiny_model_learns_a_synthetic_preference():
 
         def loss(p):
             sums = loss_fn(p, batch, None)
-            return sums.loss / sums.pairs, preference.means(sums)
+            return sums.loss / sums.pairs, sums.means()
 
         grads, metrics = jax.grad(loss, has_aux=True)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
