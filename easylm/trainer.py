@@ -734,16 +734,6 @@ def _train_in(run_dir, config, model, objective, mesh, tx, schedule, dataset, ev
         log = logger.Logger(config.logger, run_dir, flag_lib.flatten(config),
                             config.total_steps, start_step, config.log_all_worker)
         cleanup.callback(log.close)
-        # The objective's arrays beside state and batch (a frozen reference model), or ().
-        frozen = objective.frozen(run_dir, lambda: starting_params(config, model, tx, mesh),
-                                  make_batch, log.print)
-        frozen_shardings = jax.tree.map(lambda x: x.sharding, frozen)
-        train_step = jit_train_step(model, tx, schedule, config.seed, config.optimizer.accumulate_gradient_steps,
-                                    state, mesh, objective.loss_fn, frozen)
-        eval_step = jax.jit(make_eval_step(objective.loss_fn),
-                            in_shardings=(state_shardings.params, batch_sharding, replicated,
-                                          *frozen_shardings),
-                            out_shardings=replicated)
         # A preference pair is two rows; the reference's forward pass counts in MFU.
         batch_tokens = objective.rows_per_example * dataset.batch_size * dataset.seq_length
         flops_per_token = objective.flops_per_token(dataset.seq_length)
@@ -759,6 +749,17 @@ def _train_in(run_dir, config, model, objective, mesh, tx, schedule, dataset, ev
                   f"{no_mfu}")
         if latest is None:
             _warn_about_the_schedule(config, schedule, log.print)
+
+        # The objective's arrays beside state and batch (a frozen reference model), or ().
+        frozen = objective.frozen(run_dir, lambda: starting_params(config, model, tx, mesh),
+                                  make_batch, log.print)
+        frozen_shardings = jax.tree.map(lambda x: x.sharding, frozen)
+        train_step = jit_train_step(model, tx, schedule, config.seed, config.optimizer.accumulate_gradient_steps,
+                                    state, mesh, objective.loss_fn, frozen)
+        eval_step = jax.jit(make_eval_step(objective.loss_fn),
+                            in_shardings=(state_shardings.params, batch_sharding, replicated,
+                                          *frozen_shardings),
+                            out_shardings=replicated)
 
         preemption = _Preemption()
         # Every process traces its own devices; W&B's directory is local also when the run
