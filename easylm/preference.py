@@ -271,6 +271,14 @@ def check_config(config) -> None:
         if not enabled and objective != NEXT_TOKEN:
             raise UserError(f"--objective={objective} trains on preference pairs, but "
                             f"--{section}.preference.enabled=False")
+    if objective != NEXT_TOKEN:
+        options = config[objective]
+        for name, ok, expected in (("beta", lambda x: x > 0, "> 0"),
+                                   ("label_smoothing", lambda x: 0 <= x < 0.5, "in [0, 0.5)"),
+                                   ("gamma", lambda x: x >= 0, ">= 0"),
+                                   ("lambda", lambda x: x >= 0, ">= 0")):
+            if name in options and not ok(options[name]):
+                raise UserError(f"--{objective}.{name} must be {expected}, got {options[name]}")
     data = config.train_dataset
     if objective != NEXT_TOKEN and data.type == "json" and data.json_dataset.path == "embedded":
         raise UserError(f"--objective={objective} trains on preference pairs: set "
@@ -310,6 +318,14 @@ class Objective:
             reference = lambda _, rows: self.model.row_logps(reference_params, rows)  # noqa: E731
         return make_loss_fn(self.name, self.options, self.model.row_logps, reference)(
             params, batch, rng)
+
+    def describe(self) -> str:
+        """For the run's header line: '' for next-token training."""
+        if not self.pairs:
+            return ""
+        reference = (" (live reference)" if self.live_reference else
+                     " (precomputed reference)" if self.precompute else "")
+        return f" | objective {self.name}{reference}"
 
     def flops_per_token(self, seq_length: int) -> float:
         """Training FLOPs per token: the policy's forward and backward passes (6N), and a

@@ -746,7 +746,7 @@ def _train_in(run_dir, config, model, objective, mesh, tx, schedule, dataset, ev
         log.print(f"{model.name}: {num_params:,} parameters | {jax.device_count()} "
                   f"{jax.devices()[0].platform} device(s), mesh {mesh_string(mesh)} | "
                   f"{batch_tokens:,} tokens/step | steps {start_step} -> {config.total_steps}"
-                  f"{no_mfu}")
+                  f"{objective.describe()}{no_mfu}")
         if latest is None:
             _warn_about_the_schedule(config, schedule, log.print)
 

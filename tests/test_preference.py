@@ -2,6 +2,7 @@
 the objective through the trainer's step and command."""
 
 import json
+import os
 import signal
 import sys
 
@@ -483,3 +484,28 @@ def test_precomputed_reference_gives_the_live_losses(pair_files, live_run, tmp_p
     for step, line in got.items():
         for key in ("loss", "eval_loss"):
             assert line[key] == pytest.approx(live_run[step][key], rel=1e-6, abs=1e-7), (step, key)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--objective=ipo"], "--objective='ipo' is not one of next_token, dpo, simpo, orpo"),
+    (["--objective=dpo"], "--objective=dpo trains on preference pairs: set "
+     "--train_dataset.json_dataset.path to JSON lines with prompt, chosen and rejected "
+     "(docs/preference.md)"),
+    (["--objective=simpo", "--train_dataset.json_dataset.path=PAIRS",
+      "--train_dataset.preference.enabled=False"],
+     "--objective=simpo trains on preference pairs, but --train_dataset.preference.enabled=False"),
+    (["--train_dataset.json_dataset.path=PAIRS", "--train_dataset.preference.enabled=True"],
+     "--train_dataset.preference.enabled=True makes batches of preference pairs, which train "
+     "with --objective=dpo, simpo, orpo, not the default --objective=next_token"),
+    (["--objective=dpo", "--train_dataset.json_dataset.path=PAIRS", "--dpo.beta=0"],
+     "--dpo.beta must be > 0, got 0.0"),
+    (["--objective=dpo", "--train_dataset.json_dataset.path=PAIRS",
+      "--dpo.label_smoothing=0.5"], "--dpo.label_smoothing must be in [0, 0.5), got 0.5"),
+])
+def test_bad_objective_setup_is_one_clear_line(argv, message, pair_files, capsys, tmp_path):
+    from cli_utils import one_line_error
+
+    argv = [a.replace("PAIRS", pair_files[0]) for a in argv]
+    assert one_line_error(llama_train.main, ["train", *argv, f"--logger.output_dir={tmp_path}"],
+                          capsys) == message
+    assert os.listdir(tmp_path) == []  # failed before writing anything
