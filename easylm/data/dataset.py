@@ -474,5 +474,7 @@ def make_global_batch(batch, mesh):
 
     from easylm.sharding import BATCH_AXES
 
-    sharding = NamedSharding(mesh, P(BATCH_AXES))
-    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
+    def sharding(x):  # rows split, every other axis whole
+        return NamedSharding(mesh, P(BATCH_AXES, *(None,) * (x.ndim - 1)))
+
+    return {k: jax.make_array_from_process_local_data(sharding(v), v) for k, v in batch.items()}
