@@ -509,3 +509,21 @@ def test_bad_objective_setup_is_one_clear_line(argv, message, pair_files, capsys
     assert one_line_error(llama_train.main, ["train", *argv, f"--logger.output_dir={tmp_path}"],
                           capsys) == message
     assert os.listdir(tmp_path) == []  # failed before writing anything
+
+
+def test_objective_options_name_the_run_directory_only_when_they_train():
+    from easylm import flags as flag_lib
+
+    def run_dir(*argv):
+        config = flag_lib.parse(llama_train.default_config(), llama_train.help_entries(),
+                                ["train", "--train_dataset.json_dataset.path=p.jsonl", *argv],
+                                derived=llama_train.RUN_DEFAULTS)
+        return trainer.run_directory(config, "llama")
+
+    # Next-token runs keep the directories they had before these flags existed.
+    text = run_dir()
+    assert run_dir("--dpo.beta=0.3", "--orpo.lambda=0.5") == text
+    dpo = run_dir("--objective=dpo")
+    assert len({text, dpo, run_dir("--objective=simpo")}) == 3
+    assert run_dir("--objective=dpo", "--orpo.lambda=0.5") == dpo   # another objective's
+    assert run_dir("--objective=dpo", "--dpo.beta=0.3") != dpo
