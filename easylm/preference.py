@@ -348,13 +348,13 @@ class Objective:
             else:
                 print_fn(f"computing the reference log-probabilities of the train and eval "
                          f"pairs (one pass) into {path}")
-                self._table = self._precompute(starting_params(), place)
+                self._table = self._precompute(starting_params(), place, path)
                 if jax.process_index() == 0:
-                    self._table.save(path, source)
+                    self._table.save(source)
                 print_fn(f"reference log-probabilities: {len(self._table)} pairs")
         return ()
 
-    def _precompute(self, params, place) -> "ReferenceTable":
+    def _precompute(self, params, place, path) -> "ReferenceTable":
         """One pass over every pair of the train (and eval) data, in source order: the
         reference's log-probabilities by pair. Every process gets all of them."""
         from easylm.data import DatasetFactory
@@ -378,7 +378,7 @@ class Objective:
                     values.append(np.stack([out[k] for k in REFERENCE_KEYS], 1)[rows])
             finally:
                 dataset.close()
-        return ReferenceTable(np.concatenate(keys), np.concatenate(values))
+        return ReferenceTable(np.concatenate(keys), np.concatenate(values), path)
 
     def prepare(self, batch: dict) -> dict:
         """A host batch as the step takes it: with precomputed reference log-probabilities,
@@ -420,9 +420,10 @@ class ReferenceTable:
     (n, 2) float32 (chosen, rejected). Stored as .npz (no pickle) with the reference it
     came from (--load_checkpoint, or the seed of the initialisation)."""
 
-    def __init__(self, keys, values):
+    def __init__(self, keys, values, path):
         keys, first = np.unique(keys, return_index=True)   # sorted; a repeated pair once
         self.keys, self.values = keys, np.asarray(values, np.float32)[first]
+        self.path = path   # where it is stored, for the messages
 
     def __len__(self):
         return len(self.keys)
@@ -434,16 +435,15 @@ class ReferenceTable:
         missing = ~found & (has_pair(batch) > 0)
         if missing.any():
             raise UserError(f"{missing.sum()} pair(s) of a batch have no precomputed reference "
-                            f"log-probabilities in {REFERENCE_FILE} of the run directory: the "
-                            f"data changed since they were computed; delete that file to "
-                            f"compute them again")
+                            f"log-probabilities in {self.path}: the data changed since they "
+                            f"were computed; delete that file to compute them again")
         values = np.where(found[:, None], self.values[at], 0.0).astype(np.float32)
         return dict(zip(REFERENCE_KEYS, values.T))
 
-    def save(self, path: str, source: str) -> None:
+    def save(self, source: str) -> None:
         buffer = io.BytesIO()
         np.savez(buffer, keys=self.keys, values=self.values, source=np.array(source))
-        path = epath.Path(path)
+        path = epath.Path(self.path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.parent / (path.name + ".tmp")   # a killed save leaves no half file
         tmp.write_bytes(buffer.getvalue())
@@ -454,11 +454,12 @@ class ReferenceTable:
         try:
             with np.load(io.BytesIO(epath.Path(path).read_bytes()), allow_pickle=False) as f:
                 keys, values, stored = f["keys"], f["values"], str(f["source"])
-        except (OSError, ValueError, KeyError) as e:
-            raise UserError(f"{path}: not a reference log-probabilities file ({e}); delete "
-                            f"it to compute them again") from None
+        except (OSError, ValueError, KeyError):
+            raise UserError(f"{path} is not the .npz of reference log-probabilities this "
+                            f"command writes (keys, values, source); delete it to compute "
+                            f"them again") from None
         if stored != source:
             raise UserError(f"{path} holds the log-probabilities of the reference {stored}, "
                             f"but this run's reference is {source}; delete it to compute "
                             f"them again")
-        return cls(keys, values)
+        return cls(keys, values, path)

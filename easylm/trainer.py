@@ -517,15 +517,26 @@ def _load_state(kind: str, directory: str, model: Model, tx, mesh, seed: int):
     return state, items["data"]
 
 
-def _evaluate(eval_step, loss_fn, params, dataset, eval_steps: int, make_batch, frozen=()) -> dict:
+def _zero_sums(loss_fn, frozen=()) -> Callable:
+    """(params, batch) -> zeros shaped like loss_fn's sums (LossSums, PreferenceSums, ...),
+    traced once."""
+    shapes = []
+
+    def zeros(params, batch):
+        if not shapes:
+            shapes.append(jax.eval_shape(loss_fn, params, batch, jax.random.key(0), *frozen))
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[0])
+
+    return zeros
+
+
+def _evaluate(eval_step, zeros, params, dataset, eval_steps: int, make_batch, frozen=()) -> dict:
     totals = None
     for i, (batch, _) in enumerate(dataset.iterate(place=make_batch)):
         if eval_steps and i >= eval_steps:
             break
-        if totals is None:  # zeros shaped like the loss's sums
-            totals = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(
-                loss_fn, params, batch, jax.random.key(0), *frozen))
-        totals = eval_step(params, batch, totals, *frozen)
+        totals = eval_step(params, batch, zeros(params, batch) if totals is None else totals,
+                           *frozen)
     if totals is None:
         return {}
     totals = jax.device_get(totals)
@@ -760,6 +771,7 @@ def _train_in(run_dir, config, model, objective, mesh, tx, schedule, dataset, ev
                             in_shardings=(state_shardings.params, batch_sharding, replicated,
                                           *frozen_shardings),
                             out_shardings=replicated)
+        eval_zeros = _zero_sums(objective.loss_fn, frozen)
 
         preemption = _Preemption()
         # Every process traces its own devices; W&B's directory is local also when the run
@@ -820,7 +832,7 @@ def _train_in(run_dir, config, model, objective, mesh, tx, schedule, dataset, ev
                 )
                 log.log(step, values)
             if eval_dataset is not None and step % config.eval_freq == 0:
-                log.log(step, _evaluate(eval_step, objective.loss_fn, state.params, eval_dataset,
+                log.log(step, _evaluate(eval_step, eval_zeros, state.params, eval_dataset,
                                         config.eval_steps, make_batch, frozen))
                 clock = (time.time(), step)  # tokens/s counts training time only
             if (config.save_model_freq and step % config.save_model_freq == 0) or (
