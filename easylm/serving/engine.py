@@ -242,7 +242,10 @@ class Engine:
                                                   sample, length),
                                 donate_argnums=(1,), **out_shardings)
                             for sample in (False, True) for length in self.decode_buckets}
-        self._score_fn = jax.jit(functools.partial(_score, model))
+        # Replicated outputs: on several hosts each process can then read them (sharded
+        # ones would span devices of other processes).
+        self._score_fn = jax.jit(functools.partial(_score, model), **(
+            {} if mesh is None else {"out_shardings": NamedSharding(mesh, P())}))
 
     def _run(self, fn, *args):
         if self.mesh is None:
