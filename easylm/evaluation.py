@@ -302,9 +302,10 @@ class HarnessHook:
     first evaluation), and one engine is made on the trainer's mesh. Each call hands the
     engine `state.params` as they are (sharded, in their dtype; `model_fns` computes in the
     trainer's dtype), so the programs compiled by the first call serve every later one;
-    nothing is written and nothing is fetched outside the call. Every process must call it
-    at the same steps: each runs every request (the engine's calls are collective); the
-    trainer's Logger writes only process 0's results.
+    nothing is written and nothing is fetched outside the call, and the engine's cache is
+    freed between calls. Every process must call it at the same steps: each runs every
+    request (the engine's calls are collective); the trainer's Logger writes only process
+    0's results. (`step` is the loop hooks' signature; the results do not depend on it.)
     """
 
     def __init__(self, config, model_fns, tokenizer, mesh, stop_token_ids=(),
@@ -326,16 +327,19 @@ class HarnessHook:
         self.lm = HarnessLM.from_params(model_fns, None, tokenizer, mesh, engine_config,
                                         stop_token_ids=stop_token_ids,
                                         max_gen_toks=config.max_gen_toks, progress=False)
+        self.lm.engine.release()  # training needs the memory more
 
     def __call__(self, step: int, state) -> dict:
         start = time.time()
         engine = self.lm.engine
         engine.params = state.params
+        engine.reset()  # the cache, for generate_until requests (compiled once, at the start)
         try:
             results = evaluate(self.lm, self.tasks, self.manager, self.config.num_fewshot,
                                self.config.limit, bootstrap_iters=self.config.bootstrap_iters)
         finally:
             engine.params = None  # the next train step donates these buffers
+            engine.release()
         return {**harness_metrics(results), "harness/seconds": time.time() - start}
 
 
