@@ -127,7 +127,7 @@ def alternating_lines(path):
 def test_bad_run_setup_is_one_clear_line(case, capsys, tmp_path, monkeypatch):
     # The skip warnings before the error line are the pipeline's usual ones, not under test
     # (and the root logger's handler may hold an earlier test's closed stream).
-    monkeypatch.setattr(logging.getLogger("easylm.data.dataset"), "propagate", False)
+    monkeypatch.setattr(logging.getLogger("easylm.data.dataset"), "disabled", True)
     data = tmp_path / "data.jsonl"
     data.write_text('{"text": "a b c"}\n')
     argv, message = {

@@ -8,8 +8,17 @@ Our parameter paths are HF's names with '/' for '.', so the mapping is a rule:
 
 Flax Dense kernels are (in, out); torch Linear weights are (out, in). Both
 directions work tensor by tensor, so converters can stream.
+
+LoRA adapters (easylm/lora.py) map to the names PEFT writes for a LlamaForCausalLM,
+transposed like kernels:
+
+    model/layers/3/self_attn/q_proj/kernel_lora_a (in, r)
+        <->  base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (r, in)
+    model/layers/3/self_attn/q_proj/kernel_lora_b (r, out)
+        <->  base_model.model.model.layers.3.self_attn.q_proj.lora_B.weight (out, r)
 """
 
+import re
 from typing import Any, Callable, Iterator, Mapping
 
 import jax
@@ -23,6 +32,8 @@ from easylm.llama.model import LLaMAForCausalLM, stack_layers
 
 # Tensors HF checkpoints may carry that hold no parameter of ours.
 _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
+PEFT_PREFIX = "base_model.model."
+_PEFT_ADAPTERS = {"kernel_lora_a": "lora_A", "kernel_lora_b": "lora_B"}
 
 
 def hf_key(path: str) -> tuple[str, bool]:
@@ -43,13 +54,119 @@ def to_hf(params, config: LLaMAConfig) -> Iterator[tuple[str, np.ndarray]]:
     flat = traverse_util.flatten_dict(params, sep="/")
     for path in param_shapes(config):
         key, transpose = hf_key(path)
-        if config.scan_layers and path.startswith("model/layers/"):
-            _, _, index, rest = path.split("/", 3)
-            tensor = flat[f"model/layers/{rest}"][int(index)]
-        else:
-            tensor = flat[path]
-        tensor = np.asarray(jax.device_get(tensor))
+        tensor = _unstacked(flat, path, config)
         yield key, (tensor.T if transpose else tensor)
+
+
+def _unstacked(flat: dict, path: str, config: LLaMAConfig) -> np.ndarray:
+    """The tensor at unscanned `path` (model/layers/<i>/...) of a flat tree, which holds
+    the layers stacked when the config scans them."""
+    if config.scan_layers and path.startswith("model/layers/"):
+        _, _, index, rest = path.split("/", 3)
+        return np.asarray(jax.device_get(flat[f"model/layers/{rest}"][int(index)]))
+    return np.asarray(jax.device_get(flat[path]))
+
+
+def _hf_module(path: str) -> str:
+    """model/layers/0/self_attn/q_proj/kernel -> model.layers.0.self_attn.q_proj"""
+    return hf_key(path)[0].removesuffix(".weight")
+
+
+def _unscanned_path(path: str, layer: int) -> str:
+    return path.replace("model/layers/", f"model/layers/{layer}/", 1)
+
+
+def peft_key(path: str) -> str:
+    """Our unscanned adapter path -> PEFT's tensor name (the tensor is transposed)."""
+    *module, leaf = path.split("/")
+    return PEFT_PREFIX + ".".join(module + [_PEFT_ADAPTERS[leaf], "weight"])
+
+
+def to_peft(adapters, config: LLaMAConfig) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield (PEFT name, numpy tensor) for LoRA adapters, unstacking scanned layers."""
+    flat = traverse_util.flatten_dict(adapters, sep="/")
+    for path in flat:
+        layers = range(config.num_hidden_layers) if (
+            config.scan_layers and path.startswith("model/layers/")) else [None]
+        for layer in layers:
+            unscanned = path if layer is None else _unscanned_path(path, layer)
+            yield peft_key(unscanned), np.ascontiguousarray(_unstacked(flat, unscanned, config).T)
+
+
+def peft_target_modules(kernels, config: LLaMAConfig) -> list[str]:
+    """PEFT's `target_modules` for adapters on these unscanned kernel paths: module names
+    (q_proj, ...) when they select exactly these kernels, as PEFT matches them (a module
+    whose name ends with one), else the full module names."""
+    modules = {_hf_module(path) for path in kernels}
+    names = sorted({module.rsplit(".", 1)[-1] for module in modules})
+    every = {_hf_module(path) for path in param_shapes(config) if path.endswith("/kernel")}
+    if {m for m in every if m.rsplit(".", 1)[-1] in names} == modules:
+        return names
+    return sorted(modules)
+
+
+def from_peft(tensors: Mapping[str, Any], config: LLaMAConfig, rank: int,
+              source: str = "adapter") -> tuple[Any, str]:
+    """(adapters, target_modules regex over our kernel paths) from PEFT-named tensors.
+
+    The targets are the modules the tensors adapt; each needs both A and B of rank
+    `rank` and must be one of the model's kernels. With scanned layers every layer must
+    carry the same adapters (a scan has one layer's parameters).
+    """
+    shapes = param_shapes(config)
+    kernels = {_hf_module(path): path for path in shapes if path.endswith("/kernel")}
+    adapters, bad = {}, []
+    for name, tensor in tensors.items():
+        module, _, kind = name.removeprefix(PEFT_PREFIX).rpartition(".lora_")
+        path = kernels.get(module)
+        if not name.startswith(PEFT_PREFIX) or path is None or kind not in ("A.weight", "B.weight"):
+            bad.append(name)
+            continue
+        inputs, outputs = shapes[path]
+        leaf = "kernel_lora_a" if kind == "A.weight" else "kernel_lora_b"
+        want = (rank, inputs) if leaf == "kernel_lora_a" else (outputs, rank)
+        tensor = to_numpy(tensor)
+        if tensor.shape != want:
+            raise UserError(f"{source}: tensor {name} has shape {tensor.shape}, but rank "
+                            f"{rank} on this model's {module} implies {want}")
+        adapters[path.removesuffix("kernel") + leaf] = np.ascontiguousarray(tensor.T)
+    if bad:
+        raise UserError(f"{source} has {len(bad)} tensor(s) that are no LoRA adapter of this "
+                        f"model's kernels: {_some(sorted(bad))}")
+    kernel_paths = sorted({path.rsplit("_", 2)[0] for path in adapters})
+    lonely = [p for p in kernel_paths if not {p + "_lora_a", p + "_lora_b"} <= set(adapters)]
+    if not kernel_paths or lonely:
+        raise UserError(f"{source}: every adapted module needs lora_A and lora_B; "
+                        f"{'none found' if not kernel_paths else 'missing for ' + _some(lonely)}")
+    pattern = _kernels_pattern(kernel_paths, config, source)
+    tree = traverse_util.unflatten_dict(adapters, sep="/")
+    if config.scan_layers:
+        tree = stack_layers(tree, config.num_hidden_layers)
+    return tree, pattern
+
+
+def _kernels_pattern(kernel_paths: list[str], config: LLaMAConfig, source: str) -> str:
+    """A regex (re.search) selecting exactly these unscanned kernel paths, written per
+    layer position when all layers have the same ones, so that it fits scanned paths."""
+    per_layer, other = {}, []
+    for path in kernel_paths:
+        if path.startswith("model/layers/"):
+            _, _, index, rest = path.split("/", 3)
+            per_layer.setdefault(rest, set()).add(int(index))
+        else:
+            other.append(path)
+    uneven = [rest for rest, layers in per_layer.items()
+              if len(layers) != config.num_hidden_layers]
+    if uneven and config.scan_layers:
+        raise UserError(f"{source} adapts {uneven[0]} in some layers only, which scanned "
+                        f"layers (--llama.scan_layers=True) cannot hold; load it unscanned")
+    exact = [re.escape(path) for path in other]
+    if uneven:
+        exact += [re.escape(path) for path in kernel_paths if path.startswith("model/layers/")]
+    elif per_layer:
+        inner = "|".join(re.escape(rest) for rest in sorted(per_layer))
+        exact.append(rf"model/layers/(\d+/)?({inner})")
+    return "^(" + "|".join(exact) + ")$"
 
 
 def from_hf(tensors: Mapping[str, Any], config: LLaMAConfig, dtype=None, source: str = "checkpoint",

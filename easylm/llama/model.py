@@ -251,7 +251,9 @@ class LLaMAModel(_Layer):
             stack = nn.scan(
                 _layer_class(c),
                 variable_axes={"params": 0},
-                split_rngs={"params": True},
+                # 'dropout': each layer its own key when one is given (LoRA's adapter
+                # dropout, easylm/lora.py); a scan passes no stream it does not name.
+                split_rngs={"params": True, "dropout": True},
                 in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, 0),
                 length=c.num_hidden_layers,
             )

@@ -1,0 +1,371 @@
+"""LoRA and QLoRA: trainable low-rank adapters on a frozen, optionally quantized, base.
+
+Each targeted kernel W (in, out) stays frozen and gets two trainable adapters:
+
+    y = x W + s * dropout(x) A B        A (in, r), B (r, out); s = alpha / r, or
+                                        alpha / sqrt(r) with use_rslora (PEFT's names)
+
+A starts as PEFT's does (kaiming-uniform with a=sqrt(5): U(-1/sqrt(in), 1/sqrt(in)))
+and B at zero, so the adapted model starts as the base model, bitwise. Merging folds
+W + s * A B into the kernel (in fp32, then cast).
+
+The model side is qwix's (google/qwix, used by MaxText and Tunix): `qwix.LoraProvider`
+intercepts the dot_general/einsum that reads a targeted module's own kernel, adds the
+low-rank term and, with a quantized base, computes with the kernel dequantized to the
+compute dtype inside that matmul (the base stays int8/4-bit on the device). What qwix
+does not do is here: the adapters as their own fp32 pytree (so gradients and optimizer
+state exist for them alone) created in their shards, partition rules derived from the
+base kernels' rules, quantizing a (scanned) base, and merging. docs/lora.md says why.
+
+Parameter layout (leaf names are qwix's; scanned layers add a leading L axis):
+
+    <module>/kernel                 frozen, in --lora.base_dtype; when quantized, qwix's
+                                    WithAux(QArray): <module>/kernel/array/qvalue (in, out)
+                                    int8 or uint4, <module>/kernel/array/scale
+    <module>/kernel_lora_a          (in, r)  fp32, trainable
+    <module>/kernel_lora_b          (r, out) fp32, trainable
+
+Quantized formats (frozen kernels only; everything else frozen is kept in the compute
+dtype, and so are the scales, so the dequantized kernel and its matmul are in the
+compute dtype):
+
+    int8  per output channel: scale = absmax / 127.5 (qwix's bound: the top bucket is
+          [126.5, 127.5)), q = round(w / scale), saturating at 127.
+    nf4   QLoRA's 4-bit NormalFloat: blocks of 64 consecutive inputs of one output
+          (the blocks bitsandbytes takes along a torch (out, in) row), each scaled by its
+          absmax into [-1, 1] and rounded to the nearest of the 16 NF4 levels.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import re
+from typing import Any, Iterable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import qwix
+from flax import traverse_util
+from jax.sharding import PartitionSpec as P
+from ml_collections import ConfigDict
+
+from easylm.errors import UserError
+from easylm.sharding import PartitionRules
+
+BASE_DTYPES = ("bf16", "fp32", "int8", "nf4")
+NF4_BLOCK = 64
+ADAPTERS = ("kernel_lora_a", "kernel_lora_b")  # qwix's names for a kernel's A and B
+# The attention and MLP projections, by the Hugging Face names LLaMA-like families use.
+DEFAULT_TARGET_MODULES = r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)/kernel$"
+
+HELP = {
+    "rank": "LoRA rank r (0: no LoRA, train every parameter)",
+    "alpha": "LoRA alpha: the adapters' update is scaled by alpha / r",
+    "dropout": "dropout on each adapted layer's input to its adapters (training only)",
+    "target_modules": "regex searched in each kernel's parameter path (e.g. "
+                      "model/layers/0/self_attn/q_proj/kernel): the kernels that get adapters",
+    "base_dtype": "how the frozen base is stored: bf16, fp32, int8 (per-channel) or nf4 "
+                  "(QLoRA: 4-bit NormalFloat, blocks of 64)",
+    "use_rslora": "rank-stabilised LoRA: scale by alpha / sqrt(r) instead of alpha / r",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: str = DEFAULT_TARGET_MODULES
+    base_dtype: str = "bf16"
+    use_rslora: bool = False
+
+    def __post_init__(self):
+        if self.rank < 0:
+            raise UserError(f"--lora.rank must be >= 0 (0: off), got {self.rank}")
+        if self.alpha <= 0:
+            raise UserError(f"--lora.alpha must be > 0, got {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            raise UserError(f"--lora.dropout must be in [0, 1), got {self.dropout}")
+        if self.base_dtype not in BASE_DTYPES:
+            raise UserError(f"--lora.base_dtype={self.base_dtype!r} is not one of "
+                            f"{', '.join(BASE_DTYPES)}")
+        try:
+            re.compile(self.target_modules)
+        except re.error as error:
+            raise UserError(f"--lora.target_modules={self.target_modules!r} is not a "
+                            f"regular expression: {error}")
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+
+    @property
+    def quantized(self) -> bool:
+        return self.base_dtype in ("int8", "nf4")
+
+    @classmethod
+    def from_flags(cls, config: ConfigDict) -> "LoraConfig":
+        return cls(**dict(config))
+
+    @staticmethod
+    def get_default_config() -> ConfigDict:
+        return ConfigDict(dataclasses.asdict(LoraConfig()))
+
+
+# ---------------------------------------------------------------- the pytrees
+
+
+def flat(tree) -> dict[str, Any]:
+    return traverse_util.flatten_dict(tree, sep="/")
+
+
+def nested(flat_tree: dict[str, Any]):
+    return traverse_util.unflatten_dict(flat_tree, sep="/")
+
+
+def is_adapter(path: str) -> bool:
+    return path.rsplit("/", 1)[-1] in ADAPTERS
+
+
+def split(params) -> tuple[Any, Any]:
+    """(frozen base, adapters) from one tree holding both."""
+    items = flat(params)  # a quantized kernel (not a dict) is one item
+    return (nested({k: v for k, v in items.items() if not is_adapter(k)}),
+            nested({k: v for k, v in items.items() if is_adapter(k)}))
+
+
+def combine(base, adapters):
+    """One tree for the model: the base's leaves and the adapters beside their kernels."""
+    return nested({**flat(base), **flat(adapters)})
+
+
+def _is_quantized(x) -> bool:
+    return hasattr(x, "array") and isinstance(getattr(x, "array"), qwix.QArray)
+
+
+def target_paths(shapes, pattern: str) -> list[str]:
+    """The '/'-paths of the kernels `pattern` selects (re.search), in tree order."""
+    kernels = [path for path, leaf in flat(shapes).items()
+               if path.endswith("/kernel") and len(leaf.shape) >= 2]
+    targets = [path for path in kernels if re.search(pattern, path)]
+    if not targets:
+        some = ", ".join(kernels[:4]) + (", ..." if len(kernels) > 4 else "")
+        raise UserError(f"--lora.target_modules={pattern!r} matches none of the model's "
+                        f"kernels ({some})")
+    return targets
+
+
+def partition_rules(rules: PartitionRules, config: LoraConfig) -> PartitionRules:
+    """The model's rules extended to adapters and quantized kernels: A (in, r) is split
+    like its kernel's input dimension, B (r, out) like its output dimension, a quantized
+    kernel's values like the kernel, and its scales like the output dimension only (an
+    int8 scale has one row; nf4 has in/64 rows, which need not divide the input's mesh
+    axes: keeping them whole costs a bf16 scale's 2/64 byte per weight, 1/16 of its 4
+    bits). An adapter of a kernel that no rule matches matches nothing either: an error,
+    as for parameters."""
+    derived = []
+    for pattern, spec in rules:
+        if len(spec) != 2:  # only (in, out) kernels carry adapters
+            continue
+        inputs, outputs = spec
+        derived += [(f"(?:{pattern})_lora_a$", P(inputs, None)),
+                    (f"(?:{pattern})_lora_b$", P(None, outputs)),
+                    (f"(?:{pattern})/array/qvalue$", spec),
+                    (f"(?:{pattern})/array/scale$", P(None, outputs))]
+    return (*derived, *rules)
+
+
+# ------------------------------------------------------------ quantization
+
+
+def quantize_kernel(kernel: jax.Array, base_dtype: str, scale_dtype) -> qwix.QArray:
+    """A kernel (..., in, out) as qwix's QArray (see the module doc for the formats);
+    leading axes (a scanned layer axis) are quantized independently."""
+    axes = list(range(kernel.ndim))
+    inputs = kernel.ndim - 2
+    if base_dtype == "int8":
+        return qwix.quantize(kernel, jnp.int8, channelwise_axes=axes[:inputs] + [inputs + 1],
+                             scale_dtype=scale_dtype)
+    if kernel.shape[inputs] % NF4_BLOCK:
+        raise UserError(f"nf4 needs a kernel's input dimension to be a multiple of "
+                        f"{NF4_BLOCK}; got a kernel of shape {kernel.shape}")
+    return qwix.quantize(kernel, "nf4", channelwise_axes=axes[:inputs] + [inputs + 1],
+                         tiled_axes={inputs: NF4_BLOCK}, scale_dtype=scale_dtype)
+
+
+def dequantize(leaf) -> jax.Array:
+    return qwix.dequantize(leaf.array) if _is_quantized(leaf) else leaf
+
+
+# ------------------------------------------------------------------ the model
+
+
+class LoraModel:
+    """A Linen module with adapters on its targeted kernels, and its frozen base's layout.
+
+    `module` must have `init_params(rng) -> params`, and read each targeted kernel as a
+    parameter of the module whose matmul uses it (as `nn.Dense` does): qwix adapts that
+    matmul. Targets it would not reach (a kernel read into a matmul elsewhere) are an
+    error here, not a silently unadapted layer.
+    """
+
+    def __init__(self, module: nn.Module, config: LoraConfig, dtype=jnp.float32):
+        if config.rank < 1:
+            raise UserError(f"--lora.rank must be >= 1 to build adapters, got {config.rank}")
+        self.config, self.dtype, self.base_module = config, jnp.dtype(dtype), module
+        shapes = jax.eval_shape(module.init_params, jax.random.key(0))
+        self.targets = tuple(target_paths(shapes, config.target_modules))
+        self.module = self._wrap(module, config.dropout)
+        self._eval_module = self.module if not config.dropout else self._wrap(module, 0.0)
+        # qwix's own abstract init: the quantized kernels' WithAux templates, and a check
+        # that it adapts exactly the targets.
+        template, adapters = split(jax.eval_shape(self.module.init_params, jax.random.key(0)))
+        adapted = sorted({path.rsplit("_", 2)[0] for path in flat(adapters)})
+        if adapted != sorted(self.targets):
+            missed = sorted(set(self.targets) - set(adapted))
+            raise UserError(f"LoRA could not adapt {len(missed)} targeted kernel(s), which the "
+                            f"model reads outside their own module's matmul: {', '.join(missed)}")
+        self._template = flat(template)
+        self.adapter_shapes = nested({path: jax.ShapeDtypeStruct(leaf.shape, jnp.float32)
+                                      for path, leaf in flat(adapters).items()})
+
+    def _wrap(self, module, dropout: float) -> nn.Module:
+        c = self.config
+        modules = "|".join(re.escape(path[: -len("/kernel")]) for path in self.targets)
+        qtype = {"int8": jnp.int8, "nf4": "nf4"}.get(c.base_dtype)
+        # qwix creates adapters (only ever abstractly here: ours come from init_adapters)
+        # in the kernel's dtype; in the compute dtype they keep the layer's output in it,
+        # as `apply` does by casting.
+        zeros = lambda rng, shape, dtype: jnp.zeros(shape, self.dtype)
+        rule = qwix.LoraRule(
+            module_path=f"({modules})", rank=c.rank,
+            alpha=c.scaling * c.rank,  # qwix scales by alpha / rank
+            dropout=dropout, weight_qtype=qtype,
+            tile_size=NF4_BLOCK if c.base_dtype == "nf4" else None,
+            lora_a_initializer=zeros, lora_b_initializer=zeros)
+        return qwix.apply_lora_to_model(module, qwix.LoraProvider([rule]))
+
+    # ----------------------------------------------------------- the pytrees
+
+    def init_adapters(self, rng) -> Any:
+        """A ~ U(-1/sqrt(in), 1/sqrt(in)) (PEFT's default), B = 0, in fp32."""
+        shapes, out = flat(self.adapter_shapes), {}
+        for key, path in zip(jax.random.split(rng, len(self.targets)), self.targets):
+            a, b = shapes[path + "_lora_a"].shape, shapes[path + "_lora_b"].shape
+            bound = 1.0 / math.sqrt(a[-2])
+            out[path + "_lora_a"] = jax.random.uniform(key, a, jnp.float32, -bound, bound)
+            out[path + "_lora_b"] = jnp.zeros(b, jnp.float32)
+        return nested(out)
+
+    def store_base(self, params) -> Any:
+        """The frozen base from float parameters: targeted kernels quantized (int8/nf4),
+        the rest cast to --lora.base_dtype (the compute dtype when quantized)."""
+        storage = {"bf16": jnp.bfloat16, "fp32": jnp.float32}.get(self.config.base_dtype,
+                                                                   self.dtype)
+        out = {}
+        for path, leaf in flat(params).items():
+            if self.config.quantized and path in self.targets:
+                quantized = quantize_kernel(leaf, self.config.base_dtype, self.dtype)
+                out[path] = self._template[path].replace(array=quantized)
+            else:  # jax arrays: qwix's dtype promotion passes numpy ones through uncast
+                out[path] = jnp.asarray(leaf, storage)
+        return nested(out)
+
+    def dequantized_base(self, base) -> Any:
+        """The base as float parameters of the unadapted module (quantized kernels
+        dequantized): the model that step 0 of a LoRA run computes."""
+        return nested({path: dequantize(leaf) for path, leaf in flat(base).items()})
+
+    def merge(self, base, adapters, dtype=None) -> Any:
+        """Parameters of the unadapted module with W + s * A B folded into each targeted
+        kernel, computed in fp32 and cast to `dtype` (default: each kernel's float dtype)."""
+        params = flat(self.dequantized_base(base))
+        lora = flat(adapters)
+        for path in self.targets:
+            kernel = params[path]
+            delta = jnp.matmul(lora[path + "_lora_a"].astype(jnp.float32),
+                               lora[path + "_lora_b"].astype(jnp.float32),
+                               precision=jax.lax.Precision.HIGHEST)  # (..., in, out)
+            merged = kernel.astype(jnp.float32) + self.config.scaling * delta
+            params[path] = merged.astype(dtype or kernel.dtype)
+        return nested(params)
+
+    # ------------------------------------------------------------- applying
+
+    def apply(self, base, adapters, *args, rng=None, method=None, **kwargs):
+        """The adapted module's `apply`; adapters are cast to the compute dtype (their
+        gradients come back in fp32). `rng` draws the adapter dropout (training); without
+        it there is none."""
+        adapters = jax.tree.map(lambda x: jnp.asarray(x, self.dtype), adapters)
+        variables = {"params": combine(base, adapters)}
+        if rng is not None and self.config.dropout:
+            return self.module.apply(variables, *args, rngs={"dropout": rng}, method=method,
+                                     **kwargs)
+        return self._eval_module.apply(variables, *args, method=method, **kwargs)
+
+    def num_adapter_parameters(self) -> int:
+        return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.adapter_shapes))
+
+
+# ------------------------------------------------------ PEFT adapter directories
+
+PEFT_CONFIG = "adapter_config.json"
+PEFT_WEIGHTS = "adapter_model.safetensors"
+# adapter_config.json fields whose non-default values change what the adapters compute;
+# anything but these defaults is a variant this LoRA does not implement.
+_PEFT_DEFAULTS = {"use_dora": False, "fan_in_fan_out": False, "bias": "none", "lora_bias": False,
+                  "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {},
+                  "layer_replication": None, "target_parameters": None}
+
+
+def write_peft(directory: str, tensors: Iterable[tuple[str, np.ndarray]], config: LoraConfig,
+               target_modules: list[str], base_model: str = "") -> None:
+    """A PEFT LoRA directory: adapter_config.json and adapter_model.safetensors holding
+    `tensors` (PEFT names and layout) as they are given."""
+    from safetensors.numpy import save_file
+
+    os.makedirs(directory, exist_ok=True)
+    alpha = int(config.alpha) if float(config.alpha).is_integer() else config.alpha
+    peft_config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": config.rank, "lora_alpha": alpha,
+        "lora_dropout": config.dropout, "use_rslora": config.use_rslora,
+        "target_modules": target_modules, "base_model_name_or_path": base_model or None,
+        "init_lora_weights": True, "inference_mode": True, **_PEFT_DEFAULTS,
+    }
+    save_file(dict(tensors), os.path.join(directory, PEFT_WEIGHTS))
+    with open(os.path.join(directory, PEFT_CONFIG), "w") as f:
+        json.dump(peft_config, f, indent=2)
+
+
+def read_peft(directory: str) -> tuple[LoraConfig, dict[str, np.ndarray]]:
+    """(LoraConfig from adapter_config.json, PEFT-named tensors) of a PEFT LoRA directory.
+    target_modules is left at its default: the tensors say which modules are adapted."""
+    from safetensors.numpy import load_file
+
+    paths = [os.path.join(directory, name) for name in (PEFT_CONFIG, PEFT_WEIGHTS)]
+    missing = [path for path in paths if not os.path.isfile(path)]
+    if missing:
+        raise UserError(f"{directory} is not a PEFT adapter directory: no {', '.join(missing)}")
+    try:
+        with open(paths[0]) as f:
+            peft_config = json.load(f)
+    except json.JSONDecodeError as error:
+        raise UserError(f"{paths[0]}: not valid JSON ({error})")
+    if peft_config.get("peft_type") != "LORA":
+        raise UserError(f"{paths[0]}: peft_type is {peft_config.get('peft_type')!r}; "
+                        f"only LORA adapters can be loaded")
+    for field, default in _PEFT_DEFAULTS.items():
+        value = peft_config.get(field, default)
+        if value != default and (value or default):  # None, [] and {} are all "none"
+            raise UserError(f"{paths[0]}: {field}={peft_config[field]!r} is not supported "
+                            f"(only {field}={default!r})")
+    try:
+        config = LoraConfig(rank=int(peft_config["r"]), alpha=float(peft_config["lora_alpha"]),
+                            dropout=float(peft_config.get("lora_dropout") or 0.0),
+                            use_rslora=bool(peft_config.get("use_rslora", False)))
+    except KeyError as error:
+        raise UserError(f"{paths[0]} has no {error.args[0]!r}")
+    return config, load_file(paths[1])
