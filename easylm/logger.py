@@ -78,6 +78,10 @@ def _format(fmt: str, value) -> str:
 
 def format_metrics(step: int, metrics: dict) -> str:
     parts = [f"step {step}"]
+    if "harness/seconds" in metrics:  # --eval_harness: every task's numbers, then the time
+        return " | ".join(parts + [f"{k[len('harness/'):]} {_format('{:.4g}', v)}"
+                                   for k, v in metrics.items() if k != "harness/seconds"]
+                          + [f"lm-eval {metrics['harness/seconds']:.1f}s"])
     if "eval_loss" in metrics:
         return " | ".join(parts + [_format(fmt, metrics[key]) for key, fmt in _EVAL_SUMMARY
                                    if metrics.get(key) is not None])

@@ -32,8 +32,8 @@ from absl import logging as absl_logging
 from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import ConfigDict
 
-from easylm import checkpoint, distributed, flops, logger, optimizers, preference, profiling
-from easylm import run_lock
+from easylm import (checkpoint, distributed, eval_harness, flops, logger, optimizers,
+                    preference, profiling, run_lock)
 from easylm import flags as flag_lib
 from easylm.errors import UserError
 from easylm.sharding import (BATCH_AXES, PartitionRules, constrain, init_sharded, make_mesh,
@@ -99,6 +99,11 @@ class Model:
     # (params, rows of input_tokens, target_tokens, loss_masks (N, T)) -> (summed log-probs
     # of the masked targets (N,), their count (N,)): what preference objectives train on
     row_logps: Callable | None = None
+    # () -> the serving engine's `ModelFns` over the same parameters (made when needed: the
+    # serving modules are slow to import), and the ids that end a generation besides the
+    # tokenizer's EOS: `--eval_harness.tasks` runs on them.
+    engine_fns: Callable | None = None
+    stop_token_ids: tuple = ()
 
 
 @flax.struct.dataclass
@@ -144,6 +149,7 @@ def get_default_config(dataset_config: ConfigDict | None = None) -> ConfigDict:
     config.checkpointer = checkpoint.get_default_config()
     config.logger = logger.get_default_config()
     config.jax_distributed = distributed.get_default_config()
+    config.eval_harness = eval_harness.get_default_config()
     config.update_from_flattened_dict(_schedule_defaults(config))
     return config
 
@@ -151,7 +157,8 @@ def get_default_config(dataset_config: ConfigDict | None = None) -> ConfigDict:
 def help_text(dataset_help: dict | None = None) -> dict:
     text = dict(HELP)
     sections = {"optimizer": optimizers.HELP, "checkpointer": checkpoint.HELP,
-                "logger": logger.HELP, "jax_distributed": distributed.HELP}
+                "logger": logger.HELP, "jax_distributed": distributed.HELP,
+                "eval_harness": eval_harness.HELP}
     text.update(preference.HELP, objective=preference.OBJECTIVE_HELP)
     for section in ("train_dataset", "eval_dataset"):
         sections[section] = dataset_help or {}
@@ -461,11 +468,12 @@ def run_directory(config: ConfigDict, model_name: str) -> str:
     experiment_id = config.logger.experiment_id
     if not experiment_id:
         # logger.* and jax_distributed.* may differ between hosts; unset optional flags
-        # (None) are left out too, so that adding such a flag keeps existing ids.
+        # (None) are left out too, so that adding such a flag keeps existing ids; and what
+        # eval_harness.* evaluates changes nothing trained.
         flat = {k: v for k, v in flag_lib.flatten(config).items()
                 if k not in ("resume", "allow_fresh_optimizer", "log_all_worker",
                              "profile_steps", "profile_start_step")
-                and not k.startswith(("logger.", "jax_distributed.",
+                and not k.startswith(("logger.", "jax_distributed.", "eval_harness.",
                                       *preference.unused_flags(config)))
                 and v is not None}
         digest = hashlib.sha1(json.dumps(flat, sort_keys=True).encode()).hexdigest()[:8]
@@ -678,6 +686,17 @@ def train(config: ConfigDict, build_model: Callable[[ConfigDict], Model]) -> str
         )
     tx, schedule = optimizers.get_optimizer(config.optimizer)
     accumulate = config.optimizer.accumulate_gradient_steps
+    # ---- lm-eval in the loop (--eval_harness.*): tasks checked and the engine made now.
+    harness = None
+    if eval_harness.task_names(config.eval_harness):
+        from easylm.evaluation import HarnessHook
+
+        if model.engine_fns is None:
+            raise UserError(f"--eval_harness.tasks: the {model.name} model has no serving "
+                            f"engine to evaluate on")
+        harness = HarnessHook(config.eval_harness, model.engine_fns(), tokenizer, mesh,
+                              model.stop_token_ids, model.max_seq_length)
+    # ----
     objective = preference.build_objective(config, model, tokenizer)
     dataset, eval_dataset, make_global_batch = _load_data(config, tokenizer, objective.pairs)
     _check_batch(dataset.batch_size, mesh, accumulate)
@@ -691,11 +710,11 @@ def train(config: ConfigDict, build_model: Callable[[ConfigDict], Model]) -> str
         if lock.note:
             print(lock.note, file=sys.stderr)
         return _train_in(run_dir, config, model, objective, mesh, tx, schedule, dataset,
-                         eval_dataset, make_batch)
+                         eval_dataset, make_batch, harness)
 
 
 def _train_in(run_dir, config, model, objective, mesh, tx, schedule, dataset, eval_dataset,
-              make_batch):
+              make_batch, harness=None):
     """The run itself, with its directory locked."""
     manager = checkpoint.CheckpointManager(
         os.path.join(run_dir, "checkpoints"), config.checkpointer, config.save_milestone_freq
@@ -835,6 +854,9 @@ def _train_in(run_dir, config, model, objective, mesh, tx, schedule, dataset, ev
                 log.log(step, _evaluate(eval_step, eval_zeros, state.params, eval_dataset,
                                         config.eval_steps, make_batch, frozen))
                 clock = (time.time(), step)  # tokens/s counts training time only
+            if harness is not None and step % harness.every == 0:  # lm-eval (--eval_harness)
+                log.log(step, harness(step, state))
+                clock = (time.time(), step)
             if (config.save_model_freq and step % config.save_model_freq == 0) or (
                     config.save_milestone_freq and step % config.save_milestone_freq == 0):
                 save(step)

@@ -130,6 +130,12 @@ def build_model(config: ConfigDict) -> trainer.Model:
 
         return jax.tree_util.tree_map_with_path(place, host, abstract_params)
 
+    def engine_fns():  # the serving model, computing in the training dtype
+        from easylm.llama.serve import llama_model_fns
+
+        return llama_model_fns(llama_config.replace(remat_policy="none"), model.dtype,
+                               model.param_dtype)[0]
+
     return trainer.Model(
         name="llama",
         config=llama_config.to_dict(),
@@ -142,6 +148,8 @@ def build_model(config: ConfigDict) -> trainer.Model:
         load_hf=load_hf,
         max_seq_length=llama_config.max_position_embeddings,
         row_logps=row_logps,
+        engine_fns=engine_fns,
+        stop_token_ids=(llama_config.eos_token_id,) if llama_config.eos_token_id is not None else (),
     )
 
 
