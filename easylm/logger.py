@@ -41,10 +41,16 @@ HELP = {
 }
 
 # Shown in the one-line summary, in this order, when present.
-_SUMMARY = (("loss", "loss {:.4f}"), ("accuracy", "acc {:.3f}"), ("learning_rate", "lr {:.2e}"),
-            ("gradient_norm", "grad_norm {:.3f}"), ("tokens_per_second", "tokens/s {:,.0f}"))
+# (Preference objectives log rewards/* instead of accuracy and perplexity.)
+_SUMMARY = (("loss", "loss {:.4f}"), ("accuracy", "acc {:.3f}"),
+            ("rewards/accuracy", "reward acc {:.3f}"), ("rewards/margin", "margin {:.3f}"),
+            ("learning_rate", "lr {:.2e}"), ("gradient_norm", "grad_norm {:.3f}"),
+            ("tokens_per_second", "tokens/s {:,.0f}"))
 _EVAL_SUMMARY = (("eval_loss", "eval loss {:.4f}"), ("eval_accuracy", "acc {:.3f}"),
-                 ("eval_perplexity", "perplexity {:.2f}"), ("eval_tokens", "tokens {:,.0f}"))
+                 ("eval_rewards/accuracy", "reward acc {:.3f}"),
+                 ("eval_rewards/margin", "margin {:.3f}"),
+                 ("eval_perplexity", "perplexity {:.2f}"), ("eval_tokens", "tokens {:,.0f}"),
+                 ("eval_pairs", "pairs {:,.0f}"))
 
 
 def get_default_config(updates=None) -> ConfigDict:
