@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from ml_collections import ConfigDict
 
 from easylm import flags as flag_lib
-from easylm import optimizers
+from easylm import optimizers, preference
 from easylm.errors import UserError, exit_on_user_error
 from easylm.sharding import (MESH_AXES, hybrid_mesh_shape, match_partition_rules, mesh_string,
                              parse_mesh_dim)
@@ -75,15 +75,17 @@ class Estimate:
     working_set: int
     batch: int
     mesh: dict
+    reference: int = 0  # a live DPO reference: a second copy of the parameters
 
     @property
     def total(self) -> int:
         return (self.parameters + self.optimizer + self.gradients + self.activations
-                + self.working_set + self.batch)
+                + self.working_set + self.batch + self.reference)
 
     def rows(self):
         return [(f.name.replace("_", " "), getattr(self, f.name))
-                for f in dataclasses.fields(self) if f.name != "mesh"] + [("total", self.total)]
+                for f in dataclasses.fields(self) if f.name != "mesh"
+                and (f.name != "reference" or self.reference)] + [("total", self.total)]
 
 
 def mesh_sizes(config: ConfigDict, num_devices: int, num_processes: int) -> dict:
@@ -176,6 +178,10 @@ def estimate(config: ConfigDict, build_model, num_devices: int, num_processes: i
         raise UserError("--llama.attention=cudnn can only be planned where cuDNN is: plan on "
                         "the GPU host, or with --llama.attention=dot_product for an upper bound")
     model = build_model(config)
+    # A preference pair is two rows; the policy's activations are then those of the
+    # language-model loss on them (the reference's forward pass keeps none).
+    objective = preference.build_objective(config, model, None)
+    rows *= objective.rows_per_example
     params = jax.eval_shape(model.init_params, jax.random.key(0))
     tx, _ = optimizers.get_optimizer(config.optimizer)
     opt_state = jax.eval_shape(tx.init, params)
@@ -214,6 +220,7 @@ def estimate(config: ConfigDict, build_model, num_devices: int, num_processes: i
         gradients=2 * parameters,  # the gradient, and the new parameters beside the old
         activations=activations, working_set=working,
         batch=sum(rows * T * x.dtype.itemsize for x in batch.values()), mesh=sizes,
+        reference=parameters if objective.live_reference else 0,
     )
 
 
@@ -307,7 +314,8 @@ def report(config: ConfigDict, build_model, num_devices: int, num_processes: int
     lines = [
         f"plan: {config.llama.base_model}, {model.num_parameters() / 1e6:,.1f}M parameters, "
         f"{model.num_hidden_layers} layers | {num_devices} devices, mesh {mesh} | "
-        f"{data.batch_size} x {data.seq_length} tokens per step | compute {compute}"
+        f"{data.batch_size}{' pairs x 2' if config.objective != 'next_token' else ''} x "
+        f"{data.seq_length} tokens per step | compute {compute}"
         f"{' (--dtype=auto on ' + jax.default_backend() + ')' if config.dtype == 'auto' else ''}, "
         f"parameters {config.param_dtype} | {config.optimizer.type} | remat "
         f"{model.remat_policy}",

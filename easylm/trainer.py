@@ -17,7 +17,6 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-import math
 import os
 import signal
 import sys
@@ -33,10 +32,10 @@ from absl import logging as absl_logging
 from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import ConfigDict
 
-from easylm import checkpoint, distributed, flops, logger, optimizers, profiling, run_lock
+from easylm import (checkpoint, distributed, eval_harness, flops, logger, optimizers,
+                    preference, profiling, run_lock)
 from easylm import flags as flag_lib
 from easylm.errors import UserError
-from easylm.losses import LossSums
 from easylm.sharding import (BATCH_AXES, PartitionRules, constrain, init_sharded, make_mesh,
                              match_partition_rules, mesh_string, named_shardings)
 
@@ -90,13 +89,21 @@ class Model:
     config: dict  # the model config, saved in checkpoint metadata
     vocab_size: int
     init_params: Callable  # rng -> params, a pure function (run sharded)
-    loss_fn: Callable  # (params, batch, rng) -> LossSums
+    loss_fn: Callable  # (params, batch, rng) -> sums with loss, count, means(): LossSums
     partition_rules: PartitionRules
     flops_per_token: Callable  # seq_length -> training FLOPs per token
     serve_module: str = ""  # printed in the "how to serve it" hint
     # (directory, abstract params with shardings) -> params: `--load_checkpoint=hf::DIR`
     load_hf: Callable | None = None
     max_seq_length: int = 0  # the longest row the model can take (0: no limit)
+    # (params, rows of input_tokens, target_tokens, loss_masks (N, T)) -> (summed log-probs
+    # of the masked targets (N,), their count (N,)): what preference objectives train on
+    row_logps: Callable | None = None
+    # () -> the serving engine's `ModelFns` over the same parameters (made when needed: the
+    # serving modules are slow to import), and the ids that end a generation besides the
+    # tokenizer's EOS: `--eval_harness.tasks` runs on them.
+    engine_fns: Callable | None = None
+    stop_token_ids: tuple = ()
 
 
 @flax.struct.dataclass
@@ -132,6 +139,9 @@ def get_default_config(dataset_config: ConfigDict | None = None) -> ConfigDict:
     config.profile_steps = 0
     config.profile_start_step = 5
     config.log_all_worker = False
+    config.objective = preference.NEXT_TOKEN
+    for name, block in preference.get_default_config().items():   # --dpo.*, --simpo.*, ...
+        config[name] = block
     if dataset_config is not None:
         config.train_dataset = dataset_config
         config.eval_dataset = ConfigDict(dataset_config.to_dict())
@@ -139,6 +149,7 @@ def get_default_config(dataset_config: ConfigDict | None = None) -> ConfigDict:
     config.checkpointer = checkpoint.get_default_config()
     config.logger = logger.get_default_config()
     config.jax_distributed = distributed.get_default_config()
+    config.eval_harness = eval_harness.get_default_config()
     config.update_from_flattened_dict(_schedule_defaults(config))
     return config
 
@@ -146,7 +157,9 @@ def get_default_config(dataset_config: ConfigDict | None = None) -> ConfigDict:
 def help_text(dataset_help: dict | None = None) -> dict:
     text = dict(HELP)
     sections = {"optimizer": optimizers.HELP, "checkpointer": checkpoint.HELP,
-                "logger": logger.HELP, "jax_distributed": distributed.HELP}
+                "logger": logger.HELP, "jax_distributed": distributed.HELP,
+                "eval_harness": eval_harness.HELP}
+    text.update(preference.HELP, objective=preference.OBJECTIVE_HELP)
     for section in ("train_dataset", "eval_dataset"):
         sections[section] = dataset_help or {}
     for section, entries in sections.items():
@@ -231,7 +244,7 @@ def run_defaults(demo: dict, max_seq_length: Callable[[ConfigDict], int] | None 
 
     return [lambda config: dict(demo) if is_demo(config) else {},
             lambda config: dict(FINE_TUNING_DEFAULTS) if starts_from_pretrained(config) else {},
-            rows, _schedule_defaults, eval_rows]
+            rows, _schedule_defaults, eval_rows, preference.dataset_defaults]
 
 
 def dtype_from_flag(flag: str, name: str):
@@ -247,18 +260,19 @@ def dtype_from_flag(flag: str, name: str):
 # ------------------------------------------------------------------ the steps
 
 
-def _loss_and_grads(loss_fn, params, batch, rng, accumulate_steps: int):
+def _loss_and_grads(loss_fn, params, batch, rng, accumulate_steps: int, frozen=()):
     """Summed loss statistics and gradients of the summed loss over the batch.
 
     With k > 1 the batch is split into k micro-batches (rows j, j+k, ... form
     micro-batch j, so each stays spread over all batch shards) and the
     gradients are summed in a scan, so only one micro-batch's activations live
-    at a time. Sums add exactly, so this equals the unsplit batch.
+    at a time. Sums add exactly, so this equals the unsplit batch. `frozen`: the
+    objective's arrays that get no gradient (a reference model), passed to loss_fn.
     """
 
     def one(micro_batch, rng):
         def summed_loss(p):
-            sums = loss_fn(p, micro_batch, rng)
+            sums = loss_fn(p, micro_batch, rng, *frozen)
             return sums.loss, sums
 
         (_, sums), grads = jax.value_and_grad(summed_loss, has_aux=True)(params)
@@ -276,8 +290,11 @@ def _loss_and_grads(loss_fn, params, batch, rng, accumulate_steps: int):
         out = one(micro_batch, jax.random.fold_in(rng, i))
         return jax.tree.map(jnp.add, total, out), None
 
-    zeros = (jax.tree.map(jnp.zeros_like, params), LossSums(*(jnp.zeros((), jnp.float32),) * 3))
     micro_batches = jax.tree.map(split, batch)
+    # Whatever sums the loss returns (LossSums, PreferenceSums), zeros of their shape.
+    sums_shape = jax.eval_shape(lambda b: one(b, rng)[1], jax.tree.map(lambda x: x[0], micro_batches))
+    zeros = (jax.tree.map(jnp.zeros_like, params),
+             jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape))
     (grads, sums), _ = jax.lax.scan(body, zeros, (micro_batches, jnp.arange(accumulate_steps)))
     return grads, sums
 
@@ -286,12 +303,14 @@ def make_train_step(loss_fn, tx: optax.GradientTransformation, schedule, seed: i
                     accumulate_steps: int = 1):
     """The pure train step `(state, batch) -> (state, metrics)` (jit it)."""
 
-    def train_step(state: TrainState, batch: dict):
+    def train_step(state: TrainState, batch: dict, *frozen):
         rng = jax.random.fold_in(jax.random.key(seed), state.step)
-        grads, sums = _loss_and_grads(loss_fn, state.params, batch, rng, accumulate_steps)
-        tokens = jnp.maximum(sums.tokens, 1.0)
-        grads = jax.tree.map(lambda g: g / tokens.astype(g.dtype), grads)  # mean over tokens
-        loss = sums.loss / tokens
+        grads, sums = _loss_and_grads(loss_fn, state.params, batch, rng, accumulate_steps, frozen)
+        count = jnp.maximum(sums.count, 1.0)
+        # A mean over what the loss counts: tokens (LossSums), pairs (PreferenceSums).
+        grads = jax.tree.map(lambda g: g / count.astype(g.dtype), grads)
+        means = sums.means()
+        loss = means["loss"]
         gradient_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -309,13 +328,11 @@ def make_train_step(loss_fn, tx: optax.GradientTransformation, schedule, seed: i
             first_nonfinite_step=first_bad,
         )
         metrics = dict(
-            loss=loss,
-            accuracy=sums.correct / tokens,
-            perplexity=jnp.exp(loss),
+            **means,
             learning_rate=schedule(state.step),
             gradient_norm=gradient_norm,
             param_norm=optax.tree.norm(new_state.params),
-            loss_tokens=sums.tokens,
+            **{f"loss_{sums.COUNT}": sums.count},
             skipped_updates=new_state.skipped_updates,
             first_nonfinite_step=first_bad,
         )
@@ -324,13 +341,17 @@ def make_train_step(loss_fn, tx: optax.GradientTransformation, schedule, seed: i
     return train_step
 
 
-def jit_train_step(model: Model, tx, schedule, seed: int, accumulate_steps: int, state, mesh):
-    """The jitted train step, sharded like `state`, the batch over BATCH_AXES, state donated.
-    The trainer and `python -m easylm.bench train` both run this one."""
+def jit_train_step(model: Model, tx, schedule, seed: int, accumulate_steps: int, state, mesh,
+                   loss_fn=None, frozen=()):
+    """The jitted train step `(state, batch, *frozen)`, sharded like `state`, the batch over
+    BATCH_AXES, state donated (`frozen`, the objective's reference arrays, is not). The
+    trainer and `python -m easylm.bench train` both run this one; loss_fn: the
+    objective's (default: the model's next-token loss)."""
     state_shardings = jax.tree.map(lambda x: x.sharding, state)
     return jax.jit(
-        make_train_step(model.loss_fn, tx, schedule, seed, accumulate_steps),
-        in_shardings=(state_shardings, NamedSharding(mesh, P(BATCH_AXES))),
+        make_train_step(loss_fn or model.loss_fn, tx, schedule, seed, accumulate_steps),
+        in_shardings=(state_shardings, NamedSharding(mesh, P(BATCH_AXES)),
+                      *jax.tree.map(lambda x: x.sharding, frozen)),
         out_shardings=(state_shardings, NamedSharding(mesh, P())),
         donate_argnums=(0,),
     )
@@ -383,11 +404,12 @@ def _gpu_plugin_installed() -> bool:
 
 
 def make_eval_step(loss_fn):
-    """`(params, batch, totals) -> totals`: LossSums added over eval batches."""
+    """`(params, batch, totals, *frozen) -> totals`: the loss's sums added over eval
+    batches."""
 
-    def eval_step(params, batch, totals: LossSums):
-        sums = loss_fn(params, batch, jax.random.key(0))
-        return LossSums(*(t + s for t, s in zip(totals, sums)))
+    def eval_step(params, batch, totals, *frozen):
+        sums = loss_fn(params, batch, jax.random.key(0), *frozen)
+        return jax.tree.map(jnp.add, totals, sums)
 
     return eval_step
 
@@ -406,6 +428,19 @@ def init_state(model: Model, tx, mesh, seed: int, params=None) -> TrainState:
         return init_sharded(lambda rng: init(rng, None), model.partition_rules, mesh,
                             jax.random.key(seed))
     return init_sharded(lambda p: init(None, p), model.partition_rules, mesh, params)
+
+
+def starting_params(config: ConfigDict, model: Model, tx, mesh):
+    """The parameters the run started from, sharded as the train state's: those of
+    --load_checkpoint, else the initialisation from --seed (recomputed, so also after a
+    resume). A preference objective's frozen reference."""
+    if not config.load_checkpoint:
+        return init_state(model, tx, mesh, config.seed).params
+    kind, directory = checkpoint.parse_load_spec(config.load_checkpoint, LOAD_PREFIXES)
+    abstract = abstract_state(model, tx, mesh, config.seed).params
+    if kind == "hf":
+        return model.load_hf(directory, abstract)
+    return checkpoint.restore_items(directory, {"params": abstract})["params"]
 
 
 def abstract_state(model: Model, tx, mesh, seed: int) -> TrainState:
@@ -433,11 +468,14 @@ def run_directory(config: ConfigDict, model_name: str) -> str:
     experiment_id = config.logger.experiment_id
     if not experiment_id:
         # logger.* and jax_distributed.* may differ between hosts; unset optional flags
-        # (None) are left out too, so that adding such a flag keeps existing ids.
+        # (None) are left out too, so that adding such a flag keeps existing ids; and what
+        # eval_harness.* evaluates changes nothing trained.
         flat = {k: v for k, v in flag_lib.flatten(config).items()
                 if k not in ("resume", "allow_fresh_optimizer", "log_all_worker",
                              "profile_steps", "profile_start_step")
-                and not k.startswith(("logger.", "jax_distributed.")) and v is not None}
+                and not k.startswith(("logger.", "jax_distributed.", "eval_harness.",
+                                      *preference.unused_flags(config)))
+                and v is not None}
         digest = hashlib.sha1(json.dumps(flat, sort_keys=True).encode()).hexdigest()[:8]
         experiment_id = f"{model_name}-{digest}"
     return checkpoint.absolute_path(os.path.join(config.logger.output_dir, experiment_id))
@@ -487,16 +525,31 @@ def _load_state(kind: str, directory: str, model: Model, tx, mesh, seed: int):
     return state, items["data"]
 
 
-def _evaluate(eval_step, params, dataset, eval_steps: int, make_batch) -> dict:
-    totals = LossSums(*(jnp.zeros((), jnp.float32),) * 3)
+def _zero_sums(loss_fn, frozen=()) -> Callable:
+    """(params, batch) -> zeros shaped like loss_fn's sums (LossSums, PreferenceSums, ...),
+    traced once."""
+    shapes = []
+
+    def zeros(params, batch):
+        if not shapes:
+            shapes.append(jax.eval_shape(loss_fn, params, batch, jax.random.key(0), *frozen))
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[0])
+
+    return zeros
+
+
+def _evaluate(eval_step, zeros, params, dataset, eval_steps: int, make_batch, frozen=()) -> dict:
+    totals = None
     for i, (batch, _) in enumerate(dataset.iterate(place=make_batch)):
         if eval_steps and i >= eval_steps:
             break
-        totals = eval_step(params, batch, totals)
+        totals = eval_step(params, batch, zeros(params, batch) if totals is None else totals,
+                           *frozen)
+    if totals is None:
+        return {}
     totals = jax.device_get(totals)
-    loss = float(totals.loss) / max(float(totals.tokens), 1.0)
-    return {"eval_loss": loss, "eval_accuracy": float(totals.correct) / max(float(totals.tokens), 1.0),
-            "eval_perplexity": math.exp(min(loss, 80.0)), "eval_tokens": float(totals.tokens)}
+    return {**{f"eval_{k}": float(v) for k, v in totals.means().items()},
+            f"eval_{totals.COUNT}": float(totals.count)}
 
 
 class _Preemption:
@@ -511,6 +564,7 @@ class _Preemption:
 
 
 def _check_config(config: ConfigDict):
+    preference.check_config(config)
     if config.load_checkpoint:
         kind, directory = checkpoint.parse_load_spec(config.load_checkpoint, LOAD_PREFIXES)
         if kind != "hf":  # the model family reads (and checks) a HF directory
@@ -554,14 +608,16 @@ def _check_seq_length(config: ConfigDict, model: Model, datasets: dict):
                 f"max_position_embeddings if the model can take longer rows")
 
 
-def _load_data(config: ConfigDict, tokenizer):
-    """The train and (if evaluating) eval datasets, and the host->device batch function."""
+def _load_data(config: ConfigDict, tokenizer, pairs: bool = False):
+    """The train and (if evaluating) eval datasets, and the host->device batch function;
+    pairs: batches of preference pairs (a preference objective)."""
     from easylm.data import DatasetFactory, make_global_batch
 
-    train = DatasetFactory.load_dataset(config.train_dataset, tokenizer)
+    train = DatasetFactory.load_dataset(config.train_dataset, tokenizer, pairs=pairs)
     evaluation = None
     if config.eval_freq > 0:
-        evaluation = DatasetFactory.load_dataset(config.eval_dataset, tokenizer, for_eval=True)
+        evaluation = DatasetFactory.load_dataset(config.eval_dataset, tokenizer, for_eval=True,
+                                                 pairs=pairs)
     return train, evaluation, make_global_batch
 
 
@@ -630,10 +686,22 @@ def train(config: ConfigDict, build_model: Callable[[ConfigDict], Model]) -> str
         )
     tx, schedule = optimizers.get_optimizer(config.optimizer)
     accumulate = config.optimizer.accumulate_gradient_steps
-    dataset, eval_dataset, make_global_batch = _load_data(config, tokenizer)
+    # ---- lm-eval in the loop (--eval_harness.*): tasks checked and the engine made now.
+    harness = None
+    if eval_harness.task_names(config.eval_harness):
+        from easylm.evaluation import HarnessHook
+
+        if model.engine_fns is None:
+            raise UserError(f"--eval_harness.tasks: the {model.name} model has no serving "
+                            f"engine to evaluate on")
+        harness = HarnessHook(config.eval_harness, model.engine_fns(), tokenizer, mesh,
+                              model.stop_token_ids, model.max_seq_length)
+    # ----
+    objective = preference.build_objective(config, model, tokenizer)
+    dataset, eval_dataset, make_global_batch = _load_data(config, tokenizer, objective.pairs)
     _check_batch(dataset.batch_size, mesh, accumulate)
     _check_seq_length(config, model, {"train_dataset": dataset, "eval_dataset": eval_dataset})
-    make_batch = lambda batch: make_global_batch(batch, mesh)
+    make_batch = lambda batch: make_global_batch(objective.prepare(batch), mesh)
 
     run_dir = run_directory(config, model.name)
     # One trainer per run directory (process 0 stands for all processes of a run).
@@ -641,11 +709,12 @@ def train(config: ConfigDict, build_model: Callable[[ConfigDict], Model]) -> str
     with lock if jax.process_index() == 0 else contextlib.nullcontext():
         if lock.note:
             print(lock.note, file=sys.stderr)
-        return _train_in(run_dir, config, model, mesh, tx, schedule, dataset, eval_dataset,
-                         make_batch)
+        return _train_in(run_dir, config, model, objective, mesh, tx, schedule, dataset,
+                         eval_dataset, make_batch, harness)
 
 
-def _train_in(run_dir, config, model, mesh, tx, schedule, dataset, eval_dataset, make_batch):
+def _train_in(run_dir, config, model, objective, mesh, tx, schedule, dataset, eval_dataset,
+              make_batch, harness=None):
     """The run itself, with its directory locked."""
     manager = checkpoint.CheckpointManager(
         os.path.join(run_dir, "checkpoints"), config.checkpointer, config.save_milestone_freq
@@ -692,17 +761,12 @@ def _train_in(run_dir, config, model, mesh, tx, schedule, dataset, eval_dataset,
         state_shardings = jax.tree.map(lambda x: x.sharding, state)
         batch_sharding = NamedSharding(mesh, P(BATCH_AXES))
         replicated = NamedSharding(mesh, P())
-        train_step = jit_train_step(model, tx, schedule, config.seed, config.optimizer.accumulate_gradient_steps,
-                                    state, mesh)
-        eval_step = jax.jit(make_eval_step(model.loss_fn),
-                            in_shardings=(state_shardings.params, batch_sharding, replicated),
-                            out_shardings=replicated)
-
         log = logger.Logger(config.logger, run_dir, flag_lib.flatten(config),
                             config.total_steps, start_step, config.log_all_worker)
         cleanup.callback(log.close)
-        batch_tokens = dataset.batch_size * dataset.seq_length
-        flops_per_token = model.flops_per_token(dataset.seq_length)
+        # A preference pair is two rows; the reference's forward pass counts in MFU.
+        batch_tokens = objective.rows_per_example * dataset.batch_size * dataset.seq_length
+        flops_per_token = objective.flops_per_token(dataset.seq_length)
         peak = flops.peak_flops_per_device(jax.devices()[0], config.peak_tflops)
         num_params = sum(x.size for x in jax.tree.leaves(state.params))
         log.print(f"run directory: {run_dir}")
@@ -712,9 +776,21 @@ def _train_in(run_dir, config, model, mesh, tx, schedule, dataset, eval_dataset,
         log.print(f"{model.name}: {num_params:,} parameters | {jax.device_count()} "
                   f"{jax.devices()[0].platform} device(s), mesh {mesh_string(mesh)} | "
                   f"{batch_tokens:,} tokens/step | steps {start_step} -> {config.total_steps}"
-                  f"{no_mfu}")
+                  f"{objective.describe()}{no_mfu}")
         if latest is None:
             _warn_about_the_schedule(config, schedule, log.print)
+
+        # The objective's arrays beside state and batch (a frozen reference model), or ().
+        frozen = objective.frozen(run_dir, lambda: starting_params(config, model, tx, mesh),
+                                  make_batch, log.print)
+        frozen_shardings = jax.tree.map(lambda x: x.sharding, frozen)
+        train_step = jit_train_step(model, tx, schedule, config.seed, config.optimizer.accumulate_gradient_steps,
+                                    state, mesh, objective.loss_fn, frozen)
+        eval_step = jax.jit(make_eval_step(objective.loss_fn),
+                            in_shardings=(state_shardings.params, batch_sharding, replicated,
+                                          *frozen_shardings),
+                            out_shardings=replicated)
+        eval_zeros = _zero_sums(objective.loss_fn, frozen)
 
         preemption = _Preemption()
         # Every process traces its own devices; W&B's directory is local also when the run
@@ -745,7 +821,7 @@ def _train_in(run_dir, config, model, mesh, tx, schedule, dataset, eval_dataset,
         while step < config.total_steps:
             batch, data_metrics = next(data)
             profiler.before(step + 1)
-            state, metrics = train_step(state, batch)
+            state, metrics = train_step(state, batch, *frozen)
             step += 1
             profiler.after(step, metrics)
             log.advance()
@@ -775,9 +851,12 @@ def _train_in(run_dir, config, model, mesh, tx, schedule, dataset, eval_dataset,
                 )
                 log.log(step, values)
             if eval_dataset is not None and step % config.eval_freq == 0:
-                log.log(step, _evaluate(eval_step, state.params, eval_dataset,
-                                        config.eval_steps, make_batch))
+                log.log(step, _evaluate(eval_step, eval_zeros, state.params, eval_dataset,
+                                        config.eval_steps, make_batch, frozen))
                 clock = (time.time(), step)  # tokens/s counts training time only
+            if harness is not None and step % harness.every == 0:  # lm-eval (--eval_harness)
+                log.log(step, harness(step, state))
+                clock = (time.time(), step)
             if (config.save_model_freq and step % config.save_model_freq == 0) or (
                     config.save_milestone_freq and step % config.save_milestone_freq == 0):
                 save(step)

@@ -15,7 +15,7 @@ import sys
 import jax
 from ml_collections import ConfigDict
 
-from easylm import trainer
+from easylm import preference, trainer
 from easylm.errors import UserError, exit_on_user_error
 from easylm.llama.config import LLAMA_PRESETS, LLaMAConfig
 from easylm.llama.convert_hf_to_easylm import load_hf_params, read_hf_config
@@ -104,6 +104,15 @@ def build_model(config: ConfigDict) -> trainer.Model:
                                        batch["target_tokens"], batch["loss_masks"],
                                        llama_config.loss_chunk_size)
 
+    def row_logps(params, rows):  # preference pairs: one sequence per row, never packed
+        if not llama_config.loss_chunk_size:
+            logits = model.apply({"params": params}, rows["input_tokens"])
+            return preference.sequence_logps(logits, rows["target_tokens"], rows["loss_masks"])
+        hidden = model.apply({"params": params}, rows["input_tokens"], return_hidden=True)
+        return preference.chunked_sequence_logps(
+            hidden, lm_head_weight(params, llama_config), rows["target_tokens"],
+            rows["loss_masks"], llama_config.loss_chunk_size)
+
     def load_hf(directory, abstract_params):
         """DIR's tensors, each placed straight into its shards of `abstract_params` (host
         memory: one copy of the model; each device: its shards)."""
@@ -121,6 +130,12 @@ def build_model(config: ConfigDict) -> trainer.Model:
 
         return jax.tree_util.tree_map_with_path(place, host, abstract_params)
 
+    def engine_fns():  # the serving model, computing in the training dtype
+        from easylm.llama.serve import llama_model_fns
+
+        return llama_model_fns(llama_config.replace(remat_policy="none"), model.dtype,
+                               model.param_dtype)[0]
+
     return trainer.Model(
         name="llama",
         config=llama_config.to_dict(),
@@ -132,6 +147,9 @@ def build_model(config: ConfigDict) -> trainer.Model:
         serve_module="easylm.llama.serve",
         load_hf=load_hf,
         max_seq_length=llama_config.max_position_embeddings,
+        row_logps=row_logps,
+        engine_fns=engine_fns,
+        stop_token_ids=(llama_config.eos_token_id,) if llama_config.eos_token_id is not None else (),
     )
 
 
