@@ -8,6 +8,7 @@ The model shape comes from the checkpoint (its metadata, or config.json for
 chat page are described in docs/serving.md.
 """
 
+import dataclasses
 import logging
 import os
 import sys
@@ -19,6 +20,7 @@ from absl import logging as absl_logging
 from ml_collections import ConfigDict
 
 from easylm import flags as flag_lib
+from easylm import quantize
 from easylm.errors import UserError, exit_on_user_error
 from easylm.llama.config import LLaMAConfig
 from easylm.llama.model import CACHE_PARTITION_RULES, PARTITION_RULES, LLaMAForCausalLM
@@ -43,6 +45,20 @@ def llama_model_fns(config: LLaMAConfig, dtype=jnp.float32, param_dtype=jnp.floa
                     vocab_size=config.vocab_size), model
 
 
+def int8_model_fns(config: LLaMAConfig, dtype, params, mesh):
+    """(ModelFns, parameters) of the int8 model (--quantize=int8) from float parameters
+    placed on `mesh`. qwix quantizes the matmuls that read a module's own kernel, so the
+    projections run unfused (the same numbers)."""
+    fns, model = llama_model_fns(config.replace(fused_qkv=False, fused_mlp=False), dtype, dtype)
+    int8 = quantize.Int8Model(model)
+
+    def apply(params, ids, positions, cache):
+        return int8.apply(params, ids, positions=positions, cache=cache)
+
+    return (dataclasses.replace(fns, apply=apply),
+            int8.quantize_sharded(params, PARTITION_RULES, mesh))
+
+
 def engine_config() -> ConfigDict:
     """The flags that put a model on an engine: checkpoint, tokenizer, mesh, dtype, the
     engine's, --llama.* (shared with `easylm.llama.eval`)."""
@@ -51,6 +67,7 @@ def engine_config() -> ConfigDict:
     config.tokenizer = "embedded"
     config.mesh_dim = "1,1,-1"
     config.dtype = "auto"
+    config.quantize = "none"
     config.update(engine_lib.get_default_config())
     # The trainer's default model, so that both commands with no flags mean the same one.
     config.llama = LLaMAConfig.get_default_config({"base_model": "embedded"})
@@ -66,6 +83,7 @@ def engine_help_entries() -> dict:
         "mesh_dim": "device mesh dp,fsdp,mp; one entry may be -1 (default: all devices on mp)",
         "dtype": "compute and parameter dtype: bf16, fp16, fp32, or auto (bf16 on GPU/TPU, "
                  "fp32 on CPU)",
+        "quantize": quantize.HELP,
         "llama.base_model": "preset, used when the checkpoint does not record its config",
         **engine_lib.HELP,
     }
@@ -149,9 +167,14 @@ def load_engine(config: ConfigDict):
         raise UserError(f"--seq_length={config.seq_length} is above the model's "
                         f"max_position_embeddings={llama.max_position_embeddings}")
     engine_lib.check_config(config)
+    if config.quantize not in quantize.MODES:
+        raise UserError(f"--quantize={config.quantize!r}: expected one of "
+                        f"{', '.join(quantize.MODES)}")
     mesh = make_mesh(config.mesh_dim)
     fns, model = llama_model_fns(llama, dtype, dtype)
     params = load_params(config, model, mesh)
+    if config.quantize == "int8":
+        fns, params = int8_model_fns(llama, dtype, params, mesh)
     engine = engine_lib.Engine(config, fns, params, mesh)
     if config.pre_compile:
         start = time.time()

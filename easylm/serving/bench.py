@@ -17,10 +17,12 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from ml_collections import ConfigDict
 
 from easylm import flags as flag_lib
+from easylm import quantize
 from easylm.errors import UserError, exit_on_user_error
 from easylm.llama.config import LLaMAConfig
 from easylm.llama.model import PARTITION_RULES
@@ -38,6 +40,8 @@ HELP = {
     "decode_unroll": "the engine's --decode_unroll: the steps of a call unrolled, not a loop",
     "dtype": "bf16, fp16, fp32, or auto (bf16 on GPU/TPU, fp32 on CPU)",
     "mesh_dim": "device mesh dp,fsdp,mp",
+    "quantize": "comma-separated weight formats to time side by side: none (the dtype's), "
+                "int8 (--quantize=int8 of the server)",
     "hf": "also time HF transformers generate (static cache): auto (on CPU, when torch is "
           "installed), true, false",
 }
@@ -53,16 +57,14 @@ def default_config() -> ConfigDict:
     config.decode_unroll = False
     config.dtype = "auto"
     config.mesh_dim = "1,1,-1"
+    config.quantize = "none"
     config.hf = "auto"
     config.llama = LLaMAConfig.get_default_config()
     return config
 
 
-def engine_tokens_per_second(llama: LLaMAConfig, params, batch: int, config, tokenizer,
-                             prompts, mesh, dtype) -> float:
-    from easylm.llama.serve import llama_model_fns
-
-    fns, _ = llama_model_fns(llama, dtype, dtype)
+def engine_tokens_per_second(fns, params, batch: int, config, tokenizer, prompts,
+                             mesh) -> float:
     engine = engine_lib.Engine(
         {"batch_size": batch, "seq_length": config.seq_length or config.prompt_length + config.new_tokens,
          "decode_steps": config.decode_steps, "decode_unroll": config.decode_unroll,
@@ -84,13 +86,17 @@ def engine_tokens_per_second(llama: LLaMAConfig, params, batch: int, config, tok
 def hf_tokens_per_second(hf_model, prompts, new_tokens: int) -> float:
     import torch
 
-    ids = torch.tensor(prompts)
+    ids = torch.tensor(prompts, device=hf_model.device)
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                   cache_implementation="static", pad_token_id=0)
     with torch.no_grad():
         hf_model.generate(ids, **kwargs)  # warm-up, as for the engine
+        if ids.is_cuda:
+            torch.cuda.synchronize()
         start = time.perf_counter()
         out = hf_model.generate(ids, **kwargs)
+        if ids.is_cuda:
+            torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
     assert out.shape[1] == ids.shape[1] + new_tokens
     return len(prompts) * new_tokens / elapsed
@@ -98,7 +104,7 @@ def hf_tokens_per_second(hf_model, prompts, new_tokens: int) -> float:
 
 def run(config: ConfigDict) -> list[dict]:
     from easylm.llama.hf_weights import to_hf
-    from easylm.llama.serve import llama_model_fns
+    from easylm.llama.serve import int8_model_fns, llama_model_fns
     from easylm.tokenizer import load_tokenizer
     from easylm.trainer import dtype_from_flag
 
@@ -116,6 +122,10 @@ def run(config: ConfigDict) -> list[dict]:
         raise UserError(f"--seq_length={config.seq_length} must be between prompt_length + "
                         f"new_tokens = {config.prompt_length + config.new_tokens} and the "
                         f"model's max_position_embeddings={llama.max_position_embeddings}")
+    formats = config.quantize.split(",")
+    if not formats or set(formats) - set(quantize.MODES):
+        raise UserError(f"--quantize={config.quantize!r}: expected a comma-separated list of "
+                        f"{', '.join(quantize.MODES)}")
     dtype = dtype_from_flag("dtype", config.dtype)
     on_cpu_with_torch = jax.default_backend() == "cpu" and importlib.util.find_spec("torch")
     use_hf = {"auto": bool(on_cpu_with_torch), "true": True, "false": False}.get(config.hf)
@@ -125,6 +135,12 @@ def run(config: ConfigDict) -> list[dict]:
     _, model = llama_model_fns(llama, dtype, dtype)
     params = init_sharded(model.init_params, PARTITION_RULES, mesh, jax.random.PRNGKey(0))
     params = jax.tree.map(lambda x: x.astype(dtype), params)
+    variants = {}  # weight format -> (model fns, parameters)
+    for name in formats:
+        if name == "int8":  # the same weights, quantized as the server does
+            variants[name] = int8_model_fns(llama, dtype, params, mesh)
+        else:
+            variants[name] = llama_model_fns(llama, dtype, dtype)[0], params
     hf_model = None
     if use_hf:
         import torch
@@ -134,25 +150,42 @@ def run(config: ConfigDict) -> list[dict]:
         state = {k: torch.from_numpy(np.array(v, np.float32)) for k, v in to_hf(params, llama)}
         hf_model.load_state_dict(state, strict=False)  # tied models list lm_head twice
         hf_model.generation_config.eos_token_id = None
+        # On a GPU host, HF runs on the GPU too, in the same dtype.
+        torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(
+            jnp.dtype(dtype).name, torch.float32)
+        hf_model.to("cuda" if torch.cuda.is_available() else "cpu", dtype=torch_dtype)
     tokenizer = load_tokenizer("embedded")
     rows = []
     for batch in batch_sizes:
         prompts = np.random.RandomState(batch).randint(
             3, llama.vocab_size, (batch, config.prompt_length)).tolist()
-        row = {"batch": batch, "easylm_tokens_per_s": engine_tokens_per_second(
-            llama, params, batch, config, tokenizer, prompts, mesh, dtype)}
+        row = {"batch": batch}
+        for name, (fns, weights) in variants.items():
+            row[KEYS[name]] = engine_tokens_per_second(fns, weights, batch, config, tokenizer,
+                                                       prompts, mesh)
         if hf_model is not None:
             row["hf_tokens_per_s"] = hf_tokens_per_second(hf_model, prompts, config.new_tokens)
-            row["ratio"] = row["easylm_tokens_per_s"] / row["hf_tokens_per_s"]
+            for name in variants:
+                row[f"{RATIOS[name]}"] = row[KEYS[name]] / row["hf_tokens_per_s"]
         rows.append(row)
         print(format_row(row), flush=True)
     return rows
 
 
+KEYS = {"none": "easylm_tokens_per_s", "int8": "easylm_int8_tokens_per_s"}
+RATIOS = {"none": "ratio", "int8": "int8_ratio"}
+
+
 def format_row(row: dict) -> str:
-    text = f"batch {row['batch']:>4}: easylm {row['easylm_tokens_per_s']:>10,.0f} tokens/s"
+    text = f"batch {row['batch']:>4}:"
+    for name, key in KEYS.items():
+        if key in row:
+            label = "easylm" if name == "none" else f"easylm {name}"
+            text += f" {label} {row[key]:>10,.0f} tokens/s"
     if "hf_tokens_per_s" in row:
-        text += f"   HF static cache {row['hf_tokens_per_s']:>10,.0f} tokens/s   ratio {row['ratio']:.2f}x"
+        text += f"   HF static cache {row['hf_tokens_per_s']:>10,.0f} tokens/s"
+        text += "".join(f"   ratio{'' if n == 'none' else ' ' + n} {row[RATIOS[n]]:.2f}x"
+                        for n in KEYS if RATIOS[n] in row)
     return text
 
 
