@@ -57,6 +57,9 @@ class Model:
     # their partition rules.
     init_frozen: Callable | None = None
     frozen_rules: PartitionRules = ()
+    # (params, rows of input_tokens, target_tokens, loss_masks (N, T)) -> (summed log-probs
+    # of the masked targets (N,), their count (N,)): what preference objectives train on
+    row_logps: Callable | None = None
 
 
 class ModelFamily:
@@ -98,6 +101,12 @@ class ModelFamily:
     def torch_reference(self, config, params):
         """The same model in HF transformers (torch) for benchmarks, or None."""
         return None
+
+    def int8_model(self, config, dtype, params, mesh) -> tuple[Model, Any]:
+        """(Model, parameters) of the int8 weight-only model (`--quantize=int8`, see
+        easylm/quantize.py) from float parameters of `bind(config, dtype, dtype)` placed
+        on `mesh`."""
+        raise UserError(f"--quantize=int8: the {self.name} family has no int8 model")
 
     # ------------------------------------------------------------------ generic
 

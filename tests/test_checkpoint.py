@@ -78,10 +78,10 @@ def final_params(output_dir, step=TOTAL_STEPS):
     return jax.tree.map(np.asarray, checkpoint.load_params(f"params::{directory}", abstract))
 
 
-def run_until(cmd, output_dir, step, signum):
+def run_until(cmd, output_dir, step, signum, env=ENV):
     """Start `cmd`, send `signum` once step `step` is logged and a checkpoint is complete."""
     out, err = open(f"{output_dir}/stdout", "w+"), open(f"{output_dir}/stderr", "w+")
-    process = subprocess.Popen(cmd, env=ENV, stdout=out, stderr=err, text=True)
+    process = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, text=True)
     directory = os.path.join(output_dir, "run", "checkpoints")
 
     def complete_checkpoint():  # unfinished saves are named '<step>.orbax-checkpoint-tmp-...'

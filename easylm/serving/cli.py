@@ -19,6 +19,8 @@ from absl import logging as absl_logging
 from ml_collections import ConfigDict
 
 from easylm import flags as flag_lib
+from easylm import quantize
+from easylm.dtypes import dtype_from_flag
 from easylm.errors import UserError, exit_on_user_error
 from easylm.family import Model, ModelFamily, abstract_params
 from easylm.serving import engine as engine_lib
@@ -35,6 +37,7 @@ def engine_config(family: ModelFamily) -> ConfigDict:
     config.tokenizer = "embedded"
     config.mesh_dim = "1,1,-1"
     config.dtype = "auto"
+    config.quantize = "none"
     config.update(engine_lib.get_default_config())
     # The trainer's default model, so that both commands with no flags mean the same one.
     config[family.name] = family.flag_config()
@@ -50,6 +53,7 @@ def engine_help_entries(family: ModelFamily) -> dict:
         "mesh_dim": "device mesh dp,fsdp,mp; one entry may be -1 (default: all devices on mp)",
         "dtype": "compute and parameter dtype: bf16, fp16, fp32, or auto (bf16 on GPU/TPU, "
                  "fp32 on CPU)",
+        "quantize": quantize.HELP,
         **engine_lib.HELP,
         **family.help_entries("the checkpoint's, or the preset's"),
         f"{family.name}.base_model": "preset, used when the checkpoint does not record its "
@@ -114,8 +118,14 @@ def load_engine(family: ModelFamily, config: ConfigDict):
         raise UserError(f"--seq_length={config.seq_length} is above the model's "
                         f"max_position_embeddings={limit}")
     engine_lib.check_config(config)
+    if config.quantize not in quantize.MODES:
+        raise UserError(f"--quantize={config.quantize!r}: expected one of "
+                        f"{', '.join(quantize.MODES)}")
     mesh = make_mesh(config.mesh_dim)
     params = load_params(family, config, settings, model, mesh)
+    if config.quantize == "int8":
+        model, params = family.int8_model(settings, dtype_from_flag("dtype", config.dtype),
+                                          params, mesh)
     engine = engine_lib.Engine(config, model, params, mesh)
     if config.pre_compile:
         start = time.time()
