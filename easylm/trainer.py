@@ -599,12 +599,21 @@ def _evaluate(run: "Run", state: TrainState) -> dict:
             f"eval_{totals.COUNT}": float(totals.count)}
 
 
-class _Preemption:
-    """Turns SIGTERM into a flag the loop checks after each step."""
+class _Preemption(contextlib.AbstractContextManager):
+    """While entered, SIGTERM sets a flag the loop checks after each step; on exit the
+    previous handler is back (a process that trains in-process, as tests do, can then be
+    stopped by SIGTERM again)."""
 
     def __init__(self):
         self.requested = False
-        signal.signal(signal.SIGTERM, self._handle)
+        self._previous = None
+
+    def __enter__(self):
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGTERM, self._previous)
 
     def _handle(self, signum, frame):
         self.requested = True
@@ -762,7 +771,7 @@ def train(config: ConfigDict, family: ModelFamily) -> str:
     """Train as `config` says; returns the final checkpoint's directory."""
     with contextlib.ExitStack() as cleanup:
         run = start(config, family, cleanup)
-        add_standard_hooks(run)
+        add_standard_hooks(run, cleanup)
         step = loop(run)
     final = run.manager.step_directory(step)
     if jax.process_index() == 0:
@@ -913,9 +922,9 @@ def _print_start(run: Run, fresh: bool):
         _warn_about_the_schedule(config, run.schedule, run.log.print)
 
 
-def add_standard_hooks(run: Run):
+def add_standard_hooks(run: Run, cleanup: contextlib.ExitStack):
     """The profiler window, evaluation, lm-eval (--eval_harness), checkpoints and
-    preemption, as the flags say."""
+    preemption, as the flags say; the SIGTERM handler is undone by `cleanup`."""
     config = run.config
     # Every process traces its own devices; W&B's directory is local also when the run
     # directory is a bucket.
@@ -939,7 +948,7 @@ def add_standard_hooks(run: Run):
                      every=run.harness.every)
     for every in {config.save_model_freq, config.save_milestone_freq} - {0}:
         run.add_hook(lambda info: run.save(info.step), every=every)
-    preemption = _Preemption()
+    preemption = cleanup.enter_context(_Preemption())
 
     def on_sigterm(info):
         if preemption.requested:

@@ -698,6 +698,34 @@ def test_a_write_that_fills_the_disk_leaves_nothing(stored, monkeypatch, capfd, 
     assert os.listdir(tmp_path / "out") == []
 
 
+def test_training_in_process_gives_the_sigterm_handler_back(data_path, tmp_path, monkeypatch):
+    """While it trains, SIGTERM is the trainer's (save and stop); after it, also after a run
+    that fails, the handler from before is back (pytest under `timeout` stays stoppable)."""
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    before = lambda signum, frame: None  # noqa: E731
+    during, real_loop = [], trainer.loop
+
+    def loop(run, fail=False):
+        during.append(signal.getsignal(signal.SIGTERM))
+        if fail:
+            raise RuntimeError("the loop failed")
+        return real_loop(run)
+
+    previous = signal.signal(signal.SIGTERM, before)
+    try:
+        monkeypatch.setattr(trainer, "loop", loop)
+        trainer.train(run_flags(tmp_path / "a", data_path, ONE_LAYER, "--total_steps=1"), FAMILY)
+        assert signal.getsignal(signal.SIGTERM) is before
+        monkeypatch.setattr(trainer, "loop", lambda run: loop(run, fail=True))
+        with pytest.raises(RuntimeError, match="the loop failed"):
+            trainer.train(run_flags(tmp_path / "b", data_path, ONE_LAYER, "--total_steps=1"),
+                          FAMILY)
+        assert signal.getsignal(signal.SIGTERM) is before
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert len(during) == 2 and all(callable(h) and h is not before for h in during)
+
+
 # --------------------------------------------------------- one trainer, resuming
 
 
