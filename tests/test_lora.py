@@ -224,7 +224,7 @@ def test_adapter_rules_follow_their_kernels(params):
     # An adapter whose kernel no rule matches is an error, as for parameters.
     without_q = [(p, s) for p, s in PARTITION_RULES if "q_proj" not in p]
     with pytest.raises(UserError, match=r"no partition rule matches parameter .*_proj/kernel_lora_a"):
-        match_partition_rules(partition_rules(without_q, lm.config), adapters)
+        match_partition_rules(partition_rules(without_q), adapters)
 
 
 # ------------------------------------------------------------- acceptance 3
