@@ -30,8 +30,10 @@ windows, of its own max_length for the token it asks for.)
 import datetime
 import difflib
 import json
+import numbers
 import os
 import threading
+import time
 
 import lm_eval
 import lm_eval.models  # noqa: F401  lm-eval fills its registry only when it is empty
@@ -58,8 +60,9 @@ class HarnessLM(TemplateLM):
     """
 
     def __init__(self, engine: Engine, tokenizer, stop_token_ids=(), max_length: int | None = None,
-                 max_gen_toks: int = 256, seed: int = 1234):
+                 max_gen_toks: int = 256, seed: int = 1234, progress: bool = True):
         super().__init__()
+        self.progress = progress  # tqdm bars per request type
         self.engine, self.tokenizer = engine, tokenizer
         self.stop_token_ids = {i for i in (*stop_token_ids, tokenizer.eos_token_id) if i is not None}
         self.max_length = max_length or engine.seq_length  # the `hf` backend's max_length
@@ -92,6 +95,9 @@ class HarnessLM(TemplateLM):
 
     # ------------------------------------------------------------ requests
 
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        return super().loglikelihood(requests, disable_tqdm or not self.progress)
+
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
         L = self.max_length
         rows = []
@@ -105,7 +111,8 @@ class HarnessLM(TemplateLM):
         order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
         results = [None] * len(rows)
         step = self.engine.batch_size
-        with tqdm(total=len(rows), disable=disable_tqdm, desc="loglikelihood") as bar:
+        with tqdm(total=len(rows), disable=disable_tqdm or not self.progress,
+                  desc="loglikelihood") as bar:
             for start in range(0, len(order), step):
                 chunk = order[start:start + step]
                 job = scoring.summed([rows[i] for i in chunk], list)
@@ -157,19 +164,24 @@ class HarnessLM(TemplateLM):
             params = self._sampling(gen_kwargs)
             prompt = self.tok_encode(context)[-(self.max_length - params.max_tokens):]
             jobs.append((prompt or [self.prefix_token_id], params))
-        bar = tqdm(total=len(jobs), disable=disable_tqdm, desc="generate_until")
+        bar = tqdm(total=len(jobs), disable=disable_tqdm or not self.progress,
+                   desc="generate_until")
         done = threading.Semaphore(0)
 
         def on_event(event):
             if event.finish_reason or event.error:
                 done.release()
 
-        batcher = Batcher(self.engine, self.stop_token_ids).start()
+        # Every request queued before the batcher starts: its device calls then follow from
+        # the requests alone, not from thread timing, and so are the same on every process
+        # (which a multi-host engine needs: each call is collective).
+        batcher = Batcher(self.engine, self.stop_token_ids)
+        generations = [Generation(prompt, params, self.tokenizer, on_event)
+                       for prompt, params in jobs]
+        for g in generations:
+            batcher.submit(g)
+        batcher.start()
         try:
-            generations = [Generation(prompt, params, self.tokenizer, on_event)
-                           for prompt, params in jobs]
-            for g in generations:
-                batcher.submit(g)
             for _ in generations:
                 done.acquire()
                 bar.update(1)
@@ -191,16 +203,17 @@ class HarnessLM(TemplateLM):
 # ---------------------------------------------------------------- tasks and results
 
 
-def task_manager(names: list[str], include_path: str = ""):
+def task_manager(names: list[str], include_path: str = "", flags: str = "--"):
     """An lm-eval TaskManager that knows every name in `names`, or a UserError naming the
     first unknown one. `include_path`: comma-separated directories of task YAML files.
-    Indexing lm-eval's own ~15,000 tasks takes seconds, so local tasks alone skip it."""
+    Indexing lm-eval's own ~15,000 tasks takes seconds, so local tasks alone skip it.
+    `flags`: how the messages name the flags (the trainer's: `--eval_harness.`)."""
     from lm_eval.tasks import TaskManager
 
     paths = [p for p in include_path.split(",") if p]
     for path in paths:
         if not os.path.isdir(path):
-            raise UserError(f"--include_path={path!r} is not a directory")
+            raise UserError(f"{flags}include_path={path!r} is not a directory")
     if paths:
         local = TaskManager(include_path=paths, include_defaults=False)
         if all(_known(local, name) for name in names):
@@ -209,24 +222,24 @@ def task_manager(names: list[str], include_path: str = ""):
     for name in names:
         if not _known(manager, name):
             close = difflib.get_close_matches(name, manager.all_tasks, n=3)
-            where = "lm-eval's tasks" + (f" or --include_path={include_path}" if paths else "")
+            where = "lm-eval's tasks" + (f" or {flags}include_path={include_path}" if paths else "")
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             raise UserError(f"unknown task {name!r}: not among {where}{hint}")
     return manager
 
 
-def load_tasks(names: list[str], include_path: str = ""):
+def load_tasks(names: list[str], include_path: str = "", flags: str = "--"):
     """(TaskManager, the tasks and groups `names` name, built with their data): every
     problem a task can have before a model runs is a UserError here."""
     from datasets.exceptions import DatasetGenerationError
 
-    manager = task_manager(names, include_path)
+    manager = task_manager(names, include_path, flags)
     try:
         loaded = manager.load(names)
     except (FileNotFoundError, ConnectionError, DatasetGenerationError) as e:
         # datasets' errors for a missing or malformed data file, or a hub dataset offline.
         reasons = [str(x).splitlines()[0] for x in (e, e.__cause__) if x is not None and str(x)]
-        raise UserError(f"cannot load the data of --tasks={','.join(names)}: "
+        raise UserError(f"cannot load the data of {flags}tasks={','.join(names)}: "
                         f"{': '.join(reasons)}") from None
     children = {child for group in loaded["group_map"].values() for child in group}
     built = [*loaded["groups"].items(), *loaded["tasks"].items()]
@@ -274,3 +287,88 @@ def write_results(results: dict, directory: str) -> list[str]:
             for row in rows:
                 f.write(json.dumps(row, default=handle_non_serializable, ensure_ascii=False) + "\n")
     return paths
+
+
+# ---------------------------------------------------------------- in the training loop
+
+
+class HarnessHook:
+    """lm-eval tasks on the trainer's live parameters: `hook(step, state)` -> metrics named
+    `harness/<task>/<metric>` (a filter other than lm-eval's `none` adds `/<filter>`), and
+    `harness/seconds`; the trainer calls it every `hook.every` steps.
+
+    Made once, before training, from the `--eval_harness.*` flags (easylm.eval_harness):
+    the tasks and their data are loaded (a bad name or file is a UserError then, not at the
+    first evaluation), and one engine is made on the trainer's mesh. Each call hands the
+    engine `state.params` as they are (sharded, in their dtype; `model`, the trainer's
+    family `Model`, computes in the trainer's dtype), so the programs compiled by the first call serve every later one;
+    nothing is written and nothing is fetched outside the call, and the engine's cache is
+    freed between calls. Every process must call it at the same steps: each runs every
+    request (the engine's calls are collective); the trainer's Logger writes only process
+    0's results. (`step` is the loop hooks' signature; the results do not depend on it.)
+    """
+
+    def __init__(self, config, model, tokenizer, mesh):
+        from easylm import eval_harness
+        from easylm.serving import engine as engine_lib
+
+        names = eval_harness.task_names(config)
+        max_seq_length = model.max_seq_length
+        _check_hook_config(config, max_seq_length)
+        self.config, self.every = config, config.freq
+        self.manager, self.tasks = load_tasks(names, config.include_path, "--eval_harness.")
+        seq_length = config.seq_length or min(max_seq_length or 2048, 2048)
+        engine_config = engine_lib.get_default_config({
+            "batch_size": config.batch_size, "seq_length": seq_length,
+            "min_bucket": config.min_bucket, "decode_steps": config.decode_steps})
+        if config.max_gen_toks >= seq_length:
+            raise UserError(f"--eval_harness.max_gen_toks={config.max_gen_toks} leaves no room "
+                            f"for a prompt in --eval_harness.seq_length={seq_length}")
+        self.lm = HarnessLM.from_params(model, None, tokenizer, mesh, engine_config,
+                                        stop_token_ids=(model.eos_token_id,),
+                                        max_gen_toks=config.max_gen_toks, progress=False)
+        self.lm.engine.release()  # training needs the memory more
+
+    def __call__(self, step: int, state) -> dict:
+        start = time.time()
+        engine = self.lm.engine
+        engine.params = state.params
+        engine.reset()  # the cache, for generate_until requests (compiled once, at the start)
+        try:
+            results = evaluate(self.lm, self.tasks, self.manager, self.config.num_fewshot,
+                               self.config.limit, bootstrap_iters=self.config.bootstrap_iters)
+        finally:
+            engine.params = None  # the next train step donates these buffers
+            engine.release()
+        return {**harness_metrics(results), "harness/seconds": time.time() - start}
+
+
+def harness_metrics(results: dict) -> dict:
+    """lm-eval's per-task (and per-group) numbers as flat `harness/<task>/<metric>` names;
+    what is not a number (an alias, a stderr of 'N/A') is left out."""
+    out = {}
+    for task, values in results["results"].items():
+        for key, value in values.items():
+            metric, _, filter_name = key.partition(",")
+            if not filter_name or isinstance(value, bool) or not isinstance(value, numbers.Number):
+                continue
+            name = metric if filter_name == "none" else f"{metric}/{filter_name}"
+            out[f"harness/{task}/{name}"] = float(value)
+    return out
+
+
+def _check_hook_config(config, max_seq_length: int):
+    """Flag values the hook cannot use, named as the trainer's flags."""
+    if config.freq < 1:
+        raise UserError(f"--eval_harness.freq must be >= 1 with --eval_harness.tasks, got "
+                        f"{config.freq}")
+    if config.limit is not None and config.limit <= 0:
+        raise UserError(f"--eval_harness.limit must be > 0, got {config.limit}")
+    for name, low in (("num_fewshot", 0), ("bootstrap_iters", 0), ("max_gen_toks", 1),
+                      ("batch_size", 1), ("seq_length", 0), ("min_bucket", 1),
+                      ("decode_steps", 1)):
+        if config[name] is not None and config[name] < low:
+            raise UserError(f"--eval_harness.{name} must be >= {low}, got {config[name]}")
+    if max_seq_length and config.seq_length > max_seq_length:
+        raise UserError(f"--eval_harness.seq_length={config.seq_length} is above the model's "
+                        f"max_position_embeddings={max_seq_length}")

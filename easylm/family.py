@@ -63,6 +63,9 @@ class Model:
     # mesh -> the frozen tree, read (not drawn) and placed in its shards: the trainer
     # then trains fresh `init_params` on it, and --load_checkpoint names what it reads.
     load_frozen: Callable | None = None
+    # (params, rows of input_tokens, target_tokens, loss_masks (N, T)) -> (summed log-probs
+    # of the masked targets (N,), their count (N,)): what preference objectives train on
+    row_logps: Callable | None = None
 
 
 class ModelFamily:
@@ -123,6 +126,12 @@ class ModelFamily:
         """Run defaults a variant sets over the fine-tuning ones (LoRA's learning rates);
         a variant that sets a learning rate gets no full-fine-tuning warning."""
         return {}
+
+    def int8_model(self, config, dtype, params, mesh) -> tuple[Model, Any]:
+        """(Model, parameters) of the int8 weight-only model (`--quantize=int8`, see
+        easylm/quantize.py) from float parameters of `bind(config, dtype, dtype)` placed
+        on `mesh`."""
+        raise UserError(f"--quantize=int8: the {self.name} family has no int8 model")
 
     # ------------------------------------------------------------------ generic
 

@@ -41,10 +41,16 @@ HELP = {
 }
 
 # Shown in the one-line summary, in this order, when present.
-_SUMMARY = (("loss", "loss {:.4f}"), ("accuracy", "acc {:.3f}"), ("learning_rate", "lr {:.2e}"),
-            ("gradient_norm", "grad_norm {:.3f}"), ("tokens_per_second", "tokens/s {:,.0f}"))
+# (Preference objectives log rewards/* instead of accuracy and perplexity.)
+_SUMMARY = (("loss", "loss {:.4f}"), ("accuracy", "acc {:.3f}"),
+            ("rewards/accuracy", "reward acc {:.3f}"), ("rewards/margin", "margin {:.3f}"),
+            ("learning_rate", "lr {:.2e}"), ("gradient_norm", "grad_norm {:.3f}"),
+            ("tokens_per_second", "tokens/s {:,.0f}"))
 _EVAL_SUMMARY = (("eval_loss", "eval loss {:.4f}"), ("eval_accuracy", "acc {:.3f}"),
-                 ("eval_perplexity", "perplexity {:.2f}"), ("eval_tokens", "tokens {:,.0f}"))
+                 ("eval_rewards/accuracy", "reward acc {:.3f}"),
+                 ("eval_rewards/margin", "margin {:.3f}"),
+                 ("eval_perplexity", "perplexity {:.2f}"), ("eval_tokens", "tokens {:,.0f}"),
+                 ("eval_pairs", "pairs {:,.0f}"))
 
 
 def get_default_config(updates=None) -> ConfigDict:
@@ -72,6 +78,10 @@ def _format(fmt: str, value) -> str:
 
 def format_metrics(step: int, metrics: dict) -> str:
     parts = [f"step {step}"]
+    if "harness/seconds" in metrics:  # --eval_harness: every task's numbers, then the time
+        return " | ".join(parts + [f"{k[len('harness/'):]} {_format('{:.4g}', v)}"
+                                   for k, v in metrics.items() if k != "harness/seconds"]
+                          + [f"lm-eval {metrics['harness/seconds']:.1f}s"])
     if "eval_loss" in metrics:
         return " | ".join(parts + [_format(fmt, metrics[key]) for key, fmt in _EVAL_SUMMARY
                                    if metrics.get(key) is not None])

@@ -158,7 +158,7 @@ def target_paths(shapes, pattern: str) -> list[str]:
     return targets
 
 
-def partition_rules(rules: PartitionRules, config: LoraConfig) -> PartitionRules:
+def partition_rules(rules: PartitionRules) -> PartitionRules:
     """The model's rules extended to adapters and quantized kernels: A (in, r) is split
     like its kernel's input dimension, B (r, out) like its output dimension, a quantized
     kernel's values like the kernel, and its scales like the output dimension only (an

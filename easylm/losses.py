@@ -1,7 +1,9 @@
 """Training losses, returned as sums so that micro-batches and hosts add up exactly.
 
-A loss function maps (params, batch, rng) to a `LossSums`; the train step
-divides by the token count once, after summing over micro-batches. A model
+A loss function maps (params, batch, rng) to sums: a NamedTuple with a `loss` field,
+a `count` (the denominator: tokens here, pairs for a preference objective) and a
+`means()` method giving what a step logs. The train step adds the sums of its
+micro-batches and divides by the count once, so that accumulation is exact. A model
 family supplies its own (see `easylm/llama/family.py`); `next_token_loss` is the
 causal-LM one for models whose forward pass returns logits. A fused or chunked
 cross-entropy that never holds the full (B, T, V) logits can replace it without
@@ -22,6 +24,17 @@ class LossSums(NamedTuple):
     loss: jax.Array  # sum over counted tokens of -log p(target), fp32 scalar
     correct: jax.Array  # number of counted tokens whose argmax is the target
     tokens: jax.Array  # number of counted tokens (sum of loss_masks)
+
+    COUNT = "tokens"  # what `count` counts: the logs call it loss_tokens, eval_tokens
+
+    @property
+    def count(self):
+        return self.tokens
+
+    def means(self) -> dict:
+        tokens = jnp.maximum(self.tokens, 1.0)
+        loss = self.loss / tokens
+        return {"loss": loss, "accuracy": self.correct / tokens, "perplexity": jnp.exp(loss)}
 
 
 def next_token_loss(logits, target_tokens, loss_masks) -> LossSums:

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from ml_collections import ConfigDict
 
 from easylm import flags as flag_lib
-from easylm import optimizers
+from easylm import optimizers, preference
 from easylm.errors import exit_on_user_error
 from easylm.dtypes import dtype_from_flag
 from easylm.sharding import (MESH_AXES, axes_size, check_batch_split, hybrid_mesh_shape,
@@ -76,15 +76,17 @@ class Estimate:
     working_set: int
     batch: int
     mesh: dict
+    reference: int = 0  # a live DPO reference: a second copy of the parameters
 
     @property
     def total(self) -> int:
         return (self.parameters + self.optimizer + self.gradients + self.activations
-                + self.working_set + self.batch)
+                + self.working_set + self.batch + self.reference)
 
     def rows(self):
         return [(f.name.replace("_", " "), getattr(self, f.name))
-                for f in dataclasses.fields(self) if f.name != "mesh"] + [("total", self.total)]
+                for f in dataclasses.fields(self) if f.name != "mesh"
+                and (f.name != "reference" or self.reference)] + [("total", self.total)]
 
 
 def mesh_sizes(config: ConfigDict, num_devices: int, num_processes: int) -> dict:
@@ -154,6 +156,10 @@ def estimate(config: ConfigDict, family, num_devices: int, num_processes: int = 
 
     family.check_plannable(family.model_config(config))
     model = family.build(config)
+    # A preference pair is two rows; the policy's activations are then those of the
+    # language-model loss on them (the reference's forward pass keeps none).
+    objective = preference.build_objective(config, model, None)
+    rows *= objective.rows_per_example
     params = jax.eval_shape(model.init_params, jax.random.key(0))
     tx, _ = optimizers.get_optimizer(config.optimizer)
     opt_state = jax.eval_shape(tx.init, params)
@@ -192,6 +198,7 @@ def estimate(config: ConfigDict, family, num_devices: int, num_processes: int = 
         gradients=2 * parameters,  # the gradient, and the new parameters beside the old
         activations=activations, working_set=working,
         batch=sum(rows * T * x.dtype.itemsize for x in batch.values()), mesh=sizes,
+        reference=parameters if objective.live_reference else 0,
     )
 
 
@@ -283,7 +290,8 @@ def report(config: ConfigDict, family, num_devices: int, num_processes: int,
     lines = [
         f"plan: {config[family.name].base_model}, {model.num_parameters / 1e6:,.1f}M "
         f"parameters, {model.num_layers} layers | {num_devices} devices, mesh {mesh} | "
-        f"{data.batch_size} x {data.seq_length} tokens per step | compute {compute}"
+        f"{data.batch_size}{' pairs x 2' if config.objective != 'next_token' else ''} x "
+        f"{data.seq_length} tokens per step | compute {compute}"
         f"{' (--dtype=auto on ' + jax.default_backend() + ')' if config.dtype == 'auto' else ''}, "
         f"parameters {config.param_dtype} | {config.optimizer.type} | remat "
         f"{model.config.get('remat_policy', 'none')}",

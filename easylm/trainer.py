@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-import math
 import os
 import signal
 import sys
@@ -35,11 +34,11 @@ from absl import logging as absl_logging
 from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import ConfigDict
 
-from easylm import checkpoint, distributed, flops, logger, optimizers, profiling, run_lock
+from easylm import (checkpoint, distributed, eval_harness, flops, logger, optimizers,
+                    preference, profiling, run_lock)
 from easylm import flags as flag_lib
 from easylm.errors import UserError, exit_on_user_error
 from easylm.family import Model, ModelFamily
-from easylm.losses import LossSums
 from easylm.sharding import (BATCH_AXES, check_batch_split, constrain, init_sharded, make_mesh,
                              match_partition_rules, mesh_string, named_shardings)
 
@@ -128,6 +127,9 @@ def get_default_config(dataset_config: ConfigDict | None = None) -> ConfigDict:
     config.profile_steps = 0
     config.profile_start_step = 5
     config.log_all_worker = False
+    config.objective = preference.NEXT_TOKEN
+    for name, block in preference.get_default_config().items():   # --dpo.*, --simpo.*, ...
+        config[name] = block
     if dataset_config is not None:
         config.train_dataset = dataset_config
         config.eval_dataset = ConfigDict(dataset_config.to_dict())
@@ -135,6 +137,7 @@ def get_default_config(dataset_config: ConfigDict | None = None) -> ConfigDict:
     config.checkpointer = checkpoint.get_default_config()
     config.logger = logger.get_default_config()
     config.jax_distributed = distributed.get_default_config()
+    config.eval_harness = eval_harness.get_default_config()
     config.update_from_flattened_dict(_schedule_defaults(config))
     return config
 
@@ -142,7 +145,9 @@ def get_default_config(dataset_config: ConfigDict | None = None) -> ConfigDict:
 def help_text(dataset_help: dict | None = None) -> dict:
     text = dict(HELP)
     sections = {"optimizer": optimizers.HELP, "checkpointer": checkpoint.HELP,
-                "logger": logger.HELP, "jax_distributed": distributed.HELP}
+                "logger": logger.HELP, "jax_distributed": distributed.HELP,
+                "eval_harness": eval_harness.HELP}
+    text.update(preference.HELP, objective=preference.OBJECTIVE_HELP)
     for section in ("train_dataset", "eval_dataset"):
         sections[section] = dataset_help or {}
     for section, entries in sections.items():
@@ -287,24 +292,26 @@ def run_defaults(demo: dict, max_seq_length: Callable[[ConfigDict], int] | None 
 
     return [lambda config: dict(demo) if is_demo(config) else {},
             lambda config: dict(FINE_TUNING_DEFAULTS) if starts_from_pretrained(config) else {},
-            variant or (lambda config: {}), rows, _schedule_defaults, eval_rows]
+            variant or (lambda config: {}), rows, _schedule_defaults, eval_rows,
+            preference.dataset_defaults]
 
 
 # ------------------------------------------------------------------ the steps
 
 
-def _loss_and_grads(loss_fn, params, batch, rng, accumulate_steps: int):
+def _loss_and_grads(loss_fn, params, batch, rng, accumulate_steps: int, extra=()):
     """Summed loss statistics and gradients of the summed loss over the batch.
 
     With k > 1 the batch is split into k micro-batches (rows j, j+k, ... form
     micro-batch j, so each stays spread over all batch shards) and the
     gradients are summed in a scan, so only one micro-batch's activations live
-    at a time. Sums add exactly, so this equals the unsplit batch.
+    at a time. Sums add exactly, so this equals the unsplit batch. `extra`: the
+    objective's arrays that get no gradient (a reference model), passed to loss_fn.
     """
 
     def one(micro_batch, rng):
         def summed_loss(p):
-            sums = loss_fn(p, micro_batch, rng)
+            sums = loss_fn(p, micro_batch, rng, *extra)
             return sums.loss, sums
 
         (_, sums), grads = jax.value_and_grad(summed_loss, has_aux=True)(params)
@@ -322,30 +329,36 @@ def _loss_and_grads(loss_fn, params, batch, rng, accumulate_steps: int):
         out = one(micro_batch, jax.random.fold_in(rng, i))
         return jax.tree.map(jnp.add, total, out), None
 
-    zeros = (jax.tree.map(jnp.zeros_like, params), LossSums(*(jnp.zeros((), jnp.float32),) * 3))
     micro_batches = jax.tree.map(split, batch)
+    # Whatever sums the loss returns (LossSums, PreferenceSums), zeros of their shape.
+    sums_shape = jax.eval_shape(lambda b: one(b, rng)[1], jax.tree.map(lambda x: x[0], micro_batches))
+    zeros = (jax.tree.map(jnp.zeros_like, params),
+             jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape))
     (grads, sums), _ = jax.lax.scan(body, zeros, (micro_batches, jnp.arange(accumulate_steps)))
     return grads, sums
 
 
 def with_frozen(loss_fn, frozen):
-    """`loss_fn` as `(params, batch, rng)`, given the frozen parameters it also reads."""
+    """`loss_fn` as `(params, batch, rng, *extra)`, given the frozen parameters it also
+    reads (`TrainState.frozen`)."""
     if frozen is None:
         return loss_fn
-    return lambda params, batch, rng: loss_fn(params, batch, rng, frozen=frozen)
+    return lambda params, batch, rng, *extra: loss_fn(params, batch, rng, *extra, frozen=frozen)
 
 
 def make_train_step(loss_fn, tx: optax.GradientTransformation, schedule, seed: int,
                     accumulate_steps: int = 1):
     """The pure train step `(state, batch) -> (state, metrics)` (jit it)."""
 
-    def train_step(state: TrainState, batch: dict):
+    def train_step(state: TrainState, batch: dict, *extra):
         rng = jax.random.fold_in(jax.random.key(seed), state.step)
         grads, sums = _loss_and_grads(with_frozen(loss_fn, state.frozen), state.params, batch,
-                                      rng, accumulate_steps)
-        tokens = jnp.maximum(sums.tokens, 1.0)
-        grads = jax.tree.map(lambda g: g / tokens.astype(g.dtype), grads)  # mean over tokens
-        loss = sums.loss / tokens
+                                      rng, accumulate_steps, extra)
+        count = jnp.maximum(sums.count, 1.0)
+        # A mean over what the loss counts: tokens (LossSums), pairs (PreferenceSums).
+        grads = jax.tree.map(lambda g: g / count.astype(g.dtype), grads)
+        means = sums.means()
+        loss = means["loss"]
         gradient_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -363,13 +376,11 @@ def make_train_step(loss_fn, tx: optax.GradientTransformation, schedule, seed: i
             first_nonfinite_step=first_bad,
         )
         metrics = dict(
-            loss=loss,
-            accuracy=sums.correct / tokens,
-            perplexity=jnp.exp(loss),
+            **means,
             learning_rate=schedule(state.step),
             gradient_norm=gradient_norm,
             param_norm=optax.tree.norm(new_state.params),
-            loss_tokens=sums.tokens,
+            **{f"loss_{sums.COUNT}": sums.count},
             skipped_updates=new_state.skipped_updates,
             first_nonfinite_step=first_bad,
         )
@@ -378,13 +389,17 @@ def make_train_step(loss_fn, tx: optax.GradientTransformation, schedule, seed: i
     return train_step
 
 
-def jit_train_step(model: Model, tx, schedule, seed: int, accumulate_steps: int, state, mesh):
-    """The jitted train step, sharded like `state`, the batch over BATCH_AXES, state donated.
-    The trainer and `python -m easylm.bench train` both run this one."""
+def jit_train_step(model: Model, tx, schedule, seed: int, accumulate_steps: int, state, mesh,
+                   loss_fn=None, extra=()):
+    """The jitted train step `(state, batch, *extra)`, sharded like `state`, the batch over
+    BATCH_AXES, state donated (`extra`, the objective's arrays such as a live reference
+    model, is not). The trainer and `python -m easylm.bench train` both run this one;
+    loss_fn: the objective's (default: the model's next-token loss)."""
     state_shardings = jax.tree.map(lambda x: x.sharding, state)
     return jax.jit(
-        make_train_step(model.loss_fn, tx, schedule, seed, accumulate_steps),
-        in_shardings=(state_shardings, NamedSharding(mesh, P(BATCH_AXES))),
+        make_train_step(loss_fn or model.loss_fn, tx, schedule, seed, accumulate_steps),
+        in_shardings=(state_shardings, NamedSharding(mesh, P(BATCH_AXES)),
+                      *jax.tree.map(lambda x: x.sharding, extra)),
         out_shardings=(state_shardings, NamedSharding(mesh, P())),
         donate_argnums=(0,),
     )
@@ -437,11 +452,12 @@ def _gpu_plugin_installed() -> bool:
 
 
 def make_eval_step(loss_fn):
-    """`(params, batch, totals, frozen=None) -> totals`: LossSums added over eval batches."""
+    """`(params, batch, totals, frozen, *extra) -> totals`: the loss's sums added over eval
+    batches."""
 
-    def eval_step(params, batch, totals: LossSums, frozen=None):
-        sums = with_frozen(loss_fn, frozen)(params, batch, jax.random.key(0))
-        return LossSums(*(t + s for t, s in zip(totals, sums)))
+    def eval_step(params, batch, totals, frozen=None, *extra):
+        sums = with_frozen(loss_fn, frozen)(params, batch, jax.random.key(0), *extra)
+        return jax.tree.map(jnp.add, totals, sums)
 
     return eval_step
 
@@ -480,6 +496,19 @@ def init_state(model: Model, tx, mesh, seed: int, params=None) -> TrainState:
     return state.replace(frozen=init_frozen(model, mesh, seed))
 
 
+def starting_params(config: ConfigDict, model: Model, tx, mesh):
+    """The parameters the run started from, sharded as the train state's: those of
+    --load_checkpoint, else the initialisation from --seed (recomputed, so also after a
+    resume). A preference objective's frozen reference."""
+    if not config.load_checkpoint:
+        return init_state(model, tx, mesh, config.seed).params
+    kind, directory = checkpoint.parse_load_spec(config.load_checkpoint, LOAD_PREFIXES)
+    abstract = abstract_state(model, tx, mesh, config.seed).params
+    if kind == "hf":
+        return model.load_hf(directory, abstract)
+    return checkpoint.restore_items(directory, {"params": abstract})["params"]
+
+
 def abstract_state(model: Model, tx, mesh, seed: int) -> TrainState:
     """ShapeDtypeStructs with shardings: the restore target for checkpoints."""
     shapes = jax.eval_shape(lambda rng: _initial_state(model, tx, rng), jax.random.key(seed))
@@ -498,11 +527,14 @@ def run_directory(config: ConfigDict, model_name: str) -> str:
     experiment_id = config.logger.experiment_id
     if not experiment_id:
         # logger.* and jax_distributed.* may differ between hosts; unset optional flags
-        # (None) are left out too, so that adding such a flag keeps existing ids.
+        # (None) are left out too, so that adding such a flag keeps existing ids; and what
+        # eval_harness.* evaluates changes nothing trained.
         flat = {k: v for k, v in flag_lib.flatten(config).items()
                 if k not in ("resume", "allow_fresh_optimizer", "log_all_worker",
                              "profile_steps", "profile_start_step")
-                and not k.startswith(("logger.", "jax_distributed.")) and v is not None}
+                and not k.startswith(("logger.", "jax_distributed.", "eval_harness.",
+                                      *preference.unused_flags(config)))
+                and v is not None}
         digest = hashlib.sha1(json.dumps(flat, sort_keys=True).encode()).hexdigest()[:8]
         experiment_id = f"{model_name}-{digest}"
     return checkpoint.absolute_path(os.path.join(config.logger.output_dir, experiment_id))
@@ -556,30 +588,58 @@ def _load_state(kind: str, directory: str, model: Model, tx, mesh, seed: int):
     return state, items["data"]
 
 
-def _evaluate(eval_step, state: TrainState, dataset, eval_steps: int, make_batch) -> dict:
-    totals = LossSums(*(jnp.zeros((), jnp.float32),) * 3)
-    for i, (batch, _) in enumerate(dataset.iterate(place=make_batch)):
-        if eval_steps and i >= eval_steps:
+def _zero_sums(loss_fn) -> Callable:
+    """(params, batch, frozen, *extra) -> zeros shaped like loss_fn's sums (LossSums,
+    PreferenceSums, ...), traced once."""
+    shapes = []
+
+    def zeros(params, batch, frozen, *extra):
+        if not shapes:
+            shapes.append(jax.eval_shape(with_frozen(loss_fn, frozen), params, batch,
+                                         jax.random.key(0), *extra))
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[0])
+
+    return zeros
+
+
+def _evaluate(run: "Run", state: TrainState) -> dict:
+    totals = None
+    args = (state.frozen, *run.extra_args)
+    for i, (batch, _) in enumerate(run.eval_dataset.iterate(place=run.make_batch)):
+        if run.config.eval_steps and i >= run.config.eval_steps:
             break
-        totals = eval_step(state.params, batch, totals, state.frozen)
+        if totals is None:
+            totals = run.eval_zeros(state.params, batch, *args)
+        totals = run.eval_step(state.params, batch, totals, *args)
+    if totals is None:
+        return {}
     totals = jax.device_get(totals)
-    loss = float(totals.loss) / max(float(totals.tokens), 1.0)
-    return {"eval_loss": loss, "eval_accuracy": float(totals.correct) / max(float(totals.tokens), 1.0),
-            "eval_perplexity": math.exp(min(loss, 80.0)), "eval_tokens": float(totals.tokens)}
+    return {**{f"eval_{k}": float(v) for k, v in totals.means().items()},
+            f"eval_{totals.COUNT}": float(totals.count)}
 
 
-class _Preemption:
-    """Turns SIGTERM into a flag the loop checks after each step."""
+class _Preemption(contextlib.AbstractContextManager):
+    """While entered, SIGTERM sets a flag the loop checks after each step; on exit the
+    previous handler is back (a process that trains in-process, as tests do, can then be
+    stopped by SIGTERM again)."""
 
     def __init__(self):
         self.requested = False
-        signal.signal(signal.SIGTERM, self._handle)
+        self._previous = None
+
+    def __enter__(self):
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGTERM, self._previous)
 
     def _handle(self, signum, frame):
         self.requested = True
 
 
 def _check_config(config: ConfigDict):
+    preference.check_config(config)
     if config.load_checkpoint:
         kind, directory = checkpoint.parse_load_spec(config.load_checkpoint, LOAD_PREFIXES)
         if kind != "hf":  # the model family reads (and checks) a HF directory
@@ -613,14 +673,16 @@ def _check_seq_length(config: ConfigDict, model: Model, datasets: dict):
                 f"max_position_embeddings if the model can take longer rows")
 
 
-def _load_data(config: ConfigDict, tokenizer):
-    """The train and (if evaluating) eval datasets, and the host->device batch function."""
+def _load_data(config: ConfigDict, tokenizer, pairs: bool = False):
+    """The train and (if evaluating) eval datasets, and the host->device batch function;
+    pairs: batches of preference pairs (a preference objective)."""
     from easylm.data import DatasetFactory, make_global_batch
 
-    train = DatasetFactory.load_dataset(config.train_dataset, tokenizer)
+    train = DatasetFactory.load_dataset(config.train_dataset, tokenizer, pairs=pairs)
     evaluation = None
     if config.eval_freq > 0:
-        evaluation = DatasetFactory.load_dataset(config.eval_dataset, tokenizer, for_eval=True)
+        evaluation = DatasetFactory.load_dataset(config.eval_dataset, tokenizer, for_eval=True,
+                                                 pairs=pairs)
     return train, evaluation, make_global_batch
 
 
@@ -700,10 +762,15 @@ class Run:
     log: logger.Logger
     state: TrainState  # the live state
     start_step: int
-    train_step: Callable  # jitted (state, batch) -> (state, metrics)
-    eval_step: Callable
+    train_step: Callable  # jitted (state, batch, *extra_args) -> (state, metrics)
+    eval_step: Callable  # jitted (params, batch, totals, frozen, *extra_args) -> totals
     saved_step: int | None  # the step a checkpoint holds (no second save of it)
     frozen_reference: dict | None = None  # {"source", "fingerprint"} of state.frozen
+    objective: Any = None  # easylm.preference.Objective: the loss, pairs or rows
+    # The objective's arrays the steps take beside state and batch (a live reference).
+    extra_args: tuple = ()
+    eval_zeros: Callable | None = None  # zeros of the loss's sums, for the first eval batch
+    harness: Any = None  # evaluation.HarnessHook (--eval_harness.tasks), or None
     hooks: list = dataclasses.field(default_factory=list)  # (every, fn)
     stop_requested: bool = False
     profiler: Any = None
@@ -728,7 +795,7 @@ def train(config: ConfigDict, family: ModelFamily) -> str:
     """Train as `config` says; returns the final checkpoint's directory."""
     with contextlib.ExitStack() as cleanup:
         run = start(config, family, cleanup)
-        add_standard_hooks(run)
+        add_standard_hooks(run, cleanup)
         step = loop(run)
     final = run.manager.step_directory(step)
     if jax.process_index() == 0:
@@ -764,9 +831,21 @@ def start(config: ConfigDict, family: ModelFamily, cleanup: contextlib.ExitStack
         )
     tx, schedule = optimizers.get_optimizer(config.optimizer)
     accumulate = config.optimizer.accumulate_gradient_steps
-    dataset, eval_dataset, make_global_batch = _load_data(config, tokenizer)
+    # ---- lm-eval in the loop (--eval_harness.*): tasks checked and the engine made now.
+    harness = None
+    if eval_harness.task_names(config.eval_harness):
+        from easylm.evaluation import HarnessHook
+
+        if model.apply is None:
+            raise UserError(f"--eval_harness.tasks: the {model.name} model has no serving "
+                            f"engine to evaluate on")
+        harness = HarnessHook(config.eval_harness, model, tokenizer, mesh)
+    # ----
+    objective = preference.build_objective(config, model, tokenizer)
+    dataset, eval_dataset, make_global_batch = _load_data(config, tokenizer, objective.pairs)
     check_batch_split(dataset.batch_size, mesh.shape, accumulate)
     _check_seq_length(config, model, {"train_dataset": dataset, "eval_dataset": eval_dataset})
+    make_batch = lambda batch: make_global_batch(objective.prepare(batch), mesh)  # noqa: E731
 
     run_dir = run_directory(config, model.name)
     # One trainer per run directory (process 0 stands for all processes of a run).
@@ -794,24 +873,32 @@ def start(config: ConfigDict, family: ModelFamily, cleanup: contextlib.ExitStack
     if data_state is not None:
         dataset.load_state_dict(data_state)
     start_step = int(state.step)
-    state_shardings = jax.tree.map(lambda x: x.sharding, state)
-    replicated = NamedSharding(mesh, P())
-    train_step = jit_train_step(model, tx, schedule, config.seed, accumulate, state, mesh)
-    eval_step = jax.jit(make_eval_step(model.loss_fn),
-                        in_shardings=(state_shardings.params, NamedSharding(mesh, P(BATCH_AXES)),
-                                      replicated, state_shardings.frozen),
-                        out_shardings=replicated)
-
     log = logger.Logger(config.logger, run_dir, flag_lib.flatten(config),
                         config.total_steps, start_step, config.log_all_worker)
     cleanup.callback(log.close)
     run = Run(config=config, family=family, model=model, mesh=mesh, tx=tx, schedule=schedule,
-              dataset=dataset, eval_dataset=eval_dataset,
-              make_batch=lambda batch: make_global_batch(batch, mesh), run_dir=run_dir,
-              manager=manager, log=log, state=state, start_step=start_step,
-              train_step=train_step, eval_step=eval_step, frozen_reference=frozen_reference,
+              dataset=dataset, eval_dataset=eval_dataset, make_batch=make_batch,
+              run_dir=run_dir, manager=manager, log=log, state=state, start_step=start_step,
+              train_step=None, eval_step=None, objective=objective, harness=harness,
+              frozen_reference=frozen_reference,
               saved_step=start_step if source and source[0] == "trainstate" else None)
     _print_start(run, latest is None)
+
+    # The objective's arrays beside state and batch (a live reference model), or ().
+    extra = objective.frozen(run_dir, lambda: starting_params(config, model, tx, mesh),
+                             make_batch, log.print)
+    state_shardings = jax.tree.map(lambda x: x.sharding, state)
+    replicated = NamedSharding(mesh, P())
+    run.extra_args = extra
+    run.train_step = jit_train_step(model, tx, schedule, config.seed, accumulate, state, mesh,
+                                    objective.loss_fn, extra)
+    run.eval_step = jax.jit(make_eval_step(objective.loss_fn),
+                            in_shardings=(state_shardings.params,
+                                          NamedSharding(mesh, P(BATCH_AXES)), replicated,
+                                          state_shardings.frozen,
+                                          *jax.tree.map(lambda x: x.sharding, extra)),
+                            out_shardings=replicated)
+    run.eval_zeros = _zero_sums(objective.loss_fn)
     return run
 
 
@@ -861,9 +948,14 @@ def _frozen_reference(config, model: Model, state: TrainState, source) -> dict |
     return reference
 
 
+def _batch_tokens(run: Run) -> int:
+    # A preference pair is two rows.
+    return run.objective.rows_per_example * run.dataset.batch_size * run.dataset.seq_length
+
+
 def _print_start(run: Run, fresh: bool):
     config, model, mesh = run.config, run.model, run.mesh
-    batch_tokens = run.dataset.batch_size * run.dataset.seq_length
+    batch_tokens = _batch_tokens(run)
     num_params = sum(x.size for x in jax.tree.leaves(run.state.params))
     run.log.print(f"run directory: {run.run_dir}")
     # MFU needs the device's peak; when unknown, say so once here, not on every line.
@@ -873,14 +965,15 @@ def _print_start(run: Run, fresh: bool):
     run.log.print(f"{model.name}: {num_params:,} parameters | {jax.device_count()} "
                   f"{jax.devices()[0].platform} device(s), mesh {mesh_string(mesh)} | "
                   f"{batch_tokens:,} tokens/step | steps {run.start_step} -> "
-                  f"{config.total_steps}{no_mfu}")
+                  f"{config.total_steps}{run.objective.describe()}{no_mfu}")
     if fresh:
         _warn_about_the_schedule(config, run.schedule, run.log.print,
                                  run.family.variant_run_defaults(config))
 
 
-def add_standard_hooks(run: Run):
-    """The profiler window, evaluation, checkpoints and preemption, as the flags say."""
+def add_standard_hooks(run: Run, cleanup: contextlib.ExitStack):
+    """The profiler window, evaluation, lm-eval (--eval_harness), checkpoints and
+    preemption, as the flags say; the SIGTERM handler is undone by `cleanup`."""
     config = run.config
     # Every process traces its own devices; W&B's directory is local also when the run
     # directory is a bucket.
@@ -897,12 +990,14 @@ def add_standard_hooks(run: Run):
     run.add_hook(lambda info: (profiler.after(info.step, info.metrics),
                                profiler.before(info.step + 1)))
     if run.eval_dataset is not None:
-        run.add_hook(lambda info: run.log.log(info.step, _evaluate(
-            run.eval_step, info.state, run.eval_dataset, config.eval_steps, run.make_batch)),
-            every=config.eval_freq)
+        run.add_hook(lambda info: run.log.log(info.step, _evaluate(run, info.state)),
+                     every=config.eval_freq)
+    if run.harness is not None:
+        run.add_hook(lambda info: run.log.log(info.step, run.harness(info.step, info.state)),
+                     every=run.harness.every)
     for every in {config.save_model_freq, config.save_milestone_freq} - {0}:
         run.add_hook(lambda info: run.save(info.step), every=every)
-    preemption = _Preemption()
+    preemption = cleanup.enter_context(_Preemption())
 
     def on_sigterm(info):
         if preemption.requested:
@@ -929,7 +1024,7 @@ def loop(run: Run) -> int:
             profiler.before(step + 1)
         while step < config.total_steps and not run.stop_requested:
             batch, data_metrics = next(data)
-            run.state, metrics = run.train_step(run.state, batch)
+            run.state, metrics = run.train_step(run.state, batch, *run.extra_args)
             step += 1
             run.log.advance()
             throughput.started(step, metrics)
@@ -951,8 +1046,9 @@ class _Throughput:
     the time hooks take (evaluation, saves)."""
 
     def __init__(self, run: Run):
-        self.batch_tokens = run.dataset.batch_size * run.dataset.seq_length
-        self.flops_per_token = run.model.flops_per_token(run.dataset.seq_length)
+        self.batch_tokens = _batch_tokens(run)
+        # A live reference's forward pass counts in MFU.
+        self.flops_per_token = run.objective.flops_per_token(run.dataset.seq_length)
         self.peak = flops.peak_flops_per_device(jax.devices()[0], run.config.peak_tflops)
         self.clock = None  # (time, step)
 

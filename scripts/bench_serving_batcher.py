@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from easylm.llama.config import LLaMAConfig
-from easylm.llama.serve import llama_model_fns
+from easylm.llama.family import FAMILY
 from easylm.serving import engine as engine_lib
 from easylm.serving import scoring
 from easylm.serving.batcher import Batcher, Generation, SamplingParams
@@ -37,8 +37,8 @@ def model(args):
     if args.layers:
         shape.update(num_hidden_layers=args.layers)
     config = LLaMAConfig.from_preset("debug", **shape)
-    fns, module = llama_model_fns(config)
-    return fns, jax.jit(module.init_params)(jax.random.PRNGKey(0))
+    fns = FAMILY.bind(config)
+    return fns, jax.jit(fns.init_params)(jax.random.PRNGKey(0))
 
 
 def batcher(fns, params, args, decode_steps):

@@ -17,7 +17,7 @@ import sys
 import jax
 
 from easylm import bench, flags, optimizers, trainer
-from easylm.llama.train import build_model
+from easylm.llama.family import FAMILY
 from easylm.sharding import make_mesh
 
 OPS = ("all-gather", "all-to-all", "all-reduce", "reduce-scatter", "collective-permute")
@@ -39,9 +39,9 @@ def collective_bytes(hlo_text: str) -> dict:
 
 
 def main(argv):
-    config = flags.parse(bench.train_config(), bench._train_help(), argv)
+    config = flags.parse(bench.train_config(FAMILY), bench._train_help(FAMILY), argv)
     mesh = make_mesh(config.mesh_dim)
-    model = build_model(config)
+    model = FAMILY.build(config)
     tx, schedule = optimizers.get_optimizer(config.optimizer)
     with jax.set_mesh(mesh):
         state = trainer.init_state(model, tx, mesh, config.seed)

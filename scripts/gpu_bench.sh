@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
-# All GPU measurements of issue 8 (train step) and issue 7 (decode) on one H200, in one
-# device command of under 10 minutes. Runs go most important first; each gets at most what
-# is left of the deadline (DEADLINE seconds from the start, default 560), and a run that
-# would start with under 45 s left is skipped, so the command always ends in time and keeps
-# what it measured.
-# `bash scripts/gpu_bench.sh tune` instead runs the shorter list of variants the last
-# lease compared (2026-11-30, second lease: docs/benchmarks.md), with a profile of the first.
+# The GPU measurements of issue 24 (decode in bf16 and int8 beside HF's static cache, the
+# llama_1b train step) on one H200, in one device command of under 9 minutes. Runs go most
+# important first; each gets at most what is left of the deadline (DEADLINE seconds from
+# the start, default 520), and a run that would start with under 45 s left is skipped, so
+# the command always ends in time and keeps what it measured.
+# `bash scripts/gpu_bench.sh round1` runs issue 8's and issue 7's list instead (the 8B and
+# 7B steps, compile times); `tune` the shorter list of variants the 2026-11-30 second lease
+# compared (docs/benchmarks.md), with a profile of the first; `decode` batch-1 variants.
 # Run from the repository root on the GPU machine, after
-#   bash ../shared/device/prepare_wheels.sh fastapi starlette uvicorn annotated-doc typing-extensions
+#   bash ../shared/device/prepare_wheels.sh fastapi starlette uvicorn annotated-doc typing-extensions qwix
 # here (fills .whl/; carry .whl), with:
 #   bash scripts/gpu_bench.sh 2>&1 | tee $OUT/gpu_bench.txt
 # Prints one JSON line per measurement (also in $OUT/gpu_bench.jsonl); copy them into
 # docs/benchmarks.md with the date.
 set -uo pipefail
-mode=${1:-all}
+mode=${1:-round2}
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD
@@ -21,7 +22,7 @@ fi
 export WANDB_MODE=offline PYTHONUNBUFFERED=1
 # The 8B step needs more than jax's default 75% of the card.
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
-deadline=${DEADLINE:-560}
+deadline=${DEADLINE:-520}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 results=${OUT:-/tmp}/gpu_bench.jsonl
@@ -51,7 +52,23 @@ decode() { local cap=$1; shift
            run "$cap" python3 -m easylm.bench decode --llama.base_model=llama_1b --dtype=bf16 \
              --batch_sizes=1,16,64 --prompt_length=128 --new_tokens=256 "$@" | tee -a "$results"; }
 
-if [ "$mode" = decode ]; then
+if [ "$mode" = round2 ]; then
+  # Issue 24 acceptance 1: batch 1/16/64, bf16 and int8 weights, and HF transformers'
+  # static-cache generate on the same GPU, same weights and prompts, in one process.
+  decode 240 --quantize=none,int8 --hf=true
+  # Acceptance 2: the llama_1b step (target >= 60% MFU, <= 60 GB), profiled, then the
+  # variants the profile points at: Triton GEMMs (fused casts), fused projections.
+  one=$one_b" $fast"
+  CAP=110 bench $one --profile_steps=3 --profile_dir=/tmp/profile-1b
+  CAP=80 XLA_FLAGS=--xla_gpu_enable_triton_gemm=true bench $one
+  CAP=70 bench $one --llama.fused_qkv=True --llama.fused_mlp=True
+  # int8 decode with Triton GEMMs (they can fuse the dequantization into the matmul).
+  XLA_FLAGS=--xla_gpu_enable_triton_gemm=true decode 120 --quantize=int8 --hf=false --batch_sizes=1,64
+  if [ -n "${OUT:-}" ]; then
+    t=$(ls -t /tmp/profile-1b/plugins/profile/*/perfetto_trace.json.gz 2>/dev/null | head -n 1)
+    [ -n "$t" ] && cp "$t" "$(dirname "$t")/kernels.csv" "$OUT"/
+  fi
+elif [ "$mode" = decode ]; then
   # Batch-1 decode (issue 7's target: >= 1,000 tokens/s), the steps of a call as a loop
   # and unrolled (--decode_unroll), then unrolled with fused projections; DEADLINE=400.
   # On a fresh machine one batch-1 process did not finish in 50 s (2026-11-30): jax and
@@ -76,7 +93,7 @@ elif [ "$mode" = tune ]; then
     t=$(ls -t /tmp/profile-1b/plugins/profile/*/perfetto_trace.json.gz 2>/dev/null | head -n 1)
     [ -n "$t" ] && cp "$t" "$(dirname "$t")/kernels.csv" "$OUT"/
   fi
-else
+elif [ "$mode" = round1 ]; then
 # Issue 8 acceptance 1: the llama_1b shape, the unoptimised path and the optimised one,
 # 20 steps each (2 warm-up + 18 timed) on the same batch, so the loss curves compare.
 # The unoptimised path recomputes everything: XLA attention keeps (B, N, T, S) scores per
@@ -109,6 +126,8 @@ bench $one_b $fast --llama.remat_policy=save_attention_out
 bench $one_b $fast --llama.scan_layers=True
 # On 2026-11-30 the decode run got 120 s and finished batch 1 only (compiles included).
 decode 180
+else
+  echo "usage: bash scripts/gpu_bench.sh [round2|round1|tune|decode]" >&2; exit 2
 fi
 
 # Loss curves of the llama_1b runs against the first (unoptimised) one.

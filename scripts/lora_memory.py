@@ -44,7 +44,7 @@ def measure(args) -> dict:
     lora = LoraConfig(rank=args.rank, base_dtype=args.base_dtype)
     lm = lora_model(config, lora, dtype=dtype)
     mesh = make_mesh(args.mesh_dim)
-    rules = partition_rules(PARTITION_RULES, lora)
+    rules = partition_rules(PARTITION_RULES)
     tx = optax.adamw(1e-4, weight_decay=0.01)
     with jax.set_mesh(mesh):
         base = abstract(jax.eval_shape(lambda: lm.store_base(

@@ -78,10 +78,10 @@ def final_params(output_dir, step=TOTAL_STEPS):
     return jax.tree.map(np.asarray, checkpoint.load_params(f"params::{directory}", abstract))
 
 
-def run_until(cmd, output_dir, step, signum):
+def run_until(cmd, output_dir, step, signum, env=ENV):
     """Start `cmd`, send `signum` once step `step` is logged and a checkpoint is complete."""
     out, err = open(f"{output_dir}/stdout", "w+"), open(f"{output_dir}/stderr", "w+")
-    process = subprocess.Popen(cmd, env=ENV, stdout=out, stderr=err, text=True)
+    process = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, text=True)
     directory = os.path.join(output_dir, "run", "checkpoints")
 
     def complete_checkpoint():  # unfinished saves are named '<step>.orbax-checkpoint-tmp-...'
@@ -696,6 +696,34 @@ def test_a_write_that_fills_the_disk_leaves_nothing(stored, monkeypatch, capfd, 
     with pytest.raises(UserError, match="^disk full while writing the checkpoint to "):
         checkpoint.save_params(str(tmp_path / "out" / "params"), stored["fp32"]["params"], {})
     assert os.listdir(tmp_path / "out") == []
+
+
+def test_training_in_process_gives_the_sigterm_handler_back(data_path, tmp_path, monkeypatch):
+    """While it trains, SIGTERM is the trainer's (save and stop); after it, also after a run
+    that fails, the handler from before is back (pytest under `timeout` stays stoppable)."""
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    before = lambda signum, frame: None  # noqa: E731
+    during, real_loop = [], trainer.loop
+
+    def loop(run, fail=False):
+        during.append(signal.getsignal(signal.SIGTERM))
+        if fail:
+            raise RuntimeError("the loop failed")
+        return real_loop(run)
+
+    previous = signal.signal(signal.SIGTERM, before)
+    try:
+        monkeypatch.setattr(trainer, "loop", loop)
+        trainer.train(run_flags(tmp_path / "a", data_path, ONE_LAYER, "--total_steps=1"), FAMILY)
+        assert signal.getsignal(signal.SIGTERM) is before
+        monkeypatch.setattr(trainer, "loop", lambda run: loop(run, fail=True))
+        with pytest.raises(RuntimeError, match="the loop failed"):
+            trainer.train(run_flags(tmp_path / "b", data_path, ONE_LAYER, "--total_steps=1"),
+                          FAMILY)
+        assert signal.getsignal(signal.SIGTERM) is before
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert len(during) == 2 and all(callable(h) and h is not before for h in during)
 
 
 # --------------------------------------------------------- one trainer, resuming

@@ -296,6 +296,11 @@ def test_make_global_batch(data, tokenizer):
         assert global_batch[k].sharding.spec == jax.sharding.PartitionSpec(("dp", "fsdp"),
                                                                            None)
         np.testing.assert_array_equal(np.asarray(global_batch[k]), v)
+    # Rank-1 leaves (a preference batch's precomputed reference log-probabilities, (b,))
+    # split the same way.
+    per_pair = make_global_batch({"logps": np.arange(8, dtype=np.float32)}, mesh)["logps"]
+    assert per_pair.sharding.spec == jax.sharding.PartitionSpec(("dp", "fsdp"))
+    np.testing.assert_array_equal(np.asarray(per_pair), np.arange(8))
 
 
 def test_placed_batches_arrive_on_devices_and_the_state_counts_only_those_taken(data, tokenizer):

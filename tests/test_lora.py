@@ -187,7 +187,7 @@ def test_merged_equals_unmerged(merged_reference):
 def test_sharded_unmerged_equals_single_device_merged(merged_reference, mesh_dim):
     lm, base, adapters, unmerged, merged, _ = merged_reference
     mesh = make_mesh(mesh_dim)
-    rules = partition_rules(PARTITION_RULES, lm.config)
+    rules = partition_rules(PARTITION_RULES)
 
     def shard(tree):
         return jax.device_put(tree, named_shardings(mesh, match_partition_rules(rules, tree)))
@@ -204,7 +204,7 @@ def test_sharded_unmerged_equals_single_device_merged(merged_reference, mesh_dim
 def test_adapter_rules_follow_their_kernels(params):
     config, lm, base = build(params, LoraConfig(rank=4, base_dtype="nf4"), scan_layers=True)
     adapters = lm.adapter_shapes
-    rules = partition_rules(PARTITION_RULES, lm.config)
+    rules = partition_rules(PARTITION_RULES)
     P = jax.sharding.PartitionSpec
 
     def by_path(tree):
@@ -224,7 +224,7 @@ def test_adapter_rules_follow_their_kernels(params):
     # An adapter whose kernel no rule matches is an error, as for parameters.
     without_q = [(p, s) for p, s in PARTITION_RULES if "q_proj" not in p]
     with pytest.raises(UserError, match=r"no partition rule matches parameter .*_proj/kernel_lora_a"):
-        match_partition_rules(partition_rules(without_q, lm.config), adapters)
+        match_partition_rules(partition_rules(without_q), adapters)
 
 
 # ------------------------------------------------------------- acceptance 3

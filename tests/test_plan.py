@@ -123,6 +123,18 @@ def test_parameters_and_moments_are_exact():
     assert 0 < both.optimizer - parameters <= 16
 
 
+def test_a_live_reference_counts_as_parameters_and_a_pair_as_two_rows():
+    text, live, stored = (plan.estimate(parse(*B, "--mesh_dim=1,8,1", *argv), FAMILY,
+                                        num_devices=8)
+                          for argv in ([], ["--objective=dpo"],
+                                       ["--objective=dpo", "--dpo.precompute_reference=True"]))
+    assert text.reference == stored.reference == 0 and live.reference == live.parameters
+    assert live.batch == stored.batch == 2 * text.batch
+    # The policy's activations: the language-model loss's on twice the rows.
+    assert 1.8 <= live.activations / text.activations <= 2.2
+    assert live.total - stored.total == live.parameters
+
+
 def test_bad_flags_are_one_line(capsys):
     code, _, err = run_plan([*B, "--mesh_dim=1,8,1", "--plan.num_devices=6"], capsys)
     assert code == 2

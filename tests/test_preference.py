@@ -1,4 +1,10 @@
-"""DPO, SimPO and ORPO against each paper's formula computed with torch from HF logits."""
+"""DPO, SimPO and ORPO against each paper's formula computed with torch from HF logits;
+the objective through the trainer's step and command."""
+
+import json
+import os
+import signal
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -10,8 +16,10 @@ import torch.nn.functional as F
 from jax.sharding import NamedSharding, PartitionSpec as P
 from transformers import LlamaForCausalLM as HFLlama
 
-from easylm import preference
+from easylm import preference, trainer
+from easylm.llama import train as llama_train
 from easylm.llama.config import LLaMAConfig
+from easylm.llama.family import FAMILY
 from easylm.llama.hf_weights import from_hf
 from easylm.llama.model import PARTITION_RULES, LLaMAForCausalLM
 from easylm.sharding import BATCH_AXES, make_mesh, match_partition_rules, named_shardings
@@ -123,7 +131,7 @@ def evaluate(models):
 
 
 def means(sums):
-    return {k: float(v) for k, v in preference.means(sums).items()}
+    return {k: float(v) for k, v in sums.means().items()}
 
 
 # 8 pairs (one per device of a 1,1,8 mesh): unequal responses, padding, a side that
@@ -291,7 +299,7 @@ def test_a_tiny_model_learns_a_synthetic_preference():
 
         def loss(p):
             sums = loss_fn(p, batch, None)
-            return sums.loss / sums.pairs, preference.means(sums)
+            return sums.loss / sums.pairs, sums.means()
 
         grads, metrics = jax.grad(loss, has_aux=True)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
@@ -314,3 +322,203 @@ def test_a_tiny_model_learns_a_synthetic_preference():
     assert after["rewards/accuracy"] >= 0.9, after
     assert after["rewards/margin"] > 0.5, after
     assert after["loss"] < before["loss"]
+
+
+# -------------------------------------------------------------- through the trainer
+
+WORDS = {"chosen": "red green blue yellow pink brown black white".split(),
+         "rejected": "one two three four five six seven eight".split(),
+         "prompt": "the cat dog sat on a mat sun moon tree".split()}
+
+
+def write_rule_pairs(path, n, seed):
+    """The synthetic task as text: after a prompt of random words, the chosen response
+    names colours and the rejected one numbers."""
+    rng = np.random.RandomState(seed)
+    words = lambda kind, k: " ".join(rng.choice(WORDS[kind], k))  # noqa: E731
+    with open(path, "w") as f:
+        for _ in range(n):
+            f.write(json.dumps({"prompt": words("prompt", 4) + ":", "chosen": " " + words(
+                "chosen", 5), "rejected": " " + words("rejected", 5)}) + "\n")
+    return str(path)
+
+
+def trainer_config(**flags):
+    """The command's flags for the debug model training DPO on pairs (as parsed)."""
+    argv = ["train", "--llama.base_model=debug", "--llama.num_hidden_layers=1", "--objective=dpo",
+            *(f"--{k}={v}" for k, v in flags.items())]
+    return llama_train.parse_flags(argv)
+
+
+@pytest.fixture(scope="module")
+def step_runs():
+    """run(mesh_dim, devices, accumulate, batches) -> for each batch, the metrics of two
+    train steps from the initialisation (trainer.jit_train_step, compiled once, with the
+    objective's loss and the frozen reference as a jit argument)."""
+    config = trainer_config(**{"train_dataset.json_dataset.path": "pairs.jsonl"})
+    model = FAMILY.build(config)
+    objective = preference.build_objective(config, model, None)
+    tx, schedule = optax.adam(1e-2), optax.constant_schedule(1e-2)
+
+    def run(mesh_dim, devices, accumulate, batches):
+        mesh = make_mesh(mesh_dim, jax.devices()[:devices])
+        with jax.set_mesh(mesh):
+            initial = trainer.init_state(model, tx, mesh, config.seed)
+            reference = jax.tree.map(jnp.copy, initial.params)   # the step donates the state
+            step = trainer.jit_train_step(model, tx, schedule, config.seed, accumulate, initial,
+                                          mesh, objective.loss_fn, (reference,))
+            runs = []
+            for batch in batches:
+                state, placed, metrics = (jax.tree.map(jnp.copy, initial),
+                                          trainer.device_batch(batch, mesh), [])
+                for _ in range(2):
+                    state, m = step(state, placed, reference)
+                    metrics.append({k: float(v) for k, v in m.items()})
+                runs.append(metrics)
+        return runs
+
+    return run
+
+
+def test_trainer_step_sharded_equals_single_device(step_runs):
+    rules = rule_pairs(np.random.RandomState(0), 8, vocab=512)
+    swapped = {k: v.copy() for k, v in rules.items()}   # pair 0 with its sides swapped
+    for k in preference.ROW_KEYS:
+        swapped[f"chosen_{k}"][0], swapped[f"rejected_{k}"][0] = (rules[f"rejected_{k}"][0],
+                                                                  rules[f"chosen_{k}"][0])
+    single, wrong = step_runs("1,1,1", 1, 1, [rules, swapped])
+    assert single[0]["loss_pairs"] == 8 and single[1]["rewards/margin"] > 0.1, single
+    keys = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margin", "logps/chosen",
+            "logps/rejected", "gradient_norm", "param_norm")
+    close = lambda a, b: np.allclose([a[k] for k in keys], [b[k] for k in keys],  # noqa: E731
+                                     rtol=1e-5, atol=1e-5)
+    # Sums over 8 pairs of 6-token log-probabilities (|sum| < 400) in another order across
+    # devices: a few fp32 roundings (phase A's bound for the same sums). 2,2,2 also
+    # accumulates 2 micro-batches of 4 pairs, whose sums add to the batch's.
+    for mesh_dim, accumulate in (("1,1,8", 1), ("2,2,2", 2)):
+        (sharded,) = step_runs(mesh_dim, 8, accumulate, [rules])
+        assert all(close(a, b) for a, b in zip(sharded, single)), (mesh_dim, sharded, single)
+    # The negative twin: one pair's sides swapped is seen (the comparison can fail).
+    assert not close(wrong[1], single[1]), (wrong, single)
+
+
+@pytest.fixture(scope="module")
+def pair_files(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("pairs")
+    return (write_rule_pairs(directory / "train.jsonl", 256, 0),
+            write_rule_pairs(directory / "held_out.jsonl", 16, 1))
+
+
+def command(pair_files, output_dir, **flags):
+    """`python -m easylm.llama.train` flags: DPO on the synthetic task, the held-out pairs
+    evaluated after every step, every step logged, a checkpoint every 3 steps."""
+    train_path, held_out = pair_files
+    flags = {"llama.base_model": "debug", "llama.num_hidden_layers": 1, "objective": "dpo",
+             "train_dataset.json_dataset.path": train_path,
+             "train_dataset.json_dataset.seq_length": 32,
+             "train_dataset.json_dataset.batch_size": 8,
+             "eval_dataset.json_dataset.path": held_out, "eval_freq": 1, "total_steps": 10,
+             "log_freq": 1, "save_model_freq": 3, "optimizer.adamw_optimizer.lr": 1e-3,
+             "optimizer.adamw_optimizer.lr_warmup_steps": 2,
+             "optimizer.adamw_optimizer.lr_decay_steps": 10,
+             "logger.output_dir": str(output_dir), "logger.experiment_id": "run", **flags}
+    return [f"--{k}={v}" for k, v in flags.items()]
+
+
+@pytest.fixture(scope="module")
+def live_run(pair_files, tmp_path_factory):
+    """10 steps with a live reference (the initialisation from the seed), uninterrupted,
+    in this process (8 devices, as the subprocesses below get)."""
+    from test_checkpoint import metrics
+
+    output_dir = tmp_path_factory.mktemp("live")
+    llama_train.main(["train", *command(pair_files, output_dir)])
+    return metrics(output_dir)
+
+
+def test_dpo_command_learns_held_out_pairs(live_run):
+    first, last = live_run[1], live_run[10]
+    # Step 1's update is at lr 0 (warmup), so its evaluation is the reference's own:
+    # rewards 0 up to rounding, accuracy a coin toss.
+    assert 0.3 <= first["eval_rewards/accuracy"] <= 0.7 and abs(first["eval_rewards/margin"]) < 1e-3
+    assert last["eval_rewards/accuracy"] >= 0.9, last
+    assert last["eval_rewards/margin"] > first["eval_rewards/margin"] + 0.5, last
+    assert last["eval_pairs"] == 16 and last["eval_loss"] < first["eval_loss"]
+    for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margin",
+                "rewards/accuracy", "logps/chosen", "logps/rejected", "tokens_per_second"):
+        assert isinstance(last[key], float), key
+    assert last["loss_pairs"] == 8 and last["tokens_seen"] == 10 * 2 * 8 * 32  # 2 rows a pair
+
+
+def test_dpo_sigkill_then_resume_is_bitwise_identical(pair_files, live_run, tmp_path):
+    from test_checkpoint import ENV, metrics, run_until
+
+    cmd = [sys.executable, "-m", "easylm.llama.train", *command(pair_files, tmp_path)]
+    env = dict(ENV, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    code, _, _ = run_until(cmd, tmp_path, np.random.randint(4, 9), signal.SIGKILL, env)
+    assert code == -signal.SIGKILL
+    # The resumed run reloads the reference from where the run started: the seed's init.
+    llama_train.main(["train", *command(pair_files, tmp_path)])
+    got = metrics(tmp_path)
+    assert sorted(got) == list(range(1, 11))
+    for step, line in got.items():  # JSON floats round-trip exactly: this is bitwise
+        for key in ("loss", "rewards/margin", "gradient_norm", "eval_loss", "eval_rewards/margin"):
+            assert line[key] == live_run[step][key], (step, key)
+
+
+def test_precomputed_reference_gives_the_live_losses(pair_files, live_run, tmp_path, capsys):
+    from test_checkpoint import metrics
+
+    precomputed = command(pair_files, tmp_path, **{"dpo.precompute_reference": True})
+    llama_train.main(["train", *precomputed, "--total_steps=5"])
+    path = tmp_path / "run" / preference.REFERENCE_FILE
+    assert f"into {path}" in capsys.readouterr().out
+    llama_train.main(["train", *precomputed])   # resumes at step 5, reading the stored logps
+    assert f"reference log-probabilities: {path} (272 pairs)" in capsys.readouterr().out
+    got = metrics(tmp_path)
+    assert sorted(got) == list(range(1, 11))
+    # The stored logps are the live reference's numbers from another program: equal, or a
+    # rounding apart (|logps| < 200, and the loss 0.1 * their difference away).
+    for step, line in got.items():
+        for key in ("loss", "eval_loss"):
+            assert line[key] == pytest.approx(live_run[step][key], rel=1e-6, abs=1e-7), (step, key)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--objective=ipo"], "--objective='ipo' is not one of next_token, dpo, simpo, orpo"),
+    (["--objective=dpo"], "--objective=dpo trains on preference pairs: set "
+     "--train_dataset.json_dataset.path to JSON lines with prompt, chosen and rejected "
+     "(docs/preference.md)"),
+    (["--objective=simpo", "--train_dataset.json_dataset.path=PAIRS",
+      "--train_dataset.preference.enabled=False"],
+     "--objective=simpo trains on preference pairs, but --train_dataset.preference.enabled=False"),
+    (["--train_dataset.json_dataset.path=PAIRS", "--train_dataset.preference.enabled=True"],
+     "--train_dataset.preference.enabled=True makes batches of preference pairs, which train "
+     "with --objective=dpo, simpo, orpo, not the default --objective=next_token"),
+    (["--objective=dpo", "--train_dataset.json_dataset.path=PAIRS", "--dpo.beta=0"],
+     "--dpo.beta must be > 0, got 0.0"),
+    (["--objective=dpo", "--train_dataset.json_dataset.path=PAIRS",
+      "--dpo.label_smoothing=0.5"], "--dpo.label_smoothing must be in [0, 0.5), got 0.5"),
+])
+def test_bad_objective_setup_is_one_clear_line(argv, message, pair_files, capsys, tmp_path):
+    from cli_utils import one_line_error
+
+    argv = [a.replace("PAIRS", pair_files[0]) for a in argv]
+    assert one_line_error(llama_train.main, ["train", *argv, f"--logger.output_dir={tmp_path}"],
+                          capsys) == message
+    assert os.listdir(tmp_path) == []  # failed before writing anything
+
+
+def test_objective_options_name_the_run_directory_only_when_they_train():
+    def run_dir(*argv):
+        config = llama_train.parse_flags(["train", "--train_dataset.json_dataset.path=p.jsonl",
+                                          *argv])
+        return trainer.run_directory(config, "llama")
+
+    # Next-token runs keep the directories they had before these flags existed.
+    text = run_dir()
+    assert run_dir("--dpo.beta=0.3", "--orpo.lambda=0.5") == text
+    dpo = run_dir("--objective=dpo")
+    assert len({text, dpo, run_dir("--objective=simpo")}) == 3
+    assert run_dir("--objective=dpo", "--orpo.lambda=0.5") == dpo   # another objective's
+    assert run_dir("--objective=dpo", "--dpo.beta=0.3") != dpo

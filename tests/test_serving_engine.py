@@ -167,6 +167,11 @@ def test_sharded_cache_serves_the_same_tokens(served, tokenizer, logprob_atol):
         leaf = sharded.engine.cache["0"]["k"]  # (B=4, S, K=2, H)
         assert leaf.sharding.spec == P(("dp", "fsdp"), None, "mp", None)
         got = sharded.generate(PROMPTS, GREEDY, tokenizer)
+        # Scoring's outputs are replicated: on several hosts, sharded ones would span other
+        # processes' devices and jax.device_get could not read them.
+        engine, ids = sharded.engine, np.ones((4, 16), np.int32)
+        outputs = engine._run(engine._score_fn, engine.params, ids, ids)
+        assert all(x.sharding.is_fully_replicated for x in outputs)
     finally:
         sharded.stop()
     for a, b in zip(expected, got):

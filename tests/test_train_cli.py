@@ -181,6 +181,28 @@ def test_bad_run_setup_is_one_clear_line(case, capsys, tmp_path, monkeypatch):
     assert os.listdir(tmp_path) in (["data.jsonl"], ["data.jsonl", "runs"])
 
 
+def test_bad_eval_harness_is_one_line_before_training(capsys, tmp_path):
+    """The tasks and their flags are checked at the start, not at the first evaluation."""
+    tasks = os.path.join(REPO, "tests", "eval_tasks")
+    for argv, message in [
+        (["--eval_harness.tasks=tiny_mc", "--eval_harness.freq=0"],
+         "--eval_harness.freq must be >= 1 with --eval_harness.tasks, got 0"),
+        (["--eval_harness.tasks=tiny_mc", "--eval_harness.include_path=/no/such/dir"],
+         "--eval_harness.include_path='/no/such/dir' is not a directory"),
+        (["--eval_harness.tasks=tiny_mc", f"--eval_harness.include_path={tasks}",
+          "--eval_harness.seq_length=100", "--eval_harness.max_gen_toks=100"],
+         "--eval_harness.max_gen_toks=100 leaves no room for a prompt in "
+         "--eval_harness.seq_length=100"),
+        (["--eval_harness.tasks=tiny_mcc", f"--eval_harness.include_path={tasks}"],
+         f"unknown task 'tiny_mcc': not among lm-eval's tasks or --eval_harness.include_path="
+         f"{tasks}; did you mean tiny_mc"),
+    ]:
+        error = expect_error([*argv, f"--logger.output_dir={tmp_path}", "--total_steps=1",
+                              "--compilation_cache_dir="], capsys)
+        assert error.startswith(message), error
+        assert os.listdir(tmp_path) == []  # before the run directory exists
+
+
 def help_output(argv, capsys) -> str:
     with pytest.raises(SystemExit) as e:
         train.main(["train", *argv])

@@ -467,11 +467,14 @@ def _placed(generator, place):
 
 
 def make_global_batch(batch, mesh):
-    """This process's rows -> global jax.Arrays, rows split over ('dp', 'fsdp')."""
+    """This process's rows -> global jax.Arrays, rows split over ('dp', 'fsdp'); any rank
+    (a preference batch's per-pair reference log-probabilities are (b,))."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from easylm.sharding import BATCH_AXES
 
-    sharding = NamedSharding(mesh, P(BATCH_AXES, None))
-    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
+    def sharding(x):  # rows split, every other axis whole
+        return NamedSharding(mesh, P(BATCH_AXES, *(None,) * (x.ndim - 1)))
+
+    return {k: jax.make_array_from_process_local_data(sharding(v), v) for k, v in batch.items()}

@@ -1,12 +1,13 @@
 """The LLaMA family: the one object through which train, serve, eval, plan, bench,
 doctor and the converters reach the LLaMA model (`FAMILY`)."""
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 
-from easylm import remat
+from easylm import preference, remat
 from easylm.errors import UserError
 from easylm.family import Model, ModelFamily
 from easylm.llama.config import LLAMA_PRESETS, LLaMAConfig
@@ -56,6 +57,16 @@ class LLaMAFamily(ModelFamily):
                                            batch["target_tokens"], batch["loss_masks"],
                                            config.loss_chunk_size)
 
+        def row_logps(params, rows):  # preference pairs: one sequence per row, never packed
+            if not config.loss_chunk_size:
+                logits = module.apply({"params": params}, rows["input_tokens"])
+                return preference.sequence_logps(logits, rows["target_tokens"],
+                                                 rows["loss_masks"])
+            hidden = module.apply({"params": params}, rows["input_tokens"], return_hidden=True)
+            return preference.chunked_sequence_logps(
+                hidden, lm_head_weight(params, config), rows["target_tokens"],
+                rows["loss_masks"], config.loss_chunk_size)
+
         def apply(params, ids, positions, cache):
             return module.apply({"params": params}, ids, positions=positions, cache=cache)
 
@@ -74,6 +85,7 @@ class LLaMAFamily(ModelFamily):
             eos_token_id=config.eos_token_id,
             num_layers=config.num_hidden_layers,
             num_parameters=config.num_parameters(),
+            row_logps=row_logps,
         )
 
     def build(self, flags, config=None, from_checkpoint: bool = False) -> Model:
@@ -140,6 +152,20 @@ class LLaMAFamily(ModelFamily):
             raise UserError("--llama.attention=cudnn can only be planned where cuDNN is: plan "
                             "on the GPU host, or with --llama.attention=dot_product for an "
                             "upper bound")
+
+    def int8_model(self, config: LLaMAConfig, dtype, params, mesh):
+        # qwix quantizes the matmuls that read a module's own kernel, so the projections
+        # run unfused (the same parameters, the same numbers).
+        from easylm.quantize import Int8Model
+
+        unfused = config.replace(fused_qkv=False, fused_mlp=False)
+        int8 = Int8Model(LLaMAForCausalLM(unfused, dtype=dtype, param_dtype=dtype))
+
+        def apply(params, ids, positions, cache):
+            return int8.apply(params, ids, positions=positions, cache=cache)
+
+        return (dataclasses.replace(self.bind(unfused, dtype, dtype), apply=apply),
+                int8.quantize_sharded(params, PARTITION_RULES, mesh))
 
     def torch_reference(self, config: LLaMAConfig, params):
         import numpy as np

@@ -17,10 +17,13 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from ml_collections import ConfigDict
 
 from easylm import flags as flag_lib
+from easylm import quantize
+from easylm.dtypes import dtype_from_flag
 from easylm.errors import UserError, exit_on_user_error
 from easylm.serving import engine as engine_lib
 from easylm.serving.batcher import Batcher, SamplingParams
@@ -36,6 +39,8 @@ HELP = {
     "decode_unroll": "the engine's --decode_unroll: the steps of a call unrolled, not a loop",
     "dtype": "bf16, fp16, fp32, or auto (bf16 on GPU/TPU, fp32 on CPU)",
     "mesh_dim": "device mesh dp,fsdp,mp",
+    "quantize": "comma-separated weight formats to time side by side: none (the dtype's), "
+                "int8 (--quantize=int8 of the server)",
     "hf": "also time HF transformers generate (static cache): auto (on CPU, when torch is "
           "installed), true, false",
 }
@@ -51,6 +56,7 @@ def default_config(family) -> ConfigDict:
     config.decode_unroll = False
     config.dtype = "auto"
     config.mesh_dim = "1,1,-1"
+    config.quantize = "none"
     config.hf = "auto"
     config[family.name] = family.flag_config(family.tiny_preset)
     return config
@@ -79,13 +85,17 @@ def engine_tokens_per_second(model, params, batch: int, config, tokenizer, promp
 def hf_tokens_per_second(hf_model, prompts, new_tokens: int) -> float:
     import torch
 
-    ids = torch.tensor(prompts)
+    ids = torch.tensor(prompts, device=hf_model.device)
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                   cache_implementation="static", pad_token_id=0)
     with torch.no_grad():
         hf_model.generate(ids, **kwargs)  # warm-up, as for the engine
+        if ids.is_cuda:
+            torch.cuda.synchronize()
         start = time.perf_counter()
         out = hf_model.generate(ids, **kwargs)
+        if ids.is_cuda:
+            torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
     assert out.shape[1] == ids.shape[1] + new_tokens
     return len(prompts) * new_tokens / elapsed
@@ -111,37 +121,67 @@ def run(config: ConfigDict, family) -> list[dict]:
         raise UserError(f"--seq_length={config.seq_length} must be between prompt_length + "
                         f"new_tokens = {config.prompt_length + config.new_tokens} and the "
                         f"model's max_position_embeddings={limit}")
+    formats = config.quantize.split(",")
+    if not formats or set(formats) - set(quantize.MODES):
+        raise UserError(f"--quantize={config.quantize!r}: expected a comma-separated list of "
+                        f"{', '.join(quantize.MODES)}")
+    dtype = dtype_from_flag("dtype", config.dtype)
     on_cpu_with_torch = jax.default_backend() == "cpu" and importlib.util.find_spec("torch")
     use_hf = {"auto": bool(on_cpu_with_torch), "true": True, "false": False}.get(config.hf)
     if use_hf is None:
         raise UserError(f"--hf={config.hf!r} is not one of auto, true, false")
     mesh = make_mesh(config.mesh_dim)
     params = init_sharded(model.init_params, model.partition_rules, mesh, jax.random.PRNGKey(0))
+    variants = {}  # weight format -> (model, parameters)
+    for name in formats:
+        if name == "int8":  # the same weights, quantized as the server does
+            variants[name] = family.int8_model(settings, dtype, params, mesh)
+        else:
+            variants[name] = model, params
     hf_model = family.torch_reference(settings, params) if use_hf else None
     if use_hf and hf_model is None:
         raise UserError(f"--hf={config.hf}: the {family.name} family has no transformers "
                         f"counterpart to compare with")
     if hf_model is not None:
+        import torch
+
         hf_model.generation_config.eos_token_id = None
+        # On a GPU host, HF runs on the GPU too, in the same dtype.
+        torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(
+            jnp.dtype(dtype).name, torch.float32)
+        hf_model.to("cuda" if torch.cuda.is_available() else "cpu", dtype=torch_dtype)
     tokenizer = load_tokenizer("embedded")
     rows = []
     for batch in batch_sizes:
         prompts = np.random.RandomState(batch).randint(
             3, model.vocab_size, (batch, config.prompt_length)).tolist()
-        row = {"batch": batch, "easylm_tokens_per_s": engine_tokens_per_second(
-            model, params, batch, config, tokenizer, prompts, mesh)}
+        row = {"batch": batch}
+        for name, (variant, weights) in variants.items():
+            row[KEYS[name]] = engine_tokens_per_second(variant, weights, batch, config,
+                                                       tokenizer, prompts, mesh)
         if hf_model is not None:
             row["hf_tokens_per_s"] = hf_tokens_per_second(hf_model, prompts, config.new_tokens)
-            row["ratio"] = row["easylm_tokens_per_s"] / row["hf_tokens_per_s"]
+            for name in variants:
+                row[f"{RATIOS[name]}"] = row[KEYS[name]] / row["hf_tokens_per_s"]
         rows.append(row)
         print(format_row(row), flush=True)
     return rows
 
 
+KEYS = {"none": "easylm_tokens_per_s", "int8": "easylm_int8_tokens_per_s"}
+RATIOS = {"none": "ratio", "int8": "int8_ratio"}
+
+
 def format_row(row: dict) -> str:
-    text = f"batch {row['batch']:>4}: easylm {row['easylm_tokens_per_s']:>10,.0f} tokens/s"
+    text = f"batch {row['batch']:>4}:"
+    for name, key in KEYS.items():
+        if key in row:
+            label = "easylm" if name == "none" else f"easylm {name}"
+            text += f" {label} {row[key]:>10,.0f} tokens/s"
     if "hf_tokens_per_s" in row:
-        text += f"   HF static cache {row['hf_tokens_per_s']:>10,.0f} tokens/s   ratio {row['ratio']:.2f}x"
+        text += f"   HF static cache {row['hf_tokens_per_s']:>10,.0f} tokens/s"
+        text += "".join(f"   ratio{'' if n == 'none' else ' ' + n} {row[RATIOS[n]]:.2f}x"
+                        for n in KEYS if RATIOS[n] in row)
     return text
 
 

@@ -19,6 +19,8 @@ from absl import logging as absl_logging
 from ml_collections import ConfigDict
 
 from easylm import flags as flag_lib
+from easylm import quantize
+from easylm.dtypes import dtype_from_flag
 from easylm.errors import UserError, exit_on_user_error
 from easylm.family import Model, ModelFamily, abstract_params
 from easylm.serving import engine as engine_lib
@@ -36,6 +38,7 @@ def engine_config(family: ModelFamily) -> ConfigDict:
     config.mesh_dim = "1,1,-1"
     config.dtype = "auto"
     config.lora_checkpoint = ""
+    config.quantize = "none"
     config.update(engine_lib.get_default_config())
     # The trainer's default model, so that both commands with no flags mean the same one.
     config[family.name] = family.flag_config()
@@ -54,6 +57,7 @@ def engine_help_entries(family: ModelFamily) -> dict:
         "lora_checkpoint": "LoRA adapters to fold into --load_checkpoint's weights as they "
                            "load: a LoRA run's checkpoint (DIR, or params::DIR) or a PEFT "
                            "adapter directory",
+        "quantize": quantize.HELP,
         **engine_lib.HELP,
         **family.help_entries("the checkpoint's, or the preset's"),
         f"{family.name}.base_model": "preset, used when the checkpoint does not record its "
@@ -118,10 +122,16 @@ def load_engine(family: ModelFamily, config: ConfigDict):
         raise UserError(f"--seq_length={config.seq_length} is above the model's "
                         f"max_position_embeddings={limit}")
     engine_lib.check_config(config)
+    if config.quantize not in quantize.MODES:
+        raise UserError(f"--quantize={config.quantize!r}: expected one of "
+                        f"{', '.join(quantize.MODES)}")
     mesh = make_mesh(config.mesh_dim)
     params = load_params(family, config, settings, model, mesh)
     if config.get("lora_checkpoint"):
         params = family.merge_adapters(config.lora_checkpoint, settings, params, mesh)
+    if config.quantize == "int8":
+        model, params = family.int8_model(settings, dtype_from_flag("dtype", config.dtype),
+                                          params, mesh)
     engine = engine_lib.Engine(config, model, params, mesh)
     if config.pre_compile:
         start = time.time()

@@ -197,7 +197,7 @@ class Engine:
 
         if mesh is None:
             self.state_shardings = None
-            self.state = jax.jit(init_state)()
+            self._init_state = jax.jit(init_state)
         else:
             # The state is created with the shardings the calls return, so that the
             # first call's inputs look like every later call's: one compile each.
@@ -208,8 +208,8 @@ class Engine:
                 specs, shapes, is_leaf=lambda x: isinstance(x, P))
             replicated = NamedSharding(mesh, P())
             self.state_shardings = (cache_shardings, replicated, replicated)
-            with jax.set_mesh(mesh):
-                self.state = jax.jit(init_state, out_shardings=self.state_shardings)()
+            self._init_state = jax.jit(init_state, out_shardings=self.state_shardings)
+        self.reset()
         # Calls return the state with exactly the shardings it came in with (and small
         # replicated outputs), so the donated buffers are reused and nothing recompiles.
         out_shardings = {} if mesh is None else {
@@ -224,7 +224,21 @@ class Engine:
                                                   sample, length),
                                 donate_argnums=(1,), **out_shardings)
                             for sample in (False, True) for length in self.decode_buckets}
-        self._score_fn = jax.jit(functools.partial(_score, model))
+        # Replicated outputs: on several hosts each process can then read them (sharded
+        # ones would span devices of other processes).
+        self._score_fn = jax.jit(functools.partial(_score, model), **(
+            {} if mesh is None else {"out_shardings": NamedSharding(mesh, P())}))
+
+    def reset(self):
+        """A fresh state: an empty cache, every slot free (the cache's memory comes back
+        after `release`)."""
+        self.state = self._run(self._init_state)
+        self.positions[:] = 0
+
+    def release(self):
+        """Free the cache's device memory until `reset` (an engine that evaluates now and
+        then, in a training job); nothing may run on the engine in between."""
+        self.state = None
 
     def _run(self, fn, *args):
         if self.mesh is None:

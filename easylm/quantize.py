@@ -1,0 +1,96 @@
+"""Int8 weight-only post-training quantization for serving (`--quantize=int8`).
+
+Each targeted kernel W (in, out) is stored as int8 values q and one scale per output
+channel, in LoRA's int8 format (`easylm.lora.quantize_kernel`, so both paths quantize a
+weight to the same numbers):
+
+    s[o] = max_i |W[i, o]| / 127.5        q[i, o] = round(W[i, o] / s[o])   (saturating)
+    y = x (q * s)                         the matmul reads q and s; x stays in the compute dtype
+
+qwix's post-training-quantization provider intercepts the dot_general that reads a
+targeted module's own kernel and dequantizes it inside that matmul, so the weights stay
+int8 on the device (half of bf16's bytes, which bound decode at small batches) and the
+activations are never quantized. Everything else (embeddings, norms, and the head when
+it is tied to the embeddings) stays in the compute dtype. Quantizing happens at load,
+on the devices, from whatever float parameters were loaded (a checkpoint of any dtype or
+a Hugging Face directory): no quantized checkpoint format to keep in step.
+
+The worst-case rounding error of one weight is s/2 = absmax/255 of its output channel;
+docs/serving.md gives the measured cost in loss.
+"""
+
+import math
+import re
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import qwix
+
+from easylm.errors import UserError
+from easylm.lora import flat, nested, partition_rules, quantize_kernel, target_paths
+from easylm.sharding import PartitionRules, match_partition_rules, named_shardings
+
+MODES = ("none", "int8")
+HELP = "weight-only quantization of the matmul kernels at load: none or int8 (per output channel)"
+# LoRA's projections plus the output head: at a 128k vocabulary the head is a sixteenth
+# of an 8B model's weights.
+DEFAULT_TARGETS = r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|lm_head)/kernel$"
+
+
+class Int8Model:
+    """A Linen module whose targeted kernels are int8, and the parameters it reads.
+
+    `module` must have `init_params(rng) -> params` and read each targeted kernel in its
+    own module's matmul (as `nn.Dense` does). Like LoRA, this excludes fused q/k/v and
+    gate/up matmuls, which read a concatenation: build the module unfused (the same
+    numbers).
+    """
+
+    def __init__(self, module: nn.Module, pattern: str = DEFAULT_TARGETS):
+        self.base_module = module
+        self.dtype = jnp.dtype(module.dtype)
+        shapes = jax.eval_shape(module.init_params, jax.random.key(0))
+        self.targets = tuple(target_paths(shapes, pattern))
+        modules = "|".join(re.escape(path[: -len("/kernel")]) for path in self.targets)
+        rule = qwix.QtRule(module_path=f"({modules})", weight_qtype=jnp.int8)
+        self.module = qwix.quantize_model(module, qwix.PtqProvider([rule]))
+        # qwix's abstract init gives the quantized kernels' WithAux templates; a kernel it
+        # did not turn into one would be served in full precision, silently.
+        self._template = flat(jax.eval_shape(self.module.init_params, jax.random.key(0)))
+        missed = [path for path in self.targets if not hasattr(self._template[path], "array")]
+        if missed:
+            raise UserError(f"--quantize=int8 could not quantize {len(missed)} kernel(s), which "
+                            f"the model reads outside their own module's matmul: "
+                            f"{', '.join(missed)}")
+
+    def quantize(self, params) -> Any:
+        """Float parameters -> the quantized module's: targeted kernels int8 with scales in
+        the compute dtype, the rest cast to it."""
+        out = {}
+        for path, leaf in flat(params).items():
+            if path in self.targets:
+                out[path] = self._template[path].replace(
+                    array=quantize_kernel(leaf, "int8", self.dtype))
+            else:
+                out[path] = jnp.asarray(leaf, self.dtype)
+        return nested(out)
+
+    def quantize_sharded(self, params, rules: PartitionRules, mesh) -> Any:
+        """`quantize` on the devices: each kernel is quantized where its shards are (a
+        scale needs only its own output column), the result placed by `rules` extended
+        to quantized kernels (values like the kernel, scales like its output axis)."""
+        shapes = jax.eval_shape(self.quantize, params)
+        shardings = named_shardings(mesh, match_partition_rules(
+            partition_rules(rules), shapes))
+        with jax.set_mesh(mesh):
+            return jax.jit(self.quantize, out_shardings=shardings)(params)
+
+    def apply(self, params, *args, **kwargs):
+        return self.module.apply({"params": params}, *args, **kwargs)
+
+
+def weight_bytes(params) -> int:
+    """Bytes of the parameter arrays (or their shapes) as stored: int8 values, scales, the rest."""
+    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params))

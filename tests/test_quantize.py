@@ -1,0 +1,164 @@
+"""Int8 weight-only serving (--quantize=int8): what the quantized model computes, how far
+its logits are from the float model's, and the serving command with it."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaForCausalLM as HFLlama
+
+from easylm import flags as flag_lib
+from easylm.errors import UserError
+from easylm.llama.config import LLaMAConfig
+from easylm.llama.family import FAMILY
+from easylm.llama.model import PARTITION_RULES, LLaMAForCausalLM
+from easylm.lora import dequantize, flat, nested
+from easylm.quantize import Int8Model, weight_bytes
+from easylm.serving import cli as serving_cli
+from easylm.sharding import make_mesh
+from serving_utils import make_tokenizer
+
+IDS = np.random.RandomState(0).randint(0, 512, (8, 64))
+
+
+def relative(a, b) -> float:
+    """Relative RMS deviation of a from b, in float64."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.fixture(scope="module")
+def model():
+    """(config, fp32 module, params, Int8Model, quantized params) of a random debug model at
+    the training init (its logits are what a model of that shape computes, not peaked)."""
+    config = LLaMAConfig.from_preset("debug")
+    module = LLaMAForCausalLM(config)
+    params = jax.jit(module.init_params)(jax.random.key(1))
+    int8 = Int8Model(module)
+    return config, module, params, int8, int8.quantize(params)
+
+
+def kernel_error(int8, params, quantized) -> float:
+    """The largest relative RMS rounding error of a quantized kernel: for a uniform
+    rounding error of at most half a step s = absmax/127.5, about absmax/(127.5 sqrt(12) rms)."""
+    q, p = flat(quantized), flat(params)
+    return max(relative(dequantize(q[path]), p[path]) for path in int8.targets)
+
+
+def test_the_int8_model_computes_with_its_dequantized_kernels(model):
+    config, module, params, int8, quantized = model
+    assert len(int8.targets) == 2 * 7 + 1  # the projections of both layers, and the head
+    q = flat(quantized)
+    assert all(q[path].array.qvalue.dtype == jnp.int8 for path in int8.targets)
+    dequantized = nested({path: dequantize(leaf) for path, leaf in q.items()})
+    got = int8.apply(quantized, IDS)
+    # The same weights in an fp32 model: the same numbers but for fp32 rounding (the
+    # scale is applied to the kernel, not the product, in both).
+    expected = module.apply({"params": dequantized}, IDS)
+    assert relative(got, expected) < 1e-5
+    assert relative(got, module.apply({"params": params}, IDS)) > 1e-3  # it is quantized
+
+
+def test_int8_logits_stay_within_the_kernels_rounding_error(model):
+    """The bound: the logits' relative RMS deviation from the float model is at most twice
+    the largest kernel's relative rounding error (measured: 1.2x in fp32 at this init), and
+    in bf16 compute at most that plus twice bf16's own deviation from fp32."""
+    config, module, params, int8, quantized = model
+    eps = kernel_error(int8, params, quantized)
+    assert 0.003 < eps < 0.01  # the uniform-rounding estimate for Gaussian kernels
+    reference = module.apply({"params": params}, IDS)
+    assert relative(int8.apply(quantized, IDS), reference) <= 2 * eps
+
+    bf16 = LLaMAForCausalLM(config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    bf16_logits = bf16.apply({"params": jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)},
+                             IDS)
+    int8_bf16 = Int8Model(bf16)
+    got = int8_bf16.apply(int8_bf16.quantize(params), IDS)
+    assert relative(got, bf16_logits) <= 2 * eps + 2 * relative(bf16_logits, reference)
+    # Teacher-forced greedy choices: the same next token at nearly every position.
+    assert np.mean(np.argmax(got, -1) == np.argmax(bf16_logits, -1)) >= 0.95
+
+    # The bound catches a wrong scale: the head's 10% off.
+    head = flat(quantized)["lm_head/kernel"]
+    wrong = {**flat(quantized), "lm_head/kernel": head.replace(
+        array=head.array.replace(scale=head.array.scale * 1.1))}
+    assert relative(int8.apply(nested(wrong), IDS), reference) > 2 * eps
+
+
+def test_sharded_quantization_and_the_kv_cache_give_the_same_logits(model):
+    config, module, params, int8, quantized = model
+    mesh = make_mesh("1,2,-1") if jax.device_count() >= 4 else make_mesh("1,1,-1")
+    sharded = int8.quantize_sharded(params, PARTITION_RULES, mesh)
+    assert weight_bytes(sharded) == weight_bytes(quantized)
+    full = np.asarray(int8.apply(quantized, IDS[:2, :16]))
+    positions = jnp.broadcast_to(jnp.arange(16), (2, 16))
+    with jax.set_mesh(mesh):
+        logits, _ = int8.apply(sharded, IDS[:2, :16], positions=positions,
+                               cache=module.init_cache(2, 32))
+    np.testing.assert_allclose(np.asarray(logits), full, rtol=1e-5, atol=1e-5 * np.abs(full).max())
+
+
+def test_int8_weights_take_about_half_of_bf16s_bytes(model):
+    config, module, params, int8, quantized = model
+    kernels = sum(flat(params)[p].size for p in int8.targets)
+    others = sum(x.size for x in jax.tree.leaves(params)) - kernels
+    scales = sum(flat(params)[p].shape[-1] for p in int8.targets)
+    int8_bf16 = Int8Model(LLaMAForCausalLM(config, dtype=jnp.bfloat16))
+    # 1 byte a weight, bf16 scales and the rest (the embedding: a large share of this tiny
+    # model, a small one of a real one).
+    assert weight_bytes(int8_bf16.quantize(params)) == kernels + 2 * (others + scales)
+    # llama_1b, abstractly (nothing allocated): 0.54 of bf16's bytes.
+    big = LLaMAForCausalLM(LLaMAConfig.from_preset("llama_1b"), dtype=jnp.bfloat16,
+                           param_dtype=jnp.bfloat16)
+    shapes = jax.eval_shape(big.init_params, jax.random.key(0))
+    stored = jax.eval_shape(Int8Model(big).quantize, shapes)
+    assert weight_bytes(stored) < 0.55 * weight_bytes(shapes)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("int8")
+    torch.manual_seed(0)
+    HFLlama(LLaMAConfig.from_preset("debug", initializer_range=0.2).to_hf_config()).save_pretrained(
+        root / "model")
+    make_tokenizer().save_pretrained(root / "tokenizer")
+    return root
+
+
+def serve_config(hf_dir, *flags):
+    return flag_lib.parse(serving_cli.default_config(FAMILY), serving_cli.help_entries(FAMILY), [
+        "serve", f"--load_checkpoint=hf::{hf_dir / 'model'}", f"--tokenizer={hf_dir / 'tokenizer'}",
+        "--seq_length=64", "--min_bucket=64", "--batch_size=2", *flags])
+
+
+def greedy(engine, prompt, steps):
+    from easylm.serving.engine import Sampling
+
+    tokens, *_ = engine.fetch(engine.prefill([prompt], [0], Sampling.empty(1)))
+    out = [int(tokens[0, 0])]
+    while len(out) < steps:
+        step, *_ = engine.fetch(engine.decode(Sampling.empty(engine.batch_size)))
+        out += [int(t) for t in step[:, 0]]
+    return out[:steps]
+
+
+def test_serve_quantizes_a_hf_directory_at_load(hf_dir):
+    # bf16: what --dtype=auto serves on a GPU (fp32 is the unit tests' above).
+    engine, _, _ = serving_cli.load_engine(FAMILY, serve_config(hf_dir, "--dtype=bf16", "--quantize=int8"))
+    leaves = flat(engine.params)
+    kernels = [leaf for path, leaf in leaves.items() if path.endswith("/kernel")]
+    assert len(kernels) == 15 and all(k.array.qvalue.dtype == jnp.int8 for k in kernels)
+    assert leaves["model/embed_tokens/embedding"].dtype == jnp.bfloat16
+    # Decoding with the cache gives the int8 model's greedy tokens: each is the argmax
+    # of one full forward over the prompt and the tokens before it.
+    prompt, steps = [1, 5, 9, 13], 8
+    tokens = greedy(engine, prompt, steps)
+    logits = jax.jit(engine.model.apply, static_argnums=(2, 3))(
+        engine.params, jnp.array([prompt + tokens]), None, None)
+    assert tokens == np.argmax(logits[0, len(prompt) - 1:-1], -1).tolist()
+
+
+def test_an_unknown_quantization_is_one_clear_error(hf_dir):
+    with pytest.raises(UserError, match=r"--quantize='int4': expected one of none, int8"):
+        serving_cli.load_engine(FAMILY, serve_config(hf_dir, "--quantize=int4"))
