@@ -63,9 +63,13 @@ class Model:
     # mesh -> the frozen tree, read (not drawn) and placed in its shards: the trainer
     # then trains fresh `init_params` on it, and --load_checkpoint names what it reads.
     load_frozen: Callable | None = None
-    # (params, rows of input_tokens, target_tokens, loss_masks (N, T)) -> (summed log-probs
-    # of the masked targets (N,), their count (N,)): what preference objectives train on
+    # (params, rows of input_tokens, target_tokens, loss_masks (N, T)[, frozen=, rng=]) ->
+    # (summed log-probs of the masked targets (N,), their count (N,)): what preference
+    # objectives train on
     row_logps: Callable | None = None
+    # params -> parameters that compute the frozen base alone (LoRA: each B zeroed): a
+    # preference objective's reference with no second copy of the weights
+    adapters_off: Callable | None = None
 
 
 class ModelFamily:

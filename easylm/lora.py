@@ -260,6 +260,12 @@ class LoraModel:
             out[path + "_lora_b"] = jnp.zeros(b, jnp.float32)
         return nested(out)
 
+    def adapters_off(self, adapters) -> Any:
+        """`adapters` with every B zeroed: x A B adds exactly 0 to each projection, so the
+        model computes its base bitwise (a preference objective's reference)."""
+        return nested({path: jnp.zeros_like(leaf) if path.endswith("_lora_b") else leaf
+                       for path, leaf in flat(adapters).items()})
+
     def store_base(self, params) -> Any:
         """The frozen base from float parameters: targeted kernels quantized (int8/nf4),
         the rest cast to --lora.base_dtype (the compute dtype when quantized)."""

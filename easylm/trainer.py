@@ -886,7 +886,7 @@ def start(config: ConfigDict, family: ModelFamily, cleanup: contextlib.ExitStack
 
     # The objective's arrays beside state and batch (a live reference model), or ().
     extra = objective.frozen(run_dir, lambda: starting_params(config, model, tx, mesh),
-                             make_batch, log.print)
+                             make_batch, log.print, state)
     state_shardings = jax.tree.map(lambda x: x.sharding, state)
     replicated = NamedSharding(mesh, P())
     run.extra_args = extra

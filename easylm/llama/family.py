@@ -57,7 +57,8 @@ class LLaMAFamily(ModelFamily):
                                            batch["target_tokens"], batch["loss_masks"],
                                            config.loss_chunk_size)
 
-        def row_logps(params, rows):  # preference pairs: one sequence per row, never packed
+        def row_logps(params, rows, frozen=None, rng=None):  # one sequence per row, not packed
+            del frozen, rng  # no frozen parameters, no dropout
             if not config.loss_chunk_size:
                 logits = module.apply({"params": params}, rows["input_tokens"])
                 return preference.sequence_logps(logits, rows["target_tokens"],

@@ -11,7 +11,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from easylm import checkpoint
+from easylm import checkpoint, preference
 from easylm.errors import UserError
 from easylm.family import Model
 from easylm.llama import hf_weights
@@ -44,7 +44,7 @@ def lora_variant(model: Model, config: LLaMAConfig, lora: LoraConfig, dtype, loa
     the devices for int8/nf4), read from `load_spec` (hf::, params:: or trainstate_params::;
     `load_hf(directory, abstract)` reads hf::) or, with none, drawn."""
     lm = lora_model(config, lora, dtype=dtype)
-    rules = partition_rules(PARTITION_RULES, lora)
+    rules = partition_rules(PARTITION_RULES)
     head_adapted = any(path.startswith("lm_head/") for path in lm.targets)
     if config.loss_chunk_size and head_adapted:
         raise UserError("--llama.loss_chunk_size computes the output projection outside the "
@@ -64,6 +64,15 @@ def lora_variant(model: Model, config: LLaMAConfig, lora: LoraConfig, dtype, loa
         return chunked_next_token_loss(hidden, head, batch["target_tokens"], batch["loss_masks"],
                                        config.loss_chunk_size)
 
+    def row_logps(adapters, rows, frozen, rng=None):  # preference pairs, one per row
+        if not config.loss_chunk_size:
+            logits = lm.apply(frozen, adapters, rows["input_tokens"], rng=rng)
+            return preference.sequence_logps(logits, rows["target_tokens"], rows["loss_masks"])
+        hidden = lm.apply(frozen, adapters, rows["input_tokens"], rng=rng, return_hidden=True)
+        return preference.chunked_sequence_logps(
+            hidden, lm_head_weight(lm.dequantized_base(frozen), config), rows["target_tokens"],
+            rows["loss_masks"], config.loss_chunk_size)
+
     def init_frozen(rng):
         return lm.store_base(lm.base_module.init_params(rng))
 
@@ -72,7 +81,8 @@ def lora_variant(model: Model, config: LLaMAConfig, lora: LoraConfig, dtype, loa
 
     return dataclasses.replace(
         model, init_params=lm.init_adapters, loss_fn=loss_fn, partition_rules=rules,
-        init_frozen=init_frozen, frozen_rules=rules,
+        init_frozen=init_frozen, frozen_rules=rules, row_logps=row_logps,
+        adapters_off=lm.adapters_off,
         load_frozen=load_frozen if load_spec else None, load_hf=None,
         # Serving reads a merged model (--lora_checkpoint), not adapters alone.
         apply=None, init_cache=None, num_parameters=lm.num_adapter_parameters())
@@ -86,7 +96,7 @@ def load_base(lm: LoraModel, spec: str, mesh, load_hf):
         raise UserError(f"--load_checkpoint={spec}: a LoRA run (--lora.rank="
                         f"{lm.config.rank}) trains adapters on a base: give the base as hf::, "
                         f"params:: or trainstate_params::")
-    rules = partition_rules(PARTITION_RULES, lm.config)
+    rules = partition_rules(PARTITION_RULES)
     shapes = jax.eval_shape(lm.base_module.init_params, jax.random.key(0))
     read = _READ_DTYPE.get(lm.config.base_dtype, jnp.bfloat16)
     shardings = named_shardings(mesh, match_partition_rules(PARTITION_RULES, shapes))
