@@ -67,6 +67,8 @@ class Model:
     # (summed log-probs of the masked targets (N,), their count (N,)): what preference
     # objectives train on
     row_logps: Callable | None = None
+    # What a variant trains on, for the run's header line ("LoRA rank 8 on a ... base").
+    variant: str = ""
     # params -> parameters that compute the frozen base alone (LoRA: each B zeroed): a
     # preference objective's reference with no second copy of the weights
     adapters_off: Callable | None = None

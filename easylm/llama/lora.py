@@ -83,6 +83,8 @@ def lora_variant(model: Model, config: LLaMAConfig, lora: LoraConfig, dtype, loa
         model, init_params=lm.init_adapters, loss_fn=loss_fn, partition_rules=rules,
         init_frozen=init_frozen, frozen_rules=rules, row_logps=row_logps,
         adapters_off=lm.adapters_off,
+        variant=f"LoRA rank {lora.rank} on a {config.num_parameters():,}-parameter "
+                f"{lora.base_dtype} base",
         load_frozen=load_frozen if load_spec else None, load_hf=None,
         # Serving reads a merged model (--lora_checkpoint), not adapters alone.
         apply=None, init_cache=None, num_parameters=lm.num_adapter_parameters())
