@@ -63,6 +63,9 @@ class Model:
     # mesh -> the frozen tree, read (not drawn) and placed in its shards: the trainer
     # then trains fresh `init_params` on it, and --load_checkpoint names what it reads.
     load_frozen: Callable | None = None
+    # frozen tree -> what identifies it whatever the compute dtype (default: the tree):
+    # the input of the fingerprint checkpoints record
+    frozen_identity: Callable | None = None
     # (params, rows of input_tokens, target_tokens, loss_masks (N, T)[, frozen=, rng=]) ->
     # (summed log-probs of the masked targets (N,), their count (N,)): what preference
     # objectives train on

@@ -280,6 +280,16 @@ class LoraModel:
                 out[path] = jnp.asarray(leaf, storage)
         return nested(out)
 
+    def identity(self, base) -> Any:
+        """What identifies a stored base whatever the compute dtype (its fingerprint's
+        input): quantized, every float (the scales, the unquantized leaves, stored in the
+        compute dtype) in bf16. Lossless: the base is read in bf16 and qwix rounds fp32
+        scales to bf16 ones, so a run on bf16 and its export on fp32 agree."""
+        if not self.config.quantized:
+            return base
+        return jax.tree.map(lambda x: x.astype(jnp.bfloat16)
+                            if jnp.issubdtype(x.dtype, jnp.floating) else x, base)
+
     def dequantized_base(self, base) -> Any:
         """The base as float parameters of the unadapted module (quantized kernels
         dequantized): the model that step 0 of a LoRA run computes."""

@@ -37,6 +37,7 @@ from ml_collections import ConfigDict
 from easylm import (checkpoint, distributed, eval_harness, flops, logger, optimizers,
                     preference, profiling, run_lock)
 from easylm import flags as flag_lib
+from easylm.dtypes import dtype_from_flag
 from easylm.errors import UserError, exit_on_user_error
 from easylm.family import Model, ModelFamily
 from easylm.sharding import (BATCH_AXES, check_batch_split, constrain, init_sharded, make_mesh,
@@ -819,7 +820,8 @@ def start(config: ConfigDict, family: ModelFamily, cleanup: contextlib.ExitStack
     _check_config(config)
     mesh = make_mesh(config.mesh_dim, dcn_mesh_dim=config.dcn_mesh_dim)
     tokenizer = load_tokenizer(config.tokenizer)
-    model = family.build(config)
+    # The model a --load_checkpoint records (hf::, params::, ...), unless flags change it.
+    model = family.build(config, from_checkpoint=True)
     if config.load_checkpoint.startswith("hf::") and config.tokenizer == "embedded" \
             and jax.process_index() == 0:
         print(f"warning: training {config.load_checkpoint} with --tokenizer=embedded; pass "
@@ -935,8 +937,11 @@ def _frozen_reference(config, model: Model, state: TrainState, source) -> dict |
     was trained on would continue from a different model: refused."""
     if state.frozen is None:
         return None
+    identity = model.frozen_identity or (lambda frozen: frozen)
     reference = {"source": config.load_checkpoint if model.load_frozen else "init",
-                 "fingerprint": checkpoint.fingerprint(state.frozen)}
+                 "fingerprint": checkpoint.fingerprint(identity(state.frozen)),
+                 # what the base was stored for (quantization scales are in it)
+                 "dtype": jnp.dtype(dtype_from_flag("dtype", config.dtype)).name}
     if source and source[0] == "trainstate":
         recorded = checkpoint.read_metadata(source[1]).get("frozen")
         if recorded and recorded["fingerprint"] != reference["fingerprint"]:

@@ -206,6 +206,26 @@ def test_a_checkpoint_is_the_adapters_and_their_moments(tmp_path):
         assert directory_bytes(final) - stored <= 256 * 1024   # the metadata
 
 
+def test_an_int8_base_from_params_in_bf16_exports_both_ways(hf_dir, tmp_path):
+    # As a user on a GPU would: the base converted to an easylm checkpoint (its config
+    # read from it, no --llama.* flags), int8, bf16 compute; then both exports.
+    from easylm.llama import convert_hf_to_easylm
+
+    converted = tmp_path / "params"
+    convert_hf_to_easylm.main(["convert", f"--hf_model={hf_dir}", f"--output_dir={converted}"])
+    run, before, after = lora_run(parse(tmp_path, f"--load_checkpoint=params::{converted}",
+                                        "--lora.base_dtype=int8", "--dtype=bf16"))
+    assert after.frozen["model"]["embed_tokens"]["embedding"].dtype == jnp.bfloat16
+    final = os.path.join(run.run_dir, "checkpoints", "3")
+    assert checkpoint.read_metadata(final)["frozen"]["dtype"] == "bfloat16"
+    # The exports read the base again (in fp32 here), recognise it by its fingerprint and
+    # verify against peft and transformers.
+    for mode in ("adapter", "merged"):
+        convert.main(["convert", f"--load_checkpoint=params::{final}", f"--lora_mode={mode}",
+                      f"--output_dir={tmp_path / mode}", "--verify_tolerance=1e-4"])
+        assert os.path.isdir(tmp_path / mode)
+
+
 def test_resume_on_another_base_is_refused(tmp_path):
     base = make_hf(tmp_path / "base")
     trainer.train(parse(tmp_path, f"--load_checkpoint=hf::{base}", "--total_steps=1"), FAMILY)

@@ -21,6 +21,7 @@ from the --load_checkpoint the run recorded (or --lora_base), and refused if its
 fingerprint is not the run's.
 """
 
+import dataclasses
 import os
 import shutil
 import sys
@@ -148,12 +149,13 @@ def load_lora(spec: str, metadata: dict, base_spec: str = ""):
                         f"with --lora_base")
     run_lora = flags_tree(metadata["flags"]).get("lora", {})
     lm = lora_model(config, LoraConfig(**{**LoraConfig.get_default_config().to_dict(),
-                                          **run_lora}))
+                                          **run_lora}),
+                    dtype=jnp.dtype(recorded.get("dtype", "float32")))
     mesh = make_mesh("1,1,1", devices=jax.devices()[:1])
     with jax.set_mesh(mesh):
         frozen = load_base(lm, base_spec, mesh,
                            lambda hf_dir, abstract: FAMILY.load_hf(hf_dir, config, abstract))
-    if recorded.get("fingerprint") and fingerprint(frozen) != recorded["fingerprint"]:
+    if recorded.get("fingerprint") and fingerprint(lm.identity(frozen)) != recorded["fingerprint"]:
         raise UserError(f"{base_spec} is not the base {directory} was trained on (its "
                         f"fingerprint differs from the run's): give the run's base with --lora_base")
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -181,13 +183,17 @@ def verify_peft(lm, frozen, adapters, config: LLaMAConfig, directory: str) -> fl
     from peft import PeftModel
 
     from easylm.llama.family import FAMILY
+    from easylm.llama.lora import lora_model
 
     base = jax.device_get(lm.dequantized_base(frozen))
     model = PeftModel.from_pretrained(FAMILY.torch_reference(config, base), directory).eval()
     ids = np.random.RandomState(0).randint(0, config.vocab_size, (2, 32))
     with torch.no_grad():
         theirs = model(torch.tensor(ids)).logits.numpy()
-    ours = lm.apply(frozen, adapters, jnp.asarray(ids))
+    # Ours on the same float base in fp32 (whatever the run computed in): what is compared
+    # is the adapters.
+    fp32 = lora_model(config, dataclasses.replace(lm.config, base_dtype="fp32"))
+    ours = fp32.apply(fp32.store_base(base), adapters, jnp.asarray(ids))
     return float(np.abs(np.asarray(ours) - theirs).max())
 
 

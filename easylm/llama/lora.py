@@ -82,7 +82,7 @@ def lora_variant(model: Model, config: LLaMAConfig, lora: LoraConfig, dtype, loa
     return dataclasses.replace(
         model, init_params=lm.init_adapters, loss_fn=loss_fn, partition_rules=rules,
         init_frozen=init_frozen, frozen_rules=rules, row_logps=row_logps,
-        adapters_off=lm.adapters_off,
+        adapters_off=lm.adapters_off, frozen_identity=lm.identity,
         variant=f"LoRA rank {lora.rank} on a {config.num_parameters():,}-parameter "
                 f"{lora.base_dtype} base",
         load_frozen=load_frozen if load_spec else None, load_hf=None,
