@@ -224,14 +224,12 @@ def parse_flags(family: ModelFamily, argv: list[str]) -> ConfigDict:
 # Full fine-tuning of a pretrained model at a higher peak rate tends to diverge (the
 # embedded demo's 3e-3 drove a 135M model's perplexity from 144 to 296 in 22 steps).
 FINE_TUNING_MAX_LR = 1e-4
-FINE_TUNING_DEFAULTS = {"optimizer.adamw_optimizer.lr": 2e-5,
-                        "optimizer.adamw_optimizer.end_lr": 2e-6}
+FINE_TUNING_DEFAULTS = {"optimizer.adamw_optimizer.lr": 2e-5}
 RUN_DEFAULTS_HELP = {
     "optimizer.adamw_optimizer.lr": "from a pretrained params::, trainstate_params:: or hf:: "
                                     "--load_checkpoint: "
                                     f"{FINE_TUNING_DEFAULTS['optimizer.adamw_optimizer.lr']:g}",
-    "optimizer.adamw_optimizer.end_lr": "from a pretrained --load_checkpoint: "
-                                        f"{FINE_TUNING_DEFAULTS['optimizer.adamw_optimizer.end_lr']:g}",
+    "optimizer.adamw_optimizer.end_lr": "default: a tenth of the peak lr",
     "optimizer.adamw_optimizer.lr_warmup_steps": "default: a tenth of --total_steps, at most 2000",
     "optimizer.adamw_optimizer.lr_decay_steps": "default: --total_steps",
     **{f"train_dataset.{loader}.seq_length": "default: 1024, or the model's "
@@ -261,9 +259,14 @@ def _loader(dataset_config: ConfigDict) -> str:
 
 
 def _schedule_defaults(config: ConfigDict) -> dict:
+    # The decay ends at a tenth of the peak, whichever sets the peak (a flag, a fine-tuning
+    # or a variant's default): a peak given below another rule's end_lr would rise.
     steps = config.total_steps
     return {"optimizer.adamw_optimizer.lr_warmup_steps": min(2000, steps // 10),
-            "optimizer.adamw_optimizer.lr_decay_steps": steps}
+            "optimizer.adamw_optimizer.lr_decay_steps": steps,
+            # the decimal tenth (3e-4, not 3.0000000000000003e-05), as a flag would give it
+            "optimizer.adamw_optimizer.end_lr":
+                float(f"{config.optimizer.adamw_optimizer.lr / 10:.12g}")}
 
 
 def run_defaults(demo: dict, max_seq_length: Callable[[ConfigDict], int] | None = None,
@@ -801,10 +804,14 @@ def train(config: ConfigDict, family: ModelFamily) -> str:
     final = run.manager.step_directory(step)
     if jax.process_index() == 0:
         print(f"checkpoint: {final}")
-        # A variant without `apply` (LoRA adapters alone) is not served as it is.
-        if family.serve_module and step == config.total_steps and run.model.apply is not None:
-            print(f"serve it:   python -m {family.serve_module} --load_checkpoint=params::{final} "
-                  f"--tokenizer={config.tokenizer}")
+        if family.serve_module and step == config.total_steps:
+            if run.model.apply is not None:
+                print(f"serve it:   python -m {family.serve_module} --load_checkpoint=params::"
+                      f"{final} --tokenizer={config.tokenizer}")
+            elif config.load_checkpoint:  # adapters, folded into their base as it loads
+                print(f"serve it:   python -m {family.serve_module} --load_checkpoint="
+                      f"{config.load_checkpoint} --lora_checkpoint={final} "
+                      f"--tokenizer={config.tokenizer}")
     return final
 
 

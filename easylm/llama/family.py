@@ -25,7 +25,6 @@ EMBEDDED_DEFAULTS = {
     "total_steps": 200,
     "log_freq": 25,
     "optimizer.adamw_optimizer.lr": 3e-3,
-    "optimizer.adamw_optimizer.end_lr": 3e-4,
 }
 
 

@@ -23,8 +23,7 @@ from easylm.sharding import match_partition_rules, named_shardings
 
 # A LoRA run's learning rates from a pretrained base: the QLoRA paper's 2e-4 (7B-13B;
 # 1e-4 from 33B), far above full fine-tuning's, since only the adapters move.
-LORA_RUN_DEFAULTS = {"optimizer.adamw_optimizer.lr": 2e-4,
-                     "optimizer.adamw_optimizer.end_lr": 2e-5}
+LORA_RUN_DEFAULTS = {"optimizer.adamw_optimizer.lr": 2e-4}
 # The base is read in bf16 unless kept in fp32: int8/nf4 quantize from it, as QLoRA does
 # from bf16/fp16 weights, and a 70B base is never whole in fp32 on a device.
 _READ_DTYPE = {"fp32": jnp.float32}
