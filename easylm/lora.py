@@ -41,6 +41,7 @@ import json
 import math
 import os
 import re
+import zlib
 from typing import Any, Iterable
 
 import flax.linen as nn
@@ -251,12 +252,23 @@ class LoraModel:
     # ----------------------------------------------------------- the pytrees
 
     def init_adapters(self, rng) -> Any:
-        """A ~ U(-1/sqrt(in), 1/sqrt(in)) (PEFT's default), B = 0, in fp32."""
+        """A ~ U(-1/sqrt(in), 1/sqrt(in)) (PEFT's default), B = 0, in fp32. Each layer's A
+        is drawn from a key of its module's name and layer index, so scanned layers (a
+        leading L axis) get the adapters unscanned ones do."""
         shapes, out = flat(self.adapter_shapes), {}
-        for key, path in zip(jax.random.split(rng, len(self.targets)), self.targets):
+        for path in self.targets:
             a, b = shapes[path + "_lora_a"].shape, shapes[path + "_lora_b"].shape
             bound = 1.0 / math.sqrt(a[-2])
-            out[path + "_lora_a"] = jax.random.uniform(key, a, jnp.float32, -bound, bound)
+            name = re.sub(r"/layers/\d+/", "/layers/", path)
+            key = jax.random.fold_in(rng, zlib.crc32(name.encode()) & 0x7FFFFFFF)
+            draw = lambda k: jax.random.uniform(k, a[-2:], jnp.float32, -bound, bound)  # noqa: E731
+            layer = re.search(r"/layers/(\d+)/", path)
+            if len(a) == 3:    # scanned: (L, in, r)
+                out[path + "_lora_a"] = jnp.stack([draw(jax.random.fold_in(key, i))
+                                                   for i in range(a[0])])
+            else:
+                out[path + "_lora_a"] = draw(key if layer is None else
+                                             jax.random.fold_in(key, int(layer.group(1))))
             out[path + "_lora_b"] = jnp.zeros(b, jnp.float32)
         return nested(out)
 
