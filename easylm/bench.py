@@ -26,7 +26,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import ConfigDict
 
-from easylm import flags, flops, optimizers, profiling, trainer
+from easylm import dtypes, flags, flops, optimizers, profiling, trainer
 from easylm.errors import UserError, exit_on_user_error
 from easylm.sharding import BATCH_AXES, make_mesh
 
@@ -69,6 +69,8 @@ def train_config(family) -> ConfigDict:
     config.profile_steps = 0
     config.profile_dir = ""
     config[family.name] = family.flag_config(family.tiny_preset)
+    for section, block in family.variant_flags().items():  # --lora.*: adapters on a frozen base
+        config[section] = block
     config.optimizer = optimizers.get_default_config()
     return config
 
@@ -76,6 +78,7 @@ def train_config(family) -> ConfigDict:
 def _train_help(family) -> dict:
     text = dict(TRAIN_HELP)
     text.update(family.help_entries())
+    text.update(family.variant_help())
     text.update({f"optimizer.{k}": v for k, v in optimizers.HELP.items()})
     return text
 
@@ -129,8 +132,7 @@ def bench_train(config: ConfigDict, family) -> dict:
     memory = jax.devices()[0].memory_stats() or {}
     return {
         "benchmark": "train",
-        "model": config[model.name].base_model,
-        "parameters": sum(x.size for x in jax.tree.leaves(state.params)),
+        **_model_fields(config, model, state),
         "seq_length": config.seq_length,
         "batch_size": config.batch_size,
         "mesh": dict(mesh.shape),
@@ -169,6 +171,18 @@ def _profile(compiled, state, batch, config: ConfigDict):
     return state, summary
 
 
+def _model_fields(config: ConfigDict, model, state) -> dict:
+    """The model, its trained parameters and, for a variant with frozen ones (LoRA's
+    base), what those are: how many weights, stored how, and their bytes (all devices)."""
+    fields = {"model": config[model.name].base_model,
+              "parameters": sum(x.size for x in jax.tree.leaves(state.params))}
+    if state.frozen is not None:
+        fields.update(variant=model.variant, frozen_parameters=model.num_frozen_parameters,
+                      frozen_dtype=model.frozen_dtype,
+                      frozen_gb=round(dtypes.nbytes(state.frozen) / 2**30, 3))
+    return fields
+
+
 def _machine() -> dict:
     return {"device": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
             "versions": {"python": platform.python_version(), "jax": jax.__version__,
@@ -188,20 +202,26 @@ def _compile_only(config: ConfigDict, model, tx, schedule, mesh) -> dict:
         compiled = step.lower(state, batch).compile()
         compile_seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
-    per_device = None
-    if memory is not None:  # arguments (the state is donated: outputs alias it) + temporaries
-        per_device = (memory.argument_size_in_bytes + memory.output_size_in_bytes
-                      - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
+    xla = {"xla_memory_gb_per_device": None}
+    if memory is not None:
+        gb = lambda n: round(n / 2**30, 3)  # noqa: E731
+        # Arguments (the state is donated: outputs alias it) and temporaries: of these the
+        # step's inputs (state, frozen base, batch) and its working memory (activations,
+        # gradients, XLA's own copies).
+        xla = {"xla_memory_gb_per_device": gb(
+                   memory.argument_size_in_bytes + memory.output_size_in_bytes
+                   - memory.alias_size_in_bytes + memory.temp_size_in_bytes),
+               "xla_arguments_gb": gb(memory.argument_size_in_bytes),
+               "xla_temp_gb": gb(memory.temp_size_in_bytes)}
     return {
         "benchmark": "train",
         "compile_only": True,
-        "model": config[model.name].base_model,
-        "parameters": sum(x.size for x in jax.tree.leaves(state.params)),
+        **_model_fields(config, model, state),
         "seq_length": config.seq_length,
         "batch_size": config.batch_size,
         "mesh": dict(mesh.shape),
         "compile_time_s": round(compile_seconds, 2),
-        "xla_memory_gb_per_device": None if per_device is None else round(per_device / 2**30, 3),
+        **xla,
         **_machine(),
     }
 
