@@ -12,6 +12,10 @@ Example, the llama_1b shape on one GPU:
 
     python -m easylm.bench train --llama.base_model=llama_1b --seq_length=2048 \
         --batch_size=8 --dtype=bf16 --llama.attention=cudnn --llama.loss_chunk_size=2048
+
+With --lora.rank=R (and --lora.base_dtype=nf4 for QLoRA) the step is the LoRA run's:
+'parameters' are the adapters it trains, 'frozen_*' the base it reads. --compile_only=True
+measures a step too big for this machine (docs/lora.md#memory).
 """
 
 import json

@@ -27,10 +27,14 @@ which single change makes it fit, trying the cheapest first: more fsdp, a remat
 policy, gradient accumulation (a smaller per-device batch), bf16 moments (failing
 that, those that help, together).
 
+With `--lora.*` the trained parameters are the adapters and the frozen base is counted in
+its stored dtype (docs/planning.md).
+
 Checked against XLA's `compiled.memory_analysis()` on 8 CPU devices with
-`--llama.scan_layers=True` (tests/test_plan.py: 4-7% under). With unscanned layers
-XLA fuses some saved activations away (one case measured, no remat: 22% less than
-planned), and XLA:CPU does not keep remat's savings there at all (needs more).
+`--llama.scan_layers=True` (tests/test_plan.py: 4-7% under; LoRA 2% under to 13%
+over). With unscanned layers XLA fuses some saved activations away (one case measured,
+no remat: 22% less than planned), and XLA:CPU does not keep remat's savings there at
+all (needs more).
 Exit status: 0 fits (or no device memory known), 1 does not fit, 2 bad flags.
 """
 

@@ -148,8 +148,8 @@ def test_lora_trains_adapters_on_a_frozen_base_stored_in_its_dtype():
     adapters = 4 * 4 * (3 * (256 // 8 * 4 + 4 * 256) + (256 * 4 + 4 * 256 // 8)
                         + 2 * (256 // 8 * 4 + 4 * 768) + (768 * 4 + 4 * 256 // 8))
     lora = [*B, "--mesh_dim=1,8,1", "--dtype=fp32", "--lora.rank=4"]
-    bf16, nf4 = (plan.estimate(parse(*lora, *argv), FAMILY, num_devices=8)
-                 for argv in ([], ["--lora.base_dtype=nf4"]))
+    bf16, nf4, dpo = (plan.estimate(parse(*lora, *argv), FAMILY, num_devices=8)
+                      for argv in ([], ["--lora.base_dtype=nf4"], ["--objective=dpo"]))
     for estimate in (bf16, nf4):
         assert estimate.parameters == adapters
         assert estimate.gradients == 2 * adapters  # the adapters' only: no base gradients
@@ -161,7 +161,8 @@ def test_lora_trains_adapters_on_a_frozen_base_stored_in_its_dtype():
     # the output; scales and the rest in the compute dtype.
     scales = 4 * (3 * 4 * 256 + 4 * 256 // 8 + 2 * 4 * 768 + 12 * 256 // 8)
     assert nf4.frozen == kernels // 2 + 4 * (scales + others)
-    assert bf16.total - nf4.total >= bf16.frozen - nf4.frozen - 2 ** 20
+    # DPO's live reference is the base with the adapters off: no second copy.
+    assert dpo.reference == 0 and dpo.frozen == bf16.frozen
 
 
 def test_a_qlora_plan_says_so_and_names_a_fix(capsys):
