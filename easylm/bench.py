@@ -113,23 +113,26 @@ def bench_train(config: ConfigDict, family) -> dict:
         step = trainer.jit_train_step(model, tx, schedule, config.seed, accumulate, state, mesh)
         batch = trainer.device_batch(synthetic_batch(config, model.vocab_size), mesh)
         start = time.perf_counter()
-        compiled = step.lower(state, batch).compile()
+        step.lower(state, batch).compile()
         compile_seconds = time.perf_counter() - start
+        # The steps call `step`, which reuses that executable (jit's caches): the compiled
+        # object itself refuses a uint4 (nf4) base, whose arrays jax 0.10.2 reports in
+        # another layout than the executable's (sub_byte_element_size_in_bits 0, not 4).
         losses = []  # device scalars, fetched at the end: no per-step host sync
         for _ in range(config.warmup_steps):
-            state, metrics = compiled(state, batch)
+            state, metrics = step(state, batch)
             losses.append(metrics["loss"])
         jax.block_until_ready(metrics)
         start = time.perf_counter()
         for _ in range(config.steps):
-            state, metrics = compiled(state, batch)
+            state, metrics = step(state, batch)
             losses.append(metrics["loss"])
         loss = float(metrics["loss"])  # waits for the last step
         seconds = (time.perf_counter() - start) / config.steps
         losses = [round(float(x), 4) for x in jax.device_get(losses)]
         profile = None
         if config.profile_steps:
-            state, profile = _profile(compiled, state, batch, config)
+            state, profile = _profile(step, state, batch, config)
     tokens_per_second = config.batch_size * config.seq_length / seconds
     peak = flops.peak_flops_per_device(jax.devices()[0], config.peak_tflops)
     mfu = flops.mfu(model.flops_per_token(config.seq_length), tokens_per_second, peak, jax.device_count())
@@ -152,7 +155,7 @@ def bench_train(config: ConfigDict, family) -> dict:
     }
 
 
-def _profile(compiled, state, batch, config: ConfigDict):
+def _profile(step, state, batch, config: ConfigDict):
     """(state, summary): `config.profile_steps` more steps under the profiler. They run
     after the timed steps and change neither their figures nor `losses`."""
     directory = config.profile_dir or tempfile.mkdtemp(prefix="easylm-profile-")
@@ -160,7 +163,7 @@ def _profile(compiled, state, batch, config: ConfigDict):
         with jax.profiler.trace(directory, create_perfetto_trace=True):
             start = time.perf_counter()
             for _ in range(config.profile_steps):
-                state, metrics = compiled(state, batch)
+                state, metrics = step(state, batch)
             jax.block_until_ready((state, metrics))
             seconds = (time.perf_counter() - start) / config.profile_steps
         # Traced steps run slower (and on GPU without CUDA graphs, see easylm/profiling.py):

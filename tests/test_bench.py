@@ -56,15 +56,20 @@ def test_bench_bad_input():
     assert result.returncode == 2 and result.stderr.startswith("error: expected a benchmark name")
 
 
-def test_compile_only_lora_trains_adapters_on_a_frozen_base_in_less_memory(capsys):
-    # In-process (8 CPU devices, fsdp): the trainer's own step for the LoRA variant and
-    # for full fine-tuning of the same model, a shape whose parameters dominate.
+def bench_row(capsys, *flags) -> dict:
+    """`python -m easylm.bench train FLAGS`, in-process (8 CPU devices)."""
     from easylm import bench
 
+    bench.main(["bench", "train", *flags])
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_compile_only_lora_trains_adapters_on_a_frozen_base_in_less_memory(capsys):
+    # The trainer's own step for the LoRA variant and for full fine-tuning of the same
+    # model (fsdp over 8 devices), a shape whose parameters dominate.
     def compile_only(*flags):
-        bench.main(["bench", "train", "--compile_only=True", "--seq_length=16", "--batch_size=8",
-                    "--llama.hidden_size=256", "--llama.intermediate_size=1024", *flags])
-        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        return bench_row(capsys, "--compile_only=True", "--seq_length=16", "--batch_size=8",
+                         "--llama.hidden_size=256", "--llama.intermediate_size=1024", *flags)
 
     lora, full = compile_only("--lora.rank=4"), compile_only()
     # debug: 2 layers, 4 heads of 64, 2 key/value heads; rank 4 on the 7 projections:
@@ -105,3 +110,15 @@ def test_lora_flops_per_token_skip_the_base_weight_gradients():
     (lora, lora_xla), (full, full_xla) = ratios
     assert lora / full == pytest.approx(lora_xla / full_xla, rel=0.05)
     assert lora_xla / full_xla < 0.8  # the base's own formula (ratio 1) would fail
+
+
+def test_a_qlora_step_runs_and_learns(capsys):
+    # The timed steps on an nf4 base (a uint4 argument of the step), the adapters trained.
+    row = bench_row(capsys, "--lora.rank=4", "--lora.base_dtype=nf4", "--seq_length=16",
+                    "--batch_size=8", "--warmup_steps=1", "--steps=2",
+                    "--optimizer.adamw_optimizer.lr=1e-2",
+                    "--optimizer.adamw_optimizer.lr_warmup_steps=0")
+    assert row["variant"] == "QLoRA rank 4" and row["frozen_dtype"] == "nf4"
+    assert row["parameters"] == 2 * 4 * (2 * (64 + 64) + 2 * (64 + 32) + 3 * (64 + 128))
+    assert len(row["losses"]) == 3 and row["losses"][-1] < row["losses"][0]  # the same batch
+    assert row["tokens_per_second"] > 0
