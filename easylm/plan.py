@@ -326,15 +326,16 @@ def report(config: ConfigDict, family, num_devices: int, num_processes: int,
     compute = jnp.dtype(dtype_from_flag("dtype", config.dtype)).name
     mesh = mesh_string(plan.mesh)
     # A variant with frozen parameters (LoRA) says what it trains on what.
-    what = f"{model.num_parameters / 1e6:,.1f}M parameters"
+    what = f"{config[family.name].base_model}, {model.num_parameters / 1e6:,.1f}M parameters"
     if model.num_frozen_parameters:
-        what = (f"{model.variant}, {what} trained, {model.num_frozen_parameters / 1e6:,.1f}M "
-                f"frozen in {model.frozen_dtype}")
+        what = (f"{config[family.name].base_model} {model.variant}, "
+                f"{model.num_parameters / 1e6:,.1f}M parameters trained, "
+                f"{model.num_frozen_parameters / 1e6:,.1f}M frozen in {model.frozen_dtype}")
     names = {jnp.dtype(dtype): name for name, dtype in DTYPES.items()}
     trained = sorted({names.get(jnp.dtype(x.dtype), jnp.dtype(x.dtype).name)
                       for x in jax.tree.leaves(_shapes(model)[0])})
     lines = [
-        f"plan: {config[family.name].base_model} {what}, {model.num_layers} layers | "
+        f"plan: {what}, {model.num_layers} layers | "
         f"{num_devices} devices, mesh {mesh} | "
         f"{data.batch_size}{' pairs x 2' if config.objective != 'next_token' else ''} x "
         f"{data.seq_length} tokens per step | compute {compute}"
