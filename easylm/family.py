@@ -75,6 +75,11 @@ class Model:
     # params -> parameters that compute the frozen base alone (LoRA: each B zeroed): a
     # preference objective's reference with no second copy of the weights
     adapters_off: Callable | None = None
+    # For reports (bench, planner): the variant in words ('QLoRA rank 16'; '': the model
+    # itself), the weights its frozen parameters hold and how they are stored ('nf4').
+    variant: str = ""
+    num_frozen_parameters: int = 0
+    frozen_dtype: str = ""
 
 
 class ModelFamily:

@@ -190,11 +190,18 @@ def quantize_kernel(kernel: jax.Array, base_dtype: str, scale_dtype) -> qwix.QAr
     if base_dtype == "int8":
         return qwix.quantize(kernel, jnp.int8, channelwise_axes=axes[:inputs] + [inputs + 1],
                              scale_dtype=scale_dtype)
-    if kernel.shape[inputs] % NF4_BLOCK:
-        raise UserError(f"nf4 needs a kernel's input dimension to be a multiple of "
-                        f"{NF4_BLOCK}; got a kernel of shape {kernel.shape}")
+    check_nf4_blocks(kernel.shape)
     return qwix.quantize(kernel, "nf4", channelwise_axes=axes[:inputs] + [inputs + 1],
                          tiled_axes={inputs: NF4_BLOCK}, scale_dtype=scale_dtype)
+
+
+def check_nf4_blocks(shape, path: str = "a kernel") -> None:
+    """nf4 scales blocks of NF4_BLOCK inputs: a kernel (..., in, out) whose `in` they do not
+    divide is a UserError naming it."""
+    if shape[-2] % NF4_BLOCK:
+        raise UserError(f"--lora.base_dtype=nf4 needs each targeted kernel's input dimension "
+                        f"to be a multiple of {NF4_BLOCK}: {path} has shape {tuple(shape)} "
+                        f"(leave it out of --lora.target_modules, or use int8)")
 
 
 def dequantize(leaf) -> jax.Array:
@@ -219,6 +226,9 @@ class LoraModel:
         self.config, self.dtype, self.base_module = config, jnp.dtype(dtype), module
         shapes = jax.eval_shape(module.init_params, jax.random.key(0))
         self.targets = tuple(target_paths(shapes, config.target_modules))
+        if config.base_dtype == "nf4":  # before qwix, which would fail in its own words
+            for path in self.targets:
+                check_nf4_blocks(flat(shapes)[path].shape, path)
         self.module = self._wrap(module, config.dropout)
         self._eval_module = self.module if not config.dropout else self._wrap(module, 0.0)
         # qwix's own abstract init: the quantized kernels' WithAux templates, and a check

@@ -86,7 +86,14 @@ def lora_variant(model: Model, config: LLaMAConfig, lora: LoraConfig, dtype, loa
                 f"{lora.base_dtype} base",
         load_frozen=load_frozen if load_spec else None, load_hf=None,
         # Serving reads a merged model (--lora_checkpoint), not adapters alone.
-        apply=None, init_cache=None, num_parameters=lm.num_adapter_parameters())
+        apply=None, init_cache=None, num_parameters=lm.num_adapter_parameters(),
+        # No weight gradients for the frozen base: 4 FLOPs a matmul weight, not 6, and
+        # the adapters' own 6.
+        flops_per_token=lambda seq_length: (model.flops_per_token(seq_length)
+                                            - 2 * config.num_matmul_parameters()
+                                            + 6 * lm.num_adapter_parameters()),
+        variant=f"{'QLoRA' if lora.base_dtype == 'nf4' else 'LoRA'} rank {lora.rank}",
+        num_frozen_parameters=model.num_parameters, frozen_dtype=lora.base_dtype)
 
 
 def load_base(lm: LoraModel, spec: str, mesh, load_hf):
