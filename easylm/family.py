@@ -70,8 +70,6 @@ class Model:
     # (summed log-probs of the masked targets (N,), their count (N,)): what preference
     # objectives train on
     row_logps: Callable | None = None
-    # What a variant trains on, for the run's header line ("LoRA rank 8 on a ... base").
-    variant: str = ""
     # params -> parameters that compute the frozen base alone (LoRA: each B zeroed): a
     # preference objective's reference with no second copy of the weights
     adapters_off: Callable | None = None
@@ -80,6 +78,14 @@ class Model:
     variant: str = ""
     num_frozen_parameters: int = 0
     frozen_dtype: str = ""
+    # seq_length -> FLOPs per token of a forward pass (a DPO reference's); default: a
+    # third of `flops_per_token` (forward 2N of the 6N)
+    forward_flops_per_token: Callable | None = None
+
+    def forward_flops(self, seq_length: int) -> float:
+        if self.forward_flops_per_token is not None:
+            return self.forward_flops_per_token(seq_length)
+        return self.flops_per_token(seq_length) / 3
 
 
 class ModelFamily:

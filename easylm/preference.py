@@ -346,9 +346,10 @@ class Objective:
         return f" | objective {self.name}{reference}"
 
     def flops_per_token(self, seq_length: int) -> float:
-        """Training FLOPs per token: the policy's forward and backward passes (6N), and a
-        live reference's forward pass (2N more, a third of that)."""
-        return self.model.flops_per_token(seq_length) * (4 / 3 if self.live_reference else 1)
+        """Training FLOPs per token: the policy's forward and backward passes (6N; LoRA's
+        skip the base's weight gradients), and a live reference's forward pass (2N)."""
+        reference = self.model.forward_flops(seq_length) if self.live_reference else 0.0
+        return self.model.flops_per_token(seq_length) + reference
 
     def frozen(self, run_dir: str, starting_params: Callable, place: Callable,
                print_fn: Callable, state=None) -> tuple:

@@ -974,7 +974,8 @@ def _print_start(run: Run, fresh: bool):
     peak = flops.peak_flops_per_device(jax.devices()[0], config.peak_tflops)
     no_mfu = "" if peak else (f" | no MFU: peak FLOP/s of {jax.devices()[0].device_kind} "
                               f"unknown (--peak_tflops sets it)")
-    variant = f" ({model.variant})" if model.variant else ""
+    variant = (f" ({model.variant} on a {model.num_frozen_parameters:,}-parameter "
+               f"{model.frozen_dtype} base)" if model.variant else "")
     run.log.print(f"{model.name}: {num_params:,} parameters{variant} | {jax.device_count()} "
                   f"{jax.devices()[0].platform} device(s), mesh {mesh_string(mesh)} | "
                   f"{batch_tokens:,} tokens/step | steps {run.start_step} -> "

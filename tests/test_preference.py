@@ -529,6 +529,23 @@ def test_qlora_precomputed_reference_gives_the_live_losses(pair_files, qlora_run
             assert line[key] == pytest.approx(live[step][key], rel=1e-6, abs=1e-7), (step, key)
 
 
+def test_mfu_counts_the_reference_forward_with_and_without_lora():
+    flags = {"train_dataset.json_dataset.path": "pairs.jsonl"}
+    full = FAMILY.build(trainer_config(**flags))
+    lora = FAMILY.build(trainer_config(**flags, **{"lora.rank": 4}))
+    seq = 32
+    # Full: 6N + attention, and the reference's forward, a third of that.
+    assert preference.build_objective(trainer_config(**flags), full, None).flops_per_token(
+        seq) == pytest.approx(full.flops_per_token(seq) * 4 / 3, rel=1e-12)
+    # LoRA: its own step (no base weight gradients) and the base's forward with the
+    # adapters' (2 a weight), not 4/3 of the LoRA step.
+    objective = preference.build_objective(trainer_config(**flags, **{"lora.rank": 4}), lora, None)
+    want = lora.flops_per_token(seq) + full.flops_per_token(seq) / 3 + 2 * lora.num_parameters
+    assert objective.flops_per_token(seq) == pytest.approx(want, rel=1e-12)
+    assert objective.flops_per_token(seq) != pytest.approx(lora.flops_per_token(seq) * 4 / 3,
+                                                           rel=1e-3)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--objective=ipo"], "--objective='ipo' is not one of next_token, dpo, simpo, orpo"),
     (["--objective=dpo"], "--objective=dpo trains on preference pairs: set "

@@ -82,8 +82,6 @@ def lora_variant(model: Model, config: LLaMAConfig, lora: LoraConfig, dtype, loa
         model, init_params=lm.init_adapters, loss_fn=loss_fn, partition_rules=rules,
         init_frozen=init_frozen, frozen_rules=rules, row_logps=row_logps,
         adapters_off=lm.adapters_off, frozen_identity=lm.identity,
-        variant=f"LoRA rank {lora.rank} on a {config.num_parameters():,}-parameter "
-                f"{lora.base_dtype} base",
         load_frozen=load_frozen if load_spec else None, load_hf=None,
         # Serving reads a merged model (--lora_checkpoint), not adapters alone.
         apply=None, init_cache=None, num_parameters=lm.num_adapter_parameters(),
@@ -93,7 +91,10 @@ def lora_variant(model: Model, config: LLaMAConfig, lora: LoraConfig, dtype, loa
                                             - 2 * config.num_matmul_parameters()
                                             + 6 * lm.num_adapter_parameters()),
         variant=f"{'QLoRA' if lora.base_dtype == 'nf4' else 'LoRA'} rank {lora.rank}",
-        num_frozen_parameters=model.num_parameters, frozen_dtype=lora.base_dtype)
+        num_frozen_parameters=model.num_parameters, frozen_dtype=lora.base_dtype,
+        # the base's forward pass and the adapters' (2 FLOPs a weight)
+        forward_flops_per_token=lambda seq_length: (model.forward_flops(seq_length)
+                                                    + 2 * lm.num_adapter_parameters()))
 
 
 def load_base(lm: LoraModel, spec: str, mesh, load_hf):
