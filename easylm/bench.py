@@ -12,6 +12,10 @@ Example, the llama_1b shape on one GPU:
 
     python -m easylm.bench train --llama.base_model=llama_1b --seq_length=2048 \
         --batch_size=8 --dtype=bf16 --llama.attention=cudnn --llama.loss_chunk_size=2048
+
+With --lora.rank=R (and --lora.base_dtype=nf4 for QLoRA) the step is the LoRA run's:
+'parameters' are the adapters it trains, 'frozen_*' the base it reads. --compile_only=True
+measures a step too big for this machine (docs/lora.md#memory).
 """
 
 import json
@@ -26,7 +30,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import ConfigDict
 
-from easylm import flags, flops, optimizers, profiling, trainer
+from easylm import dtypes, flags, flops, optimizers, profiling, trainer
 from easylm.errors import UserError, exit_on_user_error
 from easylm.sharding import BATCH_AXES, make_mesh
 
@@ -69,6 +73,8 @@ def train_config(family) -> ConfigDict:
     config.profile_steps = 0
     config.profile_dir = ""
     config[family.name] = family.flag_config(family.tiny_preset)
+    for section, block in family.variant_flags().items():  # --lora.*: adapters on a frozen base
+        config[section] = block
     config.optimizer = optimizers.get_default_config()
     return config
 
@@ -76,6 +82,7 @@ def train_config(family) -> ConfigDict:
 def _train_help(family) -> dict:
     text = dict(TRAIN_HELP)
     text.update(family.help_entries())
+    text.update(family.variant_help())
     text.update({f"optimizer.{k}": v for k, v in optimizers.HELP.items()})
     return text
 
@@ -106,31 +113,33 @@ def bench_train(config: ConfigDict, family) -> dict:
         step = trainer.jit_train_step(model, tx, schedule, config.seed, accumulate, state, mesh)
         batch = trainer.device_batch(synthetic_batch(config, model.vocab_size), mesh)
         start = time.perf_counter()
-        compiled = step.lower(state, batch).compile()
+        step.lower(state, batch).compile()
         compile_seconds = time.perf_counter() - start
+        # The steps call `step`, which reuses that executable (jit's caches): the compiled
+        # object itself refuses a uint4 (nf4) base, whose arrays jax 0.10.2 reports in
+        # another layout than the executable's (sub_byte_element_size_in_bits 0, not 4).
         losses = []  # device scalars, fetched at the end: no per-step host sync
         for _ in range(config.warmup_steps):
-            state, metrics = compiled(state, batch)
+            state, metrics = step(state, batch)
             losses.append(metrics["loss"])
         jax.block_until_ready(metrics)
         start = time.perf_counter()
         for _ in range(config.steps):
-            state, metrics = compiled(state, batch)
+            state, metrics = step(state, batch)
             losses.append(metrics["loss"])
         loss = float(metrics["loss"])  # waits for the last step
         seconds = (time.perf_counter() - start) / config.steps
         losses = [round(float(x), 4) for x in jax.device_get(losses)]
         profile = None
         if config.profile_steps:
-            state, profile = _profile(compiled, state, batch, config)
+            state, profile = _profile(step, state, batch, config)
     tokens_per_second = config.batch_size * config.seq_length / seconds
     peak = flops.peak_flops_per_device(jax.devices()[0], config.peak_tflops)
     mfu = flops.mfu(model.flops_per_token(config.seq_length), tokens_per_second, peak, jax.device_count())
     memory = jax.devices()[0].memory_stats() or {}
     return {
         "benchmark": "train",
-        "model": config[model.name].base_model,
-        "parameters": sum(x.size for x in jax.tree.leaves(state.params)),
+        **_model_fields(config, model, state),
         "seq_length": config.seq_length,
         "batch_size": config.batch_size,
         "mesh": dict(mesh.shape),
@@ -146,7 +155,7 @@ def bench_train(config: ConfigDict, family) -> dict:
     }
 
 
-def _profile(compiled, state, batch, config: ConfigDict):
+def _profile(step, state, batch, config: ConfigDict):
     """(state, summary): `config.profile_steps` more steps under the profiler. They run
     after the timed steps and change neither their figures nor `losses`."""
     directory = config.profile_dir or tempfile.mkdtemp(prefix="easylm-profile-")
@@ -154,7 +163,7 @@ def _profile(compiled, state, batch, config: ConfigDict):
         with jax.profiler.trace(directory, create_perfetto_trace=True):
             start = time.perf_counter()
             for _ in range(config.profile_steps):
-                state, metrics = compiled(state, batch)
+                state, metrics = step(state, batch)
             jax.block_until_ready((state, metrics))
             seconds = (time.perf_counter() - start) / config.profile_steps
         # Traced steps run slower (and on GPU without CUDA graphs, see easylm/profiling.py):
@@ -167,6 +176,18 @@ def _profile(compiled, state, batch, config: ConfigDict):
     if not config.profile_dir:  # deleted
         summary.update(trace=None, kernels_csv=None)
     return state, summary
+
+
+def _model_fields(config: ConfigDict, model, state) -> dict:
+    """The model, its trained parameters and, for a variant with frozen ones (LoRA's
+    base), what those are: how many weights, stored how, and their bytes (all devices)."""
+    fields = {"model": config[model.name].base_model,
+              "parameters": sum(x.size for x in jax.tree.leaves(state.params))}
+    if state.frozen is not None:
+        fields.update(variant=model.variant, frozen_parameters=model.num_frozen_parameters,
+                      frozen_dtype=model.frozen_dtype,
+                      frozen_gb=round(dtypes.nbytes(state.frozen) / 2**30, 3))
+    return fields
 
 
 def _machine() -> dict:
@@ -188,20 +209,26 @@ def _compile_only(config: ConfigDict, model, tx, schedule, mesh) -> dict:
         compiled = step.lower(state, batch).compile()
         compile_seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
-    per_device = None
-    if memory is not None:  # arguments (the state is donated: outputs alias it) + temporaries
-        per_device = (memory.argument_size_in_bytes + memory.output_size_in_bytes
-                      - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
+    xla = {"xla_memory_gb_per_device": None}
+    if memory is not None:
+        gb = lambda n: round(n / 2**30, 3)  # noqa: E731
+        # Arguments (the state is donated: outputs alias it) and temporaries: of these the
+        # step's inputs (state, frozen base, batch) and its working memory (activations,
+        # gradients, XLA's own copies).
+        xla = {"xla_memory_gb_per_device": gb(
+                   memory.argument_size_in_bytes + memory.output_size_in_bytes
+                   - memory.alias_size_in_bytes + memory.temp_size_in_bytes),
+               "xla_arguments_gb": gb(memory.argument_size_in_bytes),
+               "xla_temp_gb": gb(memory.temp_size_in_bytes)}
     return {
         "benchmark": "train",
         "compile_only": True,
-        "model": config[model.name].base_model,
-        "parameters": sum(x.size for x in jax.tree.leaves(state.params)),
+        **_model_fields(config, model, state),
         "seq_length": config.seq_length,
         "batch_size": config.batch_size,
         "mesh": dict(mesh.shape),
         "compile_time_s": round(compile_seconds, 2),
-        "xla_memory_gb_per_device": None if per_device is None else round(per_device / 2**30, 3),
+        **xla,
         **_machine(),
     }
 

@@ -154,6 +154,8 @@ def _block_fingerprint(block, starts, shape):
     """sum(raw bits * odd weight of the global flat index) mod 2^32 over a block whose
     first element sits at `starts` in an array of `shape`. Any one flipped bit, or a
     swap of two elements, changes it; blocks add up to the whole array's value."""
+    if jnp.issubdtype(block.dtype, jnp.integer) and jnp.iinfo(block.dtype).bits < 8:
+        block = block.astype(jnp.uint8)  # int4/uint4 (an nf4 base): no bitcast to a byte
     unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[block.dtype.itemsize]
     bits = jax.lax.bitcast_convert_type(block, unsigned).astype(jnp.uint32)
     flat = jnp.zeros(block.shape, jnp.uint32)
@@ -245,6 +247,15 @@ def _totals(partials) -> dict:
     partials = jax.device_get(partials)
     return {item: {name: _total(p) for name, p in _by_path(tree).items()}
             for item, tree in partials.items()}
+
+
+def fingerprint(tree) -> str:
+    """One digest of the checksums of every array in `tree` (computed on the devices; waits
+    for them): what identifies a run's frozen base."""
+    import hashlib
+
+    sums = _totals({"tree": partial_fingerprints(tree)})["tree"]
+    return hashlib.sha1(json.dumps(sums, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _write_checksums(directory: str, partials):

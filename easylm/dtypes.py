@@ -1,6 +1,8 @@
 """The one table of dtype flag names: `--dtype`, `--param_dtype`, `--optimizer.state_dtype`,
 `--checkpointer.float_dtype` and the converters' `--dtype` all read it."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -19,6 +21,20 @@ def dtype_from_flag(flag: str, name: str, allowed=tuple(DTYPES), auto: bool = Tr
         raise UserError(f"--{flag}={name!r} is not one of {', '.join(choices)}")
     return DTYPES[name]
 
+
+def nbytes(tree) -> int:
+    """Bytes of the arrays (or ShapeDtypeStructs) of `tree` as a device stores them: sub-byte
+    dtypes packed (a uint4 is half a byte; numpy's itemsize says 1)."""
+    return sum(math.ceil(math.prod(x.shape) * bits(x.dtype) / 8) for x in jax.tree.leaves(tree))
+
+
+def bits(dtype) -> int:
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.integer):
+        return jnp.iinfo(dtype).bits
+    if jnp.issubdtype(dtype, jnp.floating):
+        return jnp.finfo(dtype).bits
+    return 8 * dtype.itemsize
 
 
 def cast_names(names, keep: str = "keep") -> dict:

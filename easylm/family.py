@@ -15,7 +15,10 @@ names them for the generic commands).
 A variant (adapters on a frozen base, another loss) is another `Model` from the
 same family: `Model.init_frozen` gives parameters the model reads but does not
 train; the trainer keeps them in `TrainState.frozen`, outside the optimizer, and
-passes them to `loss_fn(params, batch, rng, frozen=...)`.
+passes them to `loss_fn(params, batch, rng, frozen=...)`. `Model.load_frozen` reads
+them from a checkpoint instead (a LoRA run's base: its --load_checkpoint); each
+checkpoint records their fingerprint, and a resume refuses frozen parameters that
+differ from those the run began on.
 """
 
 import dataclasses
@@ -57,9 +60,32 @@ class Model:
     # their partition rules.
     init_frozen: Callable | None = None
     frozen_rules: PartitionRules = ()
-    # (params, rows of input_tokens, target_tokens, loss_masks (N, T)) -> (summed log-probs
-    # of the masked targets (N,), their count (N,)): what preference objectives train on
+    # mesh -> the frozen tree, read (not drawn) and placed in its shards: the trainer
+    # then trains fresh `init_params` on it, and --load_checkpoint names what it reads.
+    load_frozen: Callable | None = None
+    # frozen tree -> what identifies it whatever the compute dtype (default: the tree):
+    # the input of the fingerprint checkpoints record
+    frozen_identity: Callable | None = None
+    # (params, rows of input_tokens, target_tokens, loss_masks (N, T)[, frozen=, rng=]) ->
+    # (summed log-probs of the masked targets (N,), their count (N,)): what preference
+    # objectives train on
     row_logps: Callable | None = None
+    # params -> parameters that compute the frozen base alone (LoRA: each B zeroed): a
+    # preference objective's reference with no second copy of the weights
+    adapters_off: Callable | None = None
+    # For reports (bench, planner): the variant in words ('QLoRA rank 16'; '': the model
+    # itself), the weights its frozen parameters hold and how they are stored ('nf4').
+    variant: str = ""
+    num_frozen_parameters: int = 0
+    frozen_dtype: str = ""
+    # seq_length -> FLOPs per token of a forward pass (a DPO reference's); default: a
+    # third of `flops_per_token` (forward 2N of the 6N)
+    forward_flops_per_token: Callable | None = None
+
+    def forward_flops(self, seq_length: int) -> float:
+        if self.forward_flops_per_token is not None:
+            return self.forward_flops_per_token(seq_length)
+        return self.flops_per_token(seq_length) / 3
 
 
 class ModelFamily:
@@ -101,6 +127,25 @@ class ModelFamily:
     def torch_reference(self, config, params):
         """The same model in HF transformers (torch) for benchmarks, or None."""
         return None
+
+    def merge_adapters(self, spec: str, config, params, mesh):
+        """`params` (of `bind(config)`, on `mesh`) with the adapters at `spec` folded in:
+        the server's --lora_checkpoint."""
+        raise UserError(f"--lora_checkpoint={spec}: the {self.name} family has no adapters")
+
+    def variant_flags(self) -> dict[str, ConfigDict]:
+        """Top-level flag sections that select a variant (LLaMA's `--lora.*`), with their
+        defaults; `build` reads them."""
+        return {}
+
+    def variant_help(self) -> dict:
+        """--help text of `variant_flags`' fields, by dotted name."""
+        return {}
+
+    def variant_run_defaults(self, flags: ConfigDict) -> dict:
+        """Run defaults a variant sets over the fine-tuning ones (LoRA's learning rates);
+        a variant that sets a learning rate gets no full-fine-tuning warning."""
+        return {}
 
     def int8_model(self, config, dtype, params, mesh) -> tuple[Model, Any]:
         """(Model, parameters) of the int8 weight-only model (`--quantize=int8`, see

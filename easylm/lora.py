@@ -41,6 +41,7 @@ import json
 import math
 import os
 import re
+import zlib
 from typing import Any, Iterable
 
 import flax.linen as nn
@@ -189,11 +190,18 @@ def quantize_kernel(kernel: jax.Array, base_dtype: str, scale_dtype) -> qwix.QAr
     if base_dtype == "int8":
         return qwix.quantize(kernel, jnp.int8, channelwise_axes=axes[:inputs] + [inputs + 1],
                              scale_dtype=scale_dtype)
-    if kernel.shape[inputs] % NF4_BLOCK:
-        raise UserError(f"nf4 needs a kernel's input dimension to be a multiple of "
-                        f"{NF4_BLOCK}; got a kernel of shape {kernel.shape}")
+    check_nf4_blocks(kernel.shape)
     return qwix.quantize(kernel, "nf4", channelwise_axes=axes[:inputs] + [inputs + 1],
                          tiled_axes={inputs: NF4_BLOCK}, scale_dtype=scale_dtype)
+
+
+def check_nf4_blocks(shape, path: str = "a kernel") -> None:
+    """nf4 scales blocks of NF4_BLOCK inputs: a kernel (..., in, out) whose `in` they do not
+    divide is a UserError naming it."""
+    if shape[-2] % NF4_BLOCK:
+        raise UserError(f"--lora.base_dtype=nf4 needs each targeted kernel's input dimension "
+                        f"to be a multiple of {NF4_BLOCK}: {path} has shape {tuple(shape)} "
+                        f"(leave it out of --lora.target_modules, or use int8)")
 
 
 def dequantize(leaf) -> jax.Array:
@@ -218,6 +226,9 @@ class LoraModel:
         self.config, self.dtype, self.base_module = config, jnp.dtype(dtype), module
         shapes = jax.eval_shape(module.init_params, jax.random.key(0))
         self.targets = tuple(target_paths(shapes, config.target_modules))
+        if config.base_dtype == "nf4":  # before qwix, which would fail in its own words
+            for path in self.targets:
+                check_nf4_blocks(flat(shapes)[path].shape, path)
         self.module = self._wrap(module, config.dropout)
         self._eval_module = self.module if not config.dropout else self._wrap(module, 0.0)
         # qwix's own abstract init: the quantized kernels' WithAux templates, and a check
@@ -251,14 +262,31 @@ class LoraModel:
     # ----------------------------------------------------------- the pytrees
 
     def init_adapters(self, rng) -> Any:
-        """A ~ U(-1/sqrt(in), 1/sqrt(in)) (PEFT's default), B = 0, in fp32."""
+        """A ~ U(-1/sqrt(in), 1/sqrt(in)) (PEFT's default), B = 0, in fp32. Each layer's A
+        is drawn from a key of its module's name and layer index, so scanned layers (a
+        leading L axis) get the adapters unscanned ones do."""
         shapes, out = flat(self.adapter_shapes), {}
-        for key, path in zip(jax.random.split(rng, len(self.targets)), self.targets):
+        for path in self.targets:
             a, b = shapes[path + "_lora_a"].shape, shapes[path + "_lora_b"].shape
             bound = 1.0 / math.sqrt(a[-2])
-            out[path + "_lora_a"] = jax.random.uniform(key, a, jnp.float32, -bound, bound)
+            name = re.sub(r"/layers/\d+/", "/layers/", path)
+            key = jax.random.fold_in(rng, zlib.crc32(name.encode()) & 0x7FFFFFFF)
+            draw = lambda k: jax.random.uniform(k, a[-2:], jnp.float32, -bound, bound)  # noqa: E731
+            layer = re.search(r"/layers/(\d+)/", path)
+            if len(a) == 3:    # scanned: (L, in, r)
+                out[path + "_lora_a"] = jnp.stack([draw(jax.random.fold_in(key, i))
+                                                   for i in range(a[0])])
+            else:
+                out[path + "_lora_a"] = draw(key if layer is None else
+                                             jax.random.fold_in(key, int(layer.group(1))))
             out[path + "_lora_b"] = jnp.zeros(b, jnp.float32)
         return nested(out)
+
+    def adapters_off(self, adapters) -> Any:
+        """`adapters` with every B zeroed: x A B adds exactly 0 to each projection, so the
+        model computes its base bitwise (a preference objective's reference)."""
+        return nested({path: jnp.zeros_like(leaf) if path.endswith("_lora_b") else leaf
+                       for path, leaf in flat(adapters).items()})
 
     def store_base(self, params) -> Any:
         """The frozen base from float parameters: targeted kernels quantized (int8/nf4),
@@ -273,6 +301,16 @@ class LoraModel:
             else:  # jax arrays: qwix's dtype promotion passes numpy ones through uncast
                 out[path] = jnp.asarray(leaf, storage)
         return nested(out)
+
+    def identity(self, base) -> Any:
+        """What identifies a stored base whatever the compute dtype (its fingerprint's
+        input): quantized, every float (the scales, the unquantized leaves, stored in the
+        compute dtype) in bf16. Lossless: the base is read in bf16 and qwix rounds fp32
+        scales to bf16 ones, so a run on bf16 and its export on fp32 agree."""
+        if not self.config.quantized:
+            return base
+        return jax.tree.map(lambda x: x.astype(jnp.bfloat16)
+                            if jnp.issubdtype(x.dtype, jnp.floating) else x, base)
 
     def dequantized_base(self, base) -> Any:
         """The base as float parameters of the unadapted module (quantized kernels

@@ -5,14 +5,17 @@
 Takes the trainer's own flags (model, mesh, batch, dtypes, optimizer, remat) and
 prints, per device:
 
-    parameters    each parameter's shard under the model's partition rules
+    parameters    each trained parameter's shard under the model's partition rules
+    frozen        parameters read but not trained (LoRA's base), each shard in its stored
+                  dtype (nf4: half a byte a weight, and its block scales)
     optimizer     the optimizer state's shards (optax's own `init`, traced)
-    gradients     a gradient per parameter shard, and the update computed beside it
+    gradients     a gradient per trained parameter shard, and the update computed beside it
     activations   what the backward pass keeps for every layer: JAX's own list of
                   saved residuals (`saved_residuals`) for one device's share of the
                   batch, under the remat policy
     working set   the transient of one layer's backward pass: its forward recomputed
-                  when remat is on, its weights gathered over fsdp and their full-size
+                  when remat is on, its weights gathered over fsdp (frozen ones also cast
+                  or dequantized to the compute dtype) and the trained ones' full-size
                   gradient before the reduce-scatter
     batch         the step's input arrays
 
@@ -24,10 +27,14 @@ which single change makes it fit, trying the cheapest first: more fsdp, a remat
 policy, gradient accumulation (a smaller per-device batch), bf16 moments (failing
 that, those that help, together).
 
+With `--lora.*` the trained parameters are the adapters and the frozen base is counted in
+its stored dtype (docs/planning.md).
+
 Checked against XLA's `compiled.memory_analysis()` on 8 CPU devices with
-`--llama.scan_layers=True` (tests/test_plan.py: 4-7% under). With unscanned layers
-XLA fuses some saved activations away (one case measured, no remat: 22% less than
-planned), and XLA:CPU does not keep remat's savings there at all (needs more).
+`--llama.scan_layers=True` (tests/test_plan.py: 4-7% under; LoRA 2% under to 13%
+over). With unscanned layers XLA fuses some saved activations away (one case measured,
+no remat: 22% less than planned), and XLA:CPU does not keep remat's savings there at
+all (needs more).
 Exit status: 0 fits (or no device memory known), 1 does not fit, 2 bad flags.
 """
 
@@ -42,7 +49,7 @@ from ml_collections import ConfigDict
 from easylm import flags as flag_lib
 from easylm import optimizers, preference
 from easylm.errors import exit_on_user_error
-from easylm.dtypes import dtype_from_flag
+from easylm.dtypes import DTYPES, bits, dtype_from_flag, nbytes
 from easylm.sharding import (MESH_AXES, axes_size, check_batch_split, hybrid_mesh_shape,
                              match_partition_rules, mesh_string, parse_mesh_dim)
 
@@ -76,17 +83,21 @@ class Estimate:
     working_set: int
     batch: int
     mesh: dict
+    frozen: int = 0  # parameters read but not trained (LoRA's base)
     reference: int = 0  # a live DPO reference: a second copy of the parameters
 
     @property
     def total(self) -> int:
-        return (self.parameters + self.optimizer + self.gradients + self.activations
-                + self.working_set + self.batch + self.reference)
+        return sum(size for _, size in self.rows()[:-1])
 
     def rows(self):
-        return [(f.name.replace("_", " "), getattr(self, f.name))
-                for f in dataclasses.fields(self) if f.name != "mesh"
-                and (f.name != "reference" or self.reference)] + [("total", self.total)]
+        """(name, bytes) of each part, frozen and reference only where there are any, in
+        the printed order, and the total."""
+        names = ["parameters", "frozen", "optimizer", "gradients", "activations",
+                 "working_set", "batch", "reference"]
+        parts = [(name.replace("_", " "), getattr(self, name)) for name in names
+                 if name not in ("frozen", "reference") or getattr(self, name)]
+        return parts + [("total", sum(size for _, size in parts))]
 
 
 def mesh_sizes(config: ConfigDict, num_devices: int, num_processes: int) -> dict:
@@ -108,7 +119,7 @@ def shard_bytes(tree, specs, sizes: dict) -> int:
         shape = list(leaf.shape)
         for dim, axes in enumerate(spec):
             shape[dim] = math.ceil(shape[dim] / axes_size(sizes, axes))
-        total += math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
+        total += math.ceil(math.prod(shape) * bits(leaf.dtype) / 8)  # uint4: packed
     return total
 
 
@@ -121,24 +132,47 @@ def _shard_model(family, config: ConfigDict, layers: int, mp: int, remat: str | 
     return family.build(config, variant)
 
 
+def _shapes(model):
+    """(trained, frozen or None) parameter shapes of `model`."""
+    frozen = model.init_frozen and jax.eval_shape(model.init_frozen, jax.random.key(0))
+    return jax.eval_shape(model.init_params, jax.random.key(0)), frozen
+
+
 def _residual_bytes(model, batch) -> int:
-    """Bytes the backward pass keeps (parameters and inputs themselves not counted)."""
+    """Bytes the backward pass keeps (parameters, frozen ones and inputs not counted)."""
     # The private function behind the public `jax.ad_checkpoint.print_saved_residuals`.
     from jax._src.ad_checkpoint import saved_residuals
 
-    params = jax.eval_shape(model.init_params, jax.random.key(0))
-    loss = lambda p, b: model.loss_fn(p, b, jax.random.key(0)).loss  # noqa: E731
-    residuals = saved_residuals(loss, params, batch)
+    params, frozen = _shapes(model)
+    if frozen is None:
+        residuals = saved_residuals(lambda p, b: model.loss_fn(p, b, jax.random.key(0)).loss,
+                                    params, batch)
+    else:  # constants of the loss (traced, but no gradient flows into them), as in the step
+        residuals = []
+
+        def trace(frozen):
+            residuals.extend(saved_residuals(lambda p, b: model.loss_fn(
+                p, b, jax.random.key(0), frozen=frozen).loss, params, batch))
+
+        jax.eval_shape(trace, frozen)
     return sum(aval.size * aval.dtype.itemsize for aval, source in residuals
-               if not source.startswith("from the argument"))
+               if not source.startswith(("from the argument", "from a constant")))
 
 
-def _layer_params(family, config, mp: int) -> int:
-    """Elements of one layer's parameters as one mp shard holds them."""
-    one, two = (jax.eval_shape(_shard_model(family, config, n, 1).init_params,
-                               jax.random.key(0)) for n in (1, 2))
+def _gathered_layer(family, config, mp: int, compute) -> int:
+    """Bytes of one layer's parameters, as one mp shard holds them, gathered whole for
+    its backward pass: the trained ones in the compute dtype and their gradient in their
+    own; the frozen ones as stored and, where that is not the compute dtype (a quantized
+    or cast kernel), again in it."""
+    one, two = (_shapes(_shard_model(family, config, n, 1)) for n in (1, 2))
     count = lambda tree: sum(x.size for x in jax.tree.leaves(tree))  # noqa: E731
-    return (count(two) - count(one)) // mp
+    size = compute.itemsize
+    total = (count(two[0]) - count(one[0])) * size + nbytes(two[0]) - nbytes(one[0])
+    if two[1] is not None:
+        cast = lambda tree: sum(x.size for x in jax.tree.leaves(tree)  # noqa: E731
+                                if x.dtype != compute)
+        total += nbytes(two[1]) - nbytes(one[1]) + (cast(two[1]) - cast(one[1])) * size
+    return total // mp
 
 
 def _dataset(config: ConfigDict):
@@ -160,12 +194,14 @@ def estimate(config: ConfigDict, family, num_devices: int, num_processes: int = 
     # language-model loss on them (the reference's forward pass keeps none).
     objective = preference.build_objective(config, model, None)
     rows *= objective.rows_per_example
-    params = jax.eval_shape(model.init_params, jax.random.key(0))
+    params, frozen_shapes = _shapes(model)
     tx, _ = optimizers.get_optimizer(config.optimizer)
     opt_state = jax.eval_shape(tx.init, params)
     rules = model.partition_rules
     parameters = shard_bytes(params, match_partition_rules(rules, params), sizes)
     optimizer = shard_bytes(opt_state, match_partition_rules(rules, opt_state), sizes)
+    frozen = 0 if frozen_shapes is None else shard_bytes(
+        frozen_shapes, match_partition_rules(model.frozen_rules, frozen_shapes), sizes)
 
     # Activations of one micro-batch on one device, for 1 and 2 layers -> L layers.
     micro = jax.ShapeDtypeStruct((rows // accumulate, T), jnp.int32)
@@ -189,16 +225,18 @@ def estimate(config: ConfigDict, family, num_devices: int, num_processes: int = 
     # ... and with fsdp its weights are gathered whole and their gradient is whole
     # until reduce-scattered.
     if sizes["fsdp"] > 1:
-        compute = jnp.dtype(dtype_from_flag("dtype", config.dtype)).itemsize
-        stored = jnp.dtype(dtype_from_flag("param_dtype", config.param_dtype)).itemsize
-        working += _layer_params(family, config, mp) * (compute + stored)
+        compute = jnp.dtype(dtype_from_flag("dtype", config.dtype))
+        working += _gathered_layer(family, config, mp, compute)
 
     return Estimate(
         parameters=parameters, optimizer=optimizer,
         gradients=2 * parameters,  # the gradient, and the new parameters beside the old
         activations=activations, working_set=working,
         batch=sum(rows * T * x.dtype.itemsize for x in batch.values()), mesh=sizes,
-        reference=parameters if objective.live_reference else 0,
+        frozen=frozen,
+        # LoRA's reference is its own frozen base with the adapters off: no second copy.
+        reference=parameters if objective.live_reference and not objective.reference_is_base
+        else 0,
     )
 
 
@@ -287,13 +325,22 @@ def report(config: ConfigDict, family, num_devices: int, num_processes: int,
     data = _dataset(config)
     compute = jnp.dtype(dtype_from_flag("dtype", config.dtype)).name
     mesh = mesh_string(plan.mesh)
+    # A variant with frozen parameters (LoRA) says what it trains on what.
+    what = f"{config[family.name].base_model}, {model.num_parameters / 1e6:,.1f}M parameters"
+    if model.num_frozen_parameters:
+        what = (f"{config[family.name].base_model} {model.variant}, "
+                f"{model.num_parameters / 1e6:,.1f}M parameters trained, "
+                f"{model.num_frozen_parameters / 1e6:,.1f}M frozen in {model.frozen_dtype}")
+    names = {jnp.dtype(dtype): name for name, dtype in DTYPES.items()}
+    trained = sorted({names.get(jnp.dtype(x.dtype), jnp.dtype(x.dtype).name)
+                      for x in jax.tree.leaves(_shapes(model)[0])})
     lines = [
-        f"plan: {config[family.name].base_model}, {model.num_parameters / 1e6:,.1f}M "
-        f"parameters, {model.num_layers} layers | {num_devices} devices, mesh {mesh} | "
+        f"plan: {what}, {model.num_layers} layers | "
+        f"{num_devices} devices, mesh {mesh} | "
         f"{data.batch_size}{' pairs x 2' if config.objective != 'next_token' else ''} x "
         f"{data.seq_length} tokens per step | compute {compute}"
         f"{' (--dtype=auto on ' + jax.default_backend() + ')' if config.dtype == 'auto' else ''}, "
-        f"parameters {config.param_dtype} | {config.optimizer.type} | remat "
+        f"parameters {'/'.join(trained)} | {config.optimizer.type} | remat "
         f"{model.config.get('remat_policy', 'none')}",
         "per device:",
     ]

@@ -206,7 +206,7 @@ def make_loss_fn(objective: str, config, row_logps: Callable, reference: Callabl
     config = get_default_config(config)
 
     def loss_fn(params, batch, rng) -> PreferenceSums:
-        del rng  # LLaMA has no dropout
+        del rng  # row_logps binds its own (adapter dropout)
         stored = objective in NEEDS_REFERENCE and reference is None
         missing = [k for k in REFERENCE_KEYS if k not in batch] if stored else []
         if missing:
@@ -307,42 +307,58 @@ class Objective:
         self.live_reference = needs_reference and not self.precompute
         self.loss_fn = self._preference_loss if self.pairs else model.loss_fn
         self._table = None
+        # LoRA: the reference is the base with the adapters off, no second copy of it.
+        self.reference_is_base = model.adapters_off is not None
         if self.pairs and model.row_logps is None:
             raise UserError(f"the {model.name} model has no per-sequence log-probabilities, "
                             f"which --objective={self.name} trains on")
-        if self.pairs and model.init_frozen is not None:
-            # row_logps reads only the trained parameters; adapters would need the base too.
-            raise UserError(f"--objective={self.name} cannot train this {model.name} model yet: "
-                            f"it has frozen parameters (adapters on a base)")
+        if needs_reference and model.init_frozen is not None and not self.reference_is_base:
+            raise UserError(f"--objective={self.name} cannot train this {model.name} model: "
+                            f"it has frozen parameters but no way to turn its own off for "
+                            f"the reference")
 
-    def _preference_loss(self, params, batch, rng, *frozen):
+    def _reference(self, frozen) -> Callable:
+        """(params, rows) -> the reference's (logps, lengths): the base under the policy's
+        adapters turned off (`frozen`: the base), or the live copy `frozen[0]`."""
+        row_logps, adapters_off = self.model.row_logps, self.model.adapters_off
+        if self.reference_is_base:
+            return lambda params, rows: row_logps(adapters_off(params), rows, frozen=frozen)
+        (reference_params,) = frozen
+        return lambda _, rows: row_logps(reference_params, rows)
+
+    def _preference_loss(self, params, batch, rng, *extra, frozen=None):
+        """extra: a live copy's parameters (a jit argument); frozen: the model's own frozen
+        parameters (TrainState.frozen: LoRA's base)."""
         reference = None
-        if frozen:  # the reference's parameters, an argument of the jitted step
-            (reference_params,) = frozen
-            reference = lambda _, rows: self.model.row_logps(reference_params, rows)  # noqa: E731
-        return make_loss_fn(self.name, self.options, self.model.row_logps, reference)(
-            params, batch, rng)
+        if self.live_reference:
+            reference = self._reference(frozen if self.reference_is_base else extra)
+        policy = lambda p, rows: self.model.row_logps(p, rows, frozen=frozen, rng=rng)  # noqa: E731
+        return make_loss_fn(self.name, self.options, policy, reference)(params, batch, rng)
 
     def describe(self) -> str:
         """For the run's header line: '' for next-token training."""
         if not self.pairs:
             return ""
-        reference = (" (live reference)" if self.live_reference else
+        reference = (" (live reference: the base, adapters off)"
+                     if self.live_reference and self.reference_is_base else
+                     " (live reference)" if self.live_reference else
                      " (precomputed reference)" if self.precompute else "")
         return f" | objective {self.name}{reference}"
 
     def flops_per_token(self, seq_length: int) -> float:
-        """Training FLOPs per token: the policy's forward and backward passes (6N), and a
-        live reference's forward pass (2N more, a third of that)."""
-        return self.model.flops_per_token(seq_length) * (4 / 3 if self.live_reference else 1)
+        """Training FLOPs per token: the policy's forward and backward passes (6N; LoRA's
+        skip the base's weight gradients), and a live reference's forward pass (2N)."""
+        reference = self.model.forward_flops(seq_length) if self.live_reference else 0.0
+        return self.model.flops_per_token(seq_length) + reference
 
     def frozen(self, run_dir: str, starting_params: Callable, place: Callable,
-               print_fn: Callable) -> tuple:
+               print_fn: Callable, state=None) -> tuple:
         """Once per run, before the first step: the reference's parameters for a live
-        reference (starting_params(): the run's starting point, also after a resume), or
-        () after loading or computing the precomputed reference log-probabilities."""
+        copy (starting_params(): the run's starting point, also after a resume), or ()
+        for the base with adapters off (of `state`, the train state) and after loading or
+        computing the precomputed reference log-probabilities."""
         if self.live_reference:
-            return (starting_params(),)
+            return () if self.reference_is_base else (starting_params(),)
         if self.precompute:
             source = self.config.load_checkpoint or f"init(seed={self.config.seed})"
             path = f"{run_dir}/{REFERENCE_FILE}"
@@ -352,20 +368,24 @@ class Objective:
             else:
                 print_fn(f"computing the reference log-probabilities of the train and eval "
                          f"pairs (one pass) into {path}")
-                self._table = self._precompute(starting_params(), place, path)
+                if self.reference_is_base:
+                    reference, params = self._reference(state.frozen), state.params
+                else:
+                    params = starting_params()
+                    reference = self._reference((params,))
+                self._table = self._precompute(reference, params, place, path)
                 if jax.process_index() == 0:
                     self._table.save(source)
                 print_fn(f"reference log-probabilities: {len(self._table)} pairs")
         return ()
 
-    def _precompute(self, params, place, path) -> "ReferenceTable":
+    def _precompute(self, reference: Callable, params, place, path) -> "ReferenceTable":
         """One pass over every pair of the train (and eval) data, in source order: the
-        reference's log-probabilities by pair. Every process gets all of them."""
+        log-probabilities by pair of `reference(params, rows)`. Every process gets all."""
         from easylm.data import DatasetFactory
 
         mesh = jax.sharding.get_abstract_mesh()
-        row_logps = self.model.row_logps
-        logps = jax.jit(lambda p, b: reference_logps(row_logps, p, b),
+        logps = jax.jit(lambda p, b: reference_logps(reference, p, b),
                         out_shardings=NamedSharding(mesh, P()))
         sections = _SECTIONS if self.config.eval_freq else _SECTIONS[:1]
         keys, values = [], []

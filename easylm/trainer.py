@@ -37,6 +37,7 @@ from ml_collections import ConfigDict
 from easylm import (checkpoint, distributed, eval_harness, flops, logger, optimizers,
                     preference, profiling, run_lock)
 from easylm import flags as flag_lib
+from easylm.dtypes import dtype_from_flag
 from easylm.errors import UserError, exit_on_user_error
 from easylm.family import Model, ModelFamily
 from easylm.sharding import (BATCH_AXES, check_batch_split, constrain, init_sharded, make_mesh,
@@ -163,6 +164,8 @@ def default_config(family: ModelFamily) -> ConfigDict:
 
     config = get_default_config(DatasetFactory.get_default_config())
     config[family.name] = family.flag_config()  # from scratch; hf:: gives its own shape
+    for section, block in family.variant_flags().items():
+        config[section] = block
     return config
 
 
@@ -171,6 +174,7 @@ def help_entries(family: ModelFamily) -> dict:
 
     entries = help_text(getattr(DatasetFactory, "HELP", None))
     entries.update(family.help_entries("the preset's, or hf::DIR config.json's"))
+    entries.update(family.variant_help())
     for name, value in family.demo.items():
         entries[name] = f"{entries.get(name, '')} (the embedded demo, given no data and no " \
                         f"checkpoint: {value:g})".strip()
@@ -181,7 +185,8 @@ def family_run_defaults(family: ModelFamily) -> list[Callable[[ConfigDict], dict
     """`run_defaults` for `family`: its demo; rows no longer than its model takes (1024
     tokens do not fit a small preset)."""
     return run_defaults(family.demo,
-                        lambda config: family.bind(family.model_config(config)).max_seq_length)
+                        lambda config: family.bind(family.model_config(config)).max_seq_length,
+                        family.variant_run_defaults)
 
 
 def common_flags(family: ModelFamily) -> list[str]:
@@ -219,14 +224,12 @@ def parse_flags(family: ModelFamily, argv: list[str]) -> ConfigDict:
 # Full fine-tuning of a pretrained model at a higher peak rate tends to diverge (the
 # embedded demo's 3e-3 drove a 135M model's perplexity from 144 to 296 in 22 steps).
 FINE_TUNING_MAX_LR = 1e-4
-FINE_TUNING_DEFAULTS = {"optimizer.adamw_optimizer.lr": 2e-5,
-                        "optimizer.adamw_optimizer.end_lr": 2e-6}
+FINE_TUNING_DEFAULTS = {"optimizer.adamw_optimizer.lr": 2e-5}
 RUN_DEFAULTS_HELP = {
     "optimizer.adamw_optimizer.lr": "from a pretrained params::, trainstate_params:: or hf:: "
                                     "--load_checkpoint: "
                                     f"{FINE_TUNING_DEFAULTS['optimizer.adamw_optimizer.lr']:g}",
-    "optimizer.adamw_optimizer.end_lr": "from a pretrained --load_checkpoint: "
-                                        f"{FINE_TUNING_DEFAULTS['optimizer.adamw_optimizer.end_lr']:g}",
+    "optimizer.adamw_optimizer.end_lr": "default: a tenth of the peak lr",
     "optimizer.adamw_optimizer.lr_warmup_steps": "default: a tenth of --total_steps, at most 2000",
     "optimizer.adamw_optimizer.lr_decay_steps": "default: --total_steps",
     **{f"train_dataset.{loader}.seq_length": "default: 1024, or the model's "
@@ -256,18 +259,24 @@ def _loader(dataset_config: ConfigDict) -> str:
 
 
 def _schedule_defaults(config: ConfigDict) -> dict:
+    # The decay ends at a tenth of the peak, whichever sets the peak (a flag, a fine-tuning
+    # or a variant's default): a peak given below another rule's end_lr would rise.
     steps = config.total_steps
     return {"optimizer.adamw_optimizer.lr_warmup_steps": min(2000, steps // 10),
-            "optimizer.adamw_optimizer.lr_decay_steps": steps}
+            "optimizer.adamw_optimizer.lr_decay_steps": steps,
+            # the decimal tenth (3e-4, not 3.0000000000000003e-05), as a flag would give it
+            "optimizer.adamw_optimizer.end_lr":
+                float(f"{config.optimizer.adamw_optimizer.lr / 10:.12g}")}
 
 
-def run_defaults(demo: dict, max_seq_length: Callable[[ConfigDict], int] | None = None
+def run_defaults(demo: dict, max_seq_length: Callable[[ConfigDict], int] | None = None,
+                 variant: Callable[[ConfigDict], dict] | None = None
                  ) -> list[Callable[[ConfigDict], dict]]:
     """For `flags.parse(derived=...)`: the embedded demo's settings (`demo`, from the model
     family) for a run given no data and no checkpoint; a fine-tuning learning rate from a
-    pretrained checkpoint; rows no longer than the model takes (`max_seq_length(config)`,
-    from the family); a schedule that ends with the run; eval rows shaped like the train
-    rows."""
+    pretrained checkpoint, then a variant's own (`variant(config)`, from the family); rows
+    no longer than the model takes (`max_seq_length(config)`, from the family); a schedule
+    that ends with the run; eval rows shaped like the train rows."""
 
     def rows(config):
         if max_seq_length is None:
@@ -287,7 +296,8 @@ def run_defaults(demo: dict, max_seq_length: Callable[[ConfigDict], int] | None 
 
     return [lambda config: dict(demo) if is_demo(config) else {},
             lambda config: dict(FINE_TUNING_DEFAULTS) if starts_from_pretrained(config) else {},
-            rows, _schedule_defaults, eval_rows, preference.dataset_defaults]
+            variant or (lambda config: {}), rows, _schedule_defaults, eval_rows,
+            preference.dataset_defaults]
 
 
 # ------------------------------------------------------------------ the steps
@@ -461,17 +471,33 @@ def _state_rules(model: Model):
     return tuple(model.partition_rules) + tuple(model.frozen_rules)
 
 
-def _initial_state(model: Model, tx, rng, params=None) -> TrainState:
+def _initial_state(model: Model, tx, rng, params=None, frozen: bool = True) -> TrainState:
     """Traced by `init_state` and `abstract_state`: step 0 around `params` (default: fresh
-    ones from `rng`)."""
-    frozen = None if model.init_frozen is None else model.init_frozen(jax.random.fold_in(rng, 1))
-    return new_state(model.init_params(rng) if params is None else params, tx, frozen)
+    ones from `rng`), with fresh frozen parameters unless `frozen` is False."""
+    fresh = frozen and model.init_frozen is not None
+    return new_state(model.init_params(rng) if params is None else params, tx,
+                     model.init_frozen(jax.random.fold_in(rng, 1)) if fresh else None)
+
+
+def init_frozen(model: Model, mesh, seed: int):
+    """The frozen parameters in their shards: read (`model.load_frozen`) or drawn as
+    `init_state` draws them; None for a model without."""
+    if model.load_frozen is not None:
+        return model.load_frozen(mesh)
+    if model.init_frozen is None:
+        return None
+    return init_sharded(lambda rng: model.init_frozen(jax.random.fold_in(rng, 1)),
+                        model.frozen_rules, mesh, jax.random.key(seed))
 
 
 def init_state(model: Model, tx, mesh, seed: int, params=None) -> TrainState:
     """A fresh train state created in its shards (or around given `params`)."""
-    return init_sharded(lambda rng, p: _initial_state(model, tx, rng, p), _state_rules(model),
-                        mesh, jax.random.key(seed), params)
+    if model.load_frozen is None:
+        return init_sharded(lambda rng, p: _initial_state(model, tx, rng, p),
+                            _state_rules(model), mesh, jax.random.key(seed), params)
+    state = init_sharded(lambda rng, p: _initial_state(model, tx, rng, p, frozen=False),
+                         model.partition_rules, mesh, jax.random.key(seed), params)
+    return state.replace(frozen=init_frozen(model, mesh, seed))
 
 
 def starting_params(config: ConfigDict, model: Model, tx, mesh):
@@ -549,11 +575,8 @@ def _load_state(kind: str, directory: str, model: Model, tx, mesh, seed: int):
             directory, {"params": abstract.params, "opt_state": _state_rest(abstract)},
             json_items=("data",) if checkpoint.has_item(directory, "data") else (),
         )
-        state = TrainState(params=items["params"], **items["opt_state"])
-        if model.init_frozen is not None:
-            frozen = init_sharded(lambda rng: model.init_frozen(jax.random.fold_in(rng, 1)),
-                                  model.frozen_rules, mesh, jax.random.key(seed))
-            state = state.replace(frozen=frozen)
+        state = TrainState(params=items["params"], **items["opt_state"],
+                           frozen=init_frozen(model, mesh, seed))
         return state, items.get("data")
     params = checkpoint.restore_items(directory, {"params": abstract.params})["params"]
     state = init_state(model, tx, mesh, seed, params=params)
@@ -667,13 +690,14 @@ def _load_data(config: ConfigDict, tokenizer, pairs: bool = False):
     return train, evaluation, make_global_batch
 
 
-def _warn_about_the_schedule(config: ConfigDict, schedule, print_fn):
+def _warn_about_the_schedule(config: ConfigDict, schedule, print_fn, variant: dict | None = None):
     """A fine-tuning learning rate too high for a pretrained model, and a decay that does
     not end with the run: both train, but rarely as meant."""
     if config.optimizer.type != "adamw":
         return
     c = config.optimizer.adamw_optimizer
-    if starts_from_pretrained(config) and c.lr > FINE_TUNING_MAX_LR:
+    if starts_from_pretrained(config) and c.lr > FINE_TUNING_MAX_LR and \
+            "optimizer.adamw_optimizer.lr" not in (variant or {}):
         print_fn(f"warning: fine-tuning {config.load_checkpoint} at a peak learning rate of "
                  f"{c.lr:g}, above the {FINE_TUNING_MAX_LR:g} a pretrained model usually "
                  f"tolerates (full fine-tuning uses about 1e-5 to 5e-5): lower "
@@ -745,6 +769,7 @@ class Run:
     train_step: Callable  # jitted (state, batch, *extra_args) -> (state, metrics)
     eval_step: Callable  # jitted (params, batch, totals, frozen, *extra_args) -> totals
     saved_step: int | None  # the step a checkpoint holds (no second save of it)
+    frozen_reference: dict | None = None  # {"source", "fingerprint"} of state.frozen
     objective: Any = None  # easylm.preference.Objective: the loss, pairs or rows
     # The objective's arrays the steps take beside state and batch (a live reference).
     extra_args: tuple = ()
@@ -762,8 +787,11 @@ class Run:
     def save(self, step: int):
         """A checkpoint of the current state at `step` (once per step)."""
         if self.saved_step != step:
+            metadata = _metadata(self.config, self.model, step)
+            if self.frozen_reference is not None:
+                metadata["frozen"] = self.frozen_reference
             self.manager.save(step, self.state.params, _state_rest(self.state),
-                              self.dataset.get_state_dict(), _metadata(self.config, self.model, step))
+                              self.dataset.get_state_dict(), metadata)
             self.saved_step = step
 
 
@@ -777,8 +805,13 @@ def train(config: ConfigDict, family: ModelFamily) -> str:
     if jax.process_index() == 0:
         print(f"checkpoint: {final}")
         if family.serve_module and step == config.total_steps:
-            print(f"serve it:   python -m {family.serve_module} --load_checkpoint=params::{final} "
-                  f"--tokenizer={config.tokenizer}")
+            if run.model.apply is not None:
+                print(f"serve it:   python -m {family.serve_module} --load_checkpoint=params::"
+                      f"{final} --tokenizer={config.tokenizer}")
+            elif config.load_checkpoint:  # adapters, folded into their base as it loads
+                print(f"serve it:   python -m {family.serve_module} --load_checkpoint="
+                      f"{config.load_checkpoint} --lora_checkpoint={final} "
+                      f"--tokenizer={config.tokenizer}")
     return final
 
 
@@ -794,7 +827,8 @@ def start(config: ConfigDict, family: ModelFamily, cleanup: contextlib.ExitStack
     _check_config(config)
     mesh = make_mesh(config.mesh_dim, dcn_mesh_dim=config.dcn_mesh_dim)
     tokenizer = load_tokenizer(config.tokenizer)
-    model = family.build(config)
+    # The model a --load_checkpoint records (hf::, params::, ...), unless flags change it.
+    model = family.build(config, from_checkpoint=True)
     if config.load_checkpoint.startswith("hf::") and config.tokenizer == "embedded" \
             and jax.process_index() == 0:
         print(f"warning: training {config.load_checkpoint} with --tokenizer=embedded; pass "
@@ -844,6 +878,7 @@ def start(config: ConfigDict, family: ModelFamily, cleanup: contextlib.ExitStack
         )
     cleanup.enter_context(jax.set_mesh(mesh))
     source, state, data_state = _start_state(config, model, tx, mesh, manager, latest)
+    frozen_reference = _frozen_reference(config, model, state, source)
     if data_state is not None:
         dataset.load_state_dict(data_state)
     start_step = int(state.step)
@@ -854,12 +889,13 @@ def start(config: ConfigDict, family: ModelFamily, cleanup: contextlib.ExitStack
               dataset=dataset, eval_dataset=eval_dataset, make_batch=make_batch,
               run_dir=run_dir, manager=manager, log=log, state=state, start_step=start_step,
               train_step=None, eval_step=None, objective=objective, harness=harness,
+              frozen_reference=frozen_reference,
               saved_step=start_step if source and source[0] == "trainstate" else None)
     _print_start(run, latest is None)
 
     # The objective's arrays beside state and batch (a live reference model), or ().
     extra = objective.frozen(run_dir, lambda: starting_params(config, model, tx, mesh),
-                             make_batch, log.print)
+                             make_batch, log.print, state)
     state_shardings = jax.tree.map(lambda x: x.sharding, state)
     replicated = NamedSharding(mesh, P())
     run.extra_args = extra
@@ -880,9 +916,11 @@ def _start_state(config, model, tx, mesh, manager, latest):
     checkpoint, else from --load_checkpoint, else fresh."""
     if latest is not None:
         source = ("trainstate", manager.step_directory(latest))
-    elif config.load_checkpoint:
+    elif config.load_checkpoint and model.load_frozen is None:
         source = checkpoint.parse_load_spec(config.load_checkpoint, LOAD_PREFIXES)
-    else:
+    else:  # with `load_frozen`, --load_checkpoint is the frozen base under fresh parameters
+        if model.load_frozen is not None and jax.process_index() == 0:
+            print(f"loading the frozen base {config.load_checkpoint}")
         return None, init_state(model, tx, mesh, config.seed), None
     if jax.process_index() == 0:
         print(f"loading {source[0]}::{source[1]}")
@@ -900,6 +938,28 @@ def _start_state(config, model, tx, mesh, manager, latest):
     return source, state, data_state
 
 
+def _frozen_reference(config, model: Model, state: TrainState, source) -> dict | None:
+    """What the frozen parameters are ({"source", "fingerprint"}), for checkpoint
+    metadata. A train state resumed (or loaded) on frozen parameters other than those it
+    was trained on would continue from a different model: refused."""
+    if state.frozen is None:
+        return None
+    identity = model.frozen_identity or (lambda frozen: frozen)
+    reference = {"source": config.load_checkpoint if model.load_frozen else "init",
+                 "fingerprint": checkpoint.fingerprint(identity(state.frozen)),
+                 # what the base was stored for (quantization scales are in it)
+                 "dtype": jnp.dtype(dtype_from_flag("dtype", config.dtype)).name}
+    if source and source[0] == "trainstate":
+        recorded = checkpoint.read_metadata(source[1]).get("frozen")
+        if recorded and recorded["fingerprint"] != reference["fingerprint"]:
+            raise UserError(
+                f"{source[1]} was trained on a frozen base ({recorded['source']}) with "
+                f"fingerprint {recorded['fingerprint']}, but {reference['source']} now gives "
+                f"{reference['fingerprint']}: restore that base, or start a new run "
+                f"(--logger.experiment_id)")
+    return reference
+
+
 def _batch_tokens(run: Run) -> int:
     # A preference pair is two rows.
     return run.objective.rows_per_example * run.dataset.batch_size * run.dataset.seq_length
@@ -914,12 +974,15 @@ def _print_start(run: Run, fresh: bool):
     peak = flops.peak_flops_per_device(jax.devices()[0], config.peak_tflops)
     no_mfu = "" if peak else (f" | no MFU: peak FLOP/s of {jax.devices()[0].device_kind} "
                               f"unknown (--peak_tflops sets it)")
-    run.log.print(f"{model.name}: {num_params:,} parameters | {jax.device_count()} "
+    variant = (f" ({model.variant} on a {model.num_frozen_parameters:,}-parameter "
+               f"{model.frozen_dtype} base)" if model.variant else "")
+    run.log.print(f"{model.name}: {num_params:,} parameters{variant} | {jax.device_count()} "
                   f"{jax.devices()[0].platform} device(s), mesh {mesh_string(mesh)} | "
                   f"{batch_tokens:,} tokens/step | steps {run.start_step} -> "
                   f"{config.total_steps}{run.objective.describe()}{no_mfu}")
     if fresh:
-        _warn_about_the_schedule(config, run.schedule, run.log.print)
+        _warn_about_the_schedule(config, run.schedule, run.log.print,
+                                 run.family.variant_run_defaults(config))
 
 
 def add_standard_hooks(run: Run, cleanup: contextlib.ExitStack):

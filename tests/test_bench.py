@@ -1,8 +1,10 @@
 import json
-import pytest
 import os
 import subprocess
 import sys
+
+import jax
+import pytest
 
 
 def run_bench(*flags):
@@ -52,3 +54,71 @@ def test_bench_bad_input():
     assert result.stderr.strip() == "error: --steps and --warmup_steps must be >= 1 (the first warm-up step compiles)"
     result = run_bench("speed")
     assert result.returncode == 2 and result.stderr.startswith("error: expected a benchmark name")
+
+
+def bench_row(capsys, *flags) -> dict:
+    """`python -m easylm.bench train FLAGS`, in-process (8 CPU devices)."""
+    from easylm import bench
+
+    bench.main(["bench", "train", *flags])
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_compile_only_lora_trains_adapters_on_a_frozen_base_in_less_memory(capsys):
+    # The trainer's own step for the LoRA variant and for full fine-tuning of the same
+    # model (fsdp over 8 devices), a shape whose parameters dominate.
+    def compile_only(*flags):
+        return bench_row(capsys, "--compile_only=True", "--seq_length=16", "--batch_size=8",
+                         "--llama.hidden_size=256", "--llama.intermediate_size=1024", *flags)
+
+    lora, full = compile_only("--lora.rank=4"), compile_only()
+    # debug: 2 layers, 4 heads of 64, 2 key/value heads; rank 4 on the 7 projections:
+    # r * (in + out) each.
+    D, KV, I = 256, 2 * 64, 1024
+    assert lora["parameters"] == 2 * 4 * (2 * (D + D) + 2 * (D + KV) + 3 * (D + I))
+    assert lora["variant"] == "LoRA rank 4" and lora["frozen_dtype"] == "bf16"
+    assert lora["frozen_parameters"] == full["parameters"] and "frozen_parameters" not in full
+    assert lora["frozen_gb"] == round(2 * full["parameters"] / 2**30, 3)
+    # Per device, full fine-tuning also holds each base weight's fp32 gradient and two
+    # Adam moments (12 bytes, split 8 ways) that LoRA has for its adapters alone.
+    gb = 12 * full["parameters"] / 8 / 2**30
+    assert lora["xla_memory_gb_per_device"] < full["xla_memory_gb_per_device"] - gb, (lora, full)
+
+
+def test_lora_flops_per_token_skip_the_base_weight_gradients():
+    # MFU's numerator: against XLA's own count of the compiled loss-and-gradient (forward
+    # and backward, no remat), LoRA's over full fine-tuning's. XLA also counts the
+    # elementwise work (norms, softmax) the 6N-style formulas leave out: a few percent here.
+    from easylm import bench, flags
+    from easylm.llama.family import FAMILY
+
+    T, ratios = 64, []
+    for extra in (["--lora.rank=4"], []):
+        config = flags.parse(bench.train_config(FAMILY), {}, [
+            "bench", f"--seq_length={T}", "--llama.hidden_size=256",
+            "--llama.intermediate_size=1024", "--llama.remat_policy=none", *extra])
+        model = FAMILY.build(config)
+        key = jax.random.key(0)
+        params = jax.eval_shape(model.init_params, key)
+        frozen = {} if model.init_frozen is None else {
+            "frozen": jax.eval_shape(model.init_frozen, key)}
+        batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype)
+                 for k, v in bench.synthetic_batch(config, model.vocab_size).items()}
+        grad = jax.jit(jax.grad(lambda p, b, kw: model.loss_fn(p, b, key, **kw).loss))
+        flops = grad.lower(params, batch, frozen).compile().cost_analysis()["flops"]
+        ratios.append((model.flops_per_token(T), flops / (config.batch_size * T)))
+    (lora, lora_xla), (full, full_xla) = ratios
+    assert lora / full == pytest.approx(lora_xla / full_xla, rel=0.05)
+    assert lora_xla / full_xla < 0.8  # the base's own formula (ratio 1) would fail
+
+
+def test_a_qlora_step_runs_and_learns(capsys):
+    # The timed steps on an nf4 base (a uint4 argument of the step), the adapters trained.
+    row = bench_row(capsys, "--lora.rank=4", "--lora.base_dtype=nf4", "--seq_length=16",
+                    "--batch_size=8", "--warmup_steps=1", "--steps=2",
+                    "--optimizer.adamw_optimizer.lr=1e-2",
+                    "--optimizer.adamw_optimizer.lr_warmup_steps=0")
+    assert row["variant"] == "QLoRA rank 4" and row["frozen_dtype"] == "nf4"
+    assert row["parameters"] == 2 * 4 * (2 * (64 + 64) + 2 * (64 + 32) + 3 * (64 + 128))
+    assert len(row["losses"]) == 3 and row["losses"][-1] < row["losses"][0]  # the same batch
+    assert row["tokens_per_second"] > 0

@@ -390,6 +390,11 @@ def test_quantized_base_is_stored_in_its_bits(params):
     assert compiled.memory_analysis().argument_size_in_bytes == qvalue.size // 2
     with pytest.raises(UserError, match="multiple of 64"):
         quantize_kernel(jnp.ones((96, 8)), "nf4", jnp.float32)
+    # A model whose kernels nf4 cannot block is refused by name before qwix sees it.
+    with pytest.raises(UserError, match=r"multiple of 64: model/layers/0/\S+/kernel has shape "
+                                        r"\(96, "):
+        lora_model(CONFIG.replace(hidden_size=96, num_attention_heads=2, num_key_value_heads=2),
+                   LoraConfig(rank=4, base_dtype="nf4"))
 
 
 # ------------------------------------------------------------------ config

@@ -484,6 +484,68 @@ def test_precomputed_reference_gives_the_live_losses(pair_files, live_run, tmp_p
             assert line[key] == pytest.approx(live_run[step][key], rel=1e-6, abs=1e-7), (step, key)
 
 
+# QLoRA: adapters on an nf4 base drawn from the seed, at LoRA's higher learning rate.
+QLORA = {"lora.rank": 8, "lora.base_dtype": "nf4", "optimizer.adamw_optimizer.lr": 1e-2}
+
+
+@pytest.fixture(scope="module")
+def qlora_run(pair_files, tmp_path_factory):
+    from test_checkpoint import metrics
+
+    output_dir = tmp_path_factory.mktemp("qlora")
+    llama_train.main(["train", *command(pair_files, output_dir, **QLORA)])
+    return metrics(output_dir), output_dir
+
+
+def test_dpo_with_qlora_learns_with_the_base_as_its_reference(qlora_run):
+    from easylm import checkpoint
+
+    got, output_dir = qlora_run
+    first, last = got[1], got[10]
+    # The reference is the base with the adapters off (B zeroed), and B starts at zero:
+    # after step 1's lr-0 update policy and reference are the same numbers, bitwise.
+    assert first["eval_rewards/margin"] == 0.0 and first["eval_rewards/chosen"] == 0.0
+    assert first["eval_loss"] == pytest.approx(np.log(2), rel=1e-6)
+    assert last["eval_rewards/accuracy"] >= 0.9, last
+    assert last["eval_rewards/margin"] > 0.5, last
+    # No second copy of the model: the checkpoint holds the adapters and their optimizer
+    # state, and names the base it was trained on.
+    step = os.path.join(output_dir, "run", "checkpoints", "10")
+    assert checkpoint.read_metadata(step)["frozen"]["source"] == "init"
+    assert not os.path.exists(os.path.join(output_dir, "run", preference.REFERENCE_FILE))
+
+
+def test_qlora_precomputed_reference_gives_the_live_losses(pair_files, qlora_run, tmp_path,
+                                                           capsys):
+    from test_checkpoint import metrics
+
+    llama_train.main(["train", *command(pair_files, tmp_path, **QLORA,
+                                        **{"dpo.precompute_reference": True})])
+    assert "objective dpo (precomputed reference)" in capsys.readouterr().out
+    live, _ = qlora_run
+    got = metrics(tmp_path)
+    for step, line in got.items():   # as for the full model's precomputed reference
+        for key in ("loss", "eval_loss"):
+            assert line[key] == pytest.approx(live[step][key], rel=1e-6, abs=1e-7), (step, key)
+
+
+def test_mfu_counts_the_reference_forward_with_and_without_lora():
+    flags = {"train_dataset.json_dataset.path": "pairs.jsonl"}
+    full = FAMILY.build(trainer_config(**flags))
+    lora = FAMILY.build(trainer_config(**flags, **{"lora.rank": 4}))
+    seq = 32
+    # Full: 6N + attention, and the reference's forward, a third of that.
+    assert preference.build_objective(trainer_config(**flags), full, None).flops_per_token(
+        seq) == pytest.approx(full.flops_per_token(seq) * 4 / 3, rel=1e-12)
+    # LoRA: its own step (no base weight gradients) and the base's forward with the
+    # adapters' (2 a weight), not 4/3 of the LoRA step.
+    objective = preference.build_objective(trainer_config(**flags, **{"lora.rank": 4}), lora, None)
+    want = lora.flops_per_token(seq) + full.flops_per_token(seq) / 3 + 2 * lora.num_parameters
+    assert objective.flops_per_token(seq) == pytest.approx(want, rel=1e-12)
+    assert objective.flops_per_token(seq) != pytest.approx(lora.flops_per_token(seq) * 4 / 3,
+                                                           rel=1e-3)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--objective=ipo"], "--objective='ipo' is not one of next_token, dpo, simpo, orpo"),
     (["--objective=dpo"], "--objective=dpo trains on preference pairs: set "

@@ -290,7 +290,12 @@ def test_the_demos_settings_belong_to_the_demo_run_only(tmp_path):
                                "--optimizer.adamw_optimizer.lr=1e-4",
                                "--optimizer.adamw_optimizer.lr_decay_steps=40",
                                "--train_dataset.json_dataset.seq_length=2048"])
-    assert schedule_of(given) == (1e-4, 2e-6, 5, 40)
+    assert schedule_of(given) == (1e-4, 1e-5, 5, 40)   # the decay ends at a tenth of any peak
+    low = train.parse_flags(["train", f"--load_checkpoint=hf::{hf}", "--total_steps=50",
+                             "--optimizer.adamw_optimizer.lr=5e-7"])   # DPO's: below 2e-6
+    assert schedule_of(low) == (5e-7, 5e-8, 5, 50)
+    _, schedule = optimizers.get_optimizer(low.optimizer)
+    assert float(schedule(50)) < float(schedule(5)) == pytest.approx(5e-7)
     assert given.train_dataset.json_dataset.seq_length == 2048
 
 
@@ -306,7 +311,7 @@ def test_schedule_warnings_name_the_flags():
         "0.0001 a pretrained model usually tolerates (full fine-tuning uses about 1e-5 to "
         "5e-5): lower --optimizer.adamw_optimizer.lr if the loss rises",
         f"note: --optimizer.adamw_optimizer.lr_decay_steps=400 but --total_steps=200: the run "
-        f"ends at a learning rate of {float(schedule(200)):.3g} (end_lr=2e-06)"]
+        f"ends at a learning rate of {float(schedule(200)):.3g} (end_lr=0.0003)"]
     printed.clear()
     trainer._warn_about_the_schedule(train.parse_flags(["train"]), schedule, printed.append)
     assert printed == []  # the demo from scratch: neither

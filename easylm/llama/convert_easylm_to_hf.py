@@ -11,8 +11,17 @@ installed) the export is loaded back with `transformers` and its logits on
 fixed sequences are compared with ours; the command fails above
 `--verify_tolerance`. Everything is written to `<output_dir>.partial` and renamed
 at the end, so a failed export never looks complete.
+
+A LoRA run's checkpoint (`--lora.rank` > 0: adapters and a reference to their base)
+exports with `--lora_mode`: `adapter` writes a PEFT directory (adapter_config.json,
+adapter_model.safetensors; verified by loading it with `peft.PeftModel` onto the HF
+model of the base as the run stored it), `merged` a full HF model with W + s·A·B
+folded into each adapted kernel (verified as any export). The base is read again
+from the --load_checkpoint the run recorded (or --lora_base), and refused if its
+fingerprint is not the run's.
 """
 
+import dataclasses
 import os
 import shutil
 import sys
@@ -31,6 +40,7 @@ from easylm.hf_checkpoint import write_safetensors
 from easylm.llama.config import LLaMAConfig
 from easylm.llama.hf_weights import to_hf
 from easylm.llama.model import LLaMAForCausalLM
+from easylm.sharding import make_mesh
 
 DTYPES = cast_names(("bf16", "fp32"))
 
@@ -42,14 +52,20 @@ HELP = {
     "max_shard_gb": "largest safetensors shard, in GiB",
     "verify": "reload the export with transformers and compare logits with ours",
     "verify_tolerance": "largest max |logit difference| --verify accepts",
+    "lora_mode": "a LoRA run's checkpoint: 'adapter' (a PEFT directory) or 'merged' (the "
+                 "base with the adapters folded in)",
+    "lora_base": "the LoRA run's base (hf::DIR, params::DIR, ...) when it has moved (empty: "
+                 "the --load_checkpoint the run recorded)",
 }
+LORA_MODES = ("adapter", "merged")
 USAGE = ("usage: python -m easylm.llama.convert_easylm_to_hf --load_checkpoint=params::DIR "
          "--output_dir=DIR")
 
 
 def get_default_config() -> ConfigDict:
     return ConfigDict(dict(load_checkpoint="", output_dir="", tokenizer="", dtype="keep",
-                           max_shard_gb=5.0, verify=True, verify_tolerance=1e-3))
+                           max_shard_gb=5.0, verify=True, verify_tolerance=1e-3,
+                           lora_mode="", lora_base=""))
 
 
 def config_from_metadata(metadata: dict, directory: str) -> LLaMAConfig:
@@ -116,6 +132,71 @@ def verify(params, config: LLaMAConfig, directory: str) -> float:
     return float(np.abs(np.asarray(ours) - theirs).max())
 
 
+def load_lora(spec: str, metadata: dict, base_spec: str = ""):
+    """(config, LoraModel, frozen base as the run stored it, adapters) of a LoRA run's
+    checkpoint, on one device; the base checked against the run's fingerprint."""
+    from easylm.checkpoint import fingerprint
+    from easylm.llama.family import FAMILY
+    from easylm.llama.lora import load_base, lora_model
+    from easylm.lora import LoraConfig
+
+    _, directory = parse_load_spec(spec)
+    config = config_from_metadata(metadata, directory)
+    recorded = metadata.get("frozen") or {}
+    base_spec = base_spec or recorded.get("source", "")
+    if base_spec in ("", "init"):
+        raise UserError(f"{directory}: the run's base was drawn at random, not loaded; give it "
+                        f"with --lora_base")
+    run_lora = flags_tree(metadata["flags"]).get("lora", {})
+    lm = lora_model(config, LoraConfig(**{**LoraConfig.get_default_config().to_dict(),
+                                          **run_lora}),
+                    dtype=jnp.dtype(recorded.get("dtype", "float32")))
+    mesh = make_mesh("1,1,1", devices=jax.devices()[:1])
+    with jax.set_mesh(mesh):
+        frozen = load_base(lm, base_spec, mesh,
+                           lambda hf_dir, abstract: FAMILY.load_hf(hf_dir, config, abstract))
+    if recorded.get("fingerprint") and fingerprint(lm.identity(frozen)) != recorded["fingerprint"]:
+        raise UserError(f"{base_spec} is not the base {directory} was trained on (its "
+                        f"fingerprint differs from the run's): give the run's base with --lora_base")
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree_util.tree_map(
+        lambda leaf: jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype, sharding=device),
+        stored_tree(directory, "params"))
+    return config, lm, frozen, load_params(spec, abstract)
+
+
+def flags_tree(flat: dict) -> dict:
+    """The recorded dotted flags as a nested dict."""
+    tree: dict = {}
+    for name, value in flat.items():
+        *parents, leaf = name.split(".")
+        node = tree
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[leaf] = value
+    return tree
+
+
+def verify_peft(lm, frozen, adapters, config: LLaMAConfig, directory: str) -> float:
+    """Max |logits(HF base + PEFT adapter) - logits(ours)| on fixed sequences, in fp32."""
+    import torch
+    from peft import PeftModel
+
+    from easylm.llama.family import FAMILY
+    from easylm.llama.lora import lora_model
+
+    base = jax.device_get(lm.dequantized_base(frozen))
+    model = PeftModel.from_pretrained(FAMILY.torch_reference(config, base), directory).eval()
+    ids = np.random.RandomState(0).randint(0, config.vocab_size, (2, 32))
+    with torch.no_grad():
+        theirs = model(torch.tensor(ids)).logits.numpy()
+    # Ours on the same float base in fp32 (whatever the run computed in): what is compared
+    # is the adapters.
+    fp32 = lora_model(config, dataclasses.replace(lm.config, base_dtype="fp32"))
+    ours = fp32.apply(fp32.store_base(base), adapters, jnp.asarray(ids))
+    return float(np.abs(np.asarray(ours) - theirs).max())
+
+
 @exit_on_user_error
 def main(argv=None):
     argv = list(argv or sys.argv)
@@ -127,7 +208,23 @@ def main(argv=None):
     output_dir = os.path.abspath(FLAGS.output_dir)
     if os.path.exists(output_dir):
         raise UserError(f"{output_dir} already exists; refusing to overwrite it")
-    config, params = load_checkpoint(FLAGS.load_checkpoint)
+    _, directory = parse_load_spec(FLAGS.load_checkpoint)
+    metadata = read_metadata(directory)
+    is_lora = bool(metadata.get("flags", {}).get("lora.rank"))
+    if FLAGS.lora_mode not in ("",) + LORA_MODES:
+        raise UserError(f"--lora_mode={FLAGS.lora_mode!r} is not one of {', '.join(LORA_MODES)}")
+    if is_lora != bool(FLAGS.lora_mode):
+        raise UserError(f"{directory} is a LoRA run's checkpoint: pass --lora_mode=adapter or "
+                        f"merged" if is_lora else f"--lora_mode={FLAGS.lora_mode}: {directory} "
+                        f"is not a LoRA run's checkpoint")
+    if FLAGS.lora_mode == "adapter":
+        return export_adapter(FLAGS, output_dir, metadata)
+    if FLAGS.lora_mode == "merged":
+        config, lm, frozen, adapters = load_lora(FLAGS.load_checkpoint, metadata,
+                                                 FLAGS.lora_base)
+        params = jax.device_get(lm.merge(frozen, adapters, dtype=jnp.float32))
+    else:
+        config, params = load_checkpoint(FLAGS.load_checkpoint)
     partial = output_dir + ".partial"
     shutil.rmtree(partial, ignore_errors=True)
     cast = DTYPES[FLAGS.dtype]
@@ -154,6 +251,28 @@ def main(argv=None):
                         f"verification failed: max |logit difference| {diff:.3g} exceeds "
                         f"--verify_tolerance={FLAGS.verify_tolerance}"
                     )
+        os.replace(partial, output_dir)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    print(f"wrote {output_dir}")
+
+
+def export_adapter(FLAGS, output_dir: str, metadata: dict) -> None:
+    """--lora_mode=adapter: the PEFT directory, verified with peft."""
+    from easylm.llama.lora import save_peft
+
+    config, lm, frozen, adapters = load_lora(FLAGS.load_checkpoint, metadata, FLAGS.lora_base)
+    partial = output_dir + ".partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        save_peft(partial, lm, jax.device_get(adapters), config,
+                  base_model=(metadata.get("frozen") or {}).get("source", ""))
+        if FLAGS.verify:
+            diff = verify_peft(lm, frozen, adapters, config, partial)
+            print(f"verify: max |logit difference| vs peft = {diff:.3g}")
+            if not diff <= FLAGS.verify_tolerance:
+                raise UserError(f"verification failed: max |logit difference| {diff:.3g} "
+                                f"exceeds --verify_tolerance={FLAGS.verify_tolerance}")
         os.replace(partial, output_dir)
     finally:
         shutil.rmtree(partial, ignore_errors=True)

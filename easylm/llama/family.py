@@ -25,7 +25,6 @@ EMBEDDED_DEFAULTS = {
     "total_steps": 200,
     "log_freq": 25,
     "optimizer.adamw_optimizer.lr": 3e-3,
-    "optimizer.adamw_optimizer.end_lr": 3e-4,
 }
 
 
@@ -57,7 +56,8 @@ class LLaMAFamily(ModelFamily):
                                            batch["target_tokens"], batch["loss_masks"],
                                            config.loss_chunk_size)
 
-        def row_logps(params, rows):  # preference pairs: one sequence per row, never packed
+        def row_logps(params, rows, frozen=None, rng=None):  # one sequence per row, not packed
+            del frozen, rng  # no frozen parameters, no dropout
             if not config.loss_chunk_size:
                 logits = module.apply({"params": params}, rows["input_tokens"])
                 return preference.sequence_logps(logits, rows["target_tokens"],
@@ -87,6 +87,44 @@ class LLaMAFamily(ModelFamily):
             num_parameters=config.num_parameters(),
             row_logps=row_logps,
         )
+
+    def build(self, flags, config=None, from_checkpoint: bool = False) -> Model:
+        """The LLaMA model, or with `--lora.rank` > 0 its LoRA variant (easylm/llama/lora.py):
+        adapters trained on the frozen base --load_checkpoint names."""
+        config = self.model_config(flags, from_checkpoint) if config is None else config
+        model = super().build(flags, config, from_checkpoint)
+        lora = flags.get("lora")
+        if lora is None or not lora.rank:
+            return model
+        from easylm.dtypes import dtype_from_flag
+        from easylm.llama.lora import lora_variant
+        from easylm.lora import LoraConfig
+
+        return lora_variant(model, config, LoraConfig.from_flags(lora),
+                            dtype_from_flag("dtype", flags.dtype), flags.get("load_checkpoint", ""),
+                            lambda directory, abstract: self.load_hf(directory, config, abstract))
+
+    def merge_adapters(self, spec: str, config: LLaMAConfig, params, mesh):
+        from easylm.llama.lora import merge_into
+
+        return merge_into(spec, config, params)
+
+    def variant_flags(self) -> dict:
+        from easylm.lora import LoraConfig
+
+        return {"lora": LoraConfig.get_default_config()}
+
+    def variant_help(self) -> dict:
+        from easylm.lora import HELP
+
+        return {f"lora.{name}": text for name, text in HELP.items()}
+
+    def variant_run_defaults(self, flags) -> dict:
+        from easylm.llama.lora import LORA_RUN_DEFAULTS
+
+        lora = flags.get("lora")
+        return dict(LORA_RUN_DEFAULTS) if lora is not None and lora.rank and \
+            flags.get("load_checkpoint") else {}
 
     def read_hf_config(self, directory: str) -> LLaMAConfig:
         from easylm.llama.convert_hf_to_easylm import read_hf_config

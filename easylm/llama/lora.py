@@ -8,12 +8,25 @@ choices change none), and every projection gets its adapters.
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
+from easylm import checkpoint, preference
+from easylm.errors import UserError
+from easylm.family import Model
 from easylm.llama import hf_weights
 from easylm.llama.config import LLaMAConfig
-from easylm.llama.model import LLaMAForCausalLM
-from easylm.lora import LoraConfig, LoraModel, read_peft, write_peft
+from easylm.llama.model import PARTITION_RULES, LLaMAForCausalLM, lm_head_weight
+from easylm.losses import chunked_next_token_loss, next_token_loss
+from easylm.lora import LoraConfig, LoraModel, partition_rules, read_peft, write_peft
+from easylm.sharding import match_partition_rules, named_shardings
+
+# A LoRA run's learning rates from a pretrained base: the QLoRA paper's 2e-4 (7B-13B;
+# 1e-4 from 33B), far above full fine-tuning's, since only the adapters move.
+LORA_RUN_DEFAULTS = {"optimizer.adamw_optimizer.lr": 2e-4}
+# The base is read in bf16 unless kept in fp32: int8/nf4 quantize from it, as QLoRA does
+# from bf16/fp16 weights, and a 70B base is never whole in fp32 on a device.
+_READ_DTYPE = {"fp32": jnp.float32}
 
 
 def lora_model(config: LLaMAConfig, lora: LoraConfig, dtype=jnp.float32,
@@ -21,6 +34,128 @@ def lora_model(config: LLaMAConfig, lora: LoraConfig, dtype=jnp.float32,
     module = LLaMAForCausalLM(config.replace(fused_qkv=False, fused_mlp=False), dtype=dtype,
                               param_dtype=param_dtype)
     return LoraModel(module, lora, dtype)
+
+
+def lora_variant(model: Model, config: LLaMAConfig, lora: LoraConfig, dtype, load_spec: str,
+                 load_hf) -> Model:
+    """The LoRA `Model` of the LLaMA `model` (bound to `config`, compute `dtype`): it trains
+    the adapters (`params`) on the frozen base (`frozen`: `lora.base_dtype`, quantized on
+    the devices for int8/nf4), read from `load_spec` (hf::, params:: or trainstate_params::;
+    `load_hf(directory, abstract)` reads hf::) or, with none, drawn."""
+    lm = lora_model(config, lora, dtype=dtype)
+    rules = partition_rules(PARTITION_RULES)
+    head_adapted = any(path.startswith("lm_head/") for path in lm.targets)
+    if config.loss_chunk_size and head_adapted:
+        raise UserError("--llama.loss_chunk_size computes the output projection outside the "
+                        "model: leave lm_head out of --lora.target_modules, or set "
+                        "--llama.loss_chunk_size=0")
+
+    def forward(adapters, batch, rng, frozen, **kwargs):
+        return lm.apply(frozen, adapters, batch["input_tokens"], positions=batch.get("positions"),
+                        segment_ids=batch.get("segment_ids"), rng=rng, **kwargs)
+
+    def loss_fn(adapters, batch, rng, frozen):
+        if not config.loss_chunk_size:
+            return next_token_loss(forward(adapters, batch, rng, frozen), batch["target_tokens"],
+                                   batch["loss_masks"])
+        hidden = forward(adapters, batch, rng, frozen, return_hidden=True)
+        head = lm_head_weight(lm.dequantized_base(frozen), config)
+        return chunked_next_token_loss(hidden, head, batch["target_tokens"], batch["loss_masks"],
+                                       config.loss_chunk_size)
+
+    def row_logps(adapters, rows, frozen, rng=None):  # preference pairs, one per row
+        if not config.loss_chunk_size:
+            logits = lm.apply(frozen, adapters, rows["input_tokens"], rng=rng)
+            return preference.sequence_logps(logits, rows["target_tokens"], rows["loss_masks"])
+        hidden = lm.apply(frozen, adapters, rows["input_tokens"], rng=rng, return_hidden=True)
+        return preference.chunked_sequence_logps(
+            hidden, lm_head_weight(lm.dequantized_base(frozen), config), rows["target_tokens"],
+            rows["loss_masks"], config.loss_chunk_size)
+
+    def init_frozen(rng):
+        return lm.store_base(lm.base_module.init_params(rng))
+
+    def load_frozen(mesh):
+        return load_base(lm, load_spec, mesh, load_hf)
+
+    return dataclasses.replace(
+        model, init_params=lm.init_adapters, loss_fn=loss_fn, partition_rules=rules,
+        init_frozen=init_frozen, frozen_rules=rules, row_logps=row_logps,
+        adapters_off=lm.adapters_off, frozen_identity=lm.identity,
+        load_frozen=load_frozen if load_spec else None, load_hf=None,
+        # Serving reads a merged model (--lora_checkpoint), not adapters alone.
+        apply=None, init_cache=None, num_parameters=lm.num_adapter_parameters(),
+        # No weight gradients for the frozen base: 4 FLOPs a matmul weight, not 6, and
+        # the adapters' own 6.
+        flops_per_token=lambda seq_length: (model.flops_per_token(seq_length)
+                                            - 2 * config.num_matmul_parameters()
+                                            + 6 * lm.num_adapter_parameters()),
+        variant=f"{'QLoRA' if lora.base_dtype == 'nf4' else 'LoRA'} rank {lora.rank}",
+        num_frozen_parameters=model.num_parameters, frozen_dtype=lora.base_dtype,
+        # the base's forward pass and the adapters' (2 FLOPs a weight)
+        forward_flops_per_token=lambda seq_length: (model.forward_flops(seq_length)
+                                                    + 2 * lm.num_adapter_parameters()))
+
+
+def load_base(lm: LoraModel, spec: str, mesh, load_hf):
+    """The frozen base of `lm` from `spec` (hf::, params:: or trainstate_params::), each
+    tensor read into its shards of `mesh`, then stored (cast, or quantized) on the devices."""
+    kind, directory = checkpoint.parse_load_spec(spec, checkpoint.LOAD_PREFIXES + ("hf",))
+    if kind == "trainstate":
+        raise UserError(f"--load_checkpoint={spec}: a LoRA run (--lora.rank="
+                        f"{lm.config.rank}) trains adapters on a base: give the base as hf::, "
+                        f"params:: or trainstate_params::")
+    rules = partition_rules(PARTITION_RULES)
+    shapes = jax.eval_shape(lm.base_module.init_params, jax.random.key(0))
+    read = _READ_DTYPE.get(lm.config.base_dtype, jnp.bfloat16)
+    shardings = named_shardings(mesh, match_partition_rules(PARTITION_RULES, shapes))
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, read, sharding=s),
+                            shapes, shardings)
+    base = load_hf(directory, abstract) if kind == "hf" else checkpoint.load_params(spec, abstract)
+    stored = jax.eval_shape(lm.store_base, shapes)
+    out = named_shardings(mesh, match_partition_rules(rules, stored))
+    return jax.jit(lm.store_base, out_shardings=out, donate_argnums=0)(base)
+
+
+def read_adapters(spec: str, config: LLaMAConfig) -> tuple[LoraConfig, dict]:
+    """(LoraConfig, adapters on the host) from a PEFT directory or a LoRA run's checkpoint
+    (DIR or params::DIR), shaped for `config`."""
+    import os
+
+    from easylm.lora import PEFT_CONFIG
+
+    directory = spec.partition("::")[2] if "::" in spec else spec
+    if os.path.isfile(os.path.join(directory, PEFT_CONFIG)):
+        return load_peft(directory, config)
+    checkpoint.check_checkpoint_dir(directory)
+    recorded = checkpoint.read_metadata(directory).get("flags", {})
+    fields = {name.split(".", 1)[1]: value for name, value in recorded.items()
+              if name.startswith("lora.")}
+    if not fields.get("rank"):
+        raise UserError(f"--lora_checkpoint={spec}: neither a PEFT adapter directory nor a "
+                        f"LoRA run's checkpoint (its flags have no --lora.rank)")
+    lora = LoraConfig(**fields)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype,
+                                                              sharding=device),
+                            checkpoint.stored_tree(directory, "params"))
+    return lora, checkpoint.load_params(f"params::{directory}", abstract)
+
+
+def merge_into(spec: str, config: LLaMAConfig, params):
+    """`params` (float, sharded) with the adapters at `spec` folded into their kernels, on
+    the devices and in each kernel's dtype and shards."""
+    lora, adapters = read_adapters(spec, config)
+    adapters = jax.device_get(adapters)  # small: jit places them beside the kernels
+    lm = lora_model(config, lora)
+    shardings = jax.tree.map(lambda x: x.sharding, params)
+    expected = jax.tree.structure(lm.adapter_shapes)
+    if jax.tree.structure(adapters) != expected or any(
+            a.shape != b.shape for a, b in zip(jax.tree.leaves(adapters),
+                                               jax.tree.leaves(lm.adapter_shapes))):
+        raise UserError(f"--lora_checkpoint={spec}: its adapters do not fit the served model "
+                        f"(another shape, or other adapted modules)")
+    return jax.jit(lm.merge, out_shardings=shardings)(params, adapters)
 
 
 def save_peft(directory: str, lm: LoraModel, adapters, config: LLaMAConfig,

@@ -37,6 +37,7 @@ def engine_config(family: ModelFamily) -> ConfigDict:
     config.tokenizer = "embedded"
     config.mesh_dim = "1,1,-1"
     config.dtype = "auto"
+    config.lora_checkpoint = ""
     config.quantize = "none"
     config.update(engine_lib.get_default_config())
     # The trainer's default model, so that both commands with no flags mean the same one.
@@ -53,6 +54,9 @@ def engine_help_entries(family: ModelFamily) -> dict:
         "mesh_dim": "device mesh dp,fsdp,mp; one entry may be -1 (default: all devices on mp)",
         "dtype": "compute and parameter dtype: bf16, fp16, fp32, or auto (bf16 on GPU/TPU, "
                  "fp32 on CPU)",
+        "lora_checkpoint": "LoRA adapters to fold into --load_checkpoint's weights as they "
+                           "load: a LoRA run's checkpoint (DIR, or params::DIR) or a PEFT "
+                           "adapter directory",
         "quantize": quantize.HELP,
         **engine_lib.HELP,
         **family.help_entries("the checkpoint's, or the preset's"),
@@ -123,6 +127,8 @@ def load_engine(family: ModelFamily, config: ConfigDict):
                         f"{', '.join(quantize.MODES)}")
     mesh = make_mesh(config.mesh_dim)
     params = load_params(family, config, settings, model, mesh)
+    if config.get("lora_checkpoint"):
+        params = family.merge_adapters(config.lora_checkpoint, settings, params, mesh)
     if config.quantize == "int8":
         model, params = family.int8_model(settings, dtype_from_flag("dtype", config.dtype),
                                           params, mesh)

@@ -1,0 +1,288 @@
+"""LoRA and QLoRA through the trainer (`python -m easylm.llama.train --lora.rank=...`):
+step 0 computes the base model, only adapters train and have optimizer state, the base
+(read from hf::DIR) never moves, checkpoints hold adapters and a fingerprint of the base
+(megabytes, not the model), a resume on another base is refused, kill -9 and resume is
+bitwise an uninterrupted run, and a QLoRA run learns as a bf16-base run does."""
+
+import contextlib
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import traverse_util
+from transformers import LlamaForCausalLM as HFLlama
+
+from cli_utils import one_line_error
+from test_checkpoint import ENV, command, data_path, metrics, run_until  # noqa: F401
+
+from easylm import checkpoint, flags, trainer
+from easylm.errors import UserError
+from easylm.llama import convert_easylm_to_hf as convert, train
+from easylm.llama.config import LLaMAConfig
+from easylm.llama.convert_hf_to_easylm import load_hf_params
+from easylm.llama.family import FAMILY
+from easylm.llama.lora import lora_model
+from easylm.llama.model import LLaMAForCausalLM
+from easylm.lora import LoraConfig
+from easylm.serving import cli as serving_cli
+from easylm.sharding import path_to_string
+
+# nf4 blocks need kernels' input dimensions to be multiples of 64.
+HF_SHAPE = dict(num_hidden_layers=2, rope_theta=50000.0)
+
+
+def make_hf(directory, seed=0):
+    torch.manual_seed(seed)
+    model = HFLlama(LLaMAConfig.from_preset("debug", **HF_SHAPE).to_hf_config()).eval()
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    return make_hf(tmp_path_factory.mktemp("hf") / "base")
+
+
+def parse(tmp_path, *argv):
+    return train.parse_flags([
+        "train", "--lora.rank=4", "--total_steps=3", "--log_freq=1",
+        "--train_dataset.json_dataset.seq_length=32", "--train_dataset.json_dataset.batch_size=4",
+        f"--logger.output_dir={tmp_path / 'runs'}", "--logger.experiment_id=run",
+        "--compilation_cache_dir=", "--dtype=fp32", "--mesh_dim=1,2,-1", *argv])
+
+
+def same_bits(a, b) -> bool:
+    leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(leaves_a) == len(leaves_b) and all(
+        np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+        for x, y in zip(leaves_a, leaves_b))
+
+
+def nbytes(tree) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
+def directory_bytes(directory) -> int:
+    return sum(os.path.getsize(os.path.join(root, name))
+               for root, _, names in os.walk(directory) for name in names)
+
+
+# Arrays of a checkpoint are stored raw, one file per chunk ("0.0", "1.0", ...); everything
+# else is orbax's and our metadata (JSON: the flags, shardings, checksums, the data state).
+CHUNK = re.compile(r"\d+(\.\d+)*")
+SCALARS = 1024   # the step, Adam's count, the RNG key: a few bytes each, padded
+
+
+def array_bytes(directory) -> int:
+    return sum(os.path.getsize(os.path.join(root, name))
+               for root, _, names in os.walk(directory) for name in names
+               if CHUNK.fullmatch(name))
+
+
+def losses(run_dir) -> list[float]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line)["loss"] for line in f]
+
+
+def lora_run(config, checks=None):
+    """Train `config`; `checks(run)` sees the run before its first step. Returns (the run,
+    its state before and after, as host arrays)."""
+    with contextlib.ExitStack() as cleanup:
+        run = trainer.start(config, FAMILY, cleanup)
+        before = jax.device_get(run.state)
+        if checks is not None:
+            checks(run)
+        trainer.loop(run)
+        return run, before, jax.device_get(run.state)
+
+
+STEPS = 40
+
+
+def test_qlora_starts_as_the_base_trains_adapters_only_and_learns_like_bf16(hf_dir, tmp_path,
+                                                                         capsys):
+    # lm_head adapted too: on a random base, the rest alone barely learns in a few steps.
+    common = [f"--load_checkpoint=hf::{hf_dir}", f"--total_steps={STEPS}", "--lora.rank=8",
+              "--lora.target_modules=(proj|lm_head)/kernel$", "--lora.dropout=0.05",
+              "--optimizer.adamw_optimizer.lr=1e-2", "--optimizer.adamw_optimizer.end_lr=1e-2"]
+    config = parse(tmp_path, *common, "--lora.base_dtype=nf4")
+    lm_config = LLaMAConfig.from_preset("debug", **HF_SHAPE)
+    lm = lora_model(lm_config, LoraConfig.from_flags(config.lora))
+    ids = np.random.RandomState(0).randint(0, 512, (2, 16))
+
+    def checks(run):
+        # Step 0: the LoRA model's logits are the base model's on the stored base, bitwise.
+        base = jax.jit(lambda b: LLaMAForCausalLM(lm_config).apply(
+            {"params": lm.dequantized_base(b)}, ids))(run.state.frozen)
+        adapted = jax.jit(lambda b, a: lm.apply(b, a, ids))(run.state.frozen, run.state.params)
+        assert same_bits(base, adapted)
+        # Stored quantized on the devices: 4-bit values.
+        q_proj = traverse_util.flatten_dict(run.state.frozen, sep="/")[
+            "model/layers/0/self_attn/q_proj/kernel"]
+        assert q_proj.array.qvalue.dtype == jnp.uint4
+        # Optimizer state exists for the adapters alone.
+        moments = {path_to_string(p) for p, x in
+                   jax.tree_util.tree_leaves_with_path(run.state.opt_state) if x.ndim}
+        assert moments and all(p.endswith(("kernel_lora_a", "kernel_lora_b")) for p in moments)
+
+    run, before, after = lora_run(config, checks)
+    assert same_bits(after.frozen, before.frozen)  # the base never moves...
+    assert not same_bits(after.params, before.params)  # ...while the adapters do
+    # The checkpoint: adapters, their Adam moments and a reference to the base, not the base.
+    final = os.path.join(run.run_dir, "checkpoints", str(STEPS))
+    reference = checkpoint.read_metadata(final)["frozen"]
+    assert reference["source"] == f"hf::{hf_dir}" and len(reference["fingerprint"]) == 16
+    stored = checkpoint.stored_tree(final, "params")
+    assert sorted(traverse_util.flatten_dict(stored, sep="/")) == sorted(
+        traverse_util.flatten_dict(before.params, sep="/"))
+    # Exact resume needs AdamW's two moments: the arrays are 3x the fp32 adapters (2x with
+    # bf16 moments: the int8 test), plus the metadata; the base is not stored.
+    adapters = nbytes(before.params)
+    assert 3 * adapters <= array_bytes(final) <= 3 * adapters + SCALARS
+    assert directory_bytes(final) - array_bytes(final) <= 256 * 1024
+
+    # Export: a PEFT directory and a merged HF model, each verified against peft or
+    # transformers by the command; the merged model computes the adapted one.
+    for mode in ("adapter", "merged"):
+        convert.main(["convert", f"--load_checkpoint=params::{final}", f"--lora_mode={mode}",
+                      f"--output_dir={tmp_path / mode}", "--verify_tolerance=1e-4"])
+    assert os.path.isfile(tmp_path / "adapter" / "adapter_model.safetensors")
+    with torch.no_grad():
+        merged = HFLlama.from_pretrained(tmp_path / "merged").eval()(torch.tensor(ids)).logits
+    adapted = np.asarray(lm.apply(after.frozen, after.params, ids))
+    base = np.asarray(lm.apply(after.frozen, before.params, ids))
+    # fp32 logits of O(1) after two layers, summed over <= 128 terms.
+    assert np.abs(merged.numpy() - adapted).max() <= 1e-4
+    assert np.abs(merged.numpy() - base).max() > 100 * 1e-4  # the adapters changed something
+    other = make_hf(tmp_path / "other_base", seed=1)
+    capsys.readouterr()
+    assert "is not the base" in one_line_error(convert.main, [
+        "convert", f"--load_checkpoint=params::{final}", "--lora_mode=merged",
+        f"--output_dir={tmp_path / 'other'}", f"--lora_base=hf::{other}"], capsys)
+    assert not os.path.exists(tmp_path / "other")
+    # Serving: the base plus --lora_checkpoint (the run's checkpoint or the PEFT export),
+    # merged as it loads.
+    served = []
+    for adapters in (final, tmp_path / "adapter"):
+        config = flags.parse(serving_cli.default_config(FAMILY), serving_cli.help_entries(FAMILY),
+                             ["serve", f"--load_checkpoint=hf::{hf_dir}", "--dtype=fp32",
+                              f"--lora_checkpoint={adapters}", "--pre_compile=False"])
+        served.append(jax.device_get(serving_cli.load_engine(FAMILY, config)[0].params))
+    assert same_bits(served[0], served[1])
+    hf_params = load_hf_params(str(hf_dir), scan_layers=False)[1]
+    want = jax.device_get(jax.jit(lm.merge)(hf_params, after.params))
+    for a, b in zip(jax.tree.leaves(served[0]), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)  # W + s A B: one fp32 rounding
+    assert not same_bits(served[0], hf_params)
+
+    # Acceptance 4: QLoRA lowers the loss as LoRA on a bf16 base does (the same data and
+    # seed; the mean of the last quarter of the steps, one batch each, within 10%). The
+    # loss falls from ln(512) = 6.24 to about 4.8 (both bases), and nf4 stays within 5%.
+    bf16, _, _ = lora_run(parse(tmp_path, *common, "--lora.base_dtype=bf16",
+                                "--logger.experiment_id=bf16"))
+    qlora_losses, bf16_losses = losses(run.run_dir), losses(bf16.run_dir)
+    tail = lambda values: float(np.mean(values[-STEPS // 4:]))
+    assert tail(bf16_losses) < 0.85 * bf16_losses[0]  # it learns...
+    assert abs(tail(qlora_losses) - tail(bf16_losses)) <= 0.1 * tail(bf16_losses)  # ...alike
+
+
+def test_sharded_scanned_rematerialised_chunked_accumulated_equals_plain(hf_dir, tmp_path):
+    # The same QLoRA run data-parallel (8,1,1: the model whole on each device), unscanned,
+    # and on a 2,2,2 mesh with scanned layers, remat, the chunked loss and 2 micro-batches:
+    # each only reorders fp32 sums.
+    from numerics import forward_rel
+
+    common = [f"--load_checkpoint=hf::{hf_dir}", "--lora.rank=8", "--lora.base_dtype=nf4",
+              "--optimizer.adamw_optimizer.lr=1e-3", "--train_dataset.json_dataset.batch_size=8"]
+    everything = ["--mesh_dim=2,2,2", "--llama.scan_layers=True",
+                  "--llama.remat_policy=nothing_saveable", "--llama.loss_chunk_size=32",
+                  "--optimizer.accumulate_gradient_steps=2"]
+    runs = {}
+    for name, argv in (("plain", ["--mesh_dim=8,1,1"]), ("everything", everything),
+                       ("seed", ["--mesh_dim=8,1,1", "--seed=1", "--total_steps=1"])):
+        run, _, _ = lora_run(parse(tmp_path, *common, *argv, f"--logger.experiment_id={name}"))
+        with open(os.path.join(run.run_dir, "metrics.jsonl")) as f:
+            runs[name] = [json.loads(line) for line in f]
+    # A mean over 256 tokens of a 2-layer forward (and, for the gradient, its backward);
+    # Adam's first steps move each adapter by about lr, so 3 steps stay as close.
+    rel = 2 * forward_rel(LLaMAConfig.from_preset("debug", **HF_SHAPE), 32)
+    for plain, other in zip(runs["plain"], runs["everything"], strict=True):
+        for key in ("loss", "gradient_norm"):
+            assert other[key] == pytest.approx(plain[key], rel=rel), (plain["step"], key)
+    # The negative twin: other adapters (another seed) are seen at step 1.
+    assert runs["seed"][0]["gradient_norm"] != pytest.approx(runs["plain"][0]["gradient_norm"],
+                                                             rel=100 * rel)
+
+
+def test_an_int8_base_from_params_in_bf16_exports_both_ways(hf_dir, tmp_path):
+    # As a user on a GPU would: the base converted to an easylm checkpoint (its config
+    # read from it, no --llama.* flags), int8, bf16 compute; then both exports.
+    from easylm.llama import convert_hf_to_easylm
+
+    converted = tmp_path / "params"
+    convert_hf_to_easylm.main(["convert", f"--hf_model={hf_dir}", f"--output_dir={converted}"])
+    run, before, after = lora_run(parse(tmp_path, f"--load_checkpoint=params::{converted}",
+                                        "--lora.base_dtype=int8", "--dtype=bf16",
+                                        "--optimizer.state_dtype=bf16"))
+    assert after.frozen["model"]["embed_tokens"]["embedding"].dtype == jnp.bfloat16
+    final = os.path.join(run.run_dir, "checkpoints", "3")
+    # The moments in bf16: a checkpoint's arrays are 2x the fp32 adapters.
+    adapters = nbytes(before.params)
+    assert 2 * adapters <= array_bytes(final) <= 2 * adapters + SCALARS
+    assert checkpoint.read_metadata(final)["frozen"]["dtype"] == "bfloat16"
+    # The exports read the base again (in fp32 here), recognise it by its fingerprint and
+    # verify against peft and transformers.
+    for mode in ("adapter", "merged"):
+        convert.main(["convert", f"--load_checkpoint=params::{final}", f"--lora_mode={mode}",
+                      f"--output_dir={tmp_path / mode}", "--verify_tolerance=1e-4"])
+        assert os.path.isdir(tmp_path / mode)
+
+
+def test_resume_on_another_base_is_refused(tmp_path):
+    base = make_hf(tmp_path / "base")
+    trainer.train(parse(tmp_path, f"--load_checkpoint=hf::{base}", "--total_steps=1"), FAMILY)
+    first = tmp_path / "runs" / "run" / "checkpoints" / "1"
+    with pytest.raises(UserError, match=r"a LoRA run \(--lora.rank=4\) trains adapters on a "
+                                        r"base: give the base as hf::, params:: or"):
+        trainer.train(parse(tmp_path, f"--load_checkpoint=trainstate::{first}",
+                            "--logger.experiment_id=other"), FAMILY)
+    make_hf(base, seed=1)  # the base directory now holds other weights
+    with pytest.raises(UserError, match=r"checkpoints/1 was trained on a frozen base \(hf::.*\) "
+                                        r"with fingerprint \w+, but hf::.* now gives \w+"):
+        trainer.train(parse(tmp_path, f"--load_checkpoint=hf::{base}", "--total_steps=2"),
+                      FAMILY)
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_of_a_lora_run_is_bitwise_identical(data_path, tmp_path):
+    steps = 16  # test_checkpoint's run (a checkpoint every 5 steps), shorter, with LoRA
+    lora = ["--lora.rank=4", "--lora.dropout=0.1"]  # dropout: the per-step RNG resumes too
+
+    def cmd(output_dir):
+        shorter = [f"--total_steps={steps}", f"--optimizer.adamw_optimizer.lr_decay_steps={steps}"]
+        return [arg for arg in command(data_path, output_dir)
+                if not arg.startswith(("--total_steps=", "--optimizer.adamw_optimizer.lr_decay"))
+                ] + shorter + lora
+
+    reference = subprocess.run(cmd(tmp_path / "a"), env=ENV, capture_output=True, text=True)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    kill_step = random.randint(6, 13)
+    (tmp_path / "b").mkdir()
+    code, _, _ = run_until(cmd(tmp_path / "b"), tmp_path / "b", kill_step, signal.SIGKILL)
+    assert code == -signal.SIGKILL
+    resumed = subprocess.run(cmd(tmp_path / "b"), env=ENV, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"loading trainstate::{tmp_path}/b/run/checkpoints/" in resumed.stdout
+    want, got = metrics(tmp_path / "a"), metrics(tmp_path / "b")
+    assert sorted(got) == list(range(1, steps + 1))
+    for step, line in got.items():  # JSON floats round-trip exactly: this is bitwise
+        for key in ("loss", "gradient_norm", "param_norm"):
+            assert line[key] == want[step][key], (step, key, kill_step)
