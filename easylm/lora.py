@@ -273,9 +273,9 @@ class LoraModel:
             key = jax.random.fold_in(rng, zlib.crc32(name.encode()) & 0x7FFFFFFF)
             draw = lambda k: jax.random.uniform(k, a[-2:], jnp.float32, -bound, bound)  # noqa: E731
             layer = re.search(r"/layers/(\d+)/", path)
-            if len(a) == 3:    # scanned: (L, in, r)
-                out[path + "_lora_a"] = jnp.stack([draw(jax.random.fold_in(key, i))
-                                                   for i in range(a[0])])
+            if len(a) == 3:    # scanned: (L, in, r), layer i drawn as unscanned layer i is
+                layer_keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(a[0]))
+                out[path + "_lora_a"] = jax.vmap(draw)(layer_keys)
             else:
                 out[path + "_lora_a"] = draw(key if layer is None else
                                              jax.random.fold_in(key, int(layer.group(1))))

@@ -769,7 +769,7 @@ class Run:
     train_step: Callable  # jitted (state, batch, *extra_args) -> (state, metrics)
     eval_step: Callable  # jitted (params, batch, totals, frozen, *extra_args) -> totals
     saved_step: int | None  # the step a checkpoint holds (no second save of it)
-    frozen_reference: dict | None = None  # {"source", "fingerprint"} of state.frozen
+    frozen_reference: dict | None = None  # {"source", "fingerprint", "dtype"} of state.frozen
     objective: Any = None  # easylm.preference.Objective: the loss, pairs or rows
     # The objective's arrays the steps take beside state and batch (a live reference).
     extra_args: tuple = ()
@@ -939,8 +939,8 @@ def _start_state(config, model, tx, mesh, manager, latest):
 
 
 def _frozen_reference(config, model: Model, state: TrainState, source) -> dict | None:
-    """What the frozen parameters are ({"source", "fingerprint"}), for checkpoint
-    metadata. A train state resumed (or loaded) on frozen parameters other than those it
+    """What the frozen parameters are ({"source", "fingerprint", "dtype": the compute dtype
+    they were stored for}), for checkpoint metadata. A train state resumed (or loaded) on frozen parameters other than those it
     was trained on would continue from a different model: refused."""
     if state.frozen is None:
         return None
