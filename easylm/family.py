@@ -142,6 +142,12 @@ class ModelFamily:
         """--help text of `variant_flags`' fields, by dotted name."""
         return {}
 
+    def unused_variant_flags(self, flags: ConfigDict) -> tuple:
+        """Prefixes of `variant_flags` that select nothing in `flags` (LoRA's with
+        --lora.rank=0): left out of the run directory's name, which runs without the
+        variant then keep."""
+        return ()
+
     def variant_run_defaults(self, flags: ConfigDict) -> dict:
         """Run defaults a variant sets over the fine-tuning ones (LoRA's learning rates);
         a variant that sets a learning rate gets no full-fine-tuning warning."""

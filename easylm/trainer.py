@@ -524,10 +524,11 @@ def abstract_state(model: Model, tx, mesh, seed: int) -> TrainState:
 # ------------------------------------------------------------------- the loop
 
 
-def run_directory(config: ConfigDict, model_name: str) -> str:
+def run_directory(config: ConfigDict, model_name: str, unused: tuple = ()) -> str:
     """OUTPUT_DIR/EXPERIMENT_ID; by default the id hashes the flags, so re-running the
     same command (say, after preemption) lands in the same directory and resumes. Flags
-    that do not change what is trained (resuming, logging, profiling) are left out."""
+    that do not change what is trained (resuming, logging, profiling; the prefixes
+    `unused`: a variant's flags when it is off) are left out."""
     experiment_id = config.logger.experiment_id
     if not experiment_id:
         # logger.* and jax_distributed.* may differ between hosts; unset optional flags
@@ -537,7 +538,7 @@ def run_directory(config: ConfigDict, model_name: str) -> str:
                 if k not in ("resume", "allow_fresh_optimizer", "log_all_worker",
                              "profile_steps", "profile_start_step")
                 and not k.startswith(("logger.", "jax_distributed.", "eval_harness.",
-                                      *preference.unused_flags(config)))
+                                      *preference.unused_flags(config), *unused))
                 and v is not None}
         digest = hashlib.sha1(json.dumps(flat, sort_keys=True).encode()).hexdigest()[:8]
         experiment_id = f"{model_name}-{digest}"
@@ -856,7 +857,7 @@ def start(config: ConfigDict, family: ModelFamily, cleanup: contextlib.ExitStack
     _check_seq_length(config, model, {"train_dataset": dataset, "eval_dataset": eval_dataset})
     make_batch = lambda batch: make_global_batch(objective.prepare(batch), mesh)  # noqa: E731
 
-    run_dir = run_directory(config, model.name)
+    run_dir = run_directory(config, model.name, family.unused_variant_flags(config))
     # One trainer per run directory (process 0 stands for all processes of a run).
     if jax.process_index() == 0:
         lock = cleanup.enter_context(run_lock.RunLock(run_dir))

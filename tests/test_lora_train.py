@@ -246,6 +246,18 @@ def test_an_int8_base_from_params_in_bf16_exports_both_ways(hf_dir, tmp_path):
         assert os.path.isdir(tmp_path / mode)
 
 
+def test_lora_flags_name_the_run_directory_only_when_lora_is_on():
+    # Runs without LoRA keep the directories they had before --lora.* existed, so the
+    # same command still resumes them.
+    def run_dir(*argv):
+        config = train.parse_flags(["train", *argv])
+        return trainer.run_directory(config, "llama", FAMILY.unused_variant_flags(config))
+
+    assert run_dir("--lora.alpha=32", "--lora.base_dtype=nf4") == run_dir()
+    assert run_dir("--lora.rank=8") != run_dir()
+    assert run_dir("--lora.rank=8", "--lora.alpha=32") != run_dir("--lora.rank=8")
+
+
 def test_resume_on_another_base_is_refused(tmp_path):
     base = make_hf(tmp_path / "base")
     trainer.train(parse(tmp_path, f"--load_checkpoint=hf::{base}", "--total_steps=1"), FAMILY)

@@ -119,6 +119,10 @@ class LLaMAFamily(ModelFamily):
 
         return {f"lora.{name}": text for name, text in HELP.items()}
 
+    def unused_variant_flags(self, flags) -> tuple:
+        lora = flags.get("lora")
+        return ("lora.",) if lora is None or not lora.rank else ()
+
     def variant_run_defaults(self, flags) -> dict:
         from easylm.llama.lora import LORA_RUN_DEFAULTS
 
