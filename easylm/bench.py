@@ -4,9 +4,9 @@
             then timed steps; prints one JSON line (tokens/s, step time, MFU, peak
             device memory, compile time, versions, device). With --profile_steps=N, N
             more steps run under the profiler and 'profile' summarises where their time
-            went (easylm/profiling.py).
-    data    the data pipeline against raw `tokenizers` batch encoding (easylm/data/bench.py)
-    decode  the serving engine's generated tokens/s (easylm/serving/bench.py)
+            went (easylm/runtime/profiling.py).
+    data    the data pipeline against raw `tokenizers` batch encoding (easylm/data/throughput.py)
+    decode  the serving engine's generated tokens/s (easylm/serving/decode_bench.py)
 
 Example, the llama_1b shape on one GPU:
 
@@ -30,9 +30,11 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import ConfigDict
 
-from easylm import dtypes, flags, flops, optimizers, profiling, trainer
+from easylm import flags
 from easylm.errors import UserError, exit_on_user_error
-from easylm.sharding import BATCH_AXES, make_mesh
+from easylm.runtime import dtypes, flops, profiling
+from easylm.runtime.sharding import BATCH_AXES, make_mesh
+from easylm.training import optimizers, trainer
 
 USAGE = "usage: python -m easylm.bench {train,data,decode} [--flag=value ...]"
 
@@ -166,7 +168,7 @@ def _profile(step, state, batch, config: ConfigDict):
                 state, metrics = step(state, batch)
             jax.block_until_ready((state, metrics))
             seconds = (time.perf_counter() - start) / config.profile_steps
-        # Traced steps run slower (and on GPU without CUDA graphs, see easylm/profiling.py):
+        # Traced steps run slower (and on GPU without CUDA graphs, see easylm/runtime/profiling.py):
         # compare this with the untraced step_time_s.
         summary = {"traced_step_time_s": round(seconds, 5),
                    **profiling.summarize_trace(directory, config.profile_steps)}
@@ -234,9 +236,9 @@ def _compile_only(config: ConfigDict, model, tx, schedule, mesh) -> dict:
 
 
 def _train_main(argv):
-    from easylm import families
+    from easylm.models import registry
 
-    family, argv = families.from_argv(argv)
+    family, argv = registry.from_argv(argv)
     usage = "usage: python -m easylm.bench train [--family=NAME] [--flag=value ...]"
     config = flags.parse(train_config(family), _train_help(family), argv, usage)
     print(json.dumps(bench_train(config, family)))
@@ -254,9 +256,9 @@ def main(argv=None):
     if name == "train":
         return _train_main(rest)
     if name == "data":
-        from easylm.data.bench import main as data_main
+        from easylm.data.throughput import main as data_main
     else:
-        from easylm.serving.bench import main as data_main
+        from easylm.serving.decode_bench import main as data_main
     return data_main(rest)
 
 

@@ -27,10 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from easylm import distributed
 from easylm import flags as flag_lib
 from easylm.errors import UserError, exit_on_user_error
-from easylm.sharding import check_batch_split, make_mesh, mesh_string
+from easylm.runtime import distributed
+from easylm.runtime.sharding import check_batch_split, make_mesh, mesh_string
 
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "transformers")
 # Reported when installed: the accelerator plugins jax runs on.
@@ -140,9 +140,10 @@ def check(config) -> tuple[list[str], list[str]]:
 
 @exit_on_user_error
 def main(argv=None):
-    from easylm import families, trainer
+    from easylm.models import registry
+    from easylm.training import trainer
 
-    family, argv = families.from_argv(argv or sys.argv)
+    family, argv = registry.from_argv(argv or sys.argv)
     usage = "usage: python -m easylm.doctor [--family=NAME] [trainer flags]"
     config = flag_lib.parse(trainer.default_config(family), trainer.help_entries(family), argv,
                             usage)

@@ -47,11 +47,19 @@ import jax.numpy as jnp
 from ml_collections import ConfigDict
 
 from easylm import flags as flag_lib
-from easylm import optimizers, preference
 from easylm.errors import exit_on_user_error
-from easylm.dtypes import DTYPES, bits, dtype_from_flag, nbytes
-from easylm.sharding import (MESH_AXES, axes_size, check_batch_split, hybrid_mesh_shape,
-                             match_partition_rules, mesh_string, parse_mesh_dim)
+from easylm.objectives import preference
+from easylm.runtime.dtypes import DTYPES, bits, dtype_from_flag, nbytes
+from easylm.runtime.sharding import (
+    MESH_AXES,
+    axes_size,
+    check_batch_split,
+    hybrid_mesh_shape,
+    match_partition_rules,
+    mesh_string,
+    parse_mesh_dim,
+)
+from easylm.training import optimizers
 
 GIB = 1024 ** 3
 
@@ -364,7 +372,7 @@ def report(config: ConfigDict, family, num_devices: int, num_processes: int,
 
 
 def default_config(family) -> ConfigDict:
-    from easylm import trainer
+    from easylm.training import trainer
 
     config = trainer.default_config(family)
     config.plan = get_default_config()
@@ -372,16 +380,17 @@ def default_config(family) -> ConfigDict:
 
 
 def help_entries(family) -> dict:
-    from easylm import trainer
+    from easylm.training import trainer
 
     return {**HELP, **trainer.help_entries(family)}
 
 
 @exit_on_user_error
 def main(argv=None):
-    from easylm import families, trainer
+    from easylm.models import registry
+    from easylm.training import trainer
 
-    family, argv = families.from_argv(argv or sys.argv)
+    family, argv = registry.from_argv(argv or sys.argv)
     usage = (f"{__doc__.strip().splitlines()[0]}\n\n  python -m easylm.plan "
              f"--{family.name}.base_model=... --mesh_dim=1,-1,1 --plan.device_memory_gib=80\n\n"
              f"usage: python -m easylm.plan [--family=NAME] [trainer flags] "

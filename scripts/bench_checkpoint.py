@@ -3,7 +3,7 @@
     python scripts/bench_checkpoint.py --gigabytes=3 --directory=/tmp/ckpt_bench
 
 Saves a train-state-like tree (parameters plus two Adam moments, fp32) through
-`easylm.checkpoint.CheckpointManager`, the trainer's own path, while a jitted
+`easylm.runtime.checkpoint.CheckpointManager`, the trainer's own path, while a jitted
 "train step" keeps running; then writes the same number of bytes with `dd`.
 Prints one JSON line, with and without `--checkpointer.checksums`, for a first
 save (which also compiles) and a second: seconds the `save` call blocked, until
@@ -23,7 +23,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from easylm import checkpoint
+from easylm.runtime import checkpoint
 
 
 def make_state(gigabytes: float, arrays: int = 24):

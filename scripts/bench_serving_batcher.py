@@ -21,12 +21,11 @@ import time
 import jax
 import numpy as np
 
+from easylm.data.tokenizer import load_tokenizer
 from easylm.llama.config import LLaMAConfig
 from easylm.llama.family import FAMILY
-from easylm.serving import engine as engine_lib
-from easylm.serving import scoring
+from easylm.serving import engine as engine_lib, scoring
 from easylm.serving.batcher import Batcher, Generation, SamplingParams
-from easylm.tokenizer import load_tokenizer
 
 
 def model(args):

@@ -16,9 +16,10 @@ import sys
 
 import jax
 
-from easylm import bench, flags, optimizers, trainer
+from easylm import bench, flags
 from easylm.llama.family import FAMILY
-from easylm.sharding import make_mesh
+from easylm.runtime.sharding import make_mesh
+from easylm.training import optimizers, trainer
 
 OPS = ("all-gather", "all-to-all", "all-reduce", "reduce-scatter", "collective-permute")
 # `name = TYPE op(` or `name = (TYPE, TYPE) op-start(`: the result type(s) of one collective.

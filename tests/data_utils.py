@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from easylm.data import DatasetFactory
-from easylm.tokenizer import load_tokenizer
+from easylm.data.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

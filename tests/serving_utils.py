@@ -15,9 +15,9 @@ from transformers import PreTrainedTokenizerFast
 from easylm.llama.config import LLaMAConfig
 from easylm.llama.family import FAMILY
 from easylm.llama.model import LLaMAForCausalLM
+from easylm.runtime.sharding import init_sharded
 from easylm.serving import engine as engine_lib
 from easylm.serving.batcher import Batcher, SamplingParams
-from easylm.sharding import init_sharded
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 SHORT = SamplingParams(max_tokens=8, temperature=0.0)

@@ -19,13 +19,14 @@ import numpy as np
 import pytest
 from ml_collections import ConfigDict
 
-from easylm import checkpoint, optimizers, trainer
 from easylm.errors import UserError
 from easylm.llama import train
-from easylm.llama.family import FAMILY
-from easylm.serving import cli as serving_cli
 from easylm.llama.config import LLaMAConfig
-from easylm.sharding import make_mesh
+from easylm.llama.family import FAMILY
+from easylm.runtime import checkpoint
+from easylm.runtime.sharding import make_mesh
+from easylm.serving import cli as serving_cli
+from easylm.training import optimizers, trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOTAL_STEPS = 40
@@ -43,6 +44,13 @@ def data_path(tmp_path_factory):
         for _ in range(300):
             f.write(json.dumps({"text": " ".join(rng.choices(words, k=rng.randint(5, 40)))}) + "\n")
     return str(path)
+
+
+def llama_flags(updates=None):
+    """The --llama.* flag tree of the debug preset, with `updates`."""
+    flags = FAMILY.flag_config("debug")
+    flags.update(updates or {})
+    return flags
 
 
 def command(data_path, output_dir):
@@ -72,7 +80,7 @@ def metrics(output_dir) -> dict:
 
 
 def final_params(output_dir, step=TOTAL_STEPS):
-    config = ConfigDict(dict(llama=LLaMAConfig.get_default_config(), dtype="fp32", param_dtype="fp32"))
+    config = ConfigDict(dict(llama=llama_flags(), dtype="fp32", param_dtype="fp32"))
     abstract = jax.eval_shape(FAMILY.build(config).init_params, jax.random.key(0))
     directory = os.path.join(output_dir, "run", "checkpoints", str(step))
     return jax.tree.map(np.asarray, checkpoint.load_params(f"params::{directory}", abstract))
@@ -214,7 +222,7 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint(data_path, tmp_path
 
 
 def debug_state(mesh_dim, devices):
-    config = ConfigDict(dict(llama=LLaMAConfig.get_default_config(), dtype="fp32", param_dtype="fp32"))
+    config = ConfigDict(dict(llama=llama_flags(), dtype="fp32", param_dtype="fp32"))
     model = FAMILY.build(config)
     tx, _ = optimizers.get_optimizer(optimizers.get_default_config())
     mesh = make_mesh(mesh_dim, jax.devices()[:devices])
@@ -425,7 +433,7 @@ ONE_LAYER = "--llama.num_hidden_layers=1"  # fewer arrays: less to compile per c
 
 
 def dtype_model(param_dtype, layers=1):
-    config = ConfigDict(dict(llama=LLaMAConfig.get_default_config({"num_hidden_layers": layers}),
+    config = ConfigDict(dict(llama=llama_flags({"num_hidden_layers": layers}),
                              dtype=param_dtype, param_dtype=param_dtype))
     tx, _ = optimizers.get_optimizer(optimizers.get_default_config())
     return FAMILY.build(config), tx
@@ -445,7 +453,7 @@ def save_run(config, steps, cast_params=None, **checkpointer):
     as the trainer writes them (its data state included); `cast_params` stores the
     parameters in another dtype, as --param_dtype would."""
     from easylm.data import DatasetFactory
-    from easylm.tokenizer import load_tokenizer
+    from easylm.data.tokenizer import load_tokenizer
 
     model = FAMILY.build(config)
     tx, _ = optimizers.get_optimizer(config.optimizer)
@@ -733,7 +741,7 @@ def test_training_in_process_gives_the_sigterm_handler_back(data_path, tmp_path,
 def test_one_trainer_per_run_directory(data_path, tmp_path, monkeypatch):
     import socket
 
-    from easylm import run_lock
+    from easylm.training import run_lock
 
     monkeypatch.setenv("WANDB_MODE", "disabled")
     config = run_flags(tmp_path, data_path, ONE_LAYER, "--total_steps=1")
@@ -748,7 +756,7 @@ def test_one_trainer_per_run_directory(data_path, tmp_path, monkeypatch):
     assert os.listdir(run_dir) == ["lock"]  # the second trainer touched nothing
     # A trainer killed with SIGKILL leaves its lock file, but not the lock.
     killed = subprocess.run(
-        [sys.executable, "-c", "import os, signal, sys; from easylm.run_lock import RunLock; "
+        [sys.executable, "-c", "import os, signal, sys; from easylm.training.run_lock import RunLock; "
                                "RunLock(sys.argv[1]).acquire(); os.kill(os.getpid(), signal.SIGKILL)",
          str(run_dir)], env=ENV)
     assert killed.returncode == -signal.SIGKILL

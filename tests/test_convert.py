@@ -9,14 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from numerics import assert_close, forward_rel
 from safetensors.numpy import load_file
 from transformers import LlamaForCausalLM as HFLlama
 
-from numerics import assert_close, forward_rel
-
 from easylm.llama.config import LLaMAConfig
 from easylm.llama.convert_easylm_to_hf import export, load_checkpoint, verify
-from easylm.llama.convert_hf_to_easylm import load_hf_params
+from easylm.llama.hf import load_hf_params
 from easylm.llama.model import LLaMAForCausalLM
 
 VARIANTS = {

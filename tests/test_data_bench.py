@@ -1,9 +1,9 @@
-"""`python -m easylm.data.bench`: every measurement it reports, on a small corpus."""
+"""`python -m easylm.data.throughput`: every measurement it reports, on a small corpus."""
 
 import json
 
-from easylm.data.bench import bench_data
 from easylm.data.embedded.stories import documents
+from easylm.data.throughput import bench_data
 
 
 def test_bench_measures_text_cache_and_mixture(tmp_path):

@@ -15,12 +15,11 @@ from data_utils import assert_same, load, read
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from easylm.data import DatasetFactory
-from easylm.data import cache as cache_module
+from easylm.data import DatasetFactory, cache as cache_module
 from easylm.data.cache import CacheSource, build, verify
 from easylm.data.embedded.stories import documents
+from easylm.data.tokenizer import load_tokenizer
 from easylm.errors import UserError
-from easylm.tokenizer import load_tokenizer
 
 T, B = 32, 4
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

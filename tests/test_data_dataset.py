@@ -12,9 +12,9 @@ from data_utils import assert_same, load, read
 
 from easylm.data import DatasetFactory, make_global_batch, merge_state_dicts
 from easylm.data.embedded.stories import documents
+from easylm.data.tokenizer import load_tokenizer
 from easylm.errors import UserError
-from easylm.sharding import make_mesh
-from easylm.tokenizer import load_tokenizer
+from easylm.runtime.sharding import make_mesh
 
 T, B = 32, 4
 

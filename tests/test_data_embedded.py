@@ -4,7 +4,7 @@ import json
 
 from easylm.data import embedded
 from easylm.data.embedded.generate import generate
-from easylm.tokenizer import load_tokenizer
+from easylm.data.tokenizer import load_tokenizer
 
 
 def test_regeneration_is_byte_identical(tmp_path):

@@ -15,8 +15,8 @@ from easylm.data.cache import build
 from easylm.data.embedded.stories import documents
 from easylm.data.preview import main as preview_main
 from easylm.data.reader import prepare_records
+from easylm.data.tokenizer import load_tokenizer
 from easylm.errors import UserError
-from easylm.tokenizer import load_tokenizer
 
 T, B = 32, 4
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

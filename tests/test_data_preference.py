@@ -11,7 +11,7 @@ from data_utils import assert_same, encode, load, read, tokenizer  # noqa: F401 
 
 from easylm.data import DatasetFactory, merge_state_dicts
 from easylm.data.embedded.stories import documents
-from easylm.data.preference import PreferenceProcessor
+from easylm.data.pairs import PreferenceProcessor
 from easylm.data.preview import preview
 from easylm.errors import UserError
 

@@ -1,16 +1,16 @@
 """`python -m easylm.data.preview`: marked spans, statistics, one-line errors."""
 
-import pytest
 import json
 import os
 import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from easylm.data import DatasetFactory
 from easylm.data.preview import preview
-from easylm.tokenizer import load_tokenizer
+from easylm.data.tokenizer import load_tokenizer
 
 
 def sft_file(tmp_path):

@@ -6,8 +6,8 @@ from transformers import PreTrainedTokenizerFast
 
 from easylm.data import embedded
 from easylm.data.text import TextProcessor, parse_fields, parse_json_line
+from easylm.data.tokenizer import load_tokenizer
 from easylm.errors import UserError
-from easylm.tokenizer import load_tokenizer
 
 BOS, EOS = 1, 2
 

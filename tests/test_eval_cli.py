@@ -10,13 +10,13 @@ import sys
 
 import jax
 import pytest
+from cli_utils import one_line_error
+from serving_utils import make_tokenizer, tiny_config
 
-from easylm import checkpoint
 from easylm.errors import UserError
 from easylm.llama import eval as eval_cli
 from easylm.llama.model import LLaMAForCausalLM
-from cli_utils import one_line_error
-from serving_utils import make_tokenizer, tiny_config
+from easylm.runtime import checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {k: os.environ[k] for k in ("JAX_PLATFORMS", "XLA_FLAGS", "HF_HUB_OFFLINE", "WANDB_MODE")}
@@ -69,7 +69,7 @@ def test_evaluates_a_checkpoint_and_writes_results_beside_it(trained):
 def test_registered_as_lm_eval_model_easylm(trained):
     import lm_eval.api.registry
 
-    import easylm.llama.harness  # noqa: F401
+    import easylm.llama.lm_eval_model  # noqa: F401
 
     directory, tokenizer = trained
     cls = lm_eval.api.registry.get_model("easylm")
@@ -109,7 +109,7 @@ def test_bad_input_is_one_line(trained, tmp_path, capsys, monkeypatch):
     # Without lm-eval: the line says how to install it.
     with monkeypatch.context() as patch:
         patch.setitem(sys.modules, "lm_eval", None)  # as if not installed
-        patch.delitem(sys.modules, "easylm.evaluation")
+        patch.delitem(sys.modules, "easylm.evaluation.harness")
         message = expect_error([*good, "--tasks=tiny_mc"], capsys)
         assert re.fullmatch(r"the Python package 'lm_eval' is not installed \(needed by "
                             r"easylm/evaluation\.py:\d+\); install the eval extra: "

@@ -1,4 +1,4 @@
-"""lm-eval in-process (`easylm.evaluation.HarnessLM`) against lm-eval's `hf` backend and
+"""lm-eval in-process (`easylm.evaluation.harness.HarnessLM`) against lm-eval's `hf` backend and
 the HTTP server under `local-completions`: one tiny random HF model, the local tasks in
 tests/eval_tasks/ (multiple choice, rolling log-likelihood, generate_until), and a
 tokenizer that adds BOS and one that does not."""
@@ -14,17 +14,15 @@ import pytest
 import torch
 from lm_eval.api.instance import Instance
 from lm_eval.models.huggingface import HFLM
+from serving_utils import ServerThread, make_tokenizer, tiny_config
 from transformers import LlamaForCausalLM as HFLlama
 
 from easylm import flags as flag_lib
 from easylm.errors import UserError
-from easylm.evaluation import HarnessLM, load_tasks, task_manager
-from easylm.serving import scoring
-from easylm.serving import server as server_lib
-from easylm.serving.batcher import Batcher
+from easylm.evaluation.harness import HarnessLM, load_tasks, task_manager
 from easylm.llama.family import FAMILY
-from easylm.serving import cli as serving_cli
-from serving_utils import ServerThread, make_tokenizer, tiny_config
+from easylm.serving import cli as serving_cli, scoring, server as server_lib
+from easylm.serving.batcher import Batcher
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASKS = ["tiny_mc", "tiny_rolling", "tiny_gen"]
@@ -226,9 +224,9 @@ def harness_run(tmp_path_factory):
     from jax import monitoring
     from jax._src.array import ArrayImpl
 
-    from easylm import logger, trainer
-    from easylm.evaluation import HarnessHook
+    from easylm.evaluation.harness import HarnessHook
     from easylm.llama import train
+    from easylm.training import logger, trainer
 
     root = tmp_path_factory.mktemp("harness-run")
     step, calls, compiles, waits = [0], [], {}, collections.Counter()
@@ -273,7 +271,7 @@ def test_training_logs_the_live_parameters_harness_metrics(harness_run):
     same steps; the engine is built once (no new program in the second evaluation)."""
     from test_logger import read_events
 
-    from easylm.evaluation import evaluate, harness_metrics
+    from easylm.evaluation.harness import evaluate, harness_metrics
     from easylm.llama import eval as eval_cli
 
     run_dir, compiles, calls, _ = harness_run

@@ -9,18 +9,20 @@ import pathlib
 import jax
 import numpy as np
 import pytest
+import toy_family
 from fastapi.testclient import TestClient
 
-import toy_family
-from easylm import bench, checkpoint, families, plan, trainer
-from easylm import flags as flag_lib
+from easylm import bench, flags as flag_lib, plan
 from easylm.errors import UserError
+from easylm.models import registry
+from easylm.runtime import checkpoint
 from easylm.serving import cli as serving_cli
 from easylm.serving.batcher import SamplingParams
+from easylm.training import trainer
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "easylm"
 # Modules outside easylm/llama/ allowed to import easylm.llama. None: the generic commands
-# reach LLaMA through easylm/families.py, which names it by string and imports it lazily.
+# reach LLaMA through easylm/registry.py, which names it by string and imports it lazily.
 ENTRY_POINTS: set[str] = set()
 TOY = toy_family.FAMILY
 
@@ -58,14 +60,14 @@ def test_the_import_check_sees_every_import_form(tmp_path):
 
 
 def test_the_registry_imports_families_lazily_and_names_bad_ones():
-    assert families.get("llama").name == "llama"
-    assert families.get("toy_family:FAMILY") is TOY
-    family, rest = families.from_argv(["prog", "--family=toy_family:FAMILY", "--x=1"])
+    assert registry.get("llama").name == "llama"
+    assert registry.get("toy_family:FAMILY") is TOY
+    family, rest = registry.from_argv(["prog", "--family=toy_family:FAMILY", "--x=1"])
     assert family is TOY and rest == ["prog", "--x=1"]
     with pytest.raises(UserError, match=r"^--family='gpt' is not one of llama \(or MODULE:ATTRIBUTE\)$"):
-        families.get("gpt")
+        registry.get("gpt")
     with pytest.raises(UserError, match=r"is not a ModelFamily$"):
-        families.get("toy_family:ToyConfig")
+        registry.get("toy_family:ToyConfig")
 
 
 # ------------------------------------------------- the second family, end to end
@@ -142,7 +144,7 @@ def test_a_second_family_serves_its_checkpoint(trained):
 
 
 def serving_cli_tokenizer():
-    from easylm.tokenizer import load_tokenizer
+    from easylm.data.tokenizer import load_tokenizer
 
     return load_tokenizer("embedded")
 

@@ -3,11 +3,12 @@ import dataclasses
 import jax
 import pytest
 import torch
-from flax import traverse_util
+from ml_collections import ConfigDict
 from transformers import LlamaForCausalLM as HFLlama
 
 from easylm.errors import UserError
 from easylm.llama.config import LLAMA_PRESETS, LLaMAConfig
+from easylm.llama.family import FAMILY
 from easylm.llama.model import LLaMAForCausalLM
 
 
@@ -56,10 +57,9 @@ def test_legacy_hf_config_dict():
 def test_overrides_and_flags():
     config = LLaMAConfig.from_preset("llama3_8b", max_position_embeddings=4096)
     assert config.max_position_embeddings == 4096 and config.hidden_size == 4096
-    flags = LLaMAConfig.get_default_config()
-    flags.base_model = "llama2_7b"
+    flags = FAMILY.flag_config("llama2_7b")
     flags.num_hidden_layers = 4
-    config = LLaMAConfig.from_flags(flags)
+    config = FAMILY.model_config(ConfigDict(dict(llama=flags)))
     assert config.num_hidden_layers == 4 and config.rms_norm_eps == 1e-5
     assert set(flags.keys()) == {"base_model"} | {f.name for f in dataclasses.fields(LLaMAConfig)}
 

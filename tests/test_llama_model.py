@@ -6,14 +6,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from numerics import EPS_BF16, assert_close, assert_differs, forward_rel, fp32_rel
 from transformers import LlamaForCausalLM as HFLlama
 
-from numerics import EPS_BF16, assert_close, assert_differs, fp32_rel, forward_rel
-
-from easylm.attention import segment_mask, xla_attention
 from easylm.llama.config import REMAT_POLICIES, LLaMAConfig
-from easylm.llama.hf_weights import from_hf, to_hf
+from easylm.llama.hf import from_hf, to_hf
 from easylm.llama.model import LLaMAForCausalLM, stack_layers, unstack_layers
+from easylm.models.attention import segment_mask, xla_attention
 
 # Larger-than-default init so attention is peaked and a wrong rotary angle or
 # mask shows up far above the tolerance.

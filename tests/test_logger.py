@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from easylm import logger
 from easylm.llama import train
-from easylm.logger import format_metrics, progress_postfix
+from easylm.training import logger
+from easylm.training.logger import format_metrics, progress_postfix
 
 STEP = {"loss": 2.5, "accuracy": 0.4, "learning_rate": 1e-3, "gradient_norm": 0.7}
 

@@ -1,4 +1,4 @@
-"""LoRA and QLoRA (easylm/lora.py, easylm/llama/lora.py): step 0 is the base model, only
+"""LoRA and QLoRA (easylm/variants/lora.py, easylm/llama/adapters.py): step 0 is the base model, only
 adapters train, merged = unmerged on every mesh, PEFT interop both ways, quantization
 error within each format's bound, and the frozen base stored in its format."""
 
@@ -16,12 +16,23 @@ import torch
 from transformers import LlamaForCausalLM as HFLlama
 
 from easylm.errors import UserError
+from easylm.llama.adapters import load_peft, lora_model, save_peft
 from easylm.llama.config import LLaMAConfig
-from easylm.llama.hf_weights import from_hf, from_peft
-from easylm.llama.lora import load_peft, lora_model, save_peft
+from easylm.llama.hf import from_hf, from_peft
 from easylm.llama.model import PARTITION_RULES, LLaMAForCausalLM, stack_layers
-from easylm.lora import NF4_BLOCK, LoraConfig, partition_rules, quantize_kernel, read_peft
-from easylm.sharding import make_mesh, match_partition_rules, named_shardings, path_to_string
+from easylm.runtime.sharding import (
+    make_mesh,
+    match_partition_rules,
+    named_shardings,
+    path_to_string,
+)
+from easylm.variants.lora import (
+    NF4_BLOCK,
+    LoraConfig,
+    partition_rules,
+    quantize_kernel,
+    read_peft,
+)
 
 # Larger-than-default init (as the HF parity tests use) so that logits are O(1) and a
 # wrong adapter shows far above the tolerances.

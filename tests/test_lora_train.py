@@ -17,23 +17,24 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from cli_utils import one_line_error
 from flax import traverse_util
+from test_checkpoint import ENV, command, data_path, metrics, run_until  # noqa: F401
 from transformers import LlamaForCausalLM as HFLlama
 
-from cli_utils import one_line_error
-from test_checkpoint import ENV, command, data_path, metrics, run_until  # noqa: F401
-
-from easylm import checkpoint, flags, trainer
+from easylm import flags
 from easylm.errors import UserError
 from easylm.llama import convert_easylm_to_hf as convert, train
+from easylm.llama.adapters import lora_model
 from easylm.llama.config import LLaMAConfig
-from easylm.llama.convert_hf_to_easylm import load_hf_params
 from easylm.llama.family import FAMILY
-from easylm.llama.lora import lora_model
+from easylm.llama.hf import load_hf_params
 from easylm.llama.model import LLaMAForCausalLM
-from easylm.lora import LoraConfig
+from easylm.runtime import checkpoint
+from easylm.runtime.sharding import path_to_string
 from easylm.serving import cli as serving_cli
-from easylm.sharding import path_to_string
+from easylm.training import trainer
+from easylm.variants.lora import LoraConfig
 
 # nf4 blocks need kernels' input dimensions to be multiples of 64.
 HF_SHAPE = dict(num_hidden_layers=2, rope_theta=50000.0)

@@ -3,14 +3,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
-
 from numerics import EPS_BF16, assert_close, forward_rel
 
 from easylm.errors import UserError
 from easylm.llama.config import LLaMAConfig
 from easylm.llama.model import PARTITION_RULES, LLaMAForCausalLM, lm_head_weight
-from easylm.losses import chunked_next_token_loss, next_token_loss
-from easylm.sharding import BATCH_AXES, init_sharded, make_mesh
+from easylm.objectives.next_token import chunked_next_token_loss, next_token_loss
+from easylm.runtime.sharding import BATCH_AXES, init_sharded, make_mesh
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -17,13 +17,14 @@ import numpy as np
 import pytest
 from numerics import forward_rel
 
-from easylm import flags, optimizers, trainer
+from easylm import flags
 from easylm.data import DatasetFactory
+from easylm.data.tokenizer import load_tokenizer
 from easylm.llama import train
 from easylm.llama.config import LLaMAConfig
-from easylm.sharding import make_mesh
-from easylm.tokenizer import load_tokenizer
 from easylm.llama.family import FAMILY
+from easylm.runtime.sharding import make_mesh
+from easylm.training import optimizers, trainer
 
 pytestmark = pytest.mark.slow  # several processes each
 

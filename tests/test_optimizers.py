@@ -8,8 +8,8 @@ import numpy as np
 import optax
 import pytest
 
-from easylm import optimizers
 from easylm.errors import UserError
+from easylm.training import optimizers
 
 PARAMS = {
     "model": {

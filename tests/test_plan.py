@@ -8,10 +8,11 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from easylm import flags, optimizers, plan, trainer
+from easylm import flags, plan
 from easylm.llama import train
-from easylm.sharding import BATCH_AXES, make_mesh
 from easylm.llama.family import FAMILY
+from easylm.runtime.sharding import BATCH_AXES, make_mesh
+from easylm.training import optimizers, trainer
 
 # Two CPU-sized shapes with scanned layers (see plan.py on unscanned ones): attention
 # scores dominate A's activations (T=256 > D=128); projections and weights dominate B's.

@@ -4,9 +4,9 @@ one PNG, read back and checked pixel by pixel; one clear line for each bad run d
 import json
 
 import numpy as np
+from cli_utils import one_line_error
 from PIL import Image
 
-from cli_utils import one_line_error
 from easylm import plot
 
 # matplotlib's first two cycle colours: run 1, run 2.

@@ -16,13 +16,19 @@ import torch.nn.functional as F
 from jax.sharding import NamedSharding, PartitionSpec as P
 from transformers import LlamaForCausalLM as HFLlama
 
-from easylm import preference, trainer
 from easylm.llama import train as llama_train
 from easylm.llama.config import LLaMAConfig
 from easylm.llama.family import FAMILY
-from easylm.llama.hf_weights import from_hf
+from easylm.llama.hf import from_hf
 from easylm.llama.model import PARTITION_RULES, LLaMAForCausalLM
-from easylm.sharding import BATCH_AXES, make_mesh, match_partition_rules, named_shardings
+from easylm.objectives import preference
+from easylm.runtime.sharding import (
+    BATCH_AXES,
+    make_mesh,
+    match_partition_rules,
+    named_shardings,
+)
+from easylm.training import trainer
 
 T = 16
 CONFIG = preference.get_default_config({
@@ -498,7 +504,7 @@ def qlora_run(pair_files, tmp_path_factory):
 
 
 def test_dpo_with_qlora_learns_with_the_base_as_its_reference(qlora_run):
-    from easylm import checkpoint
+    from easylm.runtime import checkpoint
 
     got, output_dir = qlora_run
     first, last = got[1], got[10]

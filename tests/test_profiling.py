@@ -1,4 +1,4 @@
-"""easylm.profiling: the trace summary on synthetic GPU and CPU traces, `bench train
+"""easylm.runtime.profiling: the trace summary on synthetic GPU and CPU traces, `bench train
 --profile_steps`, and the trainer's profile window (also when the run ends inside it)."""
 
 import csv
@@ -9,10 +9,10 @@ import os
 
 import jax
 import pytest
-
-from easylm import profiling
-from easylm.llama import train
 from test_bench import run_bench
+
+from easylm.llama import train
+from easylm.runtime import profiling
 
 GEMM = "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64"
 SDPA = "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3"

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from serving_utils import make_tokenizer
 from transformers import LlamaForCausalLM as HFLlama
 
 from easylm import flags as flag_lib
@@ -13,11 +14,10 @@ from easylm.errors import UserError
 from easylm.llama.config import LLaMAConfig
 from easylm.llama.family import FAMILY
 from easylm.llama.model import PARTITION_RULES, LLaMAForCausalLM
-from easylm.lora import dequantize, flat, nested
-from easylm.quantize import Int8Model, weight_bytes
+from easylm.runtime.sharding import make_mesh
 from easylm.serving import cli as serving_cli
-from easylm.sharding import make_mesh
-from serving_utils import make_tokenizer
+from easylm.variants.lora import dequantize, flat, nested
+from easylm.variants.quantize import Int8Model, weight_bytes
 
 IDS = np.random.RandomState(0).randint(0, 512, (8, 64))
 

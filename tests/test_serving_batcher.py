@@ -4,9 +4,9 @@ import dataclasses
 import threading
 
 import pytest
+from serving_utils import GREEDY, PROMPTS, full_forward_greedy, tokenizer  # noqa: F401 (a fixture)
 
 from easylm.serving.batcher import Generation, SamplingParams
-from serving_utils import GREEDY, PROMPTS, full_forward_greedy, tokenizer  # noqa: F401 (a fixture)
 
 
 def test_stop_tokens_strings_and_max_tokens(served, tokenizer):

@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from serving_utils import log_softmax, make_tokenizer, tiny_config
 from transformers import LlamaForCausalLM as HFLlama
 
-from easylm import checkpoint
 from easylm import flags as flag_lib
 from easylm.errors import UserError
-from easylm.llama.model import LLaMAForCausalLM
 from easylm.llama.family import FAMILY
+from easylm.llama.model import LLaMAForCausalLM
+from easylm.runtime import checkpoint
 from easylm.serving import cli as serving_cli
-from serving_utils import log_softmax, make_tokenizer, tiny_config
 
 ENV = {k: os.environ[k] for k in ("JAX_PLATFORMS", "XLA_FLAGS", "HF_HUB_OFFLINE", "WANDB_MODE")}
 

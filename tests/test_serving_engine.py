@@ -6,15 +6,23 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaForCausalLM as HFLlama
 from jax.sharding import PartitionSpec as P
+from numerics import assert_close, assert_differs, forward_rel
+from serving_utils import (  # noqa: F401 (a fixture)
+    GREEDY,
+    PROMPTS,
+    SHORT,
+    full_forward_greedy,
+    make_batcher,
+    tiny_config,
+    tokenizer,
+)
+from transformers import LlamaForCausalLM as HFLlama
 
-from easylm.llama.hf_weights import from_hf
+from easylm.llama.hf import from_hf
+from easylm.runtime.sharding import make_mesh
 from easylm.serving import engine as engine_lib
 from easylm.serving.batcher import SamplingParams
-from easylm.sharding import make_mesh
-from numerics import assert_close, assert_differs, forward_rel
-from serving_utils import GREEDY, PROMPTS, SHORT, full_forward_greedy, make_batcher, tiny_config, tokenizer  # noqa: F401 (a fixture)
 
 
 @pytest.mark.parametrize("scan_layers", [False, True])

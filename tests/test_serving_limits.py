@@ -10,10 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from ml_collections import ConfigDict
-
-from easylm.serving import limits
-from easylm.serving import server as server_lib
 from serving_utils import ServerThread, make_batcher, make_tokenizer
+
+from easylm.serving import limits, server as server_lib
 
 KEY = "limits-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -11,9 +11,9 @@ import time
 
 import httpx
 import pytest
+from serving_utils import ServerThread, make_batcher, make_tokenizer
 
 from easylm.serving import server as server_lib
-from serving_utils import ServerThread, make_batcher, make_tokenizer
 
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 pytestmark = pytest.mark.skipif(

@@ -5,10 +5,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from serving_utils import PROMPTS, tokenizer  # noqa: F401 (a fixture)
 
 from easylm.serving.batcher import SamplingParams
 from easylm.serving.sampling import next_tokens
-from serving_utils import PROMPTS, tokenizer  # noqa: F401 (a fixture)
 
 
 def test_sampling_is_seeded_and_independent_of_the_batch(served, tokenizer):

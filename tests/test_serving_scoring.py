@@ -2,9 +2,9 @@
 
 import numpy as np
 import pytest
+from serving_utils import full_forward_greedy, log_softmax
 
 from easylm.serving import scoring
-from serving_utils import full_forward_greedy, log_softmax
 
 
 def test_loglikelihood_matches_a_full_forward(served, logprob_atol):

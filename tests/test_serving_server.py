@@ -13,15 +13,13 @@ import httpx
 import openai
 import pytest
 from fastapi.testclient import TestClient
+from numerics import logprob_atol_for
+from serving_utils import ServerThread, log_softmax, make_batcher, make_tokenizer
 
 from easylm import flags as flag_lib
 from easylm.errors import UserError
-from easylm.serving import scoring
-from easylm.serving import server as server_lib
 from easylm.llama.family import FAMILY
-from easylm.serving import cli as serving_cli
-from numerics import logprob_atol_for
-from serving_utils import ServerThread, log_softmax, make_batcher, make_tokenizer
+from easylm.serving import cli as serving_cli, scoring, server as server_lib
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -1,7 +1,8 @@
 """TextStream: incremental detokenization."""
 
-from easylm.serving.text import TextStream
 from serving_utils import tokenizer  # noqa: F401 (a fixture)
+
+from easylm.serving.text import TextStream
 
 
 def test_text_stream_matches_whole_decode_and_holds_back_stop_prefixes(tokenizer):

@@ -3,15 +3,25 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
-
 from numerics import assert_close, forward_rel
 
 from easylm.errors import UserError
 from easylm.llama.config import LLaMAConfig
-from easylm.llama.model import PARTITION_RULES, LLaMAForCausalLM, stack_layers, unstack_layers
-from easylm.sharding import (
-    BATCH_AXES, hybrid_mesh_shape, make_mesh, match_partition_rules, named_shardings,
-    parse_mesh_dim, path_to_string, init_sharded,
+from easylm.llama.model import (
+    PARTITION_RULES,
+    LLaMAForCausalLM,
+    stack_layers,
+    unstack_layers,
+)
+from easylm.runtime.sharding import (
+    BATCH_AXES,
+    hybrid_mesh_shape,
+    init_sharded,
+    make_mesh,
+    match_partition_rules,
+    named_shardings,
+    parse_mesh_dim,
+    path_to_string,
 )
 
 

@@ -5,8 +5,8 @@ import shutil
 import pytest
 
 from easylm.data import embedded
+from easylm.data.tokenizer import load_tokenizer
 from easylm.errors import UserError
-from easylm.tokenizer import load_tokenizer
 
 TEXT = "Once upon a time, there was a brave owl named Lily."
 

@@ -13,11 +13,13 @@ import jax
 import pytest
 from fastapi.testclient import TestClient
 
-from easylm import checkpoint, flags, optimizers, trainer
+from easylm import flags
 from easylm.llama import train
 from easylm.llama.config import LLaMAConfig
 from easylm.llama.family import FAMILY
+from easylm.runtime import checkpoint
 from easylm.serving import cli as serving_cli
+from easylm.training import optimizers, trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

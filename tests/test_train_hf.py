@@ -10,18 +10,19 @@ import numpy as np
 import pytest
 import torch
 from flax import traverse_util
+from numerics import forward_rel
 from transformers import LlamaForCausalLM as HFLlama
 
-from numerics import forward_rel
-
-from easylm import checkpoint, flags, trainer
+from easylm import flags
 from easylm.data import DatasetFactory
+from easylm.data.tokenizer import load_tokenizer
 from easylm.errors import UserError
 from easylm.llama import train
 from easylm.llama.config import LLaMAConfig
-from easylm.llama.convert_hf_to_easylm import load_hf_params
-from easylm.tokenizer import load_tokenizer
 from easylm.llama.family import FAMILY
+from easylm.llama.hf import load_hf_params
+from easylm.runtime import checkpoint
+from easylm.training import trainer
 
 
 def make_hf(directory):

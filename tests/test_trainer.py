@@ -10,15 +10,13 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import ConfigDict
+from numerics import assert_close, forward_rel, fp32_rel
 
-from numerics import assert_close, fp32_rel, forward_rel
-
-from easylm import optimizers, trainer
 from easylm.llama.config import LLaMAConfig
-from easylm.losses import LossSums
-from easylm.sharding import BATCH_AXES, make_mesh
 from easylm.llama.family import FAMILY
-
+from easylm.objectives.next_token import LossSums
+from easylm.runtime.sharding import BATCH_AXES, make_mesh
+from easylm.training import optimizers, trainer
 
 # The debug model's forward pass at 32 positions, as a relative tolerance; at
 # initialisation its logits (|logit| < 1) are far smaller than the loss (ln 512), so twice
@@ -26,8 +24,15 @@ from easylm.llama.family import FAMILY
 REL = forward_rel(LLaMAConfig.from_preset("debug"), 32)
 
 
+def llama_flags(updates=None):
+    """The --llama.* flag tree of the debug preset, with `updates`."""
+    flags = FAMILY.flag_config("debug")
+    flags.update(updates or {})
+    return flags
+
+
 def debug_model(dtype="fp32", param_dtype="fp32", **llama):
-    config = ConfigDict(dict(llama=LLaMAConfig.get_default_config(llama), dtype=dtype,
+    config = ConfigDict(dict(llama=llama_flags(llama), dtype=dtype,
                              param_dtype=param_dtype))
     return FAMILY.build(config)
 

@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from easylm.family import Model, ModelFamily
-from easylm.losses import causal_lm_loss
-from easylm.sharding import BATCH_AXES
+from easylm.models.family import Model, ModelFamily
+from easylm.objectives.next_token import causal_lm_loss
+from easylm.runtime.sharding import BATCH_AXES
 
 
 @dataclasses.dataclass(frozen=True)

@@ -85,7 +85,6 @@ def build(dataset_config, tokenizer, output, shard_size=65536, processes=1, prog
     """Builds (or finishes) the cache of the json or map-style huggingface dataset that
     `dataset_config` (a DatasetFactory config) names. Returns the index."""
     from easylm.data.dataset import DatasetFactory, open_source
-    from easylm.data.text import TextProcessor
 
     config = DatasetFactory.get_default_config(dataset_config)
     if config.type not in ("json", "huggingface"):
@@ -502,7 +501,7 @@ def help_text():
 @exit_on_user_error
 def main(argv=None):
     from easylm import flags
-    from easylm.tokenizer import load_tokenizer
+    from easylm.data.tokenizer import load_tokenizer
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", force=True)
     c = flags.parse(default_config(), help_text(), argv or sys.argv, USAGE)

@@ -36,11 +36,19 @@ import numpy as np
 from ml_collections import ConfigDict
 
 from easylm.data.packing import Stream, segment_positions
-from easylm.data.preference import (PairStream, PreferenceProcessor, make_pair_batch,
-                                    open_pairs)
+from easylm.data.pairs import (
+    PairStream,
+    PreferenceProcessor,
+    make_pair_batch,
+    open_pairs,
+)
 from easylm.data.reader import Prefetcher, WindowReader
-from easylm.data.sources import (HuggingfaceSource, IndexedOrder, JsonSource,
-                                 StreamingOrder)
+from easylm.data.sources import (
+    HuggingfaceSource,
+    IndexedOrder,
+    JsonSource,
+    StreamingOrder,
+)
 from easylm.data.text import TextProcessor
 from easylm.errors import UserError
 
@@ -472,7 +480,7 @@ def make_global_batch(batch, mesh):
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from easylm.sharding import BATCH_AXES
+    from easylm.runtime.sharding import BATCH_AXES
 
     def sharding(x):  # rows split, every other axis whole
         return NamedSharding(mesh, P(BATCH_AXES, *(None,) * (x.ndim - 1)))

@@ -18,10 +18,10 @@ from ml_collections import ConfigDict
 
 from easylm import flags
 from easylm.data.dataset import DatasetFactory, loader_block
-from easylm.data.preference import SIDES, render_pair
+from easylm.data.pairs import SIDES, render_pair
 from easylm.data.reader import prepare_records
+from easylm.data.tokenizer import load_tokenizer
 from easylm.errors import exit_on_user_error
-from easylm.tokenizer import load_tokenizer
 
 USAGE = "usage: python -m easylm.data.preview [--train_dataset.*=...] [--tokenizer=...]"
 HELP = {

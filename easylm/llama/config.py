@@ -13,10 +13,9 @@ overrides on top. On the command line the same happens through
 import dataclasses
 from typing import Any
 
-from ml_collections import ConfigDict
-
-from easylm import remat
 from easylm.errors import UserError
+from easylm.models import remat
+from easylm.models.family import preset_config
 
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "dot_product", "cudnn")
 REMAT_POLICIES = remat.NAMES
@@ -116,25 +115,9 @@ class LLaMAConfig:
 
     # ----------------------------------------------------------------- presets
 
-    # The generic preset and flag handling is the family's (easylm.family.ModelFamily).
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "LLaMAConfig":
-        return _family().from_preset(name, **overrides)
-
-    @classmethod
-    def get_default_config(cls, updates=None) -> ConfigDict:
-        """Flag tree for `--llama.*`: a preset name plus optional per-field overrides."""
-        config = _family().flag_config("debug")
-        if updates is not None:
-            config.update(ConfigDict(updates).copy_and_resolve_references())
-        return config
-
-    @classmethod
-    def from_flags(cls, config: ConfigDict) -> "LLaMAConfig":
-        """Build from the `--llama.*` flag tree: the preset, then the fields the user set."""
-        config = dict(config)
-        name = config.pop("base_model")
-        return cls.from_preset(name, **{k: v for k, v in config.items() if v is not None})
+        return preset_config(cls, LLAMA_PRESETS, name, "llama", **overrides)
 
     def replace(self, **changes) -> "LLaMAConfig":
         return dataclasses.replace(self, **changes)
@@ -251,12 +234,6 @@ class LLaMAConfig:
         elif rope_type != "default":
             raise UserError(f"rope type {rope_type!r} is not supported (supported: default, llama3)")
         return cls(**{**fields, **overrides})
-
-
-def _family():
-    from easylm.llama.family import FAMILY
-
-    return FAMILY
 
 
 def _first_int(value, default: int | None) -> int | None:

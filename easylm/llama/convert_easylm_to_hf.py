@@ -32,15 +32,22 @@ import numpy as np
 from ml_collections import ConfigDict
 
 from easylm import flags
-from easylm.checkpoint import (check_free_space, disk_full_error, is_disk_full, load_params,
-                               parse_load_spec, read_metadata, stored_tree)
-from easylm.dtypes import cast_names
 from easylm.errors import INSTALL, UserError, exit_on_user_error
-from easylm.hf_checkpoint import write_safetensors
 from easylm.llama.config import LLaMAConfig
-from easylm.llama.hf_weights import to_hf
+from easylm.llama.hf import to_hf
 from easylm.llama.model import LLaMAForCausalLM
-from easylm.sharding import make_mesh
+from easylm.models.hf_checkpoint import write_safetensors
+from easylm.runtime.checkpoint import (
+    check_free_space,
+    disk_full_error,
+    is_disk_full,
+    load_params,
+    parse_load_spec,
+    read_metadata,
+    stored_tree,
+)
+from easylm.runtime.dtypes import cast_names
+from easylm.runtime.sharding import make_mesh
 
 DTYPES = cast_names(("bf16", "fp32"))
 
@@ -94,7 +101,7 @@ def export(params, config: LLaMAConfig, directory: str, dtype: str = "keep",
     cast = DTYPES[dtype]
     tensors = ((name, t if cast is None else t.astype(cast)) for name, t in to_hf(params, config))
     if tokenizer:
-        from easylm.tokenizer import load_tokenizer
+        from easylm.data.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(tokenizer)
         config = config.replace(**{
@@ -135,10 +142,10 @@ def verify(params, config: LLaMAConfig, directory: str) -> float:
 def load_lora(spec: str, metadata: dict, base_spec: str = ""):
     """(config, LoraModel, frozen base as the run stored it, adapters) of a LoRA run's
     checkpoint, on one device; the base checked against the run's fingerprint."""
-    from easylm.checkpoint import fingerprint
+    from easylm.llama.adapters import load_base, lora_model
     from easylm.llama.family import FAMILY
-    from easylm.llama.lora import load_base, lora_model
-    from easylm.lora import LoraConfig
+    from easylm.runtime.checkpoint import fingerprint
+    from easylm.variants.lora import LoraConfig
 
     _, directory = parse_load_spec(spec)
     config = config_from_metadata(metadata, directory)
@@ -182,8 +189,8 @@ def verify_peft(lm, frozen, adapters, config: LLaMAConfig, directory: str) -> fl
     import torch
     from peft import PeftModel
 
+    from easylm.llama.adapters import lora_model
     from easylm.llama.family import FAMILY
-    from easylm.llama.lora import lora_model
 
     base = jax.device_get(lm.dequantized_base(frozen))
     model = PeftModel.from_pretrained(FAMILY.torch_reference(config, base), directory).eval()
@@ -259,7 +266,7 @@ def main(argv=None):
 
 def export_adapter(FLAGS, output_dir: str, metadata: dict) -> None:
     """--lora_mode=adapter: the PEFT directory, verified with peft."""
-    from easylm.llama.lora import save_peft
+    from easylm.llama.adapters import save_peft
 
     config, lm, frozen, adapters = load_lora(FLAGS.load_checkpoint, metadata, FLAGS.lora_base)
     partial = output_dir + ".partial"

@@ -9,7 +9,7 @@ Prints lm-eval's table and writes its results as JSON (and with --log_samples ev
 request and response) to --output_dir, by default CHECKPOINT-eval/ beside the
 checkpoint. The model loads as `easylm.llama.serve` loads it; its engine flags
 (--batch_size, --seq_length, ...) are the server's. lm-eval's `--model easylm` is
-`easylm.llama.harness`. See docs/evaluation.md.
+`easylm.llama.lm_eval_model`. See docs/evaluation.md.
 """
 
 import logging
@@ -19,10 +19,10 @@ import sys
 from ml_collections import ConfigDict
 from ml_collections.config_dict import placeholder
 
-from easylm import checkpoint
 from easylm import flags as flag_lib
 from easylm.errors import UserError, exit_on_user_error
 from easylm.llama.family import FAMILY
+from easylm.runtime import checkpoint
 from easylm.serving import cli as serving_cli
 
 USAGE = "usage: python -m easylm.llama.eval --load_checkpoint=... --tasks=a,b [--flag=value ...]"
@@ -69,7 +69,7 @@ def help_entries() -> dict:
 def load(config: ConfigDict, cls=None):
     """The model of `config` (`model_config()` flags) as an lm-eval model, a `HarnessLM`
     (or `cls`, a subclass)."""
-    from easylm.evaluation import HarnessLM
+    from easylm.evaluation.harness import HarnessLM
 
     _require_checkpoint(config)
     engine, tokenizer, stop_ids = serving_cli.load_engine(FAMILY, config)
@@ -107,7 +107,7 @@ def output_directory(config: ConfigDict) -> str:
 def main(argv=None):
     config = flag_lib.parse(default_config(), help_entries(), argv or sys.argv, USAGE)
     # Here, not at the top: without lm-eval installed, one line that says how to get it.
-    from easylm.evaluation import evaluate, load_tasks, table, write_results
+    from easylm.evaluation.harness import evaluate, load_tasks, table, write_results
 
     tasks = [t for t in config.tasks.split(",") if t]
     if not tasks:

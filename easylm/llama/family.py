@@ -7,13 +7,19 @@ import math
 import jax
 import jax.numpy as jnp
 
-from easylm import preference, remat
 from easylm.errors import UserError
-from easylm.family import Model, ModelFamily
+from easylm.llama import hf
 from easylm.llama.config import LLAMA_PRESETS, LLaMAConfig
-from easylm.llama.model import (CACHE_PARTITION_RULES, PARTITION_RULES, LLaMAForCausalLM,
-                                lm_head_weight)
-from easylm.losses import causal_lm_loss, chunked_next_token_loss
+from easylm.llama.model import (
+    CACHE_PARTITION_RULES,
+    PARTITION_RULES,
+    LLaMAForCausalLM,
+    lm_head_weight,
+)
+from easylm.models import remat
+from easylm.models.family import Model, ModelFamily
+from easylm.objectives import preference
+from easylm.objectives.next_token import causal_lm_loss, chunked_next_token_loss
 
 # The embedded demo: the `embedded` preset on the embedded corpus, sized to train in
 # about three minutes on two CPU cores (its warmup, 20 steps, and decay, to step 200,
@@ -89,33 +95,33 @@ class LLaMAFamily(ModelFamily):
         )
 
     def build(self, flags, config=None, from_checkpoint: bool = False) -> Model:
-        """The LLaMA model, or with `--lora.rank` > 0 its LoRA variant (easylm/llama/lora.py):
+        """The LLaMA model, or with `--lora.rank` > 0 its LoRA variant (easylm/llama/adapters.py):
         adapters trained on the frozen base --load_checkpoint names."""
         config = self.model_config(flags, from_checkpoint) if config is None else config
         model = super().build(flags, config, from_checkpoint)
         lora = flags.get("lora")
         if lora is None or not lora.rank:
             return model
-        from easylm.dtypes import dtype_from_flag
-        from easylm.llama.lora import lora_variant
-        from easylm.lora import LoraConfig
+        from easylm.llama.adapters import lora_variant
+        from easylm.runtime.dtypes import dtype_from_flag
+        from easylm.variants.lora import LoraConfig
 
         return lora_variant(model, config, LoraConfig.from_flags(lora),
                             dtype_from_flag("dtype", flags.dtype), flags.get("load_checkpoint", ""),
                             lambda directory, abstract: self.load_hf(directory, config, abstract))
 
     def merge_adapters(self, spec: str, config: LLaMAConfig, params, mesh):
-        from easylm.llama.lora import merge_into
+        from easylm.llama.adapters import merge_into
 
         return merge_into(spec, config, params)
 
     def variant_flags(self) -> dict:
-        from easylm.lora import LoraConfig
+        from easylm.variants.lora import LoraConfig
 
         return {"lora": LoraConfig.get_default_config()}
 
     def variant_help(self) -> dict:
-        from easylm.lora import HELP
+        from easylm.variants.lora import HELP
 
         return {f"lora.{name}": text for name, text in HELP.items()}
 
@@ -124,23 +130,19 @@ class LLaMAFamily(ModelFamily):
         return ("lora.",) if lora is None or not lora.rank else ()
 
     def variant_run_defaults(self, flags) -> dict:
-        from easylm.llama.lora import LORA_RUN_DEFAULTS
+        from easylm.llama.adapters import LORA_RUN_DEFAULTS
 
         lora = flags.get("lora")
         return dict(LORA_RUN_DEFAULTS) if lora is not None and lora.rank and \
             flags.get("load_checkpoint") else {}
 
     def read_hf_config(self, directory: str) -> LLaMAConfig:
-        from easylm.llama.convert_hf_to_easylm import read_hf_config
-
-        return read_hf_config(directory)
+        return hf.read_hf_config(directory)
 
     def hf_params(self, directory: str, config: LLaMAConfig):
         # As config.json describes them (laid out as `config` says): `load_hf` then checks
         # them against `config`, which the --llama.* flags may have changed.
-        from easylm.llama.convert_hf_to_easylm import load_hf_params
-
-        return load_hf_params(directory, scan_layers=config.scan_layers)[1]
+        return hf.load_hf_params(directory, scan_layers=config.scan_layers)[1]
 
     def shard_variant(self, config: LLaMAConfig, layers: int, mp: int) -> LLaMAConfig:
         return config.replace(
@@ -160,7 +162,7 @@ class LLaMAFamily(ModelFamily):
     def int8_model(self, config: LLaMAConfig, dtype, params, mesh):
         # qwix quantizes the matmuls that read a module's own kernel, so the projections
         # run unfused (the same parameters, the same numbers).
-        from easylm.quantize import Int8Model
+        from easylm.variants.quantize import Int8Model
 
         unfused = config.replace(fused_qkv=False, fused_mlp=False)
         int8 = Int8Model(LLaMAForCausalLM(unfused, dtype=dtype, param_dtype=dtype))
@@ -176,10 +178,8 @@ class LLaMAFamily(ModelFamily):
         import torch
         from transformers import LlamaForCausalLM
 
-        from easylm.llama.hf_weights import to_hf
-
         model = LlamaForCausalLM(config.to_hf_config()).eval()
-        state = {k: torch.from_numpy(np.array(v, np.float32)) for k, v in to_hf(params, config)}
+        state = {k: torch.from_numpy(np.array(v, np.float32)) for k, v in hf.to_hf(params, config)}
         model.load_state_dict(state, strict=False)  # tied models list lm_head twice
         return model
 

@@ -1,7 +1,7 @@
 """The LLaMA causal language model in Flax (LLaMA 1, 2, 3 and 3.2).
 
 Parameter names follow Hugging Face's `LlamaForCausalLM`, so converting a
-checkpoint is a table lookup (see `easylm/llama/hf_weights.py`):
+checkpoint is a table lookup (see `easylm/llama/hf.py`):
 
     model/embed_tokens/embedding                 (V, D)
     model/layers/<i>/input_layernorm/weight      (D,)
@@ -35,10 +35,10 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from easylm import remat
-from easylm.attention import attention, segment_mask
 from easylm.llama.config import LLaMAConfig
-from easylm.sharding import BATCH_AXES, constrain
+from easylm.models import remat
+from easylm.models.attention import attention, segment_mask
+from easylm.runtime.sharding import BATCH_AXES, constrain
 
 # Parameter partition rules: the one place that says how LLaMA is sharded.
 PARTITION_RULES = (
@@ -245,7 +245,7 @@ class LLaMAModel(_Layer):
                 _layer_class(c),
                 variable_axes={"params": 0},
                 # 'dropout': each layer its own key when one is given (LoRA's adapter
-                # dropout, easylm/lora.py); a scan passes no stream it does not name.
+                # dropout, easylm/variants/lora.py); a scan passes no stream it does not name.
                 split_rngs={"params": True, "dropout": True},
                 in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, 0),
                 length=c.num_hidden_layers,

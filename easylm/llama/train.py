@@ -10,8 +10,8 @@ defaults (10,000 steps, AdamW peaking at 3e-4, rows of 1024 tokens, 8 a batch;
 the run. All flags: `python -m easylm.llama.train --help`; examples in `configs/`.
 """
 
-from easylm import trainer
 from easylm.llama.family import FAMILY
+from easylm.training import trainer
 
 
 def default_config():

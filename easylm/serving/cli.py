@@ -19,12 +19,12 @@ from absl import logging as absl_logging
 from ml_collections import ConfigDict
 
 from easylm import flags as flag_lib
-from easylm import quantize
-from easylm.dtypes import dtype_from_flag
 from easylm.errors import UserError, exit_on_user_error
-from easylm.family import Model, ModelFamily, abstract_params
+from easylm.models.family import Model, ModelFamily, abstract_params
+from easylm.runtime.dtypes import dtype_from_flag
+from easylm.runtime.sharding import init_sharded, make_mesh
 from easylm.serving import engine as engine_lib
-from easylm.sharding import init_sharded, make_mesh
+from easylm.variants import quantize
 
 log = logging.getLogger("easylm.serving")  # not __name__: that is __main__ under -m
 
@@ -99,7 +99,7 @@ def load_params(family: ModelFamily, config: ConfigDict, settings, model: Model,
     prefix, _, path = config.load_checkpoint.partition("::")
     if prefix == "hf":  # the trainer's loader: tree and shapes checked against the flags
         return family.load_hf(path, settings, target)
-    from easylm import checkpoint
+    from easylm.runtime import checkpoint
 
     return checkpoint.load_params(config.load_checkpoint, target)
 
@@ -107,7 +107,7 @@ def load_params(family: ModelFamily, config: ConfigDict, settings, model: Model,
 def load_engine(family: ModelFamily, config: ConfigDict):
     """(Engine holding the checkpoint's parameters, tokenizer, end-of-sequence ids) from a
     parsed flag tree (`engine_config()` or a tree containing it)."""
-    from easylm.tokenizer import load_tokenizer
+    from easylm.data.tokenizer import load_tokenizer
 
     settings = model_config(family, config)
     model = family.build(config, settings)

@@ -11,7 +11,7 @@ Which request sits in which slot is `batcher.py`'s business; this file only
 runs arrays. The cache is sharded like training activations (batch over
 ('dp', 'fsdp'), heads over 'mp'), so a model that needs 'mp' to fit serves too.
 
-Model-agnostic: it runs a family's `easylm.family.Model` (its `apply`, `init_cache`,
+Model-agnostic: it runs a family's `easylm.models.family.Model` (its `apply`, `init_cache`,
 `cache_rules`; the cache's keys/values have axes (..., B, S, K, H)).
 
 Shapes: B slots, S cache positions (seq_length), n rows of one prefill or score
@@ -28,9 +28,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import ConfigDict
 
 from easylm.errors import UserError
-from easylm.family import Model
+from easylm.models.family import Model
+from easylm.runtime.sharding import axes_size, match_partition_rules
 from easylm.serving.sampling import TOP_LOGPROBS, next_tokens
-from easylm.sharding import axes_size, match_partition_rules
 
 HELP = {
     "batch_size": "decode slots: requests generated concurrently (continuous batching)",

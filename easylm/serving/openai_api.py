@@ -15,7 +15,6 @@ import uuid
 from typing import Any, Literal, Union
 
 import numpy as np
-
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator

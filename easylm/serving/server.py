@@ -19,7 +19,6 @@ import re
 import socket
 
 import jax
-
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, Response
@@ -29,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from easylm.errors import UserError
 from easylm.serving import easylm_api, limits, openai_api
 from easylm.serving.batcher import Batcher
+
 # The routes' shared pieces live in service.py (no import cycle); these are re-exported
 # here, where a server's setup looks for them.
 from easylm.serving.service import HELP, APIError, Service, check_config, get_default_config  # noqa: F401

@@ -2,7 +2,7 @@
 
 Only the flags' defaults and help, so that the trainer builds its flag tree without
 importing lm-eval (an optional extra, and most of a second to import); the hook itself is
-`easylm.evaluation.HarnessHook`. docs/evaluation.md ("Evaluate during training").
+`easylm.evaluation.harness.HarnessHook`. docs/evaluation.md ("Evaluate during training").
 """
 
 from ml_collections import ConfigDict

@@ -38,8 +38,16 @@ import time
 import lm_eval
 import lm_eval.models  # noqa: F401  lm-eval fills its registry only when it is empty
 from lm_eval.api.model import TemplateLM
-from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
-from lm_eval.utils import get_rolling_token_windows, handle_non_serializable, make_disjoint_window
+from lm_eval.models.utils import (
+    handle_stop_sequences,
+    normalize_gen_kwargs,
+    postprocess_generated_text,
+)
+from lm_eval.utils import (
+    get_rolling_token_windows,
+    handle_non_serializable,
+    make_disjoint_window,
+)
 from tqdm import tqdm
 
 from easylm.errors import UserError
@@ -297,7 +305,7 @@ class HarnessHook:
     `harness/<task>/<metric>` (a filter other than lm-eval's `none` adds `/<filter>`), and
     `harness/seconds`; the trainer calls it every `hook.every` steps.
 
-    Made once, before training, from the `--eval_harness.*` flags (easylm.eval_harness):
+    Made once, before training, from the `--eval_harness.*` flags (easylm.evaluation.harness_flags):
     the tasks and their data are loaded (a bad name or file is a UserError then, not at the
     first evaluation), and one engine is made on the trainer's mesh. Each call hands the
     engine `state.params` as they are (sharded, in their dtype; `model`, the trainer's
@@ -309,10 +317,10 @@ class HarnessHook:
     """
 
     def __init__(self, config, model, tokenizer, mesh):
-        from easylm import eval_harness
+        from easylm.evaluation import harness_flags
         from easylm.serving import engine as engine_lib
 
-        names = eval_harness.task_names(config)
+        names = harness_flags.task_names(config)
         max_seq_length = model.max_seq_length
         _check_hook_config(config, max_seq_length)
         self.config, self.every = config, config.freq
@@ -322,8 +330,8 @@ class HarnessHook:
             "batch_size": config.batch_size, "seq_length": seq_length,
             "min_bucket": config.min_bucket, "decode_steps": config.decode_steps})
         if config.max_gen_toks >= seq_length:
-            raise UserError(f"--eval_harness.max_gen_toks={config.max_gen_toks} leaves no room "
-                            f"for a prompt in --eval_harness.seq_length={seq_length}")
+            raise UserError(f"--harness_flags.max_gen_toks={config.max_gen_toks} leaves no room "
+                            f"for a prompt in --harness_flags.seq_length={seq_length}")
         self.lm = HarnessLM.from_params(model, None, tokenizer, mesh, engine_config,
                                         stop_token_ids=(model.eos_token_id,),
                                         max_gen_toks=config.max_gen_toks, progress=False)
@@ -360,15 +368,15 @@ def harness_metrics(results: dict) -> dict:
 def _check_hook_config(config, max_seq_length: int):
     """Flag values the hook cannot use, named as the trainer's flags."""
     if config.freq < 1:
-        raise UserError(f"--eval_harness.freq must be >= 1 with --eval_harness.tasks, got "
+        raise UserError(f"--harness_flags.freq must be >= 1 with --harness_flags.tasks, got "
                         f"{config.freq}")
     if config.limit is not None and config.limit <= 0:
-        raise UserError(f"--eval_harness.limit must be > 0, got {config.limit}")
+        raise UserError(f"--harness_flags.limit must be > 0, got {config.limit}")
     for name, low in (("num_fewshot", 0), ("bootstrap_iters", 0), ("max_gen_toks", 1),
                       ("batch_size", 1), ("seq_length", 0), ("min_bucket", 1),
                       ("decode_steps", 1)):
         if config[name] is not None and config[name] < low:
             raise UserError(f"--eval_harness.{name} must be >= {low}, got {config[name]}")
     if max_seq_length and config.seq_length > max_seq_length:
-        raise UserError(f"--eval_harness.seq_length={config.seq_length} is above the model's "
+        raise UserError(f"--harness_flags.seq_length={config.seq_length} is above the model's "
                         f"max_position_embeddings={max_seq_length}")

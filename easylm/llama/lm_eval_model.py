@@ -1,7 +1,7 @@
 """lm-eval's `--model easylm`: importing this module registers it.
 
     import lm_eval
-    import easylm.llama.harness  # noqa: F401
+    import easylm.llama.lm_eval_model  # noqa: F401
     lm_eval.simple_evaluate(model="easylm", tasks=["hellaswag"], model_args={
         "load_checkpoint": "hf::DIR", "tokenizer": "DIR", "seq_length": 2048})
 
@@ -14,7 +14,7 @@ from lm_eval.utils import simple_parse_args_string
 
 from easylm import flags as flag_lib
 from easylm.errors import UserError
-from easylm.evaluation import HarnessLM
+from easylm.evaluation.harness import HarnessLM
 from easylm.llama import eval as eval_cli
 
 

@@ -1,6 +1,6 @@
 """Preference objectives (DPO, SimPO, ORPO) as pure functions of sequence log-probabilities.
 
-A preference batch (easylm/data/preference.py) holds pair i in row i of chosen_* and of
+A preference batch (easylm/data/pairs.py) holds pair i in row i of chosen_* and of
 rejected_* (B, T): input_tokens, target_tokens, and loss_masks on the response tokens
 only; with a precomputed reference also reference_chosen_logps, reference_rejected_logps
 (B,). The steps:
@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import ConfigDict
 
 from easylm.errors import UserError
-from easylm.losses import chunked_next_token_loss, next_token_loss
+from easylm.objectives.next_token import chunked_next_token_loss, next_token_loss
 
 ROW_KEYS = ("input_tokens", "target_tokens", "loss_masks")
 REFERENCE_KEYS = ("reference_chosen_logps", "reference_rejected_logps")

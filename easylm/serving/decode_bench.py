@@ -22,12 +22,12 @@ import numpy as np
 from ml_collections import ConfigDict
 
 from easylm import flags as flag_lib
-from easylm import quantize
-from easylm.dtypes import dtype_from_flag
 from easylm.errors import UserError, exit_on_user_error
+from easylm.runtime.dtypes import dtype_from_flag
+from easylm.runtime.sharding import init_sharded, make_mesh
 from easylm.serving import engine as engine_lib
 from easylm.serving.batcher import Batcher, SamplingParams
-from easylm.sharding import init_sharded, make_mesh
+from easylm.variants import quantize
 
 HELP = {
     "batch_sizes": "comma-separated batch sizes (decode slots) to measure",
@@ -102,8 +102,8 @@ def hf_tokens_per_second(hf_model, prompts, new_tokens: int) -> float:
 
 
 def run(config: ConfigDict, family) -> list[dict]:
+    from easylm.data.tokenizer import load_tokenizer
     from easylm.serving.cli import model_config
-    from easylm.tokenizer import load_tokenizer
 
     settings = model_config(family, config)
     model = family.build(config, settings)
@@ -187,9 +187,9 @@ def format_row(row: dict) -> str:
 
 @exit_on_user_error
 def main(argv=None):
-    from easylm import families
+    from easylm.models import registry
 
-    family, argv = families.from_argv(argv or sys.argv)
+    family, argv = registry.from_argv(argv or sys.argv)
     usage = "usage: python -m easylm.bench decode [--family=NAME] [--flag=value ...]"
     help_text = {**HELP, **family.help_entries()}
     config = flag_lib.parse(default_config(family), help_text, argv, usage)

@@ -54,7 +54,7 @@ from jax.sharding import PartitionSpec as P
 from ml_collections import ConfigDict
 
 from easylm.errors import UserError
-from easylm.sharding import PartitionRules
+from easylm.runtime.sharding import PartitionRules
 
 BASE_DTYPES = ("bf16", "fp32", "int8", "nf4")
 NF4_BLOCK = 64

@@ -28,7 +28,7 @@ threads, whose totals (and HLO ops) are reported instead.
 
 `Profiler` traces a window of steps of the training loop, called from the loop.
 
-    python -m easylm.profiling LOG_DIR [STEPS]   prints a trace's summary as one JSON line
+    python -m easylm.runtime.profiling LOG_DIR [STEPS]   prints a trace's summary as one JSON line
 """
 
 import collections
@@ -230,14 +230,14 @@ class Profiler:
         steps = max(self.last or self.start, self.start) - self.start + 1
         self.log(f"profile of {steps} step(s) from step {self.start}: "
                  f"{find_trace(self.directory)}; view it in ui.perfetto.dev, or with xprof (or "
-                 f"tensorboard) --logdir {self.directory}; summary: python -m easylm.profiling "
+                 f"tensorboard) --logdir {self.directory}; summary: python -m easylm.runtime.profiling "
                  f"{self.directory} {steps}")
 
 
 @exit_on_user_error
 def main(argv=None):
     argv = list(argv or sys.argv)[1:]
-    usage = "usage: python -m easylm.profiling LOG_DIR [STEPS (traced steps, default 1)]"
+    usage = "usage: python -m easylm.runtime.profiling LOG_DIR [STEPS (traced steps, default 1)]"
     if argv[:1] in (["--help"], ["-h"]):
         print(usage)
         return

@@ -1,6 +1,6 @@
 """Data pipeline speed against raw `tokenizers` batch encoding of the same text.
 
-    python -m easylm.data.bench [--path=embedded] [--tokenizer=embedded] [--workers=1,2]
+    python -m easylm.data.throughput [--path=embedded] [--tokenizer=embedded] [--workers=1,2]
         [--copies=4] [--cache_processes=1,2] [--mixture=mix.json]
 
 Raw: `Tokenizer.encode_batch_fast` over every document's text, the ceiling for any
@@ -27,8 +27,8 @@ from ml_collections import ConfigDict
 from easylm import flags
 from easylm.data.dataset import DatasetFactory
 from easylm.data.sources import expand_paths
+from easylm.data.tokenizer import load_tokenizer
 from easylm.errors import exit_on_user_error
-from easylm.tokenizer import load_tokenizer
 
 
 def raw_tokens_per_second(tokenizer, texts, repeats=3):
@@ -139,7 +139,7 @@ def _counts(spec):
 
 @exit_on_user_error
 def main(argv=None):
-    usage = ("usage: python -m easylm.data.bench [--workers=1,2] [--path=...] "
+    usage = ("usage: python -m easylm.data.throughput [--workers=1,2] [--path=...] "
              "[--cache_processes=1,2] [--mixture=...]")
     argv = argv or sys.argv
     c = flags.parse(default_config(), HELP, argv, usage)

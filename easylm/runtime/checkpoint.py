@@ -52,9 +52,9 @@ from absl import logging as absl_logging
 from etils import epath
 from ml_collections import ConfigDict
 
-from easylm.dtypes import DTYPES, cast_names
 from easylm.errors import UserError
-from easylm.sharding import axes_size, path_to_string, spec_axes
+from easylm.runtime.dtypes import DTYPES, cast_names
+from easylm.runtime.sharding import axes_size, path_to_string, spec_axes
 
 LOAD_PREFIXES = ("params", "trainstate", "trainstate_params")
 ITEMS = ("params", "opt_state", "data", "metadata")

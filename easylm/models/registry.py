@@ -9,7 +9,7 @@ The one module outside a family's package that names it; a family's own commands
 import importlib
 
 from easylm.errors import UserError
-from easylm.family import ModelFamily
+from easylm.models.family import ModelFamily
 
 FAMILIES = {"llama": "easylm.llama.family:FAMILY"}
 DEFAULT = "llama"

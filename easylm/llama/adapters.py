@@ -1,4 +1,4 @@
-"""LLaMA with LoRA adapters (easylm/lora.py), and PEFT adapter directories for it.
+"""LLaMA with LoRA adapters (easylm/variants/lora.py), and PEFT adapter directories for it.
 
 qwix adapts the matmul that reads a module's own kernel. The fused q/k/v and gate/up
 matmuls (`--llama.fused_qkv/fused_mlp`) read a concatenation of kernels instead, so a
@@ -11,15 +11,22 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from easylm import checkpoint, preference
 from easylm.errors import UserError
-from easylm.family import Model
-from easylm.llama import hf_weights
+from easylm.llama import hf
 from easylm.llama.config import LLaMAConfig
 from easylm.llama.model import PARTITION_RULES, LLaMAForCausalLM, lm_head_weight
-from easylm.losses import chunked_next_token_loss, next_token_loss
-from easylm.lora import LoraConfig, LoraModel, partition_rules, read_peft, write_peft
-from easylm.sharding import match_partition_rules, named_shardings
+from easylm.models.family import Model
+from easylm.objectives import preference
+from easylm.objectives.next_token import chunked_next_token_loss, next_token_loss
+from easylm.runtime import checkpoint
+from easylm.runtime.sharding import match_partition_rules, named_shardings
+from easylm.variants.lora import (
+    LoraConfig,
+    LoraModel,
+    partition_rules,
+    read_peft,
+    write_peft,
+)
 
 # A LoRA run's learning rates from a pretrained base: the QLoRA paper's 2e-4 (7B-13B;
 # 1e-4 from 33B), far above full fine-tuning's, since only the adapters move.
@@ -122,7 +129,7 @@ def read_adapters(spec: str, config: LLaMAConfig) -> tuple[LoraConfig, dict]:
     (DIR or params::DIR), shaped for `config`."""
     import os
 
-    from easylm.lora import PEFT_CONFIG
+    from easylm.variants.lora import PEFT_CONFIG
 
     directory = spec.partition("::")[2] if "::" in spec else spec
     if os.path.isfile(os.path.join(directory, PEFT_CONFIG)):
@@ -163,17 +170,17 @@ def save_peft(directory: str, lm: LoraModel, adapters, config: LLaMAConfig,
     """`adapters` as a PEFT directory that `peft.PeftModel.from_pretrained` loads onto
     the HF LlamaForCausalLM of the same base."""
     unscanned = config.replace(scan_layers=False)
-    kernels = [path for path in hf_weights.param_shapes(unscanned)
+    kernels = [path for path in hf.param_shapes(unscanned)
                if _scanned(path, config) in lm.targets]
-    write_peft(directory, hf_weights.to_peft(adapters, config), lm.config,
-               hf_weights.peft_target_modules(kernels, unscanned), base_model)
+    write_peft(directory, hf.to_peft(adapters, config), lm.config,
+               hf.peft_target_modules(kernels, unscanned), base_model)
 
 
 def load_peft(directory: str, config: LLaMAConfig) -> tuple[LoraConfig, dict]:
     """(LoraConfig, adapters) from a PEFT directory (ours or peft's own), shaped for
     `config` (scanned or not); the config selects the modules the file adapts."""
     lora, tensors = read_peft(directory)
-    adapters, pattern = hf_weights.from_peft(tensors, config, lora.rank, source=directory)
+    adapters, pattern = hf.from_peft(tensors, config, lora.rank, source=directory)
     return dataclasses.replace(lora, target_modules=pattern), adapters
 
 

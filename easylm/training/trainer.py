@@ -1,13 +1,13 @@
 """The training loop and the train/eval steps, for any model family.
 
-A model family (`easylm.family.ModelFamily`) gives the trainer a `Model` (how to
+A model family (`easylm.models.family.ModelFamily`) gives the trainer a `Model` (how to
 initialise parameters, the loss, the partition rules, FLOPs per token);
 `python -m easylm.llama.train` passes LLaMA's. The train step is a pure function
 `(state, batch) -> (state, metrics)` jitted with explicit shardings and the state
 donated. `start` sets a run up (mesh, model, data, state: fresh, loaded or resumed);
 `loop` only feeds batches and logs, and calls the extras every N steps as hooks
 (`Run.add_hook(fn, every=N)`): evaluation, checkpoints, the profiler's window of
-steps (`easylm.profiling.Profiler`), preemption.
+steps (`easylm.runtime.profiling.Profiler`), preemption.
 
 Batches reach the devices from the data pipeline's background thread, a few
 steps ahead. Nothing waits for the device on an ordinary step: metrics are fetched only on
@@ -34,16 +34,26 @@ from absl import logging as absl_logging
 from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import ConfigDict
 
-from easylm import (checkpoint, distributed, eval_harness, flops, logger, optimizers,
-                    preference, profiling, run_lock)
 from easylm import flags as flag_lib
-from easylm.dtypes import dtype_from_flag
 from easylm.errors import UserError, exit_on_user_error
-from easylm.family import Model, ModelFamily
-from easylm.sharding import (BATCH_AXES, check_batch_split, constrain, init_sharded, make_mesh,
-                             match_partition_rules, mesh_string, named_shardings)
+from easylm.evaluation import harness_flags
+from easylm.models.family import Model, ModelFamily
+from easylm.objectives import preference
+from easylm.runtime import checkpoint, distributed, flops, profiling
+from easylm.runtime.dtypes import dtype_from_flag
+from easylm.runtime.sharding import (
+    BATCH_AXES,
+    check_batch_split,
+    constrain,
+    init_sharded,
+    make_mesh,
+    match_partition_rules,
+    mesh_string,
+    named_shardings,
+)
+from easylm.training import logger, optimizers, run_lock
 
-# `hf::DIR` is read by the model family's `Model.load_hf`, the rest by easylm.checkpoint.
+# `hf::DIR` is read by the model family's `Model.load_hf`, the rest by easylm.runtime.checkpoint.
 LOAD_PREFIXES = checkpoint.LOAD_PREFIXES + ("hf",)
 
 HELP = {
@@ -138,7 +148,7 @@ def get_default_config(dataset_config: ConfigDict | None = None) -> ConfigDict:
     config.checkpointer = checkpoint.get_default_config()
     config.logger = logger.get_default_config()
     config.jax_distributed = distributed.get_default_config()
-    config.eval_harness = eval_harness.get_default_config()
+    config.eval_harness = harness_flags.get_default_config()
     config.update_from_flattened_dict(_schedule_defaults(config))
     return config
 
@@ -147,7 +157,7 @@ def help_text(dataset_help: dict | None = None) -> dict:
     text = dict(HELP)
     sections = {"optimizer": optimizers.HELP, "checkpointer": checkpoint.HELP,
                 "logger": logger.HELP, "jax_distributed": distributed.HELP,
-                "eval_harness": eval_harness.HELP}
+                "eval_harness": harness_flags.HELP}
     text.update(preference.HELP, objective=preference.OBJECTIVE_HELP)
     for section in ("train_dataset", "eval_dataset"):
         sections[section] = dataset_help or {}
@@ -771,11 +781,11 @@ class Run:
     eval_step: Callable  # jitted (params, batch, totals, frozen, *extra_args) -> totals
     saved_step: int | None  # the step a checkpoint holds (no second save of it)
     frozen_reference: dict | None = None  # {"source", "fingerprint", "dtype"} of state.frozen
-    objective: Any = None  # easylm.preference.Objective: the loss, pairs or rows
+    objective: Any = None  # easylm.objectives.preference.Objective: the loss, pairs or rows
     # The objective's arrays the steps take beside state and batch (a live reference).
     extra_args: tuple = ()
     eval_zeros: Callable | None = None  # zeros of the loss's sums, for the first eval batch
-    harness: Any = None  # evaluation.HarnessHook (--eval_harness.tasks), or None
+    harness: Any = None  # evaluation.HarnessHook (--harness_flags.tasks), or None
     hooks: list = dataclasses.field(default_factory=list)  # (every, fn)
     stop_requested: bool = False
     profiler: Any = None
@@ -821,7 +831,7 @@ def start(config: ConfigDict, family: ModelFamily, cleanup: contextlib.ExitStack
     checkpoints and log; the state, fresh, loaded or resumed; the jitted steps. What must
     be undone at the end (the lock, the checkpoint manager, the log, the mesh) goes on
     `cleanup`."""
-    from easylm.tokenizer import load_tokenizer
+    from easylm.data.tokenizer import load_tokenizer
 
     setup_compilation(config.compilation_cache_dir)
     distributed.initialize(config.jax_distributed)
@@ -843,11 +853,11 @@ def start(config: ConfigDict, family: ModelFamily, cleanup: contextlib.ExitStack
     accumulate = config.optimizer.accumulate_gradient_steps
     # ---- lm-eval in the loop (--eval_harness.*): tasks checked and the engine made now.
     harness = None
-    if eval_harness.task_names(config.eval_harness):
-        from easylm.evaluation import HarnessHook
+    if harness_flags.task_names(config.eval_harness):
+        from easylm.evaluation.harness import HarnessHook
 
         if model.apply is None:
-            raise UserError(f"--eval_harness.tasks: the {model.name} model has no serving "
+            raise UserError(f"--harness_flags.tasks: the {model.name} model has no serving "
                             f"engine to evaluate on")
         harness = HarnessHook(config.eval_harness, model, tokenizer, mesh)
     # ----

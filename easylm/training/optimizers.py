@@ -37,9 +37,9 @@ import jax.numpy as jnp
 import optax
 from ml_collections import ConfigDict
 
-from easylm.dtypes import dtype_from_flag
 from easylm.errors import UserError
-from easylm.sharding import path_to_string
+from easylm.runtime.dtypes import dtype_from_flag
+from easylm.runtime.sharding import path_to_string
 
 OPTIMIZER_TYPES = ("adamw", "palm")
 

@@ -1,7 +1,7 @@
 """Int8 weight-only post-training quantization for serving (`--quantize=int8`).
 
 Each targeted kernel W (in, out) is stored as int8 values q and one scale per output
-channel, in LoRA's int8 format (`easylm.lora.quantize_kernel`, so both paths quantize a
+channel, in LoRA's int8 format (`easylm.variants.lora.quantize_kernel`, so both paths quantize a
 weight to the same numbers):
 
     s[o] = max_i |W[i, o]| / 127.5        q[i, o] = round(W[i, o] / s[o])   (saturating)
@@ -29,8 +29,18 @@ import jax.numpy as jnp
 import qwix
 
 from easylm.errors import UserError
-from easylm.lora import flat, nested, partition_rules, quantize_kernel, target_paths
-from easylm.sharding import PartitionRules, match_partition_rules, named_shardings
+from easylm.runtime.sharding import (
+    PartitionRules,
+    match_partition_rules,
+    named_shardings,
+)
+from easylm.variants.lora import (
+    flat,
+    nested,
+    partition_rules,
+    quantize_kernel,
+    target_paths,
+)
 
 MODES = ("none", "int8")
 HELP = "weight-only quantization of the matmul kernels at load: none or int8 (per output channel)"

@@ -4,7 +4,7 @@ need from a model, behind one object.
 A family (LLaMA: `easylm/llama/family.py`) subclasses `ModelFamily`: its config
 dataclass and presets, and `bind(config, dtype, param_dtype) -> Model`, the pure
 functions over parameters that one configured model offers. The generic code
-never imports a family; commands take the family object (`easylm.families`
+never imports a family; commands take the family object (`easylm.models.registry`
 names them for the generic commands).
 
     family.model_config(flags)    --<name>.base_model's preset, or the config the
@@ -30,7 +30,7 @@ from ml_collections import ConfigDict
 from ml_collections.config_dict import placeholder
 
 from easylm.errors import UserError
-from easylm.sharding import PartitionRules, path_to_string
+from easylm.runtime.sharding import PartitionRules, path_to_string
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +89,7 @@ class Model:
 
 
 class ModelFamily:
-    """Subclass per family; one instance, named in `easylm.families`."""
+    """Subclass per family; one instance, named in `easylm.models.registry`."""
 
     name: str = ""
     config_class: type = None  # a frozen dataclass; field metadata "help" explains a field
@@ -155,7 +155,7 @@ class ModelFamily:
 
     def int8_model(self, config, dtype, params, mesh) -> tuple[Model, Any]:
         """(Model, parameters) of the int8 weight-only model (`--quantize=int8`, see
-        easylm/quantize.py) from float parameters of `bind(config, dtype, dtype)` placed
+        easylm/variants/quantize.py) from float parameters of `bind(config, dtype, dtype)` placed
         on `mesh`."""
         raise UserError(f"--quantize=int8: the {self.name} family has no int8 model")
 
@@ -185,13 +185,7 @@ class ModelFamily:
         return entries
 
     def from_preset(self, name: str, **overrides):
-        if name not in self.presets:
-            raise UserError(f"unknown {self.name} preset {name!r}; known presets: "
-                            f"{', '.join(self.presets)}")
-        unknown = set(overrides) - set(self.field_names())
-        if unknown:
-            raise UserError(f"unknown {self.name} config field(s): {', '.join(sorted(unknown))}")
-        return self.config_class(**{**self.presets[name], **overrides})
+        return preset_config(self.config_class, self.presets, name, self.name, **overrides)
 
     def model_config(self, flags: ConfigDict, from_checkpoint: bool = False):
         """The model's config from a command's parsed flags: the config hf::DIR's
@@ -210,7 +204,7 @@ class ModelFamily:
         """The config a `--load_checkpoint` spec records, or None."""
         import os
 
-        from easylm import checkpoint
+        from easylm.runtime import checkpoint
 
         prefix, _, path = spec.partition("::")
         if prefix == "hf":
@@ -236,7 +230,7 @@ class ModelFamily:
     def build(self, flags: ConfigDict, config=None, from_checkpoint: bool = False) -> Model:
         """The Model `flags` describe (`model_config`), bound to --dtype and --param_dtype
         (when a command has no --param_dtype, parameters are kept in --dtype)."""
-        from easylm.dtypes import dtype_from_flag
+        from easylm.runtime.dtypes import dtype_from_flag
 
         config = self.model_config(flags, from_checkpoint) if config is None else config
         dtype = dtype_from_flag("dtype", flags.dtype)
@@ -266,6 +260,16 @@ class ModelFamily:
         return jax.tree_util.tree_map_with_path(place, host, abstract_params)
 
 
+def preset_config(config_class: type, presets: dict, name: str, family: str, **overrides):
+    """`config_class` of preset `name` with `overrides`; unknown names are UserErrors."""
+    if name not in presets:
+        raise UserError(f"unknown {family} preset {name!r}; known presets: {', '.join(presets)}")
+    unknown = set(overrides) - {f.name for f in dataclasses.fields(config_class)}
+    if unknown:
+        raise UserError(f"unknown {family} config field(s): {', '.join(sorted(unknown))}")
+    return config_class(**{**presets[name], **overrides})
+
+
 def _flag_type(field: dataclasses.Field) -> type:
     kind = field.type
     if isinstance(kind, str):  # postponed annotations
@@ -278,7 +282,7 @@ def _flag_type(field: dataclasses.Field) -> type:
 def abstract_params(model: Model, mesh, dtype=None) -> Any:
     """ShapeDtypeStructs of `model`'s parameters with their shardings on `mesh` (and, with
     `dtype`, that dtype): a restore or load target."""
-    from easylm.sharding import match_partition_rules, named_shardings
+    from easylm.runtime.sharding import match_partition_rules, named_shardings
 
     shapes = jax.eval_shape(model.init_params, jax.random.PRNGKey(0))
     shardings = named_shardings(mesh, match_partition_rules(model.partition_rules, shapes))

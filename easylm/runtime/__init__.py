@@ -1,0 +1,1 @@
+"""Devices and runs: the mesh and sharding, multi-host start, dtypes, FLOPs and MFU, profiling, checkpoints."""
