@@ -33,8 +33,11 @@ from ml_collections import ConfigDict
 from easylm import flags
 from easylm.errors import UserError, exit_on_user_error
 from easylm.runtime import dtypes, flops, profiling
+from easylm.runtime.compilation import setup_compilation
 from easylm.runtime.sharding import BATCH_AXES, make_mesh
-from easylm.training import optimizers, trainer
+from easylm.training import optimizers
+from easylm.training.state import abstract_state, init_state
+from easylm.training.step import device_batch, jit_train_step
 
 USAGE = "usage: python -m easylm.bench {train,data,decode} [--flag=value ...]"
 
@@ -103,7 +106,7 @@ def bench_train(config: ConfigDict, family) -> dict:
         raise UserError(f"--profile_steps must be >= 0, got {config.profile_steps}")
     if config.profile_steps and config.compile_only:
         raise UserError("--profile_steps needs steps to run; --compile_only runs none")
-    trainer.setup_compilation(config.compilation_cache_dir)
+    setup_compilation(config.compilation_cache_dir)
     mesh = make_mesh(config.mesh_dim)
     model = family.build(config)
     tx, schedule = optimizers.get_optimizer(config.optimizer)
@@ -111,9 +114,9 @@ def bench_train(config: ConfigDict, family) -> dict:
     if config.compile_only:
         return _compile_only(config, model, tx, schedule, mesh)
     with jax.set_mesh(mesh):
-        state = trainer.init_state(model, tx, mesh, config.seed)
-        step = trainer.jit_train_step(model, tx, schedule, config.seed, accumulate, state, mesh)
-        batch = trainer.device_batch(synthetic_batch(config, model.vocab_size), mesh)
+        state = init_state(model, tx, mesh, config.seed)
+        step = jit_train_step(model, tx, schedule, config.seed, accumulate, state, mesh)
+        batch = device_batch(synthetic_batch(config, model.vocab_size), mesh)
         start = time.perf_counter()
         step.lower(state, batch).compile()
         compile_seconds = time.perf_counter() - start
@@ -185,10 +188,10 @@ def _model_fields(config: ConfigDict, model, state) -> dict:
     base), what those are: how many weights, stored how, and their bytes (all devices)."""
     fields = {"model": config[model.name].base_model,
               "parameters": sum(x.size for x in jax.tree.leaves(state.params))}
-    if state.frozen is not None:
-        fields.update(variant=model.variant, frozen_parameters=model.num_frozen_parameters,
-                      frozen_dtype=model.frozen_dtype,
-                      frozen_gb=round(dtypes.nbytes(state.frozen) / 2**30, 3))
+    if model.frozen is not None:
+        fields.update(variant=model.frozen.variant, frozen_parameters=model.frozen.num_parameters,
+                      frozen_dtype=model.frozen.dtype,
+                      frozen_gb=round(dtypes.nbytes(state.frozen["base"]) / 2**30, 3))
     return fields
 
 
@@ -202,8 +205,8 @@ def _compile_only(config: ConfigDict, model, tx, schedule, mesh) -> dict:
     """The step compiled for abstract state and batch (ShapeDtypeStructs with shardings)."""
     batch_sharding = NamedSharding(mesh, P(BATCH_AXES, None))
     with jax.set_mesh(mesh):
-        state = trainer.abstract_state(model, tx, mesh, config.seed)
-        step = trainer.jit_train_step(model, tx, schedule, config.seed,
+        state = abstract_state(model, tx, mesh, config.seed)
+        step = jit_train_step(model, tx, schedule, config.seed,
                                       config.optimizer.accumulate_gradient_steps, state, mesh)
         batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sharding)
                  for k, v in synthetic_batch(config, model.vocab_size).items()}

@@ -46,9 +46,8 @@ import jax
 import jax.numpy as jnp
 from ml_collections import ConfigDict
 
-from easylm import flags as flag_lib
+from easylm import flags as flag_lib, objectives
 from easylm.errors import exit_on_user_error
-from easylm.objectives import preference
 from easylm.runtime.dtypes import DTYPES, bits, dtype_from_flag, nbytes
 from easylm.runtime.sharding import (
     MESH_AXES,
@@ -60,6 +59,7 @@ from easylm.runtime.sharding import (
     parse_mesh_dim,
 )
 from easylm.training import optimizers
+from easylm.training.options import common_flags, default_config, help_entries
 
 GIB = 1024 ** 3
 
@@ -142,7 +142,7 @@ def _shard_model(family, config: ConfigDict, layers: int, mp: int, remat: str | 
 
 def _shapes(model):
     """(trained, frozen or None) parameter shapes of `model`."""
-    frozen = model.init_frozen and jax.eval_shape(model.init_frozen, jax.random.key(0))
+    frozen = model.frozen and jax.eval_shape(model.frozen.init, jax.random.key(0))
     return jax.eval_shape(model.init_params, jax.random.key(0)), frozen
 
 
@@ -160,7 +160,7 @@ def _residual_bytes(model, batch) -> int:
 
         def trace(frozen):
             residuals.extend(saved_residuals(lambda p, b: model.loss_fn(
-                p, b, jax.random.key(0), frozen=frozen).loss, params, batch))
+                p, b, jax.random.key(0), frozen).loss, params, batch))
 
         jax.eval_shape(trace, frozen)
     return sum(aval.size * aval.dtype.itemsize for aval, source in residuals
@@ -200,7 +200,7 @@ def estimate(config: ConfigDict, family, num_devices: int, num_processes: int = 
     model = family.build(config)
     # A preference pair is two rows; the policy's activations are then those of the
     # language-model loss on them (the reference's forward pass keeps none).
-    objective = preference.build_objective(config, model, None)
+    objective = objectives.build(config, model, None)
     rows *= objective.rows_per_example
     params, frozen_shapes = _shapes(model)
     tx, _ = optimizers.get_optimizer(config.optimizer)
@@ -209,7 +209,7 @@ def estimate(config: ConfigDict, family, num_devices: int, num_processes: int = 
     parameters = shard_bytes(params, match_partition_rules(rules, params), sizes)
     optimizer = shard_bytes(opt_state, match_partition_rules(rules, opt_state), sizes)
     frozen = 0 if frozen_shapes is None else shard_bytes(
-        frozen_shapes, match_partition_rules(model.frozen_rules, frozen_shapes), sizes)
+        frozen_shapes, match_partition_rules(model.frozen.rules, frozen_shapes), sizes)
 
     # Activations of one micro-batch on one device, for 1 and 2 layers -> L layers.
     micro = jax.ShapeDtypeStruct((rows // accumulate, T), jnp.int32)
@@ -335,10 +335,10 @@ def report(config: ConfigDict, family, num_devices: int, num_processes: int,
     mesh = mesh_string(plan.mesh)
     # A variant with frozen parameters (LoRA) says what it trains on what.
     what = f"{config[family.name].base_model}, {model.num_parameters / 1e6:,.1f}M parameters"
-    if model.num_frozen_parameters:
-        what = (f"{config[family.name].base_model} {model.variant}, "
+    if model.frozen is not None:
+        what = (f"{config[family.name].base_model} {model.frozen.variant}, "
                 f"{model.num_parameters / 1e6:,.1f}M parameters trained, "
-                f"{model.num_frozen_parameters / 1e6:,.1f}M frozen in {model.frozen_dtype}")
+                f"{model.frozen.num_parameters / 1e6:,.1f}M frozen in {model.frozen.dtype}")
     names = {jnp.dtype(dtype): name for name, dtype in DTYPES.items()}
     trained = sorted({names.get(jnp.dtype(x.dtype), jnp.dtype(x.dtype).name)
                       for x in jax.tree.leaves(_shapes(model)[0])})
@@ -372,23 +372,20 @@ def report(config: ConfigDict, family, num_devices: int, num_processes: int,
 
 
 def default_config(family) -> ConfigDict:
-    from easylm.training import trainer
 
-    config = trainer.default_config(family)
+    config = default_config(family)
     config.plan = get_default_config()
     return config
 
 
 def help_entries(family) -> dict:
-    from easylm.training import trainer
 
-    return {**HELP, **trainer.help_entries(family)}
+    return {**HELP, **help_entries(family)}
 
 
 @exit_on_user_error
 def main(argv=None):
     from easylm.models import registry
-    from easylm.training import trainer
 
     family, argv = registry.from_argv(argv or sys.argv)
     usage = (f"{__doc__.strip().splitlines()[0]}\n\n  python -m easylm.plan "
@@ -397,7 +394,7 @@ def main(argv=None):
              f"[--plan.device_memory_gib=GiB]  (all flags: --helpfull)")
     config = default_config(family)
     common = [f"plan.{name}" for name in get_default_config()] + [
-        name for name in trainer.common_flags(family) if name in flag_lib.flatten(config)]
+        name for name in common_flags(family) if name in flag_lib.flatten(config)]
     config = flag_lib.parse(config, help_entries(family), argv, usage, common=common)
     num_devices = config.plan.num_devices or jax.device_count()
     num_processes = config.plan.num_processes or jax.process_count()

@@ -19,7 +19,9 @@ import jax
 from easylm import bench, flags
 from easylm.llama.family import FAMILY
 from easylm.runtime.sharding import make_mesh
-from easylm.training import optimizers, trainer
+from easylm.training import optimizers
+from easylm.training.state import init_state
+from easylm.training.step import device_batch, jit_train_step
 
 OPS = ("all-gather", "all-to-all", "all-reduce", "reduce-scatter", "collective-permute")
 # `name = TYPE op(` or `name = (TYPE, TYPE) op-start(`: the result type(s) of one collective.
@@ -45,10 +47,10 @@ def main(argv):
     model = FAMILY.build(config)
     tx, schedule = optimizers.get_optimizer(config.optimizer)
     with jax.set_mesh(mesh):
-        state = trainer.init_state(model, tx, mesh, config.seed)
-        step = trainer.jit_train_step(model, tx, schedule, config.seed,
+        state = init_state(model, tx, mesh, config.seed)
+        step = jit_train_step(model, tx, schedule, config.seed,
                                       config.optimizer.accumulate_gradient_steps, state, mesh)
-        batch = trainer.device_batch(bench.synthetic_batch(config, model.vocab_size), mesh)
+        batch = device_batch(bench.synthetic_batch(config, model.vocab_size), mesh)
         text = step.lower(state, batch).compile().as_text()
     print({op: f"{n / 1e6:.3f} MB" for op, n in collective_bytes(text).items()})
 

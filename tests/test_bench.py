@@ -100,11 +100,10 @@ def test_lora_flops_per_token_skip_the_base_weight_gradients():
         model = FAMILY.build(config)
         key = jax.random.key(0)
         params = jax.eval_shape(model.init_params, key)
-        frozen = {} if model.init_frozen is None else {
-            "frozen": jax.eval_shape(model.init_frozen, key)}
+        frozen = None if model.frozen is None else jax.eval_shape(model.frozen.init, key)
         batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype)
                  for k, v in bench.synthetic_batch(config, model.vocab_size).items()}
-        grad = jax.jit(jax.grad(lambda p, b, kw: model.loss_fn(p, b, key, **kw).loss))
+        grad = jax.jit(jax.grad(lambda p, b, base: model.loss_fn(p, b, key, base).loss))
         flops = grad.lower(params, batch, frozen).compile().cost_analysis()["flops"]
         ratios.append((model.flops_per_token(T), flops / (config.batch_size * T)))
     (lora, lora_xla), (full, full_xla) = ratios

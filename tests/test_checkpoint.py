@@ -27,6 +27,9 @@ from easylm.runtime import checkpoint
 from easylm.runtime.sharding import make_mesh
 from easylm.serving import cli as serving_cli
 from easylm.training import optimizers, trainer
+from easylm.training.options import run_directory
+from easylm.training.run import metadata
+from easylm.training.state import init_state, load_state, optimizer_item
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOTAL_STEPS = 40
@@ -232,18 +235,18 @@ def debug_state(mesh_dim, devices):
 def test_restore_reshards_to_another_mesh_and_one_device(tmp_path):
     model, tx, mesh = debug_state("1,8,1", 8)
     with jax.set_mesh(mesh):
-        state = trainer.init_state(model, tx, mesh, seed=0)
+        state = init_state(model, tx, mesh, seed=0)
         # Make the optimizer state non-trivial so that its restore is checked too.
         state = state.replace(opt_state=jax.tree.map(lambda x: x + 1, state.opt_state))
     manager = checkpoint.CheckpointManager(str(tmp_path), checkpoint.get_default_config())
-    manager.save(3, state.params, trainer._state_rest(state), {"position": 7}, {"step": 3})
+    manager.save(3, state.params, optimizer_item(state), {"position": 7}, {"step": 3})
     manager.wait()
     assert os.path.exists(os.path.join(manager.step_directory(3), "checksums.json"))
     expected = jax.tree.map(np.asarray, state)
     for mesh_dim, devices in (("2,2,2", 8), ("1,1,1", 1)):
         model, tx, mesh = debug_state(mesh_dim, devices)
         with jax.set_mesh(mesh):
-            restored, data = trainer._load_state("trainstate", manager.step_directory(3), model, tx,
+            restored, data = load_state("trainstate", manager.step_directory(3), model, tx,
                                                  mesh, seed=0)
         assert data == {"position": 7}
         for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(expected)):
@@ -398,14 +401,14 @@ def test_nothing_on_the_load_path_unpickles(saved, monkeypatch, tmp_path):
 
     model, tx, mesh = debug_state("1,1,1", 1)
     with jax.set_mesh(mesh):
-        state = trainer.init_state(model, tx, mesh, seed=0)
+        state = init_state(model, tx, mesh, seed=0)
     manager = checkpoint.CheckpointManager(str(tmp_path), checkpoint.get_default_config())
-    manager.save(1, state.params, trainer._state_rest(state), {"position": 1}, {"step": 1})
+    manager.save(1, state.params, optimizer_item(state), {"position": 1}, {"step": 1})
     manager.wait()
     for name in ("load", "loads", "Unpickler"):
         monkeypatch.setattr(pickle, name, refuse)
     with jax.set_mesh(mesh):
-        restored, data = trainer._load_state("trainstate", manager.step_directory(1), model, tx,
+        restored, data = load_state("trainstate", manager.step_directory(1), model, tx,
                                              mesh, seed=0)
     assert data == {"position": 1} and int(restored.step) == 0
     abstract = jax.eval_shape(FAMILY.build(train.default_config()).init_params,
@@ -460,7 +463,7 @@ def save_run(config, steps, cast_params=None, **checkpointer):
     mesh = make_mesh("1,1,1", jax.devices()[:1])  # restores reshard; one device compiles fastest
     data = DatasetFactory.load_dataset(config.train_dataset, load_tokenizer("embedded"))
     with jax.set_mesh(mesh):
-        state = trainer.init_state(model, tx, mesh, config.seed)
+        state = init_state(model, tx, mesh, config.seed)
     if cast_params is not None:
         state = state.replace(params=checkpoint.cast_floats(state.params, cast_params))
     manager = checkpoint.CheckpointManager(
@@ -468,8 +471,8 @@ def save_run(config, steps, cast_params=None, **checkpointer):
         checkpoint.get_default_config(checkpointer))
     for step in steps:
         state = state.replace(step=jax.device_put(jnp.int32(step), state.step.sharding))
-        manager.save(step, state.params, trainer._state_rest(state), data.get_state_dict(),
-                     trainer._metadata(config, model, step))
+        manager.save(step, state.params, optimizer_item(state), data.get_state_dict(),
+                     metadata(config, model, step))
     manager.wait()
     manager.close()
     return manager, jax.tree.map(np.asarray, state.params)
@@ -512,7 +515,7 @@ def test_every_stored_dtype_loads_in_every_dtype(stored, stored_dtype, requested
     model, tx = dtype_model(requested)
     with jax.set_mesh(mesh):
         for kind in ("params", "trainstate"):
-            state, _ = trainer._load_state(kind, saved["directory"], model, tx, mesh, seed=0)
+            state, _ = load_state(kind, saved["directory"], model, tx, mesh, seed=0)
             assert_cast_from(state.params, saved["params"], dtype)
     # Resuming the run (its latest checkpoint is its last step: nothing left to train).
     resume = ConfigDict(saved["config"].to_dict(), type_safe=False)
@@ -575,7 +578,7 @@ def one_layer_state():
     model, tx = dtype_model("fp32")
     mesh = make_mesh("1,1,1", jax.devices()[:1])
     with jax.set_mesh(mesh):
-        return trainer.init_state(model, tx, mesh, seed=0)
+        return init_state(model, tx, mesh, seed=0)
 
 
 @pytest.mark.slow
@@ -591,9 +594,9 @@ def test_a_small_disk_stops_a_save_and_keeps_the_earlier_ones(
         monkeypatch.setattr(checkpoint, "_free_bytes", lambda directory: None)
     state = one_layer_state
     manager = checkpoint.CheckpointManager(str(disk), checkpoint.get_default_config())
-    manager.save(1, state.params, trainer._state_rest(state), {}, {})
+    manager.save(1, state.params, optimizer_item(state), {}, {})
     with pytest.raises(UserError) as e:
-        manager.save(2, state.params, trainer._state_rest(state), {}, {})
+        manager.save(2, state.params, optimizer_item(state), {}, {})
         manager.wait()
     manager.close()
     if when == "before writing":
@@ -800,4 +803,4 @@ def test_resuming_without_optimizer_state_needs_a_flag(data_path, tmp_path, monk
         f"from zero); pass --allow_fresh_optimizer=True to accept that")
     config.allow_fresh_optimizer = True
     assert trainer.train(config, FAMILY) == manager.step_directory(2)
-    assert trainer.run_directory(config, "llama") == str(tmp_path / "run")
+    assert run_directory(config, "llama") == str(tmp_path / "run")

@@ -19,6 +19,7 @@ from easylm.runtime import checkpoint
 from easylm.serving import cli as serving_cli
 from easylm.serving.batcher import SamplingParams
 from easylm.training import trainer
+from easylm.training.options import default_config, family_run_defaults, help_entries
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "easylm"
 # Modules outside easylm/llama/ allowed to import easylm.llama. None: the generic commands
@@ -74,14 +75,14 @@ def test_the_registry_imports_families_lazily_and_names_bad_ones():
 
 
 def train_flags(tmp_path, *argv):
-    return flag_lib.parse(trainer.default_config(TOY), trainer.help_entries(TOY), [
+    return flag_lib.parse(default_config(TOY), help_entries(TOY), [
         "train", "--train_dataset.json_dataset.seq_length=32",
         "--train_dataset.json_dataset.batch_size=8", "--log_freq=1", "--mesh_dim=1,-1,1",
         "--optimizer.adamw_optimizer.lr=1e-2", "--optimizer.adamw_optimizer.lr_warmup_steps=1",
         "--optimizer.adamw_optimizer.lr_decay_steps=6",
         # The three runs compile the same programs: the later ones read them from here.
         f"--compilation_cache_dir={tmp_path / 'cache'}", f"--logger.output_dir={tmp_path}",
-        *argv], derived=trainer.family_run_defaults(TOY))
+        *argv], derived=family_run_defaults(TOY))
 
 
 def losses(run_dir) -> dict[int, float]:

@@ -34,6 +34,9 @@ from easylm.runtime import checkpoint
 from easylm.runtime.sharding import path_to_string
 from easylm.serving import cli as serving_cli
 from easylm.training import trainer
+from easylm.training.loop import loop
+from easylm.training.options import run_directory
+from easylm.training.setup import start
 from easylm.variants.lora import LoraConfig
 
 # nf4 blocks need kernels' input dimensions to be multiples of 64.
@@ -97,11 +100,11 @@ def lora_run(config, checks=None):
     """Train `config`; `checks(run)` sees the run before its first step. Returns (the run,
     its state before and after, as host arrays)."""
     with contextlib.ExitStack() as cleanup:
-        run = trainer.start(config, FAMILY, cleanup)
+        run = start(config, FAMILY, cleanup)
         before = jax.device_get(run.state)
         if checks is not None:
             checks(run)
-        trainer.loop(run)
+        loop(run)
         return run, before, jax.device_get(run.state)
 
 
@@ -122,11 +125,11 @@ def test_qlora_starts_as_the_base_trains_adapters_only_and_learns_like_bf16(hf_d
     def checks(run):
         # Step 0: the LoRA model's logits are the base model's on the stored base, bitwise.
         base = jax.jit(lambda b: LLaMAForCausalLM(lm_config).apply(
-            {"params": lm.dequantized_base(b)}, ids))(run.state.frozen)
-        adapted = jax.jit(lambda b, a: lm.apply(b, a, ids))(run.state.frozen, run.state.params)
+            {"params": lm.dequantized_base(b)}, ids))(run.state.frozen["base"])
+        adapted = jax.jit(lambda b, a: lm.apply(b, a, ids))(run.state.frozen["base"], run.state.params)
         assert same_bits(base, adapted)
         # Stored quantized on the devices: 4-bit values.
-        q_proj = traverse_util.flatten_dict(run.state.frozen, sep="/")[
+        q_proj = traverse_util.flatten_dict(run.state.frozen["base"], sep="/")[
             "model/layers/0/self_attn/q_proj/kernel"]
         assert q_proj.array.qvalue.dtype == jnp.uint4
         # Optimizer state exists for the adapters alone.
@@ -158,8 +161,8 @@ def test_qlora_starts_as_the_base_trains_adapters_only_and_learns_like_bf16(hf_d
     assert os.path.isfile(tmp_path / "adapter" / "adapter_model.safetensors")
     with torch.no_grad():
         merged = HFLlama.from_pretrained(tmp_path / "merged").eval()(torch.tensor(ids)).logits
-    adapted = np.asarray(lm.apply(after.frozen, after.params, ids))
-    base = np.asarray(lm.apply(after.frozen, before.params, ids))
+    adapted = np.asarray(lm.apply(after.frozen["base"], after.params, ids))
+    base = np.asarray(lm.apply(after.frozen["base"], before.params, ids))
     # fp32 logits of O(1) after two layers, summed over <= 128 terms.
     assert np.abs(merged.numpy() - adapted).max() <= 1e-4
     assert np.abs(merged.numpy() - base).max() > 100 * 1e-4  # the adapters changed something
@@ -233,7 +236,7 @@ def test_an_int8_base_from_params_in_bf16_exports_both_ways(hf_dir, tmp_path):
     run, before, after = lora_run(parse(tmp_path, f"--load_checkpoint=params::{converted}",
                                         "--lora.base_dtype=int8", "--dtype=bf16",
                                         "--optimizer.state_dtype=bf16"))
-    assert after.frozen["model"]["embed_tokens"]["embedding"].dtype == jnp.bfloat16
+    assert after.frozen["base"]["model"]["embed_tokens"]["embedding"].dtype == jnp.bfloat16
     final = os.path.join(run.run_dir, "checkpoints", "3")
     # The moments in bf16: a checkpoint's arrays are 2x the fp32 adapters.
     adapters = nbytes(before.params)
@@ -252,7 +255,7 @@ def test_lora_flags_name_the_run_directory_only_when_lora_is_on():
     # same command still resumes them.
     def run_dir(*argv):
         config = train.parse_flags(["train", *argv])
-        return trainer.run_directory(config, "llama", FAMILY.unused_variant_flags(config))
+        return run_directory(config, "llama", FAMILY.unused_variant_flags(config))
 
     assert run_dir("--lora.alpha=32", "--lora.base_dtype=nf4") == run_dir()
     assert run_dir("--lora.rank=8") != run_dir()

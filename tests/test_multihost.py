@@ -24,7 +24,8 @@ from easylm.llama import train
 from easylm.llama.config import LLaMAConfig
 from easylm.llama.family import FAMILY
 from easylm.runtime.sharding import make_mesh
-from easylm.training import optimizers, trainer
+from easylm.training import optimizers
+from easylm.training.state import load_state
 
 pytestmark = pytest.mark.slow  # several processes each
 
@@ -167,7 +168,7 @@ def test_two_process_checkpoint_restores_in_one_process(runs):
     tx, _ = optimizers.get_optimizer(config.optimizer)
     mesh = make_mesh("1,8,1")
     with jax.set_mesh(mesh):
-        restored = {name: trainer._load_state(
+        restored = {name: load_state(
             "trainstate", os.path.join(runs[name], "checkpoints", "10"), model, tx, mesh,
             config.seed) for name in ("flat", "one")}
     (two_state, two_data), (one_state, one_data) = restored["flat"], restored["one"]

@@ -11,8 +11,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from easylm import flags, plan
 from easylm.llama import train
 from easylm.llama.family import FAMILY
+from easylm.objectives.next_token import NextToken
 from easylm.runtime.sharding import BATCH_AXES, make_mesh
-from easylm.training import optimizers, trainer
+from easylm.training import optimizers
+from easylm.training.state import abstract_state
+from easylm.training.step import make_train_step
 
 # Two CPU-sized shapes with scanned layers (see plan.py on unscanned ones): attention
 # scores dominate A's activations (T=256 > D=128); projections and weights dominate B's.
@@ -39,14 +42,14 @@ def compiled_bytes(config) -> int:
     mesh = make_mesh(config.mesh_dim)
     data = config.train_dataset.json_dataset
     with jax.set_mesh(mesh):
-        state = trainer.abstract_state(model, tx, mesh, config.seed)
+        state = abstract_state(model, tx, mesh, config.seed)
         state_shardings = jax.tree.map(lambda x: x.sharding, state)
         batch_sharding = NamedSharding(mesh, P(BATCH_AXES))
         batch = {name: jax.ShapeDtypeStruct((data.batch_size, data.seq_length), dtype,
                                             sharding=batch_sharding)
                  for name, dtype in (("input_tokens", jnp.int32), ("target_tokens", jnp.int32),
                                      ("loss_masks", jnp.float32))}
-        step = jax.jit(trainer.make_train_step(model.loss_fn, tx, schedule, config.seed,
+        step = jax.jit(make_train_step(NextToken(model).loss_fn, tx, schedule, config.seed,
                                                config.optimizer.accumulate_gradient_steps),
                        in_shardings=(state_shardings, batch_sharding),
                        out_shardings=(state_shardings, NamedSharding(mesh, P())),

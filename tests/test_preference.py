@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from jax.sharding import NamedSharding, PartitionSpec as P
 from transformers import LlamaForCausalLM as HFLlama
 
+from easylm import objectives
 from easylm.llama import train as llama_train
 from easylm.llama.config import LLaMAConfig
 from easylm.llama.family import FAMILY
@@ -28,7 +29,9 @@ from easylm.runtime.sharding import (
     match_partition_rules,
     named_shardings,
 )
-from easylm.training import trainer
+from easylm.training.options import run_directory
+from easylm.training.state import init_state
+from easylm.training.step import device_batch, jit_train_step
 
 T = 16
 CONFIG = preference.get_default_config({
@@ -359,26 +362,28 @@ def trainer_config(**flags):
 @pytest.fixture(scope="module")
 def step_runs():
     """run(mesh_dim, devices, accumulate, batches) -> for each batch, the metrics of two
-    train steps from the initialisation (trainer.jit_train_step, compiled once, with the
-    objective's loss and the frozen reference as a jit argument)."""
+    train steps from the initialisation (jit_train_step, compiled once, with the
+    objective's loss and the frozen reference in the state)."""
     config = trainer_config(**{"train_dataset.json_dataset.path": "pairs.jsonl"})
     model = FAMILY.build(config)
-    objective = preference.build_objective(config, model, None)
+    objective = objectives.build(config, model, None)
     tx, schedule = optax.adam(1e-2), optax.constant_schedule(1e-2)
 
     def run(mesh_dim, devices, accumulate, batches):
         mesh = make_mesh(mesh_dim, jax.devices()[:devices])
         with jax.set_mesh(mesh):
-            initial = trainer.init_state(model, tx, mesh, config.seed)
-            reference = jax.tree.map(jnp.copy, initial.params)   # the step donates the state
-            step = trainer.jit_train_step(model, tx, schedule, config.seed, accumulate, initial,
-                                          mesh, objective.loss_fn, (reference,))
+            initial = init_state(model, tx, mesh, config.seed)
+            # the frozen reference: a copy of the starting parameters, in the state
+            initial = initial.replace(frozen={"reference": jax.tree.map(jnp.copy,
+                                                                        initial.params)})
+            step = jit_train_step(model, tx, schedule, config.seed, accumulate, initial,
+                                  mesh, objective.loss_fn)
             runs = []
             for batch in batches:
                 state, placed, metrics = (jax.tree.map(jnp.copy, initial),
-                                          trainer.device_batch(batch, mesh), [])
+                                          device_batch(batch, mesh), [])
                 for _ in range(2):
-                    state, m = step(state, placed, reference)
+                    state, m = step(state, placed)
                     metrics.append({k: float(v) for k, v in m.items()})
                 runs.append(metrics)
         return runs
@@ -541,11 +546,11 @@ def test_mfu_counts_the_reference_forward_with_and_without_lora():
     lora = FAMILY.build(trainer_config(**flags, **{"lora.rank": 4}))
     seq = 32
     # Full: 6N + attention, and the reference's forward, a third of that.
-    assert preference.build_objective(trainer_config(**flags), full, None).flops_per_token(
+    assert objectives.build(trainer_config(**flags), full, None).flops_per_token(
         seq) == pytest.approx(full.flops_per_token(seq) * 4 / 3, rel=1e-12)
     # LoRA: its own step (no base weight gradients) and the base's forward with the
     # adapters' (2 a weight), not 4/3 of the LoRA step.
-    objective = preference.build_objective(trainer_config(**flags, **{"lora.rank": 4}), lora, None)
+    objective = objectives.build(trainer_config(**flags, **{"lora.rank": 4}), lora, None)
     want = lora.flops_per_token(seq) + full.flops_per_token(seq) / 3 + 2 * lora.num_parameters
     assert objective.flops_per_token(seq) == pytest.approx(want, rel=1e-12)
     assert objective.flops_per_token(seq) != pytest.approx(lora.flops_per_token(seq) * 4 / 3,
@@ -581,7 +586,7 @@ def test_objective_options_name_the_run_directory_only_when_they_train():
     def run_dir(*argv):
         config = llama_train.parse_flags(["train", "--train_dataset.json_dataset.path=p.jsonl",
                                           *argv])
-        return trainer.run_directory(config, "llama")
+        return run_directory(config, "llama")
 
     # Next-token runs keep the directories they had before these flags existed.
     text = run_dir()

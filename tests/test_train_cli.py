@@ -19,7 +19,8 @@ from easylm.llama.config import LLaMAConfig
 from easylm.llama.family import FAMILY
 from easylm.runtime import checkpoint
 from easylm.serving import cli as serving_cli
-from easylm.training import optimizers, trainer
+from easylm.training import optimizers
+from easylm.training.options import warn_about_the_schedule
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -307,7 +308,7 @@ def test_schedule_warnings_name_the_flags():
                                 "--optimizer.adamw_optimizer.lr_decay_steps=400"])
     _, schedule = optimizers.get_optimizer(config.optimizer)
     printed = []
-    trainer._warn_about_the_schedule(config, schedule, printed.append)
+    warn_about_the_schedule(config, schedule, printed.append)
     assert printed == [
         "warning: fine-tuning params::/some/model at a peak learning rate of 0.003, above the "
         "0.0001 a pretrained model usually tolerates (full fine-tuning uses about 1e-5 to "
@@ -315,7 +316,7 @@ def test_schedule_warnings_name_the_flags():
         f"note: --optimizer.adamw_optimizer.lr_decay_steps=400 but --total_steps=200: the run "
         f"ends at a learning rate of {float(schedule(200)):.3g} (end_lr=0.0003)"]
     printed.clear()
-    trainer._warn_about_the_schedule(train.parse_flags(["train"]), schedule, printed.append)
+    warn_about_the_schedule(train.parse_flags(["train"]), schedule, printed.append)
     assert printed == []  # the demo from scratch: neither
 
 

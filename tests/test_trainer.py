@@ -14,9 +14,14 @@ from numerics import assert_close, forward_rel, fp32_rel
 
 from easylm.llama.config import LLaMAConfig
 from easylm.llama.family import FAMILY
-from easylm.objectives.next_token import LossSums
+from easylm.models.family import Model
+from easylm.objectives.next_token import LossSums, NextToken
+from easylm.runtime import compilation
+from easylm.runtime.compilation import setup_compilation
 from easylm.runtime.sharding import BATCH_AXES, make_mesh
-from easylm.training import optimizers, trainer
+from easylm.training import optimizers
+from easylm.training.state import init_state
+from easylm.training.step import make_eval_step, make_train_step
 
 # The debug model's forward pass at 32 positions, as a relative tolerance; at
 # initialisation its logits (|logit| < 1) are far smaller than the loss (ln 512), so twice
@@ -64,15 +69,15 @@ class Runner:
         self.mesh = make_mesh(mesh_dim, jax.devices()[:devices])  # one device compiles fastest
         self.batch_sharding = NamedSharding(self.mesh, P(BATCH_AXES))
         with jax.set_mesh(self.mesh):
-            self.initial = trainer.init_state(model, tx, self.mesh, seed)
+            self.initial = init_state(model, tx, self.mesh, seed)
             shardings = jax.tree.map(lambda x: x.sharding, self.initial)
             self.step_fn = jax.jit(
-                trainer.make_train_step(model.loss_fn, tx, schedule, seed, accumulate),
+                make_train_step(NextToken(model).loss_fn, tx, schedule, seed, accumulate),
                 in_shardings=(shardings, self.batch_sharding),
                 out_shardings=(shardings, NamedSharding(self.mesh, P())),
                 donate_argnums=(0,),
             )
-            self.eval_fn = jax.jit(trainer.make_eval_step(model.loss_fn))
+            self.eval_fn = jax.jit(make_eval_step(NextToken(model).loss_fn))
         self.reset()
 
     def reset(self):
@@ -87,7 +92,8 @@ class Runner:
     def evaluate(self, batch):
         zeros = LossSums(*(jnp.zeros((), jnp.float32),) * 3)
         with jax.set_mesh(self.mesh):
-            return self.eval_fn(self.state.params, jax.device_put(batch, self.batch_sharding), zeros)
+            return self.eval_fn(self.state.params, jax.device_put(batch, self.batch_sharding), zeros,
+                                self.state.frozen)
 
 
 @pytest.fixture(scope="module")
@@ -232,7 +238,7 @@ def test_nonfinite_step_is_skipped_and_named():
         sums = model.loss_fn(params, batch, rng)
         return sums._replace(loss=sums.loss * batch["poison"][0, 0])
 
-    runner = Runner(trainer.Model(**{**model.__dict__, "loss_fn": poisoned_loss}),
+    runner = Runner(Model(**{**model.__dict__, "loss_fn": poisoned_loss}),
                     constant_lr_optimizer())
     good = dict(make_batch(), poison=np.ones((16, 1), np.float32))
     bad = dict(good, poison=np.full((16, 1), np.nan, np.float32))
@@ -249,14 +255,14 @@ def test_nonfinite_step_is_skipped_and_named():
 
 
 def test_gpu_xla_flags_are_added_on_gpu_hosts_but_never_over_the_users(monkeypatch):
-    monkeypatch.setattr(trainer, "_gpu_plugin_installed", lambda: True)
+    monkeypatch.setattr(compilation, "_gpu_plugin_installed", lambda: True)
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true --xla_dump_to=/tmp/x")
-    trainer.setup_compilation("")
+    setup_compilation("")
     flags = os.environ["XLA_FLAGS"].split()
     assert flags == ["--xla_gpu_enable_triton_gemm=true", "--xla_dump_to=/tmp/x",
                      "--xla_gpu_enable_latency_hiding_scheduler=true"]
 
-    monkeypatch.setattr(trainer, "_gpu_plugin_installed", lambda: False)
+    monkeypatch.setattr(compilation, "_gpu_plugin_installed", lambda: False)
     monkeypatch.setenv("XLA_FLAGS", "")
-    trainer.setup_compilation("")
+    setup_compilation("")
     assert os.environ["XLA_FLAGS"] == ""

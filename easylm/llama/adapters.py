@@ -15,7 +15,7 @@ from easylm.errors import UserError
 from easylm.llama import hf
 from easylm.llama.config import LLaMAConfig
 from easylm.llama.model import PARTITION_RULES, LLaMAForCausalLM, lm_head_weight
-from easylm.models.family import Model
+from easylm.models.family import Frozen, Model
 from easylm.objectives import preference
 from easylm.objectives.next_token import chunked_next_token_loss, next_token_loss
 from easylm.runtime import checkpoint
@@ -57,39 +57,38 @@ def lora_variant(model: Model, config: LLaMAConfig, lora: LoraConfig, dtype, loa
                         "model: leave lm_head out of --lora.target_modules, or set "
                         "--llama.loss_chunk_size=0")
 
-    def forward(adapters, batch, rng, frozen, **kwargs):
-        return lm.apply(frozen, adapters, batch["input_tokens"], positions=batch.get("positions"),
+    def forward(adapters, batch, rng, base, **kwargs):
+        return lm.apply(base, adapters, batch["input_tokens"], positions=batch.get("positions"),
                         segment_ids=batch.get("segment_ids"), rng=rng, **kwargs)
 
-    def loss_fn(adapters, batch, rng, frozen):
+    def loss_fn(adapters, batch, rng, base):
         if not config.loss_chunk_size:
-            return next_token_loss(forward(adapters, batch, rng, frozen), batch["target_tokens"],
+            return next_token_loss(forward(adapters, batch, rng, base), batch["target_tokens"],
                                    batch["loss_masks"])
-        hidden = forward(adapters, batch, rng, frozen, return_hidden=True)
-        head = lm_head_weight(lm.dequantized_base(frozen), config)
+        hidden = forward(adapters, batch, rng, base, return_hidden=True)
+        head = lm_head_weight(lm.dequantized_base(base), config)
         return chunked_next_token_loss(hidden, head, batch["target_tokens"], batch["loss_masks"],
                                        config.loss_chunk_size)
 
-    def row_logps(adapters, rows, frozen, rng=None):  # preference pairs, one per row
+    def row_logps(adapters, rows, base, rng=None):  # preference pairs, one per row
         if not config.loss_chunk_size:
-            logits = lm.apply(frozen, adapters, rows["input_tokens"], rng=rng)
+            logits = lm.apply(base, adapters, rows["input_tokens"], rng=rng)
             return preference.sequence_logps(logits, rows["target_tokens"], rows["loss_masks"])
-        hidden = lm.apply(frozen, adapters, rows["input_tokens"], rng=rng, return_hidden=True)
+        hidden = lm.apply(base, adapters, rows["input_tokens"], rng=rng, return_hidden=True)
         return preference.chunked_sequence_logps(
-            hidden, lm_head_weight(lm.dequantized_base(frozen), config), rows["target_tokens"],
+            hidden, lm_head_weight(lm.dequantized_base(base), config), rows["target_tokens"],
             rows["loss_masks"], config.loss_chunk_size)
 
-    def init_frozen(rng):
-        return lm.store_base(lm.base_module.init_params(rng))
-
-    def load_frozen(mesh):
-        return load_base(lm, load_spec, mesh, load_hf)
-
+    frozen = Frozen(
+        init=lambda rng: lm.store_base(lm.base_module.init_params(rng)),
+        rules=rules,
+        load=(lambda mesh: load_base(lm, load_spec, mesh, load_hf)) if load_spec else None,
+        identity=lm.identity, adapters_off=lm.adapters_off,
+        variant=f"{'QLoRA' if lora.base_dtype == 'nf4' else 'LoRA'} rank {lora.rank}",
+        num_parameters=model.num_parameters, dtype=lora.base_dtype)
     return dataclasses.replace(
         model, init_params=lm.init_adapters, loss_fn=loss_fn, partition_rules=rules,
-        init_frozen=init_frozen, frozen_rules=rules, row_logps=row_logps,
-        adapters_off=lm.adapters_off, frozen_identity=lm.identity,
-        load_frozen=load_frozen if load_spec else None, load_hf=None,
+        row_logps=row_logps, frozen=frozen, load_hf=None,
         # Serving reads a merged model (--lora_checkpoint), not adapters alone.
         apply=None, init_cache=None, num_parameters=lm.num_adapter_parameters(),
         # No weight gradients for the frozen base: 4 FLOPs a matmul weight, not 6, and
@@ -97,8 +96,6 @@ def lora_variant(model: Model, config: LLaMAConfig, lora: LoraConfig, dtype, loa
         flops_per_token=lambda seq_length: (model.flops_per_token(seq_length)
                                             - 2 * config.num_matmul_parameters()
                                             + 6 * lm.num_adapter_parameters()),
-        variant=f"{'QLoRA' if lora.base_dtype == 'nf4' else 'LoRA'} rank {lora.rank}",
-        num_frozen_parameters=model.num_parameters, frozen_dtype=lora.base_dtype,
         # the base's forward pass and the adapters' (2 FLOPs a weight)
         forward_flops_per_token=lambda seq_length: (model.forward_flops(seq_length)
                                                     + 2 * lm.num_adapter_parameters()))

@@ -53,8 +53,8 @@ class LLaMAFamily(ModelFamily):
                                 positions=batch.get("positions"),
                                 segment_ids=batch.get("segment_ids"))
 
-        def chunked_loss(params, batch, rng):  # the same numbers, never all (B, T, V) logits
-            del rng
+        def chunked_loss(params, batch, rng, base=None):  # the same numbers, never all logits
+            del rng, base
             hidden = module.apply({"params": params}, batch["input_tokens"],
                                   positions=batch.get("positions"),
                                   segment_ids=batch.get("segment_ids"), return_hidden=True)
@@ -62,8 +62,8 @@ class LLaMAFamily(ModelFamily):
                                            batch["target_tokens"], batch["loss_masks"],
                                            config.loss_chunk_size)
 
-        def row_logps(params, rows, frozen=None, rng=None):  # one sequence per row, not packed
-            del frozen, rng  # no frozen parameters, no dropout
+        def row_logps(params, rows, base=None, rng=None):  # one sequence per row, not packed
+            del base, rng  # no frozen parameters, no dropout
             if not config.loss_chunk_size:
                 logits = module.apply({"params": params}, rows["input_tokens"])
                 return preference.sequence_logps(logits, rows["target_tokens"],

@@ -12,18 +12,19 @@ the run. All flags: `python -m easylm.llama.train --help`; examples in `configs/
 
 from easylm.llama.family import FAMILY
 from easylm.training import trainer
+from easylm.training.options import default_config, help_entries, parse_flags
 
 
 def default_config():
-    return trainer.default_config(FAMILY)
+    return default_config(FAMILY)
 
 
 def help_entries() -> dict:
-    return trainer.help_entries(FAMILY)
+    return help_entries(FAMILY)
 
 
 def parse_flags(argv: list[str]):
-    return trainer.parse_flags(FAMILY, argv)
+    return parse_flags(FAMILY, argv)
 
 
 def main(argv=None):

@@ -12,13 +12,11 @@ names them for the generic commands).
                                   checkpoint's metadata), then the --<name>.* fields given
     family.build(flags)           that config bound to --dtype / --param_dtype: a Model
 
-A variant (adapters on a frozen base, another loss) is another `Model` from the
-same family: `Model.init_frozen` gives parameters the model reads but does not
-train; the trainer keeps them in `TrainState.frozen`, outside the optimizer, and
-passes them to `loss_fn(params, batch, rng, frozen=...)`. `Model.load_frozen` reads
-them from a checkpoint instead (a LoRA run's base: its --load_checkpoint); each
-checkpoint records their fingerprint, and a resume refuses frozen parameters that
-differ from those the run began on.
+A variant (adapters on a frozen base) is another `Model` of the same family whose
+`frozen` (a `Frozen`) says how to make the parameters it reads but does not train: the
+trainer keeps them in `TrainState.frozen["base"]`, outside the optimizer, and every loss
+takes them: `loss_fn(params, batch, rng, base)`. Each checkpoint records their fingerprint,
+and a resume refuses a base that differs from the one the run began on.
 """
 
 import dataclasses
@@ -32,6 +30,40 @@ from ml_collections.config_dict import placeholder
 from easylm.errors import UserError
 from easylm.runtime.sharding import PartitionRules, path_to_string
 
+Params = Any  # a tree of arrays
+Batch = dict  # name -> (B, T) arrays: input_tokens, target_tokens, loss_masks, ...
+# (params, batch, rng, base) -> the loss's sums (objectives.next_token.LossSums); `base` is
+# the frozen parameters a variant reads (None for a plain model).
+LossFn = Callable[[Params, Batch, jax.Array, Any], Any]
+# (params, rows of input_tokens/target_tokens/loss_masks (N, T), base, rng) -> (summed
+# log-probabilities of the masked targets (N,), their count (N,)): what preference
+# objectives train on, one sequence per row.
+RowLogpsFn = Callable[[Params, Batch, Any, jax.Array | None], tuple[jax.Array, jax.Array]]
+# (params, ids (B, T), positions (B, T) or None, cache or None) -> logits (B, T, V), or
+# (logits, cache) with a cache: the serving engine's forward pass.
+ApplyFn = Callable[[Params, jax.Array, jax.Array | None, Any], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Frozen:
+    """The parameters a variant reads but does not train (LoRA's base): no gradient, no
+    optimizer state, rebuilt (not saved) at each start."""
+
+    init: Callable[[jax.Array], Params]  # rng -> the tree, drawn (a run from scratch)
+    rules: PartitionRules
+    # mesh -> the tree read from --load_checkpoint and placed in its shards; None: drawn
+    load: Callable[[Any], Params] | None
+    # tree -> what identifies it whatever the compute dtype: what the fingerprint hashes
+    identity: Callable[[Params], Any]
+    # trained params -> params that compute the base alone (LoRA: each B zeroed): a
+    # preference objective's reference with no second copy of the weights
+    adapters_off: Callable[[Params], Params]
+    # For reports (bench, planner, the run's header): the variant in words ('QLoRA rank
+    # 16'), the weights the base holds and how they are stored ('nf4').
+    variant: str
+    num_parameters: int
+    dtype: str
+
 
 @dataclasses.dataclass(frozen=True)
 class Model:
@@ -40,14 +72,13 @@ class Model:
     name: str  # the family's name: flag section, run-name prefix, metadata key
     config: dict  # the model config, recorded in checkpoint metadata as `<name>_config`
     vocab_size: int
-    init_params: Callable  # rng -> params, a pure function (run sharded)
-    loss_fn: Callable  # (params, batch, rng[, frozen=]) -> LossSums
+    init_params: Callable[[jax.Array], Params]  # rng -> params, a pure function (run sharded)
+    loss_fn: LossFn  # the next-token loss
     partition_rules: PartitionRules
-    flops_per_token: Callable  # seq_length -> training FLOPs per token
-    # Serving: (params, ids (B, T), positions (B, T) or None, cache or None) -> logits
-    # (B, T, V), or (logits, cache) with a cache; init_cache(batch, length) -> zeros.
-    apply: Callable | None = None
-    init_cache: Callable | None = None
+    flops_per_token: Callable[[int], float]  # seq_length -> training FLOPs per token
+    # Serving (None: the model cannot be served as it is, e.g. adapters alone)
+    apply: ApplyFn | None = None
+    init_cache: Callable[[int, int], Any] | None = None  # (batch, length) -> zeros
     cache_rules: PartitionRules = ()
     max_seq_length: int = 0  # the longest row the model can take (0: no limit)
     eos_token_id: int | None = None
@@ -55,32 +86,12 @@ class Model:
     num_parameters: int = 0
     # (directory, abstract params with shardings) -> params: `--load_checkpoint=hf::DIR`
     # (`ModelFamily.build` sets it)
-    load_hf: Callable | None = None
-    # Parameters read but not trained (a frozen base under adapters): rng -> tree, and
-    # their partition rules.
-    init_frozen: Callable | None = None
-    frozen_rules: PartitionRules = ()
-    # mesh -> the frozen tree, read (not drawn) and placed in its shards: the trainer
-    # then trains fresh `init_params` on it, and --load_checkpoint names what it reads.
-    load_frozen: Callable | None = None
-    # frozen tree -> what identifies it whatever the compute dtype (default: the tree):
-    # the input of the fingerprint checkpoints record
-    frozen_identity: Callable | None = None
-    # (params, rows of input_tokens, target_tokens, loss_masks (N, T)[, frozen=, rng=]) ->
-    # (summed log-probs of the masked targets (N,), their count (N,)): what preference
-    # objectives train on
-    row_logps: Callable | None = None
-    # params -> parameters that compute the frozen base alone (LoRA: each B zeroed): a
-    # preference objective's reference with no second copy of the weights
-    adapters_off: Callable | None = None
-    # For reports (bench, planner): the variant in words ('QLoRA rank 16'; '': the model
-    # itself), the weights its frozen parameters hold and how they are stored ('nf4').
-    variant: str = ""
-    num_frozen_parameters: int = 0
-    frozen_dtype: str = ""
-    # seq_length -> FLOPs per token of a forward pass (a DPO reference's); default: a
-    # third of `flops_per_token` (forward 2N of the 6N)
-    forward_flops_per_token: Callable | None = None
+    load_hf: Callable[[str, Params], Params] | None = None
+    row_logps: RowLogpsFn | None = None
+    frozen: Frozen | None = None  # what a variant reads but does not train
+    # seq_length -> FLOPs per token of a forward pass (a reference's); default: a third of
+    # `flops_per_token` (forward 2N of the 6N)
+    forward_flops_per_token: Callable[[int], float] | None = None
 
     def forward_flops(self, seq_length: int) -> float:
         if self.forward_flops_per_token is not None:

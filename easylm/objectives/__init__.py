@@ -1,1 +1,75 @@
-"""What a run trains for: next-token prediction and the preference objectives (DPO, SimPO, ORPO), behind one `Objective` interface."""
+"""What a run trains for (`--objective`): next-token prediction on documents, or a
+preference objective (DPO, SimPO, ORPO) on pairs, each an `Objective` (base.py). This
+module holds their flags and builds the one a run asks for."""
+
+from ml_collections import ConfigDict
+
+from easylm.errors import UserError
+from easylm.objectives import preference
+from easylm.objectives.base import Objective
+from easylm.objectives.next_token import NextToken
+
+NEXT_TOKEN = "next_token"
+OBJECTIVES = (NEXT_TOKEN, *preference.OBJECTIVES)
+HELP = {"objective": "what to train: next_token (language modelling on text), or on "
+                     "preference pairs dpo, simpo or orpo (docs/preference.md)",
+        **preference.HELP}
+_SECTIONS = ("train_dataset", "eval_dataset")
+
+
+def get_default_config() -> ConfigDict:
+    """--objective and each objective's own block (--dpo.*, --simpo.*, --orpo.*)."""
+    config = ConfigDict()
+    config.objective = NEXT_TOKEN
+    for name, block in preference.get_default_config().items():
+        config[name] = block
+    return config
+
+
+def build(config: ConfigDict, model, tokenizer) -> Objective:
+    """The `Objective` --objective names, for `model`."""
+    if config.objective == NEXT_TOKEN:
+        return NextToken(model)
+    return preference.PreferenceObjective(config, model, tokenizer)
+
+
+def dataset_defaults(config: ConfigDict) -> dict:
+    """A derived default (the trainer's run defaults): a preference objective reads pairs."""
+    if config.objective == NEXT_TOKEN:
+        return {}
+    return {f"{section}.preference.enabled": True for section in _SECTIONS}
+
+
+def unused_flags(config: ConfigDict) -> tuple:
+    """Prefixes of the flags that do not change what `config` trains: the options of the
+    other objectives (all of them, and --objective itself, for next-token training), left
+    out of the run directory's name so that runs keep theirs."""
+    if config.objective == NEXT_TOKEN:
+        return ("objective", *(f"{name}." for name in preference.OBJECTIVES))
+    return tuple(f"{name}." for name in preference.OBJECTIVES if name != config.objective)
+
+
+def check_config(config: ConfigDict) -> None:
+    """--objective, its options and the datasets agree: pairs for a preference objective,
+    text else."""
+    objective = config.objective
+    if objective not in OBJECTIVES:
+        raise UserError(f"--objective={objective!r} is not one of {', '.join(OBJECTIVES)}")
+    pairs = ", ".join(preference.OBJECTIVES)
+    for section in _SECTIONS if config.eval_freq else _SECTIONS[:1]:
+        enabled = config[section].preference.enabled
+        if enabled and objective == NEXT_TOKEN:
+            raise UserError(f"--{section}.preference.enabled=True makes batches of preference "
+                            f"pairs, which train with --objective={pairs}, not the default "
+                            f"--objective={NEXT_TOKEN}")
+        if not enabled and objective != NEXT_TOKEN:
+            raise UserError(f"--objective={objective} trains on preference pairs, but "
+                            f"--{section}.preference.enabled=False")
+    if objective == NEXT_TOKEN:
+        return
+    preference.check_options(objective, config[objective])
+    data = config.train_dataset
+    if data.type == "json" and data.json_dataset.path == "embedded":
+        raise UserError(f"--objective={objective} trains on preference pairs: set "
+                        f"--train_dataset.json_dataset.path to JSON lines with prompt, chosen "
+                        f"and rejected (docs/preference.md)")

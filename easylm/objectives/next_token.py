@@ -1,6 +1,6 @@
 """Training losses, returned as sums so that micro-batches and hosts add up exactly.
 
-A loss function maps (params, batch, rng) to sums: a NamedTuple with a `loss` field,
+A loss function maps (params, batch, rng, base) to sums: a NamedTuple with a `loss` field,
 a `count` (the denominator: tokens here, pairs for a preference objective) and a
 `means()` method giving what a step logs. The train step adds the sums of its
 micro-batches and divides by the count once, so that accumulation is exact. A model
@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from easylm.errors import UserError
+from easylm.objectives.base import Objective
 
 
 class LossSums(NamedTuple):
@@ -54,8 +55,8 @@ def next_token_loss(logits, target_tokens, loss_masks) -> LossSums:
 def causal_lm_loss(apply_fn):
     """A loss function for a model whose `apply_fn(params, batch)` returns logits."""
 
-    def loss_fn(params, batch, rng) -> LossSums:
-        del rng  # LLaMA has no dropout; the argument is for models that do
+    def loss_fn(params, batch, rng, base=None) -> LossSums:
+        del rng, base  # no dropout, no frozen parameters: for models that have them
         logits = apply_fn(params, batch)  # (B, T, V)
         return next_token_loss(logits, batch["target_tokens"], batch["loss_masks"])
 
@@ -126,3 +127,12 @@ def chunked_next_token_loss(hidden, head_weight, target_tokens, loss_masks, chun
     zeros = LossSums(*(jnp.zeros((), jnp.float32),) * 3)
     sums, _ = jax.lax.scan(body, zeros, (split(hidden), split(target_tokens), split(loss_masks)))
     return sums
+
+
+class NextToken(Objective):
+    """Language modelling on documents: the model's own next-token loss."""
+
+    name = "next_token"
+
+    def loss_fn(self, params, batch, rng, frozen):
+        return self.model.loss_fn(params, batch, rng, frozen.get("base"))

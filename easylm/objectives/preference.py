@@ -14,27 +14,29 @@ only; with a precomputed reference also reference_chosen_logps, reference_reject
 `make_loss_fn` composes them into the trainer's `(params, batch, rng) -> sums`. Like
 LossSums these are sums, so micro-batches and hosts add up exactly; the step divides by
 `pairs` once after adding them (a mean over pairs), where the language-model loss divides
-by tokens. `build_objective` is what the trainer asks for `--objective`: the loss, the
-batches, the frozen reference and the work per step. Formulas, papers and metrics:
+by tokens. `PreferenceObjective` is the trainer's `Objective` (objectives/base.py) for
+them: the loss, the reference, the work per step. Formulas, papers and metrics:
 docs/preference.md.
 """
 
-import hashlib
-import io
 from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from etils import epath
-from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import ConfigDict
 
+from easylm.data import DatasetFactory
 from easylm.errors import UserError
+from easylm.objectives.base import BASE, COPY, NO_REFERENCE, PRECOMPUTED, Objective
 from easylm.objectives.next_token import chunked_next_token_loss, next_token_loss
-
-ROW_KEYS = ("input_tokens", "target_tokens", "loss_masks")
-REFERENCE_KEYS = ("reference_chosen_logps", "reference_rejected_logps")
+from easylm.objectives.reference_table import (
+    REFERENCE_FILE,
+    REFERENCE_KEYS,
+    ROW_KEYS,
+    ReferenceTable,
+    compute,
+)
 
 
 class Pair(NamedTuple):
@@ -233,257 +235,100 @@ def reference_logps(row_logps: Callable, params, batch) -> dict:
 
 # -------------------------------------------------------------- the trainer's objective
 
-NEXT_TOKEN = "next_token"
-OBJECTIVE_HELP = ("what to train: next_token (language modelling on text), or on preference "
-                  "pairs dpo, simpo or orpo (docs/preference.md)")
-REFERENCE_FILE = "reference_logps.npz"
-_SECTIONS = ("train_dataset", "eval_dataset")
+
+def check_options(objective: str, options) -> None:
+    for name, ok, expected in (("beta", lambda x: x > 0, "> 0"),
+                               ("label_smoothing", lambda x: 0 <= x < 0.5, "in [0, 0.5)"),
+                               ("gamma", lambda x: x >= 0, ">= 0"),
+                               ("lambda", lambda x: x >= 0, ">= 0")):
+        if name in options and not ok(options[name]):
+            raise UserError(f"--{objective}.{name} must be {expected}, got {options[name]}")
 
 
-def dataset_defaults(config) -> dict:
-    """A derived default (trainer.run_defaults): a preference objective reads pairs."""
-    if config.objective == NEXT_TOKEN:
-        return {}
-    return {f"{section}.preference.enabled": True for section in _SECTIONS}
+class PreferenceObjective(Objective):
+    """DPO, SimPO or ORPO on batches of pairs. DPO's reference is the base with the
+    adapters off under LoRA, else a frozen copy of the starting parameters, or (with
+    --dpo.precompute_reference) log-probabilities computed before training and carried by
+    the batches."""
 
-
-def unused_flags(config) -> tuple:
-    """Prefixes of the flags that do not change what `config` trains: the options of the
-    other objectives (all of them, and --objective itself, for next-token training), left
-    out of the run directory's name so that runs keep theirs."""
-    if config.objective == NEXT_TOKEN:
-        return ("objective", *(f"{name}." for name in OBJECTIVES))
-    return tuple(f"{name}." for name in OBJECTIVES if name != config.objective)
-
-
-def check_config(config) -> None:
-    """--objective and the datasets agree: pairs for a preference objective, text else."""
-    objective = config.objective
-    if objective not in (NEXT_TOKEN, *OBJECTIVES):
-        raise UserError(f"--objective={objective!r} is not one of {NEXT_TOKEN}, "
-                        f"{', '.join(OBJECTIVES)}")
-    for section in _SECTIONS if config.eval_freq else _SECTIONS[:1]:
-        enabled = config[section].preference.enabled
-        if enabled and objective == NEXT_TOKEN:
-            raise UserError(f"--{section}.preference.enabled=True makes batches of preference "
-                            f"pairs, which train with --objective={', '.join(OBJECTIVES)}, not "
-                            f"the default --objective={NEXT_TOKEN}")
-        if not enabled and objective != NEXT_TOKEN:
-            raise UserError(f"--objective={objective} trains on preference pairs, but "
-                            f"--{section}.preference.enabled=False")
-    if objective != NEXT_TOKEN:
-        options = config[objective]
-        for name, ok, expected in (("beta", lambda x: x > 0, "> 0"),
-                                   ("label_smoothing", lambda x: 0 <= x < 0.5, "in [0, 0.5)"),
-                                   ("gamma", lambda x: x >= 0, ">= 0"),
-                                   ("lambda", lambda x: x >= 0, ">= 0")):
-            if name in options and not ok(options[name]):
-                raise UserError(f"--{objective}.{name} must be {expected}, got {options[name]}")
-    data = config.train_dataset
-    if objective != NEXT_TOKEN and data.type == "json" and data.json_dataset.path == "embedded":
-        raise UserError(f"--objective={objective} trains on preference pairs: set "
-                        f"--train_dataset.json_dataset.path to JSON lines with prompt, chosen "
-                        f"and rejected (docs/preference.md)")
-
-
-def build_objective(config, model, tokenizer) -> "Objective":
-    return Objective(config, model, tokenizer)
-
-
-class Objective:
-    """What the trainer asks of `--objective`: the loss of a step (`loss_fn(params, batch,
-    rng, *frozen)`), whether batches are pairs, the arrays the step takes beside the state
-    (`frozen`: a frozen reference model), the work of a step, and what a host batch gets
-    before it is placed (`prepare`: precomputed reference log-probabilities)."""
+    rows = "pairs"
+    rows_per_example = 2  # a pair is a chosen and a rejected row
 
     def __init__(self, config, model, tokenizer):
+        super().__init__(model)
         self.name = config.objective
-        self.pairs = self.name != NEXT_TOKEN
-        self.rows_per_example = 2 if self.pairs else 1   # a pair is a chosen and a rejected row
-        self.model, self.config, self.tokenizer = model, config, tokenizer
+        self.config, self.tokenizer = config, tokenizer
         self.options = get_default_config({name: config[name].to_dict() for name in OBJECTIVES})
-        needs_reference = self.name in NEEDS_REFERENCE
-        self.precompute = needs_reference and self.options.dpo.precompute_reference
-        self.live_reference = needs_reference and not self.precompute
-        self.loss_fn = self._preference_loss if self.pairs else model.loss_fn
-        self._table = None
-        # LoRA: the reference is the base with the adapters off, no second copy of it.
-        self.reference_is_base = model.adapters_off is not None
-        if self.pairs and model.row_logps is None:
+        if model.row_logps is None:
             raise UserError(f"the {model.name} model has no per-sequence log-probabilities, "
                             f"which --objective={self.name} trains on")
-        if needs_reference and model.init_frozen is not None and not self.reference_is_base:
-            raise UserError(f"--objective={self.name} cannot train this {model.name} model: "
-                            f"it has frozen parameters but no way to turn its own off for "
-                            f"the reference")
+        if self.name not in NEEDS_REFERENCE:
+            self.reference = NO_REFERENCE
+        elif self.options.dpo.precompute_reference:
+            self.reference = PRECOMPUTED
+        else:
+            self.reference = BASE if model.frozen is not None else COPY
+        self._table = None
 
-    def _reference(self, frozen) -> Callable:
+    def _reference_logps(self, frozen: dict) -> Callable:
         """(params, rows) -> the reference's (logps, lengths): the base under the policy's
-        adapters turned off (`frozen`: the base), or the live copy `frozen[0]`."""
-        row_logps, adapters_off = self.model.row_logps, self.model.adapters_off
-        if self.reference_is_base:
-            return lambda params, rows: row_logps(adapters_off(params), rows, frozen=frozen)
-        (reference_params,) = frozen
-        return lambda _, rows: row_logps(reference_params, rows)
+        adapters turned off, or the frozen copy."""
+        model, base = self.model, frozen.get("base")
+        if model.frozen is not None:
+            return lambda params, rows: model.row_logps(model.frozen.adapters_off(params),
+                                                        rows, base)
+        return lambda _, rows: model.row_logps(frozen["reference"], rows, None)
 
-    def _preference_loss(self, params, batch, rng, *extra, frozen=None):
-        """extra: a live copy's parameters (a jit argument); frozen: the model's own frozen
-        parameters (TrainState.frozen: LoRA's base)."""
-        reference = None
-        if self.live_reference:
-            reference = self._reference(frozen if self.reference_is_base else extra)
-        policy = lambda p, rows: self.model.row_logps(p, rows, frozen=frozen, rng=rng)  # noqa: E731
+    def loss_fn(self, params, batch, rng, frozen):
+        base = frozen.get("base")
+        live = self.reference in (BASE, COPY)
+        reference = self._reference_logps(frozen) if live else None
+        policy = lambda p, rows: self.model.row_logps(p, rows, base, rng)  # noqa: E731
         return make_loss_fn(self.name, self.options, policy, reference)(params, batch, rng)
 
     def describe(self) -> str:
-        """For the run's header line: '' for next-token training."""
-        if not self.pairs:
-            return ""
-        reference = (" (live reference: the base, adapters off)"
-                     if self.live_reference and self.reference_is_base else
-                     " (live reference)" if self.live_reference else
-                     " (precomputed reference)" if self.precompute else "")
+        reference = {BASE: " (live reference: the base, adapters off)",
+                     COPY: " (live reference)", PRECOMPUTED: " (precomputed reference)",
+                     NO_REFERENCE: ""}[self.reference]
         return f" | objective {self.name}{reference}"
 
     def flops_per_token(self, seq_length: int) -> float:
-        """Training FLOPs per token: the policy's forward and backward passes (6N; LoRA's
-        skip the base's weight gradients), and a live reference's forward pass (2N)."""
-        reference = self.model.forward_flops(seq_length) if self.live_reference else 0.0
+        """The policy's forward and backward passes (6N; LoRA's skip the base's weight
+        gradients), and a live reference's forward pass (2N)."""
+        live = self.reference in (BASE, COPY)
+        reference = self.model.forward_flops(seq_length) if live else 0.0
         return self.model.flops_per_token(seq_length) + reference
 
-    def frozen(self, run_dir: str, starting_params: Callable, place: Callable,
-               print_fn: Callable, state=None) -> tuple:
-        """Once per run, before the first step: the reference's parameters for a live
-        copy (starting_params(): the run's starting point, also after a resume), or ()
-        for the base with adapters off (of `state`, the train state) and after loading or
-        computing the precomputed reference log-probabilities."""
-        if self.live_reference:
-            return () if self.reference_is_base else (starting_params(),)
-        if self.precompute:
-            source = self.config.load_checkpoint or f"init(seed={self.config.seed})"
-            path = f"{run_dir}/{REFERENCE_FILE}"
-            if epath.Path(path).exists():
-                self._table = ReferenceTable.load(path, source)
-                print_fn(f"reference log-probabilities: {path} ({len(self._table)} pairs)")
-            else:
-                print_fn(f"computing the reference log-probabilities of the train and eval "
-                         f"pairs (one pass) into {path}")
-                if self.reference_is_base:
-                    reference, params = self._reference(state.frozen), state.params
-                else:
-                    params = starting_params()
-                    reference = self._reference((params,))
-                self._table = self._precompute(reference, params, place, path)
-                if jax.process_index() == 0:
-                    self._table.save(source)
-                print_fn(f"reference log-probabilities: {len(self._table)} pairs")
-        return ()
-
-    def _precompute(self, reference: Callable, params, place, path) -> "ReferenceTable":
-        """One pass over every pair of the train (and eval) data, in source order: the
-        log-probabilities by pair of `reference(params, rows)`. Every process gets all."""
-        from easylm.data import DatasetFactory
-
-        mesh = jax.sharding.get_abstract_mesh()
-        logps = jax.jit(lambda p, b: reference_logps(reference, p, b),
-                        out_shardings=NamedSharding(mesh, P()))
-        sections = _SECTIONS if self.config.eval_freq else _SECTIONS[:1]
-        keys, values = [], []
-        for section in sections:
-            dataset = DatasetFactory.load_dataset(self.config[section], self.tokenizer,
-                                                  for_eval=True, pairs=True)
-            try:
-                for batch, _ in dataset.iterate():
-                    out = jax.device_get(logps(params, place(batch)))   # (B,) each
-                    local = np.stack([pair_keys(batch), has_pair(batch)], 1)
-                    gathered = _gather_rows(local.view(np.uint32)).view(np.uint64)
-                    rows = gathered[:, 1] > 0   # padding rows at the end of the pass
-                    keys.append(gathered[rows, 0])
-                    values.append(np.stack([out[k] for k in REFERENCE_KEYS], 1)[rows])
-            finally:
-                dataset.close()
-        return ReferenceTable(np.concatenate(keys), np.concatenate(values), path)
+    def prepare_run(self, run_dir, starting_params, state, place, print_fn) -> None:
+        """With a precomputed reference: its log-probabilities of the train and eval pairs,
+        read from RUN_DIR/reference_logps.npz, or computed (one pass) and written there."""
+        if self.reference != PRECOMPUTED:
+            return
+        source = self.config.load_checkpoint or f"init(seed={self.config.seed})"
+        path = f"{run_dir}/{REFERENCE_FILE}"
+        if epath.Path(path).exists():
+            self._table = ReferenceTable.load(path, source)
+            print_fn(f"reference log-probabilities: {path} ({len(self._table)} pairs)")
+            return
+        print_fn(f"computing the reference log-probabilities of the train and eval pairs "
+                 f"(one pass) into {path}")
+        if self.model.frozen is not None:
+            params, frozen = state.params, state.frozen
+        else:
+            params = starting_params()
+            frozen = {"reference": params}
+        sections = ("train_dataset", "eval_dataset") if self.config.eval_freq else \
+            ("train_dataset",)
+        datasets = (DatasetFactory.load_dataset(self.config[section], self.tokenizer,
+                                                for_eval=True, pairs=True)
+                    for section in sections)
+        reference = self._reference_logps(frozen)
+        self._table = compute(lambda p, batch: reference_logps(reference, p, batch), params,
+                              datasets, place, path)
+        if jax.process_index() == 0:
+            self._table.save(source)
+        print_fn(f"reference log-probabilities: {len(self._table)} pairs")
 
     def prepare(self, batch: dict) -> dict:
-        """A host batch as the step takes it: with precomputed reference log-probabilities,
-        its pairs' (b,) ones added."""
+        """With a precomputed reference, the batch's pairs' (b,) log-probabilities added."""
         return batch if self._table is None else dict(batch, **self._table.lookup(batch))
-
-
-def pair_keys(batch) -> np.ndarray:
-    """(b,) uint64: a hash of each pair's rows (both sides' tokens and masks), so that a
-    pair's reference log-probabilities are found whatever its slot, epoch or host."""
-    arrays = [np.ascontiguousarray(batch[f"{side}_{k}"]) for side in ("chosen", "rejected")
-              for k in ROW_KEYS]
-    keys = np.empty(len(arrays[0]), np.uint64)
-    for r in range(len(keys)):
-        digest = hashlib.blake2b(digest_size=8)
-        for array in arrays:
-            digest.update(array[r].tobytes())
-        keys[r] = int.from_bytes(digest.digest(), "little")
-    return keys
-
-
-def has_pair(batch) -> np.ndarray:
-    """(b,) uint64 1 where the row holds a pair, 0 for a padding row."""
-    return ((batch["chosen_loss_masks"].sum(1) > 0) &
-            (batch["rejected_loss_masks"].sum(1) > 0)).astype(np.uint64)
-
-
-def _gather_rows(local: np.ndarray) -> np.ndarray:
-    """This process's rows -> every process's, in global row order."""
-    if jax.process_count() == 1:
-        return local
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(local, tiled=True))
-
-
-class ReferenceTable:
-    """Reference log-probabilities of pairs by `pair_keys`: keys (n,) uint64, values
-    (n, 2) float32 (chosen, rejected). Stored as .npz (no pickle) with the reference it
-    came from (--load_checkpoint, or the seed of the initialisation)."""
-
-    def __init__(self, keys, values, path):
-        keys, first = np.unique(keys, return_index=True)   # sorted; a repeated pair once
-        self.keys, self.values = keys, np.asarray(values, np.float32)[first]
-        self.path = path   # where it is stored, for the messages
-
-    def __len__(self):
-        return len(self.keys)
-
-    def lookup(self, batch) -> dict:
-        keys = pair_keys(batch)
-        at = np.minimum(np.searchsorted(self.keys, keys), len(self.keys) - 1)
-        found = self.keys[at] == keys
-        missing = ~found & (has_pair(batch) > 0)
-        if missing.any():
-            raise UserError(f"{missing.sum()} pair(s) of a batch have no precomputed reference "
-                            f"log-probabilities in {self.path}: the data changed since they "
-                            f"were computed; delete that file to compute them again")
-        values = np.where(found[:, None], self.values[at], 0.0).astype(np.float32)
-        return dict(zip(REFERENCE_KEYS, values.T))
-
-    def save(self, source: str) -> None:
-        buffer = io.BytesIO()
-        np.savez(buffer, keys=self.keys, values=self.values, source=np.array(source))
-        path = epath.Path(self.path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.parent / (path.name + ".tmp")   # a killed save leaves no half file
-        tmp.write_bytes(buffer.getvalue())
-        tmp.rename(path)
-
-    @classmethod
-    def load(cls, path: str, source: str) -> "ReferenceTable":
-        try:
-            with np.load(io.BytesIO(epath.Path(path).read_bytes()), allow_pickle=False) as f:
-                keys, values, stored = f["keys"], f["values"], str(f["source"])
-        except (OSError, ValueError, KeyError):
-            raise UserError(f"{path} is not the .npz of reference log-probabilities this "
-                            f"command writes (keys, values, source); delete it to compute "
-                            f"them again") from None
-        if stored != source:
-            raise UserError(f"{path} holds the log-probabilities of the reference {stored}, "
-                            f"but this run's reference is {source}; delete it to compute "
-                            f"them again")
-        return cls(keys, values, path)

@@ -1,0 +1,320 @@
+"""The trainer's flags: their defaults and help, the defaults that depend on the run (the
+embedded demo, fine-tuning rates, rows no longer than the model takes, a schedule that
+ends with the run), the run directory named after the flags, and the checks of a
+configuration before anything starts."""
+
+import hashlib
+import json
+import os
+from typing import Callable
+
+from ml_collections import ConfigDict
+
+from easylm import flags as flag_lib, objectives
+from easylm.data.dataset import loader_block
+from easylm.errors import UserError
+from easylm.evaluation import harness_flags
+from easylm.models.family import Model, ModelFamily
+from easylm.runtime import checkpoint, distributed
+from easylm.training import logger, optimizers
+
+LOAD_PREFIXES = checkpoint.LOAD_PREFIXES + ("hf",)
+
+HELP = {
+    "seed": "random seed: parameter initialisation and the per-step RNG",
+    "mesh_dim": "device mesh dp,fsdp,mp; one entry may be -1 (all remaining devices)",
+    "dcn_mesh_dim": "hybrid mesh: how TPU slices (GPU/CPU: processes) combine, dp,fsdp,mp; "
+                    "--mesh_dim then splits the devices of one slice/process (empty: flat mesh)",
+    "log_all_worker": "every process logs (metrics.process<i>.jsonl), not only process 0",
+    "dtype": "compute dtype: bf16, fp16, fp32, or auto (bf16 on GPU/TPU, fp32 on CPU)",
+    "param_dtype": "dtype the parameters (and their updates) are kept in",
+    "total_steps": "number of optimizer updates to train for",
+    "log_freq": "log metrics every this many steps (the only time the host waits "
+                "for the device)",
+    "save_model_freq": "save a checkpoint every this many steps, keeping the latest "
+                       "--checkpointer.keep (0: only the final one)",
+    "save_milestone_freq": "save a checkpoint every this many steps that is never deleted "
+                           "(0: none)",
+    "eval_freq": "evaluate on --eval_dataset every this many steps (0: never)",
+    "eval_steps": "batches per evaluation (0: one full pass over --eval_dataset)",
+    "load_checkpoint": "start from params::DIR (parameters), trainstate::DIR (everything), "
+                       "trainstate_params::DIR (parameters of a train state) or hf::DIR (a "
+                       "Hugging Face model directory, converted as it loads; its config.json "
+                       "gives the model's shape)",
+    "resume": "continue from the newest complete checkpoint in the run directory, if any",
+    "allow_fresh_optimizer": "resume from a checkpoint without optimizer state (saved with "
+                             "--checkpointer.save_optimizer_state=False) with a fresh "
+                             "optimizer, instead of stopping",
+    "tokenizer": "'embedded', a tokenizer directory, a tokenizer.json or a SentencePiece .model",
+    "peak_tflops": "peak TFLOP/s of one device for MFU (0: look the device up; unknown "
+                   "devices such as CPUs report MFU as n/a)",
+    "compilation_cache_dir": "persistent XLA compilation cache: a second start of the same "
+                             "step skips compiling ('' to disable)",
+    "skip_nonfinite_updates": "skip updates whose loss or gradient norm is NaN/Inf and count "
+                              "them, instead of stopping the run",
+    "profile_steps": "trace this many steps with the jax profiler into RUN_DIR/profile/"
+                     "process<i> (--logger.wandb_dir, when set, instead of RUN_DIR); 0: off",
+    "profile_start_step": "the first traced step (steps count from 1; the first one compiles)",
+}
+
+
+def get_default_config(dataset_config: ConfigDict | None = None) -> ConfigDict:
+    """Top-level flags and each component's own block (`--optimizer.*`, ...)."""
+    config = ConfigDict()
+    config.seed = 42
+    config.mesh_dim = "1,-1,1"
+    config.dcn_mesh_dim = ""
+    config.dtype = "auto"
+    config.param_dtype = "fp32"
+    config.total_steps = 10000
+    config.log_freq = 50
+    config.save_model_freq = 0
+    config.save_milestone_freq = 0
+    config.eval_freq = 0
+    config.eval_steps = 0
+    config.load_checkpoint = ""
+    config.resume = True
+    config.allow_fresh_optimizer = False
+    config.tokenizer = "embedded"
+    config.peak_tflops = 0.0
+    config.compilation_cache_dir = "~/.cache/easylm/jax"
+    config.skip_nonfinite_updates = False
+    config.profile_steps = 0
+    config.profile_start_step = 5
+    config.log_all_worker = False
+    config.update(objectives.get_default_config())  # --objective, --dpo.*, --simpo.*, ...
+    if dataset_config is not None:
+        config.train_dataset = dataset_config
+        config.eval_dataset = ConfigDict(dataset_config.to_dict())
+    config.optimizer = optimizers.get_default_config()
+    config.checkpointer = checkpoint.get_default_config()
+    config.logger = logger.get_default_config()
+    config.jax_distributed = distributed.get_default_config()
+    config.eval_harness = harness_flags.get_default_config()
+    config.update_from_flattened_dict(_schedule_defaults(config))
+    return config
+
+
+def help_text(dataset_help: dict | None = None) -> dict:
+    text = dict(HELP)
+    sections = {"optimizer": optimizers.HELP, "checkpointer": checkpoint.HELP,
+                "logger": logger.HELP, "jax_distributed": distributed.HELP,
+                "eval_harness": harness_flags.HELP}
+    text.update(objectives.HELP)
+    for section in ("train_dataset", "eval_dataset"):
+        sections[section] = dataset_help or {}
+    for section, entries in sections.items():
+        text.update({f"{section}.{name}": entry for name, entry in entries.items()})
+    for name, default in RUN_DEFAULTS_HELP.items():
+        text[name] = f"{text.get(name, '')} ({default})".strip()
+    return text
+
+
+def default_config(family: ModelFamily) -> ConfigDict:
+    """`family`'s training flags before those that depend on the run (`run_defaults`)."""
+    from easylm.data import DatasetFactory
+
+    config = get_default_config(DatasetFactory.get_default_config())
+    config[family.name] = family.flag_config()  # from scratch; hf:: gives its own shape
+    for section, block in family.variant_flags().items():
+        config[section] = block
+    return config
+
+
+def help_entries(family: ModelFamily) -> dict:
+    from easylm.data import DatasetFactory
+
+    entries = help_text(getattr(DatasetFactory, "HELP", None))
+    entries.update(family.help_entries("the preset's, or hf::DIR config.json's"))
+    entries.update(family.variant_help())
+    for name, value in family.demo.items():
+        entries[name] = f"{entries.get(name, '')} (the embedded demo, given no data and no " \
+                        f"checkpoint: {value:g})".strip()
+    return entries
+
+
+def family_run_defaults(family: ModelFamily) -> list[Callable[[ConfigDict], dict]]:
+    """`run_defaults` for `family`: its demo; rows no longer than its model takes (1024
+    tokens do not fit a small preset)."""
+    return run_defaults(family.demo,
+                        lambda config: family.bind(family.model_config(config)).max_seq_length,
+                        family.variant_run_defaults)
+
+
+def common_flags(family: ModelFamily) -> list[str]:
+    """What `--help` shows, the flags most runs change, in the order one sets them."""
+    data = [f"train_dataset.{name}" for name in (
+        "type", "json_dataset.path", "json_dataset.seq_length", "json_dataset.batch_size",
+        "huggingface_dataset.path")]
+    return ["load_checkpoint", f"{family.name}.base_model", "tokenizer", *data, "total_steps",
+            "optimizer.adamw_optimizer.lr", "mesh_dim", "dtype", "log_freq", "save_model_freq",
+            "eval_freq", "eval_dataset.json_dataset.path", "logger.output_dir",
+            "logger.experiment_id", "resume"]
+
+
+def usage(family: ModelFamily) -> str:
+    command = f"python -m {family.commands}.train"
+    return (f"Train a {family.name} model (from scratch, or fine-tune a checkpoint).\n\n"
+            f"  {command} --{family.name}.base_model={family.default_preset} "
+            f"--train_dataset.json_dataset.path=data.jsonl --total_steps=1000\n\n"
+            f"usage: {command} [--flag=value ...]  (all flags: --helpfull)")
+
+
+def parse_flags(family: ModelFamily, argv: list[str]) -> ConfigDict:
+    """`argv` (argv[0] is the program) as `python -m <family>.train` reads it, the
+    defaults of the run included."""
+    config = default_config(family)
+    common = [name for name in common_flags(family) if name in flag_lib.flatten(config)]
+    return flag_lib.parse(config, help_entries(family), argv, usage(family),
+                          derived=family_run_defaults(family), common=common)
+
+
+# ------------------------------------------------------------ defaults of a run
+# Some defaults depend on the run; `flags.parse(..., derived=run_defaults(demo))` applies
+# them to the flags not given, in this order.
+
+# Full fine-tuning of a pretrained model at a higher peak rate tends to diverge (the
+# embedded demo's 3e-3 drove a 135M model's perplexity from 144 to 296 in 22 steps).
+FINE_TUNING_MAX_LR = 1e-4
+FINE_TUNING_DEFAULTS = {"optimizer.adamw_optimizer.lr": 2e-5}
+RUN_DEFAULTS_HELP = {
+    "optimizer.adamw_optimizer.lr": "from a pretrained params::, trainstate_params:: or hf:: "
+                                    "--load_checkpoint: "
+                                    f"{FINE_TUNING_DEFAULTS['optimizer.adamw_optimizer.lr']:g}",
+    "optimizer.adamw_optimizer.end_lr": "default: a tenth of the peak lr",
+    "optimizer.adamw_optimizer.lr_warmup_steps": "default: a tenth of --total_steps, at most 2000",
+    "optimizer.adamw_optimizer.lr_decay_steps": "default: --total_steps",
+    **{f"train_dataset.{loader}.seq_length": "default: 1024, or the model's "
+                                             "max_position_embeddings if smaller"
+       for loader in ("json_dataset", "huggingface_dataset", "cache", "mixture")},
+    **{f"eval_dataset.{loader}.{field}": f"default: --train_dataset's {field}"
+       for loader in ("json_dataset", "huggingface_dataset", "cache", "mixture")
+       for field in ("seq_length", "batch_size")},
+}
+
+
+def is_demo(config: ConfigDict) -> bool:
+    """No data and no checkpoint given: the embedded corpus, from scratch."""
+    return (not config.load_checkpoint and config.train_dataset.type == "json"
+            and config.train_dataset.json_dataset.path == "embedded")
+
+
+def starts_from_pretrained(config: ConfigDict) -> bool:
+    """Pretrained parameters with a fresh optimizer: fine-tuning."""
+    return config.load_checkpoint.partition("::")[0] in ("params", "trainstate_params", "hf")
+
+
+def _schedule_defaults(config: ConfigDict) -> dict:
+    # The decay ends at a tenth of the peak, whichever sets the peak (a flag, a fine-tuning
+    # or a variant's default): a peak given below another rule's end_lr would rise.
+    steps = config.total_steps
+    return {"optimizer.adamw_optimizer.lr_warmup_steps": min(2000, steps // 10),
+            "optimizer.adamw_optimizer.lr_decay_steps": steps,
+            # the decimal tenth (3e-4, not 3.0000000000000003e-05), as a flag would give it
+            "optimizer.adamw_optimizer.end_lr":
+                float(f"{config.optimizer.adamw_optimizer.lr / 10:.12g}")}
+
+
+def run_defaults(demo: dict, max_seq_length: Callable[[ConfigDict], int] | None = None,
+                 variant: Callable[[ConfigDict], dict] | None = None
+                 ) -> list[Callable[[ConfigDict], dict]]:
+    """For `flags.parse(derived=...)`: the embedded demo's settings (`demo`, from the model
+    family) for a run given no data and no checkpoint; a fine-tuning learning rate from a
+    pretrained checkpoint, then a variant's own (`variant(config)`, from the family); rows
+    no longer than the model takes (`max_seq_length(config)`, from the family); a schedule
+    that ends with the run; eval rows shaped like the train rows."""
+
+    def rows(config):
+        if max_seq_length is None:
+            return {}
+        try:
+            limit = max_seq_length(config)
+        except UserError:
+            return {}  # a bad checkpoint or preset: the trainer reports it
+        name = f"train_dataset.{loader_block(config.train_dataset)}.seq_length"
+        return {name: min(flag_lib.get(config, name), limit)}
+
+    def eval_rows(config):
+        train = config.train_dataset[loader_block(config.train_dataset)]
+        loader = loader_block(config.eval_dataset)
+        return {f"eval_dataset.{loader}.seq_length": train.seq_length,
+                f"eval_dataset.{loader}.batch_size": train.batch_size}
+
+    return [lambda config: dict(demo) if is_demo(config) else {},
+            lambda config: dict(FINE_TUNING_DEFAULTS) if starts_from_pretrained(config) else {},
+            variant or (lambda config: {}), rows, _schedule_defaults, eval_rows,
+            objectives.dataset_defaults]
+
+
+def run_directory(config: ConfigDict, model_name: str, unused: tuple = ()) -> str:
+    """OUTPUT_DIR/EXPERIMENT_ID; by default the id hashes the flags, so re-running the
+    same command (say, after preemption) lands in the same directory and resumes. Flags
+    that do not change what is trained (resuming, logging, profiling; the prefixes
+    `unused`: a variant's flags when it is off) are left out."""
+    experiment_id = config.logger.experiment_id
+    if not experiment_id:
+        # logger.* and jax_distributed.* may differ between hosts; unset optional flags
+        # (None) are left out too, so that adding such a flag keeps existing ids; and what
+        # eval_harness.* evaluates changes nothing trained.
+        flat = {k: v for k, v in flag_lib.flatten(config).items()
+                if k not in ("resume", "allow_fresh_optimizer", "log_all_worker",
+                             "profile_steps", "profile_start_step")
+                and not k.startswith(("logger.", "jax_distributed.", "eval_harness.",
+                                      *objectives.unused_flags(config), *unused))
+                and v is not None}
+        digest = hashlib.sha1(json.dumps(flat, sort_keys=True).encode()).hexdigest()[:8]
+        experiment_id = f"{model_name}-{digest}"
+    return checkpoint.absolute_path(os.path.join(config.logger.output_dir, experiment_id))
+
+
+def check_config(config: ConfigDict):
+    objectives.check_config(config)
+    if config.load_checkpoint:
+        kind, directory = checkpoint.parse_load_spec(config.load_checkpoint, LOAD_PREFIXES)
+        if kind != "hf":  # the model family reads (and checks) a HF directory
+            checkpoint.check_checkpoint_dir(directory)
+    if config.total_steps < 1:
+        raise UserError(f"--total_steps must be >= 1, got {config.total_steps}")
+    if config.log_freq < 1:
+        raise UserError(f"--log_freq must be >= 1, got {config.log_freq}")
+    if config.profile_start_step < 1:
+        raise UserError(f"--profile_start_step must be >= 1, got {config.profile_start_step}")
+    for name in ("save_model_freq", "save_milestone_freq", "eval_freq", "eval_steps",
+                 "profile_steps"):
+        if config[name] < 0:
+            raise UserError(f"--{name} must be >= 0, got {config[name]}")
+    embedded = lambda c: c.type == "json" and c.json_dataset.path == "embedded"
+    if config.eval_freq and embedded(config.eval_dataset) and not embedded(config.train_dataset):
+        raise UserError(
+            f"--eval_freq={config.eval_freq} evaluates on --eval_dataset, which is not set (it "
+            f"would be the embedded demo corpus, not your data): set "
+            f"--eval_dataset.json_dataset.path (or --eval_dataset.type=huggingface and its "
+            f"huggingface_dataset.path), or --eval_freq=0")
+
+
+def check_seq_length(config: ConfigDict, model: Model, datasets: dict):
+    for section, dataset in datasets.items():
+        if dataset is not None and model.max_seq_length and dataset.seq_length > model.max_seq_length:
+            flag = f"--{section}.{loader_block(config[section])}.seq_length"
+            raise UserError(
+                f"{flag}={dataset.seq_length} is above the model's max_position_embeddings="
+                f"{model.max_seq_length}: lower {flag}, or raise --{model.name}."
+                f"max_position_embeddings if the model can take longer rows")
+
+
+def warn_about_the_schedule(config: ConfigDict, schedule, print_fn, variant: dict | None = None):
+    """A fine-tuning learning rate too high for a pretrained model, and a decay that does
+    not end with the run: both train, but rarely as meant."""
+    if config.optimizer.type != "adamw":
+        return
+    c = config.optimizer.adamw_optimizer
+    if starts_from_pretrained(config) and c.lr > FINE_TUNING_MAX_LR and \
+            "optimizer.adamw_optimizer.lr" not in (variant or {}):
+        print_fn(f"warning: fine-tuning {config.load_checkpoint} at a peak learning rate of "
+                 f"{c.lr:g}, above the {FINE_TUNING_MAX_LR:g} a pretrained model usually "
+                 f"tolerates (full fine-tuning uses about 1e-5 to 5e-5): lower "
+                 f"--optimizer.adamw_optimizer.lr if the loss rises")
+    if c.lr_decay_steps != config.total_steps:
+        print_fn(f"note: --optimizer.adamw_optimizer.lr_decay_steps={c.lr_decay_steps} but "
+                 f"--total_steps={config.total_steps}: the run ends at a learning rate of "
+                 f"{float(schedule(config.total_steps)):.3g} (end_lr={c.end_lr:g})")
