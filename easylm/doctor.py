@@ -31,7 +31,7 @@ from easylm import flags as flag_lib
 from easylm.errors import UserError, exit_on_user_error
 from easylm.runtime import distributed
 from easylm.runtime.sharding import check_batch_split, make_mesh, mesh_string
-from easylm.training.options import default_config, help_entries
+from easylm.training import options as trainer
 
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "transformers")
 # Reported when installed: the accelerator plugins jax runs on.
@@ -145,7 +145,7 @@ def main(argv=None):
 
     family, argv = registry.from_argv(argv or sys.argv)
     usage = "usage: python -m easylm.doctor [--family=NAME] [trainer flags]"
-    config = flag_lib.parse(default_config(family), help_entries(family), argv,
+    config = flag_lib.parse(trainer.default_config(family), trainer.help_entries(family), argv,
                             usage)
     distributed.initialize(config.jax_distributed)
     report, problems = check(config)

@@ -58,8 +58,7 @@ from easylm.runtime.sharding import (
     mesh_string,
     parse_mesh_dim,
 )
-from easylm.training import optimizers
-from easylm.training.options import common_flags, default_config, help_entries
+from easylm.training import optimizers, options as trainer
 
 GIB = 1024 ** 3
 
@@ -372,15 +371,13 @@ def report(config: ConfigDict, family, num_devices: int, num_processes: int,
 
 
 def default_config(family) -> ConfigDict:
-
-    config = default_config(family)
+    config = trainer.default_config(family)
     config.plan = get_default_config()
     return config
 
 
 def help_entries(family) -> dict:
-
-    return {**HELP, **help_entries(family)}
+    return {**HELP, **trainer.help_entries(family)}
 
 
 @exit_on_user_error
@@ -394,7 +391,7 @@ def main(argv=None):
              f"[--plan.device_memory_gib=GiB]  (all flags: --helpfull)")
     config = default_config(family)
     common = [f"plan.{name}" for name in get_default_config()] + [
-        name for name in common_flags(family) if name in flag_lib.flatten(config)]
+        name for name in trainer.common_flags(family) if name in flag_lib.flatten(config)]
     config = flag_lib.parse(config, help_entries(family), argv, usage, common=common)
     num_devices = config.plan.num_devices or jax.device_count()
     num_processes = config.plan.num_processes or jax.process_count()

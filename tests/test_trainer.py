@@ -234,7 +234,7 @@ def test_metrics_report_schedule_and_norms(runner):
 def test_nonfinite_step_is_skipped_and_named():
     model = debug_model()
 
-    def poisoned_loss(params, batch, rng):  # NaN whenever the batch says so
+    def poisoned_loss(params, batch, rng, base=None):  # NaN whenever the batch says so
         sums = model.loss_fn(params, batch, rng)
         return sums._replace(loss=sums.loss * batch["poison"][0, 0])
 
