@@ -11,20 +11,19 @@ the run. All flags: `python -m easylm.llama.train --help`; examples in `configs/
 """
 
 from easylm.llama.family import FAMILY
-from easylm.training import trainer
-from easylm.training.options import default_config, help_entries, parse_flags
+from easylm.training import options, trainer
 
 
 def default_config():
-    return default_config(FAMILY)
+    return options.default_config(FAMILY)
 
 
 def help_entries() -> dict:
-    return help_entries(FAMILY)
+    return options.help_entries(FAMILY)
 
 
 def parse_flags(argv: list[str]):
-    return parse_flags(FAMILY, argv)
+    return options.parse_flags(FAMILY, argv)
 
 
 def main(argv=None):
