@@ -22,14 +22,13 @@ from ml_collections.config_dict import placeholder
 from easylm import flags as flag_lib
 from easylm.errors import UserError, exit_on_user_error
 from easylm.llama.family import FAMILY
-from easylm.runtime import checkpoint
+from easylm.runtime import checkpoint, run_flags
 from easylm.serving import cli as serving_cli
 
 USAGE = "usage: python -m easylm.llama.eval --load_checkpoint=... --tasks=a,b [--flag=value ...]"
 
 HELP = {
-    "load_checkpoint": "params::DIR, trainstate::DIR, trainstate_params::DIR (easylm "
-                       "checkpoints) or hf::DIR (a Hugging Face model directory)",
+    "load_checkpoint": run_flags.help_text("load_checkpoint", "required"),
     "batch_size": "rows per scoring call, and decode slots for generate_until requests",
     "max_gen_toks": "most tokens a generate_until request produces when its task does not say",
     "tasks": "comma-separated lm-eval task, group or tag names (or task YAML paths)",

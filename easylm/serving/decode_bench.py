@@ -23,10 +23,12 @@ from ml_collections import ConfigDict
 
 from easylm import flags as flag_lib
 from easylm.errors import UserError, exit_on_user_error
+from easylm.runtime import run_flags
 from easylm.runtime.dtypes import dtype_from_flag
 from easylm.runtime.sharding import init_sharded, make_mesh
 from easylm.serving import engine as engine_lib
 from easylm.serving.batcher import Batcher, SamplingParams
+from easylm.serving.cli import ENGINE_MESH_DIM, ENGINE_NOTES
 from easylm.variants import quantize
 
 HELP = {
@@ -37,8 +39,7 @@ HELP = {
                   "slot; 0: prompt_length + new_tokens",
     "decode_steps": "tokens decoded per device call",
     "decode_unroll": "the engine's --decode_unroll: the steps of a call unrolled, not a loop",
-    "dtype": "bf16, fp16, fp32, or auto (bf16 on GPU/TPU, fp32 on CPU)",
-    "mesh_dim": "device mesh dp,fsdp,mp",
+    **run_flags.help_entries("dtype", "mesh_dim", **ENGINE_NOTES),
     "quantize": "comma-separated weight formats to time side by side: none (the dtype's), "
                 "int8 (--quantize=int8 of the server)",
     "hf": "also time HF transformers generate (static cache): auto (on CPU, when torch is "
@@ -54,12 +55,15 @@ def default_config(family) -> ConfigDict:
     config.seq_length = 0
     config.decode_steps = 8
     config.decode_unroll = False
-    config.dtype = "auto"
-    config.mesh_dim = "1,1,-1"
+    config.update(run_flags.get_default_config("dtype", "mesh_dim", mesh_dim=ENGINE_MESH_DIM))
     config.quantize = "none"
     config.hf = "auto"
     config[family.name] = family.flag_config(family.tiny_preset)
     return config
+
+
+def help_entries(family) -> dict:
+    return {**HELP, **family.help_entries()}
 
 
 def engine_tokens_per_second(model, params, batch: int, config, tokenizer, prompts,
@@ -191,8 +195,7 @@ def main(argv=None):
 
     family, argv = registry.from_argv(argv or sys.argv)
     usage = "usage: python -m easylm.bench decode [--family=NAME] [--flag=value ...]"
-    help_text = {**HELP, **family.help_entries()}
-    config = flag_lib.parse(default_config(family), help_text, argv, usage)
+    config = flag_lib.parse(default_config(family), help_entries(family), argv, usage)
     device = f"{jax.devices()[0].device_kind} ({jax.default_backend()})"
     print(f"decode benchmark on {device}: {config[family.name].base_model}, prompt "
           f"{config.prompt_length}, {config.new_tokens} new tokens, context "
