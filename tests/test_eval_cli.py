@@ -112,7 +112,7 @@ def test_bad_input_is_one_line(trained, tmp_path, capsys, monkeypatch):
         patch.delitem(sys.modules, "easylm.evaluation.harness")
         message = expect_error([*good, "--tasks=tiny_mc"], capsys)
         assert re.fullmatch(r"the Python package 'lm_eval' is not installed \(needed by "
-                            r"easylm/evaluation\.py:\d+\); install the eval extra: "
+                            r"easylm/evaluation/harness\.py:\d+\); install the eval extra: "
                             r'pip install -e "\.\[eval\]"', message), message
     blocked = tmp_path / "file"
     blocked.write_text("")
