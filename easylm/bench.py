@@ -32,7 +32,7 @@ from ml_collections import ConfigDict
 
 from easylm import flags
 from easylm.errors import UserError, exit_on_user_error
-from easylm.runtime import dtypes, flops, profiling
+from easylm.runtime import dtypes, flops, profiling, run_flags
 from easylm.runtime.compilation import setup_compilation
 from easylm.runtime.sharding import BATCH_AXES, make_mesh
 from easylm.training import optimizers
@@ -46,11 +46,9 @@ TRAIN_HELP = {
     "batch_size": "rows per step (global)",
     "warmup_steps": "steps run before timing (the first one compiles)",
     "steps": "timed steps",
-    "mesh_dim": "dp,fsdp,mp; one entry may be -1",
-    "dtype": "compute dtype: auto, fp32, bf16, fp16",
-    "param_dtype": "parameter dtype: fp32, bf16, fp16",
+    **run_flags.help_entries("mesh_dim", "dtype", "param_dtype", "seed",
+                             seed="also of the synthetic tokens"),
     "peak_tflops": "peak TFLOP/s per device for MFU (0: from the device table)",
-    "seed": "seed of the parameters and the synthetic tokens",
     "compilation_cache_dir": "persistent compilation cache ('' to disable)",
     "compile_only": "only lower and compile the step from abstract shapes, allocating "
                     "nothing: compile time and XLA's per-device memory, for shapes too big "
@@ -68,11 +66,9 @@ def train_config(family) -> ConfigDict:
     config.batch_size = 8
     config.warmup_steps = 2
     config.steps = 5
-    config.mesh_dim = "1,-1,1"
-    config.dtype = "auto"
-    config.param_dtype = "fp32"
+    config.update(run_flags.get_default_config("mesh_dim", "dtype", "param_dtype", "seed",
+                                               seed=0))
     config.peak_tflops = 0.0
-    config.seed = 0
     config.compilation_cache_dir = ""
     config.compile_only = False
     config.profile_steps = 0

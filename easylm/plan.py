@@ -48,6 +48,7 @@ from ml_collections import ConfigDict
 
 from easylm import flags as flag_lib, objectives
 from easylm.errors import exit_on_user_error
+from easylm.objectives.base import COPY
 from easylm.runtime.dtypes import DTYPES, bits, dtype_from_flag, nbytes
 from easylm.runtime.sharding import (
     MESH_AXES,
@@ -58,7 +59,7 @@ from easylm.runtime.sharding import (
     mesh_string,
     parse_mesh_dim,
 )
-from easylm.training import optimizers, options as trainer
+from easylm.training import optimizers, options
 
 GIB = 1024 ** 3
 
@@ -241,9 +242,9 @@ def estimate(config: ConfigDict, family, num_devices: int, num_processes: int = 
         activations=activations, working_set=working,
         batch=sum(rows * T * x.dtype.itemsize for x in batch.values()), mesh=sizes,
         frozen=frozen,
-        # LoRA's reference is its own frozen base with the adapters off: no second copy.
-        reference=parameters if objective.live_reference and not objective.reference_is_base
-        else 0,
+        # LoRA's reference is its own frozen base with the adapters off (BASE): no second
+        # copy; a precomputed one is in the batches.
+        reference=parameters if objective.reference == COPY else 0,
     )
 
 
@@ -371,13 +372,13 @@ def report(config: ConfigDict, family, num_devices: int, num_processes: int,
 
 
 def default_config(family) -> ConfigDict:
-    config = trainer.default_config(family)
+    config = options.default_config(family)
     config.plan = get_default_config()
     return config
 
 
 def help_entries(family) -> dict:
-    return {**HELP, **trainer.help_entries(family)}
+    return {**HELP, **options.help_entries(family)}
 
 
 @exit_on_user_error
@@ -391,7 +392,7 @@ def main(argv=None):
              f"[--plan.device_memory_gib=GiB]  (all flags: --helpfull)")
     config = default_config(family)
     common = [f"plan.{name}" for name in get_default_config()] + [
-        name for name in trainer.common_flags(family) if name in flag_lib.flatten(config)]
+        name for name in options.common_flags(family) if name in flag_lib.flatten(config)]
     config = flag_lib.parse(config, help_entries(family), argv, usage, common=common)
     num_devices = config.plan.num_devices or jax.device_count()
     num_processes = config.plan.num_processes or jax.process_count()

@@ -14,6 +14,7 @@ from cli_utils import one_line_error
 from serving_utils import make_tokenizer, tiny_config
 
 from easylm.errors import UserError
+from easylm.evaluation import harness_flags
 from easylm.llama import eval as eval_cli
 from easylm.llama.model import LLaMAForCausalLM
 from easylm.runtime import checkpoint
@@ -112,9 +113,17 @@ def test_bad_input_is_one_line(trained, tmp_path, capsys, monkeypatch):
         patch.delitem(sys.modules, "easylm.evaluation.harness")
         message = expect_error([*good, "--tasks=tiny_mc"], capsys)
         assert re.fullmatch(r"the Python package 'lm_eval' is not installed \(needed by "
-                            r"easylm/evaluation\.py:\d+\); install the eval extra: "
+                            r"easylm/evaluation/harness\.py:\d+\); install the eval extra: "
                             r'pip install -e "\.\[eval\]"', message), message
     blocked = tmp_path / "file"
     blocked.write_text("")
     assert expect_error([*good, "--tasks=tiny_mc", f"--output_dir={blocked}/out"], capsys) == (
         f"cannot write the results into {blocked}/out: {blocked} is not a directory")
+
+
+def test_the_flags_it_shares_with_the_trainers_hook_read_the_same():
+    # --batch_size is also the engine's (the server's text); eval's is the hook's.
+    shared = ("batch_size", "max_gen_toks", "num_fewshot", "limit", "include_path")
+    entries = eval_cli.help_entries()
+    assert {name: entries[name] for name in shared} == \
+        {name: harness_flags.HELP[name] for name in shared}

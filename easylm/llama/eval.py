@@ -21,21 +21,19 @@ from ml_collections.config_dict import placeholder
 
 from easylm import flags as flag_lib
 from easylm.errors import UserError, exit_on_user_error
+from easylm.evaluation import harness_flags
 from easylm.llama.family import FAMILY
-from easylm.runtime import checkpoint
+from easylm.runtime import checkpoint, run_flags
 from easylm.serving import cli as serving_cli
 
 USAGE = "usage: python -m easylm.llama.eval --load_checkpoint=... --tasks=a,b [--flag=value ...]"
 
 HELP = {
-    "load_checkpoint": "params::DIR, trainstate::DIR, trainstate_params::DIR (easylm "
-                       "checkpoints) or hf::DIR (a Hugging Face model directory)",
-    "batch_size": "rows per scoring call, and decode slots for generate_until requests",
-    "max_gen_toks": "most tokens a generate_until request produces when its task does not say",
+    "load_checkpoint": run_flags.help_text("load_checkpoint", "required"),
+    # Meant as the trainer's --eval_harness.* are: their text lives there (lm-eval-free).
+    **{name: harness_flags.HELP[name]
+       for name in ("batch_size", "max_gen_toks", "num_fewshot", "limit", "include_path")},
     "tasks": "comma-separated lm-eval task, group or tag names (or task YAML paths)",
-    "num_fewshot": "few-shot examples per request; empty: each task's own",
-    "limit": "documents per task: a count, or a fraction below 1; empty: all",
-    "include_path": "comma-separated directories of extra task YAML files (local tasks)",
     "output_dir": "where results_*.json (and samples_*.jsonl) go; empty: CHECKPOINT-eval "
                   "beside a local checkpoint",
     "log_samples": "also write every document's requests and responses, one JSONL per task",

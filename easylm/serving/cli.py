@@ -21,6 +21,7 @@ from ml_collections import ConfigDict
 from easylm import flags as flag_lib
 from easylm.errors import UserError, exit_on_user_error
 from easylm.models.family import Model, ModelFamily, abstract_params
+from easylm.runtime import run_flags
 from easylm.runtime.dtypes import dtype_from_flag
 from easylm.runtime.sharding import init_sharded, make_mesh
 from easylm.serving import engine as engine_lib
@@ -28,15 +29,20 @@ from easylm.variants import quantize
 
 log = logging.getLogger("easylm.serving")  # not __name__: that is __main__ under -m
 
+# An engine (the server's, the decode benchmark's) splits the model over all devices by
+# default: each decode step reads every weight, and on mp each device reads only its
+# shard, where fsdp would gather whole weights at every step and dp hold them on each.
+ENGINE_MESH_DIM = "1,1,-1"
+# How the engine's --mesh_dim and --dtype differ from the trainer's (easylm/runtime/run_flags.py).
+ENGINE_NOTES = {"mesh_dim": "default: all devices on mp, the model split over them",
+                "dtype": "the parameters are kept in it too: there is no --param_dtype"}
+
 
 def engine_config(family: ModelFamily) -> ConfigDict:
     """The flags that put a model on an engine: checkpoint, tokenizer, mesh, dtype, the
     engine's, --<family>.* (shared with `easylm.llama.eval`)."""
-    config = ConfigDict()
-    config.load_checkpoint = ""
-    config.tokenizer = "embedded"
-    config.mesh_dim = "1,1,-1"
-    config.dtype = "auto"
+    config = run_flags.get_default_config("load_checkpoint", "tokenizer", "mesh_dim", "dtype",
+                                          mesh_dim=ENGINE_MESH_DIM)
     config.lora_checkpoint = ""
     config.quantize = "none"
     config.update(engine_lib.get_default_config())
@@ -47,13 +53,10 @@ def engine_config(family: ModelFamily) -> ConfigDict:
 
 def engine_help_entries(family: ModelFamily) -> dict:
     return {
-        "load_checkpoint": "params::DIR, trainstate::DIR, trainstate_params::DIR (easylm "
-                           "checkpoints) or hf::DIR (a Hugging Face model directory); empty: "
-                           "random weights, for trying the server out",
-        "tokenizer": "'embedded', a tokenizer directory, a tokenizer.json or a SentencePiece .model",
-        "mesh_dim": "device mesh dp,fsdp,mp; one entry may be -1 (default: all devices on mp)",
-        "dtype": "compute and parameter dtype: bf16, fp16, fp32, or auto (bf16 on GPU/TPU, "
-                 "fp32 on CPU)",
+        **run_flags.help_entries("load_checkpoint", "tokenizer", "mesh_dim", "dtype",
+                                 load_checkpoint="empty: random weights, for trying the "
+                                                 "server out",
+                                 **ENGINE_NOTES),
         "lora_checkpoint": "LoRA adapters to fold into --load_checkpoint's weights as they "
                            "load: a LoRA run's checkpoint (DIR, or params::DIR) or a PEFT "
                            "adapter directory",

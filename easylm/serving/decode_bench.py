@@ -23,10 +23,12 @@ from ml_collections import ConfigDict
 
 from easylm import flags as flag_lib
 from easylm.errors import UserError, exit_on_user_error
+from easylm.runtime import run_flags
 from easylm.runtime.dtypes import dtype_from_flag
 from easylm.runtime.sharding import init_sharded, make_mesh
 from easylm.serving import engine as engine_lib
 from easylm.serving.batcher import Batcher, SamplingParams
+from easylm.serving.cli import ENGINE_MESH_DIM, ENGINE_NOTES, model_config
 from easylm.variants import quantize
 
 HELP = {
@@ -37,8 +39,7 @@ HELP = {
                   "slot; 0: prompt_length + new_tokens",
     "decode_steps": "tokens decoded per device call",
     "decode_unroll": "the engine's --decode_unroll: the steps of a call unrolled, not a loop",
-    "dtype": "bf16, fp16, fp32, or auto (bf16 on GPU/TPU, fp32 on CPU)",
-    "mesh_dim": "device mesh dp,fsdp,mp",
+    **run_flags.help_entries("dtype", "mesh_dim", **ENGINE_NOTES),
     "quantize": "comma-separated weight formats to time side by side: none (the dtype's), "
                 "int8 (--quantize=int8 of the server)",
     "hf": "also time HF transformers generate (static cache): auto (on CPU, when torch is "
@@ -54,12 +55,15 @@ def default_config(family) -> ConfigDict:
     config.seq_length = 0
     config.decode_steps = 8
     config.decode_unroll = False
-    config.dtype = "auto"
-    config.mesh_dim = "1,1,-1"
+    config.update(run_flags.get_default_config("dtype", "mesh_dim", mesh_dim=ENGINE_MESH_DIM))
     config.quantize = "none"
     config.hf = "auto"
     config[family.name] = family.flag_config(family.tiny_preset)
     return config
+
+
+def help_entries(family) -> dict:
+    return {**HELP, **family.help_entries()}
 
 
 def engine_tokens_per_second(model, params, batch: int, config, tokenizer, prompts,
@@ -103,11 +107,31 @@ def hf_tokens_per_second(hf_model, prompts, new_tokens: int) -> float:
 
 def run(config: ConfigDict, family) -> list[dict]:
     from easylm.data.tokenizer import load_tokenizer
-    from easylm.serving.cli import model_config
 
     settings = model_config(family, config)
     model = family.build(config, settings)
-    limit = model.max_seq_length
+    batch_sizes, formats, dtype, use_hf = _read_flags(config, model.max_seq_length)
+    mesh = make_mesh(config.mesh_dim)
+    params = init_sharded(model.init_params, model.partition_rules, mesh, jax.random.PRNGKey(0))
+    variants = {}  # weight format -> (model, parameters)
+    for name in formats:
+        if name == "int8":  # the same weights, quantized as the server does
+            variants[name] = family.int8_model(settings, dtype, params, mesh)
+        else:
+            variants[name] = model, params
+    hf_model = _hf_model(config, family, settings, params, dtype) if use_hf else None
+    tokenizer = load_tokenizer("embedded")
+    rows = []
+    for batch in batch_sizes:
+        row = _measure(batch, config, model.vocab_size, variants, hf_model, tokenizer, mesh)
+        rows.append(row)
+        print(format_row(row), flush=True)
+    return rows
+
+
+def _read_flags(config: ConfigDict, limit: int):
+    """(batch sizes, weight formats, compute dtype, whether HF runs too), each flag checked
+    against the others and the model's context `limit`."""
     try:
         batch_sizes = [int(b) for b in config.batch_sizes.split(",")]
     except ValueError:
@@ -130,42 +154,40 @@ def run(config: ConfigDict, family) -> list[dict]:
     use_hf = {"auto": bool(on_cpu_with_torch), "true": True, "false": False}.get(config.hf)
     if use_hf is None:
         raise UserError(f"--hf={config.hf!r} is not one of auto, true, false")
-    mesh = make_mesh(config.mesh_dim)
-    params = init_sharded(model.init_params, model.partition_rules, mesh, jax.random.PRNGKey(0))
-    variants = {}  # weight format -> (model, parameters)
-    for name in formats:
-        if name == "int8":  # the same weights, quantized as the server does
-            variants[name] = family.int8_model(settings, dtype, params, mesh)
-        else:
-            variants[name] = model, params
-    hf_model = family.torch_reference(settings, params) if use_hf else None
-    if use_hf and hf_model is None:
+    return batch_sizes, formats, dtype, use_hf
+
+
+def _hf_model(config: ConfigDict, family, settings, params, dtype):
+    """HF transformers' model holding `params`, on the GPU when there is one, with no
+    end-of-sequence token (every request generates all its tokens, as on the engine)."""
+    hf_model = family.torch_reference(settings, params)
+    if hf_model is None:
         raise UserError(f"--hf={config.hf}: the {family.name} family has no transformers "
                         f"counterpart to compare with")
-    if hf_model is not None:
-        import torch
+    import torch
 
-        hf_model.generation_config.eos_token_id = None
-        # On a GPU host, HF runs on the GPU too, in the same dtype.
-        torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(
-            jnp.dtype(dtype).name, torch.float32)
-        hf_model.to("cuda" if torch.cuda.is_available() else "cpu", dtype=torch_dtype)
-    tokenizer = load_tokenizer("embedded")
-    rows = []
-    for batch in batch_sizes:
-        prompts = np.random.RandomState(batch).randint(
-            3, model.vocab_size, (batch, config.prompt_length)).tolist()
-        row = {"batch": batch}
-        for name, (variant, weights) in variants.items():
-            row[KEYS[name]] = engine_tokens_per_second(variant, weights, batch, config,
-                                                       tokenizer, prompts, mesh)
-        if hf_model is not None:
-            row["hf_tokens_per_s"] = hf_tokens_per_second(hf_model, prompts, config.new_tokens)
-            for name in variants:
-                row[f"{RATIOS[name]}"] = row[KEYS[name]] / row["hf_tokens_per_s"]
-        rows.append(row)
-        print(format_row(row), flush=True)
-    return rows
+    hf_model.generation_config.eos_token_id = None
+    # On a GPU host, HF runs on the GPU too, in the same dtype.
+    torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(
+        jnp.dtype(dtype).name, torch.float32)
+    hf_model.to("cuda" if torch.cuda.is_available() else "cpu", dtype=torch_dtype)
+    return hf_model
+
+
+def _measure(batch: int, config: ConfigDict, vocab_size: int, variants: dict, hf_model,
+             tokenizer, mesh) -> dict:
+    """One row of the table: each weight format's tokens/s at `batch` slots, and HF's."""
+    prompts = np.random.RandomState(batch).randint(
+        3, vocab_size, (batch, config.prompt_length)).tolist()
+    row = {"batch": batch}
+    for name, (variant, weights) in variants.items():
+        row[KEYS[name]] = engine_tokens_per_second(variant, weights, batch, config,
+                                                   tokenizer, prompts, mesh)
+    if hf_model is not None:
+        row["hf_tokens_per_s"] = hf_tokens_per_second(hf_model, prompts, config.new_tokens)
+        for name in variants:
+            row[f"{RATIOS[name]}"] = row[KEYS[name]] / row["hf_tokens_per_s"]
+    return row
 
 
 KEYS = {"none": "easylm_tokens_per_s", "int8": "easylm_int8_tokens_per_s"}
@@ -191,8 +213,7 @@ def main(argv=None):
 
     family, argv = registry.from_argv(argv or sys.argv)
     usage = "usage: python -m easylm.bench decode [--family=NAME] [--flag=value ...]"
-    help_text = {**HELP, **family.help_entries()}
-    config = flag_lib.parse(default_config(family), help_text, argv, usage)
+    config = flag_lib.parse(default_config(family), help_entries(family), argv, usage)
     device = f"{jax.devices()[0].device_kind} ({jax.default_backend()})"
     print(f"decode benchmark on {device}: {config[family.name].base_model}, prompt "
           f"{config.prompt_length}, {config.new_tokens} new tokens, context "

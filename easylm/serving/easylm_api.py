@@ -61,17 +61,16 @@ class ChatRequest(_Request):
 
 def router(service: Service) -> APIRouter:
     api = APIRouter()
-    config = service.config
+    _scoring_routes(api, service)
+    _generation_routes(api, service)
+    return api
+
+
+def _scoring_routes(api: APIRouter, service: Service):
+    """/loglikelihood and /loglikelihood-rolling: text scored as EasyLM scores it."""
 
     def encode_plain(text: str) -> list[int]:
         return service.encode(text, special_tokens=False)
-
-    async def generate(request: Request, prompts: list[str], params) -> list[str]:
-        service.check_prompts(len(prompts), "prefix_text")
-        ids = [service.encode(p) for p in prompts]
-        params = [SamplingParams(**{**p, "max_tokens": service.max_tokens(i, None)})
-                  for i, p in zip(ids, params)]
-        return [g.stream.text for g in await service.complete(request, ids, params)]
 
     @api.post("/loglikelihood")
     async def loglikelihood(body: LoglikelihoodRequest, request: Request):
@@ -95,6 +94,18 @@ def router(service: Service) -> APIRouter:
         results = await service.score(request, job)
         return {"text": body.text, "log_likelihood": [r[0] for r in results],
                 "is_greedy": [r[1] for r in results]}
+
+
+def _generation_routes(api: APIRouter, service: Service):
+    """/generate, /greedy-until and /chat: text prompts through the batcher."""
+    config = service.config
+
+    async def generate(request: Request, prompts: list[str], params) -> list[str]:
+        service.check_prompts(len(prompts), "prefix_text")
+        ids = [service.encode(p) for p in prompts]
+        params = [SamplingParams(**{**p, "max_tokens": service.max_tokens(i, None)})
+                  for i, p in zip(ids, params)]
+        return [g.stream.text for g in await service.complete(request, ids, params)]
 
     @api.post("/generate")
     async def generate_route(body: GenerateRequest, request: Request):
@@ -130,5 +141,3 @@ def router(service: Service) -> APIRouter:
                                      [dict(temperature=temperature, stop=stop)])
         return {"response": response, "context": context + response + config.chat_lm_suffix,
                 "temperature": temperature}
-
-    return api

@@ -15,19 +15,17 @@ from easylm.data.dataset import loader_block
 from easylm.errors import UserError
 from easylm.evaluation import harness_flags
 from easylm.models.family import Model, ModelFamily
-from easylm.runtime import checkpoint, distributed
+from easylm.runtime import checkpoint, distributed, run_flags
 from easylm.training import logger, optimizers
 
 LOAD_PREFIXES = checkpoint.LOAD_PREFIXES + ("hf",)
 
 HELP = {
-    "seed": "random seed: parameter initialisation and the per-step RNG",
-    "mesh_dim": "device mesh dp,fsdp,mp; one entry may be -1 (all remaining devices)",
+    **run_flags.help_entries(*run_flags.DEFAULTS, load_checkpoint=(
+        "trainstate:: also restores the optimizer and the step; empty: from scratch")),
     "dcn_mesh_dim": "hybrid mesh: how TPU slices (GPU/CPU: processes) combine, dp,fsdp,mp; "
                     "--mesh_dim then splits the devices of one slice/process (empty: flat mesh)",
     "log_all_worker": "every process logs (metrics.process<i>.jsonl), not only process 0",
-    "dtype": "compute dtype: bf16, fp16, fp32, or auto (bf16 on GPU/TPU, fp32 on CPU)",
-    "param_dtype": "dtype the parameters (and their updates) are kept in",
     "total_steps": "number of optimizer updates to train for",
     "log_freq": "log metrics every this many steps (the only time the host waits "
                 "for the device)",
@@ -37,15 +35,10 @@ HELP = {
                            "(0: none)",
     "eval_freq": "evaluate on --eval_dataset every this many steps (0: never)",
     "eval_steps": "batches per evaluation (0: one full pass over --eval_dataset)",
-    "load_checkpoint": "start from params::DIR (parameters), trainstate::DIR (everything), "
-                       "trainstate_params::DIR (parameters of a train state) or hf::DIR (a "
-                       "Hugging Face model directory, converted as it loads; its config.json "
-                       "gives the model's shape)",
     "resume": "continue from the newest complete checkpoint in the run directory, if any",
     "allow_fresh_optimizer": "resume from a checkpoint without optimizer state (saved with "
                              "--checkpointer.save_optimizer_state=False) with a fresh "
                              "optimizer, instead of stopping",
-    "tokenizer": "'embedded', a tokenizer directory, a tokenizer.json or a SentencePiece .model",
     "peak_tflops": "peak TFLOP/s of one device for MFU (0: look the device up; unknown "
                    "devices such as CPUs report MFU as n/a)",
     "compilation_cache_dir": "persistent XLA compilation cache: a second start of the same "
@@ -60,22 +53,16 @@ HELP = {
 
 def get_default_config(dataset_config: ConfigDict | None = None) -> ConfigDict:
     """Top-level flags and each component's own block (`--optimizer.*`, ...)."""
-    config = ConfigDict()
-    config.seed = 42
-    config.mesh_dim = "1,-1,1"
+    config = run_flags.get_default_config(*run_flags.DEFAULTS)
     config.dcn_mesh_dim = ""
-    config.dtype = "auto"
-    config.param_dtype = "fp32"
     config.total_steps = 10000
     config.log_freq = 50
     config.save_model_freq = 0
     config.save_milestone_freq = 0
     config.eval_freq = 0
     config.eval_steps = 0
-    config.load_checkpoint = ""
     config.resume = True
     config.allow_fresh_optimizer = False
-    config.tokenizer = "embedded"
     config.peak_tflops = 0.0
     config.compilation_cache_dir = "~/.cache/easylm/jax"
     config.skip_nonfinite_updates = False
