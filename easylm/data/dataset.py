@@ -17,10 +17,10 @@ Work. `reader.py` reads slots in windows, tokenizes them beside packing (a worke
 or `tokenizer_processes` worker processes) and packs batches ahead of the trainer in a
 background thread. The results do not depend on window sizes or worker counts.
 
-Mixtures (`mixture.py`) and token caches (`cache.py`) are orders and sources like the
+Mixtures (`mixture.py`) and token caches (`cache_reader.py`) are orders and sources like the
 others: the layout, packing, state and shares above apply to them unchanged; a mixture
 adds its weights to the state and per-source counters to each row. Preference pairs
-(`preference.py`) keep the layout and state too, with one pair per row instead of
+(`pairs.py`) keep the layout and state too, with one pair per row instead of
 packed documents, and a counter of truncated pairs per row.
 
 Evaluation (`for_eval=True`) is one pass in file order. Every process tokenizes the
@@ -33,23 +33,18 @@ import logging
 import time
 
 import numpy as np
-from ml_collections import ConfigDict
 
+from easylm.data import options
+from easylm.data.mixture import load_mixture
+from easylm.data.options import loader_block  # noqa: F401 (where callers look for it)
 from easylm.data.packing import Stream, segment_positions
 from easylm.data.pairs import (
     PairStream,
-    PreferenceProcessor,
     make_pair_batch,
     open_pairs,
 )
 from easylm.data.reader import Prefetcher, WindowReader
-from easylm.data.sources import (
-    HuggingfaceSource,
-    IndexedOrder,
-    JsonSource,
-    StreamingOrder,
-)
-from easylm.data.text import TextProcessor
+from easylm.data.sources import make_order, open_source
 from easylm.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -57,93 +52,10 @@ STATE_VERSION = 1
 _MAX_WARNINGS = 10
 
 
-_TYPES = {"json": "json_dataset", "huggingface": "huggingface_dataset", "cache": "cache",
-          "mixture": "mixture"}   # --train_dataset.type -> its block of options
-
-
-def loader_block(config) -> str:
-    """The block of options a dataset config's `type` selects (e.g. 'json_dataset')."""
-    return _TYPES.get(config.type, "json_dataset")
-
-_LOADER_HELP = {
-    "seq_length": "tokens per row; documents are packed into rows and split across them",
-    "batch_size": "rows per batch, over all processes together",
-    "shuffle": "a fresh seeded permutation of the documents every epoch",
-    "seed": "seed of the shuffle",
-    "segment_ids": "also yield segment_ids and positions so attention stays in a document",
-    "strict": "a malformed or empty line is an error instead of a counted warning",
-    "tokenizer_processes": "1: tokenize in a thread beside packing; more: worker processes",
-    "tokenizer_parallel_batch_size": "documents read and tokenized per window",
-    "tokenizer_parallel_chunk_size": "documents per task of a tokenizer worker",
-}
-
-
-_TOKENIZING = ("tokenizer_processes", "tokenizer_parallel_batch_size",
-               "tokenizer_parallel_chunk_size")   # not for a token cache: nothing to tokenize
-
-
-def _loader_config(config, tokenizes=True):
-    """Options shared by the source types (EasyLM keeps them per type)."""
-    config.seq_length = 1024
-    config.batch_size = 8
-    config.shuffle = False
-    config.seed = 0
-    config.segment_ids = False
-    config.strict = False
-    if tokenizes:
-        config.tokenizer_processes = 1
-        config.tokenizer_parallel_batch_size = 1024
-        config.tokenizer_parallel_chunk_size = 64
-    return config
-
-
 class DatasetFactory:
 
-    HELP = {
-        "type": "json, huggingface, cache or mixture: which of json_dataset.*, "
-            "huggingface_dataset.*, cache.*, mixture.* is used",
-        "json_dataset.path": "JSON-lines files: 'embedded', a path, a glob, a comma-separated "
-                             "list; local or fsspec URLs (gs://...)",
-        "huggingface_dataset.path": "a save_to_disk directory, a builder such as json (with "
-                                    "data_files), or a dataset name in the local cache",
-        "huggingface_dataset.name": "the dataset's configuration name",
-        "huggingface_dataset.split": "the split to read",
-        "huggingface_dataset.data_files": "comma-separated files for a builder such as json",
-        "huggingface_dataset.streaming": "iterate without downloading/preparing it all first",
-        "huggingface_dataset.shuffle_buffer_size": "shuffle buffer of a streaming dataset",
-        "cache.path": "a token cache directory written by python -m easylm.data.cache (local "
-                      "or an fsspec URL)",
-        "mixture.sources": "the mixture's sources, weights and per-source options: a .json "
-                           "or .yaml file, or the JSON itself (see docs/data.md)",
-        **{f"text_processor.{k}": v for k, v in TextProcessor.HELP.items()},
-        **{f"preference.{k}": v for k, v in PreferenceProcessor.HELP.items()},
-        **{f"{block}.{k}": v for k, v in _LOADER_HELP.items() for block in _TYPES.values()
-           if block != "cache" or k not in _TOKENIZING},
-        "cache.strict": "refuse a cache whose build skipped malformed or empty documents",
-    }
-
-    @staticmethod
-    def get_default_config(updates=None):
-        config = ConfigDict()
-        config.type = "json"
-        config.text_processor = TextProcessor.get_default_config()
-        config.preference = PreferenceProcessor.get_default_config()
-        config.json_dataset = _loader_config(ConfigDict())
-        config.json_dataset.path = "embedded"
-        config.huggingface_dataset = _loader_config(ConfigDict())
-        config.huggingface_dataset.path = ""
-        config.huggingface_dataset.name = ""
-        config.huggingface_dataset.split = "train"
-        config.huggingface_dataset.data_files = ""
-        config.huggingface_dataset.streaming = False
-        config.huggingface_dataset.shuffle_buffer_size = 10000
-        config.cache = _loader_config(ConfigDict(), tokenizes=False)
-        config.cache.path = ""
-        config.mixture = _loader_config(ConfigDict())
-        config.mixture.sources = ""
-        if updates is not None:
-            config.update(ConfigDict(updates).copy_and_resolve_references())
-        return config
+    HELP = options.HELP
+    get_default_config = staticmethod(options.default_config)
 
     @classmethod
     def load_dataset(cls, config, tokenizer, for_eval=False, process_index=None,
@@ -152,10 +64,10 @@ class DatasetFactory:
         pairs: the caller trains on preference pairs (batches of chosen_* and rejected_*
         rows); other callers get a clear error for preference data."""
         config = cls.get_default_config(config)
-        if config.type not in _TYPES:
+        if config.type not in options.TYPES:
             raise UserError(f"unknown dataset type {config.type!r}; expected "
-                            f"{', '.join(_TYPES)}")
-        loader = config[_TYPES[config.type]]
+                            f"{', '.join(options.TYPES)}")
+        loader = config[options.TYPES[config.type]]
         shuffle = loader.shuffle and not for_eval
         if config.preference.enabled:
             if not pairs:
@@ -165,8 +77,6 @@ class DatasetFactory:
             source, processor = open_pairs(config, loader, tokenizer)
             order = make_order(source, loader, shuffle, loader.seed)
         elif config.type == "mixture":
-            from easylm.data.mixture import load_mixture
-
             order, processor = load_mixture(loader, config.text_processor, tokenizer, shuffle,
                                             for_eval)
         else:
@@ -179,33 +89,6 @@ class DatasetFactory:
             process_index, process_count = jax.process_index(), jax.process_count()
         return Dataset(loader, order, processor, tokenizer, for_eval, process_index,
                        process_count)
-
-
-def open_source(kind, options, text_processor, tokenizer, strict):
-    """(source, what tokenizes its records) for a json, huggingface or cache block of
-    options; a token cache needs no tokenizing once its settings match the run's."""
-    if kind == "json":
-        return JsonSource(options.path), TextProcessor(text_processor, tokenizer)
-    if kind == "huggingface":
-        if not options.path:
-            raise UserError("--train_dataset.type=huggingface needs huggingface_dataset.path")
-        return HuggingfaceSource(options), TextProcessor(text_processor, tokenizer)
-    if kind == "cache":
-        from easylm.data.cache import CacheSource
-
-        if not options.path:
-            raise UserError("--train_dataset.type=cache needs cache.path (a directory written "
-                            "by python -m easylm.data.cache)")
-        source = CacheSource(options.path)
-        source.check(tokenizer, text_processor, strict)
-        return source, None
-    raise UserError(f"unknown source type {kind!r}; expected json, huggingface or cache")
-
-
-def make_order(source, options, shuffle, seed):
-    if getattr(source, "streaming", False):
-        return StreamingOrder(source, shuffle, seed, options.shuffle_buffer_size)
-    return IndexedOrder(source, shuffle, seed)
 
 
 class Dataset:

@@ -32,6 +32,7 @@ import collections
 import numpy as np
 from ml_collections import ConfigDict
 
+from easylm.data.sources import open_source
 from easylm.data.text import TextProcessor, is_messages
 from easylm.errors import UserError
 
@@ -181,8 +182,6 @@ class PreferenceProcessor:
 
 def open_pairs(config, loader, tokenizer):
     """(source, PreferenceProcessor) for a DatasetFactory config with preference.enabled."""
-    from easylm.data.dataset import open_source
-
     if config.type not in ("json", "huggingface"):
         raise UserError(f"--train_dataset.preference.enabled=True reads pairs from a json or "
                         f"huggingface source, not --train_dataset.type={config.type}")
