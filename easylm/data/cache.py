@@ -80,7 +80,7 @@ def build(dataset_config, tokenizer, output, shard_size=65536, processes=1, prog
                         "pairs from their json or huggingface source")
     if shard_size <= 0:
         raise UserError(f"--shard_size must be positive, got {shard_size}")
-    loader = config.json_dataset if config.type == "json" else config.huggingface_dataset
+    loader = options.loader_options(config)
     source, processor = open_source(config.type, loader, config.text_processor, tokenizer,
                                     loader.strict)
     if getattr(source, "streaming", False):

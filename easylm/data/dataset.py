@@ -58,15 +58,14 @@ class DatasetFactory:
 
     @classmethod
     def load_dataset(cls, config, tokenizer, for_eval=False, process_index=None,
-                     process_count=None, pairs=False):
+                     process_count=None, pairs=False, section=None):
         """process_index/process_count default to JAX's; tests pass them to simulate hosts.
         pairs: the caller trains on preference pairs (batches of chosen_* and rejected_*
-        rows); other callers get a clear error for preference data."""
+        rows); other callers get a clear error for preference data. section: the flags'
+        name in messages (default: eval_dataset for_eval, else train_dataset)."""
         config = cls.get_default_config(config)
-        if config.type not in options.TYPES:
-            raise UserError(f"unknown dataset type {config.type!r}; expected "
-                            f"{', '.join(options.TYPES)}")
-        loader = config[options.TYPES[config.type]]
+        section = section or ("eval_dataset" if for_eval else "train_dataset")
+        loader = options.loader_options(config, section)
         shuffle = loader.shuffle and not for_eval
         if config.preference.enabled:
             if not pairs:

@@ -10,6 +10,7 @@ from ml_collections import ConfigDict
 
 from easylm.data.pairs import PreferenceProcessor
 from easylm.data.text import TextProcessor
+from easylm.errors import UserError
 
 TYPES = {"json": "json_dataset", "huggingface": "huggingface_dataset", "cache": "cache",
          "mixture": "mixture"}   # --train_dataset.type -> its block of options
@@ -95,3 +96,27 @@ def default_config(updates=None):
 def loader_block(config) -> str:
     """The block of options a dataset config's `type` selects (e.g. 'json_dataset')."""
     return TYPES.get(config.type, "json_dataset")
+
+
+def loader_options(config, section="train_dataset"):
+    """The block of options `config.type` reads, after refusing options set in a block it
+    does not read (they would be ignored: --train_dataset.type=cache with
+    --train_dataset.json_dataset.seq_length=128 would train on the cache's default rows).
+
+    The flags given cannot be told from the defaults once parsed, so an option counts as
+    set when it differs from its default; the trainer's derived defaults (rows no longer
+    than the model takes, eval rows like the train rows, the demo's) change the selected
+    block only. `section` names the flags in messages (train_dataset, eval_dataset)."""
+    if config.type not in TYPES:
+        raise UserError(f"unknown dataset type {config.type!r}; expected {', '.join(TYPES)}")
+    block = TYPES[config.type]
+    defaults = default_config()
+    for other in TYPES.values():
+        if other == block:
+            continue
+        changed = next((key for key in config[other] if key in defaults[other]
+                        and config[other][key] != defaults[other][key]), None)
+        if changed is not None:
+            raise UserError(f"--{section}.{other}.{changed} is set but --{section}.type="
+                            f"{config.type} reads --{section}.{block}.*")
+    return config[block]
