@@ -39,7 +39,7 @@ from easylm.data import options
 from easylm.data.mixture import load_mixture
 from easylm.data.options import loader_block  # noqa: F401 (where callers look for it)
 from easylm.data.pairs import Pairs, open_pairs
-from easylm.data.reader import Prefetcher, WindowReader
+from easylm.data.reader import Prefetcher, WindowReader, prepare_records
 from easylm.data.rows import Documents, MixtureDocuments
 from easylm.data.sources import make_order, open_source
 from easylm.errors import UserError
@@ -88,8 +88,11 @@ class DatasetFactory:
             import jax
 
             process_index, process_count = jax.process_index(), jax.process_count()
-        return Dataset(loader, order, processor, kind, tokenizer, for_eval, process_index,
-                       process_count)
+        dataset = Dataset(loader, order, processor, kind, tokenizer, for_eval, process_index,
+                          process_count)
+        if for_eval:
+            dataset.require_a_usable_example(section)
+        return dataset
 
 
 class Dataset:
@@ -172,6 +175,25 @@ class Dataset:
         if self._prefetcher is not None:
             self._prefetcher.close()
             self._prefetcher = None
+
+    def require_a_usable_example(self, section):
+        """Refuses a single pass in which no example makes a row: an eval set of the wrong
+        kind (text for a preference objective, pairs for next-token training) would have
+        every example skipped and evaluate nothing, where the train set stops the run. Reads
+        until the first usable example: a window for good data, the whole pass for bad."""
+        examples, first_skip, lo, window = 0, None, 0, 64
+        while records := self.order.read(np.arange(lo, lo + window), single_pass=True):
+            for document in prepare_records(records, self.processor):
+                if isinstance(document, tuple) and len(document[0]):
+                    return
+                examples += document is not None   # None: a blank line
+                first_skip = first_skip or (document if isinstance(document, str) else None)
+            if len(records) < window:
+                break
+            lo += window
+        why = f"all {examples} were skipped, the first: {first_skip}" if first_skip else \
+            f"its {examples} examples have no tokens"
+        raise UserError(f"--{section} has no usable example: {why}")
 
     # -- state -------------------------------------------------------------------------
 
