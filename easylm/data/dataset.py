@@ -69,9 +69,9 @@ class DatasetFactory:
         shuffle = loader.shuffle and not for_eval
         if config.preference.enabled:
             if not pairs:
-                raise UserError("--train_dataset.preference.enabled=True makes batches of "
-                                "preference pairs, which only a preference objective trains "
-                                "on; this command trains next-token prediction")
+                raise UserError(f"--{section}.preference.enabled=True makes batches of "
+                                f"preference pairs, which only a preference objective trains "
+                                f"on; this command trains next-token prediction")
             source, processor = open_pairs(config, loader, tokenizer)
             order = make_order(source, loader, shuffle, loader.seed)
             kind = Pairs(loader, order)

@@ -37,8 +37,8 @@ class Documents:
     rows_per_example = 1
 
     def __init__(self, config, order):
-        self.seq_length, self.segment_ids, self.order = config.seq_length, config.segment_ids, \
-            order
+        self.seq_length, self.segment_ids = config.seq_length, config.segment_ids
+        self.order = order
 
     def new_counts(self, batch_size):
         return np.zeros((batch_size, 0, 2), np.int64)   # no counters
