@@ -28,6 +28,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from easylm import flags as flag_lib
+from easylm.data.options import loader_options
 from easylm.errors import UserError, exit_on_user_error
 from easylm.runtime import distributed
 from easylm.runtime.sharding import check_batch_split, make_mesh, mesh_string
@@ -81,6 +82,23 @@ def _all_devices_sum() -> float:
     return float(jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))(ones))
 
 
+def _batch_problems(config, mesh) -> list[str]:
+    """Whether the train batch splits over the mesh and the processes."""
+    try:
+        data = loader_options(config.train_dataset)   # the block --train_dataset.type reads
+    except UserError as e:
+        return [str(e)]
+    problems = []
+    try:
+        check_batch_split(data.batch_size, mesh.shape, config.optimizer.accumulate_gradient_steps)
+    except UserError as e:
+        problems.append(str(e))
+    if data.batch_size % jax.process_count():
+        problems.append(f"--train_dataset batch size {data.batch_size} does not split "
+                        f"over the {jax.process_count()} processes")
+    return problems
+
+
 def check(config) -> tuple[list[str], list[str]]:
     """(report lines, problem lines) for this process."""
     from jax.experimental import multihost_utils
@@ -113,14 +131,7 @@ def check(config) -> tuple[list[str], list[str]]:
     else:
         dcn = f", --dcn_mesh_dim={config.dcn_mesh_dim}" if config.dcn_mesh_dim else ""
         report.append(f"mesh: {mesh_string(mesh)} (--mesh_dim={config.mesh_dim}{dcn})")
-        data = config.train_dataset[f"{config.train_dataset.type}_dataset"]
-        try:
-            check_batch_split(data.batch_size, mesh.shape, config.optimizer.accumulate_gradient_steps)
-        except UserError as e:
-            problems.append(str(e))
-        if data.batch_size % jax.process_count():
-            problems.append(f"--train_dataset batch size {data.batch_size} does not split "
-                            f"over the {jax.process_count()} processes")
+        problems += _batch_problems(config, mesh)
 
     # The trainer's --compilation_cache_dir (JAX_COMPILATION_CACHE_DIR when that is '').
     cache = os.path.expanduser(config.compilation_cache_dir or jax.config.jax_compilation_cache_dir or "")

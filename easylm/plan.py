@@ -47,6 +47,7 @@ import jax.numpy as jnp
 from ml_collections import ConfigDict
 
 from easylm import flags as flag_lib, objectives
+from easylm.data.options import loader_options
 from easylm.errors import exit_on_user_error
 from easylm.objectives.base import COPY
 from easylm.runtime.dtypes import DTYPES, bits, dtype_from_flag, nbytes
@@ -184,7 +185,8 @@ def _gathered_layer(family, config, mp: int, compute) -> int:
 
 
 def _dataset(config: ConfigDict):
-    return config.train_dataset[f"{config.train_dataset.type}_dataset"]
+    """The train rows' options, from the block --train_dataset.type reads."""
+    return loader_options(config.train_dataset)
 
 
 def estimate(config: ConfigDict, family, num_devices: int, num_processes: int = 1) -> Estimate:

@@ -16,7 +16,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from easylm.data import DatasetFactory, cache as cache_module
-from easylm.data.cache import CacheSource, build, verify
+from easylm.data.cache import build
+from easylm.data.cache_reader import CacheSource, verify
 from easylm.data.embedded.stories import documents
 from easylm.data.tokenizer import load_tokenizer
 from easylm.errors import UserError

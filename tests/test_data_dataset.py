@@ -325,3 +325,33 @@ def test_every_flag_has_help():
     from easylm.flags import flatten
 
     assert set(flatten(DatasetFactory.get_default_config())) == set(DatasetFactory.HELP)
+
+
+def test_an_eval_set_of_the_wrong_kind_is_refused_when_loaded(data, tmp_path, tokenizer):
+    from easylm.llama import train
+
+    # DPO with a text eval set: every example would be skipped, the evaluation empty.
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": f"Q{i}?", "chosen": "yes",
+                                         "rejected": "no"}) + "\n" for i in range(3)))
+    text = data[0] / "part1.jsonl"
+    flags = train.parse_flags(["train", "--llama.base_model=debug", "--objective=dpo",
+                               f"--train_dataset.json_dataset.path={pairs}",
+                               f"--eval_dataset.json_dataset.path={text}", "--eval_freq=1"])
+    with pytest.raises(UserError) as e:
+        DatasetFactory.load_dataset(flags.eval_dataset, tokenizer, for_eval=True, pairs=True,
+                                    process_index=0, process_count=1)
+    assert str(e.value) == (f"--eval_dataset has no usable example: all 15 were skipped, the "
+                            f"first: {text}:1: missing field 'prompt'; the example has: text")
+    # Next-token training with an eval set of pairs: a missing text field is an error
+    # (not a skip), now also when the eval set is loaded.
+    with pytest.raises(UserError, match=f"^{pairs}:1: missing field 'text'"):
+        load(config(pairs), tokenizer, for_eval=True)
+
+
+def test_an_eval_set_whose_first_windows_are_bad_still_loads(data, tmp_path, tokenizer):
+    path = tmp_path / "late.jsonl"   # 70 bad lines: past the first window of 64 examples
+    path.write_text('{"text": \n' * 70 + json.dumps({"text": data[1][0]}) + "\n")
+    [dataset] = load(config(path), tokenizer, for_eval=True)
+    assert sum(batch["loss_masks"].sum() for batch, _ in dataset) == \
+        len(tokenizer.encode(data[1][0], add_special_tokens=False)) + 1   # the text and EOS

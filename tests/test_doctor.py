@@ -75,3 +75,34 @@ def test_bad_flag_exits_2(capsys):
     code, _, err = run_doctor(["--mesh_dimm=1,8,1"], capsys)
     assert code == 2
     assert err == "error: Unknown command line flag 'mesh_dimm'. Did you mean: mesh_dim ?\n"
+
+
+@pytest.fixture(scope="module")
+def data_of_each_type(tmp_path_factory):
+    from data_utils import dataset_flags_of_each_type
+
+    from easylm.data.tokenizer import load_tokenizer
+
+    return dataset_flags_of_each_type(tmp_path_factory.mktemp("data"), load_tokenizer("embedded"))
+
+
+@pytest.mark.parametrize("kind", ["json", "huggingface", "cache", "mixture"])
+def test_each_dataset_type_checks_its_own_batch_size(kind, data_of_each_type, tmp_path, capsys):
+    block = {"json": "json_dataset", "huggingface": "huggingface_dataset"}.get(kind, kind)
+    argv = [*data_of_each_type[kind], f"--logger.output_dir={tmp_path}",
+            f"--compilation_cache_dir={tmp_path}/cache"]
+    code, out, err = run_doctor(argv, capsys)
+    assert (code, err) == (0, "") and out.splitlines()[-1] == "no problems found"
+    # The batch size of the block the type reads is the one checked.
+    code, _, err = run_doctor([*argv, f"--train_dataset.{block}.batch_size=6"], capsys)
+    assert code == 1 and err == ("problem: --train_dataset batch size 6 must be a multiple of "
+                                 "the dp*fsdp=8 batch shards times "
+                                 "--optimizer.accumulate_gradient_steps=1\n"), err
+
+
+def test_options_of_a_block_the_type_does_not_read_are_a_problem(data_of_each_type, tmp_path,
+                                                                 capsys):
+    code, _, err = run_doctor([*data_of_each_type["mixture"], f"--logger.output_dir={tmp_path}",
+                               "--train_dataset.json_dataset.path=other.jsonl"], capsys)
+    assert code == 1 and err == ("problem: --train_dataset.json_dataset.path is set but "
+                                 "--train_dataset.type=mixture reads --train_dataset.mixture.*\n")

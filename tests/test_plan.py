@@ -185,3 +185,34 @@ def test_bad_flags_are_one_line(capsys):
     code, _, err = run_plan([*B, "--mesh_dim=1,8,1", "--plan.num_devices=6"], capsys)
     assert code == 2
     assert err == "error: --mesh_dim='1,8,1': the product 8 does not match the 6 devices\n"
+
+
+@pytest.fixture(scope="module")
+def data_of_each_type(tmp_path_factory):
+    from data_utils import dataset_flags_of_each_type
+
+    from easylm.data.tokenizer import load_tokenizer
+
+    return dataset_flags_of_each_type(tmp_path_factory.mktemp("data"), load_tokenizer("embedded"))
+
+
+TINY = ["--llama.base_model=debug", "--llama.num_hidden_layers=1", "--plan.num_devices=8",
+        "--mesh_dim=1,8,1"]
+
+
+@pytest.mark.parametrize("kind", ["json", "huggingface", "cache", "mixture"])
+def test_each_dataset_type_plans_its_own_rows(kind, data_of_each_type, capsys):
+    block = {"json": "json_dataset", "huggingface": "huggingface_dataset"}.get(kind, kind)
+    code, out, err = run_plan([*TINY, *data_of_each_type[kind],
+                               f"--train_dataset.{block}.batch_size=16",
+                               f"--train_dataset.{block}.seq_length=48"], capsys)
+    assert (code, err) == (0, "")
+    assert " | 16 x 48 tokens per step | " in out.splitlines()[0], out
+
+
+def test_options_of_a_block_the_type_does_not_read_are_one_line(data_of_each_type, capsys):
+    code, out, err = run_plan([*TINY, *data_of_each_type["cache"],
+                               "--train_dataset.json_dataset.seq_length=128"], capsys)
+    assert (code, out) == (2, "")
+    assert err == ("error: --train_dataset.json_dataset.seq_length is set but "
+                   "--train_dataset.type=cache reads --train_dataset.cache.*\n")

@@ -17,11 +17,12 @@ Work. `reader.py` reads slots in windows, tokenizes them beside packing (a worke
 or `tokenizer_processes` worker processes) and packs batches ahead of the trainer in a
 background thread. The results do not depend on window sizes or worker counts.
 
-Mixtures (`mixture.py`) and token caches (`cache.py`) are orders and sources like the
-others: the layout, packing, state and shares above apply to them unchanged; a mixture
-adds its weights to the state and per-source counters to each row. Preference pairs
-(`preference.py`) keep the layout and state too, with one pair per row instead of
-packed documents, and a counter of truncated pairs per row.
+Mixtures (`mixture.py`) and token caches (`cache_reader.py`) are orders and sources like the
+others: the layout, packing, state and shares above apply to them unchanged. What a row
+holds is its row kind (`rows.py`), chosen once at loading: packed documents; packed
+documents of a mixture, which adds its weights to the state and per-source counters to
+each row; or preference pairs (`pairs.py`), one pair per row instead of packed
+documents, with a counter of truncated pairs per row.
 
 Evaluation (`for_eval=True`) is one pass in file order. Every process tokenizes the
 whole eval set (it is small) so that all agree, without talking, on how many batches
@@ -33,188 +34,75 @@ import logging
 import time
 
 import numpy as np
-from ml_collections import ConfigDict
 
-from easylm.data.packing import Stream, segment_positions
-from easylm.data.pairs import (
-    PairStream,
-    PreferenceProcessor,
-    make_pair_batch,
-    open_pairs,
-)
-from easylm.data.reader import Prefetcher, WindowReader
-from easylm.data.sources import (
-    HuggingfaceSource,
-    IndexedOrder,
-    JsonSource,
-    StreamingOrder,
-)
-from easylm.data.text import TextProcessor
+from easylm.data import options
+from easylm.data.mixture import load_mixture
+from easylm.data.options import loader_block  # noqa: F401 (where callers look for it)
+from easylm.data.pairs import Pairs, open_pairs
+from easylm.data.reader import Prefetcher, WindowReader, prepare_records
+from easylm.data.rows import Documents, MixtureDocuments
+from easylm.data.sources import make_order, open_source
 from easylm.errors import UserError
 
 logger = logging.getLogger(__name__)
 STATE_VERSION = 1
 _MAX_WARNINGS = 10
-
-
-_TYPES = {"json": "json_dataset", "huggingface": "huggingface_dataset", "cache": "cache",
-          "mixture": "mixture"}   # --train_dataset.type -> its block of options
-
-
-def loader_block(config) -> str:
-    """The block of options a dataset config's `type` selects (e.g. 'json_dataset')."""
-    return _TYPES.get(config.type, "json_dataset")
-
-_LOADER_HELP = {
-    "seq_length": "tokens per row; documents are packed into rows and split across them",
-    "batch_size": "rows per batch, over all processes together",
-    "shuffle": "a fresh seeded permutation of the documents every epoch",
-    "seed": "seed of the shuffle",
-    "segment_ids": "also yield segment_ids and positions so attention stays in a document",
-    "strict": "a malformed or empty line is an error instead of a counted warning",
-    "tokenizer_processes": "1: tokenize in a thread beside packing; more: worker processes",
-    "tokenizer_parallel_batch_size": "documents read and tokenized per window",
-    "tokenizer_parallel_chunk_size": "documents per task of a tokenizer worker",
-}
-
-
-_TOKENIZING = ("tokenizer_processes", "tokenizer_parallel_batch_size",
-               "tokenizer_parallel_chunk_size")   # not for a token cache: nothing to tokenize
-
-
-def _loader_config(config, tokenizes=True):
-    """Options shared by the source types (EasyLM keeps them per type)."""
-    config.seq_length = 1024
-    config.batch_size = 8
-    config.shuffle = False
-    config.seed = 0
-    config.segment_ids = False
-    config.strict = False
-    if tokenizes:
-        config.tokenizer_processes = 1
-        config.tokenizer_parallel_batch_size = 1024
-        config.tokenizer_parallel_chunk_size = 64
-    return config
+# The row kinds whose states are marked (rows.py), in the order a mismatch is reported.
+_MARKED_KINDS = (MixtureDocuments, Pairs)
 
 
 class DatasetFactory:
 
-    HELP = {
-        "type": "json, huggingface, cache or mixture: which of json_dataset.*, "
-            "huggingface_dataset.*, cache.*, mixture.* is used",
-        "json_dataset.path": "JSON-lines files: 'embedded', a path, a glob, a comma-separated "
-                             "list; local or fsspec URLs (gs://...)",
-        "huggingface_dataset.path": "a save_to_disk directory, a builder such as json (with "
-                                    "data_files), or a dataset name in the local cache",
-        "huggingface_dataset.name": "the dataset's configuration name",
-        "huggingface_dataset.split": "the split to read",
-        "huggingface_dataset.data_files": "comma-separated files for a builder such as json",
-        "huggingface_dataset.streaming": "iterate without downloading/preparing it all first",
-        "huggingface_dataset.shuffle_buffer_size": "shuffle buffer of a streaming dataset",
-        "cache.path": "a token cache directory written by python -m easylm.data.cache (local "
-                      "or an fsspec URL)",
-        "mixture.sources": "the mixture's sources, weights and per-source options: a .json "
-                           "or .yaml file, or the JSON itself (see docs/data.md)",
-        **{f"text_processor.{k}": v for k, v in TextProcessor.HELP.items()},
-        **{f"preference.{k}": v for k, v in PreferenceProcessor.HELP.items()},
-        **{f"{block}.{k}": v for k, v in _LOADER_HELP.items() for block in _TYPES.values()
-           if block != "cache" or k not in _TOKENIZING},
-        "cache.strict": "refuse a cache whose build skipped malformed or empty documents",
-    }
-
-    @staticmethod
-    def get_default_config(updates=None):
-        config = ConfigDict()
-        config.type = "json"
-        config.text_processor = TextProcessor.get_default_config()
-        config.preference = PreferenceProcessor.get_default_config()
-        config.json_dataset = _loader_config(ConfigDict())
-        config.json_dataset.path = "embedded"
-        config.huggingface_dataset = _loader_config(ConfigDict())
-        config.huggingface_dataset.path = ""
-        config.huggingface_dataset.name = ""
-        config.huggingface_dataset.split = "train"
-        config.huggingface_dataset.data_files = ""
-        config.huggingface_dataset.streaming = False
-        config.huggingface_dataset.shuffle_buffer_size = 10000
-        config.cache = _loader_config(ConfigDict(), tokenizes=False)
-        config.cache.path = ""
-        config.mixture = _loader_config(ConfigDict())
-        config.mixture.sources = ""
-        if updates is not None:
-            config.update(ConfigDict(updates).copy_and_resolve_references())
-        return config
+    HELP = options.HELP
+    get_default_config = staticmethod(options.default_config)
 
     @classmethod
     def load_dataset(cls, config, tokenizer, for_eval=False, process_index=None,
-                     process_count=None, pairs=False):
+                     process_count=None, pairs=False, section=None):
         """process_index/process_count default to JAX's; tests pass them to simulate hosts.
         pairs: the caller trains on preference pairs (batches of chosen_* and rejected_*
-        rows); other callers get a clear error for preference data."""
+        rows); other callers get a clear error for preference data. section: the flags'
+        name in messages (default: eval_dataset for_eval, else train_dataset)."""
         config = cls.get_default_config(config)
-        if config.type not in _TYPES:
-            raise UserError(f"unknown dataset type {config.type!r}; expected "
-                            f"{', '.join(_TYPES)}")
-        loader = config[_TYPES[config.type]]
+        section = section or ("eval_dataset" if for_eval else "train_dataset")
+        loader = options.loader_options(config, section)
         shuffle = loader.shuffle and not for_eval
         if config.preference.enabled:
             if not pairs:
-                raise UserError("--train_dataset.preference.enabled=True makes batches of "
-                                "preference pairs, which only a preference objective trains "
-                                "on; this command trains next-token prediction")
+                raise UserError(f"--{section}.preference.enabled=True makes batches of "
+                                f"preference pairs, which only a preference objective trains "
+                                f"on; this command trains next-token prediction")
             source, processor = open_pairs(config, loader, tokenizer)
             order = make_order(source, loader, shuffle, loader.seed)
+            kind = Pairs(loader, order)
         elif config.type == "mixture":
-            from easylm.data.mixture import load_mixture
-
             order, processor = load_mixture(loader, config.text_processor, tokenizer, shuffle,
                                             for_eval)
+            kind = MixtureDocuments(loader, order)
         else:
             source, processor = open_source(config.type, loader, config.text_processor,
                                             tokenizer, loader.strict)
             order = make_order(source, loader, shuffle, loader.seed)
+            kind = Documents(loader, order)
         if process_index is None or process_count is None:
             import jax
 
             process_index, process_count = jax.process_index(), jax.process_count()
-        return Dataset(loader, order, processor, tokenizer, for_eval, process_index,
-                       process_count)
-
-
-def open_source(kind, options, text_processor, tokenizer, strict):
-    """(source, what tokenizes its records) for a json, huggingface or cache block of
-    options; a token cache needs no tokenizing once its settings match the run's."""
-    if kind == "json":
-        return JsonSource(options.path), TextProcessor(text_processor, tokenizer)
-    if kind == "huggingface":
-        if not options.path:
-            raise UserError("--train_dataset.type=huggingface needs huggingface_dataset.path")
-        return HuggingfaceSource(options), TextProcessor(text_processor, tokenizer)
-    if kind == "cache":
-        from easylm.data.cache import CacheSource
-
-        if not options.path:
-            raise UserError("--train_dataset.type=cache needs cache.path (a directory written "
-                            "by python -m easylm.data.cache)")
-        source = CacheSource(options.path)
-        source.check(tokenizer, text_processor, strict)
-        return source, None
-    raise UserError(f"unknown source type {kind!r}; expected json, huggingface or cache")
-
-
-def make_order(source, options, shuffle, seed):
-    if getattr(source, "streaming", False):
-        return StreamingOrder(source, shuffle, seed, options.shuffle_buffer_size)
-    return IndexedOrder(source, shuffle, seed)
+        dataset = Dataset(loader, order, processor, kind, tokenizer, for_eval, process_index,
+                          process_count)
+        if for_eval:
+            dataset.require_a_usable_example(section)
+        return dataset
 
 
 class Dataset:
 
-    def __init__(self, config, order, processor, tokenizer, for_eval, process_index,
+    def __init__(self, config, order, processor, kind, tokenizer, for_eval, process_index,
                  process_count):
         """processor: what the reader tokenizes records with (a TextProcessor, one per
-        source of a mixture, None for a token cache, or a PreferenceProcessor)."""
-        self.config, self.order, self.processor = config, order, processor
+        source of a mixture, None for a token cache, or a PreferenceProcessor); kind: what
+        a row holds (rows.py)."""
+        self.config, self.order, self.processor, self.kind = config, order, processor, kind
         self._tokenizer = tokenizer
         self.for_eval = for_eval
         self.process_index, self.process_count = process_index, process_count
@@ -231,11 +119,8 @@ class Dataset:
                            if i is not None)
         self._positions = {r: (r, 0) for r in range(B)}
         self.mixture = getattr(order, "names", None)   # the sources of a mixture
-        self.pairs = getattr(processor, "pairs", False)   # preference pairs, one per row
-        # Counters per row, kept in the state: a mixture's documents finished and target
-        # tokens per source, or the truncated pairs of preference data.
-        self._counts = np.zeros((B,) if self.pairs else (B, len(self.mixture or ()), 2),
-                                np.int64)
+        self.pairs = isinstance(kind, Pairs)   # for the preview, which shows pairs apart
+        self._counts = kind.new_counts(B)   # per row, kept in the state
         self._batches = 0
         self._skipped = 0
         self._first_skip = None
@@ -291,6 +176,25 @@ class Dataset:
             self._prefetcher.close()
             self._prefetcher = None
 
+    def require_a_usable_example(self, section):
+        """Refuses a single pass in which no example makes a row: an eval set of the wrong
+        kind (text for a preference objective, pairs for next-token training) would have
+        every example skipped and evaluate nothing, where the train set stops the run. Reads
+        until the first usable example: a window for good data, the whole pass for bad."""
+        examples, first_skip, lo, window = 0, None, 0, 64
+        while records := self.order.read(np.arange(lo, lo + window), single_pass=True):
+            for document in prepare_records(records, self.processor):
+                if isinstance(document, tuple) and len(document[0]):
+                    return
+                examples += document is not None   # None: a blank line
+                first_skip = first_skip or (document if isinstance(document, str) else None)
+            if len(records) < window:
+                break
+            lo += window
+        why = f"all {examples} were skipped, the first: {first_skip}" if first_skip else \
+            f"its {examples} examples have no tokens"
+        raise UserError(f"--{section} has no usable example: {why}")
+
     # -- state -------------------------------------------------------------------------
 
     def _fixed(self):
@@ -303,12 +207,9 @@ class Dataset:
         (it gathers all streams); with simulated ones, merge with merge_state_dicts."""
         state = dict(self._fixed(), batches=self._batches,
                      streams={str(r): list(self._positions[r]) for r in self.rows})
-        if self.mixture:
-            state["mixture"] = self.order.state_dict()
-            state["source_counts"] = {str(r): self._counts[r].tolist() for r in self.rows}
-        if self.pairs:
-            state["pairs"] = True
-            state["truncated_pairs"] = {str(r): int(self._counts[r]) for r in self.rows}
+        state.update(self.kind.state())
+        if self.kind.counters:
+            state[self.kind.counters] = {str(r): self._counts[r].tolist() for r in self.rows}
         import jax
 
         if self.process_count > 1 and jax.process_count() == self.process_count:
@@ -322,48 +223,34 @@ class Dataset:
             if state.get(key) != fixed[key]:
                 raise UserError(f"the data state was saved with {key}={state.get(key)!r} "
                                 f"but this run has {key}={fixed[key]!r}")
-        if (state.get("mixture") is None) == bool(self.mixture):
-            raise UserError("the data state was saved from a mixture but this run's dataset is "
-                            "not one" if self.mixture is None else "the data state was not "
-                            "saved from a mixture but this run's dataset is one")
-        if state.get("pairs", False) != self.pairs:
-            raise UserError("the data state was saved from preference pairs but this run's "
-                            "data are not pairs" if not self.pairs else "the data state was "
-                            "not saved from preference pairs but this run's data are pairs")
-        saved, now = state.get("num_documents"), fixed["num_documents"]
-        if self.mixture:   # checks each source's size, and may change the weights
-            self.order.load_state_dict(state["mixture"], state["streams"].values())
-        elif saved is not None and now is not None and saved != now:
-            raise UserError(f"the data changed: the state was saved with {saved} "
-                            f"documents, the source now has {now}")
-        elif saved is not None and now is None:
-            self.order.num_documents = saved   # a streaming source's learnt epoch size
+        for kind in _MARKED_KINDS:
+            saved = state.get(kind.marker) not in (None, False)
+            if saved != isinstance(self.kind, kind):
+                raise UserError(kind.saved_from_it if saved else kind.not_saved_from_it)
+        self.kind.restore(state)
         missing = [r for r in self.rows if str(r) not in state["streams"]]
         if missing:
             raise UserError(f"the data state has no position for rows {missing[:8]} of "
                             f"process {self.process_index}; merge the states of all "
                             f"processes (merge_state_dicts)")
         self._positions = {int(r): tuple(p) for r, p in state["streams"].items()}
-        for key in ("source_counts", "truncated_pairs"):   # a state has one or neither
-            for r, counts in state.get(key, {}).items():
-                self._counts[int(r)] = counts
+        for r, counts in state.get(self.kind.counters, {}).items():
+            self._counts[int(r)] = counts
         self._batches = state["batches"]
 
     # -- production (runs in the background thread) ------------------------------------
 
     def _generate(self, positions, batches, counts):
-        """Yields (batch, metrics, (positions, source counts) of this process's rows after
-        the batch); counts: (B, sources, 2), or (B,) for pairs, updated in place for the
-        rows served."""
-        B, T = self.config.batch_size, self.config.seq_length
-        track = bool(self.mixture)
-        streams = {r: PairStream(T, slot) if self.pairs else Stream(T, slot, offset, track=track)
-                   for r, (slot, offset) in positions.items()}
-        with_segments = self.config.segment_ids or track   # a mixture counts by segment
+        """Yields (batch, metrics, (positions, counts) of this process's rows after the
+        batch); counts (the kind's, rows first) is updated in place for the rows served."""
+        B, T, kind = self.config.batch_size, self.config.seq_length, self.kind
+        streams = {r: kind.stream(slot, offset) for r, (slot, offset) in positions.items()}
+        served = slice(self.rows.start, self.rows.stop)
         reader = WindowReader(self.order, self.processor, streams, B, self.config,
                               single_pass=self.for_eval, skip=self._skip,
                               skipped=self._skipped_so_far)
         busy, tokens = 0.0, 0
+        row_tokens = kind.rows_per_example * T
         try:
             while True:
                 t = time.perf_counter()
@@ -375,16 +262,8 @@ class Dataset:
                             break
                 if self.for_eval and all(s.is_done() for s in streams.values()):
                     return
-                if self.pairs:
-                    rows = {r: s.next_row(self.pad_id) for r, s in streams.items()}
-                    batch = make_pair_batch([rows[r] for r in self.rows])
-                    for r, row in rows.items():
-                        counts[r] += row[-1]   # truncated
-                else:
-                    rows = {r: s.next_row(self.pad_id, with_segments) for r, s in streams.items()}
-                    batch = _make_batch([rows[r] for r in self.rows], self.config.segment_ids)
+                batch = kind.make_batch(streams, self.rows, counts, self.pad_id)
                 batches += 1
-                row_tokens = 2 * T if self.pairs else T   # a pair is two rows
                 tokens += len(self.rows) * row_tokens
                 after = {r: s.position() for r, s in streams.items()}
                 frontier = min(slot for slot, _ in after.values())
@@ -393,19 +272,12 @@ class Dataset:
                     dataset_total_tokens=batches * B * row_tokens,
                     dataset_epoch=self.order.epoch(frontier),
                     dataset_skipped_documents=self._skipped,
+                    **kind.metrics(counts[served], frontier),
                 )
-                if self.mixture:
-                    self.order.count(counts, streams, {r: row[2] for r, row in rows.items()})
-                    metrics.update(self.order.metrics(counts[self.rows.start:self.rows.stop],
-                                                      frontier))
-                if self.pairs:
-                    metrics["dataset_truncated_pairs"] = int(
-                        counts[self.rows.start:self.rows.stop].sum())
                 busy += time.perf_counter() - t
                 metrics["dataset_tokens_per_second"] = tokens / max(busy, 1e-9)
                 state = None if self.for_eval else (
-                    {r: after[r] for r in self.rows},
-                    counts[self.rows.start:self.rows.stop].copy())
+                    {r: after[r] for r in self.rows}, counts[served].copy())
                 yield batch, metrics, state
         finally:
             reader.close()
@@ -427,18 +299,7 @@ class Dataset:
         return f"{self._skipped} skips so far, the first: {self._first_skip}"
 
 
-def _make_batch(rows, with_segments):
-    tokens, masks = (np.stack(x) for x in list(zip(*rows))[:2])   # (b, T+1) each
-    batch = dict(input_tokens=tokens[:, :-1], target_tokens=tokens[:, 1:],
-                 loss_masks=masks[:, 1:])
-    if with_segments:
-        segments = np.stack([row[2] for row in rows])
-        batch["segment_ids"] = segments[:, :-1]
-        batch["positions"] = segment_positions(segments[:, :-1])
-    return batch
-
-
-_PER_ROW = ("streams", "source_counts", "truncated_pairs")   # state entries keyed by row
+_PER_ROW = ("streams", *(kind.counters for kind in _MARKED_KINDS))   # keyed by row
 
 
 def merge_state_dicts(states):

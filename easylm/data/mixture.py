@@ -38,14 +38,16 @@ import os
 import numpy as np
 from ml_collections import ConfigDict
 
+from easylm.data import options as dataset_options
+from easylm.data.sources import make_order, open_source
 from easylm.data.text import TextProcessor
 from easylm.errors import UserError
 
 logger = logging.getLogger(__name__)
 BLOCK = 1024
 _SOURCE_KEYS = ("name", "type", "weight", "repeat", "text_processor")
-_OPTION_BLOCKS = {"json": "json_dataset", "huggingface": "huggingface_dataset",
-                  "cache": "cache"}
+_OPTION_BLOCKS = {kind: block for kind, block in dataset_options.TYPES.items()
+                  if kind != "mixture"}   # a mixture's source is one of the others
 # What a source may set of its type's block; a huggingface configuration is `subset`
 # because `name` names the source.
 _OPTIONS = {"path": "path", "subset": "name", "split": "split", "data_files": "data_files",
@@ -54,10 +56,8 @@ _OPTIONS = {"path": "path", "subset": "name", "split": "split", "data_files": "d
 
 def load_mixture(loader, text_processor, tokenizer, shuffle, for_eval):
     """(MixtureOrder, one processor per source) for the --train_dataset.mixture.* block."""
-    from easylm.data.dataset import DatasetFactory, make_order, open_source
-
     entries = parse_sources(loader.sources)
-    defaults = DatasetFactory.get_default_config()
+    defaults = dataset_options.default_config()
     orders, processors = [], []
     for i, entry in enumerate(entries):
         label = f"mixture source {entry['name']!r}"

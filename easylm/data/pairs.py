@@ -32,6 +32,8 @@ import collections
 import numpy as np
 from ml_collections import ConfigDict
 
+from easylm.data.rows import restore_size
+from easylm.data.sources import open_source
 from easylm.data.text import TextProcessor, is_messages
 from easylm.errors import UserError
 
@@ -42,7 +44,6 @@ class PreferenceProcessor:
     """Examples -> pairs (chosen tokens, masks, rejected tokens, masks, truncated), each
     side cut to seq_length + 1 tokens; or None / a skip reason, as TextProcessor.process."""
 
-    pairs = True   # what Dataset looks at to batch pairs instead of packing documents
     HELP = {
         "enabled": "examples are preference pairs: batches hold chosen_* and rejected_* "
                    "rows, one pair per row and batch_size pairs (docs/preference.md)",
@@ -181,8 +182,6 @@ class PreferenceProcessor:
 
 def open_pairs(config, loader, tokenizer):
     """(source, PreferenceProcessor) for a DatasetFactory config with preference.enabled."""
-    from easylm.data.dataset import open_source
-
     if config.type not in ("json", "huggingface"):
         raise UserError(f"--train_dataset.preference.enabled=True reads pairs from a json or "
                         f"huggingface source, not --train_dataset.type={config.type}")
@@ -193,6 +192,42 @@ def open_pairs(config, loader, tokenizer):
                             loader.strict)
     return source, PreferenceProcessor(config.preference, config.text_processor, tokenizer,
                                        loader.seq_length)
+
+
+class Pairs:
+    """The row kind of preference pairs (rows.py): one pair per row, never packed; each
+    row counts its truncated pairs."""
+
+    marker, counters = "pairs", "truncated_pairs"
+    saved_from_it = ("the data state was saved from preference pairs but this run's data "
+                     "are not pairs")
+    not_saved_from_it = ("the data state was not saved from preference pairs but this run's "
+                         "data are pairs")
+    rows_per_example = 2   # a chosen and a rejected row
+
+    def __init__(self, config, order):
+        self.seq_length, self.order = config.seq_length, order
+
+    def new_counts(self, batch_size):
+        return np.zeros(batch_size, np.int64)
+
+    def stream(self, slot, offset):
+        return PairStream(self.seq_length, slot)   # offset: always 0, a pair is not split
+
+    def make_batch(self, streams, served, counts, pad_id):
+        rows = {r: s.next_row(pad_id) for r, s in streams.items()}
+        for r, row in rows.items():
+            counts[r] += row[-1]   # truncated
+        return make_pair_batch([rows[r] for r in served])
+
+    def metrics(self, counts, frontier):
+        return {"dataset_truncated_pairs": int(counts.sum())}
+
+    def state(self):
+        return {"pairs": True}
+
+    def restore(self, state):
+        restore_size(self.order, state)
 
 
 class PairStream:

@@ -17,15 +17,17 @@ import sys
 from ml_collections import ConfigDict
 
 from easylm import flags
-from easylm.data.dataset import DatasetFactory, loader_block
+from easylm.data.dataset import DatasetFactory
+from easylm.data.options import loader_block
 from easylm.data.pairs import SIDES, render_pair
 from easylm.data.reader import prepare_records
 from easylm.data.tokenizer import load_tokenizer
 from easylm.errors import exit_on_user_error
+from easylm.runtime import run_flags
 
 USAGE = "usage: python -m easylm.data.preview [--train_dataset.*=...] [--tokenizer=...]"
 HELP = {
-    "tokenizer": "'embedded', a tokenizer directory, tokenizer.json or SentencePiece .model",
+    "tokenizer": run_flags.help_text("tokenizer"),
     "num_examples": "documents to print",
     "num_batches": "batches to compute the statistics over",
     **{f"train_dataset.{k}": v for k, v in DatasetFactory.HELP.items()},
@@ -35,7 +37,7 @@ HELP = {
 def default_config():
     config = ConfigDict()
     config.train_dataset = DatasetFactory.get_default_config()
-    config.tokenizer = "embedded"
+    config.tokenizer = run_flags.DEFAULTS["tokenizer"]
     config.num_examples = 3
     config.num_batches = 8
     return config
@@ -52,17 +54,8 @@ def render(tokenizer, tokens, masks):
     return "".join(pieces)
 
 
-def preview(config, tokenizer, num_examples, num_batches):
-    # Segment ids (they change nothing else) tell where documents start; pairs are not
-    # packed, so each side starts one (its BOS).
-    config = DatasetFactory.get_default_config(config)
-    if not config.preference.enabled:
-        config[loader_block(config)].segment_ids = True
-    dataset = DatasetFactory.load_dataset(config, tokenizer, process_index=0,
-                                          process_count=1, pairs=True)
-    slots = list(range(min(num_examples, dataset.order.num_documents or num_examples)))
-    records = dataset.order.read(slots)
-    documents = prepare_records(records, dataset.processor)
+def _examples(dataset, tokenizer, slots, records, documents) -> list[str]:
+    """The first documents (or pairs) as the model sees them, loss masks marked."""
     lines = ["legend: [[text]] gets no loss", ""]
     for slot, record, document in zip(slots, records, documents):
         source = f" (source {dataset.mixture[record[2]]})" if dataset.mixture else ""
@@ -76,6 +69,21 @@ def preview(config, tokenizer, num_examples, num_batches):
         else:
             lines.append(f"(skipped: {document})" if document else "(blank line)")
         lines.append("")
+    return lines
+
+
+def preview(config, tokenizer, num_examples, num_batches):
+    # Segment ids (they change nothing else) tell where documents start; pairs are not
+    # packed, so each side starts one (its BOS).
+    config = DatasetFactory.get_default_config(config)
+    if not config.preference.enabled:
+        config[loader_block(config)].segment_ids = True
+    dataset = DatasetFactory.load_dataset(config, tokenizer, process_index=0,
+                                          process_count=1, pairs=True)
+    slots = list(range(min(num_examples, dataset.order.num_documents or num_examples)))
+    records = dataset.order.read(slots)
+    documents = prepare_records(records, dataset.processor)
+    lines = _examples(dataset, tokenizer, slots, records, documents)
 
     batches = targets = loss = starts = 0
     metrics = counted = {}

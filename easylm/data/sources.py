@@ -12,6 +12,8 @@ for any slots it likes and get the same answer on every host and after every res
 - `IndexedOrder`: a fresh seeded permutation per epoch over a source with a length.
 - `StreamingOrder`: reads a streaming dataset front to back, shuffled by its seeded
   buffer; going back (after a restart) re-reads the epoch up to that slot.
+- `open_source`, `make_order`: a block of --train_dataset.* options -> a source (a token
+  cache's is `cache_reader.CacheSource`) and its order.
 
 A record is (raw, where): raw is a JSON line (bytes) or a dict; `where` names the file
 and line (or the row) for error messages.
@@ -23,6 +25,8 @@ import os
 import fsspec
 import numpy as np
 
+from easylm.data.cache_reader import CacheSource
+from easylm.data.text import TextProcessor
 from easylm.errors import UserError
 
 _CHUNK = 1 << 24
@@ -237,3 +241,28 @@ class StreamingOrder:
             self._epoch += 1
             self._rows = self._epoch_rows(self._epoch)
         raise UserError(f"huggingface dataset {self.source.name} has no rows")
+
+
+def open_source(kind, options, text_processor, tokenizer, strict):
+    """(source, what tokenizes its records) for a json, huggingface or cache block of
+    options; a token cache needs no tokenizing once its settings match the run's."""
+    if kind == "json":
+        return JsonSource(options.path), TextProcessor(text_processor, tokenizer)
+    if kind == "huggingface":
+        if not options.path:
+            raise UserError("--train_dataset.type=huggingface needs huggingface_dataset.path")
+        return HuggingfaceSource(options), TextProcessor(text_processor, tokenizer)
+    if kind == "cache":
+        if not options.path:
+            raise UserError("--train_dataset.type=cache needs cache.path (a directory written "
+                            "by python -m easylm.data.cache)")
+        source = CacheSource(options.path)
+        source.check(tokenizer, text_processor, strict)
+        return source, None
+    raise UserError(f"unknown source type {kind!r}; expected json, huggingface or cache")
+
+
+def make_order(source, options, shuffle, seed):
+    if getattr(source, "streaming", False):
+        return StreamingOrder(source, shuffle, seed, options.shuffle_buffer_size)
+    return IndexedOrder(source, shuffle, seed)

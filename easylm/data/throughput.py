@@ -29,6 +29,7 @@ from easylm.data.dataset import DatasetFactory
 from easylm.data.sources import expand_paths
 from easylm.data.tokenizer import load_tokenizer
 from easylm.errors import exit_on_user_error
+from easylm.runtime import run_flags
 
 
 def raw_tokens_per_second(tokenizer, texts, repeats=3):
@@ -115,7 +116,7 @@ def bench_data(path="embedded", tokenizer="embedded", workers=(1, 2), seq_length
 
 HELP = {
     "path": "JSON-lines data ('embedded', a path, a glob, a comma-separated list)",
-    "tokenizer": "'embedded', a tokenizer directory, tokenizer.json or SentencePiece .model",
+    "tokenizer": run_flags.help_text("tokenizer"),
     "workers": "comma-separated tokenizer_processes values to measure",
     "seq_length": "tokens per row", "batch_size": "rows per batch",
     "epochs": "passes over the data per measurement",

@@ -320,7 +320,7 @@ class PreferenceObjective(Objective):
         sections = ("train_dataset", "eval_dataset") if self.config.eval_freq else \
             ("train_dataset",)
         datasets = (DatasetFactory.load_dataset(self.config[section], self.tokenizer,
-                                                for_eval=True, pairs=True)
+                                                for_eval=True, pairs=True, section=section)
                     for section in sections)
         reference = self._reference_logps(frozen)
         self._table = compute(lambda p, batch: reference_logps(reference, p, batch), params,

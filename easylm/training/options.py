@@ -11,7 +11,7 @@ from typing import Callable
 from ml_collections import ConfigDict
 
 from easylm import flags as flag_lib, objectives
-from easylm.data.dataset import loader_block
+from easylm.data.options import loader_block
 from easylm.errors import UserError
 from easylm.evaluation import harness_flags
 from easylm.models.family import Model, ModelFamily

@@ -1,0 +1,218 @@
+"""The reading side of a token cache (`cache.py` builds them): the format's names, what
+must match between a cache and a run, `CacheSource` (a cache as a source of documents)
+and `verify`. The layout of a cache directory and why it is .npy are in `cache.py`.
+"""
+
+import hashlib
+import json
+import os
+
+import fsspec
+import numpy as np
+from ml_collections import ConfigDict
+
+from easylm.data.text import TextProcessor
+from easylm.errors import UserError
+
+VERSION = 1
+KINDS = ("tokens", "masks", "offsets")
+_MAX_OPEN_SHARDS = 64   # memory maps / file handles kept open while reading
+
+
+def tokenizer_identity(tokenizer):
+    """What must match between a cache and a run: the whole tokenizer.json and the
+    special tokens the text processor uses."""
+    return dict(sha256=hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode())
+                .hexdigest(), vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id)
+
+
+def processor_settings(text_processor, tokenizer):
+    """The --train_dataset.text_processor.* options, and in chat mode the template they
+    resolve to (a template file may change under the same flag)."""
+    settings = dict(ConfigDict(text_processor).to_dict())
+    if settings.get("chat"):
+        template = TextProcessor(text_processor, tokenizer).chat_template
+        settings["chat_template_sha256"] = hashlib.sha256(template.encode()).hexdigest()
+    return settings
+
+
+def shard_name(shard, kind):
+    return f"shard-{shard:05d}.{kind}.npy" if kind in KINDS else f"shard-{shard:05d}.json"
+
+
+
+class CacheSource:
+    """A finished token cache as a source (sources.py): document i is shard i //
+    shard_size's document i % shard_size; records are ((tokens, masks), None)."""
+
+    def __init__(self, path):
+        self.path = path.rstrip("/")
+        self.fs, self.root = fsspec.core.url_to_fs(self.path)
+        self.local = "file" in np.atleast_1d(self.fs.protocol)
+        self.index = self._read_index()
+        self._shards = {}
+        listing = {os.path.basename(entry["name"]): entry["size"]
+                   for entry in self.fs.ls(self.root, detail=True)}
+        counts = []
+        for i, entry in enumerate(self.index["shards"]):
+            for kind in KINDS:
+                name, expected = shard_name(i, kind), entry["files"][kind]["bytes"]
+                if name not in listing:
+                    raise UserError(f"token cache {path}: shard file {name} is missing")
+                if listing[name] != expected:
+                    raise UserError(f"token cache {path}: {name} has {listing[name]} bytes, "
+                                    f"the index says {expected} (truncated or replaced; "
+                                    f"rebuild the shard, check with --verify)")
+            counts.append(entry["documents"])
+        if sum(counts) != self.index["num_documents"]:
+            raise UserError(f"token cache {path}: its shards hold {sum(counts)} documents, "
+                            f"the index says {self.index['num_documents']}")
+        self._first = np.cumsum([0] + counts)
+
+    def _read_index(self):
+        path = f"{self.root}/index.json"
+        if not self.fs.exists(path):
+            if self.fs.exists(f"{self.root}/build.json"):
+                raise UserError(f"token cache {self.path} is not finished (no index.json); "
+                                f"run python -m easylm.data.cache again with the same "
+                                f"flags to finish it")
+            raise UserError(f"{self.path} is not a token cache (no index.json); build one "
+                            f"with python -m easylm.data.cache")
+        try:
+            with self.fs.open(path, "rb") as f:
+                index = json.load(f)
+            shards = index["shards"]
+            assert all(len(s["files"]) == len(KINDS) for s in shards)
+        except (ValueError, KeyError, TypeError, AssertionError):
+            raise UserError(f"token cache {self.path}: index.json is not a valid index; "
+                            f"rebuild it with python -m easylm.data.cache") from None
+        if index.get("version") != VERSION:
+            raise UserError(f"token cache {self.path} has version {index.get('version')}, "
+                            f"this easylm reads version {VERSION}; rebuild it")
+        return index
+
+    def check(self, tokenizer, text_processor, strict):
+        """A run must tokenize as the cache was built; a mismatch names both."""
+        now = tokenizer_identity(tokenizer)
+        built = self.index["tokenizer"]
+        if built != now:
+            key = next(k for k in now if built.get(k) != now[k])
+            raise UserError(f"token cache {self.path} was built with another tokenizer "
+                            f"({key} {built.get(key)!r}, this run's --tokenizer has "
+                            f"{now[key]!r}); pass the tokenizer it was built with, or "
+                            f"rebuild the cache")
+        built, now = self.index["text_processor"], processor_settings(text_processor,
+                                                                      tokenizer)
+        if built != now:
+            key = next(k for k in sorted(set(built) | set(now)) if built.get(k) != now.get(k))
+            raise UserError(f"token cache {self.path} was built with text_processor.{key}="
+                            f"{built.get(key)!r} but this run has text_processor.{key}="
+                            f"{now.get(key)!r}; pass the same --train_dataset.text_processor.* "
+                            f"flags, or rebuild the cache")
+        if strict and self.index["skipped"]:
+            raise UserError(f"token cache {self.path} skipped {self.index['skipped']} bad "
+                            f"documents when it was built, and this run has strict=True")
+
+    def __len__(self):
+        return int(self._first[-1])
+
+    def read(self, ids):
+        ids = np.asarray(ids, np.int64)
+        shards = np.searchsorted(self._first, ids, side="right") - 1
+        records = [None] * len(ids)
+        for s in np.unique(shards):
+            where = np.flatnonzero(shards == s)
+            tokens, masks, offsets = self._open(int(s))
+            local = ids[where] - self._first[s]
+            for i, begin, end in zip(where.tolist(), offsets[local].tolist(),
+                                     offsets[local + 1].tolist()):
+                records[i] = ((tokens[begin:end], masks[begin:end]), None)
+        return records
+
+    def _open(self, i):
+        if i in self._shards:
+            return self._shards[i]
+        if len(self._shards) >= _MAX_OPEN_SHARDS:
+            self._close_shard(next(iter(self._shards)))
+        entry = self.index["shards"][i]
+        expected = dict(tokens=((entry["tokens"],), self.index["dtype"]),
+                        masks=((entry["tokens"],), "uint8"),
+                        offsets=((entry["documents"] + 1,), "int64"))
+        arrays = []
+        for kind in KINDS:
+            name = shard_name(i, kind)
+            path = f"{self.root}/{name}"
+            try:
+                array = (np.load(path, mmap_mode="r", allow_pickle=False).view(np.ndarray)
+                         if self.local else _RangeArray(self.fs, path))
+            except ValueError as e:
+                raise UserError(f"token cache {self.path}: {name} is not a valid .npy file "
+                                f"({e})") from None
+            if (array.shape, str(array.dtype)) != expected[kind]:
+                raise UserError(f"token cache {self.path}: {name} holds {array.shape} "
+                                f"{array.dtype}, the index says {expected[kind][0]} "
+                                f"{expected[kind][1]}; rebuild the cache")
+            arrays.append(array)
+        offsets = np.asarray(arrays[2][0:entry["documents"] + 1])
+        if offsets[0] != 0 or offsets[-1] != entry["tokens"] or (np.diff(offsets) < 0).any():
+            raise UserError(f"token cache {self.path}: {shard_name(i, 'offsets')} does not "
+                            f"describe {entry['tokens']} tokens; rebuild the cache")
+        self._shards[i] = arrays[0], arrays[1], offsets
+        return self._shards[i]
+
+    def _close_shard(self, i):
+        for array in self._shards.pop(i)[:2]:
+            if isinstance(array, _RangeArray):
+                array.close()
+
+    def close(self):
+        for i in list(self._shards):
+            self._close_shard(i)
+
+
+class _RangeArray:
+    """A 1-D .npy file on any fsspec filesystem, read by byte range: array[a:b]."""
+
+    def __init__(self, fs, path):
+        self.file = fs.open(path, "rb")
+        read_header = {(1, 0): np.lib.format.read_array_header_1_0,
+                       (2, 0): np.lib.format.read_array_header_2_0}
+        version = np.lib.format.read_magic(self.file)
+        if version not in read_header:
+            raise ValueError(f".npy version {version}")
+        self.shape, _, self.dtype = read_header[version](self.file)
+        self.start = self.file.tell()
+
+    def __getitem__(self, key):
+        begin, end, _ = key.indices(self.shape[0])
+        self.file.seek(self.start + begin * self.dtype.itemsize)
+        data = self.file.read(max(0, end - begin) * self.dtype.itemsize)
+        return np.frombuffer(data, self.dtype)
+
+    def close(self):
+        self.file.close()
+
+
+# ------------------------------------------------------------------------------- verify
+
+
+def verify(path):
+    """Reads every file of the cache and checks counts and checksums; returns the index."""
+    source = CacheSource(path)
+    try:
+        for i, entry in enumerate(source.index["shards"]):
+            for kind in KINDS:
+                name = shard_name(i, kind)
+                with source.fs.open(f"{source.root}/{name}", "rb") as f:
+                    digest = hashlib.sha256(f.read()).hexdigest()
+                if digest != entry["files"][kind]["sha256"]:
+                    raise UserError(f"token cache {path}: {name} has sha256 {digest[:12]}..., "
+                                    f"the index says {entry['files'][kind]['sha256'][:12]}...; "
+                                    f"rebuild the cache")
+            source._open(i)                 # shapes and offsets against the index
+            source._close_shard(i)
+    finally:
+        source.close()
+    return source.index
+

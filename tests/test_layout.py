@@ -1,0 +1,115 @@
+"""The layout of easylm/ as STYLE.md asks: no import circles (a late import inside a
+function to dodge a circle is still one: every import, at module level or inside a
+function, is an edge), and no function over 60 lines."""
+
+import ast
+import pathlib
+
+import easylm
+
+ROOT = pathlib.Path(easylm.__file__).parent
+
+
+def modules(root=ROOT):
+    """{'easylm.data.dataset': path, 'easylm.data': path of its __init__.py, ...}"""
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+def imports(name, path, known):
+    """The modules of `known` that module `name` imports anywhere in its file. `from pkg
+    import x` is an edge to pkg.x when that is a module, else to pkg."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    edges = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            edges.update(alias.name for alias in node.names if alias.name in known)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:   # relative: . is the package, .. its parent
+                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                if full in known:
+                    edges.add(full)
+                elif base in known:
+                    edges.add(base)
+    edges.discard(name)
+    return edges
+
+
+def find_cycle(graph):
+    """One cycle of `graph` ({node: set of nodes}) as [a, b, ..., a], or None."""
+    state = {}   # absent: unvisited; 1: on the current path; 2: done
+    path = []
+
+    def visit(node):
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state:
+                cycle = visit(nxt)
+                if cycle:
+                    return cycle
+        state[node] = 2
+        path.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            cycle = visit(node)
+            if cycle:
+                return cycle
+    return None
+
+
+def import_graph(root=ROOT):
+    known = modules(root)
+    return {name: imports(name, path, known) for name, path in known.items()}
+
+
+def test_find_cycle_finds_one_and_only_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_the_graph_sees_late_and_relative_imports(tmp_path):
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "sub" / "__init__.py").write_text("")
+    (package / "a.py").write_text("def f():\n    from pkg.sub import b\n")
+    (package / "sub" / "b.py").write_text("from .. import a\nfrom . import c\n")
+    (package / "sub" / "c.py").write_text("from pkg.sub import thing\n")
+    graph = import_graph(package)
+    assert graph == {"pkg": set(), "pkg.a": {"pkg.sub.b"}, "pkg.sub": set(),
+                     "pkg.sub.b": {"pkg.a", "pkg.sub.c"}, "pkg.sub.c": {"pkg.sub"}}
+    assert find_cycle(graph) == ["pkg.a", "pkg.sub.b", "pkg.a"]
+
+
+def test_easylm_has_no_import_cycle():
+    graph = import_graph()
+    assert len(graph) > 50 and "easylm.data.dataset" in graph["easylm.data"]
+    cycle = find_cycle(graph)
+    assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
+
+
+def test_no_function_is_over_60_lines():
+    # STYLE.md: a function that does not fit on a screen wants named parts.
+    long = []
+    for path in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > 60:
+                    long.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} "
+                                f"{node.name} ({lines} lines)")
+    assert not long, "\n".join(long)
