@@ -100,7 +100,7 @@ def test_one_or_two_processes_give_the_same_global_batches(data, tokenizer):
 @pytest.mark.parametrize("before, after", [(1, 1), (2, 1), (1, 2)])
 def test_resume_gives_the_uninterrupted_batches(data, tokenizer, before, after):
     cfg = config(sources(data)[1:], shuffle=True, segment_ids=True, seed=3)  # JSONL + cache
-    n, m = 9, 25     # 34 batches of 4 x 32: past the end of both sources
+    n, m = 9, 35     # 44 batches of 4 x 32: past the end of both sources
     expected, [metrics] = read(load(cfg, tokenizer), n + m, with_metrics=True)
     assert metrics["source/b/epoch"] >= 1 and metrics["source/c/epoch"] >= 1
     first = load(cfg, tokenizer, before)

@@ -121,15 +121,7 @@ def test_the_printed_serve_command_needs_only_what_the_quick_start_installs(tmp_
     program = shlex.split(command)
     assert program[:3] == ["python", "-m", "easylm.llama.serve"], command
 
-    log = open(tmp_path / "serve.log", "w+")
-    server = subprocess.Popen(without(hidden, *program[2:], "--port=0"), env=env, cwd=tmp_path,
-                              stdout=subprocess.PIPE, stderr=log, text=True)
-    try:
-        # The ready line (bounded: a server that hangs before it fails here, not forever).
-        assert select.select([server.stdout], [], [], 600)[0], "no ready line in 10 minutes"
-        ready = server.stdout.readline()
-        log.seek(0)
-        assert ready.startswith("ready: chat page http://127.0.0.1:"), ready + log.read()
+    with serving(without(hidden, *program[2:], "--port=0"), env, tmp_path) as (ready, log):
         url = re.search(r"OpenAI API (\S+)", ready).group(1)
         assert "918,656 parameters, float32, context 512 tokens, 8 batch slots" in ready
         models = httpx.get(url + "/models", timeout=60).json()
@@ -139,15 +131,105 @@ def test_the_printed_serve_command_needs_only_what_the_quick_start_installs(tmp_
             "messages": [{"role": "user", "content": "Once upon a time"}], "max_tokens": 4,
             "temperature": 0}).json()
         assert reply.get("usage", {}).get("completion_tokens", 0) >= 1, reply
+    # The ready line was all: no orbax or jax INFO chatter, no transformers advice, and no
+    # traceback on Ctrl-C.
+    assert log.read() == ""
+
+
+@contextlib.contextmanager
+def serving(argv: list[str], env: dict, cwd):
+    """A server run as `argv` (with --port=0): yields (its ready line, its stderr file, read
+    from the start after the block), and at the end Ctrl-C must stop it cleanly."""
+    log = open(cwd / "serve.log", "w+")
+    server = subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=log,
+                              text=True)
+    try:
+        # The ready line (bounded: a server that hangs before it fails here, not forever).
+        assert select.select([server.stdout], [], [], 600)[0], "no ready line in 10 minutes"
+        ready = server.stdout.readline()
+        log.seek(0)
+        assert ready.startswith("ready: chat page http://127.0.0.1:"), ready + log.read()
+        yield ready, log
         server.send_signal(signal.SIGINT)  # Ctrl-C
         assert server.wait(60) == 0
     finally:
         server.kill()
         server.wait(30)
     log.seek(0)
-    # The ready line was all: no orbax or jax INFO chatter, no transformers advice, and no
-    # traceback on Ctrl-C.
-    assert log.read() == ""
+
+
+@pytest.fixture(scope="module")
+def quick_start(tmp_path_factory):
+    """The Quick start's `python -m easylm.llama.train`, run once to its end: (what it
+    printed, the directory it ran in). Only the output directory differs from the README's
+    command, and the run directory's name does not depend on it."""
+    out = tmp_path_factory.mktemp("quick_start")
+    train = subprocess.run([sys.executable, "-m", "easylm.llama.train",
+                            f"--logger.output_dir={out}/runs"], env=newcomer_env(),
+                           capture_output=True, text=True, timeout=1800, cwd=out)
+    assert train.returncode == 0, train.stderr[-3000:]
+    return train.stdout, out
+
+
+def newcomer_env() -> dict:
+    """This environment as a newcomer's shell has it: one CPU device, not the 8 virtual
+    ones conftest.py makes for the sharding tests (the README shows a 1-device mesh)."""
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
+                   os.environ.get("XLA_FLAGS", "")).strip()
+    return {**os.environ, "PYTHONPATH": REPO, "XLA_FLAGS": flags}
+
+
+def _numbers(line: str) -> str:
+    """A printed line without what depends on the machine: the speed, the runs' directory."""
+    line = re.sub(r"tokens/s [\d,.]+", "tokens/s N", line)
+    return re.sub(r"\S*/(llama-[0-9a-f]{8})", r"RUNS/\1", line)
+
+
+@pytest.mark.slow
+def test_the_quick_start_prints_what_the_readme_shows(quick_start):
+    """Every line the README shows of the run (losses, accuracy, directory, serve command)
+    is what the command prints; only speeds and the home directory differ."""
+    (shown,) = re.findall(r"(?ms)^```text\n(.*?)^```", section("Quick start"))[:1]
+    printed = {_numbers(line) for line in quick_start[0].splitlines()}
+    for line in shown.splitlines():
+        if line == "..." or line.startswith("llama: "):  # ... and the machine-dependent MFU
+            continue
+        assert _numbers(line) in printed, (line, quick_start[0])
+    header = next(line for line in shown.splitlines() if line.startswith("llama: "))
+    assert header.split(" | no MFU")[0] in quick_start[0]
+
+
+# The chat page's default temperature (easylm/serving/static/chat.html).
+CHAT_PAGE_TEMPERATURE = 0.7
+MARKERS = ("<|user|>", "<|assistant|>", "<|system|>", "<s>", "</s>")
+
+
+@pytest.mark.slow
+def test_the_quick_start_model_tells_a_story_when_asked(quick_start):
+    """The demo's checkpoint, served by the command the trainer printed, answers a chat
+    request for a story with one that starts at a word (not mid-word, as a model that
+    never saw the chat template did: 'y a time, there was...') and ends on its own."""
+    stdout, out = quick_start
+    (command,) = [line.split(":", 1)[1].strip() for line in stdout.splitlines()
+                  if line.startswith("serve it:")]
+    argv = [sys.executable] + shlex.split(command)[1:] + ["--port=0"]
+    corpus = open(os.path.join(REPO, "easylm", "data", "embedded", "corpus.jsonl")).read()
+    words = set(re.findall(r"[A-Za-z]+", corpus))
+    animals = ["cat", "dog", "duck", "cow", "frog", "owl", "pig", "bee", "horse", "mouse"]
+    with serving(argv, newcomer_env(), out) as (ready, _):
+        url = re.search(r"OpenAI API (\S+)", ready).group(1)
+        replies = [httpx.post(url + "/chat/completions", timeout=300, json={
+            "messages": [{"role": "user", "content": f"Tell me a story about "
+                                                     f"{'an' if a[0] in 'aeiou' else 'a'} {a}"}],
+            "temperature": CHAT_PAGE_TEMPERATURE, "seed": i, "max_tokens": 200}).json()
+            for i, a in enumerate(animals)]
+    for reply in replies:
+        choice = reply["choices"][0]
+        text = choice["message"]["content"]
+        first = re.match(r"[A-Z][a-z]*\b", text)
+        assert first and first.group() in words, text
+        assert not any(m in text for m in MARKERS), text
+        assert choice["finish_reason"] == "stop", reply  # it ended its turn with EOS
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ from serving_utils import ServerThread, log_softmax, make_batcher, make_tokenize
 from easylm import flags as flag_lib
 from easylm.errors import UserError
 from easylm.llama.family import FAMILY
-from easylm.serving import cli as serving_cli, scoring, server as server_lib
+from easylm.serving import cli as serving_cli, scoring, server as server_lib, service as service_lib
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -82,6 +82,69 @@ def test_several_prompts_and_seeded_sampling(client):
                                       temperature=0.9, seed=3)
     assert [c.index for c in out.choices] == [0, 1]
     assert [c.text for c in out.choices] == [c.text for c in again.choices]
+
+
+def streamed_texts(stream) -> dict[int, str]:
+    """Each choice's text from an OpenAI client stream (completions or chat), by index."""
+    texts = {}
+    for chunk in stream:
+        for c in chunk.choices:
+            piece = c.text if hasattr(c, "text") else c.delta.content
+            texts[c.index] = texts.get(c.index, "") + (piece or "")
+    return texts
+
+
+def test_n_samples_are_the_single_requests_with_derived_seeds(client, tokenizer):
+    """Choice p * n + i of a request for n samples is prompt p with n=1 and seed
+    `sample_seed(seed, i)` = seed + i, streamed or not."""
+    prompts, seed = ["The quick", "Serving language models"], 3
+    args = dict(model="easylm", max_tokens=8, temperature=1.0)
+    out = client.completions.create(prompt=prompts, n=4, seed=seed, **args)
+    assert [c.index for c in out.choices] == list(range(8))
+    alone = [client.completions.create(prompt=prompts[p], seed=seed + i, **args)
+             for p in range(2) for i in range(4)]
+    single = [a.choices[0].text for a in alone]
+    assert [c.text for c in out.choices] == single
+    assert len(set(single[:4])) > 1  # the samples of one prompt are not one sample
+    streamed = client.completions.create(prompt=prompts, n=4, seed=seed, stream=True, **args)
+    assert streamed_texts(streamed) == dict(enumerate(single))
+    # OpenAI's usage: each prompt counted once, every sample's tokens.
+    assert out.usage.prompt_tokens == sum(len(tokenizer(p)["input_ids"]) for p in prompts)
+    assert out.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+
+    messages = [{"role": "user", "content": "Hi!"}]
+    chat = client.chat.completions.create(messages=messages, n=4, seed=seed, **args)
+    single = [client.chat.completions.create(messages=messages, seed=seed + i, **args)
+              for i in range(4)]
+    assert [c.index for c in chat.choices] == list(range(4))
+    assert [c.message.content for c in chat.choices] == [s.choices[0].message.content
+                                                         for s in single]
+    assert chat.usage.prompt_tokens == single[0].usage.prompt_tokens
+    assert chat.usage.completion_tokens == sum(s.usage.completion_tokens for s in single)
+    streamed = client.chat.completions.create(messages=messages, n=4, seed=seed, stream=True,
+                                              stream_options={"include_usage": True}, **args)
+    chunks = list(streamed)
+    assert streamed_texts(chunks) == {i: c.message.content for i, c in enumerate(chat.choices)}
+    assert chunks[-1].usage.model_dump() == chat.usage.model_dump()
+
+
+def test_n_samples_without_a_seed_differ_and_greedy_ones_agree(client):
+    args = dict(model="easylm", prompt="The quick", max_tokens=12, n=4)
+    sampled = client.completions.create(temperature=1.0, **args)
+    assert len({c.text for c in sampled.choices}) > 1
+    greedy = client.completions.create(temperature=0, **args)
+    assert len({c.text for c in greedy.choices}) == 1
+
+
+def test_sample_seeds_wrap_within_int64(client):
+    """seed + i past int64's top wraps to its bottom, a seed a request may send."""
+    top = 2**63 - 1
+    assert service_lib.sample_seed(top, 1) == -2**63
+    assert service_lib.sample_seed(None, 3) is None
+    args = dict(model="easylm", prompt="The quick", max_tokens=8, temperature=1.0)
+    two = client.completions.create(n=2, seed=top, **args)
+    alone = client.completions.create(seed=-2**63, **args)
+    assert two.choices[1].text == alone.choices[0].text
 
 
 def lm_eval_loglikelihood(response, ctxlen):
@@ -165,7 +228,17 @@ BAD_INPUTS = [
      "temperature: Input should be greater than or equal to 0"),
     ("unknown model", "/v1/completions", {"prompt": "x", "model": "gpt-4"}, AUTH, 404,
      "model 'gpt-4' does not exist"),
-    ("n > 1", "/v1/completions", {"prompt": "x", "n": 2}, AUTH, 400, "n=2 is not supported"),
+    ("n zero", "/v1/completions", {"prompt": "x", "n": 0}, AUTH, 400,
+     "n=0 is outside this server's range of 1 to 4 (its batch slots, --batch_size)"),
+    ("n negative", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "n": -1}, AUTH, 400,
+     "n=-1 is outside this server's range of 1 to 4"),
+    ("n above the batch slots", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "n": 5}, AUTH, 400,
+     "n=5 is outside this server's range of 1 to 4 (its batch slots, --batch_size)"),
+    ("prompts x n above --max_prompts", "/v1/completions", {"prompt": ["a"] * 3, "n": 3}, AUTH,
+     400, "n=3 samples of 3 prompts are 9 sequences, above this server's limit of 8 per "
+          "request (--max_prompts)"),
     ("token id outside the vocabulary", "/v1/completions", {"prompt": [1, 99999]}, AUTH, 400,
      "prompt token ids must be in [0, 512)"),
     ("missing API key", "/v1/completions", {"prompt": "x"}, {}, 401, "missing or wrong API key"),

@@ -1,11 +1,12 @@
 """OpenAI-compatible endpoints: /v1/models, /v1/completions, /v1/chat/completions.
 
 What clients rely on is supported: several prompts, string or token-id prompts,
-`stream` (server-sent events, with `stream_options.include_usage`), `stop`,
-`seed`, `logprobs`, and `echo` with `max_tokens` 0 or 1, which
-lm-evaluation-harness's `local-completions` uses to score log-likelihoods.
-`top_k` is accepted as an extension. Options that would change the output but
-are not implemented (n > 1, penalties, logit_bias) are 400 errors, never ignored;
+`n` samples of each (choice p * n + i is sample i of prompt p, seeded
+`service.sample_seed(seed, i)` = seed + i), `stream` (server-sent events, with
+`stream_options.include_usage`), `stop`, `seed`, `logprobs`, and `echo` with
+`max_tokens` 0 or 1, which lm-evaluation-harness's `local-completions` uses to score
+log-likelihoods. `top_k` is accepted as an extension. Options that would change the
+output but are not implemented (penalties, logit_bias) are 400 errors, never ignored;
 so are numbers the device could not represent (a top_p that float32 flushes to 0,
 a top_k above the vocabulary, a seed beyond 64 bits).
 """
@@ -36,7 +37,7 @@ class _Request(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1)  # extension (vLLM's); 0 or -1: off; at most the vocabulary
-    n: int = Field(1, ge=1)
+    n: int = 1  # samples per prompt; Service.check_samples says which are allowed
     stream: bool = False
     stream_options: dict | None = None
     stop: Stop = Field(None)
@@ -56,8 +57,6 @@ class _Request(BaseModel):
 
     def check_supported(self, service: Service):
         service.check_sampling(self.top_k)
-        if self.n != 1:
-            raise APIError(400, f"n={self.n} is not supported; send n=1 (or several prompts)")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise APIError(400, f"{name} is not supported; leave it at 0")
@@ -184,44 +183,52 @@ def router(service: Service) -> APIRouter:
         service.check_model(body.model)
         stops = body.check_supported(service)
         prompts, texts = _completion_prompts(service, body)
+        service.check_samples(body.n, len(prompts))
         # max_tokens=0 (with echo) only scores the prompt.
         limits = [service.max_tokens(p, body.max_tokens, default=16)
                   for p in prompts] if body.max_tokens != 0 else None
-        prefix = await _echo_prefix(service, request, body, prompts, texts)
+        echo = await _echo_prefix(service, request, body, prompts, texts)
+        prefix = lambda i: echo(i // body.n)  # choice i is a sample of prompt i // n
         common = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                   "created": int(time.time()), "model": name}
+        # OpenAI counts each prompt's tokens once, however many samples it has.
+        prompt_tokens = sum(map(len, prompts))
         if limits is None:
-            return _echo_only(body, common, prompts, prefix)
-        params = [body.sampling(m, stops) for m in limits]
+            return _echo_only(body, common, len(prompts) * body.n, prefix, prompt_tokens)
+        sequences, params = service.samples(prompts, [body.sampling(m, stops) for m in limits],
+                                            body.n)
         if body.stream:
-            return StreamingResponse(_stream_completion(service, body, common, prompts, params,
-                                                        prefix, body.logprobs),
+            return StreamingResponse(_stream_completion(service, body, common, sequences, params,
+                                                        prefix, prompt_tokens),
                                      media_type="text/event-stream")
-        gens = await service.complete(request, prompts, params)
+        gens = await service.complete(request, sequences, params)
         return {**common, "choices": [_completion_choice(service, i, g, prefix, body.logprobs)
                                       for i, g in enumerate(gens)],
-                "usage": _usage(sum(map(len, prompts)), sum(len(g.tokens) for g in gens))}
+                "usage": _usage(prompt_tokens, sum(len(g.tokens) for g in gens))}
 
     @api.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
         service.check_model(body.model)
         stops = body.check_supported(service)
+        service.check_samples(body.n, 1)
         prompt = service.apply_chat_template(
             [{"role": m.role, "content": m.text()} for m in body.messages])
         field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         requested = body.max_completion_tokens if field == "max_completion_tokens" else body.max_tokens
-        params = body.sampling(service.max_tokens(prompt, requested, field=field), stops)
+        sequences, params = service.samples(
+            [prompt], [body.sampling(service.max_tokens(prompt, requested, field=field), stops)],
+            body.n)
         k = (body.top_logprobs or 0) if body.logprobs else None
         common = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": name}
         if body.stream:
-            return StreamingResponse(_stream_chat(service, body, common, prompt, params, k),
+            return StreamingResponse(_stream_chat(service, body, common, sequences, params, k),
                                      media_type="text/event-stream")
-        (g,) = await service.complete(request, [prompt], [params])
+        gens = await service.complete(request, sequences, params)
         return {**common, "object": "chat.completion", "choices": [{
-            "index": 0, "message": {"role": "assistant", "content": g.stream.text},
+            "index": i, "message": {"role": "assistant", "content": g.stream.text},
             "logprobs": None if k is None else _chat_logprobs(service, g.tokens, k),
-            "finish_reason": g.finish_reason}],
-            "usage": _usage(len(prompt), len(g.tokens))}
+            "finish_reason": g.finish_reason} for i, g in enumerate(gens)],
+            "usage": _usage(len(prompt), sum(len(g.tokens) for g in gens))}
 
     return api
 
@@ -259,11 +266,11 @@ async def _echo_prefix(service: Service, request: Request, body: CompletionReque
     return prefix
 
 
-def _echo_only(body: CompletionRequest, common: dict, prompts, prefix):
-    """max_tokens=0: the echoed prompts, nothing generated."""
+def _echo_only(body: CompletionRequest, common: dict, choices: int, prefix, prompt_tokens: int):
+    """max_tokens=0: the echoed prompts (n times each), nothing generated."""
     choices = [{"index": i, "text": text, "logprobs": lp, "finish_reason": "length"}
-               for i, (text, lp) in enumerate(map(prefix, range(len(prompts))))]
-    usage = _usage(sum(map(len, prompts)), 0)
+               for i, (text, lp) in enumerate(map(prefix, range(choices)))]
+    usage = _usage(prompt_tokens, 0)
     if body.stream:
         return _stream_once(common, choices, usage if body.include_usage else None)
     return {**common, "choices": choices, "usage": usage}
@@ -290,10 +297,13 @@ def _stream_once(common, choices, usage):
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
-async def _stream_completion(service: Service, body, common, prompts, params, prefix, k):
-    _, events = service.start(prompts, params)
-    offsets, generated = [0] * len(prompts), [0] * len(prompts)
-    for i in range(len(prompts)):
+async def _stream_completion(service: Service, body, common, sequences, params, prefix,
+                             prompt_tokens: int):
+    """Choice i's chunks carry index i (sequence i: a sample of prompt i // n)."""
+    k = body.logprobs
+    _, events = service.start(sequences, params)
+    offsets, generated = [0] * len(sequences), [0] * len(sequences)
+    for i in range(len(sequences)):
         text, lp = prefix(i)
         offsets[i] = len(text)
         if text:
@@ -314,17 +324,20 @@ async def _stream_completion(service: Service, body, common, prompts, params, pr
             yield sse({**common, "choices": [{"index": i, "text": event.text, "logprobs": lp,
                                               "finish_reason": event.finish_reason}]})
     if body.include_usage:
-        yield sse({**common, "choices": [], "usage": _usage(sum(map(len, prompts)), sum(generated))})
+        yield sse({**common, "choices": [], "usage": _usage(prompt_tokens, sum(generated))})
     yield sse("[DONE]")
 
 
-async def _stream_chat(service: Service, body, common, prompt, params, k):
-    _, events = service.start([prompt], [params])
+async def _stream_chat(service: Service, body, common, sequences, params, k):
+    """Choice i's chunks carry index i, each choice opening with its role, as OpenAI's."""
+    _, events = service.start(sequences, params)
     common = {**common, "object": "chat.completion.chunk"}
-    yield sse({**common, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                      "logprobs": None, "finish_reason": None}]})
+    for i in range(len(sequences)):
+        yield sse({**common, "choices": [{"index": i, "delta": {"role": "assistant",
+                                                                "content": ""},
+                                          "logprobs": None, "finish_reason": None}]})
     generated = 0
-    async for _, event in events:
+    async for i, event in events:
         if event.error:
             yield sse({"error": {"message": "generation failed", "type": "server_error"}})
             return
@@ -332,8 +345,8 @@ async def _stream_chat(service: Service, body, common, prompt, params, k):
         lp = None if k is None else _chat_logprobs(service, event.tokens, k)
         delta = {"content": event.text} if event.text else {}
         if delta or event.finish_reason or (lp and lp["content"]):
-            yield sse({**common, "choices": [{"index": 0, "delta": delta, "logprobs": lp,
+            yield sse({**common, "choices": [{"index": i, "delta": delta, "logprobs": lp,
                                               "finish_reason": event.finish_reason}]})
-    if body.include_usage:
-        yield sse({**common, "choices": [], "usage": _usage(len(prompt), generated)})
+    if body.include_usage:  # the prompt once, as OpenAI counts it
+        yield sse({**common, "choices": [], "usage": _usage(len(sequences[0]), generated)})
     yield sse("[DONE]")

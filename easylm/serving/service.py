@@ -3,6 +3,7 @@ limits, async helpers), request errors and text checks. openai_api.py, easylm_ap
 and server.py import it; it imports none of them."""
 
 import asyncio
+import dataclasses
 import json
 from typing import Annotated, Sequence
 
@@ -22,7 +23,8 @@ HELP = {
     "api_key": "if set, every API request needs the header `Authorization: Bearer KEY`",
     "model_name": "the model id in /v1/models; requests naming another model get a 404",
     "max_request_bytes": "largest request body accepted (413 above)",
-    "max_prompts": "most prompts (or texts) in one request (400 above)",
+    "max_prompts": "most prompts (or texts) in one request, n samples of a prompt "
+                   "counting n (400 above)",
     "max_tokens": "largest max_tokens a request may ask for; also the default for chat",
     "read_timeout": "seconds a client has to send a whole request (line, headers, body) "
                     "from its first byte, or from connecting; then 408 and the "
@@ -147,6 +149,19 @@ class Service:
             raise APIError(400, f"{field} has {count} entries, above this server's limit "
                                 f"of {limit} per request (--max_prompts)")
 
+    def check_samples(self, n: int, prompts: int):
+        """n samples of each of `prompts` prompts: one decode slot each, so n is at most
+        the slots, and all of them together at most --max_prompts, like prompts."""
+        slots = self.batcher.engine.batch_size
+        if not 1 <= n <= slots:
+            raise APIError(400, f"n={n} is outside this server's range of 1 to {slots} "
+                                f"(its batch slots, --batch_size)")
+        limit = self.config.max_prompts
+        if prompts * n > limit:
+            raise APIError(400, f"n={n} samples of {prompts} prompts are {prompts * n} "
+                                f"sequences, above this server's limit of {limit} per "
+                                f"request (--max_prompts)")
+
     def check_sampling(self, top_k: int):
         if top_k > self.vocab_size:
             raise APIError(400, f"top_k={top_k} is above the vocabulary size of "
@@ -186,6 +201,14 @@ class Service:
         return requested
 
     # ---------------------------------------------------------- running
+
+    @staticmethod
+    def samples(prompts, params: Sequence[SamplingParams], n: int):
+        """Each prompt n times, as OpenAI numbers choices: sequence p * n + i is sample i
+        of prompt p, seeded `sample_seed(seed, i)`."""
+        return ([p for p in prompts for _ in range(n)],
+                [dataclasses.replace(sp, seed=sample_seed(sp.seed, i))
+                 for sp in params for i in range(n)])
 
     def start(self, prompts, params: Sequence[SamplingParams]):
         """Submit one generation per prompt; returns (generations, async iterator of
@@ -239,6 +262,15 @@ class Service:
         disconnects cancels the chunks not scored yet."""
         future = self.batcher.score(job.tokens, job.targets)
         return job.finish(await _unless_disconnected(request, asyncio.wrap_future(future)))
+
+
+def sample_seed(seed: int | None, i: int) -> int | None:
+    """Sample i's seed in a request for n samples with `seed`: seed + i, wrapped into int64
+    (a request's range), so sample i is what the same request with n=1 and this seed
+    gives. No seed: each sample draws its own (they differ)."""
+    if seed is None:
+        return None
+    return (seed + i + 2**63) % 2**64 - 2**63
 
 
 async def _unless_disconnected(request: Request, work):

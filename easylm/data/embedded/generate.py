@@ -1,6 +1,7 @@
 """Write the embedded corpus and train its tokenizer (deterministic, offline)."""
 
 import json
+import re
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -18,6 +19,10 @@ def train_tokenizer(corpus_path, path, vocab_size=embedded.VOCAB_SIZE):
     """A byte-level BPE: every string is encodable, no unknown token is needed."""
     with open(corpus_path, encoding="utf-8") as f:
         texts = [json.loads(line)["text"] for line in f]
+    # The trainer counts special tokens' text as ordinary text: cut it out, or merges
+    # like '<|' and '|>' take entries of the vocabulary that no encoding ever uses.
+    special = re.compile("|".join(map(re.escape, embedded.SPECIAL_TOKENS)))
+    texts = [piece for text in texts for piece in special.split(text) if piece]
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()

@@ -5,9 +5,13 @@ two CPU cores: a vocabulary of a few hundred words, sentences from a few dozen
 templates, and structure worth learning beyond word frequencies -- a character's
 name and pronoun recur through a story, counts follow simple arithmetic, each
 animal keeps the same facts in every document, and answers repeat their question.
+Chat transcripts, in the embedded chat template, teach the format the server prompts
+with: a story asked for about a cat is about a cat.
 """
 
 import random
+
+from easylm.data import embedded
 
 NAMES = {
     "she": ["Lily", "Mia", "Anna", "Sara", "Emma", "Lucy", "Nora", "Ella", "Zoe", "Ruby",
@@ -60,12 +64,17 @@ def _character(rng):
     return rng.choice(NAMES[pronoun]), pronoun
 
 
-def story(rng):
-    name, he = _character(rng)
+def story(rng, animal=None, name=None):
+    """A story; `animal` and `name`, when given, are its hero's (what a chat asked for)."""
+    if name is None:
+        name, he = _character(rng)
+    else:
+        he = next(pronoun for pronoun, names in NAMES.items() if name in names)
     friend, friend_he = _character(rng)
     while friend == name:
         friend, friend_he = _character(rng)
-    animal, animal2 = rng.sample(sorted(ANIMALS), 2)
+    animal = animal or rng.choice(sorted(ANIMALS))
+    animal2 = rng.choice(sorted(set(ANIMALS) - {animal}))
     thing, colour = rng.choice(THINGS), rng.choice(COLOURS)
     his = {"she": "her", "he": "his"}[he]
     lines = [
@@ -148,7 +157,36 @@ def questions(rng):
     return " ".join(f"Q: {q} A: {a}" for q, a in pairs)
 
 
-KINDS = [(story, 5), (counting, 2), (facts, 2), (questions, 2)]
+def _ask(rng):
+    """A request for a story, maybe naming its hero's animal, name or both: (text, animal,
+    name), None where not named."""
+    animal = rng.choice(sorted(ANIMALS)) if rng.random() < 0.75 else None
+    name = rng.choice(NAMES[rng.choice(["she", "he"])]) if rng.random() < 0.3 else None
+    about = f" about {_a(animal)}" if animal else ""
+    if name:
+        about += f" named {name}" if animal else f" about {name}"
+    ask = rng.choice(["Tell me a story", "Please tell me a story", "Can you tell me a story"])
+    end = "?" if ask.startswith("Can") else rng.choice([".", "!", ""])
+    return ask + about + end, animal, name
+
+
+def chat_messages(rng):
+    """A conversation: a user asks for a story (one time in four, twice), the assistant
+    tells one with the hero asked for."""
+    messages = []
+    for _ in range(2 if rng.random() < 0.25 else 1):
+        text, animal, name = _ask(rng)
+        messages += [{"role": "user", "content": text},
+                     {"role": "assistant", "content": story(rng, animal, name)}]
+    return messages
+
+
+def chat(rng):
+    """A conversation as the server's chat template renders it."""
+    return embedded.chat_document(chat_messages(rng))
+
+
+KINDS = [(story, 4), (counting, 2), (facts, 2), (questions, 2), (chat, 6)]
 
 
 def documents(num_documents, seed=0):
