@@ -29,6 +29,7 @@ from easylm.runtime.sharding import (
 from easylm.variants.lora import (
     NF4_BLOCK,
     LoraConfig,
+    flat,
     partition_rules,
     quantize_kernel,
     read_peft,
@@ -436,3 +437,29 @@ def test_targets_and_scaling():
     # A defaults round trip through the flag tree.
     assert LoraConfig.from_flags(LoraConfig.get_default_config()) == LoraConfig()
     assert math.isclose(LoraConfig(rank=8).scaling, 2.0)
+
+
+@pytest.mark.parametrize("variant", ["qwen2", "qwen3"])
+def test_variants_adapt_kernels_with_biases_and_norms_frozen(variant, tmp_path):
+    # Qwen2's q/k/v biases and Qwen3's q/k norms (random, from their HF model) stay in the
+    # frozen base; adapters sit on the seven projections' kernels. Step 0 is the base
+    # model; the PEFT export loads onto transformers' Qwen model with our logits.
+    from llama_variants import hf_variant, variant_config
+    from peft import PeftModel
+
+    config = variant_config(variant, scan_layers=True)
+    hf = hf_variant(config)
+    lm = lora_model(config, LoraConfig(rank=4, alpha=8.0, base_dtype="fp32"))
+    base = lm.store_base(from_hf(hf.state_dict(), config))
+    assert sorted({path.split("/")[-2] for path in lm.targets}) == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    vectors = [path for path in flat(base) if path.endswith(("/bias", "q_norm/weight"))]
+    assert vectors and not any(path.endswith("/bias") for path in flat(lm.adapter_shapes))
+    assert same_bits(logits_fn(lm)(base, fresh_adapters(lm)), base_logits(config, lm, base))
+    adapters = random_adapters(lm)
+    ours = np.asarray(logits_fn(lm)(base, adapters))
+    save_peft(str(tmp_path), lm, adapters, config)
+    model = PeftModel.from_pretrained(hf, str(tmp_path)).eval()
+    np.testing.assert_allclose(ours, peft_logits(model), atol=PEFT_ATOL, rtol=0)
+    with model.disable_adapter():  # negative twin: the adapters are what agrees
+        assert np.abs(peft_logits(model) - ours).max() > 100 * PEFT_ATOL
