@@ -279,6 +279,6 @@ def test_sliding_window_is_transformers_and_keeps_documents_apart():
     no_window = LLaMAForCausalLM(config.replace(sliding_window=0))
     assert_differs(no_window.apply({"params": params}, ids, segment_ids=segment_ids)[:, 10:],
                    alone, rel)
-    for implementation in ("dot_product", "auto"):
-        other = LLaMAForCausalLM(config.replace(attention=implementation))
-        assert_close(other.apply({"params": params}, ids, segment_ids=segment_ids), packed, rel)
+    # dot_product: the mask given, as auto picks it off-GPU and wherever there is a mask.
+    other = LLaMAForCausalLM(config.replace(attention="dot_product"))
+    assert_close(other.apply({"params": params}, ids, segment_ids=segment_ids), packed, rel)

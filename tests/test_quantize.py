@@ -164,23 +164,22 @@ def test_an_unknown_quantization_is_one_clear_error(hf_dir):
         serving_cli.load_engine(FAMILY, serve_config(hf_dir, "--quantize=int4"))
 
 
-@pytest.mark.parametrize("variant", ["qwen2", "qwen3"])
-def test_int8_variants_quantize_the_projections_and_keep_biases_and_norms(variant):
-    # Qwen2's q/k/v biases and Qwen3's q/k norms (random, from their HF models) stay in
-    # the compute dtype; the projections and the head are int8 as in LLaMA, and the
+def test_int8_of_a_variant_quantizes_the_projections_and_keeps_biases_and_norms():
+    # Qwen3 with attention_bias: its biases and q/k norms (random, from the HF model) stay
+    # in the compute dtype; the projections and the head are int8 as in LLaMA, and the
     # model is the float model on the dequantized kernels.
     from llama_variants import hf_variant, variant_config
 
     from easylm.llama.hf import from_hf
 
-    config = variant_config(variant, tie_word_embeddings=False)
+    config = variant_config("qwen3", attention_bias=True)
     module = LLaMAForCausalLM(config)
     params = from_hf(hf_variant(config).state_dict(), config)
     int8 = Int8Model(module)
     quantized = flat(int8.quantize(params))
     assert len(int8.targets) == 2 * 7 + 1
     vectors = [path for path in quantized if path.endswith(("/bias", "norm/weight"))]
-    assert len(vectors) == {"qwen2": 2 * 3, "qwen3": 2 * 2}[variant] + 2 * 2 + 1
+    assert len(vectors) == 2 * (4 + 2 + 2) + 1  # per layer 4 biases, 2 q/k norms, 2 norms
     for path in vectors:
         np.testing.assert_array_equal(quantized[path], flat(params)[path])
     ids = IDS[:2, :32]
