@@ -20,7 +20,8 @@ VARIANTS = {
 
 
 def variant_config(name: str, **overrides) -> LLaMAConfig:
-    return LLaMAConfig.from_preset("debug", initializer_range=0.2, **{**VARIANTS[name], **overrides})
+    fields = {**VARIANTS[name], **overrides}
+    return LLaMAConfig.from_preset("debug", initializer_range=0.2, **fields)
 
 
 def hf_variant(config: LLaMAConfig, seed: int = 0):

@@ -9,8 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from llama_variants import VARIANTS as LLAMA_VARIANTS
-from llama_variants import hf_variant, variant_config
+from llama_variants import VARIANTS as LLAMA_VARIANTS, hf_variant, variant_config
 from numerics import assert_close, assert_differs, forward_rel
 from safetensors.numpy import load_file
 from transformers import LlamaForCausalLM as HFLlama

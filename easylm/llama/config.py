@@ -225,7 +225,8 @@ class LLaMAConfig:
         optional = {name: getattr(self, name) for name in ("pad_token_id", "unk_token_id")
                     if getattr(self, name) is not None}
         # Qwen2Config has no head_dim field (Qwen2 reads one when config.json has it).
-        if self.model_type != "qwen2" or self.head_dim != self.hidden_size // self.num_attention_heads:
+        default_head_dim = self.hidden_size // self.num_attention_heads
+        if self.model_type != "qwen2" or self.head_dim != default_head_dim:
             optional["head_dim"] = self.head_dim
         config = config_class(
             vocab_size=self.vocab_size,
@@ -255,8 +256,10 @@ class LLaMAConfig:
         if self.model_type == "mistral":
             return dict(sliding_window=self.sliding_window or None)
         # Qwen: the window on every layer (those from max_window_layers on slide), or none.
-        out = (dict(use_sliding_window=True, sliding_window=self.sliding_window, max_window_layers=0)
-               if self.sliding_window else dict(use_sliding_window=False))
+        out = dict(use_sliding_window=False)
+        if self.sliding_window:
+            out = dict(use_sliding_window=True, sliding_window=self.sliding_window,
+                       max_window_layers=0)
         if self.model_type == "qwen3":
             out["attention_bias"] = self.attention_bias
         return out

@@ -195,7 +195,8 @@ class Attention(_Layer):
         window = c.sliding_window if mask is None else 0
         out = attention(q, k, v, mask, c.attention, window)  # (B, T, N, H)
         out = checkpoint_name(out, "attention_out")
-        return self.dense(c.hidden_size, "o_proj", c.attention_bias)(out.reshape(B, T, N * H)), cache
+        out = self.dense(c.hidden_size, "o_proj", c.attention_bias)(out.reshape(B, T, N * H))
+        return out, cache
 
 
 class MLP(_Layer):
