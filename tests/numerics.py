@@ -32,9 +32,11 @@ def fp32_rel(terms: int, depth: int = 1) -> float:
 def forward_rel(config, seq_length: int) -> float:
     """A LLaMA forward pass to the logits: per layer six reductions in sequence (q/k/v
     projections, attention scores, their weighted sum, the output projection, gate/up,
-    down), then the head; the widest over the hidden size, the MLP width or the keys."""
+    down; Qwen3's q/k norms a seventh, the mean square of each head), then the head; the
+    widest over the hidden size, the MLP width or the keys."""
     terms = max(config.hidden_size, config.intermediate_size, seq_length)
-    return fp32_rel(terms, 6 * config.num_hidden_layers + 1)
+    per_layer = 7 if getattr(config, "qk_norm", False) else 6
+    return fp32_rel(terms, per_layer * config.num_hidden_layers + 1)
 
 
 def max_error(actual, expected) -> float:

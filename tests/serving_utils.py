@@ -95,10 +95,13 @@ def full_forward_greedy(model, params, prompt, steps):
     return ids[len(prompt):], logprobs
 
 
-def make_batcher(config=None, mesh=None, stop_token_ids=(), **engine_config):
+def make_batcher(config=None, mesh=None, stop_token_ids=(), params=None, **engine_config):
+    """(a started Batcher, the module, its parameters): `params`, or random ones."""
     config = config or tiny_config()
     fns, model = FAMILY.bind(config), LLaMAForCausalLM(config)
-    if mesh is None:
+    if params is not None:
+        pass
+    elif mesh is None:
         params = jax.jit(model.init_params)(jax.random.PRNGKey(0))
     else:
         params = init_sharded(model.init_params, fns.partition_rules, mesh, jax.random.PRNGKey(0))

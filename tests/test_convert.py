@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from numerics import assert_close, forward_rel
+from llama_variants import VARIANTS as LLAMA_VARIANTS, hf_variant, variant_config
+from numerics import assert_close, assert_differs, forward_rel
 from safetensors.numpy import load_file
 from transformers import LlamaForCausalLM as HFLlama
 
@@ -77,6 +78,49 @@ def test_cli_round_trips_are_exact(tmp_path, dtype):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
 
 
+@pytest.mark.parametrize("variant", sorted(LLAMA_VARIANTS))
+def test_variant_directories_convert_both_ways_exactly(tmp_path, variant):
+    # A directory as transformers writes it for Qwen2, Qwen3, Mistral, LLaMA with biases:
+    # read (config.json and tensors), our logits are HF's; written back, the tensors and
+    # config.json are the original's and transformers loads it as the same model.
+    config = variant_config(variant)
+    hf = hf_variant(config)
+    hf.save_pretrained(tmp_path / "hf")
+    read, params = load_hf_params(str(tmp_path / "hf"))
+    assert read == config
+    ids = np.random.RandomState(0).randint(0, config.vocab_size, (2, 32))
+    with torch.no_grad():
+        expected = hf(torch.tensor(ids)).logits.numpy()
+    ours = LLaMAForCausalLM(read).apply({"params": params}, jnp.asarray(ids))
+    rel = forward_rel(config, 32)
+    assert_close(ours, expected, rel)
+    export(params, read, str(tmp_path / "back"))
+    original, exported = (load_file(tmp_path / d / "model.safetensors") for d in ("hf", "back"))
+    assert set(original) == set(exported)
+    for name, tensor in original.items():
+        np.testing.assert_array_equal(exported[name].view(np.uint8), tensor.view(np.uint8))
+    written = [json.loads((tmp_path / d / "config.json").read_text()) for d in ("hf", "back")]
+    assert written[0] == written[1]
+    # verify(): transformers' AutoModelForCausalLM on the export, (2, 32) ids as above.
+    scale = float(np.abs(expected).max())
+    assert verify(params, read, str(tmp_path / "back")) <= rel * scale
+    # Negative twin: the same tensors read as plain LLaMA (config.json's model_type lost).
+    plain = config.replace(model_type="llama", attention_bias=False, mlp_bias=False,
+                           sliding_window=0)
+    wrong = LLaMAForCausalLM(plain).apply({"params": _without_variant_params(params)},
+                                          jnp.asarray(ids))
+    assert_differs(wrong, expected, rel)
+
+
+def _without_variant_params(params):
+    from flax import traverse_util
+
+    flat = traverse_util.flatten_dict(params, sep="/")
+    return traverse_util.unflatten_dict(
+        {k: v for k, v in flat.items() if not k.endswith(("/bias", "q_norm/weight", "k_norm/weight"))},
+        sep="/")
+
+
 def jax_leaves(tree):
     import jax
 
@@ -121,7 +165,7 @@ def _write_bad(tmp_path, case):
         config = json.loads((directory / "config.json").read_text())
         config.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
         (directory / "config.json").write_text(json.dumps(config))
-        return directory, "model_type 'gpt2' / architectures ['GPT2LMHeadModel'] is not a LLaMA causal LM"
+        return directory, "model_type 'gpt2' / architectures ['GPT2LMHeadModel'] is not a LLaMA-like causal LM"
     tensors = load_file(directory / "model.safetensors")
     from safetensors.numpy import save_file
 
@@ -211,13 +255,38 @@ DAMAGED = {
                          "config.json: expected a JSON object of config fields, got a list"),
     "vocab_size_is_text": (".", _config(vocab_size="abc"),
                            "config.json: vocab_size must be an integer, got 'abc'"),
-    "attention_bias": (".", _config(attention_bias=True), "config.json: attention_bias=True "
-                       "is not supported by this LLaMA implementation"),
-    "mlp_bias": (".", _config(mlp_bias=True), "config.json: mlp_bias=True is not supported "
-                 "by this LLaMA implementation"),
-    "mistral_with_a_sliding_window": (
-        ".", _config(model_type="mistral", sliding_window=16, architectures=["MistralForCausalLM"]),
-        "model_type 'mistral' / architectures ['MistralForCausalLM'] is not a LLaMA causal LM"),
+    # config.json says biases, the tensors have none.
+    "attention_bias_without_its_tensors": (
+        ".", _config(attention_bias=True), "is missing 8 tensor(s): "
+        "model.layers.0.self_attn.k_proj.bias, model.layers.0.self_attn.o_proj.bias"),
+    "mlp_bias_is_text": (".", _config(mlp_bias="yes"), "config.json: mlp_bias must be true or "
+                         "false, got 'yes'"),
+    "not_a_llama_variant": (
+        ".", _config(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"]),
+        "model_type 'qwen2_moe' / architectures ['Qwen2MoeForCausalLM'] is not a LLaMA-like "
+        "causal LM (expected model_type and architecture: llama (LlamaForCausalLM), qwen2 "
+        "(Qwen2ForCausalLM), qwen3 (Qwen3ForCausalLM), mistral (MistralForCausalLM))"),
+    "mistral_architecture_under_llama": (
+        ".", _config(architectures=["MistralForCausalLM"]),
+        "model_type 'llama' / architectures ['MistralForCausalLM'] is not a LLaMA-like"),
+    # Qwen2/3: layers from max_window_layers on slide; some sliding and some not is refused.
+    "qwen2_window_on_some_layers": (
+        ".", _config(model_type="qwen2", architectures=["Qwen2ForCausalLM"],
+                     use_sliding_window=True, sliding_window=16, max_window_layers=1),
+        "config.json: use_sliding_window=true with max_window_layers=1 slides 1 of 2 layers: "
+        "a window on some layers only is not supported"),
+    "qwen3_layer_types_mixed": (
+        ".", _config(model_type="qwen3", architectures=["Qwen3ForCausalLM"],
+                     use_sliding_window=True, sliding_window=16,
+                     layer_types=["sliding_attention", "full_attention"]),
+        "config.json: use_sliding_window=true with layer_types slides 1 of 2 layers"),
+    "sliding_window_is_text": (".", _config(model_type="mistral", sliding_window="16",
+                                            architectures=["MistralForCausalLM"]),
+                               "config.json: sliding_window must be an integer, got '16'"),
+    "gelu": (".", _config(hidden_act="gelu"), "config.json: hidden_act 'gelu' is not supported"),
+    "yarn_rope": (".", _config(rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                             "original_max_position_embeddings": 32768}),
+                  "config.json: rope type 'yarn' is not supported (supported: default, llama3)"),
     "partial_rotary": (".", _config(partial_rotary_factor=0.5), "config.json: "
                        "partial_rotary_factor=0.5 (rotary embeddings on part of each head) is "
                        "not supported by this LLaMA implementation"),

@@ -4,10 +4,10 @@ import jax
 import pytest
 import torch
 from ml_collections import ConfigDict
-from transformers import LlamaForCausalLM as HFLlama
+from transformers import AutoModelForCausalLM
 
 from easylm.errors import UserError
-from easylm.llama.config import LLAMA_PRESETS, LLaMAConfig
+from easylm.llama.config import ARCHITECTURES, LLAMA_PRESETS, LLaMAConfig
 from easylm.llama.family import FAMILY
 from easylm.llama.model import LLaMAForCausalLM
 
@@ -15,10 +15,12 @@ from easylm.llama.model import LLaMAForCausalLM
 @pytest.mark.parametrize("name", sorted(LLAMA_PRESETS))
 def test_parameter_count_matches_hf(name):
     config = LLaMAConfig.from_preset(name)
-    shapes = jax.eval_shape(LLaMAForCausalLM(config).init_params, jax.random.PRNGKey(0))
+    # Scanned: the same parameters stacked, traced as one layer (seconds faster at 80 layers).
+    shapes = jax.eval_shape(LLaMAForCausalLM(config.replace(scan_layers=True)).init_params,
+                            jax.random.PRNGKey(0))
     ours = sum(x.size for x in jax.tree_util.tree_leaves(shapes))
     with torch.device("meta"):  # shapes only, nothing allocated
-        hf = HFLlama(config.to_hf_config())
+        hf = AutoModelForCausalLM.from_config(config.to_hf_config())  # the variant's class
     theirs = sum(p.numel() for p in hf.parameters())
     assert ours == theirs == config.num_parameters()
 
@@ -31,15 +33,53 @@ def test_published_shapes():
     assert round(billions["llama3_8b"], 2) == 8.03
     assert round(billions["llama3.2_1b"], 2) == 1.24
     assert round(billions["llama3.2_3b"], 2) == 3.21
+    # The LLaMA variants against their model cards' totals and non-embedding counts (Qwen
+    # publish both; Mistral 7B: 7.24B), within the cards' last digit (they truncate:
+    # Qwen2.5-7B's 7,615,616,512 is "7.61B").
+    published = {"qwen2.5_0.5b": (0.49, 0.36), "qwen2.5_1.5b": (1.54, 1.31),
+                 "qwen2.5_7b": (7.61, 6.53), "qwen3_0.6b": (0.6, 0.44), "qwen3_1.7b": (1.7, 1.4),
+                 "qwen3_4b": (4.0, 3.6), "qwen3_8b": (8.2, 6.95), "mistral_7b": (7.24, None)}
+    for name, (total, body) in published.items():
+        config = LLaMAConfig.from_preset(name)
+        embeddings = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
+        for ours, card in ((billions[name], total), ((config.num_parameters() - embeddings) / 1e9, body)):
+            digits = len(str(card).split(".")[1]) if card is not None else 0
+            assert card is None or abs(ours - card) < 10 ** -digits, (name, ours, card)
     # The benchmark shape: 1.18 B matmul parameters.
     assert round(LLaMAConfig.from_preset("llama_1b").num_matmul_parameters() / 1e9, 2) == 1.18
 
 
-@pytest.mark.parametrize("name", ["debug", "llama2_70b", "llama3.2_1b"])
+@pytest.mark.parametrize("name", ["debug", "llama2_70b", "llama3.2_1b", "qwen2.5_0.5b",
+                                  "qwen3_8b", "mistral_7b"])
 def test_hf_config_round_trip(name):
     config = LLaMAConfig.from_preset(name)
     assert LLaMAConfig.from_hf_config(config.to_hf_config()) == config
     assert LLaMAConfig.from_hf_config(config.to_hf_config().to_dict()) == config
+
+
+@pytest.mark.parametrize("changes", [dict(attention_bias=True, mlp_bias=True),
+                                     dict(model_type="qwen2", sliding_window=32),
+                                     dict(model_type="qwen3", attention_bias=True, sliding_window=8)])
+def test_switches_round_trip(changes):
+    config = LLaMAConfig.from_preset("debug", **changes)
+    hf = config.to_hf_config()
+    assert hf.architectures == [ARCHITECTURES[config.model_type][0]]
+    assert LLaMAConfig.from_hf_config(hf.to_dict()) == config
+
+
+def test_qwen_config_json_as_transformers_4_wrote_it():
+    # Qwen2.5-0.5B's config.json (transformers 4.43): rope_theta at the top level, a
+    # sliding window that use_sliding_window switches off.
+    legacy = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=151936,
+                  hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                  num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                  max_window_layers=21, rope_theta=1000000.0, rms_norm_eps=1e-06,
+                  sliding_window=32768, use_sliding_window=False, tie_word_embeddings=True,
+                  bos_token_id=151643, eos_token_id=151643, hidden_act="silu")
+    assert LLaMAConfig.from_hf_config(legacy) == LLaMAConfig.from_preset("qwen2.5_0.5b")
+    # The same with every layer sliding (max_window_layers 0) has the window.
+    sliding = LLaMAConfig.from_hf_config({**legacy, "use_sliding_window": True, "max_window_layers": 0})
+    assert sliding.sliding_window == 32768
 
 
 def test_legacy_hf_config_dict():
@@ -77,6 +117,12 @@ def test_unknown_preset_is_one_clear_error():
         (dict(remat_policy="full"), "llama.remat_policy='full' is not one of none"),
         (dict(hidden_size=0), "llama.hidden_size must be >= 1, got 0"),
         (dict(hidden_sise=8), "unknown llama config field"),
+        (dict(model_type="gemma"), "llama.model_type='gemma' is not one of llama, qwen2, qwen3, mistral"),
+        (dict(sliding_window=16), "llama.sliding_window=16 is not part of model_type 'llama' "
+                                  r"\(transformers' LlamaForCausalLM has no such switch\); it is "
+                                  "part of qwen2, qwen3, mistral"),
+        (dict(model_type="qwen3", mlp_bias=True), "llama.mlp_bias=True is not part of model_type 'qwen3'"),
+        (dict(model_type="mistral", sliding_window=-1), "llama.sliding_window must be >= 0"),
     ],
 )
 def test_bad_fields(overrides, message):
@@ -85,7 +131,8 @@ def test_bad_fields(overrides, message):
 
 
 def test_non_llama_hf_config_rejected():
-    with pytest.raises(UserError, match="model_type 'mistral' is not a LLaMA model"):
-        LLaMAConfig.from_hf_config(dict(model_type="mistral", vocab_size=8, hidden_size=8,
+    with pytest.raises(UserError, match="model_type 'gemma' is not a LLaMA variant "
+                                        r"\(supported: llama, qwen2, qwen3, mistral\)"):
+        LLaMAConfig.from_hf_config(dict(model_type="gemma", vocab_size=8, hidden_size=8,
                                         intermediate_size=8, num_hidden_layers=1,
                                         num_attention_heads=1))

@@ -1,18 +1,22 @@
 import itertools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import traverse_util
+from llama_variants import VARIANTS, hf_variant, variant_config
 from numerics import EPS_BF16, assert_close, assert_differs, forward_rel, fp32_rel
 from transformers import LlamaForCausalLM as HFLlama
+from transformers.masking_utils import sliding_window_causal_mask_function
 
 from easylm.llama.config import REMAT_POLICIES, LLaMAConfig
 from easylm.llama.hf import from_hf, to_hf
 from easylm.llama.model import LLaMAForCausalLM, stack_layers, unstack_layers
-from easylm.models.attention import segment_mask, xla_attention
+from easylm.models.attention import causal_mask, segment_mask, xla_attention
 
 # Larger-than-default init so attention is peaked and a wrong rotary angle or
 # mask shows up far above the tolerance.
@@ -186,3 +190,95 @@ def test_bf16_compute_with_fp32_params_runs_close():
     rel = math.sqrt(6 * config.num_hidden_layers + 1) * EPS_BF16
     assert_close(np.asarray(half, np.float32), full, rel)
     assert_differs(np.asarray(half, np.float32), full, forward_rel(config, 16))  # really bf16
+
+
+# ------------------------------------------------------------------ LLaMA variants
+# Qwen2, Qwen3, Mistral and LLaMA's own biases, each against its transformers class.
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def variant(request):
+    """(name, config, our parameters from the HF model's tensors, ids, HF's logits)."""
+    config = variant_config(request.param)
+    hf = hf_variant(config)
+    ids = np.random.RandomState(0).randint(0, config.vocab_size, (2, 48))
+    with torch.no_grad():
+        expected = hf(torch.tensor(ids)).logits.numpy()
+    return request.param, config, from_hf(hf.state_dict(), config), ids, expected
+
+
+@pytest.mark.parametrize("changes", [dict(attention="xla"), dict(attention="dot_product"),
+                                     dict(fused_qkv=True, fused_mlp=True, scan_layers=True)])
+def test_variant_logits_match_hf(variant, changes):
+    _, config, params, ids, expected = variant
+    implementation = config.replace(**changes)
+    if implementation.scan_layers:
+        params = stack_layers(params, config.num_hidden_layers)
+    logits = LLaMAForCausalLM(implementation).apply({"params": params}, jnp.asarray(ids))
+    assert np.abs(expected).max() > 1.0  # a real signal, not near-zero logits
+    assert_close(logits, expected, forward_rel(config, ids.shape[1]))  # reordered sums only
+
+
+# A model that forgets a variant's switch: its config changes, and the parameters it no
+# longer has. Each must fail the parity test above.
+FORGOTTEN = {
+    "llama_bias": [(dict(attention_bias=False), r"self_attn/.*/bias$"),
+                   (dict(mlp_bias=False), r"mlp/.*/bias$")],
+    "qwen2": [(dict(model_type="llama"), r"/bias$")],
+    "qwen3": [(dict(model_type="llama"), r"/(q_norm|k_norm)/")],
+    # No window, and a window one position too long (transformers' boundary, not ours).
+    "mistral": [(dict(sliding_window=0), None), (dict(sliding_window=13), None)],
+}
+
+
+def test_variant_parity_detects_a_forgotten_switch(variant):
+    name, config, params, ids, expected = variant
+    flat = traverse_util.flatten_dict(params, sep="/")
+    for changes, dropped in FORGOTTEN[name]:
+        kept = {path: x for path, x in flat.items() if dropped is None or not re.search(dropped, path)}
+        assert dropped is None or len(kept) < len(flat)
+        wrong = LLaMAForCausalLM(config.replace(**changes)).apply(
+            {"params": traverse_util.unflatten_dict(kept, sep="/")}, jnp.asarray(ids))
+        assert_differs(wrong, expected, forward_rel(config, ids.shape[1]))
+
+
+def test_fused_and_scanned_variants_give_the_same_gradients():
+    # Biases and q/k norms inside the fused projections and the scanned layer: the same
+    # loss and gradients (incl. the biases' and norms') as the plain model. (Forward
+    # parity of every variant so is in test_variant_logits_match_hf.)
+    config = variant_config("qwen3", attention="xla", attention_bias=True)
+    params = hf_params_of(config)
+    ids = jnp.asarray(np.random.RandomState(1).randint(0, config.vocab_size, (2, 32)))
+    reference = (config, params, ids, None, loss_and_grads(config, params, ids))
+    assert_same_numbers(reference, config.replace(fused_qkv=True, fused_mlp=True, scan_layers=True))
+
+
+def hf_params_of(config):
+    return from_hf(hf_variant(config).state_dict(), config)
+
+
+def test_sliding_window_is_transformers_and_keeps_documents_apart():
+    # The boundary: our mask is transformers' own mask function, position by position.
+    window, T = 3, 7
+    theirs = sliding_window_causal_mask_function(window)
+    expected = np.array([[bool(theirs(0, 0, torch.tensor(q), torch.tensor(kv))) for kv in range(T)]
+                         for q in range(T)])
+    np.testing.assert_array_equal(causal_mask(T, T, window), expected)
+    # Packed documents: the second one alone equals its part of the packed row, the window
+    # biting inside it (22 positions, window 8), on every implementation.
+    config = variant_config("mistral", sliding_window=8, attention="xla")
+    params = hf_params_of(config)
+    ids = jnp.asarray(np.random.RandomState(1).randint(0, config.vocab_size, (2, 32)))
+    segment_ids = jnp.asarray(np.repeat([[0] * 10 + [1] * 22], 2, axis=0))
+    rel = forward_rel(config, 32)
+    model = LLaMAForCausalLM(config)
+    packed = model.apply({"params": params}, ids, segment_ids=segment_ids)
+    alone = model.apply({"params": params}, ids[:, 10:],
+                        positions=jnp.broadcast_to(jnp.arange(10, 32), (2, 22)))
+    assert_close(packed[:, 10:], alone, rel)
+    no_window = LLaMAForCausalLM(config.replace(sliding_window=0))
+    assert_differs(no_window.apply({"params": params}, ids, segment_ids=segment_ids)[:, 10:],
+                   alone, rel)
+    # dot_product: the mask given, as auto picks it off-GPU and wherever there is a mask.
+    other = LLaMAForCausalLM(config.replace(attention="dot_product"))
+    assert_close(other.apply({"params": params}, ids, segment_ids=segment_ids), packed, rel)

@@ -29,6 +29,7 @@ from easylm.runtime.sharding import (
 from easylm.variants.lora import (
     NF4_BLOCK,
     LoraConfig,
+    flat,
     partition_rules,
     quantize_kernel,
     read_peft,
@@ -436,3 +437,34 @@ def test_targets_and_scaling():
     # A defaults round trip through the flag tree.
     assert LoraConfig.from_flags(LoraConfig.get_default_config()) == LoraConfig()
     assert math.isclose(LoraConfig(rank=8).scaling, 2.0)
+
+
+def test_a_variant_adapts_kernels_with_biases_and_norms_frozen(tmp_path):
+    # Qwen3 with attention_bias: its biases and q/k norms (random, from the HF model) stay
+    # in the frozen base; adapters sit on the seven projections' kernels. Step 0 is the
+    # base model; the PEFT export loads onto transformers' Qwen3 with our logits.
+    from llama_variants import hf_variant, variant_config
+    from peft import PeftModel
+
+    config = variant_config("qwen3", attention_bias=True, scan_layers=True)
+    hf = hf_variant(config)
+    lm = lora_model(config, LoraConfig(rank=4, alpha=8.0, base_dtype="fp32"))
+    base = lm.store_base(from_hf(hf.state_dict(), config))
+    assert sorted({path.split("/")[-2] for path in lm.targets}) == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    vectors = [path for path in flat(base) if path.endswith(("/bias", "q_norm/weight"))]
+    assert vectors and not any(path.endswith("/bias") for path in flat(lm.adapter_shapes))
+    # Step 0 is the base model: to the fp32 tolerance, not bitwise as without biases (XLA
+    # fuses o_proj's bias add with the adapter's zero term in another order; measured
+    # 8e-7 of the logits' scale).
+    from numerics import assert_close, forward_rel
+
+    assert_close(logits_fn(lm)(base, fresh_adapters(lm)), base_logits(config, lm, base),
+                 forward_rel(config, IDS.shape[1]))
+    adapters = random_adapters(lm)
+    ours = np.asarray(logits_fn(lm)(base, adapters))
+    save_peft(str(tmp_path), lm, adapters, config)
+    model = PeftModel.from_pretrained(hf, str(tmp_path)).eval()
+    np.testing.assert_allclose(ours, peft_logits(model), atol=PEFT_ATOL, rtol=0)
+    with model.disable_adapter():  # negative twin: the adapters are what agrees
+        assert np.abs(peft_logits(model) - ours).max() > 100 * PEFT_ATOL

@@ -133,6 +133,20 @@ def test_parameters_and_moments_are_exact():
     assert 0 < both.optimizer - parameters <= 16
 
 
+def test_variant_parameters_are_counted_and_a_window_plans():
+    # Qwen3 with attention_bias: per layer q/k/v biases (split over mp, whole at mp=1),
+    # o's bias split over fsdp like o's output, the q/k norms (H=64 each) replicated.
+    base = plan.estimate(parse(*B, "--mesh_dim=1,8,1"), FAMILY, num_devices=8)
+    qwen3 = plan.estimate(parse(*B, "--mesh_dim=1,8,1", "--llama.model_type=qwen3",
+                                "--llama.attention_bias=True"), FAMILY, num_devices=8)
+    assert qwen3.parameters - base.parameters == 4 * 4 * (3 * 256 + 256 // 8 + 2 * 64)
+    # A sliding window: the same kernels compute every score and mask the old ones, so the
+    # same memory (a rolling cache or a windowed kernel would change that, not this).
+    window = plan.estimate(parse(*B, "--mesh_dim=1,8,1", "--llama.model_type=mistral",
+                                 "--llama.sliding_window=16"), FAMILY, num_devices=8)
+    assert window.total == base.total
+
+
 def test_a_live_reference_counts_as_parameters_and_a_pair_as_two_rows():
     text, live, stored = (plan.estimate(parse(*B, "--mesh_dim=1,8,1", *argv), FAMILY,
                                         num_devices=8)

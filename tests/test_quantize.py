@@ -162,3 +162,28 @@ def test_serve_quantizes_a_hf_directory_at_load(hf_dir):
 def test_an_unknown_quantization_is_one_clear_error(hf_dir):
     with pytest.raises(UserError, match=r"--quantize='int4': expected one of none, int8"):
         serving_cli.load_engine(FAMILY, serve_config(hf_dir, "--quantize=int4"))
+
+
+def test_int8_of_a_variant_quantizes_the_projections_and_keeps_biases_and_norms():
+    # Qwen3 with attention_bias: its biases and q/k norms (random, from the HF model) stay
+    # in the compute dtype; the projections and the head are int8 as in LLaMA, and the
+    # model is the float model on the dequantized kernels.
+    from llama_variants import hf_variant, variant_config
+
+    from easylm.llama.hf import from_hf
+
+    config = variant_config("qwen3", attention_bias=True)
+    module = LLaMAForCausalLM(config)
+    params = from_hf(hf_variant(config).state_dict(), config)
+    int8 = Int8Model(module)
+    quantized = flat(int8.quantize(params))
+    assert len(int8.targets) == 2 * 7 + 1
+    vectors = [path for path in quantized if path.endswith(("/bias", "norm/weight"))]
+    assert len(vectors) == 2 * (4 + 2 + 2) + 1  # per layer 4 biases, 2 q/k norms, 2 norms
+    for path in vectors:
+        np.testing.assert_array_equal(quantized[path], flat(params)[path])
+    ids = IDS[:2, :32]
+    dequantized = nested({path: dequantize(leaf) for path, leaf in quantized.items()})
+    got = int8.apply(nested(quantized), ids)
+    assert relative(got, module.apply({"params": dequantized}, ids)) < 1e-5  # as for LLaMA
+    assert relative(got, module.apply({"params": params}, ids)) > 1e-3  # it is quantized

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from jax.sharding import PartitionSpec as P
+from llama_variants import VARIANTS, hf_variant, variant_config
 from numerics import assert_close, assert_differs, forward_rel
 from serving_utils import (  # noqa: F401 (a fixture)
     GREEDY,
@@ -25,14 +26,21 @@ from easylm.serving import engine as engine_lib
 from easylm.serving.batcher import SamplingParams
 
 
-@pytest.mark.parametrize("scan_layers", [False, True])
-def test_cache_logits_match_full_forward(scan_layers):
-    # Prefill 5 tokens, then decode one at a time; rows at different positions.
-    config = tiny_config(scan_layers=scan_layers, num_attention_heads=8, head_dim=8)
+@pytest.mark.parametrize("scan_layers, variant", [(False, None), (True, None)]
+                         + [(False, name) for name in sorted(VARIANTS)])
+def test_cache_logits_match_full_forward(scan_layers, variant):
+    # Prefill 5 tokens, then decode one at a time; rows at different positions. The
+    # variants' biases and q/k norms are random (from their HF model), Mistral's window
+    # (12) is passed at position 12.
     from easylm.llama.model import LLaMAForCausalLM
 
+    if variant is None:
+        config = tiny_config(scan_layers=scan_layers, num_attention_heads=8, head_dim=8)
+        params = jax.jit(LLaMAForCausalLM(config).init_params)(jax.random.PRNGKey(0))
+    else:
+        config = variant_config(variant)
+        params = from_hf(hf_variant(config).state_dict(), config)
     model = LLaMAForCausalLM(config)
-    params = jax.jit(model.init_params)(jax.random.PRNGKey(0))
     ids = jnp.asarray(np.random.RandomState(1).randint(0, config.vocab_size, (2, 20)))
     full = jax.jit(model.apply)({"params": params}, ids)
     apply = jax.jit(lambda params, ids, positions, cache: model.apply(
@@ -47,6 +55,9 @@ def test_cache_logits_match_full_forward(scan_layers):
     incremental = jnp.concatenate(pieces, 1)
     assert_close(incremental, full, forward_rel(config, 32))
     assert_differs(incremental[:, 1:], full[:, :-1], forward_rel(config, 32))  # one position off
+    if config.sliding_window:  # the window bites: without it these logits are others
+        windowless = LLaMAForCausalLM(config.replace(sliding_window=0))
+        assert_differs(windowless.apply({"params": params}, ids), full, forward_rel(config, 32))
 
 
 def test_engine_greedy_and_logprobs_match_full_forward(served, tokenizer, logprob_atol):
@@ -110,19 +121,28 @@ def test_unrolled_decode_is_the_same_program_without_a_loop(served, tokenizer, l
         unrolled.stop()
 
 
-def test_greedy_matches_hf_generate(tokenizer):
-    config = tiny_config(tie_word_embeddings=True)
-    torch.manual_seed(0)
-    hf = HFLlama(config.to_hf_config()).eval()
+# The variants whose cache holds something new: Qwen3's keys normalised before they are
+# cached, Mistral's window over the cache. (Biases: test_cache_logits_match_full_forward.)
+@pytest.mark.parametrize("variant", [None, "qwen3", "mistral"])
+def test_greedy_matches_hf_generate(tokenizer, variant):
+    # The variants on two prompts (fewer programs to compile), the longest (24 tokens) and a
+    # short one, then 20 new tokens: Mistral's window (12) slides throughout.
+    prompts = PROMPTS
+    if variant is None:
+        config = tiny_config(tie_word_embeddings=True)
+        torch.manual_seed(0)
+        hf = HFLlama(config.to_hf_config()).eval()
+    else:
+        config, prompts = variant_config(variant), [PROMPTS[2], PROMPTS[0]]
+        hf = hf_variant(config)
     hf.generation_config.eos_token_id = None  # compare fixed-length outputs
     hf.generation_config.pad_token_id = 0
-    batcher, _, _ = make_batcher(config)
-    batcher.engine.params = from_hf(hf.state_dict(), config)
+    batcher, _, _ = make_batcher(config, params=from_hf(hf.state_dict(), config))
     try:
-        gens = batcher.generate(PROMPTS, SamplingParams(max_tokens=20, temperature=0.0), tokenizer)
+        gens = batcher.generate(prompts, SamplingParams(max_tokens=20, temperature=0.0), tokenizer)
     finally:
         batcher.stop()
-    for prompt, g in zip(PROMPTS, gens):
+    for prompt, g in zip(prompts, gens):
         with torch.no_grad():
             out = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)
         assert [t.id for t in g.tokens] == out[0, len(prompt):].tolist()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from flax import traverse_util
-from numerics import forward_rel
+from numerics import assert_close, assert_differs, forward_rel
 from transformers import LlamaForCausalLM as HFLlama
 
 from easylm import flags
@@ -40,14 +40,26 @@ def hf_config_of(model) -> LLaMAConfig:
     return LLaMAConfig.from_hf_config(model.config)
 
 
-def parse(tmp_path, *argv):
-    return flags.parse(train.default_config(), train.help_entries(), [
-        "train", "--total_steps=1", "--log_freq=1", "--train_dataset.json_dataset.seq_length=32",
-        "--train_dataset.json_dataset.batch_size=4", f"--logger.output_dir={tmp_path / 'runs'}",
-        "--compilation_cache_dir=", "--dtype=fp32", "--mesh_dim=1,1,-1",
-        # lr 0: the run's only update leaves the parameters as loaded.
-        "--optimizer.adamw_optimizer.init_lr=0", "--optimizer.adamw_optimizer.lr=0",
-        "--optimizer.adamw_optimizer.end_lr=0", *argv])
+def parse(tmp_path, *argv, steps=1, lr=0.0):
+    return flags.parse(train.default_config(), train.help_entries(), run_argv(tmp_path, steps, lr)
+                       + list(argv))
+
+
+def run_argv(tmp_path, steps=1, lr=0.0) -> list[str]:
+    """A short fp32 run's flags; lr 0 (the default): the updates leave the parameters as
+    loaded."""
+    return ["train", f"--total_steps={steps}", "--log_freq=1",
+            "--train_dataset.json_dataset.seq_length=32",
+            "--train_dataset.json_dataset.batch_size=4", f"--logger.output_dir={tmp_path / 'runs'}",
+            "--compilation_cache_dir=", "--dtype=fp32", "--mesh_dim=1,1,-1",
+            f"--optimizer.adamw_optimizer.init_lr={lr}", f"--optimizer.adamw_optimizer.lr={lr}",
+            f"--optimizer.adamw_optimizer.end_lr={lr}"]
+
+
+def metrics(final) -> list[dict]:
+    """The run's logged metrics, one dict a logged step."""
+    with open(os.path.join(os.path.dirname(os.path.dirname(final)), "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
 
 
 @pytest.mark.parametrize("mesh_dim,scan", [("1,1,-1", False), ("2,2,2", True)])
@@ -66,8 +78,7 @@ def test_first_loss_is_hf_loss_and_params_load_unchanged(tmp_path, mesh_dim, sca
         logits.flatten(0, 1), torch.tensor(batch["target_tokens"]).long().flatten(), reduction="none")
     mask = torch.tensor(batch["loss_masks"]).flatten()
     expected = float((nll * mask).sum() / mask.sum())
-    (line,) = [json.loads(x) for x in open(os.path.join(os.path.dirname(os.path.dirname(final)),
-                                                          "metrics.jsonl"))]
+    (line,) = metrics(final)
     assert line["step"] == 1
     # A mean of token losses, each off by at most twice the largest logit error.
     atol = 2 * forward_rel(hf_config_of(hf), 32) * float(logits.abs().max())
@@ -104,3 +115,44 @@ def test_bad_hf_directory_or_flags_are_one_line(tmp_path):
     with pytest.raises(UserError, match=r"unknown prefix 'hug'; expected one of params, "
                                         r"trainstate, trainstate_params, hf$"):
         trainer.train(parse(tmp_path, f"--load_checkpoint=hug::{tmp_path / 'hf'}"), FAMILY)
+
+
+def test_a_qwen3_directory_fine_tunes_and_exports_back(tmp_path, capsys):
+    # The README's recipe on a tiny Qwen3 (q/k norms, head_dim 32 != D/heads): the command
+    # reads config.json as Qwen3, a few steps lower the loss, and the checkpoint exports
+    # to a directory transformers loads as Qwen3ForCausalLM with our logits.
+    from llama_variants import hf_variant, variant_config
+    from transformers import AutoModelForCausalLM
+
+    from easylm.data.tokenizer import load_tokenizer
+    from easylm.llama import convert_easylm_to_hf
+    from easylm.llama.model import LLaMAForCausalLM
+
+    config = variant_config("qwen3")
+    hf_variant(config).save_pretrained(tmp_path / "hf")
+    load_tokenizer("embedded").save_pretrained(tmp_path / "hf")
+    train.main(run_argv(tmp_path, steps=6, lr=3e-3) + [
+        f"--load_checkpoint=hf::{tmp_path / 'hf'}", f"--tokenizer={tmp_path / 'hf'}"])
+    final = capsys.readouterr().out.split("checkpoint: ")[1].split()[0]
+    losses = [line["loss"] for line in metrics(final)]
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.1, losses
+    assert checkpoint.read_metadata(final)["llama_config"]["model_type"] == "qwen3"
+
+    convert_easylm_to_hf.main(["convert", f"--load_checkpoint=params::{final}",
+                               f"--output_dir={tmp_path / 'back'}", f"--tokenizer={tmp_path / 'hf'}"])
+    assert "verify: max |logit difference| vs transformers" in capsys.readouterr().out
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32).eval()
+    assert type(hf).__name__ == "Qwen3ForCausalLM"
+    trained = FAMILY.build(parse(tmp_path, f"--load_checkpoint=params::{final}"),
+                           from_checkpoint=True)
+    params = checkpoint.load_params(f"params::{final}", jax.eval_shape(
+        trained.init_params, jax.random.key(0)))
+    ids = np.random.RandomState(0).randint(0, config.vocab_size, (2, 32))
+    with torch.no_grad():
+        theirs = hf(torch.tensor(ids)).logits.numpy()
+    ours = LLaMAForCausalLM(config).apply({"params": params}, ids)
+    assert_close(ours, theirs, forward_rel(config, 32))
+    # Negative twin: the original model's logits are others (training moved them).
+    with torch.no_grad():
+        assert_differs(hf_variant(config)(torch.tensor(ids)).logits.numpy(), theirs,
+                       forward_rel(config, 32))

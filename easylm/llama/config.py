@@ -20,6 +20,17 @@ from easylm.models.family import preset_config
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "dot_product", "cudnn")
 REMAT_POLICIES = remat.NAMES
 ROPE_SCALING_TYPES = ("none", "llama3")
+# The LLaMA variants, by HF model_type: (their transformers class, the switches their
+# config.json can set). What a model_type fixes, every config of it has: Qwen2's bias on
+# q/k/v (`LLaMAConfig.qkv_bias`), Qwen3's RMS norm of each query and key head
+# (`LLaMAConfig.qk_norm`).
+ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", ("attention_bias", "mlp_bias")),
+    "qwen2": ("Qwen2ForCausalLM", ("sliding_window",)),
+    "qwen3": ("Qwen3ForCausalLM", ("attention_bias", "sliding_window")),
+    "mistral": ("MistralForCausalLM", ("sliding_window",)),
+}
+SWITCHES = ("attention_bias", "mlp_bias", "sliding_window")
 
 
 def _field(default, help_text: str):
@@ -42,6 +53,14 @@ class LLaMAConfig:
     head_dim: int | None = _field(None, "width of one head H (even); unset: hidden_size // "
                                         "num_attention_heads")
     tie_word_embeddings: bool = _field(False, "the output projection is the input embedding")
+    # Architecture: which LLaMA variant (HF's model_type) and its switches.
+    model_type: str = _field("llama", f"the variant, as HF's config.json names it: "
+                                      f"{', '.join(ARCHITECTURES)} (qwen2: bias on q/k/v; "
+                                      "qwen3: RMS norm of each query and key head)")
+    attention_bias: bool = _field(False, "bias on the q, k, v and o projections (llama, qwen3)")
+    mlp_bias: bool = _field(False, "bias on the gate, up and down projections (llama)")
+    sliding_window: int = _field(0, "each query attends to at most this many positions, "
+                                    "itself included (qwen2, qwen3, mistral); 0: all")
     # Numerics.
     max_position_embeddings: int = _field(2048, "longest sequence the model takes (rows, the "
                                                 "server's context)")
@@ -100,6 +119,18 @@ class LLaMAConfig:
         choice("attention", ATTENTION_IMPLEMENTATIONS)
         choice("remat_policy", REMAT_POLICIES)
         choice("rope_scaling_type", ROPE_SCALING_TYPES)
+        choice("model_type", tuple(ARCHITECTURES))
+        if self.sliding_window < 0:
+            raise UserError(f"llama.sliding_window must be >= 0 (0: no window), got "
+                            f"{self.sliding_window}")
+        allowed = ARCHITECTURES[self.model_type][1]
+        for switch in SWITCHES:
+            if getattr(self, switch) and switch not in allowed:
+                others = [name for name, (_, s) in ARCHITECTURES.items() if switch in s]
+                raise UserError(
+                    f"llama.{switch}={getattr(self, switch)!r} is not part of model_type "
+                    f"{self.model_type!r} (transformers' {ARCHITECTURES[self.model_type][0]} "
+                    f"has no such switch); it is part of {', '.join(others)}")
         for field in ("vocab_size", "hidden_size", "intermediate_size",
                       "num_hidden_layers", "num_attention_heads",
                       "num_key_value_heads", "head_dim"):
@@ -112,6 +143,18 @@ class LLaMAConfig:
             )
         if self.head_dim % 2:
             raise UserError(f"llama.head_dim must be even for rotary embeddings, got {self.head_dim}")
+
+    # --------------------------------------------------- what the variant fixes
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Bias on the q, k and v projections: Qwen2's always, and `attention_bias`'s."""
+        return self.attention_bias or self.model_type == "qwen2"
+
+    @property
+    def qk_norm(self) -> bool:
+        """RMS norm (weights of size H) of each query and key head before rotary: Qwen3's."""
+        return self.model_type == "qwen3"
 
     # ----------------------------------------------------------------- presets
 
@@ -132,30 +175,44 @@ class LLaMAConfig:
         d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q = self.num_attention_heads * self.head_dim
         kv = self.num_key_value_heads * self.head_dim
-        layer = d * (q + 2 * kv) + q * d + 3 * d * f + 2 * d
+        layer = d * (q + 2 * kv) + q * d + 3 * d * f + self._vectors_per_layer()
         head = 0 if self.tie_word_embeddings else v * d
         return v * d + self.num_hidden_layers * layer + d + head
 
+    def _vectors_per_layer(self) -> int:
+        """A layer's parameters outside its matmuls: norms and biases."""
+        d, f, h = self.hidden_size, self.intermediate_size, self.head_dim
+        q, kv = self.num_attention_heads * h, self.num_key_value_heads * h
+        return (2 * d + (q + 2 * kv if self.qkv_bias else 0) + (d if self.attention_bias else 0)
+                + (2 * f + d if self.mlp_bias else 0) + (2 * h if self.qk_norm else 0))
+
     def num_matmul_parameters(self) -> int:
-        """Parameters that take part in a matmul per token: all but the input embedding
-        and the norms (the output projection counts, tied or not). This is N in the
-        6*N FLOPs-per-token rule."""
+        """Parameters that take part in a matmul per token: all but the input embedding,
+        the norms and the biases (the output projection counts, tied or not). This is N in
+        the 6*N FLOPs-per-token rule."""
         d, v = self.hidden_size, self.vocab_size
-        norms = (2 * self.num_hidden_layers + 1) * d
+        vectors = self.num_hidden_layers * self._vectors_per_layer() + d
         head = v * d if self.tie_word_embeddings else 0
-        return self.num_parameters() - v * d - norms + head
+        return self.num_parameters() - v * d - vectors + head
 
     def flops_per_token(self, seq_length: int) -> float:
-        """Training FLOPs per token: 6*N + 12*L*d_attn*seq (PaLM appendix B; the second
-        term is the attention score and value matmuls, forward and backward)."""
+        """Training FLOPs per token: 6*N + 12*L*d_attn*keys (PaLM appendix B; the second
+        term is the attention score and value matmuls, forward and backward, over the
+        keys a query sees: seq, or the sliding window when shorter)."""
         attn_width = self.num_attention_heads * self.head_dim
-        return 6 * self.num_matmul_parameters() + 12 * self.num_hidden_layers * attn_width * seq_length
+        keys = min(seq_length, self.sliding_window or seq_length)
+        return 6 * self.num_matmul_parameters() + 12 * self.num_hidden_layers * attn_width * keys
 
     # ---------------------------------------------------- HF transformers
 
     def to_hf_config(self):
-        from transformers import LlamaConfig
+        """The transformers config of this variant (LlamaConfig, Qwen2Config, Qwen3Config or
+        MistralConfig) with `architectures` set: `save_pretrained` then writes a config.json
+        that AutoModelForCausalLM loads as this model."""
+        import transformers
 
+        architecture = ARCHITECTURES[self.model_type][0]
+        config_class = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
         rope = {"rope_type": "default", "rope_theta": float(self.rope_theta)}
         if self.rope_scaling_type == "llama3":
             rope.update(
@@ -167,14 +224,17 @@ class LLaMAConfig:
             )
         optional = {name: getattr(self, name) for name in ("pad_token_id", "unk_token_id")
                     if getattr(self, name) is not None}
-        return LlamaConfig(
+        # Qwen2Config has no head_dim field (Qwen2 reads one when config.json has it).
+        default_head_dim = self.hidden_size // self.num_attention_heads
+        if self.model_type != "qwen2" or self.head_dim != default_head_dim:
+            optional["head_dim"] = self.head_dim
+        config = config_class(
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
             num_hidden_layers=self.num_hidden_layers,
             num_attention_heads=self.num_attention_heads,
             num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.head_dim,
             max_position_embeddings=self.max_position_embeddings,
             rms_norm_eps=self.rms_norm_eps,
             rope_parameters=rope,
@@ -183,22 +243,38 @@ class LLaMAConfig:
             bos_token_id=self.bos_token_id,
             eos_token_id=self.eos_token_id,
             hidden_act="silu",
-            attention_bias=False,
-            mlp_bias=False,
+            **self._hf_switches(),
             **optional,
         )
+        config.architectures = [architecture]
+        return config
+
+    def _hf_switches(self) -> dict:
+        """The switches as this variant's config.json spells them."""
+        if self.model_type == "llama":
+            return dict(attention_bias=self.attention_bias, mlp_bias=self.mlp_bias)
+        if self.model_type == "mistral":
+            return dict(sliding_window=self.sliding_window or None)
+        # Qwen: the window on every layer (those from max_window_layers on slide), or none.
+        out = dict(use_sliding_window=False)
+        if self.sliding_window:
+            out = dict(use_sliding_window=True, sliding_window=self.sliding_window,
+                       max_window_layers=0)
+        if self.model_type == "qwen3":
+            out["attention_bias"] = self.attention_bias
+        return out
 
     @classmethod
     def from_hf_config(cls, hf_config, **overrides) -> "LLaMAConfig":
-        """From a `transformers.LlamaConfig` (or its dict); unsupported variants are errors."""
+        """From a transformers config of a LLaMA variant (or its dict); what this model
+        would compute differently is a UserError that names the field."""
         hf = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
-        if hf.get("model_type", "llama") != "llama":
-            raise UserError(f"model_type {hf.get('model_type')!r} is not a LLaMA model")
+        model_type = hf.get("model_type", "llama")
+        if model_type not in ARCHITECTURES:
+            raise UserError(f"model_type {model_type!r} is not a LLaMA variant (supported: "
+                            f"{', '.join(ARCHITECTURES)})")
         if hf.get("hidden_act", "silu") != "silu":
             raise UserError(f"hidden_act {hf['hidden_act']!r} is not supported (LLaMA uses silu)")
-        for bias in ("attention_bias", "mlp_bias"):
-            if hf.get(bias):
-                raise UserError(f"{bias}=True is not supported by this LLaMA implementation")
         # transformers >= 5 keeps rope_theta inside rope_parameters; older config.json
         # files have rope_theta and rope_scaling at the top level. Where both are, HF
         # reads rope_scaling, and so do we.
@@ -222,6 +298,8 @@ class LLaMAConfig:
             eos_token_id=_first_int(hf.get("eos_token_id"), 2),
             pad_token_id=_first_int(hf.get("pad_token_id"), None),
             unk_token_id=_first_int(hf.get("unk_token_id"), None),
+            model_type=model_type,
+            **_switches_from_hf(model_type, hf),
         )
         if rope_type == "llama3":
             fields.update(
@@ -234,6 +312,41 @@ class LLaMAConfig:
         elif rope_type != "default":
             raise UserError(f"rope type {rope_type!r} is not supported (supported: default, llama3)")
         return cls(**{**fields, **overrides})
+
+
+def _switches_from_hf(model_type: str, hf: dict) -> dict:
+    """The variant's switches from config.json, read as its transformers class reads them
+    (a field the class does not read, e.g. Qwen2's attention_bias, changes nothing)."""
+    switches = ARCHITECTURES[model_type][1]
+    out = {name: bool(hf.get(name) or False) for name in ("attention_bias", "mlp_bias")
+           if name in switches}
+    if "sliding_window" in switches:
+        out["sliding_window"] = _sliding_window(model_type, hf)
+    return out
+
+
+def _sliding_window(model_type: str, hf: dict) -> int:
+    """The window of every layer (0: none) as transformers 5 reads config.json: Mistral
+    slides every layer when `sliding_window` is set; Qwen2/3 only with `use_sliding_window`,
+    and then the layers `layer_types` says (derived, when absent, from max_window_layers:
+    layers from that index on slide). A window on some layers only is refused."""
+    window = hf.get("sliding_window")
+    if model_type == "mistral" or not window:
+        return int(window or 0)
+    if not hf.get("use_sliding_window"):
+        return 0
+    layers = hf["num_hidden_layers"]
+    first = hf.get("max_window_layers", 28)  # Qwen2Config's default
+    types = hf.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
+                                      for i in range(layers)]
+    sliding = sum(kind == "sliding_attention" for kind in types)
+    if sliding == 0:
+        return 0
+    if sliding == len(types):
+        return int(window)
+    source = "layer_types" if hf.get("layer_types") else f"max_window_layers={first}"
+    raise UserError(f"use_sliding_window=true with {source} slides {sliding} of {len(types)} "
+                    f"layers: a window on some layers only is not supported")
 
 
 def _first_int(value, default: int | None) -> int | None:
@@ -259,6 +372,22 @@ _LLAMA3_2 = dict(_LLAMA3, max_position_embeddings=131072, tie_word_embeddings=Tr
                  rope_scaling_type="llama3", rope_scaling_factor=32.0,
                  rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
                  rope_original_max_position_embeddings=8192, eos_token_id=128009)
+
+
+# Qwen2.5 (base models), Qwen3 and Mistral 7B v0.1, as their config.json files on the
+# Hugging Face hub have them. Written from knowledge, not downloaded (no hub access where
+# this was written): tests/test_llama_config.py checks them against the parameter counts
+# the model cards publish. Qwen2.5's sliding_window fields are off (use_sliding_window:
+# false) in every released config, so they are left out.
+_QWEN2_5 = dict(model_type="qwen2", vocab_size=151936, max_position_embeddings=32768,
+                rms_norm_eps=1e-6, rope_theta=1000000.0, bos_token_id=151643,
+                eos_token_id=151643)
+_QWEN3 = dict(model_type="qwen3", vocab_size=151936, max_position_embeddings=40960,
+              rms_norm_eps=1e-6, rope_theta=1000000.0, head_dim=128, num_key_value_heads=8,
+              bos_token_id=151643, eos_token_id=151645)
+_MISTRAL = dict(model_type="mistral", vocab_size=32000, max_position_embeddings=32768,
+                rms_norm_eps=1e-5, rope_theta=10000.0, num_key_value_heads=8,
+                sliding_window=4096, bos_token_id=1, eos_token_id=2)
 
 
 def _shape(d, f, layers, heads, **extra):
@@ -291,4 +420,15 @@ LLAMA_PRESETS: dict[str, dict[str, Any]] = {
     "llama3_70b": dict(_LLAMA3, **_shape(8192, 28672, 80, 64)),
     "llama3.2_1b": dict(_LLAMA3_2, **_shape(2048, 8192, 16, 32, head_dim=64)),
     "llama3.2_3b": dict(_LLAMA3_2, **_shape(3072, 8192, 28, 24, head_dim=128)),
+    "qwen2.5_0.5b": dict(_QWEN2_5, tie_word_embeddings=True,
+                         **_shape(896, 4864, 24, 14, num_key_value_heads=2)),
+    "qwen2.5_1.5b": dict(_QWEN2_5, tie_word_embeddings=True, max_position_embeddings=131072,
+                         **_shape(1536, 8960, 28, 12, num_key_value_heads=2)),
+    "qwen2.5_7b": dict(_QWEN2_5, vocab_size=152064, max_position_embeddings=131072,
+                       **_shape(3584, 18944, 28, 28, num_key_value_heads=4)),
+    "qwen3_0.6b": dict(_QWEN3, tie_word_embeddings=True, **_shape(1024, 3072, 28, 16)),
+    "qwen3_1.7b": dict(_QWEN3, tie_word_embeddings=True, **_shape(2048, 6144, 28, 16)),
+    "qwen3_4b": dict(_QWEN3, tie_word_embeddings=True, **_shape(2560, 9728, 36, 32)),
+    "qwen3_8b": dict(_QWEN3, **_shape(4096, 12288, 36, 32)),
+    "mistral_7b": dict(_MISTRAL, **_shape(4096, 14336, 32, 32)),
 }

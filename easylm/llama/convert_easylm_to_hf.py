@@ -109,8 +109,7 @@ def export(params, config: LLaMAConfig, directory: str, dtype: str = "keep",
             if getattr(config, name) is None and getattr(tokenizer, name) is not None})
     os.makedirs(directory)
     write_safetensors(tensors, directory, int(max_shard_gb * 2**30))
-    hf_config = config.to_hf_config()
-    hf_config.architectures = ["LlamaForCausalLM"]
+    hf_config = config.to_hf_config()  # with its architecture (LlamaForCausalLM, ...)
     first = jax.tree_util.tree_leaves(params)[0]
     hf_config.dtype = str(jnp.dtype(cast or first.dtype))
     hf_config.save_pretrained(directory)

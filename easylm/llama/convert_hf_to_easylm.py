@@ -1,4 +1,5 @@
-"""Convert a Hugging Face LLaMA checkpoint directory into an easylm parameters checkpoint.
+"""Convert a Hugging Face LLaMA checkpoint directory (or a Qwen2/2.5, Qwen3 or Mistral one,
+the LLaMA variants) into an easylm parameters checkpoint.
 
     python -m easylm.llama.convert_hf_to_easylm --hf_model=DIR --output_dir=DIR [--dtype=keep|bf16|fp32]
 
@@ -6,8 +7,8 @@ The result loads with `--load_checkpoint=params::DIR` in the trainer and the
 server. Tensors are read one at a time (safetensors, or `.bin` through
 `torch.load(weights_only=True, mmap=True)`), so peak memory stays near the size
 of the output. The HF config (GQA, tied embeddings, rope_theta, Llama-3 rope
-scaling, rms_norm_eps, vocabulary) becomes the checkpoint's `llama_config`
-metadata.
+scaling, rms_norm_eps, vocabulary, the variant and its biases, q/k norms and sliding
+window) becomes the checkpoint's `llama_config` metadata.
 """
 
 import sys

@@ -176,9 +176,10 @@ class LLaMAFamily(ModelFamily):
     def torch_reference(self, config: LLaMAConfig, params):
         import numpy as np
         import torch
-        from transformers import LlamaForCausalLM
+        from transformers import AutoModelForCausalLM
 
-        model = LlamaForCausalLM(config.to_hf_config()).eval()
+        # The variant's own class (LlamaForCausalLM, Qwen3ForCausalLM, ...).
+        model = AutoModelForCausalLM.from_config(config.to_hf_config()).eval()
         state = {k: torch.from_numpy(np.array(v, np.float32)) for k, v in hf.to_hf(params, config)}
         model.load_state_dict(state, strict=False)  # tied models list lm_head twice
         return model

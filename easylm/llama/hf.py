@@ -1,8 +1,12 @@
-"""The one mapping between easylm LLaMA parameters and HF `LlamaForCausalLM` tensors.
+"""The one mapping between easylm LLaMA parameters and HF `LlamaForCausalLM` tensors
+(and those of its variants Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM,
+which use the same names).
 
 Our parameter paths are HF's names with '/' for '.', so the mapping is a rule:
 
     model/layers/3/self_attn/q_proj/kernel  <->  model.layers.3.self_attn.q_proj.weight (transposed)
+    model/layers/3/self_attn/q_proj/bias    <->  model.layers.3.self_attn.q_proj.bias
+    model/layers/3/self_attn/q_norm/weight  <->  model.layers.3.self_attn.q_norm.weight
     model/embed_tokens/embedding            <->  model.embed_tokens.weight
     model/norm/weight                       <->  model.norm.weight
 
@@ -27,7 +31,7 @@ import numpy as np
 from flax import traverse_util
 
 from easylm.errors import UserError
-from easylm.llama.config import LLaMAConfig
+from easylm.llama.config import ARCHITECTURES, LLaMAConfig
 from easylm.llama.model import LLaMAForCausalLM, stack_layers
 from easylm.models.hf_checkpoint import HFTensors, read_config, to_numpy
 from easylm.runtime.dtypes import cast_names
@@ -43,7 +47,7 @@ _PEFT_ADAPTERS = {"kernel_lora_a": "lora_A", "kernel_lora_b": "lora_B"}
 def hf_key(path: str) -> tuple[str, bool]:
     """Our '/'-joined parameter path -> (HF tensor name, whether to transpose)."""
     *module, leaf = path.split("/")
-    return ".".join(module + ["weight"]), leaf == "kernel"
+    return ".".join(module + ["bias" if leaf == "bias" else "weight"]), leaf == "kernel"
 
 
 def param_shapes(config: LLaMAConfig) -> dict[str, tuple[int, ...]]:
@@ -73,7 +77,7 @@ def _unstacked(flat: dict, path: str, config: LLaMAConfig) -> np.ndarray:
 
 def _hf_module(path: str) -> str:
     """model/layers/0/self_attn/q_proj/kernel -> model.layers.0.self_attn.q_proj"""
-    return hf_key(path)[0].removesuffix(".weight")
+    return hf_key(path)[0].rsplit(".", 1)[0]
 
 
 def _unscanned_path(path: str, layer: int) -> str:
@@ -224,21 +228,27 @@ def _some(names, limit: int = 8) -> str:
 # for the optional ones). A wrong type is refused by name, never converted.
 _REQUIRED_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                   "num_attention_heads")
-_OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+_OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window",
+                  "max_window_layers")
 _OPTIONAL_NUMBERS = ("rms_norm_eps", "rope_theta", "initializer_range")
+_OPTIONAL_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")
 _TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
 
 
 def read_hf_config(directory: str) -> LLaMAConfig:
     """DIR/config.json as a LLaMAConfig; anything this model would compute differently
-    from HF's LlamaForCausalLM is a UserError that names the field."""
+    from HF's class for it (LlamaForCausalLM, Qwen2ForCausalLM, ...) is a UserError that
+    names the field."""
     hf = read_config(directory)
     path = os.path.join(directory, "config.json")
-    architectures = hf.get("architectures") or ["LlamaForCausalLM"]
-    if hf.get("model_type", "llama") != "llama" or "LlamaForCausalLM" not in architectures:
+    model_type = hf.get("model_type", "llama")
+    architecture = ARCHITECTURES.get(model_type, ("LlamaForCausalLM",))[0]
+    architectures = hf.get("architectures") or [architecture]
+    if model_type not in ARCHITECTURES or architecture not in architectures:
+        expected = ", ".join(f"{name} ({cls})" for name, (cls, _) in ARCHITECTURES.items())
         raise UserError(
             f"{directory}: model_type {hf.get('model_type')!r} / architectures {architectures} "
-            f"is not a LLaMA causal LM (expected model_type 'llama', LlamaForCausalLM)"
+            f"is not a LLaMA-like causal LM (expected model_type and architecture: {expected})"
         )
     _check_types(hf, path)
     for rope in (hf, hf.get("rope_scaling") or {}, hf.get("rope_parameters") or {}):
@@ -264,9 +274,11 @@ def _check_types(hf: dict, path: str):
     checks += [(name, is_number, "a number") for name in _OPTIONAL_NUMBERS]
     checks += [(name, lambda v: is_int(v) or (isinstance(v, list) and v and all(map(is_int, v))),
                 "a token id or a list of them") for name in _TOKEN_IDS]
-    checks += [("tie_word_embeddings", lambda v: isinstance(v, bool), "true or false")]
+    checks += [(name, lambda v: isinstance(v, bool), "true or false") for name in _OPTIONAL_BOOLS]
     checks += [(name, lambda v: isinstance(v, dict), "an object")
                for name in ("rope_scaling", "rope_parameters")]
+    checks += [("layer_types", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+                "a list of strings")]
     for name, ok, expected in checks:
         if hf.get(name) is not None and not ok(hf[name]):
             raise UserError(f"{path}: {name} must be {expected}, got {hf[name]!r}")

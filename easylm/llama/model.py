@@ -1,14 +1,19 @@
-"""The LLaMA causal language model in Flax (LLaMA 1, 2, 3 and 3.2).
+"""The LLaMA causal language model in Flax (LLaMA 1, 2, 3 and 3.2), and the variants
+that differ from it by a switch of `LLaMAConfig`: Qwen2/2.5, Qwen3 and Mistral.
 
-Parameter names follow Hugging Face's `LlamaForCausalLM`, so converting a
-checkpoint is a table lookup (see `easylm/llama/hf.py`):
+Parameter names follow Hugging Face's `LlamaForCausalLM` (and its Qwen2, Qwen3 and
+Mistral twins), so converting a checkpoint is a table lookup (see `easylm/llama/hf.py`):
 
     model/embed_tokens/embedding                 (V, D)
     model/layers/<i>/input_layernorm/weight      (D,)
     model/layers/<i>/self_attn/q_proj/kernel     (D, N*H)   k_proj, v_proj: (D, K*H)
     model/layers/<i>/self_attn/o_proj/kernel     (N*H, D)
+    model/layers/<i>/self_attn/q_proj/bias       (N*H,)     with qkv_bias; k, v: (K*H,)
+    model/layers/<i>/self_attn/o_proj/bias       (D,)       with attention_bias
+    model/layers/<i>/self_attn/q_norm/weight     (H,)       with qk_norm (Qwen3); k_norm
     model/layers/<i>/post_attention_layernorm/weight
     model/layers/<i>/mlp/gate_proj/kernel        (D, F)     up_proj (D, F), down_proj (F, D)
+    model/layers/<i>/mlp/gate_proj/bias          (F,)       with mlp_bias; up (F,), down (D,)
     model/norm/weight                            (D,)
     lm_head/kernel                               (D, V)     absent with tied embeddings
 
@@ -20,7 +25,8 @@ Decoding passes a key/value cache (`init_cache`): each layer's keys and values
 layer, or stacked on a leading L axis when scanned). Each call writes its
 tokens' keys/values at their `positions` and attends over the whole cache
 under a positions-aware causal mask, so every batch row can be at its own
-length (continuous batching).
+length (continuous batching). A sliding window (Mistral) is part of that mask:
+keys older than the window are masked in the full cache.
 
 Shape letters: B batch, T positions, S cache positions, D width, F MLP width,
 V vocabulary, N query heads, K key/value heads, H head dim, L layers.
@@ -37,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from easylm.llama.config import LLaMAConfig
 from easylm.models import remat
-from easylm.models.attention import attention, segment_mask
+from easylm.models.attention import attention, segment_mask, sliding_window_mask
 from easylm.runtime.sharding import BATCH_AXES, constrain
 
 # Parameter partition rules: the one place that says how LLaMA is sharded.
@@ -47,7 +53,12 @@ PARTITION_RULES = (
     (r"self_attn/o_proj/kernel", P("mp", "fsdp")),
     (r"mlp/(gate_proj|up_proj)/kernel", P("fsdp", "mp")),
     (r"mlp/down_proj/kernel", P("mp", "fsdp")),
-    (r"(input_layernorm|post_attention_layernorm)/weight", P(None)),
+    # Biases are split like their kernel's output dimension.
+    (r"self_attn/(q_proj|k_proj|v_proj)/bias", P("mp")),
+    (r"self_attn/o_proj/bias", P("fsdp")),
+    (r"mlp/(gate_proj|up_proj)/bias", P("mp")),
+    (r"mlp/down_proj/bias", P("fsdp")),
+    (r"(input_layernorm|post_attention_layernorm|q_norm|k_norm)/weight", P(None)),
     (r"model/norm/weight", P(None)),
     (r"lm_head/kernel", P("fsdp", "mp")),
 )
@@ -109,40 +120,49 @@ class _Layer(nn.Module):
     dtype: jnp.dtype
     param_dtype: jnp.dtype
 
-    def dense(self, features, name):
+    def dense(self, features, name, bias=False):
         return nn.Dense(
-            features, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
+            features, use_bias=bias, dtype=self.dtype, param_dtype=self.param_dtype,
             kernel_init=nn.initializers.normal(self.config.initializer_range), name=name,
         )
 
     def norm(self, name):
         return RMSNorm(self.config.rms_norm_eps, self.dtype, self.param_dtype, name=name)
 
-    def kernels(self, x, names_and_features):
-        """x @ [W_1 | W_2 | ...] as one matmul, split back into one output per kernel.
-        The kernels are the `self.dense(features, name)` ones (same names, shapes and
-        initial values), concatenated in the compute dtype at each call: one wider
-        matmul reads x once and, in the backward pass, sums x's gradient in one
-        contraction instead of adding several."""
+    def kernels(self, x, names_and_features, bias=False):
+        """x @ [W_1 | W_2 | ...] (+ [b_1 | b_2 | ...]) as one matmul, split back into one
+        output per kernel. The kernels are the `self.dense(features, name, bias)` ones
+        (same names, shapes and initial values), concatenated in the compute dtype at
+        each call: one wider matmul reads x once and, in the backward pass, sums x's
+        gradient in one contraction instead of adding several."""
         init = nn.initializers.normal(self.config.initializer_range)
         D = x.shape[-1]
-        weights = [_Kernel((D, f), init, self.param_dtype, name=name)().astype(self.dtype)
+        weights = [_DenseParams((D, f), init, bias, self.param_dtype, name=name)()
                    for name, f in names_and_features]
-        out = jnp.einsum("BTD,DF->BTF", x.astype(self.dtype), jnp.concatenate(weights, axis=1))
+        kernel = jnp.concatenate([w.astype(self.dtype) for w, _ in weights], axis=1)
+        out = jnp.einsum("BTD,DF->BTF", x.astype(self.dtype), kernel)
+        if bias:
+            out = out + jnp.concatenate([b.astype(self.dtype) for _, b in weights])
         edges = np.cumsum([f for _, f in names_and_features])[:-1]
         return jnp.split(out, edges, axis=-1)
 
 
-class _Kernel(nn.Module):
-    """Only the kernel of an `nn.Dense` (same parameter name, shape and initialiser)."""
+class _DenseParams(nn.Module):
+    """The parameters of an `nn.Dense` (same names, shapes and initialisers): (kernel,
+    bias or None)."""
 
     shape: tuple
     initializer: Callable
+    use_bias: bool
     param_dtype: jnp.dtype
 
     @nn.compact
     def __call__(self):
-        return self.param("kernel", self.initializer, self.shape, self.param_dtype)
+        kernel = self.param("kernel", self.initializer, self.shape, self.param_dtype)
+        if not self.use_bias:
+            return kernel, None
+        return kernel, self.param("bias", nn.initializers.zeros_init(), self.shape[-1:],
+                                  self.param_dtype)
 
 
 class Attention(_Layer):
@@ -152,11 +172,15 @@ class Attention(_Layer):
         B, T, _ = x.shape
         N, K, H = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         if c.fused_qkv:
-            q, k, v = self.kernels(x, [("q_proj", N * H), ("k_proj", K * H), ("v_proj", K * H)])
+            q, k, v = self.kernels(x, [("q_proj", N * H), ("k_proj", K * H), ("v_proj", K * H)],
+                                   c.qkv_bias)
         else:
-            q, k, v = (self.dense(N * H, "q_proj")(x), self.dense(K * H, "k_proj")(x),
-                       self.dense(K * H, "v_proj")(x))
+            q, k, v = (self.dense(N * H, "q_proj", c.qkv_bias)(x),
+                       self.dense(K * H, "k_proj", c.qkv_bias)(x),
+                       self.dense(K * H, "v_proj", c.qkv_bias)(x))
         q, k, v = q.reshape(B, T, N, H), k.reshape(B, T, K, H), v.reshape(B, T, K, H)
+        if c.qk_norm:  # Qwen3: each head's query and key RMS-normalised, before rotary
+            q, k = self.norm("q_norm")(q), self.norm("k_norm")(k)
         q = constrain(apply_rotary(q, cos, sin), P(BATCH_AXES, None, "mp", None))
         k = constrain(apply_rotary(k, cos, sin), P(BATCH_AXES, None, "mp", None))
         v = constrain(v, P(BATCH_AXES, None, "mp", None))
@@ -167,22 +191,26 @@ class Attention(_Layer):
             v = cache["v"].at[rows, positions].set(v.astype(cache["v"].dtype))
             cache = {"k": constrain(k, CACHE_SPEC), "v": constrain(v, CACHE_SPEC)}
             k, v = k.astype(self.dtype), v.astype(self.dtype)
-        out = attention(q, k, v, mask, c.attention)  # (B, T, N, H)
+        # Without a mask (plain causal) the kernel applies the window itself.
+        window = c.sliding_window if mask is None else 0
+        out = attention(q, k, v, mask, c.attention, window)  # (B, T, N, H)
         out = checkpoint_name(out, "attention_out")
-        return self.dense(c.hidden_size, "o_proj")(out.reshape(B, T, N * H)), cache
+        out = self.dense(c.hidden_size, "o_proj", c.attention_bias)(out.reshape(B, T, N * H))
+        return out, cache
 
 
 class MLP(_Layer):
     @nn.compact
     def __call__(self, x):
         F = self.config.intermediate_size
+        bias = self.config.mlp_bias
         if self.config.fused_mlp:
-            gate, up = self.kernels(x, [("gate_proj", F), ("up_proj", F)])
+            gate, up = self.kernels(x, [("gate_proj", F), ("up_proj", F)], bias)
         else:
-            gate, up = self.dense(F, "gate_proj")(x), self.dense(F, "up_proj")(x)
+            gate, up = self.dense(F, "gate_proj", bias)(x), self.dense(F, "up_proj", bias)(x)
         h = nn.silu(gate) * up
         h = constrain(h, P(BATCH_AXES, None, "mp"))  # (B, T, F)
-        return self.dense(self.config.hidden_size, "down_proj")(h)
+        return self.dense(self.config.hidden_size, "down_proj", bias)(h)
 
 
 class DecoderLayer(_Layer):
@@ -235,10 +263,15 @@ class LLaMAModel(_Layer):
         x = constrain(x, P(BATCH_AXES, None, None))  # (B, T, D)
         cos, sin = rotary_embedding(positions, c, self.dtype)
         mask = None if segment_ids is None else segment_mask(segment_ids)
+        key_positions = positions  # (B, S)
         if cache is not None:
             # Query at position p sees cache slots 0..p: (B, T, S).
             S = jax.tree_util.tree_leaves(cache)[0].shape[-3]
-            mask = jnp.arange(S)[None, None, :] <= positions[:, :, None]
+            key_positions = jnp.arange(S)[None, :]
+            mask = key_positions[:, None, :] <= positions[:, :, None]
+        if c.sliding_window and mask is not None:
+            # ... and, in the window, only the last `sliding_window` of them.
+            mask = mask & sliding_window_mask(positions, key_positions, c.sliding_window)
         if c.scan_layers:
             # One layer scanned L times: model/layers/... with a leading layer axis.
             stack = nn.scan(

@@ -8,6 +8,12 @@ Shapes (letters used throughout easylm):
 
 Grouped-query attention never repeats K/V: queries are viewed as (B, T, K, G, H).
 
+A sliding window of W (Mistral, Qwen) lets a query see at most the last W keys, itself
+included: key s is visible from query t iff t - W < s <= t, transformers' convention
+(`masking_utils.sliding_window_overlay`: kv_idx > q_idx - sliding_window). With no mask
+the kernels apply it themselves (`window=`); a caller with a mask puts it in the mask
+(`sliding_window_mask`).
+
 Implementations:
     xla          the plain einsum reference below
     dot_product  jax.nn.dot_product_attention with its XLA implementation
@@ -20,22 +26,33 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def xla_attention(q, k, v, mask=None):
+def xla_attention(q, k, v, mask=None, window: int = 0):
     B, T, N, H = q.shape
     K = k.shape[2]
     q = q.reshape(B, T, K, N // K, H) * jnp.asarray(1.0 / np.sqrt(H), q.dtype)
     scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
     if mask is None:
-        mask = causal_mask(T, k.shape[1])[None]
+        mask = causal_mask(T, k.shape[1], window)[None]
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
     return out.reshape(B, T, N, H)
 
 
-def causal_mask(T: int, S: int):
-    """(T, S) bool: query t sees keys s <= t + (S - T) (the queries are the last T)."""
-    return jnp.arange(S)[None, :] <= jnp.arange(T)[:, None] + (S - T)
+def causal_mask(T: int, S: int, window: int = 0):
+    """(T, S) bool: query t sees keys s <= t + (S - T) (the queries are the last T), and
+    with a window only the last `window` of them."""
+    query = jnp.arange(T)[:, None] + (S - T)
+    mask = jnp.arange(S)[None, :] <= query
+    if window:
+        mask &= jnp.arange(S)[None, :] > query - window
+    return mask
+
+
+def sliding_window_mask(query_positions, key_positions, window: int):
+    """(B, T) and (B, S) positions -> (B, T, S) bool: key within the last `window`
+    positions of the query, itself included (and any later key: AND it with a causal mask)."""
+    return key_positions[:, None, :] > query_positions[:, :, None] - window
 
 
 def segment_mask(segment_ids):
@@ -56,14 +73,19 @@ def resolve_implementation(implementation: str, q, mask) -> str:
     return "dot_product"
 
 
-def attention(q, k, v, mask=None, implementation: str = "auto"):
-    """Causal attention when `mask` is None, else attention under `mask`."""
+def attention(q, k, v, mask=None, implementation: str = "auto", window: int = 0):
+    """Causal attention when `mask` is None (over the last `window` keys when > 0), else
+    attention under `mask`, which then holds any window."""
+    if window and mask is not None:
+        raise ValueError("a mask holds the sliding window itself (sliding_window_mask)")
     implementation = resolve_implementation(implementation, q, mask)
     if implementation == "xla":
-        return xla_attention(q, k, v, mask)
+        return xla_attention(q, k, v, mask, window)
     return jax.nn.dot_product_attention(
         q, k, v,
         mask=None if mask is None else mask[:, None],
         is_causal=mask is None,
+        # jax's window (left, right) is inclusive: left = W - 1 earlier keys and the query's own.
+        local_window_size=(window - 1, 0) if window else None,
         implementation="cudnn" if implementation == "cudnn" else None,
     )
