@@ -180,57 +180,65 @@ def router(service: Service) -> APIRouter:
 
     @api.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        service.check_model(body.model)
-        stops = body.check_supported(service)
-        prompts, texts = _completion_prompts(service, body)
-        service.check_samples(body.n, len(prompts))
-        # max_tokens=0 (with echo) only scores the prompt.
-        limits = [service.max_tokens(p, body.max_tokens, default=16)
-                  for p in prompts] if body.max_tokens != 0 else None
-        echo = await _echo_prefix(service, request, body, prompts, texts)
-        prefix = lambda i: echo(i // body.n)  # choice i is a sample of prompt i // n
-        common = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-                  "created": int(time.time()), "model": name}
-        # OpenAI counts each prompt's tokens once, however many samples it has.
-        prompt_tokens = sum(map(len, prompts))
-        if limits is None:
-            return _echo_only(body, common, len(prompts) * body.n, prefix, prompt_tokens)
-        sequences, params = service.samples(prompts, [body.sampling(m, stops) for m in limits],
-                                            body.n)
-        if body.stream:
-            return StreamingResponse(_stream_completion(service, body, common, sequences, params,
-                                                        prefix, prompt_tokens),
-                                     media_type="text/event-stream")
-        gens = await service.complete(request, sequences, params)
-        return {**common, "choices": [_completion_choice(service, i, g, prefix, body.logprobs)
-                                      for i, g in enumerate(gens)],
-                "usage": _usage(prompt_tokens, sum(len(g.tokens) for g in gens))}
+        return await _completions(service, body, request)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
-        service.check_model(body.model)
-        stops = body.check_supported(service)
-        service.check_samples(body.n, 1)
-        prompt = service.apply_chat_template(
-            [{"role": m.role, "content": m.text()} for m in body.messages])
-        field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        requested = body.max_completion_tokens if field == "max_completion_tokens" else body.max_tokens
-        sequences, params = service.samples(
-            [prompt], [body.sampling(service.max_tokens(prompt, requested, field=field), stops)],
-            body.n)
-        k = (body.top_logprobs or 0) if body.logprobs else None
-        common = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": name}
-        if body.stream:
-            return StreamingResponse(_stream_chat(service, body, common, sequences, params, k),
-                                     media_type="text/event-stream")
-        gens = await service.complete(request, sequences, params)
-        return {**common, "object": "chat.completion", "choices": [{
-            "index": i, "message": {"role": "assistant", "content": g.stream.text},
-            "logprobs": None if k is None else _chat_logprobs(service, g.tokens, k),
-            "finish_reason": g.finish_reason} for i, g in enumerate(gens)],
-            "usage": _usage(len(prompt), sum(len(g.tokens) for g in gens))}
+        return await _chat_completions(service, body, request)
 
     return api
+
+
+async def _completions(service: Service, body: CompletionRequest, request: Request):
+    service.check_model(body.model)
+    stops = body.check_supported(service)
+    prompts, texts = _completion_prompts(service, body)
+    service.check_samples(body.n, len(prompts))
+    # max_tokens=0 (with echo) only scores the prompt.
+    limits = [service.max_tokens(p, body.max_tokens, default=16)
+              for p in prompts] if body.max_tokens != 0 else None
+    echo = await _echo_prefix(service, request, body, prompts, texts)
+    prefix = lambda i: echo(i // body.n)  # choice i is a sample of prompt i // n
+    common = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+              "created": int(time.time()), "model": service.config.model_name}
+    # OpenAI counts each prompt's tokens once, however many samples it has.
+    prompt_tokens = sum(map(len, prompts))
+    if limits is None:
+        return _echo_only(body, common, len(prompts) * body.n, prefix, prompt_tokens)
+    sequences, params = service.samples(prompts, [body.sampling(m, stops) for m in limits],
+                                        body.n)
+    if body.stream:
+        return StreamingResponse(_stream_completion(service, body, common, sequences, params,
+                                                    prefix, prompt_tokens),
+                                 media_type="text/event-stream")
+    gens = await service.complete(request, sequences, params)
+    return {**common, "choices": [_completion_choice(service, i, g, prefix, body.logprobs)
+                                  for i, g in enumerate(gens)],
+            "usage": _usage(prompt_tokens, sum(len(g.tokens) for g in gens))}
+
+
+async def _chat_completions(service: Service, body: ChatRequest, request: Request):
+    service.check_model(body.model)
+    stops = body.check_supported(service)
+    service.check_samples(body.n, 1)
+    prompt = service.apply_chat_template(
+        [{"role": m.role, "content": m.text()} for m in body.messages])
+    field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    requested = body.max_completion_tokens if field == "max_completion_tokens" else body.max_tokens
+    sequences, params = service.samples(
+        [prompt], [body.sampling(service.max_tokens(prompt, requested, field=field), stops)],
+        body.n)
+    k = (body.top_logprobs or 0) if body.logprobs else None
+    common = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": service.config.model_name}
+    if body.stream:
+        return StreamingResponse(_stream_chat(service, body, common, sequences, params, k),
+                                 media_type="text/event-stream")
+    gens = await service.complete(request, sequences, params)
+    return {**common, "object": "chat.completion", "choices": [{
+        "index": i, "message": {"role": "assistant", "content": g.stream.text},
+        "logprobs": None if k is None else _chat_logprobs(service, g.tokens, k),
+        "finish_reason": g.finish_reason} for i, g in enumerate(gens)],
+        "usage": _usage(len(prompt), sum(len(g.tokens) for g in gens))}
 
 
 def _completion_prompts(service: Service, body: CompletionRequest):
