@@ -229,7 +229,8 @@ async def _chat_completions(service: Service, body: ChatRequest, request: Reques
         [prompt], [body.sampling(service.max_tokens(prompt, requested, field=field), stops)],
         body.n)
     k = (body.top_logprobs or 0) if body.logprobs else None
-    common = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": service.config.model_name}
+    common = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
+              "model": service.config.model_name}
     if body.stream:
         return StreamingResponse(_stream_chat(service, body, common, sequences, params, k),
                                  media_type="text/event-stream")
