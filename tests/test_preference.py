@@ -610,6 +610,21 @@ def test_bad_objective_setup_is_one_clear_line(argv, message, pair_files, capsys
     assert os.listdir(tmp_path) == []  # failed before writing anything
 
 
+def test_dpo_on_plain_text_blames_the_data_not_the_order(capsys, tmp_path):
+    # Every line lacks prompt/chosen/rejected: no row finds a pair, and shuffling (which
+    # the message once suggested) cannot help.
+    from cli_utils import one_line_error
+
+    data = tmp_path / "text.jsonl"
+    data.write_text("".join(json.dumps({"text": f"line {i}"}) + "\n" for i in range(40)))
+    error = one_line_error(llama_train.main, [
+        "train", "--objective=dpo", f"--train_dataset.json_dataset.path={data}",
+        "--llama.base_model=debug", f"--logger.output_dir={tmp_path}/runs", "--total_steps=1"],
+        capsys)
+    assert error.startswith("no usable document") and error.endswith("fix the data"), error
+    assert "prompt" in error  # the skip names the missing field
+
+
 def test_objective_options_name_the_run_directory_only_when_they_train():
     def run_dir(*argv):
         config = llama_train.parse_flags(["train", "--train_dataset.json_dataset.path=p.jsonl",
