@@ -253,6 +253,9 @@ def test_an_int8_base_from_params_in_bf16_exports_both_ways(hf_dir, tmp_path):
         convert.main(["convert", f"--load_checkpoint=params::{final}", f"--lora_mode={mode}",
                       f"--output_dir={tmp_path / mode}", "--verify_tolerance=1e-4"])
         assert os.path.isdir(tmp_path / mode)
+    # An easylm checkpoint is no base peft could load: the field is left empty.
+    with open(tmp_path / "adapter" / "adapter_config.json") as f:
+        assert json.load(f)["base_model_name_or_path"] is None
 
 
 def test_merged_export_is_peft_on_the_source_base(hf_dir, tmp_path):
@@ -271,6 +274,8 @@ def test_merged_export_is_peft_on_the_source_base(hf_dir, tmp_path):
     for mode in ("adapter", "merged"):
         convert.main(["convert", f"--load_checkpoint=params::{final}", f"--lora_mode={mode}",
                       f"--output_dir={tmp_path / mode}", "--verify=False"])
+    with open(tmp_path / "adapter" / "adapter_config.json") as f:  # peft loads it alone
+        assert json.load(f)["base_model_name_or_path"] == str(hf_dir)
     source, merged = (load_file(os.path.join(d, "model.safetensors"))
                       for d in (hf_dir, tmp_path / "merged"))
     assert sorted(source) == sorted(merged)

@@ -218,3 +218,17 @@ def test_options_of_a_block_the_type_does_not_read_are_one_line(data_of_each_typ
     assert (code, out) == (2, "")
     assert err == ("error: --train_dataset.json_dataset.seq_length is set but "
                    "--train_dataset.type=cache reads --train_dataset.cache.*\n")
+
+
+def test_the_header_names_an_hf_model_not_the_preset(tmp_path):
+    # The model config comes from the hf:: directory: the header says which, and its
+    # model_type, never the unused --llama.base_model default ('embedded').
+    from transformers import LlamaForCausalLM
+
+    from easylm.llama.config import LLaMAConfig
+
+    LlamaForCausalLM(LLaMAConfig.from_preset("debug").to_hf_config()).save_pretrained(tmp_path)
+    text, _ = plan.report(parse(f"--load_checkpoint=hf::{tmp_path}", "--mesh_dim=1,1,1"),
+                          FAMILY, num_devices=1, num_processes=1, budget=None)
+    assert text.startswith(f"plan: hf::{tmp_path} (llama), "), text.splitlines()[0]
+    assert "embedded" not in text.splitlines()[0]

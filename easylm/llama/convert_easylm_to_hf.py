@@ -291,6 +291,13 @@ def main(argv=None):
     print(f"wrote {output_dir}")
 
 
+def peft_base_model(spec: str) -> str:
+    """adapter_config.json's base_model_name_or_path: the HF directory of an hf:: base,
+    which peft loads by itself; none ('') for an easylm checkpoint, which it cannot."""
+    kind, _, path = spec.partition("::")
+    return os.path.abspath(path) if kind == "hf" else ""
+
+
 def export_adapter(FLAGS, output_dir: str, metadata: dict) -> None:
     """--lora_mode=adapter: the PEFT directory, verified with peft."""
     from easylm.llama.adapters import save_peft
@@ -300,7 +307,8 @@ def export_adapter(FLAGS, output_dir: str, metadata: dict) -> None:
     shutil.rmtree(partial, ignore_errors=True)
     try:
         save_peft(partial, lm, jax.device_get(adapters), config,
-                  base_model=(metadata.get("frozen") or {}).get("source", ""))
+                  base_model=peft_base_model(FLAGS.lora_base or
+                                             (metadata.get("frozen") or {}).get("source", "")))
         if FLAGS.verify:
             diff = verify_peft(lm, frozen, adapters, config, partial)
             print(f"verify: max |logit difference| vs peft = {diff:.3g}")
