@@ -327,6 +327,17 @@ def _size(n: int) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2 ** 20:.1f} MiB"
 
 
+def _model_name(config: ConfigDict, family) -> str:
+    """What the plan is of: the --load_checkpoint the model config comes from (an hf::
+    directory with its config.json's model_type), else the preset."""
+    spec = config.get("load_checkpoint", "")
+    if spec.startswith("hf::"):
+        from easylm.models.hf_checkpoint import read_config
+
+        return f"{spec} ({read_config(spec[len('hf::'):]).get('model_type', 'no model_type')})"
+    return spec or config[family.name].base_model
+
+
 def report(config: ConfigDict, family, num_devices: int, num_processes: int,
            budget: int | None) -> tuple[str, bool]:
     """The printed plan, and whether it fits (True when no budget is known)."""
@@ -336,9 +347,10 @@ def report(config: ConfigDict, family, num_devices: int, num_processes: int,
     compute = jnp.dtype(dtype_from_flag("dtype", config.dtype)).name
     mesh = mesh_string(plan.mesh)
     # A variant with frozen parameters (LoRA) says what it trains on what.
-    what = f"{config[family.name].base_model}, {model.num_parameters / 1e6:,.1f}M parameters"
+    name = _model_name(config, family)
+    what = f"{name}, {model.num_parameters / 1e6:,.1f}M parameters"
     if model.frozen is not None:
-        what = (f"{config[family.name].base_model} {model.frozen.variant}, "
+        what = (f"{name} {model.frozen.variant}, "
                 f"{model.num_parameters / 1e6:,.1f}M parameters trained, "
                 f"{model.frozen.num_parameters / 1e6:,.1f}M frozen in {model.frozen.dtype}")
     names = {jnp.dtype(dtype): name for name, dtype in DTYPES.items()}

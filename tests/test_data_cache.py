@@ -246,11 +246,11 @@ def test_large_vocabulary_without_bos_is_cached_as_uint32(tmp_path):
     path.write_text("".join(json.dumps({"text": " ".join(rng.choice(words, 20))}) + "\n"
                             for _ in range(12)))
     text = DatasetFactory.get_default_config({
-        "text_processor": {"add_bos_token": False},
+        "text_processor": {"add_bos_token": "false"},
         "json_dataset": dict(path=str(path), seq_length=T, batch_size=2, shuffle=True)})
     index = build(text, big, str(tmp_path / "cache"), shard_size=5, progress=False)
     assert index["dtype"] == "uint32"
-    cached = cache_config(tmp_path / "cache", {"add_bos_token": False}, batch_size=2,
+    cached = cache_config(tmp_path / "cache", {"add_bos_token": "false"}, batch_size=2,
                           shuffle=True)
     expected = read(load(text, big), 10)
     assert max(int(b["input_tokens"].max()) for b in expected) > 1 << 16

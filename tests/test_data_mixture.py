@@ -193,7 +193,7 @@ def test_bad_mixtures_are_one_line_each(data, tokenizer, tmp_path):
                                     "expected some of name, type, weight, repeat, "
                                     "text_processor, path"),
         ([spec[0], dict(spec[1], name="a")], "two sources are named 'a'; names must differ"),
-        ([dict(spec[0], text_processor={"add_bos_token": "no"})],
+        ([dict(spec[0], text_processor={"add_eos_token": "no"})],
          None),   # checked at load: a type error names the option
         ([], "expected a non-empty list of sources (or {\"sources\": [...]})"),
     ]
@@ -201,7 +201,7 @@ def test_bad_mixtures_are_one_line_each(data, tokenizer, tmp_path):
         with pytest.raises(UserError) as e:
             load(config(entries), tokenizer)
         if message is None:
-            assert str(e.value) == ("mixture source 'a': text_processor: add_bos_token must "
+            assert str(e.value) == ("mixture source 'a': text_processor: add_eos_token must "
                                     "be bool, got 'no'")
         else:
             assert str(e.value) == f"--train_dataset.mixture.sources: {message}"

@@ -45,7 +45,7 @@ def test_text_pairs_train_only_the_responses(tokenizer):
     # A tokenizer that adds no BOS (or a run that adds none), other field names.
     renamed = {"question": PAIR["prompt"], "good": "Meow.", "bad": "Woof woof."}
     chosen, chosen_masks, *_ = process(
-        tokenizer, renamed, add_bos_token=False, add_eos_token=False,
+        tokenizer, renamed, add_bos_token="false", add_eos_token=False,
         preference=dict(prompt_field="question", chosen_field="good", rejected_field="bad"))
     assert chosen.tolist() == encode(tokenizer, PAIR["prompt"]) + encode(tokenizer, "Meow.")
     assert trained(tokenizer, chosen, chosen_masks) == "Meow."

@@ -98,9 +98,12 @@ def test_bad_field_specs(tokenizer):
 def test_tokenizer_without_bos(tokenizer):
     bare = PreTrainedTokenizerFast(tokenizer_file=embedded.TOKENIZER_PATH)
     with pytest.raises(UserError) as e:
-        TextProcessor(None, bare)
+        TextProcessor({"add_bos_token": "true"}, bare)
     assert str(e.value) == ("text_processor.add_bos_token=True but the tokenizer has no BOS "
                             "token; set text_processor.add_bos_token=False")
+    with pytest.raises(UserError) as e:  # auto asks for no BOS it has not got
+        TextProcessor(None, bare)
+    assert str(e.value).startswith("text_processor.add_eos_token=True")
 
 
 def test_empty_text_is_a_skip_reason(tokenizer):
@@ -176,3 +179,37 @@ def test_parse_json_line():
     assert parse_json_line(b'{"text": "caf\xe9"}', "d:4") == (
         "d:4: not valid UTF-8 (byte 0xe9 at column 14)")
     assert parse_json_line(b"[1, 2]", "d:5") == "d:5: expected a JSON object, got list"
+
+
+def byte_level_bpe():
+    """A SmolLM2-like tokenizer: ByteLevel BPE whose `tokenizer(text)` adds no special
+    token, though it names a BOS (<|endoftext|>, as SmolLM2's does)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(["the cat sat on the mat", "a dog ran far"] * 20,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=[
+                                "<|endoftext|>", "<|im_start|>", "<|im_end|>"]))
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|endoftext|>",
+                                   eos_token="<|endoftext|>")
+
+
+def test_bos_follows_the_tokenizer_by_default(tokenizer):
+    # The trainer's ids of a text document are the tokenizer's own, then EOS: no BOS the
+    # tokenizer does not add (every SmolLM2 document used to start with one), and the
+    # LLaMA-style tokenizer's BOS kept. add_bos_token=true is the old behaviour.
+    text = "the cat sat on the mat"
+    for tok in (byte_level_bpe(), tokenizer):
+        tokens, masks = process(tok, {"text": text})
+        assert tokens.tolist() == tok(text)["input_ids"] + [tok.eos_token_id]
+        forced, _ = process(tok, {"text": text}, add_bos_token="true")
+        assert forced.tolist() == [tok.bos_token_id] + encode(tok, text) + [tok.eos_token_id]
+    bpe = byte_level_bpe()
+    assert bpe(text)["input_ids"][0] != bpe.bos_token_id  # the negative twin: they differ
+    assert tokenizer(text)["input_ids"][0] == BOS
+    old, _ = process(tokenizer, {"text": text}, add_bos_token=True)  # a bool, as it was
+    assert old.tolist() == tokenizer(text)["input_ids"] + [EOS]
+    with pytest.raises(UserError, match="add_bos_token must be auto, true or false, got 'no'"):
+        process(tokenizer, {"text": text}, add_bos_token="no")

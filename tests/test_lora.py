@@ -416,7 +416,7 @@ def test_quantized_base_is_stored_in_its_bits(params):
     ({"rank": -1}, "--lora.rank must be >= 0"),
     ({"alpha": 0.0}, "--lora.alpha must be > 0"),
     ({"dropout": 1.0}, r"--lora.dropout must be in \[0, 1\)"),
-    ({"base_dtype": "int4"}, "--lora.base_dtype='int4' is not one of bf16, fp32, int8, nf4"),
+    ({"base_dtype": "int4"}, "--lora.base_dtype='int4' is not one of auto, bf16, fp32, int8, nf4"),
     ({"target_modules": "q_proj("}, "is not a regular expression"),
 ])
 def test_bad_lora_flags_are_named(changes, message):

@@ -154,15 +154,20 @@ def test_qlora_starts_as_the_base_trains_adapters_only_and_learns_like_bf16(hf_d
     assert directory_bytes(final) - array_bytes(final) <= 256 * 1024
 
     # Export: a PEFT directory and a merged HF model, each verified against peft or
-    # transformers by the command; the merged model computes the adapted one.
+    # transformers by the command; the merged model is the source base (not its nf4
+    # rounding) with the adapters folded in: PEFT's model of the adapter on that base.
     for mode in ("adapter", "merged"):
         convert.main(["convert", f"--load_checkpoint=params::{final}", f"--lora_mode={mode}",
                       f"--output_dir={tmp_path / mode}", "--verify_tolerance=1e-4"])
     assert os.path.isfile(tmp_path / "adapter" / "adapter_model.safetensors")
     with torch.no_grad():
         merged = HFLlama.from_pretrained(tmp_path / "merged").eval()(torch.tensor(ids)).logits
-    adapted = np.asarray(lm.apply(after.frozen["base"], after.params, ids))
-    base = np.asarray(lm.apply(after.frozen["base"], before.params, ids))
+    from peft import PeftModel
+
+    with torch.no_grad():
+        peft = PeftModel.from_pretrained(HFLlama.from_pretrained(hf_dir), tmp_path / "adapter")
+        adapted = peft.eval()(torch.tensor(ids)).logits.numpy()
+        base = HFLlama.from_pretrained(hf_dir).eval()(torch.tensor(ids)).logits.numpy()
     # fp32 logits of O(1) after two layers, summed over <= 128 terms.
     assert np.abs(merged.numpy() - adapted).max() <= 1e-4
     assert np.abs(merged.numpy() - base).max() > 100 * 1e-4  # the adapters changed something
@@ -248,6 +253,56 @@ def test_an_int8_base_from_params_in_bf16_exports_both_ways(hf_dir, tmp_path):
         convert.main(["convert", f"--load_checkpoint=params::{final}", f"--lora_mode={mode}",
                       f"--output_dir={tmp_path / mode}", "--verify_tolerance=1e-4"])
         assert os.path.isdir(tmp_path / mode)
+    # An easylm checkpoint is no base peft could load: the field is left empty.
+    with open(tmp_path / "adapter" / "adapter_config.json") as f:
+        assert json.load(f)["base_model_name_or_path"] is None
+
+
+def test_merged_export_is_peft_on_the_source_base(hf_dir, tmp_path):
+    # A LoRA run on an fp32 HF base with its base stored bf16 (one flag away from the
+    # default): the merged export is the source fp32 base plus s·A·B, so PEFT's model of
+    # the exported adapter on that base is the merged model, and every tensor no adapter
+    # reaches is the source's, bit for bit (reading the run's bf16 base instead moved the
+    # logits by 0.15 on a real model, and rounded the embeddings and norms).
+    from peft import PeftModel
+    from safetensors.numpy import load_file
+
+    run, _, _ = lora_run(parse(tmp_path, f"--load_checkpoint=hf::{hf_dir}", "--lora.rank=8",
+                               "--lora.base_dtype=bf16", "--total_steps=3",
+                               "--optimizer.adamw_optimizer.lr=1e-2"))
+    final = os.path.join(run.run_dir, "checkpoints", "3")
+    for mode in ("adapter", "merged"):
+        convert.main(["convert", f"--load_checkpoint=params::{final}", f"--lora_mode={mode}",
+                      f"--output_dir={tmp_path / mode}", "--verify=False"])
+    with open(tmp_path / "adapter" / "adapter_config.json") as f:  # peft loads it alone
+        assert json.load(f)["base_model_name_or_path"] == str(hf_dir)
+    source, merged = (load_file(os.path.join(d, "model.safetensors"))
+                      for d in (hf_dir, tmp_path / "merged"))
+    assert sorted(source) == sorted(merged)
+    adapted = [name for name in source if name.endswith("_proj.weight")]
+    for name in source:
+        assert merged[name].dtype == np.float32, name
+        assert same_bits(merged[name], source[name]) == (name not in adapted), name
+    with open(tmp_path / "merged" / "config.json") as f:
+        assert json.load(f)["dtype"] == "float32"
+    ids = torch.tensor(np.random.RandomState(0).randint(0, 512, (2, 32)))
+    with torch.no_grad():
+        theirs = PeftModel.from_pretrained(HFLlama.from_pretrained(hf_dir),
+                                           tmp_path / "adapter").eval()(ids).logits.numpy()
+        ours = HFLlama.from_pretrained(tmp_path / "merged").eval()(ids).logits.numpy()
+        base = HFLlama.from_pretrained(hf_dir).eval()(ids).logits.numpy()
+    # fp32 logits of O(1) after two layers, W + s·A·B folded in one fp32 rounding.
+    assert np.abs(ours - theirs).max() <= 1e-4
+    assert np.abs(ours - base).max() > 100 * 1e-4  # the negative twin: the adapters moved it
+
+
+def test_lora_base_dtype_follows_dtype():
+    def base_dtype(*argv):
+        return FAMILY.build(train.parse_flags(["train", "--lora.rank=4", *argv])).frozen.dtype
+
+    assert base_dtype("--dtype=fp32") == "fp32"
+    assert base_dtype("--dtype=bf16") == "bf16"
+    assert base_dtype("--dtype=fp32", "--lora.base_dtype=bf16") == "bf16"
 
 
 def test_lora_flags_name_the_run_directory_only_when_lora_is_on():
@@ -275,6 +330,54 @@ def test_resume_on_another_base_is_refused(tmp_path):
                                         r"with fingerprint \w+, but hf::.* now gives \w+"):
         trainer.train(parse(tmp_path, f"--load_checkpoint=hf::{base}", "--total_steps=2"),
                       FAMILY)
+
+
+@pytest.mark.parametrize("argv, there, here", [
+    (["--lora.rank=8"], "--lora.rank=4", "--lora.rank=8"),
+    (["--lora.rank=0"], "--lora.rank=4", "--lora.rank=0"),
+    (["--lora.target_modules=q_proj/kernel$"], "--lora.target_modules=(q_proj|k_proj|v_proj|"
+     "o_proj|gate_proj|up_proj|down_proj)/kernel$", "--lora.target_modules=q_proj/kernel$"),
+    (["--lora.alpha=32"], "--lora.alpha=16.0", "--lora.alpha=32.0"),
+    (["--lora.base_dtype=bf16"], "--lora.base_dtype=fp32", "--lora.base_dtype=bf16"),
+    (["--llama.scan_layers=True"], "--llama.scan_layers=False", "--llama.scan_layers=True"),
+])
+def test_resume_under_other_lora_settings_names_the_flag(lora_checkpoint, argv, there, here):
+    # An intact checkpoint of a run with other settings is not damaged, and the run's
+    # base has not moved: the flag that differs, recorded and given (a changed alpha would
+    # load and train adapters whose effect is scaled otherwise).
+    tmp_path, final = lora_checkpoint
+    with pytest.raises(UserError) as error:
+        trainer.train(parse(tmp_path, "--total_steps=2", "--resume=True", *argv), FAMILY)
+    assert str(error.value) == (f"{final} was saved by a run with {there}, this run has "
+                                f"{here}: resume with {there}, or start a new run (another "
+                                f"--logger.experiment_id)")
+
+
+def test_resume_of_a_full_run_as_lora_or_another_shape_is_no_damage(lora_checkpoint):
+    tmp_path, final = lora_checkpoint
+    # A full fine-tune's directory (a config's fixed --logger.experiment_id) under LoRA.
+    trainer.train(parse(tmp_path, "--lora.rank=0", "--total_steps=1",
+                        "--logger.experiment_id=full"), FAMILY)
+    full = tmp_path / "runs" / "full" / "checkpoints" / "1"
+    with pytest.raises(UserError, match=rf"^{full} was saved by a run with --lora.rank=0, this "
+                                        r"run has --lora.rank=4: resume with --lora.rank=0"):
+        trainer.train(parse(tmp_path, "--total_steps=2", "--resume=True",
+                            "--logger.experiment_id=full"), FAMILY)
+    # A shape no recorded setting explains: the parameter, not damage.
+    with pytest.raises(UserError) as error:
+        trainer.train(parse(tmp_path, "--total_steps=2", "--resume=True",
+                            "--llama.num_hidden_layers=1"), FAMILY)
+    assert str(error.value).startswith(f"{final} holds other parameters than this run's flags "
+                                       f"describe (model/layers/1/")
+    assert "damaged" not in str(error.value)
+
+
+@pytest.fixture(scope="module")
+def lora_checkpoint(tmp_path_factory):
+    """(tmp_path, the final checkpoint of a 1-step LoRA run on a random base, rank 4)."""
+    tmp_path = tmp_path_factory.mktemp("resume")
+    trainer.train(parse(tmp_path, "--total_steps=1"), FAMILY)
+    return tmp_path, tmp_path / "runs" / "run" / "checkpoints" / "1"
 
 
 @pytest.mark.slow

@@ -166,8 +166,9 @@ def test_lora_trains_adapters_on_a_frozen_base_stored_in_its_dtype():
     adapters = 4 * 4 * (3 * (256 // 8 * 4 + 4 * 256) + (256 * 4 + 4 * 256 // 8)
                         + 2 * (256 // 8 * 4 + 4 * 768) + (768 * 4 + 4 * 256 // 8))
     lora = [*B, "--mesh_dim=1,8,1", "--dtype=fp32", "--lora.rank=4"]
-    bf16, nf4, dpo = (plan.estimate(parse(*lora, *argv), FAMILY, num_devices=8)
-                      for argv in ([], ["--lora.base_dtype=nf4"], ["--objective=dpo"]))
+    bf16, nf4, dpo, auto = (plan.estimate(parse(*lora, *argv), FAMILY, num_devices=8)
+                            for argv in (["--lora.base_dtype=bf16"], ["--lora.base_dtype=nf4"],
+                                         ["--objective=dpo", "--lora.base_dtype=bf16"], []))
     for estimate in (bf16, nf4):
         assert estimate.parameters == adapters
         assert estimate.gradients == 2 * adapters  # the adapters' only: no base gradients
@@ -175,6 +176,7 @@ def test_lora_trains_adapters_on_a_frozen_base_stored_in_its_dtype():
     kernels = 4 * (4 * 256 * 256 + 3 * 256 * 768) // 8  # weights of one device
     others = 2 * 512 * 256 // 8 + 4 * 2 * 256 + 256  # embeddings, lm_head, norms
     assert bf16.frozen == 2 * (kernels + others)
+    assert auto.frozen == 4 * (kernels + others)  # the default follows --dtype=fp32
     # nf4: half a byte a weight; a scale per block of 64 inputs of one output, split like
     # the output; scales and the rest in the compute dtype.
     scales = 4 * (3 * 4 * 256 + 4 * 256 // 8 + 2 * 4 * 768 + 12 * 256 // 8)
@@ -230,3 +232,17 @@ def test_options_of_a_block_the_type_does_not_read_are_one_line(data_of_each_typ
     assert (code, out) == (2, "")
     assert err == ("error: --train_dataset.json_dataset.seq_length is set but "
                    "--train_dataset.type=cache reads --train_dataset.cache.*\n")
+
+
+def test_the_header_names_an_hf_model_not_the_preset(tmp_path):
+    # The model config comes from the hf:: directory: the header says which, and its
+    # model_type, never the unused --llama.base_model default ('embedded').
+    from transformers import LlamaForCausalLM
+
+    from easylm.llama.config import LLaMAConfig
+
+    LlamaForCausalLM(LLaMAConfig.from_preset("debug").to_hf_config()).save_pretrained(tmp_path)
+    text, _ = plan.report(parse(f"--load_checkpoint=hf::{tmp_path}", "--mesh_dim=1,1,1"),
+                          FAMILY, num_devices=1, num_processes=1, budget=None)
+    assert text.startswith(f"plan: hf::{tmp_path} (llama), "), text.splitlines()[0]
+    assert "embedded" not in text.splitlines()[0]

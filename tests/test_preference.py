@@ -461,6 +461,34 @@ def test_dpo_command_learns_held_out_pairs(live_run):
     assert last["loss_pairs"] == 8 and last["tokens_seen"] == 10 * 2 * 8 * 32  # 2 rows a pair
 
 
+# Step 1 computes the policy against a reference that is the same model (the starting
+# parameters; under LoRA the base with the adapters off, where B = 0 makes them add
+# exactly 0): every reward is exactly 0, the loss log(2) = -log_sigmoid(0) in fp32 and the
+# accuracy the tie's 1/2. ln 2's fp32 significand ends in three zero bits, so a sum of up
+# to 8 copies of it, in any order, is exact. The trainer's own jitted step, on the
+# command's data: XLA compiles the policy's forward (under value_and_grad, beside the
+# optimizer) and the reference's apart, and they must still agree bitwise.
+@pytest.mark.parametrize("lora", [[], ["--lora.rank=4", "--lora.dropout=0.1"]])
+def test_dpo_step_one_is_an_exact_tie(pair_files, tmp_path, lora):
+    import contextlib
+
+    from easylm.training.setup import start
+
+    tie = {"loss": float(-jax.nn.log_sigmoid(jnp.float32(0))), "rewards/chosen": 0.0,
+           "rewards/rejected": 0.0, "rewards/margin": 0.0, "rewards/accuracy": 0.5}
+    assert tie["loss"] == float(np.float32(np.log(2)))
+    for mesh_dim in ("1,-1,1", "2,2,2"):
+        argv = command(pair_files, tmp_path / mesh_dim, eval_freq=0, mesh_dim=mesh_dim,
+                       **{"optimizer.adamw_optimizer.lr_warmup_steps": 0})
+        with contextlib.ExitStack() as cleanup:
+            run = start(llama_train.parse_flags(["train", *argv, *lora]), FAMILY, cleanup)
+            batch, _ = next(run.objective.batches(run.dataset, run.place))
+            state, first = run.train_step(run.state, batch)
+            _, second = run.train_step(state, batch)
+        assert {k: float(first[k]) for k in tie} == tie, (mesh_dim, first)
+        assert float(second["rewards/margin"]) != 0.0  # the negative twin: step 2 has moved
+
+
 def test_dpo_sigkill_then_resume_is_bitwise_identical(pair_files, live_run, tmp_path):
     from test_checkpoint import ENV, metrics, run_until
 
@@ -580,6 +608,21 @@ def test_bad_objective_setup_is_one_clear_line(argv, message, pair_files, capsys
     assert one_line_error(llama_train.main, ["train", *argv, f"--logger.output_dir={tmp_path}"],
                           capsys) == message
     assert os.listdir(tmp_path) == []  # failed before writing anything
+
+
+def test_dpo_on_plain_text_blames_the_data_not_the_order(capsys, tmp_path):
+    # Every line lacks prompt/chosen/rejected: no row finds a pair, and shuffling (which
+    # the message once suggested) cannot help.
+    from cli_utils import one_line_error
+
+    data = tmp_path / "text.jsonl"
+    data.write_text("".join(json.dumps({"text": f"line {i}"}) + "\n" for i in range(40)))
+    error = one_line_error(llama_train.main, [
+        "train", "--objective=dpo", f"--train_dataset.json_dataset.path={data}",
+        "--llama.base_model=debug", f"--logger.output_dir={tmp_path}/runs", "--total_steps=1"],
+        capsys)
+    assert error.startswith("no usable document") and error.endswith("fix the data"), error
+    assert "prompt" in error  # the skip names the missing field
 
 
 def test_objective_options_name_the_run_directory_only_when_they_train():

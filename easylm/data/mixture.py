@@ -90,6 +90,8 @@ def _updated(config, values, label):
         kind = type(config[key])
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
+        if key == "add_bos_token" and isinstance(value, bool):  # auto/true/false, once a bool
+            value = str(value).lower()
         if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
             raise UserError(f"{label}: {key} must be {kind.__name__}, got {value!r}")
         config[key] = value

@@ -120,8 +120,11 @@ class WindowReader:
                 if self.B == 1:
                     raise UserError(f"no usable document in a whole epoch of {n}: all were "
                                     f"skipped ({skipped}): fix the data")
-                # Row r reads only slots r, r+B, ...: bad lines in step with B starve it.
-                shuffle = "" if self.order.shuffle else (
+                # Row r reads only slots r, r+B, ...: bad lines in step with B starve it,
+                # and shuffling helps; when no row has found a usable document (plain text
+                # for a preference objective) nothing but the data can.
+                others = any(s.has_row() for k, s in self.streams.items() if k != r)
+                shuffle = "" if self.order.shuffle or not others else (
                     ", or set shuffle=True so that every row draws from all documents")
                 raise UserError(f"no usable document for row {r} of the batch: it reads "
                                 f"documents {r}, {r + self.B}, {r + 2 * self.B}, ... of each "

@@ -4,8 +4,10 @@
   `a+b`      the fields a and b joined by `subfield_separator`, tokenized together;
   `[...]`    any span in brackets gets no loss (mask 0), e.g. `[instruction+input],output`;
   `<|bos|>`, `<|eos|>`, `<|123|>`  one special token (BOS, EOS, or that id).
-`add_bos_token` puts BOS (mask 0) first, `add_eos_token` puts EOS (mask 1) last, so the
-model learns where an answer stops. `fields_from_example=key` reads the spec from each
+`add_bos_token` puts BOS (mask 0) first: `auto` (the default) when the tokenizer does so
+itself (`tokenizer(text)`: LLaMA's do, SmolLM2's ByteLevel BPE does not), `true` always,
+`false` never. `add_eos_token` puts EOS (mask 1) last, so the model learns where an answer
+stops. `fields_from_example=key` reads the spec from each
 example's `key` instead. In `chat` mode an example's OpenAI-style `messages` are rendered
 with the tokenizer's chat template (or `chat_template`) and only assistant turns get loss;
 the template, not add_bos_token/add_eos_token, decides the special tokens.
@@ -25,6 +27,19 @@ from ml_collections import ConfigDict
 from easylm.errors import UserError
 
 
+def _add_bos(flag, tokenizer) -> bool:
+    """--text_processor.add_bos_token as a bool: `auto` is whether the tokenizer puts its
+    BOS first by itself (as the server's --add_bos_token=auto encodes prompts)."""
+    value = str(flag).lower()
+    if value not in ("auto", "true", "false"):
+        raise UserError(f"text_processor.add_bos_token must be auto, true or false, got "
+                        f"{flag!r}")
+    if value != "auto":
+        return value == "true"
+    bos = tokenizer.bos_token_id
+    return bos is not None and tokenizer("a")["input_ids"][:1] == [bos]
+
+
 class TextProcessor:
 
     HELP = {
@@ -32,7 +47,8 @@ class TextProcessor:
                   "loss, <|bos|> <|eos|> <|id|> put one token; e.g. [instruction+input],output",
         "fields_from_example": "read the fields spec from this field of each example",
         "subfield_separator": "text between the fields joined by + in fields",
-        "add_bos_token": "start each document with BOS (no loss)",
+        "add_bos_token": "start each document with BOS (no loss): auto (as tokenizer(text) "
+                         "does, the server's default too), true or false",
         "add_eos_token": "end each document with EOS (with loss)",
         "prepend_text": "text put before the first text field",
         "chat": "examples hold OpenAI-style messages; only assistant turns get loss",
@@ -45,13 +61,16 @@ class TextProcessor:
         config.fields = "text"
         config.fields_from_example = ""
         config.subfield_separator = " "
-        config.add_bos_token = True
+        config.add_bos_token = "auto"
         config.add_eos_token = True
         config.prepend_text = ""
         config.chat = False
         config.chat_template = ""
         if updates is not None:
-            config.update(ConfigDict(updates).copy_and_resolve_references())
+            updates = ConfigDict(updates).copy_and_resolve_references().to_dict()
+            if isinstance(updates.get("add_bos_token"), bool):  # it was a bool until 'auto'
+                updates["add_bos_token"] = str(updates["add_bos_token"]).lower()
+            config.update(updates)
         return config
 
     def __init__(self, config, tokenizer):
@@ -67,12 +86,14 @@ class TextProcessor:
             for _, special, _ in parse_fields(c.fields):
                 if special is not None:
                     self._special_id(special)
-        for flag, token in (("add_bos_token", "bos"), ("add_eos_token", "eos")):
-            if c[flag] and not c.chat and getattr(tokenizer, f"{token}_token_id") is None:
+        add_bos = _add_bos(c.add_bos_token, tokenizer)
+        for flag, token, wanted in (("add_bos_token", "bos", add_bos),
+                                    ("add_eos_token", "eos", c.add_eos_token)):
+            if wanted and not c.chat and getattr(tokenizer, f"{token}_token_id") is None:
                 raise UserError(f"text_processor.{flag}=True but the tokenizer has no "
                                 f"{token.upper()} token; set text_processor.{flag}=False")
         # Plain attributes: a ConfigDict or tokenizer lookup per document is measurable.
-        self._bos = tokenizer.bos_token_id if c.add_bos_token else None
+        self._bos = tokenizer.bos_token_id if add_bos else None
         self._eos = tokenizer.eos_token_id if c.add_eos_token else None
         self._fields = "" if c.fields_from_example else c.fields
         self._prepend, self._separator = c.prepend_text, c.subfield_separator

@@ -19,6 +19,7 @@ from easylm.models.family import Frozen, Model
 from easylm.objectives import preference
 from easylm.objectives.next_token import chunked_next_token_loss, next_token_loss
 from easylm.runtime import checkpoint
+from easylm.runtime.dtypes import dtype_from_flag
 from easylm.runtime.sharding import match_partition_rules, named_shardings
 from easylm.variants.lora import (
     LoraConfig,
@@ -84,8 +85,8 @@ def lora_variant(model: Model, config: LLaMAConfig, lora: LoraConfig, dtype, loa
         rules=rules,
         load=(lambda mesh: load_base(lm, load_spec, mesh, load_hf)) if load_spec else None,
         identity=lm.identity, adapters_off=lm.adapters_off,
-        variant=f"{'QLoRA' if lora.base_dtype == 'nf4' else 'LoRA'} rank {lora.rank}",
-        num_parameters=model.num_parameters, dtype=lora.base_dtype)
+        variant=f"{'QLoRA' if lm.config.base_dtype == 'nf4' else 'LoRA'} rank {lora.rank}",
+        num_parameters=model.num_parameters, dtype=lm.config.base_dtype)
     return dataclasses.replace(
         model, init_params=lm.init_adapters, loss_fn=loss_fn, partition_rules=rules,
         row_logps=row_logps, frozen=frozen, load_hf=None,
@@ -99,6 +100,23 @@ def lora_variant(model: Model, config: LLaMAConfig, lora: LoraConfig, dtype, loa
         # the base's forward pass and the adapters' (2 FLOPs a weight)
         forward_flops_per_token=lambda seq_length: (model.forward_flops(seq_length)
                                                     + 2 * lm.num_adapter_parameters()))
+
+
+def state_settings(flags: dict) -> dict:
+    """The --lora.* settings a LoRA run's adapters mean something under, from flat flags
+    (`ModelFamily.state_settings`); flags a checkpoint did not record are left out."""
+    rank = flags.get("lora.rank", 0)
+    settings = {"--lora.rank": rank}
+    if not rank:
+        return settings
+    for name in ("target_modules", "alpha", "use_rslora"):
+        if f"lora.{name}" in flags:
+            settings[f"--lora.{name}"] = flags[f"lora.{name}"]
+    if "lora.base_dtype" in flags and "dtype" in flags:
+        lora = LoraConfig(base_dtype=flags["lora.base_dtype"])
+        settings["--lora.base_dtype"] = lora.resolved(
+            dtype_from_flag("dtype", flags["dtype"])).base_dtype  # auto made concrete
+    return settings
 
 
 def load_base(lm: LoraModel, spec: str, mesh, load_hf):

@@ -15,10 +15,12 @@ at the end, so a failed export never looks complete.
 A LoRA run's checkpoint (`--lora.rank` > 0: adapters and a reference to their base)
 exports with `--lora_mode`: `adapter` writes a PEFT directory (adapter_config.json,
 adapter_model.safetensors; verified by loading it with `peft.PeftModel` onto the HF
-model of the base as the run stored it), `merged` a full HF model with W + s·A·B
-folded into each adapted kernel (verified as any export). The base is read again
-from the --load_checkpoint the run recorded (or --lora_base), and refused if its
-fingerprint is not the run's.
+model of the base as the run stored it), `merged` a full HF model: the base as its
+source holds it, with W + s·A·B computed in fp32 and stored in the kernel's dtype in each
+adapted kernel, every other tensor the source's bit for bit (PEFT's model of the same
+adapter on that base; verified as any export). The base is read again from the
+--load_checkpoint the run recorded (or --lora_base), and refused if its fingerprint is
+not the run's.
 """
 
 import dataclasses
@@ -171,6 +173,33 @@ def load_lora(spec: str, metadata: dict, base_spec: str = ""):
     return config, lm, frozen, load_params(spec, abstract)
 
 
+def merged_params(spec: str, metadata: dict, base_spec: str = ""):
+    """(config, the run's base as its source holds it with W + s·A·B folded into each
+    adapted kernel) on the host. The source is read again, in its own dtypes: what the run
+    stored (bf16, quantized) is not the model PEFT adapts, and rounding it moved the
+    merged logits 0.15 from PEFT's on an fp32 base. Each adapted kernel is merged in fp32
+    and stored back in its dtype; every other tensor is the source's, bit for bit."""
+    config, lm, frozen, adapters = load_lora(spec, metadata, base_spec)
+    del frozen  # checked against the run's fingerprint; the source is read as it is
+    source = base_spec or metadata["frozen"]["source"]
+    return config, lm.merge(source_params(source, config), jax.device_get(adapters))
+
+
+def source_params(spec: str, config: LLaMAConfig):
+    """The parameters at `spec` (hf::, params:: or trainstate_params::) on the host, laid
+    out as `config` says, each in the dtype it is stored in."""
+    from easylm.llama.hf import load_hf_params
+
+    kind, directory = parse_load_spec(spec, ("hf", "params", "trainstate_params"))
+    if kind == "hf":
+        return load_hf_params(directory, scan_layers=config.scan_layers)[1]
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree_util.tree_map(
+        lambda leaf: jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype, sharding=device),
+        stored_tree(directory, "params"))
+    return jax.device_get(load_params(spec, abstract))
+
+
 def flags_tree(flat: dict) -> dict:
     """The recorded dotted flags as a nested dict."""
     tree: dict = {}
@@ -226,9 +255,7 @@ def main(argv=None):
     if FLAGS.lora_mode == "adapter":
         return export_adapter(FLAGS, output_dir, metadata)
     if FLAGS.lora_mode == "merged":
-        config, lm, frozen, adapters = load_lora(FLAGS.load_checkpoint, metadata,
-                                                 FLAGS.lora_base)
-        params = jax.device_get(lm.merge(frozen, adapters, dtype=jnp.float32))
+        config, params = merged_params(FLAGS.load_checkpoint, metadata, FLAGS.lora_base)
     else:
         config, params = load_checkpoint(FLAGS.load_checkpoint)
     partial = output_dir + ".partial"
@@ -263,6 +290,13 @@ def main(argv=None):
     print(f"wrote {output_dir}")
 
 
+def peft_base_model(spec: str) -> str:
+    """adapter_config.json's base_model_name_or_path: the HF directory of an hf:: base,
+    which peft loads by itself; none ('') for an easylm checkpoint, which it cannot."""
+    kind, _, path = spec.partition("::")
+    return os.path.abspath(path) if kind == "hf" else ""
+
+
 def export_adapter(FLAGS, output_dir: str, metadata: dict) -> None:
     """--lora_mode=adapter: the PEFT directory, verified with peft."""
     from easylm.llama.adapters import save_peft
@@ -272,7 +306,8 @@ def export_adapter(FLAGS, output_dir: str, metadata: dict) -> None:
     shutil.rmtree(partial, ignore_errors=True)
     try:
         save_peft(partial, lm, jax.device_get(adapters), config,
-                  base_model=(metadata.get("frozen") or {}).get("source", ""))
+                  base_model=peft_base_model(FLAGS.lora_base or
+                                             (metadata.get("frozen") or {}).get("source", "")))
         if FLAGS.verify:
             diff = verify_peft(lm, frozen, adapters, config, partial)
             print(f"verify: max |logit difference| vs peft = {diff:.3g}")

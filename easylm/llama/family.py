@@ -129,6 +129,14 @@ class LLaMAFamily(ModelFamily):
         lora = flags.get("lora")
         return ("lora.",) if lora is None or not lora.rank else ()
 
+    def state_settings(self, flags: dict, config: dict) -> dict:
+        # Whether layers are stacked, and LoRA's: rank (0: no adapters), the modules, the
+        # scale, the base's storage (auto made concrete: it follows --dtype).
+        from easylm.llama.adapters import state_settings
+
+        return {"--llama.scan_layers": bool(config.get("scan_layers")),
+                **state_settings(flags)}
+
     def variant_run_defaults(self, flags) -> dict:
         from easylm.llama.adapters import LORA_RUN_DEFAULTS
 

@@ -164,6 +164,14 @@ class ModelFamily:
         a variant that sets a learning rate gets no full-fine-tuning warning."""
         return {}
 
+    def state_settings(self, flags: dict, config: dict) -> dict:
+        """What a run's trained parameters mean besides their values, by the flag that sets
+        it (`{"--lora.rank": 8, ...}`), from its flat flags and its model config as a
+        checkpoint's metadata records them: a resume under other settings is refused by
+        the flag, before loading (a changed LoRA alpha would load and silently train
+        another model). None here: a plain model's parameters are their values."""
+        return {}
+
     def int8_model(self, config, dtype, params, mesh) -> tuple[Model, Any]:
         """(Model, parameters) of the int8 weight-only model (`--quantize=int8`, see
         easylm/variants/quantize.py) from float parameters of `bind(config, dtype, dtype)` placed

@@ -215,7 +215,14 @@ def make_loss_fn(objective: str, config, row_logps: Callable, reference: Callabl
             raise ValueError(f"{objective} needs a reference: pass `reference`, or batches "
                              f"with {', '.join(missing)}")
         rows = pair_rows(batch)
-        logps, lengths = row_logps(params, rows)
+        # A live reference is the policy's own computation: at step 1 (the same weights)
+        # every reward must be exactly 0. Differentiated, the policy's forward keeps what
+        # its backward reads, and XLA fuses it otherwise than the reference's (rewards of
+        # 1e-7, step-1 accuracies of 0.56 in a trainer step); rematerialised, its forward
+        # saves nothing and is compiled as the reference's is. It costs a second forward
+        # of the policy in the backward pass (docs/preference.md).
+        live = objective in NEEDS_REFERENCE and not stored
+        logps, lengths = (jax.checkpoint(row_logps) if live else row_logps)(params, rows)
         ref = None
         if stored:
             ref = Pair(*(batch[k] for k in REFERENCE_KEYS))

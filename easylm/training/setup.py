@@ -23,6 +23,7 @@ from easylm.runtime.sharding import (
     check_batch_split,
     make_mesh,
     mesh_string,
+    path_to_string,
 )
 from easylm.training import logger, optimizers, run_lock
 from easylm.training.options import (
@@ -55,7 +56,7 @@ def start(config: ConfigDict, family: ModelFamily, cleanup: contextlib.ExitStack
     run_dir = run_directory(config, model.name, family.unused_variant_flags(config))
     manager, latest = _checkpoints(config, run_dir, cleanup)
     cleanup.enter_context(jax.set_mesh(mesh))
-    source, state, data_state = _start_state(config, model, tx, mesh, manager, latest)
+    source, state, data_state = _start_state(config, family, model, tx, mesh, manager, latest)
     record = base_record(config, model, state, source)
     if data_state is not None:
         dataset.load_state_dict(data_state)
@@ -148,7 +149,7 @@ def _checkpoints(config: ConfigDict, run_dir: str, cleanup: contextlib.ExitStack
     return manager, latest
 
 
-def _start_state(config, model, tx, mesh, manager, latest):
+def _start_state(config, family, model, tx, mesh, manager, latest):
     """(source or None, state, data state or None): resumed from the run's latest
     checkpoint, else from --load_checkpoint, else fresh."""
     loads_base = model.frozen is not None and model.frozen.load is not None
@@ -171,9 +172,44 @@ def _start_state(config, model, tx, mesh, manager, latest):
             f"save_optimizer_state=False), so resuming would restart the optimizer "
             f"(Adam's moments from zero); pass --allow_fresh_optimizer=True to accept "
             f"that")
+    if kind == "trainstate":
+        _check_same_model(config, family, model, directory)
     state, data_state = _load_with_hint(
         lambda: load_state(kind, directory, model, tx, mesh, config.seed), manager, latest)
     return source, state, data_state
+
+
+def _check_same_model(config, family: ModelFamily, model: Model, directory: str) -> None:
+    """A train state saved under other settings than this run's is intact, and another
+    model: refused with the flag that differs (the settings recorded in its metadata
+    against this run's), else the first parameter that does not fit, never as damage.
+    A checkpoint whose metadata cannot be read is left to the load, which says so."""
+    try:
+        metadata = checkpoint.read_metadata(directory)
+        stored = _shapes(checkpoint.stored_tree(directory, "params"))
+    except UserError:
+        return
+    theirs = family.state_settings(metadata.get("flags", {}),
+                                   metadata.get(family.metadata_key) or {})
+    ours = family.state_settings(flag_lib.flatten(config), model.config)
+    new_run = "start a new run (another --logger.experiment_id)"
+    for flag, value in ours.items():
+        if flag in theirs and theirs[flag] != value:
+            raise UserError(f"{directory} was saved by a run with {flag}={theirs[flag]}, this "
+                            f"run has {flag}={value}: resume with {flag}={theirs[flag]}, or "
+                            f"{new_run}")
+    expected = _shapes(jax.eval_shape(model.init_params, jax.random.key(0)))
+    for path in sorted(set(stored) | set(expected)):
+        shapes = [tree.get(path, "none") for tree in (stored, expected)]
+        if shapes[0] != shapes[1]:
+            raise UserError(f"{directory} holds other parameters than this run's flags "
+                            f"describe ({path}: {shapes[0]} there, {shapes[1]} here): resume "
+                            f"with the flags it was saved with, or {new_run}")
+
+
+def _shapes(tree) -> dict:
+    return {path_to_string(path): tuple(leaf.shape)
+            for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 
 def _load_with_hint(load, manager, resumed_step: int | None):

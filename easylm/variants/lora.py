@@ -19,7 +19,8 @@ base kernels' rules, quantizing a (scanned) base, and merging. docs/lora.md says
 
 Parameter layout (leaf names are qwix's; scanned layers add a leading L axis):
 
-    <module>/kernel                 frozen, in --lora.base_dtype; when quantized, qwix's
+    <module>/kernel                 frozen, in --lora.base_dtype (auto: fp32 under fp32
+                                    compute, else bf16); when quantized, qwix's
                                     WithAux(QArray): <module>/kernel/array/qvalue (in, out)
                                     int8 or uint4, <module>/kernel/array/scale
     <module>/kernel_lora_a          (in, r)  fp32, trainable
@@ -56,7 +57,7 @@ from ml_collections import ConfigDict
 from easylm.errors import UserError
 from easylm.runtime.sharding import PartitionRules
 
-BASE_DTYPES = ("bf16", "fp32", "int8", "nf4")
+BASE_DTYPES = ("auto", "bf16", "fp32", "int8", "nf4")
 NF4_BLOCK = 64
 ADAPTERS = ("kernel_lora_a", "kernel_lora_b")  # qwix's names for a kernel's A and B
 # The attention and MLP projections, by the Hugging Face names LLaMA-like families use.
@@ -68,8 +69,9 @@ HELP = {
     "dropout": "dropout on each adapted layer's input to its adapters (training only)",
     "target_modules": "regex searched in each kernel's parameter path (e.g. "
                       "model/layers/0/self_attn/q_proj/kernel): the kernels that get adapters",
-    "base_dtype": "how the frozen base is stored: bf16, fp32, int8 (per-channel) or nf4 "
-                  "(QLoRA: 4-bit NormalFloat, blocks of 64)",
+    "base_dtype": "how the frozen base is stored: auto (fp32 when --dtype computes in fp32, "
+                  "else bf16), bf16, fp32, int8 (per-channel) or nf4 (QLoRA: 4-bit "
+                  "NormalFloat, blocks of 64)",
     "use_rslora": "rank-stabilised LoRA: scale by alpha / sqrt(r) instead of alpha / r",
 }
 
@@ -80,7 +82,7 @@ class LoraConfig:
     alpha: float = 16.0
     dropout: float = 0.0
     target_modules: str = DEFAULT_TARGET_MODULES
-    base_dtype: str = "bf16"
+    base_dtype: str = "auto"
     use_rslora: bool = False
 
     def __post_init__(self):
@@ -106,6 +108,15 @@ class LoraConfig:
     @property
     def quantized(self) -> bool:
         return self.base_dtype in ("int8", "nf4")
+
+    def resolved(self, dtype) -> "LoraConfig":
+        """With base_dtype 'auto' made concrete for the compute `dtype`: an fp32 run keeps
+        its base in fp32 (in bf16 its loss was 2e-4..5e-4 off PEFT's fp32 one), any other
+        in bf16 (half the memory; the base is read into the compute dtype anyway)."""
+        if self.base_dtype != "auto":
+            return self
+        fp32 = jnp.dtype(dtype) == jnp.float32
+        return dataclasses.replace(self, base_dtype="fp32" if fp32 else "bf16")
 
     @classmethod
     def from_flags(cls, config: ConfigDict) -> "LoraConfig":
@@ -223,6 +234,7 @@ class LoraModel:
     def __init__(self, module: nn.Module, config: LoraConfig, dtype=jnp.float32):
         if config.rank < 1:
             raise UserError(f"--lora.rank must be >= 1 to build adapters, got {config.rank}")
+        config = config.resolved(dtype)
         self.config, self.dtype, self.base_module = config, jnp.dtype(dtype), module
         shapes = jax.eval_shape(module.init_params, jax.random.key(0))
         self.targets = tuple(target_paths(shapes, config.target_modules))
