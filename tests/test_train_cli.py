@@ -20,7 +20,7 @@ from easylm.llama.family import FAMILY
 from easylm.runtime import checkpoint
 from easylm.serving import cli as serving_cli
 from easylm.training import optimizers
-from easylm.training.options import warn_about_the_schedule
+from easylm.training.options import run_directory, warn_about_the_schedule
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -332,3 +332,21 @@ def test_nonfinite_loss_stops_the_run_naming_the_step(tmp_path):
         "error: loss or gradient norm became NaN/Inf at step 2; stopping (lower the learning "
         "rate, or pass --skip_nonfinite_updates=True to skip such steps)")
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("argv, old_id", [
+    ([], "llama-3c8434a5"),  # the embedded demo, as the README shows it
+    (["--train_dataset.json_dataset.path=data.jsonl", "--lora.rank=16",
+      "--load_checkpoint=hf::/models/base"], "llama-30ada2a6"),
+])
+def test_redefaulted_flags_keep_the_directories_runs_had(argv, old_id):
+    # The ids these commands got before --train_dataset.text_processor.add_bos_token and
+    # --lora.base_dtype defaulted to auto (computed by the code at cac0ba9): the same
+    # command still resumes its run; a setting that trains otherwise is another run.
+    def run_id(*extra):
+        config = train.parse_flags(["train", *argv, *extra])
+        return os.path.basename(run_directory(config, "llama",
+                                              FAMILY.unused_variant_flags(config)))
+
+    assert run_id() == old_id
+    assert run_id("--train_dataset.text_processor.add_bos_token=false") != old_id

@@ -233,6 +233,21 @@ def run_defaults(demo: dict, max_seq_length: Callable[[ConfigDict], int] | None 
             objectives.dataset_defaults]
 
 
+# Flags whose default changed after runs were named by their hash: (new default, old
+# default). At the new default the hash reads the old one, so the same command still lands
+# in (and resumes) the directory it made before: with a tokenizer that adds BOS, `auto` is
+# the old `true`; with --dtype=bf16 the base's `auto` is the old `bf16`; otherwise the
+# resume names the setting that differs.
+_REDEFAULTED = {"train_dataset.text_processor.add_bos_token": ("auto", True),
+                "eval_dataset.text_processor.add_bos_token": ("auto", True),
+                "lora.base_dtype": ("auto", "bf16")}
+
+
+def _hashed(name: str, value):
+    new, old = _REDEFAULTED.get(name, (None, None))
+    return old if new is not None and value == new else value
+
+
 def run_directory(config: ConfigDict, model_name: str, unused: tuple = ()) -> str:
     """OUTPUT_DIR/EXPERIMENT_ID; by default the id hashes the flags, so re-running the
     same command (say, after preemption) lands in the same directory and resumes. Flags
@@ -243,7 +258,7 @@ def run_directory(config: ConfigDict, model_name: str, unused: tuple = ()) -> st
         # logger.* and jax_distributed.* may differ between hosts; unset optional flags
         # (None) are left out too, so that adding such a flag keeps existing ids; and what
         # eval_harness.* evaluates changes nothing trained.
-        flat = {k: v for k, v in flag_lib.flatten(config).items()
+        flat = {k: _hashed(k, v) for k, v in flag_lib.flatten(config).items()
                 if k not in ("resume", "allow_fresh_optimizer", "log_all_worker",
                              "profile_steps", "profile_start_step")
                 and not k.startswith(("logger.", "jax_distributed.", "eval_harness.",
