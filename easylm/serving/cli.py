@@ -93,7 +93,8 @@ def model_config(family: ModelFamily, config: ConfigDict):
 
 
 def load_params(config: ConfigDict, model: Model, mesh):
-    """`model`'s parameters placed on `mesh` by its partition rules, in its parameter dtype (the serving dtype): --load_checkpoint's, or random."""
+    """`model`'s parameters placed on `mesh` by its partition rules, in its parameter
+    dtype (the serving dtype): --load_checkpoint's, or random."""
     if not config.load_checkpoint:
         log.warning("no --load_checkpoint: serving RANDOM weights")
         return init_sharded(model.init_params, model.partition_rules, mesh, jax.random.PRNGKey(0))
