@@ -509,7 +509,7 @@ def test_every_stored_dtype_loads_in_every_dtype(stored, stored_dtype, requested
     config.load_checkpoint = f"params::{saved['directory']}"
     config.dtype = requested
     settings = serving_cli.model_config(FAMILY, config)
-    served = serving_cli.load_params(FAMILY, config, settings, FAMILY.build(config, settings), mesh)
+    served = serving_cli.load_params(config, FAMILY.build(config, settings), mesh)
     assert_cast_from(served, saved["params"], dtype)
     # The trainer with --param_dtype=REQUESTED: params:: and trainstate::.
     model, tx = dtype_model(requested)

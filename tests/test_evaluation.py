@@ -315,3 +315,65 @@ def test_the_hook_adds_no_host_sync_to_ordinary_steps(harness_run):
     ordinary = [s for s in waits if s not in (0, 1, *HOOK_STEPS)]
     assert not ordinary, {s: waits[s] for s in ordinary}
     assert waits[5] > 10  # the engine's scoring calls, each fetched
+
+
+def test_the_hook_on_a_lora_run_scores_as_the_merged_model(tmp_path):
+    """--eval_harness on a QLoRA run: the engine runs the live adapters on the stored nf4
+    base (no merged copy of the base); its log-likelihoods are the merged model's (W + s·A·B
+    folded into each dequantized kernel), within the reordering of fp32 sums that merging
+    is, and its logged metrics are the merged model's."""
+    import contextlib
+
+    from numerics import logprob_atol_for
+
+    from easylm.data.tokenizer import load_tokenizer
+    from easylm.evaluation.harness import evaluate, harness_metrics
+    from easylm.llama import train
+    from easylm.llama.adapters import lora_model
+    from easylm.llama.config import LLaMAConfig
+    from easylm.llama.model import LLaMAForCausalLM
+    from easylm.training.setup import start
+    from easylm.variants.lora import LoraConfig
+
+    config = train.parse_flags(["train", *TRAIN[:5], "--compilation_cache_dir=",
+                                "--lora.rank=4", "--lora.base_dtype=nf4", "--dtype=fp32",
+                                *TRAIN[-4:], "--eval_harness.seq_length=64",
+                                "--eval_harness.max_gen_toks=16",
+                                f"--logger.output_dir={tmp_path}"])
+    with contextlib.ExitStack() as cleanup:
+        run = start(config, FAMILY, cleanup)
+        base = run.state.frozen["base"]
+        # B starts at 0 (the adapted model is the base): other adapters, that change it.
+        keys = iter(jax.random.split(jax.random.key(1), 64))
+        params = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(next(keys), x.shape),
+                              run.state.params)
+        logged = run.harness(1, run.state.replace(params=params))
+        lm_config = LLaMAConfig(**run.model.config)
+        lm = lora_model(lm_config, LoraConfig.from_flags(config.lora))
+        merged = jax.jit(lm.merge)(base, params)
+        hook = run.harness.lm
+        merged_lm = HarnessLM.from_params(FAMILY.bind(lm_config), merged, load_tokenizer(
+            "embedded"), run.mesh, {"seq_length": 64, "min_bucket": 16}, progress=False)
+        ids = np.random.RandomState(0).randint(0, 512, (8, 64))
+        requests = [(None, list(row[:n]), list(row[n:])) for row, n in zip(ids, range(1, 64, 8))]
+        hook.engine.params = (params, base)
+        ours = np.array([logprob for logprob, _ in hook._loglikelihood_tokens(requests)])
+        theirs = np.array([logprob for logprob, _ in merged_lm._loglikelihood_tokens(requests)])
+        merged_lm.engine.params = jax.jit(lm.merge)(base, lm.adapters_off(params))
+        unadapted = np.array([lp for lp, _ in merged_lm._loglikelihood_tokens(requests)])
+        merged_lm.engine.params = merged
+        expected = harness_metrics(evaluate(merged_lm, run.harness.tasks, run.harness.manager,
+                                            limit=4, bootstrap_iters=0))
+    tolerance = logprob_atol_for(LLaMAForCausalLM(lm_config), jax.device_get(merged), 64)
+    terms = np.array([len(continuation) for _, _, continuation in requests])
+    print("max |log-likelihood difference|, LoRA vs merged:", np.abs(ours - theirs).max(),
+          "tolerance:", tolerance(terms).min())
+    assert np.all(np.abs(ours - theirs) <= tolerance(terms))
+    assert np.all(np.abs(unadapted - theirs) > tolerance(terms))  # the adapters matter
+    assert sorted(logged) == sorted({**expected, "harness/seconds": 0})
+    for name, value in expected.items():
+        # Means over tokens (or their exp: perplexities) of log-probabilities each within
+        # tolerance(1): relative error <= tolerance(1) (bits per byte: divided further by
+        # the mean |log-probability|, ~ln 512); accuracies are equal unless a choice is a
+        # tie within that.
+        assert logged[name] == pytest.approx(value, rel=tolerance(1)), name

@@ -29,7 +29,7 @@ from easylm.llama.adapters import lora_model
 from easylm.llama.config import LLaMAConfig
 from easylm.llama.family import FAMILY
 from easylm.llama.hf import load_hf_params
-from easylm.llama.model import LLaMAForCausalLM
+from easylm.llama.model import LLaMAForCausalLM, stack_layers, unstack_layers
 from easylm.runtime import checkpoint
 from easylm.runtime.sharding import path_to_string
 from easylm.serving import cli as serving_cli
@@ -173,7 +173,7 @@ def test_qlora_starts_as_the_base_trains_adapters_only_and_learns_like_bf16(hf_d
     assert np.abs(merged.numpy() - base).max() > 100 * 1e-4  # the adapters changed something
     other = make_hf(tmp_path / "other_base", seed=1)
     capsys.readouterr()
-    assert "is not the base" in one_line_error(convert.main, [
+    assert "was trained on a frozen base (hf::" in one_line_error(convert.main, [
         "convert", f"--load_checkpoint=params::{final}", "--lora_mode=merged",
         f"--output_dir={tmp_path / 'other'}", f"--lora_base=hf::{other}"], capsys)
     assert not os.path.exists(tmp_path / "other")
@@ -405,3 +405,169 @@ def test_sigkill_then_resume_of_a_lora_run_is_bitwise_identical(data_path, tmp_p
     for step, line in got.items():  # JSON floats round-trip exactly: this is bitwise
         for key in ("loss", "gradient_norm", "param_norm"):
             assert line[key] == want[step][key], (step, key, kill_step)
+
+
+# ----------------------------------------- where training meets serving and evaluation
+
+# The runs the trainer can make, each one step: (its flags beyond `parse`'s, the run whose
+# final checkpoint is its base, if any). Full fine-tuning from a HF directory; scanned from
+# an unscanned params:: checkpoint; LoRA (bf16 base) unscanned on that scanned checkpoint;
+# QLoRA from hf::, unscanned and scanned (the issue's command).
+VARIANTS = {
+    "full": (["--lora.rank=0", "--load_checkpoint=hf::{hf}"], None),
+    "full-scanned": (["--lora.rank=0", "--load_checkpoint=params::{converted}",
+                      "--llama.scan_layers=True"], None),
+    "lora": (["--lora.rank=4", "--lora.base_dtype=bf16"], "full-scanned"),
+    "qlora": (["--lora.rank=8", "--lora.base_dtype=nf4", "--load_checkpoint=hf::{hf}"], None),
+    "qlora-scanned": (["--lora.rank=8", "--lora.base_dtype=nf4", "--llama.scan_layers=True",
+                       "--load_checkpoint=hf::{hf}"], None),
+}
+
+
+@pytest.fixture(scope="module")
+def trained(hf_dir, tmp_path_factory):
+    """name -> (final checkpoint, {'serve it': argv, 'eval it': argv}) of each VARIANTS
+    run, trained once (one step) on first use; 'converted': the base as params::."""
+    import io
+    import shlex
+
+    from easylm.llama import convert_hf_to_easylm
+
+    root = tmp_path_factory.mktemp("variants")
+    converted = root / "converted"
+    convert_hf_to_easylm.main(["convert", f"--hf_model={hf_dir}", f"--output_dir={converted}"])
+    runs = {"converted": (str(converted), {})}
+
+    def get(name):
+        if name not in runs:
+            argv, base = VARIANTS[name]
+            argv = [a.format(hf=hf_dir, converted=converted) for a in argv]
+            if base:
+                argv.append(f"--load_checkpoint=params::{get(base)[0]}")
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                final = trainer.train(parse(root, *argv, "--total_steps=1",
+                                            f"--logger.experiment_id={name}"), FAMILY)
+            lines = {line.split(":", 1)[0]: shlex.split(line.split(":", 1)[1])[3:]
+                     for line in out.getvalue().splitlines()
+                     if line.startswith(("serve it:", "eval it:"))}
+            runs[name] = (final, lines)
+        return runs[name]
+
+    return get
+
+
+def is_scanned(params) -> bool:
+    return "0" not in params["model"]["layers"]
+
+
+def in_layout(params, scanned: bool):
+    """`params` (2 layers) with their layers stacked or not (the tests' own conversion)."""
+    if is_scanned(params) == scanned:
+        return params
+    return stack_layers(params, 2) if scanned else unstack_layers(params, 2)
+
+
+def as_stored(directory):
+    """A checkpoint's parameters on the host, in the layout it stored them in."""
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.device_get(checkpoint.load_params(f"params::{directory}", jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+        checkpoint.stored_tree(directory, "params"))))
+
+
+def load_served(argv, *extra):
+    """The engine's parameters as `python -m easylm.llama.serve ARGV` loads them."""
+    config = flags.parse(serving_cli.default_config(FAMILY), serving_cli.help_entries(FAMILY),
+                         ["serve", *argv, "--pre_compile=False", *extra])
+    return serving_cli.load_engine(FAMILY, config)[0].params
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_printed_serve_and_eval_lines_load_every_variant(variant, trained, hf_dir):
+    """Each run's `serve it:` line loads (and with --quantize=int8 on top), and so does its
+    `eval it:` line; the served model is the one trained: the run's own parameters, or
+    its adapters (read in the run's layout, served in the base's) folded into the base."""
+    from easylm.llama import eval as eval_cli
+
+    final, lines = trained(variant)
+    assert sorted(lines) == ["eval it", "serve it"]
+    assert lines["eval it"][-1] == "--tasks=TASKS"
+    served = jax.device_get(load_served(lines["serve it"]))
+    load_served(lines["serve it"], "--quantize=int8")
+    config = flags.parse(eval_cli.model_config(), eval_cli.help_entries(),
+                         ["eval", *lines["eval it"][:-1], "--pre_compile=False"])
+    assert eval_cli.load(config).engine.params is not None
+    stored = as_stored(final)
+    if VARIANTS[variant][0][0] == "--lora.rank=0":
+        assert same_bits(served, stored)
+        return
+    # Served in the layout of the base it names (its config.json's, its checkpoint's).
+    scanned = is_scanned(served)
+    assert scanned == (variant == "lora")  # its base: the scanned full run's checkpoint
+    base = (load_hf_params(str(hf_dir))[1] if variant.startswith("qlora") else
+            as_stored(trained("full-scanned")[0]))
+    metadata = checkpoint.read_metadata(final)
+    lora = LoraConfig(**{k.split(".")[1]: v for k, v in metadata["flags"].items()
+                         if k.startswith("lora.")})
+    lm = lora_model(LLaMAConfig(**metadata["llama_config"]).replace(scan_layers=scanned), lora)
+    want = jax.device_get(jax.jit(lm.merge)(base, in_layout(stored, scanned)))
+    for a, b in zip(jax.tree.leaves(served), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)  # W + s A B: one fp32 rounding
+
+
+def test_adapters_on_another_base_are_refused_by_serve_eval_and_convert(trained, tmp_path,
+                                                                        capsys):
+    """Same shapes, other weights: serve, eval and convert each refuse in one line naming
+    both bases and fingerprints; the fingerprint is of the base as the run stored it (nf4),
+    recomputed from the served fp32 or bf16 weights, or read again in fp16. (A scanned
+    run's base, checked in the run's layout, is accepted in the test above.)"""
+    from easylm.llama import eval as eval_cli, serve
+
+    final, lines = trained("qlora")
+    other = make_hf(tmp_path / "other", seed=1)
+    serve_argv = [f"--load_checkpoint=hf::{other}" if a.startswith("--load_checkpoint=") else a
+                  for a in lines["serve it"]]
+    mismatch = (rf"{final} was trained on a frozen base \(hf::.*/base\) with fingerprint "
+                rf"(\w+), but hf::{other} has fingerprint (\w+): ")
+    refused = mismatch + r"serve the adapters on their base \(--load_checkpoint=hf::.*/base\)"
+    for dtype in ("fp32", "bf16", "fp16"):
+        with pytest.raises(UserError, match=refused) as error:
+            load_served(serve_argv, f"--dtype={dtype}")
+        first, second = re.search(refused, str(error.value)).groups()
+        assert first == checkpoint.read_metadata(final)["frozen"]["fingerprint"] != second
+    load_served(lines["serve it"], "--dtype=fp16")  # its own base, read again: accepted
+    config = flags.parse(eval_cli.model_config(), eval_cli.help_entries(),
+                         ["eval", *serve_argv, "--pre_compile=False"])
+    with pytest.raises(UserError, match=refused):
+        eval_cli.load(config)
+    capsys.readouterr()
+    assert re.fullmatch(mismatch + "give the run's base with --lora_base",
+                        one_line_error(convert.main, [
+                            "convert", f"--load_checkpoint=params::{final}", "--lora_mode=merged",
+                            f"--output_dir={tmp_path / 'merged'}", f"--lora_base=hf::{other}"],
+                            capsys))
+    # As a command: one line, before anything is served.
+    assert re.fullmatch(refused, one_line_error(serve.main, ["serve", *serve_argv], capsys))
+
+
+def test_a_lora_checkpoint_given_as_load_checkpoint_names_the_base_and_the_flag(trained):
+    final, _ = trained("qlora-scanned")
+    base = checkpoint.read_metadata(final)["frozen"]["source"]
+    for spec in (f"params::{final}", f"trainstate_params::{final}"):
+        with pytest.raises(UserError, match=rf"--load_checkpoint={spec} holds adapters trained "
+                                            rf"on a frozen base, not a whole model: pass the "
+                                            rf"base and the adapters, --load_checkpoint={base} "
+                                            rf"--lora_checkpoint={final}$"):
+            load_served([f"--load_checkpoint={spec}"])
+
+
+def test_params_checkpoints_load_in_either_layout(trained):
+    """An unscanned params:: checkpoint served scanned and a scanned one unscanned: the same
+    numbers (the trainer's side: the full-scanned and lora runs start from such ones)."""
+    for name, scanned in (("converted", True), ("full-scanned", False)):
+        directory = trained(name)[0]
+        served = jax.device_get(load_served([f"--load_checkpoint=params::{directory}",
+                                             f"--llama.scan_layers={scanned}"]))
+        assert is_scanned(served) is scanned
+        assert same_bits(served, in_layout(as_stored(directory), scanned))

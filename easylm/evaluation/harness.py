@@ -330,8 +330,8 @@ class HarnessHook:
             "batch_size": config.batch_size, "seq_length": seq_length,
             "min_bucket": config.min_bucket, "decode_steps": config.decode_steps})
         if config.max_gen_toks >= seq_length:
-            raise UserError(f"--harness_flags.max_gen_toks={config.max_gen_toks} leaves no room "
-                            f"for a prompt in --harness_flags.seq_length={seq_length}")
+            raise UserError(f"--eval_harness.max_gen_toks={config.max_gen_toks} leaves no room "
+                            f"for a prompt in --eval_harness.seq_length={seq_length}")
         self.lm = HarnessLM.from_params(model, None, tokenizer, mesh, engine_config,
                                         stop_token_ids=(model.eos_token_id,),
                                         max_gen_toks=config.max_gen_toks, progress=False)
@@ -340,7 +340,9 @@ class HarnessHook:
     def __call__(self, step: int, state) -> dict:
         start = time.time()
         engine = self.lm.engine
-        engine.params = state.params
+        # A variant's model serves its live parameters on their frozen base (Model.apply).
+        engine.params = (state.params, state.frozen["base"]) if "base" in state.frozen \
+            else state.params
         engine.reset()  # the cache, for generate_until requests (compiled once, at the start)
         try:
             results = evaluate(self.lm, self.tasks, self.manager, self.config.num_fewshot,
@@ -368,15 +370,15 @@ def harness_metrics(results: dict) -> dict:
 def _check_hook_config(config, max_seq_length: int):
     """Flag values the hook cannot use, named as the trainer's flags."""
     if config.freq < 1:
-        raise UserError(f"--harness_flags.freq must be >= 1 with --harness_flags.tasks, got "
+        raise UserError(f"--eval_harness.freq must be >= 1 with --eval_harness.tasks, got "
                         f"{config.freq}")
     if config.limit is not None and config.limit <= 0:
-        raise UserError(f"--harness_flags.limit must be > 0, got {config.limit}")
+        raise UserError(f"--eval_harness.limit must be > 0, got {config.limit}")
     for name, low in (("num_fewshot", 0), ("bootstrap_iters", 0), ("max_gen_toks", 1),
                       ("batch_size", 1), ("seq_length", 0), ("min_bucket", 1),
                       ("decode_steps", 1)):
         if config[name] is not None and config[name] < low:
             raise UserError(f"--eval_harness.{name} must be >= {low}, got {config[name]}")
     if max_seq_length and config.seq_length > max_seq_length:
-        raise UserError(f"--harness_flags.seq_length={config.seq_length} is above the model's "
+        raise UserError(f"--eval_harness.seq_length={config.seq_length} is above the model's "
                         f"max_position_embeddings={max_seq_length}")

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from easylm.errors import UserError
 from easylm.llama import hf
 from easylm.llama.config import LLaMAConfig
-from easylm.llama.model import PARTITION_RULES, LLaMAForCausalLM, lm_head_weight
+from easylm.llama.model import PARTITION_RULES, LLaMAForCausalLM, lm_head_weight, relayout
 from easylm.models.family import Frozen, Model
 from easylm.objectives import preference
 from easylm.objectives.next_token import chunked_next_token_loss, next_token_loss
@@ -45,13 +45,12 @@ def lora_model(config: LLaMAConfig, lora: LoraConfig, dtype=jnp.float32,
 
 
 def lora_variant(model: Model, config: LLaMAConfig, lora: LoraConfig, dtype, load_spec: str,
-                 load_hf) -> Model:
+                 load) -> Model:
     """The LoRA `Model` of the LLaMA `model` (bound to `config`, compute `dtype`): it trains
     the adapters (`params`) on the frozen base (`frozen`: `lora.base_dtype`, quantized on
     the devices for int8/nf4), read from `load_spec` (hf::, params:: or trainstate_params::;
-    `load_hf(directory, abstract)` reads hf::) or, with none, drawn."""
+    `load(spec, abstract)` reads it) or, with none, drawn."""
     lm = lora_model(config, lora, dtype=dtype)
-    rules = partition_rules(PARTITION_RULES)
     head_adapted = any(path.startswith("lm_head/") for path in lm.targets)
     if config.loss_chunk_size and head_adapted:
         raise UserError("--llama.loss_chunk_size computes the output projection outside the "
@@ -80,18 +79,18 @@ def lora_variant(model: Model, config: LLaMAConfig, lora: LoraConfig, dtype, loa
             hidden, lm_head_weight(lm.dequantized_base(base), config), rows["target_tokens"],
             rows["loss_masks"], config.loss_chunk_size)
 
-    frozen = Frozen(
-        init=lambda rng: lm.store_base(lm.base_module.init_params(rng)),
-        rules=rules,
-        load=(lambda mesh: load_base(lm, load_spec, mesh, load_hf)) if load_spec else None,
-        identity=lm.identity, adapters_off=lm.adapters_off,
-        variant=f"{'QLoRA' if lm.config.base_dtype == 'nf4' else 'LoRA'} rank {lora.rank}",
-        num_parameters=model.num_parameters, dtype=lm.config.base_dtype)
+    def apply(adapters_and_base, ids, positions, cache):
+        # The engine on the live adapters and their stored base (the trainer's lm-eval
+        # hook): no merged float copy of the base, which for QLoRA would be 4x its nf4
+        # bytes; each matmul dequantizes its kernel as in training.
+        adapters, base = adapters_and_base
+        return lm.apply(base, adapters, ids, positions=positions, cache=cache)
+
     return dataclasses.replace(
-        model, init_params=lm.init_adapters, loss_fn=loss_fn, partition_rules=rules,
-        row_logps=row_logps, frozen=frozen, load_hf=None,
-        # Serving reads a merged model (--lora_checkpoint), not adapters alone.
-        apply=None, init_cache=None, num_parameters=lm.num_adapter_parameters(),
+        model, init_params=lm.init_adapters, loss_fn=loss_fn,
+        partition_rules=partition_rules(PARTITION_RULES), row_logps=row_logps,
+        frozen=_frozen(lm, model, load_spec, load), load=None, apply=apply,
+        num_parameters=lm.num_adapter_parameters(),
         # No weight gradients for the frozen base: 4 FLOPs a matmul weight, not 6, and
         # the adapters' own 6.
         flops_per_token=lambda seq_length: (model.flops_per_token(seq_length)
@@ -119,10 +118,22 @@ def state_settings(flags: dict) -> dict:
     return settings
 
 
-def load_base(lm: LoraModel, spec: str, mesh, load_hf):
-    """The frozen base of `lm` from `spec` (hf::, params:: or trainstate_params::), each
-    tensor read into its shards of `mesh`, then stored (cast, or quantized) on the devices."""
-    kind, directory = checkpoint.parse_load_spec(spec, checkpoint.LOAD_PREFIXES + ("hf",))
+def _frozen(lm: LoraModel, model: Model, load_spec: str, load) -> Frozen:
+    lora = lm.config
+    return Frozen(
+        init=lambda rng: lm.store_base(lm.base_module.init_params(rng)),
+        rules=partition_rules(PARTITION_RULES),
+        load=(lambda mesh: load_base(lm, load_spec, mesh, load)) if load_spec else None,
+        identity=lm.identity, adapters_off=lm.adapters_off,
+        variant=f"{'QLoRA' if lora.base_dtype == 'nf4' else 'LoRA'} rank {lora.rank}",
+        num_parameters=model.num_parameters, dtype=lora.base_dtype)
+
+
+def load_base(lm: LoraModel, spec: str, mesh, load):
+    """The frozen base of `lm` from `spec` (hf::, params:: or trainstate_params::, in
+    either layout: `load(spec, abstract)`), each tensor read into its shards of `mesh`,
+    then stored (cast, or quantized) on the devices."""
+    kind, _ = checkpoint.parse_load_spec(spec, checkpoint.LOAD_PREFIXES + ("hf",))
     if kind == "trainstate":
         raise UserError(f"--load_checkpoint={spec}: a LoRA run (--lora.rank="
                         f"{lm.config.rank}) trains adapters on a base: give the base as hf::, "
@@ -133,41 +144,44 @@ def load_base(lm: LoraModel, spec: str, mesh, load_hf):
     shardings = named_shardings(mesh, match_partition_rules(PARTITION_RULES, shapes))
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, read, sharding=s),
                             shapes, shardings)
-    base = load_hf(directory, abstract) if kind == "hf" else checkpoint.load_params(spec, abstract)
+    base = load(spec, abstract)
     stored = jax.eval_shape(lm.store_base, shapes)
     out = named_shardings(mesh, match_partition_rules(rules, stored))
     return jax.jit(lm.store_base, out_shardings=out, donate_argnums=0)(base)
 
 
-def read_adapters(spec: str, config: LLaMAConfig) -> tuple[LoraConfig, dict]:
-    """(LoraConfig, adapters on the host) from a PEFT directory or a LoRA run's checkpoint
-    (DIR or params::DIR), shaped for `config`."""
+def read_adapters(spec: str, config: LLaMAConfig) -> tuple[LoraConfig, dict, dict]:
+    """(LoraConfig, adapters on one device, the run's checkpoint metadata ({} for PEFT))
+    from a PEFT directory or a LoRA run's checkpoint (DIR or params::DIR): read in the
+    layout they were stored in, returned in `config`'s (serve, eval and convert all read
+    adapters here)."""
     import os
 
     from easylm.variants.lora import PEFT_CONFIG
 
     directory = spec.partition("::")[2] if "::" in spec else spec
     if os.path.isfile(os.path.join(directory, PEFT_CONFIG)):
-        return load_peft(directory, config)
+        return (*load_peft(directory, config), {})
     checkpoint.check_checkpoint_dir(directory)
-    recorded = checkpoint.read_metadata(directory).get("flags", {})
-    fields = {name.split(".", 1)[1]: value for name, value in recorded.items()
+    metadata = checkpoint.read_metadata(directory)
+    fields = {name.split(".", 1)[1]: value for name, value in metadata.get("flags", {}).items()
               if name.startswith("lora.")}
     if not fields.get("rank"):
         raise UserError(f"--lora_checkpoint={spec}: neither a PEFT adapter directory nor a "
                         f"LoRA run's checkpoint (its flags have no --lora.rank)")
-    lora = LoraConfig(**fields)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     abstract = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype,
                                                               sharding=device),
                             checkpoint.stored_tree(directory, "params"))
-    return lora, checkpoint.load_params(f"params::{directory}", abstract)
+    adapters = checkpoint.load_params(f"params::{directory}", abstract)
+    return LoraConfig(**fields), relayout(adapters, config.scan_layers), metadata
 
 
-def merge_into(spec: str, config: LLaMAConfig, params):
-    """`params` (float, sharded) with the adapters at `spec` folded into their kernels, on
-    the devices and in each kernel's dtype and shards."""
-    lora, adapters = read_adapters(spec, config)
+def merge_into(spec: str, base_spec: str, config: LLaMAConfig, params, mesh, load):
+    """`params` (float, sharded, read from `base_spec` by `load(spec, abstract)`) with the
+    adapters at `spec` folded into their kernels, on the devices and in each kernel's dtype
+    and shards; refused unless the base is the one a LoRA run's adapters were trained on."""
+    lora, adapters, metadata = read_adapters(spec, config)
     adapters = jax.device_get(adapters)  # small: jit places them beside the kernels
     lm = lora_model(config, lora)
     shardings = jax.tree.map(lambda x: x.sharding, params)
@@ -177,7 +191,40 @@ def merge_into(spec: str, config: LLaMAConfig, params):
                                                jax.tree.leaves(lm.adapter_shapes))):
         raise UserError(f"--lora_checkpoint={spec}: its adapters do not fit the served model "
                         f"(another shape, or other adapted modules)")
+    if (metadata.get("frozen") or {}).get("fingerprint"):  # a PEFT directory records none
+        check_base(spec, metadata["frozen"], base_spec,
+                   *_stored_as_the_run(metadata, lora, params, base_spec, mesh, load),
+                   fix=f"serve the adapters on their base (--load_checkpoint="
+                       f"{metadata['frozen']['source']})")
     return jax.jit(lm.merge, out_shardings=shardings)(params, adapters)
+
+
+def _stored_as_the_run(metadata: dict, lora: LoraConfig, params, base_spec: str, mesh, load):
+    """(LoraModel of the run, the base as the LoRA run whose `metadata` these are stored it:
+    its layout, cast or quantized from the dtype it read): what its fingerprint is of. Made
+    from the served `params` when they hold every bit the run read (fp32, or its read
+    dtype), else read again from `base_spec`; for the check only, then freed."""
+    recorded = metadata["frozen"]
+    run_config = LLaMAConfig(**metadata["llama_config"])
+    lm = lora_model(run_config, lora, dtype=jnp.dtype(recorded.get("dtype", "float32")))
+    read = jnp.dtype(_READ_DTYPE.get(lora.base_dtype, jnp.bfloat16))
+    if any(x.dtype not in (jnp.float32, read) for x in jax.tree.leaves(params)):
+        return lm, load_base(lm, base_spec, mesh, load)
+    as_read = lambda p: jax.tree.map(lambda x: x.astype(read), relayout(p, run_config.scan_layers))
+    return lm, jax.jit(lambda p: lm.store_base(as_read(p)))(params)
+
+
+def check_base(adapters: str, recorded: dict, base_spec: str, lm: LoraModel, stored,
+               fix: str) -> None:
+    """Refuses a base other than the one the adapters at `adapters` were trained on (its
+    `recorded` fingerprint, of `Frozen.identity` of the base as `lm` stored it for
+    training: `stored`): one line naming both bases and fingerprints, and `fix`. Serve,
+    eval and convert call it."""
+    actual = checkpoint.fingerprint(lm.identity(stored))
+    if actual != recorded["fingerprint"]:
+        raise UserError(f"{adapters} was trained on a frozen base ({recorded['source']}) with "
+                        f"fingerprint {recorded['fingerprint']}, but {base_spec} has fingerprint "
+                        f"{actual}: {fix}")
 
 
 def save_peft(directory: str, lm: LoraModel, adapters, config: LLaMAConfig,

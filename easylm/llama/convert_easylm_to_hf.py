@@ -143,10 +143,9 @@ def verify(params, config: LLaMAConfig, directory: str) -> float:
 def load_lora(spec: str, metadata: dict, base_spec: str = ""):
     """(config, LoraModel, frozen base as the run stored it, adapters) of a LoRA run's
     checkpoint, on one device; the base checked against the run's fingerprint."""
-    from easylm.llama.adapters import load_base, lora_model
+    from easylm.llama.adapters import check_base, load_base, lora_model, read_adapters
     from easylm.llama.family import FAMILY
-    from easylm.runtime.checkpoint import fingerprint
-    from easylm.variants.lora import LoraConfig
+    from easylm.llama.model import PARTITION_RULES
 
     _, directory = parse_load_spec(spec)
     config = config_from_metadata(metadata, directory)
@@ -155,22 +154,16 @@ def load_lora(spec: str, metadata: dict, base_spec: str = ""):
     if base_spec in ("", "init"):
         raise UserError(f"{directory}: the run's base was drawn at random, not loaded; give it "
                         f"with --lora_base")
-    run_lora = flags_tree(metadata["flags"]).get("lora", {})
-    lm = lora_model(config, LoraConfig(**{**LoraConfig.get_default_config().to_dict(),
-                                          **run_lora}),
-                    dtype=jnp.dtype(recorded.get("dtype", "float32")))
+    lora, adapters, _ = read_adapters(directory, config)  # in the run's own layout
+    lm = lora_model(config, lora, dtype=jnp.dtype(recorded.get("dtype", "float32")))
     mesh = make_mesh("1,1,1", devices=jax.devices()[:1])
     with jax.set_mesh(mesh):
-        frozen = load_base(lm, base_spec, mesh,
-                           lambda hf_dir, abstract: FAMILY.load_hf(hf_dir, config, abstract))
-    if recorded.get("fingerprint") and fingerprint(lm.identity(frozen)) != recorded["fingerprint"]:
-        raise UserError(f"{base_spec} is not the base {directory} was trained on (its "
-                        f"fingerprint differs from the run's): give the run's base with --lora_base")
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract = jax.tree_util.tree_map(
-        lambda leaf: jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype, sharding=device),
-        stored_tree(directory, "params"))
-    return config, lm, frozen, load_params(spec, abstract)
+        frozen = load_base(lm, base_spec, mesh, lambda spec, abstract: FAMILY.load_params(
+            spec, config, abstract, PARTITION_RULES))
+    if recorded.get("fingerprint"):
+        check_base(directory, recorded, base_spec, lm, frozen,
+                   fix="give the run's base with --lora_base")
+    return config, lm, frozen, adapters
 
 
 def merged_params(spec: str, metadata: dict, base_spec: str = ""):

@@ -14,7 +14,9 @@ from easylm.llama.model import (
     CACHE_PARTITION_RULES,
     PARTITION_RULES,
     LLaMAForCausalLM,
+    layers_scanned,
     lm_head_weight,
+    relayout,
 )
 from easylm.models import remat
 from easylm.models.family import Model, ModelFamily
@@ -108,12 +110,18 @@ class LLaMAFamily(ModelFamily):
 
         return lora_variant(model, config, LoraConfig.from_flags(lora),
                             dtype_from_flag("dtype", flags.dtype), flags.get("load_checkpoint", ""),
-                            lambda directory, abstract: self.load_hf(directory, config, abstract))
+                            lambda spec, abstract: self.load_params(spec, config, abstract,
+                                                                    PARTITION_RULES))
 
-    def merge_adapters(self, spec: str, config: LLaMAConfig, params, mesh):
+    def merge_adapters(self, spec: str, base_spec: str, config: LLaMAConfig, params, mesh):
         from easylm.llama.adapters import merge_into
 
-        return merge_into(spec, config, params)
+        return merge_into(spec, base_spec, config, params, mesh,
+                          lambda spec, abstract: self.load_params(spec, config, abstract,
+                                                                  PARTITION_RULES))
+
+    def relayout(self, tree, like):
+        return relayout(tree, layers_scanned(like))
 
     def variant_flags(self) -> dict:
         from easylm.variants.lora import LoraConfig

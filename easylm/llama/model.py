@@ -362,6 +362,27 @@ def unstack_layers(params, num_layers: int):
     return {**params, "model": {**params["model"], "layers": layers}}
 
 
+def layers_scanned(tree) -> bool | None:
+    """Whether `tree` (parameters, adapters, or a checkpoint's stored tree: anything keyed
+    like the parameters) holds its layers stacked (scanned), one by one, or has none."""
+    layers = tree.get("model", {}).get("layers") if hasattr(tree, "get") else None
+    if not layers:
+        return None
+    return not all(str(name).isdigit() for name in layers)
+
+
+def relayout(tree, scanned: bool | None):
+    """`tree` with its layers stacked (`scanned`) or one by one, whichever it holds now:
+    the one conversion between the two layouts (checkpoints, bases and adapters are read
+    in the layout they were stored in; None keeps it)."""
+    have = layers_scanned(tree)
+    if scanned is None or have is None or have == scanned:
+        return tree
+    if scanned:
+        return stack_layers(tree, len(tree["model"]["layers"]))
+    return unstack_layers(tree, jax.tree_util.tree_leaves(tree["model"]["layers"])[0].shape[0])
+
+
 def lm_head_weight(params, config: LLaMAConfig):
     """The output projection (D, V): lm_head's kernel, or the embedding when tied."""
     if config.tie_word_embeddings:

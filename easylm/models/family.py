@@ -76,7 +76,8 @@ class Model:
     loss_fn: LossFn  # the next-token loss
     partition_rules: PartitionRules
     flops_per_token: Callable[[int], float]  # seq_length -> training FLOPs per token
-    # Serving (None: the model cannot be served as it is, e.g. adapters alone)
+    # Serving (None: the model cannot be served as it is). A variant's (one with `frozen`)
+    # takes the pair (params, frozen base) as its params: the live adapters on their base.
     apply: ApplyFn | None = None
     init_cache: Callable[[int, int], Any] | None = None  # (batch, length) -> zeros
     cache_rules: PartitionRules = ()
@@ -84,9 +85,9 @@ class Model:
     eos_token_id: int | None = None
     num_layers: int = 1  # what the planner extrapolates over
     num_parameters: int = 0
-    # (directory, abstract params with shardings) -> params: `--load_checkpoint=hf::DIR`
-    # (`ModelFamily.build` sets it)
-    load_hf: Callable[[str, Params], Params] | None = None
+    # (load spec, abstract params with shardings) -> params: hf::DIR, or an easylm
+    # checkpoint in either layout (`ModelFamily.load_params`; `ModelFamily.build` sets it)
+    load: Callable[[str, Params], Params] | None = None
     row_logps: RowLogpsFn | None = None
     frozen: Frozen | None = None  # what a variant reads but does not train
     # seq_length -> FLOPs per token of a forward pass (a reference's); default: a third of
@@ -139,10 +140,16 @@ class ModelFamily:
         """The same model in HF transformers (torch) for benchmarks, or None."""
         return None
 
-    def merge_adapters(self, spec: str, config, params, mesh):
-        """`params` (of `bind(config)`, on `mesh`) with the adapters at `spec` folded in:
-        the server's --lora_checkpoint."""
+    def merge_adapters(self, spec: str, base_spec: str, config, params, mesh):
+        """`params` (of `bind(config)`, on `mesh`, read from `base_spec`) with the adapters
+        at `spec` folded in, once they are known to be that base's: the server's
+        --lora_checkpoint."""
         raise UserError(f"--lora_checkpoint={spec}: the {self.name} family has no adapters")
+
+    def relayout(self, tree, like):
+        """`tree` (parameters, or anything keyed like them) in the layout `like` has (LLaMA:
+        layers stacked for a scan, or not); a family with one layout returns it as it is."""
+        return tree
 
     def variant_flags(self) -> dict[str, ConfigDict]:
         """Top-level flag sections that select a variant (LLaMA's `--lora.*`), with their
@@ -183,6 +190,10 @@ class ModelFamily:
     @property
     def serve_module(self) -> str:
         return f"{self.commands}.serve" if self.commands else ""
+
+    @property
+    def eval_module(self) -> str:
+        return f"{self.commands}.eval" if self.commands else ""
 
     def field_names(self) -> list[str]:
         return [f.name for f in dataclasses.fields(self.config_class)]
@@ -256,14 +267,26 @@ class ModelFamily:
         param_dtype = (dtype_from_flag("param_dtype", flags.param_dtype)
                        if "param_dtype" in flags else dtype)
         model = self.bind(config, dtype, param_dtype)
-        return dataclasses.replace(model, load_hf=lambda directory, abstract: self.load_hf(
-            directory, config, abstract))
+        return dataclasses.replace(model, load=lambda spec, abstract: self.load_params(
+            spec, config, abstract, model.partition_rules))
+
+    def load_params(self, spec: str, config, abstract_params, rules: PartitionRules):
+        """The parameters `spec` names, placed as `abstract_params` (with shardings) says:
+        hf::DIR (`load_hf`), or an easylm checkpoint (params::, trainstate_params::,
+        trainstate::) in whichever layout it was stored (`relayout`; `rules` place the
+        stored layout's arrays before they are rearranged)."""
+        from easylm.runtime import checkpoint
+
+        kind, directory = checkpoint.parse_load_spec(spec, ("hf",) + checkpoint.LOAD_PREFIXES)
+        if kind == "hf":
+            return self.load_hf(directory, config, abstract_params)
+        return read_params(directory, abstract_params, rules, self.relayout)
 
     def load_hf(self, directory: str, config, abstract_params):
         """DIR's tensors, each placed straight into its shards of `abstract_params`
-        (host memory: one copy of the model; each device: its shards), after checking
-        that the tree and every shape are the ones `config` implies."""
-        host = self.hf_params(directory, config)
+        (host memory: one copy of the model; each device: its shards), in their layout,
+        after checking that the tree and every shape are the ones `config` implies."""
+        host = self.relayout(self.hf_params(directory, config), abstract_params)
         if jax.tree.structure(host) != jax.tree.structure(abstract_params):
             raise UserError(f"{directory}: the --{self.name}.* flags describe a model with "
                             f"other parameters than its config.json")
@@ -296,6 +319,28 @@ def _flag_type(field: dataclasses.Field) -> type:
     if kind not in (int, float, str, bool):  # `int | None`
         kind = int
     return kind
+
+
+def read_params(directory: str, abstract_params, rules: PartitionRules, relayout):
+    """An easylm checkpoint's parameters as `abstract_params` lays them out, also when it
+    was stored in another layout (`relayout(tree, like)`): then restored in its own layout,
+    placed by `rules` on the same mesh, and rearranged on the devices (not donated: a
+    stacked array cannot become its slices in place; the stored copy goes once done)."""
+    from easylm.runtime import checkpoint
+    from easylm.runtime.sharding import match_partition_rules, named_shardings
+
+    checkpoint.check_checkpoint_dir(directory)
+    stored = checkpoint.stored_tree(directory, "params")
+    as_stored = jax.eval_shape(lambda tree: relayout(tree, stored), abstract_params)
+    if jax.tree.structure(as_stored) == jax.tree.structure(abstract_params):
+        return checkpoint.restore_items(directory, {"params": abstract_params})["params"]
+    sharding = jax.tree.leaves(abstract_params)[0].sharding
+    shardings = named_shardings(sharding.mesh, match_partition_rules(rules, as_stored))
+    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                          as_stored, shardings)
+    restored = checkpoint.restore_items(directory, {"params": target})["params"]
+    return jax.jit(lambda tree: relayout(tree, abstract_params),
+                   out_shardings=jax.tree.map(lambda x: x.sharding, abstract_params))(restored)
 
 
 def abstract_params(model: Model, mesh, dtype=None) -> Any:

@@ -92,19 +92,32 @@ def model_config(family: ModelFamily, config: ConfigDict):
     return model
 
 
-def load_params(family: ModelFamily, config: ConfigDict, settings, model: Model, mesh):
-    """`model`'s parameters (its config: `settings`) placed on `mesh` by its partition
-    rules, in its parameter dtype (the serving dtype): --load_checkpoint's, or random."""
+def load_params(config: ConfigDict, model: Model, mesh):
+    """`model`'s parameters placed on `mesh` by its partition rules, in its parameter
+    dtype (the serving dtype): --load_checkpoint's, or random."""
     if not config.load_checkpoint:
         log.warning("no --load_checkpoint: serving RANDOM weights")
         return init_sharded(model.init_params, model.partition_rules, mesh, jax.random.PRNGKey(0))
-    target = abstract_params(model, mesh)
-    prefix, _, path = config.load_checkpoint.partition("::")
-    if prefix == "hf":  # the trainer's loader: tree and shapes checked against the flags
-        return family.load_hf(path, settings, target)
+    _refuse_adapters_alone(config.load_checkpoint)
+    # The trainer's loader: hf::DIR checked against the flags, an easylm checkpoint in
+    # either layout (scanned or not) placed in the served one.
+    return model.load(config.load_checkpoint, abstract_params(model, mesh))
+
+
+def _refuse_adapters_alone(spec: str):
+    """A variant's checkpoint (a LoRA run's: adapters, and only a record of their frozen
+    base) is no model to serve alone: one line that says what to pass instead."""
     from easylm.runtime import checkpoint
 
-    return checkpoint.load_params(config.load_checkpoint, target)
+    kind, directory = checkpoint.parse_load_spec(spec, ("hf",) + checkpoint.LOAD_PREFIXES)
+    if kind == "hf" or not checkpoint.has_item(directory, "metadata"):
+        return
+    base = (checkpoint.read_metadata(directory).get("frozen") or {}).get("source")
+    if base:
+        named = "its base" if base == "init" else base  # 'init': drawn, never saved
+        raise UserError(f"--load_checkpoint={spec} holds adapters trained on a frozen base, "
+                        f"not a whole model: pass the base and the adapters, "
+                        f"--load_checkpoint={named} --lora_checkpoint={directory}")
 
 
 def load_engine(family: ModelFamily, config: ConfigDict):
@@ -129,9 +142,10 @@ def load_engine(family: ModelFamily, config: ConfigDict):
         raise UserError(f"--quantize={config.quantize!r}: expected one of "
                         f"{', '.join(quantize.MODES)}")
     mesh = make_mesh(config.mesh_dim)
-    params = load_params(family, config, settings, model, mesh)
+    params = load_params(config, model, mesh)
     if config.get("lora_checkpoint"):
-        params = family.merge_adapters(config.lora_checkpoint, settings, params, mesh)
+        params = family.merge_adapters(config.lora_checkpoint, config.load_checkpoint, settings,
+                                       params, mesh)
     if config.quantize == "int8":
         model, params = family.int8_model(settings, dtype_from_flag("dtype", config.dtype),
                                           params, mesh)

@@ -89,9 +89,17 @@ def starting_params(config: ConfigDict, model: Model, tx, mesh):
     if not config.load_checkpoint:
         return init_state(model, tx, mesh, config.seed).params
     kind, directory = checkpoint.parse_load_spec(config.load_checkpoint, LOAD_PREFIXES)
-    abstract = abstract_state(model, tx, mesh, config.seed).params
+    return read_params(model, kind, directory, abstract_state(model, tx, mesh, config.seed).params)
+
+
+def read_params(model: Model, kind: str, directory: str, abstract):
+    """The parameters of a `--load_checkpoint` (`kind::directory`): the family's loader
+    (hf::DIR, an easylm checkpoint in either layout) where the model has one."""
+    if model.load is not None:
+        return model.load(f"{kind}::{directory}", abstract)
     if kind == "hf":
-        return model.load_hf(directory, abstract)
+        raise UserError(f"--load_checkpoint=hf::{directory}: the {model.name} model "
+                        f"cannot load Hugging Face checkpoints")
     return checkpoint.restore_items(directory, {"params": abstract})["params"]
 
 
@@ -113,11 +121,9 @@ def optimizer_item(state: TrainState) -> dict:
 def load_state(kind: str, directory: str, model: Model, tx, mesh, seed: int):
     """(state, data state or None) from a checkpoint directory."""
     abstract = abstract_state(model, tx, mesh, seed)
-    if kind == "hf":
-        if model.load_hf is None:
-            raise UserError(f"--load_checkpoint=hf::{directory}: the {model.name} model "
-                            f"cannot load Hugging Face checkpoints")
-        return init_state(model, tx, mesh, seed, params=model.load_hf(directory, abstract.params)), None
+    if kind in ("hf", "params", "trainstate_params"):
+        return init_state(model, tx, mesh, seed,
+                          params=read_params(model, kind, directory, abstract.params)), None
     if kind == "trainstate" and checkpoint.has_item(directory, "opt_state"):
         items = checkpoint.restore_items(
             directory, {"params": abstract.params, "opt_state": optimizer_item(abstract)},
@@ -128,8 +134,6 @@ def load_state(kind: str, directory: str, model: Model, tx, mesh, seed: int):
         return state, items.get("data")
     params = checkpoint.restore_items(directory, {"params": abstract.params})["params"]
     state = init_state(model, tx, mesh, seed, params=params)
-    if kind != "trainstate":
-        return state, None
     # (The trainer asks for --allow_fresh_optimizer first.) The step and the data resume,
     # the optimizer starts afresh.
     if jax.process_index() == 0:

@@ -41,15 +41,23 @@ def train(config: ConfigDict, family: ModelFamily) -> str:
     final = run.manager.step_directory(step)
     if jax.process_index() == 0:
         print(f"checkpoint: {final}")
-        if family.serve_module and step == config.total_steps:
-            if run.model.apply is not None:
-                print(f"serve it:   python -m {family.serve_module} --load_checkpoint=params::"
-                      f"{final} --tokenizer={config.tokenizer}")
-            elif config.load_checkpoint:  # adapters, folded into their base as it loads
-                print(f"serve it:   python -m {family.serve_module} --load_checkpoint="
-                      f"{config.load_checkpoint} --lora_checkpoint={final} "
-                      f"--tokenizer={config.tokenizer}")
+        model = serving_flags(config, run.model, final)
+        if family.serve_module and step == config.total_steps and model:
+            print(f"serve it:   python -m {family.serve_module} {model}")
+            print(f"eval it:    python -m {family.eval_module} {model} --tasks=TASKS")
     return final
+
+
+def serving_flags(config: ConfigDict, model, final: str) -> str:
+    """The serve and eval commands' flags that load the model a run trained into
+    `final`; '' when there is none to print (adapters on a base drawn at random)."""
+    if model.frozen is None:
+        return f"--load_checkpoint=params::{final} --tokenizer={config.tokenizer}"
+    if not config.load_checkpoint:
+        return ""
+    # adapters, folded into their base as it loads
+    return (f"--load_checkpoint={config.load_checkpoint} --lora_checkpoint={final} "
+            f"--tokenizer={config.tokenizer}")
 
 
 @exit_on_user_error
