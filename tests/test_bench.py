@@ -71,7 +71,8 @@ def test_compile_only_lora_trains_adapters_on_a_frozen_base_in_less_memory(capsy
         return bench_row(capsys, "--compile_only=True", "--seq_length=16", "--batch_size=8",
                          "--llama.hidden_size=256", "--llama.intermediate_size=1024", *flags)
 
-    lora, full = compile_only("--lora.rank=4"), compile_only()
+    # A bf16 base (the default follows --dtype, fp32 on this CPU).
+    lora, full = compile_only("--lora.rank=4", "--lora.base_dtype=bf16"), compile_only()
     # debug: 2 layers, 4 heads of 64, 2 key/value heads; rank 4 on the 7 projections:
     # r * (in + out) each.
     D, KV, I = 256, 2 * 64, 1024
