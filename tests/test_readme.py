@@ -151,7 +151,9 @@ def serving(argv: list[str], env: dict, cwd):
         assert ready.startswith("ready: chat page http://127.0.0.1:"), ready + log.read()
         yield ready, log
         server.send_signal(signal.SIGINT)  # Ctrl-C
-        assert server.wait(60) == 0
+        code = server.wait(60)
+        log.seek(0)
+        assert code == 0, f"exit {code} on Ctrl-C; its stderr: {log.read()[-3000:]}"
     finally:
         server.kill()
         server.wait(30)

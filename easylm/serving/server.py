@@ -181,3 +181,7 @@ def run(app: FastAPI, config: ConfigDict, batcher: Batcher, sock: socket.socket 
                ).run(sockets=[sock])
     except KeyboardInterrupt:  # Ctrl-C: uvicorn has shut down cleanly, then re-raised it
         pass
+    finally:
+        # No thread left dispatching to the device while the interpreter shuts down (a daemon
+        # thread still running at exit can abort the process: SIGABRT instead of exit 0).
+        batcher.stop()
