@@ -206,7 +206,8 @@ def test_bad_pairs_are_skipped_with_warnings_or_fail_with_strict(tmp_path, token
     [dataset] = load(config(path, batch_size=1), tokenizer, pairs=True)
     with caplog.at_level(logging.WARNING, logger="easylm.data.dataset"):
         batches = list(itertools.islice(dataset, 3))
-    assert sorted({r.getMessage() for r in caplog.records}) == [
+    assert sorted({r.getMessage() for r in caplog.records
+                   if r.name == "easylm.data.dataset"}) == [
         f"skipped {path}:2: malformed JSON (Expecting value at column 12)",
         f"skipped {path}:3: chosen and rejected are the same"]
     assert batches[-1][1]["dataset_skipped_documents"] >= 2
@@ -275,3 +276,19 @@ def test_preview_shows_both_sides_with_their_masks(tmp_path, tokenizer):
     assert "rejected: [[<s>What does a cat say?]]Woof woof.</s>" in lines
     assert "1 batches of 2 pairs of 2 x 48 tokens" in lines
     assert "pairs truncated to seq_length: 1" in lines
+
+
+def test_pairs_tokenized_apart_unlike_whole_are_warned_and_counted(tmp_path, tokenizer, caplog):
+    # "cat say? " apart ends in a lone "▁" token; whole, the space joins "Meow." (TRL warns
+    # about such pairs too). A pair without the trailing space tokenizes alike both ways.
+    spaced = dict(PAIR, prompt=PAIR["prompt"] + " ")
+    assert encode(tokenizer, spaced["prompt"]) + encode(tokenizer, "Meow.") != \
+        encode(tokenizer, spaced["prompt"] + "Meow.")
+    path = write(tmp_path / "p.jsonl", [PAIR, spaced, PAIR])
+    with caplog.at_level(logging.WARNING, logger="easylm.data.pairs"):
+        text = preview(config(path, batch_size=3), tokenizer, num_examples=0, num_batches=1)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{path}:2: the prompt's last token merges with the response's first when tokenized "
+        f"together (a prompt ending in a space?); trained apart: the prompt's own tokens, "
+        f"then the response's"]
+    assert "pairs whose prompt's last token merges with the response's: 1" in text.splitlines()

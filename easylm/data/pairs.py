@@ -28,6 +28,7 @@ about with their file and line, or with strict=True stop the run with that line.
 """
 
 import collections
+import logging
 
 import numpy as np
 from ml_collections import ConfigDict
@@ -38,6 +39,8 @@ from easylm.data.text import TextProcessor, is_messages
 from easylm.errors import UserError
 
 SIDES = ("chosen", "rejected")
+_MAX_WARNINGS = 10
+logger = logging.getLogger(__name__)
 
 
 class PreferenceProcessor:
@@ -68,6 +71,10 @@ class PreferenceProcessor:
         text = ConfigDict(text_processor.to_dict())
         text.fields, text.fields_from_example = "[prompt],response", ""
         self.text = TextProcessor(text, tokenizer)
+        # Each side tokenized whole, to count the pairs it differs for (see _count_split).
+        text.fields = "text"
+        self.whole = None if self.chat else TextProcessor(text, tokenizer)
+        self.split = set()   # where each such pair is (file:line), each counted once
 
     def process(self, examples):
         plans, sides = [], []
@@ -83,7 +90,38 @@ class PreferenceProcessor:
             plans.append((len(sides), where))
             sides += pair
         encoded = (self.text.encode_chats if self.chat else self.text.process)(sides)
+        if not self.chat:
+            self._count_split(sides, encoded)
         return [self._pair(plan, encoded) for plan in plans]
+
+    def _count_split(self, sides, encoded):
+        """Pairs whose prompt tokens, tokenized alone (as they train: the prompt is the
+        model's context whatever the response), are not how the side tokenized whole
+        begins: the prompt's last token merges with the response's first (e.g. a prompt
+        ending in a space). TRL tokenizes apart too, and such pairs are worth knowing of:
+        warned once per pair with its file and line, and counted (`split_pairs`, which the
+        preview prints; the reader reads ahead and repeats epochs, so a set of places)."""
+        wholes = self.whole.process([({"text": side["prompt"] + side["response"]}, where)
+                                     for side, where in sides])
+        for i in range(0, len(sides), 2):
+            apart, whole, where = encoded[i], wholes[i], sides[i][1]
+            if isinstance(apart, str) or isinstance(whole, str) or where in self.split:
+                continue
+            prompt = int(np.argmax(apart[1] > 0))   # the prompt's tokens (and BOS)
+            if np.array_equal(apart[0][:prompt], whole[0][:prompt]):
+                continue
+            self.split.add(where)
+            if self.split_pairs <= _MAX_WARNINGS:
+                logger.warning(
+                    "%s: the prompt's last token merges with the response's first when "
+                    "tokenized together (a prompt ending in a space?); trained apart: the "
+                    "prompt's own tokens, then the response's%s", where,
+                    " (further ones are only counted)" if self.split_pairs == _MAX_WARNINGS
+                    else "")
+
+    @property
+    def split_pairs(self) -> int:
+        return len(self.split)
 
     def _fields(self, example, where, names):
         """The values of the named fields, or the reason the example is skipped."""

@@ -116,6 +116,8 @@ def preview(config, tokenizer, num_examples, num_batches):
     ]
     if dataset.pairs:
         lines.append(f"pairs truncated to seq_length: {counted.get('dataset_truncated_pairs', 0)}")
+        split = getattr(dataset.processor, "split_pairs", 0)
+        lines.append(f"pairs whose prompt's last token merges with the response's: {split}")
     for name in dataset.mixture or ():
         tokens = counted.get(f"source/{name}/tokens", 0)
         lines.append(f"source {name}: {counted.get(f'source/{name}/documents', 0)} documents "
