@@ -12,6 +12,8 @@ import pytest
 import toy_family
 from fastapi.testclient import TestClient
 
+from cli_utils import one_line_error
+
 from easylm import bench, flags as flag_lib, plan
 from easylm.errors import UserError
 from easylm.models import registry
@@ -71,6 +73,34 @@ def test_the_registry_imports_families_lazily_and_names_bad_ones():
         registry.get("toy_family:ToyConfig")
 
 
+def test_the_generic_commands_take_the_family_of_what_they_load(tmp_path, capsys):
+    """`python -m easylm.train|serve|eval` pick the family from hf::DIR's model_type (each
+    LLaMA variant's is llama's), from an easylm checkpoint's metadata, or --family."""
+    from easylm import serve, train
+    from easylm.llama.config import ARCHITECTURES
+
+    llama = registry.get("llama")
+    for model_type in ARCHITECTURES:
+        hf = tmp_path / model_type
+        hf.mkdir()
+        (hf / "config.json").write_text(json.dumps({"model_type": model_type}))
+        family, rest = registry.from_argv(["prog", f"--load_checkpoint=hf::{hf}"], detect=True)
+        assert family is llama and rest == ["prog", f"--load_checkpoint=hf::{hf}"]
+    # Not detected unless asked (plan, bench, doctor take --family or the default).
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    argv = ["prog", f"--load_checkpoint=hf::{tmp_path / 'gpt2'}"]
+    assert registry.from_argv(argv)[0] is llama
+    message = one_line_error(train.main, argv, capsys)
+    assert message == (f"{tmp_path / 'gpt2' / 'config.json'}: model_type 'gpt2' is not one "
+                       f"easylm reads (llama: {', '.join(ARCHITECTURES)})")
+    # What the file lacks is the family's reader's to say; --family overrides it all.
+    assert registry.from_argv(["prog", f"--load_checkpoint=hf::{tmp_path}"], True)[0] is llama
+    assert registry.from_argv([*argv, "--family=toy_family:FAMILY"], True)[0] is TOY
+    message = one_line_error(serve.main, ["serve", "--family=gpt"], capsys)
+    assert message == "--family='gpt' is not one of llama (or MODULE:ATTRIBUTE)"
+
+
 # ------------------------------------------------- the second family, end to end
 
 
@@ -112,6 +142,19 @@ def test_a_second_family_trains_and_resumes_exactly(trained):
     assert uninterrupted[6] < uninterrupted[1]  # it learns
     # Resume = uninterrupted: same device, same programs, so bit for bit.
     assert [split[s] for s in range(4, 7)] == [uninterrupted[s] for s in range(4, 7)]
+
+
+def test_a_checkpoint_names_its_family_to_the_generic_commands(trained):
+    _, whole, _ = trained
+    for flag, spec in (("--load_checkpoint", f"params::{whole}"), ("--lora_checkpoint", whole)):
+        # The toy family is not registered by name: its checkpoint says so, in one line.
+        with pytest.raises(UserError, match=rf"^{spec}: its metadata names model 'toy', "
+                                            rf"which is not one of llama; pass "
+                                            rf"--family=MODULE:ATTRIBUTE$"):
+            registry.from_argv(["prog", f"{flag}={spec}"], detect=True)
+    family, _ = registry.from_argv(["prog", "--family=toy_family:FAMILY",
+                                    f"--load_checkpoint=params::{whole}"], detect=True)
+    assert family is TOY
 
 
 def test_a_second_family_serves_its_checkpoint(trained):

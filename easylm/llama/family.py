@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from easylm.errors import UserError
 from easylm.llama import hf
-from easylm.llama.config import LLAMA_PRESETS, LLaMAConfig
+from easylm.llama.config import ARCHITECTURES, LLAMA_PRESETS, LLaMAConfig
 from easylm.llama.model import (
     CACHE_PARTITION_RULES,
     PARTITION_RULES,
@@ -45,6 +45,7 @@ class LLaMAFamily(ModelFamily):
     tiny_preset = "debug"
     demo = EMBEDDED_DEFAULTS
     commands = "easylm.llama"
+    hf_model_types = tuple(ARCHITECTURES)
     remat_policies = remat.NAMES
 
     def bind(self, config: LLaMAConfig, dtype=jnp.float32, param_dtype=jnp.float32) -> Model:

@@ -111,6 +111,7 @@ class ModelFamily:
     # Run-level flag defaults of the trainer's no-flags demo (data and steps, not shape).
     demo: dict = {}
     commands: str = ""  # the package of `python -m <commands>.train|serve`
+    hf_model_types: tuple[str, ...] = ()  # config.json model_types it reads (easylm.train picks)
     remat_policies: tuple[str, ...] = ()  # the `remat_policy` field's values, cheapest first
 
     # ---------------------------------------------------- what a family defines
