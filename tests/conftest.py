@@ -8,7 +8,9 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
-os.environ.setdefault("WANDB_MODE", "offline")
+# W&B off: its init costs seconds per trainer start. The tests of the W&B path (the
+# README's first command, multi-host) ask for offline runs themselves.
+os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

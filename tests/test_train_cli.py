@@ -36,7 +36,8 @@ def run_cli(*args, cwd, env=None):
 def test_embedded_default_trains_and_saves(tmp_path):
     # The README's first command, with only the step count made small.
     before = time.time()
-    result = run_cli("--total_steps=4", "--log_freq=2", cwd=tmp_path)
+    result = run_cli("--total_steps=4", "--log_freq=2", cwd=tmp_path,
+                     env={"WANDB_MODE": "offline"})
     after = time.time()
     assert result.returncode == 0, result.stderr[-3000:]
     (run_dir,) = glob.glob(str(tmp_path / "runs" / "llama-*"))

@@ -207,7 +207,7 @@ def _stored_as_the_run(metadata: dict, lora: LoraConfig, params, base_spec: str,
     recorded = metadata["frozen"]
     run_config = LLaMAConfig(**metadata["llama_config"])
     lm = lora_model(run_config, lora, dtype=jnp.dtype(recorded.get("dtype", "float32")))
-    read = jnp.dtype(_READ_DTYPE.get(lora.base_dtype, jnp.bfloat16))
+    read = jnp.dtype(_READ_DTYPE.get(lm.config.base_dtype, jnp.bfloat16))  # auto resolved
     if any(x.dtype not in (jnp.float32, read) for x in jax.tree.leaves(params)):
         return lm, load_base(lm, base_spec, mesh, load)
     as_read = lambda p: jax.tree.map(lambda x: x.astype(read), relayout(p, run_config.scan_layers))
