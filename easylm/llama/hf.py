@@ -33,7 +33,14 @@ from flax import traverse_util
 from easylm.errors import UserError
 from easylm.llama.config import ARCHITECTURES, LLaMAConfig
 from easylm.llama.model import LLaMAForCausalLM, stack_layers
-from easylm.models.hf_checkpoint import HFTensors, read_config, to_numpy
+from easylm.models.hf_checkpoint import (
+    HFTensors,
+    hf_key,
+    params_from_hf,
+    read_config,
+    some,
+    to_numpy,
+)
 from easylm.runtime.dtypes import cast_names
 
 DTYPES = cast_names(("bf16", "fp32"))  # what a conversion may store
@@ -42,12 +49,6 @@ DTYPES = cast_names(("bf16", "fp32"))  # what a conversion may store
 _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 PEFT_PREFIX = "base_model.model."
 _PEFT_ADAPTERS = {"kernel_lora_a": "lora_A", "kernel_lora_b": "lora_B"}
-
-
-def hf_key(path: str) -> tuple[str, bool]:
-    """Our '/'-joined parameter path -> (HF tensor name, whether to transpose)."""
-    *module, leaf = path.split("/")
-    return ".".join(module + ["bias" if leaf == "bias" else "weight"]), leaf == "kernel"
 
 
 def param_shapes(config: LLaMAConfig) -> dict[str, tuple[int, ...]]:
@@ -140,12 +141,12 @@ def from_peft(tensors: Mapping[str, Any], config: LLaMAConfig, rank: int,
         adapters[path.removesuffix("kernel") + leaf] = np.ascontiguousarray(tensor.T)
     if bad:
         raise UserError(f"{source} has {len(bad)} tensor(s) that are no LoRA adapter of this "
-                        f"model's kernels: {_some(sorted(bad))}")
+                        f"model's kernels: {some(sorted(bad))}")
     kernel_paths = sorted({path.rsplit("_", 2)[0] for path in adapters})
     lonely = [p for p in kernel_paths if not {p + "_lora_a", p + "_lora_b"} <= set(adapters)]
     if not kernel_paths or lonely:
         raise UserError(f"{source}: every adapted module needs lora_A and lora_B; "
-                        f"{'none found' if not kernel_paths else 'missing for ' + _some(lonely)}")
+                        f"{'none found' if not kernel_paths else 'missing for ' + some(lonely)}")
     pattern = _kernels_pattern(kernel_paths, config, source)
     tree = traverse_util.unflatten_dict(adapters, sep="/")
     if config.scan_layers:
@@ -185,41 +186,14 @@ def from_hf(tensors: Mapping[str, Any], config: LLaMAConfig, dtype=None, source:
     them. `place` (e.g. `jax.device_put`) moves each tensor as soon as it is converted,
     so that the host copy can be freed before the next one is read.
     """
-    shapes = param_shapes(config)
-    expected = {hf_key(path)[0]: path for path in shapes}
-    missing = [key for key in expected if key not in tensors]
-    if missing:
-        raise UserError(f"{source} is missing {len(missing)} tensor(s): {_some(missing)}")
-    unexpected = [
-        key for key in tensors
-        if key not in expected
-        and not key.endswith(_IGNORED_HF_SUFFIXES)
-        and not (config.tie_word_embeddings and key == "lm_head.weight")
-    ]
-    if unexpected:
-        raise UserError(f"{source} has {len(unexpected)} unexpected tensor(s): {_some(unexpected)}")
-    flat = {}
-    for key, path in expected.items():
-        tensor = to_numpy(tensors[key])
-        _, transpose = hf_key(path)
-        if transpose:  # `place` copies anyway: no contiguous host copy first
-            tensor = tensor.T if place else np.ascontiguousarray(tensor.T)
-        if tensor.shape != shapes[path]:
-            want = shapes[path][::-1] if transpose else shapes[path]
-            got = tensor.shape[::-1] if transpose else tensor.shape
-            raise UserError(f"{source}: tensor {key} has shape {got}, but the config implies {want}")
-        tensor = tensor if dtype is None else tensor.astype(dtype)
-        flat[path] = tensor if place is None else place(tensor)
-        del tensor
+    flat = params_from_hf(
+        tensors, param_shapes(config), source, dtype, place,
+        ignored=lambda key: key.endswith(_IGNORED_HF_SUFFIXES) or (
+            config.tie_word_embeddings and key == "lm_head.weight"))
     params = traverse_util.unflatten_dict(flat, sep="/")
     if config.scan_layers:
         params = stack_layers(params, config.num_hidden_layers)
     return params
-
-
-def _some(names, limit: int = 8) -> str:
-    more = f" (and {len(names) - limit} more)" if len(names) > limit else ""
-    return ", ".join(names[:limit]) + more
 
 
 # ------------------------------------------------------------ a HF directory

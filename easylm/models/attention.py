@@ -26,10 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def xla_attention(q, k, v, mask=None, window: int = 0):
+def xla_attention(q, k, v, mask=None, window: int = 0, scale: float | None = None):
     B, T, N, H = q.shape
     K = k.shape[2]
-    q = q.reshape(B, T, K, N // K, H) * jnp.asarray(1.0 / np.sqrt(H), q.dtype)
+    scale = 1.0 / np.sqrt(H) if scale is None else scale
+    q = q.reshape(B, T, K, N // K, H) * jnp.asarray(scale, q.dtype)
     scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
     if mask is None:
         mask = causal_mask(T, k.shape[1], window)[None]
@@ -73,16 +74,18 @@ def resolve_implementation(implementation: str, q, mask) -> str:
     return "dot_product"
 
 
-def attention(q, k, v, mask=None, implementation: str = "auto", window: int = 0):
+def attention(q, k, v, mask=None, implementation: str = "auto", window: int = 0,
+              scale: float | None = None):
     """Causal attention when `mask` is None (over the last `window` keys when > 0), else
-    attention under `mask`, which then holds any window."""
+    attention under `mask`, which then holds any window. Scores are q·k times `scale`
+    (default 1/sqrt(H); Gemma's is query_pre_attn_scalar ** -0.5)."""
     if window and mask is not None:
         raise ValueError("a mask holds the sliding window itself (sliding_window_mask)")
     implementation = resolve_implementation(implementation, q, mask)
     if implementation == "xla":
-        return xla_attention(q, k, v, mask, window)
+        return xla_attention(q, k, v, mask, window, scale)
     return jax.nn.dot_product_attention(
-        q, k, v,
+        q, k, v, scale=scale,
         mask=None if mask is None else mask[:, None],
         is_causal=mask is None,
         # jax's window (left, right) is inclusive: left = W - 1 earlier keys and the query's own.

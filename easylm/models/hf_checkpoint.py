@@ -183,3 +183,50 @@ def write_safetensors(
         with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     return files
+
+
+# ------------------------------------------- HF names of a family's parameters
+# Families whose parameter paths are HF's module names with '/' (LLaMA, Gemma) map with
+# one rule: model/layers/3/self_attn/q_proj/kernel <-> model.layers.3.self_attn.q_proj.weight,
+# kernels transposed (Flax's Dense is (in, out), torch's Linear (out, in)).
+
+
+def hf_key(path: str) -> tuple[str, bool]:
+    """A '/'-joined parameter path -> (HF tensor name, whether to transpose)."""
+    *module, leaf = path.split("/")
+    return ".".join(module + ["bias" if leaf == "bias" else "weight"]), leaf == "kernel"
+
+
+def some(names, limit: int = 8) -> str:
+    """The first `limit` names, and how many more."""
+    more = f" (and {len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def params_from_hf(tensors: Mapping, shapes: dict, source: str, dtype=None, place=None,
+                   ignored=lambda name: False) -> dict:
+    """{path: array} for every path of `shapes` ({'/'-path: shape}) from HF-named tensors
+    (numpy, torch, or array-like): missing tensors, unexpected ones (unless `ignored`) and
+    shape mismatches are UserErrors that name them. `place` (e.g. jax.device_put) moves
+    each as it is converted, so its host copy can go before the next is read."""
+    expected = {hf_key(path)[0]: path for path in shapes}
+    missing = [key for key in expected if key not in tensors]
+    if missing:
+        raise UserError(f"{source} is missing {len(missing)} tensor(s): {some(missing)}")
+    unexpected = [key for key in tensors if key not in expected and not ignored(key)]
+    if unexpected:
+        raise UserError(f"{source} has {len(unexpected)} unexpected tensor(s): {some(unexpected)}")
+    flat = {}
+    for key, path in expected.items():
+        tensor = to_numpy(tensors[key])
+        _, transpose = hf_key(path)
+        if transpose:  # `place` copies anyway: no contiguous host copy first
+            tensor = tensor.T if place else np.ascontiguousarray(tensor.T)
+        if tensor.shape != shapes[path]:
+            want = shapes[path][::-1] if transpose else shapes[path]
+            got = tensor.shape[::-1] if transpose else tensor.shape
+            raise UserError(f"{source}: tensor {key} has shape {got}, but the config implies {want}")
+        tensor = tensor if dtype is None else tensor.astype(dtype)
+        flat[path] = tensor if place is None else place(tensor)
+        del tensor
+    return flat

@@ -1,0 +1,1 @@
+"""Gemma 3 (text): the second model family, behind `easylm.gemma.family.FAMILY`."""
