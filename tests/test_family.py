@@ -24,8 +24,10 @@ from easylm.training import trainer
 from easylm.training.options import default_config, family_run_defaults, help_entries
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "easylm"
-# Modules outside easylm/llama/ allowed to import easylm.llama. None: the generic commands
-# reach LLaMA through easylm/registry.py, which names it by string and imports it lazily.
+# The families' packages. Modules outside a family's package allowed to import it: none.
+# The generic commands reach each family through easylm/models/registry.py, which names it
+# by string and imports it lazily; one family never imports another.
+FAMILY_PACKAGES = ("llama", "gemma")
 ENTRY_POINTS: set[str] = set()
 TOY = toy_family.FAMILY
 
@@ -41,13 +43,16 @@ def imported_modules(path: pathlib.Path) -> set[str]:
     return names
 
 
-def test_nothing_generic_imports_the_llama_family():
+@pytest.mark.parametrize("family", FAMILY_PACKAGES)
+def test_nothing_outside_a_family_imports_it(family):
+    assert (PACKAGE / family / "family.py").is_file()
     offenders = []
     for path in sorted(PACKAGE.rglob("*.py")):
         relative = path.relative_to(PACKAGE.parent).as_posix()
-        if relative.startswith("easylm/llama/") or relative in ENTRY_POINTS:
+        if relative.startswith(f"easylm/{family}/") or relative in ENTRY_POINTS:
             continue
-        bad = {m for m in imported_modules(path) if m == "easylm.llama" or m.startswith("easylm.llama.")}
+        bad = {m for m in imported_modules(path)
+               if m == f"easylm.{family}" or m.startswith(f"easylm.{family}.")}
         offenders += [f"{relative}: {m}" for m in sorted(bad)]
     assert offenders == []
 
@@ -67,7 +72,8 @@ def test_the_registry_imports_families_lazily_and_names_bad_ones():
     assert registry.get("toy_family:FAMILY") is TOY
     family, rest = registry.from_argv(["prog", "--family=toy_family:FAMILY", "--x=1"])
     assert family is TOY and rest == ["prog", "--x=1"]
-    with pytest.raises(UserError, match=r"^--family='gpt' is not one of llama \(or MODULE:ATTRIBUTE\)$"):
+    with pytest.raises(UserError, match=r"^--family='gpt' is not one of llama, gemma \(or "
+                                        r"MODULE:ATTRIBUTE\)$"):
         registry.get("gpt")
     with pytest.raises(UserError, match=r"is not a ModelFamily$"):
         registry.get("toy_family:ToyConfig")
@@ -93,12 +99,19 @@ def test_the_generic_commands_take_the_family_of_what_they_load(tmp_path, capsys
     assert registry.from_argv(argv)[0] is llama
     message = one_line_error(train.main, argv, capsys)
     assert message == (f"{tmp_path / 'gpt2' / 'config.json'}: model_type 'gpt2' is not one "
-                       f"easylm reads (llama: {', '.join(ARCHITECTURES)})")
+                       f"easylm reads (llama: {', '.join(ARCHITECTURES)}; gemma: gemma3_text, "
+                       f"gemma3)")
+    for model_type in ("gemma3_text", "gemma3"):  # gemma3: the text tower of the multimodal
+        (tmp_path / model_type).mkdir()
+        (tmp_path / model_type / "config.json").write_text(json.dumps({"model_type": model_type}))
+        family, _ = registry.from_argv(["prog", f"--load_checkpoint=hf::{tmp_path / model_type}"],
+                                       detect=True)
+        assert family is registry.get("gemma")
     # What the file lacks is the family's reader's to say; --family overrides it all.
     assert registry.from_argv(["prog", f"--load_checkpoint=hf::{tmp_path}"], True)[0] is llama
     assert registry.from_argv([*argv, "--family=toy_family:FAMILY"], True)[0] is TOY
     message = one_line_error(serve.main, ["serve", "--family=gpt"], capsys)
-    assert message == "--family='gpt' is not one of llama (or MODULE:ATTRIBUTE)"
+    assert message == "--family='gpt' is not one of llama, gemma (or MODULE:ATTRIBUTE)"
 
 
 # ------------------------------------------------- the second family, end to end
@@ -149,7 +162,7 @@ def test_a_checkpoint_names_its_family_to_the_generic_commands(trained):
     for flag, spec in (("--load_checkpoint", f"params::{whole}"), ("--lora_checkpoint", whole)):
         # The toy family is not registered by name: its checkpoint says so, in one line.
         with pytest.raises(UserError, match=rf"^{spec}: its metadata names model 'toy', "
-                                            rf"which is not one of llama; pass "
+                                            rf"which is not one of llama, gemma; pass "
                                             rf"--family=MODULE:ATTRIBUTE$"):
             registry.from_argv(["prog", f"{flag}={spec}"], detect=True)
     family, _ = registry.from_argv(["prog", "--family=toy_family:FAMILY",

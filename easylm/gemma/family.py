@@ -29,6 +29,7 @@ class GemmaFamily(ModelFamily):
     default_preset = "debug"
     tiny_preset = "debug"
     commands = "easylm.gemma"
+    hf_model_types = ("gemma3_text", "gemma3")  # gemma3: its text tower
     remat_policies = remat.NAMES
 
     def bind(self, config: GemmaConfig, dtype=jnp.float32, param_dtype=jnp.float32) -> Model:

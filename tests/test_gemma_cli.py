@@ -1,0 +1,177 @@
+"""Gemma 3 through the public commands, from a tiny random `Gemma3ForCausalLM` directory
+(with the embedded tokenizer, whose ids the debug preset shares): fine-tuning lowers the
+loss, the printed serve line answers an OpenAI-style chat request, the export loads in
+transformers with our logits, hf -> easylm -> hf through the converters is bitwise, and
+greedy serving equals transformers' generate past the window."""
+
+import json
+import shlex
+
+import jax
+import numpy as np
+import pytest
+import torch
+from cli_utils import one_line_error
+from fastapi.testclient import TestClient
+from gemma_utils import forward_rel, hf_logits, hf_model, params_of, tiny_config
+from numerics import assert_close, assert_differs
+from transformers import AutoModelForCausalLM
+
+from easylm import flags as flag_lib
+from easylm.data.tokenizer import load_tokenizer
+from easylm.gemma import convert_easylm_to_hf, convert_hf_to_easylm, train
+from easylm.gemma.family import FAMILY
+from easylm.gemma.model import GemmaForCausalLM
+from easylm.models import registry
+from easylm.models.hf_checkpoint import HFTensors
+from easylm.runtime import checkpoint
+from easylm.serving import cli as serving_cli
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("gemma") / "hf"
+    config = tiny_config()
+    hf_model(config).save_pretrained(directory)
+    load_tokenizer("embedded").save_pretrained(directory)
+    return directory
+
+
+def train_argv(tmp_path, hf_dir, steps=6, lr=3e-3, tokenizer=None) -> list[str]:
+    return ["train", f"--load_checkpoint=hf::{hf_dir}", f"--tokenizer={tokenizer or hf_dir}",
+            f"--total_steps={steps}", "--log_freq=1", "--train_dataset.json_dataset.seq_length=32",
+            "--train_dataset.json_dataset.batch_size=4", f"--logger.output_dir={tmp_path / 'runs'}",
+            "--compilation_cache_dir=", "--dtype=fp32", "--mesh_dim=1,1,-1",
+            f"--optimizer.adamw_optimizer.lr={lr}", "--optimizer.adamw_optimizer.lr_warmup_steps=1"]
+
+
+def serve(argv: list[str]):
+    """(app, batcher) of `python -m easylm.serve ARGV`, in this process."""
+    family, argv = registry.from_argv(["serve", *argv], detect=True)
+    assert family is FAMILY
+    config = flag_lib.parse(serving_cli.default_config(family), serving_cli.help_entries(family),
+                            argv)
+    return serving_cli.build(family, config)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, hf_dir):
+    """The train command's output: (final checkpoint, its stdout)."""
+    import contextlib
+    import io
+
+    tmp_path = tmp_path_factory.mktemp("run")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        train.main(train_argv(tmp_path, hf_dir))
+    text = out.getvalue()
+    return text.split("checkpoint: ")[1].split()[0], text
+
+
+def test_fine_tuning_a_directory_lowers_the_loss(trained):
+    final, _ = trained
+    lines = (checkpoint.read_metadata(final), final.rsplit("/checkpoints/", 1)[0])
+    metadata, run_dir = lines
+    assert metadata["model"] == "gemma" and metadata["gemma_config"]["query_pre_attn_scalar"] == 24
+    with open(f"{run_dir}/metrics.jsonl") as f:
+        losses = [row["loss"] for row in map(json.loads, f) if "loss" in row]
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.1, losses
+
+
+def test_the_printed_serve_line_answers_a_chat_request(trained):
+    _, text = trained
+    line = next(line for line in text.splitlines() if line.startswith("serve it:"))
+    argv = shlex.split(line.partition("serve it:")[2])
+    assert argv[:3] == ["python", "-m", "easylm.gemma.serve"]
+    app, batcher = serve(argv[3:] + ["--seq_length=64", "--batch_size=2", "--mesh_dim=1,1,-1"])
+    try:
+        client = TestClient(app, base_url="http://127.0.0.1")
+        response = client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 6,
+            "temperature": 0})
+    finally:
+        batcher.stop()
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "chat.completion"
+    assert isinstance(body["choices"][0]["message"]["content"], str)
+    assert 1 <= body["usage"]["completion_tokens"] <= 6
+    # The prompt is the tokenizer's chat template, BOS once.
+    tokenizer = load_tokenizer("embedded")
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Tell me a story."}],
+                                           add_generation_prompt=True, tokenize=True)
+    prompt = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
+    assert prompt.count(tokenizer.bos_token_id) == 1
+    assert body["usage"]["prompt_tokens"] == len(prompt)
+
+
+def test_the_checkpoint_exports_to_transformers_with_our_logits(tmp_path, trained, capsys):
+    final, _ = trained
+    convert_easylm_to_hf.main(["convert", f"--load_checkpoint=params::{final}",
+                               f"--output_dir={tmp_path / 'back'}"])
+    assert "verify: max |logit difference| vs transformers" in capsys.readouterr().out
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32).eval()
+    assert type(exported).__name__ == "Gemma3ForCausalLM"
+    config = FAMILY.recorded_config(f"params::{final}")
+    params = checkpoint.load_params(f"params::{final}", jax.eval_shape(
+        GemmaForCausalLM(config).init_params, jax.random.key(0)))
+    ids = np.random.RandomState(1).randint(0, config.vocab_size, (2, 32))
+    theirs = hf_logits(exported, ids)
+    ours = GemmaForCausalLM(config).apply({"params": params}, ids)
+    assert_close(ours, theirs, forward_rel(config, 32))
+    # Negative twin: the model before training computes other logits.
+    assert_differs(hf_logits(hf_model(tiny_config()), ids), theirs, forward_rel(config, 32))
+
+
+def test_converters_round_trip_bitwise(tmp_path, hf_dir):
+    convert_hf_to_easylm.main(["convert", f"--hf_model={hf_dir}",
+                               f"--output_dir={tmp_path / 'easylm'}"])
+    convert_easylm_to_hf.main(["convert", f"--load_checkpoint=params::{tmp_path / 'easylm'}",
+                               f"--output_dir={tmp_path / 'back'}"])
+    before, after = HFTensors(str(hf_dir)), HFTensors(str(tmp_path / "back"))
+    assert sorted(before) == sorted(after)
+    for name in before:
+        assert before[name].dtype == after[name].dtype
+        assert before[name].tobytes() == after[name].tobytes(), name
+    config = json.loads((hf_dir / "config.json").read_text())
+    back = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert {k: v for k, v in back.items() if k != "initializer_range"} == \
+        {k: v for k, v in config.items() if k != "initializer_range"}
+
+
+def test_greedy_serving_equals_transformers_generate_past_the_window(hf_dir):
+    app, batcher = serve([f"--load_checkpoint=hf::{hf_dir}", f"--tokenizer={hf_dir}",
+                          "--seq_length=64", "--batch_size=2", "--mesh_dim=1,1,-1"])
+    prompt = [1, 7, 8, 9, 10, 11]
+    try:
+        response = TestClient(app, base_url="http://127.0.0.1").post("/v1/completions", json={
+            "prompt": prompt, "max_tokens": 20, "temperature": 0, "logprobs": 1}).json()
+    finally:
+        batcher.stop()
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
+                          min_new_tokens=20)[0][len(prompt):].tolist()
+    eos = tiny_config().eos_token_id
+    expected = out[:out.index(eos)] if eos in out else out
+    assert len(prompt) + len(expected) > 2 * tiny_config().sliding_window
+    text = load_tokenizer("embedded").decode(expected, skip_special_tokens=True)
+    assert response["choices"][0]["text"] == text
+
+
+def test_bad_input_is_one_line(tmp_path, hf_dir, capsys):
+    (tmp_path / "gemma2").mkdir()
+    config = json.loads((hf_dir / "config.json").read_text())
+    (tmp_path / "gemma2" / "config.json").write_text(json.dumps({**config, "model_type": "gemma2"}))
+    message = one_line_error(train.main, train_argv(tmp_path, tmp_path / "gemma2", steps=1,
+                                                          tokenizer="embedded"), capsys)
+    assert message == (f"{tmp_path / 'gemma2' / 'config.json'}: model_type 'gemma2' is not a "
+                       f"Gemma 3 model (supported: gemma3_text, and the text tower of gemma3)")
+    (tmp_path / "soft").mkdir()
+    (tmp_path / "soft" / "config.json").write_text(json.dumps({**config,
+                                                              "final_logit_softcapping": 30.0}))
+    message = one_line_error(convert_hf_to_easylm.main, [
+        "convert", f"--hf_model={tmp_path / 'soft'}", f"--output_dir={tmp_path / 'out'}"], capsys)
+    assert message == (f"{tmp_path / 'soft' / 'config.json'}: final_logit_softcapping=30.0 is "
+                       f"not supported (this Gemma 3 model implements "
+                       f"final_logit_softcapping=None)")
