@@ -254,3 +254,18 @@ def test_sharded_equals_single_device(single_device, mesh_dim):
     for (path, g), g2 in zip(jax.tree_util.tree_leaves_with_path(grads),
                              jax.tree_util.tree_leaves(grads2)):
         assert_close(np.asarray(g2), np.asarray(g), 2 * rel, err_msg=path_to_string(path))
+
+
+def test_the_chunked_loss_is_the_plain_loss(pair):
+    # --gemma.loss_chunk_size: the head applied 16 positions at a time, the same sums.
+    config, _, params, ids, theirs = pair
+    ids = ids[:, :33]
+    batch = {"input_tokens": jnp.asarray(ids[:, :-1]), "target_tokens": jnp.asarray(ids[:, 1:]),
+             "loss_masks": jnp.ones(ids[:, 1:].shape, jnp.float32)}
+    plain = jax.jit(FAMILY.bind(config).loss_fn)(params, batch, jax.random.key(0), None)
+    chunked = jax.jit(FAMILY.bind(config.replace(loss_chunk_size=16)).loss_fn)(
+        params, batch, jax.random.key(0), None)
+    # A sum of 64 token losses, each within twice the largest logit error.
+    atol = ids[:, 1:].size * 2 * forward_rel(config, SEQ) * float(np.abs(theirs).max())
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(chunked)):
+        assert abs(float(a) - float(b)) <= atol
