@@ -175,3 +175,40 @@ def test_bad_input_is_one_line(tmp_path, hf_dir, capsys):
     assert message == (f"{tmp_path / 'soft' / 'config.json'}: final_logit_softcapping=30.0 is "
                        f"not supported (this Gemma 3 model implements "
                        f"final_logit_softcapping=None)")
+
+
+def test_a_lora_run_exports_a_peft_adapter_and_a_merged_model(tmp_path, hf_dir, capsys):
+    # LoRA on every projection (PEFT's q_proj ... down_proj): a few steps from hf::DIR, then
+    # the adapter loads with peft onto transformers' model of the base, and the merged
+    # export loads in transformers, both with our logits.
+    from peft import PeftModel
+
+    from easylm.gemma.adapters import lora_model, read_run_adapters
+
+    train.main(train_argv(tmp_path, hf_dir, steps=3, lr=1e-2) + ["--lora.rank=4",
+                                                                  "--lora.alpha=8"])
+    final = capsys.readouterr().out.split("checkpoint: ")[1].split()[0]
+    for mode in ("adapter", "merged"):
+        convert_easylm_to_hf.main(["convert", f"--load_checkpoint=params::{final}",
+                                   f"--output_dir={tmp_path / mode}", f"--lora_mode={mode}"])
+    out = capsys.readouterr().out
+    assert "verify: max |logit difference| vs peft" in out
+    assert "verify: max |logit difference| vs transformers" in out
+    adapter_config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert sorted(adapter_config["target_modules"]) == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+    config = tiny_config()
+    base = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    ids = np.random.RandomState(2).randint(0, config.vocab_size, (2, 32))
+    before = hf_logits(base, ids)
+    peft = hf_logits(PeftModel.from_pretrained(base, tmp_path / "adapter").eval(), ids)
+    merged = hf_logits(AutoModelForCausalLM.from_pretrained(
+        tmp_path / "merged", dtype=torch.float32).eval(), ids)
+    lora, adapters, _ = read_run_adapters(final)
+    lm = lora_model(config, lora)
+    ours = np.asarray(lm.apply(lm.store_base(params_of(hf_model(config), config)), adapters, ids))
+    rel = forward_rel(config, 32)
+    assert_close(ours, peft, rel)
+    assert_close(merged, peft, rel)
+    assert_differs(before, peft, rel)  # the adapters moved the logits

@@ -10,6 +10,13 @@ and, with --tokenizer, the tokenizer files. With --verify (the default, when tor
 installed) transformers loads the export and its logits on fixed sequences are compared
 with ours; above --verify_tolerance the command fails. Everything is written into
 `<output_dir>.partial`, renamed at the end.
+
+A LoRA run's checkpoint exports with `--lora_mode`: `adapter` writes a PEFT directory
+(verified by loading it with `peft.PeftModel` onto the HF model of the base as the run
+stored it), `merged` the base as its source holds it with W + s·A·B folded into each
+adapted kernel (in fp32, stored in the kernel's dtype; every other tensor the source's).
+The base is read again from the --load_checkpoint the run recorded (or --lora_base) and
+refused if its fingerprint is not the run's.
 """
 
 import os
@@ -46,32 +53,43 @@ HELP = {
     "max_shard_gb": "largest safetensors shard, in GiB",
     "verify": "reload the export with transformers and compare logits with ours",
     "verify_tolerance": "largest max |logit difference| --verify accepts",
+    "lora_mode": "a LoRA run's checkpoint: 'adapter' (a PEFT directory) or 'merged' (the "
+                 "base with the adapters folded in)",
+    "lora_base": "the LoRA run's base (hf::DIR, params::DIR, ...) when it has moved (empty: "
+                 "the --load_checkpoint the run recorded)",
 }
+LORA_MODES = ("adapter", "merged")
 USAGE = ("usage: python -m easylm.gemma.convert_easylm_to_hf --load_checkpoint=params::DIR "
          "--output_dir=DIR")
 
 
 def get_default_config() -> ConfigDict:
     return ConfigDict(dict(load_checkpoint="", output_dir="", tokenizer="", dtype="keep",
-                           max_shard_gb=5.0, verify=True, verify_tolerance=1e-3))
+                           max_shard_gb=5.0, verify=True, verify_tolerance=1e-3,
+                           lora_mode="", lora_base=""))
 
 
 def load_checkpoint(spec: str) -> tuple[GemmaConfig, dict]:
     """(config, params on one device, in their stored dtype)."""
     _, directory = parse_load_spec(spec)
-    metadata = read_metadata(directory)
-    if metadata.get("flags", {}).get("lora.rank"):
-        raise UserError(f"{directory} is a LoRA run's checkpoint: the gemma family has no "
-                        f"adapters to export")
+    return config_of(read_metadata(directory), directory), _load_params(spec)
+
+
+def config_of(metadata: dict, directory: str) -> GemmaConfig:
     if FAMILY.metadata_key not in metadata:
         raise UserError(f"{directory}: the checkpoint metadata has no {FAMILY.metadata_key}; "
                         f"not a Gemma checkpoint (its model: {metadata.get('model')!r})")
-    config = GemmaConfig(**metadata[FAMILY.metadata_key])
+    return GemmaConfig(**metadata[FAMILY.metadata_key])
+
+
+def _load_params(spec: str):
+    """The parameters of an easylm checkpoint on one device, in their stored dtype."""
+    _, directory = parse_load_spec(spec)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     abstract = jax.tree.map(
         lambda leaf: jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype, sharding=device),
         stored_tree(directory, "params"))
-    return config, load_params(spec, abstract)
+    return load_params(spec, abstract)
 
 
 def export(params, config: GemmaConfig, directory: str, dtype: str = "keep",
@@ -123,7 +141,21 @@ def main(argv=None):
     output_dir = os.path.abspath(FLAGS.output_dir)
     if os.path.exists(output_dir):
         raise UserError(f"{output_dir} already exists; refusing to overwrite it")
-    config, params = load_checkpoint(FLAGS.load_checkpoint)
+    _, directory = parse_load_spec(FLAGS.load_checkpoint)
+    metadata = read_metadata(directory)
+    is_lora = bool(metadata.get("flags", {}).get("lora.rank"))
+    if FLAGS.lora_mode not in ("",) + LORA_MODES:
+        raise UserError(f"--lora_mode={FLAGS.lora_mode!r} is not one of {', '.join(LORA_MODES)}")
+    if is_lora != bool(FLAGS.lora_mode):
+        raise UserError(f"{directory} is a LoRA run's checkpoint: pass --lora_mode=adapter or "
+                        f"merged" if is_lora else f"--lora_mode={FLAGS.lora_mode}: {directory} "
+                        f"is not a LoRA run's checkpoint")
+    if FLAGS.lora_mode == "adapter":
+        return export_adapter(FLAGS, output_dir, metadata)
+    if FLAGS.lora_mode == "merged":
+        config, params = merged_params(FLAGS.load_checkpoint, metadata, FLAGS.lora_base)
+    else:
+        config, params = load_checkpoint(FLAGS.load_checkpoint)
     partial = output_dir + ".partial"
     shutil.rmtree(partial, ignore_errors=True)
     cast = DTYPES[FLAGS.dtype]
@@ -156,6 +188,88 @@ def check(params, config: GemmaConfig, directory: str, tolerance: float) -> None
     if not diff <= tolerance:
         raise UserError(f"verification failed: max |logit difference| {diff:.3g} exceeds "
                         f"--verify_tolerance={tolerance}")
+
+
+
+def load_lora(spec: str, metadata: dict, base_spec: str = ""):
+    """(config, LoraModel, frozen base as the run stored it, adapters, the base's source) of
+    a LoRA run's checkpoint, on one device; the base checked against the run's fingerprint."""
+    from easylm.gemma.adapters import load_base, lora_model, read_run_adapters
+    from easylm.gemma.model import partition_rules
+    from easylm.runtime.sharding import make_mesh
+    from easylm.variants.lora_variant import check_base
+
+    _, directory = parse_load_spec(spec)
+    config = config_of(metadata, directory)
+    recorded = metadata.get("frozen") or {}
+    base_spec = base_spec or recorded.get("source", "")
+    if base_spec in ("", "init"):
+        raise UserError(f"{directory}: the run's base was drawn at random, not loaded; give it "
+                        f"with --lora_base")
+    lora, adapters, _ = read_run_adapters(directory)
+    lm = lora_model(config, lora, dtype=jnp.dtype(recorded.get("dtype", "float32")))
+    mesh = make_mesh("1,1,1", devices=jax.devices()[:1])
+    with jax.set_mesh(mesh):
+        frozen = load_base(lm, config, base_spec, mesh, lambda spec, abstract: FAMILY.load_params(
+            spec, config, abstract, partition_rules(config)))
+    if recorded.get("fingerprint"):
+        check_base(directory, recorded, base_spec, lm, frozen,
+                   fix="give the run's base with --lora_base")
+    return config, lm, frozen, adapters, base_spec
+
+
+def merged_params(spec: str, metadata: dict, base_spec: str = ""):
+    """(config, the base as its source holds it with W + s·A·B in each adapted kernel)."""
+    from easylm.gemma.hf import load_hf_params
+
+    config, lm, _, adapters, source = load_lora(spec, metadata, base_spec)
+    kind, directory = parse_load_spec(source, ("hf", "params", "trainstate_params"))
+    params = (load_hf_params(directory)[1] if kind == "hf"
+              else jax.device_get(_load_params(source)))
+    return config, lm.merge(params, jax.device_get(adapters))
+
+
+def export_adapter(FLAGS, output_dir: str, metadata: dict) -> None:
+    """--lora_mode=adapter: the PEFT directory, verified with peft."""
+    from easylm.gemma.adapters import save_peft
+
+    config, lm, frozen, adapters, source = load_lora(FLAGS.load_checkpoint, metadata,
+                                                     FLAGS.lora_base)
+    kind, _, path = source.partition("::")
+    partial = output_dir + ".partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        save_peft(partial, lm, jax.device_get(adapters), config,
+                  base_model=os.path.abspath(path) if kind == "hf" else "")
+        if FLAGS.verify:
+            diff = verify_peft(lm, frozen, adapters, config, partial)
+            print(f"verify: max |logit difference| vs peft = {diff:.3g}")
+            if not diff <= FLAGS.verify_tolerance:
+                raise UserError(f"verification failed: max |logit difference| {diff:.3g} "
+                                f"exceeds --verify_tolerance={FLAGS.verify_tolerance}")
+        os.replace(partial, output_dir)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    print(f"wrote {output_dir}")
+
+
+def verify_peft(lm, frozen, adapters, config: GemmaConfig, directory: str) -> float:
+    """Max |logits(HF base + PEFT adapter) - logits(ours)| on fixed sequences, in fp32."""
+    import dataclasses
+
+    import torch
+    from peft import PeftModel
+
+    from easylm.gemma.adapters import lora_model
+
+    base = jax.device_get(lm.dequantized_base(frozen))
+    model = PeftModel.from_pretrained(FAMILY.torch_reference(config, base), directory).eval()
+    ids = np.random.RandomState(0).randint(0, config.vocab_size, (2, 32))
+    with torch.no_grad():
+        theirs = model(torch.tensor(ids)).logits.numpy()
+    fp32 = lora_model(config, dataclasses.replace(lm.config, base_dtype="fp32"))
+    ours = fp32.apply(fp32.store_base(base), adapters, jnp.asarray(ids))
+    return float(np.abs(np.asarray(ours) - theirs).max())
 
 
 if __name__ == "__main__":

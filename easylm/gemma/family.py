@@ -73,6 +73,49 @@ class GemmaFamily(ModelFamily):
             num_layers=config.num_hidden_layers, num_parameters=config.num_parameters(),
             row_logps=row_logps)
 
+    def build(self, flags, config=None, from_checkpoint: bool = False) -> Model:
+        """The Gemma model, or with `--lora.rank` > 0 its LoRA variant (adapters trained on
+        the frozen base --load_checkpoint names)."""
+        config = self.model_config(flags, from_checkpoint) if config is None else config
+        model = super().build(flags, config, from_checkpoint)
+        lora = flags.get("lora")
+        if lora is None or not lora.rank:
+            return model
+        from easylm.gemma.adapters import lora_variant
+        from easylm.runtime.dtypes import dtype_from_flag
+        from easylm.variants.lora import LoraConfig
+
+        return lora_variant(model, config, LoraConfig.from_flags(lora),
+                            dtype_from_flag("dtype", flags.dtype), flags.get("load_checkpoint", ""),
+                            lambda spec, abstract: self.load_params(
+                                spec, config, abstract, partition_rules(config)))
+
+    def variant_flags(self) -> dict:
+        from easylm.variants.lora import LoraConfig
+
+        return {"lora": LoraConfig.get_default_config()}
+
+    def variant_help(self) -> dict:
+        from easylm.variants.lora import HELP
+
+        return {f"lora.{name}": text for name, text in HELP.items()}
+
+    def unused_variant_flags(self, flags) -> tuple:
+        lora = flags.get("lora")
+        return ("lora.",) if lora is None or not lora.rank else ()
+
+    def state_settings(self, flags: dict, config: dict) -> dict:
+        from easylm.variants.lora_variant import state_settings
+
+        return state_settings(flags)
+
+    def variant_run_defaults(self, flags) -> dict:
+        from easylm.variants.lora_variant import LORA_RUN_DEFAULTS
+
+        lora = flags.get("lora")
+        return dict(LORA_RUN_DEFAULTS) if lora is not None and lora.rank and \
+            flags.get("load_checkpoint") else {}
+
     def read_hf_config(self, directory: str) -> GemmaConfig:
         return hf.read_hf_config(directory)
 

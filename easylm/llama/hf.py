@@ -33,13 +33,14 @@ from flax import traverse_util
 from easylm.errors import UserError
 from easylm.llama.config import ARCHITECTURES, LLaMAConfig
 from easylm.llama.model import LLaMAForCausalLM, stack_layers
-from easylm.models.hf_checkpoint import (
+from easylm.models import hf_checkpoint
+from easylm.models.hf_checkpoint import (  # noqa: F401  (PEFT_PREFIX, peft_key: by these names)
+    PEFT_PREFIX,
     HFTensors,
     hf_key,
     params_from_hf,
+    peft_key,
     read_config,
-    some,
-    to_numpy,
 )
 from easylm.runtime.dtypes import cast_names
 
@@ -47,8 +48,6 @@ DTYPES = cast_names(("bf16", "fp32"))  # what a conversion may store
 
 # Tensors HF checkpoints may carry that hold no parameter of ours.
 _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
-PEFT_PREFIX = "base_model.model."
-_PEFT_ADAPTERS = {"kernel_lora_a": "lora_A", "kernel_lora_b": "lora_B"}
 
 
 def param_shapes(config: LLaMAConfig) -> dict[str, tuple[int, ...]]:
@@ -76,19 +75,8 @@ def _unstacked(flat: dict, path: str, config: LLaMAConfig) -> np.ndarray:
     return np.asarray(jax.device_get(flat[path]))
 
 
-def _hf_module(path: str) -> str:
-    """model/layers/0/self_attn/q_proj/kernel -> model.layers.0.self_attn.q_proj"""
-    return hf_key(path)[0].rsplit(".", 1)[0]
-
-
 def _unscanned_path(path: str, layer: int) -> str:
     return path.replace("model/layers/", f"model/layers/{layer}/", 1)
-
-
-def peft_key(path: str) -> str:
-    """Our unscanned adapter path -> PEFT's tensor name (the tensor is transposed)."""
-    *module, leaf = path.split("/")
-    return PEFT_PREFIX + ".".join(module + [_PEFT_ADAPTERS[leaf], "weight"])
 
 
 def to_peft(adapters, config: LLaMAConfig) -> Iterator[tuple[str, np.ndarray]]:
@@ -103,15 +91,9 @@ def to_peft(adapters, config: LLaMAConfig) -> Iterator[tuple[str, np.ndarray]]:
 
 
 def peft_target_modules(kernels, config: LLaMAConfig) -> list[str]:
-    """PEFT's `target_modules` for adapters on these unscanned kernel paths: module names
-    (q_proj, ...) when they select exactly these kernels, as PEFT matches them (a module
-    whose name ends with one), else the full module names."""
-    modules = {_hf_module(path) for path in kernels}
-    names = sorted({module.rsplit(".", 1)[-1] for module in modules})
-    every = {_hf_module(path) for path in param_shapes(config) if path.endswith("/kernel")}
-    if {m for m in every if m.rsplit(".", 1)[-1] in names} == modules:
-        return names
-    return sorted(modules)
+    """PEFT's `target_modules` for adapters on these unscanned kernel paths."""
+    return hf_checkpoint.peft_target_modules(
+        kernels, [path for path in param_shapes(config) if path.endswith("/kernel")])
 
 
 def from_peft(tensors: Mapping[str, Any], config: LLaMAConfig, rank: int,
@@ -122,31 +104,8 @@ def from_peft(tensors: Mapping[str, Any], config: LLaMAConfig, rank: int,
     `rank` and must be one of the model's kernels. With scanned layers every layer must
     carry the same adapters (a scan has one layer's parameters).
     """
-    shapes = param_shapes(config)
-    kernels = {_hf_module(path): path for path in shapes if path.endswith("/kernel")}
-    adapters, bad = {}, []
-    for name, tensor in tensors.items():
-        module, _, kind = name.removeprefix(PEFT_PREFIX).rpartition(".lora_")
-        path = kernels.get(module)
-        if not name.startswith(PEFT_PREFIX) or path is None or kind not in ("A.weight", "B.weight"):
-            bad.append(name)
-            continue
-        inputs, outputs = shapes[path]
-        leaf = "kernel_lora_a" if kind == "A.weight" else "kernel_lora_b"
-        want = (rank, inputs) if leaf == "kernel_lora_a" else (outputs, rank)
-        tensor = to_numpy(tensor)
-        if tensor.shape != want:
-            raise UserError(f"{source}: tensor {name} has shape {tensor.shape}, but rank "
-                            f"{rank} on this model's {module} implies {want}")
-        adapters[path.removesuffix("kernel") + leaf] = np.ascontiguousarray(tensor.T)
-    if bad:
-        raise UserError(f"{source} has {len(bad)} tensor(s) that are no LoRA adapter of this "
-                        f"model's kernels: {some(sorted(bad))}")
+    adapters = hf_checkpoint.adapters_from_peft(tensors, param_shapes(config), rank, source)
     kernel_paths = sorted({path.rsplit("_", 2)[0] for path in adapters})
-    lonely = [p for p in kernel_paths if not {p + "_lora_a", p + "_lora_b"} <= set(adapters)]
-    if not kernel_paths or lonely:
-        raise UserError(f"{source}: every adapted module needs lora_A and lora_B; "
-                        f"{'none found' if not kernel_paths else 'missing for ' + some(lonely)}")
     pattern = _kernels_pattern(kernel_paths, config, source)
     tree = traverse_util.unflatten_dict(adapters, sep="/")
     if config.scan_layers:

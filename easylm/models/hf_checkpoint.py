@@ -230,3 +230,67 @@ def params_from_hf(tensors: Mapping, shapes: dict, source: str, dtype=None, plac
         flat[path] = tensor if place is None else place(tensor)
         del tensor
     return flat
+
+
+# ------------------------------------------------- PEFT names of LoRA adapters
+# Adapters (easylm/variants/lora.py) map to the names PEFT writes for the HF model,
+# transposed like kernels:
+#   model/layers/3/self_attn/q_proj/kernel_lora_a (in, r)
+#       <->  base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (r, in)
+
+PEFT_PREFIX = "base_model.model."
+PEFT_ADAPTERS = {"kernel_lora_a": "lora_A", "kernel_lora_b": "lora_B"}
+
+
+def hf_module(path: str) -> str:
+    """model/layers/0/self_attn/q_proj/kernel -> model.layers.0.self_attn.q_proj"""
+    return hf_key(path)[0].rsplit(".", 1)[0]
+
+
+def peft_key(path: str) -> str:
+    """An (unscanned) adapter path -> PEFT's tensor name (the tensor is transposed)."""
+    *module, leaf = path.split("/")
+    return PEFT_PREFIX + ".".join(module + [PEFT_ADAPTERS[leaf], "weight"])
+
+
+def peft_target_modules(kernels, all_kernels) -> list[str]:
+    """PEFT's `target_modules` for adapters on `kernels` (paths) of a model with
+    `all_kernels`: module names (q_proj, ...) when they select exactly these kernels, as
+    PEFT matches them (a module whose name ends with one), else the full module names."""
+    modules = {hf_module(path) for path in kernels}
+    names = sorted({module.rsplit(".", 1)[-1] for module in modules})
+    every = {hf_module(path) for path in all_kernels}
+    if {m for m in every if m.rsplit(".", 1)[-1] in names} == modules:
+        return names
+    return sorted(modules)
+
+
+def adapters_from_peft(tensors: Mapping, shapes: dict, rank: int, source: str) -> dict:
+    """{adapter path: array} from PEFT-named tensors on a model of (unscanned) parameter
+    `shapes`: each one A or B of rank `rank` on one of its kernels, both for every adapted
+    kernel; anything else is a UserError naming it."""
+    kernels = {hf_module(path): path for path in shapes if path.endswith("/kernel")}
+    adapters, bad = {}, []
+    for name, tensor in tensors.items():
+        module, _, kind = name.removeprefix(PEFT_PREFIX).rpartition(".lora_")
+        path = kernels.get(module)
+        if not name.startswith(PEFT_PREFIX) or path is None or kind not in ("A.weight", "B.weight"):
+            bad.append(name)
+            continue
+        inputs, outputs = shapes[path]
+        leaf = "kernel_lora_a" if kind == "A.weight" else "kernel_lora_b"
+        want = (rank, inputs) if leaf == "kernel_lora_a" else (outputs, rank)
+        tensor = to_numpy(tensor)
+        if tensor.shape != want:
+            raise UserError(f"{source}: tensor {name} has shape {tensor.shape}, but rank "
+                            f"{rank} on this model's {module} implies {want}")
+        adapters[path.removesuffix("kernel") + leaf] = np.ascontiguousarray(tensor.T)
+    if bad:
+        raise UserError(f"{source} has {len(bad)} tensor(s) that are no LoRA adapter of this "
+                        f"model's kernels: {some(sorted(bad))}")
+    kernel_paths = sorted({path.rsplit("_", 2)[0] for path in adapters})
+    lonely = [p for p in kernel_paths if not {p + "_lora_a", p + "_lora_b"} <= set(adapters)]
+    if not kernel_paths or lonely:
+        raise UserError(f"{source}: every adapted module needs lora_A and lora_B; "
+                        f"{'none found' if not kernel_paths else 'missing for ' + some(lonely)}")
+    return adapters

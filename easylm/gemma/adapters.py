@@ -1,0 +1,75 @@
+"""Gemma with LoRA adapters (easylm/variants/lora.py, lora_variant.py), and PEFT adapter
+directories for it (target names q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
+down_proj, as PEFT names Gemma3ForCausalLM's modules)."""
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from easylm.gemma import hf
+from easylm.gemma.config import GemmaConfig
+from easylm.gemma.model import GemmaForCausalLM, lm_head_weight, partition_rules
+from easylm.models.family import Model
+from easylm.models.hf_checkpoint import peft_target_modules
+from easylm.variants import lora_variant as variant
+from easylm.variants.lora import LoraConfig, LoraModel, read_peft, write_peft
+
+
+def lora_model(config: GemmaConfig, lora: LoraConfig, dtype=jnp.float32,
+               param_dtype=jnp.float32) -> LoraModel:
+    return LoraModel(GemmaForCausalLM(config, dtype=dtype, param_dtype=param_dtype), lora, dtype)
+
+
+def host(config: GemmaConfig) -> variant.Host:
+    return variant.Host(name="gemma", rules=partition_rules(config),
+                        head_weight=lambda params: lm_head_weight(params, config),
+                        loss_chunk_size=config.loss_chunk_size,
+                        matmul_parameters=config.num_matmul_parameters())
+
+
+def lora_variant(model: Model, config: GemmaConfig, lora: LoraConfig, dtype, load_spec: str,
+                 load) -> Model:
+    """The LoRA `Model` of the Gemma `model`: adapters trained on the frozen base read from
+    `load_spec` (or drawn)."""
+    return variant.lora_variant(model, lora_model(config, lora, dtype=dtype), host(config),
+                                load_spec, load)
+
+
+def load_base(lm: LoraModel, config: GemmaConfig, spec: str, mesh, load):
+    return variant.load_base(lm, spec, mesh, load, partition_rules(config))
+
+
+def save_peft(directory: str, lm: LoraModel, adapters, config: GemmaConfig,
+              base_model: str = "") -> None:
+    """`adapters` as a PEFT directory that `peft.PeftModel.from_pretrained` loads onto the
+    HF Gemma3ForCausalLM of the same base."""
+    kernels = [path for path in hf.param_shapes(config) if path.endswith("/kernel")]
+    write_peft(directory, hf.to_peft(adapters), lm.config,
+               peft_target_modules([path for path in kernels if path in lm.targets], kernels),
+               base_model)
+
+
+def load_peft(directory: str, config: GemmaConfig) -> tuple[LoraConfig, dict]:
+    """(LoraConfig, adapters) from a PEFT directory; the config selects the modules the
+    file adapts."""
+    lora, tensors = read_peft(directory)
+    adapters, pattern = hf.from_peft(tensors, config, lora.rank, source=directory)
+    return dataclasses.replace(lora, target_modules=pattern), adapters
+
+
+def read_run_adapters(directory: str) -> tuple[LoraConfig, dict, dict]:
+    """(LoraConfig, adapters on one device, metadata) of a LoRA run's checkpoint."""
+    import jax
+
+    from easylm.runtime import checkpoint
+
+    checkpoint.check_checkpoint_dir(directory)
+    metadata = checkpoint.read_metadata(directory)
+    fields = {name.split(".", 1)[1]: value for name, value in metadata.get("flags", {}).items()
+              if name.startswith("lora.")}
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype,
+                                                              sharding=device),
+                            checkpoint.stored_tree(directory, "params"))
+    return (LoraConfig(**fields), checkpoint.load_params(f"params::{directory}", abstract),
+            metadata)

@@ -1,0 +1,157 @@
+"""A family's LoRA variant (easylm/variants/lora.py) as a `Model`: adapters trained on a
+frozen base, for any family whose model reads each kernel in its own module's matmul.
+
+A family gives its LoraModel (its model, unfused), its partition rules and its output
+projection; what is here is the same for every family: the loss and row log-probabilities
+on (adapters, base), the frozen base (drawn, or read from --load_checkpoint into its
+shards and then cast or quantized on the devices), its fingerprint check, and the --lora.*
+settings a run's adapters mean something under. easylm/llama/adapters.py and
+easylm/gemma/adapters.py are the two users.
+"""
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from easylm.errors import UserError
+from easylm.models.family import Frozen, Model
+from easylm.objectives import preference
+from easylm.objectives.next_token import chunked_next_token_loss, next_token_loss
+from easylm.runtime import checkpoint
+from easylm.runtime.dtypes import dtype_from_flag
+from easylm.runtime.sharding import PartitionRules, match_partition_rules, named_shardings
+from easylm.variants.lora import LoraConfig, LoraModel, partition_rules
+
+# A LoRA run's learning rates from a pretrained base: the QLoRA paper's 2e-4 (7B-13B;
+# 1e-4 from 33B), far above full fine-tuning's, since only the adapters move.
+LORA_RUN_DEFAULTS = {"optimizer.adamw_optimizer.lr": 2e-4}
+# The base is read in bf16 unless kept in fp32: int8/nf4 quantize from it, as QLoRA does
+# from bf16/fp16 weights, and a 70B base is never whole in fp32 on a device.
+READ_DTYPE = {"fp32": jnp.float32}
+
+
+@dataclasses.dataclass(frozen=True)
+class Host:
+    """What a LoRA variant needs of its family's model besides the LoraModel."""
+
+    name: str  # the family's flag section (--<name>.loss_chunk_size)
+    rules: PartitionRules  # the float model's partition rules
+    head_weight: Callable  # float params -> the output projection (D, V)
+    loss_chunk_size: int
+    matmul_parameters: int  # N of the base's 6N FLOPs a token
+
+
+def lora_variant(model: Model, lm: LoraModel, host: Host, load_spec: str, load) -> Model:
+    """The LoRA `Model` of `model`: it trains the adapters (`params`) of `lm` on the frozen
+    base (`frozen`: --lora.base_dtype, quantized on the devices for int8/nf4), read from
+    `load_spec` (hf::, params:: or trainstate_params::; `load(spec, abstract)` reads it)
+    or, with none, drawn."""
+    chunk = host.loss_chunk_size
+    if chunk and any(path.startswith("lm_head/") for path in lm.targets):
+        raise UserError(f"--{host.name}.loss_chunk_size computes the output projection outside "
+                        f"the model: leave lm_head out of --lora.target_modules, or set "
+                        f"--{host.name}.loss_chunk_size=0")
+
+    def loss_fn(adapters, batch, rng, base):
+        kwargs = dict(positions=batch.get("positions"), segment_ids=batch.get("segment_ids"),
+                      rng=rng)
+        if not chunk:
+            return next_token_loss(lm.apply(base, adapters, batch["input_tokens"], **kwargs),
+                                   batch["target_tokens"], batch["loss_masks"])
+        hidden = lm.apply(base, adapters, batch["input_tokens"], return_hidden=True, **kwargs)
+        return chunked_next_token_loss(hidden, host.head_weight(lm.dequantized_base(base)),
+                                       batch["target_tokens"], batch["loss_masks"], chunk)
+
+    def row_logps(adapters, rows, base, rng=None):  # preference pairs, one per row
+        if not chunk:
+            logits = lm.apply(base, adapters, rows["input_tokens"], rng=rng)
+            return preference.sequence_logps(logits, rows["target_tokens"], rows["loss_masks"])
+        hidden = lm.apply(base, adapters, rows["input_tokens"], rng=rng, return_hidden=True)
+        return preference.chunked_sequence_logps(
+            hidden, host.head_weight(lm.dequantized_base(base)), rows["target_tokens"],
+            rows["loss_masks"], chunk)
+
+    def apply(adapters_and_base, ids, positions, cache):
+        # The engine on the live adapters and their stored base (the trainer's lm-eval
+        # hook): no merged float copy of the base, which for QLoRA would be 4x its nf4
+        # bytes; each matmul dequantizes its kernel as in training.
+        adapters, base = adapters_and_base
+        return lm.apply(base, adapters, ids, positions=positions, cache=cache)
+
+    adapter_parameters = lm.num_adapter_parameters()
+    return dataclasses.replace(
+        model, init_params=lm.init_adapters, loss_fn=loss_fn,
+        partition_rules=partition_rules(host.rules), row_logps=row_logps,
+        frozen=frozen(lm, model, host.rules, load_spec, load), load=None, apply=apply,
+        num_parameters=adapter_parameters,
+        # No weight gradients for the frozen base: 4 FLOPs a matmul weight, not 6, and
+        # the adapters' own 6.
+        flops_per_token=lambda seq_length: (model.flops_per_token(seq_length)
+                                            - 2 * host.matmul_parameters
+                                            + 6 * adapter_parameters),
+        # the base's forward pass and the adapters' (2 FLOPs a weight)
+        forward_flops_per_token=lambda seq_length: (model.forward_flops(seq_length)
+                                                    + 2 * adapter_parameters))
+
+
+def state_settings(flags: dict) -> dict:
+    """The --lora.* settings a LoRA run's adapters mean something under, from flat flags
+    (`ModelFamily.state_settings`); flags a checkpoint did not record are left out."""
+    rank = flags.get("lora.rank", 0)
+    settings = {"--lora.rank": rank}
+    if not rank:
+        return settings
+    for name in ("target_modules", "alpha", "use_rslora"):
+        if f"lora.{name}" in flags:
+            settings[f"--lora.{name}"] = flags[f"lora.{name}"]
+    if "lora.base_dtype" in flags and "dtype" in flags:
+        lora = LoraConfig(base_dtype=flags["lora.base_dtype"])
+        settings["--lora.base_dtype"] = lora.resolved(
+            dtype_from_flag("dtype", flags["dtype"])).base_dtype  # auto made concrete
+    return settings
+
+
+def frozen(lm: LoraModel, model: Model, rules: PartitionRules, load_spec: str, load) -> Frozen:
+    lora = lm.config
+    return Frozen(
+        init=lambda rng: lm.store_base(lm.base_module.init_params(rng)),
+        rules=partition_rules(rules),
+        load=(lambda mesh: load_base(lm, load_spec, mesh, load, rules)) if load_spec else None,
+        identity=lm.identity, adapters_off=lm.adapters_off,
+        variant=f"{'QLoRA' if lora.base_dtype == 'nf4' else 'LoRA'} rank {lora.rank}",
+        num_parameters=model.num_parameters, dtype=lora.base_dtype)
+
+
+def load_base(lm: LoraModel, spec: str, mesh, load, rules: PartitionRules):
+    """The frozen base of `lm` from `spec` (hf::, params:: or trainstate_params::, in
+    either layout: `load(spec, abstract)`), each tensor read into its shards of `mesh`
+    (by the float model's `rules`), then stored (cast, or quantized) on the devices."""
+    kind, _ = checkpoint.parse_load_spec(spec, checkpoint.LOAD_PREFIXES + ("hf",))
+    if kind == "trainstate":
+        raise UserError(f"--load_checkpoint={spec}: a LoRA run (--lora.rank="
+                        f"{lm.config.rank}) trains adapters on a base: give the base as hf::, "
+                        f"params:: or trainstate_params::")
+    shapes = jax.eval_shape(lm.base_module.init_params, jax.random.key(0))
+    read = READ_DTYPE.get(lm.config.base_dtype, jnp.bfloat16)
+    shardings = named_shardings(mesh, match_partition_rules(rules, shapes))
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, read, sharding=s),
+                            shapes, shardings)
+    base = load(spec, abstract)
+    stored = jax.eval_shape(lm.store_base, shapes)
+    out = named_shardings(mesh, match_partition_rules(partition_rules(rules), stored))
+    return jax.jit(lm.store_base, out_shardings=out, donate_argnums=0)(base)
+
+
+def check_base(adapters: str, recorded: dict, base_spec: str, lm: LoraModel, stored,
+               fix: str) -> None:
+    """Refuses a base other than the one the adapters at `adapters` were trained on (its
+    `recorded` fingerprint, of `Frozen.identity` of the base as `lm` stored it for
+    training: `stored`): one line naming both bases and fingerprints, and `fix`. Serve,
+    eval and convert call it."""
+    actual = checkpoint.fingerprint(lm.identity(stored))
+    if actual != recorded["fingerprint"]:
+        raise UserError(f"{adapters} was trained on a frozen base ({recorded['source']}) with "
+                        f"fingerprint {recorded['fingerprint']}, but {base_spec} has fingerprint "
+                        f"{actual}: {fix}")
