@@ -183,11 +183,14 @@ def test_a_lora_run_exports_a_peft_adapter_and_a_merged_model(tmp_path, hf_dir, 
     # export loads in transformers, both with our logits.
     from peft import PeftModel
 
-    from easylm.gemma.adapters import lora_model, read_run_adapters
+    from easylm.gemma.adapters import lora_model
+    from easylm.variants.lora_variant import read_adapters
 
     train.main(train_argv(tmp_path, hf_dir, steps=3, lr=1e-2) + ["--lora.rank=4",
                                                                   "--lora.alpha=8"])
-    final = capsys.readouterr().out.split("checkpoint: ")[1].split()[0]
+    printed = capsys.readouterr().out
+    final = printed.split("checkpoint: ")[1].split()[0]
+    serve_line = next(line for line in printed.splitlines() if line.startswith("serve it:"))
     for mode in ("adapter", "merged"):
         convert_easylm_to_hf.main(["convert", f"--load_checkpoint=params::{final}",
                                    f"--output_dir={tmp_path / mode}", f"--lora_mode={mode}"])
@@ -203,12 +206,30 @@ def test_a_lora_run_exports_a_peft_adapter_and_a_merged_model(tmp_path, hf_dir, 
     ids = np.random.RandomState(2).randint(0, config.vocab_size, (2, 32))
     before = hf_logits(base, ids)
     peft = hf_logits(PeftModel.from_pretrained(base, tmp_path / "adapter").eval(), ids)
-    merged = hf_logits(AutoModelForCausalLM.from_pretrained(
-        tmp_path / "merged", dtype=torch.float32).eval(), ids)
-    lora, adapters, _ = read_run_adapters(final)
+    merged_model = AutoModelForCausalLM.from_pretrained(tmp_path / "merged",
+                                                        dtype=torch.float32).eval()
+    merged = hf_logits(merged_model, ids)
+    lora, adapters, _ = read_adapters(final, load_peft=None)  # a run's checkpoint
     lm = lora_model(config, lora)
     ours = np.asarray(lm.apply(lm.store_base(params_of(hf_model(config), config)), adapters, ids))
     rel = forward_rel(config, 32)
     assert_close(ours, peft, rel)
     assert_close(merged, peft, rel)
     assert_differs(before, peft, rel)  # the adapters moved the logits
+
+    # The printed serve line: the adapters folded into their base as it loads; greedy
+    # tokens as the merged model's.
+    argv = shlex.split(serve_line.partition("serve it:")[2])[3:]
+    assert f"--lora_checkpoint={final}" in argv
+    app, batcher = serve(argv + ["--seq_length=32", "--batch_size=1", "--mesh_dim=1,1,-1"])
+    try:
+        response = TestClient(app, base_url="http://127.0.0.1").post("/v1/completions", json={
+            "prompt": [1, 7, 8, 9], "max_tokens": 4, "temperature": 0}).json()
+    finally:
+        batcher.stop()
+    ids = [1, 7, 8, 9]
+    for _ in range(4):
+        ids.append(int(np.argmax(hf_logits(merged_model, [ids])[0, -1])))
+    expected = ids[4:ids.index(2, 4)] if 2 in ids[4:] else ids[4:]
+    assert response["choices"][0]["text"] == load_tokenizer("embedded").decode(
+        expected, skip_special_tokens=True)

@@ -57,19 +57,20 @@ def load_peft(directory: str, config: GemmaConfig) -> tuple[LoraConfig, dict]:
     return dataclasses.replace(lora, target_modules=pattern), adapters
 
 
-def read_run_adapters(directory: str) -> tuple[LoraConfig, dict, dict]:
-    """(LoraConfig, adapters on one device, metadata) of a LoRA run's checkpoint."""
-    import jax
+def merge_into(spec: str, base_spec: str, config: GemmaConfig, params, mesh, load):
+    """`params` (float, sharded, read from `base_spec` by `load(spec, abstract)`) with the
+    adapters at `spec` (a PEFT directory or a LoRA run's checkpoint) folded into their
+    kernels: the server's --lora_checkpoint. Refused unless the base is the run's."""
+    lora, adapters, metadata = variant.read_adapters(
+        spec, lambda directory: load_peft(directory, config))
 
-    from easylm.runtime import checkpoint
+    def as_the_run(metadata):
+        run_config = GemmaConfig(**metadata["gemma_config"])
+        run_lm = lora_model(run_config, lora,
+                            dtype=jnp.dtype(metadata["frozen"].get("dtype", "float32")))
+        return variant.stored_as_the_run(
+            run_lm, params, lambda p: p,
+            lambda: load_base(run_lm, run_config, base_spec, mesh, load))
 
-    checkpoint.check_checkpoint_dir(directory)
-    metadata = checkpoint.read_metadata(directory)
-    fields = {name.split(".", 1)[1]: value for name, value in metadata.get("flags", {}).items()
-              if name.startswith("lora.")}
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype,
-                                                              sharding=device),
-                            checkpoint.stored_tree(directory, "params"))
-    return (LoraConfig(**fields), checkpoint.load_params(f"params::{directory}", abstract),
-            metadata)
+    return variant.merge_into(spec, base_spec, params, lora_model(config, lora), adapters,
+                              metadata, as_the_run)

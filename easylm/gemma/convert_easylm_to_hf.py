@@ -194,10 +194,10 @@ def check(params, config: GemmaConfig, directory: str, tolerance: float) -> None
 def load_lora(spec: str, metadata: dict, base_spec: str = ""):
     """(config, LoraModel, frozen base as the run stored it, adapters, the base's source) of
     a LoRA run's checkpoint, on one device; the base checked against the run's fingerprint."""
-    from easylm.gemma.adapters import load_base, lora_model, read_run_adapters
+    from easylm.gemma.adapters import load_base, load_peft, lora_model
     from easylm.gemma.model import partition_rules
     from easylm.runtime.sharding import make_mesh
-    from easylm.variants.lora_variant import check_base
+    from easylm.variants.lora_variant import check_base, read_adapters
 
     _, directory = parse_load_spec(spec)
     config = config_of(metadata, directory)
@@ -206,7 +206,7 @@ def load_lora(spec: str, metadata: dict, base_spec: str = ""):
     if base_spec in ("", "init"):
         raise UserError(f"{directory}: the run's base was drawn at random, not loaded; give it "
                         f"with --lora_base")
-    lora, adapters, _ = read_run_adapters(directory)
+    lora, adapters, _ = read_adapters(directory, lambda peft: load_peft(peft, config))
     lm = lora_model(config, lora, dtype=jnp.dtype(recorded.get("dtype", "float32")))
     mesh = make_mesh("1,1,1", devices=jax.devices()[:1])
     with jax.set_mesh(mesh):

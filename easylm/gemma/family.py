@@ -90,6 +90,13 @@ class GemmaFamily(ModelFamily):
                             lambda spec, abstract: self.load_params(
                                 spec, config, abstract, partition_rules(config)))
 
+    def merge_adapters(self, spec: str, base_spec: str, config: GemmaConfig, params, mesh):
+        from easylm.gemma.adapters import merge_into
+
+        return merge_into(spec, base_spec, config, params, mesh,
+                          lambda spec, abstract: self.load_params(spec, config, abstract,
+                                                                  partition_rules(config)))
+
     def variant_flags(self) -> dict:
         from easylm.variants.lora import LoraConfig
 

@@ -8,15 +8,12 @@ choices change none), and every projection gets its adapters.
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 
-from easylm.errors import UserError
 from easylm.llama import hf
 from easylm.llama.config import LLaMAConfig
 from easylm.llama.model import PARTITION_RULES, LLaMAForCausalLM, lm_head_weight, relayout
 from easylm.models.family import Model
-from easylm.runtime import checkpoint
 from easylm.variants import lora_variant as variant
 from easylm.variants.lora import LoraConfig, LoraModel, read_peft, write_peft
 from easylm.variants.lora_variant import (  # noqa: F401  (this family's LoRA, by these names)
@@ -56,63 +53,27 @@ def read_adapters(spec: str, config: LLaMAConfig) -> tuple[LoraConfig, dict, dic
     from a PEFT directory or a LoRA run's checkpoint (DIR or params::DIR): read in the
     layout they were stored in, returned in `config`'s (serve, eval and convert all read
     adapters here)."""
-    import os
-
-    from easylm.variants.lora import PEFT_CONFIG
-
-    directory = spec.partition("::")[2] if "::" in spec else spec
-    if os.path.isfile(os.path.join(directory, PEFT_CONFIG)):
-        return (*load_peft(directory, config), {})
-    checkpoint.check_checkpoint_dir(directory)
-    metadata = checkpoint.read_metadata(directory)
-    fields = {name.split(".", 1)[1]: value for name, value in metadata.get("flags", {}).items()
-              if name.startswith("lora.")}
-    if not fields.get("rank"):
-        raise UserError(f"--lora_checkpoint={spec}: neither a PEFT adapter directory nor a "
-                        f"LoRA run's checkpoint (its flags have no --lora.rank)")
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype,
-                                                              sharding=device),
-                            checkpoint.stored_tree(directory, "params"))
-    adapters = checkpoint.load_params(f"params::{directory}", abstract)
-    return LoraConfig(**fields), relayout(adapters, config.scan_layers), metadata
+    lora, adapters, metadata = variant.read_adapters(
+        spec, lambda directory: load_peft(directory, config))
+    return lora, relayout(adapters, config.scan_layers), metadata
 
 
 def merge_into(spec: str, base_spec: str, config: LLaMAConfig, params, mesh, load):
     """`params` (float, sharded, read from `base_spec` by `load(spec, abstract)`) with the
-    adapters at `spec` folded into their kernels, on the devices and in each kernel's dtype
-    and shards; refused unless the base is the one a LoRA run's adapters were trained on."""
+    adapters at `spec` folded into their kernels; refused unless the base is the one a LoRA
+    run's adapters were trained on."""
     lora, adapters, metadata = read_adapters(spec, config)
-    adapters = jax.device_get(adapters)  # small: jit places them beside the kernels
-    lm = lora_model(config, lora)
-    shardings = jax.tree.map(lambda x: x.sharding, params)
-    expected = jax.tree.structure(lm.adapter_shapes)
-    if jax.tree.structure(adapters) != expected or any(
-            a.shape != b.shape for a, b in zip(jax.tree.leaves(adapters),
-                                               jax.tree.leaves(lm.adapter_shapes))):
-        raise UserError(f"--lora_checkpoint={spec}: its adapters do not fit the served model "
-                        f"(another shape, or other adapted modules)")
-    if (metadata.get("frozen") or {}).get("fingerprint"):  # a PEFT directory records none
-        check_base(spec, metadata["frozen"], base_spec,
-                   *_stored_as_the_run(metadata, lora, params, base_spec, mesh, load),
-                   fix=f"serve the adapters on their base (--load_checkpoint="
-                       f"{metadata['frozen']['source']})")
-    return jax.jit(lm.merge, out_shardings=shardings)(params, adapters)
 
+    def as_the_run(metadata):
+        run_config = LLaMAConfig(**metadata["llama_config"])
+        run_lm = lora_model(run_config, lora,
+                            dtype=jnp.dtype(metadata["frozen"].get("dtype", "float32")))
+        return variant.stored_as_the_run(
+            run_lm, params, lambda p: relayout(p, run_config.scan_layers),
+            lambda: load_base(run_lm, base_spec, mesh, load))
 
-def _stored_as_the_run(metadata: dict, lora: LoraConfig, params, base_spec: str, mesh, load):
-    """(LoraModel of the run, the base as the LoRA run whose `metadata` these are stored it:
-    its layout, cast or quantized from the dtype it read): what its fingerprint is of. Made
-    from the served `params` when they hold every bit the run read (fp32, or its read
-    dtype), else read again from `base_spec`; for the check only, then freed."""
-    recorded = metadata["frozen"]
-    run_config = LLaMAConfig(**metadata["llama_config"])
-    lm = lora_model(run_config, lora, dtype=jnp.dtype(recorded.get("dtype", "float32")))
-    read = jnp.dtype(READ_DTYPE.get(lm.config.base_dtype, jnp.bfloat16))  # auto resolved
-    if any(x.dtype not in (jnp.float32, read) for x in jax.tree.leaves(params)):
-        return lm, load_base(lm, base_spec, mesh, load)
-    as_read = lambda p: jax.tree.map(lambda x: x.astype(read), relayout(p, run_config.scan_layers))
-    return lm, jax.jit(lambda p: lm.store_base(as_read(p)))(params)
+    return variant.merge_into(spec, base_spec, params, lora_model(config, lora), adapters,
+                              metadata, as_the_run)
 
 
 def save_peft(directory: str, lm: LoraModel, adapters, config: LLaMAConfig,

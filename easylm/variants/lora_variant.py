@@ -155,3 +155,61 @@ def check_base(adapters: str, recorded: dict, base_spec: str, lm: LoraModel, sto
         raise UserError(f"{adapters} was trained on a frozen base ({recorded['source']}) with "
                         f"fingerprint {recorded['fingerprint']}, but {base_spec} has fingerprint "
                         f"{actual}: {fix}")
+
+
+def read_adapters(spec: str, load_peft) -> tuple[LoraConfig, dict, dict]:
+    """(LoraConfig, adapters on one device as stored, the run's checkpoint metadata ({} for
+    PEFT)) from a PEFT directory (`load_peft(directory) -> (LoraConfig, adapters)`, the
+    family's names) or a LoRA run's checkpoint (DIR or params::DIR)."""
+    import os
+
+    from easylm.variants.lora import PEFT_CONFIG
+
+    directory = spec.partition("::")[2] if "::" in spec else spec
+    if os.path.isfile(os.path.join(directory, PEFT_CONFIG)):
+        return (*load_peft(directory), {})
+    checkpoint.check_checkpoint_dir(directory)
+    metadata = checkpoint.read_metadata(directory)
+    fields = {name.split(".", 1)[1]: value for name, value in metadata.get("flags", {}).items()
+              if name.startswith("lora.")}
+    if not fields.get("rank"):
+        raise UserError(f"--lora_checkpoint={spec}: neither a PEFT adapter directory nor a "
+                        f"LoRA run's checkpoint (its flags have no --lora.rank)")
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype,
+                                                              sharding=device),
+                            checkpoint.stored_tree(directory, "params"))
+    return LoraConfig(**fields), checkpoint.load_params(f"params::{directory}", abstract), metadata
+
+
+def merge_into(spec: str, base_spec: str, params, lm: LoraModel, adapters, metadata: dict,
+               stored_as_the_run):
+    """`params` (float, sharded, read from `base_spec`) with `adapters` (of `lm`, read from
+    `spec`) folded into their kernels, on the devices and in each kernel's dtype and shards;
+    refused unless the base is the one a LoRA run's adapters were trained on
+    (`stored_as_the_run(metadata) -> (the run's LoraModel, the base as it stored it)`)."""
+    adapters = jax.device_get(adapters)  # small: jit places them beside the kernels
+    shardings = jax.tree.map(lambda x: x.sharding, params)
+    expected = jax.tree.structure(lm.adapter_shapes)
+    if jax.tree.structure(adapters) != expected or any(
+            a.shape != b.shape for a, b in zip(jax.tree.leaves(adapters),
+                                               jax.tree.leaves(lm.adapter_shapes))):
+        raise UserError(f"--lora_checkpoint={spec}: its adapters do not fit the served model "
+                        f"(another shape, or other adapted modules)")
+    if (metadata.get("frozen") or {}).get("fingerprint"):  # a PEFT directory records none
+        check_base(spec, metadata["frozen"], base_spec, *stored_as_the_run(metadata),
+                   fix=f"serve the adapters on their base (--load_checkpoint="
+                       f"{metadata['frozen']['source']})")
+    return jax.jit(lm.merge, out_shardings=shardings)(params, adapters)
+
+
+def stored_as_the_run(run_lm: LoraModel, params, relayout, reload):
+    """(the run's LoraModel, the base as that LoRA run stored it: its layout (`relayout`),
+    cast or quantized from the dtype it read): what its fingerprint is of. Made from the
+    served `params` when they hold every bit the run read (fp32, or its read dtype), else
+    read again (`reload()`); for the check only, then freed."""
+    read = jnp.dtype(READ_DTYPE.get(run_lm.config.base_dtype, jnp.bfloat16))
+    if any(x.dtype not in (jnp.float32, read) for x in jax.tree.leaves(params)):
+        return run_lm, reload()
+    as_read = lambda p: jax.tree.map(lambda x: x.astype(read), relayout(p))  # noqa: E731
+    return run_lm, jax.jit(lambda p: run_lm.store_base(as_read(p)))(params)
