@@ -18,7 +18,7 @@ from numerics import assert_close, assert_differs
 from easylm.errors import UserError
 from easylm.gemma.config import from_hf_dict
 from easylm.gemma.family import FAMILY
-from easylm.gemma.hf import TextTower, from_hf, load_hf_params, to_hf
+from easylm.gemma.hf import TextTower, load_hf_params, to_hf
 from easylm.gemma.model import GemmaForCausalLM, partition_rules
 from easylm.models.hf_checkpoint import HFTensors
 from easylm.runtime.sharding import (
@@ -100,8 +100,8 @@ def test_cached_decoding_equals_the_full_forward_past_the_window(pair):
     # Negative twin: the cache without the window sees keys the full pass does not.
     cache = FAMILY.bind(config).init_cache(2, SEQ + 8)
     wide = FAMILY.bind(config.replace(sliding_window=0))
-    full = np.asarray(wide.apply(params, jnp.asarray(ids), jnp.broadcast_to(jnp.arange(SEQ), (2, SEQ)),
-                                 cache)[0])
+    positions = jnp.broadcast_to(jnp.arange(SEQ), (2, SEQ))
+    full = np.asarray(wide.apply(params, jnp.asarray(ids), positions, cache)[0])
     assert_differs(full[:, -1], theirs[:, -1], rel, np.abs(theirs).max())
 
 
@@ -115,7 +115,8 @@ def test_packed_documents_attend_within_their_own(pair):
     both = ours(config, params, packed, positions=jnp.asarray(positions),
                 segment_ids=jnp.asarray(segments))
     rel = forward_rel(config, SEQ)
-    alone = np.concatenate([ours(config, params, first[None]), ours(config, params, second[None])], 1)
+    alone = np.concatenate([ours(config, params, first[None]),
+                            ours(config, params, second[None])], axis=1)
     assert_close(both, alone, rel)
 
 
@@ -221,8 +222,9 @@ def test_the_vocabulary_is_split_when_every_usual_mp_divides_it():
 
 @pytest.fixture(scope="module")
 def single_device():
-    # 300 rows divide no 'mp' of 8 (nor of 2): the rules split the width instead.
-    config = tiny_config(vocab_size=300, initializer_range=0.1)
+    # 300 rows divide no 'mp' of 8: the rules split the width instead. Two layers, one
+    # sliding and one global.
+    config = tiny_config(vocab_size=300, initializer_range=0.1, num_hidden_layers=2)
     module = GemmaForCausalLM(config)
     ids = np.random.RandomState(0).randint(0, config.vocab_size, (8, 16))
     params = jax.device_put(module.init_params(jax.random.key(0)), jax.devices()[0])

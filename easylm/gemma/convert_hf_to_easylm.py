@@ -1,7 +1,8 @@
 """Convert a Hugging Face Gemma 3 directory (`gemma3_text`, or the text tower of a
 multimodal `gemma3`) into an easylm parameters checkpoint.
 
-    python -m easylm.gemma.convert_hf_to_easylm --hf_model=DIR --output_dir=DIR [--dtype=keep|bf16|fp32]
+    python -m easylm.gemma.convert_hf_to_easylm --hf_model=DIR --output_dir=DIR \
+        [--dtype=keep|bf16|fp32]
 
 The result loads with `--load_checkpoint=params::DIR` in the trainer and the server;
 config.json becomes the checkpoint's `gemma_config` metadata. Tensors are read one at a

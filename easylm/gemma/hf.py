@@ -59,8 +59,9 @@ def from_hf(tensors: Mapping, config: GemmaConfig, dtype=None, source: str = "ch
             place=None):
     """Our parameter tree from HF-named tensors; missing, unexpected or misshapen tensors
     are UserErrors that name them (`easylm.models.hf_checkpoint.params_from_hf`)."""
+    tied = config.tie_word_embeddings  # transformers may store the tied head too
     flat = params_from_hf(tensors, param_shapes(config), source, dtype, place,
-                          ignored=lambda key: config.tie_word_embeddings and key == "lm_head.weight")
+                          ignored=lambda key: tied and key == "lm_head.weight")
     return traverse_util.unflatten_dict(flat, sep="/")
 
 
