@@ -229,7 +229,9 @@ def from_hf_dict(hf: dict, path: str = "config.json") -> GemmaConfig:
             sliding_window_pattern=pattern,
             tie_word_embeddings=bool(get("tie_word_embeddings")),
             query_pre_attn_scalar=float(get("query_pre_attn_scalar")),
-            sliding_window=int(get("sliding_window") or 0),
+            # null: no window (transformers' sliding layers then see every position)
+            sliding_window=int(get("sliding_window") or 0) if hf.get("sliding_window", 1)
+            is not None else 0,
             layer_types=layer_types,
             rms_norm_eps=float(get("rms_norm_eps")),
             rope_theta=float(global_rope["rope_theta"]),
