@@ -18,7 +18,6 @@ from easylm.variants import lora_variant as variant
 from easylm.variants.lora import LoraConfig, LoraModel, read_peft, write_peft
 from easylm.variants.lora_variant import (  # noqa: F401  (this family's LoRA, by these names)
     LORA_RUN_DEFAULTS,
-    READ_DTYPE,
     Host,
     check_base,
     state_settings,
