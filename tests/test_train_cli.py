@@ -131,6 +131,9 @@ def expect_error(argv, capsys) -> str:
      "--train_dataset.json_dataset.seq_length=1024 is above the model's "
      "max_position_embeddings=512: lower --train_dataset.json_dataset.seq_length, or raise "
      "--llama.max_position_embeddings if the model can take longer rows"),
+    (["--llama.loss_chunk_size=100"],
+     "--llama.loss_chunk_size=100 must divide the rows' length, "
+     "--train_dataset.json_dataset.seq_length=256"),
     (["--train_dataset.text_processor.fields=text,<|99999|>"],
      "<|99999|> in text_processor.fields: token id 99999 is outside the tokenizer's 512 "
      "tokens (ids 0 to 511)"),

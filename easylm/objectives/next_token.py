@@ -106,9 +106,9 @@ def chunked_next_token_loss(hidden, head_weight, target_tokens, loss_masks, chun
     matmul the size of the output projection's. hidden (B, T, D), head_weight (D, V).
     """
     B, T, D = hidden.shape
-    if T % chunk_size:  # one chunk instead would build the full logits this avoids
-        raise UserError(f"--llama.loss_chunk_size={chunk_size} must divide the sequence "
-                        f"length {T}")
+    if T % chunk_size:  # one chunk instead would build the full logits this avoids (the
+        # trainer checks this at its start, naming the family's flag)
+        raise UserError(f"loss_chunk_size={chunk_size} must divide the sequence length {T}")
     chunks = T // chunk_size
 
     def chunk_sums(h, targets, masks):  # h (B, c, D)

@@ -302,6 +302,11 @@ def check_seq_length(config: ConfigDict, model: Model, datasets: dict):
                 f"{flag}={dataset.seq_length} is above the model's max_position_embeddings="
                 f"{model.max_seq_length}: lower {flag}, or raise --{model.name}."
                 f"max_position_embeddings if the model can take longer rows")
+        chunk = model.config.get("loss_chunk_size", 0)
+        if dataset is not None and chunk and dataset.seq_length % chunk:
+            flag = f"--{section}.{loader_block(config[section])}.seq_length"
+            raise UserError(f"--{model.name}.loss_chunk_size={chunk} must divide the rows' "
+                            f"length, {flag}={dataset.seq_length}")
 
 
 def warn_about_the_schedule(config: ConfigDict, schedule, print_fn, variant: dict | None = None):
