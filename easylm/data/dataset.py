@@ -62,8 +62,9 @@ class DatasetFactory:
                      process_count=None, pairs=False, section=None, prompts=0):
         """process_index/process_count default to JAX's; tests pass them to simulate hosts.
         pairs: the caller trains on preference pairs (batches of chosen_* and rejected_*
-        rows); other callers get a clear error for preference data. prompts: > 0, the
-        caller makes rollouts from prompts of at most that many tokens (prompts.py).
+        rows); other callers get a clear error for preference data. prompts: > 0, rows are
+        prompts for rollouts, leaving this many tokens of a row for the completion
+        (prompts.py).
         section: the flags' name in messages (default: eval_dataset for_eval, else
         train_dataset)."""
         config = cls.get_default_config(config)

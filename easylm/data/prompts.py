@@ -12,7 +12,8 @@ reward functions.
 Row r takes the prompts of slots r, r+B, r+2B, ... one per batch, as preference pairs do
 (pairs.PairStream: the same state, shares and shuffling). A prompt longer than
 `max_prompt_tokens` (the row less the completion's room) is skipped, counted and warned
-about with its file and line, or with strict=True stops the run with that line.
+about with its file and line, or with strict=True stops the run with that line. Rows of
+seq_length tokens hold prompt + completion (the engine's context is seq_length).
 
 A batch (host arrays, not for the devices as they are): prompt_tokens (b, P) padded,
 prompt_lengths (b,) (0: a padding row at the end of an eval pass), and the examples
@@ -72,7 +73,7 @@ class PromptProcessor:
             return f"{where}: empty prompt"
         if len(ids) > self.max_prompt_tokens:
             return (f"{where}: the prompt is {len(ids)} tokens, longer than the "
-                    f"{self.max_prompt_tokens} a row leaves it (seq_length + 1 - "
+                    f"{self.max_prompt_tokens} a row leaves it (seq_length - "
                     f"--grpo.max_new_tokens)")
         return np.asarray(ids, np.int32), dict(example, prompt=value)
 
@@ -127,14 +128,16 @@ class PromptStream(PairStream):
         return self.queue.popleft()[1]
 
 
-def open_prompts(config, loader, tokenizer, max_prompt_tokens: int):
-    """(source, PromptProcessor) for a json or huggingface block of options."""
+def open_prompts(config, loader, tokenizer, completion_tokens: int):
+    """(source, PromptProcessor) for a json or huggingface block of options, whose
+    prompts leave `completion_tokens` of a row for the completion."""
+    max_prompt_tokens = loader.seq_length - completion_tokens
     if config.type not in ("json", "huggingface"):
         raise UserError(f"--objective=grpo reads prompts from a json or huggingface source, "
                         f"not --train_dataset.type={config.type}")
     if max_prompt_tokens < 1:
-        raise UserError(f"--grpo.max_new_tokens leaves no room for a prompt in rows of "
-                        f"seq_length={loader.seq_length} tokens")
+        raise UserError(f"--grpo.max_new_tokens={completion_tokens} leaves no room for a "
+                        f"prompt in rows of seq_length={loader.seq_length} tokens")
     source, _ = open_source(config.type, loader, config.text_processor, tokenizer,
                             loader.strict)
     return source, PromptProcessor(config.text_processor, tokenizer, max_prompt_tokens)

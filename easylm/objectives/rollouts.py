@@ -1,0 +1,279 @@
+"""GRPO's batches: rollouts of the live parameters, their rewards and advantages.
+
+For each batch of B prompts from the data pipeline (data/prompts.py):
+
+  1. generate: the serving engine (serving/engine.py) on the trainer's mesh, reading the
+     train state's parameters in place (LoRA: the live adapters on their frozen base, as
+     the lm-eval hook does; no copy, no host round trip of weights): all B x G rows are
+     prefilled in one call and decoded together until each has its EOS or
+     max_new_tokens. Row i's sampling key comes from (--seed, the step, i), so a resumed
+     run draws the same completions;
+  2. score: the reward functions (rewards.py) on the host, then `advantages`;
+  3. the batch: prompt + completion in rows of seq_length + 1 tokens, (B, G, T) arrays,
+     placed on the devices; then, in one jitted program on the live parameters, the
+     rollout's own log-probabilities (num_iterations > 1) and the reference's (beta > 0).
+
+The engine's programs are compiled once (at the first step) for each prompt-length
+bucket and decode window met; its cache is freed between rollouts.
+"""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from easylm.errors import UserError
+from easylm.objectives import rewards as rewards_lib
+from easylm.runtime.sharding import BATCH_AXES
+from easylm.serving import engine as engine_lib
+
+# (B, G) per-completion values a batch carries for the metrics (besides each reward
+# function's rewards/<name>/sum and /count).
+ROW_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length",
+               "completions/clipped_ratio")
+_TRAIN, _EVAL = 0, 1  # salts of the sampling keys
+
+
+def _nanstd(x, axis=None):
+    """TRL's nanstd: Bessel-corrected over the non-NaN entries (NaN for fewer than 2)."""
+    count = np.sum(~np.isnan(x), axis=axis, keepdims=True)
+    mean = np.nanmean(x, axis=axis, keepdims=True)
+    variance = np.nansum((x - mean) ** 2, axis=axis, keepdims=True) / np.maximum(count - 1, 1)
+    return np.where(count > 1, np.sqrt(variance), np.nan)
+
+
+def advantages(per_function: np.ndarray, weights: np.ndarray, scale_rewards: str,
+               valid: np.ndarray):
+    """(rewards (B, G), advantages (B, G), std (B, G)) from each function's rewards
+    (F, B, G) (NaN: None), in float64 as TRL's "sum_then_normalize": the weighted sum over
+    functions (NaN where every function said None: such a completion gets advantage 0
+    and counts in no baseline), minus the group's mean, divided by the group's or the
+    batch's std + 1e-4 unless scale_rewards is none. Rows not `valid` count nowhere."""
+    with np.errstate(all="ignore"):
+        rewards = np.nansum(per_function * weights[:, None, None], axis=0)
+        rewards = np.where(np.isnan(per_function).all(0) | ~valid, np.nan, rewards)
+        mean = np.nanmean(rewards, axis=1, keepdims=True)
+        axis = None if scale_rewards == "batch" else 1
+        std = np.broadcast_to(_nanstd(rewards, axis=axis), rewards.shape)
+        adv = rewards - mean
+        if scale_rewards != "none":
+            adv = adv / (std + 1e-4)
+    return rewards, np.nan_to_num(adv, nan=0.0), std
+
+
+def token_logps(logits, targets, temperature: float):
+    """(log-probabilities of `targets` (N, T), entropies (N, T)) of softmax(logits / t),
+    in fp32, as TRL's `_get_per_token_logps_and_entropies`. logits (N, T, V)."""
+    logits = logits.astype(jnp.float32) / temperature
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    chosen = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0] - log_z
+    probs = jnp.exp(logits - log_z[..., None])
+    entropy = log_z - jnp.sum(probs * logits, axis=-1)
+    return chosen, entropy
+
+
+def rows(x):  # (B, G, ...) -> (N, ...)
+    return x.reshape(-1, *x.shape[2:])
+
+
+def sampling_keys(seed: int, salt: int, step: int, index: int, n: int) -> np.ndarray:
+    """(n, 2) uint32 raw keys, one per row, from the run's seed and where the rollout is."""
+    state = np.random.SeedSequence([seed, salt, step, index]).generate_state(2 * n, np.uint32)
+    return state.reshape(n, 2)
+
+
+def generate(engine, prompts, sampling, max_new_tokens: int, eos_id):
+    """Each prompt's completion (ids, EOS included when drawn) and the engine's
+    log-probabilities of them: one prefill of every row, then decode calls (each
+    dispatched before the previous one's tokens are read) until every row has its EOS or
+    max_new_tokens."""
+    n = len(prompts)
+    tokens, logprobs = [[] for _ in range(n)], [[] for _ in range(n)]
+    done = np.zeros(n, bool)
+    full = sampling.pad(engine.batch_size)
+    calls = -(-(max_new_tokens - 1) // engine.config.decode_steps)
+    pending, issued = [engine.prefill(prompts, list(range(n)), sampling)], 0
+    while pending:
+        if issued < calls:
+            active = np.zeros(engine.batch_size, bool)
+            active[:n] = ~done
+            pending.append(engine.decode(full, active))
+            issued += 1
+        ids, lps = engine.fetch(pending.pop(0))[:2]  # (steps, rows)
+        for i in np.flatnonzero(~done):
+            for t, lp in zip(ids[:, i].tolist(), lps[:, i].tolist()):
+                tokens[i].append(t)
+                logprobs[i].append(lp)
+                if t == eos_id or len(tokens[i]) == max_new_tokens:
+                    done[i] = True
+                    break
+        if done.all():
+            break
+    return tokens, logprobs
+
+
+def token_rows(prompts, completions, G: int, T: int, pad_id: int, keep: np.ndarray) -> dict:
+    """Rows of prompt + completion (N, T+1) as input_tokens, target_tokens and loss_masks
+    (N, T), the loss on the completion's tokens of the rows `keep`s."""
+    N = len(completions)
+    tokens = np.full((N, T + 1), pad_id, np.int32)
+    masks = np.zeros((N, T + 1), np.float32)
+    for i, completion in enumerate(completions):
+        prompt = prompts[i // G]
+        row = list(prompt) + list(completion)
+        tokens[i, :len(row)] = row
+        masks[i, len(prompt):len(row)] = float(keep[i])
+    return {"input_tokens": tokens[:, :-1], "target_tokens": tokens[:, 1:],
+            "loss_masks": masks[:, 1:]}
+
+
+def reward_inputs(examples, completions, texts, G: int):
+    """TRL's reward-function arguments for the rows of real prompts: (prompts,
+    completions, completion_ids, fields), each prompt's values repeated for its G rows."""
+    prompts, shown, fields = [], [], {}
+    keys = sorted({k for e in examples for k in e} - {"prompt", "completion", "completion_ids"})
+    for i, text in enumerate(texts):
+        example = examples[i // G]
+        prompts.append(example["prompt"])
+        chat = not isinstance(example["prompt"], str)
+        shown.append([{"role": "assistant", "content": text}] if chat else text)
+        for k in keys:
+            fields.setdefault(k, []).append(example.get(k))
+    return prompts, shown, [list(c) for c in completions], fields
+
+
+class Rollouts:
+    """The GRPO objective's batches (`batches`), made on the mesh the train state is on."""
+
+    def __init__(self, objective, state):
+        if jax.process_count() > 1:
+            raise UserError("--objective=grpo runs on one process for now (its rollouts' "
+                            "prompts are not yet shared between hosts); see docs/rl.md")
+        self.objective, self.options = objective, objective.options
+        self.mesh = jax.tree.leaves(state.params)[0].sharding.mesh
+        self.engines = {}  # (rows, seq_length) -> Engine
+        self.names = [getattr(f, "__name__", name) if ":" in name else name
+                      for name, f in objective.reward_functions]
+        self._score = self._scoring_program()
+        self._train_began = None
+
+    def _scoring_program(self):
+        """A jitted (params, frozen, input_tokens, target_tokens) -> {old_logps, ref_logps}
+        (B, G, T), each where the loss reads it; None when it reads neither."""
+        objective, options = self.objective, self.options
+        wanted = {"old_logps": options.num_iterations > 1,
+                  "ref_logps": objective.reference != "none"}
+        if not any(wanted.values()):
+            return None
+
+        def score(params, frozen, tokens, targets):
+            out = {}
+            for name, forward in (("old_logps", objective.forward),
+                                  ("ref_logps", objective.reference_forward)):
+                if wanted[name]:
+                    logits = forward(params, frozen, rows(tokens))
+                    logps, _ = token_logps(logits, rows(targets), options.temperature)
+                    out[name] = logps.reshape(tokens.shape)
+            return out
+
+        return jax.jit(score, out_shardings=NamedSharding(self.mesh, P(BATCH_AXES)))
+
+    def _engine(self, n: int, seq_length: int):
+        key = (n, seq_length)
+        if key not in self.engines:
+            config = engine_lib.get_default_config({"batch_size": n, "seq_length": seq_length})
+            self.engines[key] = engine_lib.Engine(config, self.objective.model, None, self.mesh)
+            self.engines[key].release()  # until the first rollout
+        return self.engines[key]
+
+    def batches(self, dataset, place, live_state):
+        """(device batch, metrics) per step. A batch of rollouts serves num_iterations
+        steps, the first of them at a step that is a multiple of num_iterations (a run
+        resumed between two has a shorter cycle first)."""
+        evaluating, mu = dataset.for_eval, self.options.num_iterations
+        for index, (prompts, data_metrics) in enumerate(dataset.iterate()):
+            state = live_state()
+            step = int(state.step)  # waits for the step in flight: the train time
+            now = time.perf_counter()
+            train = {} if evaluating or self._train_began is None else \
+                {"rollout/train_seconds": now - self._train_began}
+            batch, metrics = self.rollout(state, prompts, dataset.seq_length,
+                                          (_EVAL, step, index) if evaluating else (_TRAIN, step, 0))
+            batch = place(batch)
+            if self._score is not None:
+                batch.update(self._score(state.params, state.frozen, batch["input_tokens"],
+                                         batch["target_tokens"]))
+            metrics["rollout/seconds"] = time.perf_counter() - now
+            if not evaluating:
+                self._train_began = time.perf_counter()
+            for _ in range(1 if evaluating else mu - step % mu):
+                yield batch, {**data_metrics, **train, **metrics}
+
+    def rollout(self, state, prompts: dict, T: int, where: tuple):
+        """(host batch, metrics): G completions of each prompt of `prompts` (a prompts
+        batch), their rewards, advantages and token rows."""
+        o, objective = self.options, self.objective
+        G, lengths = o.num_generations, prompts["prompt_lengths"]
+        valid = lengths > 0  # (B,) padding rows at the end of an eval pass
+        pad = objective.tokenizer.pad_token_id or 0
+        prompt_ids = [prompts["prompt_tokens"][b, :n].tolist() if n else [pad]
+                      for b, n in enumerate(lengths)]
+        repeated = [p for p in prompt_ids for _ in range(G)]
+        n = len(repeated)
+        sampling = engine_lib.Sampling.empty(n)
+        sampling.keys[:] = sampling_keys(self.objective.config.seed, *where, n)
+        sampling.temperature[:], sampling.top_p[:] = o.temperature, o.top_p
+        engine = self._engine(n, T)
+        base = state.frozen.get("base")
+        engine.params = state.params if base is None else (state.params, base)
+        engine.reset()
+        began = time.perf_counter()
+        try:
+            completions, _ = generate(engine, repeated, sampling, o.max_new_tokens,
+                                      objective.model.eos_token_id)
+        finally:
+            engine.params = None  # the next train step donates these buffers
+            engine.release()
+        seconds = time.perf_counter() - began
+        batch, metrics = self._score_rows(prompts, prompt_ids, completions, valid, T)
+        tokens = sum(len(c) for c in completions)
+        metrics.update({"rollout/generation_seconds": seconds,
+                        "rollout/tokens_per_second": tokens / max(seconds, 1e-9)})
+        return batch, metrics
+
+    def _score_rows(self, prompts, prompt_ids, completions, valid, T: int):
+        """The rewards of `completions` and the host batch around them."""
+        o, objective = self.options, self.objective
+        B, G = len(prompt_ids), o.num_generations
+        eos = objective.model.eos_token_id
+        row_valid = np.repeat(valid, G)
+        truncated = np.asarray([not c or c[-1] != eos for c in completions])
+        real = np.flatnonzero(row_valid)
+        texts = objective.tokenizer.batch_decode(
+            [completions[i][:-1] if not truncated[i] else completions[i] for i in real],
+            skip_special_tokens=True)
+        examples = [e for e in prompts["examples"] if e is not None]
+        per_function = np.full((len(self.names), B * G), np.nan)
+        if len(real):
+            scored = rewards_lib.score(objective.reward_functions,
+                                       *reward_inputs(examples, [completions[i] for i in real],
+                                                      texts, G))
+            per_function[:, real] = scored
+        per_function = per_function.reshape(-1, B, G)
+        rewards, adv, std = advantages(per_function, objective.weights, o.scale_rewards,
+                                       np.broadcast_to(valid[:, None], (B, G)))
+        keep = row_valid & ~(truncated & o.mask_truncated_completions)
+        batch = token_rows(prompt_ids, completions, G, T, objective.tokenizer.pad_token_id or 0,
+                           keep)
+        batch = {k: v.reshape(B, G, T) for k, v in batch.items()}
+        lengths = np.asarray([len(c) for c in completions], np.float32)
+        values = {"advantages": adv, "valid": row_valid, "reward": np.nan_to_num(rewards),
+                  "reward_std": np.nan_to_num(std), "frac_reward_zero_std": np.isclose(std, 0),
+                  "completions/mean_length": lengths, "completions/clipped_ratio": truncated}
+        for name, r in zip(self.names, per_function):
+            values[f"rewards/{name}/sum"] = np.nan_to_num(r)
+            values[f"rewards/{name}/count"] = ~np.isnan(r)
+        batch.update({k: np.asarray(v, np.float32).reshape(B, G) for k, v in values.items()})
+        return batch, {"completions/max_length": float(lengths[row_valid].max(initial=0))}
