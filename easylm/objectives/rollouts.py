@@ -13,8 +13,8 @@ For each batch of B prompts from the data pipeline (data/prompts.py):
      placed on the devices; then, in one jitted program on the live parameters, the
      rollout's own log-probabilities (num_iterations > 1) and the reference's (beta > 0).
 
-The engine's programs are compiled once (at the first step) for each prompt-length
-bucket and decode window met; its cache is freed between rollouts.
+The engine's two programs (prefill, decode) are compiled at the first step and serve
+every later one; its cache is freed between rollouts.
 """
 
 import time
@@ -88,7 +88,8 @@ def generate(engine, prompts, sampling, max_new_tokens: int, eos_id):
     """Each prompt's completion (ids, EOS included when drawn) and the engine's
     log-probabilities of them: one prefill of every row, then decode calls (each
     dispatched before the previous one's tokens are read) until every row has its EOS or
-    max_new_tokens."""
+    max_new_tokens. Rows that have ended decode on (their tokens dropped) while others
+    have not: one batch, one program."""
     n = len(prompts)
     tokens, logprobs = [[] for _ in range(n)], [[] for _ in range(n)]
     done = np.zeros(n, bool)
@@ -97,9 +98,7 @@ def generate(engine, prompts, sampling, max_new_tokens: int, eos_id):
     pending, issued = [engine.prefill(prompts, list(range(n)), sampling)], 0
     while pending:
         if issued < calls:
-            active = np.zeros(engine.batch_size, bool)
-            active[:n] = ~done
-            pending.append(engine.decode(full, active))
+            pending.append(engine.decode(full, whole_cache=True))
             issued += 1
         ids, lps = engine.fetch(pending.pop(0))[:2]  # (steps, rows)
         for i in np.flatnonzero(~done):
@@ -181,9 +180,14 @@ class Rollouts:
         return jax.jit(score, out_shardings=NamedSharding(self.mesh, P(BATCH_AXES)))
 
     def _engine(self, n: int, seq_length: int):
+        """The engine for n rows of seq_length tokens: every prompt in one prefill bucket
+        (min_bucket: the longest prompt a row takes) and decoding over the whole cache,
+        so two programs serve every rollout."""
         key = (n, seq_length)
         if key not in self.engines:
-            config = engine_lib.get_default_config({"batch_size": n, "seq_length": seq_length})
+            config = engine_lib.get_default_config({
+                "batch_size": n, "seq_length": seq_length,
+                "min_bucket": seq_length - self.options.max_new_tokens})
             self.engines[key] = engine_lib.Engine(config, self.objective.model, None, self.mesh)
             self.engines[key].release()  # until the first rollout
         return self.engines[key]

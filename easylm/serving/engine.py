@@ -275,11 +275,15 @@ class Engine:
         self.positions[slot_ids[real]] = lengths[real]
         return out
 
-    def decode(self, sampling: Sampling, active=None):
+    def decode(self, sampling: Sampling, active=None, whole_cache: bool = False):
         """decode_steps tokens for every slot, as device arrays: tokens (C, B),
         logprobs (C, B), top ids and logprobs (C, B, N). `active` (B,) bool marks the
         slots whose tokens matter (default: all); the call attends over the shortest
-        cache length that holds their positions."""
+        cache length that holds their positions, or with `whole_cache` over all of it
+        (one program whatever the positions: GRPO's rollouts compile nothing after the
+        first)."""
+        if whole_cache:
+            return self._decode(sampling, self.seq_length)
         active = np.ones(self.batch_size, bool) if active is None else np.asarray(active, bool)
         end = int(self.positions[active].max()) + self.config.decode_steps if active.any() else 0
         return self._decode(sampling, bucket_for(min(end, self.seq_length), self.decode_buckets))
