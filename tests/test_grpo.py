@@ -191,6 +191,15 @@ def test_answer_match(completion, answer, expected):
     assert rewards.answer_match(["p"], [completion], answer=[answer]) == [expected]
 
 
+def test_math_verify_reward():
+    pytest.importorskip("math_verify")
+    reward = rewards.make_math_verify()
+    got = reward(None, ["so \\boxed{\\frac{1}{2}}", "it is $x^2+1$", "\\boxed{3}",
+                        [{"role": "assistant", "content": "\\boxed{7}"}]],
+                 answer=["0.5", "$1+x^2$", "#### 4", None])
+    assert got == [1.0, 1.0, 0.0, None]
+
+
 def test_format_and_length_penalty():
     fmt = rewards.make_format(rewards.DEFAULT_FORMAT)
     assert fmt(None, ["work #### 4", "\\boxed{4}", "4"]) == [1.0, 1.0, 0.0]
@@ -379,7 +388,7 @@ def long_prompts(tmp_path):
 
 @pytest.mark.parametrize("flags,message", [
     ({"grpo.reward_funcs": "nope"}, "--grpo.reward_funcs: unknown reward function 'nope': "
-     "not a built-in (answer_match, format, length_penalty) nor module:function"),
+     "not a built-in (answer_match, format, length_penalty, math_verify) nor module:function"),
     ({"grpo.reward_funcs": "no_such_module_here:f"}, "--grpo.reward_funcs="
      "no_such_module_here:f: cannot import 'no_such_module_here' (ModuleNotFoundError: No "
      "module named 'no_such_module_here')"),

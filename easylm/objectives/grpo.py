@@ -50,7 +50,7 @@ HELP = {
                            "against the rollouts' log-probabilities",
     "grpo.mask_truncated_completions": "completions cut at max_new_tokens get no loss (DAPO)",
     "grpo.reward_funcs": "comma-separated reward functions: answer_match, format, "
-                         "length_penalty, or module:function (docs/rl.md)",
+                         "length_penalty, math_verify, or module:function (docs/rl.md)",
     "grpo.reward_weights": "comma-separated weights of reward_funcs ('': all 1)",
     "grpo.format_pattern": "the format reward's regular expression ('': an answer after "
                            "#### or in \\boxed{})",

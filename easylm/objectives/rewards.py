@@ -18,8 +18,12 @@ Built-ins, for verifiable tasks:
   length_penalty  DAPO's soft overlong punishment (2503.14476 eq. 13): 0 up to
                   max_new_tokens - length_buffer tokens, then falling linearly to -1 at
                   max_new_tokens
+  math_verify     1.0 when HF's math-verify finds the completion's answer equivalent to
+                  `answer` (LaTeX and symbolic equivalence, e.g. $x^2+1$ = $1+x^2$); needs
+                  the optional extra: pip install 'easylm[rl]'
 A user function is `module:function` (module importable from the working directory).
-Why our own answer checker and not math-verify: see docs/rl.md.
+answer_match needs nothing beyond the standard library and is exact about what it
+accepts; math_verify is the checker TRL's and open-r1's recipes use (docs/rl.md).
 """
 
 import importlib
@@ -127,7 +131,31 @@ def make_length_penalty(max_new_tokens: int, buffer: int) -> Callable:
     return length_penalty
 
 
-BUILT_INS = ("answer_match", "format", "length_penalty")
+def make_math_verify() -> Callable:
+    try:
+        from math_verify import parse, verify
+    except ImportError:
+        raise UserError("--grpo.reward_funcs=math_verify needs the math-verify package: pip "
+                        "install 'easylm[rl]' (or use answer_match)") from None
+
+    def math_verify(prompts, completions, answer=None, **fields):
+        if answer is None:
+            raise UserError("the math_verify reward reads each example's 'answer' field, which "
+                            "the prompts do not have")
+        out = []
+        for c, a in zip(completions, answer):
+            if a is None:
+                out.append(None)
+                continue
+            a = str(a).rsplit("####", 1)[-1].strip()
+            gold = parse(a if "$" in a or "\\" in a else f"${a}$")
+            out.append(float(verify(gold, parse(_text(c)))))
+        return out
+
+    return math_verify
+
+
+BUILT_INS = ("answer_match", "format", "length_penalty", "math_verify")
 
 
 def load(names: str, options) -> list[tuple[str, Callable]]:
@@ -142,6 +170,8 @@ def load(names: str, options) -> list[tuple[str, Callable]]:
             out.append((name, make_format(options.format_pattern or DEFAULT_FORMAT)))
         elif name == "length_penalty":
             out.append((name, make_length_penalty(options.max_new_tokens, options.length_buffer)))
+        elif name == "math_verify":
+            out.append((name, make_math_verify()))
         else:
             out.append((name, _user_function(name)))
     if not out:
