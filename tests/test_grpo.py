@@ -270,6 +270,9 @@ def task(tmp_path_factory):
     sys.path.remove(str(directory))
 
 
+STEPS = 30
+
+
 def command(task, output_dir, **flags):
     train, held_out = task
     flags = {"objective": "grpo", "llama.base_model": "debug", "llama.num_hidden_layers": 1,
@@ -277,17 +280,17 @@ def command(task, output_dir, **flags):
              "train_dataset.json_dataset.seq_length": 24,
              "train_dataset.json_dataset.batch_size": 8, "grpo.num_generations": 8,
              "grpo.max_new_tokens": 8, "grpo.reward_funcs": "grpo_task_rewards:parity",
-             "eval_dataset.json_dataset.path": held_out, "eval_freq": 1, "total_steps": 40,
+             "eval_dataset.json_dataset.path": held_out, "eval_freq": 1, "total_steps": STEPS,
              "log_freq": 1, "optimizer.adamw_optimizer.lr": 5e-3,
              "optimizer.adamw_optimizer.lr_warmup_steps": 1,
-             "optimizer.adamw_optimizer.lr_decay_steps": 40, "compilation_cache_dir": "",
+             "optimizer.adamw_optimizer.lr_decay_steps": STEPS, "compilation_cache_dir": "",
              "logger.output_dir": str(output_dir), "logger.experiment_id": "run", **flags}
     return ["train", *(f"--{k}={v}" for k, v in flags.items())]
 
 
 @pytest.fixture(scope="module")
 def learned(task, tmp_path_factory):
-    """(metrics by step, programs lowered per step, per rollout) of 40 steps of the
+    """(metrics by step, programs lowered per step, per rollout) of STEPS steps of the
     command, in this process. A program lowered while step k's batch is made or trained,
     or k-1's hooks run, counts at k; the final save's are not counted."""
     from jax import monitoring
@@ -334,11 +337,11 @@ def test_grpo_command_learns_a_held_out_verifiable_task(learned):
     update is at learning rate 0, so it is the starting policy's) to at least
     r0 + (1 - r0) / 2."""
     got, _, _ = learned
-    assert sorted(got) == list(range(1, 41))
-    r0, final = got[1]["eval_reward"], got[40]["eval_reward"]
+    assert sorted(got) == list(range(1, STEPS + 1))
+    r0, final = got[1]["eval_reward"], got[STEPS]["eval_reward"]
     assert 0.35 <= r0 <= 0.65, r0  # a random model: each parity about half the time
     assert final >= r0 + 0.5 * (1 - r0), (r0, final)
-    last = got[40]
+    last = got[STEPS]
     assert 16 * 8 <= last["eval_tokens"] <= 16 * 8 * 8  # dapo's count: completion tokens
     for key in ("reward", "reward_std", "rewards/parity/mean", "completions/mean_length",
                 "completions/clipped_ratio", "entropy", "clip_ratio/region_mean",
@@ -346,6 +349,28 @@ def test_grpo_command_learns_a_held_out_verifiable_task(learned):
                 "data/rollout/tokens_per_second", "data/completions/max_length"):
         assert isinstance(last[key], float), key
     assert last["reward"] == last["rewards/parity/mean"]  # one function, weight 1
+
+
+LORA = {"lora.rank": 8, "lora.target_modules": "(q_proj|v_proj|down_proj|lm_head)/kernel$",
+        "grpo.beta": 0.01, "optimizer.adamw_optimizer.lr": 2e-2}
+
+
+def test_grpo_with_lora_learns_against_the_base_as_its_reference(task, tmp_path):
+    """The same task with LoRA adapters (on lm_head too: the random base's body gives the
+    others little to steer) and a KL to the base with the adapters off. Steps 1 and 2
+    run on unchanged adapters (step 1's update is at lr 0; B is 0), so the reference,
+    computed in the rollout's scoring program, equals the policy of the train step bit
+    for bit: KL exactly 0. Later it is not (the negative twin)."""
+    from test_checkpoint import metrics
+
+    steps = 24
+    llama_train.main(command(task, tmp_path, total_steps=steps, **LORA, **{
+        "optimizer.adamw_optimizer.lr_decay_steps": steps}))
+    got = metrics(tmp_path)
+    assert got[1]["kl"] == 0.0 and got[2]["kl"] == 0.0
+    assert got[steps]["kl"] > 1e-3
+    r0, final = got[1]["eval_reward"], got[steps]["eval_reward"]
+    assert 0.35 <= r0 <= 0.65 and final >= r0 + 0.5 * (1 - r0), (r0, final)
 
 
 def test_rollouts_compile_nothing_after_the_first_step(learned):
