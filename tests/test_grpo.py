@@ -462,3 +462,75 @@ def test_a_failing_reward_function_stops_the_first_step(task, capsys, tmp_path):
     assert one_line_error(llama_train.main, argv, capsys) == \
         "reward function grpo_task_rewards:raises raised KeyError: 'answer'"
     assert not (tmp_path / "run" / "checkpoints" / "1").exists()
+
+
+# ------------------------------------------------------------ sharded = single device
+
+
+def synthetic_batch(B=8, G=4, T=16, seed=0):
+    """A GRPO batch as rollouts make one: prompts of 3-6 tokens, completions of 1-9,
+    advantages, a reference's log-probabilities, a reward to sum."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(3, 512, (B, G, T + 1)).astype(np.int32)
+    masks = np.zeros((B, G, T + 1), np.float32)
+    prompts = rng.integers(3, 7, B)
+    for b, g in np.ndindex(B, G):
+        masks[b, g, prompts[b]:prompts[b] + rng.integers(1, 10)] = 1
+    f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
+    return {"input_tokens": tokens[..., :-1], "target_tokens": tokens[..., 1:],
+            "loss_masks": masks[..., 1:], "advantages": f32(rng.normal(0, 1, (B, G))),
+            "valid": np.ones((B, G), np.float32),
+            "ref_logps": f32(-rng.uniform(3, 8, (B, G, T))),
+            "reward": f32(rng.uniform(0, 1, (B, G)))}
+
+
+def test_trainer_step_sharded_equals_single_device(task):
+    """Two train steps of the GRPO loss (beta 0.1) on one device and on a 2,2,2 mesh with
+    2 micro-batches: the same metrics, to the drift of fp32 sums over the batch's
+    completion tokens in another order. Negative twin: one prompt's advantages negated."""
+    import optax
+
+    from easylm.llama.family import FAMILY
+    from easylm.objectives import build
+    from easylm.runtime.sharding import make_mesh
+    from easylm.training.state import init_state
+    from easylm.training.step import device_batch, jit_train_step
+
+    argv = command(task, "/unused", **{"grpo.beta": 0.1, "grpo.num_generations": 4})
+    config = llama_train.parse_flags(argv)
+    model = FAMILY.build(config)
+    objective = build(config, model, None)
+    tx = optax.adam(1e-2)
+    batch = synthetic_batch()
+    flipped = dict(batch, advantages=batch["advantages"].copy())
+    flipped["advantages"][0] *= -1
+
+    def run(mesh_dim, devices, accumulate, batches):
+        """For each batch, the metrics of two steps from the initialisation (one compile)."""
+        mesh = make_mesh(mesh_dim, jax.devices()[:devices])
+        with jax.set_mesh(mesh):
+            initial = init_state(model, tx, mesh, config.seed)
+            initial = initial.replace(frozen={"reference": jax.tree.map(jnp.copy,
+                                                                        initial.params)})
+            step = jit_train_step(model, tx, optax.constant_schedule(1e-2), config.seed,
+                                  accumulate, initial, mesh, objective.loss_fn)
+            runs = []
+            for batch in batches:
+                state, out = jax.tree.map(jnp.copy, initial), []
+                for _ in range(2):
+                    state, m = step(state, device_batch(batch, mesh))
+                    out.append({k: float(v) for k, v in m.items()})
+                runs.append(out)
+        return runs
+
+    keys = ("loss", "gradient_norm", "param_norm", "kl", "entropy", "reward",
+            "clip_ratio/region_mean")
+    single, wrong = run("1,1,1", 1, 1, [batch, flipped])
+    # Sums over n completion tokens in another order drift by ~n eps relative.
+    rtol = batch["loss_masks"].sum() * EPS32
+    close = lambda a, b: all(np.isclose(a[k], b[k], rtol=rtol, atol=rtol * 1e-2)  # noqa: E731
+                             for k in keys)
+    (sharded,) = run("2,2,2", 8, 2, [batch])
+    assert all(close(a, b) for a, b in zip(sharded, single)), (sharded, single)
+    assert single[1]["kl"] > 0 and single[0]["loss_tokens"] == batch["loss_masks"].sum()
+    assert not close(wrong[0], single[0])
