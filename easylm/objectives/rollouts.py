@@ -13,8 +13,8 @@ For each batch of B prompts from the data pipeline (data/prompts.py):
      placed on the devices; then, in one jitted program on the live parameters, the
      rollout's own log-probabilities (num_iterations > 1) and the reference's (beta > 0).
 
-The engine's two programs (prefill, decode) are compiled at the first step and serve
-every later one; its cache is freed between rollouts.
+The engine's programs (one prefill, a decode program per cache window) are compiled at
+the first step and serve every later one; its cache is freed between rollouts.
 """
 
 import time
@@ -89,7 +89,7 @@ def generate(engine, prompts, sampling, max_new_tokens: int, eos_id):
     log-probabilities of them: one prefill of every row, then decode calls (each
     dispatched before the previous one's tokens are read) until every row has its EOS or
     max_new_tokens. Rows that have ended decode on (their tokens dropped) while others
-    have not: one batch, one program."""
+    have not; each call attends over the cache window the unfinished rows need."""
     n = len(prompts)
     tokens, logprobs = [[] for _ in range(n)], [[] for _ in range(n)]
     done = np.zeros(n, bool)
@@ -98,7 +98,9 @@ def generate(engine, prompts, sampling, max_new_tokens: int, eos_id):
     pending, issued = [engine.prefill(prompts, list(range(n)), sampling)], 0
     while pending:
         if issued < calls:
-            pending.append(engine.decode(full, whole_cache=True))
+            active = np.zeros(engine.batch_size, bool)
+            active[:n] = ~done
+            pending.append(engine.decode(full, active))
             issued += 1
         ids, lps = engine.fetch(pending.pop(0))[:2]  # (steps, rows)
         for i in np.flatnonzero(~done):
@@ -181,8 +183,8 @@ class Rollouts:
 
     def _engine(self, n: int, seq_length: int):
         """The engine for n rows of seq_length tokens: every prompt in one prefill bucket
-        (min_bucket: the longest prompt a row takes) and decoding over the whole cache,
-        so two programs serve every rollout."""
+        (min_bucket: the longest prompt a row takes), so one prefill program and the
+        decode windows (compiled at its first rollout) serve every rollout."""
         key = (n, seq_length)
         if key not in self.engines:
             config = engine_lib.get_default_config({
@@ -229,10 +231,14 @@ class Rollouts:
         sampling = engine_lib.Sampling.empty(n)
         sampling.keys[:] = sampling_keys(self.objective.config.seed, *where, n)
         sampling.temperature[:], sampling.top_p[:] = o.temperature, o.top_p
+        fresh = (n, T) not in self.engines
         engine = self._engine(n, T)
         base = state.frozen.get("base")
         engine.params = state.params if base is None else (state.params, base)
         engine.reset()
+        if fresh:  # every decode window now: no program at a later step
+            engine.compile_decode(sampling.pad(n))
+            engine.reset()
         began = time.perf_counter()
         try:
             completions, _ = generate(engine, repeated, sampling, o.max_new_tokens,

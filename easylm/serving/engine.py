@@ -275,18 +275,22 @@ class Engine:
         self.positions[slot_ids[real]] = lengths[real]
         return out
 
-    def decode(self, sampling: Sampling, active=None, whole_cache: bool = False):
+    def decode(self, sampling: Sampling, active=None):
         """decode_steps tokens for every slot, as device arrays: tokens (C, B),
         logprobs (C, B), top ids and logprobs (C, B, N). `active` (B,) bool marks the
         slots whose tokens matter (default: all); the call attends over the shortest
-        cache length that holds their positions, or with `whole_cache` over all of it
-        (one program whatever the positions: GRPO's rollouts compile nothing after the
-        first)."""
-        if whole_cache:
-            return self._decode(sampling, self.seq_length)
+        cache length that holds their positions."""
         active = np.ones(self.batch_size, bool) if active is None else np.asarray(active, bool)
         end = int(self.positions[active].max()) + self.config.decode_steps if active.any() else 0
         return self._decode(sampling, bucket_for(min(end, self.seq_length), self.decode_buckets))
+
+    def compile_decode(self, sampling: Sampling):
+        """Compile now the decode program of every cache window for `sampling`'s kind
+        (greedy or sampling), so that later decoding compiles nothing whatever the
+        positions (GRPO's rollouts: no program after the first step). It decodes into the
+        slots: `reset` before using the engine."""
+        for length in self.decode_buckets:
+            jax.block_until_ready(self._decode(sampling, length))
 
     def _decode(self, sampling: Sampling, length: int):
         self.state, out = self._run(self._decode_fns[sampling.samples(), length], self.params,
