@@ -26,7 +26,7 @@ EPS32 = float(np.finfo(np.float32).eps)
 # ------------------------------------------------------------ the loss, against float64
 
 
-def reference_loss(logps, old, ref, adv, masks, o, kl_sign=1.0, clip=True):
+def reference_loss(logps, old, ref, adv, masks, o, kl_sign=1.0, clip=True, is_ratio=None):
     """TRL's GRPOTrainer._compute_loss in float64 numpy, written from its source (not
     from grpo.py). kl_sign=-1 and clip=False are the negative twins' bugs."""
     ratio = np.exp(logps - old)
@@ -34,6 +34,8 @@ def reference_loss(logps, old, ref, adv, masks, o, kl_sign=1.0, clip=True):
     clipped = np.clip(ratio, 1 - o.epsilon, 1 + eps_high) if clip else ratio
     a = adv[:, None]
     per_token = -np.minimum(ratio * a, clipped * a)
+    if is_ratio is not None:  # vllm_importance_sampling_correction
+        per_token = per_token * is_ratio
     if o.beta:
         d = kl_sign * (ref - logps)
         per_token = per_token + o.beta * (np.exp(d) - d - 1)
@@ -59,13 +61,13 @@ def parity_inputs(seed=0, N=6, T=7):
     return logps, old, ref, adv, masks
 
 
-def ours(logps, old, ref, adv, masks, o):
+def ours(logps, old, ref, adv, masks, o, is_ratio=None):
     """grpo.py's loss (the mean the step divides out) and its gradient in logps, fp32."""
     f32 = lambda x: None if x is None else jnp.asarray(x, jnp.float32)  # noqa: E731
 
     def loss(lp):
         sums = grpo.grpo_sums(lp, f32(old), f32(ref), f32(adv), f32(masks),
-                              jnp.ones(len(adv), jnp.float32), o)
+                              jnp.ones(len(adv), jnp.float32), o, is_ratio=f32(is_ratio))
         return sums.loss / sums.weight
 
     value, grad = jax.value_and_grad(loss)(f32(logps))
@@ -83,24 +85,27 @@ def numeric_grad(f, x, h=1e-6):
 
 
 @pytest.mark.parametrize("loss_type", grpo.LOSS_TYPES)
-@pytest.mark.parametrize("iterations", [1, 2])
-def test_loss_and_gradient_are_trls_formula_in_float64(loss_type, iterations):
+@pytest.mark.parametrize("iterations,weights", [(1, False), (2, False), (2, True)])
+def test_loss_and_gradient_are_trls_formula_in_float64(loss_type, iterations, weights):
     """Clipping on both sides (DAPO's clip-higher: epsilon_high 0.28), the k3 KL at beta
     0.1, each aggregation. One iteration: the ratio is exp(logp - logp.detach()) = 1 and
-    the gradient the plain policy gradient; two: against the rollouts' old_logps."""
+    the gradient the plain policy gradient; two: against the rollouts' old_logps; with
+    weights: truncated importance weights in [0.5, 3] on the clipped term."""
     o = grpo.get_default_config({"loss_type": loss_type, "beta": 0.1, "epsilon": 0.2,
                                  "epsilon_high": 0.28, "max_new_tokens": 7})
     logps, old, ref, adv, masks = parity_inputs()
+    is_ratio = np.random.default_rng(2).uniform(0.5, 3.0, logps.shape) if weights else None
     if iterations == 1:
         old = logps.copy()
-    value, grad = ours(logps, None if iterations == 1 else old, ref, adv, masks, o)
-    expected = reference_loss(logps, old, ref, adv, masks, o)
-    expected_grad = numeric_grad(lambda lp: reference_loss(lp, old, ref, adv, masks, o), logps)
+    value, grad = ours(logps, None if iterations == 1 else old, ref, adv, masks, o, is_ratio)
+    expected = reference_loss(logps, old, ref, adv, masks, o, is_ratio=is_ratio)
+    expected_grad = numeric_grad(
+        lambda lp: reference_loss(lp, old, ref, adv, masks, o, is_ratio=is_ratio), logps)
     # fp32 rounds each input and each of ~5 operations per token by eps/2; the sum of
     # n <= 23 masked tokens drifts by n*eps times the sum of |terms|. Derived bound:
     # 8 * n * eps * scale, scale = sum |per-token loss| / the denominator.
     n = masks.sum()
-    scale = reference_loss(logps, old, ref, np.abs(adv), masks, o) + 2 * o.beta * n
+    scale = 3 * reference_loss(logps, old, ref, np.abs(adv), masks, o) + 2 * o.beta * n
     assert abs(value - expected) <= 8 * n * EPS32 * scale, (value, expected)
     # Each gradient entry is a few fp32 operations on one token's numbers (|r A| <= 5,
     # |beta (1 - e^(ref - lp))| <= 1) over the denominator: 16 eps of the largest entry.
@@ -114,9 +119,10 @@ def test_loss_and_gradient_are_trls_formula_in_float64(loss_type, iterations):
     for bug in (dict(kl_sign=-1.0), dict(clip=False)):
         if bug.get("clip") is False and iterations == 1:
             continue  # a ratio of 1 is never clipped
-        wrong = reference_loss(logps, old, ref, adv, masks, o, **bug)
+        wrong = reference_loss(logps, old, ref, adv, masks, o, is_ratio=is_ratio, **bug)
         wrong_grad = numeric_grad(
-            lambda lp: reference_loss(lp, old, ref, adv, masks, o, **bug), logps)
+            lambda lp: reference_loss(lp, old, ref, adv, masks, o, is_ratio=is_ratio, **bug),
+            logps)
         assert abs(value - wrong) > 8 * n * EPS32 * scale or \
             np.abs(grad - wrong_grad).max() > atol, bug
 
@@ -281,7 +287,7 @@ def command(task, output_dir, **flags):
              "train_dataset.json_dataset.batch_size": 8, "grpo.num_generations": 8,
              "grpo.max_new_tokens": 8, "grpo.reward_funcs": "grpo_task_rewards:parity",
              "eval_dataset.json_dataset.path": held_out, "eval_freq": 1, "total_steps": STEPS,
-             "log_freq": 1, "optimizer.adamw_optimizer.lr": 5e-3,
+             "log_freq": 1, "optimizer.adamw_optimizer.lr": 1e-2,
              "optimizer.adamw_optimizer.lr_warmup_steps": 1,
              "optimizer.adamw_optimizer.lr_decay_steps": STEPS, "compilation_cache_dir": "",
              "logger.output_dir": str(output_dir), "logger.experiment_id": "run", **flags}
@@ -349,6 +355,10 @@ def test_grpo_command_learns_a_held_out_verifiable_task(learned):
                 "data/rollout/tokens_per_second", "data/completions/max_length"):
         assert isinstance(last[key], float), key
     assert last["reward"] == last["rewards/parity/mean"]  # one function, weight 1
+    # The engine (KV cache, one token a call) against the training forward, same weights:
+    # fp32 rounding of log-probabilities of ~6 (ln 512), a few ulps each.
+    assert 0 < last["sampling/sampling_logp_difference/mean"] < 1e-4
+    assert abs(last["sampling/importance_sampling_ratio/mean"] - 1) < 1e-4
 
 
 LORA = {"lora.rank": 8, "lora.target_modules": "(q_proj|v_proj|down_proj|lm_head)/kernel$",

@@ -56,6 +56,12 @@ HELP = {
                            "#### or in \\boxed{})",
     "grpo.length_buffer": "length_penalty's buffer in tokens before max_new_tokens (0: a "
                           "quarter of max_new_tokens)",
+    "grpo.importance_sampling_cap": "truncated importance sampling of the engine's sampled "
+                                    "tokens against the training forward: weights "
+                                    "min(exp(logp - engine logp), cap) (TRL's "
+                                    "vllm_importance_sampling_clip_max); 0: off. Applied at "
+                                    "temperature 1 and top_p 1 only, where the engine's "
+                                    "log-probabilities are the sampler's",
 }
 
 
@@ -65,7 +71,8 @@ def get_default_config(updates=None) -> ConfigDict:
         num_generations=8, max_new_tokens=256, temperature=1.0, top_p=1.0, beta=0.0,
         epsilon=0.2, epsilon_high=0.0, loss_type="dapo", scale_rewards="group",
         num_iterations=1, mask_truncated_completions=False, reward_funcs="answer_match",
-        reward_weights="", format_pattern="", length_buffer=0))
+        reward_weights="", format_pattern="", length_buffer=0,
+        importance_sampling_cap=3.0))
     if updates is not None:
         config.update(ConfigDict(updates).copy_and_resolve_references())
     return config
@@ -82,6 +89,8 @@ def check_options(options, seq_length: int) -> None:
               ("epsilon", 0 < options.epsilon < 1, "in (0, 1)"),
               ("epsilon_high", options.epsilon_high >= 0, ">= 0"),
               ("num_iterations", options.num_iterations >= 1, ">= 1"),
+              ("importance_sampling_cap", options.importance_sampling_cap == 0 or
+               options.importance_sampling_cap >= 1, "0 (off) or >= 1"),
               ("loss_type", options.loss_type in LOSS_TYPES, f"one of {', '.join(LOSS_TYPES)}"),
               ("scale_rewards", options.scale_rewards in SCALE_REWARDS,
                f"one of {', '.join(SCALE_REWARDS)}"))
@@ -142,15 +151,18 @@ class TokenGRPOSums(GRPOSums):
 
 
 TOKEN_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
-                 "clip_ratio/region_mean")
+                 "clip_ratio/region_mean", "sampling/sampling_logp_difference/mean",
+                 "sampling/importance_sampling_ratio/mean")
 
 
 def grpo_sums(logps, old_logps, ref_logps, advantages, masks, valid, options,
-              entropy=None, row_metrics=None) -> GRPOSums:
+              entropy=None, row_metrics=None, is_ratio=None) -> GRPOSums:
     """TRL's GRPO loss as sums. logps (N, T): the policy's log-probabilities of the
     sampled tokens (at the sampling temperature); old_logps (N, T) or None (one iteration:
     the ratio is 1, its gradient the policy gradient); ref_logps (N, T) or None (beta 0);
-    advantages (N,); masks (N, T) the completion tokens; valid (N,) real rows."""
+    advantages (N,); masks (N, T) the completion tokens; valid (N,) real rows; is_ratio
+    (N, T) or None: the truncated importance weights of the sampler's mismatch, which
+    scale the clipped term (TRL's vllm_importance_sampling_correction, token_truncate)."""
     eps_low = options.epsilon
     eps_high = options.epsilon_high or options.epsilon
     old = jax.lax.stop_gradient(logps) if old_logps is None else old_logps
@@ -158,6 +170,8 @@ def grpo_sums(logps, old_logps, ref_logps, advantages, masks, valid, options,
     a = advantages[:, None]
     per_token = -jnp.minimum(ratio * a, jnp.clip(ratio, 1 - eps_low, 1 + eps_high) * a)
     metrics = {}
+    if is_ratio is not None:
+        per_token = per_token * is_ratio
     if options.beta:
         diff = ref_logps - logps
         kl = jnp.exp(diff) - diff - 1
@@ -231,27 +245,37 @@ class GRPOObjective(Objective):
                                      self.options.temperature)
         old = rows(batch["old_logps"]) if "old_logps" in batch else None
         ref = rows(batch["ref_logps"]) if "ref_logps" in batch else None
-        row_metrics = {k: rows(v) for k, v in batch.items() if k in ROW_METRICS
-                       or k.startswith("rewards/")}
-        return grpo_sums(logps, old, ref, rows(batch["advantages"]),
-                         rows(batch["loss_masks"]), rows(batch["valid"]), self.options,
-                         jax.lax.stop_gradient(entropy), row_metrics)
+        is_ratio = rows(batch["is_ratio"]) if "is_ratio" in batch else None
+        masks = rows(batch["loss_masks"])
+        sums = grpo_sums(logps, old, ref, rows(batch["advantages"]), masks,
+                         rows(batch["valid"]), self.options, jax.lax.stop_gradient(entropy),
+                         {k: rows(v) for k, v in batch.items() if k in ROW_METRICS
+                          or k.startswith("rewards/")}, is_ratio)
+        if is_ratio is not None:  # the sampler against the training forward, per token
+            sums.metrics["sampling/importance_sampling_ratio/mean"] = jnp.sum(is_ratio * masks)
+            sums.metrics["sampling/sampling_logp_difference/mean"] = jnp.sum(
+                rows(batch["logp_difference"]) * masks)
+        return sums
 
     def describe(self) -> str:
         o = self.options
         reference = {BASE: ", KL to the base (adapters off)", COPY: ", KL to a frozen copy",
                      NO_REFERENCE: ""}[self.reference]
+        weights = o.importance_sampling_cap and o.temperature == 1 and o.top_p == 1
+        correction = f", importance weights <= {o.importance_sampling_cap:g}" if weights else ""
         return (f" | objective grpo ({o.loss_type}, {o.num_generations} completions of <= "
-                f"{o.max_new_tokens} tokens per prompt{reference})")
+                f"{o.max_new_tokens} tokens per prompt{reference}{correction})")
 
     def flops_per_token(self, seq_length: int) -> float:
         """The policy's forward and backward passes, and the scoring forwards made once per
         rollout (the reference's, the old policy's), spread over num_iterations steps.
-        Generation is not counted (its time is logged apart: data/rollout_seconds)."""
-        scoring = (self.reference != NO_REFERENCE) + (self.options.num_iterations > 1)
+        Generation is not counted (its time is logged apart: data/rollout/seconds)."""
+        o = self.options
+        policy = o.num_iterations > 1 or (o.importance_sampling_cap and o.temperature == 1
+                                          and o.top_p == 1)
+        scoring = (self.reference != NO_REFERENCE) + bool(policy)
         forward = self.model.forward_flops(seq_length)
-        return self.model.flops_per_token(seq_length) + scoring * forward / \
-            self.options.num_iterations
+        return self.model.flops_per_token(seq_length) + scoring * forward / o.num_iterations
 
     def prepare_run(self, run_dir, starting_params, state, place, print_fn) -> None:
         """The rollouts' engine, on the mesh the state lives on."""

@@ -130,6 +130,17 @@ def token_rows(prompts, completions, G: int, T: int, pad_id: int, keep: np.ndarr
             "loss_masks": masks[:, 1:]}
 
 
+def completion_values(prompts, values, G: int, T: int) -> np.ndarray:
+    """(N, T) float32: each completion's per-token `values` (the engine's log-probabilities)
+    where token_rows puts its targets, 0 elsewhere."""
+    out = np.zeros((len(values), T), np.float32)
+    for i, row in enumerate(values):
+        start = len(prompts[i // G]) - 1  # the target of input position p is token p + 1
+        row = row[:T - start]
+        out[i, start:start + len(row)] = row
+    return out
+
+
 def reward_inputs(examples, completions, texts, G: int):
     """TRL's reward-function arguments for the rows of real prompts: (prompts,
     completions, completion_ids, fields), each prompt's values repeated for its G rows."""
@@ -160,23 +171,40 @@ class Rollouts:
         self._score = self._scoring_program()
         self._train_began = None
 
+    def corrects_sampling(self) -> bool:
+        """Whether the batches carry truncated importance weights: the cap is on and the
+        engine's log-probabilities (of the model's own distribution) are the sampler's."""
+        o = self.options
+        return bool(o.importance_sampling_cap) and o.temperature == 1 and o.top_p == 1
+
     def _scoring_program(self):
-        """A jitted (params, frozen, input_tokens, target_tokens) -> {old_logps, ref_logps}
-        (B, G, T), each where the loss reads it; None when it reads neither."""
-        objective, options = self.objective, self.options
-        wanted = {"old_logps": options.num_iterations > 1,
-                  "ref_logps": objective.reference != "none"}
-        if not any(wanted.values()):
+        """A jitted (params, frozen, batch) -> {old_logps, ref_logps, is_ratio,
+        logp_difference} (B, G, T), each where the loss reads it; None when it reads none.
+        The policy's forward is made once for old_logps and the importance weights."""
+        objective, o = self.objective, self.options
+        old, ref, weights = (o.num_iterations > 1, objective.reference != "none",
+                             self.corrects_sampling())
+        if not (old or ref or weights):
             return None
 
-        def score(params, frozen, tokens, targets):
+        def logps(forward, params, frozen, batch):
+            tokens = batch["input_tokens"]
+            out, _ = token_logps(forward(params, frozen, rows(tokens)),
+                                 rows(batch["target_tokens"]), o.temperature)
+            return out.reshape(tokens.shape)
+
+        def score(params, frozen, batch):
             out = {}
-            for name, forward in (("old_logps", objective.forward),
-                                  ("ref_logps", objective.reference_forward)):
-                if wanted[name]:
-                    logits = forward(params, frozen, rows(tokens))
-                    logps, _ = token_logps(logits, rows(targets), options.temperature)
-                    out[name] = logps.reshape(tokens.shape)
+            if old or weights:
+                policy = logps(objective.forward, params, frozen, batch)
+                if old:
+                    out["old_logps"] = policy
+                if weights:
+                    diff = (policy - batch["sampling_logps"]) * batch["loss_masks"]
+                    out["is_ratio"] = jnp.minimum(jnp.exp(diff), o.importance_sampling_cap)
+                    out["logp_difference"] = jnp.abs(diff)
+            if ref:
+                out["ref_logps"] = logps(objective.reference_forward, params, frozen, batch)
             return out
 
         return jax.jit(score, out_shardings=NamedSharding(self.mesh, P(BATCH_AXES)))
@@ -209,8 +237,8 @@ class Rollouts:
                                           (_EVAL, step, index) if evaluating else (_TRAIN, step, 0))
             batch = place(batch)
             if self._score is not None:
-                batch.update(self._score(state.params, state.frozen, batch["input_tokens"],
-                                         batch["target_tokens"]))
+                batch.update(self._score(state.params, state.frozen, batch))
+            batch.pop("sampling_logps")  # read by the scoring program only
             metrics["rollout/seconds"] = time.perf_counter() - now
             if not evaluating:
                 self._train_began = time.perf_counter()
@@ -241,13 +269,15 @@ class Rollouts:
             engine.reset()
         began = time.perf_counter()
         try:
-            completions, _ = generate(engine, repeated, sampling, o.max_new_tokens,
-                                      objective.model.eos_token_id)
+            completions, logprobs = generate(engine, repeated, sampling, o.max_new_tokens,
+                                             objective.model.eos_token_id)
         finally:
             engine.params = None  # the next train step donates these buffers
             engine.release()
         seconds = time.perf_counter() - began
         batch, metrics = self._score_rows(prompts, prompt_ids, completions, valid, T)
+        batch["sampling_logps"] = completion_values(prompt_ids, logprobs, G, T).reshape(
+            batch["loss_masks"].shape)
         tokens = sum(len(c) for c in completions)
         metrics.update({"rollout/generation_seconds": seconds,
                         "rollout/tokens_per_second": tokens / max(seconds, 1e-9)})
