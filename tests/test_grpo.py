@@ -300,7 +300,6 @@ def learned(task, tmp_path_factory):
     command, in this process. A program lowered while step k's batch is made or trained,
     or k-1's hooks run, counts at k; the final save's are not counted."""
     from jax import monitoring
-
     from test_checkpoint import metrics
 
     from easylm.objectives.rollouts import Rollouts

@@ -5,8 +5,8 @@ for."""
 
 from ml_collections import ConfigDict
 
-from easylm.errors import UserError
 from easylm.data.options import loader_block
+from easylm.errors import UserError
 from easylm.objectives import grpo, preference
 from easylm.objectives.base import Objective
 from easylm.objectives.next_token import NextToken

@@ -24,7 +24,13 @@ from ml_collections import ConfigDict
 from easylm.errors import UserError
 from easylm.objectives import rewards as rewards_lib
 from easylm.objectives.base import BASE, COPY, NO_REFERENCE, Objective
-from easylm.objectives.rollouts import ROW_METRICS, Rollouts, rows, token_logps
+from easylm.objectives.rollouts import (
+    ROW_METRICS,
+    Rollouts,
+    corrects_sampling,
+    rows,
+    token_logps,
+)
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -261,8 +267,8 @@ class GRPOObjective(Objective):
         o = self.options
         reference = {BASE: ", KL to the base (adapters off)", COPY: ", KL to a frozen copy",
                      NO_REFERENCE: ""}[self.reference]
-        weights = o.importance_sampling_cap and o.temperature == 1 and o.top_p == 1
-        correction = f", importance weights <= {o.importance_sampling_cap:g}" if weights else ""
+        correction = f", importance weights <= {o.importance_sampling_cap:g}" \
+            if corrects_sampling(o) else ""
         return (f" | objective grpo ({o.loss_type}, {o.num_generations} completions of <= "
                 f"{o.max_new_tokens} tokens per prompt{reference}{correction})")
 
@@ -271,9 +277,8 @@ class GRPOObjective(Objective):
         rollout (the reference's, the old policy's), spread over num_iterations steps.
         Generation is not counted (its time is logged apart: data/rollout/seconds)."""
         o = self.options
-        policy = o.num_iterations > 1 or (o.importance_sampling_cap and o.temperature == 1
-                                          and o.top_p == 1)
-        scoring = (self.reference != NO_REFERENCE) + bool(policy)
+        policy = o.num_iterations > 1 or corrects_sampling(o)
+        scoring = (self.reference != NO_REFERENCE) + policy
         forward = self.model.forward_flops(seq_length)
         return self.model.flops_per_token(seq_length) + scoring * forward / o.num_iterations
 

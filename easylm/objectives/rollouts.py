@@ -78,6 +78,14 @@ def rows(x):  # (B, G, ...) -> (N, ...)
     return x.reshape(-1, *x.shape[2:])
 
 
+def corrects_sampling(options) -> bool:
+    """Whether batches carry truncated importance weights: the cap is on and the engine's
+    log-probabilities (of the model's own distribution, as OpenAI reports them) are the
+    sampler's: temperature 1, top_p 1."""
+    return bool(options.importance_sampling_cap) and options.temperature == 1 and \
+        options.top_p == 1
+
+
 def sampling_keys(seed: int, salt: int, step: int, index: int, n: int) -> np.ndarray:
     """(n, 2) uint32 raw keys, one per row, from the run's seed and where the rollout is."""
     state = np.random.SeedSequence([seed, salt, step, index]).generate_state(2 * n, np.uint32)
@@ -141,13 +149,12 @@ def completion_values(prompts, values, G: int, T: int) -> np.ndarray:
     return out
 
 
-def reward_inputs(examples, completions, texts, G: int):
-    """TRL's reward-function arguments for the rows of real prompts: (prompts,
-    completions, completion_ids, fields), each prompt's values repeated for its G rows."""
+def reward_inputs(examples, completions, texts):
+    """TRL's reward-function arguments: (prompts, completions, completion_ids, fields), from
+    each completion's example (a prompt's, repeated for its G completions), ids and text."""
     prompts, shown, fields = [], [], {}
     keys = sorted({k for e in examples for k in e} - {"prompt", "completion", "completion_ids"})
-    for i, text in enumerate(texts):
-        example = examples[i // G]
+    for example, text in zip(examples, texts):
         prompts.append(example["prompt"])
         chat = not isinstance(example["prompt"], str)
         shown.append([{"role": "assistant", "content": text}] if chat else text)
@@ -171,19 +178,13 @@ class Rollouts:
         self._score = self._scoring_program()
         self._train_began = None
 
-    def corrects_sampling(self) -> bool:
-        """Whether the batches carry truncated importance weights: the cap is on and the
-        engine's log-probabilities (of the model's own distribution) are the sampler's."""
-        o = self.options
-        return bool(o.importance_sampling_cap) and o.temperature == 1 and o.top_p == 1
-
     def _scoring_program(self):
         """A jitted (params, frozen, batch) -> {old_logps, ref_logps, is_ratio,
         logp_difference} (B, G, T), each where the loss reads it; None when it reads none.
         The policy's forward is made once for old_logps and the importance weights."""
         objective, o = self.objective, self.options
         old, ref, weights = (o.num_iterations > 1, objective.reference != "none",
-                             self.corrects_sampling())
+                             corrects_sampling(o))
         if not (old or ref or weights):
             return None
 
@@ -294,12 +295,11 @@ class Rollouts:
         texts = objective.tokenizer.batch_decode(
             [completions[i][:-1] if not truncated[i] else completions[i] for i in real],
             skip_special_tokens=True)
-        examples = [e for e in prompts["examples"] if e is not None]
         per_function = np.full((len(self.names), B * G), np.nan)
         if len(real):
-            scored = rewards_lib.score(objective.reward_functions,
-                                       *reward_inputs(examples, [completions[i] for i in real],
-                                                      texts, G))
+            scored = rewards_lib.score(objective.reward_functions, *reward_inputs(
+                [prompts["examples"][i // G] for i in real], [completions[i] for i in real],
+                texts))
             per_function[:, real] = scored
         per_function = per_function.reshape(-1, B, G)
         rewards, adv, std = advantages(per_function, objective.weights, o.scale_rewards,
