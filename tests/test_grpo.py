@@ -391,22 +391,31 @@ def test_rollouts_compile_nothing_after_the_first_step(learned):
     assert {k: v for k, v in per_step.items() if k > 2 and v} == {}, per_step
 
 
-def test_resume_regenerates_the_same_rollouts(task, learned, tmp_path):
-    """Stopped after step 5 and run again to step 8: every step's loss, rewards and
-    gradient norm are bitwise those of the uninterrupted run (JSON floats round-trip
-    exactly), so the rollouts after the resume were the same. (A clean stop and resume;
-    kill -9 takes the same path through the latest checkpoint.)"""
-    from test_checkpoint import metrics
+@pytest.mark.slow
+def test_sigkill_then_resume_regenerates_the_same_rollouts(task, learned, tmp_path):
+    """Killed (SIGKILL) at a random step after a checkpoint, then the same command to step
+    8: every step's loss, rewards and gradient norm are bitwise those of the uninterrupted
+    run (JSON floats round-trip exactly), so the rollouts after the resume were the same:
+    their keys come from the seed and the step, the prompts from the data state."""
+    import os
+    import signal
+
+    from test_checkpoint import ENV, metrics, run_until
 
     got, _, _ = learned
     # Without the evaluations: they draw their own keys and change nothing trained.
-    llama_train.main(command(task, tmp_path, total_steps=5, eval_freq=0))
-    llama_train.main(command(task, tmp_path, total_steps=8, eval_freq=0))
+    argv = command(task, tmp_path, total_steps=8, eval_freq=0, save_model_freq=3)
+    env = dict(ENV, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               PYTHONPATH=os.pathsep.join([ENV["PYTHONPATH"], os.path.dirname(task[0])]))
+    code, _, _ = run_until([sys.executable, "-m", "easylm.llama.train", *argv[1:]], tmp_path,
+                           np.random.randint(4, 8), signal.SIGKILL, env)
+    assert code == -signal.SIGKILL
+    llama_train.main(argv)
     resumed = metrics(tmp_path)
     assert sorted(resumed) == list(range(1, 9))
     for s in range(1, 9):
         for key in ("loss", "reward", "reward_std", "gradient_norm",
-                    "completions/mean_length"):
+                    "completions/mean_length", "sampling/sampling_logp_difference/mean"):
             assert resumed[s][key] == got[s][key], (s, key)
 
 
