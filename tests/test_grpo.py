@@ -180,6 +180,22 @@ def test_advantages_are_trls(scale):
     assert adv.ravel()[6] == 0.0
 
 
+def test_rows_put_the_loss_and_the_engine_logps_on_the_completion_targets():
+    """Prompt + completion in a row: the loss mask and the engine's log-probabilities sit
+    where the targets are the completion's tokens (EOS included); a row not kept (a
+    truncated completion under mask_truncated_completions) has no loss."""
+    from easylm.objectives.rollouts import completion_values, token_rows
+
+    prompts, completions = [[1, 5, 6]], [[7, 8, 2], [9, 9]]
+    batch = token_rows(prompts, completions, 2, 8, 0, np.asarray([True, False]))
+    assert batch["input_tokens"].tolist() == [[1, 5, 6, 7, 8, 2, 0, 0], [1, 5, 6, 9, 9, 0, 0, 0]]
+    assert batch["target_tokens"][0].tolist() == [5, 6, 7, 8, 2, 0, 0, 0]
+    assert batch["loss_masks"].tolist() == [[0, 0, 1, 1, 1, 0, 0, 0], [0] * 8]
+    values = completion_values(prompts, [[-0.1, -0.2, -0.3], [-1.0, -2.0]], 2, 8)
+    np.testing.assert_array_equal(values[0], np.float32([0, 0, -0.1, -0.2, -0.3, 0, 0, 0]))
+    np.testing.assert_array_equal(values[1], np.float32([0, 0, -1, -2, 0, 0, 0, 0]))
+
+
 # ------------------------------------------------------------ rewards
 
 
