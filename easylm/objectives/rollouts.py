@@ -2,6 +2,9 @@
 
 For each batch of B prompts from the data pipeline (data/prompts.py):
 
+  0. on several processes, every process's prompt rows are gathered (`gather_prompts`):
+     each process makes every rollout (the engine's calls are collective) and places its
+     own rows of the batch;
   1. generate: the serving engine (serving/engine.py) on the trainer's mesh, reading the
      train state's parameters in place (LoRA: the live adapters on their frozen base, as
      the lm-eval hook does; no copy, no host round trip of weights): all B x G rows are
@@ -17,6 +20,7 @@ The engine's programs (one prefill, a decode program per cache window) are compi
 the first step and serve every later one; its cache is freed between rollouts.
 """
 
+import json
 import time
 
 import jax
@@ -24,7 +28,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from easylm.errors import UserError
 from easylm.objectives import rewards as rewards_lib
 from easylm.runtime.sharding import BATCH_AXES
 from easylm.serving import engine as engine_lib
@@ -163,13 +166,40 @@ def reward_inputs(examples, completions, texts):
     return prompts, shown, [list(c) for c in completions], fields
 
 
+def gather_prompts(prompts: dict) -> tuple[dict, slice]:
+    """(every process's prompt rows in global row order, the slice of them this process
+    serves): each process then issues the same engine calls over all rows (they are
+    collective), scores every completion alike (reward functions must be deterministic)
+    and places its own rows. One process: its rows, all of them."""
+    if jax.process_count() == 1:
+        return prompts, slice(None)
+    from jax.experimental import multihost_utils
+
+    local = json.dumps({"tokens": [t[:n].tolist() for t, n in zip(prompts["prompt_tokens"],
+                                                                  prompts["prompt_lengths"])],
+                        "examples": list(prompts["examples"])}, default=str).encode()
+    data = np.frombuffer(local, np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.int32(len(data)))).ravel()
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[:len(data)] = data
+    parts = [json.loads(bytes(row[:n])) for row, n in
+             zip(np.asarray(multihost_utils.process_allgather(padded)), sizes)]
+    tokens = [t for part in parts for t in part["tokens"]]
+    examples = np.empty(len(tokens), object)
+    examples[:] = [e for part in parts for e in part["examples"]]
+    batch = np.zeros((len(tokens), max(map(len, tokens), default=1) or 1), np.int32)
+    for i, t in enumerate(tokens):
+        batch[i, :len(t)] = t
+    b = len(prompts["prompt_lengths"])
+    return ({"prompt_tokens": batch, "prompt_lengths": np.asarray(list(map(len, tokens)),
+                                                                  np.int32),
+             "examples": examples}, slice(jax.process_index() * b, (jax.process_index() + 1) * b))
+
+
 class Rollouts:
     """The GRPO objective's batches (`batches`), made on the mesh the train state is on."""
 
     def __init__(self, objective, state):
-        if jax.process_count() > 1:
-            raise UserError("--objective=grpo runs on one process for now (its rollouts' "
-                            "prompts are not yet shared between hosts); see docs/rl.md")
         self.objective, self.options = objective, objective.options
         self.mesh = jax.tree.leaves(state.params)[0].sharding.mesh
         self.engines = {}  # (rows, seq_length) -> Engine
@@ -229,6 +259,7 @@ class Rollouts:
         resumed between two has a shorter cycle first)."""
         evaluating, mu = dataset.for_eval, self.options.num_iterations
         for index, (prompts, data_metrics) in enumerate(dataset.iterate()):
+            prompts, rows_here = gather_prompts(prompts)
             state = live_state()
             step = int(state.step)  # waits for the step in flight: the train time
             now = time.perf_counter()
@@ -236,7 +267,7 @@ class Rollouts:
                 {"rollout/train_seconds": now - self._train_began}
             batch, metrics = self.rollout(state, prompts, dataset.seq_length,
                                           (_EVAL, step, index) if evaluating else (_TRAIN, step, 0))
-            batch = place(batch)
+            batch = place({k: v[rows_here] for k, v in batch.items()})
             if self._score is not None:
                 batch.update(self._score(state.params, state.frozen, batch))
             batch.pop("sampling_logps")  # read by the scoring program only
