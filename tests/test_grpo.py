@@ -464,6 +464,8 @@ def long_prompts(tmp_path):
     ({"train_dataset.json_dataset.path": "embedded"}, "--objective=grpo makes rollouts from "
      "prompts: set --train_dataset.json_dataset.path to JSON lines with a prompt (and the "
      "fields your reward functions read, e.g. answer; docs/rl.md)"),
+    ({"lora.rank": 4, "lora.dropout": 0.1}, "--lora.dropout=0.1 does not act in "
+     "--objective=grpo (its forward is the serving engine's, which has none): set it to 0"),
     ({"train_dataset.json_dataset.batch_size": 3}, "--train_dataset batch size 3 must be a "
      "multiple of the dp*fsdp=8 batch shards times --optimizer.accumulate_gradient_steps=1"),
 ])

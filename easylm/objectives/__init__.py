@@ -96,3 +96,7 @@ def _check_grpo(config: ConfigDict) -> None:
                         "json_dataset.path to JSON lines with a prompt (and the fields your "
                         "reward functions read, e.g. answer; docs/rl.md)")
     grpo.check_options(config.grpo, data[loader_block(data)].seq_length)
+    lora = config.get("lora")
+    if lora is not None and lora.get("rank") and lora.get("dropout"):
+        raise UserError(f"--lora.dropout={lora.dropout} does not act in --objective=grpo (its "
+                        f"forward is the serving engine's, which has none): set it to 0")
