@@ -338,6 +338,16 @@ def _model_name(config: ConfigDict, family) -> str:
     return spec or config[family.name].base_model
 
 
+
+def _rows_per_example(config: ConfigDict) -> str:
+    """How the header counts a step's rows: documents, pairs of two rows, or prompts with
+    their completions (GRPO)."""
+    if config.objective == "next_token":
+        return ""
+    if config.objective == "grpo":
+        return f" prompts x {config.grpo.num_generations} completions"
+    return " pairs x 2"
+
 def report(config: ConfigDict, family, num_devices: int, num_processes: int,
            budget: int | None) -> tuple[str, bool]:
     """The printed plan, and whether it fits (True when no budget is known)."""
@@ -359,7 +369,7 @@ def report(config: ConfigDict, family, num_devices: int, num_processes: int,
     lines = [
         f"plan: {what}, {model.num_layers} layers | "
         f"{num_devices} devices, mesh {mesh} | "
-        f"{data.batch_size}{' pairs x 2' if config.objective != 'next_token' else ''} x "
+        f"{data.batch_size}{_rows_per_example(config)} x "
         f"{data.seq_length} tokens per step | compute {compute}"
         f"{' (--dtype=auto on ' + jax.default_backend() + ')' if config.dtype == 'auto' else ''}, "
         f"parameters {'/'.join(trained)} | {config.optimizer.type} | remat "

@@ -39,6 +39,7 @@ from easylm.data import options
 from easylm.data.mixture import load_mixture
 from easylm.data.options import loader_block  # noqa: F401 (where callers look for it)
 from easylm.data.pairs import Pairs, open_pairs
+from easylm.data.prompts import Prompts, open_prompts
 from easylm.data.reader import Prefetcher, WindowReader, prepare_records
 from easylm.data.rows import Documents, MixtureDocuments
 from easylm.data.sources import make_order, open_source
@@ -48,7 +49,7 @@ logger = logging.getLogger(__name__)
 STATE_VERSION = 1
 _MAX_WARNINGS = 10
 # The row kinds whose states are marked (rows.py), in the order a mismatch is reported.
-_MARKED_KINDS = (MixtureDocuments, Pairs)
+_MARKED_KINDS = (MixtureDocuments, Pairs, Prompts)
 
 
 class DatasetFactory:
@@ -58,16 +59,23 @@ class DatasetFactory:
 
     @classmethod
     def load_dataset(cls, config, tokenizer, for_eval=False, process_index=None,
-                     process_count=None, pairs=False, section=None):
+                     process_count=None, pairs=False, section=None, prompts=0):
         """process_index/process_count default to JAX's; tests pass them to simulate hosts.
         pairs: the caller trains on preference pairs (batches of chosen_* and rejected_*
-        rows); other callers get a clear error for preference data. section: the flags'
-        name in messages (default: eval_dataset for_eval, else train_dataset)."""
+        rows); other callers get a clear error for preference data. prompts: > 0, rows are
+        prompts for rollouts, leaving this many tokens of a row for the completion
+        (prompts.py).
+        section: the flags' name in messages (default: eval_dataset for_eval, else
+        train_dataset)."""
         config = cls.get_default_config(config)
         section = section or ("eval_dataset" if for_eval else "train_dataset")
         loader = options.loader_options(config, section)
         shuffle = loader.shuffle and not for_eval
-        if config.preference.enabled:
+        if prompts:
+            source, processor = open_prompts(config, loader, tokenizer, prompts)
+            order = make_order(source, loader, shuffle, loader.seed)
+            kind = Prompts(loader, order)
+        elif config.preference.enabled:
             if not pairs:
                 raise UserError(f"--{section}.preference.enabled=True makes batches of "
                                 f"preference pairs, which only a preference objective trains "
@@ -299,7 +307,7 @@ class Dataset:
         return f"{self._skipped} skips so far, the first: {self._first_skip}"
 
 
-_PER_ROW = ("streams", *(kind.counters for kind in _MARKED_KINDS))   # keyed by row
+_PER_ROW = ("streams", *(kind.counters for kind in _MARKED_KINDS if kind.counters))   # by row
 
 
 def merge_state_dicts(states):

@@ -4,8 +4,9 @@ objective is one more class and no branch in the trainer.
 An objective says
   - what its batches hold (`rows`: the data pipeline's row kind, "documents" or "pairs")
     and how they are made: `batches` reads the data pipeline (host batches `prepare`d,
-    then placed on the devices); an online objective (GRPO) would make them from
-    rollouts of the live parameters instead;
+    then placed on the devices); an online objective (GRPO, rows "prompts") makes them
+    from rollouts of the live parameters instead, which `batches` reads through
+    `live_state()` each time it makes one;
   - what its loss reads but does not train (`reference`: nothing, the base with the
     adapters off, a frozen copy of the starting parameters, or log-probabilities
     precomputed into the batches), which the trainer keeps in `TrainState.frozen`;
@@ -27,7 +28,8 @@ PRECOMPUTED = "precomputed"  # log-probabilities computed once and carried by th
 class Objective(abc.ABC):
     name: str
     rows: str = "documents"  # the data pipeline's row kind its batches hold
-    rows_per_example: int = 1  # rows of one example (a preference pair: 2)
+    rows_per_example: int = 1  # rows of one example (a preference pair: 2, GRPO: G)
+    completion_tokens: int = 0  # rows of "prompts" leave this many tokens for rollouts
     reference: str = NO_REFERENCE
 
     def __init__(self, model):
@@ -56,6 +58,7 @@ class Objective(abc.ABC):
         """A host batch as the step takes it."""
         return batch
 
-    def batches(self, dataset, place: Callable) -> Iterator:
-        """(device batch, data metrics) for each step, from the data pipeline."""
+    def batches(self, dataset, place: Callable, live_state: Callable | None = None) -> Iterator:
+        """(device batch, data metrics) for each step, from the data pipeline.
+        `live_state()`: the train state as it is when the next batch is asked for."""
         return dataset.iterate(place=lambda batch: place(self.prepare(batch)))

@@ -284,6 +284,14 @@ class Engine:
         end = int(self.positions[active].max()) + self.config.decode_steps if active.any() else 0
         return self._decode(sampling, bucket_for(min(end, self.seq_length), self.decode_buckets))
 
+    def compile_decode(self, sampling: Sampling):
+        """Compile now the decode program of every cache window for `sampling`'s kind
+        (greedy or sampling), so that later decoding compiles nothing whatever the
+        positions (GRPO's rollouts: no program after the first step). It decodes into the
+        slots: `reset` before using the engine."""
+        for length in self.decode_buckets:
+            jax.block_until_ready(self._decode(sampling, length))
+
     def _decode(self, sampling: Sampling, length: int):
         self.state, out = self._run(self._decode_fns[sampling.samples(), length], self.params,
                                     self.state, *sampling.arrays())

@@ -17,7 +17,7 @@ from easylm.training.state import TrainState
 
 def _evaluate(run: Run, state: TrainState) -> dict:
     totals = None
-    batches = run.objective.batches(run.eval_dataset, run.place)
+    batches = run.objective.batches(run.eval_dataset, run.place, lambda: state)
     for i, (batch, _) in enumerate(batches):
         if run.config.eval_steps and i >= run.config.eval_steps:
             break
@@ -92,7 +92,8 @@ def loop(run: Run) -> int:
     every --log_freq steps, running the hooks, then save; returns the last step."""
     config = run.config
     step = run.start_step
-    data = run.objective.batches(run.dataset, run.place)  # batches arrive on the devices
+    # Batches arrive on the devices; an online objective makes them from the live state.
+    data = run.objective.batches(run.dataset, run.place, lambda: run.state)
     throughput = _Throughput(run)
     # Last in, first out: the save in flight completes before the manager and the logs
     # close (also after an error), and the profiler stops before that.

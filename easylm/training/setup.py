@@ -114,12 +114,13 @@ def _harness(config: ConfigDict, model: Model, tokenizer, mesh):
 def _datasets(config: ConfigDict, tokenizer, objective, mesh, model: Model):
     """The train and (if evaluating) eval datasets of the objective's rows, checked against
     the mesh and the model."""
-    pairs = objective.rows == "pairs"
-    train = DatasetFactory.load_dataset(config.train_dataset, tokenizer, pairs=pairs)
+    kind = dict(pairs=objective.rows == "pairs",
+                prompts=objective.completion_tokens if objective.rows == "prompts" else 0)
+    train = DatasetFactory.load_dataset(config.train_dataset, tokenizer, **kind)
     evaluation = None
     if config.eval_freq > 0:
         evaluation = DatasetFactory.load_dataset(config.eval_dataset, tokenizer, for_eval=True,
-                                                 pairs=pairs)
+                                                 **kind)
     check_batch_split(train.batch_size, mesh.shape, config.optimizer.accumulate_gradient_steps)
     check_seq_length(config, model, {"train_dataset": train, "eval_dataset": evaluation})
     return train, evaluation

@@ -1,0 +1,292 @@
+"""GRPO (`--objective=grpo`): online RL with verifiable rewards, its DAPO and Dr. GRPO
+variants, as TRL's GRPOTrainer computes them (`_compute_loss`); formulas, papers, options
+and metrics in docs/rl.md.
+
+Each step's batch is made from rollouts of the live parameters (rollouts.py): B prompts
+from the data pipeline (--train_dataset.*.batch_size), G = --grpo.num_generations
+completions each, sampled by the serving engine on the trainer's mesh, scored by the
+reward functions (rewards.py), turned into advantages (rollouts.advantages), then trained
+on by the ordinary step `(state, batch) -> (state, metrics)`. A batch holds (B, G, T)
+arrays (a prompt's group stays on one device): input_tokens, target_tokens, loss_masks
+(1 on the completion's tokens), advantages (B, G), old_logps / ref_logps (B, G, T) where
+the loss needs them, and per-completion values the metrics sum (`ROW_METRICS`).
+
+Shape letters: B prompts, G completions per prompt, N = B*G rows, T positions, V vocabulary.
+"""
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from ml_collections import ConfigDict
+
+from easylm.errors import UserError
+from easylm.objectives import rewards as rewards_lib
+from easylm.objectives.base import BASE, COPY, NO_REFERENCE, Objective
+from easylm.objectives.rollouts import (
+    ROW_METRICS,
+    Rollouts,
+    corrects_sampling,
+    rows,
+    token_logps,
+)
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+SCALE_REWARDS = ("group", "batch", "none")
+
+HELP = {
+    "grpo.num_generations": "G: completions sampled per prompt (the group its advantages "
+                            "compare within); the step trains on batch_size x G completions",
+    "grpo.max_new_tokens": "the longest completion, in tokens (TRL's max_completion_length); "
+                           "a prompt may use the rest of the row (seq_length - this)",
+    "grpo.temperature": "sampling temperature of the rollouts; the log-probabilities are of "
+                        "the logits divided by it, as TRL's are",
+    "grpo.top_p": "nucleus sampling of the rollouts (1: off)",
+    "grpo.beta": "weight of the k3 KL to the reference (LoRA: the base with the adapters "
+                 "off; else a frozen copy of the starting parameters); 0: no reference",
+    "grpo.epsilon": "the clip range below: ratios under 1 - epsilon are clipped",
+    "grpo.epsilon_high": "the clip range above (DAPO's clip-higher); 0: epsilon",
+    "grpo.loss_type": "how per-token losses are averaged: grpo (per completion, then over "
+                      "completions), bnpo and dapo (over the step's completion tokens), "
+                      "dr_grpo (a sum over tokens / (completions x max_new_tokens))",
+    "grpo.scale_rewards": "advantages divided by the std of the group's rewards (group), of "
+                          "the batch's (batch), or not (none: Dr. GRPO)",
+    "grpo.num_iterations": "optimizer steps on each batch of rollouts (mu), the ratio taken "
+                           "against the rollouts' log-probabilities",
+    "grpo.mask_truncated_completions": "completions cut at max_new_tokens get no loss (DAPO)",
+    "grpo.reward_funcs": "comma-separated reward functions: answer_match, format, "
+                         "length_penalty, math_verify, or module:function (docs/rl.md)",
+    "grpo.reward_weights": "comma-separated weights of reward_funcs ('': all 1)",
+    "grpo.format_pattern": "the format reward's regular expression ('': an answer after "
+                           "#### or in \\boxed{})",
+    "grpo.length_buffer": "length_penalty's buffer in tokens before max_new_tokens (0: a "
+                          "quarter of max_new_tokens)",
+    "grpo.importance_sampling_cap": "truncated importance sampling of the engine's sampled "
+                                    "tokens against the training forward: weights "
+                                    "min(exp(logp - engine logp), cap) (TRL's "
+                                    "vllm_importance_sampling_clip_max); 0: off. Applied at "
+                                    "temperature 1 and top_p 1 only, where the engine's "
+                                    "log-probabilities are the sampler's",
+}
+
+
+def get_default_config(updates=None) -> ConfigDict:
+    """TRL's GRPOConfig defaults where the option is the same."""
+    config = ConfigDict(dict(
+        num_generations=8, max_new_tokens=256, temperature=1.0, top_p=1.0, beta=0.0,
+        epsilon=0.2, epsilon_high=0.0, loss_type="dapo", scale_rewards="group",
+        num_iterations=1, mask_truncated_completions=False, reward_funcs="answer_match",
+        reward_weights="", format_pattern="", length_buffer=0,
+        importance_sampling_cap=3.0))
+    if updates is not None:
+        config.update(ConfigDict(updates).copy_and_resolve_references())
+    return config
+
+
+def check_options(options, seq_length: int) -> None:
+    checks = (("num_generations", options.num_generations >= 2, ">= 2 (a group's rewards "
+               "are compared with each other)"),
+              ("max_new_tokens", 1 <= options.max_new_tokens < seq_length,
+               f">= 1 and below the row's seq_length={seq_length}, leaving room for a prompt"),
+              ("temperature", options.temperature > 0, "> 0"),
+              ("top_p", 0 < options.top_p <= 1, "in (0, 1]"),
+              ("beta", options.beta >= 0, ">= 0"),
+              ("epsilon", 0 < options.epsilon < 1, "in (0, 1)"),
+              ("epsilon_high", options.epsilon_high >= 0, ">= 0"),
+              ("num_iterations", options.num_iterations >= 1, ">= 1"),
+              ("importance_sampling_cap", options.importance_sampling_cap == 0 or
+               options.importance_sampling_cap >= 1, "0 (off) or >= 1"),
+              ("loss_type", options.loss_type in LOSS_TYPES, f"one of {', '.join(LOSS_TYPES)}"),
+              ("scale_rewards", options.scale_rewards in SCALE_REWARDS,
+               f"one of {', '.join(SCALE_REWARDS)}"))
+    for name, ok, expected in checks:
+        if not ok:
+            raise UserError(f"--grpo.{name} must be {expected}, got {options[name]!r}")
+
+
+def reward_weights(options, count: int) -> np.ndarray:
+    text = options.reward_weights.strip()
+    if not text:
+        return np.ones(count)
+    try:
+        weights = np.asarray([float(w) for w in text.split(",")])
+    except ValueError:
+        raise UserError(f"--grpo.reward_weights={text!r} must be comma-separated numbers") \
+            from None
+    if len(weights) != count:
+        raise UserError(f"--grpo.reward_weights has {len(weights)} weights for the {count} "
+                        f"functions of --grpo.reward_funcs")
+    return weights
+
+
+# -------------------------------------------------------------- the loss (device)
+
+
+class GRPOSums(NamedTuple):
+    loss: jax.Array  # sum of the aggregated per-token losses, fp32 scalar
+    weight: jax.Array  # its denominator: completions (grpo, dr_grpo) or tokens (bnpo, dapo)
+    completions: jax.Array  # completions counted (real rows)
+    tokens: jax.Array  # completion tokens with loss
+    metrics: dict  # name -> sum; per token (TOKEN_METRICS), per completion, or sum/count
+
+    COUNT = "completions"  # what `weight` counts, for the logs' loss_<COUNT>
+
+    @property
+    def count(self):
+        return self.weight
+
+    def means(self) -> dict:
+        """Every sum over its own denominator: per-token metrics over tokens, per-reward
+        means over the completions that function scored, the rest over completions."""
+        out = {"loss": self.loss / jnp.maximum(self.weight, 1.0)}
+        completions, tokens = jnp.maximum(self.completions, 1.0), jnp.maximum(self.tokens, 1.0)
+        for name, value in self.metrics.items():
+            if name.endswith("/count"):
+                continue
+            if name.endswith("/sum"):
+                count = self.metrics[name[:-len("/sum")] + "/count"]
+                out[name[:-len("/sum")] + "/mean"] = value / jnp.maximum(count, 1.0)
+            else:
+                out[name] = value / (tokens if name in TOKEN_METRICS else completions)
+        return out
+
+
+class TokenGRPOSums(GRPOSums):
+    COUNT = "tokens"  # bnpo, dapo: the loss is a mean over completion tokens
+
+
+TOKEN_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
+                 "clip_ratio/region_mean", "sampling/sampling_logp_difference/mean",
+                 "sampling/importance_sampling_ratio/mean")
+
+
+def grpo_sums(logps, old_logps, ref_logps, advantages, masks, valid, options,
+              entropy=None, row_metrics=None, is_ratio=None) -> GRPOSums:
+    """TRL's GRPO loss as sums. logps (N, T): the policy's log-probabilities of the
+    sampled tokens (at the sampling temperature); old_logps (N, T) or None (one iteration:
+    the ratio is 1, its gradient the policy gradient); ref_logps (N, T) or None (beta 0);
+    advantages (N,); masks (N, T) the completion tokens; valid (N,) real rows; is_ratio
+    (N, T) or None: the truncated importance weights of the sampler's mismatch, which
+    scale the clipped term (TRL's vllm_importance_sampling_correction, token_truncate)."""
+    eps_low = options.epsilon
+    eps_high = options.epsilon_high or options.epsilon
+    old = jax.lax.stop_gradient(logps) if old_logps is None else old_logps
+    ratio = jnp.exp(logps - old)
+    a = advantages[:, None]
+    per_token = -jnp.minimum(ratio * a, jnp.clip(ratio, 1 - eps_low, 1 + eps_high) * a)
+    metrics = {}
+    if is_ratio is not None:
+        per_token = per_token * is_ratio
+    if options.beta:
+        diff = ref_logps - logps
+        kl = jnp.exp(diff) - diff - 1
+        per_token = per_token + options.beta * kl
+        metrics["kl"] = jnp.sum(kl * masks)
+    low = (ratio < 1 - eps_low) & (a < 0)
+    high = (ratio > 1 + eps_high) & (a > 0)
+    metrics.update({"clip_ratio/low_mean": jnp.sum(low * masks),
+                    "clip_ratio/high_mean": jnp.sum(high * masks),
+                    "clip_ratio/region_mean": jnp.sum((low | high) * masks)})
+    if entropy is not None:
+        metrics["entropy"] = jnp.sum(entropy * masks)
+    lengths = jnp.sum(masks, axis=1)
+    completions = jnp.sum(valid)
+    summed = jnp.sum(per_token * masks, axis=1)  # (N,)
+    sums_type, weight = GRPOSums, completions
+    if options.loss_type == "grpo":
+        loss = jnp.sum(summed / jnp.maximum(lengths, 1.0))
+    elif options.loss_type == "dr_grpo":
+        loss = jnp.sum(summed) / options.max_new_tokens
+    else:  # bnpo, dapo: a mean over the step's completion tokens
+        loss, sums_type, weight = jnp.sum(summed), TokenGRPOSums, jnp.sum(lengths)
+    for name, value in (row_metrics or {}).items():
+        metrics[name] = jnp.sum(value * (1.0 if name.endswith(("/sum", "/count")) else valid))
+    return sums_type(loss=loss, weight=weight, completions=completions,
+                     tokens=jnp.sum(lengths), metrics=metrics)
+
+
+# -------------------------------------------------------------- the trainer's objective
+
+
+class GRPOObjective(Objective):
+    """GRPO on rollouts of the live parameters. The reference (beta > 0): under LoRA the
+    base with the adapters off, else a frozen copy of the starting parameters."""
+
+    name = "grpo"
+    rows = "prompts"
+
+    def __init__(self, config, model, tokenizer):
+        super().__init__(model)
+        self.config, self.tokenizer = config, tokenizer
+        self.options = options = get_default_config(config.grpo.to_dict())
+        self.rows_per_example = options.num_generations  # tokens/step: B x G rows
+        self.completion_tokens = options.max_new_tokens
+        if model.apply is None:
+            raise UserError(f"--objective=grpo: the {model.name} model has no serving engine "
+                            f"to make rollouts with")
+        self.reward_functions = rewards_lib.load(options.reward_funcs, options)
+        self.weights = reward_weights(options, len(self.reward_functions))
+        if not options.beta:
+            self.reference = NO_REFERENCE
+        else:
+            self.reference = BASE if model.frozen is not None else COPY
+        self._rollouts = None  # rollouts.Rollouts, made in prepare_run
+
+    def forward(self, params, frozen, tokens):
+        """Logits (N, T, V) of the policy `params` (on the frozen base, for a variant)."""
+        base = frozen.get("base")
+        return self.model.apply(params if base is None else (params, base), tokens, None, None)
+
+    def reference_forward(self, params, frozen, tokens):
+        """The reference's logits: the base with the adapters off, or the frozen copy."""
+        if self.model.frozen is not None:
+            return self.forward(self.model.frozen.adapters_off(params), frozen, tokens)
+        return self.model.apply(frozen["reference"], tokens, None, None)
+
+    def loss_fn(self, params, batch, rng, frozen):
+        del rng  # the serving forward has no dropout
+        tokens, targets = rows(batch["input_tokens"]), rows(batch["target_tokens"])
+        logps, entropy = token_logps(self.forward(params, frozen, tokens), targets,
+                                     self.options.temperature)
+        old = rows(batch["old_logps"]) if "old_logps" in batch else None
+        ref = rows(batch["ref_logps"]) if "ref_logps" in batch else None
+        is_ratio = rows(batch["is_ratio"]) if "is_ratio" in batch else None
+        masks = rows(batch["loss_masks"])
+        sums = grpo_sums(logps, old, ref, rows(batch["advantages"]), masks,
+                         rows(batch["valid"]), self.options, jax.lax.stop_gradient(entropy),
+                         {k: rows(v) for k, v in batch.items() if k in ROW_METRICS
+                          or k.startswith("rewards/")}, is_ratio)
+        if is_ratio is not None:  # the sampler against the training forward, per token
+            sums.metrics["sampling/importance_sampling_ratio/mean"] = jnp.sum(is_ratio * masks)
+            sums.metrics["sampling/sampling_logp_difference/mean"] = jnp.sum(
+                rows(batch["logp_difference"]) * masks)
+        return sums
+
+    def describe(self) -> str:
+        o = self.options
+        reference = {BASE: ", KL to the base (adapters off)", COPY: ", KL to a frozen copy",
+                     NO_REFERENCE: ""}[self.reference]
+        correction = f", importance weights <= {o.importance_sampling_cap:g}" \
+            if corrects_sampling(o) else ""
+        return (f" | objective grpo ({o.loss_type}, {o.num_generations} completions of <= "
+                f"{o.max_new_tokens} tokens per prompt{reference}{correction})")
+
+    def flops_per_token(self, seq_length: int) -> float:
+        """The policy's forward and backward passes, and the scoring forwards made once per
+        rollout (the reference's, the old policy's), spread over num_iterations steps.
+        Generation is not counted (its time is logged apart: data/rollout/seconds)."""
+        o = self.options
+        policy = o.num_iterations > 1 or corrects_sampling(o)
+        scoring = (self.reference != NO_REFERENCE) + policy
+        forward = self.model.forward_flops(seq_length)
+        return self.model.flops_per_token(seq_length) + scoring * forward / o.num_iterations
+
+    def prepare_run(self, run_dir, starting_params, state, place, print_fn) -> None:
+        """The rollouts' engine, on the mesh the state lives on."""
+        self._rollouts = Rollouts(self, state)
+
+    def batches(self, dataset, place: Callable, live_state: Callable | None = None):
+        """(device batch, metrics) per step: rollouts of `live_state()`'s parameters on the
+        prompts of `dataset`; a batch of rollouts serves num_iterations steps."""
+        return self._rollouts.batches(dataset, place, live_state)

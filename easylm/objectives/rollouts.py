@@ -1,0 +1,350 @@
+"""GRPO's batches: rollouts of the live parameters, their rewards and advantages.
+
+For each batch of B prompts from the data pipeline (data/prompts.py):
+
+  0. on several processes, every process's prompt rows are gathered (`gather_prompts`):
+     each process makes every rollout (the engine's calls are collective) and places its
+     own rows of the batch;
+  1. generate: the serving engine (serving/engine.py) on the trainer's mesh, reading the
+     train state's parameters in place (LoRA: the live adapters on their frozen base, as
+     the lm-eval hook does; no copy, no host round trip of weights): all B x G rows are
+     prefilled in one call and decoded together until each has its EOS or
+     max_new_tokens. Row i's sampling key comes from (--seed, the step, i), so a resumed
+     run draws the same completions;
+  2. score: the reward functions (rewards.py) on the host, then `advantages`;
+  3. the batch: prompt + completion in rows of seq_length + 1 tokens, (B, G, T) arrays,
+     placed on the devices; then, in one jitted program on the live parameters, the
+     rollout's own log-probabilities (num_iterations > 1) and the reference's (beta > 0).
+
+The engine's programs (one prefill, a decode program per cache window) are compiled at
+the first step and serve every later one; its cache is freed between rollouts.
+"""
+
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from easylm.objectives import rewards as rewards_lib
+from easylm.runtime.sharding import BATCH_AXES
+from easylm.serving import engine as engine_lib
+
+# (B, G) per-completion values a batch carries for the metrics (besides each reward
+# function's rewards/<name>/sum and /count).
+ROW_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length",
+               "completions/clipped_ratio")
+_TRAIN, _EVAL = 0, 1  # salts of the sampling keys
+
+
+def _nanstd(x, axis=None):
+    """TRL's nanstd: Bessel-corrected over the non-NaN entries (NaN for fewer than 2)."""
+    count = np.sum(~np.isnan(x), axis=axis, keepdims=True)
+    mean = np.nanmean(x, axis=axis, keepdims=True)
+    variance = np.nansum((x - mean) ** 2, axis=axis, keepdims=True) / np.maximum(count - 1, 1)
+    return np.where(count > 1, np.sqrt(variance), np.nan)
+
+
+def advantages(per_function: np.ndarray, weights: np.ndarray, scale_rewards: str,
+               valid: np.ndarray):
+    """(rewards (B, G), advantages (B, G), std (B, G)) from each function's rewards
+    (F, B, G) (NaN: None), in float64 as TRL's "sum_then_normalize": the weighted sum over
+    functions (NaN where every function said None: such a completion gets advantage 0
+    and counts in no baseline), minus the group's mean, divided by the group's or the
+    batch's std + 1e-4 unless scale_rewards is none. Rows not `valid` count nowhere."""
+    with np.errstate(all="ignore"):
+        rewards = np.nansum(per_function * weights[:, None, None], axis=0)
+        rewards = np.where(np.isnan(per_function).all(0) | ~valid, np.nan, rewards)
+        mean = np.nanmean(rewards, axis=1, keepdims=True)
+        axis = None if scale_rewards == "batch" else 1
+        std = np.broadcast_to(_nanstd(rewards, axis=axis), rewards.shape)
+        adv = rewards - mean
+        if scale_rewards != "none":
+            adv = adv / (std + 1e-4)
+    return rewards, np.nan_to_num(adv, nan=0.0), std
+
+
+def token_logps(logits, targets, temperature: float):
+    """(log-probabilities of `targets` (N, T), entropies (N, T)) of softmax(logits / t),
+    in fp32, as TRL's `_get_per_token_logps_and_entropies`. logits (N, T, V)."""
+    logits = logits.astype(jnp.float32) / temperature
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    chosen = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0] - log_z
+    probs = jnp.exp(logits - log_z[..., None])
+    entropy = log_z - jnp.sum(probs * logits, axis=-1)
+    return chosen, entropy
+
+
+def rows(x):  # (B, G, ...) -> (N, ...)
+    return x.reshape(-1, *x.shape[2:])
+
+
+def corrects_sampling(options) -> bool:
+    """Whether batches carry truncated importance weights: the cap is on and the engine's
+    log-probabilities (of the model's own distribution, as OpenAI reports them) are the
+    sampler's: temperature 1, top_p 1."""
+    return bool(options.importance_sampling_cap) and options.temperature == 1 and \
+        options.top_p == 1
+
+
+def sampling_keys(seed: int, salt: int, step: int, index: int, n: int) -> np.ndarray:
+    """(n, 2) uint32 raw keys, one per row, from the run's seed and where the rollout is."""
+    state = np.random.SeedSequence([seed, salt, step, index]).generate_state(2 * n, np.uint32)
+    return state.reshape(n, 2)
+
+
+def generate(engine, prompts, sampling, max_new_tokens: int, eos_id):
+    """Each prompt's completion (ids, EOS included when drawn) and the engine's
+    log-probabilities of them: one prefill of every row, then decode calls (each
+    dispatched before the previous one's tokens are read) until every row has its EOS or
+    max_new_tokens. Rows that have ended decode on (their tokens dropped) while others
+    have not; each call attends over the cache window the unfinished rows need."""
+    n = len(prompts)
+    tokens, logprobs = [[] for _ in range(n)], [[] for _ in range(n)]
+    done = np.zeros(n, bool)
+    full = sampling.pad(engine.batch_size)
+    calls = -(-(max_new_tokens - 1) // engine.config.decode_steps)
+    pending, issued = [engine.prefill(prompts, list(range(n)), sampling)], 0
+    while pending:
+        if issued < calls:
+            active = np.zeros(engine.batch_size, bool)
+            active[:n] = ~done
+            pending.append(engine.decode(full, active))
+            issued += 1
+        ids, lps = engine.fetch(pending.pop(0))[:2]  # (steps, rows)
+        for i in np.flatnonzero(~done):
+            for t, lp in zip(ids[:, i].tolist(), lps[:, i].tolist()):
+                tokens[i].append(t)
+                logprobs[i].append(lp)
+                if t == eos_id or len(tokens[i]) == max_new_tokens:
+                    done[i] = True
+                    break
+        if done.all():
+            break
+    return tokens, logprobs
+
+
+def token_rows(prompts, completions, G: int, T: int, pad_id: int, keep: np.ndarray) -> dict:
+    """Rows of prompt + completion (N, T+1) as input_tokens, target_tokens and loss_masks
+    (N, T), the loss on the completion's tokens of the rows `keep`s."""
+    N = len(completions)
+    tokens = np.full((N, T + 1), pad_id, np.int32)
+    masks = np.zeros((N, T + 1), np.float32)
+    for i, completion in enumerate(completions):
+        prompt = prompts[i // G]
+        row = list(prompt) + list(completion)
+        tokens[i, :len(row)] = row
+        masks[i, len(prompt):len(row)] = float(keep[i])
+    return {"input_tokens": tokens[:, :-1], "target_tokens": tokens[:, 1:],
+            "loss_masks": masks[:, 1:]}
+
+
+def completion_values(prompts, values, G: int, T: int) -> np.ndarray:
+    """(N, T) float32: each completion's per-token `values` (the engine's log-probabilities)
+    where token_rows puts its targets, 0 elsewhere."""
+    out = np.zeros((len(values), T), np.float32)
+    for i, row in enumerate(values):
+        start = len(prompts[i // G]) - 1  # the target of input position p is token p + 1
+        row = row[:T - start]
+        out[i, start:start + len(row)] = row
+    return out
+
+
+def reward_inputs(examples, completions, texts):
+    """TRL's reward-function arguments: (prompts, completions, completion_ids, fields), from
+    each completion's example (a prompt's, repeated for its G completions), ids and text."""
+    prompts, shown, fields = [], [], {}
+    keys = sorted({k for e in examples for k in e} - {"prompt", "completion", "completion_ids"})
+    for example, text in zip(examples, texts):
+        prompts.append(example["prompt"])
+        chat = not isinstance(example["prompt"], str)
+        shown.append([{"role": "assistant", "content": text}] if chat else text)
+        for k in keys:
+            fields.setdefault(k, []).append(example.get(k))
+    return prompts, shown, [list(c) for c in completions], fields
+
+
+def gather_prompts(prompts: dict) -> tuple[dict, slice]:
+    """(every process's prompt rows in global row order, the slice of them this process
+    serves): each process then issues the same engine calls over all rows (they are
+    collective), scores every completion alike (reward functions must be deterministic)
+    and places its own rows. One process: its rows, all of them."""
+    if jax.process_count() == 1:
+        return prompts, slice(None)
+    from jax.experimental import multihost_utils
+
+    local = json.dumps({"tokens": [t[:n].tolist() for t, n in zip(prompts["prompt_tokens"],
+                                                                  prompts["prompt_lengths"])],
+                        "examples": list(prompts["examples"])}, default=str).encode()
+    data = np.frombuffer(local, np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.int32(len(data)))).ravel()
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[:len(data)] = data
+    parts = [json.loads(bytes(row[:n])) for row, n in
+             zip(np.asarray(multihost_utils.process_allgather(padded)), sizes)]
+    tokens = [t for part in parts for t in part["tokens"]]
+    examples = np.empty(len(tokens), object)
+    examples[:] = [e for part in parts for e in part["examples"]]
+    batch = np.zeros((len(tokens), max(map(len, tokens), default=1) or 1), np.int32)
+    for i, t in enumerate(tokens):
+        batch[i, :len(t)] = t
+    b = len(prompts["prompt_lengths"])
+    return ({"prompt_tokens": batch, "prompt_lengths": np.asarray(list(map(len, tokens)),
+                                                                  np.int32),
+             "examples": examples}, slice(jax.process_index() * b, (jax.process_index() + 1) * b))
+
+
+class Rollouts:
+    """The GRPO objective's batches (`batches`), made on the mesh the train state is on."""
+
+    def __init__(self, objective, state):
+        self.objective, self.options = objective, objective.options
+        self.mesh = jax.tree.leaves(state.params)[0].sharding.mesh
+        self.engines = {}  # (rows, seq_length) -> Engine
+        self.names = [getattr(f, "__name__", name) if ":" in name else name
+                      for name, f in objective.reward_functions]
+        self._score = self._scoring_program()
+        self._train_began = None
+
+    def _scoring_program(self):
+        """A jitted (params, frozen, batch) -> {old_logps, ref_logps, is_ratio,
+        logp_difference} (B, G, T), each where the loss reads it; None when it reads none.
+        The policy's forward is made once for old_logps and the importance weights."""
+        objective, o = self.objective, self.options
+        old, ref, weights = (o.num_iterations > 1, objective.reference != "none",
+                             corrects_sampling(o))
+        if not (old or ref or weights):
+            return None
+
+        def logps(forward, params, frozen, batch):
+            tokens = batch["input_tokens"]
+            out, _ = token_logps(forward(params, frozen, rows(tokens)),
+                                 rows(batch["target_tokens"]), o.temperature)
+            return out.reshape(tokens.shape)
+
+        def score(params, frozen, batch):
+            out = {}
+            if old or weights:
+                policy = logps(objective.forward, params, frozen, batch)
+                if old:
+                    out["old_logps"] = policy
+                if weights:
+                    diff = (policy - batch["sampling_logps"]) * batch["loss_masks"]
+                    out["is_ratio"] = jnp.minimum(jnp.exp(diff), o.importance_sampling_cap)
+                    out["logp_difference"] = jnp.abs(diff)
+            if ref:
+                out["ref_logps"] = logps(objective.reference_forward, params, frozen, batch)
+            return out
+
+        return jax.jit(score, out_shardings=NamedSharding(self.mesh, P(BATCH_AXES)))
+
+    def _engine(self, n: int, seq_length: int):
+        """The engine for n rows of seq_length tokens: every prompt in one prefill bucket
+        (min_bucket: the longest prompt a row takes), so one prefill program and the
+        decode windows (compiled at its first rollout) serve every rollout."""
+        key = (n, seq_length)
+        if key not in self.engines:
+            config = engine_lib.get_default_config({
+                "batch_size": n, "seq_length": seq_length,
+                "min_bucket": seq_length - self.options.max_new_tokens})
+            self.engines[key] = engine_lib.Engine(config, self.objective.model, None, self.mesh)
+            self.engines[key].release()  # until the first rollout
+        return self.engines[key]
+
+    def batches(self, dataset, place, live_state):
+        """(device batch, metrics) per step. A batch of rollouts serves num_iterations
+        steps, the first of them at a step that is a multiple of num_iterations (a run
+        resumed between two has a shorter cycle first)."""
+        evaluating, mu = dataset.for_eval, self.options.num_iterations
+        for index, (prompts, data_metrics) in enumerate(dataset.iterate()):
+            prompts, rows_here = gather_prompts(prompts)
+            state = live_state()
+            step = int(state.step)  # waits for the step in flight: the train time
+            now = time.perf_counter()
+            train = {} if evaluating or self._train_began is None else \
+                {"rollout/train_seconds": now - self._train_began}
+            batch, metrics = self.rollout(state, prompts, dataset.seq_length,
+                                          (_EVAL, step, index) if evaluating else (_TRAIN, step, 0))
+            batch = place({k: v[rows_here] for k, v in batch.items()})
+            if self._score is not None:
+                batch.update(self._score(state.params, state.frozen, batch))
+            batch.pop("sampling_logps")  # read by the scoring program only
+            metrics["rollout/seconds"] = time.perf_counter() - now
+            if not evaluating:
+                self._train_began = time.perf_counter()
+            for _ in range(1 if evaluating else mu - step % mu):
+                yield batch, {**data_metrics, **train, **metrics}
+
+    def rollout(self, state, prompts: dict, T: int, where: tuple):
+        """(host batch, metrics): G completions of each prompt of `prompts` (a prompts
+        batch), their rewards, advantages and token rows."""
+        o, objective = self.options, self.objective
+        G, lengths = o.num_generations, prompts["prompt_lengths"]
+        valid = lengths > 0  # (B,) padding rows at the end of an eval pass
+        pad = objective.tokenizer.pad_token_id or 0
+        prompt_ids = [prompts["prompt_tokens"][b, :n].tolist() if n else [pad]
+                      for b, n in enumerate(lengths)]
+        repeated = [p for p in prompt_ids for _ in range(G)]
+        n = len(repeated)
+        sampling = engine_lib.Sampling.empty(n)
+        sampling.keys[:] = sampling_keys(self.objective.config.seed, *where, n)
+        sampling.temperature[:], sampling.top_p[:] = o.temperature, o.top_p
+        fresh = (n, T) not in self.engines
+        engine = self._engine(n, T)
+        base = state.frozen.get("base")
+        engine.params = state.params if base is None else (state.params, base)
+        engine.reset()
+        if fresh:  # every decode window now: no program at a later step
+            engine.compile_decode(sampling.pad(n))
+            engine.reset()
+        began = time.perf_counter()
+        try:
+            completions, logprobs = generate(engine, repeated, sampling, o.max_new_tokens,
+                                             objective.model.eos_token_id)
+        finally:
+            engine.params = None  # the next train step donates these buffers
+            engine.release()
+        seconds = time.perf_counter() - began
+        batch, metrics = self._score_rows(prompts, prompt_ids, completions, valid, T)
+        batch["sampling_logps"] = completion_values(prompt_ids, logprobs, G, T).reshape(
+            batch["loss_masks"].shape)
+        tokens = sum(len(c) for c in completions)
+        metrics.update({"rollout/generation_seconds": seconds,
+                        "rollout/tokens_per_second": tokens / max(seconds, 1e-9)})
+        return batch, metrics
+
+    def _score_rows(self, prompts, prompt_ids, completions, valid, T: int):
+        """The rewards of `completions` and the host batch around them."""
+        o, objective = self.options, self.objective
+        B, G = len(prompt_ids), o.num_generations
+        eos = objective.model.eos_token_id
+        row_valid = np.repeat(valid, G)
+        truncated = np.asarray([not c or c[-1] != eos for c in completions])
+        real = np.flatnonzero(row_valid)
+        texts = objective.tokenizer.batch_decode(
+            [completions[i][:-1] if not truncated[i] else completions[i] for i in real],
+            skip_special_tokens=True)
+        per_function = np.full((len(self.names), B * G), np.nan)
+        if len(real):
+            scored = rewards_lib.score(objective.reward_functions, *reward_inputs(
+                [prompts["examples"][i // G] for i in real], [completions[i] for i in real],
+                texts))
+            per_function[:, real] = scored
+        per_function = per_function.reshape(-1, B, G)
+        rewards, adv, std = advantages(per_function, objective.weights, o.scale_rewards,
+                                       np.broadcast_to(valid[:, None], (B, G)))
+        keep = row_valid & ~(truncated & o.mask_truncated_completions)
+        batch = token_rows(prompt_ids, completions, G, T, objective.tokenizer.pad_token_id or 0,
+                           keep)
+        batch = {k: v.reshape(B, G, T) for k, v in batch.items()}
+        lengths = np.asarray([len(c) for c in completions], np.float32)
+        values = {"advantages": adv, "valid": row_valid, "reward": np.nan_to_num(rewards),
+                  "reward_std": np.nan_to_num(std), "frac_reward_zero_std": np.isclose(std, 0),
+                  "completions/mean_length": lengths, "completions/clipped_ratio": truncated}
+        for name, r in zip(self.names, per_function):
+            values[f"rewards/{name}/sum"] = np.nan_to_num(r)
+            values[f"rewards/{name}/count"] = ~np.isnan(r)
+        batch.update({k: np.asarray(v, np.float32).reshape(B, G) for k, v in values.items()})
+        return batch, {"completions/max_length": float(lengths[row_valid].max(initial=0))}

@@ -1,0 +1,572 @@
+"""GRPO (easylm/objectives/grpo.py, rollouts.py, rewards.py): the loss and its gradient
+against an independent float64 computation of TRL's formulas, the advantages against
+TRL's, the reward functions, bad setups, and the command learning a synthetic verifiable
+task with rollouts that compile nothing after the first step and resume to the same
+numbers."""
+
+import collections
+import json
+import random
+import statistics
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from easylm.errors import UserError
+from easylm.llama import train as llama_train
+from easylm.objectives import grpo, rewards
+from easylm.objectives.rollouts import advantages, token_logps
+
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+# ------------------------------------------------------------ the loss, against float64
+
+
+def reference_loss(logps, old, ref, adv, masks, o, kl_sign=1.0, clip=True, is_ratio=None):
+    """TRL's GRPOTrainer._compute_loss in float64 numpy, written from its source (not
+    from grpo.py). kl_sign=-1 and clip=False are the negative twins' bugs."""
+    ratio = np.exp(logps - old)
+    eps_high = o.epsilon_high or o.epsilon
+    clipped = np.clip(ratio, 1 - o.epsilon, 1 + eps_high) if clip else ratio
+    a = adv[:, None]
+    per_token = -np.minimum(ratio * a, clipped * a)
+    if is_ratio is not None:  # vllm_importance_sampling_correction
+        per_token = per_token * is_ratio
+    if o.beta:
+        d = kl_sign * (ref - logps)
+        per_token = per_token + o.beta * (np.exp(d) - d - 1)
+    if o.loss_type == "grpo":
+        return np.mean((per_token * masks).sum(-1) / np.maximum(masks.sum(-1), 1.0))
+    if o.loss_type in ("bnpo", "dapo"):
+        return (per_token * masks).sum() / max(masks.sum(), 1.0)
+    return (per_token * masks).sum() / (per_token.shape[0] * o.max_new_tokens)  # dr_grpo
+
+
+def parity_inputs(seed=0, N=6, T=7):
+    """float64 inputs: ratios spread over both clip edges (none within 1e-3 of an edge,
+    where the branch taken could differ by a rounding), rows of 0 to T completion tokens."""
+    rng = np.random.default_rng(seed)
+    logps = -rng.uniform(0.05, 3.0, (N, T))
+    shift = rng.uniform(-0.5, 0.5, (N, T))
+    for edge in (np.log(0.8), np.log(1.2), np.log(1.28)):
+        shift = np.where(np.abs(shift - edge) < 1e-3, shift + 3e-3, shift)
+    old = logps - shift
+    ref = logps + rng.normal(0, 0.5, (N, T))
+    adv = rng.normal(0, 1, N)
+    masks = (np.arange(T)[None] < np.asarray([0, 2, 7, 5, 3, 6])[:, None]).astype(np.float64)
+    return logps, old, ref, adv, masks
+
+
+def ours(logps, old, ref, adv, masks, o, is_ratio=None):
+    """grpo.py's loss (the mean the step divides out) and its gradient in logps, fp32."""
+    f32 = lambda x: None if x is None else jnp.asarray(x, jnp.float32)  # noqa: E731
+
+    def loss(lp):
+        sums = grpo.grpo_sums(lp, f32(old), f32(ref), f32(adv), f32(masks),
+                              jnp.ones(len(adv), jnp.float32), o, is_ratio=f32(is_ratio))
+        return sums.loss / sums.weight
+
+    value, grad = jax.value_and_grad(loss)(f32(logps))
+    return float(value), np.asarray(grad, np.float64)
+
+
+def numeric_grad(f, x, h=1e-6):
+    g = np.zeros_like(x)
+    for i in np.ndindex(x.shape):
+        up, down = x.copy(), x.copy()
+        up[i] += h
+        down[i] -= h
+        g[i] = (f(up) - f(down)) / (2 * h)
+    return g
+
+
+@pytest.mark.parametrize("loss_type", grpo.LOSS_TYPES)
+@pytest.mark.parametrize("iterations,weights", [(1, False), (2, False), (2, True)])
+def test_loss_and_gradient_are_trls_formula_in_float64(loss_type, iterations, weights):
+    """Clipping on both sides (DAPO's clip-higher: epsilon_high 0.28), the k3 KL at beta
+    0.1, each aggregation. One iteration: the ratio is exp(logp - logp.detach()) = 1 and
+    the gradient the plain policy gradient; two: against the rollouts' old_logps; with
+    weights: truncated importance weights in [0.5, 3] on the clipped term."""
+    o = grpo.get_default_config({"loss_type": loss_type, "beta": 0.1, "epsilon": 0.2,
+                                 "epsilon_high": 0.28, "max_new_tokens": 7})
+    logps, old, ref, adv, masks = parity_inputs()
+    is_ratio = np.random.default_rng(2).uniform(0.5, 3.0, logps.shape) if weights else None
+    if iterations == 1:
+        old = logps.copy()
+    value, grad = ours(logps, None if iterations == 1 else old, ref, adv, masks, o, is_ratio)
+    expected = reference_loss(logps, old, ref, adv, masks, o, is_ratio=is_ratio)
+    expected_grad = numeric_grad(
+        lambda lp: reference_loss(lp, old, ref, adv, masks, o, is_ratio=is_ratio), logps)
+    # fp32 rounds each input and each of ~5 operations per token by eps/2; the sum of
+    # n <= 23 masked tokens drifts by n*eps times the sum of |terms|. Derived bound:
+    # 8 * n * eps * scale, scale = sum |per-token loss| / the denominator.
+    n = masks.sum()
+    scale = 3 * reference_loss(logps, old, ref, np.abs(adv), masks, o) + 2 * o.beta * n
+    assert abs(value - expected) <= 8 * n * EPS32 * scale, (value, expected)
+    # Each gradient entry is a few fp32 operations on one token's numbers (|r A| <= 5,
+    # |beta (1 - e^(ref - lp))| <= 1) over the denominator: 16 eps of the largest entry.
+    atol = 16 * EPS32 * np.abs(expected_grad).max() * 8
+    np.testing.assert_allclose(grad, expected_grad, rtol=0, atol=atol)
+    assert np.count_nonzero(expected_grad) > n / 2  # the comparison covers real numbers
+    if iterations == 2:  # both clip edges are hit
+        ratio = np.exp(logps - old)[masks > 0]
+        assert (ratio < 0.8).any() and (ratio > 1.28).any()
+    # The negative twins: a KL of the wrong sign, or no clipping, is seen.
+    for bug in (dict(kl_sign=-1.0), dict(clip=False)):
+        if bug.get("clip") is False and iterations == 1:
+            continue  # a ratio of 1 is never clipped
+        wrong = reference_loss(logps, old, ref, adv, masks, o, is_ratio=is_ratio, **bug)
+        wrong_grad = numeric_grad(
+            lambda lp: reference_loss(lp, old, ref, adv, masks, o, is_ratio=is_ratio, **bug),
+            logps)
+        assert abs(value - wrong) > 8 * n * EPS32 * scale or \
+            np.abs(grad - wrong_grad).max() > atol, bug
+
+
+def test_token_logps_are_a_tempered_log_softmax():
+    rng = np.random.default_rng(1)
+    logits = rng.normal(0, 3, (2, 5, 11))
+    targets = rng.integers(0, 11, (2, 5))
+    logps, entropy = token_logps(jnp.asarray(logits, jnp.float32), jnp.asarray(targets), 0.7)
+    z = logits / 0.7
+    log_p = z - np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - z.max(-1, keepdims=True)
+    expected = np.take_along_axis(log_p, targets[..., None], -1)[..., 0]
+    # logits up to ~15 after the temperature: fp32 keeps ~15 * eps per operation
+    np.testing.assert_allclose(logps, expected, atol=64 * 15 * EPS32)
+    np.testing.assert_allclose(entropy, -(np.exp(log_p) * log_p).sum(-1), atol=64 * 15 * EPS32)
+
+
+def trl_advantages(rewards_per_function, weights, scale, G):
+    """TRL's sum_then_normalize, row by row with `statistics` (Bessel-corrected std)."""
+    out = []
+    totals = []
+    for row in rewards_per_function:
+        known = [w * r for w, r in zip(weights, row) if r is not None]
+        totals.append(sum(known) if known else None)
+    groups = [totals[i:i + G] for i in range(0, len(totals), G)]
+    everything = [t for t in totals if t is not None]
+    for group in groups:
+        known = [t for t in group if t is not None]
+        mean = statistics.fmean(known)
+        std = statistics.stdev(everything if scale == "batch" else known)
+        for t in group:
+            if t is None:
+                out.append(0.0)
+            elif scale == "none":
+                out.append(t - mean)
+            else:
+                out.append((t - mean) / (std + 1e-4))
+    return out
+
+
+@pytest.mark.parametrize("scale", grpo.SCALE_REWARDS)
+def test_advantages_are_trls(scale):
+    rng = random.Random(0)
+    B, G = 3, 4
+    rows = [[rng.choice([0.0, 1.0]), rng.uniform(-1, 0)] for _ in range(B * G)]
+    rows[1][0] = None  # one function does not apply
+    rows[6] = [None, None]  # no function applies: advantage 0, in no baseline
+    weights = np.asarray([1.0, 0.5])
+    per_function = np.asarray([[np.nan if r is None else r for r in col] for col in
+                               zip(*rows)]).reshape(2, B, G)
+    _, adv, _ = advantages(per_function, weights, scale, np.ones((B, G), bool))
+    np.testing.assert_allclose(adv.ravel(), trl_advantages(rows, weights, scale, G),
+                               rtol=1e-12, atol=1e-12)
+    assert adv.ravel()[6] == 0.0
+
+
+def test_rows_put_the_loss_and_the_engine_logps_on_the_completion_targets():
+    """Prompt + completion in a row: the loss mask and the engine's log-probabilities sit
+    where the targets are the completion's tokens (EOS included); a row not kept (a
+    truncated completion under mask_truncated_completions) has no loss."""
+    from easylm.objectives.rollouts import completion_values, token_rows
+
+    prompts, completions = [[1, 5, 6]], [[7, 8, 2], [9, 9]]
+    batch = token_rows(prompts, completions, 2, 8, 0, np.asarray([True, False]))
+    assert batch["input_tokens"].tolist() == [[1, 5, 6, 7, 8, 2, 0, 0], [1, 5, 6, 9, 9, 0, 0, 0]]
+    assert batch["target_tokens"][0].tolist() == [5, 6, 7, 8, 2, 0, 0, 0]
+    assert batch["loss_masks"].tolist() == [[0, 0, 1, 1, 1, 0, 0, 0], [0] * 8]
+    values = completion_values(prompts, [[-0.1, -0.2, -0.3], [-1.0, -2.0]], 2, 8)
+    np.testing.assert_array_equal(values[0], np.float32([0, 0, -0.1, -0.2, -0.3, 0, 0, 0]))
+    np.testing.assert_array_equal(values[1], np.float32([0, 0, -1, -2, 0, 0, 0, 0]))
+
+
+# ------------------------------------------------------------ rewards
+
+
+@pytest.mark.parametrize("completion,answer,expected", [
+    ("so the total is #### 1,000", "1000", 1.0),
+    ("we get \\boxed{\\frac{3}{4}} done", "0.75", 1.0),
+    ("\\boxed{x^{2}} then \\boxed{5}", "#### 5", 1.0),  # the last box; GSM8K's answer
+    ("#### $5.00.", "5", 1.0),
+    ("#### 6", "5", 0.0),
+    ("the answer is 5", "5", 0.0),  # no marker: nothing stated
+    ("#### blue", "Blue", 0.0),
+    ("#### blue  sky", "blue sky", 1.0),
+])
+def test_answer_match(completion, answer, expected):
+    assert rewards.answer_match(["p"], [completion], answer=[answer]) == [expected]
+
+
+def test_math_verify_reward():
+    pytest.importorskip("math_verify")
+    reward = rewards.make_math_verify()
+    got = reward(None, ["so \\boxed{\\frac{1}{2}}", "it is $x^2+1$", "\\boxed{3}",
+                        [{"role": "assistant", "content": "\\boxed{7}"}]],
+                 answer=["0.5", "$1+x^2$", "#### 4", None])
+    assert got == [1.0, 1.0, 0.0, None]
+
+
+def test_format_and_length_penalty():
+    fmt = rewards.make_format(rewards.DEFAULT_FORMAT)
+    assert fmt(None, ["work #### 4", "\\boxed{4}", "4"]) == [1.0, 1.0, 0.0]
+    penalty = rewards.make_length_penalty(8, 4)
+    assert penalty(None, None, completion_ids=[[1] * n for n in (3, 4, 6, 8)]) == \
+        [0.0, 0.0, -0.5, -1.0]
+
+
+def test_a_bad_reward_function_is_one_line_naming_it():
+    def raises(prompts, completions, **kw):
+        raise ValueError("no answer field")
+
+    def short(prompts, completions, **kw):
+        return [1.0]
+
+    def text(prompts, completions, **kw):
+        return ["1"] * len(completions)
+
+    for function, message in ((raises, "reward function f raised ValueError: no answer field"),
+                              (short, "reward function f returned 1 values for 2 completions"),
+                              (text, "reward function f returned '1', expected a float or None")):
+        with pytest.raises(UserError, match="^" + message.replace("(", r"\(")):
+            rewards.score([("f", function)], ["p", "p"], ["a", "b"], [[3], [4]], {})
+
+
+# ------------------------------------------------------------ the command
+
+REWARD_MODULE = '''
+def parity(prompts, completions, completion_ids, target, **fields):
+    """The fraction of the completion's tokens (EOS aside) whose id has the parity the
+    prompt asks for."""
+    out = []
+    for ids, t in zip(completion_ids, target):
+        ids = [i for i in ids if i != 2]
+        out.append(sum(i % 2 == t for i in ids) / len(ids) if ids else 0.0)
+    return out
+
+
+def raises(prompts, completions, **fields):
+    raise KeyError("answer")
+
+
+def too_few(prompts, completions, **fields):
+    return [0.0]
+'''
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    """(train prompts, held-out prompts): 'WORD odd:' or 'WORD even:', the reward the
+    share of completion tokens of that parity (a random model: 1/2). A policy that ignores
+    the prompt stays at 1/2; only one that reads it gains."""
+    directory = tmp_path_factory.mktemp("grpo-task")
+    (directory / "grpo_task_rewards.py").write_text(REWARD_MODULE)
+    words = "the cat dog sun big red day one".split()
+    paths = []
+    for name, n, seed in (("train", 512, 0), ("held_out", 16, 1)):
+        rng = random.Random(seed)
+        path = directory / f"{name}.jsonl"
+        with open(path, "w") as f:
+            for _ in range(n):
+                t = rng.randint(0, 1)
+                f.write(json.dumps({"prompt": f"{rng.choice(words)} {'odd' if t else 'even'}:",
+                                    "target": t}) + "\n")
+        paths.append(str(path))
+    sys.path.insert(0, str(directory))
+    yield paths
+    sys.path.remove(str(directory))
+
+
+STEPS = 30
+
+
+def command(task, output_dir, **flags):
+    train, held_out = task
+    flags = {"objective": "grpo", "llama.base_model": "debug", "llama.num_hidden_layers": 1,
+             "train_dataset.json_dataset.path": train,
+             "train_dataset.json_dataset.seq_length": 24,
+             "train_dataset.json_dataset.batch_size": 8, "grpo.num_generations": 8,
+             "grpo.max_new_tokens": 8, "grpo.reward_funcs": "grpo_task_rewards:parity",
+             "eval_dataset.json_dataset.path": held_out, "eval_freq": 1, "total_steps": STEPS,
+             "log_freq": 1, "optimizer.adamw_optimizer.lr": 1e-2,
+             "optimizer.adamw_optimizer.lr_warmup_steps": 1,
+             "optimizer.adamw_optimizer.lr_decay_steps": STEPS, "compilation_cache_dir": "",
+             "logger.output_dir": str(output_dir), "logger.experiment_id": "run", **flags}
+    return ["train", *(f"--{k}={v}" for k, v in flags.items())]
+
+
+@pytest.fixture(scope="module")
+def learned(task, tmp_path_factory):
+    """(metrics by step, programs lowered per step, per rollout) of STEPS steps of the
+    command, in this process. A program lowered while step k's batch is made or trained,
+    or k-1's hooks run, counts at k; the final save's are not counted."""
+    from jax import monitoring
+    from test_checkpoint import metrics
+
+    from easylm.objectives.rollouts import Rollouts
+    from easylm.training import logger, run
+
+    output_dir = tmp_path_factory.mktemp("grpo-run")
+    step, per_step, per_rollout, saving = [1], collections.Counter(), [], [False]
+
+    def on_compile(event, duration, **kwargs):
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration" and not saving[0]:
+            per_step[step[0]] += 1
+            if per_rollout and per_rollout[-1] is not None:
+                per_rollout[-1] += 1
+
+    def rollout(self, *args):
+        per_rollout.append(0)
+        try:
+            return real_rollout(self, *args)
+        finally:
+            per_rollout.append(None)
+
+    real_rollout, real_advance, real_save = Rollouts.rollout, logger.Logger.advance, run.Run.save
+    monitoring.register_event_duration_secs_listener(on_compile)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("WANDB_MODE", "disabled")
+        patch.setattr(Rollouts, "rollout", rollout)
+        patch.setattr(logger.Logger, "advance",
+                      lambda self, *a: (step.__setitem__(0, step[0] + 1), real_advance(self, *a)))
+        patch.setattr(run.Run, "save",
+                      lambda self, s: (saving.__setitem__(0, True), real_save(self, s)))
+        try:
+            llama_train.main(command(task, output_dir))
+        finally:
+            monitoring.unregister_event_duration_listener(on_compile)
+    return metrics(output_dir), per_step, [c for c in per_rollout if c is not None]
+
+
+def test_grpo_command_learns_a_held_out_verifiable_task(learned):
+    """Acceptance 2: the held-out mean reward rises from r0 (step 1's evaluation: its
+    update is at learning rate 0, so it is the starting policy's) to at least
+    r0 + (1 - r0) / 2."""
+    got, _, _ = learned
+    assert sorted(got) == list(range(1, STEPS + 1))
+    r0, final = got[1]["eval_reward"], got[STEPS]["eval_reward"]
+    assert 0.35 <= r0 <= 0.65, r0  # a random model: each parity about half the time
+    assert final >= r0 + 0.5 * (1 - r0), (r0, final)
+    last = got[STEPS]
+    assert 16 * 8 <= last["eval_tokens"] <= 16 * 8 * 8  # dapo's count: completion tokens
+    for key in ("reward", "reward_std", "rewards/parity/mean", "completions/mean_length",
+                "completions/clipped_ratio", "entropy", "clip_ratio/region_mean",
+                "data/rollout/seconds", "data/rollout/train_seconds",
+                "data/rollout/tokens_per_second", "data/completions/max_length"):
+        assert isinstance(last[key], float), key
+    assert last["reward"] == last["rewards/parity/mean"]  # one function, weight 1
+    # The engine (KV cache, one token a call) against the training forward, same weights:
+    # fp32 rounding of log-probabilities of ~6 (ln 512), a few ulps each.
+    assert 0 < last["sampling/sampling_logp_difference/mean"] < 1e-4
+    assert abs(last["sampling/importance_sampling_ratio/mean"] - 1) < 1e-4
+
+
+LORA = {"lora.rank": 8, "lora.target_modules": "(q_proj|v_proj|down_proj|lm_head)/kernel$",
+        "grpo.beta": 0.01, "optimizer.adamw_optimizer.lr": 2e-2}
+
+
+def test_grpo_with_lora_learns_against_the_base_as_its_reference(task, tmp_path):
+    """The same task with LoRA adapters (on lm_head too: the random base's body gives the
+    others little to steer) and a KL to the base with the adapters off. Steps 1 and 2
+    run on unchanged adapters (step 1's update is at lr 0; B is 0), so the reference,
+    computed in the rollout's scoring program, equals the policy of the train step bit
+    for bit: KL exactly 0. Later it is not (the negative twin)."""
+    from test_checkpoint import metrics
+
+    steps = 24
+    llama_train.main(command(task, tmp_path, total_steps=steps, **LORA, **{
+        "optimizer.adamw_optimizer.lr_decay_steps": steps}))
+    got = metrics(tmp_path)
+    assert got[1]["kl"] == 0.0 and got[2]["kl"] == 0.0
+    assert got[steps]["kl"] > 1e-3
+    r0, final = got[1]["eval_reward"], got[steps]["eval_reward"]
+    assert 0.35 <= r0 <= 0.65 and final >= r0 + 0.5 * (1 - r0), (r0, final)
+
+
+def test_rollouts_compile_nothing_after_the_first_step(learned):
+    """Acceptance 4 (the compilation half): the first rollout lowers the engine's
+    programs, and no later step (rollouts, train steps, evaluations) lowers any."""
+    _, per_step, per_rollout = learned
+    assert per_rollout[0] > 0 and per_step[1] > 0
+    assert sum(per_rollout[1:]) == 0, per_rollout
+    assert {k: v for k, v in per_step.items() if k > 2 and v} == {}, per_step
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_regenerates_the_same_rollouts(task, learned, tmp_path):
+    """Killed (SIGKILL) at a random step after a checkpoint, then the same command to step
+    8: every step's loss, rewards and gradient norm are bitwise those of the uninterrupted
+    run (JSON floats round-trip exactly), so the rollouts after the resume were the same:
+    their keys come from the seed and the step, the prompts from the data state."""
+    import os
+    import signal
+
+    from test_checkpoint import ENV, metrics, run_until
+
+    got, _, _ = learned
+    # Without the evaluations: they draw their own keys and change nothing trained.
+    argv = command(task, tmp_path, total_steps=8, eval_freq=0, save_model_freq=3)
+    env = dict(ENV, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               PYTHONPATH=os.pathsep.join([ENV["PYTHONPATH"], os.path.dirname(task[0])]))
+    code, _, _ = run_until([sys.executable, "-m", "easylm.llama.train", *argv[1:]], tmp_path,
+                           np.random.randint(4, 8), signal.SIGKILL, env)
+    assert code == -signal.SIGKILL
+    llama_train.main(argv)
+    resumed = metrics(tmp_path)
+    assert sorted(resumed) == list(range(1, 9))
+    for s in range(1, 9):
+        for key in ("loss", "reward", "reward_std", "gradient_norm",
+                    "completions/mean_length", "sampling/sampling_logp_difference/mean"):
+            assert resumed[s][key] == got[s][key], (s, key)
+
+
+# ------------------------------------------------------------ bad setups
+
+
+def long_prompts(tmp_path):
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(json.dumps({"prompt": "the cat " * 20, "target": 0}) + "\n"
+                            for _ in range(16)))
+    return str(path)
+
+
+@pytest.mark.parametrize("flags,message", [
+    ({"grpo.reward_funcs": "nope"}, "--grpo.reward_funcs: unknown reward function 'nope': "
+     "not a built-in (answer_match, format, length_penalty, math_verify) nor module:function"),
+    ({"grpo.reward_funcs": "no_such_module_here:f"}, "--grpo.reward_funcs="
+     "no_such_module_here:f: cannot import 'no_such_module_here' (ModuleNotFoundError: No "
+     "module named 'no_such_module_here')"),
+    ({"grpo.reward_funcs": "grpo_task_rewards:nothing"}, "--grpo.reward_funcs="
+     "grpo_task_rewards:nothing: module 'grpo_task_rewards' has no function 'nothing'"),
+    ({"grpo.reward_funcs": "grpo_task_rewards:parity,format", "grpo.reward_weights": "1"},
+     "--grpo.reward_weights has 1 weights for the 2 functions of --grpo.reward_funcs"),
+    ({"grpo.num_generations": 1}, "--grpo.num_generations must be >= 2 (a group's rewards "
+     "are compared with each other), got 1"),
+    ({"grpo.max_new_tokens": 24}, "--grpo.max_new_tokens must be >= 1 and below the row's "
+     "seq_length=24, leaving room for a prompt, got 24"),
+    ({"grpo.loss_type": "ppo"}, "--grpo.loss_type must be one of grpo, bnpo, dr_grpo, dapo, "
+     "got 'ppo'"),
+    ({"train_dataset.json_dataset.path": "embedded"}, "--objective=grpo makes rollouts from "
+     "prompts: set --train_dataset.json_dataset.path to JSON lines with a prompt (and the "
+     "fields your reward functions read, e.g. answer; docs/rl.md)"),
+    ({"lora.rank": 4, "lora.dropout": 0.1}, "--lora.dropout=0.1 does not act in "
+     "--objective=grpo (its forward is the serving engine's, which has none): set it to 0"),
+    ({"train_dataset.json_dataset.batch_size": 3}, "--train_dataset batch size 3 must be a "
+     "multiple of the dp*fsdp=8 batch shards times --optimizer.accumulate_gradient_steps=1"),
+])
+def test_bad_setup_is_one_line(task, flags, message, capsys, tmp_path):
+    from cli_utils import one_line_error
+
+    argv = command(task, tmp_path / "runs", **flags)
+    assert one_line_error(llama_train.main, argv, capsys) == message
+    assert not (tmp_path / "runs").exists()  # refused before writing anything
+
+
+def test_prompts_longer_than_the_row_are_one_line(task, capsys, tmp_path, monkeypatch):
+    from cli_utils import one_line_error
+
+    monkeypatch.setattr(__import__("logging").getLogger("easylm.data.dataset"), "disabled", True)
+    argv = command(task, tmp_path / "runs", eval_freq=0,
+                   **{"train_dataset.json_dataset.path": long_prompts(tmp_path)})
+    error = one_line_error(llama_train.main, argv, capsys)
+    assert error.startswith("no usable document") and "the prompt is 43 tokens, longer than " \
+        "the 16 a row leaves it (seq_length - --grpo.max_new_tokens)" in error, error
+
+
+def test_a_failing_reward_function_stops_the_first_step(task, capsys, tmp_path):
+    """At the first step's rollout, before any update (a wrong length is the same path:
+    rewards.score, test_a_bad_reward_function_is_one_line_naming_it)."""
+    from cli_utils import one_line_error
+
+    argv = command(task, tmp_path, eval_freq=0, total_steps=3,
+                   **{"grpo.reward_funcs": "grpo_task_rewards:raises"})
+    assert one_line_error(llama_train.main, argv, capsys) == \
+        "reward function grpo_task_rewards:raises raised KeyError: 'answer'"
+    assert not (tmp_path / "run" / "checkpoints" / "1").exists()
+
+
+# ------------------------------------------------------------ sharded = single device
+
+
+def synthetic_batch(B=8, G=4, T=16, seed=0):
+    """A GRPO batch as rollouts make one: prompts of 3-6 tokens, completions of 1-9,
+    advantages, a reference's log-probabilities, a reward to sum."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(3, 512, (B, G, T + 1)).astype(np.int32)
+    masks = np.zeros((B, G, T + 1), np.float32)
+    prompts = rng.integers(3, 7, B)
+    for b, g in np.ndindex(B, G):
+        masks[b, g, prompts[b]:prompts[b] + rng.integers(1, 10)] = 1
+    f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
+    return {"input_tokens": tokens[..., :-1], "target_tokens": tokens[..., 1:],
+            "loss_masks": masks[..., 1:], "advantages": f32(rng.normal(0, 1, (B, G))),
+            "valid": np.ones((B, G), np.float32),
+            "ref_logps": f32(-rng.uniform(3, 8, (B, G, T))),
+            "reward": f32(rng.uniform(0, 1, (B, G)))}
+
+
+def test_trainer_step_sharded_equals_single_device(task):
+    """Two train steps of the GRPO loss (beta 0.1) on one device and on a 2,2,2 mesh with
+    2 micro-batches: the same metrics, to the drift of fp32 sums over the batch's
+    completion tokens in another order. Negative twin: one prompt's advantages negated."""
+    import optax
+
+    from easylm.llama.family import FAMILY
+    from easylm.objectives import build
+    from easylm.runtime.sharding import make_mesh
+    from easylm.training.state import init_state
+    from easylm.training.step import device_batch, jit_train_step
+
+    argv = command(task, "/unused", **{"grpo.beta": 0.1, "grpo.num_generations": 4})
+    config = llama_train.parse_flags(argv)
+    model = FAMILY.build(config)
+    objective = build(config, model, None)
+    tx = optax.adam(1e-2)
+    batch = synthetic_batch()
+    flipped = dict(batch, advantages=batch["advantages"].copy())
+    flipped["advantages"][0] *= -1
+
+    def run(mesh_dim, devices, accumulate, batches):
+        """For each batch, the metrics of two steps from the initialisation (one compile)."""
+        mesh = make_mesh(mesh_dim, jax.devices()[:devices])
+        with jax.set_mesh(mesh):
+            initial = init_state(model, tx, mesh, config.seed)
+            initial = initial.replace(frozen={"reference": jax.tree.map(jnp.copy,
+                                                                        initial.params)})
+            step = jit_train_step(model, tx, optax.constant_schedule(1e-2), config.seed,
+                                  accumulate, initial, mesh, objective.loss_fn)
+            runs = []
+            for batch in batches:
+                state, out = jax.tree.map(jnp.copy, initial), []
+                for _ in range(2):
+                    state, m = step(state, device_batch(batch, mesh))
+                    out.append({k: float(v) for k, v in m.items()})
+                runs.append(out)
+        return runs
+
+    keys = ("loss", "gradient_norm", "param_norm", "kl", "entropy", "reward",
+            "clip_ratio/region_mean")
+    single, wrong = run("1,1,1", 1, 1, [batch, flipped])
+    # Sums over n completion tokens in another order drift by ~n eps relative.
+    rtol = batch["loss_masks"].sum() * EPS32
+    close = lambda a, b: all(np.isclose(a[k], b[k], rtol=rtol, atol=rtol * 1e-2)  # noqa: E731
+                             for k in keys)
+    (sharded,) = run("2,2,2", 8, 2, [batch])
+    assert all(close(a, b) for a, b in zip(sharded, single)), (sharded, single)
+    assert single[1]["kl"] > 0 and single[0]["loss_tokens"] == batch["loss_masks"].sum()
+    assert not close(wrong[0], single[0])
