@@ -94,19 +94,30 @@ class Estimate:
     mesh: dict
     frozen: int = 0  # parameters read but not trained (LoRA's base)
     reference: int = 0  # a live DPO reference: a second copy of the parameters
+    # GRPO's rollouts: the engine's KV cache for every completion of a step, live while
+    # generating (the training step's gradients, activations and batch are not) and
+    # freed before the step.
+    rollout_cache: int = 0
 
     @property
     def total(self) -> int:
-        return sum(size for _, size in self.rows()[:-1])
+        return self.rows()[-1][1]
 
     def rows(self):
-        """(name, bytes) of each part, frozen and reference only where there are any, in
-        the printed order, and the total."""
+        """(name, bytes) of each part, frozen, reference and rollout cache only where there
+        are any, in the printed order, and the total: the larger of the training step's
+        sum and the rollouts' (what stays resident, and the cache)."""
         names = ["parameters", "frozen", "optimizer", "gradients", "activations",
                  "working_set", "batch", "reference"]
+        optional = ("frozen", "reference")
         parts = [(name.replace("_", " "), getattr(self, name)) for name in names
-                 if name not in ("frozen", "reference") or getattr(self, name)]
-        return parts + [("total", sum(size for _, size in parts))]
+                 if name not in optional or getattr(self, name)]
+        total = sum(size for _, size in parts)
+        if self.rollout_cache:
+            resident = self.parameters + self.frozen + self.optimizer + self.reference
+            parts.append(("rollout cache", self.rollout_cache))
+            total = max(total, resident + self.rollout_cache)
+        return parts + [("total", total)]
 
 
 def mesh_sizes(config: ConfigDict, num_devices: int, num_processes: int) -> dict:
@@ -247,7 +258,19 @@ def estimate(config: ConfigDict, family, num_devices: int, num_processes: int = 
         # LoRA's reference is its own frozen base with the adapters off (BASE): no second
         # copy; a precomputed one is in the batches.
         reference=parameters if objective.reference == COPY else 0,
+        rollout_cache=_rollout_cache(config, model, data, sizes),
     )
+
+
+def _rollout_cache(config: ConfigDict, model, data, sizes: dict) -> int:
+    """One device's shard of the KV cache GRPO's rollouts decode in: a row for each of the
+    step's completions (all processes' prompts x num_generations), of the row's length,
+    under the model's cache partition rules."""
+    if config.objective != "grpo" or model.init_cache is None:
+        return 0
+    rows = data.batch_size * config.grpo.num_generations
+    shapes = jax.eval_shape(lambda: model.init_cache(rows, data.seq_length))
+    return shard_bytes(shapes, match_partition_rules(model.cache_rules, shapes), sizes)
 
 
 # -------------------------------------------------------------- what makes it fit

@@ -246,3 +246,23 @@ def test_the_header_names_an_hf_model_not_the_preset(tmp_path):
                           FAMILY, num_devices=1, num_processes=1, budget=None)
     assert text.startswith(f"plan: hf::{tmp_path} (llama), "), text.splitlines()[0]
     assert "embedded" not in text.splitlines()[0]
+
+
+def test_grpo_counts_the_rollouts_cache_beside_what_stays_resident():
+    # B with fsdp=8: 32 prompts x 4 completions = 128 rows of 64 positions; k and v of 4
+    # layers, 4 kv heads of 64 in fp32, the rows split over the 8 batch shards.
+    grpo = ["--objective=grpo", "--train_dataset.json_dataset.path=prompts.jsonl",
+            "--grpo.num_generations=4", "--grpo.max_new_tokens=16"]
+    text, rl = (plan.estimate(parse(*B, "--mesh_dim=1,8,1", "--dtype=fp32", *argv), FAMILY,
+                              num_devices=8) for argv in ([], grpo))
+    cache = 2 * 4 * (32 * 4 // 8) * 64 * 4 * 64 * 4
+    assert text.rollout_cache == 0 and rl.rollout_cache == cache
+    assert rl.batch == 4 * text.batch  # a step trains on every completion
+    # The total: the larger of the training step's parts and what the rollouts hold.
+    resident = rl.parameters + rl.optimizer + rl.reference
+    step = sum(size for name, size in rl.rows()[:-1] if name != "rollout cache")
+    assert rl.total == max(resident + cache, step) > text.total
+    # Printed as its own line.
+    config = parse(*B, "--mesh_dim=1,8,1", "--dtype=fp32", *grpo)
+    printed, _ = plan.report(config, FAMILY, 8, 1, None)
+    assert re.search(r"^  rollout cache +\d", printed, re.M), printed
