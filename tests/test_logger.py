@@ -28,6 +28,16 @@ def test_summary_shows_mfu_only_when_known():
     assert gpu.endswith("tokens/s 69,012 | MFU 57.1%")
 
 
+def test_a_grpo_step_shows_its_reward_completion_length_and_kl():
+    grpo = {"loss": 0.01, "reward": 0.625, "completions/mean_length": 7.5, "kl": 0.0031,
+            "learning_rate": 1e-3, "gradient_norm": 0.7, "tokens_per_second": 2727.0}
+    assert format_metrics(2, grpo) == ("step 2 | loss 0.0100 | reward 0.625 | length 7.5 | "
+                                       "kl 3.10e-03 | lr 1.00e-03 | grad_norm 0.700 | "
+                                       "tokens/s 2,727")
+    assert format_metrics(2, {"eval_loss": 0.01, "eval_reward": 0.5}) == \
+        "step 2 | eval loss 0.0100 | reward 0.500"
+
+
 def test_first_step_says_it_compiles_instead_of_zero_tokens_per_second():
     first = {**STEP, "tokens_per_second": None, "mfu": None}
     assert format_metrics(1, first).endswith("tokens/s n/a (compiling)")

@@ -44,11 +44,12 @@ HELP = {
 # (Preference objectives log rewards/* instead of accuracy and perplexity.)
 _SUMMARY = (("loss", "loss {:.4f}"), ("accuracy", "acc {:.3f}"),
             ("rewards/accuracy", "reward acc {:.3f}"), ("rewards/margin", "margin {:.3f}"),
-            ("learning_rate", "lr {:.2e}"), ("gradient_norm", "grad_norm {:.3f}"),
+            ("reward", "reward {:.3f}"), ("completions/mean_length", "length {:.1f}"),
+            ("kl", "kl {:.2e}"), ("learning_rate", "lr {:.2e}"), ("gradient_norm", "grad_norm {:.3f}"),
             ("tokens_per_second", "tokens/s {:,.0f}"))
 _EVAL_SUMMARY = (("eval_loss", "eval loss {:.4f}"), ("eval_accuracy", "acc {:.3f}"),
                  ("eval_rewards/accuracy", "reward acc {:.3f}"),
-                 ("eval_rewards/margin", "margin {:.3f}"),
+                 ("eval_rewards/margin", "margin {:.3f}"), ("eval_reward", "reward {:.3f}"),
                  ("eval_perplexity", "perplexity {:.2f}"), ("eval_tokens", "tokens {:,.0f}"),
                  ("eval_pairs", "pairs {:,.0f}"))
 
