@@ -4,7 +4,8 @@
     python -m easylm.plot runs/baseline runs/lr-2x --output=lr.png
 
 One PNG: loss, eval loss, learning rate, gradient norm and tokens/s against the step,
-the runs overlaid (one colour each). For runs logged to neither W&B nor TensorBoard;
+the runs overlaid (one colour each); with GRPO runs among them, also reward, completion
+length and KL. For runs logged to neither W&B nor TensorBoard;
 the trainer writes metrics.jsonl in every run directory (or in --logger.wandb_dir).
 """
 
@@ -22,6 +23,9 @@ HELP = {"output": "the PNG to write"}
 # (metrics.jsonl key, panel title), in panel order.
 PANELS = (("loss", "loss"), ("eval_loss", "eval loss"), ("learning_rate", "learning rate"),
           ("gradient_norm", "gradient norm"), ("tokens_per_second", "tokens/s"))
+# Added where a run logged rewards (--objective=grpo; docs/rl.md names each metric).
+RL_PANELS = (("reward", "reward"), ("completions/mean_length", "completion length"),
+             ("kl", "KL"))
 
 
 def default_config() -> ConfigDict:
@@ -74,9 +78,13 @@ def plot(runs: list[str], output: str) -> str:
     if not os.path.isdir(os.path.dirname(os.path.abspath(output))):
         raise UserError(f"--output={output!r}: directory {os.path.dirname(output)!r} does not exist")
     metrics = [read_metrics(run) for run in runs]
-    figure = Figure(figsize=(12, 8), dpi=100, layout="constrained")
-    axes = list(figure.subplots(2, 3).flat)
-    for ax, (key, title) in zip(axes, PANELS):
+    panels = PANELS + (RL_PANELS if any("reward" in m for m in metrics) else ())
+    rows = -(-(len(panels) + 1) // 3)  # and a cell for the legend
+    figure = Figure(figsize=(12, 4 * rows), dpi=100, layout="constrained")
+    axes = list(figure.subplots(rows, 3).flat)
+    for ax in axes[len(panels) + 1:]:
+        ax.axis("off")
+    for ax, (key, title) in zip(axes, panels):
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -89,9 +97,9 @@ def plot(runs: list[str], output: str) -> str:
         if not ax.lines:
             ax.text(0.5, 0.5, f"no {key} logged", ha="center", va="center",
                     transform=ax.transAxes, color="gray")
-    legend = axes[len(PANELS)]
+    legend = axes[len(panels)]
     legend.axis("off")
-    handles = [line for ax in figure.axes[:len(PANELS)] for line in ax.lines]
+    handles = [line for ax in figure.axes[:len(panels)] for line in ax.lines]
     by_label = {line.get_label(): line for line in handles}
     legend.legend(by_label.values(), by_label.keys(), loc="center", title="runs")
     figure.savefig(output)

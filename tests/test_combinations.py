@@ -74,6 +74,9 @@ REFUSED = {
 
 
 def test_the_cases_cover_every_pair():
+    resumed = [case for case in CASES if case[-1] == 2]
+    for i, values in ((0, OBJECTIVES), (2, tuple(VARIANTS)), (3, (False, True))):
+        assert {case[i] for case in resumed} == set(values)
     factors = {"objective": OBJECTIVES, "variant": tuple(VARIANTS), "scan": (False, True),
                "accumulate": (1, 2)}
     index = {"objective": 0, "variant": 2, "scan": 3, "accumulate": 4}
@@ -187,9 +190,13 @@ def run(argv) -> tuple[str, str]:
 def test_a_combination_trains_resumes_serves_evaluates_plans_and_previews(
         case, data, base, tmp_path, capsys):
     argv = case_argv(tmp_path, data, base, case)
-    run([*argv, "--total_steps=1"])
+    # Half the cases (those accumulating, which meet every objective, variant and layout)
+    # stop after a step and resume; the others train their two steps at once.
+    resume = case[-1] == 2
+    if resume:
+        run([*argv, "--total_steps=1"])
     _, resumed = run([*argv, "--total_steps=2"])
-    assert f"loading trainstate::{tmp_path}/run/checkpoints/1" in resumed, resumed
+    assert (f"loading trainstate::{tmp_path}/run/checkpoints/1" in resumed) == resume, resumed
     steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert [row["step"] for row in steps if "loss" in row] == [1, 2]
     assert all(map(_finite, (row["loss"] for row in steps if "loss" in row)))

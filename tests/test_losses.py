@@ -47,8 +47,8 @@ def test_chunked_loss_equals_full_logits(tied, chunk_size):
 def test_chunk_size_must_divide_the_sequence():
     hidden, weight = jnp.zeros((2, 32, 4)), jnp.zeros((4, 16))
     targets, masks = jnp.zeros((2, 32), jnp.int32), jnp.ones((2, 32))
-    with pytest.raises(UserError, match=r"^--llama.loss_chunk_size=24 must divide the "
-                                        r"sequence length 32$"):
+    with pytest.raises(UserError, match=r"^loss_chunk_size=24 must divide the sequence "
+                                        r"length 32$"):
         chunked_next_token_loss(hidden, weight, targets, masks, 24)
 
 

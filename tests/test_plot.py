@@ -85,3 +85,21 @@ def test_bad_runs_are_one_line(tmp_path, capsys):
     assert expect_error([good, f"--output={tmp_path}/no/dir/p.png"], capsys).startswith(
         f"--output='{tmp_path}/no/dir/p.png': directory")
     assert not (tmp_path / "x.png").exists()
+
+
+def test_grpo_runs_add_reward_length_and_kl_panels(tmp_path):
+    run = tmp_path / "grpo"
+    run.mkdir()
+    lines = [{"step": s, "loss": 0.01, "learning_rate": 1e-3, "gradient_norm": 1.0,
+              "tokens_per_second": 900.0, "reward": 0.4 + 0.02 * s,
+              "completions/mean_length": 8.0 - 0.1 * s, "kl": 1e-3 * s} for s in range(1, 21)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    output = plot.plot([str(run)], str(tmp_path / "grpo.png"))
+    image = Image.open(output)
+    assert image.size == (1200, 1200)  # a third row of panels
+    rgb = np.asarray(image.convert("RGB")).astype(int)
+    bottom = rgb[800:]  # reward is drawn in the second row's third cell; length, KL here
+    assert (np.abs(bottom - np.array(COLORS["C0"])).sum(axis=-1) < 30).sum() > 300
+    # The twin: a run without rewards keeps the two rows.
+    assert Image.open(plot.plot([write_run(tmp_path / "lm", 3e-3)],
+                                str(tmp_path / "lm.png"))).size == (1200, 800)
