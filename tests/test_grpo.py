@@ -521,8 +521,8 @@ def synthetic_batch(B=8, G=4, T=16, seed=0):
 
 
 def test_trainer_step_sharded_equals_single_device(task):
-    """Two train steps of the GRPO loss (beta 0.1) on one device and on a 2,2,2 mesh with
-    2 micro-batches: the same metrics, to the drift of fp32 sums over the batch's
+    """Two train steps of the GRPO loss (beta 0.1) on one device, on a 1,1,8 mesh and on a
+    2,2,2 mesh with 2 micro-batches: the same metrics, to the drift of fp32 sums over the batch's
     completion tokens in another order. Negative twin: one prompt's advantages negated."""
     import optax
 
@@ -566,7 +566,8 @@ def test_trainer_step_sharded_equals_single_device(task):
     rtol = batch["loss_masks"].sum() * EPS32
     close = lambda a, b: all(np.isclose(a[k], b[k], rtol=rtol, atol=rtol * 1e-2)  # noqa: E731
                              for k in keys)
-    (sharded,) = run("2,2,2", 8, 2, [batch])
-    assert all(close(a, b) for a, b in zip(sharded, single)), (sharded, single)
+    for mesh_dim, accumulate in (("1,1,8", 1), ("2,2,2", 2)):  # all mp; dp x fsdp x mp
+        (sharded,) = run(mesh_dim, 8, accumulate, [batch])
+        assert all(close(a, b) for a, b in zip(sharded, single)), (mesh_dim, sharded, single)
     assert single[1]["kl"] > 0 and single[0]["loss_tokens"] == batch["loss_masks"].sum()
     assert not close(wrong[0], single[0])
