@@ -34,15 +34,13 @@ import numpy as np
 from ml_collections import ConfigDict
 
 from easylm import flags
-from easylm.errors import INSTALL, UserError, exit_on_user_error
+from easylm.errors import UserError, exit_on_user_error
 from easylm.llama.config import LLaMAConfig
 from easylm.llama.hf import to_hf
 from easylm.llama.model import LLaMAForCausalLM
+from easylm.models import hf_export
 from easylm.models.hf_checkpoint import write_safetensors
 from easylm.runtime.checkpoint import (
-    check_free_space,
-    disk_full_error,
-    is_disk_full,
     load_params,
     parse_load_spec,
     read_metadata,
@@ -66,7 +64,6 @@ HELP = {
     "lora_base": "the LoRA run's base (hf::DIR, params::DIR, ...) when it has moved (empty: "
                  "the --load_checkpoint the run recorded)",
 }
-LORA_MODES = ("adapter", "merged")
 USAGE = ("usage: python -m easylm.llama.convert_easylm_to_hf --load_checkpoint=params::DIR "
          "--output_dir=DIR")
 
@@ -227,60 +224,10 @@ def verify_peft(lm, frozen, adapters, config: LLaMAConfig, directory: str) -> fl
 
 @exit_on_user_error
 def main(argv=None):
-    argv = list(argv or sys.argv)
-    FLAGS = flags.parse(get_default_config(), HELP, argv, USAGE)
-    if not FLAGS.load_checkpoint or not FLAGS.output_dir:
-        raise UserError("both --load_checkpoint and --output_dir are required")
-    if FLAGS.dtype not in DTYPES:
-        raise UserError(f"--dtype={FLAGS.dtype!r} is not one of {', '.join(DTYPES)}")
-    output_dir = os.path.abspath(FLAGS.output_dir)
-    if os.path.exists(output_dir):
-        raise UserError(f"{output_dir} already exists; refusing to overwrite it")
-    _, directory = parse_load_spec(FLAGS.load_checkpoint)
-    metadata = read_metadata(directory)
-    is_lora = bool(metadata.get("flags", {}).get("lora.rank"))
-    if FLAGS.lora_mode not in ("",) + LORA_MODES:
-        raise UserError(f"--lora_mode={FLAGS.lora_mode!r} is not one of {', '.join(LORA_MODES)}")
-    if is_lora != bool(FLAGS.lora_mode):
-        raise UserError(f"{directory} is a LoRA run's checkpoint: pass --lora_mode=adapter or "
-                        f"merged" if is_lora else f"--lora_mode={FLAGS.lora_mode}: {directory} "
-                        f"is not a LoRA run's checkpoint")
-    if FLAGS.lora_mode == "adapter":
-        return export_adapter(FLAGS, output_dir, metadata)
-    if FLAGS.lora_mode == "merged":
-        config, params = merged_params(FLAGS.load_checkpoint, metadata, FLAGS.lora_base)
-    else:
-        config, params = load_checkpoint(FLAGS.load_checkpoint)
-    partial = output_dir + ".partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    cast = DTYPES[FLAGS.dtype]
-    needed = check_free_space(output_dir, sum(
-        x.size * (jnp.dtype(cast).itemsize if cast else x.dtype.itemsize)
-        for x in jax.tree_util.tree_leaves(params)), "the export")
-    try:
-        try:
-            export(params, config, partial, FLAGS.dtype, FLAGS.tokenizer, FLAGS.max_shard_gb)
-        except Exception as e:
-            if not is_disk_full(e):
-                raise
-            raise disk_full_error("the export", partial, needed) from None
-        if FLAGS.verify:
-            try:
-                import torch  # noqa: F401
-            except ImportError:
-                print(f"verify: skipped, torch is not installed ({INSTALL['torch']})")
-            else:
-                diff = verify(params, config, partial)
-                print(f"verify: max |logit difference| vs transformers = {diff:.3g}")
-                if not diff <= FLAGS.verify_tolerance:
-                    raise UserError(
-                        f"verification failed: max |logit difference| {diff:.3g} exceeds "
-                        f"--verify_tolerance={FLAGS.verify_tolerance}"
-                    )
-        os.replace(partial, output_dir)
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
-    print(f"wrote {output_dir}")
+    FLAGS = flags.parse(get_default_config(), HELP, list(argv or sys.argv), USAGE)
+    hf_export.run(FLAGS, hf_export.Exporter(
+        dtypes=DTYPES, load_checkpoint=load_checkpoint, merged_params=merged_params,
+        export_adapter=export_adapter, export=export, verify=verify))
 
 
 def peft_base_model(spec: str) -> str:
