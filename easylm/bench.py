@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import ConfigDict
 
-from easylm import flags
+from easylm import flags, variants
 from easylm.errors import UserError, exit_on_user_error
 from easylm.runtime import dtypes, flops, profiling, run_flags
 from easylm.runtime.compilation import setup_compilation
@@ -104,7 +104,7 @@ def bench_train(config: ConfigDict, family) -> dict:
         raise UserError("--profile_steps needs steps to run; --compile_only runs none")
     setup_compilation(config.compilation_cache_dir)
     mesh = make_mesh(config.mesh_dim)
-    model = family.build(config)
+    model = variants.build(family, config)
     tx, schedule = optimizers.get_optimizer(config.optimizer)
     accumulate = config.optimizer.accumulate_gradient_steps
     if config.compile_only:

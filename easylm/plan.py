@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 from ml_collections import ConfigDict
 
-from easylm import flags as flag_lib, objectives
+from easylm import flags as flag_lib, objectives, variants
 from easylm.data.options import loader_options
 from easylm.errors import exit_on_user_error
 from easylm.objectives.base import COPY
@@ -149,7 +149,7 @@ def _shard_model(family, config: ConfigDict, layers: int, mp: int, remat: str | 
     variant = family.shard_variant(family.model_config(config), layers, mp)
     if remat is not None:
         variant = dataclasses.replace(variant, remat_policy=remat)
-    return family.build(config, variant)
+    return variants.build(family, config, variant)
 
 
 def _shapes(model):
@@ -163,16 +163,18 @@ def _residual_bytes(model, batch) -> int:
     # The private function behind the public `jax.ad_checkpoint.print_saved_residuals`.
     from jax._src.ad_checkpoint import saved_residuals
 
+    from easylm.objectives.next_token import next_token_sums
+
     params, frozen = _shapes(model)
     if frozen is None:
-        residuals = saved_residuals(lambda p, b: model.loss_fn(p, b, jax.random.key(0)).loss,
-                                    params, batch)
+        residuals = saved_residuals(
+            lambda p, b: next_token_sums(model, p, b, jax.random.key(0)).loss, params, batch)
     else:  # constants of the loss (traced, but no gradient flows into them), as in the step
         residuals = []
 
         def trace(frozen):
-            residuals.extend(saved_residuals(lambda p, b: model.loss_fn(
-                p, b, jax.random.key(0), frozen).loss, params, batch))
+            residuals.extend(saved_residuals(lambda p, b: next_token_sums(
+                model, p, b, jax.random.key(0), frozen).loss, params, batch))
 
         jax.eval_shape(trace, frozen)
     return sum(aval.size * aval.dtype.itemsize for aval, source in residuals
@@ -210,7 +212,7 @@ def estimate(config: ConfigDict, family, num_devices: int, num_processes: int = 
     T = data.seq_length
 
     family.check_plannable(family.model_config(config))
-    model = family.build(config)
+    model = variants.build(family, config)
     # A preference pair is two rows; the policy's activations are then those of the
     # language-model loss on them (the reference's forward pass keeps none).
     objective = objectives.build(config, model, None)
@@ -375,7 +377,7 @@ def report(config: ConfigDict, family, num_devices: int, num_processes: int,
            budget: int | None) -> tuple[str, bool]:
     """The printed plan, and whether it fits (True when no budget is known)."""
     plan = estimate(config, family, num_devices, num_processes)
-    model = family.build(config)
+    model = variants.build(family, config)
     data = _dataset(config)
     compute = jnp.dtype(dtype_from_flag("dtype", config.dtype)).name
     mesh = mesh_string(plan.mesh)

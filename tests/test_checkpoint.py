@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from ml_collections import ConfigDict
 
+from easylm import variants
 from easylm.errors import UserError
 from easylm.llama import train
 from easylm.llama.config import LLaMAConfig
@@ -84,7 +85,7 @@ def metrics(output_dir) -> dict:
 
 def final_params(output_dir, step=TOTAL_STEPS):
     config = ConfigDict(dict(llama=llama_flags(), dtype="fp32", param_dtype="fp32"))
-    abstract = jax.eval_shape(FAMILY.build(config).init_params, jax.random.key(0))
+    abstract = jax.eval_shape(variants.build(FAMILY, config).init_params, jax.random.key(0))
     directory = os.path.join(output_dir, "run", "checkpoints", str(step))
     return jax.tree.map(np.asarray, checkpoint.load_params(f"params::{directory}", abstract))
 
@@ -226,7 +227,7 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint(data_path, tmp_path
 
 def debug_state(mesh_dim, devices):
     config = ConfigDict(dict(llama=llama_flags(), dtype="fp32", param_dtype="fp32"))
-    model = FAMILY.build(config)
+    model = variants.build(FAMILY, config)
     tx, _ = optimizers.get_optimizer(optimizers.get_default_config())
     mesh = make_mesh(mesh_dim, jax.devices()[:devices])
     return model, tx, mesh
@@ -306,7 +307,7 @@ def test_keeps_the_latest_and_the_milestones(tmp_path):
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """A parameter checkpoint of the embedded default model."""
-    model = FAMILY.build(train.default_config())
+    model = variants.build(FAMILY, train.default_config())
     params = model.init_params(jax.random.key(0))
     return checkpoint.save_params(str(tmp_path_factory.mktemp("saved") / "params"), params,
                                   {"model": "llama"})
@@ -411,7 +412,7 @@ def test_nothing_on_the_load_path_unpickles(saved, monkeypatch, tmp_path):
         restored, data = load_state("trainstate", manager.step_directory(1), model, tx,
                                              mesh, seed=0)
     assert data == {"position": 1} and int(restored.step) == 0
-    abstract = jax.eval_shape(FAMILY.build(train.default_config()).init_params,
+    abstract = jax.eval_shape(variants.build(FAMILY, train.default_config()).init_params,
                               jax.random.key(0))
     checkpoint.load_params(f"params::{saved}", abstract)
     assert checkpoint.read_metadata(saved) == {"model": "llama"}
@@ -439,7 +440,7 @@ def dtype_model(param_dtype, layers=1):
     config = ConfigDict(dict(llama=llama_flags({"num_hidden_layers": layers}),
                              dtype=param_dtype, param_dtype=param_dtype))
     tx, _ = optimizers.get_optimizer(optimizers.get_default_config())
-    return FAMILY.build(config), tx
+    return variants.build(FAMILY, config), tx
 
 
 def run_flags(output_dir, data_path, *extra):
@@ -458,7 +459,7 @@ def save_run(config, steps, cast_params=None, **checkpointer):
     from easylm.data import DatasetFactory
     from easylm.data.tokenizer import load_tokenizer
 
-    model = FAMILY.build(config)
+    model = variants.build(FAMILY, config)
     tx, _ = optimizers.get_optimizer(config.optimizer)
     mesh = make_mesh("1,1,1", jax.devices()[:1])  # restores reshard; one device compiles fastest
     data = DatasetFactory.load_dataset(config.train_dataset, load_tokenizer("embedded"))
@@ -509,7 +510,7 @@ def test_every_stored_dtype_loads_in_every_dtype(stored, stored_dtype, requested
     config.load_checkpoint = f"params::{saved['directory']}"
     config.dtype = requested
     settings = serving_cli.model_config(FAMILY, config)
-    served = serving_cli.load_params(config, FAMILY.build(config, settings), mesh)
+    served = serving_cli.load_params(config, variants.build(FAMILY, config, settings), mesh)
     assert_cast_from(served, saved["params"], dtype)
     # The trainer with --param_dtype=REQUESTED: params:: and trainstate::.
     model, tx = dtype_model(requested)

@@ -10,9 +10,8 @@ import jax
 import numpy as np
 import pytest
 import toy_family
-from fastapi.testclient import TestClient
-
 from cli_utils import one_line_error
+from fastapi.testclient import TestClient
 
 from easylm import bench, flags as flag_lib, plan
 from easylm.errors import UserError
@@ -182,7 +181,7 @@ def test_a_second_family_serves_its_checkpoint(trained):
         prompt = [1, 40, 41, 42]
         ids = list(prompt)
         # One program for every length: causal attention makes the padding invisible.
-        forward = jax.jit(lambda tokens: engine.model.apply(engine.params, tokens, None, None))
+        forward = jax.jit(lambda tokens: engine.model.forward(engine.params, tokens))
         for _ in range(6):
             padded = np.zeros((1, 16), np.int32)
             padded[0, :len(ids)] = ids

@@ -21,6 +21,7 @@ from easylm.gemma.family import FAMILY
 from easylm.gemma.hf import TextTower, load_hf_params, to_hf
 from easylm.gemma.model import GemmaForCausalLM, partition_rules
 from easylm.models.hf_checkpoint import HFTensors
+from easylm.objectives.next_token import next_token_sums
 from easylm.runtime.sharding import (
     BATCH_AXES,
     init_sharded,
@@ -88,7 +89,8 @@ def test_cached_decoding_equals_the_full_forward_past_the_window(pair):
     model = FAMILY.bind(config)
     cache = model.init_cache(2, SEQ + 8)
     positions = jnp.broadcast_to(jnp.arange(6), (2, 6))
-    step = jax.jit(model.apply)
+    step = jax.jit(lambda params, ids, positions, cache: model.forward(params, ids, positions,
+                                                                       cache=cache))
     logits, cache = step(params, jnp.asarray(ids[:, :6]), positions, cache)
     steps = [np.asarray(logits)]
     for t in range(6, SEQ):
@@ -101,7 +103,7 @@ def test_cached_decoding_equals_the_full_forward_past_the_window(pair):
     cache = FAMILY.bind(config).init_cache(2, SEQ + 8)
     wide = FAMILY.bind(config.replace(sliding_window=0))
     positions = jnp.broadcast_to(jnp.arange(SEQ), (2, SEQ))
-    full = np.asarray(wide.apply(params, jnp.asarray(ids), positions, cache)[0])
+    full = np.asarray(wide.forward(params, jnp.asarray(ids), positions, cache=cache)[0])
     assert_differs(full[:, -1], theirs[:, -1], rel, np.abs(theirs).max())
 
 
@@ -264,8 +266,10 @@ def test_the_chunked_loss_is_the_plain_loss(pair):
     ids = ids[:, :33]
     batch = {"input_tokens": jnp.asarray(ids[:, :-1]), "target_tokens": jnp.asarray(ids[:, 1:]),
              "loss_masks": jnp.ones(ids[:, 1:].shape, jnp.float32)}
-    plain = jax.jit(FAMILY.bind(config).loss_fn)(params, batch, jax.random.key(0), None)
-    chunked = jax.jit(FAMILY.bind(config.replace(loss_chunk_size=16)).loss_fn)(
+    plain = jax.jit(functools.partial(next_token_sums, FAMILY.bind(config)))(
+        params, batch, jax.random.key(0), None)
+    chunked = jax.jit(functools.partial(next_token_sums,
+                                        FAMILY.bind(config.replace(loss_chunk_size=16))))(
         params, batch, jax.random.key(0), None)
     # A sum of 64 token losses, each within twice the largest logit error.
     atol = ids[:, 1:].size * 2 * forward_rel(config, SEQ) * float(np.abs(theirs).max())

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from easylm import variants
 from easylm.errors import UserError
 from easylm.llama import train as llama_train
 from easylm.objectives import grpo, rewards
@@ -534,7 +535,7 @@ def test_trainer_step_sharded_equals_single_device(task):
 
     argv = command(task, "/unused", **{"grpo.beta": 0.1, "grpo.num_generations": 4})
     config = llama_train.parse_flags(argv)
-    model = FAMILY.build(config)
+    model = variants.build(FAMILY, config)
     objective = build(config, model, None)
     tx = optax.adam(1e-2)
     batch = synthetic_batch()

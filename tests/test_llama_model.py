@@ -15,8 +15,9 @@ from transformers.masking_utils import sliding_window_causal_mask_function
 
 from easylm.llama.config import REMAT_POLICIES, LLaMAConfig
 from easylm.llama.hf import from_hf, to_hf
-from easylm.llama.model import LLaMAForCausalLM, stack_layers, unstack_layers
+from easylm.llama.model import LLaMAForCausalLM
 from easylm.models.attention import causal_mask, segment_mask, xla_attention
+from easylm.models.decoder import stack_layers, unstack_layers
 
 # Larger-than-default init so attention is peaked and a wrong rotary angle or
 # mask shows up far above the tolerance.
@@ -115,10 +116,10 @@ def assert_same_numbers(reference, variant):
     observed up to 2e-6 of the logits' scale, 3e-6 of a gradient's)."""
     config, params, ids, _, (loss, logits, grads) = reference
     if variant.scan_layers:
-        params = stack_layers(params, config.num_hidden_layers)
+        params = stack_layers(params)
     loss2, logits2, grads2 = loss_and_grads(variant, params, ids)
     if variant.scan_layers:
-        grads2 = unstack_layers(grads2, config.num_hidden_layers)
+        grads2 = unstack_layers(grads2)
     rel = forward_rel(config, ids.shape[1])
     assert_close(logits2, logits, rel)
     # A log-softmax moves by at most twice the largest logit error, and so does its mean.
@@ -213,7 +214,7 @@ def test_variant_logits_match_hf(variant, changes):
     _, config, params, ids, expected = variant
     implementation = config.replace(**changes)
     if implementation.scan_layers:
-        params = stack_layers(params, config.num_hidden_layers)
+        params = stack_layers(params)
     logits = LLaMAForCausalLM(implementation).apply({"params": params}, jnp.asarray(ids))
     assert np.abs(expected).max() > 1.0  # a real signal, not near-zero logits
     assert_close(logits, expected, forward_rel(config, ids.shape[1]))  # reordered sums only

@@ -19,7 +19,8 @@ from easylm.errors import UserError
 from easylm.llama.adapters import load_peft, lora_model, save_peft
 from easylm.llama.config import LLaMAConfig
 from easylm.llama.hf import from_hf, from_peft
-from easylm.llama.model import PARTITION_RULES, LLaMAForCausalLM, stack_layers
+from easylm.llama.model import PARTITION_RULES, LLaMAForCausalLM
+from easylm.models.decoder import stack_layers
 from easylm.runtime.sharding import (
     make_mesh,
     match_partition_rules,
@@ -74,7 +75,7 @@ def build(params, lora: LoraConfig, dtype=jnp.float32, **config_changes):
     config = CONFIG.replace(**config_changes)
     lm = lora_model(config, lora, dtype=dtype)
     if config.scan_layers:
-        params = stack_layers(params, config.num_hidden_layers)
+        params = stack_layers(params)
     return config, lm, jax.jit(lm.store_base)(params)
 
 

@@ -22,14 +22,15 @@ from flax import traverse_util
 from test_checkpoint import ENV, command, data_path, metrics, run_until  # noqa: F401
 from transformers import LlamaForCausalLM as HFLlama
 
-from easylm import flags
+from easylm import flags, variants
 from easylm.errors import UserError
 from easylm.llama import convert_easylm_to_hf as convert, train
 from easylm.llama.adapters import lora_model
 from easylm.llama.config import LLaMAConfig
 from easylm.llama.family import FAMILY
 from easylm.llama.hf import load_hf_params
-from easylm.llama.model import LLaMAForCausalLM, stack_layers, unstack_layers
+from easylm.llama.model import LLaMAForCausalLM
+from easylm.models.decoder import stack_layers, unstack_layers
 from easylm.runtime import checkpoint
 from easylm.runtime.sharding import path_to_string
 from easylm.serving import cli as serving_cli
@@ -298,7 +299,7 @@ def test_merged_export_is_peft_on_the_source_base(hf_dir, tmp_path):
 
 def test_lora_base_dtype_follows_dtype():
     def base_dtype(*argv):
-        return FAMILY.build(train.parse_flags(["train", "--lora.rank=4", *argv])).frozen.dtype
+        return variants.build(FAMILY, train.parse_flags(["train", "--lora.rank=4", *argv])).frozen.dtype
 
     assert base_dtype("--dtype=fp32") == "fp32"
     assert base_dtype("--dtype=bf16") == "bf16"
@@ -465,7 +466,7 @@ def in_layout(params, scanned: bool):
     """`params` (2 layers) with their layers stacked or not (the tests' own conversion)."""
     if is_scanned(params) == scanned:
         return params
-    return stack_layers(params, 2) if scanned else unstack_layers(params, 2)
+    return stack_layers(params) if scanned else unstack_layers(params)
 
 
 def as_stored(directory):

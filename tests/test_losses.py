@@ -7,7 +7,8 @@ from numerics import EPS_BF16, assert_close, forward_rel
 
 from easylm.errors import UserError
 from easylm.llama.config import LLaMAConfig
-from easylm.llama.model import PARTITION_RULES, LLaMAForCausalLM, lm_head_weight
+from easylm.llama.model import PARTITION_RULES, LLaMAForCausalLM
+from easylm.models.decoder import head_weight as lm_head_weight
 from easylm.objectives.next_token import chunked_next_token_loss, next_token_loss
 from easylm.runtime.sharding import BATCH_AXES, init_sharded, make_mesh
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from numerics import forward_rel
 
-from easylm import flags
+from easylm import flags, variants
 from easylm.data import DatasetFactory
 from easylm.data.tokenizer import load_tokenizer
 from easylm.llama import train
@@ -164,7 +164,7 @@ def test_two_process_checkpoint_restores_in_one_process(runs):
     config = flags.parse(train.default_config(), train.help_entries(),
                          ["train", *TRAIN_FLAGS,
                           f"--train_dataset.json_dataset.path={runs['data']}"])
-    model = FAMILY.build(config)
+    model = variants.build(FAMILY, config)
     tx, _ = optimizers.get_optimizer(config.optimizer)
     mesh = make_mesh("1,8,1")
     with jax.set_mesh(mesh):

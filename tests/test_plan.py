@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from easylm import flags, plan
+from easylm import flags, plan, variants
 from easylm.llama import train
 from easylm.llama.family import FAMILY
 from easylm.objectives.next_token import NextToken
@@ -37,7 +37,7 @@ def parse(*argv):
 
 def compiled_bytes(config) -> int:
     """Peak bytes per device of the train step as the trainer jits it, says XLA."""
-    model = FAMILY.build(config)
+    model = variants.build(FAMILY, config)
     tx, schedule = optimizers.get_optimizer(config.optimizer)
     mesh = make_mesh(config.mesh_dim)
     data = config.train_dataset.json_dataset

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from jax.sharding import NamedSharding, PartitionSpec as P
 from transformers import LlamaForCausalLM as HFLlama
 
-from easylm import objectives
+from easylm import objectives, variants
 from easylm.llama import train as llama_train
 from easylm.llama.config import LLaMAConfig
 from easylm.llama.family import FAMILY
@@ -366,7 +366,7 @@ def step_runs():
     train steps from the initialisation (jit_train_step, compiled once, with the
     objective's loss and the frozen reference in the state)."""
     config = trainer_config(**{"train_dataset.json_dataset.path": "pairs.jsonl"})
-    model = FAMILY.build(config)
+    model = variants.build(FAMILY, config)
     objective = objectives.build(config, model, None)
     tx, schedule = optax.adam(1e-2), optax.constant_schedule(1e-2)
 
@@ -571,8 +571,8 @@ def test_qlora_precomputed_reference_gives_the_live_losses(pair_files, qlora_run
 
 def test_mfu_counts_the_reference_forward_with_and_without_lora():
     flags = {"train_dataset.json_dataset.path": "pairs.jsonl"}
-    full = FAMILY.build(trainer_config(**flags))
-    lora = FAMILY.build(trainer_config(**flags, **{"lora.rank": 4}))
+    full = variants.build(FAMILY, trainer_config(**flags))
+    lora = variants.build(FAMILY, trainer_config(**flags, **{"lora.rank": 4}))
     seq = 32
     # Full: 6N + attention, and the reference's forward, a third of that.
     assert objectives.build(trainer_config(**flags), full, None).flops_per_token(

@@ -154,8 +154,7 @@ def test_serve_quantizes_a_hf_directory_at_load(hf_dir):
     # of one full forward over the prompt and the tokens before it.
     prompt, steps = [1, 5, 9, 13], 8
     tokens = greedy(engine, prompt, steps)
-    logits = jax.jit(engine.model.apply, static_argnums=(2, 3))(
-        engine.params, jnp.array([prompt + tokens]), None, None)
+    logits = jax.jit(engine.model.forward)(engine.params, jnp.array([prompt + tokens]))
     assert tokens == np.argmax(logits[0, len(prompt) - 1:-1], -1).tolist()
 
 

@@ -113,7 +113,7 @@ def test_unrolled_decode_is_the_same_program_without_a_loop(served, tokenizer, l
                                            [t.logprob for t in w.tokens], atol=logprob_atol(),
                                            rtol=0)
         engine = unrolled.engine
-        args = (engine.params, engine.state, *engine_lib.Sampling.empty(engine.batch_size).arrays())
+        args = (engine.weights, engine.state, *engine_lib.Sampling.empty(engine.batch_size).arrays())
         for unroll, fns in ((True, engine._decode_fns), (False, looped.engine._decode_fns)):
             hlo = fns[False, 16].lower(*args).as_text()
             assert ("stablehlo.while" in hlo) != unroll
@@ -198,7 +198,7 @@ def test_sharded_cache_serves_the_same_tokens(served, tokenizer, logprob_atol):
         # Scoring's outputs are replicated: on several hosts, sharded ones would span other
         # processes' devices and jax.device_get could not read them.
         engine, ids = sharded.engine, np.ones((4, 16), np.int32)
-        outputs = engine._run(engine._score_fn, engine.params, ids, ids)
+        outputs = engine._run(engine._score_fn, engine.weights, ids, ids)
         assert all(x.sharding.is_fully_replicated for x in outputs)
     finally:
         sharded.stop()

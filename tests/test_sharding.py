@@ -7,12 +7,8 @@ from numerics import assert_close, forward_rel
 
 from easylm.errors import UserError
 from easylm.llama.config import LLaMAConfig
-from easylm.llama.model import (
-    PARTITION_RULES,
-    LLaMAForCausalLM,
-    stack_layers,
-    unstack_layers,
-)
+from easylm.llama.model import PARTITION_RULES, LLaMAForCausalLM
+from easylm.models.decoder import stack_layers, unstack_layers
 from easylm.runtime.sharding import (
     BATCH_AXES,
     hybrid_mesh_shape,
@@ -120,7 +116,7 @@ def test_sharded_equals_single_device(single_device, mesh_dim, scan_layers):
     mesh = make_mesh(mesh_dim)
     init = LLaMAForCausalLM(config.replace(scan_layers=False)).init_params
     if scan_layers:  # the same values as the single-device run, stacked
-        init = lambda rng, init=init: stack_layers(init(rng), config.num_hidden_layers)  # noqa: E731
+        init = lambda rng, init=init: stack_layers(init(rng))  # noqa: E731
     params = init_sharded(init, PARTITION_RULES, mesh, jax.random.PRNGKey(0))
 
     # Every parameter is created with the sharding its rule gives.
@@ -137,7 +133,7 @@ def test_sharded_equals_single_device(single_device, mesh_dim, scan_layers):
         step = jax.jit(_loss_and_grads, static_argnums=0, out_shardings=(NamedSharding(mesh, P()), grad_shardings))
         loss2, grads2 = step(model, params, batch)
     if scan_layers:
-        grads2 = unstack_layers(jax.device_get(grads2), config.num_hidden_layers)
+        grads2 = unstack_layers(jax.device_get(grads2))
     # Sharded matmuls and the loss's mean add their partial sums in other orders: the loss
     # is within twice the largest logit error, gradients within the backward's depth.
     rel = forward_rel(config, ids.shape[1])

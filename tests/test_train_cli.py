@@ -13,7 +13,7 @@ import jax
 import pytest
 from fastapi.testclient import TestClient
 
-from easylm import flags
+from easylm import flags, variants
 from easylm.llama import train
 from easylm.llama.config import LLaMAConfig
 from easylm.llama.family import FAMILY
@@ -64,7 +64,7 @@ def test_embedded_default_trains_and_saves(tmp_path):
     metadata = checkpoint.read_metadata(final)
     assert metadata["step"] == 4 and metadata["llama_config"]["hidden_size"] == 128
     # The saved parameters load into the model the flags describe.
-    model = FAMILY.build(train.default_config())
+    model = variants.build(FAMILY, train.default_config())
     abstract = jax.eval_shape(model.init_params, jax.random.key(0))
     params = checkpoint.load_params(f"params::{final}", abstract)
     assert params["model"]["embed_tokens"]["embedding"].shape == (512, 128)

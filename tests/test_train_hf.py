@@ -13,7 +13,7 @@ from flax import traverse_util
 from numerics import assert_close, assert_differs, forward_rel
 from transformers import LlamaForCausalLM as HFLlama
 
-from easylm import flags
+from easylm import flags, variants
 from easylm.data import DatasetFactory
 from easylm.data.tokenizer import load_tokenizer
 from easylm.errors import UserError
@@ -90,7 +90,7 @@ def test_first_loss_is_hf_loss_and_params_load_unchanged(tmp_path, mesh_dim, sca
     assert (recorded["num_hidden_layers"], recorded["num_key_value_heads"],
             recorded["tie_word_embeddings"], recorded["rope_theta"]) == (3, 2, True, 50000.0)
     llama_config, expected_params = load_hf_params(str(tmp_path / "hf"), scan_layers=scan)
-    model = FAMILY.build(config)
+    model = variants.build(FAMILY, config)
     abstract = jax.eval_shape(model.init_params, jax.random.key(0))
     params = checkpoint.load_params(f"params::{final}", abstract)
     ours = traverse_util.flatten_dict(jax.device_get(params), sep="/")
@@ -143,7 +143,7 @@ def test_a_qwen3_directory_fine_tunes_and_exports_back(tmp_path, capsys):
     assert "verify: max |logit difference| vs transformers" in capsys.readouterr().out
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32).eval()
     assert type(hf).__name__ == "Qwen3ForCausalLM"
-    trained = FAMILY.build(parse(tmp_path, f"--load_checkpoint=params::{final}"),
+    trained = variants.build(FAMILY, parse(tmp_path, f"--load_checkpoint=params::{final}"),
                            from_checkpoint=True)
     params = checkpoint.load_params(f"params::{final}", jax.eval_shape(
         trained.init_params, jax.random.key(0)))

@@ -12,9 +12,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import ConfigDict
 from numerics import assert_close, forward_rel, fp32_rel
 
+from easylm import variants
 from easylm.llama.config import LLaMAConfig
 from easylm.llama.family import FAMILY
-from easylm.models.family import Model
 from easylm.objectives.next_token import LossSums, NextToken
 from easylm.runtime import compilation
 from easylm.runtime.compilation import setup_compilation
@@ -39,7 +39,7 @@ def llama_flags(updates=None):
 def debug_model(dtype="fp32", param_dtype="fp32", **llama):
     config = ConfigDict(dict(llama=llama_flags(llama), dtype=dtype,
                              param_dtype=param_dtype))
-    return FAMILY.build(config)
+    return variants.build(FAMILY, config)
 
 
 def constant_lr_optimizer(lr=1e-2, **overrides):
@@ -64,20 +64,22 @@ def make_batch(batch_size=16, seq_length=32, seed=0, vocab=512):
 class Runner:
     """A jitted train step on a mesh, fed numpy batches, as the loop does it."""
 
-    def __init__(self, model, tx_schedule, mesh_dim="1,1,1", devices=1, accumulate=1, seed=0):
+    def __init__(self, model, tx_schedule, mesh_dim="1,1,1", devices=1, accumulate=1, seed=0,
+                 loss_fn=None):
         tx, schedule = tx_schedule
+        loss_fn = loss_fn or NextToken(model).loss_fn
         self.mesh = make_mesh(mesh_dim, jax.devices()[:devices])  # one device compiles fastest
         self.batch_sharding = NamedSharding(self.mesh, P(BATCH_AXES))
         with jax.set_mesh(self.mesh):
             self.initial = init_state(model, tx, self.mesh, seed)
             shardings = jax.tree.map(lambda x: x.sharding, self.initial)
             self.step_fn = jax.jit(
-                make_train_step(NextToken(model).loss_fn, tx, schedule, seed, accumulate),
+                make_train_step(loss_fn, tx, schedule, seed, accumulate),
                 in_shardings=(shardings, self.batch_sharding),
                 out_shardings=(shardings, NamedSharding(self.mesh, P())),
                 donate_argnums=(0,),
             )
-            self.eval_fn = jax.jit(make_eval_step(NextToken(model).loss_fn))
+            self.eval_fn = jax.jit(make_eval_step(loss_fn))
         self.reset()
 
     def reset(self):
@@ -234,12 +236,11 @@ def test_metrics_report_schedule_and_norms(runner):
 def test_nonfinite_step_is_skipped_and_named():
     model = debug_model()
 
-    def poisoned_loss(params, batch, rng, base=None):  # NaN whenever the batch says so
-        sums = model.loss_fn(params, batch, rng)
+    def poisoned_loss(params, batch, rng, frozen):  # NaN whenever the batch says so
+        sums = NextToken(model).loss_fn(params, batch, rng, frozen)
         return sums._replace(loss=sums.loss * batch["poison"][0, 0])
 
-    runner = Runner(Model(**{**model.__dict__, "loss_fn": poisoned_loss}),
-                    constant_lr_optimizer())
+    runner = Runner(model, constant_lr_optimizer(), loss_fn=poisoned_loss)
     good = dict(make_batch(), poison=np.ones((16, 1), np.float32))
     bad = dict(good, poison=np.full((16, 1), np.nan, np.float32))
     runner.step(good)

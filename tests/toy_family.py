@@ -15,7 +15,6 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from easylm.models.family import Model, ModelFamily
-from easylm.objectives.next_token import causal_lm_loss
 from easylm.runtime.sharding import BATCH_AXES
 
 
@@ -93,18 +92,17 @@ class ToyFamily(ModelFamily):
     def bind(self, config: ToyConfig, dtype=jnp.float32, param_dtype=jnp.float32) -> Model:
         module = ToyLM(config, dtype, param_dtype)
 
-        def logits(params, batch):
-            return module.apply({"params": params}, batch["input_tokens"], batch.get("positions"))
-
-        def apply(params, ids, positions, cache):
+        def forward(params, ids, positions=None, segment_ids=None, cache=None, *, base=None,
+                    rng=None, return_hidden=False):
+            assert segment_ids is None and not return_hidden  # no packing, no chunked loss
             return module.apply({"params": params}, ids, positions, cache)
 
         return Model(
             name=self.name, config=dataclasses.asdict(config), vocab_size=config.vocab_size,
             init_params=lambda rng: module.init(rng, jnp.zeros((1, 8), jnp.int32))["params"],
-            loss_fn=causal_lm_loss(logits), partition_rules=RULES,
+            forward=forward, partition_rules=RULES,
             flops_per_token=lambda T: 6 * config.num_parameters() + 6 * config.num_layers * config.width * T,
-            apply=apply, init_cache=module.init_cache,
+            init_cache=module.init_cache,
             cache_rules=((r"(k|v)$", P(BATCH_AXES, None, None, None)),),
             max_seq_length=config.max_length, eos_token_id=config.eos_token_id,
             num_layers=config.num_layers, num_parameters=config.num_parameters())

@@ -340,15 +340,14 @@ class HarnessHook:
     def __call__(self, step: int, state) -> dict:
         start = time.time()
         engine = self.lm.engine
-        # A variant's model serves its live parameters on their frozen base (Model.apply).
-        engine.params = (state.params, state.frozen["base"]) if "base" in state.frozen \
-            else state.params
+        # A variant's model serves its live parameters on their frozen base.
+        engine.params, engine.base = state.params, state.frozen.get("base")
         engine.reset()  # the cache, for generate_until requests (compiled once, at the start)
         try:
             results = evaluate(self.lm, self.tasks, self.manager, self.config.num_fewshot,
                                self.config.limit, bootstrap_iters=self.config.bootstrap_iters)
         finally:
-            engine.params = None  # the next train step donates these buffers
+            engine.params = engine.base = None  # the next train step donates these buffers
             engine.release()
         return {**harness_metrics(results), "harness/seconds": time.time() - start}
 

@@ -8,8 +8,7 @@ import jax.numpy as jnp
 
 from easylm.gemma import hf
 from easylm.gemma.config import GemmaConfig
-from easylm.gemma.model import GemmaForCausalLM, lm_head_weight, partition_rules
-from easylm.models.family import Model
+from easylm.gemma.model import GemmaForCausalLM, partition_rules
 from easylm.models.hf_checkpoint import peft_target_modules
 from easylm.variants import lora_variant as variant
 from easylm.variants.lora import LoraConfig, LoraModel, read_peft, write_peft
@@ -18,21 +17,6 @@ from easylm.variants.lora import LoraConfig, LoraModel, read_peft, write_peft
 def lora_model(config: GemmaConfig, lora: LoraConfig, dtype=jnp.float32,
                param_dtype=jnp.float32) -> LoraModel:
     return LoraModel(GemmaForCausalLM(config, dtype=dtype, param_dtype=param_dtype), lora, dtype)
-
-
-def host(config: GemmaConfig) -> variant.Host:
-    return variant.Host(name="gemma", rules=partition_rules(config),
-                        head_weight=lambda params: lm_head_weight(params, config),
-                        loss_chunk_size=config.loss_chunk_size,
-                        matmul_parameters=config.num_matmul_parameters())
-
-
-def lora_variant(model: Model, config: GemmaConfig, lora: LoraConfig, dtype, load_spec: str,
-                 load) -> Model:
-    """The LoRA `Model` of the Gemma `model`: adapters trained on the frozen base read from
-    `load_spec` (or drawn)."""
-    return variant.lora_variant(model, lora_model(config, lora, dtype=dtype), host(config),
-                                load_spec, load)
 
 
 def load_base(lm: LoraModel, config: GemmaConfig, spec: str, mesh, load):

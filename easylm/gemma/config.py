@@ -66,6 +66,9 @@ class GemmaConfig:
                                        f"{', '.join(remat.NAMES)}")
     loss_chunk_size: int = _field(0, "training loss: logits for this many positions at a time, "
                                      "never the whole (B, T, V) at once; 0: all at once")
+    scan_layers: bool = _field(False, "scan the layers' repeating pattern (sliding_window_pattern "
+                                      "layers) as one jax.lax.scan: one compiled block, the same "
+                                      "numbers; the layers after the last whole block unscanned")
 
     def __post_init__(self):
         if self.attention not in ATTENTION_IMPLEMENTATIONS:

@@ -23,6 +23,7 @@ from flax import traverse_util
 from easylm.errors import UserError
 from easylm.gemma.config import GemmaConfig, from_hf_dict
 from easylm.gemma.model import GemmaForCausalLM
+from easylm.models.decoder import relayout
 from easylm.models.hf_checkpoint import (
     HFTensors,
     adapters_from_peft,
@@ -47,8 +48,9 @@ def param_shapes(config: GemmaConfig) -> dict[str, tuple[int, ...]]:
 
 
 def to_hf(params, config: GemmaConfig) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield (HF name, numpy tensor) one at a time, in Gemma3ForCausalLM's names."""
-    flat = traverse_util.flatten_dict(params, sep="/")
+    """Yield (HF name, numpy tensor) one at a time, in Gemma3ForCausalLM's names (scanned
+    layers unstacked first)."""
+    flat = traverse_util.flatten_dict(relayout(params, False), sep="/")
     for path in param_shapes(config):
         key, transpose = hf_key(path)
         tensor = np.asarray(jax.device_get(flat[path]))

@@ -12,13 +12,12 @@ import jax.numpy as jnp
 
 from easylm.llama import hf
 from easylm.llama.config import LLaMAConfig
-from easylm.llama.model import PARTITION_RULES, LLaMAForCausalLM, lm_head_weight, relayout
-from easylm.models.family import Model
+from easylm.llama.model import PARTITION_RULES, LLaMAForCausalLM
+from easylm.models.decoder import relayout
 from easylm.variants import lora_variant as variant
 from easylm.variants.lora import LoraConfig, LoraModel, read_peft, write_peft
 from easylm.variants.lora_variant import (  # noqa: F401  (this family's LoRA, by these names)
     LORA_RUN_DEFAULTS,
-    Host,
     check_base,
     state_settings,
 )
@@ -28,18 +27,6 @@ def lora_model(config: LLaMAConfig, lora: LoraConfig, dtype=jnp.float32,
     module = LLaMAForCausalLM(config.replace(fused_qkv=False, fused_mlp=False), dtype=dtype,
                               param_dtype=param_dtype)
     return LoraModel(module, lora, dtype)
-
-
-def lora_variant(model: Model, config: LLaMAConfig, lora: LoraConfig, dtype, load_spec: str,
-                 load) -> Model:
-    """The LoRA `Model` of the LLaMA `model` (bound to `config`, compute `dtype`): it trains
-    the adapters on the frozen base read from `load_spec` (easylm/variants/lora_variant.py)."""
-    host = Host(name="llama", rules=PARTITION_RULES,
-                head_weight=lambda params: lm_head_weight(params, config),
-                loss_chunk_size=config.loss_chunk_size,
-                matmul_parameters=config.num_matmul_parameters())
-    return variant.lora_variant(model, lora_model(config, lora, dtype=dtype), host, load_spec,
-                                load)
 
 
 def load_base(lm: LoraModel, spec: str, mesh, load):

@@ -32,7 +32,8 @@ from flax import traverse_util
 
 from easylm.errors import UserError
 from easylm.llama.config import ARCHITECTURES, LLaMAConfig
-from easylm.llama.model import LLaMAForCausalLM, stack_layers
+from easylm.llama.model import LLaMAForCausalLM
+from easylm.models.decoder import stack_layers
 from easylm.models import hf_checkpoint
 from easylm.models.hf_checkpoint import (  # noqa: F401  (PEFT_PREFIX, peft_key: by these names)
     PEFT_PREFIX,
@@ -109,7 +110,7 @@ def from_peft(tensors: Mapping[str, Any], config: LLaMAConfig, rank: int,
     pattern = _kernels_pattern(kernel_paths, config, source)
     tree = traverse_util.unflatten_dict(adapters, sep="/")
     if config.scan_layers:
-        tree = stack_layers(tree, config.num_hidden_layers)
+        tree = stack_layers(tree)
     return tree, pattern
 
 
@@ -151,7 +152,7 @@ def from_hf(tensors: Mapping[str, Any], config: LLaMAConfig, dtype=None, source:
             config.tie_word_embeddings and key == "lm_head.weight"))
     params = traverse_util.unflatten_dict(flat, sep="/")
     if config.scan_layers:
-        params = stack_layers(params, config.num_hidden_layers)
+        params = stack_layers(params)
     return params
 
 

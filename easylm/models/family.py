@@ -2,10 +2,11 @@
 need from a model, behind one object.
 
 A family (LLaMA: `easylm/llama/family.py`) subclasses `ModelFamily`: its config
-dataclass and presets, and `bind(config, dtype, param_dtype) -> Model`, the pure
-functions over parameters that one configured model offers. The generic code
-never imports a family; commands take the family object (`easylm.models.registry`
-names them for the generic commands).
+dataclass and presets, its causal LM (`module_class`, on easylm/models/decoder.py's
+skeleton), its partition rules and its Hugging Face reading; `bind(config, dtype,
+param_dtype) -> Model` gives the pure functions over parameters one configured model
+offers. The generic code never imports a family; commands take the family object
+(`easylm.models.registry` names them for the generic commands).
 
     family.model_config(flags)    --<name>.base_model's preset, or the config the
                                   checkpoint records (hf::DIR's config.json, an easylm
@@ -14,9 +15,10 @@ names them for the generic commands).
 
 A variant (adapters on a frozen base) is another `Model` of the same family whose
 `frozen` (a `Frozen`) says how to make the parameters it reads but does not train: the
-trainer keeps them in `TrainState.frozen["base"]`, outside the optimizer, and every loss
-takes them: `loss_fn(params, batch, rng, base)`. Each checkpoint records their fingerprint,
-and a resume refuses a base that differs from the one the run began on.
+trainer keeps them in `TrainState.frozen["base"]`, outside the optimizer, and they reach
+the model one way: `Model.forward(params, ..., base=base)` (and `Model.head(params, base)`).
+Each checkpoint records their fingerprint, and a resume refuses a base that differs from
+the one the run began on.
 """
 
 import dataclasses
@@ -28,20 +30,17 @@ from ml_collections import ConfigDict
 from ml_collections.config_dict import placeholder
 
 from easylm.errors import UserError
+from easylm.models import decoder
 from easylm.runtime.sharding import PartitionRules, path_to_string
 
 Params = Any  # a tree of arrays
 Batch = dict  # name -> (B, T) arrays: input_tokens, target_tokens, loss_masks, ...
-# (params, batch, rng, base) -> the loss's sums (objectives.next_token.LossSums); `base` is
-# the frozen parameters a variant reads (None for a plain model).
-LossFn = Callable[[Params, Batch, jax.Array, Any], Any]
-# (params, rows of input_tokens/target_tokens/loss_masks (N, T), base, rng) -> (summed
-# log-probabilities of the masked targets (N,), their count (N,)): what preference
-# objectives train on, one sequence per row.
-RowLogpsFn = Callable[[Params, Batch, Any, jax.Array | None], tuple[jax.Array, jax.Array]]
-# (params, ids (B, T), positions (B, T) or None, cache or None) -> logits (B, T, V), or
-# (logits, cache) with a cache: the serving engine's forward pass.
-ApplyFn = Callable[[Params, jax.Array, jax.Array | None, Any], Any]
+# (params, ids (B, T), positions (B, T) or None, segment_ids (B, T) or None, cache or None,
+#  *, base: the frozen parameters a variant reads (None for a plain model), rng: dropout's
+#  key or None, return_hidden) -> logits (B, T, V), or (logits, cache) with a cache, or with
+# `return_hidden` the hidden states (B, T, D) that `Model.head` turns into logits. The one
+# forward pass every objective, the serving engine and the evaluator run.
+ForwardFn = Callable[..., Any]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,18 +66,23 @@ class Frozen:
 
 @dataclasses.dataclass(frozen=True)
 class Model:
-    """One configured model of a family: pure functions over its parameters."""
+    """One configured model of a family: pure functions over its parameters. Objectives
+    build their losses from `forward` and `head` (easylm/objectives/), the serving engine
+    decodes with `forward` and `init_cache`."""
 
     name: str  # the family's name: flag section, run-name prefix, metadata key
     config: dict  # the model config, recorded in checkpoint metadata as `<name>_config`
     vocab_size: int
     init_params: Callable[[jax.Array], Params]  # rng -> params, a pure function (run sharded)
-    loss_fn: LossFn  # the next-token loss
+    forward: ForwardFn
     partition_rules: PartitionRules
     flops_per_token: Callable[[int], float]  # seq_length -> training FLOPs per token
-    # Serving (None: the model cannot be served as it is). A variant's (one with `frozen`)
-    # takes the pair (params, frozen base) as its params: the live adapters on their base.
-    apply: ApplyFn | None = None
+    # (params, base=None) -> the output projection (D, V) that turns the hidden states
+    # `forward(..., return_hidden=True)` gives into logits (None: no chunked loss).
+    head: Callable[..., jax.Array] | None = None
+    # Losses: logits for this many positions at a time (0: all at once); see
+    # objectives/next_token.py.
+    loss_chunk_size: int = 0
     init_cache: Callable[[int, int], Any] | None = None  # (batch, length) -> zeros
     cache_rules: PartitionRules = ()
     max_seq_length: int = 0  # the longest row the model can take (0: no limit)
@@ -88,7 +92,6 @@ class Model:
     # (load spec, abstract params with shardings) -> params: hf::DIR, or an easylm
     # checkpoint in either layout (`ModelFamily.load_params`; `ModelFamily.build` sets it)
     load: Callable[[str, Params], Params] | None = None
-    row_logps: RowLogpsFn | None = None
     frozen: Frozen | None = None  # what a variant reads but does not train
     # seq_length -> FLOPs per token of a forward pass (a reference's); default: a third of
     # `flops_per_token` (forward 2N of the 6N)
@@ -114,10 +117,38 @@ class ModelFamily:
     hf_model_types: tuple[str, ...] = ()  # config.json model_types it reads (easylm.train picks)
     remat_policies: tuple[str, ...] = ()  # the `remat_policy` field's values, cheapest first
 
+    # The family's causal LM (a subclass of easylm.models.decoder.CausalLM).
+    module_class: type = None
+
     # ---------------------------------------------------- what a family defines
 
-    def bind(self, config, dtype=jnp.float32, param_dtype=jnp.float32) -> Model:
+    def partition_rules(self, config):
+        """The table of (regex on a parameter's path, PartitionSpec) that shards it."""
         raise NotImplementedError
+
+    def unfused(self, config):
+        """`config` computing each projection with its own matmul (what LoRA and int8 wrap:
+        qwix adapts the matmul that reads a module's own kernel); the same numbers."""
+        return config
+
+    def bind(self, config, dtype=jnp.float32, param_dtype=jnp.float32) -> Model:
+        module = self.module_class(config, dtype=dtype, param_dtype=param_dtype)
+
+        def forward(params, ids, positions=None, segment_ids=None, cache=None, *, base=None,
+                    rng=None, return_hidden=False):
+            del base, rng  # a plain model: no frozen parameters, no dropout
+            return module.apply({"params": params}, ids, positions=positions,
+                                segment_ids=segment_ids, cache=cache, return_hidden=return_hidden)
+
+        return Model(
+            name=self.name, config=config.to_dict(), vocab_size=config.vocab_size,
+            init_params=module.init_params, forward=forward,
+            head=lambda params, base=None: decoder.head_weight(params, config),
+            partition_rules=self.partition_rules(config), flops_per_token=config.flops_per_token,
+            loss_chunk_size=config.loss_chunk_size, init_cache=module.init_cache,
+            cache_rules=decoder.CACHE_PARTITION_RULES,
+            max_seq_length=config.max_position_embeddings, eos_token_id=config.eos_token_id,
+            num_layers=config.num_hidden_layers, num_parameters=config.num_parameters())
 
     def read_hf_config(self, directory: str):
         """DIR/config.json as this family's config."""
@@ -136,10 +167,28 @@ class ModelFamily:
 
     def check_plannable(self, config) -> None:
         """A UserError when this machine cannot trace `config` (a GPU-only kernel)."""
+        if config.attention == "cudnn" and jax.default_backend() != "gpu":
+            # 'auto' picks it on a GPU only; tracing it needs cuDNN present.
+            raise UserError(f"--{self.name}.attention=cudnn can only be planned where cuDNN is: "
+                            f"plan on the GPU host, or with --{self.name}.attention=dot_product "
+                            f"for an upper bound")
+
+    def to_hf(self, params, config):
+        """(Hugging Face name, numpy array) for each tensor of `params`, as transformers'
+        class for `config.to_hf_config()` names them."""
+        raise UserError(f"the {self.name} family cannot write Hugging Face checkpoints")
 
     def torch_reference(self, config, params):
-        """The same model in HF transformers (torch) for benchmarks, or None."""
-        return None
+        """The same model in HF transformers (torch) for benchmarks."""
+        import numpy as np
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(config.to_hf_config()).eval()
+        state = {k: torch.from_numpy(np.array(v, np.float32))
+                 for k, v in self.to_hf(params, config)}
+        model.load_state_dict(state, strict=False)  # tied models list lm_head twice
+        return model
 
     def merge_adapters(self, spec: str, base_spec: str, config, params, mesh):
         """`params` (of `bind(config)`, on `mesh`, read from `base_spec`) with the adapters
@@ -148,9 +197,13 @@ class ModelFamily:
         raise UserError(f"--lora_checkpoint={spec}: the {self.name} family has no adapters")
 
     def relayout(self, tree, like):
-        """`tree` (parameters, or anything keyed like them) in the layout `like` has (LLaMA:
-        layers stacked for a scan, or not); a family with one layout returns it as it is."""
-        return tree
+        """`tree` (parameters, or anything keyed like them) in the layout `like` has: layers
+        stacked for a scan, or not (easylm/models/decoder.py)."""
+        return decoder.relayout_like(tree, like)
+
+    def layout(self, tree, config):
+        """`tree` in the layout `config` says (`scan_layers`, the pattern's period)."""
+        return decoder.relayout(tree, config.scan_layers, decoder.period(self.module_class, config))
 
     def variant_flags(self) -> dict[str, ConfigDict]:
         """Top-level flag sections that select a variant (LLaMA's `--lora.*`), with their
@@ -177,14 +230,10 @@ class ModelFamily:
         it (`{"--lora.rank": 8, ...}`), from its flat flags and its model config as a
         checkpoint's metadata records them: a resume under other settings is refused by
         the flag, before loading (a changed LoRA alpha would load and silently train
-        another model). None here: a plain model's parameters are their values."""
-        return {}
+        another model). Here whether the layers are stacked (a trainstate's optimizer
+        state is not relaid out)."""
+        return {f"--{self.name}.scan_layers": bool(config.get("scan_layers"))}
 
-    def int8_model(self, config, dtype, params, mesh) -> tuple[Model, Any]:
-        """(Model, parameters) of the int8 weight-only model (`--quantize=int8`, see
-        easylm/variants/quantize.py) from float parameters of `bind(config, dtype, dtype)` placed
-        on `mesh`."""
-        raise UserError(f"--quantize=int8: the {self.name} family has no int8 model")
 
     # ------------------------------------------------------------------ generic
 
@@ -268,8 +317,9 @@ class ModelFamily:
         param_dtype = (dtype_from_flag("param_dtype", flags.param_dtype)
                        if "param_dtype" in flags else dtype)
         model = self.bind(config, dtype, param_dtype)
-        return dataclasses.replace(model, load=lambda spec, abstract: self.load_params(
-            spec, config, abstract, model.partition_rules))
+        load = lambda spec, abstract: self.load_params(  # noqa: E731
+            spec, config, abstract, model.partition_rules)
+        return dataclasses.replace(model, load=load)
 
     def load_params(self, spec: str, config, abstract_params, rules: PartitionRules):
         """The parameters `spec` names, placed as `abstract_params` (with shardings) says:

@@ -222,7 +222,7 @@ class GRPOObjective(Objective):
         self.options = options = get_default_config(config.grpo.to_dict())
         self.rows_per_example = options.num_generations  # tokens/step: B x G rows
         self.completion_tokens = options.max_new_tokens
-        if model.apply is None:
+        if model.init_cache is None:
             raise UserError(f"--objective=grpo: the {model.name} model has no serving engine "
                             f"to make rollouts with")
         self.reward_functions = rewards_lib.load(options.reward_funcs, options)
@@ -235,14 +235,13 @@ class GRPOObjective(Objective):
 
     def forward(self, params, frozen, tokens):
         """Logits (N, T, V) of the policy `params` (on the frozen base, for a variant)."""
-        base = frozen.get("base")
-        return self.model.apply(params if base is None else (params, base), tokens, None, None)
+        return self.model.forward(params, tokens, base=frozen.get("base"))
 
     def reference_forward(self, params, frozen, tokens):
         """The reference's logits: the base with the adapters off, or the frozen copy."""
         if self.model.frozen is not None:
             return self.forward(self.model.frozen.adapters_off(params), frozen, tokens)
-        return self.model.apply(frozen["reference"], tokens, None, None)
+        return self.model.forward(frozen["reference"], tokens)
 
     def loss_fn(self, params, batch, rng, frozen):
         del rng  # the serving forward has no dropout

@@ -1,13 +1,12 @@
 """Training losses, returned as sums so that micro-batches and hosts add up exactly.
 
-A loss function maps (params, batch, rng, base) to sums: a NamedTuple with a `loss` field,
-a `count` (the denominator: tokens here, pairs for a preference objective) and a
+A loss function maps (params, batch, rng, frozen) to sums: a NamedTuple with a `loss`
+field, a `count` (the denominator: tokens here, pairs for a preference objective) and a
 `means()` method giving what a step logs. The train step adds the sums of its
-micro-batches and divides by the count once, so that accumulation is exact. A model
-family supplies its own (see `easylm/llama/family.py`); `next_token_loss` is the
-causal-LM one for models whose forward pass returns logits. A fused or chunked
-cross-entropy that never holds the full (B, T, V) logits can replace it without
-touching the trainer.
+micro-batches and divides by the count once, so that accumulation is exact. The loss is
+built here from a model's forward pass and head (`next_token_sums`), for every family and
+variant alike; with `loss_chunk_size` the cross-entropy never holds the full (B, T, V)
+logits.
 
 Shape letters: B batch, T positions, V vocabulary.
 """
@@ -52,15 +51,18 @@ def next_token_loss(logits, target_tokens, loss_masks) -> LossSums:
     )
 
 
-def causal_lm_loss(apply_fn):
-    """A loss function for a model whose `apply_fn(params, batch)` returns logits."""
-
-    def loss_fn(params, batch, rng, base=None) -> LossSums:
-        del rng, base  # no dropout, no frozen parameters: for models that have them
-        logits = apply_fn(params, batch)  # (B, T, V)
+def next_token_sums(model, params, batch, rng, base=None) -> LossSums:
+    """`model`'s next-token loss sums over `batch` (a `Model`: its forward pass and head;
+    `base` the frozen parameters a variant reads): from the logits, or with the model's
+    `loss_chunk_size` from its hidden states, a chunk of positions' logits at a time."""
+    kwargs = dict(positions=batch.get("positions"), segment_ids=batch.get("segment_ids"),
+                  base=base, rng=rng)
+    if not model.loss_chunk_size:
+        logits = model.forward(params, batch["input_tokens"], **kwargs)  # (B, T, V)
         return next_token_loss(logits, batch["target_tokens"], batch["loss_masks"])
-
-    return loss_fn
+    hidden = model.forward(params, batch["input_tokens"], return_hidden=True, **kwargs)
+    return chunked_next_token_loss(hidden, model.head(params, base), batch["target_tokens"],
+                                   batch["loss_masks"], model.loss_chunk_size)
 
 
 @jax.custom_vjp
@@ -135,4 +137,4 @@ class NextToken(Objective):
     name = "next_token"
 
     def loss_fn(self, params, batch, rng, frozen):
-        return self.model.loss_fn(params, batch, rng, frozen.get("base"))
+        return next_token_sums(self.model, params, batch, rng, frozen.get("base"))

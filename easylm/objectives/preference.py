@@ -178,6 +178,18 @@ def preference_sums(objective: str, policy: Pair, reference: Pair | None, length
                           metrics={k: jnp.sum(v * weight) for k, v in metrics.items()})
 
 
+def row_logps(model, params, rows: dict, base=None, rng=None):
+    """(summed log-probabilities of each row's masked targets (N,), their count (N,)) under
+    `model` (its forward pass and head; `base`: a variant's frozen parameters), one sequence
+    per row, not packed; with the model's `loss_chunk_size` never the (N, T, V) logits."""
+    if not model.loss_chunk_size:
+        logits = model.forward(params, rows["input_tokens"], base=base, rng=rng)
+        return sequence_logps(logits, rows["target_tokens"], rows["loss_masks"])
+    hidden = model.forward(params, rows["input_tokens"], base=base, rng=rng, return_hidden=True)
+    return chunked_sequence_logps(hidden, model.head(params, base), rows["target_tokens"],
+                                  rows["loss_masks"], model.loss_chunk_size)
+
+
 # -------------------------------------------------------------- the trainer's loss_fn
 
 
@@ -266,9 +278,6 @@ class PreferenceObjective(Objective):
         self.name = config.objective
         self.config, self.tokenizer = config, tokenizer
         self.options = get_default_config({name: config[name].to_dict() for name in OBJECTIVES})
-        if model.row_logps is None:
-            raise UserError(f"the {model.name} model has no per-sequence log-probabilities, "
-                            f"which --objective={self.name} trains on")
         if self.name not in NEEDS_REFERENCE:
             self.reference = NO_REFERENCE
         elif self.options.dpo.precompute_reference:
@@ -282,15 +291,15 @@ class PreferenceObjective(Objective):
         adapters turned off, or the frozen copy."""
         model, base = self.model, frozen.get("base")
         if model.frozen is not None:
-            return lambda params, rows: model.row_logps(model.frozen.adapters_off(params),
-                                                        rows, base)
-        return lambda _, rows: model.row_logps(frozen["reference"], rows, None)
+            return lambda params, rows: row_logps(model, model.frozen.adapters_off(params),
+                                                  rows, base)
+        return lambda _, rows: row_logps(model, frozen["reference"], rows)
 
     def loss_fn(self, params, batch, rng, frozen):
         base = frozen.get("base")
         live = self.reference in (BASE, COPY)
         reference = self._reference_logps(frozen) if live else None
-        policy = lambda p, rows: self.model.row_logps(p, rows, base, rng)  # noqa: E731
+        policy = lambda p, rows: row_logps(self.model, p, rows, base, rng)  # noqa: E731
         return make_loss_fn(self.name, self.options, policy, reference)(params, batch, rng)
 
     def describe(self) -> str:

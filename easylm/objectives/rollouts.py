@@ -293,8 +293,7 @@ class Rollouts:
         sampling.temperature[:], sampling.top_p[:] = o.temperature, o.top_p
         fresh = (n, T) not in self.engines
         engine = self._engine(n, T)
-        base = state.frozen.get("base")
-        engine.params = state.params if base is None else (state.params, base)
+        engine.params, engine.base = state.params, state.frozen.get("base")
         engine.reset()
         if fresh:  # every decode window now: no program at a later step
             engine.compile_decode(sampling.pad(n))
@@ -304,7 +303,7 @@ class Rollouts:
             completions, logprobs = generate(engine, repeated, sampling, o.max_new_tokens,
                                              objective.model.eos_token_id)
         finally:
-            engine.params = None  # the next train step donates these buffers
+            engine.params = engine.base = None  # the next train step donates these buffers
             engine.release()
         seconds = time.perf_counter() - began
         batch, metrics = self._score_rows(prompts, prompt_ids, completions, valid, T)

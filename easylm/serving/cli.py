@@ -25,6 +25,7 @@ from easylm.runtime import run_flags
 from easylm.runtime.dtypes import dtype_from_flag
 from easylm.runtime.sharding import init_sharded, make_mesh
 from easylm.serving import engine as engine_lib
+from easylm import variants
 from easylm.variants import quantize
 
 log = logging.getLogger("easylm.serving")  # not __name__: that is __main__ under -m
@@ -126,7 +127,7 @@ def load_engine(family: ModelFamily, config: ConfigDict):
     from easylm.data.tokenizer import load_tokenizer
 
     settings = model_config(family, config)
-    model = family.build(config, settings)
+    model = variants.build(family, config, settings)
     tokenizer = load_tokenizer(config.tokenizer)
     if len(tokenizer) > model.vocab_size:
         raise UserError(f"--tokenizer={config.tokenizer!r} has {len(tokenizer)} tokens but the "
@@ -147,7 +148,7 @@ def load_engine(family: ModelFamily, config: ConfigDict):
         params = family.merge_adapters(config.lora_checkpoint, config.load_checkpoint, settings,
                                        params, mesh)
     if config.quantize == "int8":
-        model, params = family.int8_model(settings, dtype_from_flag("dtype", config.dtype),
+        model, params = quantize.int8_model(family, settings, dtype_from_flag("dtype", config.dtype),
                                           params, mesh)
     engine = engine_lib.Engine(config, model, params, mesh)
     if config.pre_compile:

@@ -29,6 +29,7 @@ from easylm.runtime.sharding import init_sharded, make_mesh
 from easylm.serving import engine as engine_lib
 from easylm.serving.batcher import Batcher, SamplingParams
 from easylm.serving.cli import ENGINE_MESH_DIM, ENGINE_NOTES, model_config
+from easylm import variants
 from easylm.variants import quantize
 
 HELP = {
@@ -109,21 +110,21 @@ def run(config: ConfigDict, family) -> list[dict]:
     from easylm.data.tokenizer import load_tokenizer
 
     settings = model_config(family, config)
-    model = family.build(config, settings)
+    model = variants.build(family, config, settings)
     batch_sizes, formats, dtype, use_hf = _read_flags(config, model.max_seq_length)
     mesh = make_mesh(config.mesh_dim)
     params = init_sharded(model.init_params, model.partition_rules, mesh, jax.random.PRNGKey(0))
-    variants = {}  # weight format -> (model, parameters)
+    weights = {}  # weight format -> (model, parameters)
     for name in formats:
         if name == "int8":  # the same weights, quantized as the server does
-            variants[name] = family.int8_model(settings, dtype, params, mesh)
+            weights[name] = quantize.int8_model(family, settings, dtype, params, mesh)
         else:
-            variants[name] = model, params
+            weights[name] = model, params
     hf_model = _hf_model(config, family, settings, params, dtype) if use_hf else None
     tokenizer = load_tokenizer("embedded")
     rows = []
     for batch in batch_sizes:
-        row = _measure(batch, config, model.vocab_size, variants, hf_model, tokenizer, mesh)
+        row = _measure(batch, config, model.vocab_size, weights, hf_model, tokenizer, mesh)
         rows.append(row)
         print(format_row(row), flush=True)
     return rows

@@ -115,13 +115,15 @@ class Sampling:
         return tuple(np.array(a) for a in (self.keys, self.temperature, self.top_k, self.top_p))
 
 
-def _prefill(model: Model, sample: bool, params, state, tokens, lengths, slots, keys,
+def _prefill(model: Model, sample: bool, weights, state, tokens, lengths, slots, keys,
              temperature, top_k, top_p):
+    params, base = weights
     cache, last, slot_positions = state
     n, T = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (n, T))
     # A fresh T-long cache: the prompt attends over T keys, not S, then lands in its slots.
-    logits, fresh = model.apply(params, tokens, positions, model.init_cache(n, T))
+    logits, fresh = model.forward(params, tokens, positions, cache=model.init_cache(n, T),
+                                  base=base)
     out = next_tokens(logits[jnp.arange(n), lengths - 1], keys, lengths, temperature, top_k,
                       top_p, sample)
     # Padding rows carry slot index B, out of range, and are dropped.
@@ -132,11 +134,12 @@ def _prefill(model: Model, sample: bool, params, state, tokens, lengths, slots, 
     return (cache, last, slot_positions), tuple(x[None] for x in out)
 
 
-def _decode(model: Model, steps: int, unroll: bool, sample: bool, length: int, params, state,
+def _decode(model: Model, steps: int, unroll: bool, sample: bool, length: int, weights, state,
             keys, temperature, top_k, top_p):
     """`steps` tokens for every slot, attending over the first `length` cache positions
     only (the host picks a length that covers every active slot's positions); a loop, or
     with `unroll` the steps one after another in one program."""
+    params, base = weights
     cache, tokens, positions = state
     S = jax.tree.leaves(cache)[0].shape[-3]
     # The first `length` positions, decoded in a copy and written back once per call:
@@ -148,7 +151,7 @@ def _decode(model: Model, steps: int, unroll: bool, sample: bool, length: int, p
         # Idle and finished slots run past the end: they write (garbage, never read) at
         # the last position instead.
         at = jnp.minimum(positions, length - 1)[:, None]
-        logits, window = model.apply(params, tokens[:, None], at, window)
+        logits, window = model.forward(params, tokens[:, None], at, cache=window, base=base)
         out = next_tokens(logits[:, 0], keys, positions + 1, temperature, top_k, top_p, sample)
         return (window, out[0], positions + 1), out
 
@@ -159,8 +162,9 @@ def _decode(model: Model, steps: int, unroll: bool, sample: bool, length: int, p
     return (window, tokens, positions), outs  # outs: (C, B, ...)
 
 
-def _score(model: Model, params, tokens, targets):
-    logits = model.apply(params, tokens, None, None).astype(jnp.float32)  # (n, T, V)
+def _score(model: Model, weights, tokens, targets):
+    params, base = weights
+    logits = model.forward(params, tokens, base=base).astype(jnp.float32)  # (n, T, V)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     target_logprobs = jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]
     is_greedy = jnp.argmax(logits, axis=-1) == targets
@@ -177,10 +181,11 @@ class Engine:
     while the device runs this one.
     """
 
-    def __init__(self, config: ConfigDict, model: Model, params, mesh=None):
+    def __init__(self, config: ConfigDict, model: Model, params, mesh=None, base=None):
         self.config = config = get_default_config(config)
         check_config(config)
-        self.model, self.params, self.mesh = model, params, mesh
+        # `params` and, for a variant, its frozen `base`: what `Model.forward` reads.
+        self.model, self.params, self.base, self.mesh = model, params, base, mesh
         self.batch_size, self.seq_length = config.batch_size, config.seq_length
         self.length_buckets = buckets(config.seq_length, config.min_bucket)
         self.row_buckets = buckets(config.batch_size, 1)
@@ -247,6 +252,10 @@ class Engine:
             return fn(*args)
 
     @property
+    def weights(self):
+        return self.params, self.base
+
+    @property
     def cache(self):
         return self.state[0]
 
@@ -268,7 +277,7 @@ class Engine:
             lengths[i] = len(prompt)
         slot_ids = np.full(rows, self.batch_size, np.int32)
         slot_ids[:n] = slots
-        self.state, out = self._run(self._prefill_fns[sampling.samples()], self.params,
+        self.state, out = self._run(self._prefill_fns[sampling.samples()], self.weights,
                                     self.state, tokens, lengths, slot_ids,
                                     *sampling.pad(rows).arrays())
         real = slot_ids < self.batch_size
@@ -293,7 +302,7 @@ class Engine:
             jax.block_until_ready(self._decode(sampling, length))
 
     def _decode(self, sampling: Sampling, length: int):
-        self.state, out = self._run(self._decode_fns[sampling.samples(), length], self.params,
+        self.state, out = self._run(self._decode_fns[sampling.samples(), length], self.weights,
                                     self.state, *sampling.arrays())
         self.positions += self.config.decode_steps
         return out
@@ -311,7 +320,7 @@ class Engine:
             tgt = np.zeros((rows, T), np.int32)
             for i, (row, target) in enumerate(zip(chunk_tokens, chunk_targets)):
                 ids[i, :len(row)], tgt[i, :len(target)] = row, target
-            out = jax.device_get(self._run(self._score_fn, self.params, ids, tgt))
+            out = jax.device_get(self._run(self._score_fn, self.weights, ids, tgt))
             for i, row in enumerate(chunk_tokens):
                 results.append(tuple(np.asarray(x)[i, :len(row)] for x in out))
         return results

@@ -10,7 +10,7 @@ import sys
 import jax
 from ml_collections import ConfigDict
 
-from easylm import flags as flag_lib, objectives
+from easylm import flags as flag_lib, objectives, variants
 from easylm.data import DatasetFactory, make_global_batch
 from easylm.data.tokenizer import load_tokenizer
 from easylm.errors import UserError
@@ -85,7 +85,7 @@ def start(config: ConfigDict, family: ModelFamily, cleanup: contextlib.ExitStack
 def _model(config: ConfigDict, family: ModelFamily, tokenizer) -> Model:
     """The model a --load_checkpoint records (hf::, params::, ...), unless flags change it,
     checked against the tokenizer."""
-    model = family.build(config, from_checkpoint=True)
+    model = variants.build(family, config, from_checkpoint=True)
     if config.load_checkpoint.startswith("hf::") and config.tokenizer == "embedded" \
             and jax.process_index() == 0:
         print(f"warning: training {config.load_checkpoint} with --tokenizer=embedded; pass "
@@ -105,7 +105,7 @@ def _harness(config: ConfigDict, model: Model, tokenizer, mesh):
         return None
     from easylm.evaluation.harness import HarnessHook  # lm-eval: an optional extra
 
-    if model.apply is None:
+    if model.init_cache is None:
         raise UserError(f"--eval_harness.tasks: the {model.name} model has no serving "
                         f"engine to evaluate on")
     return HarnessHook(config.eval_harness, model, tokenizer, mesh)

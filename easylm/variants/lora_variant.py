@@ -2,11 +2,11 @@
 frozen base, for any family whose model reads each kernel in its own module's matmul.
 
 A family gives its LoraModel (its model, unfused), its partition rules and its output
-projection; what is here is the same for every family: the loss and row log-probabilities
-on (adapters, base), the frozen base (drawn, or read from --load_checkpoint into its
-shards and then cast or quantized on the devices), its fingerprint check, and the --lora.*
-settings a run's adapters mean something under. easylm/llama/adapters.py and
-easylm/gemma/adapters.py are the two users.
+projection (`ModelFamily.build` makes them); what is here is the same for every family:
+the forward pass on (adapters, base) that every objective builds its loss from, the frozen
+base (drawn, or read from --load_checkpoint into its shards and then cast or quantized on
+the devices), its fingerprint check, and the --lora.* settings a run's adapters mean
+something under.
 """
 
 import dataclasses
@@ -17,8 +17,6 @@ import jax.numpy as jnp
 
 from easylm.errors import UserError
 from easylm.models.family import Frozen, Model
-from easylm.objectives import preference
-from easylm.objectives.next_token import chunked_next_token_loss, next_token_loss
 from easylm.runtime import checkpoint
 from easylm.runtime.dtypes import dtype_from_flag
 from easylm.runtime.sharding import PartitionRules, match_partition_rules, named_shardings
@@ -54,37 +52,22 @@ def lora_variant(model: Model, lm: LoraModel, host: Host, load_spec: str, load) 
                         f"the model: leave lm_head out of --lora.target_modules, or set "
                         f"--{host.name}.loss_chunk_size=0")
 
-    def loss_fn(adapters, batch, rng, base):
-        kwargs = dict(positions=batch.get("positions"), segment_ids=batch.get("segment_ids"),
-                      rng=rng)
-        if not chunk:
-            return next_token_loss(lm.apply(base, adapters, batch["input_tokens"], **kwargs),
-                                   batch["target_tokens"], batch["loss_masks"])
-        hidden = lm.apply(base, adapters, batch["input_tokens"], return_hidden=True, **kwargs)
-        return chunked_next_token_loss(hidden, host.head_weight(lm.dequantized_base(base)),
-                                       batch["target_tokens"], batch["loss_masks"], chunk)
+    def forward(adapters, ids, positions=None, segment_ids=None, cache=None, *, base=None,
+                rng=None, return_hidden=False):
+        # Serving (the trainer's lm-eval hook, GRPO's rollouts) runs the live adapters on
+        # their stored base: no merged float copy of the base, which for QLoRA would be 4x
+        # its nf4 bytes; each matmul dequantizes its kernel as in training.
+        return lm.apply(base, adapters, ids, positions=positions, segment_ids=segment_ids,
+                        cache=cache, rng=rng, return_hidden=return_hidden)
 
-    def row_logps(adapters, rows, base, rng=None):  # preference pairs, one per row
-        if not chunk:
-            logits = lm.apply(base, adapters, rows["input_tokens"], rng=rng)
-            return preference.sequence_logps(logits, rows["target_tokens"], rows["loss_masks"])
-        hidden = lm.apply(base, adapters, rows["input_tokens"], rng=rng, return_hidden=True)
-        return preference.chunked_sequence_logps(
-            hidden, host.head_weight(lm.dequantized_base(base)), rows["target_tokens"],
-            rows["loss_masks"], chunk)
-
-    def apply(adapters_and_base, ids, positions, cache):
-        # The engine on the live adapters and their stored base (the trainer's lm-eval
-        # hook): no merged float copy of the base, which for QLoRA would be 4x its nf4
-        # bytes; each matmul dequantizes its kernel as in training.
-        adapters, base = adapters_and_base
-        return lm.apply(base, adapters, ids, positions=positions, cache=cache)
+    def head(adapters, base=None):
+        return host.head_weight(lm.dequantized_base(base))
 
     adapter_parameters = lm.num_adapter_parameters()
     return dataclasses.replace(
-        model, init_params=lm.init_adapters, loss_fn=loss_fn,
-        partition_rules=partition_rules(host.rules), row_logps=row_logps,
-        frozen=frozen(lm, model, host.rules, load_spec, load), load=None, apply=apply,
+        model, init_params=lm.init_adapters, forward=forward, head=head,
+        partition_rules=partition_rules(host.rules),
+        frozen=frozen(lm, model, host.rules, load_spec, load), load=None,
         num_parameters=adapter_parameters,
         # No weight gradients for the frozen base: 4 FLOPs a matmul weight, not 6, and
         # the adapters' own 6.

@@ -19,6 +19,7 @@ The worst-case rounding error of one weight is s/2 = absmax/255 of its output ch
 docs/serving.md gives the measured cost in loss.
 """
 
+import dataclasses
 import math
 import re
 from typing import Any
@@ -104,3 +105,21 @@ class Int8Model:
 def weight_bytes(params) -> int:
     """Bytes of the parameter arrays (or their shapes) as stored: int8 values, scales, the rest."""
     return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params))
+
+
+def int8_model(family, config, dtype, params, mesh):
+    """(Model, parameters) of `family`'s int8 weight-only model (`--quantize=int8`) from
+    float parameters of `family.bind(config, dtype, dtype)` placed on `mesh`. qwix quantizes
+    the matmuls that read a module's own kernel, so the projections run unfused (the same
+    parameters, the same numbers)."""
+    unfused = family.unfused(config)
+    int8 = Int8Model(family.module_class(unfused, dtype=dtype, param_dtype=dtype))
+
+    def forward(params, ids, positions=None, segment_ids=None, cache=None, *, base=None,
+                rng=None, return_hidden=False):
+        del base, rng  # no frozen parameters, no dropout
+        return int8.apply(params, ids, positions=positions, segment_ids=segment_ids,
+                          cache=cache, return_hidden=return_hidden)
+
+    return (dataclasses.replace(family.bind(unfused, dtype, dtype), forward=forward),
+            int8.quantize_sharded(params, family.partition_rules(config), mesh))

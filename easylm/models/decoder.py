@@ -1,0 +1,480 @@
+"""The decoder every family shares: embed -> layers (one by one, or scanned) -> norm ->
+head, the key/value cache, the two layouts of the layers, and the sublayers families
+compute alike (rotary attention, the gated MLP).
+
+A family subclasses `CausalLM` and gives its layer (`layer`: a module called as
+`layer(config, dtype, param_dtype, kind=...)(x, context, positions, cache) -> (x, cache)`),
+its norm, and a few class methods: each layer's kind (`layer_kinds`: LLaMA's are all
+alike, Gemma's 5 sliding then 1 global), each kind's rotary frequencies and window, and an
+embedding scale. Its config has the fields read here: vocab_size, hidden_size,
+num_hidden_layers, num_key_value_heads, head_dim, initializer_range, rms_norm_eps,
+tie_word_embeddings, remat_policy, scan_layers.
+
+Parameter names follow Hugging Face's (`model/embed_tokens`, `model/layers/<i>/...`,
+`model/norm`, `lm_head`), so converting is a table lookup. Scanned (`scan_layers`), the
+layers repeat a pattern of `period` kinds R times and are stored stacked with a leading
+axis of R: with a period of one as `model/layers/...`, else one stack per place in the
+pattern, `model/layers/slot<j>/...`, and the L - R * period layers left over after the
+repeats as `model/tail<i>/...` (MaxText scans Gemma's pattern the same way).
+
+Decoding passes a cache (`init_cache`) laid out like the layers: each layer's keys and
+values (B, S, K, H). Each call writes its tokens' keys/values at their `positions` and
+attends over the whole cache under a positions-aware causal mask (a sliding window is
+part of that mask), so every row can be at its own length (continuous batching).
+
+Shape letters: B batch, T positions, S cache positions, D width, F MLP width,
+V vocabulary, N query heads, K key/value heads, H head dim, L layers, R repeats.
+"""
+
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
+
+from easylm.models import remat
+from easylm.models.attention import attention, segment_mask, sliding_window_mask
+from easylm.runtime.sharding import BATCH_AXES, constrain
+
+# The key/value cache (B, S, K, H): batch split like activations, heads on 'mp' like the
+# k/v projections that fill it.
+CACHE_SPEC = P(BATCH_AXES, None, "mp", None)
+CACHE_PARTITION_RULES = ((r"(^|/)(k|v)$", CACHE_SPEC),)
+HEADS = P(BATCH_AXES, None, "mp", None)  # (B, T, heads, H)
+
+
+def rotary_embedding(positions, inv_freq, dtype):
+    """cos, sin (B, T, H) for integer positions (B, T) and inverse frequencies (H/2,)."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+
+
+def apply_rotary(x, cos, sin):
+    """Rotate (B, T, heads, H) by the half-split convention of HF's rotate_half."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+
+
+class RMSNorm(nn.Module):
+    """w * x / rms(x): normalised in fp32, cast to the compute dtype, then scaled (HF LLaMA)."""
+
+    eps: float
+    dtype: jnp.dtype
+    param_dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):
+        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+        return weight.astype(self.dtype) * x32.astype(self.dtype)
+
+
+class _DenseParams(nn.Module):
+    """The parameters of an `nn.Dense` (same names, shapes and initialisers): (kernel,
+    bias or None)."""
+
+    shape: tuple
+    initializer: Callable
+    use_bias: bool
+    param_dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self):
+        kernel = self.param("kernel", self.initializer, self.shape, self.param_dtype)
+        if not self.use_bias:
+            return kernel, None
+        return kernel, self.param("bias", nn.initializers.zeros_init(), self.shape[-1:],
+                                  self.param_dtype)
+
+
+class Sublayer(nn.Module):
+    """What a layer's parts build with: dense projections and the family's norm."""
+
+    config: Any
+    dtype: jnp.dtype
+    param_dtype: jnp.dtype
+    norm_class: type = RMSNorm
+
+    def dense(self, features, name, bias=False):
+        return nn.Dense(features, use_bias=bias, dtype=self.dtype, param_dtype=self.param_dtype,
+                        kernel_init=nn.initializers.normal(self.config.initializer_range),
+                        name=name)
+
+    def norm(self, name):
+        return self.norm_class(self.config.rms_norm_eps, self.dtype, self.param_dtype, name=name)
+
+    def kernels(self, x, names_and_features, bias=False):
+        """x @ [W_1 | W_2 | ...] (+ [b_1 | b_2 | ...]) as one matmul, split back into one
+        output per kernel. The kernels are the `self.dense(features, name, bias)` ones
+        (same names, shapes and initial values), concatenated in the compute dtype at
+        each call: one wider matmul reads x once and, in the backward pass, sums x's
+        gradient in one contraction instead of adding several."""
+        init = nn.initializers.normal(self.config.initializer_range)
+        D = x.shape[-1]
+        weights = [_DenseParams((D, f), init, bias, self.param_dtype, name=name)()
+                   for name, f in names_and_features]
+        kernel = jnp.concatenate([w.astype(self.dtype) for w, _ in weights], axis=1)
+        out = jnp.einsum("BTD,DF->BTF", x.astype(self.dtype), kernel)
+        if bias:
+            out = out + jnp.concatenate([b.astype(self.dtype) for _, b in weights])
+        edges = np.cumsum([f for _, f in names_and_features])[:-1]
+        return jnp.split(out, edges, axis=-1)
+
+
+def write_cache(cache, k, v, positions):
+    """(k, v) over all S cache positions (B, S, K, H) in the compute dtype, and the cache
+    with this call's keys/values (B, T, K, H) written at their `positions` (B, T)."""
+    rows = jnp.arange(k.shape[0])[:, None]
+    k_all = cache["k"].at[rows, positions].set(k.astype(cache["k"].dtype))
+    v_all = cache["v"].at[rows, positions].set(v.astype(cache["v"].dtype))
+    cache = {"k": constrain(k_all, CACHE_SPEC), "v": constrain(v_all, CACHE_SPEC)}
+    return k_all.astype(k.dtype), v_all.astype(v.dtype), cache
+
+
+class Attention(Sublayer):
+    """q, k, v projections (fused or not, with or without biases), optional per-head q/k
+    norms, rotary, the cache write, attention (scaled by `scale`, 1/sqrt(H) when None),
+    and the output projection."""
+
+    fused: bool = False
+    qkv_bias: bool = False
+    out_bias: bool = False
+    qk_norm: bool = False
+    scale: float | None = None
+
+    @nn.compact
+    def __call__(self, x, cos, sin, mask, window, positions, cache):
+        c = self.config
+        B, T, _ = x.shape
+        N, K, H = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        if self.fused:
+            q, k, v = self.kernels(x, [("q_proj", N * H), ("k_proj", K * H), ("v_proj", K * H)],
+                                   self.qkv_bias)
+        else:
+            q, k, v = (self.dense(N * H, "q_proj", self.qkv_bias)(x),
+                       self.dense(K * H, "k_proj", self.qkv_bias)(x),
+                       self.dense(K * H, "v_proj", self.qkv_bias)(x))
+        q, k, v = q.reshape(B, T, N, H), k.reshape(B, T, K, H), v.reshape(B, T, K, H)
+        if self.qk_norm:  # each head's query and key normalised, before rotary
+            q, k = self.norm("q_norm")(q), self.norm("k_norm")(k)
+        q = constrain(apply_rotary(q, cos, sin), HEADS)
+        k = constrain(apply_rotary(k, cos, sin), HEADS)
+        v = constrain(v, HEADS)
+        if cache is not None:
+            k, v, cache = write_cache(cache, k, v, positions)
+        # Without a mask (plain causal) the kernel applies the window itself.
+        out = attention(q, k, v, mask, c.attention, window if mask is None else 0,
+                        scale=self.scale)  # (B, T, N, H)
+        out = checkpoint_name(out, "attention_out")
+        out = self.dense(c.hidden_size, "o_proj", self.out_bias)(out.reshape(B, T, N * H))
+        return out, cache
+
+
+class GatedMLP(Sublayer):
+    """down(act(gate(x)) * up(x)), gate and up fused into one matmul or not."""
+
+    activation: Callable = nn.silu
+    fused: bool = False
+    bias: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        F = self.config.intermediate_size
+        if self.fused:
+            gate, up = self.kernels(x, [("gate_proj", F), ("up_proj", F)], self.bias)
+        else:
+            gate, up = self.dense(F, "gate_proj", self.bias)(x), self.dense(F, "up_proj",
+                                                                              self.bias)(x)
+        h = constrain(self.activation(gate) * up, P(BATCH_AXES, None, "mp"))  # (B, T, F)
+        return self.dense(self.config.hidden_size, "down_proj", self.bias)(h)
+
+
+def period(lm: type, config) -> int:
+    """The length of the pattern the layers repeat (what a scan stacks), capped at L."""
+    return max(1, min(lm.period(config), config.num_hidden_layers))
+
+
+def _layer_class(lm: type, config):
+    if config.remat_policy == "none":
+        return lm.layer
+    return nn.remat(lm.layer, policy=remat.POLICIES[config.remat_policy],
+                    prevent_cse=not config.scan_layers)
+
+
+class _Block(nn.Module):
+    """One repeat of the pattern: the layers of its `kinds`, named slot<j> (a scan's body)."""
+
+    config: Any
+    dtype: jnp.dtype
+    param_dtype: jnp.dtype
+    lm: type
+    kinds: tuple
+
+    @nn.compact
+    def __call__(self, x, contexts, positions, cache):
+        layer, new_cache = _layer_class(self.lm, self.config), {}
+        for j, kind in enumerate(self.kinds):
+            x, new_cache[f"slot{j}"] = layer(self.config, self.dtype, self.param_dtype, kind=kind,
+                                             name=f"slot{j}")(
+                x, contexts[kind], positions, None if cache is None else cache[f"slot{j}"])
+        return x, (None if cache is None else new_cache)
+
+
+class _Layers(nn.Module):
+    """The layers one by one, named layers/<i>/... like HF's model.layers.<i>."""
+
+    config: Any
+    dtype: jnp.dtype
+    param_dtype: jnp.dtype
+    lm: type
+
+    @nn.compact
+    def __call__(self, x, contexts, positions, cache):
+        layer, new_cache = _layer_class(self.lm, self.config), {}
+        for i, kind in enumerate(self.lm.layer_kinds(self.config)):
+            x, new_cache[str(i)] = layer(self.config, self.dtype, self.param_dtype, kind=kind,
+                                         name=str(i))(
+                x, contexts[kind], positions, None if cache is None else cache[str(i)])
+        return x, (None if cache is None else new_cache)
+
+
+class _Backbone(nn.Module):
+    """model/...: the embedding, the layers and the final norm; hidden states (B, T, D)."""
+
+    config: Any
+    dtype: jnp.dtype
+    param_dtype: jnp.dtype
+    lm: type
+
+    @nn.compact
+    def __call__(self, input_ids, positions, segment_ids, cache):
+        c, lm = self.config, self.lm
+        embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype,
+                         param_dtype=self.param_dtype,
+                         embedding_init=nn.initializers.normal(c.initializer_range),
+                         name="embed_tokens")
+        x = embed(input_ids)
+        scale = lm.embed_scale(c)
+        if scale is not None:  # in the compute dtype, as HF casts it
+            x = x * jnp.asarray(scale, self.dtype)
+        # The lookup (and, in the backward pass, the scatter into the table) happens
+        # where the table's D is split: over 'fsdp', batch over 'dp' only. Then an
+        # all-to-all splits the batch over ('dp', 'fsdp') as everywhere else. Going
+        # straight from the batch split to the table's D split would make XLA gather
+        # the whole (B, T, D) gradient on every device when dp > 1.
+        x = constrain(x, P("dp", None, "fsdp"))
+        x = constrain(x, P(BATCH_AXES, None, None))  # (B, T, D)
+        contexts = self.contexts(positions, segment_ids, cache)
+        if c.scan_layers:
+            x, cache = self.scanned(x, contexts, positions, cache)
+        else:
+            x, cache = _Layers(c, self.dtype, self.param_dtype, lm, name="layers")(
+                x, contexts, positions, cache)
+        return lm.norm(c.rms_norm_eps, self.dtype, self.param_dtype, name="norm")(x), cache
+
+    def contexts(self, positions, segment_ids, cache):
+        """Each layer kind's (cos, sin, mask): the mask (B, T, S) is None for plain causal
+        attention (the kernel's own, with the kind's window), else it holds the window."""
+        c, lm = self.config, self.lm
+        mask = None if segment_ids is None else segment_mask(segment_ids)
+        key_positions = positions  # (B, S)
+        if cache is not None:
+            # Query at position p sees cache slots 0..p: (B, T, S).
+            S = jax.tree_util.tree_leaves(cache)[0].shape[-3]
+            key_positions = jnp.arange(S)[None, :]
+            mask = key_positions[:, None, :] <= positions[:, :, None]
+        contexts = {}
+        for kind in dict.fromkeys(lm.layer_kinds(c)):
+            window = lm.window(c, kind)
+            kind_mask = mask
+            if window and mask is not None:  # ... and only the last `window` of them
+                kind_mask = mask & sliding_window_mask(positions, key_positions, window)
+            contexts[kind] = (*rotary_embedding(positions, lm.inv_freq(c, kind), self.dtype),
+                              kind_mask)
+        return contexts
+
+    def scanned(self, x, contexts, positions, cache):
+        """The pattern's R repeats as one scanned module (layers/...), then the tail."""
+        c, lm = self.config, self.lm
+        kinds, n = lm.layer_kinds(c), period(lm, c)
+        repeats = len(kinds) // n
+        if n == 1:
+            body = _layer_class(lm, c)
+            args = dict(kind=kinds[0])
+            contexts_in = contexts[kinds[0]]
+        else:
+            body, args, contexts_in = _Block, dict(lm=lm, kinds=kinds[:n]), contexts
+        stack = nn.scan(
+            body, variable_axes={"params": 0},
+            # 'dropout': each layer its own key when one is given (LoRA's adapter
+            # dropout, easylm/variants/lora.py); a scan passes no stream it does not name.
+            split_rngs={"params": True, "dropout": True},
+            in_axes=(nn.broadcast, nn.broadcast, 0), length=repeats)
+        x, new = stack(c, self.dtype, self.param_dtype, **args, name="layers")(
+            x, contexts_in, positions, None if cache is None else cache["layers"])
+        new_cache = {"layers": new}
+        tail = _layer_class(lm, c)
+        for i in range(repeats * n, len(kinds)):
+            x, new_cache[f"tail{i}"] = tail(c, self.dtype, self.param_dtype, kind=kinds[i],
+                                            name=f"tail{i}")(
+                x, contexts[kinds[i]], positions, None if cache is None else cache[f"tail{i}"])
+        return x, (None if cache is None else new_cache)
+
+
+class CausalLM(nn.Module):
+    """`apply(params, input_ids)` -> logits (B, T, V) in the compute dtype; with `cache=`
+    (from `init_cache`) and `positions=`, `(logits, cache)` with this call's keys/values
+    written; with `return_hidden=True` the final norm's output (B, T, D) instead of logits
+    (for losses that apply the head themselves, `head_weight`)."""
+
+    config: Any
+    dtype: jnp.dtype = jnp.float32  # compute
+    param_dtype: jnp.dtype = jnp.float32  # storage
+
+    layer = None  # the family's decoder layer (see the module docstring); not fields
+    norm = RMSNorm
+
+    @classmethod
+    def layer_kinds(cls, config) -> tuple[str, ...]:
+        return ("full_attention",) * config.num_hidden_layers
+
+    @classmethod
+    def period(cls, config) -> int:
+        return 1
+
+    @classmethod
+    def inv_freq(cls, config, kind: str):
+        """Rotary inverse frequencies (H/2,) of a layer of `kind`."""
+        raise NotImplementedError
+
+    @classmethod
+    def window(cls, config, kind: str) -> int:
+        """A sliding window of a layer of `kind` (0: none)."""
+        return 0
+
+    @classmethod
+    def embed_scale(cls, config) -> float | None:
+        return None
+
+    @nn.compact
+    def __call__(self, input_ids, positions=None, segment_ids=None, cache=None,
+                 return_hidden=False):
+        B, T = input_ids.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        if cache is not None and segment_ids is not None:
+            raise ValueError("segment_ids (packed documents) cannot be used with a cache")
+        model = _Backbone(self.config, self.dtype, self.param_dtype, type(self), name="model")
+        hidden, new_cache = model(input_ids, positions, segment_ids, cache)  # (B, T, D)
+        if return_hidden:
+            return hidden
+        if self.config.tie_word_embeddings:
+            embedding = self.variables["params"]["model"]["embed_tokens"]["embedding"]
+            logits = hidden @ embedding.astype(self.dtype).T
+        else:
+            logits = nn.Dense(self.config.vocab_size, use_bias=False, dtype=self.dtype,
+                              param_dtype=self.param_dtype,
+                              kernel_init=nn.initializers.normal(self.config.initializer_range),
+                              name="lm_head")(hidden)
+        logits = constrain(logits, P(BATCH_AXES, None, "mp"))
+        return logits if cache is None else (logits, new_cache)
+
+    def init_cache(self, batch_size: int, length: int, dtype=None):
+        """Zeros for `length` cache positions, laid out like the layers."""
+        c = self.config
+        shape = (batch_size, length, c.num_key_value_heads, c.head_dim)
+
+        def kv(*stacked):
+            return {name: jnp.zeros((*stacked, *shape), dtype or self.dtype) for name in ("k", "v")}
+
+        kinds = type(self).layer_kinds(c)
+        if not c.scan_layers:
+            return {str(i): kv() for i in range(len(kinds))}
+        n = period(type(self), c)
+        repeats = len(kinds) // n
+        layers = kv(repeats) if n == 1 else {f"slot{j}": kv(repeats) for j in range(n)}
+        return {"layers": layers, **{f"tail{i}": kv() for i in range(repeats * n, len(kinds))}}
+
+    def init_params(self, rng, seq_length: int = 8):
+        """Parameters only (a pure function of rng; run it sharded)."""
+        return self.init(rng, jnp.zeros((1, seq_length), jnp.int32))["params"]
+
+
+def head_weight(params, config):
+    """The output projection (D, V): lm_head's kernel, or the embedding when tied."""
+    if config.tie_word_embeddings:
+        return params["model"]["embed_tokens"]["embedding"].T
+    return params["lm_head"]["kernel"]
+
+
+# ----------------------------------------------------------- the two layouts of the layers
+
+def layers_scanned(tree) -> bool | None:
+    """Whether `tree` (parameters, adapters, or a checkpoint's stored tree: anything keyed
+    like the parameters) holds its layers stacked (scanned), one by one, or has none."""
+    layers = tree.get("model", {}).get("layers") if hasattr(tree, "get") else None
+    if not layers:
+        return None
+    return not all(str(name).isdigit() for name in layers)
+
+
+def _stack(*xs):  # numpy stays on the host (converters), jax arrays stay jax
+    return np.stack(xs) if isinstance(xs[0], np.ndarray) else jnp.stack(xs)
+
+
+def stack_layers(tree, n: int = 1):
+    """Layers one by one (model/layers/<i>/...) -> scanned: a pattern of period `n`
+    repeated R times, stacked (see the module docstring)."""
+    model = dict(tree["model"])
+    layers = model.pop("layers")
+    num_layers = len(layers)
+    repeats = num_layers // n
+
+    def slot(j):
+        return jax.tree_util.tree_map(_stack, *[layers[str(r * n + j)] for r in range(repeats)])
+
+    model["layers"] = slot(0) if n == 1 else {f"slot{j}": slot(j) for j in range(n)}
+    for i in range(repeats * n, num_layers):
+        model[f"tail{i}"] = layers[str(i)]
+    return {**tree, "model": model}
+
+
+def unstack_layers(tree):
+    """Scanned -> layers one by one: the inverse of `stack_layers`."""
+    model = dict(tree["model"])
+    stacked = model.pop("layers")
+    if all(str(key).startswith("slot") for key in stacked):
+        parts = [stacked[f"slot{j}"] for j in range(len(stacked))]
+    else:
+        parts = [stacked]
+    n = len(parts)
+    repeats = jax.tree_util.tree_leaves(parts[0])[0].shape[0]
+    layers = {str(r * n + j): jax.tree_util.tree_map(lambda x, r=r: x[r], parts[j])
+              for r in range(repeats) for j in range(n)}
+    for key in [key for key in model if str(key).startswith("tail")]:
+        layers[key[len("tail"):]] = model.pop(key)
+    return {**tree, "model": {**model, "layers": layers}}
+
+
+def relayout_like(tree, like):
+    """`tree` in the layout `like` (a tree keyed like it) has."""
+    scanned = layers_scanned(like)
+    layers = like["model"]["layers"] if scanned else {}
+    n = len(layers) if all(str(key).startswith("slot") for key in layers) else 1
+    return relayout(tree, scanned, n)
+
+
+def relayout(tree, scanned: bool | None, n: int = 1):
+    """`tree` with its layers stacked (`scanned`) or one by one, whichever it holds now:
+    the one conversion between the two layouts (checkpoints, bases and adapters are read
+    in the layout they were stored in; None keeps it)."""
+    have = layers_scanned(tree)
+    if scanned is None or have is None or have == scanned:
+        return tree
+    return stack_layers(tree, n) if scanned else unstack_layers(tree)
