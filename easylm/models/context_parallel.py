@@ -213,7 +213,7 @@ def _backward_update(q, keys, mask, dq, dkv):
 
 def _ring_backward(q, keys: _Keys, out, lse, dout, sp: int, parts: int, window: int):
     """Gradients (fp32) w.r.t. the scaled q (b, t, K, G, H) and the local k, v."""
-    delta = jnp.einsum("BTKGH,BTKGH->BTKG", dout.astype(jnp.float32), out)
+    delta = jnp.einsum("BTKGH,BTKGH->BTKG", dout, out, preferred_element_type=jnp.float32)
     queries = _split({"q": q, "positions": keys.positions, "segments": keys.segments,
                       "lse": lse, "dout": dout, "delta": delta}, parts)
     dqs = [jnp.zeros(x["q"].shape, jnp.float32) for x in queries]
@@ -244,7 +244,8 @@ def _ring(q, k, v, positions, segments, sp, parts, window):
 
 def _ring_fwd(q, k, v, positions, segments, sp, parts, window):
     out, lse = _ring_forward(q, _Keys(k, v, positions, segments), sp, parts, window)
-    return out.astype(q.dtype), (q, k, v, positions, segments, out, lse)
+    out = out.astype(q.dtype)  # kept as returned: rowsum(dO * O) is of what the caller saw
+    return out, (q, k, v, positions, segments, out, lse)
 
 
 def _ring_bwd(sp, parts, window, residuals, dout):
