@@ -1,15 +1,15 @@
 """Context parallelism: attention with the sequence split over the mesh axis 'sp'.
 
-Each of the sp devices holds T/sp consecutive places of every row (its queries and its
-keys/values); batch rows are split over the batch axes (dp, fsdp, ep), heads over mp.
+Each of the sp devices holds T/sp places of every row, consecutive in the order the row
+is given (its queries and its keys/values); batch rows are split over the batch axes (dp, fsdp, ep), heads over mp.
 Two strategies compute the same numbers as `attention.xla_attention` under a segment mask:
 
     ring        K/V blocks (with their positions and segment ids) go round the sp devices
                 with `ppermute`, sp - 1 hops; each device folds every block into an
                 online softmax (running max, denominator and output in fp32). The backward
                 pass is a second ring (`custom_vjp`): the blocks go round again with their
-                gradients, which arrive home after sp hops. No device ever holds more than
-                two K/V blocks or a (T/sp) x (T/sp) score matrix.
+                gradients, which arrive home after sp hops. A device holds a few K/V
+                blocks of T/sp places and scores of (T/sp/parts)^2, never the whole K/V.
     all_gather  K/V, positions and segment ids gathered over sp (per layer), then
                 ordinary masked attention (`attention.attention`) for the local queries:
                 one collective, (T/sp) x T scores per device.
@@ -18,7 +18,9 @@ Which keys a query sees is decided from positions and segment ids only, never fr
 token sits: key s is visible from query t iff seg[s] == seg[t], pos[s] <= pos[t] and, with
 a window W, pos[s] > pos[t] - W. Packed rows restart positions at each document
 (data/packing.py), so inside a document this is the causal mask, and across documents
-nothing is visible. The sequence can therefore be put in any order; `to_zigzag` puts it in
+nothing is visible. This needs what packing gives: each document of a row its own
+segment id (padding, id 0, sees only padding) and positions increasing inside a
+document. The sequence can therefore be put in any order; `to_zigzag` puts it in
 the order that gives every device equal causal work (device i holds chunks i and 2sp-1-i
 of 2sp), and `from_zigzag` undoes it. Positions, segment ids, targets and loss masks are
 permuted with the tokens; a per-token loss summed over the row does not care about order.
@@ -27,6 +29,12 @@ The ring skips (with `lax.cond`) any pair of sub-blocks in which no query sees a
 under zig-zag order each device runs the same number of block products
 (`block_work` counts them); rows with no visible key in a block add nothing (their
 probabilities are set to exactly 0, never exp of a huge negative difference).
+
+A model's attention layer calls it with its rotated q, k and v, and the batch's positions
+and segment ids (which, unlike a (B, T, T) mask, split over 'sp' like the tokens):
+
+    out = context_parallel_attention(q, k, v, positions, segment_ids, strategy="ring",
+                                     window=config.sliding_window, scale=scale)
 
 Shape letters as in attention.py: B batch, T query places, S key places, N query heads,
 K key/value heads, G = N // K, H head dim; lower-case b, t, s for a device's local share.
@@ -182,13 +190,14 @@ def _ring_forward(q, keys: _Keys, sp: int, parts: int, window: int):
 
     def hop(carry, _):
         states, keys = carry
-        keys = _pass_on(keys, sp)
-        return (fold(states, keys), keys), None
+        # The next block is sent before this one is folded in: independent, so the
+        # transfer can overlap the block's compute.
+        return (fold(states, keys), _pass_on(keys, sp)), None
 
-    states = fold(states, keys)
-    (states, _), _ = jax.lax.scan(hop, (states, keys), length=sp - 1)
-    m, l, acc = _concat(states)
-    # Every query sees at least itself; l = 0 only for a row fed no visible key at all.
+    (states, keys), _ = jax.lax.scan(hop, (states, keys), length=sp - 1)
+    m, l, acc = _concat(fold(states, keys))
+    # Every query sees at least itself; l = 0 only for a row fed no visible key at all
+    # (its output is 0 where a plain softmax would average every value).
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     return out, m + jnp.log(jnp.where(l > 0, l, 1.0))
 
@@ -227,8 +236,8 @@ def _ring_backward(q, keys: _Keys, out, lse, dout, sp: int, parts: int, window: 
     def hop(carry, _):
         dqs, keys, dkv = carry
         dqs, dkv = fold(dqs, keys, dkv)
-        keys, dkv = _pass_on((keys, dkv), sp)  # a block's gradient travels with it
-        return (dqs, keys, dkv), None
+        # A block's gradient travels with it; the block itself can leave before the fold.
+        return (dqs, _pass_on(keys, sp), _pass_on(dkv, sp)), None
 
     (dqs, keys, dkv), _ = jax.lax.scan(hop, (dqs, keys, dkv), length=sp - 1)
     dqs, dkv = fold(dqs, keys, dkv)
