@@ -23,11 +23,11 @@ B, T, N, K, H = 2, 32, 4, 2, 8  # GQA: two query heads per key/value head
 WINDOW = 5
 EPS32 = float(np.finfo(np.float32).eps)
 # sp -> the other axes of its 8-device mesh: batch split over fsdp or ep, heads over mp.
-OTHER_AXES = {2: dict(fsdp=2, mp=2), 4: dict(ep=2), 8: {}}
+OTHER_AXES = {2: {"fsdp": 2, "mp": 2}, 4: {"ep": 2}, 8: {}}
 
 
 def make_mesh(sp):
-    sizes = dict(dp=1, fsdp=1, sp=sp, ep=1, mp=1) | OTHER_AXES[sp]
+    sizes = {"dp": 1, "fsdp": 1, "sp": sp, "ep": 1, "mp": 1} | OTHER_AXES[sp]
     return jax.make_mesh(tuple(sizes[a] for a in AXES), AXES, axis_types=(AxisType.Auto,) * 5)
 
 
@@ -61,7 +61,7 @@ def reference(q, k, v, segments, positions, dout, window):
         return np.asarray(out), tuple(np.asarray(g) for g in vjp(dout))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def compiled(sp, strategy, window):
     """The jitted (q, k, v, positions, segments, dout) -> (output, (dq, dk, dv)) on the sp
     mesh, compiled once for the parity, leakage and HLO tests."""

@@ -13,8 +13,8 @@ value rather than a sum.
 Shape letters: N rows, T positions, c positions of one chunk, D width, V vocabulary.
 """
 
+from collections.abc import Callable
 from functools import partial
-from typing import Callable
 
 import jax
 
