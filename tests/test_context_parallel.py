@@ -251,3 +251,17 @@ def test_ring_memory_is_below_all_gather():
         return program.memory_analysis().temp_size_in_bytes
 
     assert temp_bytes("all_gather") > sp * temp_bytes("ring")
+
+
+def test_without_segment_ids_the_row_is_one_causal_document():
+    q, k, v, _ = random_inputs()
+    positions = np.tile(np.arange(T, dtype=np.int32), (B, 1))
+    got = jax.jit(lambda q, k, v: cp.context_parallel_attention(
+        q, k, v, positions, strategy="all_gather", mesh=make_mesh(2)))(q, k, v)
+    with jax.enable_x64(True):
+        q, k, v = (jnp.asarray(x, jnp.float64) for x in (q, k, v))
+        want = np.asarray(xla_attention(q, k, v))
+        # Twin: attention over the whole row, later keys included.
+        unmasked = np.asarray(xla_attention(q, k, v, jnp.ones((B, T, T), bool)))
+    assert np.abs(np.asarray(got) - want).max() <= tolerance(want, H + T)
+    assert np.abs(np.asarray(got) - unmasked).max() > tolerance(unmasked, H + T)
