@@ -226,3 +226,42 @@ def test_a_lora_run_exports_a_peft_adapter_and_a_merged_model(tmp_path, hf_dir, 
     expected = ids[4:ids.index(2, 4)] if 2 in ids[4:] else ids[4:]
     assert response["choices"][0]["text"] == load_tokenizer("embedded").decode(
         expected, skip_special_tokens=True)
+
+
+def test_scanned_layers_train_as_the_unscanned_and_a_resume_across_is_refused(
+        tmp_path, tmp_path_factory, capsys):
+    # Five layers, pattern (sliding, global): two scanned repeats and one layer after them.
+    import contextlib
+    import io
+
+    from test_checkpoint import metrics
+
+    config = tiny_config(num_hidden_layers=5)
+    directory = tmp_path_factory.mktemp("gemma5") / "hf"
+    hf_model(config).save_pretrained(directory)
+    load_tokenizer("embedded").save_pretrained(directory)
+    runs = {}
+    for scan in (False, True):
+        argv = [*train_argv(tmp_path / f"scan{scan}", directory, steps=3),
+                "--logger.experiment_id=run", f"--gemma.scan_layers={scan}"]
+        with contextlib.redirect_stdout(io.StringIO()):
+            train.main(argv)
+        runs[scan] = metrics(tmp_path / f"scan{scan}" / "runs")
+        assert sorted(runs[scan]) == [1, 2, 3]
+    # The first step is one forward and backward pass on the same weights and batch: the
+    # scan reorders no sum, but XLA fuses a scanned body otherwise, so each logit may
+    # round differently, by the forward pass's relative bound; the mean loss and the
+    # gradient norm (sums of such terms) then within that relative bound too.
+    rel = forward_rel(config, 32)
+    for name in ("loss", "gradient_norm"):
+        assert runs[True][1][name] == pytest.approx(runs[False][1][name], rel=rel, abs=0)
+    # Later steps follow from Adam updates of lr 3e-3 on such gradients: they stay alike
+    # (a wrong scan, a layer dropped or a slot reordered, moves the first loss by far more).
+    for step in (2, 3):
+        assert runs[True][step]["loss"] == pytest.approx(runs[False][step]["loss"], rel=1e-3)
+    # The unscanned run's trainstate does not resume scanned: refused by the flag, in one line.
+    argv = [*train_argv(tmp_path / "scanFalse", directory, steps=4),
+            "--logger.experiment_id=run", "--gemma.scan_layers=True"]
+    capsys.readouterr()  # the runs' warnings
+    error = one_line_error(train.main, argv, capsys)
+    assert "--gemma.scan_layers" in error, error
