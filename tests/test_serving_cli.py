@@ -169,3 +169,38 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+SERVE_AND_LIST_MODULES = """
+import sys
+from easylm import flags as flag_lib
+from easylm.models import registry
+from easylm.serving import cli
+family, argv = registry.from_argv(["serve", *sys.argv[1:]], detect=True)
+app, batcher = cli.build(family, flag_lib.parse(cli.default_config(family),
+                                                cli.help_entries(family), argv))
+batcher.stop()
+if family.name == "twin":  # the negative twin: a serve process that loads the trainer
+    import easylm.training.trainer
+print(" ".join(sorted(m for m in sys.modules if m.startswith(("easylm.objectives",
+                                                              "easylm.training")))))
+"""
+
+
+def test_a_serve_process_imports_no_training_code(tmp_path, tokenizer_dir):
+    # STYLE.md: serving loads no training code (objectives: GRPO's rollouts, rewards; the
+    # trainer). What `python -m easylm.serve --load_checkpoint=hf::DIR` imports, made to
+    # stop after building the server.
+    torch.manual_seed(0)
+    HFLlama(tiny_config().to_hf_config()).save_pretrained(tmp_path / "hf")
+    argv = [f"--load_checkpoint=hf::{tmp_path / 'hf'}", f"--tokenizer={tokenizer_dir}",
+            "--seq_length=32", "--batch_size=1", "--pre_compile=False"]
+    run = subprocess.run([sys.executable, "-c", SERVE_AND_LIST_MODULES, *argv],
+                         capture_output=True, text=True, env={**os.environ, **ENV}, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == [], run.stdout
+    # The negative twin: a process that does load the trainer is seen to.
+    twin = SERVE_AND_LIST_MODULES.replace('family.name == "twin"', "True")
+    run = subprocess.run([sys.executable, "-c", twin, *argv], capture_output=True, text=True,
+                         env={**os.environ, **ENV}, timeout=300)
+    assert "easylm.training.trainer" in run.stdout.split(), run.stderr
