@@ -10,19 +10,7 @@ flags those of `python -m easylm.llama.train` with --gemma.* for the model; all:
 """
 
 from easylm.gemma.family import FAMILY
-from easylm.training import options, trainer
-
-
-def default_config():
-    return options.default_config(FAMILY)
-
-
-def help_entries() -> dict:
-    return options.help_entries(FAMILY)
-
-
-def parse_flags(argv: list[str]):
-    return options.parse_flags(FAMILY, argv)
+from easylm.training import trainer
 
 
 def main(argv=None):
