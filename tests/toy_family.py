@@ -28,13 +28,13 @@ class ToyConfig:
     vocab_size: int = _field(512, "tokens")
     width: int = _field(32, "model width D")
     num_layers: int = _field(2, "layers")
-    max_length: int = _field(64, "longest row")
-    eos_token_id: int = _field(2, "end of sequence")
-    scan_layers: bool = _field(False, "one scanned layer")
     # What the decoder reads, fixed here.
     num_attention_heads, num_key_value_heads, head_dim = 2, 2, 16
     initializer_range, rms_norm_eps, tie_word_embeddings = 0.02, 1e-6, False
     remat_policy, attention, loss_chunk_size = "none", "xla", 0
+    max_length: int = _field(64, "longest row")
+    eos_token_id: int = _field(2, "end of sequence")
+    scan_layers: bool = _field(False, "one scanned layer")
 
     hidden_size = property(lambda self: self.width)
     intermediate_size = property(lambda self: 4 * self.width)
