@@ -19,16 +19,25 @@ import shlex
 
 import pytest
 
-from easylm import flags as flag_lib, plan
+import jax
+import numpy as np
+from numerics import fp32_rel
+
+from easylm import flags as flag_lib, plan, variants
 from easylm.data import preview
 from easylm.data.cache import build
 from easylm.data.embedded.stories import documents
 from easylm.data.tokenizer import load_tokenizer
 from easylm.errors import UserError
-from easylm.llama import eval as eval_cli, train
+from easylm.evaluation import cli as eval_cli
+from easylm.llama import train
 from easylm.llama.family import FAMILY
+from easylm.models import registry
+from easylm.models.family import abstract_params
+from easylm.runtime import checkpoint
+from easylm.runtime.sharding import make_mesh
 from easylm.serving import cli as serving_cli
-from easylm.training import trainer
+from easylm.training import options, trainer
 
 OBJECTIVES = ("next_token", "dpo", "simpo", "orpo")
 DOCUMENTS = ("json", "chat", "huggingface", "cache", "mixture")  # next-token data
@@ -55,6 +64,19 @@ CASES = [
     ("next_token", "cache", "lora", False, 1),
     ("next_token", "mixture", "qlora", True, 1),
 ]
+
+# Gemma through each kind of objective and variant, scanned and not, and GRPO on both
+# families: (family, objective, data, variant, scan_layers, accumulate_gradient_steps). The
+# full-model cases also serve with --quantize=int8.
+FAMILY_CASES = [
+    ("gemma", "next_token", "chat", "qlora", True, 2),
+    ("gemma", "dpo", "pairs", "lora", False, 2),
+    ("gemma", "simpo", "hf_pairs", "full", True, 1),
+    ("gemma", "grpo", "prompts", "lora", True, 1),
+    ("llama", "grpo", "prompts", "full", False, 2),
+    ("llama", "grpo", "prompts", "qlora", True, 1),
+]
+GRPO = ["--grpo.num_generations=2", "--grpo.max_new_tokens=4", "--grpo.reward_funcs=answer_match"]
 
 # Combinations refused at startup: (objective, data) -> the one line.
 NOT_PAIRS = ("--train_dataset.preference.enabled=True reads pairs from a json or "
@@ -105,6 +127,8 @@ def data(tmp_path_factory):
                                {"role": "assistant", "content": t[40:120]}]} for t in texts]
     pair_rows = [{"prompt": t[:40], "chosen": t[40:90], "rejected": u[40:80]}
                  for t, u in zip(texts, texts[1:])]
+    prompt_rows = [{"prompt": f"{t[:30]} {i % 7} plus {i % 5} is", "answer": str(i % 7 + i % 5)}
+                   for i, t in enumerate(texts)]
     chat_pair_rows = [{"prompt": p["prompt"], "chosen": [{"role": "assistant",
                                                            "content": p["chosen"]}],
                        "rejected": p["rejected"]} for p in pair_rows]
@@ -137,6 +161,7 @@ def data(tmp_path_factory):
         "chat_pairs": [*pairs, *chat,
                        "--train_dataset.json_dataset.path=" + jsonl("chat_pairs",
                                                                     chat_pair_rows)],
+        "prompts": ["--train_dataset.json_dataset.path=" + jsonl("prompts", prompt_rows)],
         "hf_pairs": [*pairs, "--train_dataset.type=huggingface",
                      "--train_dataset.huggingface_dataset.path=" + saved("hf_pairs",
                                                                          pair_rows)],
@@ -153,49 +178,113 @@ def with_sizes(argv: list[str]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    """A HF directory of the debug shape (random weights), every case's starting point:
-    a LoRA run's serve and eval lines name their base, which must be on disk."""
+def bases(tmp_path_factory):
+    """A HF directory of each family's debug shape (random weights), every case's starting
+    point: a LoRA run's serve and eval lines name their base, which must be on disk. LLaMA
+    with one layer, Gemma with two (a sliding and a global one): less to compile."""
     import torch
-    from transformers import LlamaForCausalLM
-
-    from easylm.llama.config import LLaMAConfig
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    directory = tmp_path_factory.mktemp("base")
-    config = LLaMAConfig.from_preset("debug", num_hidden_layers=1)  # a layer: less to compile
-    LlamaForCausalLM(config.to_hf_config()).save_pretrained(directory)
-    return directory
+    directories = {}
+    for name, layers in (("llama", 1), ("gemma", 2)):
+        directories[name] = tmp_path_factory.mktemp(name)
+        config = registry.get(name).from_preset("debug", num_hidden_layers=layers)
+        AutoModelForCausalLM.from_config(config.to_hf_config()).save_pretrained(directories[name])
+    return directories
 
 
-def case_argv(tmp_path, data, base, case) -> list[str]:
+@pytest.fixture(scope="module")
+def base(bases):
+    return bases["llama"]
+
+
+def case_argv(tmp_path, data, base, case, family="llama") -> list[str]:
     objective, kind, variant, scan, accumulate = case
     return with_sizes([
         "train", f"--load_checkpoint=hf::{base}", "--tokenizer=embedded",
-        f"--objective={objective}",
-        *data[kind], *VARIANTS[variant], f"--llama.scan_layers={scan}",
+        f"--objective={objective}", *(GRPO if objective == "grpo" else []),
+        *data[kind], *VARIANTS[variant], f"--{family}.scan_layers={scan}",
         f"--optimizer.accumulate_gradient_steps={accumulate}", "--log_freq=1", "--save_model_freq=1",
         "--dtype=fp32", "--mesh_dim=-1,1,1", f"--logger.output_dir={tmp_path}",
+        "--optimizer.adamw_optimizer.lr=1e-2", "--optimizer.adamw_optimizer.lr_warmup_steps=0",
         "--logger.experiment_id=run", f"--compilation_cache_dir={tmp_path / 'xla'}"])
 
 
-def run(argv) -> tuple[str, str]:
+def run(argv, family=FAMILY) -> tuple[str, str]:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        final = trainer.train(train.parse_flags(argv), FAMILY)
+        final = trainer.train(options.parse_flags(family, argv), family)
     return final, out.getvalue()
+
+
+PROBE = [1, 45, 12, 300, 7, 99, 23, 5, 61, 200, 8, 3]  # a row of ids both presets read
+
+
+def trained_logps(family, argv, final):
+    """(log-probabilities of PROBE's next tokens (T-1,), the largest logit) under the model
+    the run trained: its final parameters (a variant's adapters on the base read in fp32,
+    as the served --lora_checkpoint folds them: QLoRA's nf4 base is the run's rounding of
+    it); with `final` None, the model it started from (its --load_checkpoint)."""
+    config = options.parse_flags(family, [*argv, "--total_steps=2"])
+    if config.get("lora") is not None and config.lora.rank:
+        config.lora.base_dtype = "fp32"
+        config.lora.rank = config.lora.rank if final else 0
+    model = variants.build(family, config)
+    mesh = make_mesh("1,1,1", jax.devices()[:1])
+    with jax.set_mesh(mesh):
+        abstract = abstract_params(model, mesh)
+        params = (checkpoint.load_params(f"params::{final}", abstract) if final
+                  else model.load(config.load_checkpoint, abstract))
+        base = model.frozen.load(mesh) if model.frozen is not None else None
+        logits = jax.jit(lambda p, b: model.forward(p, jax.numpy.asarray([PROBE]), base=b))(
+            params, base)
+    logps = jax.nn.log_softmax(np.asarray(logits[0], np.float64), axis=-1)
+    return np.asarray(logps)[np.arange(len(PROBE) - 1), PROBE[1:]], float(np.abs(logits).max())
+
+
+def served_logps(engine) -> np.ndarray:
+    return np.asarray(engine.score([PROBE[:-1]], [PROBE[1:]])[0][0], np.float64)
+
+
+def assert_serves_the_trained_model(engine, trained, family) -> None:
+    # The served model is the trained one: the same log-probabilities up to fp32 rounding,
+    # the served merge W + s*A*B rounding once more than the run's two products. A logit
+    # is a depth-(a few reductions per layer) computation of width-64..128 sums, each term
+    # off by ~eps32: rel fp32_rel(128, 12 * layers + 2) of the largest logit, twice for a
+    # log-probability (the logit and the log-sum-exp). A wrong merge, the base without the
+    # adapters or another checkpoint moves them by orders of magnitude more.
+    np.testing.assert_allclose(served_logps(engine), trained[0], rtol=0,
+                               atol=logp_atol(trained, family))
+
+
+def logp_atol(trained, family) -> float:
+    layers = {"llama": 1, "gemma": 2}[family.name]
+    return 2 * fp32_rel(128, 12 * layers + 2) * trained[1] * 4
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_a_combination_trains_resumes_serves_evaluates_plans_and_previews(
         case, data, base, tmp_path, capsys):
-    argv = case_argv(tmp_path, data, base, case)
+    check_case(FAMILY, case_argv(tmp_path, data, base, case), case, tmp_path, capsys)
+
+
+@pytest.mark.parametrize("case", FAMILY_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_each_family_meets_each_objective_and_variant(case, data, bases, tmp_path, capsys):
+    family = registry.get(case[0])
+    argv = case_argv(tmp_path, data, bases[case[0]], case[1:], family.name)
+    check_case(family, argv, case[1:], tmp_path, capsys, int8=case[3] == "full")
+
+
+def check_case(family, argv, case, tmp_path, capsys, int8=False):
+    """Train (resuming half the cases), serve and evaluate what the printed lines load,
+    plan and preview a case's flags."""
     # Half the cases (those accumulating, which meet every objective, variant and layout)
     # stop after a step and resume; the others train their two steps at once.
     resume = case[-1] == 2
     if resume:
-        run([*argv, "--total_steps=1"])
-    _, resumed = run([*argv, "--total_steps=2"])
+        run([*argv, "--total_steps=1"], family)
+    final, resumed = run([*argv, "--total_steps=2"], family)
     assert (f"loading trainstate::{tmp_path}/run/checkpoints/1" in resumed) == resume, resumed
     steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert [row["step"] for row in steps if "loss" in row] == [1, 2]
@@ -204,17 +293,30 @@ def test_a_combination_trains_resumes_serves_evaluates_plans_and_previews(
              for line in resumed.splitlines() if line.startswith(("serve it:", "eval it:"))}
     assert sorted(lines) == ["eval it", "serve it"], resumed
     assert f"{tmp_path}/run/checkpoints/2" in " ".join(lines["serve it"])
-    serve = flag_lib.parse(serving_cli.default_config(FAMILY), serving_cli.help_entries(FAMILY),
+    trained = trained_logps(family, argv, final)
+    # The run moved the model (lr 1e-2) far beyond the tolerance: serving the starting
+    # model instead would fail the checks below (GRPO's rewards may all tie: no move).
+    if case[0] != "grpo":
+        moved = np.abs(trained_logps(family, argv, None)[0] - trained[0]).max()
+        assert moved > 10 * logp_atol(trained, family), moved
+    serve = flag_lib.parse(serving_cli.default_config(family), serving_cli.help_entries(family),
                            ["serve", *lines["serve it"], "--pre_compile=False"])
-    assert serving_cli.load_engine(FAMILY, serve)[0].params is not None
-    evaluate = flag_lib.parse(eval_cli.model_config(), eval_cli.help_entries(),
+    assert_serves_the_trained_model(serving_cli.load_engine(family, serve)[0], trained, family)
+    evaluate = flag_lib.parse(eval_cli.model_config(family), eval_cli.help_entries(family),
                               ["eval", *lines["eval it"][:-1], "--pre_compile=False"])
-    assert eval_cli.load(evaluate).engine.params is not None
+    assert_serves_the_trained_model(eval_cli.load(family, evaluate).engine, trained, family)
+    if int8:  # the same weights, int8: log-probabilities within the rounding of the kernels
+        serve.quantize = "int8"
+        int8_logps = served_logps(serving_cli.load_engine(family, serve)[0])
+        assert np.all(np.isfinite(int8_logps)) and not np.array_equal(int8_logps, trained[0])
     # plan takes the trainer's flags; exit 0: fits (no device memory known on a CPU).
     with pytest.raises(SystemExit) as exit_code:
-        plan.main([a for a in argv if not a.startswith("--compilation_cache_dir")])
+        plan.main([*(a for a in argv if not a.startswith("--compilation_cache_dir")),
+                   f"--family={family.name}"])
     assert exit_code.value.code == 0
     assert "per device" in capsys.readouterr().out
+    if case[0] == "grpo":
+        return  # preview shows documents and pairs; GRPO's prompt rows it does not read
     # preview takes the data flags and the tokenizer.
     preview.main(["preview", "--tokenizer=embedded",
                   *[a for a in argv if a.startswith("--train_dataset.")]])

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from easylm.gemma import hf
 from easylm.gemma.config import GemmaConfig
 from easylm.gemma.model import GemmaForCausalLM, partition_rules
+from easylm.models.decoder import period, relayout
 from easylm.models.hf_checkpoint import peft_target_modules
 from easylm.variants import lora_variant as variant
 from easylm.variants.lora import LoraConfig, LoraModel, read_peft, write_peft
@@ -47,13 +48,16 @@ def merge_into(spec: str, base_spec: str, config: GemmaConfig, params, mesh, loa
     kernels: the server's --lora_checkpoint. Refused unless the base is the run's."""
     lora, adapters, metadata = variant.read_adapters(
         spec, lambda directory: load_peft(directory, config))
+    # In the served layout (a scanned run's adapters are stacked).
+    adapters = relayout(adapters, config.scan_layers, period(GemmaForCausalLM, config))
 
     def as_the_run(metadata):
         run_config = GemmaConfig(**metadata["gemma_config"])
         run_lm = lora_model(run_config, lora,
                             dtype=jnp.dtype(metadata["frozen"].get("dtype", "float32")))
         return variant.stored_as_the_run(
-            run_lm, params, lambda p: p,
+            run_lm, params,
+            lambda p: relayout(p, run_config.scan_layers, period(GemmaForCausalLM, run_config)),
             lambda: load_base(run_lm, run_config, base_spec, mesh, load))
 
     return variant.merge_into(spec, base_spec, params, lora_model(config, lora), adapters,
