@@ -356,7 +356,7 @@ def test_the_hook_on_a_lora_run_scores_as_the_merged_model(tmp_path):
             "embedded"), run.mesh, {"seq_length": 64, "min_bucket": 16}, progress=False)
         ids = np.random.RandomState(0).randint(0, 512, (8, 64))
         requests = [(None, list(row[:n]), list(row[n:])) for row, n in zip(ids, range(1, 64, 8))]
-        hook.engine.params = (params, base)
+        hook.engine.params, hook.engine.base = params, base
         ours = np.array([logprob for logprob, _ in hook._loglikelihood_tokens(requests)])
         theirs = np.array([logprob for logprob, _ in merged_lm._loglikelihood_tokens(requests)])
         merged_lm.engine.params = jax.jit(lm.merge)(base, lm.adapters_off(params))

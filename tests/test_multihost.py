@@ -238,12 +238,13 @@ def test_two_processes_make_the_rollouts_of_one(tmp_path):
     # The same rollouts at every step: rewards and lengths are exact.
     for key in ("reward", "completions/mean_length", "rewards/format/mean"):
         assert [m[key] for m in b] == [m[key] for m in a], key
-    # Step 1: the same programs on the same rows, bit for bit (measured). After it the
-    # all-reduce over two processes may round a gradient's last bit otherwise; Adam turns
-    # that into a learning-rate-sized move of a near-zero-gradient weight, which the small
-    # loss and KL of these steps (~1e-5) show at ~1e-3 relative (measured: 2.5e-3 at most).
-    assert {k: b[0][k] for k in ("loss", "kl", "gradient_norm")} == \
-        {k: a[0][k] for k in ("loss", "kl", "gradient_norm")}
+    # Step 1: the same programs on the same rows: the loss and KL bit for bit. The gradient
+    # is all-reduced over two processes (gloo) in another order than over one process's 8
+    # devices, which may round its last bit otherwise (its norm differed by 1 ulp on CI's
+    # processor, 0 here): the rtol below. Adam turns such a bit into a learning-rate-sized
+    # move of a near-zero-gradient weight, which the small loss and KL of the later steps
+    # (~1e-5) show at ~1e-3 relative (measured: 2.5e-3 at most).
+    assert {k: b[0][k] for k in ("loss", "kl")} == {k: a[0][k] for k in ("loss", "kl")}
     np.testing.assert_allclose([m["gradient_norm"] for m in b], [m["gradient_norm"] for m in a],
                                rtol=1e-5)
     for key in ("loss", "kl"):

@@ -181,7 +181,7 @@ def test_device_programs_have_no_data_dependent_branch(served):
     for (sample, _), fn in engine._decode_fns.items():
         sampling = engine_lib.Sampling.empty(engine.batch_size)
         sampling.temperature[:] = float(sample)
-        hlo = fn.lower(engine.params, engine.state, *sampling.arrays()).as_text()
+        hlo = fn.lower(engine.weights, engine.state, *sampling.arrays()).as_text()
         assert "conditional" not in hlo and "stablehlo.case" not in hlo
         assert ("stablehlo.sort" in hlo) == sample  # only a sampling call sorts the vocabulary
 
