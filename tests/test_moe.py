@@ -243,6 +243,40 @@ def test_capacity_factor_drops_past_capacity():
     assert_differs(y, dense_reference(config, params, x), REL)
 
 
+@pytest.mark.parametrize("router", ["softmax_topk", "topk_softmax"])
+def test_routing_replay_uses_the_recorded_experts(router):
+    config = MoEConfig(E, K, F, router=router, norm_topk_prob=False)
+    params, x = init(config), jnp.asarray(hidden())
+    block = SparseMoE(config)
+    y, stats = block.apply({"params": params}, x)
+    recorded = stats.experts.reshape(B, T, K)
+    # Replaying the block's own choices is the same computation.
+    assert np.array_equal(block.apply({"params": params}, x, recorded)[0], y)
+    # After an update that changes some choices, replay keeps the recorded experts and
+    # weighs them by the new router: the dense reference over those experts.
+    moved = jax.tree.map(lambda p: p, params)
+    moved["router"]["kernel"] = params["router"]["kernel"] + 0.5 * jax.random.normal(
+        jax.random.PRNGKey(7), params["router"]["kernel"].shape)
+    fresh, fresh_stats = block.apply({"params": moved}, x)
+    assert not np.array_equal(fresh_stats.experts, stats.experts), "no choice changed"
+    replayed, replay_stats = block.apply({"params": moved}, x, recorded)
+    assert np.array_equal(replay_stats.experts, stats.experts)
+    logits = x.reshape(-1, D) @ moved["router"]["kernel"]
+    weights, _ = moe.route(logits, config, stats.experts)
+    combine = jnp.einsum("NK,NKE->NE", weights, jax.nn.one_hot(stats.experts, E))
+    ex = moved["experts"]
+    xs = x.reshape(-1, D)
+    h = jax.nn.silu(jnp.einsum("ND,EDF->NEF", xs, ex["gate_proj"])) * jnp.einsum(
+        "ND,EDF->NEF", xs, ex["up_proj"])
+    expected = jnp.einsum("NE,NED->ND", combine, jnp.einsum("NEF,EFD->NED", h, ex["down_proj"]))
+    assert_close(replayed, expected.reshape(B, T, D), REL)
+    # Negative twin: routing afresh is not the replay.
+    assert_differs(fresh, expected.reshape(B, T, D), REL)
+    # The router still gets a gradient through the replayed weights.
+    grad = jax.grad(lambda p: jnp.sum(block.apply({"params": p}, x, recorded)[0] ** 2))(moved)
+    assert float(jnp.abs(grad["router"]["kernel"]).max()) > 0
+
+
 # ------------------------------------------------------------------ expert parallelism
 
 

@@ -88,14 +88,22 @@ class RouterStats(NamedTuple):
 # ------------------------------------------------------------------ routing
 
 
-def route(logits, config: MoEConfig):
-    """(weights (N, K) fp32, experts (N, K) int32) from router logits (N, E)."""
+def route(logits, config: MoEConfig, experts=None):
+    """(weights (N, K) fp32, experts (N, K) int32) from router logits (N, E).
+
+    `experts` given (routing replay: the choices a sampler recorded), those experts are
+    used and only their weights come from `logits`, by the same rule, so the router
+    still learns from the loss."""
     logits = logits.astype(jnp.float32)
     k = config.num_experts_per_tok
+    scores = logits if config.router == "topk_softmax" else jax.nn.softmax(logits, axis=-1)
+    if experts is None:
+        top, experts = jax.lax.top_k(scores, k)
+    else:
+        experts = jnp.asarray(experts, jnp.int32)
+        top = jnp.take_along_axis(scores, experts, axis=-1)
     if config.router == "topk_softmax":
-        top, experts = jax.lax.top_k(logits, k)
         return jax.nn.softmax(top, axis=-1), experts
-    top, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
     if config.norm_topk_prob:
         top = top / top.sum(axis=-1, keepdims=True)
     return top, experts
@@ -253,14 +261,17 @@ class SparseMoE(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, experts=None):
+        """`experts` (B, T, K): replay these choices instead of routing (see `route`)."""
         c = self.config
         B, T, D = x.shape
         E = c.num_experts
         x = x.reshape(B * T, D)
         logits = Router(E, c.router_bias, c.initializer_range, self.param_dtype,
                         name="router")(x)  # (N, E) fp32
-        weights, experts = route(logits, c)
+        if experts is not None:
+            experts = experts.reshape(B * T, c.num_experts_per_tok)
+        weights, experts = route(logits, c, experts)
         params = Experts(c, D, self.param_dtype, name="experts")()
         out, dropped = self._dispatch(x, weights, experts, params)
         stats = RouterStats(logits, experts, jnp.bincount(experts.reshape(-1), length=E),
