@@ -153,6 +153,18 @@ def test_z_loss():
     assert abs(float(moe.router_z_loss(logits)) - expected) <= 8 * EPS32 * expected
 
 
+def test_load_metrics_over_layers():
+    logits = np.random.RandomState(0).randn(2, 6, E).astype(np.float32)
+    stats = [moe.RouterStats(jnp.asarray(l), None, jnp.asarray(load), jnp.asarray(d))
+             for l, load, d in zip(logits, ([3, 0, 9, 0, 0, 0, 0, 0], [1, 2, 3, 1, 1, 1, 1, 2]),
+                                   (0, 4))]
+    metrics = moe.load_metrics(stats, K)
+    assert float(metrics["moe_load_max"]) == 9 and float(metrics["moe_load_min"]) == 0
+    assert int(metrics["moe_dropped"]) == 4
+    assert float(metrics["moe_aux_loss"]) == float(moe.load_balancing_loss(logits, K))
+    assert float(metrics["moe_z_loss"]) == float(moe.router_z_loss(logits))
+
+
 # ------------------------------------------------------------------ dispatch
 
 

@@ -130,6 +130,16 @@ def router_z_loss(router_logits):
     return jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
 
 
+def load_metrics(stats: list[RouterStats], top_k: int, mask=None) -> dict:
+    """What a step logs from its MoE layers' stats: the load-balancing and z losses, the
+    most and fewest pairs any expert got in any layer, and the pairs dropped."""
+    loads = jnp.stack([s.load for s in stats])  # (L, E)
+    return {"moe_aux_loss": load_balancing_loss([s.logits for s in stats], top_k, mask),
+            "moe_z_loss": router_z_loss(jnp.stack([s.logits for s in stats])),
+            "moe_load_max": loads.max(), "moe_load_min": loads.min(),
+            "moe_dropped": sum(s.dropped for s in stats)}
+
+
 # ------------------------------------------------------------------ grouped experts
 
 
