@@ -54,9 +54,11 @@ from easylm.runtime.dtypes import DTYPES, bits, dtype_from_flag, nbytes
 from easylm.runtime.sharding import (
     MESH_AXES,
     axes_size,
+    batch_shards,
     check_batch_split,
     hybrid_mesh_shape,
     match_partition_rules,
+    mesh_dim_string,
     mesh_string,
     parse_mesh_dim,
 )
@@ -121,14 +123,12 @@ class Estimate:
 
 
 def mesh_sizes(config: ConfigDict, num_devices: int, num_processes: int) -> dict:
-    """{'dp': .., 'fsdp': .., 'mp': ..} for the configured (hybrid) mesh."""
+    """{'dp': .., 'fsdp': .., 'sp': .., 'ep': .., 'mp': ..} for the configured (hybrid) mesh."""
     if config.dcn_mesh_dim:
         ici, dcn = hybrid_mesh_shape(config.mesh_dim, config.dcn_mesh_dim, num_devices,
                                      num_processes)
-        shape = [i * d for i, d in zip(ici, dcn)]
-    else:
-        shape = parse_mesh_dim(config.mesh_dim, num_devices)
-    return dict(zip(MESH_AXES, shape))
+        return {axis: ici[axis] * dcn[axis] for axis in MESH_AXES}
+    return parse_mesh_dim(config.mesh_dim, num_devices)
 
 
 def shard_bytes(tree, specs, sizes: dict) -> int:
@@ -208,7 +208,7 @@ def estimate(config: ConfigDict, family, num_devices: int, num_processes: int = 
     data = _dataset(config)
     accumulate = config.optimizer.accumulate_gradient_steps
     check_batch_split(data.batch_size, sizes, accumulate)
-    rows = data.batch_size // (sizes["dp"] * sizes["fsdp"])  # rows of one device per step
+    rows = data.batch_size // batch_shards(sizes)  # rows of one device per step
     T = data.seq_length
 
     family.check_plannable(family.model_config(config))
@@ -289,6 +289,10 @@ def _changed(config: ConfigDict, changes: dict) -> ConfigDict:
     return out
 
 
+def _dp_into_fsdp(sizes: dict) -> dict:
+    return sizes | {"dp": 1, "fsdp": sizes["dp"] * sizes["fsdp"]}
+
+
 def candidate_fixes(config: ConfigDict, family, num_devices: int, num_processes: int) -> list[dict]:
     """Single flag changes that lower memory, cheapest first: fsdp only adds
     communication, remat recomputes (checkpoint_dots the least), accumulation shrinks
@@ -297,21 +301,21 @@ def candidate_fixes(config: ConfigDict, family, num_devices: int, num_processes:
     if config.dcn_mesh_dim:  # dp -> fsdp inside a slice/host first: ICI is fast
         ici, dcn = hybrid_mesh_shape(config.mesh_dim, config.dcn_mesh_dim, num_devices,
                                      num_processes)
-        if ici[0] > 1:
-            fixes.append({"mesh_dim": f"1,{ici[0] * ici[1]},{ici[2]}"})
-        elif dcn[0] > 1:
-            fixes.append({"dcn_mesh_dim": f"1,{dcn[0] * dcn[1]},{dcn[2]}"})
+        if ici["dp"] > 1:
+            fixes.append({"mesh_dim": mesh_dim_string(_dp_into_fsdp(ici))})
+        elif dcn["dp"] > 1:
+            fixes.append({"dcn_mesh_dim": mesh_dim_string(_dp_into_fsdp(dcn))})
     else:
-        dp, fsdp, mp = parse_mesh_dim(config.mesh_dim, num_devices)
-        if dp > 1:
-            fixes.append({"mesh_dim": f"1,{dp * fsdp},{mp}"})
+        sizes = parse_mesh_dim(config.mesh_dim, num_devices)
+        if sizes["dp"] > 1:
+            fixes.append({"mesh_dim": mesh_dim_string(_dp_into_fsdp(sizes))})
     if family.remat_policies:  # ordered by what they recompute, least first
         order = family.remat_policies
         remat = family.model_config(config).remat_policy
         for policy in order[order.index(remat) + 1:]:
             fixes.append({f"{family.name}.remat_policy": policy})
     sizes = mesh_sizes(config, num_devices, num_processes)
-    rows = _dataset(config).batch_size // (sizes["dp"] * sizes["fsdp"])
+    rows = _dataset(config).batch_size // batch_shards(sizes)
     k = config.optimizer.accumulate_gradient_steps
     while rows % (2 * k) == 0:
         k *= 2

@@ -13,18 +13,71 @@ from easylm.runtime.sharding import (
     BATCH_AXES,
     hybrid_mesh_shape,
     init_sharded,
+    check_batch_split,
     make_mesh,
     match_partition_rules,
+    mesh_dim_string,
+    mesh_string,
     named_shardings,
     parse_mesh_dim,
     path_to_string,
 )
 
 
+def sizes(dp=1, fsdp=1, sp=1, ep=1, mp=1):
+    return {"dp": dp, "fsdp": fsdp, "sp": sp, "ep": ep, "mp": mp}
+
+
 def test_parse_mesh_dim():
-    assert parse_mesh_dim("1,-1,1", 8) == (1, 8, 1)
-    assert parse_mesh_dim("2,-1,2", 8) == (2, 2, 2)
-    assert parse_mesh_dim("2,2,2", 8) == (2, 2, 2)
+    assert parse_mesh_dim("1,-1,1", 8) == sizes(fsdp=8)
+    assert parse_mesh_dim("2,-1,2", 8) == sizes(dp=2, fsdp=2, mp=2)
+    assert parse_mesh_dim("2,2,2", 8) == sizes(dp=2, fsdp=2, mp=2)
+
+
+def test_named_mesh_dim():
+    # Named sizes, in any order; axes not named are 1, one may be -1.
+    assert parse_mesh_dim("dp=1,fsdp=2,ep=4", 8) == sizes(fsdp=2, ep=4)
+    assert parse_mesh_dim("ep=2,fsdp=-1", 8) == sizes(fsdp=4, ep=2)
+    assert parse_mesh_dim("fsdp=2,mp=2,ep=2", 8) == sizes(fsdp=2, ep=2, mp=2)
+    assert parse_mesh_dim("fsdp=-1", 8) == parse_mesh_dim("1,-1,1", 8)
+    # The printed mesh and the flag written back are the old ones unless sp/ep split.
+    assert mesh_string(sizes(fsdp=8)) == "dp=1 fsdp=8 mp=1"
+    assert mesh_string(sizes(fsdp=2, ep=4)) == "dp=1 fsdp=2 ep=4 mp=1"
+    assert mesh_dim_string(sizes(dp=2, fsdp=4)) == "2,4,1"
+    assert mesh_dim_string(sizes(fsdp=2, ep=4)) == "fsdp=2,ep=4"
+
+
+def test_expert_axis_splits_the_batch():
+    mesh = make_mesh("fsdp=2,ep=4")
+    assert mesh.axis_names == ("dp", "fsdp", "sp", "ep", "mp")
+    assert dict(mesh.shape) == sizes(fsdp=2, ep=4)
+    x = jax.device_put(jnp.zeros((8, 4)), NamedSharding(mesh, P(BATCH_AXES)))
+    assert {s.data.shape for s in x.addressable_shards} == {(1, 4)}
+    with pytest.raises(UserError, match=r"must be a multiple of the dp\*fsdp\*ep=8 batch shards"):
+        check_batch_split(4, mesh.shape)
+    check_batch_split(8, mesh.shape)
+
+
+@pytest.mark.parametrize(
+    "mesh_dim, message",
+    [
+        ("dp=1,fsdp=2,xp=4", "--mesh_dim='dp=1,fsdp=2,xp=4': unknown axis 'xp'; the axes are "
+                             "dp,fsdp,sp,ep,mp"),
+        ("fsdp=2,ep=2", "--mesh_dim='fsdp=2,ep=2': the product 4 does not match the 8 devices"),
+        ("fsdp=3,ep=-1", "--mesh_dim='fsdp=3,ep=-1': the product of the given entries, 3, "
+                         "does not divide the 8 devices"),
+        ("ep=2,ep=4", "--mesh_dim='ep=2,ep=4': axis 'ep' is given twice"),
+        ("ep=2,4", "--mesh_dim='ep=2,4': '4' has no '='; write every entry as axis=size or "
+                   "give three bare numbers dp,fsdp,mp"),
+        ("ep=two,fsdp=-1", "--mesh_dim='ep=two,fsdp=-1': the size of 'ep' must be an integer"),
+        ("fsdp=4,sp=2", "--mesh_dim='fsdp=4,sp=2': sp=2, but sequence parallelism is not "
+                        "wired into the models yet"),
+    ],
+)
+def test_bad_named_mesh_dim(mesh_dim, message):
+    with pytest.raises(UserError) as e:
+        make_mesh(mesh_dim)
+    assert str(e.value) == message
 
 
 @pytest.mark.parametrize(
@@ -44,8 +97,9 @@ def test_bad_mesh_dim(mesh_dim, message):
 
 def test_hybrid_mesh_shape():
     # --dcn_mesh_dim splits the processes (TPU: slices), --mesh_dim the devices of each.
-    assert hybrid_mesh_shape("1,-1,1", "2,1,1", 16, 2) == ((1, 8, 1), (2, 1, 1))
-    assert hybrid_mesh_shape("1,4,2", "1,-1,1", 32, 4) == ((1, 4, 2), (1, 4, 1))
+    assert hybrid_mesh_shape("1,-1,1", "2,1,1", 16, 2) == (sizes(fsdp=8), sizes(dp=2))
+    assert hybrid_mesh_shape("1,4,2", "1,-1,1", 32, 4) == (sizes(fsdp=4, mp=2), sizes(fsdp=4))
+    assert hybrid_mesh_shape("ep=8", "dp=2", 16, 2) == (sizes(ep=8), sizes(dp=2))
 
 
 @pytest.mark.parametrize(
@@ -107,7 +161,7 @@ def single_device():
     return config, ids, loss, grads, logits_scale
 
 
-@pytest.mark.parametrize("mesh_dim", ["8,1,1", "1,8,1", "1,1,8", "2,2,2"])
+@pytest.mark.parametrize("mesh_dim", ["8,1,1", "1,8,1", "1,1,8", "2,2,2", "fsdp=2,ep=4"])
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_sharded_equals_single_device(single_device, mesh_dim, scan_layers):
     config, ids, loss, grads, logits_scale = single_device

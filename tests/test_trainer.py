@@ -132,11 +132,13 @@ def test_accumulated_gradients_equal_one_big_batch():
     assert metrics[1]["gradient_norm"] == pytest.approx(metrics[0]["gradient_norm"], rel=2 * REL)
 
 
-def test_sharded_steps_equal_single_device(runner):
+@pytest.mark.parametrize("mesh_dim", ["2,2,2", "fsdp=2,ep=2,mp=2"])
+def test_sharded_steps_equal_single_device(runner, mesh_dim):
     # After the first step only the loss is compared: Adam's first update (about
     # lr * sign(g)) turns float noise in near-zero gradients into visible changes.
+    # ep splits the batch like dp for a model without experts.
     batch = make_batch()
-    sharded = Runner(debug_model(), constant_lr_optimizer(1e-2), "2,2,2", devices=8)
+    sharded = Runner(debug_model(), constant_lr_optimizer(1e-2), mesh_dim, devices=8)
     runner.reset()
     a, b = sharded.step(batch), runner.step(batch)
     for key in ("loss", "accuracy", "gradient_norm", "param_norm"):

@@ -344,8 +344,8 @@ def _placed(generator, place):
 
 
 def make_global_batch(batch, mesh):
-    """This process's rows -> global jax.Arrays, rows split over ('dp', 'fsdp'); any rank
-    (a preference batch's per-pair reference log-probabilities are (b,))."""
+    """This process's rows -> global jax.Arrays, rows split over the batch axes (dp, fsdp,
+    ep); any rank (a preference batch's per-pair reference log-probabilities are (b,))."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
 

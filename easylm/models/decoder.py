@@ -264,11 +264,11 @@ class _Backbone(nn.Module):
         if scale is not None:  # in the compute dtype, as HF casts it
             x = x * jnp.asarray(scale, self.dtype)
         # The lookup (and, in the backward pass, the scatter into the table) happens
-        # where the table's D is split: over 'fsdp', batch over 'dp' only. Then an
-        # all-to-all splits the batch over ('dp', 'fsdp') as everywhere else. Going
-        # straight from the batch split to the table's D split would make XLA gather
-        # the whole (B, T, D) gradient on every device when dp > 1.
-        x = constrain(x, P("dp", None, "fsdp"))
+        # where the table's D is split: over 'fsdp', batch over the axes that replicate
+        # the table ('dp', 'ep'). Then an all-to-all splits the batch over BATCH_AXES as
+        # everywhere else. Going straight from the batch split to the table's D split
+        # would make XLA gather the whole (B, T, D) gradient on every device when dp > 1.
+        x = constrain(x, P(("dp", "ep"), None, "fsdp"))
         x = constrain(x, P(BATCH_AXES, None, None))  # (B, T, D)
         contexts = self.contexts(positions, segment_ids, cache)
         if c.scan_layers:

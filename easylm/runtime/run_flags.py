@@ -25,7 +25,8 @@ DEFAULTS = {
 
 HELP = {
     "seed": "random seed: parameter initialisation and the per-step RNG",
-    "mesh_dim": "device mesh dp,fsdp,mp; one entry may be -1 (all remaining devices)",
+    "mesh_dim": "device mesh dp,fsdp,mp, or named sizes of dp,fsdp,sp,ep,mp (dp=1,fsdp=2,"
+                "ep=4; unnamed axes 1); one entry may be -1 (all remaining devices)",
     "dtype": "compute dtype: bf16, fp16, fp32, or auto (bf16 on GPU/TPU, fp32 on CPU)",
     "param_dtype": "dtype the parameters (and their updates) are kept in: fp32, bf16, fp16, "
                    "or auto (as --dtype)",

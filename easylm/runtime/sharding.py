@@ -6,10 +6,17 @@ q_proj/kernel`). A parameter that matches no rule is an error, never a silent
 replicate. Activations are constrained in a few places only, through
 `constrain`, which is a no-op when no mesh is set (single-device use).
 
-Mesh axes:
+Mesh axes (every mesh has all five; the ones not asked for have size 1):
     dp    data parallel: parameters replicated, batch split
     fsdp  fully sharded data parallel: parameters and batch split
+    sp    sequence (context) parallel: the sequence split (models/context_parallel.py;
+          not wired into the models yet, so --mesh_dim refuses sp > 1)
+    ep    expert parallel: experts of a mixture-of-experts layer split; for every other
+          parameter a data-parallel axis (batch split, parameters replicated)
     mp    model (tensor) parallel: heads and hidden features split
+
+`--mesh_dim` is EasyLM's three bare numbers dp,fsdp,mp (`1,-1,1`) or named sizes
+(`dp=1,fsdp=2,ep=4`, axes not named are 1); one size may be -1 (all remaining devices).
 """
 
 import math
@@ -23,28 +30,39 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from easylm.errors import UserError
 
-MESH_AXES = ("dp", "fsdp", "mp")
-BATCH_AXES = ("dp", "fsdp")  # the batch dimension is split over both
+MESH_AXES = ("dp", "fsdp", "sp", "ep", "mp")  # mp innermost: nearest devices talk most
+POSITIONAL_AXES = ("dp", "fsdp", "mp")  # what EasyLM's three bare numbers mean
+BATCH_AXES = ("dp", "fsdp", "ep")  # the batch dimension is split over all three
 
 PartitionRules = Sequence[tuple[str, P]]
 
 
 def parse_mesh_dim(mesh_dim: str, num_devices: int, flag: str = "mesh_dim",
-                   unit: str = "devices") -> tuple[int, ...]:
-    """'dp,fsdp,mp' -> a shape whose product is num_devices; one entry may be -1.
+                   unit: str = "devices") -> dict[str, int]:
+    """'dp,fsdp,mp' or 'dp=1,fsdp=2,ep=4' -> {axis: size} over MESH_AXES whose product
+    is num_devices; one size may be -1.
 
     `flag` and `unit` name what is being split in error messages (`dcn_mesh_dim`
     splits processes or slices, not devices).
     """
-    try:
-        dims = [int(d) for d in str(mesh_dim).split(",")]
-    except ValueError:
-        raise UserError(f"--{flag}={mesh_dim!r} must be comma-separated integers like '1,-1,1'")
-    if len(dims) != len(MESH_AXES):
-        raise UserError(
-            f"--{flag}={mesh_dim!r} has {len(dims)} entries; expected {len(MESH_AXES)} "
-            f"({','.join(MESH_AXES)})"
-        )
+    entries = str(mesh_dim).split(",")
+    if any("=" in e for e in entries):
+        sizes = _named_sizes(mesh_dim, entries, flag)
+    else:
+        try:
+            dims = [int(d) for d in entries]
+        except ValueError:
+            raise UserError(f"--{flag}={mesh_dim!r} must be comma-separated integers like "
+                            f"'1,-1,1' or named sizes like 'dp=1,fsdp=2,ep=4'")
+        if len(dims) != len(POSITIONAL_AXES):
+            raise UserError(
+                f"--{flag}={mesh_dim!r} has {len(dims)} entries; expected "
+                f"{len(POSITIONAL_AXES)} ({','.join(POSITIONAL_AXES)}) or named sizes like "
+                f"'dp=1,fsdp=2,ep=4' (axes {','.join(MESH_AXES)})"
+            )
+        sizes = dict(zip(POSITIONAL_AXES, dims))
+    sizes = {axis: sizes.get(axis, 1) for axis in MESH_AXES}
+    dims = list(sizes.values())
     if dims.count(-1) > 1 or any(d == 0 or d < -1 for d in dims):
         raise UserError(f"--{flag}={mesh_dim!r}: entries must be >= 1, with at most one -1")
     known = math.prod(d for d in dims if d != -1)
@@ -54,19 +72,49 @@ def parse_mesh_dim(mesh_dim: str, num_devices: int, flag: str = "mesh_dim",
                 f"--{flag}={mesh_dim!r}: the product of the given entries, {known}, "
                 f"does not divide the {num_devices} {unit}"
             )
-        dims[dims.index(-1)] = num_devices // known
+        sizes[MESH_AXES[dims.index(-1)]] = num_devices // known
     elif known != num_devices:
         raise UserError(
             f"--{flag}={mesh_dim!r}: the product {known} does not match the "
             f"{num_devices} {unit}"
         )
-    return tuple(dims)
+    if sizes["sp"] > 1:
+        raise UserError(f"--{flag}={mesh_dim!r}: sp={sizes['sp']}, but sequence parallelism "
+                        f"is not wired into the models yet")
+    return sizes
+
+
+def _named_sizes(mesh_dim: str, entries: list[str], flag: str) -> dict[str, int]:
+    sizes = {}
+    for entry in entries:
+        axis, eq, size = entry.partition("=")
+        axis = axis.strip()
+        if not eq:
+            raise UserError(f"--{flag}={mesh_dim!r}: {entry!r} has no '='; write every "
+                            f"entry as axis=size or give three bare numbers dp,fsdp,mp")
+        if axis not in MESH_AXES:
+            raise UserError(f"--{flag}={mesh_dim!r}: unknown axis {axis!r}; the axes are "
+                            f"{','.join(MESH_AXES)}")
+        if axis in sizes:
+            raise UserError(f"--{flag}={mesh_dim!r}: axis {axis!r} is given twice")
+        try:
+            sizes[axis] = int(size)
+        except ValueError:
+            raise UserError(f"--{flag}={mesh_dim!r}: the size of {axis!r} must be an integer")
+    return sizes
+
+
+def mesh_dim_string(sizes: dict[str, int]) -> str:
+    """A --mesh_dim value for {axis: size}: EasyLM's three numbers where they suffice."""
+    if all(sizes.get(axis, 1) == 1 for axis in MESH_AXES if axis not in POSITIONAL_AXES):
+        return ",".join(str(sizes.get(axis, 1)) for axis in POSITIONAL_AXES)
+    return ",".join(f"{axis}={sizes[axis]}" for axis in MESH_AXES if sizes.get(axis, 1) > 1)
 
 
 def hybrid_mesh_shape(mesh_dim: str, dcn_mesh_dim: str, num_devices: int, num_granules: int,
-                      granule: str = "process") -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(ici, dcn) shapes: `dcn_mesh_dim` splits the granules (processes, or TPU slices),
-    `mesh_dim` the devices of one granule; the mesh is their elementwise product."""
+                      granule: str = "process") -> tuple[dict[str, int], dict[str, int]]:
+    """(ici, dcn) {axis: size}: `dcn_mesh_dim` splits the granules (processes, or TPU
+    slices), `mesh_dim` the devices of one granule; the mesh is their product per axis."""
     granules = {"process": "processes", "slice": "slices"}[granule]
     if num_devices % num_granules:
         raise UserError(f"{num_devices} devices cannot be split evenly over {num_granules} "
@@ -79,7 +127,7 @@ def hybrid_mesh_shape(mesh_dim: str, dcn_mesh_dim: str, num_devices: int, num_gr
 
 def make_mesh(mesh_dim: str = "1,-1,1", devices: Sequence[jax.Device] | None = None,
               dcn_mesh_dim: str = "") -> Mesh:
-    """A (dp, fsdp, mp) mesh over `devices` (all devices by default).
+    """A (dp, fsdp, sp, ep, mp) mesh over `devices` (all devices by default).
 
     Without `dcn_mesh_dim`, `mesh_dim` splits all devices. With it (Paxml's
     hybrid mesh), `mesh_dim` splits the devices inside one TPU slice, or one
@@ -90,7 +138,7 @@ def make_mesh(mesh_dim: str = "1,-1,1", devices: Sequence[jax.Device] | None = N
     """
     devices = list(jax.devices() if devices is None else devices)
     if not dcn_mesh_dim:
-        shape = parse_mesh_dim(mesh_dim, len(devices))
+        shape = tuple(parse_mesh_dim(mesh_dim, len(devices)).values())
         device_array = mesh_utils.create_device_mesh(shape, devices=devices)
     else:
         # TPU devices know their slice; elsewhere each process (host) is a granule.
@@ -99,14 +147,17 @@ def make_mesh(mesh_dim: str = "1,-1,1", devices: Sequence[jax.Device] | None = N
         ici, dcn = hybrid_mesh_shape(mesh_dim, dcn_mesh_dim, len(devices), len(granules),
                                      "slice" if by_slice else "process")
         device_array = mesh_utils.create_hybrid_device_mesh(
-            ici, dcn, devices=devices, process_is_granule=not by_slice)
+            tuple(ici.values()), tuple(dcn.values()), devices=devices,
+            process_is_granule=not by_slice)
     return Mesh(device_array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def mesh_string(shape) -> str:
-    """'dp=1 fsdp=8 mp=1' for a Mesh or its {axis: size} shape, as every command prints it."""
+    """'dp=1 fsdp=8 mp=1' for a Mesh or its {axis: size} shape, as every command prints it;
+    sp and ep only where they split something."""
     shape = getattr(shape, "shape", shape)
-    return " ".join(f"{axis}={size}" for axis, size in shape.items())
+    return " ".join(f"{axis}={size}" for axis, size in shape.items()
+                    if axis in POSITIONAL_AXES or size > 1)
 
 
 def path_to_string(path) -> str:
@@ -172,13 +223,19 @@ def axes_size(mesh_shape, axes) -> int:
     return math.prod(mesh_shape[a] for a in spec_axes(axes) if a is not None)
 
 
+def batch_shards(mesh_shape) -> int:
+    """How many ways the batch is split: dp*fsdp*ep of a mesh's {axis: size}."""
+    return axes_size(mesh_shape, BATCH_AXES)
+
+
 def check_batch_split(batch_size: int, mesh_shape, accumulate_steps: int = 1) -> None:
     """A UserError unless a global batch of `batch_size` rows splits over the mesh's
-    dp*fsdp batch shards and into `accumulate_steps` micro-batches."""
-    shards = mesh_shape["dp"] * mesh_shape["fsdp"]
+    dp*fsdp*ep batch shards and into `accumulate_steps` micro-batches."""
+    shards = batch_shards(mesh_shape)
+    axes = "*".join(a for a in BATCH_AXES if a in POSITIONAL_AXES or mesh_shape[a] > 1)
     if batch_size % (shards * accumulate_steps):
         raise UserError(
-            f"--train_dataset batch size {batch_size} must be a multiple of the dp*fsdp="
+            f"--train_dataset batch size {batch_size} must be a multiple of the {axes}="
             f"{shards} batch shards times --optimizer.accumulate_gradient_steps="
             f"{accumulate_steps}")
 

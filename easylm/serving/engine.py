@@ -9,7 +9,7 @@
 
 Which request sits in which slot is `batcher.py`'s business; this file only
 runs arrays. The cache is sharded like training activations (batch over
-('dp', 'fsdp'), heads over 'mp'), so a model that needs 'mp' to fit serves too.
+(dp, fsdp, ep), heads over 'mp'), so a model that needs 'mp' to fit serves too.
 
 Model-agnostic: it runs a family's `easylm.models.family.Model` (its `apply`, `init_cache`,
 `cache_rules`; the cache's keys/values have axes (..., B, S, K, H)).

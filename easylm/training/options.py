@@ -23,8 +23,8 @@ LOAD_PREFIXES = checkpoint.LOAD_PREFIXES + ("hf",)
 HELP = {
     **run_flags.help_entries(*run_flags.DEFAULTS, load_checkpoint=(
         "trainstate:: also restores the optimizer and the step; empty: from scratch")),
-    "dcn_mesh_dim": "hybrid mesh: how TPU slices (GPU/CPU: processes) combine, dp,fsdp,mp; "
-                    "--mesh_dim then splits the devices of one slice/process (empty: flat mesh)",
+    "dcn_mesh_dim": "hybrid mesh: how TPU slices (GPU/CPU: processes) combine, dp,fsdp,mp "
+                    "or named sizes as --mesh_dim; --mesh_dim then splits the devices of one slice/process (empty: flat mesh)",
     "log_all_worker": "every process logs (metrics.process<i>.jsonl), not only process 0",
     "total_steps": "number of optimizer updates to train for",
     "log_freq": "log metrics every this many steps (the only time the host waits "

@@ -1,0 +1,353 @@
+"""A sparse mixture-of-experts block a family's layer can use in place of its MLP.
+
+    y = sum over the k chosen experts e of  w_e(x) * expert_e(x)
+
+Routing (`route`), as the released models do it:
+    softmax_topk   probabilities over all experts, the k largest kept, optionally divided
+                   by their sum (Mixtral always; Qwen3-MoE when `norm_topk_prob`)
+    topk_softmax   the k largest logits (with the router's bias, gpt-oss), softmax over them
+Experts are gated MLPs, down(act(gate(x)) * up(x)); `swiglu_limit` gives gpt-oss's
+clamped variant, (clip(up) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit), and
+`expert_bias` its per-expert biases.
+
+Dispatch is dropless: the N*k (token, expert) pairs are sorted by expert, each expert's
+rows multiplied by its weights in one grouped matmul (`jax.lax.ragged_dot`, given how
+many rows each expert has), and the results put back in token order and weighted. With
+`capacity_factor` > 0 an expert takes at most ceil(capacity_factor * N * k / E) pairs of
+each batch shard, first choices before second choices, earlier tokens first; the pairs
+past that add nothing (the token keeps its residual) and are counted in `dropped`.
+
+Under a mesh the block runs per batch shard inside `shard_map`, so nothing sorts across
+devices. With ep > 1 the experts are split over 'ep' (E/ep per device): each device sends
+every pair to the device owning its expert with one `all_to_all`, runs its experts, and
+an `all_to_all` brings the results back. The buffers are sized for the worst case (all
+of a shard's pairs to one device) unless a capacity factor bounds them.
+
+The load-balancing loss is transformers' `load_balancing_loss_func`; the z-loss is
+ST-MoE's mean squared log-sum-exp of the router logits.
+
+Shape letters: N tokens, D width, F expert MLP width, E experts, K chosen per token,
+M sorted (token, expert) rows; lower-case for one device's share.
+"""
+
+import dataclasses
+import math
+from functools import partial
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from easylm.runtime.sharding import BATCH_AXES
+
+ROUTERS = ("softmax_topk", "topk_softmax")
+EP = "ep"
+
+# Expert weights are stacked with a leading E axis, split over 'ep'; the rest as the dense
+# MLP's (D over fsdp, F over mp). The router is small and replicated.
+PARTITION_RULES = (
+    (r"experts/(gate_proj|up_proj)$", P(EP, "fsdp", "mp")),
+    (r"experts/down_proj$", P(EP, "mp", "fsdp")),
+    (r"experts/(gate_proj|up_proj)_bias$", P(EP, "mp")),
+    (r"experts/down_proj_bias$", P(EP, None)),
+    (r"router/(kernel|bias)$", P()),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int
+    num_experts_per_tok: int
+    intermediate_size: int  # F: one expert's MLP width
+    router: str = "softmax_topk"
+    norm_topk_prob: bool = True  # softmax_topk only
+    router_bias: bool = False  # gpt-oss
+    expert_bias: bool = False  # gpt-oss
+    swiglu_limit: float = 0.0  # > 0: gpt-oss's clamped SwiGLU
+    swiglu_alpha: float = 1.702
+    capacity_factor: float = 0.0  # 0: dropless
+    initializer_range: float = 0.02
+
+    def __post_init__(self):
+        if self.router not in ROUTERS:
+            raise ValueError(f"router {self.router!r}; expected one of {', '.join(ROUTERS)}")
+        if not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in "
+                             f"1..num_experts={self.num_experts}")
+
+
+class RouterStats(NamedTuple):
+    logits: jax.Array  # (N, E) fp32: what the load-balancing and z losses read
+    experts: jax.Array  # (N, K) the chosen experts (what routing replay would record)
+    load: jax.Array  # (E,) pairs each expert was given (before any capacity drop)
+    dropped: jax.Array  # () pairs past an expert's capacity
+
+
+# ------------------------------------------------------------------ routing
+
+
+def route(logits, config: MoEConfig, experts=None):
+    """(weights (N, K) fp32, experts (N, K) int32) from router logits (N, E).
+
+    `experts` given (routing replay: the choices a sampler recorded), those experts are
+    used and only their weights come from `logits`, by the same rule, so the router
+    still learns from the loss."""
+    logits = logits.astype(jnp.float32)
+    k = config.num_experts_per_tok
+    scores = logits if config.router == "topk_softmax" else jax.nn.softmax(logits, axis=-1)
+    if experts is None:
+        top, experts = jax.lax.top_k(scores, k)
+    else:
+        experts = jnp.asarray(experts, jnp.int32)
+        top = jnp.take_along_axis(scores, experts, axis=-1)
+    if config.router == "topk_softmax":
+        return jax.nn.softmax(top, axis=-1), experts
+    if config.norm_topk_prob:
+        top = top / top.sum(axis=-1, keepdims=True)
+    return top, experts
+
+
+def load_balancing_loss(router_logits, top_k: int, mask=None):
+    """transformers' `load_balancing_loss_func`: E * sum_e f_e * p_e over all layers'
+    tokens, f_e the share of top-k choices given to e, p_e its mean probability.
+    `router_logits`: (L, N, E) or a list of (N, E); `mask` (N,) leaves out padding."""
+    logits = jnp.stack([jnp.asarray(x, jnp.float32) for x in router_logits])  # (L, N, E)
+    E = logits.shape[-1]
+    probs = jax.nn.softmax(logits, axis=-1)
+    _, chosen = jax.lax.top_k(probs, top_k)
+    weight = jnp.ones(logits.shape[1]) if mask is None else jnp.asarray(mask, jnp.float32)
+    counts = jnp.einsum("LNKE,N->E", jax.nn.one_hot(chosen, E), weight)
+    prob_sums = jnp.einsum("LNE,N->E", probs, weight)
+    rows = logits.shape[0] * weight.sum()
+    return E * jnp.sum((counts / rows) * (prob_sums / rows))
+
+
+def router_z_loss(router_logits):
+    """ST-MoE's z-loss: the mean over tokens (and layers) of logsumexp(logits)^2."""
+    logits = jnp.asarray(router_logits, jnp.float32)
+    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+
+
+def load_metrics(stats: list[RouterStats], top_k: int, mask=None) -> dict:
+    """What a step logs from its MoE layers' stats: the load-balancing and z losses, the
+    most and fewest pairs any expert got in any layer, and the pairs dropped."""
+    loads = jnp.stack([s.load for s in stats])  # (L, E)
+    return {"moe_aux_loss": load_balancing_loss([s.logits for s in stats], top_k, mask),
+            "moe_z_loss": router_z_loss(jnp.stack([s.logits for s in stats])),
+            "moe_load_max": loads.max(), "moe_load_min": loads.min(),
+            "moe_dropped": sum(s.dropped for s in stats)}
+
+
+# ------------------------------------------------------------------ grouped experts
+
+
+def expert_mlp(x, params, group_sizes, config: MoEConfig, dtype):
+    """Rows x (M, D), sorted so that expert e's group_sizes[e] rows are consecutive, through
+    their experts; rows past sum(group_sizes) come out as zeros. params: (E, ...) stacks."""
+    ragged = partial(jax.lax.ragged_dot, group_sizes=group_sizes,
+                     preferred_element_type=dtype)
+    x = x.astype(dtype)
+    gate = ragged(x, params["gate_proj"].astype(dtype))  # (M, F)
+    up = ragged(x, params["up_proj"].astype(dtype))  # (M, F)
+    if config.expert_bias:
+        expert = _row_expert(group_sizes, x.shape[0])
+        gate = gate + params["gate_proj_bias"].astype(dtype)[expert]
+        up = up + params["up_proj_bias"].astype(dtype)[expert]
+    if config.swiglu_limit > 0:
+        limit = config.swiglu_limit
+        gate = jnp.minimum(gate, limit)
+        up = jnp.clip(up, -limit, limit)
+        h = (up + 1) * gate * jax.nn.sigmoid(gate * config.swiglu_alpha)
+    else:
+        h = nn.silu(gate) * up
+    out = ragged(h, params["down_proj"].astype(dtype))  # (M, D)
+    if config.expert_bias:
+        out = out + params["down_proj_bias"].astype(dtype)[expert]
+    valid = jnp.arange(x.shape[0]) < group_sizes.sum()
+    return jnp.where(valid[:, None], out, 0)
+
+
+def _row_expert(group_sizes, rows):
+    """(rows,) the expert of each sorted row (the last one for rows past the groups)."""
+    ends = jnp.cumsum(group_sizes)
+    return jnp.minimum(jnp.searchsorted(ends, jnp.arange(rows), side="right"),
+                       group_sizes.shape[0] - 1)
+
+
+def capacity(config: MoEConfig, tokens: int) -> int:
+    """Pairs one expert takes from `tokens` tokens (a batch shard's); 0: no limit."""
+    if config.capacity_factor <= 0:
+        return 0
+    return math.ceil(config.capacity_factor * tokens * config.num_experts_per_tok
+                     / config.num_experts)
+
+
+def _kept(experts, E, cap):
+    """(N, K) bool: which pairs fit their expert's capacity, first choices first
+    (the pairs taken in slot-major order, tokens in order within a slot)."""
+    if cap <= 0:
+        return jnp.ones(experts.shape, bool)
+    flat = experts.T.reshape(-1)  # (K*N,) slot-major
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=E)
+    starts = jnp.cumsum(sizes) - sizes
+    rank_sorted = jnp.arange(flat.shape[0]) - starts[flat[order]]
+    rank = jnp.zeros_like(rank_sorted).at[order].set(rank_sorted)
+    return (rank < cap).reshape(experts.shape[::-1]).T
+
+
+def _sort_pairs(experts, kept, E):
+    """The (token, expert) pairs sorted by expert, dropped ones last: (order (n*K,),
+    group sizes (E,)). order[i] is the flat (token * K + slot) index of sorted row i."""
+    key = jnp.where(kept, experts, E).reshape(-1)
+    order = jnp.argsort(key, stable=True)
+    return order, jnp.bincount(key, length=E + 1)[:E]
+
+
+def _combine(rows, order, weights):
+    """Sorted rows (n*K, D) back in token order, weighted and summed over K: (n, D)."""
+    n, K = weights.shape
+    unsorted = jnp.zeros_like(rows).at[order].set(rows).reshape(n, K, -1)
+    return jnp.einsum("nK,nKD->nD", weights.astype(rows.dtype), unsorted)
+
+
+def moe_local(x, weights, experts, params, config: MoEConfig, dtype):
+    """One batch shard on one device holding all experts: x (n, D) -> (n, D), dropped."""
+    E, K = config.num_experts, config.num_experts_per_tok
+    kept = _kept(experts, E, capacity(config, x.shape[0]))
+    order, sizes = _sort_pairs(experts, kept, E)
+    rows = expert_mlp(x[order // K], params, sizes, config, dtype)
+    out = _combine(rows, order, jnp.where(kept, weights, 0))
+    return out, jnp.sum(~kept)
+
+
+def moe_expert_parallel(x, weights, experts, params, config: MoEConfig, dtype, ep: int):
+    """Inside shard_map over 'ep' (and the batch axes): x (n, D) of this batch shard, params
+    this device's E/ep experts. Pairs travel to their expert's device and back."""
+    E, K = config.num_experts, config.num_experts_per_tok
+    local = E // ep
+    n = x.shape[0]
+    cap = capacity(config, n)
+    kept = _kept(experts, E, cap)
+    order, sizes = _sort_pairs(experts, kept, E)  # sorted by expert, so by device
+    per_device = sizes.reshape(ep, local).sum(axis=1)  # (ep,) pairs sent to each device
+    slots = n * K if cap <= 0 else min(n * K, local * cap)  # buffer rows per device
+    # Sorted row i goes to device d = its expert // local, at d's slot i - start[d].
+    starts = jnp.cumsum(per_device) - per_device
+    key = jnp.where(kept, experts, E).reshape(-1)[order]
+    device = jnp.minimum(key // local, ep)  # ep: dropped (sorted last)
+    slot = jnp.arange(n * K) - starts[jnp.minimum(device, ep - 1)]
+    send_index = jnp.where(device < ep, device * slots + slot, ep * slots)  # past the end
+    send = jnp.zeros((ep * slots, x.shape[1]), dtype).at[send_index].set(
+        x[order // K].astype(dtype), mode="drop")
+    send_expert = jnp.full((ep * slots,), local, jnp.int32).at[send_index].set(
+        key % local, mode="drop")  # local expert id; `local` marks an empty slot
+    # (ep, slots, ...): row d goes to device d; what arrives, row s came from device s.
+    recv = jax.lax.all_to_all(send.reshape(ep, slots, -1), EP, 0, 0, tiled=False)
+    recv_expert = jax.lax.all_to_all(send_expert.reshape(ep, slots), EP, 0, 0, tiled=False)
+    recv, recv_expert = recv.reshape(ep * slots, -1), recv_expert.reshape(-1)
+    local_order = jnp.argsort(recv_expert, stable=True)
+    local_sizes = jnp.bincount(recv_expert, length=local + 1)[:local]
+    done = expert_mlp(recv[local_order], params, local_sizes, config, dtype)
+    done = jnp.zeros_like(done).at[local_order].set(done)
+    back = jax.lax.all_to_all(done.reshape(ep, slots, -1), EP, 0, 0, tiled=False)
+    rows = back.reshape(ep * slots, -1).at[send_index].get(mode="fill", fill_value=0)
+    out = _combine(rows, order, jnp.where(kept, weights, 0))
+    return out, jnp.sum(~kept)
+
+
+# ------------------------------------------------------------------ the block
+
+
+class SparseMoE(nn.Module):
+    """x (B, T, D) -> (y (B, T, D), RouterStats). Parameters: router/kernel (D, E)
+    (router/bias (E,)), experts/{gate_proj, up_proj} (E, D, F), experts/down_proj
+    (E, F, D) (and their biases with `expert_bias`)."""
+
+    config: MoEConfig
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, experts=None):
+        """`experts` (B, T, K): replay these choices instead of routing (see `route`)."""
+        c = self.config
+        B, T, D = x.shape
+        E = c.num_experts
+        x = x.reshape(B * T, D)
+        logits = Router(E, c.router_bias, c.initializer_range, self.param_dtype,
+                        name="router")(x)  # (N, E) fp32
+        if experts is not None:
+            experts = experts.reshape(B * T, c.num_experts_per_tok)
+        weights, experts = route(logits, c, experts)
+        params = Experts(c, D, self.param_dtype, name="experts")()
+        out, dropped = self._dispatch(x, weights, experts, params)
+        stats = RouterStats(logits, experts, jnp.bincount(experts.reshape(-1), length=E),
+                            dropped)
+        return out.reshape(B, T, D).astype(self.dtype), stats
+
+    def _dispatch(self, x, weights, experts, params):
+        c = self.config
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty or EP not in mesh.axis_names:
+            return moe_local(x, weights, experts, params, c, self.dtype)
+        ep = mesh.shape[EP]
+        if c.num_experts % ep:
+            raise ValueError(f"{c.num_experts} experts cannot be split over ep={ep}")
+        batch = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
+        if x.shape[0] % math.prod(mesh.shape[a] for a in batch):
+            # Fewer rows than batch shards (decoding one sequence): XLA places it.
+            return moe_local(x, weights, experts, params, c, self.dtype)
+        if ep == 1:
+            local = partial(moe_local, config=c, dtype=self.dtype)
+        else:
+            local = partial(moe_expert_parallel, config=c, dtype=self.dtype, ep=ep)
+
+        def shard(x, weights, experts, params):
+            out, dropped = local(x, weights, experts, params)
+            return out, jax.lax.psum(dropped, batch)
+
+        rows = P(batch, None)
+        expert_specs = jax.tree.map(lambda _: P(EP), params)
+        return jax.shard_map(shard, mesh=mesh, in_specs=(rows, rows, rows, expert_specs),
+                             out_specs=(rows, P()), check_vma=False)(x, weights, experts,
+                                                                      params)
+
+
+class Router(nn.Module):
+    num_experts: int
+    bias: bool
+    initializer_range: float
+    param_dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):
+        """(N, D) -> logits (N, E) in fp32: the routing decision is made in full precision."""
+        kernel = self.param("kernel", nn.initializers.normal(self.initializer_range),
+                            (x.shape[-1], self.num_experts), self.param_dtype)
+        logits = jnp.einsum("ND,DE->NE", x.astype(jnp.float32), kernel.astype(jnp.float32))
+        if self.bias:
+            logits = logits + self.param("bias", nn.initializers.zeros, (self.num_experts,),
+                                         self.param_dtype).astype(jnp.float32)
+        return logits
+
+
+class Experts(nn.Module):
+    config: MoEConfig
+    hidden_size: int
+    param_dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self):
+        c, D = self.config, self.hidden_size
+        E, F = c.num_experts, c.intermediate_size
+        init = nn.initializers.normal(c.initializer_range)
+        shapes = {"gate_proj": (E, D, F), "up_proj": (E, D, F), "down_proj": (E, F, D)}
+        if c.expert_bias:
+            shapes |= {"gate_proj_bias": (E, F), "up_proj_bias": (E, F),
+                       "down_proj_bias": (E, D)}
+        return {name: self.param(name, nn.initializers.zeros if name.endswith("bias")
+                                 else init, shape, self.param_dtype)
+                for name, shape in shapes.items()}
