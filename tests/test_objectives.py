@@ -151,3 +151,18 @@ def test_a_new_objective_shows_its_line_in_the_plan(capsys):
                             help_entries(TOY, "toy_objective:LabelSmoothed"),
                             ["train", OBJECTIVE, *ROWS], derived=family_run_defaults(TOY))
     assert set(objectives.unused_flags(config)) == {"dpo.", "simpo.", "orpo.", "grpo."}
+
+
+def test_its_flags_come_with_the_command_lines_objective(tmp_path, capsys):
+    assert objectives.named_in(["x", "--objective", "a:B", "--objective=c:D"]) == "c:D"
+    assert objectives.named_in(["x", "--objective", "a:B"]) == "a:B"
+    assert objectives.named_in(["x", "--objectives=a:B"]) is None
+    # Named only in a flagfile, a MODULE:CLASS's flags are not defined: one line, not a
+    # traceback from the first read of them.
+    flagfile = tmp_path / "flags"
+    flagfile.write_text(f"{OBJECTIVE}\n")
+    message = one_line_error(train.main, ["train", "--family=toy_family:FAMILY",
+                                          f"--flagfile={flagfile}", *ROWS], capsys)
+    assert message == ("--objective=toy_objective:LabelSmoothed: its flags "
+                       "--label_smoothing.* are not defined; give --objective on the "
+                       "command line, not in a --flagfile")

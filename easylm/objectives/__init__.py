@@ -43,9 +43,22 @@ def get(name: str):
 
 
 def named_in(argv: list[str]) -> str | None:
-    """The --objective=VALUE of a command line, if it gives one (the last, as absl reads it)."""
-    values = [arg.partition("=")[2] for arg in argv if arg.startswith("--objective=")]
+    """The objective a command line names (--objective=VALUE or --objective VALUE; the
+    last, as absl reads them), if it names one."""
+    values = [arg.partition("=")[2] if "=" in arg else (argv[i + 1:] or [None])[0]
+              for i, arg in enumerate(argv) if arg.partition("=")[0] == "--objective"]
     return values[-1] if values else None
+
+
+def _chosen(config: ConfigDict):
+    """The class --objective names, its flags defined (a MODULE:CLASS named only in a
+    --flagfile brings none: `named_in` reads the command line)."""
+    cls = get(config.objective)
+    if cls.get_default_config() is not None and cls.name not in config:
+        raise UserError(f"--objective={config.objective}: its flags --{cls.name}.* are "
+                        f"not defined; give --objective on the command line, not in a "
+                        f"--flagfile")
+    return cls
 
 
 def _classes(objective: str | None = None) -> list:
@@ -76,19 +89,19 @@ def help_entries(objective: str | None = None) -> dict:
 
 def build(config: ConfigDict, model, tokenizer):
     """The `Objective` --objective names, for `model`."""
-    return get(config.objective)(model, config, tokenizer)
+    return _chosen(config)(model, config, tokenizer)
 
 
 def dataset_defaults(config: ConfigDict) -> dict:
     """A derived default (the trainer's run defaults): the chosen objective's."""
-    return get(config.objective).dataset_defaults(config)
+    return _chosen(config).dataset_defaults(config)
 
 
 def unused_flags(config: ConfigDict) -> tuple:
     """Prefixes of the flags that do not change what `config` trains: the options of the
     other objectives, and those the chosen one names, left out of the run directory's
     name so that runs keep theirs."""
-    chosen = get(config.objective)
+    chosen = _chosen(config)
     others = [cls for cls in _classes(config.objective)
               if cls is not chosen and cls.get_default_config() is not None]
     return (*chosen.unused_flags(config), *(f"{cls.name}." for cls in others))
@@ -97,7 +110,7 @@ def unused_flags(config: ConfigDict) -> tuple:
 def check_config(config: ConfigDict) -> None:
     """--objective, its options and the datasets agree: the datasets hold the rows the
     objective reads (preference pairs or not), then the objective's own checks."""
-    chosen = get(config.objective)
+    chosen = _chosen(config)
     pairs = ", ".join(name for name in REGISTRY if get(name).rows == "pairs")
     for section in _SECTIONS if config.eval_freq else _SECTIONS[:1]:
         enabled = config[section].preference.enabled
