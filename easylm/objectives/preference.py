@@ -14,10 +14,9 @@ only; with a precomputed reference also reference_chosen_logps, reference_reject
 `make_loss_fn` composes them into the trainer's `(params, batch, rng) -> sums`. Like
 LossSums these are sums, so micro-batches and hosts add up exactly; the step divides by
 `pairs` once after adding them (a mean over pairs), where the language-model loss divides
-by tokens. `PreferenceObjective` and its subclasses `DPO`, `SimPO`, `ORPO` are the trainer's
-`Objective`s (objectives/base.py) for them: flags, checks, the loss, the reference, the
-work per step. Formulas, papers and metrics:
-docs/preference.md.
+by tokens. `PreferenceObjective` and its subclasses `DPO`, `SimPO`, `ORPO` are the
+trainer's `Objective`s (objectives/base.py) for them: flags, checks, the loss, the
+reference, the work per step. Formulas, papers and metrics: docs/preference.md.
 """
 
 from typing import Callable, NamedTuple
