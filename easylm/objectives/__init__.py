@@ -24,7 +24,8 @@ REGISTRY = {
 DEFAULT = "next_token"
 HELP = {"objective": "what to train: next_token (language modelling on text), on "
                      "preference pairs dpo, simpo or orpo (docs/preference.md), or grpo on "
-                     "rollouts from prompts (docs/rl.md)"}
+                     "rollouts from prompts (docs/rl.md); or MODULE:CLASS, an Objective "
+                     "of your own (docs/training.md)"}
 _SECTIONS = ("train_dataset", "eval_dataset")
 
 
