@@ -260,18 +260,16 @@ def estimate(config: ConfigDict, family, num_devices: int, num_processes: int = 
         # LoRA's reference is its own frozen base with the adapters off (BASE): no second
         # copy; a precomputed one is in the batches.
         reference=parameters if objective.reference == COPY else 0,
-        rollout_cache=_rollout_cache(config, model, data, sizes),
+        rollout_cache=_rollout_cache(objective, model, data, sizes),
     )
 
 
-def _rollout_cache(config: ConfigDict, model, data, sizes: dict) -> int:
-    """One device's shard of the KV cache GRPO's rollouts decode in: a row for each of the
-    step's completions (all processes' prompts x num_generations), of the row's length,
-    under the model's cache partition rules."""
-    if config.objective != "grpo" or model.init_cache is None:
+def _rollout_cache(objective, model, data, sizes: dict) -> int:
+    """One device's shard of the KV cache an online objective's rollouts decode in (GRPO's),
+    under the model's cache partition rules; 0 for one that makes no rollouts."""
+    shapes = objective.rollout_cache(data.batch_size, data.seq_length)
+    if shapes is None:
         return 0
-    rows = data.batch_size * config.grpo.num_generations
-    shapes = jax.eval_shape(lambda: model.init_cache(rows, data.seq_length))
     return shard_bytes(shapes, match_partition_rules(model.cache_rules, shapes), sizes)
 
 
@@ -367,21 +365,12 @@ def _model_name(config: ConfigDict, family) -> str:
     return spec or config[family.name].base_model
 
 
-
-def _rows_per_example(config: ConfigDict) -> str:
-    """How the header counts a step's rows: documents, pairs of two rows, or prompts with
-    their completions (GRPO)."""
-    if config.objective == "next_token":
-        return ""
-    if config.objective == "grpo":
-        return f" prompts x {config.grpo.num_generations} completions"
-    return " pairs x 2"
-
 def report(config: ConfigDict, family, num_devices: int, num_processes: int,
            budget: int | None) -> tuple[str, bool]:
     """The printed plan, and whether it fits (True when no budget is known)."""
     plan = estimate(config, family, num_devices, num_processes)
     model = variants.build(family, config)
+    objective = objectives.build(config, model, None)
     data = _dataset(config)
     compute = jnp.dtype(dtype_from_flag("dtype", config.dtype)).name
     mesh = mesh_string(plan.mesh)
@@ -398,7 +387,7 @@ def report(config: ConfigDict, family, num_devices: int, num_processes: int,
     lines = [
         f"plan: {what}, {model.num_layers} layers | "
         f"{num_devices} devices, mesh {mesh} | "
-        f"{data.batch_size}{_rows_per_example(config)} x "
+        f"{data.batch_size}{objective.plan_rows()} x "
         f"{data.seq_length} tokens per step | compute {compute}"
         f"{' (--dtype=auto on ' + jax.default_backend() + ')' if config.dtype == 'auto' else ''}, "
         f"parameters {'/'.join(trained)} | {config.optimizer.type} | remat "
@@ -424,14 +413,14 @@ def report(config: ConfigDict, family, num_devices: int, num_processes: int,
     return "\n".join(lines), fits
 
 
-def default_config(family) -> ConfigDict:
-    config = options.default_config(family)
+def default_config(family, objective: str | None = None) -> ConfigDict:
+    config = options.default_config(family, objective)
     config.plan = get_default_config()
     return config
 
 
-def help_entries(family) -> dict:
-    return {**HELP, **options.help_entries(family)}
+def help_entries(family, objective: str | None = None) -> dict:
+    return {**HELP, **options.help_entries(family, objective)}
 
 
 @exit_on_user_error
@@ -443,10 +432,12 @@ def main(argv=None):
              f"--{family.name}.base_model=... --mesh_dim=1,-1,1 --plan.device_memory_gib=80\n\n"
              f"usage: python -m easylm.plan [--family=NAME] [trainer flags] "
              f"[--plan.device_memory_gib=GiB]  (all flags: --helpfull)")
-    config = default_config(family)
+    objective = objectives.named_in(argv)  # MODULE:CLASS brings its own flags
+    config = default_config(family, objective)
     common = [f"plan.{name}" for name in get_default_config()] + [
         name for name in options.common_flags(family) if name in flag_lib.flatten(config)]
-    config = flag_lib.parse(config, help_entries(family), argv, usage, common=common)
+    config = flag_lib.parse(config, help_entries(family, objective), argv, usage,
+                            common=common)
     num_devices = config.plan.num_devices or jax.device_count()
     num_processes = config.plan.num_processes or jax.process_count()
     budget = int(config.plan.device_memory_gib * GIB) or None

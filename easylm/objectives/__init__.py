@@ -1,102 +1,130 @@
-"""What a run trains for (`--objective`): next-token prediction on documents, a
-preference objective (DPO, SimPO, ORPO) on pairs, or GRPO on rollouts from prompts, each
-an `Objective` (base.py). This module holds their flags and builds the one a run asks
-for."""
+"""What a run trains for (`--objective`): the objectives the trainer knows, by name, each an
+`Objective` class (base.py) that owns its flags, checks, data defaults, frozen inputs and
+plan lines, and is imported only when chosen or its flags are defined (the trainer's and
+the planner's flags; a serve process imports none). `--objective=MODULE:CLASS` trains a
+class defined elsewhere (a test's, a user's).
+
+Adding an objective: its class in one file, and one line in `REGISTRY`.
+"""
+
+import importlib
 
 from ml_collections import ConfigDict
 
-from easylm.data.options import loader_block
 from easylm.errors import UserError
-from easylm.objectives import grpo, preference
 from easylm.objectives.base import Objective
-from easylm.objectives.next_token import NextToken
 
-NEXT_TOKEN = "next_token"
-GRPO = "grpo"
-OBJECTIVES = (NEXT_TOKEN, *preference.OBJECTIVES, GRPO)
+REGISTRY = {
+    "next_token": "easylm.objectives.next_token:NextToken",
+    "dpo": "easylm.objectives.preference:DPO",
+    "simpo": "easylm.objectives.preference:SimPO",
+    "orpo": "easylm.objectives.preference:ORPO",
+    "grpo": "easylm.objectives.grpo:GRPOObjective",
+}
+DEFAULT = "next_token"
 HELP = {"objective": "what to train: next_token (language modelling on text), on "
                      "preference pairs dpo, simpo or orpo (docs/preference.md), or grpo on "
-                     "rollouts from prompts (docs/rl.md)",
-        **preference.HELP, **grpo.HELP}
+                     "rollouts from prompts (docs/rl.md); or MODULE:CLASS, an Objective "
+                     "of your own (docs/training.md)"}
 _SECTIONS = ("train_dataset", "eval_dataset")
 
 
-def get_default_config() -> ConfigDict:
-    """--objective and each objective's own block (--dpo.*, --simpo.*, --orpo.*, --grpo.*)."""
+def get(name: str):
+    """The `Objective` class --objective=`name` names: a registered name or MODULE:CLASS."""
+    if name not in REGISTRY and ":" not in name:
+        raise UserError(f"--objective={name!r} is not one of {', '.join(REGISTRY)}")
+    module, _, attribute = REGISTRY.get(name, name).partition(":")
+    try:
+        objective = getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError) as e:
+        raise UserError(f"--objective={name}: {e}") from None
+    if not (isinstance(objective, type) and issubclass(objective, Objective)):
+        raise UserError(f"--objective={name}: {module}.{attribute} is not an Objective class")
+    return objective
+
+
+def named_in(argv: list[str]) -> str | None:
+    """The objective a command line names (--objective=VALUE or --objective VALUE; the
+    last, as absl reads them), if it names one."""
+    values = [arg.partition("=")[2] if "=" in arg else (argv[i + 1:] or [None])[0]
+              for i, arg in enumerate(argv) if arg.partition("=")[0] == "--objective"]
+    return values[-1] if values else None
+
+
+def _chosen(config: ConfigDict):
+    """The class --objective names, its flags defined (a MODULE:CLASS named only in a
+    --flagfile brings none: `named_in` reads the command line)."""
+    cls = get(config.objective)
+    if cls.get_default_config() is not None and cls.name not in config:
+        raise UserError(f"--objective={config.objective}: its flags --{cls.name}.* are "
+                        f"not defined; give --objective on the command line, not in a "
+                        f"--flagfile")
+    return cls
+
+
+def _classes(objective: str | None = None) -> list:
+    """The registered classes, and the one `objective` names if it is not registered."""
+    names = [*REGISTRY, *([objective] if objective and objective not in REGISTRY else [])]
+    return [get(name) for name in names]
+
+
+def get_default_config(objective: str | None = None) -> ConfigDict:
+    """--objective and each objective's own block (--dpo.*, --simpo.*, --orpo.*, --grpo.*),
+    and that of `objective` (MODULE:CLASS, from the command line) where it has one."""
     config = ConfigDict()
-    config.objective = NEXT_TOKEN
-    for name, block in preference.get_default_config().items():
-        config[name] = block
-    config.grpo = grpo.get_default_config()
+    config.objective = DEFAULT
+    for cls in _classes(objective):
+        block = cls.get_default_config()
+        if block is None:
+            continue
+        if cls.name in config:
+            raise UserError(f"--objective={objective}: its flags --{cls.name}.* are another "
+                            f"objective's or --objective itself; name it otherwise")
+        config[cls.name] = block
     return config
 
 
-def build(config: ConfigDict, model, tokenizer) -> Objective:
+def help_entries(objective: str | None = None) -> dict:
+    return {k: v for cls in _classes(objective) for k, v in cls.HELP.items()} | HELP
+
+
+def build(config: ConfigDict, model, tokenizer):
     """The `Objective` --objective names, for `model`."""
-    if config.objective == NEXT_TOKEN:
-        return NextToken(model)
-    if config.objective == GRPO:
-        return grpo.GRPOObjective(config, model, tokenizer)
-    return preference.PreferenceObjective(config, model, tokenizer)
+    return _chosen(config)(model, config, tokenizer)
 
 
 def dataset_defaults(config: ConfigDict) -> dict:
-    """A derived default (the trainer's run defaults): a preference objective reads pairs."""
-    if config.objective in (NEXT_TOKEN, GRPO):
-        return {}
-    return {f"{section}.preference.enabled": True for section in _SECTIONS}
+    """A derived default (the trainer's run defaults): the chosen objective's."""
+    return _chosen(config).dataset_defaults(config)
 
 
 def unused_flags(config: ConfigDict) -> tuple:
     """Prefixes of the flags that do not change what `config` trains: the options of the
-    other objectives (all of them, and --objective itself, for next-token training), left
-    out of the run directory's name so that runs keep theirs."""
-    others = (*preference.OBJECTIVES, GRPO)
-    if config.objective == NEXT_TOKEN:
-        return ("objective", *(f"{name}." for name in others))
-    return tuple(f"{name}." for name in others if name != config.objective)
+    other objectives, and those the chosen one names, left out of the run directory's
+    name so that runs keep theirs."""
+    chosen = _chosen(config)
+    others = [cls for cls in _classes(config.objective)
+              if cls is not chosen and cls.get_default_config() is not None]
+    return (*chosen.unused_flags(config), *(f"{cls.name}." for cls in others))
 
 
 def check_config(config: ConfigDict) -> None:
-    """--objective, its options and the datasets agree: pairs for a preference objective,
-    prompts for GRPO, text else."""
-    objective = config.objective
-    if objective not in OBJECTIVES:
-        raise UserError(f"--objective={objective!r} is not one of {', '.join(OBJECTIVES)}")
-    if objective == GRPO:
-        return _check_grpo(config)
-    pairs = ", ".join(preference.OBJECTIVES)
+    """--objective, its options and the datasets agree: the datasets hold the rows the
+    objective reads (preference pairs or not), then the objective's own checks."""
+    chosen = _chosen(config)
+    pairs = ", ".join(name for name in REGISTRY if get(name).rows == "pairs")
     for section in _SECTIONS if config.eval_freq else _SECTIONS[:1]:
         enabled = config[section].preference.enabled
-        if enabled and objective == NEXT_TOKEN:
-            raise UserError(f"--{section}.preference.enabled=True makes batches of preference "
-                            f"pairs, which train with --objective={pairs}, not the default "
-                            f"--objective={NEXT_TOKEN}")
-        if not enabled and objective != NEXT_TOKEN:
-            raise UserError(f"--objective={objective} trains on preference pairs, but "
-                            f"--{section}.preference.enabled=False")
-    if objective == NEXT_TOKEN:
-        return
-    preference.check_options(objective, config[objective])
-    data = config.train_dataset
-    if data.type == "json" and data.json_dataset.path == "embedded":
-        raise UserError(f"--objective={objective} trains on preference pairs: set "
-                        f"--train_dataset.json_dataset.path to JSON lines with prompt, chosen "
-                        f"and rejected (docs/preference.md)")
-
-
-def _check_grpo(config: ConfigDict) -> None:
-    data = config.train_dataset
-    for section in _SECTIONS if config.eval_freq else _SECTIONS[:1]:
-        if config[section].preference.enabled:
-            raise UserError(f"--objective=grpo trains on prompts, not preference pairs: set "
-                            f"--{section}.preference.enabled=False")
-    if data.type == "json" and data.json_dataset.path == "embedded":
-        raise UserError("--objective=grpo makes rollouts from prompts: set --train_dataset."
-                        "json_dataset.path to JSON lines with a prompt (and the fields your "
-                        "reward functions read, e.g. answer; docs/rl.md)")
-    grpo.check_options(config.grpo, data[loader_block(data)].seq_length)
-    lora = config.get("lora")
-    if lora is not None and lora.get("rank") and lora.get("dropout"):
-        raise UserError(f"--lora.dropout={lora.dropout} does not act in --objective=grpo (its "
-                        f"forward is the serving engine's, which has none): set it to 0")
+        if enabled == (chosen.rows == "pairs"):
+            continue
+        if chosen.rows == "pairs":
+            raise UserError(f"--objective={config.objective} trains on preference pairs, "
+                            f"but --{section}.preference.enabled=False")
+        if chosen.rows == "prompts":
+            raise UserError(f"--objective={config.objective} trains on prompts, not "
+                            f"preference pairs: set --{section}.preference.enabled=False")
+        default = "the default " if config.objective == DEFAULT else ""
+        raise UserError(f"--{section}.preference.enabled=True makes batches of preference "
+                        f"pairs, which train with --objective={pairs}, not {default}"
+                        f"--objective={config.objective}")
+    chosen.check_config(config)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from ml_collections import ConfigDict
 
+from easylm.data.options import loader_block
 from easylm.errors import UserError
 from easylm.objectives import rewards as rewards_lib
 from easylm.objectives.base import BASE, COPY, NO_REFERENCE, Objective
@@ -215,10 +216,28 @@ class GRPOObjective(Objective):
 
     name = "grpo"
     rows = "prompts"
+    HELP = HELP
 
-    def __init__(self, config, model, tokenizer):
-        super().__init__(model)
-        self.config, self.tokenizer = config, tokenizer
+    @classmethod
+    def get_default_config(cls) -> ConfigDict:
+        return get_default_config()
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        data = config.train_dataset
+        if data.type == "json" and data.json_dataset.path == "embedded":
+            raise UserError("--objective=grpo makes rollouts from prompts: set --train_dataset."
+                            "json_dataset.path to JSON lines with a prompt (and the fields your "
+                            "reward functions read, e.g. answer; docs/rl.md)")
+        check_options(config.grpo, data[loader_block(data)].seq_length)
+        lora = config.get("lora")
+        if lora is not None and lora.get("rank") and lora.get("dropout"):
+            raise UserError(f"--lora.dropout={lora.dropout} does not act in --objective=grpo "
+                            f"(its forward is the serving engine's, which has none): set it "
+                            f"to 0")
+
+    def __init__(self, model, config, tokenizer):
+        super().__init__(model, config, tokenizer)
         self.options = options = get_default_config(config.grpo.to_dict())
         self.rows_per_example = options.num_generations  # tokens/step: B x G rows
         self.completion_tokens = options.max_new_tokens
@@ -270,6 +289,15 @@ class GRPOObjective(Objective):
             if corrects_sampling(o) else ""
         return (f" | objective grpo ({o.loss_type}, {o.num_generations} completions of <= "
                 f"{o.max_new_tokens} tokens per prompt{reference}{correction})")
+
+    def plan_rows(self) -> str:
+        return f" prompts x {self.options.num_generations} completions"
+
+    def rollout_cache(self, batch_size: int, seq_length: int):
+        """A row for each of the step's completions (all processes' prompts x
+        num_generations), of the row's length."""
+        rows = batch_size * self.options.num_generations
+        return jax.eval_shape(lambda: self.model.init_cache(rows, seq_length))
 
     def flops_per_token(self, seq_length: int) -> float:
         """The policy's forward and backward passes, and the scoring forwards made once per

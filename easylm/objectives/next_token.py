@@ -136,5 +136,10 @@ class NextToken(Objective):
 
     name = "next_token"
 
+    @classmethod
+    def unused_flags(cls, config) -> tuple:
+        # The default's runs keep the directories they had before --objective existed.
+        return ("objective",)
+
     def loss_fn(self, params, batch, rng, frozen):
         return next_token_sums(self.model, params, batch, rng, frozen.get("base"))

@@ -14,9 +14,9 @@ only; with a precomputed reference also reference_chosen_logps, reference_reject
 `make_loss_fn` composes them into the trainer's `(params, batch, rng) -> sums`. Like
 LossSums these are sums, so micro-batches and hosts add up exactly; the step divides by
 `pairs` once after adding them (a mean over pairs), where the language-model loss divides
-by tokens. `PreferenceObjective` is the trainer's `Objective` (objectives/base.py) for
-them: the loss, the reference, the work per step. Formulas, papers and metrics:
-docs/preference.md.
+by tokens. `PreferenceObjective` and its subclasses `DPO`, `SimPO`, `ORPO` are the
+trainer's `Objective`s (objectives/base.py) for them: flags, checks, the loss, the
+reference, the work per step. Formulas, papers and metrics: docs/preference.md.
 """
 
 from typing import Callable, NamedTuple
@@ -265,26 +265,40 @@ def check_options(objective: str, options) -> None:
 
 
 class PreferenceObjective(Objective):
-    """DPO, SimPO or ORPO on batches of pairs. DPO's reference is the base with the
-    adapters off under LoRA, else a frozen copy of the starting parameters, or (with
-    --dpo.precompute_reference) log-probabilities computed before training and carried by
-    the batches."""
+    """A preference objective on batches of pairs: DPO, SimPO or ORPO (the subclasses
+    below), its options the block --NAME.* and its loss `OBJECTIVES[NAME]`."""
 
     rows = "pairs"
     rows_per_example = 2  # a pair is a chosen and a rejected row
 
-    def __init__(self, config, model, tokenizer):
-        super().__init__(model)
-        self.name = config.objective
-        self.config, self.tokenizer = config, tokenizer
-        self.options = get_default_config({name: config[name].to_dict() for name in OBJECTIVES})
-        if self.name not in NEEDS_REFERENCE:
-            self.reference = NO_REFERENCE
-        elif self.options.dpo.precompute_reference:
-            self.reference = PRECOMPUTED
-        else:
-            self.reference = BASE if model.frozen is not None else COPY
+    @classmethod
+    def get_default_config(cls) -> ConfigDict:
+        return get_default_config()[cls.name]
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        check_options(cls.name, config[cls.name])
+        data = config.train_dataset
+        if data.type == "json" and data.json_dataset.path == "embedded":
+            raise UserError(f"--objective={cls.name} trains on preference pairs: set "
+                            f"--train_dataset.json_dataset.path to JSON lines with prompt, "
+                            f"chosen and rejected (docs/preference.md)")
+
+    @classmethod
+    def dataset_defaults(cls, config) -> dict:
+        """Its rows are pairs: the datasets read them."""
+        return {f"{section}.preference.enabled": True
+                for section in ("train_dataset", "eval_dataset")}
+
+    def __init__(self, model, config, tokenizer):
+        super().__init__(model, config, tokenizer)
+        self.options = get_default_config({self.name: config[self.name].to_dict()})
+        self.reference = self._reference()
         self._table = None
+
+    def _reference(self) -> str:
+        """What its loss compares the policy with (base.py): nothing, but for DPO."""
+        return NO_REFERENCE
 
     def _reference_logps(self, frozen: dict) -> Callable:
         """(params, rows) -> the reference's (logps, lengths): the base under the policy's
@@ -307,6 +321,9 @@ class PreferenceObjective(Objective):
                      COPY: " (live reference)", PRECOMPUTED: " (precomputed reference)",
                      NO_REFERENCE: ""}[self.reference]
         return f" | objective {self.name}{reference}"
+
+    def plan_rows(self) -> str:
+        return " pairs x 2"
 
     def flops_per_token(self, seq_length: int) -> float:
         """The policy's forward and backward passes (6N; LoRA's skip the base's weight
@@ -348,3 +365,31 @@ class PreferenceObjective(Objective):
     def prepare(self, batch: dict) -> dict:
         """With a precomputed reference, the batch's pairs' (b,) log-probabilities added."""
         return batch if self._table is None else dict(batch, **self._table.lookup(batch))
+
+
+def _help(name: str) -> dict:
+    return {k: v for k, v in HELP.items() if k.startswith(f"{name}.")}
+
+
+class DPO(PreferenceObjective):
+    """DPO's reference is the base with the adapters off under LoRA, else a frozen copy of
+    the starting parameters, or (with --dpo.precompute_reference) log-probabilities
+    computed before training and carried by the batches."""
+
+    name = "dpo"
+    HELP = _help(name)
+
+    def _reference(self) -> str:
+        if self.options.dpo.precompute_reference:
+            return PRECOMPUTED
+        return BASE if self.model.frozen is not None else COPY
+
+
+class SimPO(PreferenceObjective):
+    name = "simpo"
+    HELP = _help(name)
+
+
+class ORPO(PreferenceObjective):
+    name = "orpo"
+    HELP = _help(name)

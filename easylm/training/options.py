@@ -51,8 +51,10 @@ HELP = {
 }
 
 
-def get_default_config(dataset_config: ConfigDict | None = None) -> ConfigDict:
-    """Top-level flags and each component's own block (`--optimizer.*`, ...)."""
+def get_default_config(dataset_config: ConfigDict | None = None,
+                       objective: str | None = None) -> ConfigDict:
+    """Top-level flags and each component's own block (`--optimizer.*`, ...); `objective`:
+    an --objective=MODULE:CLASS whose flags join the registered objectives'."""
     config = run_flags.get_default_config(*run_flags.DEFAULTS)
     config.dcn_mesh_dim = ""
     config.total_steps = 10000
@@ -69,7 +71,7 @@ def get_default_config(dataset_config: ConfigDict | None = None) -> ConfigDict:
     config.profile_steps = 0
     config.profile_start_step = 5
     config.log_all_worker = False
-    config.update(objectives.get_default_config())  # --objective, --dpo.*, --simpo.*, ...
+    config.update(objectives.get_default_config(objective))  # --objective, --dpo.*, ...
     if dataset_config is not None:
         config.train_dataset = dataset_config
         config.eval_dataset = ConfigDict(dataset_config.to_dict())
@@ -82,12 +84,12 @@ def get_default_config(dataset_config: ConfigDict | None = None) -> ConfigDict:
     return config
 
 
-def help_text(dataset_help: dict | None = None) -> dict:
+def help_text(dataset_help: dict | None = None, objective: str | None = None) -> dict:
     text = dict(HELP)
     sections = {"optimizer": optimizers.HELP, "checkpointer": checkpoint.HELP,
                 "logger": logger.HELP, "jax_distributed": distributed.HELP,
                 "eval_harness": harness_flags.HELP}
-    text.update(objectives.HELP)
+    text.update(objectives.help_entries(objective))
     for section in ("train_dataset", "eval_dataset"):
         sections[section] = dataset_help or {}
     for section, entries in sections.items():
@@ -97,21 +99,22 @@ def help_text(dataset_help: dict | None = None) -> dict:
     return text
 
 
-def default_config(family: ModelFamily) -> ConfigDict:
-    """`family`'s training flags before those that depend on the run (`run_defaults`)."""
+def default_config(family: ModelFamily, objective: str | None = None) -> ConfigDict:
+    """`family`'s training flags before those that depend on the run (`run_defaults`);
+    `objective`: as in `get_default_config`."""
     from easylm.data import DatasetFactory
 
-    config = get_default_config(DatasetFactory.get_default_config())
+    config = get_default_config(DatasetFactory.get_default_config(), objective)
     config[family.name] = family.flag_config()  # from scratch; hf:: gives its own shape
     for section, block in family.variant_flags().items():
         config[section] = block
     return config
 
 
-def help_entries(family: ModelFamily) -> dict:
+def help_entries(family: ModelFamily, objective: str | None = None) -> dict:
     from easylm.data import DatasetFactory
 
-    entries = help_text(getattr(DatasetFactory, "HELP", None))
+    entries = help_text(getattr(DatasetFactory, "HELP", None), objective)
     entries.update(family.help_entries("the preset's, or hf::DIR config.json's"))
     entries.update(family.variant_help())
     for name, value in family.demo.items():
@@ -150,9 +153,10 @@ def usage(family: ModelFamily) -> str:
 def parse_flags(family: ModelFamily, argv: list[str]) -> ConfigDict:
     """`argv` (argv[0] is the program) as `python -m <family>.train` reads it, the
     defaults of the run included."""
-    config = default_config(family)
+    objective = objectives.named_in(argv)  # MODULE:CLASS brings its own flags
+    config = default_config(family, objective)
     common = [name for name in common_flags(family) if name in flag_lib.flatten(config)]
-    return flag_lib.parse(config, help_entries(family), argv, usage(family),
+    return flag_lib.parse(config, help_entries(family, objective), argv, usage(family),
                           derived=family_run_defaults(family), common=common)
 
 
