@@ -1,5 +1,6 @@
 """HF <-> easylm converters: parity, exact round trips, input formats, bad input."""
 
+import functools
 import json
 import os
 import subprocess
@@ -15,9 +16,13 @@ from safetensors.numpy import load_file
 from transformers import LlamaForCausalLM as HFLlama
 
 from easylm.llama.config import LLaMAConfig
-from easylm.llama.convert_easylm_to_hf import export, load_checkpoint, verify
+from easylm import convert_easylm_to_hf as converter
+from easylm.llama.family import FAMILY
 from easylm.llama.hf import load_hf_params
 from easylm.llama.model import LLaMAForCausalLM
+
+export, load_checkpoint, verify = (functools.partial(f, FAMILY) for f in (
+    converter.export, converter.load_checkpoint, converter.verify))
 
 VARIANTS = {
     "mha": dict(num_key_value_heads=4),
