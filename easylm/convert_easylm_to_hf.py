@@ -45,6 +45,7 @@ from easylm.runtime.checkpoint import (
     check_free_space,
     disk_full_error,
     is_disk_full,
+    load_stored_params,
     parse_load_spec,
     read_metadata,
 )
@@ -84,10 +85,8 @@ def config_of(family: ModelFamily, metadata: dict, directory: str):
 
 def load_checkpoint(family: ModelFamily, spec: str):
     """(config, params on one host device, in their stored layout and dtype)."""
-    from easylm.variants.adapters import load_as_stored
-
     _, directory = parse_load_spec(spec)
-    return config_of(family, read_metadata(directory), directory), load_as_stored(spec)
+    return config_of(family, read_metadata(directory), directory), load_stored_params(spec)
 
 
 def export(family: ModelFamily, params, config, directory: str, dtype: str = "keep",

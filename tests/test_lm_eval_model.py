@@ -5,7 +5,6 @@ of the same tokens; the negative twin shows the comparison catches a context off
 token."""
 
 import lm_eval.api.registry
-import numpy as np
 import pytest
 import torch
 from gemma_utils import forward_rel, hf_model, tiny_config

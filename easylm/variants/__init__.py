@@ -6,6 +6,7 @@ ask here for the variants' flags, help, run defaults and state settings."""
 
 import dataclasses
 
+from easylm.errors import UserError
 from easylm.models import decoder
 from easylm.models.family import Model, ModelFamily
 
@@ -57,8 +58,6 @@ def merge_adapters(family: ModelFamily, spec: str, base_spec: str, config, param
     """`params` (of `family.bind(config)`, on `mesh`, read from `base_spec`) with the
     adapters at `spec` folded in, once they are known to be that base's: the server's
     --lora_checkpoint."""
-    from easylm.errors import UserError
-
     if "lora" not in family.variants:
         raise UserError(f"--lora_checkpoint={spec}: the {family.name} family has no adapters")
     from easylm.variants.adapters import Adapters

@@ -184,7 +184,7 @@ class Adapters:
         if kind == "hf":
             params = self.family.hf_params(directory, config)
         else:
-            params = jax.device_get(load_as_stored(spec))
+            params = jax.device_get(checkpoint.load_stored_params(spec))
         return self.family.layout(params, config)
 
     # -------------------------------------------------------------- exporting
@@ -234,13 +234,3 @@ def _one_by_one(adapters) -> dict:
     """{unscanned adapter path (model/layers/<i>/...): array}."""
     return traverse_util.flatten_dict(relayout(adapters, False), sep="/")
 
-
-def load_as_stored(spec: str):
-    """The parameters of an easylm checkpoint on one device, in their stored layout and
-    dtypes."""
-    _, directory = checkpoint.parse_load_spec(spec)
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract = jax.tree.map(
-        lambda leaf: jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype, sharding=device),
-        checkpoint.stored_tree(directory, "params"))
-    return checkpoint.load_params(spec, abstract)

@@ -185,11 +185,8 @@ def read_adapters(spec: str, load_peft) -> tuple[LoraConfig, dict, dict]:
     if not fields.get("rank"):
         raise UserError(f"--lora_checkpoint={spec}: neither a PEFT adapter directory nor a "
                         f"LoRA run's checkpoint (its flags have no --lora.rank)")
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype,
-                                                              sharding=device),
-                            checkpoint.stored_tree(directory, "params"))
-    return LoraConfig(**fields), checkpoint.load_params(f"params::{directory}", abstract), metadata
+    return (LoraConfig(**fields), checkpoint.load_stored_params(f"params::{directory}"),
+            metadata)
 
 
 def merge_into(spec: str, base_spec: str, params, lm: LoraModel, adapters, metadata: dict,
