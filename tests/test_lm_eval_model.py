@@ -1,8 +1,8 @@
 """lm-eval's `--model easylm` (easylm/evaluation/lm_eval_model.py) for a family other than
 LLaMA: made from model_args naming only an hf:: directory of a tiny random Gemma 3 (the
 family read from its config.json), its loglikelihoods are transformers' log-probabilities
-of the same tokens; the negative twin shows the comparison catches a context off by one
-token."""
+of the same tokens; the negative twin shows the comparison catches a scorer off by one
+position (each token scored by the logits at its own position, not the one before)."""
 
 import lm_eval.api.registry
 import pytest
@@ -29,17 +29,19 @@ def gemma_dir(tmp_path_factory):
     return directory
 
 
-def transformers_logprobs(model, tokenizer, context: str, continuation: str, drop: int = 0):
-    """(summed log-probability of the continuation's tokens, their count), split as lm-eval's
-    `hf` backend splits them (the whole text encoded, the context's tokens cut off), with
-    the first `drop` context tokens left out (the negative twin's bug)."""
+def transformers_logprobs(model, tokenizer, context: str, continuation: str, late: int = 1):
+    """(summed log-probability of the continuation's tokens, their count, max |logit|), split
+    as lm-eval's `hf` backend splits them (the whole text encoded, the context's tokens cut
+    off), each token scored by the logits `late` positions before it (1: right; 0: the
+    negative twin's off-by-one)."""
     whole = tokenizer(context + continuation)["input_ids"]
     n = len(whole) - len(tokenizer(context)["input_ids"])
-    ids = torch.tensor([whole[drop:]])
+    ids = torch.tensor([whole])
     with torch.no_grad():
         logits = model(ids).logits[0].double()
-    logps = torch.log_softmax(logits, -1)[:-1].gather(-1, ids[0, 1:, None])[:, 0]
-    return float(logps[-n:].sum()), n, float(logits.abs().max())
+    scored = torch.log_softmax(logits, -1)[len(whole) - n - late:len(whole) - late]
+    logps = scored.gather(-1, ids[0, -n:, None])[:, 0]
+    return float(logps.sum()), n, float(logits.abs().max())
 
 
 def test_loglikelihood_on_a_gemma_directory_is_transformers(gemma_dir):
@@ -61,6 +63,7 @@ def test_loglikelihood_on_a_gemma_directory_is_transformers(gemma_dir):
         # tests/gemma_utils.py forward_rel), and `terms` of them add.
         tolerance = terms * 2 * forward_rel(config, SEQ) * scale
         assert abs(got - expected) <= tolerance, (got, expected, tolerance)
-        # Negative twin: the context one token short (an off-by-one a scorer can make).
-        shifted, _, _ = transformers_logprobs(model, tokenizer, context, continuation, drop=1)
+        # Negative twin: each token scored at its own position (an off-by-one a scorer can
+        # make).
+        shifted, _, _ = transformers_logprobs(model, tokenizer, context, continuation, late=0)
         assert abs(got - shifted) > tolerance, (got, shifted, tolerance)
