@@ -74,7 +74,8 @@ def train_config(family) -> ConfigDict:
     config.profile_steps = 0
     config.profile_dir = ""
     config[family.name] = family.flag_config(family.tiny_preset)
-    for section, block in family.variant_flags().items():  # --lora.*: adapters on a frozen base
+    # --lora.*: adapters on a frozen base
+    for section, block in variants.flag_sections(family).items():
         config[section] = block
     config.optimizer = optimizers.get_default_config()
     return config
@@ -83,7 +84,7 @@ def train_config(family) -> ConfigDict:
 def _train_help(family) -> dict:
     text = dict(TRAIN_HELP)
     text.update(family.help_entries())
-    text.update(family.variant_help())
+    text.update(variants.help_entries(family))
     text.update({f"optimizer.{k}": v for k, v in optimizers.HELP.items()})
     return text
 

@@ -1,5 +1,6 @@
 """HF <-> easylm converters: parity, exact round trips, input formats, bad input."""
 
+import functools
 import json
 import os
 import subprocess
@@ -15,9 +16,13 @@ from safetensors.numpy import load_file
 from transformers import LlamaForCausalLM as HFLlama
 
 from easylm.llama.config import LLaMAConfig
-from easylm.llama.convert_easylm_to_hf import export, load_checkpoint, verify
+from easylm import convert_easylm_to_hf as converter
+from easylm.llama.family import FAMILY
 from easylm.llama.hf import load_hf_params
 from easylm.llama.model import LLaMAForCausalLM
+
+export, load_checkpoint, verify = (functools.partial(f, FAMILY) for f in (
+    converter.export, converter.load_checkpoint, converter.verify))
 
 VARIANTS = {
     "mha": dict(num_key_value_heads=4),
@@ -328,3 +333,106 @@ def test_pad_and_unk_ids_survive_both_conversions(tmp_path):
     export(params, bare, str(tmp_path / "with_tokenizer"), tokenizer="embedded")
     written = json.loads((tmp_path / "with_tokenizer" / "config.json").read_text())
     assert written["pad_token_id"] == 0  # the embedded tokenizer's <pad>
+
+
+# ------------------------------------ the generic commands, for every family
+
+def _assert_same_tensors(before_dir, after_dir):
+    from easylm.models.hf_checkpoint import HFTensors
+
+    before, after = HFTensors(str(before_dir)), HFTensors(str(after_dir))
+    assert sorted(before) == sorted(after)
+    for name in before:
+        assert before[name].dtype == after[name].dtype, name
+        assert before[name].tobytes() == after[name].tobytes(), name
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_generic_commands_round_trip_each_family_bitwise(tmp_path, family, capsys):
+    # python -m easylm.convert_hf_to_easylm / convert_easylm_to_hf with no --family: the
+    # family comes from config.json's model_type, then from the checkpoint's metadata.
+    from easylm import convert_hf_to_easylm
+    from easylm.runtime import checkpoint
+
+    if family == "llama":
+        make_hf(tmp_path / "hf", tie_word_embeddings=True)
+    else:
+        from gemma_utils import hf_model, tiny_config
+
+        hf_model(tiny_config(num_hidden_layers=2)).save_pretrained(tmp_path / "hf")
+    convert_hf_to_easylm.main(["convert", f"--hf_model={tmp_path / 'hf'}",
+                               f"--output_dir={tmp_path / 'ours'}"])
+    assert checkpoint.read_metadata(str(tmp_path / "ours"))["model"] == family
+    converter.main(["convert", f"--load_checkpoint=params::{tmp_path / 'ours'}",
+                    f"--output_dir={tmp_path / 'back'}"])
+    assert "verify: max |logit difference| vs transformers" in capsys.readouterr().out
+    _assert_same_tensors(tmp_path / "hf", tmp_path / "back")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--family=gpt2"], "--family='gpt2' is not one of llama, gemma"),
+    ([], "model_type 'gpt2' is not one easylm reads"),
+])
+def test_generic_commands_refuse_an_unknown_family_in_one_line(tmp_path, argv, message):
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    result = run_cli("easylm.convert_hf_to_easylm", f"--hf_model={tmp_path / 'hf'}",
+                     f"--output_dir={tmp_path / 'out'}", *argv)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: ") and message in result.stderr, result.stderr
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    result = run_cli("easylm.convert_easylm_to_hf", f"--load_checkpoint=params::{tmp_path}",
+                     f"--output_dir={tmp_path / 'back'}", *argv)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_gemma_lora_run_exports_merged_as_peft_merges(tmp_path, capsys):
+    # A LoRA run on a Gemma directory (the generic trainer), then the generic exporter's
+    # --lora_mode=adapter and merged: the merged tensors are PEFT's merge_and_unload of the
+    # adapter on the same base (adapted kernels within fp32 rounding of the r-term sum,
+    # every other tensor bit for bit).
+    from gemma_utils import hf_model, tiny_config
+    from numerics import EPS32
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from easylm import train
+    from easylm.data.tokenizer import load_tokenizer
+    from easylm.models.hf_checkpoint import HFTensors
+
+    hf_dir, rank, alpha = tmp_path / "hf", 4, 8.0
+    hf_model(tiny_config(num_hidden_layers=2)).save_pretrained(hf_dir)
+    load_tokenizer("embedded").save_pretrained(hf_dir)
+    train.main(["train", f"--load_checkpoint=hf::{hf_dir}", f"--tokenizer={hf_dir}",
+                "--total_steps=3", "--train_dataset.json_dataset.seq_length=32",
+                "--train_dataset.json_dataset.batch_size=4", "--compilation_cache_dir=",
+                f"--logger.output_dir={tmp_path / 'runs'}", "--dtype=fp32", "--mesh_dim=1,1,-1",
+                "--optimizer.adamw_optimizer.lr=1e-2",
+                "--optimizer.adamw_optimizer.lr_warmup_steps=1",
+                f"--lora.rank={rank}", f"--lora.alpha={alpha:g}"])
+    final = capsys.readouterr().out.split("checkpoint: ")[1].split()[0]
+    for mode in ("adapter", "merged"):
+        converter.main(["convert", f"--load_checkpoint=params::{final}",
+                        f"--output_dir={tmp_path / mode}", f"--lora_mode={mode}"])
+    base = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    theirs = {name: tensor.numpy() for name, tensor in PeftModel.from_pretrained(
+        base, tmp_path / "adapter").merge_and_unload().state_dict().items()}
+    ours, original = HFTensors(str(tmp_path / "merged")), HFTensors(str(hf_dir))
+    adapter = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert sorted(ours) == sorted(name for name in theirs if name in original)
+    adapted = [name for name in ours if ours[name].tobytes() != original[name].tobytes()]
+    assert len(adapted) == 2 * 7  # q k v o gate up down, in each of the two layers
+    for name in ours:
+        if name not in adapted:
+            assert ours[name].tobytes() == theirs[name].tobytes(), name
+            continue
+        # W + s·Σ_r b_i a_i: a reordered r-term sum moves it by at most r·eps·s·Σ|b_i a_i|,
+        # the add by one more rounding of the result.
+        module = "base_model.model." + name.removesuffix(".weight")
+        a, b = (adapter[f"{module}.lora_{x}.weight"] for x in "AB")
+        terms = (alpha / rank) * (np.abs(b) @ np.abs(a))
+        bound = (rank * terms + np.abs(original[name]) + terms).max() * EPS32
+        assert np.abs(ours[name] - theirs[name]).max() <= bound, name
+        # Negative twin: the base alone is not PEFT's merge.
+        assert np.abs(original[name] - theirs[name]).max() > bound, name

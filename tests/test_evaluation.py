@@ -329,7 +329,7 @@ def test_the_hook_on_a_lora_run_scores_as_the_merged_model(tmp_path):
     from easylm.data.tokenizer import load_tokenizer
     from easylm.evaluation.harness import evaluate, harness_metrics
     from easylm.llama import train
-    from easylm.llama.adapters import lora_model
+    from easylm.variants.adapters import Adapters
     from easylm.llama.config import LLaMAConfig
     from easylm.llama.model import LLaMAForCausalLM
     from easylm.training.setup import start
@@ -349,7 +349,7 @@ def test_the_hook_on_a_lora_run_scores_as_the_merged_model(tmp_path):
                               run.state.params)
         logged = run.harness(1, run.state.replace(params=params))
         lm_config = LLaMAConfig(**run.model.config)
-        lm = lora_model(lm_config, LoraConfig.from_flags(config.lora))
+        lm = Adapters(FAMILY).lora_model(lm_config, LoraConfig.from_flags(config.lora))
         merged = jax.jit(lm.merge)(base, params)
         hook = run.harness.lm
         merged_lm = HarnessLM.from_params(FAMILY.bind(lm_config), merged, load_tokenizer(

@@ -177,7 +177,7 @@ def test_a_lora_run_exports_a_peft_adapter_and_a_merged_model(tmp_path, hf_dir, 
     # export loads in transformers, both with our logits.
     from peft import PeftModel
 
-    from easylm.gemma.adapters import lora_model
+    from easylm.variants.adapters import Adapters
     from easylm.variants.lora_variant import read_adapters
 
     train.main(train_argv(tmp_path, hf_dir, steps=3, lr=1e-2) + ["--lora.rank=4",
@@ -203,7 +203,7 @@ def test_a_lora_run_exports_a_peft_adapter_and_a_merged_model(tmp_path, hf_dir, 
                                                         dtype=torch.float32).eval()
     merged = hf_logits(merged_model, ids)
     lora, adapters, _ = read_adapters(final, load_peft=None)  # a run's checkpoint
-    lm = lora_model(config, lora)
+    lm = Adapters(FAMILY).lora_model(config, lora)
     ours = np.asarray(lm.apply(lm.store_base(params_of(hf_model(config), config)), adapters, ids))
     rel = forward_rel(config, 32)
     assert_close(ours, peft, rel)

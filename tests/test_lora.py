@@ -1,4 +1,4 @@
-"""LoRA and QLoRA (easylm/variants/lora.py, easylm/llama/adapters.py): step 0 is the base model, only
+"""LoRA and QLoRA (easylm/variants/lora.py, easylm/variants/adapters.py): step 0 is the base model, only
 adapters train, merged = unmerged on every mesh, PEFT interop both ways, quantization
 error within each format's bound, and the frozen base stored in its format."""
 
@@ -16,9 +16,9 @@ import torch
 from transformers import LlamaForCausalLM as HFLlama
 
 from easylm.errors import UserError
-from easylm.llama.adapters import load_peft, lora_model, save_peft
 from easylm.llama.config import LLaMAConfig
-from easylm.llama.hf import from_hf, from_peft
+from easylm.llama.family import FAMILY
+from easylm.llama.hf import from_hf
 from easylm.llama.model import PARTITION_RULES, LLaMAForCausalLM
 from easylm.models.decoder import stack_layers
 from easylm.runtime.sharding import (
@@ -27,6 +27,7 @@ from easylm.runtime.sharding import (
     named_shardings,
     path_to_string,
 )
+from easylm.variants.adapters import Adapters
 from easylm.variants.lora import (
     NF4_BLOCK,
     LoraConfig,
@@ -35,6 +36,10 @@ from easylm.variants.lora import (
     quantize_kernel,
     read_peft,
 )
+
+ADAPTERS = Adapters(FAMILY)  # LLaMA's
+load_peft, lora_model, save_peft = ADAPTERS.load_peft, ADAPTERS.lora_model, ADAPTERS.save_peft
+from_peft = ADAPTERS.from_peft
 
 # Larger-than-default init (as the HF parity tests use) so that logits are O(1) and a
 # wrong adapter shows far above the tolerances.

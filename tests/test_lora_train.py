@@ -25,9 +25,9 @@ from transformers import LlamaForCausalLM as HFLlama
 from easylm import flags, variants
 from easylm.errors import UserError
 from easylm.llama import convert_easylm_to_hf as convert, train
-from easylm.llama.adapters import lora_model
 from easylm.llama.config import LLaMAConfig
 from easylm.llama.family import FAMILY
+from easylm.variants.adapters import Adapters
 from easylm.llama.hf import load_hf_params
 from easylm.llama.model import LLaMAForCausalLM
 from easylm.models.decoder import stack_layers, unstack_layers
@@ -120,7 +120,7 @@ def test_qlora_starts_as_the_base_trains_adapters_only_and_learns_like_bf16(hf_d
               "--optimizer.adamw_optimizer.lr=1e-2", "--optimizer.adamw_optimizer.end_lr=1e-2"]
     config = parse(tmp_path, *common, "--lora.base_dtype=nf4")
     lm_config = LLaMAConfig.from_preset("debug", **HF_SHAPE)
-    lm = lora_model(lm_config, LoraConfig.from_flags(config.lora))
+    lm = Adapters(FAMILY).lora_model(lm_config, LoraConfig.from_flags(config.lora))
     ids = np.random.RandomState(0).randint(0, 512, (2, 16))
 
     def checks(run):
@@ -311,7 +311,7 @@ def test_lora_flags_name_the_run_directory_only_when_lora_is_on():
     # same command still resumes them.
     def run_dir(*argv):
         config = train.parse_flags(["train", *argv])
-        return run_directory(config, "llama", FAMILY.unused_variant_flags(config))
+        return run_directory(config, "llama", variants.unused_flags(FAMILY, config))
 
     assert run_dir("--lora.alpha=32", "--lora.base_dtype=nf4") == run_dir()
     assert run_dir("--lora.rank=8") != run_dir()
@@ -511,7 +511,7 @@ def test_the_printed_serve_and_eval_lines_load_every_variant(variant, trained, h
     metadata = checkpoint.read_metadata(final)
     lora = LoraConfig(**{k.split(".")[1]: v for k, v in metadata["flags"].items()
                          if k.startswith("lora.")})
-    lm = lora_model(LLaMAConfig(**metadata["llama_config"]).replace(scan_layers=scanned), lora)
+    lm = Adapters(FAMILY).lora_model(LLaMAConfig(**metadata["llama_config"]).replace(scan_layers=scanned), lora)
     want = jax.device_get(jax.jit(lm.merge)(base, in_layout(stored, scanned)))
     for a, b in zip(jax.tree.leaves(served), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)  # W + s A B: one fp32 rounding

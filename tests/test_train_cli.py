@@ -350,7 +350,7 @@ def test_redefaulted_flags_keep_the_directories_runs_had(argv, old_id):
     def run_id(*extra):
         config = train.parse_flags(["train", *argv, *extra])
         return os.path.basename(run_directory(config, "llama",
-                                              FAMILY.unused_variant_flags(config)))
+                                              variants.unused_flags(FAMILY, config)))
 
     assert run_id() == old_id
     assert run_id("--train_dataset.text_processor.add_bos_token=false") != old_id

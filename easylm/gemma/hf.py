@@ -13,7 +13,6 @@ tensors under `model.language_model.` (transformers >= 4.52) or `language_model.
 """
 
 import os
-import re
 from collections.abc import Iterator, Mapping
 
 import jax
@@ -24,14 +23,7 @@ from easylm.errors import UserError
 from easylm.gemma.config import GemmaConfig, from_hf_dict
 from easylm.gemma.model import GemmaForCausalLM
 from easylm.models.decoder import relayout
-from easylm.models.hf_checkpoint import (
-    HFTensors,
-    adapters_from_peft,
-    hf_key,
-    params_from_hf,
-    peft_key,
-    read_config,
-)
+from easylm.models.hf_checkpoint import HFTensors, hf_key, params_from_hf, read_config
 from easylm.runtime.dtypes import cast_names
 
 DTYPES = cast_names(("bf16", "fp32"))  # what a conversion may store
@@ -65,22 +57,6 @@ def from_hf(tensors: Mapping, config: GemmaConfig, dtype=None, source: str = "ch
     flat = params_from_hf(tensors, param_shapes(config), source, dtype, place,
                           ignored=lambda key: tied and key == "lm_head.weight")
     return traverse_util.unflatten_dict(flat, sep="/")
-
-
-def to_peft(adapters) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield (PEFT name, numpy tensor) for LoRA adapters (easylm/variants/lora.py)."""
-    for path, tensor in traverse_util.flatten_dict(adapters, sep="/").items():
-        yield peft_key(path), np.ascontiguousarray(np.asarray(jax.device_get(tensor)).T)
-
-
-def from_peft(tensors: Mapping, config: GemmaConfig, rank: int,
-              source: str = "adapter") -> tuple[dict, str]:
-    """(adapters, target_modules regex selecting exactly the kernels they adapt) from
-    PEFT-named tensors."""
-    flat = adapters_from_peft(tensors, param_shapes(config), rank, source)
-    kernels = sorted({path.rsplit("_", 2)[0] for path in flat})
-    pattern = "^(" + "|".join(re.escape(path) for path in kernels) + ")$"
-    return traverse_util.unflatten_dict(flat, sep="/"), pattern
 
 
 class TextTower(Mapping):

@@ -3,7 +3,6 @@ doctor and the converters reach the LLaMA model (`FAMILY`)."""
 
 import math
 
-
 from easylm.llama import hf
 from easylm.llama.config import ARCHITECTURES, LLAMA_PRESETS, LLaMAConfig
 from easylm.llama.model import PARTITION_RULES, LLaMAForCausalLM
@@ -34,6 +33,7 @@ class LLaMAFamily(ModelFamily):
     commands = "easylm.llama"
     hf_model_types = tuple(ARCHITECTURES)
     remat_policies = remat.NAMES
+    variants = ("lora",)
     module_class = LLaMAForCausalLM
 
     def partition_rules(self, config: LLaMAConfig):
@@ -42,48 +42,13 @@ class LLaMAFamily(ModelFamily):
     def unfused(self, config: LLaMAConfig) -> LLaMAConfig:
         return config.replace(fused_qkv=False, fused_mlp=False)
 
-    def merge_adapters(self, spec: str, base_spec: str, config: LLaMAConfig, params, mesh):
-        from easylm.llama.adapters import merge_into
-
-        return merge_into(spec, base_spec, config, params, mesh,
-                          lambda spec, abstract: self.load_params(spec, config, abstract,
-                                                                  PARTITION_RULES))
-
-    def variant_flags(self) -> dict:
-        from easylm.variants.lora import LoraConfig
-
-        return {"lora": LoraConfig.get_default_config()}
-
-    def variant_help(self) -> dict:
-        from easylm.variants.lora import HELP
-
-        return {f"lora.{name}": text for name, text in HELP.items()}
-
-    def unused_variant_flags(self, flags) -> tuple:
-        lora = flags.get("lora")
-        return ("lora.",) if lora is None or not lora.rank else ()
-
-    def state_settings(self, flags: dict, config: dict) -> dict:
-        # Whether layers are stacked, and LoRA's: rank (0: no adapters), the modules, the
-        # scale, the base's storage (auto made concrete: it follows --dtype).
-        from easylm.llama.adapters import state_settings
-
-        return {**super().state_settings(flags, config), **state_settings(flags)}
-
-    def variant_run_defaults(self, flags) -> dict:
-        from easylm.llama.adapters import LORA_RUN_DEFAULTS
-
-        lora = flags.get("lora")
-        return dict(LORA_RUN_DEFAULTS) if lora is not None and lora.rank and \
-            flags.get("load_checkpoint") else {}
-
     def read_hf_config(self, directory: str) -> LLaMAConfig:
         return hf.read_hf_config(directory)
 
-    def hf_params(self, directory: str, config: LLaMAConfig):
+    def hf_params(self, directory: str, config: LLaMAConfig, dtype: str = "keep", place=None):
         # As config.json describes them (laid out as `config` says): `load_hf` then checks
         # them against `config`, which the --llama.* flags may have changed.
-        return hf.load_hf_params(directory, scan_layers=config.scan_layers)[1]
+        return hf.load_hf_params(directory, dtype, config.scan_layers, place)[1]
 
     def to_hf(self, params, config: LLaMAConfig):
         return hf.to_hf(params, config)

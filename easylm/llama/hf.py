@@ -13,17 +13,10 @@ Our parameter paths are HF's names with '/' for '.', so the mapping is a rule:
 Flax Dense kernels are (in, out); torch Linear weights are (out, in). Both
 directions work tensor by tensor, so converters can stream.
 
-LoRA adapters (easylm/variants/lora.py) map to the names PEFT writes for a LlamaForCausalLM,
-transposed like kernels:
-
-    model/layers/3/self_attn/q_proj/kernel_lora_a (in, r)
-        <->  base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (r, in)
-    model/layers/3/self_attn/q_proj/kernel_lora_b (r, out)
-        <->  base_model.model.model.layers.3.self_attn.q_proj.lora_B.weight (out, r)
+LoRA adapters map to PEFT's names by the same rule (easylm/variants/adapters.py).
 """
 
 import os
-import re
 from typing import Any, Callable, Iterator, Mapping
 
 import jax
@@ -34,15 +27,7 @@ from easylm.errors import UserError
 from easylm.llama.config import ARCHITECTURES, LLaMAConfig
 from easylm.llama.model import LLaMAForCausalLM
 from easylm.models.decoder import stack_layers
-from easylm.models import hf_checkpoint
-from easylm.models.hf_checkpoint import (  # noqa: F401  (PEFT_PREFIX, peft_key: by these names)
-    PEFT_PREFIX,
-    HFTensors,
-    hf_key,
-    params_from_hf,
-    peft_key,
-    read_config,
-)
+from easylm.models.hf_checkpoint import HFTensors, hf_key, params_from_hf, read_config
 from easylm.runtime.dtypes import cast_names
 
 DTYPES = cast_names(("bf16", "fp32"))  # what a conversion may store
@@ -74,68 +59,6 @@ def _unstacked(flat: dict, path: str, config: LLaMAConfig) -> np.ndarray:
         _, _, index, rest = path.split("/", 3)
         return np.asarray(jax.device_get(flat[f"model/layers/{rest}"][int(index)]))
     return np.asarray(jax.device_get(flat[path]))
-
-
-def _unscanned_path(path: str, layer: int) -> str:
-    return path.replace("model/layers/", f"model/layers/{layer}/", 1)
-
-
-def to_peft(adapters, config: LLaMAConfig) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield (PEFT name, numpy tensor) for LoRA adapters, unstacking scanned layers."""
-    flat = traverse_util.flatten_dict(adapters, sep="/")
-    for path in flat:
-        layers = range(config.num_hidden_layers) if (
-            config.scan_layers and path.startswith("model/layers/")) else [None]
-        for layer in layers:
-            unscanned = path if layer is None else _unscanned_path(path, layer)
-            yield peft_key(unscanned), np.ascontiguousarray(_unstacked(flat, unscanned, config).T)
-
-
-def peft_target_modules(kernels, config: LLaMAConfig) -> list[str]:
-    """PEFT's `target_modules` for adapters on these unscanned kernel paths."""
-    return hf_checkpoint.peft_target_modules(
-        kernels, [path for path in param_shapes(config) if path.endswith("/kernel")])
-
-
-def from_peft(tensors: Mapping[str, Any], config: LLaMAConfig, rank: int,
-              source: str = "adapter") -> tuple[Any, str]:
-    """(adapters, target_modules regex over our kernel paths) from PEFT-named tensors.
-
-    The targets are the modules the tensors adapt; each needs both A and B of rank
-    `rank` and must be one of the model's kernels. With scanned layers every layer must
-    carry the same adapters (a scan has one layer's parameters).
-    """
-    adapters = hf_checkpoint.adapters_from_peft(tensors, param_shapes(config), rank, source)
-    kernel_paths = sorted({path.rsplit("_", 2)[0] for path in adapters})
-    pattern = _kernels_pattern(kernel_paths, config, source)
-    tree = traverse_util.unflatten_dict(adapters, sep="/")
-    if config.scan_layers:
-        tree = stack_layers(tree)
-    return tree, pattern
-
-
-def _kernels_pattern(kernel_paths: list[str], config: LLaMAConfig, source: str) -> str:
-    """A regex (re.search) selecting exactly these unscanned kernel paths, written per
-    layer position when all layers have the same ones, so that it fits scanned paths."""
-    per_layer, other = {}, []
-    for path in kernel_paths:
-        if path.startswith("model/layers/"):
-            _, _, index, rest = path.split("/", 3)
-            per_layer.setdefault(rest, set()).add(int(index))
-        else:
-            other.append(path)
-    uneven = [rest for rest, layers in per_layer.items()
-              if len(layers) != config.num_hidden_layers]
-    if uneven and config.scan_layers:
-        raise UserError(f"{source} adapts {uneven[0]} in some layers only, which scanned "
-                        f"layers (--llama.scan_layers=True) cannot hold; load it unscanned")
-    exact = [re.escape(path) for path in other]
-    if uneven:
-        exact += [re.escape(path) for path in kernel_paths if path.startswith("model/layers/")]
-    elif per_layer:
-        inner = "|".join(re.escape(rest) for rest in sorted(per_layer))
-        exact.append(rf"model/layers/(\d+/)?({inner})")
-    return "^(" + "|".join(exact) + ")$"
 
 
 def from_hf(tensors: Mapping[str, Any], config: LLaMAConfig, dtype=None, source: str = "checkpoint",

@@ -1,39 +1,8 @@
-"""lm-eval's `--model easylm`: importing this module registers it.
+"""lm-eval's `--model easylm` by its former LLaMA-only name: the model of any family is
+easylm/evaluation/lm_eval_model.py's, which importing this module registers."""
 
-    import lm_eval
-    import easylm.llama.lm_eval_model  # noqa: F401
-    lm_eval.simple_evaluate(model="easylm", tasks=["hellaswag"], model_args={
-        "load_checkpoint": "hf::DIR", "tokenizer": "DIR", "seq_length": 2048})
+from easylm.evaluation.lm_eval_model import EasyLMHarnessLM
 
-model_args are `python -m easylm.llama.eval`'s model flags, without the dashes
-(load_checkpoint, tokenizer, dtype, mesh_dim, batch_size, seq_length, llama.*, ...).
-"""
+LLaMAHarnessLM = EasyLMHarnessLM  # the name earlier scripts import
 
-from lm_eval.api.registry import register_model
-from lm_eval.utils import simple_parse_args_string
-
-from easylm import flags as flag_lib
-from easylm.errors import UserError
-from easylm.evaluation.harness import HarnessLM
-from easylm.llama import eval as eval_cli
-
-
-@register_model("easylm")
-class LLaMAHarnessLM(HarnessLM):
-    """A `HarnessLM` over a LLaMA checkpoint, made from lm-eval's model_args."""
-
-    @classmethod
-    def create_from_arg_string(cls, arg_string, additional_config=None):
-        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
-
-    @classmethod
-    def create_from_arg_obj(cls, arg_dict, additional_config=None):
-        args = dict(arg_dict)
-        batch_size = (additional_config or {}).get("batch_size")
-        if batch_size is not None:  # simple_evaluate's own batch_size argument
-            if not str(batch_size).isdigit():
-                raise UserError(f"batch_size={batch_size!r}: easylm needs a number of rows")
-            args.setdefault("batch_size", int(batch_size))
-        argv = ["easylm"] + [f"--{key}={value}" for key, value in args.items()]
-        return eval_cli.load(flag_lib.parse(eval_cli.model_config(), eval_cli.help_entries(), argv),
-                             cls)
+__all__ = ["EasyLMHarnessLM", "LLaMAHarnessLM"]

@@ -116,6 +116,9 @@ class ModelFamily:
     commands: str = ""  # the package of `python -m <commands>.train|serve`
     hf_model_types: tuple[str, ...] = ()  # config.json model_types it reads (easylm.train picks)
     remat_policies: tuple[str, ...] = ()  # the `remat_policy` field's values, cheapest first
+    # The variants (easylm/variants/) its model takes: "lora" (adapters on a frozen base,
+    # for a model whose projections read their own kernels once `unfused`).
+    variants: tuple[str, ...] = ()
 
     # The family's causal LM (a subclass of easylm.models.decoder.CausalLM).
     module_class: type = None
@@ -155,10 +158,22 @@ class ModelFamily:
         raise UserError(f"hf::{directory}: the {self.name} family cannot read Hugging Face "
                         f"checkpoints")
 
-    def hf_params(self, directory: str, config):
-        """DIR's tensors as a host (numpy) tree shaped like `bind(config).init_params`'s."""
+    def hf_params(self, directory: str, config, dtype: str = "keep", place=None):
+        """DIR's tensors as a tree laid out as `config` says: numpy arrays cast as --dtype
+        names (keep, bf16, fp32), or what `place` makes of each as it is read."""
         raise UserError(f"hf::{directory}: the {self.name} family cannot read Hugging Face "
                         f"checkpoints")
+
+    def hf_param_shapes(self, config) -> dict[str, tuple[int, ...]]:
+        """Parameter path -> shape of `config`'s model with its layers one by one (nothing
+        allocated): the paths whose Hugging Face names are `hf_checkpoint.hf_key(path)`,
+        and PEFT's `peft_key(path)`, by which converters and adapters map."""
+        from flax import traverse_util
+
+        module = self.module_class(config.replace(scan_layers=False))
+        shapes = jax.eval_shape(module.init_params, jax.random.PRNGKey(0))
+        return {path: leaf.shape
+                for path, leaf in traverse_util.flatten_dict(shapes, sep="/").items()}
 
     def shard_variant(self, config, layers: int, mp: int):
         """`config` with `layers` layers and the widths one of `mp` model-parallel shards
@@ -190,12 +205,6 @@ class ModelFamily:
         model.load_state_dict(state, strict=False)  # tied models list lm_head twice
         return model
 
-    def merge_adapters(self, spec: str, base_spec: str, config, params, mesh):
-        """`params` (of `bind(config)`, on `mesh`, read from `base_spec`) with the adapters
-        at `spec` folded in, once they are known to be that base's: the server's
-        --lora_checkpoint."""
-        raise UserError(f"--lora_checkpoint={spec}: the {self.name} family has no adapters")
-
     def relayout(self, tree, like):
         """`tree` (parameters, or anything keyed like them) in the layout `like` has: layers
         stacked for a scan, or not (easylm/models/decoder.py)."""
@@ -205,35 +214,14 @@ class ModelFamily:
         """`tree` in the layout `config` says (`scan_layers`, the pattern's period)."""
         return decoder.relayout(tree, config.scan_layers, decoder.period(self.module_class, config))
 
-    def variant_flags(self) -> dict[str, ConfigDict]:
-        """Top-level flag sections that select a variant (LLaMA's `--lora.*`), with their
-        defaults; `build` reads them."""
-        return {}
-
-    def variant_help(self) -> dict:
-        """--help text of `variant_flags`' fields, by dotted name."""
-        return {}
-
-    def unused_variant_flags(self, flags: ConfigDict) -> tuple:
-        """Prefixes of `variant_flags` that select nothing in `flags` (LoRA's with
-        --lora.rank=0): left out of the run directory's name, which runs without the
-        variant then keep."""
-        return ()
-
-    def variant_run_defaults(self, flags: ConfigDict) -> dict:
-        """Run defaults a variant sets over the fine-tuning ones (LoRA's learning rates);
-        a variant that sets a learning rate gets no full-fine-tuning warning."""
-        return {}
-
     def state_settings(self, flags: dict, config: dict) -> dict:
         """What a run's trained parameters mean besides their values, by the flag that sets
         it (`{"--lora.rank": 8, ...}`), from its flat flags and its model config as a
         checkpoint's metadata records them: a resume under other settings is refused by
         the flag, before loading (a changed LoRA alpha would load and silently train
-        another model). Here whether the layers are stacked (a trainstate's optimizer
-        state is not relaid out)."""
+        another model; `easylm.variants.state_settings` adds the variants'). Here whether
+        the layers are stacked (a trainstate's optimizer state is not relaid out)."""
         return {f"--{self.name}.scan_layers": bool(config.get("scan_layers"))}
-
 
     # ------------------------------------------------------------------ generic
 

@@ -576,6 +576,17 @@ def load_params(spec: str, abstract_params):
     return restore_items(directory, {"params": abstract_params})["params"]
 
 
+def load_stored_params(spec: str):
+    """The parameters of an easylm checkpoint on one device, as they were stored (their
+    layout and dtypes): what converters and adapter readers take."""
+    _, directory = parse_load_spec(spec)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(
+        lambda leaf: jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype, sharding=device),
+        stored_tree(directory, "params"))
+    return load_params(spec, abstract)
+
+
 def read_metadata(directory: str) -> dict:
     """The checkpoint's metadata JSON (flags, model config, versions)."""
     return restore_items(directory, {}, json_items=("metadata",))["metadata"]

@@ -145,8 +145,8 @@ def load_engine(family: ModelFamily, config: ConfigDict):
     mesh = make_mesh(config.mesh_dim)
     params = load_params(config, model, mesh)
     if config.get("lora_checkpoint"):
-        params = family.merge_adapters(config.lora_checkpoint, config.load_checkpoint, settings,
-                                       params, mesh)
+        params = variants.merge_adapters(family, config.lora_checkpoint, config.load_checkpoint,
+                                         settings, params, mesh)
     if config.quantize == "int8":
         model, params = quantize.int8_model(family, settings, dtype_from_flag("dtype", config.dtype),
                                           params, mesh)

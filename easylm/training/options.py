@@ -3,6 +3,7 @@ embedded demo, fine-tuning rates, rows no longer than the model takes, a schedul
 ends with the run), the run directory named after the flags, and the checks of a
 configuration before anything starts."""
 
+import functools
 import hashlib
 import json
 import os
@@ -10,7 +11,7 @@ from typing import Callable
 
 from ml_collections import ConfigDict
 
-from easylm import flags as flag_lib, objectives
+from easylm import flags as flag_lib, objectives, variants
 from easylm.data.options import loader_block
 from easylm.errors import UserError
 from easylm.evaluation import harness_flags
@@ -106,7 +107,7 @@ def default_config(family: ModelFamily, objective: str | None = None) -> ConfigD
 
     config = get_default_config(DatasetFactory.get_default_config(), objective)
     config[family.name] = family.flag_config()  # from scratch; hf:: gives its own shape
-    for section, block in family.variant_flags().items():
+    for section, block in variants.flag_sections(family).items():
         config[section] = block
     return config
 
@@ -116,7 +117,7 @@ def help_entries(family: ModelFamily, objective: str | None = None) -> dict:
 
     entries = help_text(getattr(DatasetFactory, "HELP", None), objective)
     entries.update(family.help_entries("the preset's, or hf::DIR config.json's"))
-    entries.update(family.variant_help())
+    entries.update(variants.help_entries(family))
     for name, value in family.demo.items():
         entries[name] = f"{entries.get(name, '')} (the embedded demo, given no data and no " \
                         f"checkpoint: {value:g})".strip()
@@ -128,7 +129,7 @@ def family_run_defaults(family: ModelFamily) -> list[Callable[[ConfigDict], dict
     tokens do not fit a small preset)."""
     return run_defaults(family.demo,
                         lambda config: family.bind(family.model_config(config)).max_seq_length,
-                        family.variant_run_defaults)
+                        functools.partial(variants.run_defaults, family))
 
 
 def common_flags(family: ModelFamily) -> list[str]:
@@ -211,9 +212,9 @@ def run_defaults(demo: dict, max_seq_length: Callable[[ConfigDict], int] | None 
                  ) -> list[Callable[[ConfigDict], dict]]:
     """For `flags.parse(derived=...)`: the embedded demo's settings (`demo`, from the model
     family) for a run given no data and no checkpoint; a fine-tuning learning rate from a
-    pretrained checkpoint, then a variant's own (`variant(config)`, from the family); rows
-    no longer than the model takes (`max_seq_length(config)`, from the family); a schedule
-    that ends with the run; eval rows shaped like the train rows."""
+    pretrained checkpoint, then a variant's own (`variant(config)`: easylm.variants'
+    `run_defaults`); rows no longer than the model takes (`max_seq_length(config)`, from
+    the family); a schedule that ends with the run; eval rows shaped like the train rows."""
 
     def rows(config):
         if max_seq_length is None:

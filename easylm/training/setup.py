@@ -53,7 +53,7 @@ def start(config: ConfigDict, family: ModelFamily, cleanup: contextlib.ExitStack
     harness = _harness(config, model, tokenizer, mesh)
     objective = objectives.build(config, model, tokenizer)
     dataset, eval_dataset = _datasets(config, tokenizer, objective, mesh, model)
-    run_dir = run_directory(config, model.name, family.unused_variant_flags(config))
+    run_dir = run_directory(config, model.name, variants.unused_flags(family, config))
     manager, latest = _checkpoints(config, run_dir, cleanup)
     cleanup.enter_context(jax.set_mesh(mesh))
     source, state, data_state = _start_state(config, family, model, tx, mesh, manager, latest)
@@ -190,9 +190,9 @@ def _check_same_model(config, family: ModelFamily, model: Model, directory: str)
         stored = _shapes(checkpoint.stored_tree(directory, "params"))
     except UserError:
         return
-    theirs = family.state_settings(metadata.get("flags", {}),
+    theirs = variants.state_settings(family, metadata.get("flags", {}),
                                    metadata.get(family.metadata_key) or {})
-    ours = family.state_settings(flag_lib.flatten(config), model.config)
+    ours = variants.state_settings(family, flag_lib.flatten(config), model.config)
     new_run = "start a new run (another --logger.experiment_id)"
     for flag, value in ours.items():
         if flag in theirs and theirs[flag] != value:
@@ -257,4 +257,4 @@ def _print_start(run: Run, fresh: bool):
                   f"{config.total_steps}{run.objective.describe()}{no_mfu}")
     if fresh:
         warn_about_the_schedule(config, run.schedule, run.log.print,
-                                run.family.variant_run_defaults(config))
+                                variants.run_defaults(run.family, config))

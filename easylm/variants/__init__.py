@@ -1,12 +1,68 @@
 """Variants of a family's model: LoRA/QLoRA adapters on a frozen base, int8 weight-only
-serving. They sit above easylm/models/ (a family knows none of them): the commands build a
-run's model here, `build(family, flags)`, which is the family's own unless a variant's
-flags select one."""
+serving. They sit above easylm/models/ (a family knows none of them, it only names the
+ones it offers in `ModelFamily.variants`): the commands build a run's model here,
+`build(family, flags)`, which is the family's own unless a variant's flags select one, and
+ask here for the variants' flags, help, run defaults and state settings."""
 
 import dataclasses
 
+from easylm.errors import UserError
 from easylm.models import decoder
 from easylm.models.family import Model, ModelFamily
+
+
+def _offered(family: ModelFamily) -> list:
+    """The variant objects `family` offers (imported only for a family that offers one)."""
+    if "lora" not in family.variants:
+        return []
+    from easylm.variants.lora_variant import LORA
+
+    return [LORA]
+
+
+def flag_sections(family: ModelFamily) -> dict:
+    """Top-level flag sections that select a variant (`--lora.*`), with their defaults."""
+    return {variant.section: variant.flags() for variant in _offered(family)}
+
+
+def help_entries(family: ModelFamily) -> dict:
+    """--help text of `flag_sections`' fields, by dotted name."""
+    return {name: text for variant in _offered(family) for name, text in variant.help().items()}
+
+
+def unused_flags(family: ModelFamily, flags) -> tuple:
+    """Prefixes of `flag_sections` that select nothing in `flags` (LoRA's with
+    --lora.rank=0): left out of the run directory's name, which runs without the variant
+    then keep."""
+    return tuple(f"{variant.section}." for variant in _offered(family)
+                 if not variant.selected(flags))
+
+
+def run_defaults(family: ModelFamily, flags) -> dict:
+    """Run defaults a selected variant sets over the fine-tuning ones (LoRA's learning
+    rate); a variant that sets a learning rate gets no full-fine-tuning warning."""
+    return {name: value for variant in _offered(family)
+            for name, value in variant.run_defaults(flags).items()}
+
+
+def state_settings(family: ModelFamily, flags: dict, config: dict) -> dict:
+    """What a run's trained parameters mean besides their values, by the flag that sets it:
+    the family's (`ModelFamily.state_settings`) and its variants' (LoRA's rank, ...)."""
+    settings = family.state_settings(flags, config)
+    for variant in _offered(family):
+        settings.update(variant.state_settings(flags))
+    return settings
+
+
+def merge_adapters(family: ModelFamily, spec: str, base_spec: str, config, params, mesh):
+    """`params` (of `family.bind(config)`, on `mesh`, read from `base_spec`) with the
+    adapters at `spec` folded in, once they are known to be that base's: the server's
+    --lora_checkpoint."""
+    if "lora" not in family.variants:
+        raise UserError(f"--lora_checkpoint={spec}: the {family.name} family has no adapters")
+    from easylm.variants.adapters import Adapters
+
+    return Adapters(family).merge_into(spec, base_spec, config, params, mesh)
 
 
 def build(family: ModelFamily, flags, config=None, from_checkpoint: bool = False) -> Model:
@@ -18,12 +74,12 @@ def build(family: ModelFamily, flags, config=None, from_checkpoint: bool = False
     if lora is None or not lora.rank:
         return model
     from easylm.runtime.dtypes import dtype_from_flag
-    from easylm.variants.lora import LoraConfig, LoraModel
+    from easylm.variants.adapters import Adapters
+    from easylm.variants.lora import LoraConfig
     from easylm.variants.lora_variant import Host, lora_variant
 
     dtype = dtype_from_flag("dtype", flags.dtype)
-    lm = LoraModel(family.module_class(family.unfused(config), dtype=dtype),
-                   LoraConfig.from_flags(lora), dtype)
+    lm = Adapters(family).lora_model(config, LoraConfig.from_flags(lora), dtype)
     host = Host(name=family.name, rules=model.partition_rules,
                 head_weight=lambda params: decoder.head_weight(params, config),
                 loss_chunk_size=config.loss_chunk_size,

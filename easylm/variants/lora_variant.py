@@ -14,13 +14,14 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from ml_collections import ConfigDict
 
 from easylm.errors import UserError
 from easylm.models.family import Frozen, Model
 from easylm.runtime import checkpoint
 from easylm.runtime.dtypes import dtype_from_flag
 from easylm.runtime.sharding import PartitionRules, match_partition_rules, named_shardings
-from easylm.variants.lora import LoraConfig, LoraModel, partition_rules
+from easylm.variants.lora import HELP, LoraConfig, LoraModel, partition_rules
 
 # A LoRA run's learning rates from a pretrained base: the QLoRA paper's 2e-4 (7B-13B;
 # 1e-4 from 33B), far above full fine-tuning's, since only the adapters move.
@@ -79,21 +80,47 @@ def lora_variant(model: Model, lm: LoraModel, host: Host, load_spec: str, load) 
                                                     + 2 * adapter_parameters))
 
 
-def state_settings(flags: dict) -> dict:
-    """The --lora.* settings a LoRA run's adapters mean something under, from flat flags
-    (`ModelFamily.state_settings`); flags a checkpoint did not record are left out."""
-    rank = flags.get("lora.rank", 0)
-    settings = {"--lora.rank": rank}
-    if not rank:
+class LoraVariant:
+    """What LoRA owns besides its Model (`easylm.variants.build` makes that): its --lora.*
+    flags and their help, the run defaults it sets, and the settings a run's adapters mean
+    something under. A family offers it by naming it in `ModelFamily.variants`."""
+
+    section = "lora"
+
+    def flags(self) -> ConfigDict:
+        return LoraConfig.get_default_config()
+
+    def help(self) -> dict:
+        return {f"lora.{name}": text for name, text in HELP.items()}
+
+    def selected(self, flags: ConfigDict) -> bool:
+        lora = flags.get("lora")
+        return lora is not None and bool(lora.rank)
+
+    def run_defaults(self, flags: ConfigDict) -> dict:
+        """LoRA's learning rate, for adapters on a loaded base."""
+        return dict(LORA_RUN_DEFAULTS) if self.selected(flags) and \
+            flags.get("load_checkpoint") else {}
+
+    def state_settings(self, flags: dict) -> dict:
+        """The --lora.* settings a LoRA run's adapters mean something under, from flat flags
+        (rank (0: no adapters), the modules, the scale, the base's storage with auto made
+        concrete: it follows --dtype); flags a checkpoint did not record are left out."""
+        rank = flags.get("lora.rank", 0)
+        settings = {"--lora.rank": rank}
+        if not rank:
+            return settings
+        for name in ("target_modules", "alpha", "use_rslora"):
+            if f"lora.{name}" in flags:
+                settings[f"--lora.{name}"] = flags[f"lora.{name}"]
+        if "lora.base_dtype" in flags and "dtype" in flags:
+            lora = LoraConfig(base_dtype=flags["lora.base_dtype"])
+            settings["--lora.base_dtype"] = lora.resolved(
+                dtype_from_flag("dtype", flags["dtype"])).base_dtype
         return settings
-    for name in ("target_modules", "alpha", "use_rslora"):
-        if f"lora.{name}" in flags:
-            settings[f"--lora.{name}"] = flags[f"lora.{name}"]
-    if "lora.base_dtype" in flags and "dtype" in flags:
-        lora = LoraConfig(base_dtype=flags["lora.base_dtype"])
-        settings["--lora.base_dtype"] = lora.resolved(
-            dtype_from_flag("dtype", flags["dtype"])).base_dtype  # auto made concrete
-    return settings
+
+
+LORA = LoraVariant()
 
 
 def frozen(lm: LoraModel, model: Model, rules: PartitionRules, load_spec: str, load) -> Frozen:
@@ -158,11 +185,8 @@ def read_adapters(spec: str, load_peft) -> tuple[LoraConfig, dict, dict]:
     if not fields.get("rank"):
         raise UserError(f"--lora_checkpoint={spec}: neither a PEFT adapter directory nor a "
                         f"LoRA run's checkpoint (its flags have no --lora.rank)")
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype,
-                                                              sharding=device),
-                            checkpoint.stored_tree(directory, "params"))
-    return LoraConfig(**fields), checkpoint.load_params(f"params::{directory}", abstract), metadata
+    return (LoraConfig(**fields), checkpoint.load_stored_params(f"params::{directory}"),
+            metadata)
 
 
 def merge_into(spec: str, base_spec: str, params, lm: LoraModel, adapters, metadata: dict,
