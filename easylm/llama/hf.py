@@ -180,9 +180,12 @@ def read_hf_config(directory: str) -> LLaMAConfig:
     architectures = hf.get("architectures") or [architecture]
     if model_type not in ARCHITECTURES or architecture not in architectures:
         expected = ", ".join(f"{name} ({cls})" for name, (cls, _) in ARCHITECTURES.items())
+        # What the file says, and nothing this reader assumed in its absence.
+        found = " / ".join(f"{key} {hf[key]!r}" for key in ("model_type", "architectures")
+                           if key in hf)
         raise UserError(
-            f"{directory}: model_type {hf.get('model_type')!r} / architectures {architectures} "
-            f"is not a LLaMA-like causal LM (expected model_type and architecture: {expected})"
+            f"{directory}: {found or 'no model_type'} is not a LLaMA-like causal LM "
+            f"(expected model_type and architecture: {expected})"
         )
     _check_types(hf, path)
     for rope in (hf, hf.get("rope_scaling") or {}, hf.get("rope_parameters") or {}):

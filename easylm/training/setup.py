@@ -47,8 +47,11 @@ def start(config: ConfigDict, family: ModelFamily, cleanup: contextlib.ExitStack
     distributed.initialize(config.jax_distributed)
     check_config(config)
     mesh = make_mesh(config.mesh_dim, dcn_mesh_dim=config.dcn_mesh_dim)
+    # The model (its config.json read and checked) before the tokenizer, whose loading
+    # may print transformers' warnings: a refused config is then the one line printed.
+    model = variants.build(family, config, from_checkpoint=True)
     tokenizer = load_tokenizer(config.tokenizer)
-    model = _model(config, family, tokenizer)
+    _check_model(config, model, tokenizer)
     tx, schedule = optimizers.get_optimizer(config.optimizer)
     harness = _harness(config, model, tokenizer, mesh)
     objective = objectives.build(config, model, tokenizer)
@@ -82,10 +85,9 @@ def start(config: ConfigDict, family: ModelFamily, cleanup: contextlib.ExitStack
     return run
 
 
-def _model(config: ConfigDict, family: ModelFamily, tokenizer) -> Model:
+def _check_model(config: ConfigDict, model: Model, tokenizer):
     """The model a --load_checkpoint records (hf::, params::, ...), unless flags change it,
     checked against the tokenizer."""
-    model = variants.build(family, config, from_checkpoint=True)
     if config.load_checkpoint.startswith("hf::") and config.tokenizer == "embedded" \
             and jax.process_index() == 0:
         print(f"warning: training {config.load_checkpoint} with --tokenizer=embedded; pass "
@@ -95,7 +97,6 @@ def _model(config: ConfigDict, family: ModelFamily, tokenizer) -> Model:
             f"the model's vocabulary (--{model.name}.vocab_size={model.vocab_size}) is smaller "
             f"than the {len(tokenizer)} tokens of --tokenizer={config.tokenizer}"
         )
-    return model
 
 
 def _harness(config: ConfigDict, model: Model, tokenizer, mesh):
