@@ -4,6 +4,7 @@ parameters, the log and the jitted steps; each a named step that returns a value
 `Run` built once from them."""
 
 import contextlib
+import json
 import os
 import sys
 
@@ -61,6 +62,8 @@ def start(config: ConfigDict, family: ModelFamily, cleanup: contextlib.ExitStack
     cleanup.enter_context(jax.set_mesh(mesh))
     source, state, data_state = _start_state(config, family, model, tx, mesh, manager, latest)
     record = base_record(config, model, state, source)
+    if data_state is None and config.load_dataset_state:
+        data_state = _dataset_state(config.load_dataset_state)
     if data_state is not None:
         dataset.load_state_dict(data_state)
     if objective.reference == COPY:  # built once, never saved: the starting parameters
@@ -83,6 +86,19 @@ def start(config: ConfigDict, family: ModelFamily, cleanup: contextlib.ExitStack
     objective.prepare_run(run_dir, lambda: starting_params(config, model, tx, mesh), state,
                           run.place, log.print)
     return run
+
+
+def _dataset_state(path: str) -> dict:
+    """--load_dataset_state: a checkpoint directory's data state, or a JSON file of one."""
+    if os.path.isdir(path):
+        if not checkpoint.has_item(path, "data"):
+            raise UserError(f"--load_dataset_state={path}: the checkpoint holds no data state")
+        return checkpoint.restore_items(path, {}, json_items=("data",))["data"]
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise UserError(f"--load_dataset_state={path}: {e}") from None
 
 
 def _check_model(config: ConfigDict, model: Model, tokenizer):
