@@ -21,7 +21,7 @@ from ml_collections import ConfigDict
 from easylm import flags as flag_lib
 from easylm.errors import UserError, exit_on_user_error
 from easylm.models.family import Model, ModelFamily, abstract_params
-from easylm.runtime import run_flags
+from easylm.runtime import easylm_flags, run_flags
 from easylm.runtime.dtypes import dtype_from_flag
 from easylm.runtime.sharding import init_sharded, make_mesh
 from easylm.serving import engine as engine_lib
@@ -175,8 +175,6 @@ def build(family: ModelFamily, config: ConfigDict):
 def parse_flags(family: ModelFamily, argv: list[str]) -> ConfigDict:
     """`argv` (argv[0] is the program) as `python -m <family>.serve` reads it, EasyLM's
     flag names included (easylm/runtime/easylm_flags.py)."""
-    from easylm.runtime import easylm_flags
-
     usage = (f"Serve a {family.name} model over HTTP (OpenAI-style API and a chat page).\n\n"
              f"  python -m {family.serve_module} --load_checkpoint=params::DIR "
              f"--tokenizer=embedded\n\nusage: python -m {family.serve_module} [--flag=value ...]")
