@@ -118,7 +118,8 @@ def test_a_json_config_sets_the_model_fields(tmp_path):
 
     hf = LLaMAConfig.from_preset("debug", num_hidden_layers=3).to_hf_config().to_dict()
     (tmp_path / "config.json").write_text(json.dumps(hf))
-    config = options.parse_flags(FAMILY, ["train", f"--load_llama_config={tmp_path / 'config.json'}"])
+    config = options.parse_flags(FAMILY, ["train",
+                                          f"--load_llama_config={tmp_path / 'config.json'}"])
     assert FAMILY.model_config(config) == LLaMAConfig.from_preset("debug", num_hidden_layers=3)
 
 

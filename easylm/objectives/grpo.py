@@ -79,7 +79,8 @@ def get_default_config(updates=None) -> ConfigDict:
     """TRL's GRPOConfig defaults where the option is the same."""
     config = ConfigDict(dict(
         num_generations=8, max_new_tokens=256, temperature=1.0, top_p=1.0, beta=0.0,
-        use_bias_correction_kl=True, epsilon=0.2, epsilon_high=0.0, loss_type="dapo", scale_rewards="group",
+        use_bias_correction_kl=True, epsilon=0.2, epsilon_high=0.0, loss_type="dapo",
+        scale_rewards="group",
         num_iterations=1, mask_truncated_completions=False, reward_funcs="answer_match",
         reward_weights="", format_pattern="", length_buffer=0,
         importance_sampling_cap=3.0))

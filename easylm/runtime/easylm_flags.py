@@ -74,8 +74,9 @@ def _model_aliases(family) -> list[Alias]:
         for preset in (value, f"{name}_{value}"):  # EasyLM's '7b' is our 'llama_7b'
             if preset in family.presets:
                 return {f"{name}.base_model": preset}
-        raise UserError(f"--load_{name}_config={value!r} is neither a preset ({', '.join(family.presets)}; "
-                        f"EasyLM's sizes 1b, 3b, 7b, 13b, 30b, 65b too) nor a JSON config file")
+        raise UserError(f"--load_{name}_config={value!r} is neither a preset "
+                        f"({', '.join(family.presets)}; EasyLM's sizes 1b, 3b, 7b, 13b, 30b, "
+                        f"65b too) nor a JSON config file")
 
     def update_config(value, given):
         return _fields(family, _dict_string(f"update_{name}_config", value))
