@@ -12,9 +12,16 @@ or mistyped one is rejected by name. Errors become one-line `UserError`s.
 A default may depend on other flags (the trainer's learning-rate schedule follows
 `--total_steps`): `parse(..., derived=[rule, ...])` calls each rule on the parsed tree
 and sets what it returns, `{name: value}`, on the flags the command line did not give.
+
+Another program's spelling of a flag (EasyLM's `--load_llama_config=7b`) is an `Alias`:
+`parse(..., aliases=[...])` rewrites each one given into the flags it stands for before
+absl parses, ahead of the command line's own flags (so those win), and `--help` lists
+them apart.
 """
 
+import dataclasses
 import sys
+from typing import Callable
 
 from absl import flags
 from ml_collections import ConfigDict
@@ -48,6 +55,35 @@ def _leaf_type(config: ConfigDict, name: str) -> type:
     return kind
 
 
+@dataclasses.dataclass(frozen=True)
+class Alias:
+    """`--name=VALUE`, another program's flag: `translate(VALUE, given)` returns the flags
+    it stands for, {name: value}; `given` holds every `--name=value` of the command line
+    (an alias may need another flag's value). A value it cannot map is a UserError."""
+
+    name: str
+    help: str
+    translate: Callable[[str, dict], dict]
+
+
+def _rewrite(argv: list[str], aliases) -> list[str]:
+    """argv with each alias replaced by the flags it stands for, placed first."""
+    by_name = {alias.name: alias for alias in aliases}
+    given = dict(arg[2:].partition("=")[::2] for arg in argv[1:]
+                 if arg.startswith("--") and "=" in arg)
+    translated, rest = [], []
+    for arg in argv[1:]:
+        name = arg[2:].partition("=")[0] if arg.startswith("--") else None
+        if name not in by_name:
+            rest.append(arg)
+        elif "=" not in arg:
+            raise UserError(f"--{name} needs a value: --{name}=VALUE ({by_name[name].help})")
+        else:
+            translated += [f"--{flag}={value}" for flag, value in
+                           by_name[name].translate(given[name], given).items()]
+    return argv[:1] + translated + rest
+
+
 def define(config: ConfigDict, help_text: dict) -> flags.FlagValues:
     """A fresh FlagValues with one flag per leaf of `config`."""
     flag_values = flags.FlagValues()
@@ -59,14 +95,16 @@ def define(config: ConfigDict, help_text: dict) -> flags.FlagValues:
 
 
 def parse(config: ConfigDict, help_text: dict, argv: list[str], usage: str = "",
-          derived=(), common=()) -> ConfigDict:
-    """A copy of `config` with the values given in `argv` (argv[0] is the program), then
-    the `derived` defaults (see the module docstring), each rule seeing the ones before.
-    With --help (or -h) in `argv`, prints `usage` and the `common` flags (all of them
-    when `common` is empty), with --helpfull every flag, and exits 0."""
+          derived=(), common=(), aliases=()) -> ConfigDict:
+    """A copy of `config` with the values given in `argv` (argv[0] is the program; its
+    `aliases` rewritten first), then the `derived` defaults (see the module docstring),
+    each rule seeing the ones before. With --help (or -h) in `argv`, prints `usage` and
+    the `common` flags (all of them when `common` is empty) and the aliases, with
+    --helpfull every flag, and exits 0."""
     if wants_help(argv):
         print_help_and_exit(config, help_text, usage, common,
-                            full="--helpfull" in argv[1:] or not common)
+                            full="--helpfull" in argv[1:] or not common, aliases=aliases)
+    argv = _rewrite(argv, aliases)
     flag_values = define(config, help_text)
     try:
         rest = flag_values(argv)
@@ -108,7 +146,7 @@ def _help_line(name: str, default, text: str) -> str:
 
 
 def format_help(config: ConfigDict, help_text: dict, usage: str, common=(),
-                full: bool = True) -> str:
+                full: bool = True, aliases=()) -> str:
     """Not `full`: the `common` flags, in that order, and how to see the rest. `full`: all
     flags with defaults and help, grouped by their first name component (the groups of
     `common` first); a group with the same flags as an earlier one (eval_dataset's,
@@ -118,7 +156,7 @@ def format_help(config: ConfigDict, help_text: dict, usage: str, common=(),
     if not full:
         lines.append("most used flags:")
         lines += [_help_line(name, values[name], help_text.get(name, "")) for name in common]
-        lines += ["", f"all {len(values)} flags: --helpfull"]
+        lines += _alias_lines(aliases) + ["", f"all {len(values)} flags: --helpfull"]
         return "\n".join(lines)
     groups: dict[str, dict] = {"": {}}
     # Top-level flags first, then the groups of the common flags, then the rest;
@@ -144,11 +182,19 @@ def format_help(config: ConfigDict, help_text: dict, usage: str, common=(),
         for suffix, (default, text) in suffixes.items():
             if (default, text) != (values[f"{twin}.{suffix}"], help_text.get(f"{twin}.{suffix}", "")):
                 lines.append(_help_line(f"{group}.{suffix}", default, text))
+    lines += _alias_lines(aliases)
     lines += ["", "Flags may also come from a file: --flagfile=FILE (one --name=value a line)."]
     return "\n".join(lines)
 
 
+def _alias_lines(aliases) -> list[str]:
+    if not aliases:
+        return []
+    return ["", "EasyLM aliases (EasyLM's flag names, rewritten into the flags above):"] + \
+        [_help_line(alias.name, "VALUE", alias.help) for alias in aliases]
+
+
 def print_help_and_exit(config: ConfigDict, help_text: dict, usage: str, common=(),
-                        full: bool = True):
-    print(format_help(config, help_text, usage, common, full))
+                        full: bool = True, aliases=()):
+    print(format_help(config, help_text, usage, common, full, aliases))
     sys.exit(0)

@@ -242,6 +242,14 @@ def _config(**changes):
     return damage
 
 
+def _drop(key):
+    def damage(directory):
+        config = json.loads((directory / "config.json").read_text())
+        del config[key]
+        (directory / "config.json").write_text(json.dumps(config))
+    return damage
+
+
 SAFETENSORS = "model.safetensors"
 DAMAGED = {
     # model.safetensors: an 8-byte header length, then the JSON header, then the data.
@@ -271,6 +279,11 @@ DAMAGED = {
         "model_type 'qwen2_moe' / architectures ['Qwen2MoeForCausalLM'] is not a LLaMA-like "
         "causal LM (expected model_type and architecture: llama (LlamaForCausalLM), qwen2 "
         "(Qwen2ForCausalLM), qwen3 (Qwen3ForCausalLM), mistral (MistralForCausalLM))"),
+    # Named as the file has them: no `architectures` here, none made up (4280dbe named
+    # ['LlamaForCausalLM']).
+    "gpt_oss_without_architectures": (
+        ".", lambda d: (_config(model_type="gpt_oss")(d), _drop("architectures")(d)),
+        "hf: model_type 'gpt_oss' is not a LLaMA-like causal LM (expected"),
     "mistral_architecture_under_llama": (
         ".", _config(architectures=["MistralForCausalLM"]),
         "model_type 'llama' / architectures ['MistralForCausalLM'] is not a LLaMA-like"),

@@ -29,25 +29,38 @@ def test_healthy_setup_exits_0(tmp_path, capsys):
     assert lines[0].startswith("python ")
     assert f"| jax {jax.__version__} | jaxlib " in lines[0]
     assert f"| flax {flax.__version__} |" in lines[0]
+    # Every number from jax's own view of this process (conftest.py's 8 CPU devices),
+    # the default mesh 1,-1,1 putting all of them on fsdp. Catches a doctor that counts
+    # the local devices as all of them or resolves -1 against another count.
+    n, processes, kind = jax.device_count(), jax.process_count(), jax.devices()[0].platform
+    per_process = ", ".join(f"{p}: {sum(d.process_index == p for d in jax.devices())}"
+                            for p in range(processes))
     assert lines[1:] == [
-        "backend cpu: 8 cpu device(s), 1 process(es)",
-        "devices per process: 0: 8",
-        "all 1 process(es) joined; a sum over all 8 devices is correct",
-        "mesh: dp=1 fsdp=8 mp=1 (--mesh_dim=1,-1,1)",
+        f"backend {jax.default_backend()}: {n} {kind} device(s), {processes} process(es)",
+        f"devices per process: {per_process}",
+        f"all {processes} process(es) joined; a sum over all {n} devices is correct",
+        f"mesh: dp=1 fsdp={n} mp=1 (--mesh_dim=1,-1,1)",
         f"compilation cache: {tmp_path}/cache (writable)",
         "no problems found",
     ]
 
 
+# The numbers in each line from the flags given (the mesh's product, dp*fsdp = 2*2) and
+# jax's device and process counts. Catches a product or shard count taken of other axes
+# (dp only: 2; all three: 8) and a count of another scope.
+N, P = jax.device_count(), jax.process_count()
+
+
 @pytest.mark.parametrize("argv, problems", [
-    (["--mesh_dim=3,1,1"], ["--mesh_dim='3,1,1': the product 3 does not match the 8 devices"]),
+    (["--mesh_dim=3,1,1"], [f"--mesh_dim='3,1,1': the product {3 * 1 * 1} does not match the "
+                            f"{N} devices"]),
     (["--mesh_dim=2,2,2", "--train_dataset.json_dataset.batch_size=6"],
-     ["--train_dataset batch size 6 must be a multiple of the dp*fsdp=4 batch shards times "
-      "--optimizer.accumulate_gradient_steps=1"]),
+     [f"--train_dataset batch size 6 must be a multiple of the dp*fsdp={2 * 2} batch shards "
+      "times --optimizer.accumulate_gradient_steps=1"]),
     (["--dcn_mesh_dim=2,1,1", "--mesh_dim=1,4,1"],
-     ["--dcn_mesh_dim='2,1,1': the product 2 does not match the 1 processes"]),
+     [f"--dcn_mesh_dim='2,1,1': the product {2 * 1 * 1} does not match the {P} processes"]),
     (["--mesh_dim=1,1,1", "--logger.output_dir=/proc/easylm-runs"],
-     ["--mesh_dim='1,1,1': the product 1 does not match the 8 devices",
+     [f"--mesh_dim='1,1,1': the product {1 * 1 * 1} does not match the {N} devices",
       "--logger.output_dir: /proc is not writable (No such file or directory)"]),
 ])
 def test_each_problem_is_one_line_and_exit_1(argv, problems, tmp_path, capsys):

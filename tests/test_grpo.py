@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import traverse_util
 
 from easylm import variants
 from easylm.errors import UserError
@@ -27,9 +28,13 @@ EPS32 = float(np.finfo(np.float32).eps)
 # ------------------------------------------------------------ the loss, against float64
 
 
-def reference_loss(logps, old, ref, adv, masks, o, kl_sign=1.0, clip=True, is_ratio=None):
-    """TRL's GRPOTrainer._compute_loss in float64 numpy, written from its source (not
-    from grpo.py). kl_sign=-1 and clip=False are the negative twins' bugs."""
+def reference_loss(logps, old, ref, adv, masks, o, kl_sign=1.0, clip=True, is_ratio=None,
+                   bias_correction=None):
+    """TRL's GRPOTrainer._compute_loss (1.16) in float64 numpy, written from its source
+    (not from grpo.py). kl_sign=-1, clip=False and the other bias_correction than o's are
+    the negative twins' bugs."""
+    if bias_correction is None:
+        bias_correction = o.use_bias_correction_kl
     ratio = np.exp(logps - old)
     eps_high = o.epsilon_high or o.epsilon
     clipped = np.clip(ratio, 1 - o.epsilon, 1 + eps_high) if clip else ratio
@@ -39,7 +44,10 @@ def reference_loss(logps, old, ref, adv, masks, o, kl_sign=1.0, clip=True, is_ra
         per_token = per_token * is_ratio
     if o.beta:
         d = kl_sign * (ref - logps)
-        per_token = per_token + o.beta * (np.exp(d) - d - 1)
+        kl = np.exp(d) - d - 1
+        if bias_correction:  # use_bias_correction_kl: times the ratio (coef_1)
+            kl = kl * ratio
+        per_token = per_token + o.beta * kl
     if o.loss_type == "grpo":
         return np.mean((per_token * masks).sum(-1) / np.maximum(masks.sum(-1), 1.0))
     if o.loss_type in ("bnpo", "dapo"):
@@ -87,13 +95,19 @@ def numeric_grad(f, x, h=1e-6):
 
 @pytest.mark.parametrize("loss_type", grpo.LOSS_TYPES)
 @pytest.mark.parametrize("iterations,weights", [(1, False), (2, False), (2, True)])
-def test_loss_and_gradient_are_trls_formula_in_float64(loss_type, iterations, weights):
+@pytest.mark.parametrize("bias_correction", [True, False])
+def test_loss_and_gradient_are_trls_formula_in_float64(loss_type, iterations, weights,
+                                                       bias_correction):
     """Clipping on both sides (DAPO's clip-higher: epsilon_high 0.28), the k3 KL at beta
-    0.1, each aggregation. One iteration: the ratio is exp(logp - logp.detach()) = 1 and
-    the gradient the plain policy gradient; two: against the rollouts' old_logps; with
-    weights: truncated importance weights in [0.5, 3] on the clipped term."""
+    0.1 (times the ratio with use_bias_correction_kl, TRL 1.16's default), each
+    aggregation. One iteration: the ratio is exp(logp - logp.detach()) = 1 and the
+    gradient the plain policy gradient (plus KL x grad(logp) with the correction); two:
+    against the rollouts' old_logps; with weights: truncated importance weights in
+    [0.5, 3] on the clipped term. Fails on 4280dbe with the correction on (no such
+    option: the gradient lacked KL x grad(logp), 24% of the KL term's)."""
     o = grpo.get_default_config({"loss_type": loss_type, "beta": 0.1, "epsilon": 0.2,
-                                 "epsilon_high": 0.28, "max_new_tokens": 7})
+                                 "epsilon_high": 0.28, "max_new_tokens": 7,
+                                 "use_bias_correction_kl": bias_correction})
     logps, old, ref, adv, masks = parity_inputs()
     is_ratio = np.random.default_rng(2).uniform(0.5, 3.0, logps.shape) if weights else None
     if iterations == 1:
@@ -116,8 +130,9 @@ def test_loss_and_gradient_are_trls_formula_in_float64(loss_type, iterations, we
     if iterations == 2:  # both clip edges are hit
         ratio = np.exp(logps - old)[masks > 0]
         assert (ratio < 0.8).any() and (ratio > 1.28).any()
-    # The negative twins: a KL of the wrong sign, or no clipping, is seen.
-    for bug in (dict(kl_sign=-1.0), dict(clip=False)):
+    # The negative twins: a KL of the wrong sign, no clipping, or the other KL
+    # correction, is seen.
+    for bug in (dict(kl_sign=-1.0), dict(clip=False), dict(bias_correction=not bias_correction)):
         if bug.get("clip") is False and iterations == 1:
             continue  # a ratio of 1 is never clipped
         wrong = reference_loss(logps, old, ref, adv, masks, o, is_ratio=is_ratio, **bug)
@@ -267,6 +282,10 @@ def raises(prompts, completions, **fields):
 
 def too_few(prompts, completions, **fields):
     return [0.0]
+
+
+def constant(prompts, completions, **fields):
+    return [1.0] * len(completions)
 '''
 
 
@@ -385,7 +404,7 @@ def test_grpo_with_lora_learns_against_the_base_as_its_reference(task, tmp_path)
     """The same task with LoRA adapters (on lm_head too: the random base's body gives the
     others little to steer) and a KL to the base with the adapters off. Steps 1 and 2
     run on unchanged adapters (step 1's update is at lr 0; B is 0), so the reference,
-    computed in the rollout's scoring program, equals the policy of the train step bit
+    computed in the rollout's scoring program, equals the policy scored beside it bit
     for bit: KL exactly 0. Later it is not (the negative twin)."""
     from test_checkpoint import metrics
 
@@ -572,3 +591,42 @@ def test_trainer_step_sharded_equals_single_device(task):
         assert all(close(a, b) for a, b in zip(sharded, single)), (mesh_dim, sharded, single)
     assert single[1]["kl"] > 0 and single[0]["loss_tokens"] == batch["loss_masks"].sum()
     assert not close(wrong[0], single[0])
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.1])
+def test_a_step_with_no_signal_leaves_the_parameters_bitwise_unchanged(task, tmp_path, beta):
+    """Every reward equal: every advantage 0, and on the starting policy the KL to the
+    reference (a copy of it) is 0 with a gradient of 0, so two steps at a constant
+    learning rate, with no weight decay, change no parameter by a single bit. Fails on
+    4280dbe with beta 0.1: the reference's log-probabilities came from the rollout's
+    scoring program, the policy's from the train step, and the two forwards differ in
+    the last bits, a gradient of ~1e-9 that Adam scales to a full step."""
+    from easylm.llama.family import FAMILY
+    from easylm.runtime import checkpoint
+    from easylm.runtime.sharding import make_mesh
+    from easylm.training import trainer
+    from easylm.training.state import init_state
+
+    argv = command(task, tmp_path, total_steps=2, eval_freq=0, **{
+        "grpo.reward_funcs": "grpo_task_rewards:constant", "grpo.beta": beta,
+        "grpo.num_generations": 4,
+        "optimizer.adamw_optimizer.init_lr": 1e-2, "optimizer.adamw_optimizer.end_lr": 1e-2,
+        "optimizer.adamw_optimizer.weight_decay": 0.0,
+        "eval_dataset.json_dataset.path": ""})
+    config = llama_train.parse_flags(argv)
+    final = trainer.train(config, FAMILY)
+    model = variants.build(FAMILY, config)
+    import optax
+
+    with jax.set_mesh(make_mesh(config.mesh_dim)):
+        start = jax.device_get(init_state(model, optax.adam(1e-2), make_mesh(config.mesh_dim),
+                                          config.seed).params)
+    after = jax.device_get(checkpoint.load_params(
+        f"params::{final}", jax.eval_shape(model.init_params, jax.random.key(0))))
+    from test_checkpoint import metrics
+
+    got = metrics(tmp_path)
+    assert [got[s]["reward_std"] for s in (1, 2)] == [0.0, 0.0]
+    start, after = (traverse_util.flatten_dict(p, sep="/") for p in (start, after))
+    assert start.keys() == after.keys()
+    assert [key for key in start if not np.array_equal(start[key], after[key])] == []

@@ -1,13 +1,16 @@
 import dataclasses
+import json
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 import torch
 from ml_collections import ConfigDict
 from transformers import AutoModelForCausalLM
 
 from easylm.errors import UserError
-from easylm.llama.config import ARCHITECTURES, LLAMA_PRESETS, LLaMAConfig
+from easylm.llama.config import ARCHITECTURES, HF_DEFAULTS, LLAMA_PRESETS, LLaMAConfig
 from easylm.llama.family import FAMILY
 from easylm.llama.model import LLaMAForCausalLM
 
@@ -136,3 +139,138 @@ def test_non_llama_hf_config_rejected():
         LLaMAConfig.from_hf_config(dict(model_type="gemma", vocab_size=8, hidden_size=8,
                                         intermediate_size=8, num_hidden_layers=1,
                                         num_attention_heads=1))
+
+
+# ---------------------------------------------- config.json read as transformers reads it
+
+_HF_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
+               "qwen3": "Qwen3Config"}
+
+
+def _hf_class(model_type):
+    import transformers
+
+    return getattr(transformers, _HF_CLASSES[model_type])
+
+
+@pytest.mark.parametrize("model_type", sorted(ARCHITECTURES))
+def test_hf_defaults_are_the_transformers_class_defaults(model_type):
+    class_defaults = {f.name: f.default for f in dataclasses.fields(_hf_class(model_type))}
+    ours = HF_DEFAULTS[model_type]
+    assert {name: class_defaults.get(name, ours[name]) for name in ours} == ours
+
+
+class _Recording(dict):
+    """A config.json dict that notes every key read from it."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.read = set()
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __contains__(self, key):
+        self.read.add(key)
+        return super().__contains__(key)
+
+
+def _saved_config_json(config, tmp_path, **changes):
+    """config.json as transformers saves `config`'s variant, with `changes` on top."""
+    config.to_hf_config().save_pretrained(tmp_path)
+    with open(tmp_path / "config.json") as f:
+        return {**json.load(f), **changes}
+
+
+# Each variant as its saved config.json, every value read off its class default where the
+# variant has that field (so that a dropped key changes something); Qwen also without
+# layer_types, as transformers 4 wrote it (then max_window_layers decides).
+_SAVED = {
+    "llama": dict(changes=dict(attention_bias=True, mlp_bias=True, head_dim=32,
+                               tie_word_embeddings=True, pad_token_id=0, bos_token_id=5,
+                               eos_token_id=6, rms_norm_eps=1e-5, max_position_embeddings=64)),
+    "mistral": dict(changes=dict(model_type="mistral", sliding_window=12, num_key_value_heads=2)),
+    "qwen2": dict(changes=dict(model_type="qwen2", sliding_window=12, num_key_value_heads=2)),
+    "qwen3": dict(changes=dict(model_type="qwen3", sliding_window=12, head_dim=32)),
+    "qwen2_legacy": dict(changes=dict(model_type="qwen2", sliding_window=12), drop=["layer_types"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_SAVED))
+def test_config_json_without_a_key_reads_as_transformers_reads_it(case, tmp_path):
+    """Every key the reader reads, dropped from a saved config.json one at a time, gives
+    the model transformers' class builds from the same file (read back through its full
+    to_dict(), where every field is written). Fails on 4280dbe for Mistral's and Qwen's
+    absent sliding_window (no window; transformers' 4096), Mistral's absent
+    num_key_value_heads and max_position_embeddings, Qwen3's absent head_dim, Qwen's
+    absent bos/eos ids, and every absent shape key (a KeyError there)."""
+    spec = _SAVED[case]
+    config = LLaMAConfig.from_preset("debug", **spec["changes"])
+    saved = _saved_config_json(config, tmp_path)
+    for key in spec.get("drop", []):
+        del saved[key]
+    recording = _Recording(saved)
+    assert LLaMAConfig.from_hf_config(recording) == config
+    keys = sorted((recording.read & set(saved)) - {"model_type"})
+    assert {"vocab_size", "hidden_size", "num_key_value_heads", "rms_norm_eps"} <= set(keys)
+    wrong = []
+    for key in keys:
+        without = {k: v for k, v in saved.items() if k != key}
+        try:
+            theirs = _hf_class(config.model_type).from_dict(without).to_dict()
+        except Exception:  # transformers refuses the file (32 layers, 2 layer_types)
+            continue
+        if _outcome(without) != _outcome(theirs):
+            wrong.append(key)
+    assert wrong == []
+
+
+def _outcome(hf: dict):
+    """The config read, or the refusal (a default that does not fit the rest, e.g.
+    Mistral's 8 kv heads beside 4 query heads, is refused either way)."""
+    try:
+        return LLaMAConfig.from_hf_config(hf)
+    except (UserError, KeyError) as e:
+        return f"{type(e).__name__}: {e}"
+
+
+@pytest.mark.parametrize("model_type, drop, extra", [
+    ("mistral", "sliding_window", {}),
+    ("qwen2", "sliding_window", dict(use_sliding_window=True, max_window_layers=0)),
+    ("qwen3", "sliding_window", dict(use_sliding_window=True, max_window_layers=0)),
+])
+def test_absent_window_gives_transformers_logits_past_4096(model_type, drop, extra, tmp_path):
+    """A config.json without `sliding_window` slides 4096 positions in transformers; so
+    here, 4,200 positions in (the old reading, no window, is the negative twin)."""
+    from llama_variants import hf_variant
+    from numerics import assert_close, assert_differs, forward_rel
+
+    from easylm.llama.hf import load_hf_params
+
+    T = 4200
+    config = LLaMAConfig.from_preset("debug", model_type=model_type, sliding_window=4096,
+                                     max_position_embeddings=8192, vocab_size=64,
+                                     num_hidden_layers=1, initializer_range=0.2)
+    model = hf_variant(config)
+    model.save_pretrained(tmp_path)
+    saved = {**json.load(open(tmp_path / "config.json")), **extra}
+    del saved[drop]
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(saved, f)
+    ids = np.random.RandomState(0).randint(0, config.vocab_size, (1, T))
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(tmp_path).eval()(
+            torch.tensor(ids)).logits.numpy()
+    read, params = load_hf_params(str(tmp_path))
+    assert read.sliding_window == 4096
+    logits = LLaMAForCausalLM(read).apply({"params": params}, jnp.asarray(ids))
+    rel = forward_rel(read, T)
+    assert_close(logits[:, 4096:], expected[:, 4096:], rel)
+    no_window = LLaMAForCausalLM(read.replace(sliding_window=0)).apply({"params": params},
+                                                                        jnp.asarray(ids))
+    assert_differs(no_window[:, 4096:], expected[:, 4096:], rel)

@@ -499,6 +499,11 @@ def test_the_printed_serve_and_eval_lines_load_every_variant(variant, trained, h
     config = flags.parse(eval_cli.model_config(), eval_cli.help_entries(),
                          ["eval", *lines["eval it"][:-1], "--pre_compile=False"])
     assert eval_cli.load(config).engine.params is not None
+    # The eval line's results go beside the run's checkpoint (for LoRA: its adapters'),
+    # as docs/evaluation.md says; 4280dbe put a LoRA run's beside the base (<base>-eval/).
+    config = flags.parse(eval_cli.default_config(), eval_cli.help_entries(),
+                         ["eval", *lines["eval it"]])
+    assert eval_cli.output_directory(config) == final.rstrip("/") + "-eval"
     stored = as_stored(final)
     if VARIANTS[variant][0][0] == "--lora.rank=0":
         assert same_bits(served, stored)

@@ -318,3 +318,22 @@ def test_links_resolve(page):
         elif anchor and file.endswith(".md") and anchor not in _anchors(file):
             broken.append(target)
     assert not broken, broken
+
+
+# What the README's first paragraph calls each config.json model_type a family reads.
+MODEL_NAMES = {"llama": "LLaMA 1, 2, 3 and 3.2", "mistral": "Mistral", "qwen2": "Qwen2",
+               "qwen3": "Qwen3", "gemma3_text": "Gemma 3", "gemma3": "Gemma 3"}
+
+
+def test_the_first_paragraph_names_every_model_easylm_reads():
+    """Every model_type a registered family reads is named in the README's opening
+    paragraph, and nothing else is: 4280dbe said "LLaMA-family models (LLaMA 1, 2, 3 and
+    3.2)" with Mistral, Qwen2/3 and Gemma 3 supported. A family added to the registry fails
+    here until the README (and MODEL_NAMES) name it."""
+    from easylm.models import registry
+
+    read = {t for name in registry.FAMILIES for t in registry.get(name).hf_model_types}
+    assert read == set(MODEL_NAMES)
+    opening = " ".join(README.split("\n\n")[1].split())
+    for model_type, words in MODEL_NAMES.items():
+        assert words in opening, (model_type, opening)

@@ -148,27 +148,50 @@ def test_greedy_matches_hf_generate(tokenizer, variant):
         assert [t.id for t in g.tokens] == out[0, len(prompt):].tolist()
 
 
-def _compiled(engine):
-    return [f._cache_size() for f in (*engine._prefill_fns.values(), *engine._decode_fns.values(),
-                                      engine._score_fn)]
+def _compiled(engine) -> dict:
+    """Programs compiled so far, by jitted function: prefill (greedy, sampling), decode
+    (greedy/sampling x window), score."""
+    fns = {**{("prefill", k): f for k, f in engine._prefill_fns.items()},
+           **{("decode", *k): f for k, f in engine._decode_fns.items()},
+           ("score",): engine._score_fn}
+    return {key: f._cache_size() for key, f in fns.items()}
+
+
+def _doublings(start: int, stop: int) -> list[int]:
+    out = [start]
+    while out[-1] < stop:
+        out.append(min(2 * out[-1], stop))
+    return out
 
 
 def test_pre_compile_covers_every_bucket(tokenizer):
+    """Warm-up compiles each program once per shape it will ever see, derived here from
+    the flags (seq_length 32, min_bucket 16, batch_size 1): prompts in length buckets
+    16, 32 (doubling from min_bucket); decode windows over 16, 32 cache positions
+    (doubling from max(min_bucket, seq_length / 8)); each for greedy and for sampling.
+    Then requests of every shape and kind compile nothing. Catches a warm-up that skips
+    the sampling programs or a bucket (a count below), and a request that lands in a
+    shape warm-up never made (a count above after serving)."""
+    seq_length, min_bucket = 32, 16
+    lengths = _doublings(min_bucket, seq_length)
+    windows = _doublings(max(min_bucket, seq_length // 8), seq_length)
+    expected = {**{("prefill", sample): len(lengths) for sample in (False, True)},
+                **{("decode", sample, w): 1 for sample in (False, True) for w in windows},
+                ("score",): len(lengths)}
     # On a mesh, as the server runs: the state must not change shardings after warm-up.
-    batcher, _, _ = make_batcher(mesh=make_mesh("1,2,4"), seq_length=32, batch_size=1,
-                                 min_bucket=16)
+    batcher, _, _ = make_batcher(mesh=make_mesh("1,2,4"), seq_length=seq_length, batch_size=1,
+                                 min_bucket=min_bucket)
     try:
         engine = batcher.engine
         engine.warmup()
-        # prefill and score: lengths 16 and 32; prefill and decode: greedy and sampling;
-        # decode: over 16 or 32 cache positions.
-        assert _compiled(engine) == [2, 2, 1, 1, 1, 1, 2]
-        # ... and nothing compiles again when requests of every shape and kind come in.
+        assert _compiled(engine) == expected
+        # ... and nothing compiles again when requests of every shape and kind come in:
+        # prompts of 3, 21 and 2 tokens (both length buckets), greedy and sampled.
         for temperature in (0.0, 0.8):
             batcher.generate([[1, 2, 3], [1] + list(range(20)), [1, 5]],
                              SamplingParams(max_tokens=8, temperature=temperature), tokenizer)
         engine.score([[1, 2, 3]], [[2, 3, 4]])
-        assert _compiled(engine) == [2, 2, 1, 1, 1, 1, 2]
+        assert _compiled(engine) == expected
     finally:
         batcher.stop()
 

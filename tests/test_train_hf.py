@@ -156,3 +156,24 @@ def test_a_qwen3_directory_fine_tunes_and_exports_back(tmp_path, capsys):
     with torch.no_grad():
         assert_differs(hf_variant(config)(torch.tensor(ids)).logits.numpy(), theirs,
                        forward_rel(config, 32))
+
+
+def test_a_refused_config_json_is_the_one_line_before_the_tokenizer_loads(tmp_path, capsys):
+    """A config.json this model is not (gpt_oss, no `architectures`): the refusal names only
+    what the file says, and comes before the tokenizer is loaded (whose transformers
+    warnings, or here its own error, would come first). Fails on 4280dbe, which named
+    `architectures ['LlamaForCausalLM']`, a list it made up, after loading the tokenizer."""
+    from cli_utils import one_line_error
+
+    make_hf(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    del config["architectures"]
+    config["model_type"] = "gpt_oss"
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()  # transformers' progress bar saving it
+    message = one_line_error(train.main, run_argv(tmp_path) + [
+        f"--load_checkpoint=hf::{tmp_path / 'hf'}", f"--tokenizer={tmp_path / 'no_tokenizer'}"],
+        capsys)
+    assert message.startswith(f"{tmp_path / 'hf'}: model_type 'gpt_oss' is not a LLaMA-like "
+                              "causal LM"), message
+    assert "architectures" not in message.partition("(")[0]

@@ -29,7 +29,7 @@ HELP = {
        for name in ("batch_size", "max_gen_toks", "num_fewshot", "limit", "include_path")},
     "tasks": "comma-separated lm-eval task, group or tag names (or task YAML paths)",
     "output_dir": "where results_*.json (and samples_*.jsonl) go; empty: CHECKPOINT-eval "
-                  "beside a local checkpoint",
+                  "beside a local checkpoint (the --lora_checkpoint's, where given)",
     "log_samples": "also write every document's requests and responses, one JSONL per task",
     "bootstrap_iters": "bootstrap resamples for the standard errors; 0: none (faster)",
 }
@@ -80,10 +80,17 @@ def _require_checkpoint(config: ConfigDict):
 
 
 def output_directory(config: ConfigDict) -> str:
-    """--output_dir, or CHECKPOINT-eval beside a local checkpoint; checked to be creatable
-    (it is created when there are results to put in it)."""
+    """--output_dir, or CHECKPOINT-eval beside a local checkpoint (the --lora_checkpoint's,
+    where adapters are given: the model evaluated is the run's, not its base); checked to
+    be creatable (it is created when there are results to put in it)."""
     directory = config.output_dir
-    if not directory:
+    if not directory and config.get("lora_checkpoint"):
+        path = config.lora_checkpoint
+        if "://" in path:
+            raise UserError(f"the adapters are at {path}: pass --output_dir=DIR, a local "
+                            f"directory for the results")
+        directory = path.rstrip("/") + "-eval"
+    elif not directory:
         _, path = checkpoint.parse_load_spec(config.load_checkpoint,
                                              ("hf",) + checkpoint.LOAD_PREFIXES)
         if "://" in path:

@@ -31,6 +31,25 @@ ARCHITECTURES = {
     "mistral": ("MistralForCausalLM", ("sliding_window",)),
 }
 SWITCHES = ("attention_bias", "mlp_bias", "sliding_window")
+# What a config.json without a key means: its transformers class's default (transformers
+# 5's LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config; None: derived, as the class
+# derives it). tests/test_llama_config.py holds each against the class.
+_HF_LLAMA = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=None,
+                 head_dim=None, max_position_embeddings=2048, rms_norm_eps=1e-6,
+                 tie_word_embeddings=False, initializer_range=0.02, bos_token_id=1,
+                 eos_token_id=2, pad_token_id=None, hidden_act="silu", attention_bias=False,
+                 mlp_bias=False)
+_HF_QWEN2 = dict(_HF_LLAMA, vocab_size=151936, intermediate_size=22016, num_key_value_heads=32,
+                 max_position_embeddings=32768, bos_token_id=None, eos_token_id=None,
+                 use_sliding_window=False, sliding_window=4096, max_window_layers=28)
+HF_DEFAULTS = {
+    "llama": _HF_LLAMA,
+    "mistral": dict(_HF_LLAMA, intermediate_size=14336, num_key_value_heads=8,
+                    max_position_embeddings=131072, sliding_window=4096),
+    "qwen2": _HF_QWEN2,
+    "qwen3": dict(_HF_QWEN2, head_dim=128),
+}
 
 
 def _field(default, help_text: str):
@@ -75,8 +94,8 @@ class LLaMAConfig:
     rope_original_max_position_embeddings: int = _field(
         8192, "llama3 rope scaling: the context the model was pretrained at")
     initializer_range: float = _field(0.02, "standard deviation of the random initialisation")
-    bos_token_id: int = _field(1, "beginning-of-sequence token id")
-    eos_token_id: int = _field(2, "end-of-sequence token id (generation stops at it)")
+    bos_token_id: int | None = _field(1, "beginning-of-sequence token id")
+    eos_token_id: int | None = _field(2, "end-of-sequence token id (generation stops at it)")
     # Carried to and from HF's config.json (generation pads with it); the model has no use for them.
     pad_token_id: int | None = _field(None, "padding token id, carried to HF's config.json")
     unk_token_id: int | None = _field(None, "unknown token id, carried to HF's config.json")
@@ -273,7 +292,8 @@ class LLaMAConfig:
         if model_type not in ARCHITECTURES:
             raise UserError(f"model_type {model_type!r} is not a LLaMA variant (supported: "
                             f"{', '.join(ARCHITECTURES)})")
-        if hf.get("hidden_act", "silu") != "silu":
+        get = _reader(model_type, hf)
+        if get("hidden_act") != "silu":
             raise UserError(f"hidden_act {hf['hidden_act']!r} is not supported (LLaMA uses silu)")
         # transformers >= 5 keeps rope_theta inside rope_parameters; older config.json
         # files have rope_theta and rope_scaling at the top level. Where both are, HF
@@ -282,24 +302,24 @@ class LLaMAConfig:
         rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         fields = dict(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_hidden_layers=hf["num_hidden_layers"],
-            num_attention_heads=hf["num_attention_heads"],
-            num_key_value_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            vocab_size=get("vocab_size"),
+            hidden_size=get("hidden_size"),
+            intermediate_size=get("intermediate_size"),
+            num_hidden_layers=get("num_hidden_layers"),
+            num_attention_heads=get("num_attention_heads"),
+            num_key_value_heads=get("num_key_value_heads"),
+            head_dim=get("head_dim"),
+            max_position_embeddings=get("max_position_embeddings"),
+            rms_norm_eps=get("rms_norm_eps"),
             rope_theta=float(rope_theta),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            initializer_range=hf.get("initializer_range", 0.02),
-            bos_token_id=_first_int(hf.get("bos_token_id"), 1),
-            eos_token_id=_first_int(hf.get("eos_token_id"), 2),
-            pad_token_id=_first_int(hf.get("pad_token_id"), None),
+            tie_word_embeddings=bool(get("tie_word_embeddings")),
+            initializer_range=get("initializer_range"),
+            bos_token_id=_first_int(get("bos_token_id"), None),
+            eos_token_id=_first_int(get("eos_token_id"), None),
+            pad_token_id=_first_int(get("pad_token_id"), None),
             unk_token_id=_first_int(hf.get("unk_token_id"), None),
             model_type=model_type,
-            **_switches_from_hf(model_type, hf),
+            **_switches_from_hf(model_type, get),
         )
         if rope_type == "llama3":
             fields.update(
@@ -314,37 +334,45 @@ class LLaMAConfig:
         return cls(**{**fields, **overrides})
 
 
-def _switches_from_hf(model_type: str, hf: dict) -> dict:
+def _reader(model_type: str, hf: dict):
+    """config.json's value of a field, as its transformers class reads it: absent, the
+    class default; null, None (which the class, and LLaMAConfig, derive where they can)."""
+    defaults = HF_DEFAULTS[model_type]
+    return lambda name: hf[name] if name in hf else defaults.get(name)
+
+
+def _switches_from_hf(model_type: str, get) -> dict:
     """The variant's switches from config.json, read as its transformers class reads them
     (a field the class does not read, e.g. Qwen2's attention_bias, changes nothing)."""
     switches = ARCHITECTURES[model_type][1]
-    out = {name: bool(hf.get(name) or False) for name in ("attention_bias", "mlp_bias")
+    out = {name: bool(get(name) or False) for name in ("attention_bias", "mlp_bias")
            if name in switches}
     if "sliding_window" in switches:
-        out["sliding_window"] = _sliding_window(model_type, hf)
+        out["sliding_window"] = _sliding_window(model_type, get)
     return out
 
 
-def _sliding_window(model_type: str, hf: dict) -> int:
+def _sliding_window(model_type: str, get) -> int:
     """The window of every layer (0: none) as transformers 5 reads config.json: Mistral
-    slides every layer when `sliding_window` is set; Qwen2/3 only with `use_sliding_window`,
-    and then the layers `layer_types` says (derived, when absent, from max_window_layers:
-    layers from that index on slide). A window on some layers only is refused."""
-    window = hf.get("sliding_window")
+    slides every layer unless `sliding_window` is null; Qwen2/3 only with
+    `use_sliding_window`, and then the layers `layer_types` says (derived, when absent,
+    from max_window_layers: layers from that index on slide). Both classes' window, where
+    config.json names none, is 4096. A window on some layers only is refused."""
+    window = get("sliding_window")
     if model_type == "mistral" or not window:
         return int(window or 0)
-    if not hf.get("use_sliding_window"):
+    if not get("use_sliding_window"):
         return 0
-    layers = hf["num_hidden_layers"]
-    first = hf.get("max_window_layers", 28)  # Qwen2Config's default
-    types = hf.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
-                                      for i in range(layers)]
+    layers = get("num_hidden_layers")
+    first = get("max_window_layers")
+    types = get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
+                                   for i in range(layers)]
     sliding = sum(kind == "sliding_attention" for kind in types)
     if sliding == 0:
         return 0
     if sliding == len(types):
         return int(window)
-    source = "layer_types" if hf.get("layer_types") else f"max_window_layers={first}"
+    source = "layer_types" if get("layer_types") else f"max_window_layers={first}"
     raise UserError(f"use_sliding_window=true with {source} slides {sliding} of {len(types)} "
                     f"layers: a window on some layers only is not supported")
 

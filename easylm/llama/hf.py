@@ -81,12 +81,12 @@ def from_hf(tensors: Mapping[str, Any], config: LLaMAConfig, dtype=None, source:
 
 # ------------------------------------------------------------ a HF directory
 
-# config.json fields this model reads, by the JSON type they must have (None allowed
-# for the optional ones). A wrong type is refused by name, never converted.
-_REQUIRED_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                  "num_attention_heads")
-_OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window",
-                  "max_window_layers")
+# config.json fields this model reads, by the JSON type they must have (None allowed:
+# an absent field takes its transformers class's default, `config.HF_DEFAULTS`). A wrong
+# type is refused by name, never converted.
+_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+         "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+         "sliding_window", "max_window_layers")
 _OPTIONAL_NUMBERS = ("rms_norm_eps", "rope_theta", "initializer_range")
 _OPTIONAL_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")
 _TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
@@ -103,9 +103,12 @@ def read_hf_config(directory: str) -> LLaMAConfig:
     architectures = hf.get("architectures") or [architecture]
     if model_type not in ARCHITECTURES or architecture not in architectures:
         expected = ", ".join(f"{name} ({cls})" for name, (cls, _) in ARCHITECTURES.items())
+        # What the file says, and nothing this reader assumed in its absence.
+        found = " / ".join(f"{key} {hf[key]!r}" for key in ("model_type", "architectures")
+                           if key in hf)
         raise UserError(
-            f"{directory}: model_type {hf.get('model_type')!r} / architectures {architectures} "
-            f"is not a LLaMA-like causal LM (expected model_type and architecture: {expected})"
+            f"{directory}: {found or 'no model_type'} is not a LLaMA-like causal LM "
+            f"(expected model_type and architecture: {expected})"
         )
     _check_types(hf, path)
     for rope in (hf, hf.get("rope_scaling") or {}, hf.get("rope_parameters") or {}):
@@ -124,10 +127,7 @@ def read_hf_config(directory: str) -> LLaMAConfig:
 def _check_types(hf: dict, path: str):
     is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)
     is_number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
-    for name in _REQUIRED_INTS:
-        if name not in hf:
-            raise UserError(f"{path}: no {name!r}, which a LLaMA config needs")
-    checks = [(name, is_int, "an integer") for name in _REQUIRED_INTS + _OPTIONAL_INTS]
+    checks = [(name, is_int, "an integer") for name in _INTS]
     checks += [(name, is_number, "a number") for name in _OPTIONAL_NUMBERS]
     checks += [(name, lambda v: is_int(v) or (isinstance(v, list) and v and all(map(is_int, v))),
                 "a token id or a list of them") for name in _TOKEN_IDS]

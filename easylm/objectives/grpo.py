@@ -46,6 +46,10 @@ HELP = {
     "grpo.top_p": "nucleus sampling of the rollouts (1: off)",
     "grpo.beta": "weight of the k3 KL to the reference (LoRA: the base with the adapters "
                  "off; else a frozen copy of the starting parameters); 0: no reference",
+    "grpo.use_bias_correction_kl": "multiply the per-token KL by the ratio exp(logp - "
+                                   "old_logp) (TRL's option and default; DeepSeek-V3.2): 1 in "
+                                   "value, it adds KL x grad(logp) to the gradient, the "
+                                   "unbiased reverse-KL gradient",
     "grpo.epsilon": "the clip range below: ratios under 1 - epsilon are clipped",
     "grpo.epsilon_high": "the clip range above (DAPO's clip-higher); 0: epsilon",
     "grpo.loss_type": "how per-token losses are averaged: grpo (per completion, then over "
@@ -76,7 +80,8 @@ def get_default_config(updates=None) -> ConfigDict:
     """TRL's GRPOConfig defaults where the option is the same."""
     config = ConfigDict(dict(
         num_generations=8, max_new_tokens=256, temperature=1.0, top_p=1.0, beta=0.0,
-        epsilon=0.2, epsilon_high=0.0, loss_type="dapo", scale_rewards="group",
+        use_bias_correction_kl=True, epsilon=0.2, epsilon_high=0.0, loss_type="dapo",
+        scale_rewards="group",
         num_iterations=1, mask_truncated_completions=False, reward_funcs="answer_match",
         reward_weights="", format_pattern="", length_buffer=0,
         importance_sampling_cap=3.0))
@@ -163,13 +168,15 @@ TOKEN_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
 
 
 def grpo_sums(logps, old_logps, ref_logps, advantages, masks, valid, options,
-              entropy=None, row_metrics=None, is_ratio=None) -> GRPOSums:
+              entropy=None, row_metrics=None, is_ratio=None, scored_logps=None) -> GRPOSums:
     """TRL's GRPO loss as sums. logps (N, T): the policy's log-probabilities of the
     sampled tokens (at the sampling temperature); old_logps (N, T) or None (one iteration:
     the ratio is 1, its gradient the policy gradient); ref_logps (N, T) or None (beta 0);
     advantages (N,); masks (N, T) the completion tokens; valid (N,) real rows; is_ratio
     (N, T) or None: the truncated importance weights of the sampler's mismatch, which
-    scale the clipped term (TRL's vllm_importance_sampling_correction, token_truncate)."""
+    scale the clipped term (TRL's vllm_importance_sampling_correction, token_truncate);
+    scored_logps (N, T) or None: the rollout's policy, scored by the program that scored
+    ref_logps (see the KL below)."""
     eps_low = options.epsilon
     eps_high = options.epsilon_high or options.epsilon
     old = jax.lax.stop_gradient(logps) if old_logps is None else old_logps
@@ -180,8 +187,16 @@ def grpo_sums(logps, old_logps, ref_logps, advantages, masks, valid, options,
     if is_ratio is not None:
         per_token = per_token * is_ratio
     if options.beta:
-        diff = ref_logps - logps
+        # diff = ref - logps, the policy's part taken, where given, from the program that
+        # scored the reference: ref - scored is exactly 0 while the policy is the
+        # reference, and old - logps is 0 in value on one iteration. ref - logps across
+        # two programs (the step's forward, the scoring one) differs in the last bits: a
+        # zero-signal step had a gradient of 1e-9 to 4e-6, which Adam scales to a step.
+        diff = ref_logps - logps if scored_logps is None else \
+            (ref_logps - scored_logps) + (old - logps)
         kl = jnp.exp(diff) - diff - 1
+        if options.use_bias_correction_kl:
+            kl = kl * ratio
         per_token = per_token + options.beta * kl
         metrics["kl"] = jnp.sum(kl * masks)
     low = (ratio < 1 - eps_low) & (a < 0)
@@ -271,10 +286,11 @@ class GRPOObjective(Objective):
         ref = rows(batch["ref_logps"]) if "ref_logps" in batch else None
         is_ratio = rows(batch["is_ratio"]) if "is_ratio" in batch else None
         masks = rows(batch["loss_masks"])
+        scored = rows(batch["scored_logps"]) if "scored_logps" in batch else None
         sums = grpo_sums(logps, old, ref, rows(batch["advantages"]), masks,
                          rows(batch["valid"]), self.options, jax.lax.stop_gradient(entropy),
                          {k: rows(v) for k, v in batch.items() if k in ROW_METRICS
-                          or k.startswith("rewards/")}, is_ratio)
+                          or k.startswith("rewards/")}, is_ratio, scored)
         if is_ratio is not None:  # the sampler against the training forward, per token
             sums.metrics["sampling/importance_sampling_ratio/mean"] = jnp.sum(is_ratio * masks)
             sums.metrics["sampling/sampling_logp_difference/mean"] = jnp.sum(
@@ -304,8 +320,9 @@ class GRPOObjective(Objective):
         rollout (the reference's, the old policy's), spread over num_iterations steps.
         Generation is not counted (its time is logged apart: data/rollout/seconds)."""
         o = self.options
-        policy = o.num_iterations > 1 or corrects_sampling(o)
-        scoring = (self.reference != NO_REFERENCE) + policy
+        reference = self.reference != NO_REFERENCE
+        policy = o.num_iterations > 1 or corrects_sampling(o) or reference
+        scoring = reference + policy
         forward = self.model.forward_flops(seq_length)
         return self.model.flops_per_token(seq_length) + scoring * forward / o.num_iterations
 

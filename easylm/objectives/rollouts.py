@@ -209,9 +209,11 @@ class Rollouts:
         self._train_began = None
 
     def _scoring_program(self):
-        """A jitted (params, frozen, batch) -> {old_logps, ref_logps, is_ratio,
-        logp_difference} (B, G, T), each where the loss reads it; None when it reads none.
-        The policy's forward is made once for old_logps and the importance weights."""
+        """A jitted (params, frozen, batch) -> {old_logps, ref_logps, scored_logps,
+        is_ratio, logp_difference} (B, G, T), each where the loss reads it; None when it
+        reads none. The policy's forward is made once for old_logps, the importance weights
+        and scored_logps: the policy beside the reference, from one program, for the KL
+        (grpo_sums)."""
         objective, o = self.objective, self.options
         old, ref, weights = (o.num_iterations > 1, objective.reference != "none",
                              corrects_sampling(o))
@@ -226,7 +228,7 @@ class Rollouts:
 
         def score(params, frozen, batch):
             out = {}
-            if old or weights:
+            if old or weights or ref:
                 policy = logps(objective.forward, params, frozen, batch)
                 if old:
                     out["old_logps"] = policy
@@ -236,6 +238,7 @@ class Rollouts:
                     out["logp_difference"] = jnp.abs(diff)
             if ref:
                 out["ref_logps"] = logps(objective.reference_forward, params, frozen, batch)
+                out["scored_logps"] = policy
             return out
 
         return jax.jit(score, out_shardings=NamedSharding(self.mesh, P(BATCH_AXES)))

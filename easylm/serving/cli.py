@@ -21,7 +21,7 @@ from ml_collections import ConfigDict
 from easylm import flags as flag_lib
 from easylm.errors import UserError, exit_on_user_error
 from easylm.models.family import Model, ModelFamily, abstract_params
-from easylm.runtime import run_flags
+from easylm.runtime import easylm_flags, run_flags
 from easylm.runtime.dtypes import dtype_from_flag
 from easylm.runtime.sharding import init_sharded, make_mesh
 from easylm.serving import engine as engine_lib
@@ -172,11 +172,9 @@ def build(family: ModelFamily, config: ConfigDict):
     return server_lib.create_app(service), batcher
 
 
-@exit_on_user_error
-def main(family: ModelFamily, argv=None):
-    """`python -m <family>.serve`: parse, bind the port, load, serve until stopped."""
-    from easylm.serving import server as server_lib
-
+def parse_flags(family: ModelFamily, argv: list[str]) -> ConfigDict:
+    """`argv` (argv[0] is the program) as `python -m <family>.serve` reads it, EasyLM's
+    flag names included (easylm/runtime/easylm_flags.py)."""
     usage = (f"Serve a {family.name} model over HTTP (OpenAI-style API and a chat page).\n\n"
              f"  python -m {family.serve_module} --load_checkpoint=params::DIR "
              f"--tokenizer=embedded\n\nusage: python -m {family.serve_module} [--flag=value ...]")
@@ -185,8 +183,16 @@ def main(family: ModelFamily, argv=None):
                                 "mesh_dim", "dtype", "batch_size", "seq_length",
                                 f"{family.name}.base_model")
               if name in flag_lib.flatten(config)]
-    config = flag_lib.parse(config, help_entries(family), argv or sys.argv,
-                            usage + "  (all flags: --helpfull)", common=common)
+    return flag_lib.parse(config, help_entries(family), argv, usage + "  (all flags: --helpfull)",
+                          common=common, aliases=easylm_flags.serve_aliases(family))
+
+
+@exit_on_user_error
+def main(family: ModelFamily, argv=None):
+    """`python -m <family>.serve`: parse, bind the port, load, serve until stopped."""
+    from easylm.serving import server as server_lib
+
+    config = parse_flags(family, argv or sys.argv)
     sock = server_lib.bind(config)
     # The console shows easylm's own lines (and warnings), not orbax's and jax's INFO chatter.
     # force: importing orbax already gave the root logger a handler (absl's).

@@ -10,13 +10,14 @@ import os
 from typing import Callable
 
 from ml_collections import ConfigDict
+from ml_collections.config_dict import placeholder
 
 from easylm import flags as flag_lib, objectives, variants
 from easylm.data.options import loader_block
 from easylm.errors import UserError
 from easylm.evaluation import harness_flags
 from easylm.models.family import Model, ModelFamily
-from easylm.runtime import checkpoint, distributed, run_flags
+from easylm.runtime import checkpoint, distributed, easylm_flags, run_flags
 from easylm.training import logger, optimizers
 
 LOAD_PREFIXES = checkpoint.LOAD_PREFIXES + ("hf",)
@@ -37,6 +38,9 @@ HELP = {
     "eval_freq": "evaluate on --eval_dataset every this many steps (0: never)",
     "eval_steps": "batches per evaluation (0: one full pass over --eval_dataset)",
     "resume": "continue from the newest complete checkpoint in the run directory, if any",
+    "load_dataset_state": "EasyLM's: start the data where a saved state says: a checkpoint "
+                          "directory (its data) or a JSON file of one; a run resuming its "
+                          "own checkpoint continues its own ('': from the start)",
     "allow_fresh_optimizer": "resume from a checkpoint without optimizer state (saved with "
                              "--checkpointer.save_optimizer_state=False) with a fresh "
                              "optimizer, instead of stopping",
@@ -65,6 +69,7 @@ def get_default_config(dataset_config: ConfigDict | None = None,
     config.eval_freq = 0
     config.eval_steps = 0
     config.resume = True
+    config.load_dataset_state = placeholder(str)  # None: left out of the run's id
     config.allow_fresh_optimizer = False
     config.peak_tflops = 0.0
     config.compilation_cache_dir = "~/.cache/easylm/jax"
@@ -158,7 +163,8 @@ def parse_flags(family: ModelFamily, argv: list[str]) -> ConfigDict:
     config = default_config(family, objective)
     common = [name for name in common_flags(family) if name in flag_lib.flatten(config)]
     return flag_lib.parse(config, help_entries(family, objective), argv, usage(family),
-                          derived=family_run_defaults(family), common=common)
+                          derived=family_run_defaults(family), common=common,
+                          aliases=easylm_flags.train_aliases(family))
 
 
 # ------------------------------------------------------------ defaults of a run

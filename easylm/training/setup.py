@@ -4,6 +4,7 @@ parameters, the log and the jitted steps; each a named step that returns a value
 `Run` built once from them."""
 
 import contextlib
+import json
 import os
 import sys
 
@@ -47,8 +48,11 @@ def start(config: ConfigDict, family: ModelFamily, cleanup: contextlib.ExitStack
     distributed.initialize(config.jax_distributed)
     check_config(config)
     mesh = make_mesh(config.mesh_dim, dcn_mesh_dim=config.dcn_mesh_dim)
+    # The model (its config.json read and checked) before the tokenizer, whose loading
+    # may print transformers' warnings: a refused config is then the one line printed.
+    model = variants.build(family, config, from_checkpoint=True)
     tokenizer = load_tokenizer(config.tokenizer)
-    model = _model(config, family, tokenizer)
+    _check_model(config, model, tokenizer)
     tx, schedule = optimizers.get_optimizer(config.optimizer)
     harness = _harness(config, model, tokenizer, mesh)
     objective = objectives.build(config, model, tokenizer)
@@ -58,6 +62,8 @@ def start(config: ConfigDict, family: ModelFamily, cleanup: contextlib.ExitStack
     cleanup.enter_context(jax.set_mesh(mesh))
     source, state, data_state = _start_state(config, family, model, tx, mesh, manager, latest)
     record = base_record(config, model, state, source)
+    if data_state is None and config.load_dataset_state:
+        data_state = _dataset_state(config.load_dataset_state)
     if data_state is not None:
         dataset.load_state_dict(data_state)
     if objective.reference == COPY:  # built once, never saved: the starting parameters
@@ -82,10 +88,22 @@ def start(config: ConfigDict, family: ModelFamily, cleanup: contextlib.ExitStack
     return run
 
 
-def _model(config: ConfigDict, family: ModelFamily, tokenizer) -> Model:
+def _dataset_state(path: str) -> dict:
+    """--load_dataset_state: a checkpoint directory's data state, or a JSON file of one."""
+    if os.path.isdir(path):
+        if not checkpoint.has_item(path, "data"):
+            raise UserError(f"--load_dataset_state={path}: the checkpoint holds no data state")
+        return checkpoint.restore_items(path, {}, json_items=("data",))["data"]
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise UserError(f"--load_dataset_state={path}: {e}") from None
+
+
+def _check_model(config: ConfigDict, model: Model, tokenizer):
     """The model a --load_checkpoint records (hf::, params::, ...), unless flags change it,
     checked against the tokenizer."""
-    model = variants.build(family, config, from_checkpoint=True)
     if config.load_checkpoint.startswith("hf::") and config.tokenizer == "embedded" \
             and jax.process_index() == 0:
         print(f"warning: training {config.load_checkpoint} with --tokenizer=embedded; pass "
@@ -95,7 +113,6 @@ def _model(config: ConfigDict, family: ModelFamily, tokenizer) -> Model:
             f"the model's vocabulary (--{model.name}.vocab_size={model.vocab_size}) is smaller "
             f"than the {len(tokenizer)} tokens of --tokenizer={config.tokenizer}"
         )
-    return model
 
 
 def _harness(config: ConfigDict, model: Model, tokenizer, mesh):
