@@ -3,6 +3,9 @@
 # refactor (#36) must leave them bitwise unchanged. Run it on two commits and diff the output:
 #   bash scripts/kit_losses.sh > after.txt; git worktree add /tmp/base eab95cc
 #   (cd /tmp/base && PYTHONPATH=$PWD bash scripts/kit_losses.sh) > before.txt; diff before.txt after.txt
+# GRPO_FLAGS adds flags to the GRPO run: since #40 a GRPO step with beta > 0 differs from
+# eab95cc's on purpose (TRL's KL bias correction, and the KL taken against the policy the
+# rollout scored); GRPO_FLAGS=--grpo.beta=0 compares the rest of its path bitwise.
 set -euo pipefail
 out=$(mktemp -d)
 python - "$out" <<'PY'
@@ -36,7 +39,8 @@ run dpo --llama.base_model=debug --objective=dpo --train_dataset.preference.enab
 run grpo --llama.base_model=debug --llama.num_hidden_layers=1 --objective=grpo --grpo.beta=0.04 \
   --grpo.num_generations=4 --grpo.max_new_tokens=8 --grpo.reward_funcs=answer_match \
   --train_dataset.json_dataset.path="$out/prompts.jsonl" \
-  --train_dataset.json_dataset.seq_length=24 --train_dataset.json_dataset.batch_size=8
+  --train_dataset.json_dataset.seq_length=24 --train_dataset.json_dataset.batch_size=8 \
+  ${GRPO_FLAGS:-}
 run gemma --family=gemma --gemma.base_model=debug "${small[@]}"
 run scanned --llama.base_model=debug --llama.scan_layers=True "${small[@]}"
 rm -rf "$out"
