@@ -48,6 +48,18 @@ def run(config, params, x):
     return np.asarray(y), stats
 
 
+def mixtral_like(block_class, hf_config):
+    """A random HF Mixtral-style block (router `gate`, fused experts), its output on
+    `hidden()`, and its weights in our layout."""
+    block = randomize(block_class(hf_config)).eval()
+    x = hidden()
+    with torch.no_grad():
+        expected = block(tensor(x)).numpy()
+    params = mixtral_like_params(block.gate.weight, block.experts.gate_up_proj,
+                                 block.experts.down_proj)
+    return x, expected, params
+
+
 def mixtral_like_params(gate, gate_up, down):
     """HF's fused (E, 2F, D) gate_up and (E, D, F) down, router (E, D) -> ours."""
     gate_up, down = gate_up.detach().numpy(), down.detach().numpy()
@@ -66,12 +78,7 @@ def test_mixtral_block():
 
     hf_config = MixtralConfig(hidden_size=D, intermediate_size=F, num_local_experts=E,
                               num_experts_per_tok=K)
-    block = randomize(MixtralSparseMoeBlock(hf_config)).eval()
-    x = hidden()
-    with torch.no_grad():
-        expected = block(tensor(x)).numpy()
-    params = mixtral_like_params(block.gate.weight, block.experts.gate_up_proj,
-                                 block.experts.down_proj)
+    x, expected, params = mixtral_like(MixtralSparseMoeBlock, hf_config)
     config = MoEConfig(E, K, F, norm_topk_prob=True)
     y, stats = run(config, params, x)
     assert_close(y, expected, REL)
@@ -88,12 +95,7 @@ def test_qwen3_moe_block(norm_topk_prob):
 
     hf_config = Qwen3MoeConfig(hidden_size=D, moe_intermediate_size=F, num_experts=E,
                                num_experts_per_tok=K, norm_topk_prob=norm_topk_prob)
-    block = randomize(Qwen3MoeSparseMoeBlock(hf_config)).eval()
-    x = hidden()
-    with torch.no_grad():
-        expected = block(tensor(x)).numpy()
-    params = mixtral_like_params(block.gate.weight, block.experts.gate_up_proj,
-                                 block.experts.down_proj)
+    x, expected, params = mixtral_like(Qwen3MoeSparseMoeBlock, hf_config)
     config = MoEConfig(E, K, F, norm_topk_prob=norm_topk_prob)
     assert_close(run(config, params, x)[0], expected, REL)
     # Negative twin: the other renormalisation.
