@@ -34,7 +34,7 @@ from easylm import flags, variants
 from easylm.errors import UserError, exit_on_user_error
 from easylm.runtime import dtypes, flops, profiling, run_flags
 from easylm.runtime.compilation import setup_compilation
-from easylm.runtime.sharding import BATCH_AXES, make_mesh
+from easylm.runtime.sharding import BATCH_AXES, make_mesh, shown_axes
 from easylm.training import optimizers
 from easylm.training.state import abstract_state, init_state
 from easylm.training.step import device_batch, jit_train_step
@@ -144,7 +144,7 @@ def bench_train(config: ConfigDict, family) -> dict:
         **_model_fields(config, model, state),
         "seq_length": config.seq_length,
         "batch_size": config.batch_size,
-        "mesh": dict(mesh.shape),
+        "mesh": shown_axes(mesh),
         "tokens_per_second": round(tokens_per_second, 1),
         "step_time_s": round(seconds, 5),
         "mfu": None if mfu is None else round(mfu, 4),
@@ -228,7 +228,7 @@ def _compile_only(config: ConfigDict, model, tx, schedule, mesh) -> dict:
         **_model_fields(config, model, state),
         "seq_length": config.seq_length,
         "batch_size": config.batch_size,
-        "mesh": dict(mesh.shape),
+        "mesh": shown_axes(mesh),
         "compile_time_s": round(compile_seconds, 2),
         **xla,
         **_machine(),

@@ -152,12 +152,16 @@ def make_mesh(mesh_dim: str = "1,-1,1", devices: Sequence[jax.Device] | None = N
     return Mesh(device_array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
-def mesh_string(shape) -> str:
-    """'dp=1 fsdp=8 mp=1' for a Mesh or its {axis: size} shape, as every command prints it;
-    sp and ep only where they split something."""
+def shown_axes(shape) -> dict[str, int]:
+    """{axis: size} of a Mesh or its shape as every command reports it: dp, fsdp and mp
+    always, sp and ep only where they split something."""
     shape = getattr(shape, "shape", shape)
-    return " ".join(f"{axis}={size}" for axis, size in shape.items()
-                    if axis in POSITIONAL_AXES or size > 1)
+    return {axis: size for axis, size in shape.items() if axis in POSITIONAL_AXES or size > 1}
+
+
+def mesh_string(shape) -> str:
+    """'dp=1 fsdp=8 mp=1' for a Mesh or its {axis: size} shape, as every command prints it."""
+    return " ".join(f"{axis}={size}" for axis, size in shown_axes(shape).items())
 
 
 def path_to_string(path) -> str:
