@@ -124,10 +124,14 @@ def test_the_toy_objective_at_epsilon_0_is_the_next_token_loss():
 def test_a_new_objective_trains_through_the_train_command(tmp_path, capsys):
     train.main(["train", "--family=toy_family:FAMILY", OBJECTIVE, *ROWS, "--total_steps=3",
                 "--log_freq=1", "--mesh_dim=1,-1,1", "--optimizer.adamw_optimizer.lr=1e-2",
-                "--optimizer.adamw_optimizer.lr_warmup_steps=1",
+                "--optimizer.adamw_optimizer.lr_warmup_steps=1", "--dpo.beta=0.5",
                 f"--logger.output_dir={tmp_path}", "--logger.experiment_id=toy"])
     out = capsys.readouterr().out
     assert "| objective label-smoothed next token (epsilon 0.1)" in out, out
+    # another objective's flag trains, and is said to be ignored
+    assert [line for line in out.splitlines() if "ignored" in line] == [
+        "warning: --dpo.beta=0.5 is ignored: only --objective=dpo reads it, this run "
+        "trains --objective=toy_objective:LabelSmoothed"], out
     lines = (tmp_path / "toy" / "metrics.jsonl").read_text().splitlines()
     losses = [row["loss"] for row in map(json.loads, lines) if "loss" in row]
     assert len(losses) == 3 and all(np.isfinite(losses)) and losses[-1] < losses[0]
@@ -151,6 +155,24 @@ def test_a_new_objective_shows_its_line_in_the_plan(capsys):
                             help_entries(TOY, "toy_objective:LabelSmoothed"),
                             ["train", OBJECTIVE, *ROWS], derived=family_run_defaults(TOY))
     assert set(objectives.unused_flags(config)) == {"dpo.", "simpo.", "orpo.", "grpo."}
+
+
+@pytest.mark.parametrize("argv, warned", [
+    ([], []),
+    (["--objective=dpo", "--dpo.beta=0.5", "--train_dataset.preference.enabled=True"], []),
+    (["--simpo.gamma=0.5", "--dpo.beta=0.1"], ["--simpo.gamma=0.5 is ignored: only "
+                                               "--objective=simpo reads it"]),
+    (["--lora.alpha=32"], ["--lora.alpha=32.0 is ignored: the lora variant is off"]),
+    (["--lora.rank=4", "--lora.alpha=32"], []),
+])
+def test_flags_this_run_does_not_read_are_warned_about(argv, warned):
+    from easylm.llama.family import FAMILY
+    from easylm.training.options import parse_flags, warn_about_ignored_flags
+
+    lines = []
+    warn_about_ignored_flags(parse_flags(FAMILY, ["train", *argv]), FAMILY, lines.append)
+    # --dpo.beta=0.1 is its default: nothing to say
+    assert [line.removeprefix("warning: ").split(", this run")[0] for line in lines] == warned
 
 
 def test_its_flags_come_with_the_command_lines_objective(tmp_path, capsys):

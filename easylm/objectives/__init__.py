@@ -98,14 +98,20 @@ def dataset_defaults(config: ConfigDict) -> dict:
     return _chosen(config).dataset_defaults(config)
 
 
+def other_sections(config: ConfigDict) -> tuple:
+    """The flag blocks of the objectives `config` does not train (`dpo` under
+    --objective=next_token): nothing reads them in this run."""
+    chosen = _chosen(config)
+    return tuple(cls.name for cls in _classes(config.objective)
+                 if cls is not chosen and cls.get_default_config() is not None)
+
+
 def unused_flags(config: ConfigDict) -> tuple:
     """Prefixes of the flags that do not change what `config` trains: the options of the
     other objectives, and those the chosen one names, left out of the run directory's
     name so that runs keep theirs."""
-    chosen = _chosen(config)
-    others = [cls for cls in _classes(config.objective)
-              if cls is not chosen and cls.get_default_config() is not None]
-    return (*chosen.unused_flags(config), *(f"{cls.name}." for cls in others))
+    others = other_sections(config)
+    return (*_chosen(config).unused_flags(config), *(f"{name}." for name in others))
 
 
 def check_config(config: ConfigDict) -> None:

@@ -320,6 +320,22 @@ def check_seq_length(config: ConfigDict, model: Model, datasets: dict):
                             f"length, {flag}={dataset.seq_length}")
 
 
+def warn_about_ignored_flags(config: ConfigDict, family: ModelFamily, print_fn):
+    """Flags set away from their defaults that this run never reads: another objective's
+    (--dpo.beta with --objective=next_token), an unselected variant's (--lora.alpha with
+    --lora.rank=0). Training goes on (a shared flag file may hold them); the user is told."""
+    defaults = flag_lib.flatten(default_config(family, config.objective))
+    why = {f"{name}.": f"only --objective={name} reads it, this run trains "
+                       f"--objective={config.objective}"
+           for name in objectives.other_sections(config)}
+    why.update({prefix: f"the {prefix[:-1]} variant is off"
+                for prefix in variants.unused_flags(family, config)})
+    for name, value in flag_lib.flatten(config).items():
+        prefix = next((p for p in why if name.startswith(p)), None)
+        if prefix and name in defaults and value != defaults[name]:
+            print_fn(f"warning: --{name}={value} is ignored: {why[prefix]}")
+
+
 def warn_about_the_schedule(config: ConfigDict, schedule, print_fn, variant: dict | None = None):
     """A fine-tuning learning rate too high for a pretrained model, and a decay that does
     not end with the run: both train, but rarely as meant."""

@@ -32,6 +32,7 @@ from easylm.training.options import (
     check_config,
     check_seq_length,
     run_directory,
+    warn_about_ignored_flags,
     warn_about_the_schedule,
 )
 from easylm.training.run import Run
@@ -272,6 +273,7 @@ def _print_start(run: Run, fresh: bool):
                   f"{jax.devices()[0].platform} device(s), mesh {mesh_string(mesh)} | "
                   f"{run.batch_tokens:,} tokens/step | steps {run.start_step} -> "
                   f"{config.total_steps}{run.objective.describe()}{no_mfu}")
+    warn_about_ignored_flags(config, run.family, run.log.print)
     if fresh:
         warn_about_the_schedule(config, run.schedule, run.log.print,
                                 variants.run_defaults(run.family, config))
