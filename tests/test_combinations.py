@@ -315,13 +315,14 @@ def check_case(family, argv, case, tmp_path, capsys, int8=False):
                    f"--family={family.name}"])
     assert exit_code.value.code == 0
     assert "per device" in capsys.readouterr().out
-    if case[0] == "grpo":
-        return  # preview shows documents and pairs; GRPO's prompt rows it does not read
-    # preview takes the data flags and the tokenizer.
-    preview.main(["preview", "--tokenizer=embedded",
+    # preview takes the data flags and the tokenizer (GRPO's: the completion's room too).
+    room = [f"--completion_tokens={a.split('=')[1]}" for a in argv
+            if a.startswith("--grpo.max_new_tokens=")]
+    preview.main(["preview", "--tokenizer=embedded", *room,
                   *[a for a in argv if a.startswith("--train_dataset.")]])
     shown = capsys.readouterr().out
-    assert "target tokens:" in shown and "with loss:" in shown, shown
+    want = "tokens per prompt:" if case[0] == "grpo" else "target tokens:"
+    assert want in shown and "skipped: 0" in shown, shown
 
 
 def _finite(x: float) -> bool:

@@ -1,5 +1,7 @@
 """`python -m easylm.data.preview`: marked spans, statistics, one-line errors."""
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -78,3 +80,34 @@ def test_documents_are_counted_not_the_bos_tokens_of_a_chat_template(tmp_path):
     bos_in_inputs = sum(documents * batches, [])[:inputs].count(tokenizer.bos_token_id)
     assert bos_in_inputs > expected  # what the preview used to report
     assert f"documents started in inputs: {expected}" in lines
+
+
+def test_grpo_prompts_show_as_the_sampler_gets_them_and_long_ones_are_counted(tmp_path):
+    from easylm.data.preview import main
+
+    rows = [{"prompt": "What is 2 + 3?", "answer": "5"},
+            {"prompt": "word " * 40, "answer": "x"},  # longer than the row leaves it
+            {"messages": [{"role": "user", "content": "Name a colour."}], "answer": "red"}]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    tokenizer = load_tokenizer("embedded")
+    first = [tokenizer.bos_token_id, *tokenizer.encode("What is 2 + 3?", add_special_tokens=False)]
+    chat = tokenizer.encode(tokenizer.apply_chat_template(
+        rows[2]["messages"], add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+    argv = ["preview", "--tokenizer=embedded", f"--train_dataset.json_dataset.path={path}",
+            "--train_dataset.json_dataset.seq_length=32", "--completion_tokens=8",
+            "--train_dataset.json_dataset.batch_size=1", "--num_batches=2",
+            "--train_dataset.json_dataset.shuffle=False"]
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        main(argv)
+    lines = out.getvalue().splitlines()
+    assert lines[:3] == ["--- prompt 0", tokenizer.decode(first),
+                         f"({len(first)} tokens; to the rewards: {{'answer': '5'}})"]
+    assert lines[5].startswith("(skipped: ") and "longer than the 24 a row leaves" in lines[5]
+    assert f"({len(chat)} tokens; to the rewards: {{'answer': 'red'}})" in lines
+    assert lines[-3:] == [
+        "2 batches of 1 prompts; a row is 32 tokens: the prompt (at most 24) and up to 8 "
+        "completion tokens",
+        f"prompts: 2, tokens per prompt: mean {(len(first) + len(chat)) / 2:.1f}, longest "
+        f"{max(len(first), len(chat))}",
+        "prompts skipped: 1 of the first 3 examples"]

@@ -9,7 +9,9 @@ token and loss statistics over the first batches (all processes' rows). Token ca
 (--train_dataset.type=cache) and mixtures (type=mixture, each document labelled with its
 source, and per-source counts) preview the same way; preference pairs
 (--train_dataset.preference.enabled=True) show both sides of each pair, and count the
-pairs truncated to seq_length.
+pairs truncated to seq_length; GRPO's prompts (--completion_tokens=N, the run's
+--grpo.max_new_tokens) show each prompt as the sampler gets it, with the fields that go
+to the rewards, and count the prompts too long for the row.
 """
 
 import sys
@@ -30,6 +32,9 @@ HELP = {
     "tokenizer": run_flags.help_text("tokenizer"),
     "num_examples": "documents to print",
     "num_batches": "batches to compute the statistics over",
+    "completion_tokens": "> 0: the rows are GRPO's prompts (--objective=grpo), each leaving "
+                         "this many tokens of its row for the completion: give the run's "
+                         "--grpo.max_new_tokens",
     **{f"train_dataset.{k}": v for k, v in DatasetFactory.HELP.items()},
 }
 
@@ -40,6 +45,7 @@ def default_config():
     config.tokenizer = run_flags.DEFAULTS["tokenizer"]
     config.num_examples = 3
     config.num_batches = 8
+    config.completion_tokens = 0
     return config
 
 
@@ -70,6 +76,65 @@ def _examples(dataset, tokenizer, slots, records, documents) -> list[str]:
             lines.append(f"(skipped: {document})" if document else "(blank line)")
         lines.append("")
     return lines
+
+
+def _prompt_examples(tokenizer, slots, documents) -> list[str]:
+    """The first prompts as the sampler gets them (special tokens shown), each with the
+    fields that travel with it to the reward functions."""
+    lines = []
+    for slot, document in zip(slots, documents):
+        lines.append(f"--- prompt {slot}")
+        if isinstance(document, tuple):
+            ids, example = document
+            fields = {k: v for k, v in example.items() if k not in ("prompt", "messages")}
+            lines += [tokenizer.decode(ids),
+                      f"({len(ids)} tokens; to the rewards: {fields or 'no other field'})"]
+        else:
+            lines.append(f"(skipped: {document})" if document else "(blank line)")
+        lines.append("")
+    return lines
+
+
+def _skips_until(dataset, usable: int, window: int = 64) -> tuple[int, int]:
+    """(examples read, examples skipped) in order until `usable` prompts, one pass at most:
+    the loader reads ahead of its batches, so its own counter says more than they used."""
+    total, read, skipped = dataset.order.num_documents, 0, 0
+    while read - skipped < usable and (total is None or read < total):
+        end = read + window if total is None else min(read + window, total)
+        for document in prepare_records(dataset.order.read(list(range(read, end))),
+                                        dataset.processor):
+            if read - skipped == usable:
+                break
+            read += 1
+            skipped += document is not None and not isinstance(document, tuple)
+    return read, skipped
+
+
+def preview_prompts(config, tokenizer, num_examples, num_batches, completion_tokens):
+    """GRPO's prompt rows: the first prompts, then their lengths over the first batches."""
+    dataset = DatasetFactory.load_dataset(DatasetFactory.get_default_config(config), tokenizer,
+                                          process_index=0, process_count=1,
+                                          prompts=completion_tokens)
+    slots = list(range(min(num_examples, dataset.order.num_documents or num_examples)))
+    lines = _prompt_examples(tokenizer, slots,
+                             prepare_records(dataset.order.read(slots), dataset.processor))
+    batches, lengths = 0, []
+    for batch, _ in dataset:
+        if batches == num_batches:
+            break
+        batches += 1
+        lengths += [int(n) for n in batch["prompt_lengths"] if n]
+    dataset.close()
+    read, skipped = _skips_until(dataset, len(lengths))
+    room = dataset.seq_length - completion_tokens
+    lines += [
+        f"{batches} batches of {dataset.batch_size} prompts; a row is {dataset.seq_length} "
+        f"tokens: the prompt (at most {room}) and up to {completion_tokens} completion tokens",
+        f"prompts: {len(lengths)}, tokens per prompt: mean "
+        f"{sum(lengths) / max(len(lengths), 1):.1f}, longest {max(lengths, default=0)}",
+        f"prompts skipped: {skipped} of the first {read} examples",
+    ]
+    return "\n".join(lines)
 
 
 def preview(config, tokenizer, num_examples, num_batches):
@@ -144,8 +209,13 @@ def _documents_started(segment_ids, offsets):
 def main(argv=None):
     argv = argv or sys.argv
     config = flags.parse(default_config(), HELP, argv, USAGE)
-    print(preview(config.train_dataset, load_tokenizer(config.tokenizer),
-                  config.num_examples, config.num_batches))
+    tokenizer = load_tokenizer(config.tokenizer)
+    if config.completion_tokens > 0:
+        print(preview_prompts(config.train_dataset, tokenizer, config.num_examples,
+                              config.num_batches, config.completion_tokens))
+    else:
+        print(preview(config.train_dataset, tokenizer, config.num_examples,
+                      config.num_batches))
 
 
 if __name__ == "__main__":
