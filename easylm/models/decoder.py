@@ -5,8 +5,8 @@ compute alike (rotary attention, the gated MLP).
 A family subclasses `CausalLM` and gives its layer (`layer`: a module called as
 `layer(config, dtype, param_dtype, kind=...)(x, context, positions, cache) -> (x, cache)`),
 its norm, and a few class methods: each layer's kind (`layer_kinds`: LLaMA's are all
-alike, Gemma's 5 sliding then 1 global), each kind's rotary frequencies and window, and an
-embedding scale. Its config has the fields read here: vocab_size, hidden_size,
+alike, Gemma's 5 sliding then 1 global), each kind's rotary frequencies (and YaRN's
+attention factor, easylm/models/rope.py) and window, and an embedding scale. Its config has the fields read here: vocab_size, hidden_size,
 num_hidden_layers, num_key_value_heads, head_dim, initializer_range, rms_norm_eps,
 tie_word_embeddings, remat_policy, scan_layers.
 
@@ -46,11 +46,15 @@ CACHE_PARTITION_RULES = ((r"(^|/)(k|v)$", CACHE_SPEC),)
 HEADS = P(BATCH_AXES, None, "mp", None)  # (B, T, heads, H)
 
 
-def rotary_embedding(positions, inv_freq, dtype):
-    """cos, sin (B, T, H) for integer positions (B, T) and inverse frequencies (H/2,)."""
+def rotary_embedding(positions, inv_freq, dtype, scale: float = 1.0):
+    """cos, sin (B, T, H) for integer positions (B, T) and inverse frequencies (H/2,),
+    times `scale` in fp32 before the cast (YaRN's attention factor, easylm/models/rope.py)."""
     angles = positions[..., None].astype(jnp.float32) * inv_freq
     angles = jnp.concatenate([angles, angles], axis=-1)
-    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.astype(dtype), sin.astype(dtype)
 
 
 def apply_rotary(x, cos, sin):
@@ -295,8 +299,8 @@ class _Backbone(nn.Module):
             kind_mask = mask
             if window and mask is not None:  # ... and only the last `window` of them
                 kind_mask = mask & sliding_window_mask(positions, key_positions, window)
-            contexts[kind] = (*rotary_embedding(positions, lm.inv_freq(c, kind), self.dtype),
-                              kind_mask)
+            contexts[kind] = (*rotary_embedding(positions, lm.inv_freq(c, kind), self.dtype,
+                                                lm.rope_attention_factor(c, kind)), kind_mask)
         return contexts
 
     def scanned(self, x, contexts, positions, cache):
@@ -352,6 +356,11 @@ class CausalLM(nn.Module):
     def inv_freq(cls, config, kind: str):
         """Rotary inverse frequencies (H/2,) of a layer of `kind`."""
         raise NotImplementedError
+
+    @classmethod
+    def rope_attention_factor(cls, config, kind: str) -> float:
+        """What cos and sin are multiplied by (YaRN's attention factor; 1: none)."""
+        return 1.0
 
     @classmethod
     def window(cls, config, kind: str) -> int:
