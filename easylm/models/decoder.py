@@ -172,12 +172,17 @@ class Attention(Sublayer):
         v = constrain(v, HEADS)
         if cache is not None:
             k, v, cache = write_cache(cache, k, v, positions)
-        # Without a mask (plain causal) the kernel applies the window itself.
-        out = attention(q, k, v, mask, c.attention, window if mask is None else 0,
-                        scale=self.scale)  # (B, T, N, H)
+        out = self.attend(q, k, v, mask, window)  # (B, T, N, H)
         out = checkpoint_name(out, "attention_out")
         out = self.dense(c.hidden_size, "o_proj", self.out_bias)(out.reshape(B, T, N * H))
         return out, cache
+
+    def attend(self, q, k, v, mask, window):
+        """The configured kernel over q (B, T, N, H), k, v (B, S, K, H); a family whose
+        softmax differs (gpt-oss's sinks) overrides this."""
+        # Without a mask (plain causal) the kernel applies the window itself.
+        return attention(q, k, v, mask, self.config.attention, window if mask is None else 0,
+                         scale=self.scale)
 
 
 class GatedMLP(Sublayer):
