@@ -35,8 +35,8 @@ SEQ = 16
 def tiny_config(**overrides) -> GptOssConfig:
     """Three layers (sliding, full, sliding) with a window of 4 in 16 positions, YaRN
     over an original context of 8 (so that its blend and attention factor both show), and
-    the SwiGLU clamped at 1 (so that the clamp bites)."""
-    fields = dict(hidden_size=32, intermediate_size=16, num_hidden_layers=3,
+    the SwiGLU clamped at 1 (so that the clamp bites); widths of 32, MXFP4's group."""
+    fields = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                   num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
                   rope_factor=4.0, rope_original_max_position_embeddings=8,
@@ -164,3 +164,123 @@ def test_hf_to_easylm_to_hf_is_bitwise(tmp_path, pair):
     back = read.to_hf_config().to_dict()
     for key in set(saved) - {"transformers_version", "dtype"}:
         assert back[key] == saved[key], key
+
+
+# ------------------------------------------------------------------ MXFP4 checkpoints
+
+
+def quantize_mxfp4(weight):
+    """A (E, in, out) float tensor as MXFP4 (blocks (E, out, in/32, 16), scales (E, out,
+    in/32)): per 32 inputs the power of two that brings the largest to at most 6, each
+    value then the nearest e2m1 code, two codes a byte (the even one low)."""
+    w = np.swapaxes(np.asarray(weight, np.float32), -1, -2)  # (E, out, in)
+    groups = w.reshape(*w.shape[:-1], -1, 32)
+    exponent = np.ceil(np.log2(np.maximum(np.abs(groups).max(-1), 1e-30) / 6.0))
+    scaled = groups / np.exp2(exponent)[..., None]
+    codes = np.abs(scaled[..., None] - hf.FP4_VALUES).argmin(-1).astype(np.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks, (exponent + 127).astype(np.uint8)
+
+
+@pytest.fixture(scope="module")
+def mxfp4_dir(pair, tmp_path_factory):
+    """The tiny model saved as the released checkpoints are: experts in MXFP4."""
+    from safetensors.numpy import save_file
+
+    config, model, _, _, _ = pair
+    directory = tmp_path_factory.mktemp("mxfp4")
+    model.save_pretrained(directory)
+    tensors = dict(HFTensors(str(directory)))
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        tensors[name + "_blocks"], tensors[name + "_scales"] = quantize_mxfp4(tensors.pop(name))
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    saved = json.loads((directory / "config.json").read_text())
+    saved["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (directory / "config.json").write_text(json.dumps(saved))
+    return directory, tensors
+
+
+def test_mxfp4_dequantizes_as_transformers(mxfp4_dir):
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    _, tensors = mxfp4_dir
+    blocks, scales = (tensors["model.layers.0.mlp.experts.down_proj_" + s]
+                      for s in ("blocks", "scales"))
+    expected = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales),
+                                          dtype=torch.float32).numpy()
+    ours_ = hf.dequantize_mxfp4(blocks, scales)
+    assert ours_.shape == expected.shape and ours_.tobytes() == expected.tobytes()
+    # Negative twin: the nibbles the other way round.
+    swapped = (blocks >> 4) | (blocks << 4)
+    assert not np.array_equal(hf.dequantize_mxfp4(swapped, scales), expected)
+
+
+def test_an_mxfp4_checkpoint_loads_as_transformers_dequantized_model(pair, mxfp4_dir):
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    config, model, _, ids, _ = pair
+    directory, tensors = mxfp4_dir
+    read, params = hf.load_hf_params(str(directory))
+    assert read == config
+    # transformers' model with the experts transformers dequantizes: our logits.
+    state = {k: v for k, v in model.state_dict().items()}
+    for name in [n[:-len("_blocks")] for n in tensors if n.endswith("_blocks")]:
+        state[name] = convert_moe_packed_tensors(
+            torch.from_numpy(tensors[name + "_blocks"]), torch.from_numpy(tensors[name + "_scales"]),
+            dtype=torch.float32)
+    dequantized = hf_model(config)
+    dequantized.load_state_dict(state)
+    theirs = hf_logits(dequantized, ids)
+    assert_close(ours(config, params, ids), theirs, tolerance(config))
+    # Negative twin: the unquantized weights compute other logits than the dequantized.
+    assert_differs(hf_logits(model, ids), theirs, tolerance(config))
+
+
+# ------------------------------------------------------------------ config.json
+
+
+def test_config_json_in_either_layout(tmp_path, pair):
+    # 5.x: rope_parameters with rope_theta inside; 4.x (the released files): rope_theta at
+    # the top and rope_scaling, with the fields transformers ignores.
+    config = pair[0]
+    five = config.to_hf_config().to_dict()
+    assert from_hf_dict(five) == config
+    four = {k: v for k, v in five.items() if k != "rope_parameters"}
+    rope = dict(five["rope_parameters"])
+    four.update(rope_theta=rope.pop("rope_theta"), rope_scaling=rope, experts_per_token=2,
+                initial_context_length=8)
+    assert from_hf_dict(four) == config
+    # A config.json without the rope or layer_types: GptOssConfig's defaults (yarn, 32x).
+    bare = {k: v for k, v in four.items() if k not in ("rope_scaling", "rope_theta",
+                                                        "layer_types")}
+    default = from_hf_dict(bare)
+    assert (default.rope_type, default.rope_factor, default.rope_theta) == ("yarn", 32.0, 150000.0)
+    assert default.layer_kinds()[:2] == ("sliding_attention", "full_attention")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("hidden_act", "gelu", "hidden_act='gelu' is not supported"),
+    ("rope_parameters", {"rope_type": "linear", "factor": 2.0}, "rope type 'linear'"),
+    ("quantization_config", {"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes'"),
+    ("model_type", "qwen3_moe", "model_type 'qwen3_moe' is not gpt_oss"),
+])
+def test_what_this_model_would_compute_differently_is_one_line(tmp_path, pair, field, value,
+                                                               message):
+    saved = pair[0].to_hf_config().to_dict() | {field: value}
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(UserError, match=message) as error:
+        hf.hf_tensors(str(tmp_path)) if field == "quantization_config" else \
+            hf.read_hf_config(str(tmp_path))
+    assert "\n" not in str(error.value) and "config.json" in str(error.value)
+
+
+def test_presets_have_the_published_parameter_counts():
+    # gpt-oss-20b's model card: 20.9B parameters, 3.6B active a token.
+    config = FAMILY.from_preset("gpt_oss_20b")
+    assert round(config.num_parameters() / 1e9, 1) == 20.9
+    assert round(config.num_active_parameters() / 1e9, 1) == 3.6
+    shapes = jax.eval_shape(GptOssForCausalLM(FAMILY.from_preset("debug")).init_params,
+                            jax.random.PRNGKey(0))
+    leaves = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
+    assert leaves == FAMILY.from_preset("debug").num_parameters()

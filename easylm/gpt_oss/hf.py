@@ -156,14 +156,13 @@ def read_hf_config(directory: str) -> GptOssConfig:
 def hf_tensors(directory: str) -> Mapping:
     """DIR's tensors by HF name, MXFP4 experts dequantized; another quantization refused."""
     quantization = read_config(directory).get("quantization_config")
-    tensors = HFTensors(directory)
     if quantization is None:
-        return tensors
+        return HFTensors(directory)
     method = quantization.get("quant_method") if isinstance(quantization, dict) else None
     if method != "mxfp4":
         raise UserError(f"{os.path.join(directory, 'config.json')}: quantization_config."
                         f"quant_method {method!r} is not readable (supported: mxfp4, or none)")
-    return Mxfp4Tensors(tensors)
+    return Mxfp4Tensors(HFTensors(directory))
 
 
 def load_hf_params(directory: str, dtype: str = "keep", place=None):
