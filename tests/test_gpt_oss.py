@@ -226,9 +226,9 @@ def test_an_mxfp4_checkpoint_loads_as_transformers_dequantized_model(pair, mxfp4
     # transformers' model with the experts transformers dequantizes: our logits.
     state = {k: v for k, v in model.state_dict().items()}
     for name in [n[:-len("_blocks")] for n in tensors if n.endswith("_blocks")]:
-        state[name] = convert_moe_packed_tensors(
-            torch.from_numpy(tensors[name + "_blocks"]), torch.from_numpy(tensors[name + "_scales"]),
-            dtype=torch.float32)
+        blocks, scales = tensors[name + "_blocks"], tensors[name + "_scales"]
+        state[name] = convert_moe_packed_tensors(torch.from_numpy(blocks),
+                                                 torch.from_numpy(scales), dtype=torch.float32)
     dequantized = hf_model(config)
     dequantized.load_state_dict(state)
     theirs = hf_logits(dequantized, ids)

@@ -6,9 +6,9 @@ A family subclasses `CausalLM` and gives its layer (`layer`: a module called as
 `layer(config, dtype, param_dtype, kind=...)(x, context, positions, cache) -> (x, cache)`),
 its norm, and a few class methods: each layer's kind (`layer_kinds`: LLaMA's are all
 alike, Gemma's 5 sliding then 1 global), each kind's rotary frequencies (and YaRN's
-attention factor, easylm/models/rope.py) and window, and an embedding scale. Its config has the fields read here: vocab_size, hidden_size,
-num_hidden_layers, num_key_value_heads, head_dim, initializer_range, rms_norm_eps,
-tie_word_embeddings, remat_policy, scan_layers.
+attention factor, easylm/models/rope.py) and window, and an embedding scale. Its config
+has the fields read here: vocab_size, hidden_size, num_hidden_layers, num_key_value_heads,
+head_dim, initializer_range, rms_norm_eps, tie_word_embeddings, remat_policy, scan_layers.
 
 Parameter names follow Hugging Face's (`model/embed_tokens`, `model/layers/<i>/...`,
 `model/norm`, `lm_head`), so converting is a table lookup. Scanned (`scan_layers`), the
