@@ -19,7 +19,7 @@ from easylm.models.family import preset_config
 
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "dot_product", "cudnn")
 REMAT_POLICIES = remat.NAMES
-ROPE_SCALING_TYPES = ("none", "llama3")
+ROPE_SCALING_TYPES = ("none", "llama3", "yarn")
 # The LLaMA variants, by HF model_type: (their transformers class, the switches their
 # config.json can set). What a model_type fixes, every config of it has: Qwen2's bias on
 # q/k/v (`LLaMAConfig.qkv_bias`), Qwen3's RMS norm of each query and key head
@@ -87,12 +87,13 @@ class LLaMAConfig:
     rope_theta: float = _field(10000.0, "rotary embedding base")
     rope_scaling_type: str = _field("none", "rotary frequency scaling: "
                                             f"{' or '.join(ROPE_SCALING_TYPES)} (llama3: "
-                                            "Llama-3.1 long-context scaling)")
-    rope_scaling_factor: float = _field(8.0, "llama3 rope scaling: factor")
+                                            "Llama-3.1 long-context scaling; yarn: "
+                                            "Qwen's, with the paper's betas)")
+    rope_scaling_factor: float = _field(8.0, "llama3 or yarn rope scaling: factor")
     rope_low_freq_factor: float = _field(1.0, "llama3 rope scaling: low-frequency factor")
     rope_high_freq_factor: float = _field(4.0, "llama3 rope scaling: high-frequency factor")
     rope_original_max_position_embeddings: int = _field(
-        8192, "llama3 rope scaling: the context the model was pretrained at")
+        8192, "llama3 or yarn rope scaling: the context the model was pretrained at")
     initializer_range: float = _field(0.02, "standard deviation of the random initialisation")
     bos_token_id: int | None = _field(1, "beginning-of-sequence token id")
     eos_token_id: int | None = _field(2, "end-of-sequence token id (generation stops at it)")
@@ -233,6 +234,10 @@ class LLaMAConfig:
         architecture = ARCHITECTURES[self.model_type][0]
         config_class = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
         rope = {"rope_type": "default", "rope_theta": float(self.rope_theta)}
+        if self.rope_scaling_type == "yarn":
+            rope.update(rope_type="yarn", factor=float(self.rope_scaling_factor),
+                        original_max_position_embeddings=int(
+                            self.rope_original_max_position_embeddings))
         if self.rope_scaling_type == "llama3":
             rope.update(
                 rope_type="llama3",
@@ -329,9 +334,32 @@ class LLaMAConfig:
                 rope_high_freq_factor=float(rope["high_freq_factor"]),
                 rope_original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
             )
+        elif rope_type == "yarn":
+            fields.update(_yarn_from_hf(rope, fields["max_position_embeddings"]))
         elif rope_type != "default":
-            raise UserError(f"rope type {rope_type!r} is not supported (supported: default, llama3)")
+            raise UserError(f"rope type {rope_type!r} is not supported (supported: default, "
+                            f"llama3, yarn)")
         return cls(**{**fields, **overrides})
+
+
+# YaRN's settings a LLaMA variant leaves at transformers' defaults (Qwen's long-context
+# configs give only factor and original_max_position_embeddings).
+_YARN_DEFAULTS = dict(beta_fast=(None, 32), beta_slow=(None, 1), truncate=(None, True),
+                      attention_factor=(None,), mscale=(None,), mscale_all_dim=(None,))
+
+
+def _yarn_from_hf(rope: dict, max_position_embeddings) -> dict:
+    for name, allowed in _YARN_DEFAULTS.items():
+        if rope.get(name) not in allowed:
+            raise UserError(f"rope_scaling.{name}={rope[name]!r} is not supported for a LLaMA "
+                            f"variant's yarn rope (supported: {allowed[-1]!r})")
+    original = rope.get("original_max_position_embeddings")
+    if not isinstance(original, int) or isinstance(original, bool):
+        raise UserError(f"rope_scaling: a yarn rope needs an integer "
+                        f"original_max_position_embeddings, got {original!r}")
+    factor = rope.get("factor") or max_position_embeddings / original  # as transformers
+    return dict(rope_scaling_type="yarn", rope_scaling_factor=float(factor),
+                rope_original_max_position_embeddings=original)
 
 
 def _reader(model_type: str, hf: dict):

@@ -33,6 +33,7 @@ import flax.linen as nn
 from jax.sharding import PartitionSpec as P
 
 from easylm.llama.config import LLaMAConfig
+from easylm.models import rope
 from easylm.models.decoder import Attention, CausalLM, GatedMLP, Sublayer
 from easylm.runtime.sharding import BATCH_AXES, constrain
 
@@ -55,8 +56,10 @@ PARTITION_RULES = (
 
 
 def rope_frequencies(config: LLaMAConfig) -> jnp.ndarray:
-    """Inverse frequencies (H/2,), with Llama-3 frequency scaling when configured."""
+    """Inverse frequencies (H/2,), with Llama-3 or YaRN frequency scaling when configured."""
     H = config.head_dim
+    if config.rope_scaling_type == "yarn":
+        return jnp.asarray(_yarn(config)[0])
     inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))
     if config.rope_scaling_type != "llama3":
         return inv_freq
@@ -71,6 +74,11 @@ def rope_frequencies(config: LLaMAConfig) -> jnp.ndarray:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     in_band = (wavelength >= old_context / high) & (wavelength <= old_context / low)
     return jnp.where(in_band, smoothed, scaled)
+
+
+def _yarn(config: LLaMAConfig):
+    return rope.yarn(config.rope_theta, config.head_dim, config.rope_scaling_factor,
+                     config.rope_original_max_position_embeddings)
 
 
 class DecoderLayer(Sublayer):
@@ -100,6 +108,10 @@ class LLaMAForCausalLM(CausalLM):
     @classmethod
     def inv_freq(cls, config: LLaMAConfig, kind: str):
         return rope_frequencies(config)
+
+    @classmethod
+    def rope_attention_factor(cls, config: LLaMAConfig, kind: str) -> float:
+        return _yarn(config)[1] if config.rope_scaling_type == "yarn" else 1.0
 
     @classmethod
     def window(cls, config: LLaMAConfig, kind: str) -> int:

@@ -5,10 +5,10 @@ compute alike (rotary attention, the gated MLP).
 A family subclasses `CausalLM` and gives its layer (`layer`: a module called as
 `layer(config, dtype, param_dtype, kind=...)(x, context, positions, cache) -> (x, cache)`),
 its norm, and a few class methods: each layer's kind (`layer_kinds`: LLaMA's are all
-alike, Gemma's 5 sliding then 1 global), each kind's rotary frequencies and window, and an
-embedding scale. Its config has the fields read here: vocab_size, hidden_size,
-num_hidden_layers, num_key_value_heads, head_dim, initializer_range, rms_norm_eps,
-tie_word_embeddings, remat_policy, scan_layers.
+alike, Gemma's 5 sliding then 1 global), each kind's rotary frequencies (and YaRN's
+attention factor, easylm/models/rope.py) and window, and an embedding scale. Its config
+has the fields read here: vocab_size, hidden_size, num_hidden_layers, num_key_value_heads,
+head_dim, initializer_range, rms_norm_eps, tie_word_embeddings, remat_policy, scan_layers.
 
 Parameter names follow Hugging Face's (`model/embed_tokens`, `model/layers/<i>/...`,
 `model/norm`, `lm_head`), so converting is a table lookup. Scanned (`scan_layers`), the
@@ -46,11 +46,15 @@ CACHE_PARTITION_RULES = ((r"(^|/)(k|v)$", CACHE_SPEC),)
 HEADS = P(BATCH_AXES, None, "mp", None)  # (B, T, heads, H)
 
 
-def rotary_embedding(positions, inv_freq, dtype):
-    """cos, sin (B, T, H) for integer positions (B, T) and inverse frequencies (H/2,)."""
+def rotary_embedding(positions, inv_freq, dtype, scale: float = 1.0):
+    """cos, sin (B, T, H) for integer positions (B, T) and inverse frequencies (H/2,),
+    times `scale` in fp32 before the cast (YaRN's attention factor, easylm/models/rope.py)."""
     angles = positions[..., None].astype(jnp.float32) * inv_freq
     angles = jnp.concatenate([angles, angles], axis=-1)
-    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.astype(dtype), sin.astype(dtype)
 
 
 def apply_rotary(x, cos, sin):
@@ -168,12 +172,17 @@ class Attention(Sublayer):
         v = constrain(v, HEADS)
         if cache is not None:
             k, v, cache = write_cache(cache, k, v, positions)
-        # Without a mask (plain causal) the kernel applies the window itself.
-        out = attention(q, k, v, mask, c.attention, window if mask is None else 0,
-                        scale=self.scale)  # (B, T, N, H)
+        out = self.attend(q, k, v, mask, window)  # (B, T, N, H)
         out = checkpoint_name(out, "attention_out")
         out = self.dense(c.hidden_size, "o_proj", self.out_bias)(out.reshape(B, T, N * H))
         return out, cache
+
+    def attend(self, q, k, v, mask, window):
+        """The configured kernel over q (B, T, N, H), k, v (B, S, K, H); a family whose
+        softmax differs (gpt-oss's sinks) overrides this."""
+        # Without a mask (plain causal) the kernel applies the window itself.
+        return attention(q, k, v, mask, self.config.attention, window if mask is None else 0,
+                         scale=self.scale)
 
 
 class GatedMLP(Sublayer):
@@ -295,8 +304,8 @@ class _Backbone(nn.Module):
             kind_mask = mask
             if window and mask is not None:  # ... and only the last `window` of them
                 kind_mask = mask & sliding_window_mask(positions, key_positions, window)
-            contexts[kind] = (*rotary_embedding(positions, lm.inv_freq(c, kind), self.dtype),
-                              kind_mask)
+            contexts[kind] = (*rotary_embedding(positions, lm.inv_freq(c, kind), self.dtype,
+                                                lm.rope_attention_factor(c, kind)), kind_mask)
         return contexts
 
     def scanned(self, x, contexts, positions, cache):
@@ -352,6 +361,11 @@ class CausalLM(nn.Module):
     def inv_freq(cls, config, kind: str):
         """Rotary inverse frequencies (H/2,) of a layer of `kind`."""
         raise NotImplementedError
+
+    @classmethod
+    def rope_attention_factor(cls, config, kind: str) -> float:
+        """What cos and sin are multiplied by (YaRN's attention factor; 1: none)."""
+        return 1.0
 
     @classmethod
     def window(cls, config, kind: str) -> int:

@@ -1,0 +1,1 @@
+"""gpt-oss (OpenAI's open-weight MoE models): a family behind `easylm.gpt_oss.family.FAMILY`."""

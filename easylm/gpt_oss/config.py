@@ -1,0 +1,298 @@
+"""gpt-oss model configuration: one dataclass, a table of presets, and config.json.
+
+config.json is read as transformers reads it (`GptOssConfig`), in both layouts:
+
+    4.x   rope_theta and rope_scaling = {"rope_type": "yarn", "factor": ...} at the top
+    5.x   rope_parameters = {"rope_type": "yarn", "rope_theta": ..., "factor": ...}
+
+Fields a config.json leaves out take GptOssConfig's defaults. The released checkpoints'
+`quantization_config` (MXFP4 experts) is the weights' business (easylm/gpt_oss/hf.py).
+The export writes the installed transformers' layout (`to_hf_config`).
+"""
+
+import dataclasses
+from typing import Any
+
+from easylm.errors import UserError
+from easylm.models import remat
+
+# The sink logit needs the einsum reference (no fused kernel adds it).
+ATTENTION_IMPLEMENTATIONS = ("xla",)
+LAYER_TYPES = ("sliding_attention", "full_attention")
+ROPE_TYPES = ("yarn", "default")
+
+
+def _field(default, help_text: str):
+    return dataclasses.field(default=default, metadata={"help": help_text})
+
+
+@dataclasses.dataclass(frozen=True)
+class GptOssConfig:
+    # Shape.
+    vocab_size: int = _field(201088, "vocabulary size")
+    hidden_size: int = _field(2880, "model width D")
+    intermediate_size: int = _field(2880, "one expert's MLP width F")
+    num_hidden_layers: int = _field(24, "decoder layers L")
+    num_attention_heads: int = _field(64, "query heads N")
+    num_key_value_heads: int = _field(8, "key/value heads K (a divisor of the query heads)")
+    head_dim: int = _field(64, "width of one head H (even)")
+    num_local_experts: int = _field(32, "experts E of each layer's MoE")
+    num_experts_per_tok: int = _field(4, "experts each token is routed to")
+    tie_word_embeddings: bool = _field(False, "the output projection is the input embedding")
+    attention_bias: bool = _field(True, "biases on the q, k, v and o projections")
+    # Attention.
+    sliding_window: int = _field(128, "a sliding layer's query attends to at most this many "
+                                      "positions, itself included")
+    layer_types: str = _field("", "comma-separated sliding_attention/full_attention, one per "
+                                  "layer; empty: sliding, full, sliding, ...")
+    # Numerics.
+    max_position_embeddings: int = _field(131072, "longest sequence the model takes")
+    rms_norm_eps: float = _field(1e-5, "epsilon of the RMS norms")
+    rope_theta: float = _field(150000.0, "rotary base")
+    rope_type: str = _field("yarn", f"rotary frequencies: {', '.join(ROPE_TYPES)}")
+    rope_factor: float = _field(32.0, "yarn: how much longer the context is than the original")
+    rope_original_max_position_embeddings: int = _field(4096, "yarn: the context the model "
+                                                              "was pretrained at")
+    rope_beta_fast: float = _field(32.0, "yarn: dimensions turning more often than this over "
+                                         "the original context are kept")
+    rope_beta_slow: float = _field(1.0, "yarn: dimensions turning less often are slowed by "
+                                        "the factor")
+    rope_truncate: bool = _field(False, "yarn: round the blend's ends to whole dimensions")
+    swiglu_limit: float = _field(7.0, "the experts' SwiGLU clamps the gate above and the up "
+                                      "projection on both sides at this")
+    swiglu_alpha: float = _field(1.702, "the experts' SwiGLU: gate * sigmoid(alpha * gate)")
+    router_aux_loss_coef: float = _field(0.9, "weight of the load-balancing loss (carried to "
+                                              "config.json)")
+    initializer_range: float = _field(0.02, "standard deviation of the random initialisation")
+    bos_token_id: int | None = _field(199998, "beginning-of-sequence token id")
+    eos_token_id: int | None = _field(200002, "end-of-sequence token id (generation stops at it)")
+    pad_token_id: int | None = _field(199999, "padding token id, carried to HF's config.json")
+    # Implementation choices: none of these change the numbers.
+    attention: str = _field("xla", f"attention kernel: {', '.join(ATTENTION_IMPLEMENTATIONS)}")
+    remat_policy: str = _field("none", "recompute activations in the backward pass: "
+                                       f"{', '.join(remat.NAMES)}")
+    loss_chunk_size: int = _field(0, "training loss: logits for this many positions at a time; "
+                                     "0: all at once")
+    scan_layers: bool = _field(False, "scan the layers' repeating pattern (sliding, full) as one "
+                                      "jax.lax.scan: one compiled block, the same numbers")
+
+    def __post_init__(self):
+        for name, allowed in (("attention", ATTENTION_IMPLEMENTATIONS),
+                              ("remat_policy", remat.NAMES), ("rope_type", ROPE_TYPES)):
+            if getattr(self, name) not in allowed:
+                raise UserError(f"--gpt_oss.{name}={getattr(self, name)!r} is not one of "
+                                f"{', '.join(allowed)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise UserError(f"--gpt_oss.num_key_value_heads={self.num_key_value_heads} must "
+                            f"divide --gpt_oss.num_attention_heads={self.num_attention_heads}")
+        if self.head_dim % 2:
+            raise UserError(f"--gpt_oss.head_dim={self.head_dim} must be even (rotary)")
+        if not 0 < self.num_experts_per_tok <= self.num_local_experts:
+            raise UserError(f"--gpt_oss.num_experts_per_tok={self.num_experts_per_tok} must be "
+                            f"in 1..num_local_experts={self.num_local_experts}")
+        if self.sliding_window < 1:
+            raise UserError(f"--gpt_oss.sliding_window must be >= 1, got {self.sliding_window}")
+        if self.layer_types:
+            kinds = self.layer_types.split(",")
+            if len(kinds) != self.num_hidden_layers or set(kinds) - set(LAYER_TYPES):
+                raise UserError(f"--gpt_oss.layer_types needs {self.num_hidden_layers} entries, "
+                                f"each one of {', '.join(LAYER_TYPES)}; got {self.layer_types!r}")
+
+    def layer_kinds(self) -> tuple[str, ...]:
+        """Each layer's attention (HF's names); by default sliding, full, sliding, ..."""
+        if self.layer_types:
+            return tuple(self.layer_types.split(","))
+        return tuple(LAYER_TYPES[i % 2] for i in range(self.num_hidden_layers))
+
+    def replace(self, **changes) -> "GptOssConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # --------------------------------------------------------------- counting
+
+    def _layer_parameters(self) -> tuple[int, int]:
+        """(attention and norms, one expert) parameters of a layer."""
+        d, h, f = self.hidden_size, self.head_dim, self.intermediate_size
+        q, kv = self.num_attention_heads * h, self.num_key_value_heads * h
+        attention = d * (q + 2 * kv) + q * d + self.num_attention_heads + 2 * d
+        if self.attention_bias:
+            attention += q + 2 * kv + d
+        router = (d + 1) * self.num_local_experts
+        return attention + router, 3 * d * f + 2 * f + d
+
+    def num_parameters(self) -> int:
+        """Parameters of the model as built (the embedding counted once when tied)."""
+        shared, expert = self._layer_parameters()
+        layer = shared + self.num_local_experts * expert
+        head = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+        return self.vocab_size * self.hidden_size + self.num_hidden_layers * layer + \
+            self.hidden_size + head
+
+    def num_active_parameters(self) -> int:
+        """The matmul parameters a token goes through: attention, router, its k experts,
+        the head (N of 6N FLOPs a token; biases, norms, sinks and the lookup left out)."""
+        d, h, f = self.hidden_size, self.head_dim, self.intermediate_size
+        q, kv = self.num_attention_heads * h, self.num_key_value_heads * h
+        layer = d * (q + 2 * kv) + q * d + d * self.num_local_experts + \
+            self.num_experts_per_tok * 3 * d * f
+        return self.num_hidden_layers * layer + self.vocab_size * d
+
+    def flops_per_token(self, seq_length: int) -> float:
+        """6*N_active + 12*d_attn*keys per layer (PaLM appendix B), a sliding layer's keys
+        being its window."""
+        width = self.num_attention_heads * self.head_dim
+        keys = [min(seq_length, self.sliding_window) if kind == "sliding_attention"
+                else seq_length for kind in self.layer_kinds()]
+        return 6 * self.num_active_parameters() + 12 * width * sum(keys)
+
+    # ---------------------------------------------------- HF transformers
+
+    def rope_parameters(self) -> dict:
+        """transformers' 5.x rope_parameters for this config."""
+        rope = {"rope_type": self.rope_type, "rope_theta": float(self.rope_theta)}
+        if self.rope_type == "yarn":
+            rope.update(factor=float(self.rope_factor), beta_fast=float(self.rope_beta_fast),
+                        beta_slow=float(self.rope_beta_slow), truncate=self.rope_truncate,
+                        original_max_position_embeddings=int(
+                            self.rope_original_max_position_embeddings))
+        return rope
+
+    def to_hf_config(self):
+        """transformers' GptOssConfig (architectures GptOssForCausalLM)."""
+        from transformers import GptOssConfig as HFConfig
+
+        config = HFConfig(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
+            num_local_experts=self.num_local_experts,
+            num_experts_per_tok=self.num_experts_per_tok, sliding_window=self.sliding_window,
+            layer_types=list(self.layer_kinds()),
+            max_position_embeddings=self.max_position_embeddings,
+            rms_norm_eps=self.rms_norm_eps, rope_parameters=self.rope_parameters(),
+            swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha,
+            router_aux_loss_coef=self.router_aux_loss_coef,
+            tie_word_embeddings=self.tie_word_embeddings, attention_bias=self.attention_bias,
+            initializer_range=self.initializer_range, bos_token_id=self.bos_token_id,
+            eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id)
+        config.architectures = ["GptOssForCausalLM"]
+        return config
+
+
+# ------------------------------------------------------------- config.json
+
+# GptOssConfig's defaults: what transformers assumes for a field config.json omits.
+HF_DEFAULTS = dict(
+    vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=36,
+    num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=128,
+    num_experts_per_tok=4, sliding_window=128, max_position_embeddings=131072,
+    rms_norm_eps=1e-5, swiglu_limit=7.0, swiglu_alpha=1.702, router_aux_loss_coef=0.001,
+    tie_word_embeddings=False, attention_bias=True, initializer_range=0.02,
+    bos_token_id=None, eos_token_id=None, pad_token_id=None)
+HF_DEFAULT_ROPE = dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0,
+                       beta_slow=1.0, truncate=False, original_max_position_embeddings=4096)
+# Fields whose other values would make transformers compute something this model does not.
+_MUST_BE = {"hidden_act": "silu", "attention_dropout": 0.0}
+_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+         "num_attention_heads", "num_key_value_heads", "head_dim", "num_local_experts",
+         "num_experts_per_tok", "sliding_window", "max_position_embeddings")
+_FLOATS = ("rms_norm_eps", "swiglu_limit", "swiglu_alpha", "router_aux_loss_coef",
+           "initializer_range")
+
+
+def from_hf_dict(hf: dict, path: str = "config.json") -> GptOssConfig:
+    """A GptOssConfig from config.json's fields (either layout); what this model would
+    compute differently from transformers is a UserError naming `path` and the field."""
+    if hf.get("model_type") != "gpt_oss":
+        raise UserError(f"{path}: model_type {hf.get('model_type')!r} is not gpt_oss")
+    get = lambda name: hf[name] if hf.get(name) is not None else HF_DEFAULTS.get(name)  # noqa: E731
+    for name, expected in _MUST_BE.items():
+        if hf.get(name, expected) != expected:
+            raise UserError(f"{path}: {name}={hf[name]!r} is not supported (gpt-oss "
+                            f"implements {name}={expected!r})")
+    for name in _INTS:
+        value = get(name)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise UserError(f"{path}: {name} must be an integer, got {value!r}")
+    layer_types = hf.get("layer_types")
+    if layer_types is not None and (not isinstance(layer_types, list)
+                                    or set(layer_types) - set(LAYER_TYPES)):
+        raise UserError(f"{path}: layer_types must be a list of {' or '.join(LAYER_TYPES)}, got "
+                        f"{layer_types!r}")
+    try:
+        return GptOssConfig(
+            **{name: get(name) for name in _INTS},
+            **{name: float(get(name)) for name in _FLOATS},
+            **_rope(hf, path),
+            layer_types=_layer_types(layer_types, get("num_hidden_layers")),
+            tie_word_embeddings=bool(get("tie_word_embeddings")),
+            attention_bias=bool(get("attention_bias")),
+            bos_token_id=_first_int(get("bos_token_id")),
+            eos_token_id=_first_int(get("eos_token_id")),
+            pad_token_id=_first_int(get("pad_token_id")))
+    except UserError as e:
+        raise UserError(f"{path}: {e}") from None
+    except (TypeError, ValueError) as e:
+        raise UserError(f"{path}: a field has the wrong type ({e})") from None
+
+
+def _rope(hf: dict, path: str) -> dict:
+    """The rope fields from rope_scaling (4.x, with a top-level rope_theta) or
+    rope_parameters (5.x), as GptOssConfig standardises them."""
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters")
+    if rope is None:
+        rope = dict(HF_DEFAULT_ROPE)
+    if not isinstance(rope, dict):
+        raise UserError(f"{path}: rope_parameters must be an object, got {rope!r}")
+    rope = dict(rope)
+    rope.setdefault("rope_theta", hf.get("rope_theta", HF_DEFAULT_ROPE["rope_theta"]))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise UserError(f"{path}: rope type {rope_type!r} is not implemented for gpt-oss "
+                        f"(supported: {', '.join(ROPE_TYPES)})")
+    for name in ("attention_factor", "mscale", "mscale_all_dim", "partial_rotary_factor"):
+        if rope.get(name) is not None:
+            raise UserError(f"{path}: rope {name}={rope[name]!r} is not implemented for gpt-oss")
+    fields = dict(rope_type=rope_type, rope_theta=float(rope["rope_theta"]))
+    if rope_type == "yarn":
+        original = rope.get("original_max_position_embeddings")
+        factor = rope.get("factor") or hf.get("max_position_embeddings", 131072) / original
+        fields.update(rope_factor=float(factor), rope_original_max_position_embeddings=original,
+                      rope_beta_fast=float(rope.get("beta_fast") or 32.0),
+                      rope_beta_slow=float(rope.get("beta_slow") or 1.0),
+                      # transformers reads truncate from rope_parameters, default True.
+                      rope_truncate=bool(rope.get("truncate", True)))
+    return fields
+
+
+def _layer_types(layer_types, layers: int) -> str:
+    """config.json's layer_types as the field holds them: empty when they are the default."""
+    if not layer_types or layer_types == [LAYER_TYPES[i % 2] for i in range(layers)]:
+        return ""
+    return ",".join(layer_types)
+
+
+def _first_int(value) -> int | None:
+    if isinstance(value, (list, tuple)):
+        value = value[0] if value else None
+    return None if value is None else int(value)
+
+
+# -------------------------------------------------------------------- presets
+# gpt-oss-20b as its released config.json describes it (written from knowledge, no hub
+# access where this was written; tests/test_gpt_oss.py checks the parameter count against
+# the model card's 21B total, 3.6B active).
+
+GPT_OSS_PRESETS: dict[str, dict[str, Any]] = {
+    # Tiny, for tests and the commands' default: the embedded tokenizer's 512 tokens and ids
+    # (pad 0, BOS 1, EOS 2), a window shorter than a test's rows, sliding and full layers.
+    "debug": dict(vocab_size=512, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                  max_position_embeddings=512, rope_original_max_position_embeddings=32,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0),
+    "gpt_oss_20b": dict(),  # the dataclass defaults are gpt-oss-20b's
+}

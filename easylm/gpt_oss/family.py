@@ -1,0 +1,50 @@
+"""The gpt-oss family: the one object through which train, serve, eval, plan, bench,
+doctor and the converters reach the gpt-oss model (`FAMILY`)."""
+
+import math
+
+from easylm.gpt_oss import hf
+from easylm.gpt_oss.config import GPT_OSS_PRESETS, GptOssConfig
+from easylm.gpt_oss.model import GptOssForCausalLM, partition_rules
+from easylm.models import remat
+from easylm.models.family import ModelFamily
+
+
+class GptOssFamily(ModelFamily):
+    name = "gpt_oss"
+    config_class = GptOssConfig
+    presets = GPT_OSS_PRESETS
+    default_preset = "debug"
+    tiny_preset = "debug"
+    commands = "easylm.gpt_oss"
+    hf_model_types = ("gpt_oss",)
+    remat_policies = remat.NAMES
+    variants = ()  # LoRA on the experts is not built yet
+    module_class = GptOssForCausalLM
+
+    def partition_rules(self, config: GptOssConfig):
+        return partition_rules(config)
+
+    def read_hf_config(self, directory: str) -> GptOssConfig:
+        return hf.read_hf_config(directory)
+
+    def hf_params(self, directory: str, config: GptOssConfig, dtype: str = "keep", place=None):
+        # As config.json describes them, laid out as `config` says: `load_hf` then checks
+        # them against `config`, which the --gpt_oss.* flags may have changed.
+        return self.layout(hf.load_hf_params(directory, dtype, place)[1], config)
+
+    def shard_variant(self, config: GptOssConfig, layers: int, mp: int) -> GptOssConfig:
+        kinds = config.layer_kinds()
+        return config.replace(
+            num_hidden_layers=layers,
+            layer_types=",".join(kinds[i * len(kinds) // layers] for i in range(layers)),
+            num_attention_heads=math.ceil(config.num_attention_heads / mp),
+            num_key_value_heads=math.ceil(config.num_key_value_heads / mp),
+            intermediate_size=math.ceil(config.intermediate_size / mp),
+            vocab_size=math.ceil(config.vocab_size / mp))
+
+    def to_hf(self, params, config: GptOssConfig):
+        return hf.to_hf(params, config)
+
+
+FAMILY = GptOssFamily()
