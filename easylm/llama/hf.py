@@ -86,9 +86,12 @@ def from_hf(tensors: Mapping[str, Any], config: LLaMAConfig, dtype=None, source:
 # type is refused by name, never converted.
 _INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
          "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
-         "sliding_window", "max_window_layers")
-_OPTIONAL_NUMBERS = ("rms_norm_eps", "rope_theta", "initializer_range")
-_OPTIONAL_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")
+         "sliding_window", "max_window_layers", "num_experts", "num_local_experts",
+         "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step")
+_OPTIONAL_NUMBERS = ("rms_norm_eps", "rope_theta", "initializer_range", "router_aux_loss_coef",
+                     "router_jitter_noise")
+_OPTIONAL_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window",
+                   "norm_topk_prob", "output_router_logits")
 _TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
 
 
