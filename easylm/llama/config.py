@@ -36,6 +36,14 @@ ARCHITECTURES = {
 }
 SWITCHES = ("attention_bias", "mlp_bias", "sliding_window")
 MOE_TYPES = ("qwen3_moe", "mixtral")
+# Mixture-of-experts models near these variants that are not built, by model_type: what
+# in their config.json this model would compute differently (refused, never approximated).
+NOT_BUILT = {
+    "qwen2_moe": "shared_expert_intermediate_size (a shared expert beside the routed ones)",
+    "deepseek_v2": "kv_lora_rank (multi-head latent attention) and n_shared_experts",
+    "deepseek_v3": "kv_lora_rank (multi-head latent attention) and n_shared_experts",
+    "qwen3_next": "layer_types (linear-attention layers) and shared_expert_intermediate_size",
+}
 # What a config.json without a key means: its transformers class's default (transformers
 # 5's LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config; None: derived, as the class
 # derives it). tests/test_llama_config.py holds each against the class.
@@ -102,8 +110,8 @@ class LLaMAConfig:
     num_experts: int = _field(0, "experts E in each layer's mixture-of-experts MLP "
                                  "(qwen3_moe, mixtral); 0: a dense MLP")
     num_experts_per_tok: int = _field(2, "experts each token is routed to (K)")
-    moe_intermediate_size: int = _field(0, "one expert's MLP width (mixtral's config.json "
-                                           "calls it intermediate_size)")
+    moe_intermediate_size: int = _field(0, "one expert's MLP width (qwen3_moe; mixtral's is "
+                                           "its intermediate_size)")
     norm_topk_prob: bool = _field(False, "qwen3_moe: the K chosen probabilities divided by "
                                          "their sum (mixtral always divides)")
     output_router_logits: bool = _field(
@@ -160,6 +168,8 @@ class LLaMAConfig:
             object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
         if self.head_dim is None:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if self.model_type == "mixtral" and not self.moe_intermediate_size:
+            object.__setattr__(self, "moe_intermediate_size", self.intermediate_size)
         self._check()
 
     def _check(self):
@@ -211,6 +221,10 @@ class LLaMAConfig:
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise UserError(f"llama.num_experts_per_tok={self.num_experts_per_tok} must be "
                             f"in 1..num_experts={self.num_experts}")
+        if self.model_type == "mixtral" and self.moe_intermediate_size != self.intermediate_size:
+            raise UserError(f"llama.moe_intermediate_size={self.moe_intermediate_size}: "
+                            f"mixtral's expert width is its intermediate_size="
+                            f"{self.intermediate_size} (leave moe_intermediate_size unset)")
         if self.moe_intermediate_size < 1:
             raise UserError(f"llama.moe_intermediate_size must be >= 1, got "
                             f"{self.moe_intermediate_size}")
@@ -325,7 +339,7 @@ class LLaMAConfig:
         default_head_dim = self.hidden_size // self.num_attention_heads
         if self.model_type != "qwen2" or self.head_dim != default_head_dim:
             optional["head_dim"] = self.head_dim
-        config = config_class(
+        fields = dict(
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
@@ -341,22 +355,21 @@ class LLaMAConfig:
             eos_token_id=self.eos_token_id,
             hidden_act="silu",
             **self._hf_switches(),
-            **{**optional, **self._hf_moe()},
+            **optional,
         )
+        config = config_class(**{**fields, **self._hf_moe()})
         config.architectures = [architecture]
         return config
 
     def _hf_moe(self) -> dict:
-        """The experts as this variant's config.json spells them (Mixtral's expert width is
-        its intermediate_size)."""
+        """The experts as this variant's config.json spells them."""
         if not self.num_experts:
             return {}
         common = dict(num_experts_per_tok=self.num_experts_per_tok,
                       output_router_logits=self.output_router_logits,
                       router_aux_loss_coef=self.router_aux_loss_coef)
         if self.model_type == "mixtral":
-            return dict(common, num_local_experts=self.num_experts,
-                        intermediate_size=self.moe_intermediate_size)
+            return dict(common, num_local_experts=self.num_experts)
         return dict(common, num_experts=self.num_experts, norm_topk_prob=self.norm_topk_prob,
                     moe_intermediate_size=self.moe_intermediate_size, decoder_sparse_step=1,
                     mlp_only_layers=[])
@@ -462,8 +475,7 @@ def _moe_from_hf(model_type: str, hf: dict, get) -> dict:
         if get("router_jitter_noise"):
             raise UserError(f"router_jitter_noise={get('router_jitter_noise')!r} (noise on "
                             f"the router's input while training) is not supported; 0.0 is")
-        return dict(out, num_experts=get("num_local_experts"),
-                    moe_intermediate_size=get("intermediate_size"))
+        return dict(out, num_experts=get("num_local_experts"))
     # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts.
     experts = hf.get("num_experts", hf.get("num_local_experts", get("num_experts")))
     step, dense = get("decoder_sparse_step"), get("mlp_only_layers") or []
@@ -586,4 +598,20 @@ LLAMA_PRESETS: dict[str, dict[str, Any]] = {
     "qwen3_4b": dict(_QWEN3, tie_word_embeddings=True, **_shape(2560, 9728, 36, 32)),
     "qwen3_8b": dict(_QWEN3, **_shape(4096, 12288, 36, 32)),
     "mistral_7b": dict(_MISTRAL, **_shape(4096, 14336, 32, 32)),
+    # Mixtures of experts: Qwen3-30B-A3B (30.5B parameters, 3.3B active) and
+    # Mixtral-8x7B-v0.1 (46.7B, 12.9B active), as their config.json files have them
+    # (written from knowledge, checked against the model cards' counts in
+    # tests/test_llama_config.py). Mixtral's intermediate_size is its expert width.
+    "qwen3_30b_a3b": dict(_QWEN3, model_type="qwen3_moe", num_key_value_heads=4,
+                          num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                          norm_topk_prob=True, **_shape(2048, 6144, 48, 32)),
+    "mixtral_8x7b": dict(_MISTRAL, model_type="mixtral", rope_theta=1000000.0,
+                         sliding_window=0, num_experts=8, num_experts_per_tok=2,
+                         router_aux_loss_coef=0.02, **_shape(4096, 14336, 32, 32)),
+    # debug's shape with 8 experts of width 32, 2 per token, trained with the
+    # load-balancing loss (output_router_logits): the tests' and demos' MoE.
+    "debug_moe": dict(vocab_size=512, max_position_embeddings=512, rms_norm_eps=1e-6,
+                      bos_token_id=1, eos_token_id=2, model_type="qwen3_moe", num_experts=8,
+                      num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                      output_router_logits=True, **_shape(64, 128, 2, 4, num_key_value_heads=2)),
 }

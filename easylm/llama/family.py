@@ -7,7 +7,7 @@ import math
 import jax.numpy as jnp
 
 from easylm.llama import hf
-from easylm.llama.config import ARCHITECTURES, LLAMA_PRESETS, LLaMAConfig
+from easylm.llama.config import ARCHITECTURES, LLAMA_PRESETS, NOT_BUILT, LLaMAConfig
 from easylm.llama.model import PARTITION_RULES, LLaMAForCausalLM
 from easylm.models import remat
 from easylm.models.family import Model, ModelFamily
@@ -36,6 +36,7 @@ class LLaMAFamily(ModelFamily):
     demo = EMBEDDED_DEFAULTS
     commands = "easylm.llama"
     hf_model_types = tuple(ARCHITECTURES)
+    hf_not_built = NOT_BUILT
     remat_policies = remat.NAMES
     variants = ("lora",)
     module_class = LLaMAForCausalLM

@@ -118,6 +118,9 @@ class ModelFamily:
     demo: dict = {}
     commands: str = ""  # the package of `python -m <commands>.train|serve`
     hf_model_types: tuple[str, ...] = ()  # config.json model_types it reads (easylm.train picks)
+    # config.json model_types near those it reads that it does not build: what differs
+    # (the refusal names it, e.g. DeepSeek's multi-head latent attention)
+    hf_not_built: dict[str, str] = {}
     remat_policies: tuple[str, ...] = ()  # the `remat_policy` field's values, cheapest first
     # The variants (easylm/variants/) its model takes: "lora" (adapters on a frozen base,
     # for a model whose projections read their own kernels once `unfused`).
