@@ -204,7 +204,7 @@ _SAVED = {
                                    moe_intermediate_size=24, norm_topk_prob=True,
                                    output_router_logits=True, router_aux_loss_coef=0.01)),
     "mixtral": dict(changes=dict(model_type="mixtral", sliding_window=12, num_key_value_heads=2,
-                                 num_experts=4, num_experts_per_tok=1,
+                                 num_experts=4, num_experts_per_tok=1, norm_topk_prob=True,
                                  output_router_logits=True, router_aux_loss_coef=0.01)),
 }
 

@@ -112,8 +112,8 @@ class LLaMAConfig:
     num_experts_per_tok: int = _field(2, "experts each token is routed to (K)")
     moe_intermediate_size: int = _field(0, "one expert's MLP width (qwen3_moe; mixtral's is "
                                            "its intermediate_size)")
-    norm_topk_prob: bool = _field(False, "qwen3_moe: the K chosen probabilities divided by "
-                                         "their sum (mixtral always divides)")
+    norm_topk_prob: bool = _field(False, "the K chosen probabilities divided by their sum "
+                                         "(qwen3_moe's switch; mixtral always divides)")
     output_router_logits: bool = _field(
         False, "train with router_aux_loss_coef x the load-balancing loss added, as "
                "transformers adds it with output_router_logits (logged either way)")
@@ -221,6 +221,9 @@ class LLaMAConfig:
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise UserError(f"llama.num_experts_per_tok={self.num_experts_per_tok} must be "
                             f"in 1..num_experts={self.num_experts}")
+        if self.model_type == "mixtral" and not self.norm_topk_prob:
+            raise UserError("llama.norm_topk_prob=False: mixtral always divides the chosen "
+                            "experts' probabilities by their sum")
         if self.model_type == "mixtral" and self.moe_intermediate_size != self.intermediate_size:
             raise UserError(f"llama.moe_intermediate_size={self.moe_intermediate_size}: "
                             f"mixtral's expert width is its intermediate_size="
@@ -247,7 +250,7 @@ class LLaMAConfig:
         if not self.num_experts:
             return None
         return MoEConfig(self.num_experts, self.num_experts_per_tok, self.moe_intermediate_size,
-                         norm_topk_prob=self.norm_topk_prob or self.model_type == "mixtral",
+                         norm_topk_prob=self.norm_topk_prob,
                          capacity_factor=self.moe_capacity_factor,
                          initializer_range=self.initializer_range)
 
@@ -475,7 +478,7 @@ def _moe_from_hf(model_type: str, hf: dict, get) -> dict:
         if get("router_jitter_noise"):
             raise UserError(f"router_jitter_noise={get('router_jitter_noise')!r} (noise on "
                             f"the router's input while training) is not supported; 0.0 is")
-        return dict(out, num_experts=get("num_local_experts"))
+        return dict(out, num_experts=get("num_local_experts"), norm_topk_prob=True)
     # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts.
     experts = hf.get("num_experts", hf.get("num_local_experts", get("num_experts")))
     step, dense = get("decoder_sparse_step"), get("mlp_only_layers") or []
@@ -607,6 +610,7 @@ LLAMA_PRESETS: dict[str, dict[str, Any]] = {
                           norm_topk_prob=True, **_shape(2048, 6144, 48, 32)),
     "mixtral_8x7b": dict(_MISTRAL, model_type="mixtral", rope_theta=1000000.0,
                          sliding_window=0, num_experts=8, num_experts_per_tok=2,
+                         norm_topk_prob=True,
                          router_aux_loss_coef=0.02, **_shape(4096, 14336, 32, 32)),
     # debug's shape with 8 experts of width 32, 2 per token, trained with the
     # load-balancing loss (output_router_logits): the tests' and demos' MoE.
