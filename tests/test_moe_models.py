@@ -16,6 +16,7 @@ import torch
 from llama_variants import hf_variant
 from numerics import assert_close, assert_differs, fp32_rel, logprob_tolerance
 from safetensors.numpy import load_file
+from transformers import AutoModelForCausalLM
 
 from easylm.errors import UserError
 from easylm.llama import hf
@@ -138,3 +139,53 @@ def test_moe_layouts_not_built_are_one_line_naming_the_field(tmp_path, changes, 
     with pytest.raises(UserError, match=f"^{path}: {message}") as error:
         hf.read_hf_config(str(tmp_path))
     assert "\n" not in str(error.value)
+
+
+def test_train_serve_and_export_through_the_public_commands(tmp_path, capsys):
+    """`python -m easylm.train --load_checkpoint=hf::DIR` on a tiny random Qwen3-MoE lowers
+    the loss and logs the router's numbers; the checkpoint its serve line names answers
+    /v1/completions with transformers' greedy continuation of the export that
+    `python -m easylm.convert_easylm_to_hf` writes (which it verifies against our
+    logits). In process, as the commands run them."""
+    from fastapi.testclient import TestClient
+
+    from easylm import convert_easylm_to_hf, flags, train
+    from easylm.data.tokenizer import load_tokenizer
+    from easylm.serving import cli as serving_cli
+
+    config = LLaMAConfig.from_preset("debug_moe")
+    torch.manual_seed(0)
+    hf_variant(config).save_pretrained(tmp_path / "hf")
+    lr = "--optimizer.adamw_optimizer.lr=3e-3"
+    train.main(["train", f"--load_checkpoint=hf::{tmp_path / 'hf'}", "--total_steps=8",
+                "--log_freq=1", "--train_dataset.json_dataset.seq_length=32",
+                "--train_dataset.json_dataset.batch_size=8", "--compilation_cache_dir=",
+                f"--logger.output_dir={tmp_path / 'runs'}", lr])
+    out = capsys.readouterr().out
+    steps = [line for line in out.splitlines() if line.startswith("step ")]
+    losses = [float(line.split("loss ")[1].split()[0]) for line in steps]
+    assert losses[-1] < losses[0] and "moe aux" in steps[0] and "expert load" in steps[0]
+    final = out.split("--load_checkpoint=params::")[1].split()[0]
+
+    convert_easylm_to_hf.main(["convert", f"--load_checkpoint=params::{final}",
+                               f"--output_dir={tmp_path / 'export'}"])
+    assert "verify: max |logit difference| vs transformers" in capsys.readouterr().out
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+
+    argv = ["serve", f"--load_checkpoint=params::{final}", "--tokenizer=embedded",
+            "--seq_length=64", "--batch_size=2", "--mesh_dim=1,-1,1"]
+    app, batcher = serving_cli.build(FAMILY, flags.parse(serving_cli.default_config(FAMILY),
+                                                         serving_cli.help_entries(FAMILY), argv))
+    prompt = [1, 7, 8, 9, 10]
+    try:
+        response = TestClient(app, base_url="http://127.0.0.1").post(
+            "/v1/completions", json={"prompt": prompt, "max_tokens": 8,
+                                     "temperature": 0}).json()
+    finally:
+        batcher.stop()
+    with torch.no_grad():
+        ids = exported.eval().generate(torch.tensor([prompt]), max_new_tokens=8,
+                                       do_sample=False)[0][len(prompt):].tolist()
+    ids = ids[:ids.index(config.eos_token_id)] if config.eos_token_id in ids else ids
+    text = load_tokenizer("embedded").decode(ids, skip_special_tokens=True)
+    assert response["choices"][0]["text"] == text
