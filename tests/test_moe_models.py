@@ -157,8 +157,8 @@ def test_train_serve_and_export_through_the_public_commands(tmp_path, capsys):
     torch.manual_seed(0)
     hf_variant(config).save_pretrained(tmp_path / "hf")
     lr = "--optimizer.adamw_optimizer.lr=3e-3"
-    train.main(["train", f"--load_checkpoint=hf::{tmp_path / 'hf'}", "--total_steps=8",
-                "--log_freq=1", "--train_dataset.json_dataset.seq_length=32",
+    train.main(["train", f"--load_checkpoint=hf::{tmp_path / 'hf'}", "--total_steps=4",
+                "--log_freq=1", "--train_dataset.json_dataset.seq_length=16",
                 "--train_dataset.json_dataset.batch_size=8", "--compilation_cache_dir=",
                 f"--logger.output_dir={tmp_path / 'runs'}", lr])
     out = capsys.readouterr().out
@@ -173,18 +173,18 @@ def test_train_serve_and_export_through_the_public_commands(tmp_path, capsys):
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
 
     argv = ["serve", f"--load_checkpoint=params::{final}", "--tokenizer=embedded",
-            "--seq_length=64", "--batch_size=2", "--mesh_dim=1,-1,1"]
+            "--seq_length=32", "--batch_size=1", "--mesh_dim=1,-1,1"]
     app, batcher = serving_cli.build(FAMILY, flags.parse(serving_cli.default_config(FAMILY),
                                                          serving_cli.help_entries(FAMILY), argv))
     prompt = [1, 7, 8, 9, 10]
     try:
         response = TestClient(app, base_url="http://127.0.0.1").post(
-            "/v1/completions", json={"prompt": prompt, "max_tokens": 8,
+            "/v1/completions", json={"prompt": prompt, "max_tokens": 6,
                                      "temperature": 0}).json()
     finally:
         batcher.stop()
     with torch.no_grad():
-        ids = exported.eval().generate(torch.tensor([prompt]), max_new_tokens=8,
+        ids = exported.eval().generate(torch.tensor([prompt]), max_new_tokens=6,
                                        do_sample=False)[0][len(prompt):].tolist()
     ids = ids[:ids.index(config.eos_token_id)] if config.eos_token_id in ids else ids
     text = load_tokenizer("embedded").decode(ids, skip_special_tokens=True)
