@@ -189,3 +189,26 @@ def test_train_serve_and_export_through_the_public_commands(tmp_path, capsys):
     ids = ids[:ids.index(config.eos_token_id)] if config.eos_token_id in ids else ids
     text = load_tokenizer("embedded").decode(ids, skip_special_tokens=True)
     assert response["choices"][0]["text"] == text
+
+
+def test_a_train_step_over_ep_equals_one_over_fsdp():
+    """--mesh_dim=dp=1,fsdp=2,ep=4 (each device 2 of the 8 experts, pairs exchanged by
+    all-to-all) and --mesh_dim=1,8,1 (every device all experts): the same step's loss,
+    router losses, expert load, gradient norm and updated parameters."""
+    from test_trainer import Runner, constant_lr_optimizer, make_batch
+
+    from easylm import variants
+    from ml_collections import ConfigDict
+
+    flags = FAMILY.flag_config("debug_moe")
+    model = variants.build(FAMILY, ConfigDict(dict(llama=flags, dtype="fp32",
+                                                   param_dtype="fp32")))
+    batch = make_batch(batch_size=8, seq_length=T)
+    steps = [Runner(model, constant_lr_optimizer(1e-2), mesh, devices=8).step(batch)
+             for mesh in ("dp=1,fsdp=2,ep=4", "1,8,1")]
+    # The loss is ~ln 512 and the aux term ~1: the forward pass's error relative to them.
+    rel = 2 * moe_rel(LLaMAConfig.from_preset("debug_moe"))
+    for key in ("loss", "moe_aux_loss", "moe_z_loss", "gradient_norm", "param_norm"):
+        assert steps[0][key] == pytest.approx(steps[1][key], rel=rel), key
+    for key in ("moe_load_max", "moe_load_min", "moe_dropped"):
+        assert steps[0][key] == steps[1][key], key
