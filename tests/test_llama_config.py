@@ -48,6 +48,13 @@ def test_published_shapes():
         for ours, card in ((billions[name], total), ((config.num_parameters() - embeddings) / 1e9, body)):
             digits = len(str(card).split(".")[1]) if card is not None else 0
             assert card is None or abs(ours - card) < 10 ** -digits, (name, ours, card)
+    # Mixtures of experts against their cards' totals and active counts: Qwen3-30B-A3B
+    # "30.5B, 3.3B activated", Mixtral-8x7B 46.7B, 12.9B active per token.
+    for name, (total, active) in {"qwen3_30b_a3b": (30.5, 3.3),
+                                  "mixtral_8x7b": (46.7, 12.9)}.items():
+        config = LLaMAConfig.from_preset(name)
+        assert round(config.num_parameters() / 1e9, 1) == total, name
+        assert round(config.num_active_parameters() / 1e9, 1) == active, name
     # The benchmark shape: 1.18 B matmul parameters.
     assert round(LLaMAConfig.from_preset("llama_1b").num_matmul_parameters() / 1e9, 2) == 1.18
 
