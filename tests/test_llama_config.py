@@ -53,8 +53,9 @@ def test_published_shapes():
     for name, (total, active) in {"qwen3_30b_a3b": (30.5, 3.3),
                                   "mixtral_8x7b": (46.7, 12.9)}.items():
         config = LLaMAConfig.from_preset(name)
-        assert round(config.num_parameters() / 1e9, 1) == total, name
-        assert round(config.num_active_parameters() / 1e9, 1) == active, name
+        # Within the cards' last digit (3,353.0M active is Qwen's "3.3B").
+        assert abs(config.num_parameters() / 1e9 - total) < 0.1, name
+        assert abs(config.num_active_parameters() / 1e9 - active) < 0.1, name
     # The benchmark shape: 1.18 B matmul parameters.
     assert round(LLaMAConfig.from_preset("llama_1b").num_matmul_parameters() / 1e9, 2) == 1.18
 
