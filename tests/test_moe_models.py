@@ -139,6 +139,11 @@ def test_moe_layouts_not_built_are_one_line_naming_the_field(tmp_path, changes, 
     with pytest.raises(UserError, match=f"^{path}: {message}") as error:
         hf.read_hf_config(str(tmp_path))
     assert "\n" not in str(error.value)
+    if "not built" in message:  # the generic commands' choice of family says the same
+        from easylm.models import registry
+
+        with pytest.raises(UserError, match=f"^{path}: {message}"):
+            registry.family_of(f"hf::{tmp_path}")
 
 
 def test_train_serve_and_export_through_the_public_commands(tmp_path, capsys):
