@@ -111,6 +111,27 @@ def test_each_difference_from_llama_is_seen(pair):
     assert_differs(ours(config.replace(swiglu_limit=1e3), params, ids), theirs, rel)  # unclamped
 
 
+def test_loss_with_the_aux_term_is_transformers_outputs_loss(pair):
+    """GptOssForCausalLM with labels and output_router_logits: the mean next-token loss
+    plus router_aux_loss_coef x load_balancing_loss_func; the twin leaves the term out."""
+    from easylm.objectives.next_token import next_token_sums
+
+    config, model, params, ids, theirs = pair
+    with torch.no_grad():
+        out = model(torch.from_numpy(ids), labels=torch.from_numpy(ids),
+                    output_router_logits=True)
+    batch = dict(input_tokens=jnp.asarray(ids),
+                 target_tokens=jnp.asarray(np.concatenate([ids[:, 1:], ids[:, :1]], axis=1)),
+                 loss_masks=jnp.asarray(np.arange(SEQ) < SEQ - 1, jnp.float32)[None].repeat(2, 0))
+    atol = 2 * tolerance(config) * float(np.abs(theirs).max())  # a log-softmax, averaged
+    sums = next_token_sums(FAMILY.bind(config.replace(output_router_logits=True)), params,
+                           batch, None)
+    assert abs(float(sums.total_mean()) - float(out.loss)) <= atol
+    assert abs(float(sums.means()["moe_aux_loss"]) - float(out.aux_loss)) <= atol
+    without = next_token_sums(FAMILY.bind(config), params, batch, None)
+    assert abs(float(without.total_mean()) - float(out.loss)) > atol
+
+
 def test_the_scanned_pattern_is_sliding_then_full(pair):
     config = pair[0]
     assert GptOssForCausalLM.period(config) == 2

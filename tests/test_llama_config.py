@@ -48,6 +48,14 @@ def test_published_shapes():
         for ours, card in ((billions[name], total), ((config.num_parameters() - embeddings) / 1e9, body)):
             digits = len(str(card).split(".")[1]) if card is not None else 0
             assert card is None or abs(ours - card) < 10 ** -digits, (name, ours, card)
+    # Mixtures of experts against their cards' totals and active counts: Qwen3-30B-A3B
+    # "30.5B, 3.3B activated", Mixtral-8x7B 46.7B, 12.9B active per token.
+    for name, (total, active) in {"qwen3_30b_a3b": (30.5, 3.3),
+                                  "mixtral_8x7b": (46.7, 12.9)}.items():
+        config = LLaMAConfig.from_preset(name)
+        # Within the cards' last digit (3,353.0M active is Qwen's "3.3B").
+        assert abs(config.num_parameters() / 1e9 - total) < 0.1, name
+        assert abs(config.num_active_parameters() / 1e9 - active) < 0.1, name
     # The benchmark shape: 1.18 B matmul parameters.
     assert round(LLaMAConfig.from_preset("llama_1b").num_matmul_parameters() / 1e9, 2) == 1.18
 
@@ -135,7 +143,8 @@ def test_bad_fields(overrides, message):
 
 def test_non_llama_hf_config_rejected():
     with pytest.raises(UserError, match="model_type 'gemma' is not a LLaMA variant "
-                                        r"\(supported: llama, qwen2, qwen3, mistral\)"):
+                                        r"\(supported: llama, qwen2, qwen3, mistral, qwen3_moe, "
+                                        r"mixtral\)"):
         LLaMAConfig.from_hf_config(dict(model_type="gemma", vocab_size=8, hidden_size=8,
                                         intermediate_size=8, num_hidden_layers=1,
                                         num_attention_heads=1))
@@ -144,7 +153,7 @@ def test_non_llama_hf_config_rejected():
 # ---------------------------------------------- config.json read as transformers reads it
 
 _HF_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
-               "qwen3": "Qwen3Config"}
+               "qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig", "mixtral": "MixtralConfig"}
 
 
 def _hf_class(model_type):
@@ -198,6 +207,13 @@ _SAVED = {
     "qwen2": dict(changes=dict(model_type="qwen2", sliding_window=12, num_key_value_heads=2)),
     "qwen3": dict(changes=dict(model_type="qwen3", sliding_window=12, head_dim=32)),
     "qwen2_legacy": dict(changes=dict(model_type="qwen2", sliding_window=12), drop=["layer_types"]),
+    "qwen3_moe": dict(changes=dict(model_type="qwen3_moe", sliding_window=12, head_dim=32,
+                                   num_experts=4, num_experts_per_tok=3,
+                                   moe_intermediate_size=24, norm_topk_prob=True,
+                                   output_router_logits=True, router_aux_loss_coef=0.01)),
+    "mixtral": dict(changes=dict(model_type="mixtral", sliding_window=12, num_key_value_heads=2,
+                                 num_experts=4, num_experts_per_tok=1, norm_topk_prob=True,
+                                 output_router_logits=True, router_aux_loss_coef=0.01)),
 }
 
 

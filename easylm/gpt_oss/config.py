@@ -61,8 +61,13 @@ class GptOssConfig:
     swiglu_limit: float = _field(7.0, "the experts' SwiGLU clamps the gate above and the up "
                                       "projection on both sides at this")
     swiglu_alpha: float = _field(1.702, "the experts' SwiGLU: gate * sigmoid(alpha * gate)")
+    output_router_logits: bool = _field(
+        False, "train with router_aux_loss_coef x the load-balancing loss added, as "
+               "transformers adds it with output_router_logits (logged either way)")
     router_aux_loss_coef: float = _field(0.9, "weight of the load-balancing loss (carried to "
                                               "config.json)")
+    router_z_loss_coef: float = _field(0.0, "weight of ST-MoE's router z-loss added to the "
+                                            "training loss (0: off; logged either way)")
     initializer_range: float = _field(0.02, "standard deviation of the random initialisation")
     bos_token_id: int | None = _field(199998, "beginning-of-sequence token id")
     eos_token_id: int | None = _field(200002, "end-of-sequence token id (generation stops at it)")
@@ -175,6 +180,7 @@ class GptOssConfig:
             rms_norm_eps=self.rms_norm_eps, rope_parameters=self.rope_parameters(),
             swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha,
             router_aux_loss_coef=self.router_aux_loss_coef,
+            output_router_logits=self.output_router_logits,
             tie_word_embeddings=self.tie_word_embeddings, attention_bias=self.attention_bias,
             initializer_range=self.initializer_range, bos_token_id=self.bos_token_id,
             eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id)
@@ -190,7 +196,7 @@ HF_DEFAULTS = dict(
     num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=128,
     num_experts_per_tok=4, sliding_window=128, max_position_embeddings=131072,
     rms_norm_eps=1e-5, swiglu_limit=7.0, swiglu_alpha=1.702, router_aux_loss_coef=0.001,
-    tie_word_embeddings=False, attention_bias=True, initializer_range=0.02,
+    output_router_logits=False, tie_word_embeddings=False, attention_bias=True, initializer_range=0.02,
     bos_token_id=None, eos_token_id=None, pad_token_id=None)
 HF_DEFAULT_ROPE = dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0,
                        beta_slow=1.0, truncate=False, original_max_position_embeddings=4096)
@@ -229,6 +235,7 @@ def from_hf_dict(hf: dict, path: str = "config.json") -> GptOssConfig:
             **_rope(hf, path),
             layer_types=_layer_types(layer_types, get("num_hidden_layers")),
             tie_word_embeddings=bool(get("tie_word_embeddings")),
+            output_router_logits=bool(get("output_router_logits")),
             attention_bias=bool(get("attention_bias")),
             bos_token_id=_first_int(get("bos_token_id")),
             eos_token_id=_first_int(get("eos_token_id")),

@@ -1,13 +1,17 @@
 """The gpt-oss family: the one object through which train, serve, eval, plan, bench,
 doctor and the converters reach the gpt-oss model (`FAMILY`)."""
 
+import dataclasses
 import math
+
+import jax.numpy as jnp
 
 from easylm.gpt_oss import hf
 from easylm.gpt_oss.config import GPT_OSS_PRESETS, GptOssConfig
 from easylm.gpt_oss.model import GptOssForCausalLM, partition_rules
 from easylm.models import remat
-from easylm.models.family import ModelFamily
+from easylm.models.family import Model, ModelFamily
+from easylm.models.moe import RouterLoss
 
 
 class GptOssFamily(ModelFamily):
@@ -24,6 +28,13 @@ class GptOssFamily(ModelFamily):
 
     def partition_rules(self, config: GptOssConfig):
         return partition_rules(config)
+
+    def bind(self, config: GptOssConfig, dtype=jnp.float32, param_dtype=jnp.float32) -> Model:
+        # Every layer is a mixture of experts: training adds its router losses as
+        # transformers' GptOssForCausalLM does (objectives/router_loss.py).
+        aux = config.router_aux_loss_coef if config.output_router_logits else 0.0
+        return dataclasses.replace(super().bind(config, dtype, param_dtype), router_loss=RouterLoss(
+            config.num_experts_per_tok, aux, config.router_z_loss_coef))
 
     def read_hf_config(self, directory: str) -> GptOssConfig:
         return hf.read_hf_config(directory)

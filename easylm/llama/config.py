@@ -16,6 +16,7 @@ from typing import Any
 from easylm.errors import UserError
 from easylm.models import remat
 from easylm.models.family import preset_config
+from easylm.models.moe import MoEConfig
 
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "dot_product", "cudnn")
 REMAT_POLICIES = remat.NAMES
@@ -29,8 +30,20 @@ ARCHITECTURES = {
     "qwen2": ("Qwen2ForCausalLM", ("sliding_window",)),
     "qwen3": ("Qwen3ForCausalLM", ("attention_bias", "sliding_window")),
     "mistral": ("MistralForCausalLM", ("sliding_window",)),
+    # Qwen3 and Mistral with every layer's MLP a mixture of experts (easylm/models/moe.py).
+    "qwen3_moe": ("Qwen3MoeForCausalLM", ("attention_bias", "sliding_window")),
+    "mixtral": ("MixtralForCausalLM", ("sliding_window",)),
 }
 SWITCHES = ("attention_bias", "mlp_bias", "sliding_window")
+MOE_TYPES = ("qwen3_moe", "mixtral")
+# Mixture-of-experts models near these variants that are not built, by model_type: what
+# in their config.json this model would compute differently (refused, never approximated).
+NOT_BUILT = {
+    "qwen2_moe": "shared_expert_intermediate_size (a shared expert beside the routed ones)",
+    "deepseek_v2": "kv_lora_rank (multi-head latent attention) and n_shared_experts",
+    "deepseek_v3": "kv_lora_rank (multi-head latent attention) and n_shared_experts",
+    "qwen3_next": "layer_types (linear-attention layers) and shared_expert_intermediate_size",
+}
 # What a config.json without a key means: its transformers class's default (transformers
 # 5's LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config; None: derived, as the class
 # derives it). tests/test_llama_config.py holds each against the class.
@@ -49,7 +62,19 @@ HF_DEFAULTS = {
                     max_position_embeddings=131072, sliding_window=4096),
     "qwen2": _HF_QWEN2,
     "qwen3": dict(_HF_QWEN2, head_dim=128),
+    # Qwen3MoeConfig has no head_dim field: absent, the model derives it (as Qwen2).
+    "qwen3_moe": dict(_HF_QWEN2, hidden_size=2048, intermediate_size=6144,
+                      num_hidden_layers=24, num_key_value_heads=4, max_window_layers=None,
+                      decoder_sparse_step=1, moe_intermediate_size=768, num_experts_per_tok=8,
+                      num_experts=128, norm_topk_prob=False, output_router_logits=False,
+                      router_aux_loss_coef=0.001, mlp_only_layers=None),
+    "mixtral": dict(_HF_LLAMA, intermediate_size=14336, num_key_value_heads=8,
+                    max_position_embeddings=131072, rms_norm_eps=1e-5, sliding_window=None,
+                    num_experts_per_tok=2, num_local_experts=8, output_router_logits=False,
+                    router_aux_loss_coef=0.001, router_jitter_noise=0.0),
 }
+# transformers' rope_theta where config.json names none (MixtralConfig's default differs).
+HF_ROPE_THETA = {"mixtral": 1000000.0}
 
 
 def _field(default, help_text: str):
@@ -80,6 +105,24 @@ class LLaMAConfig:
     mlp_bias: bool = _field(False, "bias on the gate, up and down projections (llama)")
     sliding_window: int = _field(0, "each query attends to at most this many positions, "
                                     "itself included (qwen2, qwen3, mistral); 0: all")
+    # Mixture of experts (qwen3_moe, mixtral): every layer's MLP is easylm/models/moe.py's
+    # block (a router, then the chosen experts' gated MLPs, weighted).
+    num_experts: int = _field(0, "experts E in each layer's mixture-of-experts MLP "
+                                 "(qwen3_moe, mixtral); 0: a dense MLP")
+    num_experts_per_tok: int = _field(2, "experts each token is routed to (K)")
+    moe_intermediate_size: int = _field(0, "one expert's MLP width (qwen3_moe; mixtral's is "
+                                           "its intermediate_size)")
+    norm_topk_prob: bool = _field(False, "the K chosen probabilities divided by their sum "
+                                         "(qwen3_moe's switch; mixtral always divides)")
+    output_router_logits: bool = _field(
+        False, "train with router_aux_loss_coef x the load-balancing loss added, as "
+               "transformers adds it with output_router_logits (logged either way)")
+    router_aux_loss_coef: float = _field(0.001, "weight of the load-balancing loss")
+    router_z_loss_coef: float = _field(0.0, "weight of ST-MoE's router z-loss added to the "
+                                            "training loss (0: off; logged either way)")
+    moe_capacity_factor: float = _field(0.0, "an expert takes at most this x its even share "
+                                             "of a batch shard's tokens, the rest dropped "
+                                             "(counted in moe_dropped); 0: dropless")
     # Numerics.
     max_position_embeddings: int = _field(2048, "longest sequence the model takes (rows, the "
                                                 "server's context)")
@@ -126,6 +169,8 @@ class LLaMAConfig:
             object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
         if self.head_dim is None:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if self.model_type == "mixtral" and not self.moe_intermediate_size:
+            object.__setattr__(self, "moe_intermediate_size", self.intermediate_size)
         self._check()
 
     def _check(self):
@@ -143,6 +188,7 @@ class LLaMAConfig:
         if self.sliding_window < 0:
             raise UserError(f"llama.sliding_window must be >= 0 (0: no window), got "
                             f"{self.sliding_window}")
+        self._check_moe()
         allowed = ARCHITECTURES[self.model_type][1]
         for switch in SWITCHES:
             if getattr(self, switch) and switch not in allowed:
@@ -164,6 +210,29 @@ class LLaMAConfig:
         if self.head_dim % 2:
             raise UserError(f"llama.head_dim must be even for rotary embeddings, got {self.head_dim}")
 
+    def _check_moe(self):
+        moe = self.model_type in MOE_TYPES
+        if moe != (self.num_experts > 0):
+            raise UserError(
+                f"llama.num_experts={self.num_experts}: model_type {self.model_type!r} "
+                + ("needs experts (num_experts >= 1)" if moe else
+                   f"has a dense MLP (experts: model_type {' or '.join(MOE_TYPES)})"))
+        if not moe:
+            return
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise UserError(f"llama.num_experts_per_tok={self.num_experts_per_tok} must be "
+                            f"in 1..num_experts={self.num_experts}")
+        if self.model_type == "mixtral" and not self.norm_topk_prob:
+            raise UserError("llama.norm_topk_prob=False: mixtral always divides the chosen "
+                            "experts' probabilities by their sum")
+        if self.model_type == "mixtral" and self.moe_intermediate_size != self.intermediate_size:
+            raise UserError(f"llama.moe_intermediate_size={self.moe_intermediate_size}: "
+                            f"mixtral's expert width is its intermediate_size="
+                            f"{self.intermediate_size} (leave moe_intermediate_size unset)")
+        if self.moe_intermediate_size < 1:
+            raise UserError(f"llama.moe_intermediate_size must be >= 1, got "
+                            f"{self.moe_intermediate_size}")
+
     # --------------------------------------------------- what the variant fixes
 
     @property
@@ -174,7 +243,17 @@ class LLaMAConfig:
     @property
     def qk_norm(self) -> bool:
         """RMS norm (weights of size H) of each query and key head before rotary: Qwen3's."""
-        return self.model_type == "qwen3"
+        return self.model_type in ("qwen3", "qwen3_moe")
+
+    @property
+    def moe(self):
+        """The mixture-of-experts block's config (easylm/models/moe.py), None: dense MLP."""
+        if not self.num_experts:
+            return None
+        return MoEConfig(self.num_experts, self.num_experts_per_tok, self.moe_intermediate_size,
+                         norm_topk_prob=self.norm_topk_prob,
+                         capacity_factor=self.moe_capacity_factor,
+                         initializer_range=self.initializer_range)
 
     # ----------------------------------------------------------------- presets
 
@@ -195,9 +274,24 @@ class LLaMAConfig:
         d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q = self.num_attention_heads * self.head_dim
         kv = self.num_key_value_heads * self.head_dim
-        layer = d * (q + 2 * kv) + q * d + 3 * d * f + self._vectors_per_layer()
+        layer = d * (q + 2 * kv) + q * d + self._mlp_parameters() + self._vectors_per_layer()
         head = 0 if self.tie_word_embeddings else v * d
         return v * d + self.num_hidden_layers * layer + d + head
+
+    def _mlp_parameters(self, active: bool = False) -> int:
+        """One layer's MLP matrices: gate, up and down, of every expert (or, `active`, of
+        the K a token is routed to) and the router, or of the dense MLP."""
+        d = self.hidden_size
+        if not self.num_experts:
+            return 3 * d * self.intermediate_size
+        experts = self.num_experts_per_tok if active else self.num_experts
+        return experts * 3 * d * self.moe_intermediate_size + d * self.num_experts
+
+    def num_active_parameters(self) -> int:
+        """Parameters a token's forward pass reads: all but the experts it is not routed
+        to (= num_parameters for a dense model)."""
+        inactive = self._mlp_parameters() - self._mlp_parameters(active=True)
+        return self.num_parameters() - self.num_hidden_layers * inactive
 
     def _vectors_per_layer(self) -> int:
         """A layer's parameters outside its matmuls: norms and biases."""
@@ -208,12 +302,13 @@ class LLaMAConfig:
 
     def num_matmul_parameters(self) -> int:
         """Parameters that take part in a matmul per token: all but the input embedding,
-        the norms and the biases (the output projection counts, tied or not). This is N in
-        the 6*N FLOPs-per-token rule."""
+        the norms and the biases (the output projection counts, tied or not), and of a
+        mixture of experts only the experts a token is routed to. This is N in the 6*N
+        FLOPs-per-token rule."""
         d, v = self.hidden_size, self.vocab_size
         vectors = self.num_hidden_layers * self._vectors_per_layer() + d
         head = v * d if self.tie_word_embeddings else 0
-        return self.num_parameters() - v * d - vectors + head
+        return self.num_active_parameters() - v * d - vectors + head
 
     def flops_per_token(self, seq_length: int) -> float:
         """Training FLOPs per token: 6*N + 12*L*d_attn*keys (PaLM appendix B; the second
@@ -252,7 +347,7 @@ class LLaMAConfig:
         default_head_dim = self.hidden_size // self.num_attention_heads
         if self.model_type != "qwen2" or self.head_dim != default_head_dim:
             optional["head_dim"] = self.head_dim
-        config = config_class(
+        fields = dict(
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
@@ -270,21 +365,37 @@ class LLaMAConfig:
             **self._hf_switches(),
             **optional,
         )
+        config = config_class(**{**fields, **self._hf_moe()})
         config.architectures = [architecture]
         return config
+
+    def _hf_moe(self) -> dict:
+        """The experts as this variant's config.json spells them."""
+        if not self.num_experts:
+            return {}
+        common = dict(num_experts_per_tok=self.num_experts_per_tok,
+                      output_router_logits=self.output_router_logits,
+                      router_aux_loss_coef=self.router_aux_loss_coef)
+        if self.model_type == "mixtral":
+            return dict(common, num_local_experts=self.num_experts)
+        return dict(common, num_experts=self.num_experts, norm_topk_prob=self.norm_topk_prob,
+                    moe_intermediate_size=self.moe_intermediate_size, decoder_sparse_step=1,
+                    mlp_only_layers=[])
 
     def _hf_switches(self) -> dict:
         """The switches as this variant's config.json spells them."""
         if self.model_type == "llama":
             return dict(attention_bias=self.attention_bias, mlp_bias=self.mlp_bias)
-        if self.model_type == "mistral":
+        if self.model_type in ("mistral", "mixtral"):
             return dict(sliding_window=self.sliding_window or None)
-        # Qwen: the window on every layer (those from max_window_layers on slide), or none.
+        # Qwen: the window on every layer (those from max_window_layers on slide), or none;
+        # Qwen3-MoE slides every layer with use_sliding_window.
         out = dict(use_sliding_window=False)
         if self.sliding_window:
-            out = dict(use_sliding_window=True, sliding_window=self.sliding_window,
-                       max_window_layers=0)
-        if self.model_type == "qwen3":
+            out = dict(use_sliding_window=True, sliding_window=self.sliding_window)
+            if self.model_type != "qwen3_moe":
+                out["max_window_layers"] = 0
+        if self.model_type in ("qwen3", "qwen3_moe"):
             out["attention_bias"] = self.attention_bias
         return out
 
@@ -304,7 +415,8 @@ class LLaMAConfig:
         # files have rope_theta and rope_scaling at the top level. Where both are, HF
         # reads rope_scaling, and so do we.
         rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
-        rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+        rope_theta = rope.get("rope_theta", hf.get("rope_theta",
+                                                   HF_ROPE_THETA.get(model_type, 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         fields = dict(
             vocab_size=get("vocab_size"),
@@ -325,6 +437,7 @@ class LLaMAConfig:
             unk_token_id=_first_int(hf.get("unk_token_id"), None),
             model_type=model_type,
             **_switches_from_hf(model_type, get),
+            **_moe_from_hf(model_type, hf, get),
         )
         if rope_type == "llama3":
             fields.update(
@@ -380,17 +493,46 @@ def _switches_from_hf(model_type: str, get) -> dict:
     return out
 
 
+def _moe_from_hf(model_type: str, hf: dict, get) -> dict:
+    """The experts from config.json, as Qwen3MoeConfig / MixtralConfig read it; a layout
+    this model would compute differently (dense layers among the sparse ones, router
+    noise) is refused by the field."""
+    if model_type not in MOE_TYPES:
+        return {}
+    out = dict(num_experts_per_tok=get("num_experts_per_tok"),
+               output_router_logits=bool(get("output_router_logits")),
+               router_aux_loss_coef=float(get("router_aux_loss_coef")))
+    if model_type == "mixtral":
+        if get("router_jitter_noise"):
+            raise UserError(f"router_jitter_noise={get('router_jitter_noise')!r} (noise on "
+                            f"the router's input while training) is not supported; 0.0 is")
+        return dict(out, num_experts=get("num_local_experts"), norm_topk_prob=True)
+    # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts.
+    experts = hf.get("num_experts", hf.get("num_local_experts", get("num_experts")))
+    step, dense = get("decoder_sparse_step"), get("mlp_only_layers") or []
+    if step != 1 or dense:
+        field = f"mlp_only_layers={dense}" if dense else f"decoder_sparse_step={step}"
+        raise UserError(f"{field} makes some layers' MLPs dense: layers mixing dense and "
+                        f"mixture-of-experts MLPs are not supported (every layer sparse: "
+                        f"decoder_sparse_step=1, mlp_only_layers=[])")
+    return dict(out, num_experts=experts, moe_intermediate_size=get("moe_intermediate_size"),
+                norm_topk_prob=bool(get("norm_topk_prob")))
+
+
 def _sliding_window(model_type: str, get) -> int:
     """The window of every layer (0: none) as transformers 5 reads config.json: Mistral
     slides every layer unless `sliding_window` is null; Qwen2/3 only with
     `use_sliding_window`, and then the layers `layer_types` says (derived, when absent,
-    from max_window_layers: layers from that index on slide). Both classes' window, where
+    from max_window_layers: layers from that index on slide); Qwen3-MoE every layer with
+    `use_sliding_window`; Mixtral as Mistral. The classes' window, where
     config.json names none, is 4096. A window on some layers only is refused."""
     window = get("sliding_window")
-    if model_type == "mistral" or not window:
+    if model_type in ("mistral", "mixtral") or not window:
         return int(window or 0)
     if not get("use_sliding_window"):
         return 0
+    if model_type == "qwen3_moe":  # every layer slides
+        return int(window)
     layers = get("num_hidden_layers")
     first = get("max_window_layers")
     types = get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
@@ -487,4 +629,21 @@ LLAMA_PRESETS: dict[str, dict[str, Any]] = {
     "qwen3_4b": dict(_QWEN3, tie_word_embeddings=True, **_shape(2560, 9728, 36, 32)),
     "qwen3_8b": dict(_QWEN3, **_shape(4096, 12288, 36, 32)),
     "mistral_7b": dict(_MISTRAL, **_shape(4096, 14336, 32, 32)),
+    # Mixtures of experts: Qwen3-30B-A3B (30.5B parameters, 3.3B active) and
+    # Mixtral-8x7B-v0.1 (46.7B, 12.9B active), as their config.json files have them
+    # (written from knowledge, checked against the model cards' counts in
+    # tests/test_llama_config.py). Mixtral's intermediate_size is its expert width.
+    "qwen3_30b_a3b": dict(_QWEN3, model_type="qwen3_moe", num_key_value_heads=4,
+                          num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                          norm_topk_prob=True, **_shape(2048, 6144, 48, 32)),
+    "mixtral_8x7b": dict(_MISTRAL, model_type="mixtral", rope_theta=1000000.0,
+                         sliding_window=0, num_experts=8, num_experts_per_tok=2,
+                         norm_topk_prob=True,
+                         router_aux_loss_coef=0.02, **_shape(4096, 14336, 32, 32)),
+    # debug's shape with 8 experts of width 32, 2 per token, trained with the
+    # load-balancing loss (output_router_logits): the tests' and demos' MoE.
+    "debug_moe": dict(vocab_size=512, max_position_embeddings=512, rms_norm_eps=1e-6,
+                      bos_token_id=1, eos_token_id=2, model_type="qwen3_moe", num_experts=8,
+                      num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                      output_router_logits=True, **_shape(64, 128, 2, 4, num_key_value_heads=2)),
 }

@@ -1,13 +1,17 @@
 """The LLaMA family: the one object through which train, serve, eval, plan, bench,
 doctor and the converters reach the LLaMA model (`FAMILY`)."""
 
+import dataclasses
 import math
 
+import jax.numpy as jnp
+
 from easylm.llama import hf
-from easylm.llama.config import ARCHITECTURES, LLAMA_PRESETS, LLaMAConfig
+from easylm.llama.config import ARCHITECTURES, LLAMA_PRESETS, NOT_BUILT, LLaMAConfig
 from easylm.llama.model import PARTITION_RULES, LLaMAForCausalLM
 from easylm.models import remat
-from easylm.models.family import ModelFamily
+from easylm.models.family import Model, ModelFamily
+from easylm.models.moe import RouterLoss
 
 # The embedded demo: the `embedded` preset on the embedded corpus, sized to train in
 # about three minutes on two CPU cores (its warmup, 20 steps, and decay, to step 200,
@@ -32,12 +36,21 @@ class LLaMAFamily(ModelFamily):
     demo = EMBEDDED_DEFAULTS
     commands = "easylm.llama"
     hf_model_types = tuple(ARCHITECTURES)
+    hf_not_built = NOT_BUILT
     remat_policies = remat.NAMES
     variants = ("lora",)
     module_class = LLaMAForCausalLM
 
     def partition_rules(self, config: LLaMAConfig):
         return PARTITION_RULES
+
+    def bind(self, config: LLaMAConfig, dtype=jnp.float32, param_dtype=jnp.float32) -> Model:
+        model = super().bind(config, dtype, param_dtype)
+        if not config.num_experts:
+            return model
+        aux = config.router_aux_loss_coef if config.output_router_logits else 0.0
+        return dataclasses.replace(model, router_loss=RouterLoss(
+            config.num_experts_per_tok, aux, config.router_z_loss_coef))
 
     def unfused(self, config: LLaMAConfig) -> LLaMAConfig:
         return config.replace(fused_qkv=False, fused_mlp=False)

@@ -1,5 +1,6 @@
 """The LLaMA causal language model in Flax (LLaMA 1, 2, 3 and 3.2), and the variants
-that differ from it by a switch of `LLaMAConfig`: Qwen2/2.5, Qwen3 and Mistral.
+that differ from it by a switch of `LLaMAConfig`: Qwen2/2.5, Qwen3 and Mistral, and their
+mixture-of-experts twins Qwen3-MoE and Mixtral (every layer's MLP a `moe.SparseMoE`).
 
 Parameter names follow Hugging Face's `LlamaForCausalLM` (and its Qwen2, Qwen3 and
 Mistral twins), so converting a checkpoint is a table lookup (see `easylm/llama/hf.py`):
@@ -14,6 +15,9 @@ Mistral twins), so converting a checkpoint is a table lookup (see `easylm/llama/
     model/layers/<i>/post_attention_layernorm/weight
     model/layers/<i>/mlp/gate_proj/kernel        (D, F)     up_proj (D, F), down_proj (F, D)
     model/layers/<i>/mlp/gate_proj/bias          (F,)       with mlp_bias; up (F,), down (D,)
+    model/layers/<i>/mlp/router/kernel           (D, E)     with experts (Qwen3-MoE, Mixtral),
+    model/layers/<i>/mlp/experts/gate_proj       (E, D, F)  instead of the dense MLP: up_proj
+    model/layers/<i>/mlp/experts/down_proj       (E, F, D)  (E, D, F) (easylm/models/moe.py)
     model/norm/weight                            (D,)
     lm_head/kernel                               (D, V)     absent with tied embeddings
 
@@ -33,8 +37,9 @@ import flax.linen as nn
 from jax.sharding import PartitionSpec as P
 
 from easylm.llama.config import LLaMAConfig
-from easylm.models import rope
+from easylm.models import moe, rope
 from easylm.models.decoder import Attention, CausalLM, GatedMLP, Sublayer
+from easylm.models.moe import SparseMoE
 from easylm.runtime.sharding import BATCH_AXES, constrain
 
 # Parameter partition rules: the one place that says how LLaMA is sharded.
@@ -52,6 +57,8 @@ PARTITION_RULES = (
     (r"(input_layernorm|post_attention_layernorm|q_norm|k_norm)/weight", P(None)),
     (r"model/norm/weight", P(None)),
     (r"lm_head/kernel", P("fsdp", "mp")),
+    # Qwen3-MoE, Mixtral: mlp/router (D, E), mlp/experts/* (E, ...).
+    *moe.PARTITION_RULES,
 )
 
 
@@ -93,10 +100,20 @@ class DecoderLayer(Sublayer):
                              name="self_attn")(
             self.norm("input_layernorm")(x), cos, sin, mask, c.sliding_window, positions, cache)
         x = x + h
-        x = x + GatedMLP(c, self.dtype, self.param_dtype, fused=c.fused_mlp, bias=c.mlp_bias,
-                         name="mlp")(self.norm("post_attention_layernorm")(x))
+        x = x + self.mlp(self.norm("post_attention_layernorm")(x))
         x = constrain(x, P(BATCH_AXES, None, None))
         return x, cache  # (carry, output) so that nn.scan can stack the caches
+
+    def mlp(self, x):
+        """The gated MLP, or with experts the mixture of them, whose routing statistics go
+        to the "router" collection (`moe.router_stats` collects them)."""
+        c = self.config
+        if not c.num_experts:
+            return GatedMLP(c, self.dtype, self.param_dtype, fused=c.fused_mlp, bias=c.mlp_bias,
+                            name="mlp")(x)
+        out, stats = SparseMoE(c.moe, self.dtype, self.param_dtype, name="mlp")(x)
+        self.sow("router", "stats", stats)
+        return out
 
 
 class LLaMAForCausalLM(CausalLM):

@@ -30,7 +30,7 @@ from ml_collections import ConfigDict
 from ml_collections.config_dict import placeholder
 
 from easylm.errors import UserError
-from easylm.models import decoder
+from easylm.models import decoder, moe
 from easylm.runtime.sharding import PartitionRules, path_to_string
 
 Params = Any  # a tree of arrays
@@ -86,6 +86,9 @@ class Model:
     init_cache: Callable[[int, int], Any] | None = None  # (batch, length) -> zeros
     cache_rules: PartitionRules = ()
     max_seq_length: int = 0  # the longest row the model can take (0: no limit)
+    # A mixture of experts' router losses (moe.RouterLoss); the losses then call `forward`
+    # with router_stats=True (objectives/router_loss.py). None: no routers.
+    router_loss: Any = None
     eos_token_id: int | None = None
     num_layers: int = 1  # what the planner extrapolates over
     num_parameters: int = 0
@@ -115,6 +118,9 @@ class ModelFamily:
     demo: dict = {}
     commands: str = ""  # the package of `python -m <commands>.train|serve`
     hf_model_types: tuple[str, ...] = ()  # config.json model_types it reads (easylm.train picks)
+    # config.json model_types near those it reads that it does not build: what differs
+    # (the refusal names it, e.g. DeepSeek's multi-head latent attention)
+    hf_not_built: dict[str, str] = {}
     remat_policies: tuple[str, ...] = ()  # the `remat_policy` field's values, cheapest first
     # The variants (easylm/variants/) its model takes: "lora" (adapters on a frozen base,
     # for a model whose projections read their own kernels once `unfused`).
@@ -138,10 +144,13 @@ class ModelFamily:
         module = self.module_class(config, dtype=dtype, param_dtype=param_dtype)
 
         def forward(params, ids, positions=None, segment_ids=None, cache=None, *, base=None,
-                    rng=None, return_hidden=False):
+                    rng=None, return_hidden=False, router_stats=False):
             del base, rng  # a plain model: no frozen parameters, no dropout
-            return module.apply({"params": params}, ids, positions=positions,
-                                segment_ids=segment_ids, cache=cache, return_hidden=return_hidden)
+            # router_stats: (out, the MoE layers' moe.RouterStats, stacked) for its loss.
+            out = module.apply({"params": params}, ids, positions=positions,
+                               segment_ids=segment_ids, cache=cache, return_hidden=return_hidden,
+                               mutable=["router"] if router_stats else False)
+            return (out[0], moe.router_stats(out[1]["router"])) if router_stats else out
 
         return Model(
             name=self.name, config=config.to_dict(), vocab_size=config.vocab_size,

@@ -140,6 +140,28 @@ def load_metrics(stats: list[RouterStats], top_k: int, mask=None) -> dict:
             "moe_dropped": sum(s.dropped for s in stats)}
 
 
+@dataclasses.dataclass(frozen=True)
+class RouterLoss:
+    """What a training loss adds for a model's routers: aux_coef x the load-balancing loss
+    (0: logged only, as transformers without output_router_logits) and z_coef x the
+    z-loss, over the layers' `RouterStats` a forward pass sowed."""
+
+    top_k: int
+    aux_coef: float
+    z_coef: float = 0.0
+
+
+def router_stats(collection) -> RouterStats:
+    """The `RouterStats` a forward pass sowed into its "router" collection (each MoE layer
+    `self.sow("router", "stats", stats)`), stacked over the layers: logits (L, N, E),
+    experts (L, N, K), load (L, E), dropped (L,). Scanned layers come stacked already."""
+    found = jax.tree.leaves(collection, is_leaf=lambda x: isinstance(x, RouterStats))
+    found = [s if s.logits.ndim == 3 else jax.tree.map(lambda x: x[None], s) for s in found]
+    if not found:
+        raise ValueError("the forward pass sowed no router statistics (no MoE layer)")
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs), *found)
+
+
 # ------------------------------------------------------------------ grouped experts
 
 

@@ -86,5 +86,10 @@ def _family_of_hf(directory: str) -> str | None:
     for name, types in known.items():
         if model_type in types:
             return name
+    for name in FAMILIES:
+        why = get(name).hf_not_built.get(model_type)
+        if why:
+            raise UserError(f"{path}: model_type {model_type!r} is not built: its {why} is "
+                            f"not supported")
     readable = "; ".join(f"{name}: {', '.join(types)}" for name, types in known.items())
     raise UserError(f"{path}: model_type {model_type!r} is not one easylm reads ({readable})")

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from easylm.errors import UserError
 from easylm.objectives.base import Objective
+from easylm.objectives.router_loss import with_router_loss
 
 
 class LossSums(NamedTuple):
@@ -57,12 +58,19 @@ def next_token_sums(model, params, batch, rng, base=None) -> LossSums:
     `loss_chunk_size` from its hidden states, a chunk of positions' logits at a time."""
     kwargs = dict(positions=batch.get("positions"), segment_ids=batch.get("segment_ids"),
                   base=base, rng=rng)
-    if not model.loss_chunk_size:
-        logits = model.forward(params, batch["input_tokens"], **kwargs)  # (B, T, V)
-        return next_token_loss(logits, batch["target_tokens"], batch["loss_masks"])
-    hidden = model.forward(params, batch["input_tokens"], return_hidden=True, **kwargs)
-    return chunked_next_token_loss(hidden, model.head(params, base), batch["target_tokens"],
-                                   batch["loss_masks"], model.loss_chunk_size)
+    if model.router_loss is not None:  # a mixture of experts: its router losses too
+        kwargs["router_stats"] = True
+    chunked = bool(model.loss_chunk_size)
+    out = model.forward(params, batch["input_tokens"], return_hidden=chunked, **kwargs)
+    out, stats = out if model.router_loss is not None else (out, None)
+    if not chunked:  # out: logits (B, T, V)
+        sums = next_token_loss(out, batch["target_tokens"], batch["loss_masks"])
+    else:  # out: hidden states (B, T, D)
+        sums = chunked_next_token_loss(out, model.head(params, base), batch["target_tokens"],
+                                       batch["loss_masks"], model.loss_chunk_size)
+    if stats is None:
+        return sums
+    return with_router_loss(sums, stats, model.router_loss, batch.get("segment_ids"))
 
 
 @jax.custom_vjp

@@ -45,7 +45,10 @@ HELP = {
 _SUMMARY = (("loss", "loss {:.4f}"), ("accuracy", "acc {:.3f}"),
             ("rewards/accuracy", "reward acc {:.3f}"), ("rewards/margin", "margin {:.3f}"),
             ("reward", "reward {:.3f}"), ("completions/mean_length", "length {:.1f}"),
-            ("kl", "kl {:.2e}"), ("learning_rate", "lr {:.2e}"), ("gradient_norm", "grad_norm {:.3f}"),
+            ("kl", "kl {:.2e}"), ("moe_aux_loss", "moe aux {:.3f}"),
+            ("moe_load_min", "expert load min {:,.0f}"), ("moe_load_max", "max {:,.0f}"),
+            ("moe_dropped", "dropped {:,.0f}"), ("learning_rate", "lr {:.2e}"),
+            ("gradient_norm", "grad_norm {:.3f}"),
             ("tokens_per_second", "tokens/s {:,.0f}"))
 _EVAL_SUMMARY = (("eval_loss", "eval loss {:.4f}"), ("eval_accuracy", "acc {:.3f}"),
                  ("eval_rewards/accuracy", "reward acc {:.3f}"),

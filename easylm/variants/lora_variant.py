@@ -67,6 +67,7 @@ def lora_variant(model: Model, lm: LoraModel, host: Host, load_spec: str, load) 
     adapter_parameters = lm.num_adapter_parameters()
     return dataclasses.replace(
         model, init_params=lm.init_adapters, forward=forward, head=head,
+        router_loss=None,  # a MoE base's router losses: not through adapters yet (issue 37)
         partition_rules=partition_rules(host.rules),
         frozen=frozen(lm, model, host.rules, load_spec, load), load=None,
         num_parameters=adapter_parameters,
