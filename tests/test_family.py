@@ -161,8 +161,9 @@ def test_a_checkpoint_names_its_family_to_the_generic_commands(trained):
     _, whole, _ = trained
     for flag, spec in (("--load_checkpoint", f"params::{whole}"), ("--lora_checkpoint", whole)):
         # The toy family is not registered by name: its checkpoint says so, in one line.
+        names = ", ".join(registry.FAMILIES)
         with pytest.raises(UserError, match=rf"^{spec}: its metadata names model 'toy', "
-                                            rf"which is not one of llama, gemma; pass "
+                                            rf"which is not one of {names}; pass "
                                             rf"--family=MODULE:ATTRIBUTE$"):
             registry.from_argv(["prog", f"{flag}={spec}"], detect=True)
     family, _ = registry.from_argv(["prog", "--family=toy_family:FAMILY",
