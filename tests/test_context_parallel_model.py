@@ -1,0 +1,190 @@
+"""The decoder with its sequence split over the mesh axis 'sp' (context parallelism,
+easylm/models/context_parallel.py wired in by easylm/models/decoder.py) against the same
+model on one device: logits, the next-token loss and its gradients.
+
+The model is the debug LLaMA as Mistral (GQA: 4 query heads over 2 kv heads; a sliding
+window of 5, shorter than its documents), and Gemma 3's debug model (a sliding and a
+global layer, scanned as one block). Rows are packed: row 0 many short documents then padding, row 1 a
+3-token document then one crossing every shard boundary. The batch goes through the
+trainer's `split_sequence` (zig-zag order) as in a run.
+"""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from easylm.data.packing import segment_positions
+from easylm.gemma.family import FAMILY as GEMMA
+from easylm.llama.family import FAMILY as LLAMA
+from easylm.models.context_parallel import STRATEGIES, from_zigzag, to_zigzag, use_strategy
+from easylm.objectives.next_token import NextToken
+from easylm.runtime.sharding import make_mesh
+from easylm.training.step import split_sequence, zigzag_documents
+from numerics import assert_close, assert_differs, forward_rel, logprob_tolerance
+
+B, T = 4, 32  # T: a multiple of 2 * sp for sp = 8
+# One layer each kind (compiling the ring's backward dominates this file's time).
+MISTRAL = LLAMA.from_preset("debug", model_type="mistral", sliding_window=5,
+                            initializer_range=0.1, num_hidden_layers=1)
+GEMMA_CONFIG = GEMMA.from_preset("debug", initializer_range=0.1, scan_layers=True,
+                                 num_hidden_layers=2)  # one sliding, one global layer
+
+
+def packed_batch(vocab_size, seed=0):
+    """A next-token batch of packed rows (see the module docstring), segment ids and
+    positions as data/packing.py makes them."""
+    rng = np.random.default_rng(seed)
+    ends = np.cumsum(rng.integers(1, 6, size=(B, T)), axis=1)
+    segments = np.stack([np.searchsorted(e, np.arange(T), side="right") + 1 for e in ends])
+    segments[0, T - 2:] = 0  # padding at the end of a row
+    segments[1] = np.where(np.arange(T) < 3, 1, 2)
+    segments = segments.astype(np.int32)
+    tokens = rng.integers(0, vocab_size, size=(B, T + 1)).astype(np.int32)
+    return {"input_tokens": tokens[:, :-1], "target_tokens": tokens[:, 1:],
+            "loss_masks": (segments > 0).astype(np.float32), "segment_ids": segments,
+            "positions": segment_positions(segments)}
+
+
+def split_logits(model, params, batch):
+    """Logits in the row's own order, the batch in zig-zag order under a mesh with sp > 1."""
+    mesh = jax.sharding.get_abstract_mesh()
+    sp = 1 if mesh.empty else mesh.shape["sp"]
+    order = zigzag_documents(batch, sp) if sp > 1 else batch
+    logits = model.forward(params, order["input_tokens"], positions=order["positions"],
+                           segment_ids=order["segment_ids"])
+    return from_zigzag(logits, sp) if sp > 1 else logits
+
+
+def logits_loss_grads(model, params, batch, loss_fn):
+    """(logits in the row's own order, the loss's sums, its gradients)."""
+    loss, grads = jax.value_and_grad(lambda p: loss_fn(p, batch, jax.random.key(0), {}).loss)(
+        params)
+    return split_logits(model, params, batch), loss, grads
+
+
+@functools.cache
+def setup():
+    """(model, params, batch, single-device (logits, loss, grads)) of MISTRAL."""
+    model = LLAMA.bind(MISTRAL)
+    params = model.init_params(jax.random.key(0))
+    batch = packed_batch(MISTRAL.vocab_size)
+    loss_fn = NextToken(model).loss_fn
+    want = jax.jit(functools.partial(logits_loss_grads, model, loss_fn=loss_fn))(params, batch)
+    return model, params, batch, want
+
+
+@functools.cache
+def compiled(sp, strategy):
+    """The jitted (params, batch) -> (logits, loss, grads) on a mesh of sp x (8 / sp)
+    fsdp devices, and its mesh."""
+    model, params, batch, _ = setup()
+    mesh = make_mesh(f"fsdp={8 // sp},sp={sp}")
+    loss_fn = split_sequence(NextToken(model).loss_fn, sp)
+    with jax.set_mesh(mesh), use_strategy(strategy):
+        program = jax.jit(functools.partial(logits_loss_grads, model, loss_fn=loss_fn)).lower(
+            params, batch).compile()
+    return program, mesh
+
+
+def run(sp, strategy, batch=None):
+    _, params, default, _ = setup()
+    program, mesh = compiled(sp, strategy)
+    with jax.set_mesh(mesh):
+        return jax.device_get(program(params, default if batch is None else batch))
+
+
+def check_equal(got, want, config):
+    """Logits to the forward's depth (scale: the largest logit), the summed loss to that of
+    a sum of B*T log-probabilities, gradients as in tests/test_sharding.py."""
+    (logits, loss, grads), (logits1, loss1, grads1) = got, want
+    rel = forward_rel(config, T)
+    scale = float(np.abs(logits1).max())
+    assert_close(logits, logits1, rel)
+    assert abs(float(loss) - float(loss1)) <= logprob_tolerance(config, T, scale, B * T)
+    for g, g1 in zip(jax.tree.leaves(grads), jax.tree.leaves(grads1)):
+        assert_close(g, g1, 2 * rel)
+
+
+@pytest.mark.parametrize("sp", [2, 4, 8])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_split_sequence_equals_one_device(sp, strategy):
+    model, params, batch, want = setup()
+    check_equal(run(sp, strategy), want, MISTRAL)
+    # Negative twin: the packing's segment ids dropped (every row one document).
+    dropped = {**batch, "segment_ids": np.ones_like(batch["segment_ids"])}
+    assert_differs(run(sp, strategy, dropped)[0], want[0], forward_rel(MISTRAL, T))
+
+
+def test_gemma_sliding_and_global_layers_scanned():
+    """Logits only: the gradients' path is the one the Mistral cases test."""
+    assert GEMMA_CONFIG.sliding_window < T  # the window drops keys
+    model = GEMMA.bind(GEMMA_CONFIG)
+    params = model.init_params(jax.random.key(0))
+    batch = packed_batch(GEMMA_CONFIG.vocab_size)
+    want = jax.jit(functools.partial(split_logits, model))(params, batch)
+    dropped = {**batch, "segment_ids": np.ones_like(batch["segment_ids"])}
+    with jax.set_mesh(make_mesh("fsdp=2,sp=4")), use_strategy("ring"):
+        forward = jax.jit(functools.partial(split_logits, model))
+        got, leaky = forward(params, batch), forward(params, dropped)
+    assert_close(got, want, forward_rel(GEMMA_CONFIG, T))
+    assert_differs(leaky, want, forward_rel(GEMMA_CONFIG, T))  # twin: segment ids dropped
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_no_logit_of_another_document_changes(strategy):
+    """One input token of a document changed: every logit of every other document stays
+    bitwise the same, and later logits of its own document move."""
+    _, _, batch, _ = setup()
+    segments = batch["segment_ids"]
+    place = int(np.flatnonzero(np.diff(segments[0]))[2]) + 1  # a document's first token
+
+    def changed(fed_segments):
+        fed = {**batch, "segment_ids": fed_segments}
+        perturbed = {**fed, "input_tokens": batch["input_tokens"].copy()}
+        perturbed["input_tokens"][0, place] += 1
+        before, after = run(4, strategy, fed)[0], run(4, strategy, perturbed)[0]
+        moved = (before != after).any(axis=-1)  # (B, T)
+        own = segments == segments[0, place]
+        own[1:] = False
+        return moved[~own].sum(), moved[own].sum()
+
+    other, own = changed(segments)
+    assert other == 0 and own > 0
+    # Negative twin: the same check with segment ids ignored finds the leak.
+    other, _ = changed(np.ones_like(segments))
+    assert other > 0
+
+
+def full_kv_gathers(hlo: str) -> list[str]:
+    """All-gathers whose result is a whole row's keys or values (b, T, K, H)."""
+    c = MISTRAL
+    shape = re.compile(rf"\[\d+,{T},{c.num_key_value_heads},{c.head_dim}\]")
+    return [line for line in hlo.splitlines()
+            if "all-gather(" in line and shape.search(line.split("all-gather(")[0])]
+
+
+def test_ring_step_passes_blocks_and_never_gathers_the_whole_kv():
+    ring = compiled(4, "ring")[0].as_text()
+    assert "collective-permute" in ring
+    assert full_kv_gathers(ring) == []
+    # Twin: the same inspection finds the gathering strategy's K/V.
+    assert full_kv_gathers(compiled(4, "all_gather")[0].as_text())
+
+
+def test_zigzag_documents_moves_every_per_token_array_together():
+    _, _, batch, _ = setup()
+    batch = {k: v for k, v in batch.items() if k != "positions"}  # filled in: 0..T-1
+    batch["row_weight"] = np.ones((B,), np.float32)  # per row: left as it is
+    order = zigzag_documents(batch, 4)
+    for key in ("input_tokens", "target_tokens", "loss_masks", "segment_ids"):
+        np.testing.assert_array_equal(order[key], to_zigzag(batch[key], 4))
+    np.testing.assert_array_equal(from_zigzag(order["positions"], 4),
+                                  np.broadcast_to(np.arange(T), (B, T)))
+    np.testing.assert_array_equal(order["row_weight"], batch["row_weight"])
+    with pytest.raises(Exception, match="multiple of 2\\*sp = 16"):
+        zigzag_documents({k: v[:, :24] for k, v in batch.items() if v.ndim == 2}, 8)
+
