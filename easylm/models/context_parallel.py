@@ -370,9 +370,17 @@ class SplitSequence:
     strategy: str = struct.field(pytree_node=False, default=DEFAULT_STRATEGY)
 
     @classmethod
-    def if_split(cls, segment_ids, cache):
-        """One under a mesh with sp > 1 and no cache (training, scoring), else None."""
-        if cache is not None or sequence_shards() == 1:
+    def if_split(cls, positions, segment_ids, cache):
+        """One under a mesh with sp > 1 and no cache (training, scoring) for rows that
+        split over it, else None: attention over whole rows (a parameter init's (1, 8)
+        dummy, which XLA may replicate)."""
+        sp = sequence_shards()
+        if cache is not None or sp == 1:
+            return None
+        mesh = jax.sharding.get_abstract_mesh()
+        batch = int(np.prod([mesh.shape[a] for a in BATCH_AXES if a in mesh.axis_names]))
+        B, T = positions.shape
+        if B % batch or T % (2 * sp):
             return None
         return cls(segment_ids, _strategy.get())
 

@@ -289,7 +289,7 @@ class _Backbone(nn.Module):
         """Each layer kind's (cos, sin, mask): the mask (B, T, S) is None for plain causal
         attention (the kernel's own, with the kind's window), else it holds the window."""
         c, lm = self.config, self.lm
-        split = SplitSequence.if_split(segment_ids, cache)
+        split = SplitSequence.if_split(positions, segment_ids, cache)
         if split is not None:  # no (B, T, T) mask: the window is the kind's, applied there
             return {kind: (*rotary_embedding(positions, lm.inv_freq(c, kind), self.dtype), split)
                     for kind in dict.fromkeys(lm.layer_kinds(c))}
