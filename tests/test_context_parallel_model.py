@@ -208,14 +208,12 @@ def documents_path(tmp_path_factory):
     return str(path)
 
 
-def train(tmp_path, documents_path, name, *flags):
-    """The losses of a run of the debug LLaMA (one layer) on packed rows with segment ids,
-    the run directory `name` under tmp_path (resumed when it has a checkpoint)."""
+def train(tmp_path, name, *flags):
+    """The logged steps of a run of the debug LLaMA (one layer) on rows of 32 tokens, the
+    run directory `name` under tmp_path (resumed when it has a checkpoint)."""
     argv = ["train", "--llama.base_model=debug", "--llama.num_hidden_layers=1",
-            "--tokenizer=embedded", f"--train_dataset.json_dataset.path={documents_path}",
-            "--train_dataset.json_dataset.seq_length=32",
-            "--train_dataset.json_dataset.batch_size=8",
-            "--train_dataset.json_dataset.segment_ids=True", "--dtype=fp32", "--log_freq=1",
+            "--tokenizer=embedded", "--train_dataset.json_dataset.seq_length=32",
+            "--train_dataset.json_dataset.batch_size=8", "--dtype=fp32", "--log_freq=1",
             "--optimizer.adamw_optimizer.lr=1e-2", "--optimizer.adamw_optimizer.lr_warmup_steps=0",
             "--optimizer.adamw_optimizer.lr_decay_steps=3",
             f"--logger.output_dir={tmp_path}", f"--logger.experiment_id={name}",
@@ -227,9 +225,11 @@ def train(tmp_path, documents_path, name, *flags):
 
 
 def test_train_command_under_sp_equals_fsdp_and_resumes_exactly(tmp_path, documents_path):
-    sp = ["--mesh_dim=dp=1,fsdp=2,sp=4", "--context_parallel=ring"]
-    fsdp = train(tmp_path, documents_path, "fsdp", "--mesh_dim=1,8,1", "--total_steps=3")
-    split = train(tmp_path, documents_path, "sp", *sp, "--total_steps=3")
+    packed = [f"--train_dataset.json_dataset.path={documents_path}",
+              "--train_dataset.json_dataset.segment_ids=True"]
+    sp = [*packed, "--mesh_dim=dp=1,fsdp=2,sp=4", "--context_parallel=ring"]
+    fsdp = train(tmp_path, "fsdp", *packed, "--mesh_dim=1,8,1", "--total_steps=3")
+    split = train(tmp_path, "sp", *sp, "--total_steps=3")
     rel = 2 * forward_rel(LLAMA.from_preset("debug", num_hidden_layers=1), 32)
     # As tests/test_trainer.py: after Adam's first update only the loss is compared.
     for key in ("loss", "accuracy", "gradient_norm"):
@@ -237,10 +237,45 @@ def test_train_command_under_sp_equals_fsdp_and_resumes_exactly(tmp_path, docume
     for a, b in zip(split[1:], fsdp[1:]):
         assert a["loss"] == pytest.approx(b["loss"], rel=rel)
     # Stopped after step 2 (its checkpoint saved) and resumed: bitwise the same step 3.
-    train(tmp_path, documents_path, "resumed", *sp, "--total_steps=2", "--save_model_freq=2")
-    resumed = train(tmp_path, documents_path, "resumed", *sp, "--total_steps=3")
+    train(tmp_path, "resumed", *sp, "--total_steps=2", "--save_model_freq=2")
+    resumed = train(tmp_path, "resumed", *sp, "--total_steps=3")
     assert [row["loss"] for row in resumed] == [row["loss"] for row in split]
     # Negative twin: the same rows without their segment ids (attention across documents).
-    leaky = train(tmp_path, documents_path, "leaky", "--mesh_dim=1,8,1", "--total_steps=1",
+    leaky = train(tmp_path, "leaky", *packed, "--mesh_dim=1,8,1", "--total_steps=1",
                   "--train_dataset.json_dataset.segment_ids=False")
     assert leaky[0]["loss"] != pytest.approx(fsdp[0]["loss"], rel=rel)
+
+
+@pytest.fixture(scope="module")
+def pairs_and_prompts(tmp_path_factory):
+    """(preference pairs, GRPO prompts with answers) as JSONL, short enough for 32 tokens."""
+    rng = np.random.default_rng(1)
+    words = "the a cat dog ran sat on mat sun moon red blue big small happy sad tree".split()
+
+    def text(n):
+        return " ".join(rng.choice(words, n))
+
+    root = tmp_path_factory.mktemp("objectives")
+    pairs, prompts = root / "pairs.jsonl", root / "prompts.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": text(3), "chosen": text(4),
+                                         "rejected": text(3)}) + "\n" for _ in range(64)))
+    prompts.write_text("".join(json.dumps({"prompt": f"{i % 7} plus {i % 5} is",
+                                           "answer": str(i % 7 + i % 5)}) + "\n"
+                               for i in range(64)))
+    return str(pairs), str(prompts)
+
+
+@pytest.mark.parametrize("objective", ["dpo_lora", "grpo"])
+def test_objectives_and_lora_under_sp_equal_fsdp(tmp_path, pairs_and_prompts, objective):
+    pairs, prompts = pairs_and_prompts
+    flags = {"dpo_lora": ["--objective=dpo", "--lora.rank=4",
+                          f"--train_dataset.json_dataset.path={pairs}",
+                          "--train_dataset.preference.enabled=True"],
+             "grpo": ["--objective=grpo", f"--train_dataset.json_dataset.path={prompts}",
+                      "--grpo.num_generations=2", "--grpo.max_new_tokens=4",
+                      "--grpo.reward_funcs=answer_match"]}[objective]
+    fsdp = train(tmp_path, "fsdp", "--mesh_dim=1,8,1", "--total_steps=1", *flags)
+    split = train(tmp_path, "sp", "--mesh_dim=dp=1,fsdp=2,sp=4", "--total_steps=1", *flags)
+    rel = 2 * forward_rel(LLAMA.from_preset("debug", num_hidden_layers=1), 32)
+    for key in ("loss", "gradient_norm"):
+        assert split[0][key] == pytest.approx(fsdp[0][key], rel=rel, abs=rel), key
