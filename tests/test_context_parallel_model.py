@@ -279,3 +279,30 @@ def test_objectives_and_lora_under_sp_equal_fsdp(tmp_path, pairs_and_prompts, ob
     rel = 2 * forward_rel(LLAMA.from_preset("debug", num_hidden_layers=1), 32)
     for key in ("loss", "gradient_norm"):
         assert split[0][key] == pytest.approx(fsdp[0][key], rel=rel, abs=rel), key
+
+
+# ------------------------------------------------------------ the planner
+
+
+def test_plan_splits_activations_over_sp_and_finds_the_longest_row():
+    """Per device, sp = 4 keeps at most a quarter of the activations of whole rows (whose
+    attention also keeps T x T probabilities); the longest row is the one whose plan fits
+    the budget exactly."""
+    from easylm import flags, plan
+    from easylm.llama import train as llama_train
+
+    def parse(mesh_dim, seq_length):
+        return flags.parse(plan.default_config(LLAMA),
+                           {**llama_train.help_entries(), **plan.HELP},
+                           ["plan", "--llama.base_model=debug", "--llama.num_hidden_layers=2",
+                            "--train_dataset.json_dataset.batch_size=2",
+                            f"--mesh_dim={mesh_dim}",
+                            f"--train_dataset.json_dataset.seq_length={seq_length}"])
+
+    whole = plan.estimate(parse("1,2,1", 512), LLAMA, num_devices=2)
+    split = plan.estimate(parse("dp=1,fsdp=2,sp=4", 512), LLAMA, num_devices=8)
+    assert 0 < 4 * split.activations <= whole.activations
+    config = parse("dp=1,fsdp=2,sp=4", 64)
+    assert plan.longest_row(config, LLAMA, 8, 1, split.total, step=256) == 512
+    with pytest.raises(Exception, match="multiple of 2\\*sp = 8"):
+        plan.estimate(parse("dp=1,fsdp=2,sp=4", 60), LLAMA, num_devices=8)
