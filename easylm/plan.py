@@ -211,6 +211,14 @@ def _dataset(config: ConfigDict):
     return loader_options(config.train_dataset)
 
 
+def _row_split(config: ConfigDict, T: int, sp: int) -> tuple[int, int]:
+    """(T, sp), rows of T tokens checked to split over sp devices in zig-zag order."""
+    if sp > 1 and T % (2 * sp):
+        raise UserError(f"--train_dataset.{loader_block(config.train_dataset)}.seq_length={T} "
+                        f"must be a multiple of 2*sp = {2 * sp} to split rows over sp={sp}")
+    return T, sp
+
+
 def estimate(config: ConfigDict, family, num_devices: int, num_processes: int = 1) -> Estimate:
     """Per-device memory of training as `config` says, on `num_devices` devices."""
     sizes = mesh_sizes(config, num_devices, num_processes)
@@ -218,10 +226,7 @@ def estimate(config: ConfigDict, family, num_devices: int, num_processes: int = 
     accumulate = config.optimizer.accumulate_gradient_steps
     check_batch_split(data.batch_size, sizes, accumulate)
     rows = data.batch_size // batch_shards(sizes)  # rows of one device per step
-    T, sp = data.seq_length, sizes["sp"]
-    if sp > 1 and T % (2 * sp):
-        raise UserError(f"--train_dataset.{loader_block(config.train_dataset)}.seq_length={T} "
-                        f"must be a multiple of 2*sp = {2 * sp} to split rows over sp={sp}")
+    T, sp = _row_split(config, data.seq_length, sizes["sp"])
 
     family.check_plannable(family.model_config(config))
     model = variants.build(family, config)

@@ -1,12 +1,13 @@
 """The decoder with its sequence split over the mesh axis 'sp' (context parallelism,
 easylm/models/context_parallel.py wired in by easylm/models/decoder.py) against the same
-model on one device: logits, the next-token loss and its gradients.
+model on one device: logits, the next-token loss and its gradients; then the trainer
+command under sp (losses, resume, DPO with LoRA, GRPO) and the planner's long-row line.
 
 The model is the debug LLaMA as Mistral (GQA: 4 query heads over 2 kv heads; a sliding
 window of 5, shorter than its documents), and Gemma 3's debug model (a sliding and a
-global layer, scanned as one block). Rows are packed: row 0 many short documents then padding, row 1 a
-3-token document then one crossing every shard boundary. The batch goes through the
-trainer's `split_sequence` (zig-zag order) as in a run.
+global layer, scanned as one block). Rows are packed: row 0 many short documents then
+padding, row 1 a 3-token document then one crossing every shard boundary. The batch goes
+through the trainer's `split_sequence` (zig-zag order) as in a run.
 """
 
 import contextlib
