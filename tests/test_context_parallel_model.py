@@ -18,7 +18,6 @@ import re
 import shutil
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

@@ -287,7 +287,8 @@ class _Backbone(nn.Module):
 
     def contexts(self, positions, segment_ids, cache):
         """Each layer kind's (cos, sin, mask): the mask (B, T, S) is None for plain causal
-        attention (the kernel's own, with the kind's window), else it holds the window."""
+        attention (the kernel's own, with the kind's window), else it holds the window;
+        under a mesh with sp > 1 a `SplitSequence` (segment ids, no mask) instead."""
         c, lm = self.config, self.lm
         split = SplitSequence.if_split(positions, segment_ids, cache)
         if split is not None:  # no (B, T, T) mask: the window is the kind's, applied there
