@@ -309,3 +309,14 @@ def test_plan_splits_activations_over_sp_and_finds_the_longest_row():
     assert plan.longest_row(config, LLAMA, 8, 1, split.total, step=256) == 512
     with pytest.raises(Exception, match="multiple of 2\\*sp = 8"):
         plan.estimate(parse("dp=1,fsdp=2,sp=4", 60), LLAMA, num_devices=8)
+
+
+def test_serving_refuses_a_split_sequence_in_one_line(capsys):
+    from cli_utils import one_line_error
+    from easylm.llama import serve
+
+    message = one_line_error(serve.main, ["serve", "--llama.base_model=debug",
+                                          "--tokenizer=embedded", "--mesh_dim=fsdp=4,sp=2"],
+                             capsys)
+    assert message == ("--mesh_dim=fsdp=4,sp=2: serving does not split the sequence; give "
+                       "sp=1 (split the devices over fsdp or mp instead)")
