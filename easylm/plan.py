@@ -44,11 +44,12 @@ import sys
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AbstractMesh, AxisType
 from ml_collections import ConfigDict
 
 from easylm import flags as flag_lib, objectives, variants
-from easylm.data.options import loader_options
-from easylm.errors import exit_on_user_error
+from easylm.data.options import loader_block, loader_options
+from easylm.errors import UserError, exit_on_user_error
 from easylm.objectives.base import COPY
 from easylm.runtime.dtypes import DTYPES, bits, dtype_from_flag, nbytes
 from easylm.runtime.sharding import (
@@ -158,8 +159,16 @@ def _shapes(model):
     return jax.eval_shape(model.init_params, jax.random.key(0)), frozen
 
 
-def _residual_bytes(model, batch) -> int:
-    """Bytes the backward pass keeps (parameters, frozen ones and inputs not counted)."""
+def _residual_bytes(model, batch, sp: int = 1) -> int:
+    """Bytes the backward pass keeps (parameters, frozen ones and inputs not counted) for
+    `batch`; with sp > 1, one device's share when its rows are split over sp devices:
+    traced under a mesh with that sp axis, so attention is the context parallel one (no
+    T x T probabilities kept), and every residual, a (rows, T, ...) array split over sp,
+    divided by sp."""
+    if sp > 1:
+        mesh = AbstractMesh((1, 1, sp, 1, 1), MESH_AXES, axis_types=(AxisType.Auto,) * 5)
+        with jax.sharding.use_abstract_mesh(mesh):
+            return _residual_bytes(model, batch) // sp
     # The private function behind the public `jax.ad_checkpoint.print_saved_residuals`.
     from jax._src.ad_checkpoint import saved_residuals
 
@@ -202,6 +211,14 @@ def _dataset(config: ConfigDict):
     return loader_options(config.train_dataset)
 
 
+def _row_split(config: ConfigDict, T: int, sp: int) -> tuple[int, int]:
+    """(T, sp), rows of T tokens checked to split over sp devices in zig-zag order."""
+    if sp > 1 and T % (2 * sp):
+        raise UserError(f"--train_dataset.{loader_block(config.train_dataset)}.seq_length={T} "
+                        f"must be a multiple of 2*sp = {2 * sp} to split rows over sp={sp}")
+    return T, sp
+
+
 def estimate(config: ConfigDict, family, num_devices: int, num_processes: int = 1) -> Estimate:
     """Per-device memory of training as `config` says, on `num_devices` devices."""
     sizes = mesh_sizes(config, num_devices, num_processes)
@@ -209,7 +226,7 @@ def estimate(config: ConfigDict, family, num_devices: int, num_processes: int = 
     accumulate = config.optimizer.accumulate_gradient_steps
     check_batch_split(data.batch_size, sizes, accumulate)
     rows = data.batch_size // batch_shards(sizes)  # rows of one device per step
-    T = data.seq_length
+    T, sp = _row_split(config, data.seq_length, sizes["sp"])
 
     family.check_plannable(family.model_config(config))
     model = variants.build(family, config)
@@ -234,7 +251,7 @@ def estimate(config: ConfigDict, family, num_devices: int, num_processes: int = 
         batch.update(segment_ids=micro, positions=micro)
     mp = sizes["mp"]
     L = model.num_layers
-    saved = [_residual_bytes(_shard_model(family, config, n, mp), batch) for n in (1, 2)]
+    saved = [_residual_bytes(_shard_model(family, config, n, mp), batch, sp) for n in (1, 2)]
     per_layer = saved[1] - saved[0]
     activations = saved[0] + (L - 1) * per_layer
 
@@ -242,7 +259,7 @@ def estimate(config: ConfigDict, family, num_devices: int, num_processes: int = 
     # keeps without remat, less what the policy keeps anyway) ...
     working = 0
     if model.config.get("remat_policy", "none") != "none":
-        plain = [_residual_bytes(_shard_model(family, config, n, mp, "none"), batch)
+        plain = [_residual_bytes(_shard_model(family, config, n, mp, "none"), batch, sp)
                  for n in (1, 2)]
         working += (plain[1] - plain[0]) - per_layer
     # ... and with fsdp its weights are gathered whole and their gradient is whole
@@ -262,6 +279,32 @@ def estimate(config: ConfigDict, family, num_devices: int, num_processes: int = 
         reference=parameters if objective.reference == COPY else 0,
         rollout_cache=_rollout_cache(objective, model, data, sizes),
     )
+
+
+def longest_row(config: ConfigDict, family, num_devices: int, num_processes: int,
+                budget: int, step: int = 1024) -> int:
+    """The longest rows (a multiple of `step`, 2*sp and the loss's chunk, at most the
+    model's max_position_embeddings) whose plan fits in `budget` bytes; 0 if none does.
+    Doubling, then bisection: about 2 log2(longest / step) estimates."""
+    sp = mesh_sizes(config, num_devices, num_processes)["sp"]
+    model_config = family.model_config(config)
+    step = math.lcm(step, 2 * sp, model_config.loss_chunk_size or 1)
+    limit = model_config.max_position_embeddings // step
+    key = f"train_dataset.{loader_block(config.train_dataset)}.seq_length"
+
+    def fits(units: int) -> bool:
+        plan = estimate(_changed(config, {key: units * step}), family, num_devices,
+                        num_processes)
+        return plan.total <= budget
+
+    low, high = 0, 1
+    while high <= limit and fits(high):
+        low, high = high, 2 * high
+    high = min(high, limit + 1)
+    while high - low > 1:  # fits(low) (or low = 0), not fits(high) (or beyond the limit)
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low * step
 
 
 def _rollout_cache(objective, model, data, sizes: dict) -> int:
@@ -401,6 +444,13 @@ def report(config: ConfigDict, family, num_devices: int, num_processes: int,
     fits = plan.total <= budget
     lines.append(f"{'fits' if fits else 'does NOT fit'} in {_size(budget)} "
                  f"({100 * plan.total / budget:.0f}%)")
+    if plan.mesh["sp"] > 1:  # context parallel: how long a row can get on this mesh
+        longest = longest_row(config, family, num_devices, num_processes, budget)
+        cap = model.max_seq_length
+        capped = f", the model's --{family.name}.max_position_embeddings" \
+            if cap and longest > cap - 1024 else ""
+        lines.append(f"longest row that fits: {longest:,} tokens ({data.batch_size} rows a "
+                     f"step, sp={plan.mesh['sp']}, the rest as given{capped})")
     if not fits:
         found = find_fix(config, family, num_devices, num_processes, budget)
         if found is None:

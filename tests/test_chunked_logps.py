@@ -100,3 +100,70 @@ def test_chunk_must_divide_the_row():
     hidden, head, targets, _ = inputs()
     with pytest.raises(UserError, match="loss_chunk_size=5 must divide the sequence length 16"):
         chunked_token_logps(hidden, head, targets, 1.0, 5)
+
+
+# ------------------------------------------------------------ in GRPO's loss
+
+
+def grpo_step(chunk_size):
+    """(GRPO objective (beta 0.1, a frozen copy as reference) on the one-layer debug LLaMA
+    with --llama.loss_chunk_size=chunk_size, its parameters, a synthetic batch of 2 prompts
+    x 4 completions of 16 tokens)."""
+    from easylm import objectives, variants
+    from easylm.llama import train as llama_train
+    from easylm.llama.family import FAMILY
+
+    config = llama_train.parse_flags([
+        "train", "--objective=grpo", "--llama.base_model=debug", "--llama.num_hidden_layers=1",
+        f"--llama.loss_chunk_size={chunk_size}", "--grpo.num_generations=4", "--grpo.beta=0.1",
+        "--grpo.reward_funcs=answer_match", "--train_dataset.json_dataset.seq_length=16"])
+    model = variants.build(FAMILY, config)
+    params = model.init_params(jax.random.key(0))
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(3, 512, (2, 4, 17)).astype(np.int32)
+    masks = np.zeros((2, 4, 17), np.float32)
+    masks[..., 5:] = rng.integers(0, 2, (2, 4, 12))
+    batch = {"input_tokens": tokens[..., :-1], "target_tokens": tokens[..., 1:],
+             "loss_masks": masks[..., 1:], "advantages": rng.normal(size=(2, 4)),
+             "valid": np.ones((2, 4), np.float32), "old_logps": -rng.uniform(3, 8, (2, 4, 16))}
+    batch = {k: np.asarray(v, np.float32 if v.dtype == np.float64 else v.dtype)
+             for k, v in batch.items()}
+    return objectives.build(config, model, None), params, batch
+
+
+def reference_logps(objective, params, batch):
+    """The reference's (B, G, T) log-probabilities, as the rollouts store them."""
+    frozen = {"reference": jax.tree.map(lambda x: x * 0.9, params)}
+    logps, _ = jax.jit(lambda p, f, x, y: objective.token_logps(p, f, x, y, reference=True))(
+        params, frozen, batch["input_tokens"].reshape(8, 16),
+        batch["target_tokens"].reshape(8, 16))
+    return np.asarray(logps).reshape(2, 4, 16)
+
+
+def grpo_loss_and_grads(objective):
+    """The jitted (params, batch) -> (loss, gradients) of `objective`."""
+    return jax.jit(jax.value_and_grad(lambda p, b: objective.loss_fn(p, b, None, {}).loss))
+
+
+def test_grpo_loss_chunked_equals_full_logits():
+    """GRPO's step (its loss over 2 x 4 completions and its gradients, and the reference's
+    log-probabilities) with the logits made 4 positions at a time equals the full logits':
+    the same per-token numbers, each logit a D-term sum in another matmul."""
+    chunked, params, batch = grpo_step(4)
+    full, _, _ = grpo_step(0)
+    ref = reference_logps(full, params, batch)
+    assert np.abs(reference_logps(chunked, params, batch) - ref).max() <= \
+        2 * 64 * EPS32 * np.abs(ref).max()  # a log-softmax of D=64-term logits
+    batch["ref_logps"] = ref
+    step = grpo_loss_and_grads(chunked)
+    loss, grads = step(params, batch)
+    want_loss, want_grads = grpo_loss_and_grads(full)(params, batch)
+    tokens = batch["loss_masks"].sum()
+    assert abs(float(loss) - float(want_loss)) <= tokens * EPS32 * abs(float(want_loss))
+    for g, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+        scale = np.abs(want).max()
+        assert np.abs(np.asarray(g) - want).max() <= 2 * tokens * EPS32 * scale
+    # Negative twin: another row's targets (every token off by one place).
+    shifted = {**batch, "target_tokens": np.roll(batch["target_tokens"], 1, axis=-1)}
+    other, _ = step(params, shifted)
+    assert abs(float(other) - float(want_loss)) > tokens * EPS32 * abs(float(want_loss))

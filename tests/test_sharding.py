@@ -40,6 +40,7 @@ def test_named_mesh_dim():
     assert parse_mesh_dim("ep=2,fsdp=-1", 8) == sizes(fsdp=4, ep=2)
     assert parse_mesh_dim("fsdp=2,mp=2,ep=2", 8) == sizes(fsdp=2, ep=2, mp=2)
     assert parse_mesh_dim("fsdp=-1", 8) == parse_mesh_dim("1,-1,1", 8)
+    assert parse_mesh_dim("dp=1,fsdp=2,sp=4", 8) == sizes(fsdp=2, sp=4)  # context parallel
     # The printed mesh and the flag written back are the old ones unless sp/ep split.
     assert mesh_string(sizes(fsdp=8)) == "dp=1 fsdp=8 mp=1"
     assert mesh_string(sizes(fsdp=2, ep=4)) == "dp=1 fsdp=2 ep=4 mp=1"
@@ -70,8 +71,6 @@ def test_expert_axis_splits_the_batch():
         ("ep=2,4", "--mesh_dim='ep=2,4': '4' has no '='; write every entry as axis=size or "
                    "give three bare numbers dp,fsdp,mp"),
         ("ep=two,fsdp=-1", "--mesh_dim='ep=two,fsdp=-1': the size of 'ep' must be an integer"),
-        ("fsdp=4,sp=2", "--mesh_dim='fsdp=4,sp=2': sp=2, but sequence parallelism is not "
-                        "wired into the models yet"),
     ],
 )
 def test_bad_named_mesh_dim(mesh_dim, message):

@@ -38,9 +38,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from easylm.errors import UserError
 from easylm.gpt_oss.config import GptOssConfig
 from easylm.models import moe, rope
 from easylm.models.attention import causal_mask
+from easylm.models.context_parallel import SplitSequence
 from easylm.models.decoder import Attention, CausalLM, Sublayer
 from easylm.runtime.sharding import BATCH_AXES, constrain
 
@@ -85,9 +87,13 @@ def sink_attention(q, k, v, mask, window: int, sinks):
 class SinkAttention(Attention):
     """The shared Attention with gpt-oss's sinks: a learnable logit per query head."""
 
-    def attend(self, q, k, v, mask, window):
+    def attend(self, q, k, v, mask, window, positions):
         sinks = self.param("sinks", nn.initializers.normal(self.config.initializer_range),
                            (self.config.num_attention_heads,), self.param_dtype)
+        if isinstance(mask, SplitSequence):
+            raise UserError("gpt-oss under context parallelism (--mesh_dim with sp > 1): its "
+                            "attention sinks are not built into the ring and all-gather "
+                            "kernels; use sp=1")
         return sink_attention(q, k, v, mask, window if mask is None else 0, sinks)
 
 

@@ -40,12 +40,15 @@ Shape letters as in attention.py: B batch, T query places, S key places, N query
 K key/value heads, G = N // K, H head dim; lower-case b, t, s for a device's local share.
 """
 
+import contextlib
+import contextvars
 from functools import partial
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 from jax.sharding import PartitionSpec as P
 
 from easylm.models.attention import attention, sliding_window_mask
@@ -54,6 +57,9 @@ SP = "sp"
 BATCH_AXES = ("dp", "fsdp", "ep")  # the batch dimension is split over all three
 HEADS = "mp"
 STRATEGIES = ("ring", "all_gather")
+# The default: the ring holds (T/sp/2)^2 scores per block pair where all_gather holds
+# (T/sp) x T, so it is the one that fits the longest rows (the table in docs/long_context.md).
+DEFAULT_STRATEGY = "ring"
 _NEG = jnp.finfo(jnp.float32).min
 
 
@@ -326,3 +332,58 @@ def context_parallel_attention(q, k, v, positions, segment_ids=None, *, strategy
     return jax.shard_map(local, mesh=mesh, check_vma=False,
                          in_specs=(heads_spec,) * 3 + (place_spec,) * 2,
                          out_specs=heads_spec)(q, k, v, positions, segment_ids)
+
+
+# ------------------------------------------------------------------ in the decoder
+
+
+_strategy = contextvars.ContextVar("context_parallel_strategy", default=DEFAULT_STRATEGY)
+
+
+@contextlib.contextmanager
+def use_strategy(strategy: str):
+    """The strategy a decoder traced inside this block uses under a mesh with sp > 1
+    (`--context_parallel`; the trainer wraps its loss in it)."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"context parallel strategy {strategy!r}; expected one of "
+                         f"{', '.join(STRATEGIES)}")
+    token = _strategy.set(strategy)
+    try:
+        yield
+    finally:
+        _strategy.reset(token)
+
+
+def sequence_shards() -> int:
+    """How many ways the current mesh splits the sequence (1: no mesh, or no 'sp')."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty or SP not in mesh.axis_names else mesh.shape[SP]
+
+
+@struct.dataclass
+class SplitSequence:
+    """What a decoder layer gets in place of a (B, T, S) mask when the sequence is split
+    over 'sp': the segment ids (B, T) (None: one document per row), split like the tokens,
+    and the strategy; its attention then calls `context_parallel_attention`."""
+
+    segment_ids: Any
+    strategy: str = struct.field(pytree_node=False, default=DEFAULT_STRATEGY)
+
+    @classmethod
+    def if_split(cls, positions, segment_ids, cache):
+        """One under a mesh with sp > 1 and no cache (training, scoring) for rows that
+        split over it, else None: attention over whole rows (a parameter init's (1, 8)
+        dummy, which XLA may replicate)."""
+        sp = sequence_shards()
+        if cache is not None or sp == 1:
+            return None
+        mesh = jax.sharding.get_abstract_mesh()
+        batch = int(np.prod([mesh.shape[a] for a in BATCH_AXES if a in mesh.axis_names]))
+        B, T = positions.shape
+        if B % batch or T % (2 * sp):
+            return None
+        return cls(segment_ids, _strategy.get())
+
+    def attention(self, q, k, v, positions, window: int, scale: float | None):
+        return context_parallel_attention(q, k, v, positions, self.segment_ids,
+                                          strategy=self.strategy, window=window, scale=scale)

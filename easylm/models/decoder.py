@@ -36,6 +36,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from easylm.models import remat
+from easylm.models.context_parallel import SplitSequence
 from easylm.models.attention import attention, segment_mask, sliding_window_mask
 from easylm.runtime.sharding import BATCH_AXES, constrain
 
@@ -43,7 +44,8 @@ from easylm.runtime.sharding import BATCH_AXES, constrain
 # k/v projections that fill it.
 CACHE_SPEC = P(BATCH_AXES, None, "mp", None)
 CACHE_PARTITION_RULES = ((r"(^|/)(k|v)$", CACHE_SPEC),)
-HEADS = P(BATCH_AXES, None, "mp", None)  # (B, T, heads, H)
+# Activations (B, T, ...) split their T over 'sp' (context parallelism; size 1 otherwise).
+HEADS = P(BATCH_AXES, "sp", "mp", None)  # (B, T, heads, H)
 
 
 def rotary_embedding(positions, inv_freq, dtype, scale: float = 1.0):
@@ -172,14 +174,17 @@ class Attention(Sublayer):
         v = constrain(v, HEADS)
         if cache is not None:
             k, v, cache = write_cache(cache, k, v, positions)
-        out = self.attend(q, k, v, mask, window)  # (B, T, N, H)
+        out = self.attend(q, k, v, mask, window, positions)  # (B, T, N, H)
         out = checkpoint_name(out, "attention_out")
         out = self.dense(c.hidden_size, "o_proj", self.out_bias)(out.reshape(B, T, N * H))
         return out, cache
 
-    def attend(self, q, k, v, mask, window):
-        """The configured kernel over q (B, T, N, H), k, v (B, S, K, H); a family whose
-        softmax differs (gpt-oss's sinks) overrides this."""
+    def attend(self, q, k, v, mask, window, positions):
+        """The configured kernel over q (B, T, N, H), k, v (B, S, K, H), or context
+        parallelism's when the sequence is split over 'sp'; a family whose softmax differs
+        (gpt-oss's sinks) overrides this."""
+        if isinstance(mask, SplitSequence):  # the sequence split over 'sp'
+            return mask.attention(q, k, v, positions, window, self.scale)
         # Without a mask (plain causal) the kernel applies the window itself.
         return attention(q, k, v, mask, self.config.attention, window if mask is None else 0,
                          scale=self.scale)
@@ -200,7 +205,7 @@ class GatedMLP(Sublayer):
         else:
             gate, up = self.dense(F, "gate_proj", self.bias)(x), self.dense(F, "up_proj",
                                                                               self.bias)(x)
-        h = constrain(self.activation(gate) * up, P(BATCH_AXES, None, "mp"))  # (B, T, F)
+        h = constrain(self.activation(gate) * up, P(BATCH_AXES, "sp", "mp"))  # (B, T, F)
         return self.dense(self.config.hidden_size, "down_proj", self.bias)(h)
 
 
@@ -277,8 +282,8 @@ class _Backbone(nn.Module):
         # the table ('dp', 'ep'). Then an all-to-all splits the batch over BATCH_AXES as
         # everywhere else. Going straight from the batch split to the table's D split
         # would make XLA gather the whole (B, T, D) gradient on every device when dp > 1.
-        x = constrain(x, P(("dp", "ep"), None, "fsdp"))
-        x = constrain(x, P(BATCH_AXES, None, None))  # (B, T, D)
+        x = constrain(x, P(("dp", "ep"), "sp", "fsdp"))
+        x = constrain(x, P(BATCH_AXES, "sp", None))  # (B, T, D)
         contexts = self.contexts(positions, segment_ids, cache)
         if c.scan_layers:
             x, cache = self.scanned(x, contexts, positions, cache)
@@ -289,8 +294,13 @@ class _Backbone(nn.Module):
 
     def contexts(self, positions, segment_ids, cache):
         """Each layer kind's (cos, sin, mask): the mask (B, T, S) is None for plain causal
-        attention (the kernel's own, with the kind's window), else it holds the window."""
+        attention (the kernel's own, with the kind's window), else it holds the window;
+        under a mesh with sp > 1 a `SplitSequence` (segment ids, no mask) instead."""
         c, lm = self.config, self.lm
+        split = SplitSequence.if_split(positions, segment_ids, cache)
+        if split is not None:  # no (B, T, T) mask: the window is the kind's, applied there
+            return {kind: (*rotary_embedding(positions, lm.inv_freq(c, kind), self.dtype), split)
+                    for kind in dict.fromkeys(lm.layer_kinds(c))}
         mask = None if segment_ids is None else segment_mask(segment_ids)
         key_positions = positions  # (B, S)
         if cache is not None:
@@ -397,7 +407,7 @@ class CausalLM(nn.Module):
                               param_dtype=self.param_dtype,
                               kernel_init=nn.initializers.normal(self.config.initializer_range),
                               name="lm_head")(hidden)
-        logits = constrain(logits, P(BATCH_AXES, None, "mp"))
+        logits = constrain(logits, P(BATCH_AXES, "sp", "mp"))
         return logits if cache is None else (logits, new_cache)
 
     def init_cache(self, batch_size: int, length: int, dtype=None):

@@ -25,6 +25,7 @@ from easylm.data.options import loader_block
 from easylm.errors import UserError
 from easylm.objectives import rewards as rewards_lib
 from easylm.objectives.base import BASE, COPY, NO_REFERENCE, Objective
+from easylm.objectives.chunked_logps import chunked_token_logps
 from easylm.objectives.rollouts import (
     ROW_METRICS,
     Rollouts,
@@ -267,21 +268,28 @@ class GRPOObjective(Objective):
             self.reference = BASE if model.frozen is not None else COPY
         self._rollouts = None  # rollouts.Rollouts, made in prepare_run
 
-    def forward(self, params, frozen, tokens):
-        """Logits (N, T, V) of the policy `params` (on the frozen base, for a variant)."""
-        return self.model.forward(params, tokens, base=frozen.get("base"))
-
-    def reference_forward(self, params, frozen, tokens):
-        """The reference's logits: the base with the adapters off, or the frozen copy."""
-        if self.model.frozen is not None:
-            return self.forward(self.model.frozen.adapters_off(params), frozen, tokens)
-        return self.model.forward(frozen["reference"], tokens)
+    def token_logps(self, params, frozen, tokens, targets, reference: bool = False):
+        """(log-probabilities of `targets` (N, T), entropies (N, T)) at the sampling
+        temperature under the policy `params` (on the frozen base, for a variant), or the
+        reference (the base with the adapters off, or the frozen copy). With the model's
+        `loss_chunk_size` they are made from the hidden states a chunk of positions at a
+        time (chunked_logps.py): never the (N, T, V) logits."""
+        model = self.model
+        if reference and model.frozen is not None:
+            params = model.frozen.adapters_off(params)
+        elif reference:
+            params, frozen = frozen["reference"], {}
+        base, temperature = frozen.get("base"), self.options.temperature
+        if not model.loss_chunk_size:
+            return token_logps(model.forward(params, tokens, base=base), targets, temperature)
+        hidden = model.forward(params, tokens, base=base, return_hidden=True)  # (N, T, D)
+        return chunked_token_logps(hidden, model.head(params, base), targets, temperature,
+                                   model.loss_chunk_size)
 
     def loss_fn(self, params, batch, rng, frozen):
         del rng  # the serving forward has no dropout
         tokens, targets = rows(batch["input_tokens"]), rows(batch["target_tokens"])
-        logps, entropy = token_logps(self.forward(params, frozen, tokens), targets,
-                                     self.options.temperature)
+        logps, entropy = self.token_logps(params, frozen, tokens, targets)
         old = rows(batch["old_logps"]) if "old_logps" in batch else None
         ref = rows(batch["ref_logps"]) if "ref_logps" in batch else None
         is_ratio = rows(batch["is_ratio"]) if "is_ratio" in batch else None

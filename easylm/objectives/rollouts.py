@@ -220,16 +220,16 @@ class Rollouts:
         if not (old or ref or weights):
             return None
 
-        def logps(forward, params, frozen, batch):
+        def logps(params, frozen, batch, reference=False):
             tokens = batch["input_tokens"]
-            out, _ = token_logps(forward(params, frozen, rows(tokens)),
-                                 rows(batch["target_tokens"]), o.temperature)
+            out, _ = objective.token_logps(params, frozen, rows(tokens),
+                                           rows(batch["target_tokens"]), reference)
             return out.reshape(tokens.shape)
 
         def score(params, frozen, batch):
             out = {}
             if old or weights or ref:
-                policy = logps(objective.forward, params, frozen, batch)
+                policy = logps(params, frozen, batch)
                 if old:
                     out["old_logps"] = policy
                 if weights:
@@ -237,7 +237,7 @@ class Rollouts:
                     out["is_ratio"] = jnp.minimum(jnp.exp(diff), o.importance_sampling_cap)
                     out["logp_difference"] = jnp.abs(diff)
             if ref:
-                out["ref_logps"] = logps(objective.reference_forward, params, frozen, batch)
+                out["ref_logps"] = logps(params, frozen, batch, reference=True)
                 out["scored_logps"] = policy
             return out
 

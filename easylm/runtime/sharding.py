@@ -9,8 +9,8 @@ replicate. Activations are constrained in a few places only, through
 Mesh axes (every mesh has all five; the ones not asked for have size 1):
     dp    data parallel: parameters replicated, batch split
     fsdp  fully sharded data parallel: parameters and batch split
-    sp    sequence (context) parallel: the sequence split (models/context_parallel.py;
-          not wired into the models yet, so --mesh_dim refuses sp > 1)
+    sp    sequence (context) parallel: the sequence split, attention over it by
+          models/context_parallel.py (--context_parallel=ring|all_gather)
     ep    expert parallel: experts of a mixture-of-experts layer split; for every other
           parameter a data-parallel axis (batch split, parameters replicated)
     mp    model (tensor) parallel: heads and hidden features split
@@ -78,9 +78,6 @@ def parse_mesh_dim(mesh_dim: str, num_devices: int, flag: str = "mesh_dim",
             f"--{flag}={mesh_dim!r}: the product {known} does not match the "
             f"{num_devices} {unit}"
         )
-    if sizes["sp"] > 1:
-        raise UserError(f"--{flag}={mesh_dim!r}: sp={sizes['sp']}, but sequence parallelism "
-                        f"is not wired into the models yet")
     return sizes
 
 

@@ -143,6 +143,9 @@ def load_engine(family: ModelFamily, config: ConfigDict):
         raise UserError(f"--quantize={config.quantize!r}: expected one of "
                         f"{', '.join(quantize.MODES)}")
     mesh = make_mesh(config.mesh_dim)
+    if mesh.shape["sp"] > 1:  # decoding reads a whole cache; only training splits rows
+        raise UserError(f"--mesh_dim={config.mesh_dim}: serving does not split the sequence; "
+                        f"give sp=1 (split the devices over fsdp or mp instead)")
     params = load_params(config, model, mesh)
     if config.get("lora_checkpoint"):
         params = variants.merge_adapters(family, config.lora_checkpoint, config.load_checkpoint,

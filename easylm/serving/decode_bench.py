@@ -113,6 +113,9 @@ def run(config: ConfigDict, family) -> list[dict]:
     model = variants.build(family, config, settings)
     batch_sizes, formats, dtype, use_hf = _read_flags(config, model.max_seq_length)
     mesh = make_mesh(config.mesh_dim)
+    if mesh.shape["sp"] > 1:  # decoding reads a whole cache; only training splits rows
+        raise UserError(f"--mesh_dim={config.mesh_dim}: serving does not split the sequence; "
+                        f"give sp=1 (split the devices over fsdp or mp instead)")
     params = init_sharded(model.init_params, model.partition_rules, mesh, jax.random.PRNGKey(0))
     weights = {}  # weight format -> (model, parameters)
     for name in formats:

@@ -16,6 +16,7 @@ from easylm import flags as flag_lib, objectives, variants
 from easylm.data.options import loader_block
 from easylm.errors import UserError
 from easylm.evaluation import harness_flags
+from easylm.models.context_parallel import STRATEGIES
 from easylm.models.family import Model, ModelFamily
 from easylm.runtime import checkpoint, distributed, easylm_flags, run_flags
 from easylm.training import logger, optimizers
@@ -27,6 +28,9 @@ HELP = {
         "trainstate:: also restores the optimizer and the step; empty: from scratch")),
     "dcn_mesh_dim": "hybrid mesh: how TPU slices (GPU/CPU: processes) combine, dp,fsdp,mp "
                     "or named sizes as --mesh_dim; --mesh_dim then splits the devices of one slice/process (empty: flat mesh)",
+    "context_parallel": "attention over a sequence split by --mesh_dim's sp > 1: ring (K/V "
+                        "blocks passed round, the least memory) or all_gather (K/V gathered "
+                        "per layer); unset: ring (docs/long_context.md)",
     "log_all_worker": "every process logs (metrics.process<i>.jsonl), not only process 0",
     "total_steps": "number of optimizer updates to train for",
     "log_freq": "log metrics every this many steps (the only time the host waits "
@@ -62,6 +66,7 @@ def get_default_config(dataset_config: ConfigDict | None = None,
     an --objective=MODULE:CLASS whose flags join the registered objectives'."""
     config = run_flags.get_default_config(*run_flags.DEFAULTS)
     config.dcn_mesh_dim = ""
+    config.context_parallel = placeholder(str)  # None: ring, and left out of the run's id
     config.total_steps = 10000
     config.log_freq = 50
     config.save_model_freq = 0
@@ -286,6 +291,9 @@ def check_config(config: ConfigDict):
         kind, directory = checkpoint.parse_load_spec(config.load_checkpoint, LOAD_PREFIXES)
         if kind != "hf":  # the model family reads (and checks) a HF directory
             checkpoint.check_checkpoint_dir(directory)
+    if config.context_parallel not in (None, *STRATEGIES):
+        raise UserError(f"--context_parallel={config.context_parallel!r}; expected one of "
+                        f"{', '.join(STRATEGIES)}")
     if config.total_steps < 1:
         raise UserError(f"--total_steps must be >= 1, got {config.total_steps}")
     if config.log_freq < 1:

@@ -13,9 +13,11 @@ from ml_collections import ConfigDict
 
 from easylm import flags as flag_lib, objectives, variants
 from easylm.data import DatasetFactory, make_global_batch
+from easylm.data.options import loader_block
 from easylm.data.tokenizer import load_tokenizer
 from easylm.errors import UserError
 from easylm.evaluation import harness_flags
+from easylm.models.context_parallel import DEFAULT_STRATEGY, use_strategy
 from easylm.models.family import Model, ModelFamily
 from easylm.objectives.base import COPY
 from easylm.runtime import checkpoint, distributed, flops
@@ -37,7 +39,7 @@ from easylm.training.options import (
 )
 from easylm.training.run import Run
 from easylm.training.state import base_record, init_state, load_state, starting_params
-from easylm.training.step import jit_eval_step, jit_train_step, zero_sums
+from easylm.training.step import jit_eval_step, jit_train_step, split_sequence, zero_sums
 
 
 def start(config: ConfigDict, family: ModelFamily, cleanup: contextlib.ExitStack) -> Run:
@@ -61,6 +63,8 @@ def start(config: ConfigDict, family: ModelFamily, cleanup: contextlib.ExitStack
     run_dir = run_directory(config, model.name, variants.unused_flags(family, config))
     manager, latest = _checkpoints(config, run_dir, cleanup)
     cleanup.enter_context(jax.set_mesh(mesh))
+    # The strategy every decoder traced in this run uses under sp > 1 (steps, rollouts).
+    cleanup.enter_context(use_strategy(config.context_parallel or DEFAULT_STRATEGY))
     source, state, data_state = _start_state(config, family, model, tx, mesh, manager, latest)
     record = base_record(config, model, state, source)
     if data_state is None and config.load_dataset_state:
@@ -70,6 +74,9 @@ def start(config: ConfigDict, family: ModelFamily, cleanup: contextlib.ExitStack
     if objective.reference == COPY:  # built once, never saved: the starting parameters
         state = state.replace(frozen={**state.frozen,
                                       "reference": starting_params(config, model, tx, mesh)})
+    loss_fn = objective.loss_fn
+    if mesh.shape["sp"] > 1 and objective.rows == "documents":
+        loss_fn = split_sequence(loss_fn, mesh.shape["sp"])  # balanced: zig-zag order
     log = logger.Logger(config.logger, run_dir, flag_lib.flatten(config),
                         config.total_steps, int(state.step), config.log_all_worker)
     cleanup.callback(log.close)
@@ -79,9 +86,9 @@ def start(config: ConfigDict, family: ModelFamily, cleanup: contextlib.ExitStack
               manager=manager, log=log, state=state, start_step=int(state.step),
               train_step=jit_train_step(model, tx, schedule, config.seed,
                                         config.optimizer.accumulate_gradient_steps, state,
-                                        mesh, objective.loss_fn),
-              eval_step=jit_eval_step(objective.loss_fn, state, mesh),
-              eval_zeros=zero_sums(objective.loss_fn), base_record=record, harness=harness,
+                                        mesh, loss_fn),
+              eval_step=jit_eval_step(loss_fn, state, mesh),
+              eval_zeros=zero_sums(loss_fn), base_record=record, harness=harness,
               saved_step=int(state.step) if source and source[0] == "trainstate" else None)
     _print_start(run, fresh=latest is None)
     objective.prepare_run(run_dir, lambda: starting_params(config, model, tx, mesh), state,
@@ -141,7 +148,19 @@ def _datasets(config: ConfigDict, tokenizer, objective, mesh, model: Model):
                                                  **kind)
     check_batch_split(train.batch_size, mesh.shape, config.optimizer.accumulate_gradient_steps)
     check_seq_length(config, model, {"train_dataset": train, "eval_dataset": evaluation})
+    _check_sequence_split(config, mesh, {"train_dataset": train, "eval_dataset": evaluation})
     return train, evaluation
+
+
+def _check_sequence_split(config: ConfigDict, mesh, datasets: dict):
+    """Rows that split over sp devices in zig-zag order (2*sp chunks) and a ring's two
+    sub-blocks per device: a length that is a multiple of 2*sp."""
+    sp = mesh.shape["sp"]
+    for section, dataset in datasets.items():
+        if sp > 1 and dataset is not None and dataset.seq_length % (2 * sp):
+            flag = f"--{section}.{loader_block(config[section])}.seq_length"
+            raise UserError(f"{flag}={dataset.seq_length} must be a multiple of 2*sp = "
+                            f"{2 * sp} to split rows over --mesh_dim={config.mesh_dim}")
 
 
 def _checkpoints(config: ConfigDict, run_dir: str, cleanup: contextlib.ExitStack):

@@ -11,6 +11,8 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from easylm.data import make_global_batch
+from easylm.errors import UserError
+from easylm.models.context_parallel import to_zigzag
 from easylm.models.family import Model
 from easylm.objectives.next_token import NextToken
 from easylm.runtime.sharding import (
@@ -57,6 +59,33 @@ def _loss_and_grads(loss_fn, params, batch, rng, frozen, accumulate_steps: int):
              jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape))
     (grads, sums), _ = jax.lax.scan(body, zeros, (micro_batches, jnp.arange(accumulate_steps)))
     return grads, sums
+
+
+def zigzag_documents(batch: dict, sp: int) -> dict:
+    """A batch of documents (input_tokens (B, T), targets, masks, segment ids, positions)
+    with every per-token array in zig-zag order along T (`context_parallel.to_zigzag`), so
+    that each of the sp devices holding T/sp places does equal causal work. Positions (the
+    row's own 0..T-1 when the batch has none) travel with the tokens: attention decides
+    what it sees from positions and segment ids, and a loss summed over tokens does not
+    care about their order."""
+    B, T = batch["input_tokens"].shape
+    if T % (2 * sp):
+        raise UserError(f"rows of {T} tokens cannot be split over sp={sp} in zig-zag order: "
+                        f"the sequence length must be a multiple of 2*sp = {2 * sp}")
+    if "positions" not in batch:
+        batch = {**batch, "positions": jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))}
+    per_token = {k: x for k, x in batch.items() if x.ndim >= 2 and x.shape[:2] == (B, T)}
+    return {**batch, **to_zigzag(per_token, sp)}
+
+
+def split_sequence(loss_fn, sp: int):
+    """`loss_fn` for batches of documents under a mesh that splits the sequence over sp
+    devices: it sees them in zig-zag order (`zigzag_documents`)."""
+
+    def zigzag_loss(params, batch, rng, frozen):
+        return loss_fn(params, zigzag_documents(batch, sp), rng, frozen)
+
+    return zigzag_loss
 
 
 def make_train_step(loss_fn, tx: optax.GradientTransformation, schedule, seed: int,
