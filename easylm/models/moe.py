@@ -318,7 +318,9 @@ class SparseMoE(nn.Module):
         ep = mesh.shape[EP]
         if c.num_experts % ep:
             raise ValueError(f"{c.num_experts} experts cannot be split over ep={ep}")
-        batch = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
+        # Rows are (B, T) flattened: B split over the batch axes, T over 'sp' (context
+        # parallelism), so each device routes the tokens it holds.
+        batch = tuple(a for a in (*BATCH_AXES, "sp") if a in mesh.axis_names)
         if x.shape[0] % math.prod(mesh.shape[a] for a in batch):
             # Fewer rows than batch shards (decoding one sequence): XLA places it.
             return moe_local(x, weights, experts, params, c, self.dtype)
