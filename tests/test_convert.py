@@ -275,10 +275,16 @@ DAMAGED = {
     "mlp_bias_is_text": (".", _config(mlp_bias="yes"), "config.json: mlp_bias must be true or "
                          "false, got 'yes'"),
     "not_a_llama_variant": (
-        ".", _config(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"]),
-        "model_type 'qwen2_moe' / architectures ['Qwen2MoeForCausalLM'] is not a LLaMA-like "
+        ".", _config(model_type="phi3", architectures=["Phi3ForCausalLM"]),
+        "model_type 'phi3' / architectures ['Phi3ForCausalLM'] is not a LLaMA-like "
         "causal LM (expected model_type and architecture: llama (LlamaForCausalLM), qwen2 "
-        "(Qwen2ForCausalLM), qwen3 (Qwen3ForCausalLM), mistral (MistralForCausalLM))"),
+        "(Qwen2ForCausalLM), qwen3 (Qwen3ForCausalLM), mistral (MistralForCausalLM)"),
+    # A mixture of experts not built is named by the field that differs (qwen2_moe: its
+    # shared expert), not taken for something it is not.
+    "qwen2_moe_shared_expert": (
+        ".", _config(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"],
+                     shared_expert_intermediate_size=64),
+        "model_type 'qwen2_moe' is not built: its shared_expert_intermediate_size"),
     # Named as the file has them: no `architectures` here, none made up (4280dbe named
     # ['LlamaForCausalLM']).
     "gpt_oss_without_architectures": (
@@ -302,15 +308,19 @@ DAMAGED = {
                                             architectures=["MistralForCausalLM"]),
                                "config.json: sliding_window must be an integer, got '16'"),
     "gelu": (".", _config(hidden_act="gelu"), "config.json: hidden_act 'gelu' is not supported"),
-    "yarn_rope": (".", _config(rope_scaling={"rope_type": "yarn", "factor": 4.0,
-                                             "original_max_position_embeddings": 32768}),
-                  "config.json: rope type 'yarn' is not supported (supported: default, llama3)"),
+    # yarn as Qwen's long-context configs give it reads; other settings of it are refused
+    "yarn_rope_mscale": (".", _config(rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                    "original_max_position_embeddings": 32768,
+                                                    "mscale": 0.707}),
+                         "rope_scaling.mscale=0.707 is not supported for a LLaMA variant's "
+                         "yarn rope (supported: None)"),
     "partial_rotary": (".", _config(partial_rotary_factor=0.5), "config.json: "
                        "partial_rotary_factor=0.5 (rotary embeddings on part of each head) is "
                        "not supported by this LLaMA implementation"),
     "rope_scaling_over_rope_parameters": (  # HF reads rope_scaling where both are
         ".", _config(rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
-        "config.json: rope type 'dynamic' is not supported (supported: default, llama3)"),
+        "config.json: rope type 'dynamic' is not supported (supported: default, llama3, "
+        "yarn)"),
 }
 
 
