@@ -1,7 +1,6 @@
 """The Gemma 3 family: the one object through which train, serve, eval, plan, bench,
 doctor and the converters reach the Gemma model (`FAMILY`)."""
 
-import math
 
 from easylm.gemma import hf
 from easylm.gemma.config import GEMMA_PRESETS, GemmaConfig
@@ -32,17 +31,6 @@ class GemmaFamily(ModelFamily):
         # As config.json describes them, laid out as `config` says: `load_hf` then checks
         # them against `config`, which the --gemma.* flags may have changed.
         return self.layout(hf.load_hf_params(directory, dtype, place)[1], config)
-
-    def shard_variant(self, config: GemmaConfig, layers: int, mp: int) -> GemmaConfig:
-        kinds = config.layer_kinds()
-        # The planner's `layers` keep the model's mix of sliding and global layers.
-        return config.replace(
-            num_hidden_layers=layers,
-            layer_types=",".join(kinds[i * len(kinds) // layers] for i in range(layers)),
-            num_attention_heads=math.ceil(config.num_attention_heads / mp),
-            num_key_value_heads=math.ceil(config.num_key_value_heads / mp),
-            intermediate_size=math.ceil(config.intermediate_size / mp),
-            vocab_size=math.ceil(config.vocab_size / mp))
 
     def to_hf(self, params, config: GemmaConfig):
         return hf.to_hf(params, config)

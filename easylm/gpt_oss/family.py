@@ -2,7 +2,6 @@
 doctor and the converters reach the gpt-oss model (`FAMILY`)."""
 
 import dataclasses
-import math
 
 import jax.numpy as jnp
 
@@ -43,16 +42,6 @@ class GptOssFamily(ModelFamily):
         # As config.json describes them, laid out as `config` says: `load_hf` then checks
         # them against `config`, which the --gpt_oss.* flags may have changed.
         return self.layout(hf.load_hf_params(directory, dtype, place)[1], config)
-
-    def shard_variant(self, config: GptOssConfig, layers: int, mp: int) -> GptOssConfig:
-        kinds = config.layer_kinds()
-        return config.replace(
-            num_hidden_layers=layers,
-            layer_types=",".join(kinds[i * len(kinds) // layers] for i in range(layers)),
-            num_attention_heads=math.ceil(config.num_attention_heads / mp),
-            num_key_value_heads=math.ceil(config.num_key_value_heads / mp),
-            intermediate_size=math.ceil(config.intermediate_size / mp),
-            vocab_size=math.ceil(config.vocab_size / mp))
 
     def to_hf(self, params, config: GptOssConfig):
         return hf.to_hf(params, config)

@@ -2,7 +2,6 @@
 doctor and the converters reach the LLaMA model (`FAMILY`)."""
 
 import dataclasses
-import math
 
 import jax.numpy as jnp
 
@@ -65,14 +64,6 @@ class LLaMAFamily(ModelFamily):
 
     def to_hf(self, params, config: LLaMAConfig):
         return hf.to_hf(params, config)
-
-    def shard_variant(self, config: LLaMAConfig, layers: int, mp: int) -> LLaMAConfig:
-        return config.replace(
-            num_hidden_layers=layers, head_dim=config.head_dim,
-            num_attention_heads=math.ceil(config.num_attention_heads / mp),
-            num_key_value_heads=math.ceil(config.num_key_value_heads / mp),
-            intermediate_size=math.ceil(config.intermediate_size / mp),
-            vocab_size=math.ceil(config.vocab_size / mp))
 
 
 FAMILY = LLaMAFamily()

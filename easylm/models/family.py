@@ -22,6 +22,7 @@ the one the run began on.
 """
 
 import dataclasses
+import math
 from typing import Any, Callable
 
 import jax
@@ -186,8 +187,18 @@ class ModelFamily:
 
     def shard_variant(self, config, layers: int, mp: int):
         """`config` with `layers` layers and the widths one of `mp` model-parallel shards
-        holds (heads, MLP, vocabulary divided by mp): one device's activations."""
-        raise NotImplementedError
+        holds (heads, MLP, vocabulary divided by mp): one device's activations. A config
+        with `layer_types` (sliding and full layers) keeps its mix in the `layers`."""
+        fields = dict(num_hidden_layers=layers, head_dim=config.head_dim,
+                      num_attention_heads=math.ceil(config.num_attention_heads / mp),
+                      num_key_value_heads=math.ceil(config.num_key_value_heads / mp),
+                      intermediate_size=math.ceil(config.intermediate_size / mp),
+                      vocab_size=math.ceil(config.vocab_size / mp))
+        if hasattr(config, "layer_types"):
+            kinds = config.layer_kinds()
+            fields["layer_types"] = ",".join(kinds[i * len(kinds) // layers]
+                                             for i in range(layers))
+        return config.replace(**fields)
 
     def check_plannable(self, config) -> None:
         """A UserError when this machine cannot trace `config` (a GPU-only kernel)."""
