@@ -118,10 +118,6 @@ class GemmaForCausalLM(CausalLM):
     norm = RMSNorm
 
     @classmethod
-    def layer_kinds(cls, config: GemmaConfig) -> tuple[str, ...]:
-        return config.layer_kinds()
-
-    @classmethod
     def period(cls, config: GemmaConfig) -> int:
         # The configured pattern when the layers follow it (HF's layer_types may not: then
         # the whole stack is one block, scanned once).

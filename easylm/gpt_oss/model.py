@@ -149,10 +149,6 @@ class GptOssForCausalLM(CausalLM):
     norm = RMSNorm
 
     @classmethod
-    def layer_kinds(cls, config: GptOssConfig) -> tuple[str, ...]:
-        return config.layer_kinds()
-
-    @classmethod
     def period(cls, config: GptOssConfig) -> int:
         # The shortest pattern the layers repeat (sliding, full: 2), the whole stack if none.
         kinds = config.layer_kinds()

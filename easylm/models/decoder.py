@@ -362,6 +362,10 @@ class CausalLM(nn.Module):
 
     @classmethod
     def layer_kinds(cls, config) -> tuple[str, ...]:
+        """Each layer's kind: what a config with kinds of layers says (its `layer_kinds()`,
+        Gemma's and gpt-oss's sliding and full layers), else all alike."""
+        if hasattr(config, "layer_kinds"):
+            return config.layer_kinds()
         return ("full_attention",) * config.num_hidden_layers
 
     @classmethod
