@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from easylm.errors import UserError
 from easylm.gpt_oss.config import GptOssConfig
-from easylm.models import moe, rope
+from easylm.models import decoder, moe, rope
 from easylm.models.attention import causal_mask
 from easylm.models.context_parallel import SplitSequence
 from easylm.models.decoder import Attention, CausalLM, Sublayer
@@ -97,19 +97,10 @@ class SinkAttention(Attention):
         return sink_attention(q, k, v, mask, window if mask is None else 0, sinks)
 
 
-class RMSNorm(nn.Module):
-    """w * x / rms(x) in fp32, then the compute dtype (HF's gpt-oss casts after the product)."""
+class RMSNorm(decoder.RMSNorm):
+    """The shared norm scaled in fp32 before the cast (HF's gpt-oss casts after the product)."""
 
-    eps: float
-    dtype: jnp.dtype
-    param_dtype: jnp.dtype
-
-    @nn.compact
-    def __call__(self, x):
-        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
-        return (weight.astype(jnp.float32) * x32).astype(self.dtype)
+    scale_in_fp32 = True
 
 
 def moe_config(config: GptOssConfig) -> moe.MoEConfig:

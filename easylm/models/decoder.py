@@ -67,17 +67,21 @@ def apply_rotary(x, cos, sin):
 
 
 class RMSNorm(nn.Module):
-    """w * x / rms(x): normalised in fp32, cast to the compute dtype, then scaled (HF LLaMA)."""
+    """w * x / rms(x): normalised in fp32, cast to the compute dtype, then scaled (HF LLaMA);
+    with `scale_in_fp32` (a subclass's), scaled in fp32 and then cast (HF gpt-oss)."""
 
     eps: float
     dtype: jnp.dtype
     param_dtype: jnp.dtype
+    scale_in_fp32 = False  # a class setting, not a field
 
     @nn.compact
     def __call__(self, x):
         weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+        if self.scale_in_fp32:
+            return (weight.astype(jnp.float32) * x32).astype(self.dtype)
         return weight.astype(self.dtype) * x32.astype(self.dtype)
 
 
