@@ -82,8 +82,13 @@ def test_documents_are_counted_not_the_bos_tokens_of_a_chat_template(tmp_path):
     assert f"documents started in inputs: {expected}" in lines
 
 
-def test_grpo_prompts_show_as_the_sampler_gets_them_and_long_ones_are_counted(tmp_path):
+def test_grpo_prompts_show_as_the_sampler_gets_them_and_long_ones_are_counted(tmp_path, capsys):
+    from cli_utils import one_line_error
+
     from easylm.data.preview import main
+
+    assert one_line_error(main, ["preview", "--completion_tokens=-1"], capsys) == \
+        "--completion_tokens must be >= 0, got -1"
 
     rows = [{"prompt": "What is 2 + 3?", "answer": "5"},
             {"prompt": "word " * 40, "answer": "x"},  # longer than the row leaves it

@@ -24,7 +24,7 @@ from easylm.data.options import loader_block
 from easylm.data.pairs import SIDES, render_pair
 from easylm.data.reader import prepare_records
 from easylm.data.tokenizer import load_tokenizer
-from easylm.errors import exit_on_user_error
+from easylm.errors import UserError, exit_on_user_error
 from easylm.runtime import run_flags
 
 USAGE = "usage: python -m easylm.data.preview [--train_dataset.*=...] [--tokenizer=...]"
@@ -209,6 +209,8 @@ def _documents_started(segment_ids, offsets):
 def main(argv=None):
     argv = argv or sys.argv
     config = flags.parse(default_config(), HELP, argv, USAGE)
+    if config.completion_tokens < 0:
+        raise UserError(f"--completion_tokens must be >= 0, got {config.completion_tokens}")
     tokenizer = load_tokenizer(config.tokenizer)
     if config.completion_tokens > 0:
         print(preview_prompts(config.train_dataset, tokenizer, config.num_examples,
