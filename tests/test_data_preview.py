@@ -55,6 +55,27 @@ def test_cli(tmp_path):
     assert failed.stderr.strip() == f"error: data file '{tmp_path}/none.jsonl' does not exist"
 
 
+def test_skipped_counts_only_the_documents_the_shown_batches_read(tmp_path):
+    # 40 documents of 1 row each, one malformed line near the end: the loader reads (and
+    # skips) it while preparing the first batch, but the first batch does not reach it.
+    path = tmp_path / "docs.jsonl"
+    lines = [json.dumps({"text": f"document number {i}"}) for i in range(40)]
+    lines[30] = "{not json"
+    path.write_text("\n".join(lines) + "\n")
+    tokenizer = load_tokenizer("embedded")
+    seq_length = len(tokenizer.encode("document number 10")) + 1  # a document fills a row
+
+    def skipped(batches):
+        config = DatasetFactory.get_default_config({
+            "text_processor": {"fields": "text"},
+            "json_dataset": {"path": str(path), "seq_length": seq_length, "batch_size": 2}})
+        text = preview(config, tokenizer, num_examples=0, num_batches=batches)
+        return next(line for line in text.splitlines() if line.startswith("documents skipped"))
+
+    assert skipped(1).startswith("documents skipped: 0 ")
+    assert skipped(20).startswith("documents skipped: 1 ")  # 40 rows: past line 31
+
+
 def test_documents_are_counted_not_the_bos_tokens_of_a_chat_template(tmp_path):
     # SmolLM2's template starts every turn with its BOS (<|im_start|>); here <s> does that.
     template = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>{% endfor %}"

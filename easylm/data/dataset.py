@@ -29,6 +29,7 @@ whole eval set (it is small) so that all agree, without talking, on how many bat
 there are; the last rows are padded with loss mask 0 and each process yields its rows.
 """
 
+import bisect
 import json
 import logging
 import time
@@ -131,6 +132,7 @@ class Dataset:
         self._counts = kind.new_counts(B)   # per row, kept in the state
         self._batches = 0
         self._skipped = 0
+        self._skip_slots = []   # the slots skipped, in order: batches count those behind them
         self._first_skip = None
         self._prefetcher = None
 
@@ -279,7 +281,7 @@ class Dataset:
                     dataset_batches=batches,
                     dataset_total_tokens=batches * B * row_tokens,
                     dataset_epoch=self.order.epoch(frontier),
-                    dataset_skipped_documents=self._skipped,
+                    dataset_skipped_documents=bisect.bisect_left(self._skip_slots, frontier),
                     **kind.metrics(counts[served], frontier),
                 )
                 busy += time.perf_counter() - t
@@ -290,10 +292,11 @@ class Dataset:
         finally:
             reader.close()
 
-    def _skip(self, message):
+    def _skip(self, message, slot):
         if self.config.strict:
             raise UserError(message)
         self._skipped += 1
+        bisect.insort(self._skip_slots, slot)
         self._first_skip = self._first_skip or message
         if self._skipped <= _MAX_WARNINGS:
             logger.warning("skipped %s%s", message,

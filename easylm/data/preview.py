@@ -176,7 +176,7 @@ def preview(config, tokenizer, num_examples, num_batches):
         f"target tokens: {targets}, with loss: {loss} ({100 * loss / max(targets, 1):.1f}%)",
         f"{'sides' if dataset.pairs else 'documents'} started in inputs: {starts}",
         f"{'pairs' if dataset.pairs else 'documents'} skipped: "
-        f"{metrics.get('dataset_skipped_documents', 0)}",
+        f"{counted.get('dataset_skipped_documents', 0)} (of those the batches read)",
         f"pipeline speed: {metrics.get('dataset_tokens_per_second', 0):.0f} tokens/s",
     ]
     if dataset.pairs:

@@ -29,7 +29,7 @@ class WindowReader:
 
     def __init__(self, order, processor, streams, batch_size, config, single_pass, skip,
                  skipped=None):
-        """streams: {row: Stream}; skip(message) is called for each unusable document;
+        """streams: {row: Stream}; skip(message, slot) is called for each unusable document;
         skipped() says how many were skipped, and the first (or '' if none was).
         processor: a TextProcessor; for a mixture a list, one per source (None for a token
         cache); None when nothing needs tokenizing."""
@@ -76,7 +76,7 @@ class WindowReader:
             if type(document) is tuple:
                 runs[slot % self.B].append((slot, document))
             elif isinstance(document, str):
-                self.skip(document)
+                self.skip(document, slot)
             elif isinstance(document, UserError):
                 r = slot % self.B
                 self.streams[r].push_run(runs[r])
