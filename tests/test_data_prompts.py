@@ -54,7 +54,7 @@ def test_text_and_chat_prompts_keep_their_fields(tokenizer, tmp_path, caplog):
     assert list(batch["examples"]) == [{"prompt": "two plus two?", "answer": "4"},
                                        {"prompt": chat, "messages": chat, "answer": "4",
                                         "level": 1}]
-    assert metrics["dataset_skipped_documents"] >= 2  # (counted as far as read ahead)
+    assert metrics["dataset_skipped_documents"] >= 2
     assert "p.jsonl:3: missing field 'prompt'" in caplog.text
     assert re.search(r"p\.jsonl:4: the prompt is \d+ tokens, longer than the 24 a row leaves "
                      r"it \(seq_length - --grpo\.max_new_tokens\)", caplog.text)
