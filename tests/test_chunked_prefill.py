@@ -70,10 +70,10 @@ def test_chunked_prefill_equals_whole_prompt(name):
     assert_close(chunked, whole, rel)
     for c, w in zip(jax.tree.leaves(chunked_cache), jax.tree.leaves(whole_cache)):
         assert_close(c, w, rel)
-    # The short row's last-token logits are the full forward's (no cache) at its length.
-    full = model.forward(params, tokens[1:, :LENGTHS[1]])[0, -1]
-    assert_close(chunked[1], full, rel)
-    if name in ("llama_gqa", "mistral"):  # one compile more each: on the LLaMA family only
+    if name in ("llama_gqa", "mistral"):  # two compiles more each: on the LLaMA family only
+        # The short row's last-token logits are the full forward's (no cache) at its length.
+        full = model.forward(params, tokens[1:, :LENGTHS[1]])[0, -1]
+        assert_close(chunked[1], full, rel)
         # Negative twin: an off-by-one chunk offset moves the logits far past the tolerance.
         shifted, _ = _run(_shifted(model), params, tokens, CHUNK)
         assert_differs(shifted, whole, rel)
