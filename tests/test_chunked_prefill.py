@@ -117,9 +117,10 @@ def _temp_bytes(model, n_tokens, chunk):
 def test_chunked_prefill_memory_grows_linearly():
     """XLA's temporary memory of the prefill (LLaMA debug: 2 layers, 4 heads, V=512) at T
     and 4T. Whole: a layer's (N, T, T) fp32 scores and probabilities dominate (4 heads x
-    2048^2 x 4 B = 64 MiB each at 2,048), so 4x the tokens cost ~16x or more. Chunked by 128: (N, 128, T) scores, (128, V) logits and the cache grow with T,
-    so at most ~4x. Measured (CPU, 512 -> 2,048 tokens): whole 8.3 -> 192.9 MiB (23x), chunked
-    2.1 -> 8.3 MiB (3.9x)."""
+    2048^2 x 4 B = 64 MiB each at 2,048), so 4x the tokens cost ~16x or more. Chunked by
+    128: (N, 128, T) scores, (128, V) logits and the cache grow with T, so at most ~4x.
+    Measured (CPU, 512 -> 2,048 tokens): whole 8.3 -> 192.9 MiB (23x), chunked 2.1 -> 8.3
+    MiB (3.9x)."""
     model = LLAMA.bind(tiny_config())
     whole = [_temp_bytes(model, t, 0) for t in (512, 2048)]
     chunked = [_temp_bytes(model, t, 128) for t in (512, 2048)]
