@@ -16,6 +16,12 @@ Example, the llama_1b shape on one GPU:
 With --lora.rank=R (and --lora.base_dtype=nf4 for QLoRA) the step is the LoRA run's:
 'parameters' are the adapters it trains, 'frozen_*' the base it reads. --compile_only=True
 measures a step too big for this machine (docs/lora.md#memory).
+
+A long-sequence step splits each row over --mesh_dim's sp devices, in zig-zag order as
+the trainer does, with --context_parallel=ring|all_gather attention (docs/long_context.md):
+
+    python -m easylm.bench train --seq_length=8192 --batch_size=2 \
+        --mesh_dim=dp=1,fsdp=2,sp=4 --context_parallel=ring
 """
 
 import json
@@ -34,10 +40,13 @@ from easylm import flags, variants
 from easylm.errors import UserError, exit_on_user_error
 from easylm.runtime import dtypes, flops, profiling, run_flags
 from easylm.runtime.compilation import setup_compilation
+from easylm.models.context_parallel import DEFAULT_STRATEGY, STRATEGIES, use_strategy
+from easylm.objectives.next_token import NextToken
 from easylm.runtime.sharding import BATCH_AXES, make_mesh, shown_axes
 from easylm.training import optimizers
+from easylm.training.options import HELP as TRAINER_HELP
 from easylm.training.state import abstract_state, init_state
-from easylm.training.step import device_batch, jit_train_step
+from easylm.training.step import device_batch, jit_train_step, split_sequence
 
 USAGE = "usage: python -m easylm.bench {train,data,decode} [--flag=value ...]"
 
@@ -48,6 +57,7 @@ TRAIN_HELP = {
     "steps": "timed steps",
     **run_flags.help_entries("mesh_dim", "dtype", "param_dtype", "seed",
                              seed="also of the synthetic tokens"),
+    "context_parallel": TRAINER_HELP["context_parallel"],
     "peak_tflops": "peak TFLOP/s per device for MFU (0: from the device table)",
     "compilation_cache_dir": "persistent compilation cache ('' to disable)",
     "compile_only": "only lower and compile the step from abstract shapes, allocating "
@@ -68,6 +78,7 @@ def train_config(family) -> ConfigDict:
     config.steps = 5
     config.update(run_flags.get_default_config("mesh_dim", "dtype", "param_dtype", "seed",
                                                seed=0))
+    config.context_parallel = ""
     config.peak_tflops = 0.0
     config.compilation_cache_dir = ""
     config.compile_only = False
@@ -105,14 +116,47 @@ def bench_train(config: ConfigDict, family) -> dict:
         raise UserError("--profile_steps needs steps to run; --compile_only runs none")
     setup_compilation(config.compilation_cache_dir)
     mesh = make_mesh(config.mesh_dim)
+    strategy = _check_split(config, mesh)
     model = variants.build(family, config)
     tx, schedule = optimizers.get_optimizer(config.optimizer)
-    accumulate = config.optimizer.accumulate_gradient_steps
-    if config.compile_only:
-        return _compile_only(config, model, tx, schedule, mesh)
+    with use_strategy(strategy):
+        if config.compile_only:
+            return _compile_only(config, model, tx, schedule, mesh)
+        return _run_steps(config, model, tx, schedule, mesh)
+
+
+def _check_split(config: ConfigDict, mesh) -> str:
+    """The context parallel strategy, rows checked to split over sp in zig-zag order."""
+    if config.context_parallel not in ("", *STRATEGIES):
+        raise UserError(f"--context_parallel={config.context_parallel!r}; expected one of "
+                        f"{', '.join(STRATEGIES)}")
+    sp = mesh.shape["sp"]
+    if sp > 1 and config.seq_length % (2 * sp):
+        raise UserError(f"--seq_length={config.seq_length} must be a multiple of 2*sp = "
+                        f"{2 * sp} to split rows over --mesh_dim={config.mesh_dim}")
+    return config.context_parallel or DEFAULT_STRATEGY
+
+
+def _train_step(config: ConfigDict, model, tx, schedule, state, mesh):
+    """The trainer's jitted step; with sp > 1 its loss sees rows in zig-zag order, as the
+    trainer's does (easylm/training/setup.py)."""
+    loss_fn = NextToken(model).loss_fn
+    if mesh.shape["sp"] > 1:
+        loss_fn = split_sequence(loss_fn, mesh.shape["sp"])
+    return jit_train_step(model, tx, schedule, config.seed,
+                          config.optimizer.accumulate_gradient_steps, state, mesh, loss_fn)
+
+
+def _sequence_fields(config: ConfigDict, mesh) -> dict:
+    if mesh.shape["sp"] == 1:
+        return {}
+    return {"context_parallel": config.context_parallel or DEFAULT_STRATEGY}
+
+
+def _run_steps(config: ConfigDict, model, tx, schedule, mesh) -> dict:
     with jax.set_mesh(mesh):
         state = init_state(model, tx, mesh, config.seed)
-        step = jit_train_step(model, tx, schedule, config.seed, accumulate, state, mesh)
+        step = _train_step(config, model, tx, schedule, state, mesh)
         batch = device_batch(synthetic_batch(config, model.vocab_size), mesh)
         start = time.perf_counter()
         step.lower(state, batch).compile()
@@ -145,6 +189,7 @@ def bench_train(config: ConfigDict, family) -> dict:
         "seq_length": config.seq_length,
         "batch_size": config.batch_size,
         "mesh": shown_axes(mesh),
+        **_sequence_fields(config, mesh),
         "tokens_per_second": round(tokens_per_second, 1),
         "step_time_s": round(seconds, 5),
         "mfu": None if mfu is None else round(mfu, 4),
@@ -203,8 +248,7 @@ def _compile_only(config: ConfigDict, model, tx, schedule, mesh) -> dict:
     batch_sharding = NamedSharding(mesh, P(BATCH_AXES, None))
     with jax.set_mesh(mesh):
         state = abstract_state(model, tx, mesh, config.seed)
-        step = jit_train_step(model, tx, schedule, config.seed,
-                                      config.optimizer.accumulate_gradient_steps, state, mesh)
+        step = _train_step(config, model, tx, schedule, state, mesh)
         batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sharding)
                  for k, v in synthetic_batch(config, model.vocab_size).items()}
         start = time.perf_counter()
@@ -229,6 +273,7 @@ def _compile_only(config: ConfigDict, model, tx, schedule, mesh) -> dict:
         "seq_length": config.seq_length,
         "batch_size": config.batch_size,
         "mesh": shown_axes(mesh),
+        **_sequence_fields(config, mesh),
         "compile_time_s": round(compile_seconds, 2),
         **xla,
         **_machine(),

@@ -35,6 +35,11 @@ Checked against XLA's `compiled.memory_analysis()` on 8 CPU devices with
 over). With unscanned layers XLA fuses some saved activations away (one case measured,
 no remat: 22% less than planned), and XLA:CPU does not keep remat's savings there at
 all (needs more).
+With `--plan.serve_tokens=T` it plans serving instead: what `python -m easylm.serve` holds
+while it prefills one T-token prompt in chunks (--plan.prefill_chunk_size) into an engine
+of --plan.serve_slots slots of T positions: weights, KV cache, the prompt's own cache and
+one chunk's activations (easylm/serving/memory.py; docs/long_context.md has it against
+XLA's analysis).
 Exit status: 0 fits (or no device memory known), 1 does not fit, 2 bad flags.
 """
 
@@ -63,6 +68,8 @@ from easylm.runtime.sharding import (
     mesh_string,
     parse_mesh_dim,
 )
+from easylm.serving.engine import get_default_config as engine_defaults
+from easylm.serving.memory import serving_bytes
 from easylm.training import optimizers, options
 
 GIB = 1024 ** 3
@@ -73,6 +80,11 @@ HELP = {
     "plan.num_devices": "plan for this many devices (0: the devices present)",
     "plan.num_processes": "processes (hosts) of that run, for --dcn_mesh_dim "
                           "(0: the processes present)",
+    "plan.serve_tokens": "plan serving instead of training: an engine of this context length "
+                         "(serve's --seq_length) prefilling one prompt that long (0: plan "
+                         "training)",
+    "plan.serve_slots": "with --plan.serve_tokens: decode slots (serve's --batch_size)",
+    "plan.prefill_chunk_size": "with --plan.serve_tokens: serve's --prefill_chunk_size",
 }
 
 
@@ -81,6 +93,9 @@ def get_default_config() -> ConfigDict:
     config.device_memory_gib = 0.0
     config.num_devices = 0
     config.num_processes = 0
+    config.serve_tokens = 0
+    config.serve_slots = 1
+    config.prefill_chunk_size = engine_defaults().prefill_chunk_size
     return config
 
 
@@ -463,6 +478,37 @@ def report(config: ConfigDict, family, num_devices: int, num_processes: int,
     return "\n".join(lines), fits
 
 
+def serving_report(config: ConfigDict, family, num_devices: int, num_processes: int,
+                   budget: int | None) -> tuple[str, bool]:
+    """The printed serving plan (`--plan.serve_tokens`), and whether it fits."""
+    plan = config.plan
+    sizes = mesh_sizes(config, num_devices, num_processes)
+    if sizes["sp"] > 1:
+        raise UserError(f"--mesh_dim={config.mesh_dim}: serving does not split the sequence; "
+                        f"plan it with sp=1")
+    model = variants.build(family, config)
+    if model.max_seq_length and plan.serve_tokens > model.max_seq_length:
+        raise UserError(f"--plan.serve_tokens={plan.serve_tokens} is above the model's "
+                        f"max_position_embeddings={model.max_seq_length}")
+    compute = jnp.dtype(dtype_from_flag("dtype", config.dtype))
+    parts = serving_bytes(model, sizes, compute, plan.serve_slots, plan.serve_tokens,
+                          plan.serve_tokens, plan.prefill_chunk_size)
+    lines = [f"plan: serving {_model_name(config, family)}, {model.num_parameters / 1e6:,.1f}M "
+             f"parameters, {model.num_layers} layers | {num_devices} devices, mesh "
+             f"{mesh_string(sizes)} | {plan.serve_slots} slots x {plan.serve_tokens} tokens, "
+             f"one {plan.serve_tokens}-token prompt prefilled in chunks of "
+             f"{plan.prefill_chunk_size or plan.serve_tokens} | compute {compute.name}",
+             "per device:"]
+    lines += [f"  {name:<12} {_size(size):>12}" for name, size in parts.items()]
+    fits = budget is None or parts["total"] <= budget
+    if budget is None:
+        lines.append("no device memory known: pass --plan.device_memory_gib to check the fit")
+    else:
+        lines.append(f"{'fits' if fits else 'does NOT fit'} in {_size(budget)} "
+                     f"({100 * parts['total'] / budget:.0f}%)")
+    return "\n".join(lines), fits
+
+
 def default_config(family, objective: str | None = None) -> ConfigDict:
     config = options.default_config(family, objective)
     config.plan = get_default_config()
@@ -494,7 +540,8 @@ def main(argv=None):
     if budget is None:
         stats = jax.local_devices()[0].memory_stats() or {}
         budget = stats.get("bytes_limit")
-    text, fits = report(config, family, num_devices, num_processes, budget)
+    planner = serving_report if config.plan.serve_tokens else report
+    text, fits = planner(config, family, num_devices, num_processes, budget)
     print(text)
     sys.exit(0 if fits else 1)
 

@@ -125,3 +125,21 @@ def test_a_qlora_step_runs_and_learns(capsys):
     assert row["parameters"] == 2 * 4 * (2 * (64 + 64) + 2 * (64 + 32) + 3 * (64 + 128))
     assert len(row["losses"]) == 3 and row["losses"][-1] < row["losses"][0]  # the same batch
     assert row["tokens_per_second"] > 0
+
+
+def test_a_long_sequence_step_compiles_under_sp_and_rows_must_split(capsys):
+    """`--mesh_dim=dp=1,fsdp=2,sp=4 --context_parallel=ring`: the trainer's step with rows
+    split over sp (zig-zag), compiled for abstract shapes; a row that does not split over
+    2*sp places is one line (measurements of the step: docs/long_context.md)."""
+    from easylm import bench
+
+    row = bench_row(capsys, "--compile_only=True", "--seq_length=16", "--batch_size=2",
+                    "--mesh_dim=dp=1,fsdp=2,sp=4", "--context_parallel=ring")
+    assert row["mesh"]["sp"] == 4 and row["context_parallel"] == "ring"
+    assert row["xla_memory_gb_per_device"] > 0
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["bench", "train", "--seq_length=12", "--mesh_dim=dp=1,fsdp=2,sp=4"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: --seq_length=12 must be a multiple of 2*sp = 8 to split rows over "
+        "--mesh_dim=dp=1,fsdp=2,sp=4")

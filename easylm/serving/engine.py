@@ -1,7 +1,8 @@
 """The device side of serving: weights, a preallocated key/value cache, and three jitted calls.
 
-    prefill  run prompts (n rows, bucketed length T) and write their keys/values
-             into cache rows ("slots"); draw each row's first new token
+    prefill  run prompts (n rows, bucketed length T), prefill_chunk_size tokens at a time,
+             and write their keys/values into cache rows ("slots"); draw each row's
+             first new token
     decode   C steps for all B slots at once, each slot at its own position,
              attending over the first L cache positions (a bucket covering the
              active slots' positions)
@@ -40,6 +41,9 @@ HELP = {
     "min_bucket": "shortest prompt-length bucket; buckets double up to seq_length (decode "
                   "windows over the cache: from the larger of this and seq_length/8)",
     "pre_compile": "compile every prefill/score bucket and decode window at start",
+    "prefill_chunk_size": "prompt tokens a prefill runs through the model at a time (each "
+                          "chunk attends over the cache so far: scores are chunk x T, not "
+                          "T x T); 0: the whole prompt at once",
     "decode_unroll": "unroll a decode call's decode_steps steps into one straight-line "
                      "program instead of a loop (longer compile; fewer kernel launches and "
                      "no loop bookkeeping per token)",
@@ -54,6 +58,7 @@ def get_default_config(updates=None) -> ConfigDict:
     config.min_bucket = 16
     config.pre_compile = False
     config.decode_unroll = False
+    config.prefill_chunk_size = 512
     if updates is not None:
         config.update(ConfigDict(updates).copy_and_resolve_references())
     return config
@@ -63,6 +68,9 @@ def check_config(config: ConfigDict):
     for name in ("batch_size", "seq_length", "decode_steps", "min_bucket"):
         if config[name] < 1:
             raise UserError(f"--{name} must be >= 1, got {config[name]}")
+    if config.prefill_chunk_size < 0:
+        raise UserError(f"--prefill_chunk_size must be >= 0 (0: unchunked), got "
+                        f"{config.prefill_chunk_size}")
 
 
 def buckets(largest: int, smallest: int) -> list[int]:
@@ -115,19 +123,48 @@ class Sampling:
         return tuple(np.array(a) for a in (self.keys, self.temperature, self.top_k, self.top_p))
 
 
-def _prefill(model: Model, sample: bool, weights, state, tokens, lengths, slots, keys,
-             temperature, top_k, top_p):
+def _prompt_forward(model: Model, chunk: int, weights, tokens, lengths):
+    """The prompts' keys/values in a fresh cache of T' >= T positions (T rounded up to a
+    multiple of the chunk) and each row's logits at its last token (n, V) in fp32.
+
+    The prompt goes through the model `chunk` tokens at a time (a loop on the device):
+    each chunk writes its keys/values and attends over the cache so far and itself under
+    the cache's causal (and sliding-window) mask, so a layer holds (chunk, T') scores,
+    never (T, T), and the head makes (n, chunk, V) logits, never (n, T, V)."""
     params, base = weights
-    cache, last, slot_positions = state
     n, T = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (n, T))
-    # A fresh T-long cache: the prompt attends over T keys, not S, then lands in its slots.
-    logits, fresh = model.forward(params, tokens, positions, cache=model.init_cache(n, T),
-                                  base=base)
-    out = next_tokens(logits[jnp.arange(n), lengths - 1], keys, lengths, temperature, top_k,
-                      top_p, sample)
+    C = T if chunk <= 0 or chunk >= T else chunk
+    chunks = -(-T // C)
+    ids = jnp.pad(tokens, ((0, 0), (0, chunks * C - T))).reshape(n, chunks, C)
+
+    def step(carry, xs):
+        cache, last = carry
+        chunk_ids, start = xs  # (n, C), the chunk's first position
+        positions = jnp.broadcast_to(start + jnp.arange(C, dtype=jnp.int32), (n, C))
+        logits, cache = model.forward(params, chunk_ids, positions, cache=cache, base=base)
+        at = lengths - 1 - start  # each row's last token, if it falls in this chunk
+        picked = logits[jnp.arange(n), jnp.clip(at, 0, C - 1)].astype(jnp.float32)
+        last = jnp.where(((at >= 0) & (at < C))[:, None], picked, last)
+        return (cache, last), None
+
+    carry = (model.init_cache(n, chunks * C), jnp.zeros((n, model.vocab_size), jnp.float32))
+    starts = jnp.arange(chunks, dtype=jnp.int32) * C
+    if chunks == 1:  # no loop: the program of an unchunked prefill
+        (fresh, last), _ = step(carry, (ids[:, 0], starts[0]))
+    else:
+        (fresh, last), _ = jax.lax.scan(step, carry, (ids.transpose(1, 0, 2), starts))
+    return fresh, last
+
+
+def _prefill(model: Model, sample: bool, chunk: int, weights, state, tokens, lengths, slots,
+             keys, temperature, top_k, top_p):
+    cache, last, slot_positions = state
+    T = tokens.shape[1]
+    fresh, logits = _prompt_forward(model, chunk, weights, tokens, lengths)
+    out = next_tokens(logits, keys, lengths, temperature, top_k, top_p, sample)
     # Padding rows carry slot index B, out of range, and are dropped.
-    cache = jax.tree.map(lambda c, f: c.at[..., slots, :T, :, :].set(f, mode="drop"), cache, fresh)
+    cache = jax.tree.map(lambda c, f: c.at[..., slots, :T, :, :].set(f[..., :T, :, :],
+                                                                     mode="drop"), cache, fresh)
     last = last.at[slots].set(out[0], mode="drop")
     slot_positions = slot_positions.at[slots].set(lengths, mode="drop")
     # A leading step axis, like decode's outputs: (1, n, ...).
@@ -221,7 +258,8 @@ class Engine:
             "out_shardings": (self.state_shardings, NamedSharding(mesh, P()))}
         # Two programs each: all rows greedy, or some sampling (`next_tokens`'s `sample`);
         # the sampling one compiles when a request first samples.
-        self._prefill_fns = {sample: jax.jit(functools.partial(_prefill, model, sample),
+        self._prefill_fns = {sample: jax.jit(functools.partial(_prefill, model, sample,
+                                                               config.prefill_chunk_size),
                                              donate_argnums=(1,), **out_shardings)
                              for sample in (False, True)}
         self._decode_fns = {(sample, length): jax.jit(

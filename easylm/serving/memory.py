@@ -1,0 +1,70 @@
+"""What the serving engine holds on one device while it prefills a long prompt, estimated
+before anything is compiled (`python -m easylm.plan --plan.serve_tokens=32768`).
+
+    weights   every parameter's shard in the compute dtype (the engine keeps them in --dtype)
+    kv cache  every slot's keys and values for seq_length positions: the engine's state
+    prompt    the prompt's own keys and values while it is prefilled (rows x T', T rounded up
+              to a multiple of the chunk), written into its slot at the end
+    chunk     one chunk through one layer (layers run one after another): its scores and
+              probabilities (rows, N, C, T') in fp32 and their mask, q/k/v, the MLP's
+              (rows, C, F) and the head's (rows, C, V) logits
+
+Each chunk attends over the prompt's cache so far (easylm/serving/engine.py
+`_prompt_forward`), so nothing grows as T^2: the chunk term is linear in T, the caches too.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from easylm.runtime.sharding import axes_size, match_partition_rules
+
+
+def _shard_bytes(shapes, rules, sizes: dict, dtype) -> int:
+    """One device's bytes of `shapes` under `rules`, every leaf in `dtype`; a dimension the
+    axes do not divide stays whole (as the engine's `fitted_spec` keeps it)."""
+    total = 0
+    specs = match_partition_rules(rules, shapes)
+    for leaf, spec in zip(jax.tree.leaves(shapes), jax.tree.leaves(
+            specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))):
+        shape = list(leaf.shape)
+        for dim, axes in enumerate(spec):
+            split = axes_size(sizes, axes)
+            if shape[dim] % split == 0:
+                shape[dim] //= split
+        total += math.prod(shape) * jnp.dtype(dtype).itemsize
+    return total
+
+
+def chunk_bytes(config: dict, rows: int, chunk: int, keys: int, mp: int, dtype) -> int:
+    """One chunk's transient through a layer and the head, heads, MLP and vocabulary
+    divided over mp (`config`: the family's config as a dict)."""
+    size = jnp.dtype(dtype).itemsize
+    heads = max(1, config["num_attention_heads"] // mp)
+    kv = max(1, config["num_key_value_heads"] // mp)
+    head_dim = config["head_dim"]
+    scores = rows * heads * chunk * keys * (4 + 4)  # fp32 scores and probabilities
+    mask = rows * chunk * keys
+    qkv = rows * chunk * (heads + 2 * kv) * head_dim * size
+    mlp = rows * chunk * 3 * (config["intermediate_size"] // mp) * size
+    logits = rows * chunk * (config["vocab_size"] // mp) * (size + 4)  # and the fp32 pick
+    return scores + mask + qkv + max(mlp, logits)
+
+
+def serving_bytes(model, sizes: dict, dtype, slots: int, seq_length: int, prompt: int,
+                  chunk: int, rows: int = 1) -> dict:
+    """{part: bytes per device} of an engine with `slots` slots of `seq_length` positions
+    prefilling `rows` prompts of `prompt` tokens `chunk` at a time (0: at once)."""
+    params = jax.eval_shape(model.init_params, jax.random.key(0))
+    cache = jax.eval_shape(lambda: model.init_cache(slots, seq_length, dtype))
+    C = prompt if chunk <= 0 or chunk >= prompt else chunk
+    padded = -(-prompt // C) * C
+    fresh = jax.eval_shape(lambda: model.init_cache(rows, padded, dtype))
+    parts = {
+        "weights": _shard_bytes(params, model.partition_rules, sizes, dtype),
+        "kv cache": _shard_bytes(cache, model.cache_rules, sizes, dtype),
+        "prompt": _shard_bytes(fresh, model.cache_rules, sizes, dtype),
+        "chunk": chunk_bytes(model.config, rows, C, padded, sizes["mp"], dtype),
+    }
+    return parts | {"total": sum(parts.values())}
