@@ -199,6 +199,9 @@ def test_zigzag_tokens_moves_every_per_token_array_together():
     np.testing.assert_array_equal(from_zigzag(order["positions"], 4),
                                   np.broadcast_to(np.arange(T), (B, T)))
     np.testing.assert_array_equal(order["row_weight"], batch["row_weight"])
+    # A batch of an objective's own layout (no input_tokens) is left in the row's order.
+    own = {"features": batch["input_tokens"]}
+    assert zigzag_tokens(own, 4) == own
     with pytest.raises(Exception, match="multiple of 2\\*sp = 16"):
         zigzag_tokens({k: v[:, :24] for k, v in batch.items() if v.ndim == 2}, 8)
 

@@ -72,8 +72,12 @@ def zigzag_tokens(batch: dict, sp: int) -> dict:
     reference log-probabilities) moves with the tokens, and so do `<prefix>positions` (the
     row's own 0..T-1 when the batch has none): attention decides what it sees from
     positions and segment ids, and a loss summed over tokens does not care about their
-    order. Per-row arrays ((B,), (B, G)) stay as they are."""
+    order. Per-row arrays ((B,), (B, G)) stay as they are; a batch with no input_tokens
+    (an objective's own layout, --objective=MODULE:CLASS) too: its forward then runs in
+    the row's order, correct but not balanced."""
     shapes = {batch[k].shape for k in batch if k.endswith("input_tokens")}
+    if not shapes:
+        return batch
     T = next(iter(shapes))[-1]
     if T % (2 * sp):
         raise UserError(f"rows of {T} tokens cannot be split over sp={sp} in zig-zag order: "
