@@ -66,6 +66,7 @@ from easylm.runtime.sharding import (
     match_partition_rules,
     mesh_dim_string,
     mesh_string,
+    over_parameter_axes,
     parse_mesh_dim,
 )
 from easylm.serving.engine import get_default_config as engine_defaults
@@ -157,6 +158,16 @@ def shard_bytes(tree, specs, sizes: dict) -> int:
             shape[dim] = math.ceil(shape[dim] / axes_size(sizes, axes))
         total += math.ceil(math.prod(shape) * bits(leaf.dtype) / 8)  # uint4: packed
     return total
+
+
+def parameter_bytes(tree, rules, sizes: dict) -> int:
+    """Bytes of one device's shard of parameters (or their optimizer state) placed by a rule
+    table: 'fsdp' split over fsdp and sp (`sharding.over_parameter_axes`), as the trainer
+    places them."""
+    specs = jax.tree.map(lambda spec: over_parameter_axes(spec, sizes),
+                         match_partition_rules(rules, tree),
+                         is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    return shard_bytes(tree, specs, sizes)
 
 
 def _shard_model(family, config: ConfigDict, layers: int, mp: int, remat: str | None = None):
@@ -253,10 +264,10 @@ def estimate(config: ConfigDict, family, num_devices: int, num_processes: int = 
     tx, _ = optimizers.get_optimizer(config.optimizer)
     opt_state = jax.eval_shape(tx.init, params)
     rules = model.partition_rules
-    parameters = shard_bytes(params, match_partition_rules(rules, params), sizes)
-    optimizer = shard_bytes(opt_state, match_partition_rules(rules, opt_state), sizes)
-    frozen = 0 if frozen_shapes is None else shard_bytes(
-        frozen_shapes, match_partition_rules(model.frozen.rules, frozen_shapes), sizes)
+    parameters = parameter_bytes(params, rules, sizes)
+    optimizer = parameter_bytes(opt_state, rules, sizes)
+    frozen = 0 if frozen_shapes is None else parameter_bytes(
+        frozen_shapes, model.frozen.rules, sizes)
 
     # Activations of one micro-batch on one device, for 1 and 2 layers -> L layers.
     micro = jax.ShapeDtypeStruct((rows // accumulate, T), jnp.int32)
@@ -277,9 +288,9 @@ def estimate(config: ConfigDict, family, num_devices: int, num_processes: int = 
         plain = [_residual_bytes(_shard_model(family, config, n, mp, "none"), batch, sp)
                  for n in (1, 2)]
         working += (plain[1] - plain[0]) - per_layer
-    # ... and with fsdp its weights are gathered whole and their gradient is whole
-    # until reduce-scattered.
-    if sizes["fsdp"] > 1:
+    # ... and with fsdp (or sp: PARAMETER_AXES) its weights are gathered whole and their
+    # gradient is whole until reduce-scattered.
+    if sizes["fsdp"] * sizes["sp"] > 1:
         compute = jnp.dtype(dtype_from_flag("dtype", config.dtype))
         working += _gathered_layer(family, config, mp, compute)
 

@@ -83,8 +83,8 @@ def metrics(output_dir) -> dict:
     return merged
 
 
-def final_params(output_dir, step=TOTAL_STEPS):
-    config = ConfigDict(dict(llama=llama_flags(), dtype="fp32", param_dtype="fp32"))
+def final_params(output_dir, step=TOTAL_STEPS, llama_updates=None):
+    config = ConfigDict(dict(llama=llama_flags(llama_updates), dtype="fp32", param_dtype="fp32"))
     abstract = jax.eval_shape(variants.build(FAMILY, config).init_params, jax.random.key(0))
     directory = os.path.join(output_dir, "run", "checkpoints", str(step))
     return jax.tree.map(np.asarray, checkpoint.load_params(f"params::{directory}", abstract))
@@ -109,14 +109,16 @@ def run_until(cmd, output_dir, step, signum, env=ENV):
     return process.returncode, open(out.name).read(), open(err.name).read()
 
 
-def assert_same_run(resumed_dir, reference, resumed_from):
+def assert_same_run(resumed_dir, reference, resumed_from, total_steps=TOTAL_STEPS,
+                    llama_updates=None):
     got = metrics(resumed_dir)
-    assert sorted(got) == list(range(1, TOTAL_STEPS + 1))
+    assert sorted(got) == list(range(1, total_steps + 1))
     for step, line in got.items():  # JSON floats round-trip exactly: this is bitwise
         keys = ("loss", "gradient_norm", "param_norm") + (("eval_loss",) if step % 10 == 0 else ())
         for key in keys:
             assert line[key] == reference["metrics"][step][key], (step, key, resumed_from)
-    for a, b in zip(jax.tree.leaves(final_params(resumed_dir)), jax.tree.leaves(reference["params"])):
+    params = final_params(resumed_dir, total_steps, llama_updates)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(reference["params"])):
         np.testing.assert_array_equal(a, b)
 
 
@@ -141,6 +143,37 @@ def test_sigkill_then_resume_is_bitwise_identical(data_path, reference, tmp_path
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"loading trainstate::{tmp_path}/run/checkpoints/{resume_from}" in result.stdout
     assert_same_run(tmp_path, reference, (kill_step, resume_from))
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_under_sequence_parallel_is_bitwise_identical(data_path, tmp_path):
+    """As above through `python -m easylm.train` with the sequence split (ring attention,
+    zig-zag order, parameters over fsdp and sp) on packed rows with segment ids: one layer,
+    12 steps, killed after the checkpoint of step 2 or 4. The three processes share a
+    compilation cache, so only the first compiles."""
+    steps, one_layer = 12, {"num_hidden_layers": 1}
+    cmd = [sys.executable, "-m", "easylm.train", *command(data_path, tmp_path / "a")[3:],
+           "--llama.num_hidden_layers=1", "--mesh_dim=dp=1,fsdp=2,sp=4",
+           "--context_parallel=ring", "--train_dataset.json_dataset.segment_ids=True",
+           f"--total_steps={steps}", "--save_model_freq=2",
+           f"--optimizer.adamw_optimizer.lr_decay_steps={steps}",
+           f"--compilation_cache_dir={tmp_path / 'xla'}"]
+    env = {**ENV, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    reference = {"metrics": metrics(tmp_path / "a"),
+                 "params": final_params(tmp_path / "a", steps, one_layer)}
+    cmd = [arg.replace(str(tmp_path / "a"), str(tmp_path / "b")) for arg in cmd]
+    (tmp_path / "b").mkdir()
+    code, _, _ = run_until(cmd, tmp_path / "b", random.randint(3, 5), signal.SIGKILL, env)
+    assert code == -signal.SIGKILL
+    resume_from = checkpoint.CheckpointManager(
+        str(tmp_path / "b" / "run" / "checkpoints"), checkpoint.get_default_config()).latest_step()
+    assert resume_from is not None and 2 <= resume_from < steps
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"loading trainstate::{tmp_path}/b/run/checkpoints/{resume_from}" in result.stdout
+    assert_same_run(tmp_path / "b", reference, resume_from, steps, one_layer)
 
 
 @pytest.mark.slow

@@ -19,16 +19,25 @@ import shutil
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 from easylm.data.packing import segment_positions
 from easylm.gemma.family import FAMILY as GEMMA
 from easylm.llama.family import FAMILY as LLAMA
-from easylm.models.context_parallel import STRATEGIES, from_zigzag, to_zigzag, use_strategy
+from easylm.models.context_parallel import (
+    STRATEGIES,
+    block_work,
+    from_zigzag,
+    to_zigzag,
+    use_strategy,
+)
+from easylm.objectives import preference
 from easylm.objectives.next_token import NextToken
 from easylm.runtime.sharding import make_mesh
 from easylm.training import options, trainer
-from easylm.training.step import split_sequence, zigzag_documents
+from easylm.training.state import abstract_state
+from easylm.training.step import split_sequence, zigzag_tokens
 from numerics import assert_close, assert_differs, forward_rel, logprob_tolerance
 
 B, T = 4, 32  # T: a multiple of 2 * sp for sp = 8
@@ -58,7 +67,7 @@ def split_logits(model, params, batch):
     """Logits in the row's own order, the batch in zig-zag order under a mesh with sp > 1."""
     mesh = jax.sharding.get_abstract_mesh()
     sp = 1 if mesh.empty else mesh.shape["sp"]
-    order = zigzag_documents(batch, sp) if sp > 1 else batch
+    order = zigzag_tokens(batch, sp) if sp > 1 else batch
     logits = model.forward(params, order["input_tokens"], positions=order["positions"],
                            segment_ids=order["segment_ids"])
     return from_zigzag(logits, sp) if sp > 1 else logits
@@ -180,19 +189,105 @@ def test_ring_step_passes_blocks_and_never_gathers_the_whole_kv():
     assert full_kv_gathers(compiled(4, "all_gather")[0].as_text())
 
 
-def test_zigzag_documents_moves_every_per_token_array_together():
+def test_zigzag_tokens_moves_every_per_token_array_together():
     _, _, batch, _ = setup()
     batch = {k: v for k, v in batch.items() if k != "positions"}  # filled in: 0..T-1
     batch["row_weight"] = np.ones((B,), np.float32)  # per row: left as it is
-    order = zigzag_documents(batch, 4)
+    order = zigzag_tokens(batch, 4)
     for key in ("input_tokens", "target_tokens", "loss_masks", "segment_ids"):
         np.testing.assert_array_equal(order[key], to_zigzag(batch[key], 4))
     np.testing.assert_array_equal(from_zigzag(order["positions"], 4),
                                   np.broadcast_to(np.arange(T), (B, T)))
     np.testing.assert_array_equal(order["row_weight"], batch["row_weight"])
+    # A batch of an objective's own layout (no input_tokens) is left in the row's order.
+    own = {"features": batch["input_tokens"]}
+    assert zigzag_tokens(own, 4) == own
     with pytest.raises(Exception, match="multiple of 2\\*sp = 16"):
-        zigzag_documents({k: v[:, :24] for k, v in batch.items() if v.ndim == 2}, 8)
+        zigzag_tokens({k: v[:, :24] for k, v in batch.items() if v.ndim == 2}, 8)
 
+
+def pair_batch(vocab_size, seed=2):
+    """Preference pairs as data/pairs.py makes them: prompt then response, padding after,
+    the loss on the response; (chosen_*, rejected_*) (B, T)."""
+    rng = np.random.default_rng(seed)
+    batch = {}
+    for side in ("chosen", "rejected"):
+        tokens = rng.integers(0, vocab_size, size=(B, T + 1)).astype(np.int32)
+        places = np.arange(T)
+        prompt, end = rng.integers(2, 9, (B, 1)), rng.integers(12, T, (B, 1))
+        batch.update({f"{side}_input_tokens": tokens[:, :-1],
+                      f"{side}_target_tokens": tokens[:, 1:],
+                      f"{side}_loss_masks": ((places >= prompt) & (places < end)).astype(
+                          np.float32)})
+    return batch
+
+
+def test_pairs_and_grpo_rows_in_zigzag_order():
+    """Pairs and GRPO's (B, G, T) rows are put in zig-zag order under sp like documents
+    (every per-token array with its tokens, positions filled in), which balances the
+    causal work of one row over the devices; SimPO's loss on pairs so reordered under
+    dp=1,fsdp=2,sp=4 (ring) equals one device's. DPO and GRPO run the same reordering in
+    the trainer test below."""
+    model, params, _, (logits, _, _) = setup()
+    batch = pair_batch(MISTRAL.vocab_size)
+    options = preference.get_default_config()
+    simpo = preference.make_loss_fn(
+        "simpo", options, lambda p, rows: preference.row_logps(model, p, rows))
+    loss = lambda p, b, rng, frozen: simpo(p, b, rng)  # noqa: E731
+    want = jax.jit(loss)(params, batch, None, {})
+    zigzag = split_sequence(loss, 4)
+    positions_dropped = lambda p, b, rng, f: loss(  # noqa: E731
+        p, {k: v for k, v in zigzag_tokens(b, 4).items() if "positions" not in k}, rng, f)
+    with jax.set_mesh(make_mesh("fsdp=2,sp=4")), use_strategy("ring"):
+        got, leaky = (jax.device_get(jax.jit(f)(params, batch, None, {}))
+                      for f in (zigzag, positions_dropped))
+    # A summed log-probability of at most T tokens; SimPO's loss moves by at most beta per
+    # nat of either side's (length-normalised) log-probability.
+    tolerance = logprob_tolerance(MISTRAL, T, float(np.abs(logits).max()), T)
+    for key in ("logps/chosen", "logps/rejected"):
+        assert abs(float(got.metrics[key]) - float(want.metrics[key])) <= B * tolerance, key
+        # Negative twin: tokens reordered but attention reading their new places.
+        assert abs(float(leaky.metrics[key]) - float(want.metrics[key])) > B * tolerance, key
+    assert abs(float(got.loss) - float(want.loss)) <= 2 * B * options.simpo.beta * tolerance
+
+    order = zigzag_tokens(batch, 4)
+    for side in ("chosen", "rejected"):
+        for key in ("input_tokens", "target_tokens", "loss_masks"):
+            np.testing.assert_array_equal(order[f"{side}_{key}"],
+                                          to_zigzag(batch[f"{side}_{key}"], 4))
+        # Each device runs 2sp + 1 ring sub-block pairs per row, in row order 4i + 3.
+        positions = order[f"{side}_positions"]
+        ones = np.ones_like(positions)
+        np.testing.assert_array_equal(block_work(positions, ones, 4), B * 9)
+        assert np.ptp(block_work(from_zigzag(positions, 4), ones, 4)) > 1
+    # GRPO's rows: (B, G, T) per token, (B, G) per completion.
+    G = 2
+    grpo = {"input_tokens": np.arange(B * G * T).reshape(B, G, T),
+            "old_logps": -np.arange(B * G * T, dtype=np.float32).reshape(B, G, T),
+            "advantages": np.arange(B * G, dtype=np.float32).reshape(B, G)}
+    order = zigzag_tokens(grpo, 4)
+    for key in ("input_tokens", "old_logps"):
+        np.testing.assert_array_equal(order[key].reshape(B * G, T),
+                                      to_zigzag(grpo[key].reshape(B * G, T), 4))
+    np.testing.assert_array_equal(order["positions"][0, 1], to_zigzag(np.arange(T)[None], 4)[0])
+    np.testing.assert_array_equal(order["advantages"], grpo["advantages"])
+
+
+
+def test_parameters_and_optimizer_state_split_over_fsdp_and_sp():
+    """Under sp the train state is split as over fsdp * sp devices (MaxText's layout): each
+    device holds 1/8 of every parameter and Adam moment on dp=1,fsdp=2,sp=4, as on fsdp=8.
+    The trainer test below checks that the step's numbers are unchanged."""
+    model, tx = LLAMA.bind(MISTRAL), optax.adamw(1e-3)
+
+    def shards(mesh_dim):
+        state = abstract_state(model, tx, make_mesh(mesh_dim), 0)
+        return [x.sharding.shard_shape(x.shape) for x in jax.tree.leaves(state)]
+
+    split = shards("fsdp=2,sp=4")
+    assert split == shards("fsdp=8")
+    # Twin: sp's devices holding whole fsdp shards (the layout before) is not that.
+    assert split != shards("fsdp=2,ep=4")
 
 
 # ------------------------------------------------------------ through the trainer command
@@ -305,6 +400,9 @@ def test_plan_splits_activations_over_sp_and_finds_the_longest_row():
     whole = plan.estimate(parse("1,2,1", 512), LLAMA, num_devices=2)
     split = plan.estimate(parse("dp=1,fsdp=2,sp=4", 512), LLAMA, num_devices=8)
     assert 0 < 4 * split.activations <= whole.activations
+    # Parameters and optimizer state split over fsdp * sp = 8 devices, not fsdp = 2 (only
+    # norm scales are replicated, so a little over a quarter of fsdp=2's).
+    assert 3 * split.parameters < whole.parameters and 3 * split.optimizer < whole.optimizer
     config = parse("dp=1,fsdp=2,sp=4", 64)
     assert plan.longest_row(config, LLAMA, 8, 1, split.total, step=256) == 512
     with pytest.raises(Exception, match="multiple of 2\\*sp = 8"):

@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 from easylm.models import remat
 from easylm.models.context_parallel import SplitSequence
 from easylm.models.attention import attention, segment_mask, sliding_window_mask
-from easylm.runtime.sharding import BATCH_AXES, constrain
+from easylm.runtime.sharding import BATCH_AXES, PARAMETER_AXES, constrain
 
 # The key/value cache (B, S, K, H): batch split like activations, heads on 'mp' like the
 # k/v projections that fill it.
@@ -282,11 +282,12 @@ class _Backbone(nn.Module):
         if scale is not None:  # in the compute dtype, as HF casts it
             x = x * jnp.asarray(scale, self.dtype)
         # The lookup (and, in the backward pass, the scatter into the table) happens
-        # where the table's D is split: over 'fsdp', batch over the axes that replicate
-        # the table ('dp', 'ep'). Then an all-to-all splits the batch over BATCH_AXES as
-        # everywhere else. Going straight from the batch split to the table's D split
-        # would make XLA gather the whole (B, T, D) gradient on every device when dp > 1.
-        x = constrain(x, P(("dp", "ep"), "sp", "fsdp"))
+        # where the table's D is split: over PARAMETER_AXES ('fsdp' and 'sp'), batch over
+        # the axes that replicate the table ('dp', 'ep'). Then an all-to-all splits the
+        # batch over BATCH_AXES and T over 'sp' as everywhere else. Going straight from the
+        # batch split to the table's D split would make XLA gather the whole (B, T, D)
+        # gradient on every device when dp > 1.
+        x = constrain(x, P(("dp", "ep"), None, PARAMETER_AXES))
         x = constrain(x, P(BATCH_AXES, "sp", None))  # (B, T, D)
         contexts = self.contexts(positions, segment_ids, cache)
         if c.scan_layers:

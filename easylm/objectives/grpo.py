@@ -268,12 +268,14 @@ class GRPOObjective(Objective):
             self.reference = BASE if model.frozen is not None else COPY
         self._rollouts = None  # rollouts.Rollouts, made in prepare_run
 
-    def token_logps(self, params, frozen, tokens, targets, reference: bool = False):
+    def token_logps(self, params, frozen, tokens, targets, reference: bool = False,
+                    positions=None):
         """(log-probabilities of `targets` (N, T), entropies (N, T)) at the sampling
         temperature under the policy `params` (on the frozen base, for a variant), or the
         reference (the base with the adapters off, or the frozen copy). With the model's
         `loss_chunk_size` they are made from the hidden states a chunk of positions at a
-        time (chunked_logps.py): never the (N, T, V) logits."""
+        time (chunked_logps.py): never the (N, T, V) logits. `positions` (N, T): the
+        tokens' places when they come in another order (zig-zag under sp)."""
         model = self.model
         if reference and model.frozen is not None:
             params = model.frozen.adapters_off(params)
@@ -281,15 +283,18 @@ class GRPOObjective(Objective):
             params, frozen = frozen["reference"], {}
         base, temperature = frozen.get("base"), self.options.temperature
         if not model.loss_chunk_size:
-            return token_logps(model.forward(params, tokens, base=base), targets, temperature)
-        hidden = model.forward(params, tokens, base=base, return_hidden=True)  # (N, T, D)
+            return token_logps(model.forward(params, tokens, positions=positions, base=base),
+                               targets, temperature)
+        hidden = model.forward(params, tokens, positions=positions, base=base,
+                               return_hidden=True)  # (N, T, D)
         return chunked_token_logps(hidden, model.head(params, base), targets, temperature,
                                    model.loss_chunk_size)
 
     def loss_fn(self, params, batch, rng, frozen):
         del rng  # the serving forward has no dropout
         tokens, targets = rows(batch["input_tokens"]), rows(batch["target_tokens"])
-        logps, entropy = self.token_logps(params, frozen, tokens, targets)
+        positions = rows(batch["positions"]) if "positions" in batch else None
+        logps, entropy = self.token_logps(params, frozen, tokens, targets, positions=positions)
         old = rows(batch["old_logps"]) if "old_logps" in batch else None
         ref = rows(batch["ref_logps"]) if "ref_logps" in batch else None
         is_ratio = rows(batch["is_ratio"]) if "is_ratio" in batch else None

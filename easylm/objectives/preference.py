@@ -181,11 +181,15 @@ def preference_sums(objective: str, policy: Pair, reference: Pair | None, length
 def row_logps(model, params, rows: dict, base=None, rng=None):
     """(summed log-probabilities of each row's masked targets (N,), their count (N,)) under
     `model` (its forward pass and head; `base`: a variant's frozen parameters), one sequence
-    per row, not packed; with the model's `loss_chunk_size` never the (N, T, V) logits."""
+    per row, not packed; with the model's `loss_chunk_size` never the (N, T, V) logits.
+    `positions` (N, T), where rows has them: the places of tokens in another order (zig-zag
+    under sp, training/step.py)."""
+    place = {"positions": rows["positions"]} if "positions" in rows else {}
     if not model.loss_chunk_size:
-        logits = model.forward(params, rows["input_tokens"], base=base, rng=rng)
+        logits = model.forward(params, rows["input_tokens"], base=base, rng=rng, **place)
         return sequence_logps(logits, rows["target_tokens"], rows["loss_masks"])
-    hidden = model.forward(params, rows["input_tokens"], base=base, rng=rng, return_hidden=True)
+    hidden = model.forward(params, rows["input_tokens"], base=base, rng=rng, return_hidden=True,
+                           **place)
     return chunked_sequence_logps(hidden, model.head(params, base), rows["target_tokens"],
                                   rows["loss_masks"], model.loss_chunk_size)
 
@@ -196,9 +200,10 @@ def row_logps(model, params, rows: dict, base=None, rng=None):
 def pair_rows(batch) -> dict:
     """chosen_* and rejected_* (B, T) -> rows (2B, T), pair i in rows 2i (chosen) and
     2i+1 (rejected): one forward pass for both, and a (B, 2, T) reshape keeps a pair on
-    the device that holds its batch row."""
+    the device that holds its batch row. Positions too, where the batch has them."""
+    keys = ROW_KEYS + (("positions",) if "chosen_positions" in batch else ())
     return {k: jnp.stack([batch[f"chosen_{k}"], batch[f"rejected_{k}"]], axis=1)
-            .reshape(-1, *batch[f"chosen_{k}"].shape[1:]) for k in ROW_KEYS}
+            .reshape(-1, *batch[f"chosen_{k}"].shape[1:]) for k in keys}
 
 
 def _as_pair(x) -> Pair:  # (2B,) interleaved -> Pair of (B,)

@@ -10,7 +10,8 @@ Mesh axes (every mesh has all five; the ones not asked for have size 1):
     dp    data parallel: parameters replicated, batch split
     fsdp  fully sharded data parallel: parameters and batch split
     sp    sequence (context) parallel: the sequence split, attention over it by
-          models/context_parallel.py (--context_parallel=ring|all_gather)
+          models/context_parallel.py (--context_parallel=ring|all_gather); parameters
+          split over it with fsdp (`PARAMETER_AXES`)
     ep    expert parallel: experts of a mixture-of-experts layer split; for every other
           parameter a data-parallel axis (batch split, parameters replicated)
     mp    model (tensor) parallel: heads and hidden features split
@@ -33,6 +34,13 @@ from easylm.errors import UserError
 MESH_AXES = ("dp", "fsdp", "sp", "ep", "mp")  # mp innermost: nearest devices talk most
 POSITIONAL_AXES = ("dp", "fsdp", "mp")  # what EasyLM's three bare numbers mean
 BATCH_AXES = ("dp", "fsdp", "ep")  # the batch dimension is split over all three
+
+# What 'fsdp' in a partition rule table splits: fsdp and the sequence axis together, as
+# MaxText does, so that sp saves parameter and optimizer memory as well as activations.
+# Each layer's weights are gathered over both before use, as over fsdp alone (their
+# gradients reduce-scattered over both), so the sp devices, which hold different places
+# of the same rows, still see whole weights.
+PARAMETER_AXES = ("fsdp", "sp")
 
 PartitionRules = Sequence[tuple[str, P]]
 
@@ -207,9 +215,25 @@ def match_partition_rules(rules: PartitionRules, tree):
     return jax.tree_util.tree_map_with_path(spec_for, tree)
 
 
+def over_parameter_axes(spec: P, mesh_shape) -> P:
+    """A rule table's `spec` on a mesh of {axis: size}: every 'fsdp' as PARAMETER_AXES when
+    the mesh splits the sequence (as written otherwise, so specs read as in the table)."""
+    if mesh_shape.get("sp", 1) == 1:
+        return spec
+
+    def resolve(axes):
+        return tuple(a for axis in spec_axes(axes)
+                     for a in (PARAMETER_AXES if axis == "fsdp" else (axis,))) or None
+
+    return P(*(resolve(axes) if "fsdp" in spec_axes(axes) else axes for axes in spec))
+
+
 def named_shardings(mesh: Mesh, specs):
+    """NamedShardings of rule-table specs on `mesh` ('fsdp' resolved by
+    `over_parameter_axes`)."""
     return jax.tree_util.tree_map(
-        lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, P)
+        lambda spec: NamedSharding(mesh, over_parameter_axes(spec, dict(mesh.shape))), specs,
+        is_leaf=lambda x: isinstance(x, P)
     )
 
 

@@ -75,7 +75,7 @@ def start(config: ConfigDict, family: ModelFamily, cleanup: contextlib.ExitStack
         state = state.replace(frozen={**state.frozen,
                                       "reference": starting_params(config, model, tx, mesh)})
     loss_fn = objective.loss_fn
-    if mesh.shape["sp"] > 1 and objective.rows == "documents":
+    if mesh.shape["sp"] > 1:
         loss_fn = split_sequence(loss_fn, mesh.shape["sp"])  # balanced: zig-zag order
     log = logger.Logger(config.logger, run_dir, flag_lib.flatten(config),
                         config.total_steps, int(state.step), config.log_all_worker)

@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from easylm.data import make_global_batch
 from easylm.errors import UserError
-from easylm.models.context_parallel import to_zigzag
+from easylm.models.context_parallel import zigzag_permutation
 from easylm.models.family import Model
 from easylm.objectives.next_token import NextToken
 from easylm.runtime.sharding import (
@@ -61,29 +61,46 @@ def _loss_and_grads(loss_fn, params, batch, rng, frozen, accumulate_steps: int):
     return grads, sums
 
 
-def zigzag_documents(batch: dict, sp: int) -> dict:
-    """A batch of documents (input_tokens (B, T), targets, masks, segment ids, positions)
-    with every per-token array in zig-zag order along T (`context_parallel.to_zigzag`), so
-    that each of the sp devices holding T/sp places does equal causal work. Positions (the
-    row's own 0..T-1 when the batch has none) travel with the tokens: attention decides
-    what it sees from positions and segment ids, and a loss summed over tokens does not
-    care about their order."""
-    B, T = batch["input_tokens"].shape
+def zigzag_tokens(batch: dict, sp: int) -> dict:
+    """A batch with every per-token array in zig-zag order along T
+    (`context_parallel.zigzag_permutation`), so that each of the sp devices holding T/sp
+    places does equal causal work.
+
+    Each `<prefix>input_tokens` names a row layout: documents' input_tokens (B, T), a
+    preference pair's chosen_ and rejected_ ones (B, T), GRPO's (B, G, T). Every array whose
+    leading dimensions are such a shape (targets, loss masks, segment ids, GRPO's old and
+    reference log-probabilities) moves with the tokens, and so do `<prefix>positions` (the
+    row's own 0..T-1 when the batch has none): attention decides what it sees from
+    positions and segment ids, and a loss summed over tokens does not care about their
+    order. Per-row arrays ((B,), (B, G)) stay as they are; a batch with no input_tokens
+    (an objective's own layout, --objective=MODULE:CLASS) too: its forward then runs in
+    the row's order, correct but not balanced."""
+    shapes = {batch[k].shape for k in batch if k.endswith("input_tokens")}
+    if not shapes:
+        return batch
+    T = next(iter(shapes))[-1]
     if T % (2 * sp):
         raise UserError(f"rows of {T} tokens cannot be split over sp={sp} in zig-zag order: "
                         f"the sequence length must be a multiple of 2*sp = {2 * sp}")
-    if "positions" not in batch:
-        batch = {**batch, "positions": jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))}
-    per_token = {k: x for k, x in batch.items() if x.ndim >= 2 and x.shape[:2] == (B, T)}
-    return {**batch, **to_zigzag(per_token, sp)}
+    batch = dict(batch)
+    for key in [k for k in batch if k.endswith("input_tokens")]:
+        shape, positions = batch[key].shape, key[:-len("input_tokens")] + "positions"
+        if positions not in batch:
+            batch[positions] = jnp.broadcast_to(jnp.arange(shape[-1], dtype=jnp.int32), shape)
+    order = zigzag_permutation(T, sp)
+    for key, x in batch.items():
+        token_axes = [len(s) for s in shapes if x.shape[:len(s)] == s]
+        if token_axes:
+            batch[key] = jnp.take(x, order, axis=max(token_axes) - 1)
+    return batch
 
 
 def split_sequence(loss_fn, sp: int):
-    """`loss_fn` for batches of documents under a mesh that splits the sequence over sp
-    devices: it sees them in zig-zag order (`zigzag_documents`)."""
+    """`loss_fn` for batches under a mesh that splits the sequence over sp devices: it sees
+    them in zig-zag order (`zigzag_tokens`)."""
 
     def zigzag_loss(params, batch, rng, frozen):
-        return loss_fn(params, zigzag_documents(batch, sp), rng, frozen)
+        return loss_fn(params, zigzag_tokens(batch, sp), rng, frozen)
 
     return zigzag_loss
 
