@@ -74,6 +74,10 @@ HELP = {
                                     "vllm_importance_sampling_clip_max); 0: off. Applied at "
                                     "temperature 1 and top_p 1 only, where the engine's "
                                     "log-probabilities are the sampler's",
+    "grpo.routing_replay": "a mixture-of-experts model: the engine records each token's "
+                           "expert choices in every MoE layer while sampling and the "
+                           "training (and scoring) forwards replay them, so that the "
+                           "trainer routes as the sampler did (docs/rl.md)",
 }
 
 
@@ -85,7 +89,7 @@ def get_default_config(updates=None) -> ConfigDict:
         scale_rewards="group",
         num_iterations=1, mask_truncated_completions=False, reward_funcs="answer_match",
         reward_weights="", format_pattern="", length_buffer=0,
-        importance_sampling_cap=3.0))
+        importance_sampling_cap=3.0, routing_replay=False))
     if updates is not None:
         config.update(ConfigDict(updates).copy_and_resolve_references())
     return config
@@ -260,6 +264,10 @@ class GRPOObjective(Objective):
         if model.init_cache is None:
             raise UserError(f"--objective=grpo: the {model.name} model has no serving engine "
                             f"to make rollouts with")
+        if options.routing_replay and model.router_loss is None:
+            raise UserError(f"--grpo.routing_replay=True replays a mixture of experts' routing: "
+                            f"the {model.name} model has no routers (a dense model, or LoRA, "
+                            f"whose forward does not replay yet)")
         self.reward_functions = rewards_lib.load(options.reward_funcs, options)
         self.weights = reward_weights(options, len(self.reward_functions))
         if not options.beta:
@@ -268,7 +276,8 @@ class GRPOObjective(Objective):
             self.reference = BASE if model.frozen is not None else COPY
         self._rollouts = None  # rollouts.Rollouts, made in prepare_run
 
-    def token_logps(self, params, frozen, tokens, targets, reference: bool = False):
+    def token_logps(self, params, frozen, tokens, targets, reference: bool = False,
+                    routing=None):
         """(log-probabilities of `targets` (N, T), entropies (N, T)) at the sampling
         temperature under the policy `params` (on the frozen base, for a variant), or the
         reference (the base with the adapters off, or the frozen copy). With the model's
@@ -280,16 +289,21 @@ class GRPOObjective(Objective):
         elif reference:
             params, frozen = frozen["reference"], {}
         base, temperature = frozen.get("base"), self.options.temperature
+        kwargs = {"base": base}
+        if routing is not None:  # (B, G, L, T, K) -> (L, N*T, K), as the forward replays it
+            L, K = routing.shape[2], routing.shape[-1]
+            kwargs["routing"] = jnp.moveaxis(rows(routing), 1, 0).reshape(L, -1, K)
         if not model.loss_chunk_size:
-            return token_logps(model.forward(params, tokens, base=base), targets, temperature)
-        hidden = model.forward(params, tokens, base=base, return_hidden=True)  # (N, T, D)
+            return token_logps(model.forward(params, tokens, **kwargs), targets, temperature)
+        hidden = model.forward(params, tokens, return_hidden=True, **kwargs)  # (N, T, D)
         return chunked_token_logps(hidden, model.head(params, base), targets, temperature,
                                    model.loss_chunk_size)
 
     def loss_fn(self, params, batch, rng, frozen):
         del rng  # the serving forward has no dropout
         tokens, targets = rows(batch["input_tokens"]), rows(batch["target_tokens"])
-        logps, entropy = self.token_logps(params, frozen, tokens, targets)
+        logps, entropy = self.token_logps(params, frozen, tokens, targets,
+                                          routing=batch.get("routing"))
         old = rows(batch["old_logps"]) if "old_logps" in batch else None
         ref = rows(batch["ref_logps"]) if "ref_logps" in batch else None
         is_ratio = rows(batch["is_ratio"]) if "is_ratio" in batch else None

@@ -115,17 +115,32 @@ class Sampling:
         return tuple(np.array(a) for a in (self.keys, self.temperature, self.top_k, self.top_p))
 
 
-def _prefill(model: Model, sample: bool, weights, state, tokens, lengths, slots, keys,
-             temperature, top_k, top_p):
+def _forward(model: Model, record: bool, params, tokens, positions, cache, base):
+    """(logits, cache, out): with `record` (routing replay, GRPO), out is a 1-tuple of the
+    expert choices each token got in each MoE layer, (n, L, T, K) int16 (L in
+    `moe.router_stats`' order); else ()."""
+    if not record:
+        logits, cache = model.forward(params, tokens, positions, cache=cache, base=base)
+        return logits, cache, ()
+    (logits, cache), stats = model.forward(params, tokens, positions, cache=cache, base=base,
+                                           router_stats=True)
+    n, T = tokens.shape
+    L, _, K = stats.experts.shape
+    experts = stats.experts.reshape(L, n, T, K).swapaxes(0, 1).astype(jnp.int16)
+    return logits, cache, (experts,)
+
+
+def _prefill(model: Model, sample: bool, record: bool, weights, state, tokens, lengths, slots,
+             keys, temperature, top_k, top_p):
     params, base = weights
     cache, last, slot_positions = state
     n, T = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (n, T))
     # A fresh T-long cache: the prompt attends over T keys, not S, then lands in its slots.
-    logits, fresh = model.forward(params, tokens, positions, cache=model.init_cache(n, T),
-                                  base=base)
+    logits, fresh, routing = _forward(model, record, params, tokens, positions,
+                                      model.init_cache(n, T), base)
     out = next_tokens(logits[jnp.arange(n), lengths - 1], keys, lengths, temperature, top_k,
-                      top_p, sample)
+                      top_p, sample) + routing
     # Padding rows carry slot index B, out of range, and are dropped.
     cache = jax.tree.map(lambda c, f: c.at[..., slots, :T, :, :].set(f, mode="drop"), cache, fresh)
     last = last.at[slots].set(out[0], mode="drop")
@@ -134,8 +149,8 @@ def _prefill(model: Model, sample: bool, weights, state, tokens, lengths, slots,
     return (cache, last, slot_positions), tuple(x[None] for x in out)
 
 
-def _decode(model: Model, steps: int, unroll: bool, sample: bool, length: int, weights, state,
-            keys, temperature, top_k, top_p):
+def _decode(model: Model, steps: int, unroll: bool, sample: bool, record: bool, length: int,
+            weights, state, keys, temperature, top_k, top_p):
     """`steps` tokens for every slot, attending over the first `length` cache positions
     only (the host picks a length that covers every active slot's positions); a loop, or
     with `unroll` the steps one after another in one program."""
@@ -151,9 +166,10 @@ def _decode(model: Model, steps: int, unroll: bool, sample: bool, length: int, w
         # Idle and finished slots run past the end: they write (garbage, never read) at
         # the last position instead.
         at = jnp.minimum(positions, length - 1)[:, None]
-        logits, window = model.forward(params, tokens[:, None], at, cache=window, base=base)
+        logits, window, routing = _forward(model, record, params, tokens[:, None], at, window,
+                                           base)  # routing: the input token's choices
         out = next_tokens(logits[:, 0], keys, positions + 1, temperature, top_k, top_p, sample)
-        return (window, out[0], positions + 1), out
+        return (window, out[0], positions + 1), out + tuple(r[:, :, 0] for r in routing)
 
     (window, tokens, positions), outs = jax.lax.scan(step, (window, tokens, positions), None,
                                                      length=steps, unroll=steps if unroll else 1)
@@ -181,7 +197,10 @@ class Engine:
     while the device runs this one.
     """
 
-    def __init__(self, config: ConfigDict, model: Model, params, mesh=None, base=None):
+    def __init__(self, config: ConfigDict, model: Model, params, mesh=None, base=None,
+                 record_routing: bool = False):
+        """`record_routing` (GRPO's routing replay, a MoE model): prefill and decode also
+        return each token's expert choices in every MoE layer (`_forward`)."""
         self.config = config = get_default_config(config)
         check_config(config)
         # `params` and, for a variant, its frozen `base`: what `Model.forward` reads.
@@ -221,12 +240,13 @@ class Engine:
             "out_shardings": (self.state_shardings, NamedSharding(mesh, P()))}
         # Two programs each: all rows greedy, or some sampling (`next_tokens`'s `sample`);
         # the sampling one compiles when a request first samples.
-        self._prefill_fns = {sample: jax.jit(functools.partial(_prefill, model, sample),
+        record = record_routing
+        self._prefill_fns = {sample: jax.jit(functools.partial(_prefill, model, sample, record),
                                              donate_argnums=(1,), **out_shardings)
                              for sample in (False, True)}
         self._decode_fns = {(sample, length): jax.jit(
                                 functools.partial(_decode, model, config.decode_steps, config.decode_unroll,
-                                                  sample, length),
+                                                  sample, record, length),
                                 donate_argnums=(1,), **out_shardings)
                             for sample in (False, True) for length in self.decode_buckets}
         # Replicated outputs: on several hosts each process can then read them (sharded
@@ -266,7 +286,8 @@ class Engine:
 
     def prefill(self, prompts: list[list[int]], slots: list[int], sampling: Sampling):
         """Write prompts into `slots` and draw their first tokens. Returns device arrays,
-        rows padded to a bucket: tokens (1, n), logprobs (1, n), top ids and logprobs (1, n, N)."""
+        rows padded to a bucket: tokens (1, n), logprobs (1, n), top ids and logprobs (1, n, N)
+        (recording routing: then the prompts' expert choices (1, n, L, T, K))."""
         n = len(prompts)
         rows = bucket_for(n, self.row_buckets)
         T = bucket_for(max(len(p) for p in prompts), self.length_buckets)
@@ -286,7 +307,8 @@ class Engine:
 
     def decode(self, sampling: Sampling, active=None):
         """decode_steps tokens for every slot, as device arrays: tokens (C, B),
-        logprobs (C, B), top ids and logprobs (C, B, N). `active` (B,) bool marks the
+        logprobs (C, B), top ids and logprobs (C, B, N) (recording routing: then each step's
+        input token's expert choices (C, B, L, K)). `active` (B,) bool marks the
         slots whose tokens matter (default: all); the call attends over the shortest
         cache length that holds their positions."""
         active = np.ones(self.batch_size, bool) if active is None else np.asarray(active, bool)
