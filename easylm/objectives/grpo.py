@@ -33,6 +33,7 @@ from easylm.objectives.rollouts import (
     rows,
     token_logps,
 )
+from easylm.objectives.router_loss import fed_tokens, with_router_loss
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -277,7 +278,7 @@ class GRPOObjective(Objective):
         self._rollouts = None  # rollouts.Rollouts, made in prepare_run
 
     def token_logps(self, params, frozen, tokens, targets, reference: bool = False,
-                    routing=None):
+                    routing=None, router_stats=False):
         """(log-probabilities of `targets` (N, T), entropies (N, T)) at the sampling
         temperature under the policy `params` (on the frozen base, for a variant), or the
         reference (the base with the adapters off, or the frozen copy). With the model's
@@ -289,21 +290,28 @@ class GRPOObjective(Objective):
         elif reference:
             params, frozen = frozen["reference"], {}
         base, temperature = frozen.get("base"), self.options.temperature
-        kwargs = {"base": base}
+        kwargs = {"base": base, "return_hidden": bool(model.loss_chunk_size)}
         if routing is not None:  # (B, G, L, T, K) -> (L, N*T, K), as the forward replays it
             L, K = routing.shape[2], routing.shape[-1]
             kwargs["routing"] = jnp.moveaxis(rows(routing), 1, 0).reshape(L, -1, K)
-        if not model.loss_chunk_size:
-            return token_logps(model.forward(params, tokens, **kwargs), targets, temperature)
-        hidden = model.forward(params, tokens, return_hidden=True, **kwargs)  # (N, T, D)
-        return chunked_token_logps(hidden, model.head(params, base), targets, temperature,
-                                   model.loss_chunk_size)
+        if router_stats:
+            out, stats = model.forward(params, tokens, router_stats=True, **kwargs)
+        else:
+            out, stats = model.forward(params, tokens, **kwargs), None
+        if not model.loss_chunk_size:  # out: logits (N, T, V), else hidden states (N, T, D)
+            logps = token_logps(out, targets, temperature)
+        else:
+            logps = chunked_token_logps(out, model.head(params, base), targets, temperature,
+                                        model.loss_chunk_size)
+        return logps if stats is None else (*logps, stats)
 
     def loss_fn(self, params, batch, rng, frozen):
         del rng  # the serving forward has no dropout
         tokens, targets = rows(batch["input_tokens"]), rows(batch["target_tokens"])
-        logps, entropy = self.token_logps(params, frozen, tokens, targets,
-                                          routing=batch.get("routing"))
+        router_loss = self.model.router_loss  # a mixture of experts: its router terms too
+        logps, entropy, *stats = self.token_logps(params, frozen, tokens, targets,
+                                                  routing=batch.get("routing"),
+                                                  router_stats=router_loss is not None)
         old = rows(batch["old_logps"]) if "old_logps" in batch else None
         ref = rows(batch["ref_logps"]) if "ref_logps" in batch else None
         is_ratio = rows(batch["is_ratio"]) if "is_ratio" in batch else None
@@ -317,7 +325,9 @@ class GRPOObjective(Objective):
             sums.metrics["sampling/importance_sampling_ratio/mean"] = jnp.sum(is_ratio * masks)
             sums.metrics["sampling/sampling_logp_difference/mean"] = jnp.sum(
                 rows(batch["logp_difference"]) * masks)
-        return sums
+        if router_loss is None:
+            return sums
+        return with_router_loss(sums, stats[0], router_loss, fed_tokens(masks))
 
     def describe(self) -> str:
         o = self.options
