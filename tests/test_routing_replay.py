@@ -84,6 +84,44 @@ def sampled(tmp_path_factory):
     return config, model, params, rows, atol
 
 
+def test_replay_collection_walks_the_layers_as_router_stats_stacks_them():
+    """`router_stats` stacks the sown stats (<layer>/stats) and `replay_collection` splits
+    the recorded rows over the blocks (<layer>/mlp) in the same order, for 11 layers one by
+    one ('10' sorts before '2') and for a scanned pattern of two slots with a tail layer:
+    each layer gets its own rows back. Tree operations only (the forward's fixture above
+    replays a 2-layer model end to end)."""
+    K, N = 2, 3
+
+    def stats(marks):  # RouterStats whose chosen experts are the layer's mark
+        marks = np.asarray(marks)
+        return moe.RouterStats(np.zeros((*marks.shape, N, 4)),
+                               np.broadcast_to(marks[..., None, None], (*marks.shape, N, K)),
+                               np.zeros((*marks.shape, 4)), np.zeros(marks.shape))
+
+    kernel = np.zeros((5, 4))
+    one_by_one = {str(i): i for i in range(11)}
+    sown = {"model": {"layers": {k: {"stats": (stats(i),)} for k, i in one_by_one.items()}}}
+    params = {"model": {"layers": {k: {"mlp": {"router": {"kernel": kernel}}}
+                                   for k in one_by_one}}}
+    replay = moe.replay_collection(params, moe.router_stats(sown).experts)
+    for key, mark in one_by_one.items():
+        assert (replay["model"]["layers"][key]["mlp"]["experts"] == mark).all(), key
+    # scanned: slot0 holds layers 0, 2, 4; slot1 layers 1, 3, 5; tail6 layer 6
+    slots = {"slot0": [0, 2, 4], "slot1": [1, 3, 5]}
+    sown = {"model": {"layers": {k: {"stats": (stats(m),)} for k, m in slots.items()},
+                      "tail6": {"stats": (stats(6),)}}}
+    stacked = np.zeros((3, 5, 4))
+    params = {"model": {"layers": {k: {"mlp": {"router": {"kernel": stacked}}} for k in slots},
+                        "tail6": {"mlp": {"router": {"kernel": kernel}}}}}
+    replay = moe.replay_collection(params, moe.router_stats(sown).experts)
+    for key, marks in slots.items():
+        got = replay["model"]["layers"][key]["mlp"]["experts"][:, 0, 0]
+        np.testing.assert_array_equal(got, marks)
+    assert (replay["model"]["tail6"]["mlp"]["experts"] == 6).all()
+    with pytest.raises(ValueError, match="routing to replay has 6 layers, the model 7"):
+        moe.replay_collection(params, moe.router_stats(sown).experts[:6])
+
+
 def trainer_logps(model, params, rows, routing=None):
     """The training forward's log-probabilities of the sampled tokens, replaying
     `routing` (N, L, T, K) when given."""

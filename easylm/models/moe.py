@@ -173,21 +173,22 @@ def replay_collection(params, experts):
     The layers are in `router_stats`' order: both walk the tree in jax's sorted-key order,
     the sown stats at <layer>/stats and the block at <layer>/mlp, so that what a sampler
     recorded with `router_stats` replays as it was (tests/test_routing_replay.py)."""
-    out, start = {}, 0
-    for path, kernel in jax.tree_util.tree_flatten_with_path(params)[0]:
-        keys = tuple(getattr(k, "key", k) for k in path)
-        if keys[-2:] != ("router", "kernel"):
-            continue
-        layers = kernel.shape[0] if kernel.ndim == 3 else 1  # stacked by a scan, or one
-        chosen = experts[start:start + layers]
-        node = out
-        for key in keys[:-2]:
-            node = node.setdefault(key, {})
-        node["experts"] = chosen if kernel.ndim == 3 else chosen[0]
-        start += layers
-    if start != experts.shape[0]:
+    blocks = [(keys[:-2], kernel) for keys, kernel in
+              ((tuple(getattr(k, "key", k) for k in path), kernel) for path, kernel in
+               jax.tree_util.tree_flatten_with_path(params)[0])
+              if keys[-2:] == ("router", "kernel")]
+    sizes = [kernel.shape[0] if kernel.ndim == 3 else 1 for _, kernel in blocks]  # scanned
+    if sum(sizes) != experts.shape[0]:
         raise ValueError(f"routing to replay has {experts.shape[0]} layers, the model "
-                         f"{start} mixture-of-experts layers")
+                         f"{sum(sizes)} mixture-of-experts layers")
+    out, start = {}, 0
+    for (path, kernel), size in zip(blocks, sizes):
+        node = out
+        for key in path:
+            node = node.setdefault(key, {})
+        chosen = experts[start:start + size]
+        node["experts"] = chosen if kernel.ndim == 3 else chosen[0]
+        start += size
     return out
 
 
