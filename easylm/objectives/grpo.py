@@ -353,7 +353,10 @@ class GRPOObjective(Objective):
         Generation is not counted (its time is logged apart: data/rollout/seconds)."""
         o = self.options
         reference = self.reference != NO_REFERENCE
-        policy = o.num_iterations > 1 or corrects_sampling(o) or reference
+        # The scoring program's policy forward: old_logps, importance weights, the KL's
+        # scored_logps, and at temperature 1 the sampler-vs-trainer metrics (rollouts.py).
+        policy = o.num_iterations > 1 or corrects_sampling(o) or reference or \
+            o.temperature == 1
         scoring = reference + policy
         forward = self.model.forward_flops(seq_length)
         return self.model.flops_per_token(seq_length) + scoring * forward / o.num_iterations
