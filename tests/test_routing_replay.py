@@ -57,11 +57,15 @@ def logprob_atol(config, logits_scale: float) -> float:
 @pytest.fixture(scope="module")
 def sampled(tmp_path_factory):
     """(config, model, params, rollout rows with the engine's log-probabilities and its
-    recorded choices, the tolerance) of ROWS completions sampled at temperature 1."""
+    recorded choices, the tolerance) of ROWS completions sampled at temperature 1, the
+    layers scanned."""
     config = tiny_config()
     directory = tmp_path_factory.mktemp("tied")
     save_tied(config, directory)
-    _, params = hf.load_hf_params(str(directory))
+    # Scanned layers: the replayed rows reach each layer through nn.scan (the command
+    # tests below run the layers one by one).
+    config = config.replace(scan_layers=True)
+    _, params = hf.load_hf_params(str(directory), scan_layers=True)
     model = FAMILY.bind(config)
     engine = engine_lib.Engine(
         engine_lib.get_default_config({"batch_size": ROWS, "seq_length": T,
