@@ -10,11 +10,14 @@ For each batch of B prompts from the data pipeline (data/prompts.py):
      the lm-eval hook does; no copy, no host round trip of weights): all B x G rows are
      prefilled in one call and decoded together until each has its EOS or
      max_new_tokens. Row i's sampling key comes from (--seed, the step, i), so a resumed
-     run draws the same completions;
+     run draws the same completions. With --grpo.routing_replay (a mixture of experts)
+     the engine also records each fed token's expert choices, which the batch carries
+     (`routing`) for every forward over it to replay;
   2. score: the reward functions (rewards.py) on the host, then `advantages`;
   3. the batch: prompt + completion in rows of seq_length + 1 tokens, (B, G, T) arrays,
      placed on the devices; then, in one jitted program on the live parameters, the
-     rollout's own log-probabilities (num_iterations > 1) and the reference's (beta > 0).
+     rollout's own log-probabilities (num_iterations > 1), the reference's (beta > 0),
+     and the sampler-vs-trainer log-probability differences (temperature 1).
 
 The engine's programs (one prefill, a decode program per cache window) are compiled at
 the first step and serve every later one; its cache is freed between rollouts.
