@@ -264,14 +264,17 @@ def test_pairs_and_grpo_rows_in_zigzag_order():
     G = 2
     grpo = {"input_tokens": np.arange(B * G * T).reshape(B, G, T),
             "old_logps": -np.arange(B * G * T, dtype=np.float32).reshape(B, G, T),
-            "advantages": np.arange(B * G, dtype=np.float32).reshape(B, G)}
+            "advantages": np.arange(B * G, dtype=np.float32).reshape(B, G),
+            # routing replay's experts (B, G, L, T, K), with L = T: not to be taken for T's
+            "routing": np.arange(B * G * T * T * 2).reshape(B, G, T, T, 2)}
     order = zigzag_tokens(grpo, 4)
+    np.testing.assert_array_equal(   # to_zigzag permutes axis 1: move T there and back
+        order["routing"], np.moveaxis(to_zigzag(np.moveaxis(grpo["routing"], 3, 1), 4), 1, 3))
     for key in ("input_tokens", "old_logps"):
         np.testing.assert_array_equal(order[key].reshape(B * G, T),
                                       to_zigzag(grpo[key].reshape(B * G, T), 4))
     np.testing.assert_array_equal(order["positions"][0, 1], to_zigzag(np.arange(T)[None], 4)[0])
     np.testing.assert_array_equal(order["advantages"], grpo["advantages"])
-
 
 
 def test_parameters_and_optimizer_state_split_over_fsdp_and_sp():

@@ -186,3 +186,21 @@ def test_int8_of_a_variant_quantizes_the_projections_and_keeps_biases_and_norms(
     got = int8.apply(nested(quantized), ids)
     assert relative(got, module.apply({"params": dequantized}, ids)) < 1e-5  # as for LLaMA
     assert relative(got, module.apply({"params": params}, ids)) > 1e-3  # it is quantized
+
+
+def test_int8_of_a_mixture_of_experts_is_refused_before_loading(tmp_path):
+    """The expert stacks are read by grouped matmuls, which qwix does not quantize: int8
+    would serve most of the weights in full precision while saying int8. One line, before
+    the weights load (the directory has none), naming the flag and what to pass instead."""
+    from llama_variants import hf_variant
+
+    hf_variant(LLaMAConfig.from_preset("debug_moe", num_hidden_layers=1)).save_pretrained(
+        tmp_path / "model")
+    (tmp_path / "model" / "model.safetensors").unlink()
+    config = flag_lib.parse(serving_cli.default_config(FAMILY), serving_cli.help_entries(FAMILY), [
+        "serve", f"--load_checkpoint=hf::{tmp_path / 'model'}", "--tokenizer=embedded",
+        "--seq_length=32", "--min_bucket=32", "--batch_size=2", "--quantize=int8"])
+    with pytest.raises(UserError, match=r"^--quantize=int8: a mixture of experts' expert "
+                       r"weights \(model/layers/0/mlp/experts/down_proj and 2 more, most of "
+                       r"the model\) are not quantized yet; serve it with --quantize=none$"):
+        serving_cli.load_engine(FAMILY, config)

@@ -335,8 +335,9 @@ class _Backbone(nn.Module):
         else:
             body, args, contexts_in = _Block, dict(lm=lm, kinds=kinds[:n]), contexts
         stack = nn.scan(
-            # 'router': what a mixture-of-experts layer sows (moe.RouterStats), per layer.
-            body, variable_axes={"params": 0, "router": 0},
+            # 'router': what a mixture-of-experts layer sows (moe.RouterStats), per layer;
+            # 'routing': the choices it replays (moe.replay_collection), per layer.
+            body, variable_axes={"params": 0, "router": 0, "routing": 0},
             # 'dropout': each layer its own key when one is given (LoRA's adapter
             # dropout, easylm/variants/lora.py); a scan passes no stream it does not name.
             split_rngs={"params": True, "dropout": True},

@@ -145,10 +145,14 @@ class ModelFamily:
         module = self.module_class(config, dtype=dtype, param_dtype=param_dtype)
 
         def forward(params, ids, positions=None, segment_ids=None, cache=None, *, base=None,
-                    rng=None, return_hidden=False, router_stats=False):
+                    rng=None, return_hidden=False, router_stats=False, routing=None):
             del base, rng  # a plain model: no frozen parameters, no dropout
             # router_stats: (out, the MoE layers' moe.RouterStats, stacked) for its loss.
-            out = module.apply({"params": params}, ids, positions=positions,
+            # routing: (L, N, K) expert choices to replay, as router_stats stacks them.
+            variables = {"params": params}
+            if routing is not None:
+                variables[moe.REPLAY] = moe.replay_collection(params, routing)
+            out = module.apply(variables, ids, positions=positions,
                                segment_ids=segment_ids, cache=cache, return_hidden=return_hidden,
                                mutable=["router"] if router_stats else False)
             return (out[0], moe.router_stats(out[1]["router"])) if router_stats else out

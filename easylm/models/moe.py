@@ -44,6 +44,7 @@ from easylm.runtime.sharding import BATCH_AXES
 
 ROUTERS = ("softmax_topk", "topk_softmax")
 EP = "ep"
+REPLAY = "routing"  # the variable collection that carries choices to replay
 
 # Expert weights are stacked with a leading E axis, split over 'ep'; the rest as the dense
 # MLP's (D over fsdp, F over mp). The router is small and replicated.
@@ -93,14 +94,17 @@ def route(logits, config: MoEConfig, experts=None):
 
     `experts` given (routing replay: the choices a sampler recorded), those experts are
     used and only their weights come from `logits`, by the same rule, so the router
-    still learns from the loss."""
+    still learns from the loss; a token whose recorded row is -1 (none recorded: padding
+    past a rollout's end) is routed as usual."""
     logits = logits.astype(jnp.float32)
     k = config.num_experts_per_tok
     scores = logits if config.router == "topk_softmax" else jax.nn.softmax(logits, axis=-1)
+    top, own = jax.lax.top_k(scores, k)
     if experts is None:
-        top, experts = jax.lax.top_k(scores, k)
+        experts = own
     else:
         experts = jnp.asarray(experts, jnp.int32)
+        experts = jnp.where(experts[:, :1] >= 0, experts, own)
         top = jnp.take_along_axis(scores, experts, axis=-1)
     if config.router == "topk_softmax":
         return jax.nn.softmax(top, axis=-1), experts
@@ -160,6 +164,32 @@ def router_stats(collection) -> RouterStats:
     if not found:
         raise ValueError("the forward pass sowed no router statistics (no MoE layer)")
     return jax.tree.map(lambda *xs: jnp.concatenate(xs), *found)
+
+
+def replay_collection(params, experts):
+    """The `REPLAY` variable collection that makes a forward pass over `params` replay
+    `experts` (L, N, K): each `SparseMoE` (a module with router/kernel) gets its layers'
+    rows as routing/.../experts, N = B*T of the forward's tokens, -1 rows routed as usual.
+    The layers are in `router_stats`' order: both walk the tree in jax's sorted-key order,
+    the sown stats at <layer>/stats and the block at <layer>/mlp, so that what a sampler
+    recorded with `router_stats` replays as it was (tests/test_routing_replay.py)."""
+    blocks = [(keys[:-2], kernel) for keys, kernel in
+              ((tuple(getattr(k, "key", k) for k in path), kernel) for path, kernel in
+               jax.tree_util.tree_flatten_with_path(params)[0])
+              if keys[-2:] == ("router", "kernel")]
+    sizes = [kernel.shape[0] if kernel.ndim == 3 else 1 for _, kernel in blocks]  # scanned
+    if sum(sizes) != experts.shape[0]:
+        raise ValueError(f"routing to replay has {experts.shape[0]} layers, the model "
+                         f"{sum(sizes)} mixture-of-experts layers")
+    out, start = {}, 0
+    for (path, kernel), size in zip(blocks, sizes):
+        node = out
+        for key in path:
+            node = node.setdefault(key, {})
+        chosen = experts[start:start + size]
+        node["experts"] = chosen if kernel.ndim == 3 else chosen[0]
+        start += size
+    return out
 
 
 # ------------------------------------------------------------------ grouped experts
@@ -301,6 +331,8 @@ class SparseMoE(nn.Module):
         x = x.reshape(B * T, D)
         logits = Router(E, c.router_bias, c.initializer_range, self.param_dtype,
                         name="router")(x)  # (N, E) fp32
+        if experts is None and self.has_variable(REPLAY, "experts"):
+            experts = self.get_variable(REPLAY, "experts")  # see `replay_collection`
         if experts is not None:
             experts = experts.reshape(B * T, c.num_experts_per_tok)
         weights, experts = route(logits, c, experts)

@@ -33,6 +33,7 @@ from easylm.objectives.rollouts import (
     rows,
     token_logps,
 )
+from easylm.objectives.router_loss import fed_tokens, with_router_loss
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -74,6 +75,10 @@ HELP = {
                                     "vllm_importance_sampling_clip_max); 0: off. Applied at "
                                     "temperature 1 and top_p 1 only, where the engine's "
                                     "log-probabilities are the sampler's",
+    "grpo.routing_replay": "a mixture-of-experts model: the engine records each token's "
+                           "expert choices in every MoE layer while sampling and the "
+                           "training (and scoring) forwards replay them, so that the "
+                           "trainer routes as the sampler did (docs/rl.md)",
 }
 
 
@@ -85,7 +90,7 @@ def get_default_config(updates=None) -> ConfigDict:
         scale_rewards="group",
         num_iterations=1, mask_truncated_completions=False, reward_funcs="answer_match",
         reward_weights="", format_pattern="", length_buffer=0,
-        importance_sampling_cap=3.0))
+        importance_sampling_cap=3.0, routing_replay=False))
     if updates is not None:
         config.update(ConfigDict(updates).copy_and_resolve_references())
     return config
@@ -260,6 +265,10 @@ class GRPOObjective(Objective):
         if model.init_cache is None:
             raise UserError(f"--objective=grpo: the {model.name} model has no serving engine "
                             f"to make rollouts with")
+        if options.routing_replay and model.router_loss is None:
+            raise UserError(f"--grpo.routing_replay=True replays a mixture of experts' routing: "
+                            f"the {model.name} model has no routers (a dense model, or LoRA, "
+                            f"whose forward does not replay yet)")
         self.reward_functions = rewards_lib.load(options.reward_funcs, options)
         self.weights = reward_weights(options, len(self.reward_functions))
         if not options.beta:
@@ -269,7 +278,7 @@ class GRPOObjective(Objective):
         self._rollouts = None  # rollouts.Rollouts, made in prepare_run
 
     def token_logps(self, params, frozen, tokens, targets, reference: bool = False,
-                    positions=None):
+                    positions=None, routing=None, router_stats=False):
         """(log-probabilities of `targets` (N, T), entropies (N, T)) at the sampling
         temperature under the policy `params` (on the frozen base, for a variant), or the
         reference (the base with the adapters off, or the frozen copy). With the model's
@@ -282,19 +291,31 @@ class GRPOObjective(Objective):
         elif reference:
             params, frozen = frozen["reference"], {}
         base, temperature = frozen.get("base"), self.options.temperature
-        if not model.loss_chunk_size:
-            return token_logps(model.forward(params, tokens, positions=positions, base=base),
-                               targets, temperature)
-        hidden = model.forward(params, tokens, positions=positions, base=base,
-                               return_hidden=True)  # (N, T, D)
-        return chunked_token_logps(hidden, model.head(params, base), targets, temperature,
-                                   model.loss_chunk_size)
+        kwargs = {"base": base, "return_hidden": bool(model.loss_chunk_size),
+                  "positions": positions}
+        if routing is not None:  # (B, G, L, T, K) -> (L, N*T, K), as the forward replays it
+            L, K = routing.shape[2], routing.shape[-1]
+            kwargs["routing"] = jnp.moveaxis(rows(routing), 1, 0).reshape(L, -1, K)
+        if router_stats:
+            out, stats = model.forward(params, tokens, router_stats=True, **kwargs)
+        else:
+            out, stats = model.forward(params, tokens, **kwargs), None
+        if not model.loss_chunk_size:  # out: logits (N, T, V), else hidden states (N, T, D)
+            logps = token_logps(out, targets, temperature)
+        else:
+            logps = chunked_token_logps(out, model.head(params, base), targets, temperature,
+                                        model.loss_chunk_size)
+        return logps if stats is None else (*logps, stats)
 
     def loss_fn(self, params, batch, rng, frozen):
         del rng  # the serving forward has no dropout
         tokens, targets = rows(batch["input_tokens"]), rows(batch["target_tokens"])
         positions = rows(batch["positions"]) if "positions" in batch else None
-        logps, entropy = self.token_logps(params, frozen, tokens, targets, positions=positions)
+        router_loss = self.model.router_loss  # a mixture of experts: its router terms too
+        logps, entropy, *stats = self.token_logps(params, frozen, tokens, targets,
+                                                  positions=positions,
+                                                  routing=batch.get("routing"),
+                                                  router_stats=router_loss is not None)
         old = rows(batch["old_logps"]) if "old_logps" in batch else None
         ref = rows(batch["ref_logps"]) if "ref_logps" in batch else None
         is_ratio = rows(batch["is_ratio"]) if "is_ratio" in batch else None
@@ -308,7 +329,9 @@ class GRPOObjective(Objective):
             sums.metrics["sampling/importance_sampling_ratio/mean"] = jnp.sum(is_ratio * masks)
             sums.metrics["sampling/sampling_logp_difference/mean"] = jnp.sum(
                 rows(batch["logp_difference"]) * masks)
-        return sums
+        if router_loss is None:
+            return sums
+        return with_router_loss(sums, stats[0], router_loss, fed_tokens(masks))
 
     def describe(self) -> str:
         o = self.options
@@ -334,7 +357,10 @@ class GRPOObjective(Objective):
         Generation is not counted (its time is logged apart: data/rollout/seconds)."""
         o = self.options
         reference = self.reference != NO_REFERENCE
-        policy = o.num_iterations > 1 or corrects_sampling(o) or reference
+        # The scoring program's policy forward: old_logps, importance weights, the KL's
+        # scored_logps, and at temperature 1 the sampler-vs-trainer metrics (rollouts.py).
+        policy = o.num_iterations > 1 or corrects_sampling(o) or reference or \
+            o.temperature == 1
         scoring = reference + policy
         forward = self.model.forward_flops(seq_length)
         return self.model.flops_per_token(seq_length) + scoring * forward / o.num_iterations

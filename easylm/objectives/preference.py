@@ -37,6 +37,7 @@ from easylm.objectives.reference_table import (
     ReferenceTable,
     compute,
 )
+from easylm.objectives.router_loss import fed_tokens, with_router_loss
 
 
 class Pair(NamedTuple):
@@ -178,20 +179,26 @@ def preference_sums(objective: str, policy: Pair, reference: Pair | None, length
                           metrics={k: jnp.sum(v * weight) for k, v in metrics.items()})
 
 
-def row_logps(model, params, rows: dict, base=None, rng=None):
+def row_logps(model, params, rows: dict, base=None, rng=None, router_stats=False):
     """(summed log-probabilities of each row's masked targets (N,), their count (N,)) under
     `model` (its forward pass and head; `base`: a variant's frozen parameters), one sequence
     per row, not packed; with the model's `loss_chunk_size` never the (N, T, V) logits.
     `positions` (N, T), where rows has them: the places of tokens in another order (zig-zag
-    under sp, training/step.py)."""
-    place = {"positions": rows["positions"]} if "positions" in rows else {}
+    under sp, training/step.py). `router_stats` (a mixture of experts): the forward's
+    `moe.RouterStats` third."""
+    kwargs = dict(base=base, rng=rng, return_hidden=bool(model.loss_chunk_size))
+    if "positions" in rows:
+        kwargs["positions"] = rows["positions"]
+    if router_stats:
+        out, stats = model.forward(params, rows["input_tokens"], router_stats=True, **kwargs)
+    else:
+        out, stats = model.forward(params, rows["input_tokens"], **kwargs), None
     if not model.loss_chunk_size:
-        logits = model.forward(params, rows["input_tokens"], base=base, rng=rng, **place)
-        return sequence_logps(logits, rows["target_tokens"], rows["loss_masks"])
-    hidden = model.forward(params, rows["input_tokens"], base=base, rng=rng, return_hidden=True,
-                           **place)
-    return chunked_sequence_logps(hidden, model.head(params, base), rows["target_tokens"],
-                                  rows["loss_masks"], model.loss_chunk_size)
+        logps = sequence_logps(out, rows["target_tokens"], rows["loss_masks"])
+    else:
+        logps = chunked_sequence_logps(out, model.head(params, base), rows["target_tokens"],
+                                       rows["loss_masks"], model.loss_chunk_size)
+    return logps if stats is None else (*logps, stats)
 
 
 # -------------------------------------------------------------- the trainer's loss_fn
@@ -210,8 +217,11 @@ def _as_pair(x) -> Pair:  # (2B,) interleaved -> Pair of (B,)
     return Pair(*x.reshape(-1, 2).T)
 
 
-def make_loss_fn(objective: str, config, row_logps: Callable, reference: Callable | None = None):
-    """The trainer-style `loss_fn(params, batch, rng) -> PreferenceSums`.
+def make_loss_fn(objective: str, config, row_logps: Callable, reference: Callable | None = None,
+                 router_loss=None):
+    """The trainer-style `loss_fn(params, batch, rng) -> PreferenceSums` (with a `router_loss`,
+    a mixture of experts', `router_loss.RouterSums` around them: row_logps then returns the
+    forward's `moe.RouterStats` third, and the loss adds the router terms per pair).
 
     row_logps(params, rows) -> (logps (N,), lengths (N,)) for rows of input_tokens,
     target_tokens, loss_masks (N, T): e.g. sequence_logps of the model's logits.
@@ -239,13 +249,16 @@ def make_loss_fn(objective: str, config, row_logps: Callable, reference: Callabl
         # saves nothing and is compiled as the reference's is. It costs a second forward
         # of the policy in the backward pass (docs/preference.md).
         live = objective in NEEDS_REFERENCE and not stored
-        logps, lengths = (jax.checkpoint(row_logps) if live else row_logps)(params, rows)
+        logps, lengths, *stats = (jax.checkpoint(row_logps) if live else row_logps)(params, rows)
         ref = None
         if stored:
             ref = Pair(*(batch[k] for k in REFERENCE_KEYS))
         elif objective in NEEDS_REFERENCE:
             ref = _as_pair(jax.lax.stop_gradient(reference(params, rows)[0]))
-        return preference_sums(objective, _as_pair(logps), ref, _as_pair(lengths), config)
+        sums = preference_sums(objective, _as_pair(logps), ref, _as_pair(lengths), config)
+        if router_loss is None:
+            return sums
+        return with_router_loss(sums, stats[0], router_loss, fed_tokens(rows["loss_masks"]))
 
     return loss_fn
 
@@ -318,8 +331,11 @@ class PreferenceObjective(Objective):
         base = frozen.get("base")
         live = self.reference in (BASE, COPY)
         reference = self._reference_logps(frozen) if live else None
-        policy = lambda p, rows: row_logps(self.model, p, rows, base, rng)  # noqa: E731
-        return make_loss_fn(self.name, self.options, policy, reference)(params, batch, rng)
+        router_loss = self.model.router_loss  # a mixture of experts: its router terms too
+        policy = lambda p, rows: row_logps(self.model, p, rows, base, rng,  # noqa: E731
+                                           router_loss is not None)
+        return make_loss_fn(self.name, self.options, policy, reference, router_loss)(
+            params, batch, rng)
 
     def describe(self) -> str:
         reference = {BASE: " (live reference: the base, adapters off)",

@@ -10,11 +10,14 @@ For each batch of B prompts from the data pipeline (data/prompts.py):
      the lm-eval hook does; no copy, no host round trip of weights): all B x G rows are
      prefilled in one call and decoded together until each has its EOS or
      max_new_tokens. Row i's sampling key comes from (--seed, the step, i), so a resumed
-     run draws the same completions;
+     run draws the same completions. With --grpo.routing_replay (a mixture of experts)
+     the engine also records each fed token's expert choices, which the batch carries
+     (`routing`) for every forward over it to replay;
   2. score: the reward functions (rewards.py) on the host, then `advantages`;
   3. the batch: prompt + completion in rows of seq_length + 1 tokens, (B, G, T) arrays,
      placed on the devices; then, in one jitted program on the live parameters, the
-     rollout's own log-probabilities (num_iterations > 1) and the reference's (beta > 0).
+     rollout's own log-probabilities (num_iterations > 1), the reference's (beta > 0),
+     and the sampler-vs-trainer log-probability differences (temperature 1).
 
 The engine's programs (one prefill, a decode program per cache window) are compiled at
 the first step and serve every later one; its cache is freed between rollouts.
@@ -95,14 +98,18 @@ def sampling_keys(seed: int, salt: int, step: int, index: int, n: int) -> np.nda
     return state.reshape(n, 2)
 
 
-def generate(engine, prompts, sampling, max_new_tokens: int, eos_id):
+def generate(engine, prompts, sampling, max_new_tokens: int, eos_id, routing=None):
     """Each prompt's completion (ids, EOS included when drawn) and the engine's
     log-probabilities of them: one prefill of every row, then decode calls (each
     dispatched before the previous one's tokens are read) until every row has its EOS or
     max_new_tokens. Rows that have ended decode on (their tokens dropped) while others
-    have not; each call attends over the cache window the unfinished rows need."""
+    have not; each call attends over the cache window the unfinished rows need.
+    `routing` (a list, an engine recording routing): each row's expert choices (P, L, K)
+    for the P positions of its prompt and completion a training row feeds (its last
+    token is a target only), appended in row order."""
     n = len(prompts)
     tokens, logprobs = [[] for _ in range(n)], [[] for _ in range(n)]
+    chosen = [[] for _ in range(n)]  # per row: (L, K) per position fed
     done = np.zeros(n, bool)
     full = sampling.pad(engine.batch_size)
     calls = -(-(max_new_tokens - 1) // engine.config.decode_steps)
@@ -113,7 +120,10 @@ def generate(engine, prompts, sampling, max_new_tokens: int, eos_id):
             active[:n] = ~done
             pending.append(engine.decode(full, active))
             issued += 1
-        ids, lps = engine.fetch(pending.pop(0))[:2]  # (steps, rows)
+        out = engine.fetch(pending.pop(0))
+        ids, lps = out[:2]  # (steps, rows)
+        if routing is not None:
+            _record(chosen, out[4], not tokens[0], prompts, done)
         for i in np.flatnonzero(~done):
             for t, lp in zip(ids[:, i].tolist(), lps[:, i].tolist()):
                 tokens[i].append(t)
@@ -123,7 +133,21 @@ def generate(engine, prompts, sampling, max_new_tokens: int, eos_id):
                     break
         if done.all():
             break
+    if routing is not None:
+        routing.extend(np.stack(row[:len(p) + len(t) - 1]) for row, p, t in
+                       zip(chosen, prompts, tokens))
     return tokens, logprobs
+
+
+def _record(chosen, experts, prefill: bool, prompts, done):
+    """Append a fetched call's expert choices to each unfinished row's: a prefill's
+    (1, n, L, T, K) for the prompt's positions, a decode call's (C, B, L, K) one per step
+    (the choices of the token that step fed). Past a row's end they are cut off later."""
+    for i in np.flatnonzero(~done):
+        if prefill:
+            chosen[i].extend(experts[0, i, :, :len(prompts[i])].swapaxes(0, 1))
+        else:
+            chosen[i].extend(experts[:, i])
 
 
 def token_rows(prompts, completions, G: int, T: int, pad_id: int, keep: np.ndarray) -> dict:
@@ -149,6 +173,17 @@ def completion_values(prompts, values, G: int, T: int) -> np.ndarray:
         start = len(prompts[i // G]) - 1  # the target of input position p is token p + 1
         row = row[:T - start]
         out[i, start:start + len(row)] = row
+    return out
+
+
+def completion_routing(routing, T: int) -> np.ndarray:
+    """(N, L, T, K) int16: each row's recorded expert choices (`generate`'s) where
+    token_rows puts its input tokens, -1 (route as usual) past them."""
+    L, K = routing[0].shape[1:]
+    out = np.full((len(routing), L, T, K), -1, np.int16)
+    for i, row in enumerate(routing):
+        row = row[:T]
+        out[i, :, :len(row)] = row.swapaxes(0, 1)
     return out
 
 
@@ -209,39 +244,48 @@ class Rollouts:
         self._train_began = None
 
     def _scoring_program(self):
-        """A jitted (params, frozen, batch) -> {old_logps, ref_logps, scored_logps,
-        is_ratio, logp_difference} (B, G, T), each where the loss reads it; None when it
-        reads none. The policy's forward is made once for old_logps, the importance weights
-        and scored_logps: the policy beside the reference, from one program, for the KL
-        (grpo_sums)."""
+        """A jitted (params, frozen, batch) -> ({old_logps, ref_logps, scored_logps,
+        is_ratio, logp_difference} (B, G, T), each where the loss reads it; metrics), or
+        None when it has nothing to make. The policy's forward is made once for old_logps,
+        the importance weights, scored_logps (the policy beside the reference, from one
+        program, for the KL: grpo_sums) and, at temperature 1 (where the engine's
+        log-probabilities are of the same distribution), the sampler-vs-trainer metrics:
+        the largest and the mean |training logp - engine logp| over completion tokens,
+        on the parameters that sampled (logged as data/rollout/sampler_logp_diff_max, _mean)."""
         objective, o = self.objective, self.options
         old, ref, weights = (o.num_iterations > 1, objective.reference != "none",
                              corrects_sampling(o))
-        if not (old or ref or weights):
+        compare = o.temperature == 1
+        if not (old or ref or weights or compare):
             return None
 
         def logps(params, frozen, batch, reference=False):
             tokens = batch["input_tokens"]
             out, _ = objective.token_logps(params, frozen, rows(tokens),
-                                           rows(batch["target_tokens"]), reference)
+                                           rows(batch["target_tokens"]), reference,
+                                           batch.get("routing"))
             return out.reshape(tokens.shape)
 
         def score(params, frozen, batch):
-            out = {}
-            if old or weights or ref:
-                policy = logps(params, frozen, batch)
-                if old:
-                    out["old_logps"] = policy
-                if weights:
-                    diff = (policy - batch["sampling_logps"]) * batch["loss_masks"]
-                    out["is_ratio"] = jnp.minimum(jnp.exp(diff), o.importance_sampling_cap)
-                    out["logp_difference"] = jnp.abs(diff)
+            out, metrics = {}, {}
+            policy = logps(params, frozen, batch)
+            diff = (policy - batch["sampling_logps"]) * batch["loss_masks"]
+            if old:
+                out["old_logps"] = policy
+            if weights:
+                out["is_ratio"] = jnp.minimum(jnp.exp(diff), o.importance_sampling_cap)
+                out["logp_difference"] = jnp.abs(diff)
+            if compare:
+                metrics["rollout/sampler_logp_diff_max"] = jnp.max(jnp.abs(diff))
+                metrics["rollout/sampler_logp_diff_mean"] = jnp.sum(jnp.abs(diff)) / jnp.maximum(
+                    jnp.sum(batch["loss_masks"]), 1.0)
             if ref:
                 out["ref_logps"] = logps(params, frozen, batch, reference=True)
                 out["scored_logps"] = policy
-            return out
+            return out, metrics
 
-        return jax.jit(score, out_shardings=NamedSharding(self.mesh, P(BATCH_AXES)))
+        return jax.jit(score, out_shardings=(NamedSharding(self.mesh, P(BATCH_AXES)),
+                                             NamedSharding(self.mesh, P())))
 
     def _engine(self, n: int, seq_length: int):
         """The engine for n rows of seq_length tokens: every prompt in one prefill bucket
@@ -252,7 +296,8 @@ class Rollouts:
             config = engine_lib.get_default_config({
                 "batch_size": n, "seq_length": seq_length,
                 "min_bucket": seq_length - self.options.max_new_tokens})
-            self.engines[key] = engine_lib.Engine(config, self.objective.model, None, self.mesh)
+            self.engines[key] = engine_lib.Engine(config, self.objective.model, None, self.mesh,
+                                                  record_routing=self.options.routing_replay)
             self.engines[key].release()  # until the first rollout
         return self.engines[key]
 
@@ -272,7 +317,9 @@ class Rollouts:
                                           (_EVAL, step, index) if evaluating else (_TRAIN, step, 0))
             batch = place({k: v[rows_here] for k, v in batch.items()})
             if self._score is not None:
-                batch.update(self._score(state.params, state.frozen, batch))
+                scored, compared = self._score(state.params, state.frozen, batch)
+                batch.update(scored)
+                metrics.update({k: float(v) for k, v in compared.items()})
             batch.pop("sampling_logps")  # read by the scoring program only
             metrics["rollout/seconds"] = time.perf_counter() - now
             if not evaluating:
@@ -302,9 +349,10 @@ class Rollouts:
             engine.compile_decode(sampling.pad(n))
             engine.reset()
         began = time.perf_counter()
+        routing = [] if o.routing_replay else None
         try:
             completions, logprobs = generate(engine, repeated, sampling, o.max_new_tokens,
-                                             objective.model.eos_token_id)
+                                             objective.model.eos_token_id, routing)
         finally:
             engine.params = engine.base = None  # the next train step donates these buffers
             engine.release()
@@ -312,6 +360,9 @@ class Rollouts:
         batch, metrics = self._score_rows(prompts, prompt_ids, completions, valid, T)
         batch["sampling_logps"] = completion_values(prompt_ids, logprobs, G, T).reshape(
             batch["loss_masks"].shape)
+        if routing is not None:  # (B, G, L, T, K): what the training forward replays
+            batch["routing"] = completion_routing(routing, T).reshape(
+                *batch["loss_masks"].shape[:2], *routing[0].shape[1:2], T, -1)
         tokens = sum(len(c) for c in completions)
         metrics.update({"rollout/generation_seconds": seconds,
                         "rollout/tokens_per_second": tokens / max(seconds, 1e-9)})

@@ -2,9 +2,11 @@
 
     loss = objective + aux_coef * load_balancing + z_coef * z
 
-as transformers' Qwen3MoeForCausalLM and MixtralForCausalLM add it (`outputs.loss` with
+in every objective (next-token, DPO/SimPO/ORPO, GRPO), as transformers'
+Qwen3MoeForCausalLM and MixtralForCausalLM add it (`outputs.loss` with
 labels and `output_router_logits=True`; aux_coef is 0 without it). The sums stay sums:
-each term is carried times the batch's count (tokens, for next-token training), so that
+each term is carried times the batch's count (tokens for next-token training, pairs for
+a preference objective, completions or tokens for GRPO), so that
 the step's one division by the count gives the mean loss plus the terms, and micro-batches
 add up (a micro-batched step's terms are then the count-weighted mean of its
 micro-batches'). Padding (segment id 0) is left out of the load-balancing loss, as
@@ -52,9 +54,17 @@ class RouterSums(NamedTuple):
         return self.loss / jnp.maximum(self.count, 1.0)
 
 
+def fed_tokens(loss_masks):
+    """(N, T) 1.0 at the positions a right-padded row feeds, up to its last scored target
+    (prompt and response of a preference pair or a rollout), 0.0 on the padding after:
+    what the load-balancing loss counts for objectives whose rows carry no segment ids."""
+    return (jnp.cumsum(loss_masks[:, ::-1], axis=1)[:, ::-1] > 0).astype(jnp.float32)
+
+
 def with_router_loss(sums, stats: moe.RouterStats, loss: moe.RouterLoss,
                      segment_ids=None) -> RouterSums:
-    """`sums` with the router terms of one forward pass's `stats` (stacked over layers)."""
+    """`sums` with the router terms of one forward pass's `stats` (stacked over layers);
+    `segment_ids` (or a 0/1 mask, `fed_tokens`): the tokens the aux loss counts (> 0)."""
     L, N, _ = stats.logits.shape
     mask = None if segment_ids is None else (segment_ids.reshape(N) > 0)
     metrics = moe.load_metrics([jax.tree.map(lambda x, i=i: x[i], stats) for i in range(L)],

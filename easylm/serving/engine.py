@@ -123,14 +123,30 @@ class Sampling:
         return tuple(np.array(a) for a in (self.keys, self.temperature, self.top_k, self.top_p))
 
 
-def _prompt_forward(model: Model, chunk: int, weights, tokens, lengths):
+def _forward(model: Model, record: bool, params, tokens, positions, cache, base):
+    """(logits, cache, out): with `record` (routing replay, GRPO), out is a 1-tuple of the
+    expert choices each token got in each MoE layer, (n, L, T, K) int16 (L in
+    `moe.router_stats`' order); else ()."""
+    if not record:
+        logits, cache = model.forward(params, tokens, positions, cache=cache, base=base)
+        return logits, cache, ()
+    (logits, cache), stats = model.forward(params, tokens, positions, cache=cache, base=base,
+                                           router_stats=True)
+    n, T = tokens.shape
+    L, _, K = stats.experts.shape
+    experts = stats.experts.reshape(L, n, T, K).swapaxes(0, 1).astype(jnp.int16)
+    return logits, cache, (experts,)
+
+
+def _prompt_forward(model: Model, chunk: int, record: bool, weights, tokens, lengths):
     """The prompts' keys/values in a fresh cache of T' >= T positions (T rounded up to a
     multiple of the chunk) and each row's logits at its last token (n, V) in fp32.
 
     The prompt goes through the model `chunk` tokens at a time (a loop on the device):
     each chunk writes its keys/values and attends over the cache so far and itself under
     the cache's causal (and sliding-window) mask, so a layer holds (chunk, T') scores,
-    never (T, T), and the head makes (n, chunk, V) logits, never (n, T, V)."""
+    never (T, T), and the head makes (n, chunk, V) logits, never (n, T, V). With `record`,
+    a third output: the expert choices of each prompt token, (n, L, T, K) (`_forward`)."""
     params, base = weights
     n, T = tokens.shape
     C = T if chunk <= 0 or chunk >= T else chunk
@@ -141,27 +157,31 @@ def _prompt_forward(model: Model, chunk: int, weights, tokens, lengths):
         cache, last = carry
         chunk_ids, start = xs  # (n, C), the chunk's first position
         positions = jnp.broadcast_to(start + jnp.arange(C, dtype=jnp.int32), (n, C))
-        logits, cache = model.forward(params, chunk_ids, positions, cache=cache, base=base)
+        logits, cache, routing = _forward(model, record, params, chunk_ids, positions, cache,
+                                          base)
         at = lengths - 1 - start  # each row's last token, if it falls in this chunk
         picked = logits[jnp.arange(n), jnp.clip(at, 0, C - 1)].astype(jnp.float32)
         last = jnp.where(((at >= 0) & (at < C))[:, None], picked, last)
-        return (cache, last), None
+        return (cache, last), routing
 
     carry = (model.init_cache(n, chunks * C), jnp.zeros((n, model.vocab_size), jnp.float32))
     starts = jnp.arange(chunks, dtype=jnp.int32) * C
     if chunks == 1:  # no loop: the program of an unchunked prefill
-        (fresh, last), _ = step(carry, (ids[:, 0], starts[0]))
+        (fresh, last), routing = step(carry, (ids[:, 0], starts[0]))
     else:
-        (fresh, last), _ = jax.lax.scan(step, carry, (ids.transpose(1, 0, 2), starts))
-    return fresh, last
+        (fresh, last), routing = jax.lax.scan(step, carry, (ids.transpose(1, 0, 2), starts))
+        # (chunks, n, L, C, K) -> (n, L, chunks * C, K)
+        routing = tuple(jnp.moveaxis(r, 0, 2).reshape(*r.shape[1:3], -1, r.shape[-1])
+                        for r in routing)
+    return fresh, last, tuple(r[:, :, :T] for r in routing)
 
 
-def _prefill(model: Model, sample: bool, chunk: int, weights, state, tokens, lengths, slots,
-             keys, temperature, top_k, top_p):
+def _prefill(model: Model, sample: bool, chunk: int, record: bool, weights, state, tokens,
+             lengths, slots, keys, temperature, top_k, top_p):
     cache, last, slot_positions = state
     T = tokens.shape[1]
-    fresh, logits = _prompt_forward(model, chunk, weights, tokens, lengths)
-    out = next_tokens(logits, keys, lengths, temperature, top_k, top_p, sample)
+    fresh, logits, routing = _prompt_forward(model, chunk, record, weights, tokens, lengths)
+    out = next_tokens(logits, keys, lengths, temperature, top_k, top_p, sample) + routing
     # Padding rows carry slot index B, out of range, and are dropped.
     cache = jax.tree.map(lambda c, f: c.at[..., slots, :T, :, :].set(f[..., :T, :, :],
                                                                      mode="drop"), cache, fresh)
@@ -171,8 +191,8 @@ def _prefill(model: Model, sample: bool, chunk: int, weights, state, tokens, len
     return (cache, last, slot_positions), tuple(x[None] for x in out)
 
 
-def _decode(model: Model, steps: int, unroll: bool, sample: bool, length: int, weights, state,
-            keys, temperature, top_k, top_p):
+def _decode(model: Model, steps: int, unroll: bool, sample: bool, record: bool, length: int,
+            weights, state, keys, temperature, top_k, top_p):
     """`steps` tokens for every slot, attending over the first `length` cache positions
     only (the host picks a length that covers every active slot's positions); a loop, or
     with `unroll` the steps one after another in one program."""
@@ -188,9 +208,10 @@ def _decode(model: Model, steps: int, unroll: bool, sample: bool, length: int, w
         # Idle and finished slots run past the end: they write (garbage, never read) at
         # the last position instead.
         at = jnp.minimum(positions, length - 1)[:, None]
-        logits, window = model.forward(params, tokens[:, None], at, cache=window, base=base)
+        logits, window, routing = _forward(model, record, params, tokens[:, None], at, window,
+                                           base)  # routing: the input token's choices
         out = next_tokens(logits[:, 0], keys, positions + 1, temperature, top_k, top_p, sample)
-        return (window, out[0], positions + 1), out
+        return (window, out[0], positions + 1), out + tuple(r[:, :, 0] for r in routing)
 
     (window, tokens, positions), outs = jax.lax.scan(step, (window, tokens, positions), None,
                                                      length=steps, unroll=steps if unroll else 1)
@@ -218,7 +239,10 @@ class Engine:
     while the device runs this one.
     """
 
-    def __init__(self, config: ConfigDict, model: Model, params, mesh=None, base=None):
+    def __init__(self, config: ConfigDict, model: Model, params, mesh=None, base=None,
+                 record_routing: bool = False):
+        """`record_routing` (GRPO's routing replay, a MoE model): prefill and decode also
+        return each token's expert choices in every MoE layer (`_forward`)."""
         self.config = config = get_default_config(config)
         check_config(config)
         # `params` and, for a variant, its frozen `base`: what `Model.forward` reads.
@@ -259,12 +283,13 @@ class Engine:
         # Two programs each: all rows greedy, or some sampling (`next_tokens`'s `sample`);
         # the sampling one compiles when a request first samples.
         self._prefill_fns = {sample: jax.jit(functools.partial(_prefill, model, sample,
-                                                               config.prefill_chunk_size),
+                                                               config.prefill_chunk_size,
+                                                               record_routing),
                                              donate_argnums=(1,), **out_shardings)
                              for sample in (False, True)}
         self._decode_fns = {(sample, length): jax.jit(
                                 functools.partial(_decode, model, config.decode_steps, config.decode_unroll,
-                                                  sample, length),
+                                                  sample, record, length),
                                 donate_argnums=(1,), **out_shardings)
                             for sample in (False, True) for length in self.decode_buckets}
         # Replicated outputs: on several hosts each process can then read them (sharded
@@ -304,7 +329,8 @@ class Engine:
 
     def prefill(self, prompts: list[list[int]], slots: list[int], sampling: Sampling):
         """Write prompts into `slots` and draw their first tokens. Returns device arrays,
-        rows padded to a bucket: tokens (1, n), logprobs (1, n), top ids and logprobs (1, n, N)."""
+        rows padded to a bucket: tokens (1, n), logprobs (1, n), top ids and logprobs (1, n, N)
+        (recording routing: then the prompts' expert choices (1, n, L, T, K))."""
         n = len(prompts)
         rows = bucket_for(n, self.row_buckets)
         T = bucket_for(max(len(p) for p in prompts), self.length_buckets)
@@ -324,7 +350,8 @@ class Engine:
 
     def decode(self, sampling: Sampling, active=None):
         """decode_steps tokens for every slot, as device arrays: tokens (C, B),
-        logprobs (C, B), top ids and logprobs (C, B, N). `active` (B,) bool marks the
+        logprobs (C, B), top ids and logprobs (C, B, N) (recording routing: then each step's
+        input token's expert choices (C, B, L, K)). `active` (B,) bool marks the
         slots whose tokens matter (default: all); the call attends over the shortest
         cache length that holds their positions."""
         active = np.ones(self.batch_size, bool) if active is None else np.asarray(active, bool)

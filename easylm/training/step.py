@@ -72,7 +72,8 @@ def zigzag_tokens(batch: dict, sp: int) -> dict:
     reference log-probabilities) moves with the tokens, and so do `<prefix>positions` (the
     row's own 0..T-1 when the batch has none): attention decides what it sees from
     positions and segment ids, and a loss summed over tokens does not care about their
-    order. Per-row arrays ((B,), (B, G)) stay as they are; a batch with no input_tokens
+    order; GRPO's recorded expert choices (`routing`, (B, G, L, T, K)) move along their T.
+    Per-row arrays ((B,), (B, G)) stay as they are; a batch with no input_tokens
     (an objective's own layout, --objective=MODULE:CLASS) too: its forward then runs in
     the row's order, correct but not balanced."""
     shapes = {batch[k].shape for k in batch if k.endswith("input_tokens")}
@@ -90,7 +91,9 @@ def zigzag_tokens(batch: dict, sp: int) -> dict:
     order = zigzag_permutation(T, sp)
     for key, x in batch.items():
         token_axes = [len(s) for s in shapes if x.shape[:len(s)] == s]
-        if token_axes:
+        if key == "routing":  # GRPO's recorded experts (B, G, L, T, K): T is not next to G
+            batch[key] = jnp.take(x, order, axis=-2)
+        elif token_axes:
             batch[key] = jnp.take(x, order, axis=max(token_axes) - 1)
     return batch
 

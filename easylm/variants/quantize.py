@@ -48,6 +48,10 @@ HELP = "weight-only quantization of the matmul kernels at load: none or int8 (pe
 # LoRA's projections plus the output head: at a 128k vocabulary the head is a sixteenth
 # of an 8B model's weights.
 DEFAULT_TARGETS = r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|lm_head)/kernel$"
+# A mixture of experts' stacked expert weights (easylm/models/moe.py): read by grouped
+# matmuls (ragged_dot), which qwix does not intercept, so they would stay in full
+# precision while the run said int8. Refused until int8 expert stacks are built.
+EXPERT_STACKS = re.compile(r"experts/(gate_proj|up_proj|down_proj)$")
 
 
 class Int8Model:
@@ -63,6 +67,7 @@ class Int8Model:
         self.base_module = module
         self.dtype = jnp.dtype(module.dtype)
         shapes = jax.eval_shape(module.init_params, jax.random.key(0))
+        check_quantizable(shapes)
         self.targets = tuple(target_paths(shapes, pattern))
         modules = "|".join(re.escape(path[: -len("/kernel")]) for path in self.targets)
         rule = qwix.QtRule(module_path=f"({modules})", weight_qtype=jnp.int8)
@@ -100,6 +105,16 @@ class Int8Model:
 
     def apply(self, params, *args, **kwargs):
         return self.module.apply({"params": params}, *args, **kwargs)
+
+
+def check_quantizable(shapes) -> None:
+    """A UserError for parameters (or their shapes) int8 would leave in full precision: a
+    mixture of experts' expert stacks (serving/cli.py asks before loading the weights)."""
+    experts = [path for path in flat(shapes) if EXPERT_STACKS.search(path)]
+    if experts:
+        raise UserError(f"--quantize=int8: a mixture of experts' expert weights "
+                        f"({experts[0]} and {len(experts) - 1} more, most of the model) "
+                        f"are not quantized yet; serve it with --quantize=none")
 
 
 def weight_bytes(params) -> int:

@@ -1,0 +1,284 @@
+"""GRPO's routing replay (issue 37): the engine records each token's expert choices while
+sampling and the training forward replays them, so the trainer's log-probabilities are
+the sampler's to fp32 rounding.
+
+The model is a tiny random Qwen3-MoE built with transformers whose routers give every
+expert the same column up to a relative 1e-6: near-tied router logits, gaps of the order
+of the ~1e-7 x sqrt(D) rounding by which the engine's forward (prefill, then one token at
+a time over a KV cache) and the training forward (all positions at once) differ. Without
+replay some tokens then go to other experts, which moves their log-probabilities by far
+more than rounding.
+
+Tolerance (tests/numerics.py): a layer has the dense layer's reductions plus the
+router's matmul and the weighted sum of the chosen experts (test_moe_models.moe_rel); a
+log-probability moves by at most twice the largest logit error."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from llama_variants import hf_variant
+from numerics import assert_close, assert_differs, fp32_rel
+from test_grpo import task  # noqa: F401 (a fixture: prompts and the parity reward)
+
+from easylm.llama import hf
+from easylm.llama.config import LLaMAConfig
+from easylm.llama.family import FAMILY
+from easylm.models import moe
+from easylm.objectives import rollouts
+from easylm.serving import engine as engine_lib
+
+T, NEW, ROWS = 16, 6, 8  # training row length, completion tokens, rows sampled
+TIE = 1e-6  # relative difference between the router's columns
+
+
+def tiny_config() -> LLaMAConfig:
+    return LLaMAConfig.from_preset("debug_moe", num_hidden_layers=2, vocab_size=64,
+                                   initializer_range=0.2)
+
+
+def save_tied(config, directory):
+    """transformers' random model of `config` with near-tied routers, saved."""
+    model = hf_variant(config)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):  # (E, D)
+                parameter.copy_(parameter[:1] * (1 + TIE * torch.randn_like(parameter)))
+    model.save_pretrained(directory)
+
+
+def logprob_atol(config, logits_scale: float) -> float:
+    terms = max(config.hidden_size, config.moe_intermediate_size, T)
+    per_layer = (7 if config.qk_norm else 6) + 2
+    return 2 * fp32_rel(terms, per_layer * config.num_hidden_layers + 1) * logits_scale
+
+
+@pytest.fixture(scope="module")
+def sampled(tmp_path_factory):
+    """(config, model, params, rollout rows with the engine's log-probabilities and its
+    recorded choices, the tolerance) of ROWS completions sampled at temperature 1, the
+    layers scanned."""
+    config = tiny_config()
+    directory = tmp_path_factory.mktemp("tied")
+    save_tied(config, directory)
+    # Scanned layers: the replayed rows reach each layer through nn.scan (the command
+    # tests below run the layers one by one).
+    config = config.replace(scan_layers=True)
+    _, params = hf.load_hf_params(str(directory), scan_layers=True)
+    model = FAMILY.bind(config)
+    engine = engine_lib.Engine(
+        engine_lib.get_default_config({"batch_size": ROWS, "seq_length": T,
+                                       "min_bucket": T - NEW, "decode_steps": 4}),
+        model, params, record_routing=True)
+    rng = np.random.RandomState(0)
+    prompts = [rng.randint(3, config.vocab_size, rng.randint(3, 8)).tolist()
+               for _ in range(ROWS)]
+    sampling = engine_lib.Sampling.empty(ROWS)
+    sampling.keys[:] = rollouts.sampling_keys(0, 0, 0, 0, ROWS)
+    sampling.temperature[:] = 1.0
+    routing = []
+    completions, logprobs = rollouts.generate(engine, prompts, sampling, NEW,
+                                              config.eos_token_id, routing)
+    rows = rollouts.token_rows(prompts, completions, 1, T, 0, np.ones(ROWS, bool))
+    rows["sampling_logps"] = rollouts.completion_values(prompts, logprobs, 1, T)
+    rows["routing"] = rollouts.completion_routing(routing, T)  # (N, L, T, K)
+    logits = model.forward(params, jnp.asarray(rows["input_tokens"]))
+    atol = logprob_atol(config, float(jnp.abs(logits).max()))
+    return config, model, params, rows, atol
+
+
+def test_replay_collection_walks_the_layers_as_router_stats_stacks_them():
+    """`router_stats` stacks the sown stats (<layer>/stats) and `replay_collection` splits
+    the recorded rows over the blocks (<layer>/mlp) in the same order, for 11 layers one by
+    one ('10' sorts before '2') and for a scanned pattern of two slots with a tail layer:
+    each layer gets its own rows back. Tree operations only (the forward's fixture above
+    replays a 2-layer model end to end)."""
+    K, N = 2, 3
+
+    def stats(marks):  # RouterStats whose chosen experts are the layer's mark
+        marks = np.asarray(marks)
+        return moe.RouterStats(np.zeros((*marks.shape, N, 4)),
+                               np.broadcast_to(marks[..., None, None], (*marks.shape, N, K)),
+                               np.zeros((*marks.shape, 4)), np.zeros(marks.shape))
+
+    kernel = np.zeros((5, 4))
+    one_by_one = {str(i): i for i in range(11)}
+    sown = {"model": {"layers": {k: {"stats": (stats(i),)} for k, i in one_by_one.items()}}}
+    params = {"model": {"layers": {k: {"mlp": {"router": {"kernel": kernel}}}
+                                   for k in one_by_one}}}
+    replay = moe.replay_collection(params, moe.router_stats(sown).experts)
+    for key, mark in one_by_one.items():
+        assert (replay["model"]["layers"][key]["mlp"]["experts"] == mark).all(), key
+    # scanned: slot0 holds layers 0, 2, 4; slot1 layers 1, 3, 5; tail6 layer 6
+    slots = {"slot0": [0, 2, 4], "slot1": [1, 3, 5]}
+    sown = {"model": {"layers": {k: {"stats": (stats(m),)} for k, m in slots.items()},
+                      "tail6": {"stats": (stats(6),)}}}
+    stacked = np.zeros((3, 5, 4))
+    params = {"model": {"layers": {k: {"mlp": {"router": {"kernel": stacked}}} for k in slots},
+                        "tail6": {"mlp": {"router": {"kernel": kernel}}}}}
+    replay = moe.replay_collection(params, moe.router_stats(sown).experts)
+    for key, marks in slots.items():
+        got = replay["model"]["layers"][key]["mlp"]["experts"][:, 0, 0]
+        np.testing.assert_array_equal(got, marks)
+    assert (replay["model"]["tail6"]["mlp"]["experts"] == 6).all()
+    with pytest.raises(ValueError, match="routing to replay has 6 layers, the model 7"):
+        moe.replay_collection(params, moe.router_stats(sown).experts[:6])
+
+
+def trainer_logps(model, params, rows, routing=None):
+    """The training forward's log-probabilities of the sampled tokens, replaying
+    `routing` (N, L, T, K) when given."""
+    kwargs = {}
+    if routing is not None:
+        L, K = routing.shape[1], routing.shape[-1]
+        kwargs["routing"] = jnp.asarray(routing).swapaxes(0, 1).reshape(L, -1, K)
+    logits = model.forward(params, jnp.asarray(rows["input_tokens"]), **kwargs)
+    logps, _ = rollouts.token_logps(logits, jnp.asarray(rows["target_tokens"]), 1.0)
+    return np.asarray(logps) * rows["loss_masks"]
+
+
+def test_recorded_choices_cover_every_fed_position(sampled):
+    """Each row's prompt and completion positions the training row feeds carry K
+    distinct recorded experts; the positions past them are -1 (routed as usual)."""
+    config, _, _, rows, _ = sampled
+    routing = rows["routing"]
+    assert routing.shape == (ROWS, config.num_hidden_layers, T, config.num_experts_per_tok)
+    fed = np.cumsum(rows["loss_masks"][:, ::-1], axis=1)[:, ::-1] > 0  # up to the last target
+    assert ((routing >= 0).all(axis=(1, 3)) == fed).all()
+    ordered = np.sort(routing[fed.nonzero()[0], :, fed.nonzero()[1]], axis=-1)
+    assert (np.diff(ordered, axis=-1) > 0).all() and (ordered < config.num_experts).all()
+
+
+def test_replay_matches_the_sampler_and_routing_anew_does_not(sampled):
+    """Acceptance 4: replaying the engine's choices, the trainer's log-probabilities are
+    the engine's within the derived fp32 bound; routing anew, some tokens take other
+    experts and the difference is far larger (the figure printed with -s)."""
+    _, model, params, rows, atol = sampled
+    masks = rows["loss_masks"]
+    sampler = rows["sampling_logps"] * masks
+    replayed = trainer_logps(model, params, rows, rows["routing"])
+    assert_close(replayed, sampler, atol, scale=1.0)
+    anew = trainer_logps(model, params, rows)
+    print(f"\nsampler vs trainer max |logp diff|: replay {np.abs(replayed - sampler).max():.3g}"
+          f", no replay {np.abs(anew - sampler).max():.3g} (bound {atol:.3g})")
+    assert_differs(anew, sampler, atol, scale=1.0)
+
+
+@pytest.mark.parametrize("wrong", ["other_layer", "shifted_position"])
+def test_misplaced_choices_are_caught(sampled, wrong):
+    """Negative twins: the recorded choices replayed at the other layer, or one position
+    late, give log-probabilities the same comparison rejects."""
+    _, model, params, rows, atol = sampled
+    routing = rows["routing"]
+    if wrong == "other_layer":
+        routing = routing[:, ::-1]
+    else:
+        routing = np.concatenate([routing[:, :, :1], routing[:, :, :-1]], axis=2)
+    sampler = rows["sampling_logps"] * rows["loss_masks"]
+    assert_differs(trainer_logps(model, params, rows, routing), sampler, atol, scale=1.0)
+
+
+def test_replay_still_trains_the_router(sampled):
+    """Replayed experts (not the logits' own top k) keep their weights' dependence on the
+    router: a loss of the weights has a nonzero gradient at each chosen expert's logit."""
+    config, _, _, rows, _ = sampled
+    moe_config = config.moe
+    logits = jnp.asarray(np.random.RandomState(1).randn(5, moe_config.num_experts), jnp.float32)
+    first_layer = rows["routing"][:, 0]  # (N, T, K)
+    experts = jnp.asarray(first_layer[first_layer[..., 0] >= 0][:5], jnp.int32)
+    signal = jnp.asarray(np.random.RandomState(2).randn(5, moe_config.num_experts_per_tok))
+
+    def loss(x):
+        weights, chosen = moe.route(x, moe_config, experts)
+        return jnp.sum(weights * signal), chosen
+
+    grad, chosen = jax.grad(loss, has_aux=True)(logits)
+    np.testing.assert_array_equal(chosen, experts)  # the replayed ones, not the top k
+    assert float(jnp.abs(jnp.take_along_axis(grad, experts, axis=-1)).min()) > 0
+
+
+# ------------------------------------------------------------ through the public command
+
+STEPS = 3
+
+
+def grpo_argv(directory, task, output_dir, replay=True):
+    train, _ = task
+    return ["train", "--objective=grpo", f"--grpo.routing_replay={replay}",
+            f"--load_checkpoint=hf::{directory}", "--tokenizer=embedded",
+            f"--train_dataset.json_dataset.path={train}",
+            "--train_dataset.json_dataset.seq_length=16",
+            "--train_dataset.json_dataset.batch_size=8", "--grpo.num_generations=2",
+            f"--grpo.max_new_tokens={NEW}", "--grpo.reward_funcs=grpo_task_rewards:parity",
+            f"--total_steps={STEPS}", "--save_model_freq=2", "--log_freq=1",
+            "--optimizer.adamw_optimizer.lr=1e-2",
+            "--optimizer.adamw_optimizer.lr_warmup_steps=1",
+            f"--optimizer.adamw_optimizer.lr_decay_steps={STEPS}", "--compilation_cache_dir=",
+            f"--logger.output_dir={output_dir}", "--logger.experiment_id=run"]
+
+
+@pytest.fixture(scope="module")
+def command_run(task, tmp_path_factory):
+    """(hf directory, config, output dir, metrics by step) of STEPS GRPO steps with replay
+    through `python -m easylm.train` (in this process) on the near-tied Qwen3-MoE, at the
+    embedded tokenizer's vocabulary."""
+    from test_checkpoint import metrics
+
+    from easylm import train
+
+    config = LLaMAConfig.from_preset("debug_moe", num_hidden_layers=2, initializer_range=0.2)
+    directory = tmp_path_factory.mktemp("tied-512")
+    save_tied(config, directory)
+    output_dir = tmp_path_factory.mktemp("grpo-replay")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("WANDB_MODE", "disabled")
+        train.main(grpo_argv(directory, task, output_dir))
+    return directory, config, output_dir, metrics(output_dir)
+
+
+def test_grpo_command_logs_the_sampler_trainer_difference_within_rounding(command_run):
+    """Every step's rollouts, scored by the training forward with the sampler's choices
+    replayed, agree with the engine's log-probabilities within the derived bound
+    (data/rollout/sampler_logp_diff_max), and the router terms are logged."""
+    directory, config, _, got = command_run
+    assert sorted(got) == list(range(1, STEPS + 1))
+    _, params = hf.load_hf_params(str(directory))
+    ids = np.random.RandomState(0).randint(0, config.vocab_size, (4, T))
+    atol = logprob_atol(config, float(jnp.abs(FAMILY.bind(config).forward(params, ids)).max()))
+    for step, line in got.items():
+        assert 0 <= line["data/rollout/sampler_logp_diff_max"] <= atol, (step, atol)
+        assert line["data/rollout/sampler_logp_diff_mean"] <= \
+            line["data/rollout/sampler_logp_diff_max"]
+
+
+@pytest.mark.slow  # a second run of the command: ~50 s on two busy cores
+def test_resume_with_replay_is_bitwise(command_run, task, tmp_path, capsys):
+    """A run stopped after step 2's checkpoint (what kill -9 leaves: checkpoint 2, some
+    logged steps after it), then the same command: steps 3 and 4 are bitwise the
+    uninterrupted run's. In process (the subprocess SIGKILL variant of
+    test_grpo.py costs a second interpreter and compile); the state a kill leaves is made
+    by hand: the later checkpoint and log lines removed."""
+    import json
+    import shutil
+
+    from test_checkpoint import metrics
+
+    from easylm import train
+
+    directory, _, output_dir, got = command_run
+    capsys.readouterr()
+    shutil.copytree(output_dir, tmp_path, dirs_exist_ok=True)
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / str(STEPS))
+    log = tmp_path / "run" / "metrics.jsonl"
+    kept = [line for line in log.read_text().splitlines() if json.loads(line)["step"] <= 3]
+    log.write_text("\n".join(kept) + "\n")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("WANDB_MODE", "disabled")
+        train.main(grpo_argv(directory, task, tmp_path))
+    assert f"steps 2 -> {STEPS}" in capsys.readouterr().out  # resumed, not started over
+    resumed = metrics(tmp_path)
+    for step in (3,):
+        for key in ("loss", "gradient_norm", "reward", "data/rollout/sampler_logp_diff_max",
+                    "data/rollout/sampler_logp_diff_mean"):
+            assert resumed[step][key] == got[step][key], (step, key)
