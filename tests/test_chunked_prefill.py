@@ -44,7 +44,7 @@ def tolerance(config) -> float:
 
 
 def _run(model, params, tokens, chunk):
-    fn = jax.jit(functools.partial(engine_lib._prompt_forward, model, chunk))
+    fn = jax.jit(functools.partial(engine_lib._prompt_forward, model, chunk, False))
     fresh, last = fn((params, None), tokens, jnp.asarray(LENGTHS))
     return np.asarray(last), jax.tree.map(lambda c: np.asarray(c[..., :T, :, :]), fresh)
 
@@ -108,7 +108,7 @@ def test_chunked_engine_generates_the_same_greedy_text():
 
 def _temp_bytes(model, n_tokens, chunk):
     shapes = (jax.eval_shape(model.init_params, jax.random.PRNGKey(0)), None)
-    fn = jax.jit(functools.partial(engine_lib._prompt_forward, model, chunk))
+    fn = jax.jit(functools.partial(engine_lib._prompt_forward, model, chunk, False))
     compiled = fn.lower(shapes, jax.ShapeDtypeStruct((1, n_tokens), jnp.int32),
                         jax.ShapeDtypeStruct((1,), jnp.int32)).compile()
     return compiled.memory_analysis().temp_size_in_bytes

@@ -288,8 +288,9 @@ class Engine:
                                              donate_argnums=(1,), **out_shardings)
                              for sample in (False, True)}
         self._decode_fns = {(sample, length): jax.jit(
-                                functools.partial(_decode, model, config.decode_steps, config.decode_unroll,
-                                                  sample, record, length),
+                                functools.partial(_decode, model, config.decode_steps,
+                                                  config.decode_unroll, sample, record_routing,
+                                                  length),
                                 donate_argnums=(1,), **out_shardings)
                             for sample in (False, True) for length in self.decode_buckets}
         # Replicated outputs: on several hosts each process can then read them (sharded
