@@ -1,0 +1,228 @@
+"""LoRA and QLoRA on a mixture of experts' stacks (issue 37): per-expert adapters inside the
+grouped matmul, the router losses kept under LoRA, PEFT's `target_parameters` export and
+import on transformers' fused expert tensors (Qwen3-MoE, Mixtral, gpt-oss), the merged
+export, nf4 expert stacks, and a run through `python -m easylm.train`.
+
+Tolerances: the models' own (tests/test_moe_models.py's `moe_rel`, tests/test_gpt_oss.py's
+`tolerance`) with two more reductions a layer for the adapters' x A and (x A) B; their
+negative twins (the expert adapters dropped, or each expert given its neighbour's) move
+the logits by far more, as the assertions show. Adapters are drawn at 0.2 so that the
+twins' differences stand out of a random model's logits."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from llama_variants import hf_variant
+from numerics import assert_close, assert_differs, fp32_rel
+from test_gpt_oss import hf_model as gpt_oss_hf_model, tiny_config as gpt_oss_config
+from test_moe_models import moe_config, moe_rel
+
+from easylm.gpt_oss import hf as gpt_oss_hf
+from easylm.gpt_oss.family import FAMILY as GPT_OSS
+from easylm.llama import hf as llama_hf
+from easylm.llama.config import LLaMAConfig
+from easylm.llama.family import FAMILY as LLAMA
+from easylm.objectives.next_token import next_token_sums
+from easylm.variants.adapters import Adapters
+from easylm.variants.lora import LoraConfig, flat, nested
+
+T = 16
+
+
+def random_adapters(lm, seed: int = 1):
+    """Every A and B drawn N(0, 0.2): an adapter that is dropped or misplaced shows."""
+    leaves = flat(lm.adapter_shapes)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return nested({path: 0.2 * jax.random.normal(key, leaf.shape)
+                   for key, (path, leaf) in zip(keys, leaves.items())})
+
+
+def twin(adapters, change):
+    """`adapters` with `change` applied to every expert adapter."""
+    return nested({path: change(x) if "/experts/" in path else x
+                   for path, x in flat(adapters).items()})
+
+
+def without_experts(x):
+    return jnp.zeros_like(x)
+
+
+def experts_swapped(x):  # each expert gets its neighbour's adapters
+    return jnp.roll(x, 1, axis=-3)
+
+
+def lora_rel(rel: float, config) -> float:
+    return rel + fp32_rel(max(config.hidden_size, 4), 2 * config.num_hidden_layers)
+
+
+# --------------------------------------------------------------------- the families
+
+def qwen3_moe():
+    config = moe_config("qwen3_moe", num_hidden_layers=1)
+    model = hf_variant(config)
+    return LLAMA, config, model, llama_hf.from_hf(model.state_dict(), config), moe_rel(config)
+
+
+def mixtral():
+    config = moe_config("mixtral", num_hidden_layers=1)
+    model = hf_variant(config)
+    return LLAMA, config, model, llama_hf.from_hf(model.state_dict(), config), moe_rel(config)
+
+
+def gpt_oss():
+    from test_gpt_oss import tolerance
+
+    config = gpt_oss_config(num_hidden_layers=2)
+    model = gpt_oss_hf_model(config)
+    return GPT_OSS, config, model, gpt_oss_hf.from_hf(model.state_dict(), config), \
+        tolerance(config)
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "gpt_oss"])
+def case(request):
+    """(name, family, config, transformers model, our params, tolerance, Adapters,
+    LoraModel of rank 2, ids)."""
+    family, config, model, params, rel = globals()[request.param]()
+    adapters = Adapters(family)
+    lm = adapters.lora_model(config, LoraConfig(rank=2, alpha=4.0))
+    ids = np.random.RandomState(0).randint(0, config.vocab_size, (2, T))
+    return request.param, family, config, model, params, lora_rel(rel, config), adapters, lm, ids
+
+
+def hf_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor(ids)).logits.numpy()
+
+
+def expert_b_layout_twin(directory, twin_dir, experts: int):
+    """A copy of a PEFT directory with each expert lora_B's columns taken expert-major
+    (e*r + j) where PEFT reads them rank-major (j*E + e): the likeliest layout slip."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(directory, twin_dir)
+    tensors = load_file(f"{directory}/adapter_model.safetensors")
+    for name, b in tensors.items():
+        if ".experts." in name and ".lora_B." in name:
+            out, re_ = b.shape[0], b.shape[1] // experts
+            tensors[name] = np.ascontiguousarray(
+                b.reshape(out, experts, re_).transpose(0, 2, 1).reshape(out, -1))
+    save_file(tensors, f"{twin_dir}/adapter_model.safetensors")
+
+
+def test_peft_loads_the_exported_experts_with_our_logits_and_so_does_the_merge(case, tmp_path):
+    """Experts are adapted by default (both fused targets, every layer); the PEFT export
+    (target_parameters) loaded by `peft.PeftModel` on the transformers model gives our
+    logits, and so does transformers on the merged weights (W_e + s A_e B_e); the adapters
+    read back bitwise. Negative twin: the export with its expert lora_B columns in the
+    other order."""
+    from peft import PeftModel
+
+    name, family, config, model, params, rel, adapters, lm, ids = case
+    experts = sorted({p.split("/", 3)[-1] for p in lm.targets if "/experts/" in p})
+    assert experts == ["mlp/experts/down_proj", "mlp/experts/gate_up_proj"]
+    assert any(p.endswith("q_proj/kernel") for p in lm.targets)
+    base, trained = lm.store_base(params), random_adapters(lm)
+    ours = np.asarray(lm.apply(base, trained, jnp.asarray(ids)))
+    adapters.save_peft(str(tmp_path / "peft"), lm, jax.device_get(trained), config)
+    written = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert len(written["target_parameters"]) == 2 * config.num_hidden_layers
+    E = lm.adapter_shapes["model"]["layers"]["0"]["mlp"]["experts"][
+        "down_proj_lora_a"].shape[0]
+    expert_b_layout_twin(tmp_path / "peft", tmp_path / "twin", E)
+    for directory, check in (("peft", assert_close), ("twin", assert_differs)):
+        peft_model = PeftModel.from_pretrained(model, str(tmp_path / directory)).eval()
+        try:
+            check(hf_logits(peft_model, ids), ours, rel)
+        finally:
+            peft_model.unload()  # the shared transformers model without adapters again
+    merged = family.torch_reference(config, jax.device_get(lm.merge(base, trained)))
+    assert_close(hf_logits(merged, ids), ours, rel)
+    lora, back = adapters.load_peft(str(tmp_path / "peft"), config)
+    assert (lora.rank, lora.alpha) == (2, 4.0)
+    for path, x in flat(trained).items():
+        np.testing.assert_array_equal(flat(back)[path], np.asarray(x), err_msg=path)
+
+
+def test_the_router_losses_apply_under_lora():
+    """The LoRA model keeps its base's router losses: with its adapters off its loss is
+    the base model's with the auxiliary term, not without it."""
+    family, config, _, params, _ = qwen3_moe()
+    lm = Adapters(family).lora_model(config, LoraConfig(rank=2))
+    ids = np.random.RandomState(0).randint(0, config.vocab_size, (2, T))
+    full = family.bind(config.replace(output_router_logits=True, router_aux_loss_coef=0.1))
+    from easylm.variants.lora_variant import Host, lora_variant
+
+    host = Host(name=family.name, rules=full.partition_rules, head_weight=None,
+                loss_chunk_size=0, matmul_parameters=0)
+    lora = lora_variant(full, lm, host, "", None)
+    assert lora.router_loss == full.router_loss and lora.router_loss.aux_coef > 0
+    batch = {"input_tokens": jnp.asarray(ids[:, :-1]), "target_tokens": jnp.asarray(ids[:, 1:]),
+             "loss_masks": jnp.ones((2, T - 1))}
+    base = lm.store_base(params)
+    off = lm.adapters_off(random_adapters(lm))
+    ours = next_token_sums(lora, off, batch, None, base=base).loss
+    with_aux = next_token_sums(full, params, batch, None).loss
+    without = next_token_sums(dataclasses.replace(full, router_loss=None), params, batch,
+                              None).loss
+    assert float(ours) == pytest.approx(float(with_aux), rel=1e-6)
+    assert float(with_aux) != pytest.approx(float(without), rel=1e-6)
+
+
+def test_nf4_expert_stacks_are_dequantized_in_the_layer():
+    """--lora.base_dtype=nf4 stores the expert stacks 4-bit (values uint4, one scale per 64
+    inputs of an output, as the kernels') and the model computes on them dequantized: the
+    QLoRA forward equals the float model on the dequantized base, which the nf4 rounding
+    moves far from the original (the twin)."""
+    config = moe_config("qwen3_moe", num_hidden_layers=1, moe_intermediate_size=64)
+    lm = Adapters(LLAMA).lora_model(config, LoraConfig(rank=2, base_dtype="nf4"))
+    params = LLAMA.bind(config).init_params(jax.random.key(0))
+    base = lm.store_base(params)
+    stacks = base["model"]["layers"]["0"]["mlp"]["experts"]
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        E, inputs, outputs = params["model"]["layers"]["0"]["mlp"]["experts"][name].shape
+        assert stacks[name].array.qvalue.dtype == jnp.uint4
+        assert stacks[name].array.scale.shape == (E, inputs // 64, outputs)
+    ids = jnp.asarray(np.random.RandomState(0).randint(0, config.vocab_size, (2, T)))
+    adapters = random_adapters(lm)
+    ours = lm.apply(base, adapters, ids)
+    float_base = lm.dequantized_base(base)
+    reference = LLAMA.bind(config).forward(lm.merge(base, adapters), ids)
+    rel = lora_rel(moe_rel(config), config)
+    assert_close(ours, reference, rel)
+    assert_differs(LLAMA.bind(config).forward(params, ids),
+                   LLAMA.bind(config).forward(float_base, ids), rel)
+
+
+def test_qlora_through_the_public_commands_lowers_the_loss_and_exports(tmp_path, capsys):
+    """`python -m easylm.train --load_checkpoint=hf::DIR --lora.rank=4
+    --lora.base_dtype=nf4` on a tiny random Qwen3-MoE lowers the loss, logging the router
+    terms; `convert_easylm_to_hf --lora_mode=adapter` writes the PEFT directory with the
+    experts in target_parameters and verifies it with peft. In process."""
+    from easylm import convert_easylm_to_hf, train
+
+    config = LLaMAConfig.from_preset("debug_moe", moe_intermediate_size=64)
+    torch.manual_seed(0)
+    hf_variant(config).save_pretrained(tmp_path / "hf")
+    train.main(["train", f"--load_checkpoint=hf::{tmp_path / 'hf'}", "--lora.rank=4",
+                "--lora.base_dtype=nf4", "--total_steps=4", "--log_freq=1",
+                "--train_dataset.json_dataset.seq_length=16",
+                "--train_dataset.json_dataset.batch_size=8", "--compilation_cache_dir=",
+                f"--logger.output_dir={tmp_path / 'runs'}",
+                "--optimizer.adamw_optimizer.lr=3e-2"])
+    out = capsys.readouterr().out
+    steps = [line for line in out.splitlines() if line.startswith("step ")]
+    losses = [float(line.split("loss ")[1].split()[0]) for line in steps]
+    assert losses[-1] < losses[0] and "moe aux" in steps[0]
+    final = out.split("--lora_checkpoint=")[1].split()[0]
+    convert_easylm_to_hf.main(["convert", f"--load_checkpoint=params::{final}",
+                               "--lora_mode=adapter", f"--output_dir={tmp_path / 'adapter'}"])
+    assert "verify: max |logit difference| vs peft" in capsys.readouterr().out
+    written = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert "model.layers.0.mlp.experts.gate_up_proj" in written["target_parameters"]
