@@ -26,7 +26,14 @@ Parameter layout (leaf names are qwix's; scanned layers add a leading L axis):
     <module>/kernel_lora_a          (in, r)  fp32, trainable
     <module>/kernel_lora_b          (r, out) fp32, trainable
 
-Quantized formats (frozen kernels only; everything else frozen is kept in the compute
+A mixture of experts' stacks (easylm/models/moe.py) are targets too, by transformers' fused
+names: <module>/experts/gate_up_proj (A (E, D, r) shared by the gate_proj and up_proj
+stacks, B (E, r, 2F)) and <module>/experts/down_proj. qwix does not reach them (a grouped
+ragged_dot reads them); moe.py applies them, and they are created, scaled, quantized (as
+WithAux(QArray), dequantized per layer by moe.py) and merged here. No dropout on them:
+PEFT's ParamWrapper has none either.
+
+Quantized formats (frozen kernels and expert stacks only; everything else frozen is kept in the compute
 dtype, and so are the scales, so the dequantized kernel and its matmul are in the
 compute dtype):
 
