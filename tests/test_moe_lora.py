@@ -13,6 +13,7 @@ import dataclasses
 import json
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -198,6 +199,36 @@ def test_nf4_expert_stacks_are_dequantized_in_the_layer():
     assert_close(ours, reference, rel)
     assert_differs(LLAMA.bind(config).forward(params, ids),
                    LLAMA.bind(config).forward(float_base, ids), rel)
+
+
+def dot_shapes(fn, *args) -> set:
+    """Output shapes of every dot_general (ragged_dot's too) `fn` traces to, nested
+    jaxprs (scan, jit, custom_vjp) included."""
+    shapes = set()
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if "dot" in eqn.primitive.name:
+                shapes.update(tuple(v.aval.shape) for v in eqn.outvars)
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return shapes
+
+
+def test_no_per_expert_delta_is_formed_in_a_forward():
+    """The adapted forward computes x A_e then (x A_e) B_e on the rows: no matmul gives an
+    (E, D, 2F) or (E, F, D) delta. Twin: merging does form them, and the check sees it."""
+    config = moe_config("qwen3_moe", num_hidden_layers=1)
+    lm = Adapters(LLAMA).lora_model(config, LoraConfig(rank=2))
+    base = jax.eval_shape(lm.store_base, LLAMA.bind(config).init_params(jax.random.key(0)))
+    adapters = lm.adapter_shapes
+    E, D, F = config.num_experts, config.hidden_size, config.moe_intermediate_size
+    deltas = {(E, D, 2 * F), (E, F, D)}
+    ids = jnp.zeros((2, T), jnp.int32)
+    assert not deltas & dot_shapes(lambda b, a: lm.apply(b, a, ids), base, adapters)
+    assert deltas <= dot_shapes(lm.merge, base, adapters)
 
 
 def test_qlora_through_the_public_commands_lowers_the_loss_and_exports(tmp_path, capsys):

@@ -73,12 +73,12 @@ class Adapters:
                 adapted = [t.rsplit("/", 1)[1] for t in targets if t.startswith(module + "/")]
                 a, b = (np.asarray(jax.device_get(flat[target + leaf]), np.float32)
                         for leaf in ("_lora_a", "_lora_b"))
-                b = self._gate_up_columns(b, name, to_hf=True)
+                b = self._gate_up_columns(b, to_hf=True) if name == "gate_up_proj" else b
                 yield from zip(peft_expert_names(target, adapted), expert_to_peft(a, b))
 
-    def _gate_up_columns(self, b, name: str, to_hf: bool):
+    def _gate_up_columns(self, b, to_hf: bool):
         """B (E, r, 2F) of gate_up_proj, ours [gate | up] <-> the family's HF column order."""
-        if name != "gate_up_proj" or not self.family.hf_gate_up_interleaved:
+        if not self.family.hf_gate_up_interleaved:
             return b
         half = b.shape[-1] // 2
         if to_hf:  # gate_f, up_f -> columns 2f, 2f + 1
@@ -90,9 +90,8 @@ class Adapters:
         they adapt) from PEFT-named tensors. With scanned layers every layer must carry the
         same adapters (a scan has one layer's parameters)."""
         flat = adapters_from_peft(tensors, self.family.hf_param_shapes(config), rank, source)
-        flat = {path: self._gate_up_columns(tensor, path.rsplit("/", 1)[1].removesuffix(
-            "_lora_b"), to_hf=False) if path.endswith("_lora_b") else tensor
-            for path, tensor in flat.items()}
+        for path in [path for path in flat if path.endswith("/gate_up_proj_lora_b")]:
+            flat[path] = self._gate_up_columns(flat[path], to_hf=False)
         kernels = sorted({path.rsplit("_", 2)[0] for path in flat})
         pattern = self._kernels_pattern(kernels, config, source)
         return self.family.layout(traverse_util.unflatten_dict(flat, sep="/"), config), pattern
