@@ -33,9 +33,9 @@ ragged_dot reads them); moe.py applies them, and they are created, scaled, quant
 WithAux(QArray), dequantized per layer by moe.py) and merged here. No dropout on them:
 PEFT's ParamWrapper has none either.
 
-Quantized formats (frozen kernels and expert stacks only; everything else frozen is kept in the compute
-dtype, and so are the scales, so the dequantized kernel and its matmul are in the
-compute dtype):
+Quantized formats (frozen kernels and expert stacks only; everything else frozen is kept
+in the compute dtype, and so are the scales, so the dequantized kernel and its matmul are
+in the compute dtype):
 
     int8  per output channel: scale = absmax / 127.5 (qwix's bound: the top bucket is
           [126.5, 127.5)), q = round(w / scale), saturating at 127.
