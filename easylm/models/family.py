@@ -219,8 +219,8 @@ class ModelFamily:
         raise UserError(f"the {self.name} family cannot write Hugging Face checkpoints")
 
     def torch_reference(self, config, params):
-        """The same model in HF transformers (torch, fp32, eager attention): the benchmarks'
-        and the PEFT check's. Read from a directory by `from_pretrained`, which converts
+        """The same model in HF transformers (torch, fp32): the benchmarks' and the PEFT
+        check's. Read from a directory by `from_pretrained`, which converts
         what `to_hf` writes (per-expert tensors) to the model's own (transformers 5's fused
         experts), where `load_state_dict` would skip them without a word."""
         import tempfile
@@ -233,8 +233,7 @@ class ModelFamily:
             write_safetensors(((name, np.asarray(x, np.float32))
                                for name, x in self.to_hf(params, config)), directory)
             config.to_hf_config().save_pretrained(directory)
-            return AutoModelForCausalLM.from_pretrained(
-                directory, dtype=torch.float32, attn_implementation="eager").eval()
+            return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
 
     def relayout(self, tree, like):
         """`tree` (parameters, or anything keyed like them) in the layout `like` has: layers
