@@ -38,7 +38,7 @@ from easylm.training import trainer
 from easylm.training.loop import loop
 from easylm.training.options import run_directory
 from easylm.training.setup import start
-from easylm.variants.lora import LoraConfig
+from easylm.variants.lora import DEFAULT_TARGET_MODULES, LoraConfig
 
 # nf4 blocks need kernels' input dimensions to be multiples of 64.
 HF_SHAPE = dict(num_hidden_layers=2, rope_theta=50000.0)
@@ -336,8 +336,8 @@ def test_resume_on_another_base_is_refused(tmp_path):
 @pytest.mark.parametrize("argv, there, here", [
     (["--lora.rank=8"], "--lora.rank=4", "--lora.rank=8"),
     (["--lora.rank=0"], "--lora.rank=4", "--lora.rank=0"),
-    (["--lora.target_modules=q_proj/kernel$"], "--lora.target_modules=(q_proj|k_proj|v_proj|"
-     "o_proj|gate_proj|up_proj|down_proj)/kernel$", "--lora.target_modules=q_proj/kernel$"),
+    (["--lora.target_modules=q_proj/kernel$"], f"--lora.target_modules={DEFAULT_TARGET_MODULES}",
+     "--lora.target_modules=q_proj/kernel$"),
     (["--lora.alpha=32"], "--lora.alpha=16.0", "--lora.alpha=32.0"),
     (["--lora.base_dtype=bf16"], "--lora.base_dtype=fp32", "--lora.base_dtype=bf16"),
     (["--llama.scan_layers=True"], "--llama.scan_layers=False", "--llama.scan_layers=True"),

@@ -144,6 +144,11 @@ class GptOssConfig:
             self.num_experts_per_tok * 3 * d * f
         return self.num_hidden_layers * layer + self.vocab_size * d
 
+    def num_matmul_parameters(self) -> int:
+        """N of the 6N FLOPs a token (`num_active_parameters`: matmuls only already): what a
+        LoRA run's FLOPs count subtracts the frozen base's weight gradients of."""
+        return self.num_active_parameters()
+
     def flops_per_token(self, seq_length: int) -> float:
         """6*N_active + 12*d_attn*keys per layer (PaLM appendix B), a sliding layer's keys
         being its window."""

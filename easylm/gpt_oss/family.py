@@ -22,7 +22,8 @@ class GptOssFamily(ModelFamily):
     commands = "easylm.gpt_oss"
     hf_model_types = ("gpt_oss",)
     remat_policies = remat.NAMES
-    variants = ()  # LoRA on the experts is not built yet
+    variants = ("lora",)
+    hf_gate_up_interleaved = True
     module_class = GptOssForCausalLM
 
     def partition_rules(self, config: GptOssConfig):

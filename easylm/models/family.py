@@ -32,6 +32,7 @@ from ml_collections.config_dict import placeholder
 
 from easylm.errors import UserError
 from easylm.models import decoder, moe
+from easylm.models.hf_checkpoint import write_safetensors
 from easylm.runtime.sharding import PartitionRules, path_to_string
 
 Params = Any  # a tree of arrays
@@ -126,6 +127,10 @@ class ModelFamily:
     # The variants (easylm/variants/) its model takes: "lora" (adapters on a frozen base,
     # for a model whose projections read their own kernels once `unfused`).
     variants: tuple[str, ...] = ()
+    # How transformers' fused experts/gate_up_proj orders its 2F outputs: gate's then up's
+    # (Qwen3-MoE, Mixtral), or interleaved, gate_0 up_0 gate_1 ... (gpt-oss); what a PEFT
+    # adapter's lora_B on it is written in.
+    hf_gate_up_interleaved: bool = False
 
     # The family's causal LM (a subclass of easylm.models.decoder.CausalLM).
     module_class: type = None
@@ -218,16 +223,21 @@ class ModelFamily:
         raise UserError(f"the {self.name} family cannot write Hugging Face checkpoints")
 
     def torch_reference(self, config, params):
-        """The same model in HF transformers (torch) for benchmarks."""
+        """The same model in HF transformers (torch, fp32): the benchmarks' and the PEFT
+        check's. Read from a directory by `from_pretrained`, which converts
+        what `to_hf` writes (per-expert tensors) to the model's own (transformers 5's fused
+        experts), where `load_state_dict` would skip them without a word."""
+        import tempfile
+
         import numpy as np
         import torch
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_config(config.to_hf_config()).eval()
-        state = {k: torch.from_numpy(np.array(v, np.float32))
-                 for k, v in self.to_hf(params, config)}
-        model.load_state_dict(state, strict=False)  # tied models list lm_head twice
-        return model
+        with tempfile.TemporaryDirectory() as directory:
+            write_safetensors(((name, np.asarray(x, np.float32))
+                               for name, x in self.to_hf(params, config)), directory)
+            config.to_hf_config().save_pretrained(directory)
+            return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
 
     def relayout(self, tree, like):
         """`tree` (parameters, or anything keyed like them) in the layout `like` has: layers

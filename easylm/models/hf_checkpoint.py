@@ -265,12 +265,84 @@ def peft_target_modules(kernels, all_kernels) -> list[str]:
     return sorted(modules)
 
 
+# Expert adapters (easylm/models/moe.py's EXPERT_ADAPTERS: per expert e, A_e (in, r) and
+# B_e (r, out) on transformers' fused gate_up_proj or down_proj) are PEFT's
+# `target_parameters` (its ParamWrapper, peft 0.21), one (r*E, in) A and (out, r*E) B:
+#   model/layers/3/mlp/experts/down_proj_lora_a (E, F, r)
+#       <->  base_model.model.model.layers.3.mlp.experts.lora_A.weight (r*E, F),
+#            row e*r + j = A_e[:, j]
+#   model/layers/3/mlp/experts/down_proj_lora_b (E, r, D)
+#       <->  base_model.model.model.layers.3.mlp.experts.lora_B.weight (D, r*E),
+#            column j*E + e = B_e[j]
+# Two adapted parameters of one module nest: the one transformers declares first
+# (gate_up_proj) is the inner wrapper's, `...mlp.experts.base_layer.lora_A.weight`.
+EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")  # transformers' order in its Experts
+
+
+def peft_expert_names(path: str, adapted: Iterable[str]) -> tuple[str, str]:
+    """PEFT's (lora_A, lora_B) names of expert adapter target `path`
+    (model/layers/3/mlp/experts/down_proj) whose module has `adapted` targets adapted."""
+    module, name = path.rsplit("/", 1)
+    order = [p for p in EXPERT_PARAMETERS if p in adapted]
+    inner = ".base_layer" * (len(order) - 1 - order.index(name))
+    prefix = PEFT_PREFIX + module.replace("/", ".") + inner
+    return f"{prefix}.lora_A.weight", f"{prefix}.lora_B.weight"
+
+
+def expert_to_peft(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A (E, in, r), B (E, r, out) -> PEFT's lora_A (r*E, in), lora_B (out, r*E)."""
+    E, inputs, r = a.shape
+    return (np.ascontiguousarray(a.transpose(0, 2, 1).reshape(E * r, inputs)),
+            np.ascontiguousarray(b.transpose(2, 1, 0).reshape(b.shape[2], r * E)))
+
+
+def expert_from_peft(lora_a: np.ndarray, lora_b: np.ndarray, experts: int):
+    """`expert_to_peft` undone: (A (E, in, r), B (E, r, out))."""
+    rows, inputs = lora_a.shape
+    r = rows // experts
+    return (np.ascontiguousarray(lora_a.reshape(experts, r, inputs).transpose(0, 2, 1)),
+            np.ascontiguousarray(lora_b.reshape(lora_b.shape[0], r, experts).transpose(2, 1, 0)))
+
+
+def _expert_adapters(tensors: Mapping, shapes: dict, rank: int, source: str) -> dict:
+    """{expert adapter path: array} of the PEFT tensors in `tensors` on expert modules
+    (taken out of `tensors`). Which parameter a lone wrapper adapts is read from its
+    shapes: gate_up_proj's A takes D inputs and its B gives 2F, down_proj's F and D."""
+    out = {}
+    for stack in [path for path in shapes if path.endswith("/experts/gate_proj")]:
+        E, D, F = shapes[stack]
+        module = stack.removesuffix("/gate_proj")
+        prefix = PEFT_PREFIX + module.replace("/", ".")
+        found = {inner: (tensors.pop(f"{prefix}{inner}.lora_A.weight", None),
+                         tensors.pop(f"{prefix}{inner}.lora_B.weight", None))
+                 for inner in ("", ".base_layer")}
+        for inner, (lora_a, lora_b) in found.items():
+            if lora_a is None and lora_b is None:
+                continue
+            if lora_a is None or lora_b is None:
+                raise UserError(f"{source}: {prefix}{inner} needs lora_A and lora_B")
+            lora_a, lora_b = to_numpy(lora_a), to_numpy(lora_b)
+            fits = {"gate_up_proj": ((rank * E, D), (2 * F, rank * E)),
+                    "down_proj": ((rank * E, F), (D, rank * E))}
+            name = next((n for n, want in fits.items()
+                         if (lora_a.shape, lora_b.shape) == want), None)
+            if name is None:
+                raise UserError(f"{source}: {prefix}{inner} has lora_A {lora_a.shape} and "
+                                f"lora_B {lora_b.shape}, which fit neither gate_up_proj nor "
+                                f"down_proj of {E} experts at rank {rank}")
+            a, b = expert_from_peft(lora_a, lora_b, E)
+            out[f"{module}/{name}_lora_a"], out[f"{module}/{name}_lora_b"] = a, b
+    return out
+
+
 def adapters_from_peft(tensors: Mapping, shapes: dict, rank: int, source: str) -> dict:
     """{adapter path: array} from PEFT-named tensors on a model of (unscanned) parameter
-    `shapes`: each one A or B of rank `rank` on one of its kernels, both for every adapted
-    kernel; anything else is a UserError naming it."""
+    `shapes`: each one A or B of rank `rank` on one of its kernels or expert stacks (B of
+    gate_up_proj in transformers' column order: the family reorders it), both for every
+    adapted one; anything else is a UserError naming it."""
     kernels = {hf_module(path): path for path in shapes if path.endswith("/kernel")}
-    adapters, bad = {}, []
+    tensors = dict(tensors)
+    adapters, bad = _expert_adapters(tensors, shapes, rank, source), []
     for name, tensor in tensors.items():
         module, _, kind = name.removeprefix(PEFT_PREFIX).rpartition(".lora_")
         path = kernels.get(module)

@@ -26,8 +26,15 @@ of a shard's pairs to one device) unless a capacity factor bounds them.
 The load-balancing loss is transformers' `load_balancing_loss_func`; the z-loss is
 ST-MoE's mean squared log-sum-exp of the router logits.
 
+LoRA (easylm/variants/lora.py) adds per-expert adapters beside the stacks, the way PEFT's
+`target_parameters` adapts transformers' fused `gate_up_proj` and `down_proj`: one A_e
+(D, r) shared by gate and up with B_e (r, 2F) (gate's columns, then up's), and A_e (F, r),
+B_e (r, D) on down, each applied inside the grouped matmul as x A_e then B_e (two more
+ragged_dots; no (E, D, F) delta is formed). B arrives scaled by alpha / r. A frozen stack
+may arrive quantized (QLoRA's nf4): it is dequantized here, one layer at a time.
+
 Shape letters: N tokens, D width, F expert MLP width, E experts, K chosen per token,
-M sorted (token, expert) rows; lower-case for one device's share.
+M sorted (token, expert) rows, R LoRA rank; lower-case for one device's share.
 """
 
 import dataclasses
@@ -38,6 +45,7 @@ from typing import NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import qwix
 from jax.sharding import PartitionSpec as P
 
 from easylm.runtime.sharding import BATCH_AXES
@@ -55,6 +63,9 @@ PARTITION_RULES = (
     (r"experts/down_proj_bias$", P(EP, None)),
     (r"router/(kernel|bias)$", P()),
 )
+# The LoRA adapters an expert module may carry, by the stacks they adapt (transformers'
+# fused names: PEFT's target_parameters).
+EXPERT_ADAPTERS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,12 +208,16 @@ def replay_collection(params, experts):
 
 def expert_mlp(x, params, group_sizes, config: MoEConfig, dtype):
     """Rows x (M, D), sorted so that expert e's group_sizes[e] rows are consecutive, through
-    their experts; rows past sum(group_sizes) come out as zeros. params: (E, ...) stacks."""
+    their experts; rows past sum(group_sizes) come out as zeros. params: (E, ...) stacks,
+    and the LoRA adapters of some (`EXPERT_ADAPTERS`)."""
     ragged = partial(jax.lax.ragged_dot, group_sizes=group_sizes,
                      preferred_element_type=dtype)
     x = x.astype(dtype)
     gate = ragged(x, params["gate_proj"].astype(dtype))  # (M, F)
     up = ragged(x, params["up_proj"].astype(dtype))  # (M, F)
+    if "gate_up_proj_lora_a" in params:
+        gate_up = _low_rank(ragged, x, params, "gate_up_proj", dtype)  # (M, 2F)
+        gate, up = gate + gate_up[:, :gate.shape[1]], up + gate_up[:, gate.shape[1]:]
     if config.expert_bias:
         expert = _row_expert(group_sizes, x.shape[0])
         gate = gate + params["gate_proj_bias"].astype(dtype)[expert]
@@ -215,10 +230,18 @@ def expert_mlp(x, params, group_sizes, config: MoEConfig, dtype):
     else:
         h = nn.silu(gate) * up
     out = ragged(h, params["down_proj"].astype(dtype))  # (M, D)
+    if "down_proj_lora_a" in params:
+        out = out + _low_rank(ragged, h, params, "down_proj", dtype)
     if config.expert_bias:
         out = out + params["down_proj_bias"].astype(dtype)[expert]
     valid = jnp.arange(x.shape[0]) < group_sizes.sum()
     return jnp.where(valid[:, None], out, 0)
+
+
+def _low_rank(ragged, x, params, name: str, dtype):
+    """Each row through its expert's adapters: (x A_e) B_e, (M, in) -> (M, out)."""
+    xa = ragged(x, params[name + "_lora_a"].astype(dtype))  # (M, R)
+    return ragged(xa, params[name + "_lora_b"].astype(dtype))
 
 
 def _row_expert(group_sizes, rows):
@@ -404,6 +427,18 @@ class Experts(nn.Module):
         if c.expert_bias:
             shapes |= {"gate_proj_bias": (E, F), "up_proj_bias": (E, F),
                        "down_proj_bias": (E, D)}
-        return {name: self.param(name, nn.initializers.zeros if name.endswith("bias")
-                                 else init, shape, self.param_dtype)
-                for name, shape in shapes.items()}
+        params = {name: _dense(self.param(name, nn.initializers.zeros if name.endswith("bias")
+                                          else init, shape, self.param_dtype))
+                  for name, shape in shapes.items()}
+        # LoRA's adapters, where the variant put them (nothing creates them here)
+        for name in EXPERT_ADAPTERS:
+            for leaf in (f"{name}_lora_a", f"{name}_lora_b"):
+                if self.has_variable("params", leaf):
+                    params[leaf] = self.get_variable("params", leaf)
+        return params
+
+
+def _dense(w):
+    """A stack as an array: a quantized one (QLoRA's frozen base, qwix's WithAux(QArray))
+    dequantized to its scales' dtype (the compute dtype)."""
+    return qwix.dequantize(w.array) if isinstance(getattr(w, "array", None), qwix.QArray) else w

@@ -28,7 +28,8 @@ from flax import traverse_util
 from easylm.errors import UserError
 from easylm.models.decoder import relayout
 from easylm.models.family import ModelFamily
-from easylm.models.hf_checkpoint import adapters_from_peft, peft_key, peft_target_modules
+from easylm.models.hf_checkpoint import (adapters_from_peft, expert_to_peft, peft_expert_names,
+                                         peft_key, peft_target_modules)
 from easylm.runtime import checkpoint
 from easylm.variants import lora_variant as variant
 from easylm.variants.lora import LoraConfig, LoraModel, read_peft, write_peft
@@ -58,18 +59,39 @@ class Adapters:
 
     # ------------------------------------------------------------- PEFT names
 
-    @staticmethod
-    def to_peft(adapters):
+    def to_peft(self, adapters):
         """Yield (PEFT name, numpy tensor) for `adapters` (either layout), one layer at a
-        time."""
-        for path, tensor in _one_by_one(adapters).items():
-            yield peft_key(path), np.ascontiguousarray(np.asarray(jax.device_get(tensor)).T)
+        time; an expert stack's A and B as PEFT's target_parameters (hf_checkpoint.py)."""
+        flat = _one_by_one(adapters)
+        targets = {path.rsplit("_", 2)[0] for path in flat}
+        for path, tensor in flat.items():
+            if path.endswith("/kernel_lora_a") or path.endswith("/kernel_lora_b"):
+                yield peft_key(path), np.ascontiguousarray(np.asarray(jax.device_get(tensor)).T)
+            elif path.endswith("_lora_a"):
+                target = path.removesuffix("_lora_a")
+                module, name = target.rsplit("/", 1)
+                adapted = [t.rsplit("/", 1)[1] for t in targets if t.startswith(module + "/")]
+                a, b = (np.asarray(jax.device_get(flat[target + leaf]), np.float32)
+                        for leaf in ("_lora_a", "_lora_b"))
+                b = self._gate_up_columns(b, to_hf=True) if name == "gate_up_proj" else b
+                yield from zip(peft_expert_names(target, adapted), expert_to_peft(a, b))
+
+    def _gate_up_columns(self, b, to_hf: bool):
+        """B (E, r, 2F) of gate_up_proj, ours [gate | up] <-> the family's HF column order."""
+        if not self.family.hf_gate_up_interleaved:
+            return b
+        half = b.shape[-1] // 2
+        if to_hf:  # gate_f, up_f -> columns 2f, 2f + 1
+            return b.reshape(*b.shape[:-1], 2, half).swapaxes(-1, -2).reshape(b.shape)
+        return b.reshape(*b.shape[:-1], half, 2).swapaxes(-1, -2).reshape(b.shape)
 
     def from_peft(self, tensors, config, rank: int, source: str = "adapter"):
         """(adapters in `config`'s layout, target_modules regex selecting exactly the kernels
         they adapt) from PEFT-named tensors. With scanned layers every layer must carry the
         same adapters (a scan has one layer's parameters)."""
         flat = adapters_from_peft(tensors, self.family.hf_param_shapes(config), rank, source)
+        for path in [path for path in flat if path.endswith("/gate_up_proj_lora_b")]:
+            flat[path] = self._gate_up_columns(flat[path], to_hf=False)
         kernels = sorted({path.rsplit("_", 2)[0] for path in flat})
         pattern = self._kernels_pattern(kernels, config, source)
         return self.family.layout(traverse_util.unflatten_dict(flat, sep="/"), config), pattern
@@ -104,10 +126,15 @@ class Adapters:
                   base_model: str = "") -> None:
         """`adapters` as a PEFT directory that `peft.PeftModel.from_pretrained` loads onto
         transformers' model of the same base."""
-        kernels = {path.rsplit("_", 2)[0] for path in _one_by_one(adapters)}
+        targets = {path.rsplit("_", 2)[0] for path in _one_by_one(adapters)}
+        kernels = sorted(path for path in targets if path.endswith("/kernel"))
         every = [path for path in self.family.hf_param_shapes(config) if path.endswith("/kernel")]
+        # Full names (model.layers.0.mlp.experts.gate_up_proj): PEFT matches a name's ending,
+        # and a shorter one could take in layers these adapters leave alone.
+        experts = sorted(path.replace("/", ".") for path in targets - set(kernels))
         write_peft(directory, self.to_peft(adapters), lm.config,
-                   peft_target_modules(sorted(kernels), every), base_model)
+                   peft_target_modules(kernels, every) if kernels else [], base_model,
+                   target_parameters=experts)
 
     def load_peft(self, directory: str, config) -> tuple[LoraConfig, dict]:
         """(LoraConfig, adapters) from a PEFT directory (ours or peft's own), shaped for

@@ -26,9 +26,16 @@ Parameter layout (leaf names are qwix's; scanned layers add a leading L axis):
     <module>/kernel_lora_a          (in, r)  fp32, trainable
     <module>/kernel_lora_b          (r, out) fp32, trainable
 
-Quantized formats (frozen kernels only; everything else frozen is kept in the compute
-dtype, and so are the scales, so the dequantized kernel and its matmul are in the
-compute dtype):
+A mixture of experts' stacks (easylm/models/moe.py) are targets too, by transformers' fused
+names: <module>/experts/gate_up_proj (A (E, D, r) shared by the gate_proj and up_proj
+stacks, B (E, r, 2F)) and <module>/experts/down_proj. qwix does not reach them (a grouped
+ragged_dot reads them); moe.py applies them, and they are created, scaled, quantized (as
+WithAux(QArray), dequantized per layer by moe.py) and merged here. No dropout on them:
+PEFT's ParamWrapper has none either.
+
+Quantized formats (frozen kernels and expert stacks only; everything else frozen is kept
+in the compute dtype, and so are the scales, so the dequantized kernel and its matmul are
+in the compute dtype):
 
     int8  per output channel: scale = absmax / 127.5 (qwix's bound: the top bucket is
           [126.5, 127.5)), q = round(w / scale), saturating at 127.
@@ -51,17 +58,23 @@ import jax.numpy as jnp
 import numpy as np
 import qwix
 from flax import traverse_util
+from qwix._src.providers.ptq import WithAux  # qwix's quantized-kernel box; not exported
 from jax.sharding import PartitionSpec as P
 from ml_collections import ConfigDict
 
 from easylm.errors import UserError
+from easylm.models.moe import EXPERT_ADAPTERS
 from easylm.runtime.sharding import PartitionRules
 
 BASE_DTYPES = ("auto", "bf16", "fp32", "int8", "nf4")
 NF4_BLOCK = 64
 ADAPTERS = ("kernel_lora_a", "kernel_lora_b")  # qwix's names for a kernel's A and B
-# The attention and MLP projections, by the Hugging Face names LLaMA-like families use.
-DEFAULT_TARGET_MODULES = r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)/kernel$"
+# The attention and MLP projections, by the Hugging Face names LLaMA-like families use, and
+# a mixture of experts' stacks by transformers' fused names (experts/gate_up_proj: the
+# gate_proj and up_proj stacks with one A; experts/down_proj), as PEFT's target_parameters
+# names them: a LoRA run adapts what a dense model's would, experts included.
+DEFAULT_TARGET_MODULES = (r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)/kernel$"
+                          r"|experts/(gate_up_proj|down_proj)$")
 
 HELP = {
     "rank": "LoRA rank r (0: no LoRA, train every parameter)",
@@ -139,7 +152,9 @@ def nested(flat_tree: dict[str, Any]):
 
 
 def is_adapter(path: str) -> bool:
-    return path.rsplit("/", 1)[-1] in ADAPTERS
+    leaf = path.rsplit("/", 1)[-1]
+    return leaf in ADAPTERS or leaf.removesuffix("_lora_a").removesuffix("_lora_b") \
+        in EXPERT_ADAPTERS and leaf.endswith(("_lora_a", "_lora_b"))
 
 
 def split(params) -> tuple[Any, Any]:
@@ -158,16 +173,38 @@ def _is_quantized(x) -> bool:
     return hasattr(x, "array") and isinstance(getattr(x, "array"), qwix.QArray)
 
 
-def target_paths(shapes, pattern: str) -> list[str]:
-    """The '/'-paths of the kernels `pattern` selects (re.search), in tree order."""
+def target_paths(shapes, pattern: str, experts: bool = False) -> list[str]:
+    """The '/'-paths of the kernels `pattern` selects (re.search), in tree order; with
+    `experts`, of the expert stacks too, by their adapters' names (`expert_stacks`)."""
     kernels = [path for path, leaf in flat(shapes).items()
                if path.endswith("/kernel") and len(leaf.shape) >= 2]
+    if experts:
+        kernels += [path for path in flat(shapes) if path.endswith("/experts/gate_proj")
+                    for path in _expert_targets(path)]
     targets = [path for path in kernels if re.search(pattern, path)]
     if not targets:
         some = ", ".join(kernels[:4]) + (", ..." if len(kernels) > 4 else "")
         raise UserError(f"--lora.target_modules={pattern!r} matches none of the model's "
                         f"kernels ({some})")
     return targets
+
+
+def _expert_targets(gate_proj: str) -> list[str]:
+    """.../experts/gate_proj -> the adapter targets of its module (.../experts/gate_up_proj,
+    .../experts/down_proj)."""
+    prefix = gate_proj.removesuffix("gate_proj")
+    return [prefix + name for name in EXPERT_ADAPTERS]
+
+
+def is_expert_target(path: str) -> bool:
+    return not path.endswith("/kernel")
+
+
+def expert_stacks(target: str) -> list[str]:
+    """.../experts/gate_up_proj -> [.../experts/gate_proj, .../experts/up_proj]: the stacks
+    an expert target's adapters add to (B's columns in this order)."""
+    prefix, name = target.rsplit("/", 1)
+    return [f"{prefix}/{stack}" for stack in EXPERT_ADAPTERS[name]]
 
 
 def partition_rules(rules: PartitionRules) -> PartitionRules:
@@ -178,9 +215,9 @@ def partition_rules(rules: PartitionRules) -> PartitionRules:
     axes: keeping them whole costs a bf16 scale's 2/64 byte per weight, 1/16 of its 4
     bits). An adapter of a kernel that no rule matches matches nothing either: an error,
     as for parameters."""
-    derived = []
+    derived = _expert_rules(rules)
     for pattern, spec in rules:
-        if len(spec) != 2:  # only (in, out) kernels carry adapters
+        if len(spec) != 2:  # only (in, out) kernels carry adapters; experts' are above
             continue
         inputs, outputs = spec
         derived += [(f"(?:{pattern})_lora_a$", P(inputs, None)),
@@ -188,6 +225,27 @@ def partition_rules(rules: PartitionRules) -> PartitionRules:
                     (f"(?:{pattern})/array/qvalue$", spec),
                     (f"(?:{pattern})/array/scale$", P(None, outputs))]
     return (*derived, *rules)
+
+
+def _expert_rules(rules: PartitionRules) -> list:
+    """Expert adapters split like their stacks: A (E, in, r) by the experts and the input
+    dimension, B (E, r, out) by the experts and the output; a quantized stack's values like
+    the stack, its scales (E, in/64, out) without the input's axis."""
+    def spec_of(stack):
+        return next((spec for pattern, spec in rules if re.search(pattern, stack)), None)
+
+    derived = []
+    for name, stacks in EXPERT_ADAPTERS.items():
+        first, last = spec_of("experts/" + stacks[0]), spec_of("experts/" + stacks[-1])
+        if first is None or len(first) != 3:
+            continue
+        derived += [(rf"experts/{name}_lora_a$", P(first[0], first[1], None)),
+                    (rf"experts/{name}_lora_b$", P(first[0], None, last[2]))]
+        for stack in stacks:
+            spec = spec_of("experts/" + stack)
+            derived += [(rf"experts/{stack}/array/qvalue$", spec),
+                        (rf"experts/{stack}/array/scale$", P(spec[0], None, spec[2]))]
+    return derived
 
 
 # ------------------------------------------------------------ quantization
@@ -236,28 +294,36 @@ class LoraModel:
             raise UserError(f"--lora.rank must be >= 1 to build adapters, got {config.rank}")
         config = config.resolved(dtype)
         self.config, self.dtype, self.base_module = config, jnp.dtype(dtype), module
-        shapes = jax.eval_shape(module.init_params, jax.random.key(0))
-        self.targets = tuple(target_paths(shapes, config.target_modules))
+        shapes = flat(jax.eval_shape(module.init_params, jax.random.key(0)))
+        self.targets = tuple(target_paths(nested(shapes), config.target_modules, experts=True))
+        self.kernels = tuple(path for path in self.targets if not is_expert_target(path))
+        experts = [path for path in self.targets if is_expert_target(path)]
+        self.stacks = {stack: target for target in experts for stack in expert_stacks(target)}
         if config.base_dtype == "nf4":  # before qwix, which would fail in its own words
-            for path in self.targets:
-                check_nf4_blocks(flat(shapes)[path].shape, path)
+            for path in (*self.kernels, *self.stacks):
+                check_nf4_blocks(shapes[path].shape, path)
         self.module = self._wrap(module, config.dropout)
         self._eval_module = self.module if not config.dropout else self._wrap(module, 0.0)
         # qwix's own abstract init: the quantized kernels' WithAux templates, and a check
-        # that it adapts exactly the targets.
+        # that it adapts exactly the targeted kernels.
         template, adapters = split(jax.eval_shape(self.module.init_params, jax.random.key(0)))
         adapted = sorted({path.rsplit("_", 2)[0] for path in flat(adapters)})
-        if adapted != sorted(self.targets):
-            missed = sorted(set(self.targets) - set(adapted))
+        if adapted != sorted(self.kernels):
+            missed = sorted(set(self.kernels) - set(adapted))
             raise UserError(f"LoRA could not adapt {len(missed)} targeted kernel(s), which the "
                             f"model reads outside their own module's matmul: {', '.join(missed)}")
         self._template = flat(template)
-        self.adapter_shapes = nested({path: jax.ShapeDtypeStruct(leaf.shape, jnp.float32)
-                                      for path, leaf in flat(adapters).items()})
+        adapter_shapes = {path: leaf.shape for path, leaf in flat(adapters).items()}
+        for target in experts:
+            adapter_shapes.update(_expert_adapter_shapes(target, shapes, config.rank))
+        self.adapter_shapes = nested({path: jax.ShapeDtypeStruct(shape, jnp.float32)
+                                      for path, shape in adapter_shapes.items()})
 
     def _wrap(self, module, dropout: float) -> nn.Module:
         c = self.config
-        modules = "|".join(re.escape(path[: -len("/kernel")]) for path in self.targets)
+        if not self.kernels:  # experts only: qwix adapts nothing
+            return module
+        modules = "|".join(re.escape(path[: -len("/kernel")]) for path in self.kernels)
         qtype = {"int8": jnp.int8, "nf4": "nf4"}.get(c.base_dtype)
         # qwix creates adapters (only ever abstractly here: ours come from init_adapters)
         # in the kernel's dtype; in the compute dtype they keep the layer's output in it,
@@ -276,16 +342,18 @@ class LoraModel:
     def init_adapters(self, rng) -> Any:
         """A ~ U(-1/sqrt(in), 1/sqrt(in)) (PEFT's default), B = 0, in fp32. Each layer's A
         is drawn from a key of its module's name and layer index, so scanned layers (a
-        leading L axis) get the adapters unscanned ones do."""
+        leading L axis) get the adapters unscanned ones do; an expert stack's A (E, in, r)
+        draws each expert's as PEFT does its (r*E, in) lora_A (one bound, 1/sqrt(in))."""
         shapes, out = flat(self.adapter_shapes), {}
         for path in self.targets:
             a, b = shapes[path + "_lora_a"].shape, shapes[path + "_lora_b"].shape
+            one = a[-3:] if is_expert_target(path) else a[-2:]  # one layer's A
             bound = 1.0 / math.sqrt(a[-2])
             name = re.sub(r"/layers/\d+/", "/layers/", path)
             key = jax.random.fold_in(rng, zlib.crc32(name.encode()) & 0x7FFFFFFF)
-            draw = lambda k: jax.random.uniform(k, a[-2:], jnp.float32, -bound, bound)  # noqa: E731
+            draw = lambda k: jax.random.uniform(k, one, jnp.float32, -bound, bound)  # noqa: E731
             layer = re.search(r"/layers/(\d+)/", path)
-            if len(a) == 3:    # scanned: (L, in, r), layer i drawn as unscanned layer i is
+            if len(a) > len(one):  # scanned: (L, ...), layer i drawn as unscanned layer i is
                 layer_keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(a[0]))
                 out[path + "_lora_a"] = jax.vmap(draw)(layer_keys)
             else:
@@ -307,9 +375,11 @@ class LoraModel:
                                                                    self.dtype)
         out = {}
         for path, leaf in flat(params).items():
-            if self.config.quantized and path in self.targets:
+            if self.config.quantized and path in self.kernels:
                 quantized = quantize_kernel(leaf, self.config.base_dtype, self.dtype)
                 out[path] = self._template[path].replace(array=quantized)
+            elif self.config.quantized and path in self.stacks:  # (..., E, in, out)
+                out[path] = _quantized_stack(leaf, self.config.base_dtype, self.dtype)
             else:  # jax arrays: qwix's dtype promotion passes numpy ones through uncast
                 out[path] = jnp.asarray(leaf, storage)
         return nested(out)
@@ -334,13 +404,15 @@ class LoraModel:
         kernel, computed in fp32 and cast to `dtype` (default: each kernel's float dtype)."""
         params = flat(self.dequantized_base(base))
         lora = flat(adapters)
-        for path in self.targets:
-            kernel = params[path]
-            delta = jnp.matmul(lora[path + "_lora_a"].astype(jnp.float32),
-                               lora[path + "_lora_b"].astype(jnp.float32),
+        for target in self.targets:
+            delta = jnp.matmul(lora[target + "_lora_a"].astype(jnp.float32),
+                               lora[target + "_lora_b"].astype(jnp.float32),
                                precision=jax.lax.Precision.HIGHEST)  # (..., in, out)
-            merged = kernel.astype(jnp.float32) + self.config.scaling * delta
-            params[path] = merged.astype(dtype or kernel.dtype)
+            stacks = expert_stacks(target) if is_expert_target(target) else [target]
+            parts = np.cumsum([params[path].shape[-1] for path in stacks])[:-1]
+            for path, part in zip(stacks, jnp.split(delta, parts, axis=-1)):
+                merged = params[path].astype(jnp.float32) + self.config.scaling * part
+                params[path] = merged.astype(dtype or params[path].dtype)
         return nested(params)
 
     # ------------------------------------------------------------- applying
@@ -349,8 +421,11 @@ class LoraModel:
         """The adapted module's `apply`; adapters are cast to the compute dtype (their
         gradients come back in fp32). `rng` draws the adapter dropout (training); without
         it there is none."""
-        adapters = jax.tree.map(lambda x: jnp.asarray(x, self.dtype), adapters)
-        variables = {"params": combine(base, adapters)}
+        adapters = flat(jax.tree.map(lambda x: jnp.asarray(x, self.dtype), adapters))
+        for target in self.targets:  # qwix scales the kernels' x A B; the experts read B * s
+            if is_expert_target(target):
+                adapters[target + "_lora_b"] = adapters[target + "_lora_b"] * self.config.scaling
+        variables = {"params": combine(base, nested(adapters))}
         if rng is not None and self.config.dropout:
             return self.module.apply(variables, *args, rngs={"dropout": rng}, method=method,
                                      **kwargs)
@@ -358,6 +433,21 @@ class LoraModel:
 
     def num_adapter_parameters(self) -> int:
         return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.adapter_shapes))
+
+
+def _expert_adapter_shapes(target: str, shapes: dict, rank: int) -> dict:
+    """A (..., E, in, r) and B (..., E, r, out) of an expert target: out sums its stacks'
+    (gate_up: 2F)."""
+    stacks = [shapes[path].shape for path in expert_stacks(target)]
+    *lead, inputs, _ = stacks[0]
+    outputs = sum(shape[-1] for shape in stacks)
+    return {target + "_lora_a": (*lead, inputs, rank), target + "_lora_b": (*lead, rank, outputs)}
+
+
+def _quantized_stack(stack, base_dtype: str, scale_dtype):
+    """An expert stack (..., E, in, out) quantized as a kernel is (each expert on its own),
+    in qwix's WithAux as qwix keeps its quantized kernels, which moe.py dequantizes."""
+    return WithAux(array=quantize_kernel(stack, base_dtype, scale_dtype), how=None)
 
 
 # ------------------------------------------------------ PEFT adapter directories
@@ -368,21 +458,26 @@ PEFT_WEIGHTS = "adapter_model.safetensors"
 # anything but these defaults is a variant this LoRA does not implement.
 _PEFT_DEFAULTS = {"use_dora": False, "fan_in_fan_out": False, "bias": "none", "lora_bias": False,
                   "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {},
-                  "layer_replication": None, "target_parameters": None}
+                  "layer_replication": None}
 
 
 def write_peft(directory: str, tensors: Iterable[tuple[str, np.ndarray]], config: LoraConfig,
-               target_modules: list[str], base_model: str = "") -> None:
+               target_modules: list[str], base_model: str = "",
+               target_parameters: list[str] | None = None) -> None:
     """A PEFT LoRA directory: adapter_config.json and adapter_model.safetensors holding
-    `tensors` (PEFT names and layout) as they are given."""
+    `tensors` (PEFT names and layout) as they are given; `target_parameters`: the expert
+    tensors adapted. PEFT refuses dropout on those (its ParamWrapper cannot apply it), and
+    ours adds none to them: their config then says lora_dropout 0."""
     from safetensors.numpy import save_file
 
     os.makedirs(directory, exist_ok=True)
     alpha = int(config.alpha) if float(config.alpha).is_integer() else config.alpha
     peft_config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": config.rank, "lora_alpha": alpha,
-        "lora_dropout": config.dropout, "use_rslora": config.use_rslora,
-        "target_modules": target_modules, "base_model_name_or_path": base_model or None,
+        "lora_dropout": 0.0 if target_parameters else config.dropout,
+        "use_rslora": config.use_rslora, "target_modules": target_modules or None,
+        "target_parameters": target_parameters or None,
+        "base_model_name_or_path": base_model or None,
         "init_lora_weights": True, "inference_mode": True, **_PEFT_DEFAULTS,
     }
     save_file(dict(tensors), os.path.join(directory, PEFT_WEIGHTS))

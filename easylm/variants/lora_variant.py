@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from ml_collections import ConfigDict
 
 from easylm.errors import UserError
+from easylm.models import moe
 from easylm.models.family import Frozen, Model
 from easylm.runtime import checkpoint
 from easylm.runtime.dtypes import dtype_from_flag
@@ -54,12 +55,16 @@ def lora_variant(model: Model, lm: LoraModel, host: Host, load_spec: str, load) 
                         f"--{host.name}.loss_chunk_size=0")
 
     def forward(adapters, ids, positions=None, segment_ids=None, cache=None, *, base=None,
-                rng=None, return_hidden=False):
+                rng=None, return_hidden=False, router_stats=False):
         # Serving (the trainer's lm-eval hook, GRPO's rollouts) runs the live adapters on
         # their stored base: no merged float copy of the base, which for QLoRA would be 4x
         # its nf4 bytes; each matmul dequantizes its kernel as in training.
-        return lm.apply(base, adapters, ids, positions=positions, segment_ids=segment_ids,
-                        cache=cache, rng=rng, return_hidden=return_hidden)
+        out = lm.apply(base, adapters, ids, positions=positions, segment_ids=segment_ids,
+                       cache=cache, rng=rng, return_hidden=return_hidden,
+                       mutable=["router"] if router_stats else False)
+        # router_stats: a MoE base's, for its router losses (`Model.router_loss`): the
+        # router is frozen, as PEFT leaves it, but what it sees moves with the adapters.
+        return (out[0], moe.router_stats(out[1]["router"])) if router_stats else out
 
     def head(adapters, base=None):
         return host.head_weight(lm.dequantized_base(base))
@@ -67,7 +72,6 @@ def lora_variant(model: Model, lm: LoraModel, host: Host, load_spec: str, load) 
     adapter_parameters = lm.num_adapter_parameters()
     return dataclasses.replace(
         model, init_params=lm.init_adapters, forward=forward, head=head,
-        router_loss=None,  # a MoE base's router losses: not through adapters yet (issue 37)
         partition_rules=partition_rules(host.rules),
         frozen=frozen(lm, model, host.rules, load_spec, load), load=None,
         num_parameters=adapter_parameters,
