@@ -55,6 +55,7 @@ from ml_collections import ConfigDict
 from easylm import flags as flag_lib, objectives, variants
 from easylm.data.options import loader_block, loader_options
 from easylm.errors import UserError, exit_on_user_error
+from easylm.models.context_parallel import DEFAULT_STRATEGY, use_strategy
 from easylm.objectives.base import COPY
 from easylm.runtime.dtypes import DTYPES, bits, dtype_from_flag, nbytes
 from easylm.runtime.sharding import (
@@ -245,8 +246,19 @@ def _row_split(config: ConfigDict, T: int, sp: int) -> tuple[int, int]:
     return T, sp
 
 
+def _strategy(config: ConfigDict) -> str:
+    """--context_parallel, as the trainer reads it: how attention splits under sp > 1."""
+    return config.get("context_parallel") or DEFAULT_STRATEGY
+
+
 def estimate(config: ConfigDict, family, num_devices: int, num_processes: int = 1) -> Estimate:
-    """Per-device memory of training as `config` says, on `num_devices` devices."""
+    """Per-device memory of training as `config` says, on `num_devices` devices (under
+    sp > 1 every model traced here attends with the run's --context_parallel)."""
+    with use_strategy(_strategy(config)):
+        return _estimate(config, family, num_devices, num_processes)
+
+
+def _estimate(config: ConfigDict, family, num_devices: int, num_processes: int) -> Estimate:
     sizes = mesh_sizes(config, num_devices, num_processes)
     data = _dataset(config)
     accumulate = config.optimizer.accumulate_gradient_steps
@@ -361,10 +373,12 @@ def _dp_into_fsdp(sizes: dict) -> dict:
 
 
 def candidate_fixes(config: ConfigDict, family, num_devices: int, num_processes: int) -> list[dict]:
-    """Single flag changes that lower memory, cheapest first: fsdp only adds
-    communication, remat recomputes (checkpoint_dots the least), accumulation shrinks
+    """Single flag changes that lower memory, cheapest first: the ring (under sp) and fsdp
+    only add communication, remat recomputes (checkpoint_dots the least), accumulation shrinks
     the per-device batch (less efficient matmuls), bf16 moments change the numerics."""
     fixes = []
+    if _strategy(config) != "ring" and mesh_sizes(config, num_devices, num_processes)["sp"] > 1:
+        fixes.append({"context_parallel": "ring"})  # K/V passed round: no whole K/V kept
     if config.dcn_mesh_dim:  # dp -> fsdp inside a slice/host first: ICI is fast
         ici, dcn = hybrid_mesh_shape(config.mesh_dim, config.dcn_mesh_dim, num_devices,
                                      num_processes)
@@ -455,7 +469,8 @@ def report(config: ConfigDict, family, num_devices: int, num_processes: int,
                       for x in jax.tree.leaves(_shapes(model)[0])})
     lines = [
         f"plan: {what}, {model.num_layers} layers | "
-        f"{num_devices} devices, mesh {mesh} | "
+        f"{num_devices} devices, mesh {mesh}"
+        f"{' (' + _strategy(config) + ')' if plan.mesh['sp'] > 1 else ''} | "
         f"{data.batch_size}{objective.plan_rows()} x "
         f"{data.seq_length} tokens per step | compute {compute}"
         f"{' (--dtype=auto on ' + jax.default_backend() + ')' if config.dtype == 'auto' else ''}, "

@@ -392,13 +392,13 @@ def test_plan_splits_activations_over_sp_and_finds_the_longest_row():
     from easylm import flags, plan
     from easylm.llama import train as llama_train
 
-    def parse(mesh_dim, seq_length):
+    def parse(mesh_dim, seq_length, *more):
         return flags.parse(plan.default_config(LLAMA),
                            {**llama_train.help_entries(), **plan.HELP},
                            ["plan", "--llama.base_model=debug", "--llama.num_hidden_layers=2",
                             "--train_dataset.json_dataset.batch_size=2",
                             f"--mesh_dim={mesh_dim}",
-                            f"--train_dataset.json_dataset.seq_length={seq_length}"])
+                            f"--train_dataset.json_dataset.seq_length={seq_length}", *more])
 
     whole = plan.estimate(parse("1,2,1", 512), LLAMA, num_devices=2)
     split = plan.estimate(parse("dp=1,fsdp=2,sp=4", 512), LLAMA, num_devices=8)
@@ -410,6 +410,12 @@ def test_plan_splits_activations_over_sp_and_finds_the_longest_row():
     assert plan.longest_row(config, LLAMA, 8, 1, split.total, step=256) == 512
     with pytest.raises(Exception, match="multiple of 2\\*sp = 8"):
         plan.estimate(parse("dp=1,fsdp=2,sp=4", 60), LLAMA, num_devices=8)
+    # --context_parallel=all_gather plans what it runs: a layer's backward over the whole
+    # K/V and (T/sp) x T scores, more than the ring's blocks; its first fix is the ring.
+    gather = parse("dp=1,fsdp=2,sp=4", 512, "--context_parallel=all_gather")
+    assert plan.estimate(gather, LLAMA, num_devices=8).total > split.total
+    assert plan.find_fix(gather, LLAMA, 8, 1, split.total) == (
+        {"context_parallel": "ring"}, split)
 
 
 def test_serving_refuses_a_split_sequence_in_one_line(capsys):

@@ -354,6 +354,11 @@ def use_strategy(strategy: str):
         _strategy.reset(token)
 
 
+def current_strategy() -> str:
+    """The strategy `use_strategy` set (the default outside one)."""
+    return _strategy.get()
+
+
 def sequence_shards() -> int:
     """How many ways the current mesh splits the sequence (1: no mesh, or no 'sp')."""
     mesh = jax.sharding.get_abstract_mesh()
@@ -382,7 +387,7 @@ class SplitSequence:
         B, T = positions.shape
         if B % batch or T % (2 * sp):
             return None
-        return cls(segment_ids, _strategy.get())
+        return cls(segment_ids, current_strategy())
 
     def attention(self, q, k, v, positions, window: int, scale: float | None):
         return context_parallel_attention(q, k, v, positions, self.segment_ids,
