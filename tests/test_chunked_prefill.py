@@ -45,7 +45,7 @@ def tolerance(config) -> float:
 
 def _run(model, params, tokens, chunk):
     fn = jax.jit(functools.partial(engine_lib._prompt_forward, model, chunk, False))
-    fresh, last = fn((params, None), tokens, jnp.asarray(LENGTHS))
+    fresh, last, _ = fn((params, None), tokens, jnp.asarray(LENGTHS))
     return np.asarray(last), jax.tree.map(lambda c: np.asarray(c[..., :T, :, :]), fresh)
 
 
