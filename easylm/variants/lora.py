@@ -424,15 +424,15 @@ class LoraModel:
 
     # ------------------------------------------------------------- applying
 
-    def apply(self, base, adapters, *args, rng=None, method=None, **kwargs):
+    def apply(self, base, adapters, *args, rng=None, method=None, collections=None, **kwargs):
         """The adapted module's `apply`; adapters are cast to the compute dtype (their
         gradients come back in fp32). `rng` draws the adapter dropout (training); without
-        it there is none."""
+        it there is none. `collections`: more variable collections (a routing to replay)."""
         adapters = flat(jax.tree.map(lambda x: jnp.asarray(x, self.dtype), adapters))
         for target in self.targets:  # qwix scales the kernels' x A B; the experts read B * s
             if is_expert_target(target):
                 adapters[target + "_lora_b"] = adapters[target + "_lora_b"] * self.config.scaling
-        variables = {"params": combine(base, nested(adapters))}
+        variables = {"params": combine(base, nested(adapters)), **(collections or {})}
         if rng is not None and self.config.dropout:
             return self.module.apply(variables, *args, rngs={"dropout": rng}, method=method,
                                      **kwargs)
