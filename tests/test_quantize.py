@@ -271,7 +271,8 @@ def test_int8_moe_logits_stay_within_the_weights_rounding_error(moe_model):
 
 def test_serve_int8_moe_answers_the_openai_api(moe_dir):
     """`python -m easylm.serve --load_checkpoint=hf::DIR --quantize=int8` on the MoE, in
-    process: every expert stack on the devices is int8, and /v1/completions answers with
+    process, the experts split over ep=4: every expert stack on the devices is int8 (values
+    and scales split by expert), and /v1/completions answers with
     the int8 model's greedy continuation (each token the argmax of a full forward)."""
     from fastapi.testclient import TestClient
 
@@ -279,7 +280,7 @@ def test_serve_int8_moe_answers_the_openai_api(moe_dir):
 
     argv = ["serve", f"--load_checkpoint=hf::{moe_dir}", "--tokenizer=embedded",
             "--seq_length=32", "--min_bucket=32", "--batch_size=1", "--dtype=fp32",
-            "--quantize=int8"]
+            "--quantize=int8", "--mesh_dim=dp=1,fsdp=2,ep=4"]
     app, batcher = serving_cli.build(FAMILY, flag_lib.parse(
         serving_cli.default_config(FAMILY), serving_cli.help_entries(FAMILY), argv))
     prompt, steps = [1, 7, 8, 9, 10], 6
@@ -292,6 +293,9 @@ def test_serve_int8_moe_answers_the_openai_api(moe_dir):
     engine = batcher.engine
     stacks = [leaf for path, leaf in flat(engine.params).items() if "/experts/" in path]
     assert len(stacks) == 6 and all(s.array.qvalue.dtype == jnp.int8 for s in stacks)
+    # split over the experts: each device holds its experts' values and scales
+    assert all(s.array.qvalue.sharding.spec[0] == s.array.scale.sharding.spec[0] == "ep"
+               for s in stacks)
     tokens = greedy(engine, prompt, steps)
     logits = jax.jit(engine.model.forward)(engine.params, jnp.array([prompt + tokens]))
     assert tokens == np.argmax(logits[0, len(prompt) - 1:-1], -1).tolist()
