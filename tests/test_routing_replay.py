@@ -48,10 +48,34 @@ def save_tied(config, directory):
     model.save_pretrained(directory)
 
 
-def logprob_atol(config, logits_scale: float) -> float:
+def logprob_atol(config, logits_scale: float, extra_per_layer: int = 0) -> float:
+    """`extra_per_layer`: reductions a variant adds to each layer (LoRA's x A and (x A) B)."""
     terms = max(config.hidden_size, config.moe_intermediate_size, T)
-    per_layer = (7 if config.qk_norm else 6) + 2
+    per_layer = (7 if config.qk_norm else 6) + 2 + extra_per_layer
     return 2 * fp32_rel(terms, per_layer * config.num_hidden_layers + 1) * logits_scale
+
+
+def sample(config, model, params, base=None):
+    """Rollout rows of ROWS completions the engine samples at temperature 1 from `model`
+    (on its frozen `base`, for a variant), with its log-probabilities and its recorded
+    choices."""
+    engine = engine_lib.Engine(
+        engine_lib.get_default_config({"batch_size": ROWS, "seq_length": T,
+                                       "min_bucket": T - NEW, "decode_steps": 4}),
+        model, params, base=base, record_routing=True)
+    rng = np.random.RandomState(0)
+    prompts = [rng.randint(3, config.vocab_size, rng.randint(3, 8)).tolist()
+               for _ in range(ROWS)]
+    sampling = engine_lib.Sampling.empty(ROWS)
+    sampling.keys[:] = rollouts.sampling_keys(0, 0, 0, 0, ROWS)
+    sampling.temperature[:] = 1.0
+    routing = []
+    completions, logprobs = rollouts.generate(engine, prompts, sampling, NEW,
+                                              config.eos_token_id, routing)
+    rows = rollouts.token_rows(prompts, completions, 1, T, 0, np.ones(ROWS, bool))
+    rows["sampling_logps"] = rollouts.completion_values(prompts, logprobs, 1, T)
+    rows["routing"] = rollouts.completion_routing(routing, T)  # (N, L, T, K)
+    return rows
 
 
 @pytest.fixture(scope="module")
@@ -67,22 +91,7 @@ def sampled(tmp_path_factory):
     config = config.replace(scan_layers=True)
     _, params = hf.load_hf_params(str(directory), scan_layers=True)
     model = FAMILY.bind(config)
-    engine = engine_lib.Engine(
-        engine_lib.get_default_config({"batch_size": ROWS, "seq_length": T,
-                                       "min_bucket": T - NEW, "decode_steps": 4}),
-        model, params, record_routing=True)
-    rng = np.random.RandomState(0)
-    prompts = [rng.randint(3, config.vocab_size, rng.randint(3, 8)).tolist()
-               for _ in range(ROWS)]
-    sampling = engine_lib.Sampling.empty(ROWS)
-    sampling.keys[:] = rollouts.sampling_keys(0, 0, 0, 0, ROWS)
-    sampling.temperature[:] = 1.0
-    routing = []
-    completions, logprobs = rollouts.generate(engine, prompts, sampling, NEW,
-                                              config.eos_token_id, routing)
-    rows = rollouts.token_rows(prompts, completions, 1, T, 0, np.ones(ROWS, bool))
-    rows["sampling_logps"] = rollouts.completion_values(prompts, logprobs, 1, T)
-    rows["routing"] = rollouts.completion_routing(routing, T)  # (N, L, T, K)
+    rows = sample(config, model, params)
     logits = model.forward(params, jnp.asarray(rows["input_tokens"]))
     atol = logprob_atol(config, float(jnp.abs(logits).max()))
     return config, model, params, rows, atol
@@ -126,10 +135,10 @@ def test_replay_collection_walks_the_layers_as_router_stats_stacks_them():
         moe.replay_collection(params, moe.router_stats(sown).experts[:6])
 
 
-def trainer_logps(model, params, rows, routing=None):
+def trainer_logps(model, params, rows, routing=None, base=None):
     """The training forward's log-probabilities of the sampled tokens, replaying
     `routing` (N, L, T, K) when given."""
-    kwargs = {}
+    kwargs = {} if base is None else {"base": base}
     if routing is not None:
         L, K = routing.shape[1], routing.shape[-1]
         kwargs["routing"] = jnp.asarray(routing).swapaxes(0, 1).reshape(L, -1, K)
@@ -177,6 +186,41 @@ def test_misplaced_choices_are_caught(sampled, wrong):
         routing = np.concatenate([routing[:, :, :1], routing[:, :, :-1]], axis=2)
     sampler = rows["sampling_logps"] * rows["loss_masks"]
     assert_differs(trainer_logps(model, params, rows, routing), sampler, atol, scale=1.0)
+
+
+def test_replay_under_lora_matches_the_sampler(sampled):
+    """LoRA (rank 2, every adapter drawn N(0, 0.2) so that they move the logits) on the
+    near-tied MoE base: the engine runs the adapters on the frozen base and records its
+    choices, the LoRA training forward replays them, and the log-probabilities agree
+    within the same derived bound (two more reductions a layer: x A, (x A) B); routing
+    anew, they do not."""
+    from ml_collections import ConfigDict
+
+    from easylm import variants
+    from easylm.variants.lora import LoraConfig
+
+    config, _, params, _, _ = sampled
+    flags = FAMILY.flag_config("debug_moe")
+    for name in ("num_hidden_layers", "vocab_size", "initializer_range", "scan_layers"):
+        flags[name] = getattr(config, name)
+    model = variants.build(FAMILY, ConfigDict(dict(
+        llama=flags, dtype="fp32", param_dtype="fp32",
+        lora=dict(LoraConfig.get_default_config().to_dict(), rank=2))))
+    shapes = jax.eval_shape(model.init_params, jax.random.key(0))
+    keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(shapes))))
+    adapters = jax.tree.map(lambda leaf: 0.2 * jax.random.normal(next(keys), leaf.shape),
+                            shapes)
+    rows = sample(config, model, adapters, base=params)
+    logits = model.forward(adapters, jnp.asarray(rows["input_tokens"]), base=params)
+    atol = logprob_atol(config, float(jnp.abs(logits).max()), extra_per_layer=2)
+    sampler = rows["sampling_logps"] * rows["loss_masks"]
+    replayed = trainer_logps(model, adapters, rows, rows["routing"], base=params)
+    assert_close(replayed, sampler, atol, scale=1.0)
+    anew = trainer_logps(model, adapters, rows, base=params)
+    print(f"\nLoRA sampler vs trainer max |logp diff|: replay "
+          f"{np.abs(replayed - sampler).max():.3g}, no replay {np.abs(anew - sampler).max():.3g}"
+          f" (bound {atol:.3g})")
+    assert_differs(anew, sampler, atol, scale=1.0)
 
 
 def test_replay_still_trains_the_router(sampled):

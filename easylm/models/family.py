@@ -108,6 +108,19 @@ class Model:
         return self.flops_per_token(seq_length) / 3
 
 
+def apply_routed(apply, router_params, *args, router_stats=False, routing=None, **kwargs):
+    """`apply(collections, *args, mutable=..., **kwargs)` of a model that may have MoE
+    layers: what every forward (the plain model's, LoRA's, int8's) does with these two.
+    router_stats: (out, the MoE layers' moe.RouterStats, stacked) for the router losses.
+    routing: (L, N, K) expert choices to replay, as router_stats stacks them, laid out over
+    the routers of `router_params` (the parameters that hold them: a LoRA base)."""
+    collections = {}
+    if routing is not None:
+        collections[moe.REPLAY] = moe.replay_collection(router_params, routing)
+    out = apply(collections, *args, mutable=["router"] if router_stats else False, **kwargs)
+    return (out[0], moe.router_stats(out[1]["router"])) if router_stats else out
+
+
 class ModelFamily:
     """Subclass per family; one instance, named in `easylm.models.registry`."""
 
@@ -152,15 +165,11 @@ class ModelFamily:
         def forward(params, ids, positions=None, segment_ids=None, cache=None, *, base=None,
                     rng=None, return_hidden=False, router_stats=False, routing=None):
             del base, rng  # a plain model: no frozen parameters, no dropout
-            # router_stats: (out, the MoE layers' moe.RouterStats, stacked) for its loss.
-            # routing: (L, N, K) expert choices to replay, as router_stats stacks them.
-            variables = {"params": params}
-            if routing is not None:
-                variables[moe.REPLAY] = moe.replay_collection(params, routing)
-            out = module.apply(variables, ids, positions=positions,
-                               segment_ids=segment_ids, cache=cache, return_hidden=return_hidden,
-                               mutable=["router"] if router_stats else False)
-            return (out[0], moe.router_stats(out[1]["router"])) if router_stats else out
+            return apply_routed(
+                lambda collections, *args, **kwargs: module.apply(
+                    {"params": params, **collections}, *args, **kwargs),
+                params, ids, positions=positions, segment_ids=segment_ids, cache=cache,
+                return_hidden=return_hidden, router_stats=router_stats, routing=routing)
 
         return Model(
             name=self.name, config=config.to_dict(), vocab_size=config.vocab_size,

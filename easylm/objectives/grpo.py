@@ -267,8 +267,7 @@ class GRPOObjective(Objective):
                             f"to make rollouts with")
         if options.routing_replay and model.router_loss is None:
             raise UserError(f"--grpo.routing_replay=True replays a mixture of experts' routing: "
-                            f"the {model.name} model has no routers (a dense model, or LoRA, "
-                            f"whose forward does not replay yet)")
+                            f"the {model.name} model has no routers")
         self.reward_functions = rewards_lib.load(options.reward_funcs, options)
         self.weights = reward_weights(options, len(self.reward_functions))
         if not options.beta:

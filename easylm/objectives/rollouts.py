@@ -263,7 +263,7 @@ class Rollouts:
             tokens = batch["input_tokens"]
             out, _ = objective.token_logps(params, frozen, rows(tokens),
                                            rows(batch["target_tokens"]), reference,
-                                           batch.get("routing"))
+                                           routing=batch.get("routing"))
             return out.reshape(tokens.shape)
 
         def score(params, frozen, batch):

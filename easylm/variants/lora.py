@@ -264,6 +264,13 @@ def quantize_kernel(kernel: jax.Array, base_dtype: str, scale_dtype) -> qwix.QAr
                          tiled_axes={inputs: NF4_BLOCK}, scale_dtype=scale_dtype)
 
 
+def quantize_stack(stack, base_dtype: str, scale_dtype):
+    """An expert stack (..., E, in, out) quantized as a kernel is (each expert on its own:
+    int8 has one scale per (expert, output channel)), in qwix's WithAux as qwix keeps its
+    quantized kernels, which moe.py's `Experts` dequantizes before the grouped matmul."""
+    return WithAux(array=quantize_kernel(stack, base_dtype, scale_dtype), how=None)
+
+
 def check_nf4_blocks(shape, path: str = "a kernel") -> None:
     """nf4 scales blocks of NF4_BLOCK inputs: a kernel (..., in, out) whose `in` they do not
     divide is a UserError naming it."""
@@ -379,7 +386,7 @@ class LoraModel:
                 quantized = quantize_kernel(leaf, self.config.base_dtype, self.dtype)
                 out[path] = self._template[path].replace(array=quantized)
             elif self.config.quantized and path in self.stacks:  # (..., E, in, out)
-                out[path] = _quantized_stack(leaf, self.config.base_dtype, self.dtype)
+                out[path] = quantize_stack(leaf, self.config.base_dtype, self.dtype)
             else:  # jax arrays: qwix's dtype promotion passes numpy ones through uncast
                 out[path] = jnp.asarray(leaf, storage)
         return nested(out)
@@ -417,15 +424,15 @@ class LoraModel:
 
     # ------------------------------------------------------------- applying
 
-    def apply(self, base, adapters, *args, rng=None, method=None, **kwargs):
+    def apply(self, base, adapters, *args, rng=None, method=None, collections=None, **kwargs):
         """The adapted module's `apply`; adapters are cast to the compute dtype (their
         gradients come back in fp32). `rng` draws the adapter dropout (training); without
-        it there is none."""
+        it there is none. `collections`: more variable collections (a routing to replay)."""
         adapters = flat(jax.tree.map(lambda x: jnp.asarray(x, self.dtype), adapters))
         for target in self.targets:  # qwix scales the kernels' x A B; the experts read B * s
             if is_expert_target(target):
                 adapters[target + "_lora_b"] = adapters[target + "_lora_b"] * self.config.scaling
-        variables = {"params": combine(base, nested(adapters))}
+        variables = {"params": combine(base, nested(adapters)), **(collections or {})}
         if rng is not None and self.config.dropout:
             return self.module.apply(variables, *args, rngs={"dropout": rng}, method=method,
                                      **kwargs)
@@ -442,12 +449,6 @@ def _expert_adapter_shapes(target: str, shapes: dict, rank: int) -> dict:
     *lead, inputs, _ = stacks[0]
     outputs = sum(shape[-1] for shape in stacks)
     return {target + "_lora_a": (*lead, inputs, rank), target + "_lora_b": (*lead, rank, outputs)}
-
-
-def _quantized_stack(stack, base_dtype: str, scale_dtype):
-    """An expert stack (..., E, in, out) quantized as a kernel is (each expert on its own),
-    in qwix's WithAux as qwix keeps its quantized kernels, which moe.py dequantizes."""
-    return WithAux(array=quantize_kernel(stack, base_dtype, scale_dtype), how=None)
 
 
 # ------------------------------------------------------ PEFT adapter directories

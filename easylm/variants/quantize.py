@@ -10,7 +10,11 @@ weight to the same numbers):
 qwix's post-training-quantization provider intercepts the dot_general that reads a
 targeted module's own kernel and dequantizes it inside that matmul, so the weights stay
 int8 on the device (half of bf16's bytes, which bound decode at small batches) and the
-activations are never quantized. Everything else (embeddings, norms, and the head when
+activations are never quantized. A mixture of experts' stacks (E, in, out) are read by
+grouped matmuls (`jax.lax.ragged_dot`), which qwix does not intercept: they are stored
+the same way (`lora.quantize_stack`: int8 values, one scale per (expert, output
+channel)) and `moe.Experts` dequantizes each layer's before its grouped matmuls, as it
+does QLoRA's nf4 stacks. Everything else (embeddings, norms, and the head when
 it is tied to the embeddings) stays in the compute dtype. Quantizing happens at load,
 on the devices, from whatever float parameters were loaded (a checkpoint of any dtype or
 a Hugging Face directory): no quantized checkpoint format to keep in step.
@@ -30,6 +34,7 @@ import jax.numpy as jnp
 import qwix
 
 from easylm.errors import UserError
+from easylm.models.family import apply_routed
 from easylm.runtime.sharding import (
     PartitionRules,
     match_partition_rules,
@@ -40,6 +45,7 @@ from easylm.variants.lora import (
     nested,
     partition_rules,
     quantize_kernel,
+    quantize_stack,
     target_paths,
 )
 
@@ -48,9 +54,8 @@ HELP = "weight-only quantization of the matmul kernels at load: none or int8 (pe
 # LoRA's projections plus the output head: at a 128k vocabulary the head is a sixteenth
 # of an 8B model's weights.
 DEFAULT_TARGETS = r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|lm_head)/kernel$"
-# A mixture of experts' stacked expert weights (easylm/models/moe.py): read by grouped
-# matmuls (ragged_dot), which qwix does not intercept, so they would stay in full
-# precision while the run said int8. Refused until int8 expert stacks are built.
+# A mixture of experts' stacked expert weights (easylm/models/moe.py), quantized here
+# rather than by qwix (see the module doc).
 EXPERT_STACKS = re.compile(r"experts/(gate_proj|up_proj|down_proj)$")
 
 
@@ -67,8 +72,8 @@ class Int8Model:
         self.base_module = module
         self.dtype = jnp.dtype(module.dtype)
         shapes = jax.eval_shape(module.init_params, jax.random.key(0))
-        check_quantizable(shapes)
         self.targets = tuple(target_paths(shapes, pattern))
+        self.stacks = tuple(path for path in flat(shapes) if EXPERT_STACKS.search(path))
         modules = "|".join(re.escape(path[: -len("/kernel")]) for path in self.targets)
         rule = qwix.QtRule(module_path=f"({modules})", weight_qtype=jnp.int8)
         self.module = qwix.quantize_model(module, qwix.PtqProvider([rule]))
@@ -82,13 +87,15 @@ class Int8Model:
                             f"{', '.join(missed)}")
 
     def quantize(self, params) -> Any:
-        """Float parameters -> the quantized module's: targeted kernels int8 with scales in
-        the compute dtype, the rest cast to it."""
+        """Float parameters -> the quantized module's: targeted kernels and expert stacks
+        int8 with scales in the compute dtype, the rest cast to it."""
         out = {}
         for path, leaf in flat(params).items():
             if path in self.targets:
                 out[path] = self._template[path].replace(
                     array=quantize_kernel(leaf, "int8", self.dtype))
+            elif path in self.stacks:
+                out[path] = quantize_stack(leaf, "int8", self.dtype)
             else:
                 out[path] = jnp.asarray(leaf, self.dtype)
         return nested(out)
@@ -103,18 +110,8 @@ class Int8Model:
         with jax.set_mesh(mesh):
             return jax.jit(self.quantize, out_shardings=shardings)(params)
 
-    def apply(self, params, *args, **kwargs):
-        return self.module.apply({"params": params}, *args, **kwargs)
-
-
-def check_quantizable(shapes) -> None:
-    """A UserError for parameters (or their shapes) int8 would leave in full precision: a
-    mixture of experts' expert stacks (serving/cli.py asks before loading the weights)."""
-    experts = [path for path in flat(shapes) if EXPERT_STACKS.search(path)]
-    if experts:
-        raise UserError(f"--quantize=int8: a mixture of experts' expert weights "
-                        f"({experts[0]} and {len(experts) - 1} more, most of the model) "
-                        f"are not quantized yet; serve it with --quantize=none")
+    def apply(self, params, *args, collections=None, **kwargs):
+        return self.module.apply({"params": params, **(collections or {})}, *args, **kwargs)
 
 
 def weight_bytes(params) -> int:
@@ -131,10 +128,13 @@ def int8_model(family, config, dtype, params, mesh):
     int8 = Int8Model(family.module_class(unfused, dtype=dtype, param_dtype=dtype))
 
     def forward(params, ids, positions=None, segment_ids=None, cache=None, *, base=None,
-                rng=None, return_hidden=False):
+                rng=None, return_hidden=False, router_stats=False, routing=None):
         del base, rng  # no frozen parameters, no dropout
-        return int8.apply(params, ids, positions=positions, segment_ids=segment_ids,
-                          cache=cache, return_hidden=return_hidden)
+        return apply_routed(
+            lambda collections, *args, **kwargs: int8.apply(params, *args,
+                                                            collections=collections, **kwargs),
+            params, ids, positions=positions, segment_ids=segment_ids, cache=cache,
+            return_hidden=return_hidden, router_stats=router_stats, routing=routing)
 
     return (dataclasses.replace(family.bind(unfused, dtype, dtype), forward=forward),
             int8.quantize_sharded(params, family.partition_rules(config), mesh))
