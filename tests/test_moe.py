@@ -294,13 +294,22 @@ def test_routing_replay_uses_the_recorded_experts(router):
 # ------------------------------------------------------------------ expert parallelism
 
 
-@pytest.mark.parametrize("mesh_dim", ["fsdp=2,ep=4", "ep=8", "fsdp=8"])
-def test_expert_parallel_equals_one_device(mesh_dim):
+@pytest.mark.parametrize("mesh_dim,skewed", [
+    ("fsdp=4,ep=2", False), ("fsdp=2,ep=4", False), ("ep=8", False), ("fsdp=8", False),
+    ("fsdp=2,ep=4", True)])
+def test_expert_parallel_equals_one_device(mesh_dim, skewed):
+    """Output and gradients on 8 devices equal one device's; `skewed`: every token to
+    experts 0 and 1, both on the first ep device (the worst case the dropless buffers are
+    sized for): nothing dropped, still equal."""
     if jax.device_count() < 8:
         pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
     config = MoEConfig(E, K, F)
     params = init(config)
     x = jnp.asarray(np.random.RandomState(2).randn(8, 4, D).astype(np.float32))  # 8 rows
+    if skewed:
+        kernel = np.zeros((D, E), np.float32)
+        kernel[:, 0], kernel[:, 1] = 100, 50
+        params, x = params | {"router": {"kernel": jnp.asarray(kernel)}}, jnp.abs(x)
 
     def loss(p, x):
         y, stats = SparseMoE(config).apply({"params": p}, x)

@@ -345,8 +345,9 @@ def test_nonfinite_loss_stops_the_run_naming_the_step(tmp_path):
 ])
 def test_redefaulted_flags_keep_the_directories_runs_had(argv, old_id):
     # The ids these commands got before --train_dataset.text_processor.add_bos_token and
-    # --lora.base_dtype defaulted to auto (computed by the code at cac0ba9): the same
-    # command still resumes its run; a setting that trains otherwise is another run.
+    # --lora.base_dtype defaulted to auto (computed by the code at cac0ba9), and before
+    # --lora.target_modules' default took the expert stacks too: the same command still
+    # resumes its run; a setting that trains otherwise is another run.
     def run_id(*extra):
         config = train.parse_flags(["train", *argv, *extra])
         return os.path.basename(run_directory(config, "llama",
@@ -354,3 +355,16 @@ def test_redefaulted_flags_keep_the_directories_runs_had(argv, old_id):
 
     assert run_id() == old_id
     assert run_id("--train_dataset.text_processor.add_bos_token=false") != old_id
+    if "--lora.rank=16" in argv:
+        assert run_id("--lora.target_modules=q_proj/kernel$") != old_id
+
+
+def test_lora_runs_recorded_with_the_old_default_modules_resume_under_the_new_one():
+    from easylm.variants.lora import DEFAULT_TARGET_MODULES, DENSE_TARGET_MODULES
+    from easylm.variants.lora_variant import LORA
+
+    def settings(modules):
+        return LORA.state_settings({"lora.rank": 4, "lora.target_modules": modules})
+
+    assert settings(DENSE_TARGET_MODULES) == settings(DEFAULT_TARGET_MODULES)
+    assert settings("q_proj/kernel$") != settings(DEFAULT_TARGET_MODULES)

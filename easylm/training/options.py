@@ -20,6 +20,7 @@ from easylm.models.context_parallel import STRATEGIES
 from easylm.models.family import Model, ModelFamily
 from easylm.runtime import checkpoint, distributed, easylm_flags, run_flags
 from easylm.training import logger, optimizers
+from easylm.variants.lora import DEFAULT_TARGET_MODULES, DENSE_TARGET_MODULES
 
 LOAD_PREFIXES = checkpoint.LOAD_PREFIXES + ("hf",)
 
@@ -256,7 +257,9 @@ def run_defaults(demo: dict, max_seq_length: Callable[[ConfigDict], int] | None 
 # resume names the setting that differs.
 _REDEFAULTED = {"train_dataset.text_processor.add_bos_token": ("auto", True),
                 "eval_dataset.text_processor.add_bos_token": ("auto", True),
-                "lora.base_dtype": ("auto", "bf16")}
+                "lora.base_dtype": ("auto", "bf16"),
+                # experts adapted too: the same kernels on a dense model
+                "lora.target_modules": (DEFAULT_TARGET_MODULES, DENSE_TARGET_MODULES)}
 
 
 def _hashed(name: str, value):

@@ -75,6 +75,10 @@ ADAPTERS = ("kernel_lora_a", "kernel_lora_b")  # qwix's names for a kernel's A a
 # names them: a LoRA run adapts what a dense model's would, experts included.
 DEFAULT_TARGET_MODULES = (r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)/kernel$"
                           r"|experts/(gate_up_proj|down_proj)$")
+# The default before the expert stacks could be adapted: on a dense model it adapts the
+# same kernels, so runs recorded with it are the default's (`LoraVariant.state_settings`,
+# and the run directory's hash, training/options.py).
+DENSE_TARGET_MODULES = r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)/kernel$"
 
 HELP = {
     "rank": "LoRA rank r (0: no LoRA, train every parameter)",

@@ -21,7 +21,14 @@ from easylm.models.family import Frozen, Model, apply_routed
 from easylm.runtime import checkpoint
 from easylm.runtime.dtypes import dtype_from_flag
 from easylm.runtime.sharding import PartitionRules, match_partition_rules, named_shardings
-from easylm.variants.lora import HELP, LoraConfig, LoraModel, partition_rules
+from easylm.variants.lora import (
+    DEFAULT_TARGET_MODULES,
+    DENSE_TARGET_MODULES,
+    HELP,
+    LoraConfig,
+    LoraModel,
+    partition_rules,
+)
 
 # A LoRA run's learning rates from a pretrained base: the QLoRA paper's 2e-4 (7B-13B;
 # 1e-4 from 33B), far above full fine-tuning's, since only the adapters move.
@@ -119,6 +126,10 @@ class LoraVariant:
         for name in ("target_modules", "alpha", "use_rslora"):
             if f"lora.{name}" in flags:
                 settings[f"--lora.{name}"] = flags[f"lora.{name}"]
+        if settings.get("--lora.target_modules") == DENSE_TARGET_MODULES:
+            # The old default: the same kernels on a dense model; on a mixture of experts
+            # the adapters' shapes (no expert ones) tell the two apart when resuming.
+            settings["--lora.target_modules"] = DEFAULT_TARGET_MODULES
         if "lora.base_dtype" in flags and "dtype" in flags:
             lora = LoraConfig(base_dtype=flags["lora.base_dtype"])
             settings["--lora.base_dtype"] = lora.resolved(
