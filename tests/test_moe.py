@@ -330,4 +330,7 @@ def test_expert_parallel_equals_one_device(mesh_dim, skewed):
     assert_close(y2, y1, REL)
     assert abs(float(l2) - float(l1)) <= fp32_rel(B * T * D, 4) * float(jnp.abs(y1).sum())
     for g, r in zip(jax.tree.leaves(g2), jax.tree.leaves(g1)):
-        assert_close(g, r, fp32_rel(max(D, F, B * T * K), 4))
+        if skewed and not np.any(r):  # an expert no token reached: no gradient either
+            np.testing.assert_array_equal(g, 0)
+        else:
+            assert_close(g, r, fp32_rel(max(D, F, B * T * K), 4))
