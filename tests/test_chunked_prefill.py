@@ -80,6 +80,30 @@ def test_chunked_prefill_equals_whole_prompt(name):
         assert_differs(shifted, whole, rel)
 
 
+def test_chunked_prefill_records_each_prompt_tokens_experts():
+    """Routing replay's record (GRPO): the experts each prompt token chose, (n, L, T, K),
+    gathered chunk by chunk equal the whole prompt's (random routers: their top-k gaps
+    are far above the chunks' rounding); the forward's own choices are the reference."""
+    from easylm.llama.config import LLaMAConfig
+
+    config = LLaMAConfig.from_preset("debug_moe", num_hidden_layers=2)
+    model = LLAMA.bind(config)
+    params = jax.jit(model.init_params)(jax.random.PRNGKey(0))
+    tokens = jnp.asarray(np.random.RandomState(1).randint(3, config.vocab_size, (2, T)))
+    recorded = {}
+    for chunk in (0, CHUNK):
+        fn = jax.jit(functools.partial(engine_lib._prompt_forward, model, chunk, True))
+        recorded[chunk] = np.asarray(fn((params, None), tokens, jnp.asarray(LENGTHS))[2][0])
+    _, stats = model.forward(params, tokens, router_stats=True)
+    L, _, K = stats.experts.shape
+    want = np.asarray(stats.experts).reshape(L, 2, T, K).swapaxes(0, 1)
+    assert recorded[CHUNK].shape == (2, L, T, K)
+    np.testing.assert_array_equal(recorded[0], want)
+    np.testing.assert_array_equal(recorded[CHUNK], want)
+    # Twin: chunks laid out one place off (a wrong (chunks, C) -> T reshape) is caught.
+    assert np.any(np.roll(recorded[CHUNK], CHUNK, axis=2) != want)
+
+
 def _greedy(engine, prompt, steps):
     sampling = engine_lib.Sampling.empty(engine.batch_size)
     ids = list(engine.fetch(engine.prefill([prompt], [0], sampling))[0][0])
