@@ -296,33 +296,33 @@ def test_grpo_command_logs_the_sampler_trainer_difference_within_rounding(comman
             line["data/rollout/sampler_logp_diff_max"]
 
 
-@pytest.mark.slow  # a second run of the command: ~50 s on two busy cores
-def test_resume_with_replay_is_bitwise(command_run, task, tmp_path, capsys):
-    """A run stopped after step 2's checkpoint (what kill -9 leaves: checkpoint 2, some
-    logged steps after it), then the same command: steps 3 and 4 are bitwise the
-    uninterrupted run's. In process (the subprocess SIGKILL variant of
-    test_grpo.py costs a second interpreter and compile); the state a kill leaves is made
-    by hand: the later checkpoint and log lines removed."""
-    import json
-    import shutil
+@pytest.mark.slow  # a second interpreter and compile: ~60 s on two busy cores
+def test_sigkill_then_resume_with_replay_is_bitwise(command_run, task, tmp_path, capsys):
+    """`python -m easylm.train` with replay killed (SIGKILL) once step 2 is logged and its
+    checkpoint complete, then the same command: the resumed step 3 is bitwise the
+    uninterrupted run's (loss, gradient norm, reward, the sampler-trainer figures), so
+    its rollouts and their recorded choices were the same."""
+    import os
+    import signal
+    import sys
 
-    from test_checkpoint import metrics
+    from test_checkpoint import ENV, metrics, run_until
 
     from easylm import train
 
-    directory, _, output_dir, got = command_run
+    directory, _, _, got = command_run
+    argv = grpo_argv(directory, task, tmp_path)
+    env = dict(ENV, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               PYTHONPATH=os.pathsep.join([ENV["PYTHONPATH"], os.path.dirname(task[0])]))
+    code, _, _ = run_until([sys.executable, "-m", "easylm.train", *argv[1:]], tmp_path, 2,
+                           signal.SIGKILL, env)
+    assert code == -signal.SIGKILL
     capsys.readouterr()
-    shutil.copytree(output_dir, tmp_path, dirs_exist_ok=True)
-    shutil.rmtree(tmp_path / "run" / "checkpoints" / str(STEPS))
-    log = tmp_path / "run" / "metrics.jsonl"
-    kept = [line for line in log.read_text().splitlines() if json.loads(line)["step"] <= 3]
-    log.write_text("\n".join(kept) + "\n")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("WANDB_MODE", "disabled")
-        train.main(grpo_argv(directory, task, tmp_path))
+        train.main(argv)
     assert f"steps 2 -> {STEPS}" in capsys.readouterr().out  # resumed, not started over
     resumed = metrics(tmp_path)
-    for step in (3,):
-        for key in ("loss", "gradient_norm", "reward", "data/rollout/sampler_logp_diff_max",
-                    "data/rollout/sampler_logp_diff_mean"):
-            assert resumed[step][key] == got[step][key], (step, key)
+    for key in ("loss", "gradient_norm", "reward", "data/rollout/sampler_logp_diff_max",
+                "data/rollout/sampler_logp_diff_mean"):
+        assert resumed[STEPS][key] == got[STEPS][key], key
