@@ -146,9 +146,10 @@ def test_moe_layouts_not_built_are_one_line_naming_the_field(tmp_path, changes, 
             registry.family_of(f"hf::{tmp_path}")
 
 
-def test_train_serve_and_export_through_the_public_commands(tmp_path, capsys):
-    """`python -m easylm.train --load_checkpoint=hf::DIR` on a tiny random Qwen3-MoE lowers
-    the loss and logs the router's numbers; the checkpoint its serve line names answers
+@pytest.mark.parametrize("variant", ["qwen3_moe", "mixtral"])
+def test_train_serve_and_export_through_the_public_commands(variant, tmp_path, capsys):
+    """`python -m easylm.train --load_checkpoint=hf::DIR` on a tiny random Qwen3-MoE (or
+    Mixtral, its window shorter than the rows) lowers the loss and logs the router's numbers; the checkpoint its serve line names answers
     /v1/completions with transformers' greedy continuation of the export that
     `python -m easylm.convert_easylm_to_hf` writes (which it verifies against our
     logits). In process, as the commands run them."""
@@ -158,7 +159,9 @@ def test_train_serve_and_export_through_the_public_commands(tmp_path, capsys):
     from easylm.data.tokenizer import load_tokenizer
     from easylm.serving import cli as serving_cli
 
-    config = LLaMAConfig.from_preset("debug_moe")
+    mixtral = dict(model_type="mixtral", sliding_window=8, intermediate_size=32,
+                   moe_intermediate_size=0)
+    config = LLaMAConfig.from_preset("debug_moe", **(mixtral if variant == "mixtral" else {}))
     torch.manual_seed(0)
     hf_variant(config).save_pretrained(tmp_path / "hf")
     lr = "--optimizer.adamw_optimizer.lr=3e-3"
