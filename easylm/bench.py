@@ -36,7 +36,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import ConfigDict
 
-from easylm import flags, variants
+from easylm import flags, model_flags, variants
 from easylm.errors import UserError, exit_on_user_error
 from easylm.runtime import dtypes, flops, profiling, run_flags
 from easylm.runtime.compilation import setup_compilation
@@ -84,7 +84,7 @@ def train_config(family) -> ConfigDict:
     config.compile_only = False
     config.profile_steps = 0
     config.profile_dir = ""
-    config[family.name] = family.flag_config(family.tiny_preset)
+    config[family.name] = model_flags.flag_config(family, family.tiny_preset)
     # --lora.*: adapters on a frozen base
     for section, block in variants.flag_sections(family).items():
         config[section] = block
@@ -94,7 +94,7 @@ def train_config(family) -> ConfigDict:
 
 def _train_help(family) -> dict:
     text = dict(TRAIN_HELP)
-    text.update(family.help_entries())
+    text.update(model_flags.help_entries(family))
     text.update(variants.help_entries(family))
     text.update({f"optimizer.{k}": v for k, v in optimizers.HELP.items()})
     return text

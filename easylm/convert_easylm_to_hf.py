@@ -36,10 +36,10 @@ import jax.numpy as jnp
 import numpy as np
 from ml_collections import ConfigDict
 
-from easylm import flags
+from easylm import flags, model_flags
 from easylm.errors import INSTALL, UserError, exit_on_user_error
 from easylm.models import registry
-from easylm.models.family import ModelFamily
+from easylm.models.family import ModelFamily, hf_adapter
 from easylm.models.hf_checkpoint import write_safetensors
 from easylm.runtime.checkpoint import (
     check_free_space,
@@ -77,10 +77,11 @@ def get_default_config() -> ConfigDict:
 
 def config_of(family: ModelFamily, metadata: dict, directory: str):
     """The model config an easylm checkpoint's metadata records for `family`."""
-    if family.metadata_key not in metadata:
-        raise UserError(f"{directory}: the checkpoint metadata has no {family.metadata_key}; "
+    key = model_flags.metadata_key(family)
+    if key not in metadata:
+        raise UserError(f"{directory}: the checkpoint metadata has no {key}; "
                         f"not a {family.name} checkpoint (its model: {metadata.get('model')!r})")
-    return family.config_class(**metadata[family.metadata_key])
+    return family.config_class(**metadata[key])
 
 
 def load_checkpoint(family: ModelFamily, spec: str):
@@ -96,14 +97,14 @@ def export(family: ModelFamily, params, config, directory: str, dtype: str = "ke
 
     cast = DTYPES[dtype]
     tensors = ((name, t if cast is None else t.astype(cast))
-               for name, t in family.to_hf(params, config))
+               for name, t in hf_adapter(family).write_params(params, config))
     if tokenizer:
         from easylm.data.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(tokenizer)
         config = config.replace(**{
             name: getattr(tokenizer, name) for name in ("pad_token_id", "unk_token_id")
-            if name in family.field_names() and getattr(config, name) is None
+            if name in family.config_class.field_names() and getattr(config, name) is None
             and getattr(tokenizer, name) is not None})
     os.makedirs(directory)
     write_safetensors(tensors, directory, int(max_shard_gb * 2**30))

@@ -17,10 +17,10 @@ import sys
 import jax
 from ml_collections import ConfigDict
 
-from easylm import flags
+from easylm import flags, model_flags
 from easylm.errors import UserError, exit_on_user_error
 from easylm.models import registry
-from easylm.models.family import ModelFamily
+from easylm.models.family import ModelFamily, hf_adapter
 from easylm.runtime.checkpoint import save_params
 
 HELP = {
@@ -35,16 +35,18 @@ def get_default_config() -> ConfigDict:
 
 
 def metadata_for(family: ModelFamily, config, source: str) -> dict:
-    return {"model": family.name, family.metadata_key: config.to_dict(), "source": source}
+    return {"model": family.name, model_flags.metadata_key(family): config.to_dict(),
+            "source": source}
 
 
 def convert(family: ModelFamily, FLAGS) -> None:
     if not FLAGS.hf_model or not FLAGS.output_dir:
         raise UserError("both --hf_model and --output_dir are required")
-    config = family.read_hf_config(FLAGS.hf_model)
+    config = hf_adapter(family).read_config(FLAGS.hf_model)
     # Each tensor becomes a jax array as it is read: orbax saves jax arrays without a
     # second host copy of the whole model, which numpy inputs would cost.
-    params = family.hf_params(FLAGS.hf_model, config, FLAGS.dtype, place=jax.device_put)
+    params = hf_adapter(family).read_params(FLAGS.hf_model, config, FLAGS.dtype,
+                                           place=jax.device_put)
     directory = save_params(FLAGS.output_dir, params,
                             metadata_for(family, config, FLAGS.hf_model))
     print(f"wrote {config.num_parameters():,} parameters to {directory}")

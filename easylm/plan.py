@@ -52,9 +52,10 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh, AxisType
 from ml_collections import ConfigDict
 
-from easylm import flags as flag_lib, objectives, variants
+from easylm import flags as flag_lib, model_flags, objectives, variants
 from easylm.data.options import loader_block, loader_options
 from easylm.errors import UserError, exit_on_user_error
+from easylm.models import remat as remat_lib
 from easylm.models.context_parallel import DEFAULT_STRATEGY, use_strategy
 from easylm.objectives.base import COPY
 from easylm.runtime.dtypes import DTYPES, bits, dtype_from_flag, nbytes
@@ -174,7 +175,7 @@ def parameter_bytes(tree, rules, sizes: dict) -> int:
 def _shard_model(family, config: ConfigDict, layers: int, mp: int, remat: str | None = None):
     """The model of `config` with `layers` layers and one mp shard's heads, MLP and
     vocabulary (and, with `remat`, that policy): its activations are one device's."""
-    variant = family.shard_variant(family.model_config(config), layers, mp)
+    variant = model_flags.model_config(family, config).shard_variant(layers, mp)
     if remat is not None:
         variant = dataclasses.replace(variant, remat_policy=remat)
     return variants.build(family, config, variant)
@@ -258,6 +259,15 @@ def estimate(config: ConfigDict, family, num_devices: int, num_processes: int = 
         return _estimate(config, family, num_devices, num_processes)
 
 
+def _check_plannable(family, config) -> None:
+    """A UserError when this machine cannot trace `config` (a GPU-only kernel)."""
+    if config.attention == "cudnn" and jax.default_backend() != "gpu":
+        # 'auto' picks it on a GPU only; tracing it needs cuDNN present.
+        raise UserError(f"--{family.name}.attention=cudnn can only be planned where cuDNN is: "
+                        f"plan on the GPU host, or with --{family.name}.attention=dot_product "
+                        f"for an upper bound")
+
+
 def _estimate(config: ConfigDict, family, num_devices: int, num_processes: int) -> Estimate:
     sizes = mesh_sizes(config, num_devices, num_processes)
     data = _dataset(config)
@@ -266,7 +276,7 @@ def _estimate(config: ConfigDict, family, num_devices: int, num_processes: int) 
     rows = data.batch_size // batch_shards(sizes)  # rows of one device per step
     T, sp = _row_split(config, data.seq_length, sizes["sp"])
 
-    family.check_plannable(family.model_config(config))
+    _check_plannable(family, model_flags.model_config(family, config))
     model = variants.build(family, config)
     # A preference pair is two rows; the policy's activations are then those of the
     # language-model loss on them (the reference's forward pass keeps none).
@@ -325,7 +335,7 @@ def longest_row(config: ConfigDict, family, num_devices: int, num_processes: int
     model's max_position_embeddings) whose plan fits in `budget` bytes; 0 if none does.
     Doubling, then bisection: about 2 log2(longest / step) estimates."""
     sp = mesh_sizes(config, num_devices, num_processes)["sp"]
-    model_config = family.model_config(config)
+    model_config = model_flags.model_config(family, config)
     step = math.lcm(step, 2 * sp, model_config.loss_chunk_size or 1)
     limit = model_config.max_position_embeddings // step
     key = f"train_dataset.{loader_block(config.train_dataset)}.seq_length"
@@ -390,11 +400,10 @@ def candidate_fixes(config: ConfigDict, family, num_devices: int, num_processes:
         sizes = parse_mesh_dim(config.mesh_dim, num_devices)
         if sizes["dp"] > 1:
             fixes.append({"mesh_dim": mesh_dim_string(_dp_into_fsdp(sizes))})
-    if family.remat_policies:  # ordered by what they recompute, least first
-        order = family.remat_policies
-        remat = family.model_config(config).remat_policy
-        for policy in order[order.index(remat) + 1:]:
-            fixes.append({f"{family.name}.remat_policy": policy})
+    order = remat_lib.NAMES  # ordered by what they recompute, least first
+    remat = model_flags.model_config(family, config).remat_policy
+    for policy in order[order.index(remat) + 1:]:
+        fixes.append({f"{family.name}.remat_policy": policy})
     sizes = mesh_sizes(config, num_devices, num_processes)
     rows = _dataset(config).batch_size // batch_shards(sizes)
     k = config.optimizer.accumulate_gradient_steps

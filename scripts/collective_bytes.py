@@ -16,7 +16,7 @@ import sys
 
 import jax
 
-from easylm import bench, flags
+from easylm import bench, flags, model_flags
 from easylm.llama.family import FAMILY
 from easylm.runtime.sharding import make_mesh
 from easylm.training import optimizers
@@ -44,7 +44,7 @@ def collective_bytes(hlo_text: str) -> dict:
 def main(argv):
     config = flags.parse(bench.train_config(FAMILY), bench._train_help(FAMILY), argv)
     mesh = make_mesh(config.mesh_dim)
-    model = FAMILY.build(config)
+    model = model_flags.build(FAMILY, config)
     tx, schedule = optimizers.get_optimizer(config.optimizer)
     with jax.set_mesh(mesh):
         state = init_state(model, tx, mesh, config.seed)

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from ml_collections import ConfigDict
 
+from easylm import model_flags
 from easylm import variants
 from easylm.errors import UserError
 from easylm.llama import train
@@ -52,7 +53,7 @@ def data_path(tmp_path_factory):
 
 def llama_flags(updates=None):
     """The --llama.* flag tree of the debug preset, with `updates`."""
-    flags = FAMILY.flag_config("debug")
+    flags = model_flags.flag_config(FAMILY, "debug")
     flags.update(updates or {})
     return flags
 

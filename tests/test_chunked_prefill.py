@@ -52,10 +52,10 @@ def _run(model, params, tokens, chunk):
 def _shifted(model):
     """The bug the comparison must catch: every chunk after the first starts one position
     early (an off-by-one chunk offset), overwriting the last key of the chunk before."""
-    def forward(params, ids, positions=None, *args, **kwargs):
+    def apply(params, base, rng, collections, ids, positions=None, **kwargs):
         positions = jnp.where(positions >= CHUNK, positions - 1, positions)
-        return model.forward(params, ids, positions, *args, **kwargs)
-    return dataclasses.replace(model, forward=forward)
+        return model.apply(params, base, rng, collections, ids, positions=positions, **kwargs)
+    return dataclasses.replace(model, apply=apply)
 
 
 @pytest.mark.parametrize("name", ["llama_gqa", "mistral", "gemma", "gpt_oss"])
@@ -73,7 +73,7 @@ def test_chunked_prefill_equals_whole_prompt(name):
         assert_close(c, w, rel)
     if name in ("llama_gqa", "mistral"):  # two compiles more each: on the LLaMA family only
         # The short row's last-token logits are the full forward's (no cache) at its length.
-        full = model.forward(params, tokens[1:, :LENGTHS[1]])[0, -1]
+        full = model.forward(params, tokens[1:, :LENGTHS[1]]).logits[0, -1]
         assert_close(chunked[1], full, rel)
         # Negative twin: an off-by-one chunk offset moves the logits far past the tolerance.
         shifted, _ = _run(_shifted(model), params, tokens, CHUNK)
@@ -94,7 +94,7 @@ def test_chunked_prefill_records_each_prompt_tokens_experts():
     for chunk in (0, CHUNK):
         fn = jax.jit(functools.partial(engine_lib._prompt_forward, model, chunk, True))
         recorded[chunk] = np.asarray(fn((params, None), tokens, jnp.asarray(LENGTHS))[2][0])
-    _, stats = model.forward(params, tokens, router_stats=True)
+    stats = model.forward(params, tokens, router_stats=True).router_stats
     L, _, K = stats.experts.shape
     want = np.asarray(stats.experts).reshape(L, 2, T, K).swapaxes(0, 1)
     assert recorded[CHUNK].shape == (2, L, T, K)

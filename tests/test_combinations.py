@@ -237,7 +237,7 @@ def trained_logps(family, argv, final):
         params = (checkpoint.load_params(f"params::{final}", abstract) if final
                   else model.load(config.load_checkpoint, abstract))
         base = model.frozen.load(mesh) if model.frozen is not None else None
-        logits = jax.jit(lambda p, b: model.forward(p, jax.numpy.asarray([PROBE]), base=b))(
+        logits = jax.jit(lambda p, b: model.forward(p, jax.numpy.asarray([PROBE]), base=b).logits)(
             params, base)
     logps = jax.nn.log_softmax(np.asarray(logits[0], np.float64), axis=-1)
     return np.asarray(logps)[np.arange(len(PROBE) - 1), PROBE[1:]], float(np.abs(logits).max())

@@ -69,7 +69,7 @@ def split_logits(model, params, batch):
     sp = 1 if mesh.empty else mesh.shape["sp"]
     order = zigzag_tokens(batch, sp) if sp > 1 else batch
     logits = model.forward(params, order["input_tokens"], positions=order["positions"],
-                           segment_ids=order["segment_ids"])
+                           segment_ids=order["segment_ids"]).logits
     return from_zigzag(logits, sp) if sp > 1 else logits
 
 

@@ -9,6 +9,7 @@ import pytest
 from cli_utils import one_line_error
 from fastapi.testclient import TestClient
 
+from easylm import model_flags
 from easylm.llama import serve as llama_serve, train as llama_train
 from easylm.llama.family import FAMILY
 from easylm.serving import cli as serving_cli
@@ -120,7 +121,7 @@ def test_a_json_config_sets_the_model_fields(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(hf))
     config = options.parse_flags(FAMILY, ["train",
                                           f"--load_llama_config={tmp_path / 'config.json'}"])
-    assert FAMILY.model_config(config) == LLaMAConfig.from_preset("debug", num_hidden_layers=3)
+    assert model_flags.model_config(FAMILY, config) == LLaMAConfig.from_preset("debug", num_hidden_layers=3)
 
 
 @pytest.mark.parametrize("argv, message", [

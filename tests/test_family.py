@@ -13,6 +13,7 @@ import toy_family
 from cli_utils import one_line_error
 from fastapi.testclient import TestClient
 
+from easylm import model_flags
 from easylm import bench, flags as flag_lib, plan
 from easylm.errors import UserError
 from easylm.models import registry
@@ -149,7 +150,7 @@ def trained(tmp_path_factory):
 def test_a_second_family_trains_and_resumes_exactly(trained):
     tmp_path, whole, resumed = trained
     metadata = checkpoint.read_metadata(whole)
-    assert metadata["model"] == "toy" and metadata["toy_config"]["width"] == 32
+    assert metadata["model"] == "toy" and metadata["toy_config"]["hidden_size"] == 32
     uninterrupted, split = losses(tmp_path / "whole"), losses(tmp_path / "split")
     assert sorted(uninterrupted) == list(range(1, 7))
     assert uninterrupted[6] < uninterrupted[1]  # it learns
@@ -183,7 +184,7 @@ def test_a_second_family_serves_its_checkpoint(trained):
         prompt = [1, 40, 41, 42]
         ids = list(prompt)
         # One program for every length: causal attention makes the padding invisible.
-        forward = jax.jit(lambda tokens: engine.model.forward(engine.params, tokens))
+        forward = jax.jit(lambda tokens: engine.model.forward(engine.params, tokens).logits)
         for _ in range(6):
             padded = np.zeros((1, 16), np.int32)
             padded[0, :len(ids)] = ids
@@ -214,12 +215,13 @@ def test_a_second_family_plans_and_benches(tmp_path):
     text, fits = plan.report(config, TOY, num_devices=1, num_processes=1, budget=2 ** 30)
     assert fits and text.startswith("plan: tiny, 0.1M parameters, 2 layers | 1 devices")
     estimate = plan.estimate(config, TOY, num_devices=1)
-    params = jax.eval_shape(TOY.build(config).init_params, jax.random.key(0))
+    params = jax.eval_shape(model_flags.build(TOY, config).init_params, jax.random.key(0))
     assert estimate.parameters == sum(x.size * 4 for x in jax.tree.leaves(params))
     assert estimate.activations > 0
     config = flag_lib.parse(bench.train_config(TOY), bench._train_help(TOY), [
         "bench", "--seq_length=16", "--batch_size=8", "--steps=1", "--warmup_steps=1",
         "--mesh_dim=1,-1,1"])
     row = bench.bench_train(config, TOY)
-    assert row["model"] == "tiny" and row["parameters"] == TOY.build(config).num_parameters
+    assert row["model"] == "tiny" and row["parameters"] == \
+        model_flags.build(TOY, config).num_parameters
     assert row["tokens_per_second"] > 0 and len(row["losses"]) == 2

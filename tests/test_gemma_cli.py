@@ -18,6 +18,7 @@ from gemma_utils import forward_rel, hf_logits, hf_model, params_of, tiny_config
 from numerics import assert_close, assert_differs
 from transformers import AutoModelForCausalLM
 
+from easylm import model_flags
 from easylm import flags as flag_lib
 from easylm.data.tokenizer import load_tokenizer
 from easylm.gemma import convert_easylm_to_hf, convert_hf_to_easylm, train
@@ -120,7 +121,7 @@ def test_the_printed_serve_line_answers_and_the_export_is_transformers_model(tmp
     assert "verify: max |logit difference| vs transformers" in capsys.readouterr().out
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32).eval()
     assert type(exported).__name__ == "Gemma3ForCausalLM"
-    config = FAMILY.recorded_config(f"params::{final}")
+    config = model_flags.recorded_config(FAMILY, f"params::{final}")
     params = checkpoint.load_params(f"params::{final}", jax.eval_shape(
         GemmaForCausalLM(config).init_params, jax.random.key(0)))
     ids = np.random.RandomState(1).randint(0, config.vocab_size, (2, 32))

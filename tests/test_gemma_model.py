@@ -89,8 +89,12 @@ def test_cached_decoding_equals_the_full_forward_past_the_window(pair):
     model = FAMILY.bind(config)
     cache = model.init_cache(2, SEQ + 8)
     positions = jnp.broadcast_to(jnp.arange(6), (2, 6))
-    step = jax.jit(lambda params, ids, positions, cache: model.forward(params, ids, positions,
-                                                                       cache=cache))
+    def step(params, ids, positions, cache):
+        out = forward(params, ids, positions, cache)
+        return out.logits, out.cache
+
+    forward = jax.jit(lambda params, ids, positions, cache: model.forward(params, ids, positions,
+                                                                          cache=cache))
     logits, cache = step(params, jnp.asarray(ids[:, :6]), positions, cache)
     steps = [np.asarray(logits)]
     for t in range(6, SEQ):
@@ -103,7 +107,7 @@ def test_cached_decoding_equals_the_full_forward_past_the_window(pair):
     cache = FAMILY.bind(config).init_cache(2, SEQ + 8)
     wide = FAMILY.bind(config.replace(sliding_window=0))
     positions = jnp.broadcast_to(jnp.arange(SEQ), (2, SEQ))
-    full = np.asarray(wide.forward(params, jnp.asarray(ids), positions, cache=cache)[0])
+    full = np.asarray(wide.forward(params, jnp.asarray(ids), positions, cache=cache).logits)
     assert_differs(full[:, -1], theirs[:, -1], rel, np.abs(theirs).max())
 
 
@@ -187,7 +191,7 @@ def test_what_this_model_would_compute_differently_is_one_line(tmp_path, field, 
     hf[field] = value
     (tmp_path / "config.json").write_text(json.dumps(hf))
     with pytest.raises(UserError, match=rf"^{tmp_path}/config.json: {message}") as error:
-        FAMILY.read_hf_config(str(tmp_path))
+        FAMILY.hf.read_config(str(tmp_path))
     assert "\n" not in str(error.value)
 
 

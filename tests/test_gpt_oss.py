@@ -156,8 +156,12 @@ def test_cached_decoding_equals_the_full_forward_past_the_window(pair):
     config, _, params, ids, theirs = pair
     model = FAMILY.bind(config)
     cache = model.init_cache(2, SEQ + 4)
-    step = jax.jit(lambda params, ids, positions, cache: model.forward(params, ids, positions,
-                                                                       cache=cache))
+    def step(params, ids, positions, cache):
+        out = forward(params, ids, positions, cache)
+        return out.logits, out.cache
+
+    forward = jax.jit(lambda params, ids, positions, cache: model.forward(params, ids, positions,
+                                                                          cache=cache))
     steps = []
     for t in range(SEQ):
         logits, cache = step(params, jnp.asarray(ids[:, t:t + 1]), jnp.full((2, 1), t), cache)

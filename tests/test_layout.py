@@ -1,6 +1,6 @@
-"""The layout of easylm/ as STYLE.md asks: no import circles (a late import inside a
-function to dodge a circle is still one: every import, at module level or inside a
-function, is an edge), and no function over 60 lines."""
+"""The layout of easylm/: no import circles (a late import inside a function to dodge a
+circle is still one: every import, at module level or inside a function, is an edge), no
+function over 60 lines, and the model contract as narrow as docs/families.md says."""
 
 import ast
 import pathlib
@@ -118,7 +118,7 @@ def package_graph(graph):
 
 
 def test_no_import_loop_between_packages():
-    # STYLE.md: building blocks grouped by what they serve, arrows pointing one way. A loop
+    # Building blocks grouped by what they serve, arrows pointing one way. A loop
     # through packages (serving -> variants -> objectives -> serving once) makes a serve
     # process import training code.
     packages = package_graph(import_graph())
@@ -131,7 +131,7 @@ def test_no_import_loop_between_packages():
 
 
 def test_no_function_is_over_60_lines():
-    # STYLE.md: a function that does not fit on a screen wants named parts.
+    # A function that does not fit on a screen wants named parts.
     long = []
     for path in sorted(ROOT.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -141,3 +141,49 @@ def test_no_function_is_over_60_lines():
                     long.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} "
                                 f"{node.name} ({lines} lines)")
     assert not long, "\n".join(long)
+
+
+# ------------------------------------------------------------------ the model contract
+
+def _public(cls) -> set[str]:
+    return {name for klass in cls.__mro__[:-1] for name in vars(klass)
+            if not name.startswith("_")}
+
+
+def test_a_family_is_a_dozen_members_and_adds_none():
+    from easylm.models import registry
+    from easylm.models.config import ModelConfig
+    from easylm.models.family import ModelFamily
+
+    contract = _public(ModelFamily)
+    assert len(contract) <= 15, sorted(contract)
+    for name in registry.FAMILIES:
+        family = registry.get(name)
+        # What a family sets is what the contract declares; generic code reads nothing else.
+        assert _public(type(family)) <= contract, (name, _public(type(family)) - contract)
+        assert issubclass(family.config_class, ModelConfig), name
+    # Negative twin: a family that grows a member of its own is caught.
+    grown = type("Grown", (type(registry.get("llama")),), {"serve_module": "x"})
+    assert not _public(grown) <= contract
+
+
+def test_one_forward_written_once():
+    """`def forward(` once in easylm/models and easylm/variants: variants change the
+    parameters or the module's apply, not the forward."""
+    count = lambda root: sum(path.read_text().count("def forward(")  # noqa: E731
+                             for path in root.rglob("*.py"))
+    assert count(ROOT / "models") + count(ROOT / "variants") == 1
+
+
+def test_models_import_no_flag_code_and_eval_no_family():
+    graph = import_graph()
+    flag_code = {"easylm.flags", "easylm.model_flags", "easylm.runtime.run_flags",
+                 "easylm.runtime.easylm_flags"}
+    for name, edges in graph.items():
+        if name.startswith("easylm.models"):
+            assert not edges & flag_code, (name, edges & flag_code)
+            text = modules()[name].read_text()
+            assert "ml_collections" not in text and "absl" not in text, name
+    families = {"easylm.llama", "easylm.gemma", "easylm.gpt_oss"}
+    assert not {edge.rpartition(".")[0] for edge in graph["easylm.eval"]} & families
+    assert "importlib" not in modules()["easylm.eval"].read_text()

@@ -9,6 +9,7 @@ import torch
 from ml_collections import ConfigDict
 from transformers import AutoModelForCausalLM
 
+from easylm import model_flags
 from easylm.errors import UserError
 from easylm.llama.config import ARCHITECTURES, HF_DEFAULTS, LLAMA_PRESETS, LLaMAConfig
 from easylm.llama.family import FAMILY
@@ -108,9 +109,9 @@ def test_legacy_hf_config_dict():
 def test_overrides_and_flags():
     config = LLaMAConfig.from_preset("llama3_8b", max_position_embeddings=4096)
     assert config.max_position_embeddings == 4096 and config.hidden_size == 4096
-    flags = FAMILY.flag_config("llama2_7b")
+    flags = model_flags.flag_config(FAMILY, "llama2_7b")
     flags.num_hidden_layers = 4
-    config = FAMILY.model_config(ConfigDict(dict(llama=flags)))
+    config = model_flags.model_config(FAMILY, ConfigDict(dict(llama=flags)))
     assert config.num_hidden_layers == 4 and config.rms_norm_eps == 1e-5
     assert set(flags.keys()) == {"base_model"} | {f.name for f in dataclasses.fields(LLaMAConfig)}
 

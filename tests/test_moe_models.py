@@ -18,6 +18,7 @@ from numerics import assert_close, assert_differs, fp32_rel, logprob_tolerance
 from safetensors.numpy import load_file
 from transformers import AutoModelForCausalLM
 
+from easylm import model_flags
 from easylm.errors import UserError
 from easylm.llama import hf
 from easylm.llama.config import LLaMAConfig
@@ -58,7 +59,7 @@ def case(request, tmp_path_factory):
 
 
 def ours(config, params, ids):
-    return np.asarray(FAMILY.bind(config).forward(params, jnp.asarray(ids)))
+    return np.asarray(FAMILY.bind(config).forward(params, jnp.asarray(ids)).logits)
 
 
 def test_logits_match_transformers_and_the_twins_differ(case):
@@ -208,7 +209,7 @@ def test_a_train_step_over_ep_equals_one_over_fsdp():
     from easylm import variants
     from ml_collections import ConfigDict
 
-    flags = FAMILY.flag_config("debug_moe")
+    flags = model_flags.flag_config(FAMILY, "debug_moe")
     flags.num_hidden_layers = 1  # two compiles of a sharded step: one layer's worth
     model = variants.build(FAMILY, ConfigDict(dict(llama=flags, dtype="fp32",
                                                    param_dtype="fp32")))

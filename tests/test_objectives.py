@@ -16,6 +16,7 @@ import toy_family
 import toy_objective
 from cli_utils import one_line_error
 
+from easylm import model_flags
 from easylm import flags as flag_lib, objectives, plan, train
 from easylm.errors import UserError
 from easylm.objectives.next_token import NextToken
@@ -102,7 +103,7 @@ def test_the_toy_objective_at_epsilon_0_is_the_next_token_loss():
     config = flag_lib.parse(default_config(TOY, "toy_objective:LabelSmoothed"),
                             help_entries(TOY, "toy_objective:LabelSmoothed"),
                             ["train", OBJECTIVE, "--label_smoothing.epsilon=0", *ROWS])
-    model = TOY.build(config)
+    model = model_flags.build(TOY, config)
     params = model.init_params(jax.random.key(0))
     rng = np.random.RandomState(0)
     tokens = rng.randint(0, model.vocab_size, (8, 33))

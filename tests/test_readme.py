@@ -333,7 +333,7 @@ def test_the_first_paragraph_names_every_model_easylm_reads():
     here until the README (and MODEL_NAMES) name it."""
     from easylm.models import registry
 
-    read = {t for name in registry.FAMILIES for t in registry.get(name).hf_model_types}
+    read = {t for name in registry.FAMILIES for t in registry.get(name).hf.model_types}
     assert read == set(MODEL_NAMES)
     opening = " ".join(README.split("\n\n")[1].split())
     for model_type, words in MODEL_NAMES.items():

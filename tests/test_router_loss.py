@@ -54,7 +54,7 @@ def rows_with_padding(n, seed=0):
 def transformers_aux(model, params, tokens, masks, with_mask=True):
     """transformers' load-balancing loss of our forward's router logits, attention mask
     the positions up to each row's last target."""
-    _, stats = model.forward(params, jnp.asarray(tokens), router_stats=True)
+    stats = model.forward(params, jnp.asarray(tokens), router_stats=True).router_stats
     fed = (np.cumsum(masks[:, ::-1], axis=1)[:, ::-1] > 0).astype(np.int64)
     logits = tuple(torch.from_numpy(np.array(x)) for x in stats.logits)
     config = model.config

@@ -22,6 +22,7 @@ from llama_variants import hf_variant
 from numerics import assert_close, assert_differs, fp32_rel
 from test_grpo import task  # noqa: F401 (a fixture: prompts and the parity reward)
 
+from easylm import model_flags
 from easylm.llama import hf
 from easylm.llama.config import LLaMAConfig
 from easylm.llama.family import FAMILY
@@ -92,7 +93,7 @@ def sampled(tmp_path_factory):
     _, params = hf.load_hf_params(str(directory), scan_layers=True)
     model = FAMILY.bind(config)
     rows = sample(config, model, params)
-    logits = model.forward(params, jnp.asarray(rows["input_tokens"]))
+    logits = model.forward(params, jnp.asarray(rows["input_tokens"])).logits
     atol = logprob_atol(config, float(jnp.abs(logits).max()))
     return config, model, params, rows, atol
 
@@ -142,7 +143,7 @@ def trainer_logps(model, params, rows, routing=None, base=None):
     if routing is not None:
         L, K = routing.shape[1], routing.shape[-1]
         kwargs["routing"] = jnp.asarray(routing).swapaxes(0, 1).reshape(L, -1, K)
-    logits = model.forward(params, jnp.asarray(rows["input_tokens"]), **kwargs)
+    logits = model.forward(params, jnp.asarray(rows["input_tokens"]), **kwargs).logits
     logps, _ = rollouts.token_logps(logits, jnp.asarray(rows["target_tokens"]), 1.0)
     return np.asarray(logps) * rows["loss_masks"]
 
@@ -200,7 +201,7 @@ def test_replay_under_lora_matches_the_sampler(sampled):
     from easylm.variants.lora import LoraConfig
 
     config, _, params, _, _ = sampled
-    flags = FAMILY.flag_config("debug_moe")
+    flags = model_flags.flag_config(FAMILY, "debug_moe")
     for name in ("num_hidden_layers", "vocab_size", "initializer_range", "scan_layers"):
         flags[name] = getattr(config, name)
     model = variants.build(FAMILY, ConfigDict(dict(
@@ -211,7 +212,7 @@ def test_replay_under_lora_matches_the_sampler(sampled):
     adapters = jax.tree.map(lambda leaf: 0.2 * jax.random.normal(next(keys), leaf.shape),
                             shapes)
     rows = sample(config, model, adapters, base=params)
-    logits = model.forward(adapters, jnp.asarray(rows["input_tokens"]), base=params)
+    logits = model.forward(adapters, jnp.asarray(rows["input_tokens"]), base=params).logits
     atol = logprob_atol(config, float(jnp.abs(logits).max()), extra_per_layer=2)
     sampler = rows["sampling_logps"] * rows["loss_masks"]
     replayed = trainer_logps(model, adapters, rows, rows["routing"], base=params)
@@ -289,7 +290,7 @@ def test_grpo_command_logs_the_sampler_trainer_difference_within_rounding(comman
     assert sorted(got) == list(range(1, STEPS + 1))
     _, params = hf.load_hf_params(str(directory))
     ids = np.random.RandomState(0).randint(0, config.vocab_size, (4, T))
-    atol = logprob_atol(config, float(jnp.abs(FAMILY.bind(config).forward(params, ids)).max()))
+    atol = logprob_atol(config, float(jnp.abs(FAMILY.bind(config).forward(params, ids).logits).max()))
     for step, line in got.items():
         assert 0 <= line["data/rollout/sampler_logp_diff_max"] <= atol, (step, atol)
         assert line["data/rollout/sampler_logp_diff_mean"] <= \

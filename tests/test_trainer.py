@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import ConfigDict
 from numerics import assert_close, forward_rel, fp32_rel
 
+from easylm import model_flags
 from easylm import variants
 from easylm.llama.config import LLaMAConfig
 from easylm.llama.family import FAMILY
@@ -31,7 +32,7 @@ REL = forward_rel(LLaMAConfig.from_preset("debug"), 32)
 
 def llama_flags(updates=None):
     """The --llama.* flag tree of the debug preset, with `updates`."""
-    flags = FAMILY.flag_config("debug")
+    flags = model_flags.flag_config(FAMILY, "debug")
     flags.update(updates or {})
     return flags
 

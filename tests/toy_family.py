@@ -15,48 +15,33 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from easylm.models.config import ModelConfig, default, field
 from easylm.models.decoder import Attention, CausalLM, GatedMLP, Sublayer
 from easylm.models.family import ModelFamily
 
 
-def _field(default, text):
-    return dataclasses.field(default=default, metadata={"help": text})
-
-
 @dataclasses.dataclass(frozen=True)
-class ToyConfig:
-    vocab_size: int = _field(512, "tokens")
-    width: int = _field(32, "model width D")
-    num_layers: int = _field(2, "layers")
-    # What the decoder reads, fixed here.
-    num_attention_heads, num_key_value_heads, head_dim = 2, 2, 16
-    initializer_range, rms_norm_eps, tie_word_embeddings = 0.02, 1e-6, False
-    remat_policy, attention, loss_chunk_size = "none", "xla", 0
-    max_length: int = _field(64, "longest row")
-    eos_token_id: int = _field(2, "end of sequence")
-    scan_layers: bool = _field(False, "one scanned layer")
-
-    hidden_size = property(lambda self: self.width)
-    intermediate_size = property(lambda self: 4 * self.width)
-    num_hidden_layers = property(lambda self: self.num_layers)
-    max_position_embeddings = property(lambda self: self.max_length)
+class ToyConfig(ModelConfig):
+    vocab_size: int = default(512)
+    hidden_size: int = default(32)
+    intermediate_size: int = default(128)
+    num_hidden_layers: int = default(2)
+    num_attention_heads: int = default(2)
+    max_position_embeddings: int = default(64)
+    attention: str = default("xla")
+    mlp_activation: str = field("gelu", "the MLP's gate activation: gelu or silu")
 
     def num_matmul_parameters(self) -> int:
-        d = self.width
-        return self.num_layers * (4 * d * d + 3 * d * 4 * d) + d * self.vocab_size
+        d, f = self.hidden_size, self.intermediate_size
+        return self.num_hidden_layers * (4 * d * d + 3 * d * f) + d * self.vocab_size
 
     def num_parameters(self) -> int:
-        return self.num_matmul_parameters() + self.vocab_size * self.width + \
-            (self.num_layers + 1) * self.width
+        return self.num_matmul_parameters() + self.vocab_size * self.hidden_size + \
+            (self.num_hidden_layers + 1) * self.hidden_size
 
     def flops_per_token(self, seq_length: int) -> float:
-        return 6 * self.num_matmul_parameters() + 6 * self.num_layers * self.width * seq_length
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def replace(self, **changes) -> "ToyConfig":
-        return dataclasses.replace(self, **changes)
+        return 6 * self.num_matmul_parameters() + \
+            6 * self.num_hidden_layers * self.hidden_size * seq_length
 
 
 class ParallelLayer(Sublayer):
@@ -67,7 +52,8 @@ class ParallelLayer(Sublayer):
         h = self.norm("norm")(x)
         attended, cache = Attention(self.config, self.dtype, self.param_dtype, name="attn")(
             h, *context, 0, positions, cache)
-        mlp = GatedMLP(self.config, self.dtype, self.param_dtype, activation=nn.gelu,
+        activation = {"gelu": nn.gelu, "silu": nn.silu}[self.config.mlp_activation]
+        mlp = GatedMLP(self.config, self.dtype, self.param_dtype, activation=activation,
                        name="mlp")(h)
         return x + attended + mlp, cache
 
@@ -84,9 +70,8 @@ class ToyLM(CausalLM):
 class ToyFamily(ModelFamily):
     name = "toy"
     config_class = ToyConfig
-    presets = {"tiny": {}, "wide": {"width": 64}}
+    presets = {"tiny": {}, "wide": {"hidden_size": 64}}
     default_preset = "tiny"
-    commands = "toy_family"  # no `python -m toy_family.serve`: the trainer's hint names it only
     module_class = ToyLM
 
     def partition_rules(self, config: ToyConfig):
@@ -95,9 +80,6 @@ class ToyFamily(ModelFamily):
                 (r"(o_proj|down_proj)/kernel", P("mp", "fsdp")),
                 (r"lm_head/kernel", P("fsdp", None)),
                 (r"norm/weight", P(None)))
-
-    def shard_variant(self, config: ToyConfig, layers: int, mp: int) -> ToyConfig:
-        return config.replace(num_layers=layers, vocab_size=-(-config.vocab_size // mp))
 
 
 FAMILY = ToyFamily()

@@ -44,7 +44,7 @@ class LabelSmoothed(Objective):
     def loss_fn(self, params, batch, rng, frozen):
         logits = self.model.forward(
             params, batch["input_tokens"], positions=batch.get("positions"),
-            segment_ids=batch.get("segment_ids"), base=frozen.get("base"), rng=rng)
+            segment_ids=batch.get("segment_ids"), base=frozen.get("base"), rng=rng).logits
         logps = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # (B, T, V)
         targets = batch["target_tokens"]
         target = jnp.take_along_axis(logps, targets[..., None], axis=-1)[..., 0]  # (B, T)

@@ -1,5 +1,5 @@
-"""`python -m easylm.<family>.eval`: a checkpoint evaluated with lm-evaluation-harness,
-in-process, for any model family (easylm/llama/eval.py and easylm/gemma/eval.py pass theirs).
+"""`python -m easylm.eval` (and `python -m easylm.llama.eval`): a checkpoint of any model
+family evaluated with lm-evaluation-harness, in-process.
 
 Prints lm-eval's table and writes its results as JSON (and with --log_samples every
 request and response) to --output_dir, by default CHECKPOINT-eval/ beside the
@@ -14,7 +14,7 @@ import sys
 from ml_collections import ConfigDict
 from ml_collections.config_dict import placeholder
 
-from easylm import flags as flag_lib
+from easylm import flags as flag_lib, model_flags
 from easylm.errors import UserError, exit_on_user_error
 from easylm.evaluation import harness_flags
 from easylm.models.family import ModelFamily
@@ -36,7 +36,7 @@ HELP = {
 
 
 def usage(family: ModelFamily) -> str:
-    return (f"usage: python -m {family.eval_module} --load_checkpoint=... --tasks=a,b "
+    return (f"usage: {model_flags.command(family, 'eval')} --load_checkpoint=... --tasks=a,b "
             f"[--flag=value ...]")
 
 

@@ -19,58 +19,47 @@ from typing import Any
 
 from easylm.errors import UserError
 from easylm.models import remat
+from easylm.models.config import ModelConfig, default, field
 
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "dot_product", "cudnn")
 LAYER_TYPES = ("sliding_attention", "full_attention")
 ROPE_TYPES = ("default", "linear")
 
 
-def _field(default, help_text: str):
-    return dataclasses.field(default=default, metadata={"help": help_text})
-
-
 @dataclasses.dataclass(frozen=True)
-class GemmaConfig:
-    # Shape.
-    vocab_size: int = _field(262208, "vocabulary size (rows of the embedding, tied to the head)")
-    hidden_size: int = _field(2304, "model width D")
-    intermediate_size: int = _field(9216, "MLP width F (gate, up and down projections)")
-    num_hidden_layers: int = _field(26, "decoder layers L")
-    num_attention_heads: int = _field(8, "query heads N")
-    num_key_value_heads: int = _field(4, "key/value heads K (a divisor of the query heads)")
-    head_dim: int = _field(256, "width of one head H (even)")
-    tie_word_embeddings: bool = _field(True, "the output projection is the input embedding")
-    # Attention.
-    query_pre_attn_scalar: float = _field(256.0, "attention scores are scaled by "
-                                                 "query_pre_attn_scalar ** -0.5")
-    sliding_window: int = _field(4096, "a sliding layer's query attends to at most this many "
-                                       "positions, itself included; 0: no window")
-    sliding_window_pattern: int = _field(6, "every n-th layer (1-based) attends globally, the "
-                                            "others slide (unless layer_types is set)")
-    layer_types: str = _field("", "comma-separated sliding_attention/full_attention, one per "
-                                  "layer; empty: from sliding_window_pattern")
-    # Numerics.
-    max_position_embeddings: int = _field(131072, "longest sequence the model takes")
-    rms_norm_eps: float = _field(1e-6, "epsilon of the RMS norms")
-    rope_theta: float = _field(1_000_000.0, "rotary base of the global (full attention) layers")
-    rope_local_base_freq: float = _field(10_000.0, "rotary base of the sliding-window layers")
-    rope_scaling_factor: float = _field(1.0, "linear rotary scaling of the global layers "
-                                             "(positions divided by it; 1: none)")
-    initializer_range: float = _field(0.02, "standard deviation of the random initialisation")
-    bos_token_id: int = _field(2, "beginning-of-sequence token id")
-    eos_token_id: int = _field(1, "end-of-sequence token id (generation stops at it)")
-    pad_token_id: int | None = _field(0, "padding token id, carried to HF's config.json")
-    # Implementation choices: none of these change the numbers.
-    attention: str = _field("auto", f"attention kernel: {', '.join(ATTENTION_IMPLEMENTATIONS)}")
-    remat_policy: str = _field("none", "recompute activations in the backward pass: "
-                                       f"{', '.join(remat.NAMES)}")
-    loss_chunk_size: int = _field(0, "training loss: logits for this many positions at a time, "
-                                     "never the whole (B, T, V) at once; 0: all at once")
-    scan_layers: bool = _field(False, "scan the layers' repeating pattern (sliding_window_pattern "
-                                      "layers) as one jax.lax.scan: one compiled block, the same "
-                                      "numbers; the layers after the last whole block unscanned")
+class GemmaConfig(ModelConfig):
+    """Gemma 3's text model: the shared fields (easylm/models/config.py), with
+    Gemma3TextConfig's defaults, and these."""
 
+    vocab_size: int = default(262208)
+    hidden_size: int = default(2304)
+    intermediate_size: int = default(9216)
+    num_hidden_layers: int = default(26)
+    num_attention_heads: int = default(8)
+    num_key_value_heads: int = default(4)
+    head_dim: int = default(256)
+    tie_word_embeddings: bool = default(True)
+    max_position_embeddings: int = default(131072)
+    bos_token_id: int = default(2)
+    eos_token_id: int = default(1)
+    pad_token_id: int | None = default(0)
+
+    # Attention.
+    query_pre_attn_scalar: float = field(256.0, "attention scores are scaled by "
+                                                "query_pre_attn_scalar ** -0.5")
+    sliding_window: int = field(4096, "a sliding layer's query attends to at most this many "
+                                      "positions, itself included; 0: no window")
+    sliding_window_pattern: int = field(6, "every n-th layer (1-based) attends globally, the "
+                                           "others slide (unless layer_types is set)")
+    layer_types: str = field("", "comma-separated sliding_attention/full_attention, one per "
+                                 "layer; empty: from sliding_window_pattern")
+    # Numerics.
+    rope_theta: float = field(1_000_000.0, "rotary base of the global (full attention) layers")
+    rope_local_base_freq: float = field(10_000.0, "rotary base of the sliding-window layers")
+    rope_scaling_factor: float = field(1.0, "linear rotary scaling of the global layers "
+                                            "(positions divided by it; 1: none)")
     def __post_init__(self):
+        super().__post_init__()
         if self.attention not in ATTENTION_IMPLEMENTATIONS:
             raise UserError(f"--gemma.attention={self.attention!r} is not one of "
                             f"{', '.join(ATTENTION_IMPLEMENTATIONS)}")
@@ -98,11 +87,9 @@ class GemmaConfig:
         return tuple("full_attention" if (i + 1) % self.sliding_window_pattern == 0
                      else "sliding_attention" for i in range(self.num_hidden_layers))
 
-    def replace(self, **changes) -> "GemmaConfig":
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    @classmethod
+    def from_hf_config(cls, hf: dict, path: str = "config.json") -> "GemmaConfig":
+        return from_hf_dict(hf, path)
 
     # --------------------------------------------------------------- counting
 
@@ -278,15 +265,15 @@ def _rope(hf: dict, path: str) -> tuple[dict, dict]:
         full.update(scaling)
     full.setdefault("rope_theta", get_number(hf, "rope_theta", path))
     local.setdefault("rope_theta", get_number(hf, "rope_local_base_freq", path))
-    for kind, rope, field in (("full_attention", full, "rope_scaling" if scaling else
+    for kind, rope, source in (("full_attention", full, "rope_scaling" if scaling else
                                "rope_parameters"), ("sliding_attention", local, "rope_parameters")):
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         allowed = ROPE_TYPES if kind == "full_attention" else ("default",)
         if rope_type not in allowed:
-            raise UserError(f"{path}: {field} gives the {kind} layers rope type {rope_type!r}, "
+            raise UserError(f"{path}: {source} gives the {kind} layers rope type {rope_type!r}, "
                             f"which is not implemented (supported: {', '.join(allowed)})")
         if rope_type == "linear" and not isinstance(rope.get("factor"), (int, float)):
-            raise UserError(f"{path}: {field}: a linear rope needs a numeric factor, got "
+            raise UserError(f"{path}: {source}: a linear rope needs a numeric factor, got "
                             f"{rope.get('factor')!r}")
     return full, local
 

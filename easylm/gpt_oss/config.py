@@ -15,6 +15,8 @@ from typing import Any
 
 from easylm.errors import UserError
 from easylm.models import remat
+from easylm.models.config import ModelConfig, default, field
+from easylm.models.moe import RouterLoss
 
 # The sink logit needs the einsum reference (no fused kernel adds it).
 ATTENTION_IMPLEMENTATIONS = ("xla",)
@@ -22,66 +24,56 @@ LAYER_TYPES = ("sliding_attention", "full_attention")
 ROPE_TYPES = ("yarn", "default")
 
 
-def _field(default, help_text: str):
-    return dataclasses.field(default=default, metadata={"help": help_text})
-
-
 @dataclasses.dataclass(frozen=True)
-class GptOssConfig:
-    # Shape.
-    vocab_size: int = _field(201088, "vocabulary size")
-    hidden_size: int = _field(2880, "model width D")
-    intermediate_size: int = _field(2880, "one expert's MLP width F")
-    num_hidden_layers: int = _field(24, "decoder layers L")
-    num_attention_heads: int = _field(64, "query heads N")
-    num_key_value_heads: int = _field(8, "key/value heads K (a divisor of the query heads)")
-    head_dim: int = _field(64, "width of one head H (even)")
-    num_local_experts: int = _field(32, "experts E of each layer's MoE")
-    num_experts_per_tok: int = _field(4, "experts each token is routed to")
-    tie_word_embeddings: bool = _field(False, "the output projection is the input embedding")
-    attention_bias: bool = _field(True, "biases on the q, k, v and o projections")
-    # Attention.
-    sliding_window: int = _field(128, "a sliding layer's query attends to at most this many "
-                                      "positions, itself included")
-    layer_types: str = _field("", "comma-separated sliding_attention/full_attention, one per "
-                                  "layer; empty: sliding, full, sliding, ...")
-    # Numerics.
-    max_position_embeddings: int = _field(131072, "longest sequence the model takes")
-    rms_norm_eps: float = _field(1e-5, "epsilon of the RMS norms")
-    rope_theta: float = _field(150000.0, "rotary base")
-    rope_type: str = _field("yarn", f"rotary frequencies: {', '.join(ROPE_TYPES)}")
-    rope_factor: float = _field(32.0, "yarn: how much longer the context is than the original")
-    rope_original_max_position_embeddings: int = _field(4096, "yarn: the context the model "
-                                                              "was pretrained at")
-    rope_beta_fast: float = _field(32.0, "yarn: dimensions turning more often than this over "
-                                         "the original context are kept")
-    rope_beta_slow: float = _field(1.0, "yarn: dimensions turning less often are slowed by "
-                                        "the factor")
-    rope_truncate: bool = _field(False, "yarn: round the blend's ends to whole dimensions")
-    swiglu_limit: float = _field(7.0, "the experts' SwiGLU clamps the gate above and the up "
-                                      "projection on both sides at this")
-    swiglu_alpha: float = _field(1.702, "the experts' SwiGLU: gate * sigmoid(alpha * gate)")
-    output_router_logits: bool = _field(
-        False, "train with router_aux_loss_coef x the load-balancing loss added, as "
-               "transformers adds it with output_router_logits (logged either way)")
-    router_aux_loss_coef: float = _field(0.9, "weight of the load-balancing loss (carried to "
-                                              "config.json)")
-    router_z_loss_coef: float = _field(0.0, "weight of ST-MoE's router z-loss added to the "
-                                            "training loss (0: off; logged either way)")
-    initializer_range: float = _field(0.02, "standard deviation of the random initialisation")
-    bos_token_id: int | None = _field(199998, "beginning-of-sequence token id")
-    eos_token_id: int | None = _field(200002, "end-of-sequence token id (generation stops at it)")
-    pad_token_id: int | None = _field(199999, "padding token id, carried to HF's config.json")
-    # Implementation choices: none of these change the numbers.
-    attention: str = _field("xla", f"attention kernel: {', '.join(ATTENTION_IMPLEMENTATIONS)}")
-    remat_policy: str = _field("none", "recompute activations in the backward pass: "
-                                       f"{', '.join(remat.NAMES)}")
-    loss_chunk_size: int = _field(0, "training loss: logits for this many positions at a time; "
-                                     "0: all at once")
-    scan_layers: bool = _field(False, "scan the layers' repeating pattern (sliding, full) as one "
-                                      "jax.lax.scan: one compiled block, the same numbers")
+class GptOssConfig(ModelConfig):
+    """gpt-oss: the shared fields (easylm/models/config.py), with gpt-oss-20b's values,
+    and these."""
 
+    vocab_size: int = default(201088)
+    hidden_size: int = default(2880)
+    intermediate_size: int = field(2880, "one expert's MLP width F")
+    num_hidden_layers: int = default(24)
+    num_attention_heads: int = default(64)
+    num_key_value_heads: int = default(8)
+    head_dim: int = default(64)
+    max_position_embeddings: int = default(131072)
+    rms_norm_eps: float = default(1e-5)
+    bos_token_id: int | None = default(199998)
+    eos_token_id: int | None = default(200002)
+    pad_token_id: int | None = default(199999)
+    attention: str = default("xla")
+    # Experts.
+    num_local_experts: int = field(32, "experts E of each layer's MoE")
+    num_experts_per_tok: int = field(4, "experts each token is routed to")
+    attention_bias: bool = field(True, "biases on the q, k, v and o projections")
+    # Attention.
+    sliding_window: int = field(128, "a sliding layer's query attends to at most this many "
+                                     "positions, itself included")
+    layer_types: str = field("", "comma-separated sliding_attention/full_attention, one per "
+                                 "layer; empty: sliding, full, sliding, ...")
+    # Numerics.
+    rope_theta: float = field(150000.0, "rotary base")
+    rope_type: str = field("yarn", f"rotary frequencies: {', '.join(ROPE_TYPES)}")
+    rope_factor: float = field(32.0, "yarn: how much longer the context is than the original")
+    rope_original_max_position_embeddings: int = field(4096, "yarn: the context the model "
+                                                             "was pretrained at")
+    rope_beta_fast: float = field(32.0, "yarn: dimensions turning more often than this over "
+                                        "the original context are kept")
+    rope_beta_slow: float = field(1.0, "yarn: dimensions turning less often are slowed by "
+                                       "the factor")
+    rope_truncate: bool = field(False, "yarn: round the blend's ends to whole dimensions")
+    swiglu_limit: float = field(7.0, "the experts' SwiGLU clamps the gate above and the up "
+                                     "projection on both sides at this")
+    swiglu_alpha: float = field(1.702, "the experts' SwiGLU: gate * sigmoid(alpha * gate)")
+    output_router_logits: bool = field(
+        False, "train with router_aux_loss_coef x the load-balancing loss added, as "
+              "transformers adds it with output_router_logits (logged either way)")
+    router_aux_loss_coef: float = field(0.9, "weight of the load-balancing loss (carried to "
+                                             "config.json)")
+    router_z_loss_coef: float = field(0.0, "weight of ST-MoE's router z-loss added to the "
+                                           "training loss (0: off; logged either way)")
     def __post_init__(self):
+        super().__post_init__()
         for name, allowed in (("attention", ATTENTION_IMPLEMENTATIONS),
                               ("remat_policy", remat.NAMES), ("rope_type", ROPE_TYPES)):
             if getattr(self, name) not in allowed:
@@ -109,11 +101,15 @@ class GptOssConfig:
             return tuple(self.layer_types.split(","))
         return tuple(LAYER_TYPES[i % 2] for i in range(self.num_hidden_layers))
 
-    def replace(self, **changes) -> "GptOssConfig":
-        return dataclasses.replace(self, **changes)
+    def router_loss(self) -> RouterLoss:
+        # Every layer is a mixture of experts: training adds its router losses as
+        # transformers' GptOssForCausalLM does (objectives/router_loss.py).
+        aux = self.router_aux_loss_coef if self.output_router_logits else 0.0
+        return RouterLoss(self.num_experts_per_tok, aux, self.router_z_loss_coef)
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    @classmethod
+    def from_hf_config(cls, hf: dict, path: str = "config.json") -> "GptOssConfig":
+        return from_hf_dict(hf, path)
 
     # --------------------------------------------------------------- counting
 

@@ -15,8 +15,8 @@ from typing import Any
 
 from easylm.errors import UserError
 from easylm.models import remat
-from easylm.models.family import preset_config
-from easylm.models.moe import MoEConfig
+from easylm.models.config import ModelConfig, field, preset_config
+from easylm.models.moe import MoEConfig, RouterLoss
 
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "dot_product", "cudnn")
 REMAT_POLICIES = remat.NAMES
@@ -77,98 +77,61 @@ HF_DEFAULTS = {
 HF_ROPE_THETA = {"mixtral": 1000000.0}
 
 
-def _field(default, help_text: str):
-    """A config field with its --llama.* help beside it."""
-    return dataclasses.field(default=default, metadata={"help": help_text})
-
-
 @dataclasses.dataclass(frozen=True)
-class LLaMAConfig:
-    # Shape.
-    vocab_size: int = _field(32000, "vocabulary size (rows of the embedding and the output "
-                                    "projection); at least the tokenizer's")
-    hidden_size: int = _field(4096, "model width D")
-    intermediate_size: int = _field(11008, "MLP width F (gate, up and down projections)")
-    num_hidden_layers: int = _field(32, "decoder layers L")
-    num_attention_heads: int = _field(32, "query heads N")
-    num_key_value_heads: int | None = _field(
-        None, "key/value heads K for grouped-query attention (a divisor of the query "
-              "heads); unset: = num_attention_heads (multi-head)")
-    head_dim: int | None = _field(None, "width of one head H (even); unset: hidden_size // "
-                                        "num_attention_heads")
-    tie_word_embeddings: bool = _field(False, "the output projection is the input embedding")
+class LLaMAConfig(ModelConfig):
+    """LLaMA and its variants (Qwen2/3, Mistral, Qwen3-MoE, Mixtral): the shared fields
+    (easylm/models/config.py) and these."""
+
     # Architecture: which LLaMA variant (HF's model_type) and its switches.
-    model_type: str = _field("llama", f"the variant, as HF's config.json names it: "
-                                      f"{', '.join(ARCHITECTURES)} (qwen2: bias on q/k/v; "
-                                      "qwen3: RMS norm of each query and key head)")
-    attention_bias: bool = _field(False, "bias on the q, k, v and o projections (llama, qwen3)")
-    mlp_bias: bool = _field(False, "bias on the gate, up and down projections (llama)")
-    sliding_window: int = _field(0, "each query attends to at most this many positions, "
-                                    "itself included (qwen2, qwen3, mistral); 0: all")
+    model_type: str = field("llama", f"the variant, as HF's config.json names it: "
+                                     f"{', '.join(ARCHITECTURES)} (qwen2: bias on q/k/v; "
+                                     "qwen3: RMS norm of each query and key head)")
+    attention_bias: bool = field(False, "bias on the q, k, v and o projections (llama, qwen3)")
+    mlp_bias: bool = field(False, "bias on the gate, up and down projections (llama)")
+    sliding_window: int = field(0, "each query attends to at most this many positions, "
+                                   "itself included (qwen2, qwen3, mistral); 0: all")
     # Mixture of experts (qwen3_moe, mixtral): every layer's MLP is easylm/models/moe.py's
     # block (a router, then the chosen experts' gated MLPs, weighted).
-    num_experts: int = _field(0, "experts E in each layer's mixture-of-experts MLP "
-                                 "(qwen3_moe, mixtral); 0: a dense MLP")
-    num_experts_per_tok: int = _field(2, "experts each token is routed to (K)")
-    moe_intermediate_size: int = _field(0, "one expert's MLP width (qwen3_moe; mixtral's is "
-                                           "its intermediate_size)")
-    norm_topk_prob: bool = _field(False, "the K chosen probabilities divided by their sum "
-                                         "(qwen3_moe's switch; mixtral always divides)")
-    output_router_logits: bool = _field(
+    num_experts: int = field(0, "experts E in each layer's mixture-of-experts MLP "
+                                "(qwen3_moe, mixtral); 0: a dense MLP")
+    num_experts_per_tok: int = field(2, "experts each token is routed to (K)")
+    moe_intermediate_size: int = field(0, "one expert's MLP width (qwen3_moe; mixtral's is "
+                                          "its intermediate_size)")
+    norm_topk_prob: bool = field(False, "the K chosen probabilities divided by their sum "
+                                        "(qwen3_moe's switch; mixtral always divides)")
+    output_router_logits: bool = field(
         False, "train with router_aux_loss_coef x the load-balancing loss added, as "
-               "transformers adds it with output_router_logits (logged either way)")
-    router_aux_loss_coef: float = _field(0.001, "weight of the load-balancing loss")
-    router_z_loss_coef: float = _field(0.0, "weight of ST-MoE's router z-loss added to the "
-                                            "training loss (0: off; logged either way)")
-    moe_capacity_factor: float = _field(0.0, "an expert takes at most this x its even share "
-                                             "of a batch shard's tokens, the rest dropped "
-                                             "(counted in moe_dropped); 0: dropless")
+              "transformers adds it with output_router_logits (logged either way)")
+    router_aux_loss_coef: float = field(0.001, "weight of the load-balancing loss")
+    router_z_loss_coef: float = field(0.0, "weight of ST-MoE's router z-loss added to the "
+                                           "training loss (0: off; logged either way)")
+    moe_capacity_factor: float = field(0.0, "an expert takes at most this x its even share "
+                                            "of a batch shard's tokens, the rest dropped "
+                                            "(counted in moe_dropped); 0: dropless")
     # Numerics.
-    max_position_embeddings: int = _field(2048, "longest sequence the model takes (rows, the "
-                                                "server's context)")
-    rms_norm_eps: float = _field(1e-6, "epsilon of the RMS norms")
-    rope_theta: float = _field(10000.0, "rotary embedding base")
-    rope_scaling_type: str = _field("none", "rotary frequency scaling: "
-                                            f"{' or '.join(ROPE_SCALING_TYPES)} (llama3: "
-                                            "Llama-3.1 long-context scaling; yarn: "
-                                            "Qwen's, with the paper's betas)")
-    rope_scaling_factor: float = _field(8.0, "llama3 or yarn rope scaling: factor")
-    rope_low_freq_factor: float = _field(1.0, "llama3 rope scaling: low-frequency factor")
-    rope_high_freq_factor: float = _field(4.0, "llama3 rope scaling: high-frequency factor")
-    rope_original_max_position_embeddings: int = _field(
+    rope_theta: float = field(10000.0, "rotary embedding base")
+    rope_scaling_type: str = field("none", "rotary frequency scaling: "
+                                           f"{' or '.join(ROPE_SCALING_TYPES)} (llama3: "
+                                           "Llama-3.1 long-context scaling; yarn: "
+                                           "Qwen's, with the paper's betas)")
+    rope_scaling_factor: float = field(8.0, "llama3 or yarn rope scaling: factor")
+    rope_low_freq_factor: float = field(1.0, "llama3 rope scaling: low-frequency factor")
+    rope_high_freq_factor: float = field(4.0, "llama3 rope scaling: high-frequency factor")
+    rope_original_max_position_embeddings: int = field(
         8192, "llama3 or yarn rope scaling: the context the model was pretrained at")
-    initializer_range: float = _field(0.02, "standard deviation of the random initialisation")
-    bos_token_id: int | None = _field(1, "beginning-of-sequence token id")
-    eos_token_id: int | None = _field(2, "end-of-sequence token id (generation stops at it)")
-    # Carried to and from HF's config.json (generation pads with it); the model has no use for them.
-    pad_token_id: int | None = _field(None, "padding token id, carried to HF's config.json")
-    unk_token_id: int | None = _field(None, "unknown token id, carried to HF's config.json")
+    # Carried to and from HF's config.json; the model has no use for it.
+    unk_token_id: int | None = field(None, "unknown token id, carried to HF's config.json")
     # Implementation choices: none of these change the numbers.
-    attention: str = _field("auto", f"attention kernel: {', '.join(ATTENTION_IMPLEMENTATIONS)} "
-                                    "(auto: cuDNN flash attention on GPU, XLA elsewhere; "
-                                    "dot_product: jax.nn.dot_product_attention)")
-    scan_layers: bool = _field(False, "run the layers as one jax.lax.scan (one compiled layer, "
-                                      "faster compiles of deep models; parameters stacked)")
-    remat_policy: str = _field("none", "recompute activations in the backward pass to save "
-                                       f"memory: {', '.join(REMAT_POLICIES)} (least "
-                                       "recomputation first)")
-    # `losses.chunked_next_token_loss`
-    loss_chunk_size: int = _field(0, "training loss: logits for this many positions at a time, "
-                                     "never all (B, T, V) at once (saves memory with large "
-                                     "vocabularies); 0: all at once")
     # One matmul for q, k and v, and one for gate and up, on kernels concatenated at
     # each step (parameters stay HF's). Meant for meshes without 'mp': a concatenation
     # of 'mp'-split kernels moves data between devices.
-    fused_qkv: bool = _field(False, "one matmul for q, k and v (kernels concatenated each "
-                                    "step; for meshes without mp)")
-    fused_mlp: bool = _field(False, "one matmul for the gate and up projections (for meshes "
-                                    "without mp)")
+    fused_qkv: bool = field(False, "one matmul for q, k and v (kernels concatenated each "
+                                   "step; for meshes without mp)")
+    fused_mlp: bool = field(False, "one matmul for the gate and up projections (for meshes "
+                                   "without mp)")
 
     def __post_init__(self):
-        if self.num_key_value_heads is None:
-            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
-        if self.head_dim is None:
-            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        super().__post_init__()
         if self.model_type == "mixtral" and not self.moe_intermediate_size:
             object.__setattr__(self, "moe_intermediate_size", self.intermediate_size)
         self._check()
@@ -197,11 +160,11 @@ class LLaMAConfig:
                     f"llama.{switch}={getattr(self, switch)!r} is not part of model_type "
                     f"{self.model_type!r} (transformers' {ARCHITECTURES[self.model_type][0]} "
                     f"has no such switch); it is part of {', '.join(others)}")
-        for field in ("vocab_size", "hidden_size", "intermediate_size",
-                      "num_hidden_layers", "num_attention_heads",
-                      "num_key_value_heads", "head_dim"):
-            if getattr(self, field) < 1:
-                raise UserError(f"llama.{field} must be >= 1, got {getattr(self, field)}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size",
+                     "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise UserError(f"llama.{name} must be >= 1, got {getattr(self, name)}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise UserError(
                 f"llama.num_attention_heads={self.num_attention_heads} is not a multiple "
@@ -261,11 +224,14 @@ class LLaMAConfig:
     def from_preset(cls, name: str, **overrides) -> "LLaMAConfig":
         return preset_config(cls, LLAMA_PRESETS, name, "llama", **overrides)
 
-    def replace(self, **changes) -> "LLaMAConfig":
-        return dataclasses.replace(self, **changes)
+    def unfused(self) -> "LLaMAConfig":
+        return self.replace(fused_qkv=False, fused_mlp=False)
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    def router_loss(self) -> RouterLoss | None:
+        if not self.num_experts:
+            return None
+        aux = self.router_aux_loss_coef if self.output_router_logits else 0.0
+        return RouterLoss(self.num_experts_per_tok, aux, self.router_z_loss_coef)
 
     # --------------------------------------------------------------- counting
 

@@ -17,8 +17,9 @@ axis of R: with a period of one as `model/layers/...`, else one stack per place 
 pattern, `model/layers/slot<j>/...`, and the L - R * period layers left over after the
 repeats as `model/tail<i>/...` (MaxText scans Gemma's pattern the same way).
 
-Decoding passes a cache (`init_cache`) laid out like the layers: each layer's keys and
-values (B, S, K, H). Each call writes its tokens' keys/values at their `positions` and
+Decoding passes a cache (`init_cache`) laid out like the layers: each layer's entry, as
+its kind declares it (`CausalLM.layer_cache`; an attention layer's keys and values
+(B, S, K, H)). Each call writes its tokens' keys/values at their `positions` and
 attends over the whole cache under a positions-aware causal mask (a sliding window is
 part of that mask), so every row can be at its own length (continuous batching).
 
@@ -157,6 +158,12 @@ class Attention(Sublayer):
     out_bias: bool = False
     qk_norm: bool = False
     scale: float | None = None
+
+    @staticmethod
+    def init_cache(config, batch_size: int, length: int, dtype):
+        """An attention layer's cache: keys and values (B, S, K, H), zeros."""
+        shape = (batch_size, length, config.num_key_value_heads, config.head_dim)
+        return {name: jnp.zeros(shape, dtype) for name in ("k", "v")}
 
     @nn.compact
     def __call__(self, x, cos, sin, mask, window, positions, cache):
@@ -357,7 +364,12 @@ class CausalLM(nn.Module):
     """`apply(params, input_ids)` -> logits (B, T, V) in the compute dtype; with `cache=`
     (from `init_cache`) and `positions=`, `(logits, cache)` with this call's keys/values
     written; with `return_hidden=True` the final norm's output (B, T, D) instead of logits
-    (for losses that apply the head themselves, `head_weight`)."""
+    (for losses that apply the head themselves, `head_weight`). `Model.forward`
+    (easylm/models/family.py) turns each into one `ForwardOut`.
+
+    What a layer caches while decoding is the layer's to declare: `layer_cache` (zeros
+    for one layer of a kind) and `cache_rules` (how they are sharded); by default an
+    attention layer's keys and values (`Attention.init_cache`)."""
 
     config: Any
     dtype: jnp.dtype = jnp.float32  # compute
@@ -408,7 +420,7 @@ class CausalLM(nn.Module):
         model = _Backbone(self.config, self.dtype, self.param_dtype, type(self), name="model")
         hidden, new_cache = model(input_ids, positions, segment_ids, cache)  # (B, T, D)
         if return_hidden:
-            return hidden
+            return hidden if cache is None else (hidden, new_cache)
         if self.config.tie_word_embeddings:
             embedding = self.variables["params"]["model"]["embed_tokens"]["embedding"]
             logits = hidden @ embedding.astype(self.dtype).T
@@ -420,21 +432,35 @@ class CausalLM(nn.Module):
         logits = constrain(logits, P(BATCH_AXES, "sp", "mp"))
         return logits if cache is None else (logits, new_cache)
 
+    @classmethod
+    def layer_cache(cls, config, kind: str, batch_size: int, length: int, dtype):
+        """One layer's cache of `kind` for `length` positions: zeros."""
+        return Attention.init_cache(config, batch_size, length, dtype)
+
+    @classmethod
+    def cache_rules(cls, config):
+        """How the cache's arrays are sharded: (regex on a path, PartitionSpec)."""
+        return CACHE_PARTITION_RULES
+
     def init_cache(self, batch_size: int, length: int, dtype=None):
-        """Zeros for `length` cache positions, laid out like the layers."""
-        c = self.config
-        shape = (batch_size, length, c.num_key_value_heads, c.head_dim)
+        """Zeros for `length` cache positions, laid out like the layers (stacked for a
+        scan as the parameters are)."""
+        c, lm = self.config, type(self)
+        dtype = dtype or self.dtype
+        kinds = lm.layer_kinds(c)
 
-        def kv(*stacked):
-            return {name: jnp.zeros((*stacked, *shape), dtype or self.dtype) for name in ("k", "v")}
+        def entry(kind, *stacked):
+            one = jax.eval_shape(lambda: lm.layer_cache(c, kind, batch_size, length, dtype))
+            return jax.tree.map(lambda x: jnp.zeros((*stacked, *x.shape), x.dtype), one)
 
-        kinds = type(self).layer_kinds(c)
         if not c.scan_layers:
-            return {str(i): kv() for i in range(len(kinds))}
-        n = period(type(self), c)
+            return {str(i): entry(kind) for i, kind in enumerate(kinds)}
+        n = period(lm, c)
         repeats = len(kinds) // n
-        layers = kv(repeats) if n == 1 else {f"slot{j}": kv(repeats) for j in range(n)}
-        return {"layers": layers, **{f"tail{i}": kv() for i in range(repeats * n, len(kinds))}}
+        layers = (entry(kinds[0], repeats) if n == 1 else
+                  {f"slot{j}": entry(kinds[j], repeats) for j in range(n)})
+        return {"layers": layers,
+                **{f"tail{i}": entry(kinds[i]) for i in range(repeats * n, len(kinds))}}
 
     def init_params(self, rng, seq_length: int = 8):
         """Parameters only (a pure function of rng; run it sharded)."""

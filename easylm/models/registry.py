@@ -53,7 +53,7 @@ def from_argv(argv: list[str], detect: bool = False) -> tuple[ModelFamily, list[
 
 def family_of(spec: str) -> str | None:
     """The family that reads checkpoint `spec`: for `hf::DIR` the one whose
-    `hf_model_types` has its config.json's model_type, for an easylm checkpoint the one
+    Hugging Face adapter reads its config.json's model_type, for an easylm checkpoint the one
     its metadata names; None where neither says (the command then reports what is
     wrong with `spec`, if anything)."""
     prefix, sep, path = spec.partition("::")
@@ -82,12 +82,13 @@ def _family_of_hf(directory: str) -> str | None:
             model_type = json.load(f).get("model_type")
     except (OSError, ValueError, AttributeError):
         return None  # the family's own reader names what is wrong with the file
-    known = {name: get(name).hf_model_types for name in FAMILIES}
+    adapters = {name: get(name).hf for name in FAMILIES}
+    known = {name: hf.model_types for name, hf in adapters.items() if hf is not None}
     for name, types in known.items():
         if model_type in types:
             return name
-    for name in FAMILIES:
-        why = get(name).hf_not_built.get(model_type)
+    for hf in adapters.values():
+        why = hf.not_built.get(model_type) if hf is not None else None
         if why:
             raise UserError(f"{path}: model_type {model_type!r} is not built: its {why} is "
                             f"not supported")

@@ -295,16 +295,13 @@ class GRPOObjective(Objective):
         if routing is not None:  # (B, G, L, T, K) -> (L, N*T, K), as the forward replays it
             L, K = routing.shape[2], routing.shape[-1]
             kwargs["routing"] = jnp.moveaxis(rows(routing), 1, 0).reshape(L, -1, K)
-        if router_stats:
-            out, stats = model.forward(params, tokens, router_stats=True, **kwargs)
+        out = model.forward(params, tokens, router_stats=router_stats, **kwargs)
+        if not model.loss_chunk_size:
+            logps = token_logps(out.logits, targets, temperature)
         else:
-            out, stats = model.forward(params, tokens, **kwargs), None
-        if not model.loss_chunk_size:  # out: logits (N, T, V), else hidden states (N, T, D)
-            logps = token_logps(out, targets, temperature)
-        else:
-            logps = chunked_token_logps(out, model.head(params, base), targets, temperature,
-                                        model.loss_chunk_size)
-        return logps if stats is None else (*logps, stats)
+            logps = chunked_token_logps(out.hidden, model.head(params, base), targets,
+                                        temperature, model.loss_chunk_size)
+        return logps if out.router_stats is None else (*logps, out.router_stats)
 
     def loss_fn(self, params, batch, rng, frozen):
         del rng  # the serving forward has no dropout

@@ -56,21 +56,20 @@ def next_token_sums(model, params, batch, rng, base=None) -> LossSums:
     """`model`'s next-token loss sums over `batch` (a `Model`: its forward pass and head;
     `base` the frozen parameters a variant reads): from the logits, or with the model's
     `loss_chunk_size` from its hidden states, a chunk of positions' logits at a time."""
-    kwargs = dict(positions=batch.get("positions"), segment_ids=batch.get("segment_ids"),
-                  base=base, rng=rng)
-    if model.router_loss is not None:  # a mixture of experts: its router losses too
-        kwargs["router_stats"] = True
     chunked = bool(model.loss_chunk_size)
-    out = model.forward(params, batch["input_tokens"], return_hidden=chunked, **kwargs)
-    out, stats = out if model.router_loss is not None else (out, None)
-    if not chunked:  # out: logits (B, T, V)
-        sums = next_token_loss(out, batch["target_tokens"], batch["loss_masks"])
-    else:  # out: hidden states (B, T, D)
-        sums = chunked_next_token_loss(out, model.head(params, base), batch["target_tokens"],
-                                       batch["loss_masks"], model.loss_chunk_size)
-    if stats is None:
+    out = model.forward(params, batch["input_tokens"], batch.get("positions"),
+                        batch.get("segment_ids"), base=base, rng=rng, return_hidden=chunked,
+                        # a mixture of experts: its router losses too
+                        router_stats=model.router_loss is not None)
+    if not chunked:
+        sums = next_token_loss(out.logits, batch["target_tokens"], batch["loss_masks"])
+    else:
+        sums = chunked_next_token_loss(out.hidden, model.head(params, base),
+                                       batch["target_tokens"], batch["loss_masks"],
+                                       model.loss_chunk_size)
+    if out.router_stats is None:
         return sums
-    return with_router_loss(sums, stats, model.router_loss, batch.get("segment_ids"))
+    return with_router_loss(sums, out.router_stats, model.router_loss, batch.get("segment_ids"))
 
 
 @jax.custom_vjp

@@ -186,19 +186,15 @@ def row_logps(model, params, rows: dict, base=None, rng=None, router_stats=False
     `positions` (N, T), where rows has them: the places of tokens in another order (zig-zag
     under sp, training/step.py). `router_stats` (a mixture of experts): the forward's
     `moe.RouterStats` third."""
-    kwargs = dict(base=base, rng=rng, return_hidden=bool(model.loss_chunk_size))
-    if "positions" in rows:
-        kwargs["positions"] = rows["positions"]
-    if router_stats:
-        out, stats = model.forward(params, rows["input_tokens"], router_stats=True, **kwargs)
-    else:
-        out, stats = model.forward(params, rows["input_tokens"], **kwargs), None
+    out = model.forward(params, rows["input_tokens"], rows.get("positions"), base=base, rng=rng,
+                        return_hidden=bool(model.loss_chunk_size), router_stats=router_stats)
     if not model.loss_chunk_size:
-        logps = sequence_logps(out, rows["target_tokens"], rows["loss_masks"])
+        logps = sequence_logps(out.logits, rows["target_tokens"], rows["loss_masks"])
     else:
-        logps = chunked_sequence_logps(out, model.head(params, base), rows["target_tokens"],
-                                       rows["loss_masks"], model.loss_chunk_size)
-    return logps if stats is None else (*logps, stats)
+        logps = chunked_sequence_logps(out.hidden, model.head(params, base),
+                                       rows["target_tokens"], rows["loss_masks"],
+                                       model.loss_chunk_size)
+    return logps if out.router_stats is None else (*logps, out.router_stats)
 
 
 # -------------------------------------------------------------- the trainer's loss_fn

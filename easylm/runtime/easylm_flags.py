@@ -137,7 +137,7 @@ def _config_file(family, path: str) -> dict:
         raise UserError(f"--load_{family.name}_config={path}: {e}") from None
     if not isinstance(values, dict):
         raise UserError(f"--load_{family.name}_config={path}: expected a JSON object")
-    if "model_type" in values and hasattr(family.config_class, "from_hf_config"):
+    if "model_type" in values:
         config = family.config_class.from_hf_config(values)
         return _fields(family, {k: getattr(config, k) for k in values
                                 if k in family.config_class.__dataclass_fields__})

@@ -18,7 +18,7 @@ import jax
 from absl import logging as absl_logging
 from ml_collections import ConfigDict
 
-from easylm import flags as flag_lib
+from easylm import flags as flag_lib, model_flags
 from easylm.errors import UserError, exit_on_user_error
 from easylm.models.family import Model, ModelFamily, abstract_params
 from easylm.runtime import easylm_flags, run_flags
@@ -48,7 +48,7 @@ def engine_config(family: ModelFamily) -> ConfigDict:
     config.quantize = "none"
     config.update(engine_lib.get_default_config())
     # The trainer's default model, so that both commands with no flags mean the same one.
-    config[family.name] = family.flag_config()
+    config[family.name] = model_flags.flag_config(family)
     return config
 
 
@@ -63,7 +63,7 @@ def engine_help_entries(family: ModelFamily) -> dict:
                            "adapter directory",
         "quantize": quantize.HELP,
         **engine_lib.HELP,
-        **family.help_entries("the checkpoint's, or the preset's"),
+        **model_flags.help_entries(family, "the checkpoint's, or the preset's"),
         f"{family.name}.base_model": "preset, used when the checkpoint does not record its "
                                      "config",
     }
@@ -87,10 +87,8 @@ def help_entries(family: ModelFamily) -> dict:
 def model_config(family: ModelFamily, config: ConfigDict):
     """The checkpoint's own model config when it records one, else the preset; then the
     --<family>.* fields given on the command line."""
-    model = family.model_config(config, from_checkpoint=True)
-    if family.remat_policies:  # remat only matters for gradients
-        model = dataclasses.replace(model, remat_policy="none")
-    return model
+    model = model_flags.model_config(family, config, from_checkpoint=True)
+    return dataclasses.replace(model, remat_policy="none")  # remat only matters for gradients
 
 
 def load_params(config: ConfigDict, model: Model, mesh):
@@ -178,9 +176,10 @@ def build(family: ModelFamily, config: ConfigDict):
 def parse_flags(family: ModelFamily, argv: list[str]) -> ConfigDict:
     """`argv` (argv[0] is the program) as `python -m <family>.serve` reads it, EasyLM's
     flag names included (easylm/runtime/easylm_flags.py)."""
+    command = model_flags.command(family, "serve")
     usage = (f"Serve a {family.name} model over HTTP (OpenAI-style API and a chat page).\n\n"
-             f"  python -m {family.serve_module} --load_checkpoint=params::DIR "
-             f"--tokenizer=embedded\n\nusage: python -m {family.serve_module} [--flag=value ...]")
+             f"  {command} --load_checkpoint=params::DIR --tokenizer=embedded\n\n"
+             f"usage: {command} [--flag=value ...]")
     config = default_config(family)
     common = [name for name in ("load_checkpoint", "tokenizer", "host", "port", "api_key",
                                 "mesh_dim", "dtype", "batch_size", "seq_length",

@@ -21,8 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 from ml_collections import ConfigDict
 
-from easylm import flags as flag_lib
+from easylm import flags as flag_lib, model_flags
 from easylm.errors import UserError, exit_on_user_error
+from easylm.models.family import torch_reference
 from easylm.runtime import run_flags
 from easylm.runtime.dtypes import dtype_from_flag
 from easylm.runtime.sharding import init_sharded, make_mesh
@@ -59,12 +60,12 @@ def default_config(family) -> ConfigDict:
     config.update(run_flags.get_default_config("dtype", "mesh_dim", mesh_dim=ENGINE_MESH_DIM))
     config.quantize = "none"
     config.hf = "auto"
-    config[family.name] = family.flag_config(family.tiny_preset)
+    config[family.name] = model_flags.flag_config(family, family.tiny_preset)
     return config
 
 
 def help_entries(family) -> dict:
-    return {**HELP, **family.help_entries()}
+    return {**HELP, **model_flags.help_entries(family)}
 
 
 def engine_tokens_per_second(model, params, batch: int, config, tokenizer, prompts,
@@ -164,10 +165,7 @@ def _read_flags(config: ConfigDict, limit: int):
 def _hf_model(config: ConfigDict, family, settings, params, dtype):
     """HF transformers' model holding `params`, on the GPU when there is one, with no
     end-of-sequence token (every request generates all its tokens, as on the engine)."""
-    hf_model = family.torch_reference(settings, params)
-    if hf_model is None:
-        raise UserError(f"--hf={config.hf}: the {family.name} family has no transformers "
-                        f"counterpart to compare with")
+    hf_model = torch_reference(family, settings, params)
     import torch
 
     hf_model.generation_config.eos_token_id = None

@@ -127,15 +127,13 @@ def _forward(model: Model, record: bool, params, tokens, positions, cache, base)
     """(logits, cache, out): with `record` (routing replay, GRPO), out is a 1-tuple of the
     expert choices each token got in each MoE layer, (n, L, T, K) int16 (L in
     `moe.router_stats`' order); else ()."""
+    out = model.forward(params, tokens, positions, cache=cache, base=base, router_stats=record)
     if not record:
-        logits, cache = model.forward(params, tokens, positions, cache=cache, base=base)
-        return logits, cache, ()
-    (logits, cache), stats = model.forward(params, tokens, positions, cache=cache, base=base,
-                                           router_stats=True)
+        return out.logits, out.cache, ()
     n, T = tokens.shape
-    L, _, K = stats.experts.shape
-    experts = stats.experts.reshape(L, n, T, K).swapaxes(0, 1).astype(jnp.int16)
-    return logits, cache, (experts,)
+    L, _, K = out.router_stats.experts.shape
+    experts = out.router_stats.experts.reshape(L, n, T, K).swapaxes(0, 1).astype(jnp.int16)
+    return out.logits, out.cache, (experts,)
 
 
 def _prompt_forward(model: Model, chunk: int, record: bool, weights, tokens, lengths):
@@ -222,7 +220,7 @@ def _decode(model: Model, steps: int, unroll: bool, sample: bool, record: bool, 
 
 def _score(model: Model, weights, tokens, targets):
     params, base = weights
-    logits = model.forward(params, tokens, base=base).astype(jnp.float32)  # (n, T, V)
+    logits = model.forward(params, tokens, base=base).logits.astype(jnp.float32)  # (n, T, V)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     target_logprobs = jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]
     is_greedy = jnp.argmax(logits, axis=-1) == targets

@@ -12,7 +12,7 @@ from typing import Callable
 from ml_collections import ConfigDict
 from ml_collections.config_dict import placeholder
 
-from easylm import flags as flag_lib, objectives, variants
+from easylm import flags as flag_lib, model_flags, objectives, variants
 from easylm.data.options import loader_block
 from easylm.errors import UserError
 from easylm.evaluation import harness_flags
@@ -117,7 +117,7 @@ def default_config(family: ModelFamily, objective: str | None = None) -> ConfigD
     from easylm.data import DatasetFactory
 
     config = get_default_config(DatasetFactory.get_default_config(), objective)
-    config[family.name] = family.flag_config()  # from scratch; hf:: gives its own shape
+    config[family.name] = model_flags.flag_config(family)  # from scratch; hf:: gives its own shape
     for section, block in variants.flag_sections(family).items():
         config[section] = block
     return config
@@ -127,7 +127,7 @@ def help_entries(family: ModelFamily, objective: str | None = None) -> dict:
     from easylm.data import DatasetFactory
 
     entries = help_text(getattr(DatasetFactory, "HELP", None), objective)
-    entries.update(family.help_entries("the preset's, or hf::DIR config.json's"))
+    entries.update(model_flags.help_entries(family, "the preset's, or hf::DIR config.json's"))
     entries.update(variants.help_entries(family))
     for name, value in family.demo.items():
         entries[name] = f"{entries.get(name, '')} (the embedded demo, given no data and no " \
@@ -138,8 +138,10 @@ def help_entries(family: ModelFamily, objective: str | None = None) -> dict:
 def family_run_defaults(family: ModelFamily) -> list[Callable[[ConfigDict], dict]]:
     """`run_defaults` for `family`: its demo; rows no longer than its model takes (1024
     tokens do not fit a small preset)."""
-    return run_defaults(family.demo,
-                        lambda config: family.bind(family.model_config(config)).max_seq_length,
+    def longest_row(config):
+        return family.bind(model_flags.model_config(family, config)).max_seq_length
+
+    return run_defaults(family.demo, longest_row,
                         functools.partial(variants.run_defaults, family))
 
 
@@ -155,7 +157,7 @@ def common_flags(family: ModelFamily) -> list[str]:
 
 
 def usage(family: ModelFamily) -> str:
-    command = f"python -m {family.commands}.train"
+    command = model_flags.command(family, "train")
     return (f"Train a {family.name} model (from scratch, or fine-tune a checkpoint).\n\n"
             f"  {command} --{family.name}.base_model={family.default_preset} "
             f"--train_dataset.json_dataset.path=data.jsonl --total_steps=1000\n\n"

@@ -11,7 +11,7 @@ import sys
 import jax
 from ml_collections import ConfigDict
 
-from easylm import flags as flag_lib, objectives, variants
+from easylm import flags as flag_lib, model_flags, objectives, variants
 from easylm.data import DatasetFactory, make_global_batch
 from easylm.data.options import loader_block
 from easylm.data.tokenizer import load_tokenizer
@@ -228,7 +228,7 @@ def _check_same_model(config, family: ModelFamily, model: Model, directory: str)
     except UserError:
         return
     theirs = variants.state_settings(family, metadata.get("flags", {}),
-                                   metadata.get(family.metadata_key) or {})
+                                   metadata.get(model_flags.metadata_key(family)) or {})
     ours = variants.state_settings(family, flag_lib.flatten(config), model.config)
     new_run = "start a new run (another --logger.experiment_id)"
     for flag, value in ours.items():

@@ -25,6 +25,7 @@ import jax
 from absl import logging as absl_logging
 from ml_collections import ConfigDict
 
+from easylm import model_flags
 from easylm.errors import exit_on_user_error
 from easylm.models.family import ModelFamily
 from easylm.training.loop import add_standard_hooks, loop
@@ -42,9 +43,9 @@ def train(config: ConfigDict, family: ModelFamily) -> str:
     if jax.process_index() == 0:
         print(f"checkpoint: {final}")
         model = serving_flags(config, run.model, final)
-        if family.serve_module and step == config.total_steps and model:
-            print(f"serve it:   python -m {family.serve_module} {model}")
-            print(f"eval it:    python -m {family.eval_module} {model} --tasks=TASKS")
+        if step == config.total_steps and model:
+            print(f"serve it:   {model_flags.command(family, 'serve')} {model}")
+            print(f"eval it:    {model_flags.command(family, 'eval')} {model} --tasks=TASKS")
     return final
 
 

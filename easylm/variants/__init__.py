@@ -6,6 +6,7 @@ ask here for the variants' flags, help, run defaults and state settings."""
 
 import dataclasses
 
+from easylm import model_flags
 from easylm.errors import UserError
 from easylm.models import decoder
 from easylm.models.family import Model, ModelFamily
@@ -47,8 +48,9 @@ def run_defaults(family: ModelFamily, flags) -> dict:
 
 def state_settings(family: ModelFamily, flags: dict, config: dict) -> dict:
     """What a run's trained parameters mean besides their values, by the flag that sets it:
-    the family's (`ModelFamily.state_settings`) and its variants' (LoRA's rank, ...)."""
-    settings = family.state_settings(flags, config)
+    whether its layers are stacked (`model_flags.layout_setting`) and its variants' (LoRA's
+    rank, ...)."""
+    settings = model_flags.layout_setting(family, config)
     for variant in _offered(family):
         settings.update(variant.state_settings(flags))
     return settings
@@ -66,10 +68,12 @@ def merge_adapters(family: ModelFamily, spec: str, base_spec: str, config, param
 
 
 def build(family: ModelFamily, flags, config=None, from_checkpoint: bool = False) -> Model:
-    """`family.build(flags, ...)`, or with `--lora.rank` > 0 its LoRA variant: adapters
-    trained on the frozen base --load_checkpoint names (easylm/variants/lora_variant.py)."""
-    config = family.model_config(flags, from_checkpoint) if config is None else config
-    model = family.build(flags, config, from_checkpoint)
+    """`model_flags.build(family, flags, ...)`, or with `--lora.rank` > 0 its LoRA variant:
+    adapters trained on the frozen base --load_checkpoint names
+    (easylm/variants/lora_variant.py)."""
+    if config is None:
+        config = model_flags.model_config(family, flags, from_checkpoint)
+    model = model_flags.build(family, flags, config, from_checkpoint)
     lora = flags.get("lora")
     if lora is None or not lora.rank:
         return model

@@ -25,9 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from easylm import model_flags
 from easylm.errors import UserError
 from easylm.models.decoder import relayout
-from easylm.models.family import ModelFamily
+from easylm.models.family import (ModelFamily, hf_adapter, hf_param_shapes, layout, load_params,
+                                  torch_reference)
 from easylm.models.hf_checkpoint import (adapters_from_peft, expert_to_peft, peft_expert_names,
                                          peft_key, peft_target_modules)
 from easylm.runtime import checkpoint
@@ -47,15 +49,15 @@ class Adapters:
 
     def lora_model(self, config, lora: LoraConfig, dtype=jnp.float32,
                    param_dtype=jnp.float32) -> LoraModel:
-        module = self.family.module_class(self.family.unfused(config), dtype=dtype,
+        module = self.family.module_class(config.unfused(), dtype=dtype,
                                           param_dtype=param_dtype)
         return LoraModel(module, lora, dtype)
 
     def load_base(self, lm: LoraModel, config, spec: str, mesh):
         """The frozen base of `lm` from `spec`, in its shards of `mesh`, stored as it trains."""
         rules = self.family.partition_rules(config)
-        return variant.load_base(lm, spec, mesh, lambda spec, abstract: self.family.load_params(
-            spec, config, abstract, rules), rules)
+        return variant.load_base(lm, spec, mesh, lambda spec, abstract: load_params(
+            self.family, spec, config, abstract, rules), rules)
 
     # ------------------------------------------------------------- PEFT names
 
@@ -78,7 +80,7 @@ class Adapters:
 
     def _gate_up_columns(self, b, to_hf: bool):
         """B (E, r, 2F) of gate_up_proj, ours [gate | up] <-> the family's HF column order."""
-        if not self.family.hf_gate_up_interleaved:
+        if not hf_adapter(self.family).gate_up_interleaved:
             return b
         half = b.shape[-1] // 2
         if to_hf:  # gate_f, up_f -> columns 2f, 2f + 1
@@ -89,12 +91,12 @@ class Adapters:
         """(adapters in `config`'s layout, target_modules regex selecting exactly the kernels
         they adapt) from PEFT-named tensors. With scanned layers every layer must carry the
         same adapters (a scan has one layer's parameters)."""
-        flat = adapters_from_peft(tensors, self.family.hf_param_shapes(config), rank, source)
+        flat = adapters_from_peft(tensors, hf_param_shapes(self.family, config), rank, source)
         for path in [path for path in flat if path.endswith("/gate_up_proj_lora_b")]:
             flat[path] = self._gate_up_columns(flat[path], to_hf=False)
         kernels = sorted({path.rsplit("_", 2)[0] for path in flat})
         pattern = self._kernels_pattern(kernels, config, source)
-        return self.family.layout(traverse_util.unflatten_dict(flat, sep="/"), config), pattern
+        return layout(self.family, traverse_util.unflatten_dict(flat, sep="/"), config), pattern
 
     def _kernels_pattern(self, kernels: list[str], config, source: str) -> str:
         """A regex (re.search) selecting exactly these unscanned kernel paths, written per
@@ -128,7 +130,7 @@ class Adapters:
         transformers' model of the same base."""
         targets = {path.rsplit("_", 2)[0] for path in _one_by_one(adapters)}
         kernels = sorted(path for path in targets if path.endswith("/kernel"))
-        every = [path for path in self.family.hf_param_shapes(config) if path.endswith("/kernel")]
+        every = [path for path in hf_param_shapes(self.family, config) if path.endswith("/kernel")]
         # Full names (model.layers.0.mlp.experts.gate_up_proj): PEFT matches a name's ending,
         # and a shorter one could take in layers these adapters leave alone.
         experts = sorted(path.replace("/", ".") for path in targets - set(kernels))
@@ -150,7 +152,7 @@ class Adapters:
         adapters here)."""
         lora, adapters, metadata = variant.read_adapters(
             spec, lambda directory: self.load_peft(directory, config))
-        return lora, self.family.layout(adapters, config), metadata
+        return lora, layout(self.family, adapters, config), metadata
 
     # ----------------------------------------------------------------- merging
 
@@ -162,11 +164,12 @@ class Adapters:
         family = self.family
 
         def as_the_run(metadata):
-            run_config = family.config_class(**metadata[family.metadata_key])
+            run_config = model_flags.config_from_metadata(
+                family, metadata[model_flags.metadata_key(family)], spec)
             run_lm = self.lora_model(run_config, lora,
                                      dtype=jnp.dtype(metadata["frozen"].get("dtype", "float32")))
             return variant.stored_as_the_run(
-                run_lm, params, lambda p: family.layout(p, run_config),
+                run_lm, params, lambda p: layout(family, p, run_config),
                 lambda: self.load_base(run_lm, run_config, base_spec, mesh))
 
         return variant.merge_into(spec, base_spec, params, self.lora_model(config, lora),
@@ -179,7 +182,8 @@ class Adapters:
         from easylm.runtime.sharding import make_mesh
 
         _, directory = checkpoint.parse_load_spec(spec)
-        config = self.family.config_class(**metadata[self.family.metadata_key])
+        config = model_flags.config_from_metadata(
+            self.family, metadata[model_flags.metadata_key(self.family)], directory)
         recorded = metadata.get("frozen") or {}
         base_spec = base_spec or recorded.get("source", "")
         if base_spec in ("", "init"):
@@ -209,10 +213,10 @@ class Adapters:
         out as `config` says, each in the dtype it is stored in."""
         kind, directory = checkpoint.parse_load_spec(spec, ("hf", "params", "trainstate_params"))
         if kind == "hf":
-            params = self.family.hf_params(directory, config)
+            params = hf_adapter(self.family).read_params(directory, config)
         else:
             params = jax.device_get(checkpoint.load_stored_params(spec))
-        return self.family.layout(params, config)
+        return layout(self.family, params, config)
 
     # -------------------------------------------------------------- exporting
 
@@ -245,7 +249,7 @@ class Adapters:
         from peft import PeftModel
 
         base = jax.device_get(lm.dequantized_base(frozen))
-        model = PeftModel.from_pretrained(self.family.torch_reference(config, base),
+        model = PeftModel.from_pretrained(torch_reference(self.family, config, base),
                                           directory).eval()
         ids = np.random.RandomState(0).randint(0, config.vocab_size, (2, 32))
         with torch.no_grad():

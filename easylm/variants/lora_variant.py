@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from ml_collections import ConfigDict
 
 from easylm.errors import UserError
-from easylm.models.family import Frozen, Model, apply_routed
+from easylm.models.family import Frozen, Model
 from easylm.runtime import checkpoint
 from easylm.runtime.dtypes import dtype_from_flag
 from easylm.runtime.sharding import PartitionRules, match_partition_rules, named_shardings
@@ -60,26 +60,22 @@ def lora_variant(model: Model, lm: LoraModel, host: Host, load_spec: str, load) 
                         f"the model: leave lm_head out of --lora.target_modules, or set "
                         f"--{host.name}.loss_chunk_size=0")
 
-    def forward(adapters, ids, positions=None, segment_ids=None, cache=None, *, base=None,
-                rng=None, return_hidden=False, router_stats=False, routing=None):
+    def apply(adapters, base, rng, collections, *args, **kwargs):
         # Serving (the trainer's lm-eval hook, GRPO's rollouts) runs the live adapters on
         # their stored base: no merged float copy of the base, which for QLoRA would be 4x
         # its nf4 bytes; each matmul dequantizes its kernel as in training. A MoE base's
         # router is frozen, as PEFT leaves it (its kernels are in `base`, where a routing
-        # to replay is laid out), but what it sees moves with the adapters: its stats
-        # feed the router losses (`Model.router_loss`).
-        return apply_routed(
-            lambda collections, *args, **kwargs: lm.apply(base, adapters, *args, rng=rng,
-                                                          collections=collections, **kwargs),
-            base, ids, positions=positions, segment_ids=segment_ids, cache=cache,
-            return_hidden=return_hidden, router_stats=router_stats, routing=routing)
+        # to replay is laid out: `router_params`), but what it sees moves with the
+        # adapters: its stats feed the router losses (`Model.router_loss`).
+        return lm.apply(base, adapters, *args, rng=rng, collections=collections, **kwargs)
 
     def head(adapters, base=None):
         return host.head_weight(lm.dequantized_base(base))
 
     adapter_parameters = lm.num_adapter_parameters()
     return dataclasses.replace(
-        model, init_params=lm.init_adapters, forward=forward, head=head,
+        model, init_params=lm.init_adapters, apply=apply, head=head,
+        router_params=lambda adapters, base: base,
         partition_rules=partition_rules(host.rules),
         frozen=frozen(lm, model, host.rules, load_spec, load), load=None,
         num_parameters=adapter_parameters,

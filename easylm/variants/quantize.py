@@ -34,7 +34,6 @@ import jax.numpy as jnp
 import qwix
 
 from easylm.errors import UserError
-from easylm.models.family import apply_routed
 from easylm.runtime.sharding import (
     PartitionRules,
     match_partition_rules,
@@ -124,17 +123,12 @@ def int8_model(family, config, dtype, params, mesh):
     float parameters of `family.bind(config, dtype, dtype)` placed on `mesh`. qwix quantizes
     the matmuls that read a module's own kernel, so the projections run unfused (the same
     parameters, the same numbers)."""
-    unfused = family.unfused(config)
+    unfused = config.unfused()
     int8 = Int8Model(family.module_class(unfused, dtype=dtype, param_dtype=dtype))
 
-    def forward(params, ids, positions=None, segment_ids=None, cache=None, *, base=None,
-                rng=None, return_hidden=False, router_stats=False, routing=None):
+    def apply(params, base, rng, collections, *args, **kwargs):
         del base, rng  # no frozen parameters, no dropout
-        return apply_routed(
-            lambda collections, *args, **kwargs: int8.apply(params, *args,
-                                                            collections=collections, **kwargs),
-            params, ids, positions=positions, segment_ids=segment_ids, cache=cache,
-            return_hidden=return_hidden, router_stats=router_stats, routing=routing)
+        return int8.apply(params, *args, collections=collections, **kwargs)
 
-    return (dataclasses.replace(family.bind(unfused, dtype, dtype), forward=forward),
+    return (dataclasses.replace(family.bind(unfused, dtype, dtype), apply=apply),
             int8.quantize_sharded(params, family.partition_rules(config), mesh))
