@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The GPU measurements of issue 24 (decode in bf16 and int8 beside HF's static cache, the
+# The GPU measurements (decode in bf16 and int8 beside HF's static cache, the
 # llama_1b train step) on one H200, in one device command of under 9 minutes. Runs go most
 # important first; each gets at most what is left of the deadline (DEADLINE seconds from
 # the start, default 520), and a run that would start with under 45 s left is skipped, so
 # the command always ends in time and keeps what it measured.
-# `bash scripts/gpu_bench.sh round1` runs issue 8's and issue 7's list instead (the 8B and
+# `bash scripts/gpu_bench.sh round1` runs the first round's list instead (train step, then decode) (the 8B and
 # 7B steps, compile times); `tune` the shorter list of variants the 2026-11-30 second lease
 # compared (docs/benchmarks.md), with a profile of the first; `decode` batch-1 variants.
 # Run from the repository root on the GPU machine, after
@@ -45,7 +45,7 @@ bench() { run "${CAP:-150}" python3 -m easylm.bench train "$@" --compilation_cac
 one_b="--llama.base_model=llama_1b --seq_length=2048 --batch_size=8 --dtype=bf16 --param_dtype=fp32 --warmup_steps=2 --steps=18"
 fast="--llama.attention=cudnn --llama.loss_chunk_size=2048"  # llama_1b: one loss chunk per row
 big="--llama.attention=cudnn --llama.loss_chunk_size=1024"   # 8B and 7B, as measured on 2026-11-30
-# Decode throughput (issue 7 acceptance 6): llama_1b, bf16, prompt 128, 256 new tokens. Each
+# Decode throughput: llama_1b, bf16, prompt 128, 256 new tokens. Each
 # batch size builds its own engine and compiles its prefill and decode programs first.
 # decode CAP [FLAGS...]: later flags override earlier ones.
 decode() { local cap=$1; shift
@@ -53,7 +53,7 @@ decode() { local cap=$1; shift
              --batch_sizes=1,16,64 --prompt_length=128 --new_tokens=256 "$@" | tee -a "$results"; }
 
 if [ "$mode" = round2 ]; then
-  # Issue 24 acceptance 1: batch 1/16/64, bf16 and int8 weights, and HF transformers'
+  # Decode: batch 1/16/64, bf16 and int8 weights, and HF transformers'
   # static-cache generate on the same GPU, same weights and prompts, in one process.
   decode 240 --quantize=none,int8 --hf=true
   # Acceptance 2: the llama_1b step (target >= 60% MFU, <= 60 GB), profiled, then the
@@ -69,7 +69,7 @@ if [ "$mode" = round2 ]; then
     [ -n "$t" ] && cp "$t" "$(dirname "$t")/kernels.csv" "$OUT"/
   fi
 elif [ "$mode" = decode ]; then
-  # Batch-1 decode (issue 7's target: >= 1,000 tokens/s), the steps of a call as a loop
+  # Batch-1 decode (the target: >= 1,000 tokens/s), the steps of a call as a loop
   # and unrolled (--decode_unroll), then unrolled with fused projections; DEADLINE=400.
   # On a fresh machine one batch-1 process did not finish in 50 s (2026-11-30): jax and
   # CUDA start, parameter init and the compiles come before the timed generate.
@@ -94,14 +94,14 @@ elif [ "$mode" = tune ]; then
     [ -n "$t" ] && cp "$t" "$(dirname "$t")/kernels.csv" "$OUT"/
   fi
 elif [ "$mode" = round1 ]; then
-# Issue 8 acceptance 1: the llama_1b shape, the unoptimised path and the optimised one,
+# Train step: the llama_1b shape, the unoptimised path and the optimised one,
 # 20 steps each (2 warm-up + 18 timed) on the same batch, so the loss curves compare.
 # The unoptimised path recomputes everything: XLA attention keeps (B, N, T, S) scores per
 # layer (XLA:CPU sizes the step without remat at 220 GB); remat does not change the numbers.
 bench $one_b --llama.attention=xla --llama.remat_policy=nothing_saveable
 bench $one_b $fast
 
-# Issue 8 acceptance 2: llama3_8b shape, seq 4096, bf16 parameters and moments. Saving the
+# Train step at 8B: llama3_8b shape, seq 4096, bf16 parameters and moments. Saving the
 # projections' outputs may not fit; then recompute everything.
 for remat in checkpoint_dots_with_no_batch_dims nothing_saveable; do
   CAP=180 bench --llama.base_model=llama3_8b --seq_length=4096 --batch_size=2 --dtype=bf16 --param_dtype=bf16 \
@@ -109,7 +109,7 @@ for remat in checkpoint_dots_with_no_batch_dims nothing_saveable; do
   tail -n 1 "$results" | grep -q '"llama3_8b"' && break
 done
 
-# Issue 8 acceptance 3: cold compile of llama_7b scanned, then a warm start from the cache.
+# Compile time: cold compile of llama_7b scanned, then a warm start from the cache.
 # The JSON line's compile_time_s is lower+compile; the shell times the whole process.
 rm -rf /tmp/jax-cache-7b
 for start in cold warm; do

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The losses of five short runs on the debug presets, printed to the last digit: the family-kit
-# refactor (#36) must leave them bitwise unchanged. Run it on two commits and diff the output:
+# The losses of five short runs on the debug presets, printed to the last digit: refactors of
+# the model kit (the family kit, the narrow model contract) must leave them bitwise
+# unchanged. Run it on two commits and diff the output:
 #   bash scripts/kit_losses.sh > after.txt; git worktree add /tmp/base eab95cc
 #   (cd /tmp/base && PYTHONPATH=$PWD bash scripts/kit_losses.sh) > before.txt; diff before.txt after.txt
-# GRPO_FLAGS adds flags to the GRPO run: since #40 a GRPO step with beta > 0 differs from
-# eab95cc's on purpose (TRL's KL bias correction, and the KL taken against the policy the
+# GRPO_FLAGS adds flags to the GRPO run: a GRPO step with beta > 0 differs from eab95cc's on
+# purpose (TRL's KL bias correction, and the KL taken against the policy the
 # rollout scored); GRPO_FLAGS=--grpo.beta=0 compares the rest of its path bitwise.
 set -euo pipefail
 out=$(mktemp -d)

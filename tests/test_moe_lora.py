@@ -1,4 +1,4 @@
-"""LoRA and QLoRA on a mixture of experts' stacks (issue 37): per-expert adapters inside the
+"""LoRA and QLoRA on a mixture of experts' stacks: per-expert adapters inside the
 grouped matmul, the router losses kept under LoRA, PEFT's `target_parameters` export and
 import on transformers' fused expert tensors (Qwen3-MoE, Mixtral, gpt-oss), the merged
 export, nf4 expert stacks, and a run through `python -m easylm.train`.

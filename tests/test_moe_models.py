@@ -1,4 +1,4 @@
-"""Qwen3-MoE and Mixtral as LLaMA variants (issue 37): logits and the training loss with
+"""Qwen3-MoE and Mixtral as LLaMA variants: logits and the training loss with
 the load-balancing term against transformers' Qwen3MoeForCausalLM and MixtralForCausalLM
 on the same weights, the name map both ways, and what is refused.
 

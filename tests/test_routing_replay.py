@@ -1,4 +1,4 @@
-"""GRPO's routing replay (issue 37): the engine records each token's expert choices while
+"""GRPO's routing replay: the engine records each token's expert choices while
 sampling and the training forward replays them, so the trainer's log-probabilities are
 the sampler's to fp32 rounding.
 

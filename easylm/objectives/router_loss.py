@@ -1,4 +1,4 @@
-"""A mixture of experts' router losses added to an objective's sums (issue 37).
+"""A mixture of experts' router losses added to an objective's sums.
 
     loss = objective + aux_coef * load_balancing + z_coef * z
 
