@@ -9,6 +9,7 @@ relative to the output's magnitude; bf16 rounds each of those eight stages' resu
 2^-7 relative (`EPS_BF16`), errors that add as a random walk: sqrt(8) EPS_BF16.
 """
 
+import functools
 import math
 
 import jax
@@ -76,39 +77,50 @@ def inputs(length: int = T, seed: int = 0):
     return np.random.RandomState(seed).randn(B, length, SIZES["hidden_size"]).astype(np.float32)
 
 
-def run(layout, params, x, state=None, segment_ids=None, **module_fields):
+@functools.cache
+def applier(layout: str, **module_fields):
+    """One jitted apply per module variant, shared by the tests (compiles dominate)."""
     layer = GatedDeltaNet(flax_config(layout), **module_fields)
-    apply = jax.jit(lambda p, x, s, seg: layer.apply({"params": p}, x, s, seg))
-    return apply(params, jnp.asarray(x), state, segment_ids)
+    return jax.jit(lambda p, x, state, seg: layer.apply({"params": p}, x, state, seg))
 
 
-@pytest.fixture(scope="module", params=list(LAYOUTS))
-def pair(request):
-    """(layout, transformers layer, our params, x, transformers' output)."""
-    layer = torch_layer(request.param)
+def run(layout, params, x, state=None, segment_ids=None, fresh=False, **module_fields):
+    seg = None if segment_ids is None else jnp.asarray(segment_ids)
+    apply = (applier.__wrapped__ if fresh else applier)(layout, **module_fields)
+    return apply(params, jnp.asarray(x), state, seg)
+
+
+@functools.cache
+def reference(layout: str):
+    """(transformers layer, our params, x, transformers' output)."""
+    layer = torch_layer(layout)
     x = inputs()
+    return layer, flax_params(layer), x, torch_apply(layer, x)
+
+
+def torch_apply(layer, x, attention_mask=None):
     with torch.no_grad():
-        expected = layer(torch.from_numpy(x)).numpy()
-    return request.param, layer, flax_params(layer), x, expected
+        mask = None if attention_mask is None else torch.from_numpy(attention_mask)
+        return layer(torch.from_numpy(np.asarray(x)), attention_mask=mask).numpy()
 
 
-def test_parameters_match_transformers_names_and_shapes(pair):
-    layout, _, params, x, _ = pair
-    ours = GatedDeltaNet(flax_config(layout)).init(jax.random.PRNGKey(0), jnp.asarray(x[:, :4]))
-    shapes = jax.tree.map(np.shape, ours["params"])
-    assert shapes == jax.tree.map(np.shape, params)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_parameters_match_transformers_names_and_shapes(layout):
+    _, params, x, _ = reference(layout)
+    init = GatedDeltaNet(flax_config(layout)).init
+    ours = jax.eval_shape(init, jax.random.PRNGKey(0), jnp.asarray(x[:, :4]))["params"]
+    assert jax.tree.map(np.shape, ours) == jax.tree.map(np.shape, params)
 
 
-def test_matches_transformers(pair):
-    layout, _, params, x, expected = pair
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_matches_transformers(layout):
+    _, params, x, expected = reference(layout)
     out, _ = run(layout, params, x)
     assert_close(out, expected, REL)
 
 
-@pytest.mark.parametrize("bug", ["conv dropped", "decay dropped"])
-def test_matches_transformers_negative_twin(pair, bug, monkeypatch):
-    """The same comparison fails on a real bug in the layer."""
-    layout, _, params, x, expected = pair
+def with_bug(monkeypatch, bug: str):
+    """Patch a real bug into the layer (then `run(..., fresh=True)`: traced anew)."""
     if bug == "conv dropped":
         monkeypatch.setattr(gdn, "causal_conv",
                             lambda x, kernel, state, real, run: (jax.nn.silu(x), state))
@@ -116,5 +128,84 @@ def test_matches_transformers_negative_twin(pair, bug, monkeypatch):
         rule = gdn.delta_rule
         monkeypatch.setattr(gdn, "delta_rule",
                             lambda q, k, v, g, *rest: rule(q, k, v, 0 * g, *rest))
-    out, _ = run(layout, params, x)
+
+
+@pytest.mark.parametrize("layout, bug", [("separate", "conv dropped"), ("fused", "decay dropped")])
+def test_matches_transformers_negative_twin(layout, bug, monkeypatch):
+    """The same comparison fails on a real bug in the layer."""
+    _, params, x, expected = reference(layout)
+    with_bug(monkeypatch, bug)
+    out, _ = run(layout, params, x, fresh=True)
     assert_differs(out, expected, REL)
+
+
+def random_state(seed: int = 1) -> DeltaNetState:
+    """A state as a previous call could leave it: conv inputs of the projections' size,
+    and a recurrent state of about a few tokens' writes."""
+    state = DeltaNetState.init(B, flax_config("separate"))
+    rng = np.random.RandomState(seed)
+    return DeltaNetState(*(jnp.asarray(rng.randn(*s.shape).astype(np.float32) * 0.5)
+                           for s in state))
+
+
+def test_recurrent_form_equals_chunked_form(monkeypatch):
+    """From a non-zero state, chunks of 16 over 100 tokens (the last chunk partial) give
+    the token-by-token outputs and final state; dropping the decay of the state carried
+    from chunk to chunk is caught."""
+    _, params, x, _ = reference("separate")
+    state = random_state()
+    recurrent, recurrent_state = run("separate", params, x, state, form="recurrent")
+    chunked, chunked_state = run("separate", params, x, state, form="chunked", chunk_size=16)
+    assert_close(chunked, recurrent, REL)
+    for ours, theirs in zip(chunked_state, recurrent_state):
+        assert_close(ours, theirs, REL)
+
+    terms = gdn.chunk_terms
+    monkeypatch.setattr(gdn, "chunk_terms",
+                        lambda *a: (*terms(*a)[:5], jnp.ones_like(terms(*a)[5])))
+    wrong, _ = jax.jit(GatedDeltaNet(flax_config("separate"), form="chunked", chunk_size=16)
+                       .apply)({"params": params}, jnp.asarray(x), state)
+    assert_differs(wrong, recurrent, REL)
+
+
+def decode(layout, params, x, state):
+    """One call per token (the recurrent form), the state carried: outputs (B, t, D)."""
+    outs = []
+    for i in range(x.shape[1]):
+        out, state = run(layout, params, x[:, i:i + 1], state)
+        outs.append(out)
+    return np.concatenate(outs, axis=1), state
+
+
+def test_prefill_then_decode_equals_full_forward():
+    """70 tokens prefilled (two chunks), then 6 decoded one at a time = transformers over all
+    76; decoding from a state whose conv window was lost is caught."""
+    layer, params, _, _ = reference("fused")
+    x = inputs(76, seed=3)
+    expected = torch_apply(layer, x)
+    prefill, state = run("fused", params, x[:, :70])
+    decoded, _ = decode("fused", params, x[:, 70:], state)
+    assert_close(np.concatenate([prefill, decoded], axis=1), expected, REL)
+
+    lost, _ = decode("fused", params, x[:, 70:], state._replace(conv=0 * state.conv))
+    assert_differs(lost, expected[:, 70:], REL, scale=np.abs(expected).max())
+
+
+def test_bf16_compute_stays_close(monkeypatch):
+    """bf16 activations, fp32 parameters and state: within sqrt(8) bf16 roundings of
+    transformers' fp32 output, and a dropped conv still fails that bound."""
+    _, params, x, expected = reference("separate")
+    rel = math.sqrt(8) * EPS_BF16
+    out, state = run("separate", params, x, dtype=jnp.bfloat16)
+    assert out.dtype == jnp.bfloat16 and state.recurrent.dtype == jnp.float32
+    assert_close(out, expected, rel)
+
+
+    with_bug(monkeypatch, "conv dropped")
+    wrong, _ = run("separate", params, x, fresh=True, dtype=jnp.bfloat16)
+    assert_differs(wrong, expected, rel)
+
+
+def continued(layer, x_real, x_next):
+    """transformers' output for x_next after x_real, with x_real alone in its row."""
+    return torch_apply(layer, np.concatenate([x_real, x_next])[None])[0, -1]
