@@ -209,3 +209,73 @@ def test_bf16_compute_stays_close(monkeypatch):
 def continued(layer, x_real, x_next):
     """transformers' output for x_next after x_real, with x_real alone in its row."""
     return torch_apply(layer, np.concatenate([x_real, x_next])[None])[0, -1]
+
+
+def alone(layer, x, segment_ids):
+    """transformers' outputs with each document of each row alone in its own row, in the
+    packed layout (zeros at padding), and each row's last document."""
+    out = np.zeros_like(x)
+    last = []
+    for row, seg in enumerate(segment_ids):
+        for doc in np.unique(seg[seg > 0]):
+            where = np.flatnonzero(seg == doc)
+            out[row, where] = torch_apply(layer, x[row, where][None])[0]
+        last.append(x[row, where])
+    return out, last
+
+
+PACKED = np.array([[1] * 37 + [2] * 63,  # the boundary inside the first chunk of 64
+                   [1] * 80 + [2] * 20])  # inside the second
+
+
+@pytest.mark.parametrize("form", ["auto", "recurrent"])  # auto: chunked at T = 100
+def test_packed_documents_restart_the_state(form):
+    """Each document of a packed row = transformers on it alone, the decoded token after
+    the row continues its last document alone, and perturbing a token of the first
+    document moves no position of the second. Without segment ids the same comparison
+    fails."""
+    layer, params, x, _ = reference("separate")
+    expected, last = alone(layer, x, PACKED)
+    out, state = run("separate", params, x, None, PACKED, form=form)
+    assert_close(out, expected, REL)
+    x_next = inputs(1, seed=5)
+    step, _ = run("separate", params, x_next, state)
+    for row in range(B):
+        assert_close(step[row, 0], continued(layer, last[row], x_next[row]), REL,
+                     scale=np.abs(expected).max())
+
+    perturbed = x.copy()
+    perturbed[:, 10] += 1.0
+    moved, _ = run("separate", params, perturbed, None, PACKED, form=form)
+    second = PACKED == 2
+    assert_close(np.asarray(moved)[second], np.asarray(out)[second], 1e-6,
+                 scale=np.abs(expected).max())
+    assert_differs(np.asarray(moved)[~second], np.asarray(out)[~second], REL,
+                   scale=np.abs(expected).max())
+
+    leaked, _ = run("separate", params, x, form=form)
+    assert_differs(leaked, expected, REL)
+
+
+def test_padding_leaves_the_state_alone():
+    """A left-padded row (transformers' attention mask zeroes it) and a right-padded one
+    both equal their 60 real tokens alone, and the token decoded after each continues
+    them; treating the padding as tokens is caught."""
+    layer, params, x, _ = reference("separate")
+    segment_ids = np.zeros((B, T), np.int32)
+    segment_ids[0, 40:] = 1
+    segment_ids[1, :60] = 1
+    expected, real = alone(layer, x, segment_ids)
+    assert_close(torch_apply(layer, x[:1], segment_ids[:1])[0, 40:], expected[0, 40:], REL)
+    out, state = run("separate", params, x, None, segment_ids)
+    real_positions = segment_ids > 0
+    assert_close(np.asarray(out)[real_positions], expected[real_positions], REL)
+
+    x_next = inputs(1, seed=6)
+    scale = np.abs(expected).max()
+    want = np.stack([continued(layer, real[row], x_next[row]) for row in range(B)])
+    step, _ = run("separate", params, x_next, state)
+    assert_close(step[:, 0], want, REL, scale=scale)
+    _, padded_state = run("separate", params, x)
+    wrong, _ = run("separate", params, x_next, padded_state)
+    assert_differs(wrong[1, 0], want[1], REL, scale=scale)
