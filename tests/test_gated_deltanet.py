@@ -28,9 +28,9 @@ from easylm.models.gated_deltanet import DeltaNetState, GatedDeltaNet, GatedDelt
 
 # GQA-style heads: two value heads per key head. T = 100 is past one chunk of 64 and not a
 # multiple of it.
-SIZES = dict(hidden_size=32, linear_num_key_heads=2, linear_num_value_heads=4,
-             linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
-             num_hidden_layers=4)
+SIZES = {"hidden_size": 32, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+         "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4,
+         "num_hidden_layers": 4}
 B, T = 2, 100
 REL = fp32_rel(max(32, T, 4 * 8), depth=8)
 LAYOUTS = {"separate": (Qwen3_5TextConfig, Qwen3_5GatedDeltaNet),
@@ -59,7 +59,7 @@ def flax_params(layer) -> dict:
         value = value.detach().numpy()
         if name == "conv1d.weight":
             params["conv1d"] = {"kernel": value[:, 0, :].T}
-        elif name.startswith("in_proj") or name.startswith("out_proj"):
+        elif name.startswith(("in_proj", "out_proj")):
             params[name.split(".")[0]] = {"kernel": value.T}
         elif name == "norm.weight":
             params["norm"] = {"weight": value}
@@ -84,10 +84,9 @@ def applier(layout: str, **module_fields):
     return jax.jit(lambda p, x, state, seg: layer.apply({"params": p}, x, state, seg))
 
 
-def run(layout, params, x, state=None, segment_ids=None, fresh=False, **module_fields):
+def run(layout, params, x, state=None, segment_ids=None, **module_fields):
     seg = None if segment_ids is None else jnp.asarray(segment_ids)
-    apply = (applier.__wrapped__ if fresh else applier)(layout, **module_fields)
-    return apply(params, jnp.asarray(x), state, seg)
+    return applier(layout, **module_fields)(params, jnp.asarray(x), state, seg)
 
 
 @functools.cache
@@ -119,23 +118,21 @@ def test_matches_transformers(layout):
     assert_close(out, expected, REL)
 
 
-def with_bug(monkeypatch, bug: str):
-    """Patch a real bug into the layer (then `run(..., fresh=True)`: traced anew)."""
-    if bug == "conv dropped":
-        monkeypatch.setattr(gdn, "causal_conv",
-                            lambda x, kernel, state, real, run: (jax.nn.silu(x), state))
-    else:
-        rule = gdn.delta_rule
-        monkeypatch.setattr(gdn, "delta_rule",
-                            lambda q, k, v, g, *rest: rule(q, k, v, 0 * g, *rest))
+# Bugs a conversion or the layer could have, as parameters (the compiled layer is reused):
+# the conv read as a convolution instead of transformers' cross-correlation, and the decay
+# lost (exp(A_log) = 0: g = 0, the state never forgets).
+BUGS = {
+    "conv reversed in time": lambda p: {**p, "conv1d": {"kernel": p["conv1d"]["kernel"][::-1]}},
+    "decay dropped": lambda p: {**p, "A_log": np.full_like(p["A_log"], -1e30)},
+}
 
 
-@pytest.mark.parametrize("layout, bug", [("separate", "conv dropped"), ("fused", "decay dropped")])
-def test_matches_transformers_negative_twin(layout, bug, monkeypatch):
-    """The same comparison fails on a real bug in the layer."""
+@pytest.mark.parametrize("layout, bug", [("separate", "conv reversed in time"),
+                                         ("fused", "decay dropped")])
+def test_matches_transformers_negative_twin(layout, bug):
+    """The same comparison fails on a real bug."""
     _, params, x, expected = reference(layout)
-    with_bug(monkeypatch, bug)
-    out, _ = run(layout, params, x, fresh=True)
+    out, _ = run(layout, BUGS[bug](params), x)
     assert_differs(out, expected, REL)
 
 
@@ -168,6 +165,27 @@ def test_recurrent_form_equals_chunked_form(monkeypatch):
     assert_differs(wrong, recurrent, REL)
 
 
+def test_gradients_of_the_two_forms_agree():
+    """Training differentiates the chunked form (its masked exp, the triangular solve):
+    over packed rows its parameter gradients are the token-by-token form's, within twice
+    a forward's depth; a gradient that leaks across documents is caught."""
+    _, params, x, _ = reference("separate")
+    rel = fp32_rel(max(32, T, 4 * 8), depth=16)
+
+    def grads(form):
+        layer = GatedDeltaNet(flax_config("separate"), form=form, chunk_size=16)
+        loss = lambda p, seg: jnp.sum(jnp.sin(layer.apply({"params": p}, x, None, seg)[0]))
+        return jax.jit(jax.grad(loss))
+
+    recurrent = grads("recurrent")(params, jnp.asarray(PACKED))
+    chunked = grads("chunked")
+    leaked = chunked(params, ONE_DOCUMENT)  # the same program, the rows not split
+    chunked = chunked(params, jnp.asarray(PACKED))
+    for name in ("A_log", "dt_bias", "conv1d", "in_proj_qkv", "in_proj_a", "norm"):
+        assert_close(jax.tree.leaves(chunked[name])[0], jax.tree.leaves(recurrent[name])[0], rel)
+    assert_differs(leaked["A_log"], recurrent["A_log"], rel)
+
+
 def decode(layout, params, x, state):
     """One call per token (the recurrent form), the state carried: outputs (B, t, D)."""
     outs = []
@@ -191,9 +209,9 @@ def test_prefill_then_decode_equals_full_forward():
     assert_differs(lost, expected[:, 70:], REL, scale=np.abs(expected).max())
 
 
-def test_bf16_compute_stays_close(monkeypatch):
+def test_bf16_compute_stays_close():
     """bf16 activations, fp32 parameters and state: within sqrt(8) bf16 roundings of
-    transformers' fp32 output, and a dropped conv still fails that bound."""
+    transformers' fp32 output, and a conv reversed in time still fails that bound."""
     _, params, x, expected = reference("separate")
     rel = math.sqrt(8) * EPS_BF16
     out, state = run("separate", params, x, dtype=jnp.bfloat16)
@@ -201,8 +219,7 @@ def test_bf16_compute_stays_close(monkeypatch):
     assert_close(out, expected, rel)
 
 
-    with_bug(monkeypatch, "conv dropped")
-    wrong, _ = run("separate", params, x, fresh=True, dtype=jnp.bfloat16)
+    wrong, _ = run("separate", BUGS["conv reversed in time"](params), x, dtype=jnp.bfloat16)
     assert_differs(wrong, expected, rel)
 
 
@@ -226,6 +243,7 @@ def alone(layer, x, segment_ids):
 
 PACKED = np.array([[1] * 37 + [2] * 63,  # the boundary inside the first chunk of 64
                    [1] * 80 + [2] * 20])  # inside the second
+ONE_DOCUMENT = np.ones((B, T), np.int32)  # what the negative twins pass instead: one program
 
 
 @pytest.mark.parametrize("form", ["auto", "recurrent"])  # auto: chunked at T = 100
@@ -253,7 +271,7 @@ def test_packed_documents_restart_the_state(form):
     assert_differs(np.asarray(moved)[~second], np.asarray(out)[~second], REL,
                    scale=np.abs(expected).max())
 
-    leaked, _ = run("separate", params, x, form=form)
+    leaked, _ = run("separate", params, x, None, ONE_DOCUMENT, form=form)
     assert_differs(leaked, expected, REL)
 
 
@@ -276,6 +294,6 @@ def test_padding_leaves_the_state_alone():
     want = np.stack([continued(layer, real[row], x_next[row]) for row in range(B)])
     step, _ = run("separate", params, x_next, state)
     assert_close(step[:, 0], want, REL, scale=scale)
-    _, padded_state = run("separate", params, x)
+    _, padded_state = run("separate", params, x, None, ONE_DOCUMENT)
     wrong, _ = run("separate", params, x_next, padded_state)
     assert_differs(wrong[1, 0], want[1], REL, scale=scale)

@@ -195,7 +195,8 @@ def chunk_terms(q, k, v, g, beta, run, run_before):
     writes = (run == run_last)[..., None]  # tokens whose writes survive to the chunk's end
     k_beta = k * beta[..., None]
     # The UT transform: (I + strictly lower (beta k k^T * decay))^-1 turns C sequential
-    # delta-rule updates into matmuls (transformers' torch_chunk_gated_delta_rule).
+    # delta-rule updates into matmuls (transformers' torch_chunk_gated_delta_rule); the
+    # solve reads the diagonal as ones.
     system = jnp.einsum("MBINH,MBJNH->MBNIJ", k_beta, k, precision=HIGHEST)
     system = system * jnp.moveaxis(decay, -1, 2)
     solve = lambda rhs: jax.lax.linalg.triangular_solve(
