@@ -155,7 +155,7 @@ def test_serve_quantizes_a_hf_directory_at_load(hf_dir):
     # of one full forward over the prompt and the tokens before it.
     prompt, steps = [1, 5, 9, 13], 8
     tokens = greedy(engine, prompt, steps)
-    logits = jax.jit(engine.model.forward)(engine.params, jnp.array([prompt + tokens]))
+    logits = jax.jit(engine.model.forward)(engine.params, jnp.array([prompt + tokens])).logits
     assert tokens == np.argmax(logits[0, len(prompt) - 1:-1], -1).tolist()
 
 
@@ -298,7 +298,7 @@ def test_serve_int8_moe_answers_the_openai_api(moe_dir):
     assert all(s.array.qvalue.sharding.spec[0] == s.array.scale.sharding.spec[0] == "ep"
                for s in stacks)
     tokens = greedy(engine, prompt, steps)
-    logits = jax.jit(engine.model.forward)(engine.params, jnp.array([prompt + tokens]))
+    logits = jax.jit(engine.model.forward)(engine.params, jnp.array([prompt + tokens])).logits
     assert tokens == np.argmax(logits[0, len(prompt) - 1:-1], -1).tolist()
     eos = engine.model.eos_token_id
     tokens = tokens[:tokens.index(eos)] if eos in tokens else tokens
