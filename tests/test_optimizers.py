@@ -12,7 +12,8 @@ import pytest
 from easylm.errors import UserError
 from easylm.runtime.sharding import path_to_string
 from easylm.training import optimizers
-from numerics import assert_close, assert_differs, fp32_rel
+from numerics import (assert_close, assert_differs, fp32_rel, newton_schulz64,
+                      newton_schulz_growth)
 
 PARAMS = {
     "model": {
@@ -277,7 +278,6 @@ def test_stochastic_rounding_rejects_fp16_parameters():
 
 
 # ------------------------------------------------------------------------------ Muon
-NS_COEFFS = (3.4445, -4.7750, 2.0315)  # optax's (Keller Jordan's) quintic, 5 steps
 # Muon's matrices (a tall one, whose iteration runs on its transpose; an expert stack,
 # orthogonalized per expert) beside what AdamW keeps (embedding, head, norm, router).
 MUON_SHAPES = {
@@ -307,20 +307,6 @@ def muon_config(kind="muon", lr=0.05, wd=0.1, **muon):
     return optimizers.get_default_config({"type": kind, "muon_optimizer": muon, "adamw_optimizer":
         dict(init_lr=lr, lr=lr, end_lr=lr, lr_warmup_steps=1, lr_decay_steps=10,
              weight_decay=wd, weight_decay_exclusions="norm,embed", clip_gradient=0.0)})
-
-
-def newton_schulz64(g, steps=5):
-    """optax's iteration in float64: Frobenius-normalize, then x <- a x + (b A + c A^2) x
-    with A = x x^T, on the wide orientation of the matrix."""
-    x = np.asarray(g, np.float64)
-    tall = x.shape[0] > x.shape[1]
-    x = x.T if tall else x
-    x = x / (np.linalg.norm(x) + 1e-8)
-    a, b, c = NS_COEFFS
-    for _ in range(steps):
-        A = x @ x.T
-        x = a * x + (b * A + c * A @ A) @ x
-    return x.T if tall else x
 
 
 def muon_params64(p, grads, lr, wd, beta=0.95, rms=0.2, steps=5, per_matrix=True):
@@ -353,12 +339,8 @@ def _muon_run(config, params, grads):
 def ns_rel(m: int, n: int, steps: int = 5) -> float:
     """fp32 tolerance of Muon's update relative to its largest entry: each Newton-Schulz
     step is three reductions in sequence (x x^T over n terms, A A and B x over m) after a
-    norm over m*n, and each step can amplify an incoming error by the iteration's
-    largest slope, max |p'(s)| over the singular values it visits (s in [0, 1.2])."""
-    a, b, c = NS_COEFFS
-    s = np.linspace(0.0, 1.2, 1201)
-    growth = float(np.max(np.abs(a + 3 * b * s ** 2 + 5 * c * s ** 4)))
-    return growth ** steps * fp32_rel(max(m, n), 3 * steps + 1)
+    norm over m*n, each step amplifying what comes in by at most the iteration's slope."""
+    return newton_schulz_growth(steps) * fp32_rel(max(m, n), 3 * steps + 1)
 
 
 def test_muon_matches_a_float64_transcription_and_its_twins_do_not():
