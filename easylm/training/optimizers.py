@@ -307,9 +307,9 @@ def scale_to_rms(rms: float) -> optax.GradientTransformation:
     """Moonlight's update scale ("Muon is Scalable for LLM Training", 2025): an orthogonal
     (m, n) matrix has RMS 1/sqrt(max(m, n)), so x rms*sqrt(max(m, n)) gives each matrix's
     update the RMS `rms`; at 0.2, about AdamW's, AdamW's learning rate and weight decay
-    carry over. rms=0: Keller Jordan's sqrt(max(1, n/m)) (its lr is then ~10x AdamW's).
-    optax.contrib.muon's own scale (consistent_rms) is the same formula, but it is not
-    public on its own."""
+    carry over. rms=0: Keller Jordan's sqrt(max(1, n/m)), whose learning rates are not
+    AdamW's. optax.contrib.muon's consistent_rms is the same formula, but optax does not
+    export it on its own (optax.contrib._muon.scale_by_shape is private)."""
     def scale(u):
         m, n = u.shape[-2:]
         return u * (rms * math.sqrt(max(m, n)) if rms else math.sqrt(max(1.0, n / m)))
