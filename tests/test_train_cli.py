@@ -360,6 +360,10 @@ def test_redefaulted_flags_keep_the_directories_runs_had(argv, old_id):
 
     assert run_id() == old_id
     assert run_id("--train_dataset.text_processor.add_bos_token=false") != old_id
+    # Muon's flags, added later, count only when Muon trains.
+    assert run_id("--optimizer.muon_optimizer.momentum=0.9") == old_id
+    assert run_id("--optimizer.type=muon") != run_id("--optimizer.type=muon",
+                                                     "--optimizer.muon_optimizer.momentum=0.9")
     if "--lora.rank=16" in argv:
         assert run_id("--lora.target_modules=q_proj/kernel$") != old_id
 

@@ -351,6 +351,14 @@ def flags_section(config: ConfigDict) -> str:
     return "adamw_optimizer" if config.type == "muon" else f"{config.type}_optimizer"
 
 
+def unused_flags(config: ConfigDict) -> tuple:
+    """Flag prefixes a run's id leaves out (easylm/training/options.py's run_directory):
+    muon_optimizer's unless Muon trains, so that runs started before it existed keep
+    their directories. (palm_optimizer's were always hashed; leaving them out now would
+    move those runs.)"""
+    return () if config.type == "muon" else ("optimizer.muon_optimizer.",)
+
+
 def describe(config: ConfigDict, params) -> str | None:
     """For the start of a run: how many parameters Muon and AdamW each own (None for the
     other optimizers). A split that leaves Muon nothing is refused: it would be AdamW."""
