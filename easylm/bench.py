@@ -188,6 +188,7 @@ def _run_steps(config: ConfigDict, model, tx, schedule, mesh) -> dict:
         **_model_fields(config, model, state),
         "seq_length": config.seq_length,
         "batch_size": config.batch_size,
+        "optimizer": config.optimizer.type,  # Muon's step time beside AdamW's: two rows
         "mesh": shown_axes(mesh),
         **_sequence_fields(config, mesh),
         "tokens_per_second": round(tokens_per_second, 1),

@@ -287,7 +287,7 @@ def _estimate(config: ConfigDict, family, num_devices: int, num_processes: int) 
     opt_state = jax.eval_shape(tx.init, params)
     rules = model.partition_rules
     parameters = parameter_bytes(params, rules, sizes)
-    optimizer = parameter_bytes(opt_state, rules, sizes)
+    optimizer = parameter_bytes(opt_state, tuple(rules) + optimizers.STATE_RULES, sizes)
     frozen = 0 if frozen_shapes is None else parameter_bytes(
         frozen_shapes, model.frozen.rules, sizes)
 
@@ -410,7 +410,7 @@ def candidate_fixes(config: ConfigDict, family, num_devices: int, num_processes:
     while rows % (2 * k) == 0:
         k *= 2
         fixes.append({"optimizer.accumulate_gradient_steps": k})
-    optimizer = f"{config.optimizer.type}_optimizer"
+    optimizer = optimizers.flags_section(config.optimizer)
     if not config.optimizer[optimizer].bf16_momentum:
         fixes.append({f"optimizer.{optimizer}.bf16_momentum": True})
     if config.optimizer.state_dtype == "fp32":

@@ -79,3 +79,30 @@ def logprob_atol_for(model, params, seq_length: int = 64):
     ids = np.random.RandomState(0).randint(0, model.config.vocab_size, (4, seq_length))
     scale = float(jnp.abs(model.apply({"params": params}, jnp.asarray(ids))).max())
     return lambda terms=1: logprob_tolerance(model.config, seq_length, scale, terms)
+
+
+# optax's Newton-Schulz quintic for Muon (Keller Jordan's coefficients).
+NS_COEFFS = (3.4445, -4.7750, 2.0315)
+
+
+def newton_schulz_growth(steps: int = 5) -> float:
+    """How much Muon's Newton-Schulz iteration can amplify a relative error in its input:
+    each step by its polynomial's largest slope, max |p'(s)| over the singular values it
+    visits (s in [0, 1.2])."""
+    a, b, c = NS_COEFFS
+    s = np.linspace(0.0, 1.2, 1201)
+    return float(np.max(np.abs(a + 3 * b * s ** 2 + 5 * c * s ** 4))) ** steps
+
+
+def newton_schulz64(g, steps: int = 5):
+    """optax's iteration in float64: Frobenius-normalize, then x <- a x + (b A + c A^2) x
+    with A = x x^T, on the wide orientation of the matrix."""
+    x = np.asarray(g, np.float64)
+    tall = x.shape[0] > x.shape[1]
+    x = x.T if tall else x
+    x = x / (np.linalg.norm(x) + 1e-8)
+    a, b, c = NS_COEFFS
+    for _ in range(steps):
+        A = x @ x.T
+        x = a * x + (b * A + c * A @ A) @ x
+    return x.T if tall else x

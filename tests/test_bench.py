@@ -115,12 +115,16 @@ def test_lora_flops_per_token_skip_the_base_weight_gradients():
     assert lora_xla / full_xla < 0.8  # the base's own formula (ratio 1) would fail
 
 
-def test_a_qlora_step_runs_and_learns(capsys):
-    # The timed steps on an nf4 base (a uint4 argument of the step), the adapters trained.
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_a_qlora_step_runs_and_learns(optimizer, capsys):
+    # The timed steps on an nf4 base (a uint4 argument of the step), the adapters trained
+    # (by Muon: each adapter matrix A and B orthogonalized on its own).
     row = bench_row(capsys, "--lora.rank=4", "--lora.base_dtype=nf4", "--seq_length=16",
                     "--batch_size=8", "--warmup_steps=1", "--steps=2",
                     "--optimizer.adamw_optimizer.lr=1e-2",
-                    "--optimizer.adamw_optimizer.lr_warmup_steps=0")
+                    "--optimizer.adamw_optimizer.lr_warmup_steps=0",
+                    f"--optimizer.type={optimizer}")
+    assert row["optimizer"] == optimizer
     assert row["variant"] == "QLoRA rank 4" and row["frozen_dtype"] == "nf4"
     assert row["parameters"] == 2 * 4 * (2 * (64 + 64) + 2 * (64 + 32) + 3 * (64 + 128))
     assert len(row["losses"]) == 3 and row["losses"][-1] < row["losses"][0]  # the same batch

@@ -149,13 +149,15 @@ def test_sigkill_then_resume_is_bitwise_identical(data_path, reference, tmp_path
 @pytest.mark.slow
 def test_sigkill_then_resume_under_sequence_parallel_is_bitwise_identical(data_path, tmp_path):
     """As above through `python -m easylm.train` with the sequence split (ring attention,
-    zig-zag order, parameters over fsdp and sp) on packed rows with segment ids: one layer,
-    12 steps, killed after the checkpoint of step 2 or 4. The three processes share a
-    compilation cache, so only the first compiles."""
+    zig-zag order, parameters over fsdp and sp) on packed rows with segment ids, trained
+    by Muon (its momentum and its AdamW half's moments sharded as the parameters; AdamW
+    alone is the test above): one layer, 12 steps, killed after the checkpoint of step 2
+    or 4. The three processes share a compilation cache, so only the first compiles."""
     steps, one_layer = 12, {"num_hidden_layers": 1}
     cmd = [sys.executable, "-m", "easylm.train", *command(data_path, tmp_path / "a")[3:],
            "--llama.num_hidden_layers=1", "--mesh_dim=dp=1,fsdp=2,sp=4",
            "--context_parallel=ring", "--train_dataset.json_dataset.segment_ids=True",
+           "--optimizer.type=muon",
            f"--total_steps={steps}", "--save_model_freq=2",
            f"--optimizer.adamw_optimizer.lr_decay_steps={steps}",
            f"--compilation_cache_dir={tmp_path / 'xla'}"]

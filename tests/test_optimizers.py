@@ -1,4 +1,5 @@
-"""Optimizers: the schedules' closed forms, the weight-decay mask, clipping, errors."""
+"""Optimizers: the schedules' closed forms, the weight-decay mask, clipping, errors; Muon
+against a float64 transcription of its update."""
 
 import math
 
@@ -9,7 +10,10 @@ import optax
 import pytest
 
 from easylm.errors import UserError
+from easylm.runtime.sharding import path_to_string
 from easylm.training import optimizers
+from numerics import (assert_close, assert_differs, fp32_rel, newton_schulz64,
+                      newton_schulz_growth)
 
 PARAMS = {
     "model": {
@@ -121,7 +125,18 @@ def test_bf16_momentum_keeps_first_moment_in_bf16():
 
 
 @pytest.mark.parametrize("config, message", [
-    ({"type": "sgd"}, "--optimizer.type='sgd' is not one of adamw, palm"),
+    ({"type": "sgd"}, "--optimizer.type='sgd' is not one of adamw, palm, muon"),
+    ({"type": "muon", "muon_optimizer": dict(momentum=1.0)},
+     "--optimizer.muon_optimizer.momentum must be in [0, 1), got 1.0"),
+    ({"type": "muon", "muon_optimizer": dict(ns_steps=0)},
+     "--optimizer.muon_optimizer.ns_steps must be >= 1, got 0"),
+    ({"type": "muon", "muon_optimizer": dict(rms_scale=-0.2)},
+     "--optimizer.muon_optimizer.rms_scale must be a finite number >= 0, got -0.2"),
+    ({"type": "muon", "adamw_optimizer": dict(lr=float("nan"))},
+     "--optimizer.adamw_optimizer.lr must be a finite number >= 0, got nan"),
+    ({"type": "muon", "muon_optimizer": dict(adamw_parameters="embed,[")},
+     "--optimizer.muon_optimizer.adamw_parameters: bad regex '[': unterminated character "
+     "set at position 0"),
     ({"accumulate_gradient_steps": 0},
      "--optimizer.accumulate_gradient_steps must be >= 1, got 0"),
     ({"adamw_optimizer": dict(lr_warmup_steps=10, lr_decay_steps=10)},
@@ -260,3 +275,142 @@ def test_stochastic_rounding_rejects_fp16_parameters():
     with pytest.raises(UserError, match=r"^--optimizer.stochastic_rounding supports bf16 and fp32 "
                                         r"parameters, got fp16 ones$"):
         tx.init({"w": jnp.ones(3, jnp.float16)})
+
+
+# ------------------------------------------------------------------------------ Muon
+# Muon's matrices (a tall one, whose iteration runs on its transpose; an expert stack,
+# orthogonalized per expert) beside what AdamW keeps (embedding, head, norm, router).
+MUON_SHAPES = {
+    "lm_head": {"kernel": (8, 16)},
+    "model": {"embed_tokens": {"embedding": (16, 8)},
+              "layers": {"0": {"input_layernorm": {"weight": (8,)},
+                               "mlp": {"experts": {"up_proj": (3, 8, 12)},
+                                       "router": {"kernel": (8, 3)}},
+                               "self_attn": {"o_proj": {"kernel": (12, 8)}}}}},
+}
+MUON_LEAVES = ("model/layers/0/mlp/experts/up_proj", "model/layers/0/self_attn/o_proj/kernel")
+
+
+def _random_tree(seed):
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda shape: jnp.asarray(rng.normal(size=shape), jnp.float32),
+                        MUON_SHAPES, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def _leaf(tree, path):
+    for key in path.split("/"):
+        tree = tree[key]
+    return np.asarray(tree, np.float64)
+
+
+def muon_config(kind="muon", lr=0.05, wd=0.1, **muon):
+    return optimizers.get_default_config({"type": kind, "muon_optimizer": muon, "adamw_optimizer":
+        dict(init_lr=lr, lr=lr, end_lr=lr, lr_warmup_steps=1, lr_decay_steps=10,
+             weight_decay=wd, weight_decay_exclusions="norm,embed", clip_gradient=0.0)})
+
+
+def muon_params64(p, grads, lr, wd, beta=0.95, rms=0.2, steps=5, per_matrix=True):
+    """A Muon-owned parameter after one update per gradient: Nesterov momentum with
+    optax's bias correction, orthogonalized (each trailing (m, n) matrix of a stack on
+    its own, or with per_matrix=False the whole stack as one (E*m, n) matrix: the bug the
+    twin shows), scaled to RMS `rms`, plus decoupled weight decay."""
+    p, mu = np.asarray(p, np.float64), 0.0
+    m, n = p.shape[-2:]
+    for t, g in enumerate(grads, 1):
+        mu = beta * mu + (1 - beta) * g
+        nesterov = beta * mu / (1 - beta ** (t + 1)) + (1 - beta) * g / (1 - beta ** t)
+        if per_matrix:
+            o = np.stack([newton_schulz64(x, steps) for x in nesterov.reshape(-1, m, n)])
+        else:
+            o = newton_schulz64(nesterov.reshape(-1, n), steps)
+        p = p - lr * (rms * np.sqrt(max(m, n)) * o.reshape(p.shape) + wd * p)
+    return p
+
+
+def _muon_run(config, params, grads):
+    tx, _ = optimizers.get_optimizer(config)
+    state = tx.init(params)
+    for g in grads:
+        updates, state = tx.update(g, state, params)
+        params = optax.apply_updates(params, updates)
+    return params
+
+
+def ns_rel(m: int, n: int, steps: int = 5) -> float:
+    """fp32 tolerance of Muon's update relative to its largest entry: each Newton-Schulz
+    step is three reductions in sequence (x x^T over n terms, A A and B x over m) after a
+    norm over m*n, each step amplifying what comes in by at most the iteration's slope."""
+    return newton_schulz_growth(steps) * fp32_rel(max(m, n), 3 * steps + 1)
+
+
+def test_muon_matches_a_float64_transcription_and_its_twins_do_not():
+    params, lr, wd = _random_tree(0), 0.05, 0.1
+    grads = [_random_tree(1), _random_tree(2)]  # two steps: the momentum is exercised
+    got = _muon_run(muon_config(lr=lr, wd=wd), params, grads)
+    for path in MUON_LEAVES:
+        p0, gs = _leaf(params, path), [_leaf(g, path) for g in grads]
+        rel = ns_rel(*p0.shape[-2:])
+        moved = _leaf(got, path) - p0
+        assert_close(moved, muon_params64(p0, gs, lr, wd) - p0, rel, err_msg=path)
+        # Negative twins: one Newton-Schulz step fewer; an expert stack as one matrix.
+        assert_differs(moved, muon_params64(p0, gs, lr, wd, steps=4) - p0, rel)
+        if p0.ndim == 3:
+            assert_differs(moved, muon_params64(p0, gs, lr, wd, per_matrix=False) - p0, rel)
+    # Moonlight's scale: one step's update (less weight decay) has RMS about 0.2 lr in
+    # each matrix (Newton-Schulz leaves singular values in about [0.7, 1.2], not 1).
+    one = _muon_run(muon_config(lr=lr, wd=wd), params, grads[:1])
+    for path in MUON_LEAVES:
+        update = (_leaf(one, path) - _leaf(params, path) * (1 - lr * wd)) / lr
+        assert 0.7 * 0.2 < np.sqrt(np.mean(update ** 2)) < 1.2 * 0.2, path
+
+
+def test_muon_leaves_embeddings_head_norms_and_router_to_adamw_unchanged():
+    # What Muon does not own is trained exactly as --optimizer.type=adamw trains it.
+    params, grads = _random_tree(0), [_random_tree(1), _random_tree(2)]
+    muon = _muon_run(muon_config(), params, grads)
+    adamw = _muon_run(muon_config("adamw"), params, grads)
+    flat = lambda tree: {path_to_string(k): np.asarray(v)
+                         for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    muon, adamw = flat(muon), flat(adamw)
+    for path in muon:
+        if path in MUON_LEAVES:
+            assert np.abs(muon[path] - adamw[path]).max() > 1e-3, path
+        else:
+            np.testing.assert_array_equal(muon[path], adamw[path], err_msg=path)
+
+
+def test_muon_split_goes_by_name_and_rank():
+    labels = optimizers.muon_labels(optimizers.get_default_config().muon_optimizer.adamw_parameters)
+    shapes = {  # scanned layers make a norm 2-D; gpt_oss's expert biases and sinks too
+        "model/layers/input_layernorm/weight": (2, 8), "model/layers/self_attn/sinks": (2, 4),
+        "model/layers/mlp/experts/down_proj_bias": (2, 4, 8), "model/layers/mlp/router/kernel":
+        (2, 8, 4), "model/embed_tokens/embedding": (16, 8), "lm_head/kernel": (8, 16),
+        "model/norm/weight": (8,), "model/layers/self_attn/q_proj/kernel": (2, 8, 8),
+        "model/layers/mlp/experts/down_proj": (2, 4, 16, 8), "scale": (3,),
+        "model/layers/self_attn/q_proj/kernel_lora_a": (8, 2),
+    }
+    tree = {k: jax.ShapeDtypeStruct(v, jnp.float32) for k, v in shapes.items()}
+    got = labels(tree)
+    muon = {"model/layers/self_attn/q_proj/kernel", "model/layers/mlp/experts/down_proj",
+            "model/layers/self_attn/q_proj/kernel_lora_a"}
+    assert got == {k: "muon" if k in muon else "adamw" for k in shapes}
+
+
+def test_muon_states_its_split_and_refuses_one_that_leaves_it_nothing():
+    params = _random_tree(0)
+    line = optimizers.describe(muon_config(), params)
+    # o_proj 12*8 + experts 3*8*12 = 384 in Muon; head, embedding, norm, router the rest.
+    assert line.startswith("muon: 384 parameters in 2 tensors | adamw: 288 parameters in "
+                           "4 tensors")
+    assert optimizers.describe(muon_config("adamw"), params) is None
+    with pytest.raises(UserError, match=r"^--optimizer.type=muon: --optimizer.muon_optimizer."
+                                        r"adamw_parameters leaves Muon no matrix to train"):
+        optimizers.describe(muon_config(adamw_parameters="."), params)
+
+
+def test_muon_state_is_one_buffer_per_matrix():
+    # Muon keeps one momentum per matrix it owns, AdamW two moments per parameter.
+    params = _random_tree(0)
+    tx, _ = optimizers.get_optimizer(muon_config())
+    state_size = sum(x.size for x in jax.tree.leaves(tx.init(params)) if x.ndim > 0)
+    assert state_size == 384 + 2 * 288 + 3  # + Muon's three Newton-Schulz coefficients

@@ -140,6 +140,21 @@ def test_parameters_and_moments_are_exact():
     assert 0 < both.optimizer - parameters <= 16
 
 
+def test_muon_keeps_one_momentum_where_adamw_keeps_two():
+    # B with fsdp=8 under Muon: one fp32 momentum per hidden matrix (split 8 ways); AdamW's
+    # two moments for the embedding and head (split 8 ways) and the norms (replicated);
+    # then step counts and Muon's three Newton-Schulz coefficients, a few bytes.
+    hidden = 4 * (4 * 256 * 256 + 3 * 256 * 768) // 8
+    rest = 2 * 512 * 256 // 8 + 4 * 2 * 256 + 256
+    muon = plan.estimate(parse(*B, "--mesh_dim=1,8,1", "--optimizer.type=muon"), FAMILY,
+                         num_devices=8)
+    assert 0 < muon.optimizer - 4 * (hidden + 2 * rest) <= 32
+    # Its memory fixes are AdamW's: the momentum flag is adamw_optimizer's, read by both.
+    fixes = plan.candidate_fixes(parse(*B, "--mesh_dim=1,8,1", "--optimizer.type=muon"),
+                                 FAMILY, 8, 1)
+    assert {"optimizer.adamw_optimizer.bf16_momentum": True} in fixes
+
+
 def test_variant_parameters_are_counted_and_a_window_plans():
     # Qwen3 with attention_bias: per layer q/k/v biases (split over mp, whole at mp=1),
     # o's bias split over fsdp like o's output, the q/k norms (H=64 each) replicated.

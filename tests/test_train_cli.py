@@ -108,7 +108,12 @@ def expect_error(argv, capsys) -> str:
     (["--nonexistent_flag=1"], "Unknown command line flag 'nonexistent_flag'"),
     (["--optimizer.adamw_optimizer.lr=fast"],
      "flag --optimizer.adamw_optimizer.lr=fast: could not convert string to float: 'fast'"),
-    (["--optimizer.type=lion"], "--optimizer.type='lion' is not one of adamw, palm"),
+    (["--optimizer.type=lion"], "--optimizer.type='lion' is not one of adamw, palm, muon"),
+    (["--optimizer.type=muon", "--optimizer.muon_optimizer.ns_steps=0"],
+     "--optimizer.muon_optimizer.ns_steps must be >= 1, got 0"),
+    (["--optimizer.type=muon", "--optimizer.muon_optimizer.adamw_parameters=layers,embed,head"],
+     "--optimizer.type=muon: --optimizer.muon_optimizer.adamw_parameters leaves Muon no "
+     "matrix to train (that is --optimizer.type=adamw)"),
     (["--mesh_dim=3,1,1"], "--mesh_dim='3,1,1': the product 3 does not match the 8 devices"),
     (["--total_steps=0"], "--total_steps must be >= 1, got 0"),
     (["--tokenizer=/no/such/tokenizer.json"],
@@ -355,6 +360,10 @@ def test_redefaulted_flags_keep_the_directories_runs_had(argv, old_id):
 
     assert run_id() == old_id
     assert run_id("--train_dataset.text_processor.add_bos_token=false") != old_id
+    # Muon's flags, added later, count only when Muon trains.
+    assert run_id("--optimizer.muon_optimizer.momentum=0.9") == old_id
+    assert run_id("--optimizer.type=muon") != run_id("--optimizer.type=muon",
+                                                     "--optimizer.muon_optimizer.momentum=0.9")
     if "--lora.rank=16" in argv:
         assert run_id("--lora.target_modules=q_proj/kernel$") != old_id
 

@@ -1,6 +1,7 @@
 """The train and eval steps on synthetic batches: learning, accumulation, sharding,
 loss masks, mixed precision, the NaN guard."""
 
+import itertools
 import os
 
 import jax
@@ -10,7 +11,8 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import ConfigDict
-from numerics import assert_close, forward_rel, fp32_rel
+from numerics import (assert_close, assert_differs, forward_rel, fp32_rel,
+                      newton_schulz64, newton_schulz_growth)
 
 from easylm import model_flags
 from easylm import variants
@@ -145,6 +147,67 @@ def test_sharded_steps_equal_single_device(runner, mesh_dim):
     for key in ("loss", "accuracy", "gradient_norm", "param_norm"):
         assert a[key] == pytest.approx(b[key], rel=2 * REL), key
     assert sharded.step(batch)["loss"] == pytest.approx(runner.step(batch)["loss"], rel=2 * REL)
+
+
+def muon_optimizer(lr=1e-2):
+    config = optimizers.get_default_config({"type": "muon", "adamw_optimizer": dict(
+        init_lr=lr, lr=lr, end_lr=lr, lr_warmup_steps=1, lr_decay_steps=100, weight_decay=0.0)})
+    return optimizers.get_optimizer(config)
+
+
+def _muon_updates(runner, lr):
+    """The first step's update of each Muon-owned matrix, over lr: -0.2 sqrt(max(m, n))
+    times the orthogonalized gradient (no weight decay)."""
+    labels = optimizers.muon_labels(optimizers.get_default_config().muon_optimizer.adamw_parameters)
+    moved = jax.tree.map(lambda p, p0: (np.asarray(p, np.float64) - np.asarray(p0)) / lr,
+                         runner.state.params, runner.initial.params)
+    return [u for u, label in zip(jax.tree.leaves(moved), jax.tree.leaves(labels(moved)))
+            if label == "muon"]
+
+
+def _orthogonalized(g, blocks=1):
+    """Muon's first update from gradient g in float64, each (m, n) matrix of a stack on its
+    own; blocks=2: each of its 2x2 blocks on its own, as a Muon that orthogonalized every
+    device's shard locally would (the bug the sharded test's twin stands for)."""
+    m, n = g.shape[-2:]
+    stack = g.reshape(-1, m, n)
+    out = np.empty_like(stack)
+    for i, j in itertools.product(range(blocks), repeat=2):
+        rows = slice(i * m // blocks, (i + 1) * m // blocks)
+        cols = slice(j * n // blocks, (j + 1) * n // blocks)
+        for e in range(len(stack)):
+            out[e, rows, cols] = newton_schulz64(stack[e, rows, cols])
+    return -0.2 * np.sqrt(max(m, n)) * out.reshape(g.shape)
+
+
+def _momentum(runner) -> list:
+    """Muon's momentum of each matrix it owns: after one step, (1 - beta) x the gradient."""
+    is_muon = lambda x: isinstance(x, optax.contrib.MuonState)
+    state, = [x for x in jax.tree.leaves(runner.state.opt_state, is_leaf=is_muon) if is_muon(x)]
+    return [np.asarray(mu, np.float64) for mu in jax.tree.leaves(state.mu)]
+
+
+def test_sharded_accumulated_muon_equals_single_device_and_a_shard_local_one_would_not():
+    # One MoE layer on 8 devices (its matrices split over fsdp and mp, its experts over
+    # ep) with the batch in 2 micro-batches, against one device and one batch. The
+    # gradients differ by float noise (2 REL, as above); Newton-Schulz amplifies a
+    # relative error by at most its slope to the fifth.
+    llama = FAMILY.flag_config("debug_moe")
+    llama.num_hidden_layers = 1
+    model = variants.build(FAMILY, ConfigDict(dict(llama=llama, dtype="fp32", param_dtype="fp32")))
+    lr, batch, beta = 1e-2, make_batch(), 0.95
+    rel = newton_schulz_growth() * 2 * forward_rel(
+        LLaMAConfig.from_preset("debug_moe", num_hidden_layers=1), 32)
+    single = Runner(model, muon_optimizer(lr))
+    sharded = Runner(model, muon_optimizer(lr), "fsdp=2,ep=2,mp=2", devices=8, accumulate=2)
+    single.step(batch), sharded.step(batch)
+    updates = [_muon_updates(single, lr), _muon_updates(sharded, lr)]
+    assert len(updates[0]) == 7  # q, k, v, o and the 3 expert stacks
+    for one, eight, mu in zip(*updates, _momentum(single)):
+        g = mu / (1 - beta)
+        assert_close(one, _orthogonalized(g), rel)
+        assert_close(eight, one, rel)
+        assert_differs(eight, _orthogonalized(g, blocks=2), rel)
 
 
 def test_masked_tokens_do_not_count(runner):

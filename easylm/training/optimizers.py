@@ -1,9 +1,15 @@
-"""Optimizers (optax): AdamW with warmup + cosine decay, and PaLM's Adafactor.
+"""Optimizers (optax): AdamW with warmup + cosine decay, PaLM's Adafactor, and Muon.
 
-`--optimizer.type` picks one; each reads only its own block of flags:
+`--optimizer.type` picks one; each reads its own block of flags:
 
     --optimizer.type=adamw --optimizer.adamw_optimizer.lr=3e-4 ...
     --optimizer.type=palm  --optimizer.palm_optimizer.lr=1e-2 ...
+    --optimizer.type=muon  --optimizer.adamw_optimizer.lr=3e-4 --optimizer.muon_optimizer.* ...
+
+Muon (Keller Jordan's, at Moonlight's update scale) is AdamW whose hidden weight matrices
+get orthogonalized momentum instead of Adam's moments: it reads all of adamw_optimizer's
+flags (the schedule, weight decay, clipping, and Adam's betas for the parameters it leaves
+to AdamW) and adds muon_optimizer's own. See `muon` below.
 
 Both clip the gradient's global norm first and decay weights through a mask:
 parameters whose path matches one of `weight_decay_exclusions` (comma-separated
@@ -41,7 +47,7 @@ from easylm.errors import UserError
 from easylm.runtime.dtypes import dtype_from_flag
 from easylm.runtime.sharding import path_to_string
 
-OPTIMIZER_TYPES = ("adamw", "palm")
+OPTIMIZER_TYPES = ("adamw", "palm", "muon")
 
 STATE_DTYPES = ("fp32", "bf16")
 
@@ -79,6 +85,16 @@ HELP = {
     "palm_optimizer.clip_gradient": "clip the gradient's global norm to this (0: no clipping)",
     "palm_optimizer.bf16_momentum": "keep the momentum (only) in bfloat16 (saves memory; "
                                     "--optimizer.state_dtype=bf16 stores all the state so)",
+    "muon_optimizer.momentum": "Muon's momentum (beta) on the matrices it owns; the schedule, "
+                               "weight decay and clipping are --optimizer.adamw_optimizer's",
+    "muon_optimizer.nesterov": "Nesterov momentum, as Keller Jordan's Muon and Moonlight use",
+    "muon_optimizer.ns_steps": "Newton-Schulz iterations that orthogonalize each update",
+    "muon_optimizer.rms_scale": "each orthogonalized update is scaled to this RMS "
+                                "(Moonlight's 0.2 ~ AdamW's, so AdamW's lr and weight decay "
+                                "carry over); 0: Keller Jordan's sqrt(max(1, out/in)) instead",
+    "muon_optimizer.adamw_parameters": "comma-separated regexes; matching parameter paths "
+                                       "(and every 0-D or 1-D one) are trained by AdamW, the "
+                                       "other matrices by Muon",
 }
 
 
@@ -113,6 +129,18 @@ def get_default_config(updates=None) -> ConfigDict:
     config.palm_optimizer.clip_gradient = 1.0
     config.palm_optimizer.bf16_momentum = False
 
+    # Muon's own knobs; its learning rate, schedule and the AdamW half are adamw_optimizer's.
+    config.muon_optimizer = ConfigDict()
+    config.muon_optimizer.momentum = 0.95
+    config.muon_optimizer.nesterov = True
+    config.muon_optimizer.ns_steps = 5
+    config.muon_optimizer.rms_scale = 0.2
+    # What Moonlight and marin leave to AdamW: the embedding and output head (a lookup and
+    # a classifier, not a hidden linear map), norms, biases (gpt_oss's expert biases are
+    # (E, F): 2-D, so matched by name), router and sink logits. Scanned layers make a
+    # norm (L, D), so names, not ranks, decide.
+    config.muon_optimizer.adamw_parameters = "embed,lm_head,norm,bias,router,sinks"
+
     if updates is not None:
         config.update(ConfigDict(updates).copy_and_resolve_references())
     return config
@@ -137,14 +165,19 @@ def palm_schedule(config: ConfigDict) -> optax.Schedule:
     return lambda step: config.lr * jnp.sqrt(warmup / jnp.maximum(step, warmup))
 
 
-def weight_decay_mask(exclusions: str):
-    """A function params -> tree of bools, False where a path matches an exclusion."""
-    patterns = [p for p in exclusions.split(",") if p]
+def _regexes(flag: str, value: str) -> list[str]:
+    patterns = [p for p in value.split(",") if p]
     for pattern in patterns:
         try:
             re.compile(pattern)
         except re.error as e:
-            raise UserError(f"weight_decay_exclusions: bad regex {pattern!r}: {e}")
+            raise UserError(f"{flag}: bad regex {pattern!r}: {e}")
+    return patterns
+
+
+def weight_decay_mask(exclusions: str):
+    """A function params -> tree of bools, False where a path matches an exclusion."""
+    patterns = _regexes("weight_decay_exclusions", exclusions)
 
     def mask(params):
         return jax.tree_util.tree_map_with_path(
@@ -241,6 +274,108 @@ def stochastic_rounding(inner: optax.GradientTransformation, seed: int = 0):
     return optax.GradientTransformation(init, update)
 
 
+def muon_labels(adamw_parameters: str):
+    """A function params -> tree of "muon" or "adamw" per leaf: AdamW for the paths that
+    match one of `adamw_parameters` and for every leaf of fewer than 2 dimensions."""
+    patterns = _regexes("--optimizer.muon_optimizer.adamw_parameters", adamw_parameters)
+
+    def label(path, x):
+        to_adamw = x.ndim < 2 or any(re.search(p, path_to_string(path)) for p in patterns)
+        return "adamw" if to_adamw else "muon"
+
+    return lambda params: jax.tree_util.tree_map_with_path(label, params)
+
+
+def _is_masked(x) -> bool:
+    return isinstance(x, optax.MaskedNode)
+
+
+def matrix_axes(updates):
+    """How Muon reads each leaf it owns: the last two axes are one matrix (D_in, D_out),
+    as every kernel here is laid out; leading axes (experts E, scanned layers L) index a
+    stack of matrices, each orthogonalized on its own. AdamW's leaves arrive masked."""
+    def axes(u):
+        if _is_masked(u):
+            return u
+        return optax.contrib.MuonDimensionNumbers(reduction_axis=u.ndim - 2,
+                                                  output_axis=u.ndim - 1)
+
+    return jax.tree.map(axes, updates, is_leaf=_is_masked)
+
+
+def scale_to_rms(rms: float) -> optax.GradientTransformation:
+    """Moonlight's update scale ("Muon is Scalable for LLM Training", 2025): an orthogonal
+    (m, n) matrix has RMS 1/sqrt(max(m, n)), so x rms*sqrt(max(m, n)) gives each matrix's
+    update the RMS `rms`; at 0.2, about AdamW's, AdamW's learning rate and weight decay
+    carry over. rms=0: Keller Jordan's sqrt(max(1, n/m)), whose learning rates are not
+    AdamW's. optax.contrib.muon's consistent_rms is the same formula, but optax does not
+    export it on its own (optax.contrib._muon.scale_by_shape is private)."""
+    def scale(u):
+        m, n = u.shape[-2:]
+        return u * (rms * math.sqrt(max(m, n)) if rms else math.sqrt(max(1.0, n / m)))
+
+    return optax.stateless(lambda updates, params=None: jax.tree.map(scale, updates))
+
+
+def muon(c: ConfigDict, m: ConfigDict) -> optax.GradientTransformation:
+    """Muon on the hidden matrices, AdamW on the rest, one schedule (`c`: adamw_optimizer's
+    flags, `m`: muon_optimizer's).
+
+    Built from optax.contrib.scale_by_muon (momentum, Newton-Schulz) rather than
+    optax.contrib.muon, whose AdamW half is Nesterov AdamW whenever Muon's momentum is
+    Nesterov and decays every parameter it owns or none: here the AdamW half is exactly
+    --optimizer.type=adamw (its betas, its weight_decay_exclusions), so switching the
+    optimizer changes the matrices' updates only."""
+    schedule = adamw_schedule(c)
+    decay = weight_decay_mask(c.weight_decay_exclusions)
+    mu_dtype = jnp.bfloat16 if c.bf16_momentum else None
+    matrices = optax.chain(
+        optax.contrib.scale_by_muon(ns_steps=m.ns_steps, beta=m.momentum, mu_dtype=mu_dtype,
+                                    nesterov=m.nesterov, weight_dimension_numbers=matrix_axes),
+        scale_to_rms(m.rms_scale),
+        optax.add_decayed_weights(c.weight_decay, decay),
+        optax.scale_by_learning_rate(schedule),
+    )
+    rest = optax.adamw(learning_rate=schedule, b1=c.b1, b2=c.b2, eps=c.eps, mu_dtype=mu_dtype,
+                       weight_decay=c.weight_decay, mask=decay)
+    return optax.partition({"muon": matrices, "adamw": rest}, muon_labels(m.adamw_parameters))
+
+
+# Optimizer-state leaves that carry no parameter's path, so no model's partition rule
+# matches them: Muon's Newton-Schulz coefficients (3,), replicated.
+STATE_RULES = ((r"(^|/)ns_coeffs$", jax.sharding.PartitionSpec()),)
+
+
+def flags_section(config: ConfigDict) -> str:
+    """The block holding the learning rate and momentum flags --optimizer.type reads."""
+    return "adamw_optimizer" if config.type == "muon" else f"{config.type}_optimizer"
+
+
+def unused_flags(config: ConfigDict) -> tuple:
+    """Flag prefixes a run's id leaves out (easylm/training/options.py's run_directory):
+    muon_optimizer's unless Muon trains, so that runs started before it existed keep
+    their directories. (palm_optimizer's were always hashed; leaving them out now would
+    move those runs.)"""
+    return () if config.type == "muon" else ("optimizer.muon_optimizer.",)
+
+
+def describe(config: ConfigDict, params) -> str | None:
+    """For the start of a run: how many parameters Muon and AdamW each own (None for the
+    other optimizers). A split that leaves Muon nothing is refused: it would be AdamW."""
+    if config.type != "muon":
+        return None
+    labels = jax.tree.leaves(muon_labels(config.muon_optimizer.adamw_parameters)(params))
+    sizes = [math.prod(x.shape) for x in jax.tree.leaves(params)]
+    owned = {k: (sum(n for n, l in zip(sizes, labels) if l == k), labels.count(k))
+             for k in ("muon", "adamw")}
+    if not owned["muon"][1]:
+        raise UserError("--optimizer.type=muon: --optimizer.muon_optimizer.adamw_parameters "
+                        "leaves Muon no matrix to train (that is --optimizer.type=adamw)")
+    return " | ".join(f"{k}: {n:,} parameters in {count} tensors"
+                      for k, (n, count) in owned.items()) + \
+        " (--optimizer.muon_optimizer.adamw_parameters)"
+
+
 def get_optimizer(config: ConfigDict) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """The optax transformation and its learning-rate schedule (for logging)."""
     state_dtype = dtype_from_flag("optimizer.state_dtype", config.state_dtype, STATE_DTYPES,
@@ -260,9 +395,14 @@ def _check_numbers(config: ConfigDict, section: str):
         if name in c and not (math.isfinite(c[name]) and c[name] >= 0):
             raise UserError(f"--optimizer.{section}.{name} must be a finite number >= 0, "
                             f"got {c[name]}")
-    for name in ("b1", "b2"):
+    for name in ("b1", "b2", "momentum"):
         if name in c and not 0 <= c[name] < 1:
             raise UserError(f"--optimizer.{section}.{name} must be in [0, 1), got {c[name]}")
+    if "rms_scale" in c and not (math.isfinite(c.rms_scale) and c.rms_scale >= 0):
+        raise UserError(f"--optimizer.{section}.rms_scale must be a finite number >= 0, "
+                        f"got {c.rms_scale}")
+    if "ns_steps" in c and c.ns_steps < 1:
+        raise UserError(f"--optimizer.{section}.ns_steps must be >= 1, got {c.ns_steps}")
 
 
 def _optimizer(config: ConfigDict) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -270,7 +410,9 @@ def _optimizer(config: ConfigDict) -> tuple[optax.GradientTransformation, optax.
         raise UserError(
             f"--optimizer.type={config.type!r} is not one of {', '.join(OPTIMIZER_TYPES)}"
         )
-    _check_numbers(config, f"{config.type}_optimizer")
+    _check_numbers(config, flags_section(config))
+    if config.type == "muon":
+        _check_numbers(config, "muon_optimizer")
     if config.accumulate_gradient_steps < 1:
         raise UserError(
             f"--optimizer.accumulate_gradient_steps must be >= 1, "
@@ -285,6 +427,10 @@ def _optimizer(config: ConfigDict) -> tuple[optax.GradientTransformation, optax.
             weight_decay=c.weight_decay, mask=weight_decay_mask(c.weight_decay_exclusions),
         ))
         return tx, schedule
+    if config.type == "muon":
+        c = config.adamw_optimizer
+        return optax.chain(*_clip(c.clip_gradient), muon(c, config.muon_optimizer)), \
+            adamw_schedule(c)
     c = config.palm_optimizer
     schedule = palm_schedule(c)
     tx = optax.chain(*_clip(c.clip_gradient), optax.adafactor(

@@ -283,7 +283,8 @@ def run_directory(config: ConfigDict, model_name: str, unused: tuple = ()) -> st
                 if k not in ("resume", "allow_fresh_optimizer", "log_all_worker",
                              "profile_steps", "profile_start_step")
                 and not k.startswith(("logger.", "jax_distributed.", "eval_harness.",
-                                      *objectives.unused_flags(config), *unused))
+                                      *objectives.unused_flags(config), *unused,
+                                      *optimizers.unused_flags(config.optimizer)))
                 and v is not None}
         digest = hashlib.sha1(json.dumps(flat, sort_keys=True).encode()).hexdigest()[:8]
         experiment_id = f"{model_name}-{digest}"

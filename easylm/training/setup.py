@@ -57,6 +57,9 @@ def start(config: ConfigDict, family: ModelFamily, cleanup: contextlib.ExitStack
     tokenizer = load_tokenizer(config.tokenizer)
     _check_model(config, model, tokenizer)
     tx, schedule = optimizers.get_optimizer(config.optimizer)
+    # Muon's split of the parameters, refused before a run directory is made if empty.
+    split = optimizers.describe(config.optimizer, jax.eval_shape(model.init_params,
+                                                                 jax.random.key(0)))
     harness = _harness(config, model, tokenizer, mesh)
     objective = objectives.build(config, model, tokenizer)
     dataset, eval_dataset = _datasets(config, tokenizer, objective, mesh, model)
@@ -90,7 +93,7 @@ def start(config: ConfigDict, family: ModelFamily, cleanup: contextlib.ExitStack
               eval_step=jit_eval_step(loss_fn, state, mesh),
               eval_zeros=zero_sums(loss_fn), base_record=record, harness=harness,
               saved_step=int(state.step) if source and source[0] == "trainstate" else None)
-    _print_start(run, fresh=latest is None)
+    _print_start(run, fresh=latest is None, split=split)
     objective.prepare_run(run_dir, lambda: starting_params(config, model, tx, mesh), state,
                           run.place, log.print)
     return run
@@ -277,7 +280,7 @@ def _load_with_hint(load, manager, resumed_step: int | None):
         raise UserError(f"{e}{hint}") from None
 
 
-def _print_start(run: Run, fresh: bool):
+def _print_start(run: Run, fresh: bool, split: str | None = None):
     config, model, mesh = run.config, run.model, run.mesh
     num_params = sum(x.size for x in jax.tree.leaves(run.state.params))
     run.log.print(f"run directory: {run.run_dir}")
@@ -292,6 +295,8 @@ def _print_start(run: Run, fresh: bool):
                   f"{jax.devices()[0].platform} device(s), mesh {mesh_string(mesh)} | "
                   f"{run.batch_tokens:,} tokens/step | steps {run.start_step} -> "
                   f"{config.total_steps}{run.objective.describe()}{no_mfu}")
+    if split:
+        run.log.print(split)
     warn_about_ignored_flags(config, run.family, run.log.print)
     if fresh:
         warn_about_the_schedule(config, run.schedule, run.log.print,

@@ -21,6 +21,7 @@ from easylm.runtime.sharding import (
     match_partition_rules,
     named_shardings,
 )
+from easylm.training import optimizers
 from easylm.training.options import LOAD_PREFIXES
 
 
@@ -48,8 +49,10 @@ def new_state(params, tx: optax.GradientTransformation, frozen=None) -> TrainSta
 
 def _state_rules(model: Model):
     # Optimizer state leaves carry their parameter's path, so the parameter rules match
-    # them; a frozen copy of the parameters matches them too.
-    return tuple(model.partition_rules) + (tuple(model.frozen.rules) if model.frozen else ())
+    # them (and optimizers.STATE_RULES the few that do not); a frozen copy of the
+    # parameters matches them too.
+    return tuple(model.partition_rules) + optimizers.STATE_RULES + \
+        (tuple(model.frozen.rules) if model.frozen else ())
 
 
 def _initial_state(model: Model, tx, rng, params=None, base: bool = True) -> TrainState:
