@@ -192,7 +192,7 @@ def test_sharded_accumulated_muon_equals_single_device_and_a_shard_local_one_wou
     # ep) with the batch in 2 micro-batches, against one device and one batch. The
     # gradients differ by float noise (2 REL, as above); Newton-Schulz amplifies a
     # relative error by at most its slope to the fifth.
-    llama = FAMILY.flag_config("debug_moe")
+    llama = model_flags.flag_config(FAMILY, "debug_moe")
     llama.num_hidden_layers = 1
     model = variants.build(FAMILY, ConfigDict(dict(llama=llama, dtype="fp32", param_dtype="fp32")))
     lr, batch, beta = 1e-2, make_batch(), 0.95
