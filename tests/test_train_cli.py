@@ -137,6 +137,13 @@ def expect_error(argv, capsys) -> str:
     (["--train_dataset.text_processor.fields=text,<|99999|>"],
      "<|99999|> in text_processor.fields: token id 99999 is outside the tokenizer's 512 "
      "tokens (ids 0 to 511)"),
+    (["--llama.model_type=qwen3_moe", "--llama.num_experts=6",
+      "--llama.moe_intermediate_size=32", "--mesh_dim=dp=1,fsdp=2,ep=4"],
+     "--llama.num_experts=6 experts cannot be split over ep=4 of --mesh_dim=dp=1,fsdp=2,ep=4: "
+     "give a number of experts that ep divides, or another ep"),
+    (["--context_parallel=ring"],
+     "--context_parallel=ring does nothing on --mesh_dim=1,-1,1, which does not split the "
+     "sequence (sp=1): add sp=N to --mesh_dim, or leave --context_parallel unset"),
 ])
 def test_bad_input_is_one_clear_line(argv, message, capsys, tmp_path):
     assert expect_error([*argv, f"--logger.output_dir={tmp_path}"], capsys) == message
