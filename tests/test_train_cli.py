@@ -203,10 +203,10 @@ def test_bad_eval_harness_is_one_line_before_training(capsys, tmp_path):
          "--eval_harness.freq must be >= 1 with --eval_harness.tasks, got 0"),
         (["--eval_harness.tasks=tiny_mc", "--eval_harness.include_path=/no/such/dir"],
          "--eval_harness.include_path='/no/such/dir' is not a directory"),
-        (["--eval_harness.tasks=tiny_mc", f"--eval_harness.include_path={tasks}",
-          "--eval_harness.seq_length=100", "--eval_harness.max_gen_toks=100"],
-         "--eval_harness.max_gen_toks=100 leaves no room for a prompt in "
-         "--eval_harness.seq_length=100"),
+        (["--eval_harness.tasks=tiny_gen", f"--eval_harness.include_path={tasks}",
+          "--eval_harness.seq_length=12"],
+         "task tiny_gen's max_gen_toks=12 leaves no room for a prompt in "
+         "--eval_harness.seq_length=12"),
         (["--eval_harness.tasks=tiny_mcc", f"--eval_harness.include_path={tasks}"],
          f"unknown task 'tiny_mcc': not among lm-eval's tasks or --eval_harness.include_path="
          f"{tasks}; did you mean tiny_mc"),

@@ -112,7 +112,13 @@ def main(family: ModelFamily, argv=None):
     config = flag_lib.parse(default_config(family), help_entries(family), argv or sys.argv,
                             usage(family))
     # Here, not at the top: without lm-eval installed, one line that says how to get it.
-    from easylm.evaluation.harness import evaluate, load_tasks, table, write_results
+    from easylm.evaluation.harness import (
+        check_generation_room,
+        evaluate,
+        load_tasks,
+        table,
+        write_results,
+    )
 
     tasks = [t for t in config.tasks.split(",") if t]
     if not tasks:
@@ -130,6 +136,7 @@ def main(family: ModelFamily, argv=None):
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
                         force=True)
     lm = load(family, config)
+    check_generation_room(tasks, config.max_gen_toks, lm.max_length)
     results = evaluate(lm, tasks, manager, config.num_fewshot, config.limit, config.log_samples,
                        config.bootstrap_iters)
     model_flags = model_config(family)
