@@ -131,12 +131,12 @@ def main(family: ModelFamily, argv=None):
     # What can be checked without the model is checked before it loads.
     manager, tasks = load_tasks(tasks, config.include_path)
     directory = output_directory(config)
-    # lm-eval's progress from here on. force: importing orbax already gave the root logger
-    # a WARNING-level handler (absl).
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
-                        force=True)
     lm = load(family, config)
     check_generation_room(tasks, config.max_gen_toks, lm.max_length)
+    # lm-eval's progress from here on (a refusal above stays one line). force: importing
+    # orbax already gave the root logger a WARNING-level handler (absl).
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
+                        force=True)
     results = evaluate(lm, tasks, manager, config.num_fewshot, config.limit, config.log_samples,
                        config.bootstrap_iters)
     model_flags = model_config(family)
