@@ -106,14 +106,21 @@ def _model_problems(config, family, mesh) -> list[str]:
     metadata, else the preset, with the --<family>.* flags given)."""
     try:
         model_config = model_flags.model_config(family, config, from_checkpoint=True)
-        lengths = {"train_dataset": loader_options(config.train_dataset).seq_length}
-        if config.eval_freq > 0:
-            lengths["eval_dataset"] = loader_options(config.eval_dataset,
-                                                     "eval_dataset").seq_length
     except UserError as e:
         return [str(e)]
-    return trainer.mesh_problems(config, model_config.to_dict(), family.name, mesh.shape,
-                                 lengths)
+    lengths, problems = {}, []
+    try:
+        lengths["train_dataset"] = loader_options(config.train_dataset).seq_length
+    except UserError:
+        pass  # a block the type does not read: `_batch_problems` says so
+    if config.eval_freq > 0:
+        try:
+            lengths["eval_dataset"] = loader_options(config.eval_dataset,
+                                                     "eval_dataset").seq_length
+        except UserError as e:
+            problems.append(str(e))
+    return problems + trainer.mesh_problems(config, model_config.to_dict(), family.name,
+                                            mesh.shape, lengths)
 
 
 def check(config, family=None) -> tuple[list[str], list[str]]:
