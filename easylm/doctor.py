@@ -8,6 +8,7 @@ prints the library versions, the backend and each process's devices, and checks:
 
     the mesh (`--mesh_dim`, `--dcn_mesh_dim`) divides the devices
     the batch splits over the processes and the mesh's batch shards
+    the rows split over sp, the experts over ep, --context_parallel has an sp to use
     every process joined, and a sum over all devices sees all of them
     the compilation cache directory (if set) and `--logger.output_dir` are writable
 
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from easylm import flags as flag_lib
+from easylm import flags as flag_lib, model_flags
 from easylm.data.options import loader_options
 from easylm.errors import UserError, exit_on_user_error
 from easylm.runtime import distributed
@@ -99,8 +100,32 @@ def _batch_problems(config, mesh) -> list[str]:
     return problems
 
 
-def check(config) -> tuple[list[str], list[str]]:
-    """(report lines, problem lines) for this process."""
+def _model_problems(config, family, mesh) -> list[str]:
+    """What the trainer refuses at its start of the model and the rows on this mesh
+    (`options.mesh_problems`), from the model's config (a checkpoint's config.json or
+    metadata, else the preset, with the --<family>.* flags given)."""
+    try:
+        model_config = model_flags.model_config(family, config, from_checkpoint=True)
+    except UserError as e:
+        return [str(e)]
+    lengths, problems = {}, []
+    try:
+        lengths["train_dataset"] = loader_options(config.train_dataset).seq_length
+    except UserError:
+        pass  # a block the type does not read: `_batch_problems` says so
+    if config.eval_freq > 0:
+        try:
+            lengths["eval_dataset"] = loader_options(config.eval_dataset,
+                                                     "eval_dataset").seq_length
+        except UserError as e:
+            problems.append(str(e))
+    return problems + trainer.mesh_problems(config, model_config.to_dict(), family.name,
+                                            mesh.shape, lengths)
+
+
+def check(config, family=None) -> tuple[list[str], list[str]]:
+    """(report lines, problem lines) for this process; the model's and the rows' checks
+    when the `family` is given."""
     from jax.experimental import multihost_utils
 
     report, problems = [versions()], []
@@ -132,6 +157,8 @@ def check(config) -> tuple[list[str], list[str]]:
         dcn = f", --dcn_mesh_dim={config.dcn_mesh_dim}" if config.dcn_mesh_dim else ""
         report.append(f"mesh: {mesh_string(mesh)} (--mesh_dim={config.mesh_dim}{dcn})")
         problems += _batch_problems(config, mesh)
+        if family is not None:
+            problems += _model_problems(config, family, mesh)
 
     # The trainer's --compilation_cache_dir (JAX_COMPILATION_CACHE_DIR when that is '').
     cache = os.path.expanduser(config.compilation_cache_dir or jax.config.jax_compilation_cache_dir or "")
@@ -156,10 +183,12 @@ def main(argv=None):
 
     family, argv = registry.from_argv(argv or sys.argv)
     usage = "usage: python -m easylm.doctor [--family=NAME] [trainer flags]"
+    # The trainer's run defaults too (rows no longer than the model takes, eval rows like
+    # the train rows): the lengths checked are those the run would read.
     config = flag_lib.parse(trainer.default_config(family), trainer.help_entries(family), argv,
-                            usage)
+                            usage, derived=trainer.family_run_defaults(family))
     distributed.initialize(config.jax_distributed)
-    report, problems = check(config)
+    report, problems = check(config, family)
     process = jax.process_index()
     if process == 0:
         print("\n".join(report))

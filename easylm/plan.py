@@ -329,15 +329,24 @@ def _estimate(config: ConfigDict, family, num_devices: int, num_processes: int) 
     )
 
 
-def longest_row(config: ConfigDict, family, num_devices: int, num_processes: int,
-                budget: int, step: int = 1024) -> int:
-    """The longest rows (a multiple of `step`, 2*sp and the loss's chunk, at most the
-    model's max_position_embeddings) whose plan fits in `budget` bytes; 0 if none does.
-    Doubling, then bisection: about 2 log2(longest / step) estimates."""
+def row_step(config: ConfigDict, family, num_devices: int, num_processes: int,
+             step: int = 1024) -> int:
+    """The granularity of `longest_row`: `step` tokens, or a sixteenth of the model's
+    context when that is shorter (a 512-token model searched in steps of 1,024 finds
+    nothing), rounded up to a multiple of 2*sp and the loss's chunk."""
     sp = mesh_sizes(config, num_devices, num_processes)["sp"]
     model_config = model_flags.model_config(family, config)
-    step = math.lcm(step, 2 * sp, model_config.loss_chunk_size or 1)
-    limit = model_config.max_position_embeddings // step
+    step = min(step, max(1, model_config.max_position_embeddings // 16))
+    return math.lcm(step, 2 * sp, model_config.loss_chunk_size or 1)
+
+
+def longest_row(config: ConfigDict, family, num_devices: int, num_processes: int,
+                budget: int, step: int = 1024) -> int:
+    """The longest rows (a multiple of `row_step`, at most the model's
+    max_position_embeddings) whose plan fits in `budget` bytes; 0 if none does.
+    Doubling, then bisection: about 2 log2(longest / step) estimates."""
+    step = row_step(config, family, num_devices, num_processes, step)
+    limit = model_flags.model_config(family, config).max_position_embeddings // step
     key = f"train_dataset.{loader_block(config.train_dataset)}.seq_length"
 
     def fits(units: int) -> bool:
@@ -496,9 +505,9 @@ def report(config: ConfigDict, family, num_devices: int, num_processes: int,
                  f"({100 * plan.total / budget:.0f}%)")
     if plan.mesh["sp"] > 1:  # context parallel: how long a row can get on this mesh
         longest = longest_row(config, family, num_devices, num_processes, budget)
-        cap = model.max_seq_length
+        cap, step = model.max_seq_length, row_step(config, family, num_devices, num_processes)
         capped = f", the model's --{family.name}.max_position_embeddings" \
-            if cap and longest > cap - 1024 else ""
+            if cap and longest > cap - step else ""
         lines.append(f"longest row that fits: {longest:,} tokens ({data.batch_size} rows a "
                      f"step, sp={plan.mesh['sp']}, the rest as given{capped})")
     if not fits:

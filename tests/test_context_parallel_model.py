@@ -25,8 +25,10 @@ import pytest
 from easylm.data.packing import segment_positions
 from easylm.gemma.family import FAMILY as GEMMA
 from easylm.llama.family import FAMILY as LLAMA
+from easylm.errors import UserError
 from easylm.models.context_parallel import (
     STRATEGIES,
+    allow_whole_rows,
     block_work,
     from_zigzag,
     to_zigzag,
@@ -416,6 +418,24 @@ def test_plan_splits_activations_over_sp_and_finds_the_longest_row():
     assert plan.estimate(gather, LLAMA, num_devices=8).total > split.total
     assert plan.find_fix(gather, LLAMA, 8, 1, split.total) == (
         {"context_parallel": "ring"}, split)
+
+
+def test_a_forward_whose_rows_do_not_split_over_sp_is_refused_in_one_line():
+    """Whole-row attention would give the right numbers with none of sp's memory saving:
+    the Python API refuses it as the trainer does, unless the caller takes any length."""
+    model = LLAMA.bind(MISTRAL)
+    params = jax.eval_shape(model.init_params, jax.random.key(0))
+    ids = np.zeros((2, 36), np.int32)  # 36: not a multiple of 2 * sp = 8
+    with jax.set_mesh(make_mesh("fsdp=2,sp=4")):
+        with pytest.raises(UserError) as error:
+            jax.eval_shape(model.forward, params, ids)
+        assert str(error.value) == ("a forward of 2 rows of 36 tokens under a mesh with sp=4 "
+                                    "needs T a multiple of 2*sp = 8 and B of the batch axes' 2 "
+                                    "(pad the rows, or run without sp)")
+        with allow_whole_rows():
+            assert jax.eval_shape(model.forward, params, ids).logits.shape[:2] == (2, 36)
+    with jax.set_mesh(make_mesh("sp=8")):  # a parameter init's (1, 8) dummy is no such row
+        jax.eval_shape(model.init_params, jax.random.key(0))
 
 
 def test_serving_refuses_a_split_sequence_in_one_line(capsys):

@@ -392,6 +392,46 @@ def test_generic_commands_round_trip_each_family_bitwise(tmp_path, family, capsy
     _assert_same_tensors(tmp_path / "hf", tmp_path / "back")
 
 
+def _hf_dir_of(family: str, directory):
+    """A tiny HF directory of `family` whose layers do not fill a whole number of scanned
+    patterns where the family has one (Gemma: sliding, global, sliding; gpt-oss: the
+    same), so that the export unstacks the pattern's slots and a tail layer."""
+    if family == "llama":
+        make_hf(directory, num_hidden_layers=3)
+    elif family == "gemma":
+        from gemma_utils import hf_model, tiny_config
+
+        hf_model(tiny_config(num_hidden_layers=3, sliding_window_pattern=2)).save_pretrained(
+            directory)
+    else:
+        from test_gpt_oss import hf_model, tiny_config
+
+        hf_model(tiny_config()).save_pretrained(directory)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma", "gpt_oss"])
+def test_a_scanned_checkpoint_of_each_family_exports_bitwise(tmp_path, family, capsys):
+    # A --<family>.scan_layers=True run saves its layers stacked (a pattern of kinds: one
+    # slot per kind, then the tail): the exporter writes them one by one, as they came.
+    from easylm.convert_hf_to_easylm import metadata_for
+    from easylm.models import registry
+    from easylm.models.family import layout
+    from easylm.runtime.checkpoint import save_params
+
+    _hf_dir_of(family, tmp_path / "hf")
+    kind = registry.get(family)
+    config = kind.hf.read_config(str(tmp_path / "hf"))
+    params = kind.hf.read_params(str(tmp_path / "hf"), config, "keep")
+    scanned = config.replace(scan_layers=True)
+    stacked = layout(kind, params, scanned)
+    assert "0" not in stacked["model"]["layers"]  # stored stacked, as a scanned run saves
+    save_params(str(tmp_path / "ours"), stacked, metadata_for(kind, scanned, "test"))
+    converter.main(["convert", f"--load_checkpoint=params::{tmp_path / 'ours'}",
+                    f"--output_dir={tmp_path / 'back'}"])
+    assert "verify: max |logit difference| vs transformers" in capsys.readouterr().out
+    _assert_same_tensors(tmp_path / "hf", tmp_path / "back")
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--family=gpt2"], "--family='gpt2' is not one of llama, gemma"),
     ([], "model_type 'gpt2' is not one easylm reads"),

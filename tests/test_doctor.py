@@ -62,6 +62,14 @@ N, P = jax.device_count(), jax.process_count()
     (["--mesh_dim=1,1,1", "--logger.output_dir=/proc/easylm-runs"],
      [f"--mesh_dim='1,1,1': the product {1 * 1 * 1} does not match the {N} devices",
       "--logger.output_dir: /proc is not writable (No such file or directory)"]),
+    # What the trainer refuses at its start (rows over sp, experts over ep).
+    (["--mesh_dim=dp=1,fsdp=2,sp=4", "--train_dataset.json_dataset.seq_length=60"],
+     ["--train_dataset.json_dataset.seq_length=60 must be a multiple of 2*sp = 8 to split "
+      "rows over --mesh_dim=dp=1,fsdp=2,sp=4"]),
+    (["--llama.model_type=qwen3_moe", "--llama.num_experts=6",
+      "--llama.moe_intermediate_size=32", "--mesh_dim=dp=1,fsdp=2,ep=4"],
+     ["--llama.num_experts=6 experts cannot be split over ep=4 of --mesh_dim=dp=1,fsdp=2,"
+      "ep=4: give a number of experts that ep divides, or another ep"]),
 ])
 def test_each_problem_is_one_line_and_exit_1(argv, problems, tmp_path, capsys):
     if not any(a.startswith("--logger.output_dir") for a in argv):

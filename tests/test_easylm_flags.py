@@ -5,6 +5,7 @@ alias maps with EasyLM's meaning or is one line naming what it takes."""
 import json
 import re
 
+import numpy as np
 import pytest
 from cli_utils import one_line_error
 from fastapi.testclient import TestClient
@@ -171,23 +172,43 @@ def test_load_dataset_state_reads_a_json_file(tmp_path, capsys):
     assert got == f"--load_dataset_state={tmp_path / 'ckpt'}: the checkpoint holds no data state"
 
 
-def test_load_dataset_state_continues_where_the_saved_run_stopped(tmp_path):
-    """Run a trains 3 steps with a checkpoint at step 2. Run b starts from a's step-2
-    parameters with --load_dataset_state of that checkpoint: its batch is a's third, so its
-    first loss (taken before any update) is a's step-3 loss. Without the state it reads
-    the data from the start and its loss is not."""
+def test_load_dataset_state_continues_where_the_saved_run_stopped(tmp_path, monkeypatch):
+    """Run a trains 3 steps with a checkpoint at step 2. Run b, another run, starts from
+    a's step-2 parameters with --load_dataset_state of that checkpoint: the batch it reads
+    is a's third, bit for bit (every array the step gets), so its first loss (taken before
+    any update) is a's step-3 loss. Without the state (run c) it reads a's first batch."""
     import toy_family  # noqa: F401  (the test-only family: a fast model)
 
     from easylm import train
+    from easylm.training import setup
 
+    batches, place = [], setup.make_global_batch
+
+    def recorded(batch, mesh):  # each host batch the command places, in order (some
+        # ahead of the step that takes them: the loop prefetches)
+        batches.append({key: np.array(value) for key, value in batch.items()})
+        return place(batch, mesh)
+
+    monkeypatch.setattr(setup, "make_global_batch", recorded)
     common = ["train", "--family=toy_family:FAMILY", "--train_dataset.json_dataset.seq_length=32",
               "--train_dataset.json_dataset.batch_size=8", "--log_freq=1", "--mesh_dim=1,-1,1",
               f"--logger.output_dir={tmp_path}"]
     train.main([*common, "--total_steps=3", "--save_model_freq=2", "--logger.experiment_id=a"])
-    saved = tmp_path / "a" / "checkpoints" / "2"
+    a_batches, saved = list(batches), tmp_path / "a" / "checkpoints" / "2"
+    assert len(a_batches) >= 3
+    first = {}
     for run, state in (("b", [f"--load_dataset_state={saved}"]), ("c", [])):
+        batches.clear()
         train.main([*common, "--total_steps=1", f"--load_checkpoint=params::{saved}", *state,
                     f"--logger.experiment_id={run}"])
+        first[run] = batches[0]
+
+    def same(x, y):
+        return x.keys() == y.keys() and all(
+            x[k].dtype == y[k].dtype and x[k].tobytes() == y[k].tobytes() for k in x)
+
+    assert same(first["b"], a_batches[2])
+    assert same(first["c"], a_batches[0]) and not same(first["c"], a_batches[2])
 
     def losses(run):
         rows = map(json.loads, (tmp_path / run / "metrics.jsonl").read_text().splitlines())

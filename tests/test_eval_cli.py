@@ -101,6 +101,10 @@ def test_bad_input_is_one_line(trained, tmp_path, capsys, monkeypatch):
     assert expect_error([*good, "--tasks=tiny_mc,tiny_mcq"], capsys) == (
         "unknown task 'tiny_mcq': not among lm-eval's tasks or --include_path=tests/eval_tasks; "
         "did you mean tiny_mc, tinyArc, tiny_gen?")
+    # A generating task's room for a prompt, before any task runs (as the trainer's hook).
+    assert expect_error([*good, "--tasks=tiny_mc,tiny_gen", "--seq_length=12",
+                         f"--output_dir={tmp_path}"], capsys) == (
+        "task tiny_gen's max_gen_toks=12 leaves no room for a prompt in --seq_length=12")
     missing = str(tmp_path / "nothing")
     assert "nothing" in expect_error([f"--load_checkpoint=params::{missing}", *local,
                                       "--tasks=tiny_mc"], capsys)

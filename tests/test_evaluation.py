@@ -201,6 +201,30 @@ def test_task_paths_and_data_that_cannot_load_are_one_line(tmp_path):
         load_tasks(["lost"], str(tmp_path))
 
 
+def test_the_generation_budget_is_checked_only_where_a_task_generates():
+    """As `python -m easylm.eval` does: a multiple-choice task set runs under a
+    --eval_harness.max_gen_toks longer than the context (it writes nothing); a generating
+    task's own max_gen_toks is checked against the context before any task runs."""
+    from easylm.data.tokenizer import load_tokenizer
+    from easylm.evaluation import harness_flags
+    from easylm.evaluation.harness import HarnessHook
+
+    model = FAMILY.bind(FAMILY.from_preset("debug", num_hidden_layers=1))
+    tokenizer = load_tokenizer("embedded")
+
+    def hook(tasks):
+        config = harness_flags.get_default_config({
+            "tasks": tasks, "include_path": "tests/eval_tasks", "seq_length": 12,
+            "max_gen_toks": 256})
+        return HarnessHook(config, model, tokenizer, None)
+
+    assert hook("tiny_mc").lm.max_gen_toks == 256
+    with pytest.raises(UserError) as error:
+        hook("tiny_mc,tiny_gen")
+    assert str(error.value) == ("task tiny_gen's max_gen_toks=12 leaves no room for a prompt "
+                                "in --eval_harness.seq_length=12")
+
+
 # ------------------------------------------------------------ in the training loop
 
 HOOK_STEPS = (5, 10)

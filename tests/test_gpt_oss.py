@@ -262,6 +262,16 @@ def test_an_mxfp4_checkpoint_loads_as_transformers_dequantized_model(pair, mxfp4
     assert_differs(hf_logits(model, ids), theirs, tolerance(config))
 
 
+@pytest.mark.parametrize("part", ["_scales", "_blocks"])
+def test_a_missing_mxfp4_half_is_named_as_in_the_files(pair, mxfp4_dir, part):
+    config = pair[0]
+    lost = "model.layers.1.mlp.experts.down_proj" + part
+    tensors = {name: value for name, value in mxfp4_dir[1].items() if name != lost}
+    with pytest.raises(UserError, match="missing 1 tensor") as error:
+        hf.from_hf(hf.Mxfp4Tensors(tensors), config)
+    assert str(error.value).endswith(lost)
+
+
 # ------------------------------------------------------------------ config.json
 
 

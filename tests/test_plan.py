@@ -121,6 +121,20 @@ def test_fits_and_hopeless(capsys):
         "devices or a smaller model or sequence")
 
 
+def test_the_longest_row_is_searched_in_the_models_own_context(capsys):
+    """A model of 512 positions (debug), under a budget that holds 256-token rows: the
+    search steps in a sixteenth of the context (32), not 1,024 tokens (which found 0)."""
+    argv = ["--llama.base_model=debug", "--llama.num_hidden_layers=2",
+            "--train_dataset.json_dataset.batch_size=2", "--mesh_dim=dp=1,fsdp=2,sp=4"]
+    at_256 = plan.estimate(parse(*argv, "--train_dataset.json_dataset.seq_length=256"),
+                           FAMILY, num_devices=8).total
+    code, out, _ = run_plan([*argv, "--train_dataset.json_dataset.seq_length=64",
+                             f"--plan.device_memory_gib={1.001 * at_256 / 2 ** 30}"], capsys)
+    assert code == 0
+    assert "longest row that fits: 256 tokens (2 rows a step, sp=4, the rest as given)" in \
+        out.splitlines(), out
+
+
 def test_parameters_and_moments_are_exact():
     # B with fsdp=8: matrices split 8 ways, norm weights replicated; Adam's m and v
     # like the parameters (m in bf16 with bf16_momentum), plus a few int32 step counts.

@@ -142,6 +142,13 @@ def expect_error(argv, capsys) -> str:
     (["--train_dataset.text_processor.fields=text,<|99999|>"],
      "<|99999|> in text_processor.fields: token id 99999 is outside the tokenizer's 512 "
      "tokens (ids 0 to 511)"),
+    (["--llama.model_type=qwen3_moe", "--llama.num_experts=6",
+      "--llama.moe_intermediate_size=32", "--mesh_dim=dp=1,fsdp=2,ep=4"],
+     "--llama.num_experts=6 experts cannot be split over ep=4 of --mesh_dim=dp=1,fsdp=2,ep=4: "
+     "give a number of experts that ep divides, or another ep"),
+    (["--context_parallel=ring"],
+     "--context_parallel=ring does nothing on --mesh_dim=1,-1,1, which does not split the "
+     "sequence (sp=1): add sp=N to --mesh_dim, or leave --context_parallel unset"),
 ])
 def test_bad_input_is_one_clear_line(argv, message, capsys, tmp_path):
     assert expect_error([*argv, f"--logger.output_dir={tmp_path}"], capsys) == message
@@ -201,10 +208,10 @@ def test_bad_eval_harness_is_one_line_before_training(capsys, tmp_path):
          "--eval_harness.freq must be >= 1 with --eval_harness.tasks, got 0"),
         (["--eval_harness.tasks=tiny_mc", "--eval_harness.include_path=/no/such/dir"],
          "--eval_harness.include_path='/no/such/dir' is not a directory"),
-        (["--eval_harness.tasks=tiny_mc", f"--eval_harness.include_path={tasks}",
-          "--eval_harness.seq_length=100", "--eval_harness.max_gen_toks=100"],
-         "--eval_harness.max_gen_toks=100 leaves no room for a prompt in "
-         "--eval_harness.seq_length=100"),
+        (["--eval_harness.tasks=tiny_gen", f"--eval_harness.include_path={tasks}",
+          "--eval_harness.seq_length=12"],
+         "task tiny_gen's max_gen_toks=12 leaves no room for a prompt in "
+         "--eval_harness.seq_length=12"),
         (["--eval_harness.tasks=tiny_mcc", f"--eval_harness.include_path={tasks}"],
          f"unknown task 'tiny_mcc': not among lm-eval's tasks or --eval_harness.include_path="
          f"{tasks}; did you mean tiny_mc"),

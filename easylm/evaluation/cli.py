@@ -112,7 +112,13 @@ def main(family: ModelFamily, argv=None):
     config = flag_lib.parse(default_config(family), help_entries(family), argv or sys.argv,
                             usage(family))
     # Here, not at the top: without lm-eval installed, one line that says how to get it.
-    from easylm.evaluation.harness import evaluate, load_tasks, table, write_results
+    from easylm.evaluation.harness import (
+        check_generation_room,
+        evaluate,
+        load_tasks,
+        table,
+        write_results,
+    )
 
     tasks = [t for t in config.tasks.split(",") if t]
     if not tasks:
@@ -125,11 +131,12 @@ def main(family: ModelFamily, argv=None):
     # What can be checked without the model is checked before it loads.
     manager, tasks = load_tasks(tasks, config.include_path)
     directory = output_directory(config)
-    # lm-eval's progress from here on. force: importing orbax already gave the root logger
-    # a WARNING-level handler (absl).
+    lm = load(family, config)
+    check_generation_room(tasks, config.max_gen_toks, lm.max_length)
+    # lm-eval's progress from here on (a refusal above stays one line). force: importing
+    # orbax already gave the root logger a WARNING-level handler (absl).
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
                         force=True)
-    lm = load(family, config)
     results = evaluate(lm, tasks, manager, config.num_fewshot, config.limit, config.log_samples,
                        config.bootstrap_iters)
     model_flags = model_config(family)

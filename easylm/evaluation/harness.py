@@ -254,6 +254,23 @@ def load_tasks(names: list[str], include_path: str = "", flags: str = "--"):
     return manager, [item for name, item in built if name not in children]
 
 
+def check_generation_room(tasks: list, max_gen_toks: int, seq_length: int, flags: str = "--"):
+    """Each generating task's tokens to write (its own max_gen_toks, else the flag's) must
+    leave room for a prompt in the context; checked before any task runs, and only for
+    tasks that generate: multiple-choice and log-likelihood tasks write nothing."""
+    leaves = [leaf for item in tasks
+              for leaf in (item.get_all_tasks() if hasattr(item, "get_all_tasks") else [item])]
+    for task in leaves:
+        if task.config.output_type != "generate_until":
+            continue
+        own = (task.config.generation_kwargs or {}).get("max_gen_toks")
+        if (own or max_gen_toks) >= seq_length:
+            source = (f"task {task.config.task}'s max_gen_toks={own}" if own
+                      else f"{flags}max_gen_toks={max_gen_toks}")
+            raise UserError(f"{source} leaves no room for a prompt in {flags}seq_length="
+                            f"{seq_length}")
+
+
 def _known(manager, name: str) -> bool:
     return name in manager.all_tasks or (name.endswith((".yaml", ".yml")) and os.path.isfile(name))
 
@@ -329,9 +346,7 @@ class HarnessHook:
         engine_config = engine_lib.get_default_config({
             "batch_size": config.batch_size, "seq_length": seq_length,
             "min_bucket": config.min_bucket, "decode_steps": config.decode_steps})
-        if config.max_gen_toks >= seq_length:
-            raise UserError(f"--eval_harness.max_gen_toks={config.max_gen_toks} leaves no room "
-                            f"for a prompt in --eval_harness.seq_length={seq_length}")
+        check_generation_room(self.tasks, config.max_gen_toks, seq_length, "--eval_harness.")
         self.lm = HarnessLM.from_params(model, None, tokenizer, mesh, engine_config,
                                         stop_token_ids=(model.eos_token_id,),
                                         max_gen_toks=config.max_gen_toks, progress=False)

@@ -34,8 +34,10 @@ _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tow
 
 
 def param_shapes(config: GemmaConfig) -> dict[str, tuple[int, ...]]:
-    """Parameter path -> shape, from eval_shape (nothing allocated)."""
-    shapes = jax.eval_shape(GemmaForCausalLM(config).init_params, jax.random.PRNGKey(0))
+    """Unscanned parameter path -> shape (the HF names are per layer), from eval_shape
+    (nothing allocated)."""
+    shapes = jax.eval_shape(GemmaForCausalLM(config.replace(scan_layers=False)).init_params,
+                            jax.random.PRNGKey(0))
     return {path: leaf.shape for path, leaf in traverse_util.flatten_dict(shapes, sep="/").items()}
 
 

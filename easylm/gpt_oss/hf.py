@@ -86,7 +86,7 @@ def from_hf(tensors: Mapping, config: GptOssConfig, dtype=None, source: str = "c
     shapes = param_shapes(config)
     names = {hf_name(path)[0] for path in shapes}
     tied = config.tie_word_embeddings
-    missing = sorted(name for name in names if name not in tensors)
+    missing = sorted(stored for name in names for stored in _absent(tensors, name))
     if missing:
         raise UserError(f"{source} is missing {len(missing)} tensor(s): {some(missing)}")
     unexpected = [name for name in tensors
@@ -110,6 +110,13 @@ def from_hf(tensors: Mapping, config: GptOssConfig, dtype=None, source: str = "c
         tensor = tensor if dtype is None else tensor.astype(dtype)
         flat[path] = tensor if place is None else place(tensor)
     return traverse_util.unflatten_dict(flat, sep="/")
+
+
+def _absent(tensors: Mapping, name: str) -> list[str]:
+    """The names, as the files spell them, that `name` lacks: a user looks for those."""
+    if name in tensors:
+        return []
+    return tensors.absent(name) if isinstance(tensors, Mxfp4Tensors) else [name]
 
 
 def dequantize_mxfp4(blocks, scales) -> np.ndarray:
@@ -141,6 +148,13 @@ class Mxfp4Tensors(Mapping):
         if name + "_blocks" not in self.tensors or name + "_scales" not in self.tensors:
             raise KeyError(name)
         return dequantize_mxfp4(self.tensors[name + "_blocks"], self.tensors[name + "_scales"])
+
+    def absent(self, name: str) -> list[str]:
+        """What is missing of a pair whose other half is stored (`<name>_scales` beside its
+        `_blocks`); `name` itself where neither is (it may be stored unquantized)."""
+        pair = [name + "_blocks", name + "_scales"]
+        lacking = [stored for stored in pair if stored not in self.tensors]
+        return lacking if len(lacking) == 1 else [name]
 
     def __iter__(self):
         return iter(self.names)

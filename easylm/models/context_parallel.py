@@ -51,6 +51,7 @@ import numpy as np
 from flax import struct
 from jax.sharding import PartitionSpec as P
 
+from easylm.errors import UserError
 from easylm.models.attention import attention, sliding_window_mask
 
 SP = "sp"
@@ -354,6 +355,21 @@ def use_strategy(strategy: str):
         _strategy.reset(token)
 
 
+_whole_rows = contextvars.ContextVar("allow_whole_rows", default=False)
+
+
+@contextlib.contextmanager
+def allow_whole_rows():
+    """Rows that do not split over 'sp' run attention over whole rows inside this block
+    (traced in it): for a caller that scores texts of any length on a training mesh (the
+    engine of an in-training evaluation), where refusing would stop the run."""
+    token = _whole_rows.set(True)
+    try:
+        yield
+    finally:
+        _whole_rows.reset(token)
+
+
 def current_strategy() -> str:
     """The strategy `use_strategy` set (the default outside one)."""
     return _strategy.get()
@@ -376,9 +392,10 @@ class SplitSequence:
 
     @classmethod
     def if_split(cls, positions, segment_ids, cache):
-        """One under a mesh with sp > 1 and no cache (training, scoring) for rows that
-        split over it, else None: attention over whole rows (a parameter init's (1, 8)
-        dummy, which XLA may replicate)."""
+        """One under a mesh with sp > 1 and no cache (training, scoring), else None:
+        attention over whole rows. Rows that do not split over the mesh are a UserError
+        (whole rows would give the right numbers but none of the memory sp is there to
+        save), unless the caller said it takes any length (`allow_whole_rows`)."""
         sp = sequence_shards()
         if cache is not None or sp == 1:
             return None
@@ -386,7 +403,11 @@ class SplitSequence:
         batch = int(np.prod([mesh.shape[a] for a in BATCH_AXES if a in mesh.axis_names]))
         B, T = positions.shape
         if B % batch or T % (2 * sp):
-            return None
+            if _whole_rows.get():
+                return None
+            raise UserError(f"a forward of {B} rows of {T} tokens under a mesh with sp={sp} "
+                            f"needs T a multiple of 2*sp = {2 * sp} and B of the batch axes' "
+                            f"{batch} (pad the rows, or run without sp)")
         return cls(segment_ids, current_strategy())
 
     def attention(self, q, k, v, positions, window: int, scale: float | None):

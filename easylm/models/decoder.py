@@ -309,7 +309,9 @@ class _Backbone(nn.Module):
         attention (the kernel's own, with the kind's window), else it holds the window;
         under a mesh with sp > 1 a `SplitSequence` (segment ids, no mask) instead."""
         c, lm = self.config, self.lm
-        split = SplitSequence.if_split(positions, segment_ids, cache)
+        # A parameter init's (1, 8) dummy need not split: the parameters are the same.
+        split = None if self.is_initializing() else SplitSequence.if_split(
+            positions, segment_ids, cache)
         if split is not None:  # no (B, T, T) mask: the window is the kind's, applied there
             return {kind: (*rotary_embedding(positions, lm.inv_freq(c, kind), self.dtype), split)
                     for kind in dict.fromkeys(lm.layer_kinds(c))}

@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import ConfigDict
 
 from easylm.errors import UserError
+from easylm.models.context_parallel import allow_whole_rows
 from easylm.models.family import Model
 from easylm.runtime.sharding import axes_size, match_partition_rules
 from easylm.serving.sampling import TOP_LOGPROBS, next_tokens
@@ -220,7 +221,9 @@ def _decode(model: Model, steps: int, unroll: bool, sample: bool, record: bool, 
 
 def _score(model: Model, weights, tokens, targets):
     params, base = weights
-    logits = model.forward(params, tokens, base=base).logits.astype(jnp.float32)  # (n, T, V)
+    with allow_whole_rows():  # texts of any length, on a training mesh with sp too
+        logits = model.forward(params, tokens, base=base).logits
+    logits = logits.astype(jnp.float32)  # (n, T, V)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     target_logprobs = jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]
     is_greedy = jnp.argmax(logits, axis=-1) == targets

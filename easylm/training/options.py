@@ -334,6 +334,33 @@ def check_seq_length(config: ConfigDict, model: Model, datasets: dict):
                             f"length, {flag}={dataset.seq_length}")
 
 
+def mesh_problems(config: ConfigDict, model_config: dict, model_name: str, mesh_shape,
+                  seq_lengths: dict) -> list[str]:
+    """What the mesh must divide, one line each, before anything is traced (the trainer
+    refuses the first, `python -m easylm.doctor` lists them all): rows that split over sp
+    in zig-zag order and a ring's two sub-blocks per device (a multiple of 2*sp), experts
+    that split over ep, and a --context_parallel that has a sequence to split.
+    `seq_lengths`: {'train_dataset': length, ...} of the rows the run reads."""
+    sp, ep, problems = mesh_shape.get("sp", 1), mesh_shape.get("ep", 1), []
+    if config.context_parallel and sp == 1:
+        problems.append(f"--context_parallel={config.context_parallel} does nothing on "
+                        f"--mesh_dim={config.mesh_dim}, which does not split the sequence "
+                        f"(sp=1): add sp=N to --mesh_dim, or leave --context_parallel unset")
+    for section, length in seq_lengths.items():
+        if sp > 1 and length % (2 * sp):
+            flag = f"--{section}.{loader_block(config[section])}.seq_length"
+            problems.append(f"{flag}={length} must be a multiple of 2*sp = {2 * sp} to split "
+                            f"rows over --mesh_dim={config.mesh_dim}")
+    # The families name their expert count as their HF configs do: num_experts (LLaMA's
+    # Qwen3-MoE and Mixtral switches), num_local_experts (gpt-oss); 0 is a dense MLP.
+    for field_name, experts in model_config.items():
+        if field_name.endswith("experts") and isinstance(experts, int) and experts % ep:
+            problems.append(f"--{model_name}.{field_name}={experts} experts cannot be split "
+                            f"over ep={ep} of --mesh_dim={config.mesh_dim}: give a number of "
+                            f"experts that ep divides, or another ep")
+    return problems
+
+
 def warn_about_ignored_flags(config: ConfigDict, family: ModelFamily, print_fn):
     """Flags set away from their defaults that this run never reads: another objective's
     (--dpo.beta with --objective=next_token), an unselected variant's (--lora.alpha with

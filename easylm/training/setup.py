@@ -13,7 +13,6 @@ from ml_collections import ConfigDict
 
 from easylm import flags as flag_lib, model_flags, objectives, variants
 from easylm.data import DatasetFactory, make_global_batch
-from easylm.data.options import loader_block
 from easylm.data.tokenizer import load_tokenizer
 from easylm.errors import UserError
 from easylm.evaluation import harness_flags
@@ -33,6 +32,7 @@ from easylm.training.options import (
     LOAD_PREFIXES,
     check_config,
     check_seq_length,
+    mesh_problems,
     run_directory,
     warn_about_ignored_flags,
     warn_about_the_schedule,
@@ -151,19 +151,12 @@ def _datasets(config: ConfigDict, tokenizer, objective, mesh, model: Model):
                                                  **kind)
     check_batch_split(train.batch_size, mesh.shape, config.optimizer.accumulate_gradient_steps)
     check_seq_length(config, model, {"train_dataset": train, "eval_dataset": evaluation})
-    _check_sequence_split(config, mesh, {"train_dataset": train, "eval_dataset": evaluation})
+    lengths = {section: data.seq_length for section, data in
+               (("train_dataset", train), ("eval_dataset", evaluation)) if data is not None}
+    problems = mesh_problems(config, model.config, model.name, mesh.shape, lengths)
+    if problems:
+        raise UserError(problems[0])
     return train, evaluation
-
-
-def _check_sequence_split(config: ConfigDict, mesh, datasets: dict):
-    """Rows that split over sp devices in zig-zag order (2*sp chunks) and a ring's two
-    sub-blocks per device: a length that is a multiple of 2*sp."""
-    sp = mesh.shape["sp"]
-    for section, dataset in datasets.items():
-        if sp > 1 and dataset is not None and dataset.seq_length % (2 * sp):
-            flag = f"--{section}.{loader_block(config[section])}.seq_length"
-            raise UserError(f"{flag}={dataset.seq_length} must be a multiple of 2*sp = "
-                            f"{2 * sp} to split rows over --mesh_dim={config.mesh_dim}")
 
 
 def _checkpoints(config: ConfigDict, run_dir: str, cleanup: contextlib.ExitStack):
