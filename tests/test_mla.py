@@ -1,0 +1,204 @@
+"""Multi-head latent attention (easylm/models/mla.py) against transformers'
+DeepseekV3Attention, and its latent cache: expanded = absorbed, prefill then decode =
+one full forward.
+
+Tolerances (tests/numerics.py): the longest chain of reductions in sequence is q_a_proj
+(D terms), q_a_layernorm (Q), q_b_proj (Q), the scores (H), the softmax's sum (S), the
+weighted sum of values (S), o_proj (N * V): 7 reductions over at most max(D, N * V, ...)
+terms. Absorbing reorders one more sum (the scores' P terms become a sum over C of sums
+over P), so the two cache forms compare at 8. bf16 rounds each of those steps' inputs and
+outputs to half a bf16 ulp; those errors add as a random walk: sqrt(depth) * EPS_BF16.
+A real bug (rotary on the wrong dimensions, mscale dropped, the rope key lost from the
+cache) moves the output by a sizeable fraction of itself.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from numerics import EPS_BF16, assert_close, assert_differs, fp32_rel
+
+from easylm.models.decoder import rotary_embedding
+from easylm.models.mla import LatentCache, MLAConfig, MultiHeadLatentAttention
+
+B, T = 2, 40  # T past the original context below, where YaRN's blend matters
+DEPTH = 7
+YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+            original_max_position_embeddings=16, beta_fast=32.0, beta_slow=1.0,
+            mscale=0.9, mscale_all_dim=0.7)
+CASES = {
+    "q_lora_yarn_interleave": dict(q_lora_rank=24, rope_parameters=YARN, rope_interleave=True,
+                                   attention_bias=True),
+    "q_proj_yarn_halves": dict(q_lora_rank=None, rope_parameters=YARN, rope_interleave=False),
+    "q_lora_plain_rope": dict(q_lora_rank=24, rope_interleave=True,
+                              rope_parameters=dict(rope_type="default", rope_theta=500.0)),
+}
+
+
+def hf_config(**changes):
+    from transformers import DeepseekV3Config
+
+    fields = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+                  kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                  max_position_embeddings=64, vocab_size=32, num_hidden_layers=1,
+                  attn_implementation="eager")
+    return DeepseekV3Config(**{**fields, **changes})
+
+
+def hf_attention(config):
+    """DeepseekV3Attention with random weights, its latent norms' weights off 1."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
+
+    torch.manual_seed(0)
+    module = DeepseekV3Attention(config, layer_idx=0).eval()
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "layernorm" in name:
+                p.copy_(1 + 0.5 * torch.randn_like(p))
+    return module
+
+
+def hf_forward(module, config, x):
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
+
+    hidden = torch.tensor(x)
+    positions = torch.arange(x.shape[1])[None].expand(x.shape[0], -1)
+    cos, sin = DeepseekV3RotaryEmbedding(config)(hidden, positions)
+    future = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool), 1)
+    mask = torch.zeros(x.shape[1], x.shape[1]).masked_fill(future, torch.finfo(torch.float32).min)
+    with torch.no_grad():
+        out, _ = module(hidden, (cos, sin), mask[None, None])
+    return out.numpy()
+
+
+def flax_params(module):
+    """transformers' tensors under our names: a Linear's weight transposed as a kernel."""
+    params = {}
+    for name, tensor in module.state_dict().items():
+        layer, leaf = name.rsplit(".", 1)
+        if leaf == "weight" and "layernorm" not in layer:
+            leaf, tensor = "kernel", tensor.T
+        params.setdefault(layer, {})[leaf] = jnp.asarray(tensor.numpy())
+    return params
+
+
+def ours(config: MLAConfig, params, x, dtype=jnp.float32, module=MultiHeadLatentAttention,
+         **kwargs):
+    positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
+    inv_freq, factor = config.rope()
+    cos, sin = rotary_embedding(positions, inv_freq, dtype, factor)
+    out, _ = module(config, dtype, **kwargs).apply({"params": params}, jnp.asarray(x, dtype),
+                                                   cos, sin, positions)
+    return np.asarray(out, np.float32)
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request):
+    """(name, our config, our params, x, transformers' output)."""
+    config = hf_config(**CASES[request.param])
+    module = hf_attention(config)
+    x = np.random.RandomState(0).randn(B, T, config.hidden_size).astype(np.float32)
+    ours_config = MLAConfig.from_hf(config.to_dict(), attention="xla")
+    return request.param, ours_config, flax_params(module), x, hf_forward(module, config, x)
+
+
+def rel(config: MLAConfig, depth: int = DEPTH) -> float:
+    c = config
+    terms = max(c.hidden_size, c.q_lora_rank or 0, c.kv_lora_rank, T,
+                c.num_attention_heads * c.v_head_dim)
+    return fp32_rel(terms, depth)
+
+
+def test_matches_transformers(case):
+    name, config, params, x, expected = case
+    if name == "q_proj_yarn_halves":
+        assert "q_proj" in params and "q_a_proj" not in params
+    assert_close(ours(config, params, x), expected, rel(config))
+
+
+class RopeOnTheNopePart(MultiHeadLatentAttention):
+    def split_query(self, q):
+        R = self.config.qk_rope_head_dim
+        return q[..., R:], q[..., :R]
+
+
+def test_negative_twins(case):
+    # The comparison above fails on rotary over the wrong query dimensions, pairs read
+    # as halves (or halves as pairs), and for YaRN the mscale corrections dropped.
+    name, config, params, x, expected = case
+    assert_differs(ours(config, params, x, module=RopeOnTheNopePart), expected, rel(config))
+    flipped = dataclasses.replace(config, rope_interleave=not config.rope_interleave)
+    assert_differs(ours(flipped, params, x), expected, rel(config))
+    if config.yarn:
+        yarn = dict(config.yarn)
+        for wrong in (dict(mscale_all_dim=None), dict(mscale=None, mscale_all_dim=None)):
+            no_mscale = dataclasses.replace(config, yarn=tuple(sorted({**yarn, **wrong}.items())))
+            assert no_mscale.softmax_scale != config.softmax_scale
+            assert_differs(ours(no_mscale, params, x), expected, rel(config))
+
+
+def test_bf16_runs_close(case):
+    _, config, params, x, expected = case
+    half = ours(config, params, x, jnp.bfloat16)
+    assert_close(half, expected, np.sqrt(DEPTH) * EPS_BF16)
+    assert_differs(half, expected, rel(config))  # really computed in bf16
+
+
+# ------------------------------------------------------------------ the latent cache
+
+
+def with_cache(config, params, x, start, cache, absorb):
+    """x's positions start.. through the module with `cache`: (out, cache)."""
+    positions = jnp.broadcast_to(jnp.arange(start, start + x.shape[1]), x.shape[:2])
+    inv_freq, factor = config.rope()
+    cos, sin = rotary_embedding(positions, inv_freq, jnp.float32, factor)
+    out, cache = MultiHeadLatentAttention(config, absorb=absorb).apply(
+        {"params": params}, jnp.asarray(x), cos, sin, positions, cache=cache)
+    return np.asarray(out), cache
+
+
+def test_cache_holds_the_latent():
+    config = MLAConfig.from_hf(hf_config(q_lora_rank=24, rope_parameters=YARN).to_dict())
+    cache = LatentCache.init(config, batch=3, length=10, dtype=jnp.bfloat16)
+    assert config.cache_width == config.kv_lora_rank + config.qk_rope_head_dim == 40
+    assert cache.kv.shape == (3, 10, 1, 40)
+    assert cache.bytes_per_token == 40 * 2
+    # DeepSeek-V3's sizes: 576 values a token and layer, against N * (P + R + V) expanded.
+    v3 = MLAConfig(hidden_size=7168, num_attention_heads=128, kv_lora_rank=512,
+                   qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, q_lora_rank=1536)
+    assert v3.cache_width == 576
+    assert 128 * (v3.qk_head_dim + v3.v_head_dim) == 40960
+
+
+def test_absorbed_equals_expanded(case):
+    _, config, params, x, _ = case
+    cache = LatentCache.init(config, B, T)
+    expanded, cache_e = with_cache(config, params, x, 0, cache, absorb=False)
+    absorbed, cache_a = with_cache(config, params, x, 0, cache, absorb=True)
+    np.testing.assert_array_equal(cache_e.kv, cache_a.kv)  # the same rows written
+    assert_close(absorbed, expanded, rel(config, DEPTH + 1))
+    # ... and a latent cache that lost its rope keys decodes to something else.
+    lost = cache_a.kv.at[..., config.kv_lora_rank:].set(0)
+    wrong, _ = with_cache(config, params, x[:, -1:], T - 1, LatentCache(lost), absorb=True)
+    assert_differs(wrong, expanded[:, -1:], rel(config, DEPTH + 1))
+
+
+def test_prefill_then_decode_equals_full_forward(case):
+    _, config, params, x, expected = case
+    prompt, steps = T - 4, 4
+    out, cache = with_cache(config, params, x[:, :prompt], 0, LatentCache.init(config, B, T),
+                            absorb=None)  # prefill: expanded
+    assert not MultiHeadLatentAttention(config).absorbs(prompt, cache)
+    decoded = [out]
+    for t in range(prompt, prompt + steps):
+        assert MultiHeadLatentAttention(config).absorbs(1, cache)
+        out, cache = with_cache(config, params, x[:, t:t + 1], t, cache, absorb=None)
+        decoded.append(out)
+    assert_close(np.concatenate(decoded, axis=1), expected, rel(config, DEPTH + 1))
+    # The last token decoded one position early (its rotary off by one, and the key
+    # before it overwritten) must not pass.
+    shifted, _ = with_cache(config, params, x[:, -1:], T - 2, cache, absorb=True)
+    assert_differs(shifted, expected[:, -1:], rel(config, DEPTH + 1))
