@@ -17,9 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from jax.sharding import NamedSharding, PartitionSpec as P
 from numerics import EPS32, assert_close, assert_differs, fp32_rel
 
-from easylm.models.sigmoid_moe import BIAS, SigmoidMoE, SigmoidMoEConfig, sigmoid_route
+from easylm.models.sigmoid_moe import (BIAS, PARTITION_RULES, SigmoidMoE, SigmoidMoEConfig,
+                                       sigmoid_route)
+from easylm.runtime.sharding import BATCH_AXES, make_mesh, match_partition_rules, named_shardings
 
 N_TOKENS = (2, 24)
 CASES = {"norm_topk": dict(norm_topk_prob=True), "raw_topk": dict(norm_topk_prob=False)}
@@ -150,3 +153,22 @@ def test_config_refuses_groups_that_cannot_hold_the_choice():
                          n_group=4, topk_group=2)
     with pytest.raises(ValueError, match="groups of two"):
         SigmoidMoEConfig(num_experts=8, num_experts_per_tok=1, intermediate_size=4, n_group=8)
+
+
+def test_expert_parallel_equals_one_device(case):
+    """The routed experts split over ep=4 (two a device) and the batch over fsdp=2: the
+    block's output as on one device (moe.py's dispatch, shared by this block)."""
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    config, variables, x, _, _ = case
+    x = x.reshape(8, -1, x.shape[-1])  # a row for each of the 8 batch shards
+    one, _ = run(config, variables, x)
+    mesh = make_mesh("fsdp=2,ep=4")
+    specs = match_partition_rules(PARTITION_RULES, variables)
+    sharded = jax.device_put(variables, named_shardings(mesh, specs))
+    xs = jax.device_put(jnp.asarray(x), NamedSharding(mesh, P(BATCH_AXES)))
+    with jax.set_mesh(mesh):
+        step = jax.jit(lambda v, x: run(config, v, x)[0]).lower(sharded, xs).compile()
+        split = step(sharded, xs)
+    assert "all-to-all" in step.as_text()
+    assert_close(split, one, rel(config))

@@ -28,11 +28,19 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
+from easylm.models import moe
 from easylm.models.moe import REPLAY, Experts, MoEConfig, Router, RouterStats, SparseMoE
 
 BIAS = "router_bias"  # the collection holding e_score_correction_bias
 ROUTER = "sigmoid"
+# moe.py's, and the shared experts split as a dense MLP is (D over fsdp, F over mp).
+PARTITION_RULES = moe.PARTITION_RULES + (
+    (r"shared_experts/(gate_proj|up_proj)/kernel$", P("fsdp", "mp")),
+    (r"shared_experts/down_proj/kernel$", P("mp", "fsdp")),
+    (r"e_score_correction_bias$", P()),
+)
 
 
 @dataclasses.dataclass(frozen=True)
