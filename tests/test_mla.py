@@ -207,3 +207,22 @@ def test_prefill_then_decode_equals_full_forward(case):
     # before it overwritten) must not pass.
     shifted, _ = with_cache(config, params, x[:, -1:], T - 2, cache, absorb=True)
     assert_differs(shifted, expected[:, -1:], rel(config, DEPTH + 1))
+
+
+def test_from_hf_reads_deepseek_v3s_config_json():
+    """DeepSeek-V3's released config.json: rope_scaling (the pre-5 name) with `type`, the
+    theta at the top level, mscale = mscale_all_dim (the rotary factor is then 1 and only
+    the softmax scale grows)."""
+    from transformers.modeling_rope_utils import yarn_apply_mscale
+
+    scaling = {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+               "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096, "type": "yarn"}
+    hf = dict(hidden_size=7168, num_attention_heads=128, kv_lora_rank=512, q_lora_rank=1536,
+              qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rope_theta=10000,
+              rope_scaling=scaling, max_position_embeddings=163840)
+    config = MLAConfig.from_hf(hf)
+    inv_freq, factor = config.rope()
+    assert inv_freq.shape == (32,) and factor == 1.0
+    expected = yarn_apply_mscale({**scaling, "rope_type": "yarn"}, 192 ** -0.5)
+    assert config.softmax_scale == pytest.approx(expected, rel=1e-15)
+    assert config.softmax_scale == pytest.approx(192 ** -0.5 * (0.1 * np.log(40) + 1) ** 2)
