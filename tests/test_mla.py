@@ -14,7 +14,6 @@ cache) moves the output by a sizeable fraction of itself.
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -131,7 +130,7 @@ class RopeOnTheNopePart(MultiHeadLatentAttention):
 def test_negative_twins(case):
     # The comparison above fails on rotary over the wrong query dimensions, pairs read
     # as halves (or halves as pairs), and for YaRN the mscale corrections dropped.
-    name, config, params, x, expected = case
+    _, config, params, x, expected = case
     assert_differs(ours(config, params, x, module=RopeOnTheNopePart), expected, rel(config))
     flipped = dataclasses.replace(config, rope_interleave=not config.rope_interleave)
     assert_differs(ours(flipped, params, x), expected, rel(config))

@@ -20,8 +20,13 @@ import torch
 from jax.sharding import NamedSharding, PartitionSpec as P
 from numerics import EPS32, assert_close, assert_differs, fp32_rel
 
-from easylm.models.sigmoid_moe import (BIAS, PARTITION_RULES, SigmoidMoE, SigmoidMoEConfig,
-                                       sigmoid_route)
+from easylm.models.sigmoid_moe import (
+    BIAS,
+    PARTITION_RULES,
+    SigmoidMoE,
+    SigmoidMoEConfig,
+    sigmoid_route,
+)
 from easylm.runtime.sharding import BATCH_AXES, make_mesh, match_partition_rules, named_shardings
 
 N_TOKENS = (2, 24)
