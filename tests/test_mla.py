@@ -13,7 +13,9 @@ cache) moves the output by a sizeable fraction of itself.
 """
 
 import dataclasses
+import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -25,6 +27,7 @@ from easylm.models.mla import LatentCache, MLAConfig, MultiHeadLatentAttention
 
 B, T = 2, 40  # T past the original context below, where YaRN's blend matters
 DEPTH = 7
+GRAD_WEIGHTS = np.random.RandomState(1).randn(B, T, 64).astype(np.float32)
 YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
             original_max_position_embeddings=16, beta_fast=32.0, beta_slow=1.0,
             mscale=0.9, mscale_all_dim=0.7)
@@ -60,7 +63,9 @@ def hf_attention(config):
     return module
 
 
-def hf_forward(module, config, x):
+def hf_forward(module, config, x, grad_weights=None):
+    """The output (B, T, D); with `grad_weights` (B, T, D) the gradients of
+    sum(output * grad_weights) by parameter name instead."""
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
 
     hidden = torch.tensor(x)
@@ -68,15 +73,20 @@ def hf_forward(module, config, x):
     cos, sin = DeepseekV3RotaryEmbedding(config)(hidden, positions)
     future = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool), 1)
     mask = torch.zeros(x.shape[1], x.shape[1]).masked_fill(future, torch.finfo(torch.float32).min)
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad_weights is not None):
         out, _ = module(hidden, (cos, sin), mask[None, None])
-    return out.numpy()
+    if grad_weights is None:
+        return out.numpy()
+    module.zero_grad()
+    (out * torch.tensor(grad_weights)).sum().backward()
+    return {name: p.grad.clone() for name, p in module.named_parameters()}
 
 
-def flax_params(module):
-    """transformers' tensors under our names: a Linear's weight transposed as a kernel."""
+def flax_params(module, tensors=None):
+    """transformers' tensors (the module's, or `tensors` by the same names) under our
+    names: a Linear's weight transposed as a kernel."""
     params = {}
-    for name, tensor in module.state_dict().items():
+    for name, tensor in (tensors or module.state_dict()).items():
         layer, leaf = name.rsplit(".", 1)
         if leaf == "weight" and "layernorm" not in layer:
             leaf, tensor = "kernel", tensor.T
@@ -91,17 +101,25 @@ def ours(config: MLAConfig, params, x, dtype=jnp.float32, module=MultiHeadLatent
     cos, sin = rotary_embedding(positions, inv_freq, dtype, factor)
     out, _ = module(config, dtype, **kwargs).apply({"params": params}, jnp.asarray(x, dtype),
                                                    cos, sin, positions)
-    return np.asarray(out, np.float32)
+    return out.astype(jnp.float32)
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
-def case(request):
-    """(name, our config, our params, x, transformers' output)."""
-    config = hf_config(**CASES[request.param])
+@functools.cache
+def hf_case(name: str):
+    """(name, our config, our params, x, transformers' output, and its gradients of
+    sum(output * GRAD_WEIGHTS) as our parameters)."""
+    config = hf_config(**CASES[name])
     module = hf_attention(config)
     x = np.random.RandomState(0).randn(B, T, config.hidden_size).astype(np.float32)
     ours_config = MLAConfig.from_hf(config.to_dict(), attention="xla")
-    return request.param, ours_config, flax_params(module), x, hf_forward(module, config, x)
+    expected = hf_forward(module, config, x)
+    grads = flax_params(module, hf_forward(module, config, x, GRAD_WEIGHTS))
+    return name, ours_config, flax_params(module), x, expected, grads
+
+
+@pytest.fixture(params=sorted(CASES))
+def case(request):
+    return hf_case(request.param)
 
 
 def rel(config: MLAConfig, depth: int = DEPTH) -> float:
@@ -112,13 +130,35 @@ def rel(config: MLAConfig, depth: int = DEPTH) -> float:
 
 
 def test_matches_transformers(case):
-    name, config, params, x, expected = case
+    name, config, params, x, expected, _ = case
     if name == "q_proj_yarn_halves":
         assert "q_proj" in params and "q_a_proj" not in params
     # Both kernels: the value heads, narrower than the query/key ones, are padded for them.
     for kernel in ("xla", "dot_product"):
         assert_close(ours(dataclasses.replace(config, attention=kernel), params, x), expected,
                      rel(config), err_msg=kernel)
+
+
+def ours_grads(config, params, x, module=MultiHeadLatentAttention):
+    loss = lambda p: jnp.sum(ours(config, p, x, module=module) * GRAD_WEIGHTS)
+    return jax.jit(jax.grad(loss))(params)
+
+
+def test_gradients_match_transformers():
+    # Backward: the forward's chain again in reverse, and the weights' gradients one
+    # more sum over the B * T rows. One case, the one with every projection and bias
+    # (a backward pass costs a compilation per case).
+    _, config, params, x, _, expected = hf_case("q_lora_yarn_interleave")
+    tolerance = fp32_rel(max(B * T, config.hidden_size), 2 * DEPTH + 1)
+    grads = ours_grads(config, params, x)
+    assert jax.tree.structure(grads) == jax.tree.structure(expected)
+    for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(grads),
+                                 jax.tree.leaves(expected)):
+        assert_close(got, want, tolerance, err_msg=jax.tree_util.keystr(path))
+    wrong = ours_grads(config, params, x, RopeOnTheNopePart)["q_b_proj" if config.q_lora_rank
+                                                             else "q_proj"]["kernel"]
+    assert_differs(wrong, (expected["q_b_proj" if config.q_lora_rank else "q_proj"]["kernel"]),
+                   tolerance)
 
 
 class RopeOnTheNopePart(MultiHeadLatentAttention):
@@ -130,7 +170,7 @@ class RopeOnTheNopePart(MultiHeadLatentAttention):
 def test_negative_twins(case):
     # The comparison above fails on rotary over the wrong query dimensions, pairs read
     # as halves (or halves as pairs), and for YaRN the mscale corrections dropped.
-    _, config, params, x, expected = case
+    _, config, params, x, expected, _ = case
     assert_differs(ours(config, params, x, module=RopeOnTheNopePart), expected, rel(config))
     flipped = dataclasses.replace(config, rope_interleave=not config.rope_interleave)
     assert_differs(ours(flipped, params, x), expected, rel(config))
@@ -143,7 +183,7 @@ def test_negative_twins(case):
 
 
 def test_bf16_runs_close(case):
-    _, config, params, x, expected = case
+    _, config, params, x, expected, _ = case
     half = ours(config, params, x, jnp.bfloat16)
     assert_close(half, expected, np.sqrt(DEPTH) * EPS_BF16)
     assert_differs(half, expected, rel(config))  # really computed in bf16
@@ -177,7 +217,7 @@ def test_cache_holds_the_latent():
 
 @pytest.mark.parametrize("kernel", ["xla", "dot_product"])
 def test_absorbed_equals_expanded(case, kernel):
-    _, config, params, x, _ = case
+    _, config, params, x, _, _ = case
     config = dataclasses.replace(config, attention=kernel)
     cache = LatentCache.init(config, B, T)
     expanded, cache_e = with_cache(config, params, x, 0, cache, absorb=False)
@@ -191,7 +231,7 @@ def test_absorbed_equals_expanded(case, kernel):
 
 
 def test_prefill_then_decode_equals_full_forward(case):
-    _, config, params, x, expected = case
+    _, config, params, x, expected, _ = case
     prompt, steps = T - 4, 4
     out, cache = with_cache(config, params, x[:, :prompt], 0, LatentCache.init(config, B, T),
                             absorb=None)  # prefill: expanded
