@@ -192,14 +192,29 @@ def test_bf16_runs_close(case):
 # ------------------------------------------------------------------ the latent cache
 
 
-def with_cache(config, params, x, start, cache, absorb):
+def with_cache(config, params, x, start, cache, absorb, dtype=jnp.float32):
     """x's positions start.. through the module with `cache`: (out, cache)."""
     positions = jnp.broadcast_to(jnp.arange(start, start + x.shape[1]), x.shape[:2])
     inv_freq, factor = config.rope()
-    cos, sin = rotary_embedding(positions, inv_freq, jnp.float32, factor)
-    out, cache = MultiHeadLatentAttention(config, absorb=absorb).apply(
-        {"params": params}, jnp.asarray(x), cos, sin, positions, cache=cache)
-    return np.asarray(out), cache
+    cos, sin = rotary_embedding(positions, inv_freq, dtype, factor)
+    out, cache = MultiHeadLatentAttention(config, dtype, absorb=absorb).apply(
+        {"params": params}, jnp.asarray(x, dtype), cos, sin, positions, cache=cache)
+    return np.asarray(out, np.float32), cache
+
+
+def prefill_then_decode(config, params, x, steps, dtype=jnp.float32):
+    """x's first T - steps positions at once (expanded), then one at a time (absorbed):
+    the outputs (B, T, D) and the cache."""
+    prompt = x.shape[1] - steps
+    cache = LatentCache.init(config, x.shape[0], x.shape[1], dtype)
+    out, cache = with_cache(config, params, x[:, :prompt], 0, cache, None, dtype)
+    assert not MultiHeadLatentAttention(config).absorbs(prompt, cache)
+    outs = [out]
+    for t in range(prompt, x.shape[1]):
+        assert MultiHeadLatentAttention(config).absorbs(1, cache)
+        out, cache = with_cache(config, params, x[:, t:t + 1], t, cache, None, dtype)
+        outs.append(out)
+    return np.concatenate(outs, axis=1), cache
 
 
 def test_cache_holds_the_latent():
@@ -232,20 +247,21 @@ def test_absorbed_equals_expanded(case, kernel):
 
 def test_prefill_then_decode_equals_full_forward(case):
     _, config, params, x, expected, _ = case
-    prompt, steps = T - 4, 4
-    out, cache = with_cache(config, params, x[:, :prompt], 0, LatentCache.init(config, B, T),
-                            absorb=None)  # prefill: expanded
-    assert not MultiHeadLatentAttention(config).absorbs(prompt, cache)
-    decoded = [out]
-    for t in range(prompt, prompt + steps):
-        assert MultiHeadLatentAttention(config).absorbs(1, cache)
-        out, cache = with_cache(config, params, x[:, t:t + 1], t, cache, absorb=None)
-        decoded.append(out)
-    assert_close(np.concatenate(decoded, axis=1), expected, rel(config, DEPTH + 1))
+    decoded, cache = prefill_then_decode(config, params, x, steps=4)
+    assert_close(decoded, expected, rel(config, DEPTH + 1))
     # The last token decoded one position early (its rotary off by one, and the key
     # before it overwritten) must not pass.
     shifted, _ = with_cache(config, params, x[:, -1:], T - 2, cache, absorb=True)
     assert_differs(shifted, expected[:, -1:], rel(config, DEPTH + 1))
+
+
+def test_bf16_cache_decodes_close():
+    """The serving form: bf16 compute, a bf16 latent cache, decode absorbed (one case:
+    bf16 compiles its own kernels)."""
+    _, config, params, x, expected, _ = hf_case("q_lora_yarn_interleave")
+    decoded, cache = prefill_then_decode(config, params, x, steps=4, dtype=jnp.bfloat16)
+    assert cache.kv.dtype == jnp.bfloat16 and cache.bytes_per_token == 2 * config.cache_width
+    assert_close(decoded, expected, np.sqrt(DEPTH + 1) * EPS_BF16)
 
 
 def test_from_hf_reads_deepseek_v3s_config_json():
