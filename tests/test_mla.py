@@ -6,7 +6,8 @@ Tolerances (tests/numerics.py): the longest chain of reductions in sequence is q
 (D terms), q_a_layernorm (Q), q_b_proj (Q), the scores (H), the softmax's sum (S), the
 weighted sum of values (S), o_proj (N * V): 7 reductions over at most max(D, N * V, ...)
 terms. Absorbing reorders one more sum (the scores' P terms become a sum over C of sums
-over P), so the two cache forms compare at 8. bf16 rounds each of those steps' inputs and
+over P), so the two cache forms compare at 8; gradients run the chain back again and
+sum the weights' over the B * T rows, 2 * 7 + 1. bf16 rounds each of those steps' inputs and
 outputs to half a bf16 ulp; those errors add as a random walk: sqrt(depth) * EPS_BF16.
 A real bug (rotary on the wrong dimensions, mscale dropped, the rope key lost from the
 cache) moves the output by a sizeable fraction of itself.
@@ -25,9 +26,9 @@ from numerics import EPS_BF16, assert_close, assert_differs, fp32_rel
 from easylm.models.decoder import rotary_embedding
 from easylm.models.mla import LatentCache, MLAConfig, MultiHeadLatentAttention
 
-B, T = 2, 40  # T past the original context below, where YaRN's blend matters
+B, T, D = 2, 40, 64  # T past the original context below, where YaRN's blend matters
 DEPTH = 7
-GRAD_WEIGHTS = np.random.RandomState(1).randn(B, T, 64).astype(np.float32)
+GRAD_WEIGHTS = np.random.RandomState(1).randn(B, T, D).astype(np.float32)
 YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
             original_max_position_embeddings=16, beta_fast=32.0, beta_slow=1.0,
             mscale=0.9, mscale_all_dim=0.7)
@@ -43,7 +44,7 @@ CASES = {
 def hf_config(**changes):
     from transformers import DeepseekV3Config
 
-    fields = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+    fields = dict(hidden_size=D, num_attention_heads=4, num_key_value_heads=4,
                   kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
                   max_position_embeddings=64, vocab_size=32, num_hidden_layers=1,
                   attn_implementation="eager")
