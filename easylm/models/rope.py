@@ -69,3 +69,12 @@ def yarn(theta: float, dim: int, factor: float, original_max_position_embeddings
     inv_freq = interpolated * (np.float32(1) - extrapolate) + extrapolated * extrapolate
     return inv_freq.astype(np.float32), yarn_attention_factor(
         factor, attention_factor, mscale, mscale_all_dim)
+
+
+def yarn_softmax_scale(scale: float, factor: float, mscale_all_dim: float | None) -> float:
+    """DeepSeek's softmax scale under YaRN: `scale` times mscale(factor, mscale_all_dim)
+    squared, on every query/key dimension, rotary or not (transformers'
+    `yarn_apply_mscale`); unchanged without `mscale_all_dim`."""
+    if not mscale_all_dim:
+        return scale
+    return scale * _mscale(factor, mscale_all_dim) ** 2

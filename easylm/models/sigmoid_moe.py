@@ -1,0 +1,147 @@
+"""DeepSeek-V3's mixture of experts (also GLM-4.5's, Kimi K2's), as transformers'
+`DeepseekV3MoE` computes it: routed experts chosen on sigmoid scores, and shared experts
+every token goes through.
+
+    y = routed_scaling_factor * sum over the k chosen e of  w_e * expert_e(x)  +  shared(x)
+
+Routing (`sigmoid_route`): scores s = sigmoid(logits) (N, E). The choice is made on
+s + b, b the correction bias (aux-loss-free balancing moves it between steps, never by
+gradient): experts fall into n_group groups of E / n_group, each group is worth the sum
+of its two best s + b, only the topk_group best groups stay, and the k best of their
+experts are chosen. The weights are the chosen experts' s, without b (divided by their
+sum with `norm_topk_prob`). The router's kernel and the bias stay fp32 whatever the
+parameters' dtype, as transformers keeps them (`_keep_in_fp32_modules_strict`).
+
+The routed experts are moe.py's (the same stacked parameters, LoRA adapters, grouped
+matmul, capacity and expert parallelism); the shared experts are one gated MLP of width
+n_shared_experts * F.
+
+The bias is not a parameter (an optimizer's weight decay would pull it to zero): it lives
+in its own variable collection, `BIAS`, zeros at init.
+
+Shape letters as moe.py's: N tokens, D width, F expert MLP width, E experts, K chosen per
+token, G groups.
+"""
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from easylm.models import moe
+from easylm.models.moe import REPLAY, Experts, MoEConfig, Router, RouterStats, SparseMoE
+
+BIAS = "router_bias"  # the collection holding e_score_correction_bias
+ROUTER = "sigmoid"
+# moe.py's, and the shared experts split as a dense MLP is (D over fsdp, F over mp).
+PARTITION_RULES = moe.PARTITION_RULES + (
+    (r"shared_experts/(gate_proj|up_proj)/kernel$", P("fsdp", "mp")),
+    (r"shared_experts/down_proj/kernel$", P("mp", "fsdp")),
+    (r"e_score_correction_bias$", P()),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class SigmoidMoEConfig(MoEConfig):
+    """moe.py's config (experts, capacity) with DeepSeek's routing and shared experts."""
+
+    router: str = ROUTER
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
+
+    def __post_init__(self):
+        E, G, K = self.num_experts, self.n_group, self.num_experts_per_tok
+        if self.router != ROUTER:
+            raise ValueError(f"router {self.router!r}: this block routes by {ROUTER!r}")
+        if E % G or E // G < 2:
+            raise ValueError(f"{E} experts cannot form n_group={G} groups of two or more")
+        if not 0 < self.topk_group <= G:
+            raise ValueError(f"topk_group={self.topk_group} must be in 1..n_group={G}")
+        if not 0 < K <= self.topk_group * E // G:
+            raise ValueError(f"num_experts_per_tok={K} must be in 1..{self.topk_group * E // G}"
+                             f" (the experts of topk_group groups)")
+
+
+def sigmoid_route(logits, bias, config: SigmoidMoEConfig, experts=None):
+    """(weights (N, K) fp32, experts (N, K) int32) from router logits (N, E) and the
+    correction bias (E,). `experts` given (routing replay), those are used and only their
+    weights come from `logits`; rows of -1 are routed as usual (as moe.route)."""
+    scores = jax.nn.sigmoid(logits.astype(jnp.float32))  # (N, E)
+    own = _choose(scores + bias.astype(jnp.float32), config)
+    if experts is None:
+        experts = own
+    else:
+        experts = jnp.asarray(experts, jnp.int32)
+        experts = jnp.where(experts[:, :1] >= 0, experts, own)
+    weights = jnp.take_along_axis(scores, experts, axis=-1)  # the bias picks, never weighs
+    if config.norm_topk_prob:
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)  # transformers' 1e-20
+    return weights * config.routed_scaling_factor, experts
+
+
+def _choose(choice, config: SigmoidMoEConfig):
+    """The K experts (N, K) with the best `choice` (N, E) within the topk_group groups
+    whose two best experts sum highest."""
+    N, E = choice.shape
+    G = config.n_group
+    grouped = choice.reshape(N, G, E // G)
+    group_scores = jax.lax.top_k(grouped, 2)[0].sum(axis=-1)  # (N, G)
+    _, best_groups = jax.lax.top_k(group_scores, config.topk_group)  # (N, topk_group)
+    kept = jax.nn.one_hot(best_groups, G, dtype=jnp.bool_).any(axis=1)  # (N, G)
+    choice = jnp.where(jnp.repeat(kept, E // G, axis=1), choice, -jnp.inf)
+    return jax.lax.top_k(choice, config.num_experts_per_tok)[1].astype(jnp.int32)
+
+
+class SigmoidMoE(SparseMoE):
+    """x (B, T, D) -> (y (B, T, D), RouterStats). Parameters: router/kernel (D, E) fp32,
+    experts/... as `SparseMoE`'s, shared_experts/{gate_proj, up_proj, down_proj}/kernel;
+    and router_bias/e_score_correction_bias (E,) fp32 in the `BIAS` collection."""
+
+    config: SigmoidMoEConfig
+
+    @nn.compact
+    def __call__(self, x, experts=None):
+        c = self.config
+        B, T, D = x.shape
+        E = c.num_experts
+        tokens = x.reshape(B * T, D)
+        logits = Router(E, False, c.initializer_range, jnp.float32, name="router")(tokens)
+        bias = self.variable(BIAS, "e_score_correction_bias", jnp.zeros, (E,), jnp.float32)
+        if experts is None and self.has_variable(REPLAY, "experts"):
+            experts = self.get_variable(REPLAY, "experts")
+        if experts is not None:
+            experts = experts.reshape(B * T, c.num_experts_per_tok)
+        weights, experts = sigmoid_route(logits, bias.value, c, experts)
+        params = Experts(c, D, self.param_dtype, name="experts")()
+        out, dropped = self._dispatch(tokens, weights, experts, params)
+        out = out.reshape(B, T, D).astype(self.dtype)
+        if c.n_shared_experts:
+            out = out + _SharedExperts(c.n_shared_experts * c.intermediate_size,
+                                       c.initializer_range, self.dtype, self.param_dtype,
+                                       name="shared_experts")(x)
+        stats = RouterStats(logits, experts, jnp.bincount(experts.reshape(-1), length=E),
+                            dropped)
+        return out, stats
+
+
+class _SharedExperts(nn.Module):
+    """down(silu(gate(x)) * up(x)): the experts every token takes, as one MLP."""
+
+    width: int
+    initializer_range: float
+    dtype: jnp.dtype
+    param_dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):
+        def dense(features, name):
+            return nn.Dense(features, use_bias=False, dtype=self.dtype,
+                            param_dtype=self.param_dtype,
+                            kernel_init=nn.initializers.normal(self.initializer_range), name=name)
+
+        gate, up = dense(self.width, "gate_proj")(x), dense(self.width, "up_proj")(x)
+        return dense(x.shape[-1], "down_proj")(nn.silu(gate) * up)
