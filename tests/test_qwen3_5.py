@@ -122,6 +122,30 @@ def test_what_it_would_compute_differently_is_one_line(tmp_path, capsys):
     assert registry.family_of(f"hf::{tmp_path}") == "qwen3_5"
 
 
+def test_a_multimodal_directory_is_read_for_its_text_model(tmp_path, hf, ours, capsys):
+    """`qwen3_5`'s tensors under model.language_model.*, beside a vision tower and an MTP
+    head that are not loaded (and the read says so): the text model's parameters."""
+    from easylm.models.hf_checkpoint import HFTensors, write_safetensors
+
+    tensors = HFTensors(str(hf[0]))
+    renamed = [(name.replace("model.", "model.language_model.", 1), tensors[name])
+               for name in tensors]
+    extra = [("model.visual.patch_embed.weight", np.ones((2, 2), np.float32)),
+             ("mtp.fc.weight", np.ones((2, 2), np.float32))]
+    write_safetensors(renamed + extra, str(tmp_path))
+    text = json.loads(CONFIG.to_hf_config().to_json_string())
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "qwen3_5", "text_config": text, "tie_word_embeddings": False}))
+    assert registry.family_of(f"hf::{tmp_path}") == "qwen3_5"
+    params = FAMILY.hf.read_params(str(tmp_path), FAMILY.hf.read_config(str(tmp_path)))
+    assert "vision tower (model.visual.*) is not loaded" in capsys.readouterr().err
+    jax.tree.map(np.testing.assert_array_equal, params, ours[1])
+    del renamed[0]  # the negative twin: a tensor missing is named
+    write_safetensors(renamed + extra, str(tmp_path))
+    with pytest.raises(UserError, match="is missing 1 tensor"):
+        FAMILY.hf.read_params(str(tmp_path), CONFIG)
+
+
 def test_parameter_counts_match_transformers_and_the_cards(hf, ours):
     """num_parameters = transformers' model of the same config (the debug one built, the
     published ones on the meta device), and the published sizes round to their cards'
