@@ -233,6 +233,9 @@ def test_packed_documents_are_independent(hf, ours, forward):
 
 
 def test_training_through_the_command_lowers_the_loss(tmp_path, hf):
+    """hf::DIR trained by `python -m easylm.train`. The warmup's first step has lr 0, so
+    step 3's loss is the first after an update; measured: 6.435, 6.494, 6.144, where the
+    same run at lr 0 gives 6.435, 6.494, 6.575 (step 3's batch is not the easier one)."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         train.main(["train", f"--load_checkpoint=hf::{hf[0]}", "--tokenizer=embedded",

@@ -82,7 +82,7 @@ def check_cache(model: Model):
     for path, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]:
         name = getattr(path[-1], "key", getattr(path[-1], "name", None))
         if name not in ("k", "v"):
-            raise UserError(f"{model.name}: serving (serve, eval's generation, GRPO rollouts) "
+            raise UserError(f"{model.name}: the serving engine (serve, eval, GRPO rollouts) "
                             f"is not built for layers with a recurrent state (the cache "
                             f"holds {name!r}, which the engine cannot reset per request)")
 
