@@ -323,7 +323,8 @@ def test_links_resolve(page):
 # What the README's first paragraph calls each config.json model_type a family reads.
 MODEL_NAMES = {"llama": "LLaMA 1, 2, 3 and 3.2", "mistral": "Mistral", "qwen2": "Qwen2",
                "qwen3": "Qwen3", "gemma3_text": "Gemma 3", "gemma3": "Gemma 3",
-               "gpt_oss": "gpt-oss", "qwen3_moe": "Qwen3-MoE", "mixtral": "Mixtral"}
+               "gpt_oss": "gpt-oss", "qwen3_moe": "Qwen3-MoE", "mixtral": "Mixtral",
+               "qwen3_5_text": "Qwen3.5", "qwen3_5": "Qwen3.5"}
 
 
 def test_the_first_paragraph_names_every_model_easylm_reads():

@@ -138,6 +138,15 @@ class Sublayer(nn.Module):
         return jnp.split(out, edges, axis=-1)
 
 
+def cache_length(cache) -> int:
+    """S, the positions a cache holds: its attention layers' keys (B, S, K, H), under
+    whatever else other kinds of layers keep (a recurrent state has no length)."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(cache)[0]:
+        if getattr(path[-1], "key", None) == "k":
+            return leaf.shape[-3]
+    return 0  # no attention layer: nothing reads the mask
+
+
 def write_cache(cache, k, v, positions):
     """(k, v) over all S cache positions (B, S, K, H) in the compute dtype, and the cache
     with this call's keys/values (B, T, K, H) written at their `positions` (B, T)."""
@@ -313,13 +322,14 @@ class _Backbone(nn.Module):
         split = None if self.is_initializing() else SplitSequence.if_split(
             positions, segment_ids, cache)
         if split is not None:  # no (B, T, T) mask: the window is the kind's, applied there
-            return {kind: (*rotary_embedding(positions, lm.inv_freq(c, kind), self.dtype), split)
+            return {kind: lm.layer_context(c, kind, (*rotary_embedding(
+                        positions, lm.inv_freq(c, kind), self.dtype), split), segment_ids)
                     for kind in dict.fromkeys(lm.layer_kinds(c))}
         mask = None if segment_ids is None else segment_mask(segment_ids)
         key_positions = positions  # (B, S)
         if cache is not None:
             # Query at position p sees cache slots 0..p: (B, T, S).
-            S = jax.tree_util.tree_leaves(cache)[0].shape[-3]
+            S = cache_length(cache)
             key_positions = jnp.arange(S)[None, :]
             mask = key_positions[:, None, :] <= positions[:, :, None]
         contexts = {}
@@ -328,8 +338,9 @@ class _Backbone(nn.Module):
             kind_mask = mask
             if window and mask is not None:  # ... and only the last `window` of them
                 kind_mask = mask & sliding_window_mask(positions, key_positions, window)
-            contexts[kind] = (*rotary_embedding(positions, lm.inv_freq(c, kind), self.dtype,
-                                                lm.rope_attention_factor(c, kind)), kind_mask)
+            contexts[kind] = lm.layer_context(c, kind, (*rotary_embedding(
+                positions, lm.inv_freq(c, kind), self.dtype, lm.rope_attention_factor(c, kind)),
+                kind_mask), segment_ids)
         return contexts
 
     def scanned(self, x, contexts, positions, cache):
@@ -410,6 +421,13 @@ class CausalLM(nn.Module):
     @classmethod
     def embed_scale(cls, config) -> float | None:
         return None
+
+    @classmethod
+    def layer_context(cls, config, kind: str, context: tuple, segment_ids):
+        """What a layer of `kind` is called with as its context: by default the
+        attention's (cos, sin, mask); a kind that reads the documents themselves (a
+        recurrent state that restarts at each) adds `segment_ids` (B, T) or None."""
+        return context
 
     @nn.compact
     def __call__(self, input_ids, positions=None, segment_ids=None, cache=None,

@@ -74,6 +74,20 @@ def check_config(config: ConfigDict):
                         f"{config.prefill_chunk_size}")
 
 
+def check_cache(model: Model):
+    """Refuse a model whose cache holds more than keys and values (a recurrent state: Gated
+    DeltaNet's): the engine slices every cache array by position and reuses a slot's rows
+    for the next request, which would read a state of no length wrongly and carry one
+    request's state into the next."""
+    shapes = jax.eval_shape(lambda: model.init_cache(1, 8))
+    for path, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]:
+        name = getattr(path[-1], "key", getattr(path[-1], "name", None))
+        if name not in ("k", "v"):
+            raise UserError(f"{model.name}: the serving engine (serve, eval, GRPO rollouts) "
+                            f"is not built for layers with a recurrent state (the cache "
+                            f"holds {name!r}, which the engine cannot reset per request)")
+
+
 def buckets(largest: int, smallest: int) -> list[int]:
     """smallest, 2*smallest, ... below largest, then largest."""
     out, size = [], max(1, smallest)
@@ -246,6 +260,7 @@ class Engine:
         return each token's expert choices in every MoE layer (`_forward`)."""
         self.config = config = get_default_config(config)
         check_config(config)
+        check_cache(model)
         # `params` and, for a variant, its frozen `base`: what `Model.forward` reads.
         self.model, self.params, self.base, self.mesh = model, params, base, mesh
         self.batch_size, self.seq_length = config.batch_size, config.seq_length

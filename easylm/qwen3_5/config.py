@@ -1,0 +1,308 @@
+"""Qwen3.5 (dense) text model configuration: one dataclass, config.json, the presets.
+
+Three of every four layers are Gated DeltaNet linear attention (easylm/models/
+gated_deltanet.py), every fourth full attention with an output gate and rotary on the
+first `partial_rotary_factor` of each head. config.json is read as transformers 5 reads
+`Qwen3_5TextConfig`: a `qwen3_5_text` file, or the `text_config` of a multimodal
+`qwen3_5` one (its vision tower is not this model); a key it leaves out takes
+transformers' default. MRoPE's sections (`mrope_section`) are read as text positions:
+with one position per token all three sections rotate alike, so the rotary is plain.
+"""
+
+import dataclasses
+from typing import Any
+
+from easylm.errors import UserError
+from easylm.models import remat
+from easylm.models.config import ATTENTION_IMPLEMENTATIONS, ModelConfig, default, field
+from easylm.models.gated_deltanet import GatedDeltaNetConfig
+
+LAYER_TYPES = ("linear_attention", "full_attention")
+# Near model_types this family does not build, and what in them it would compute
+# differently (refused in one line, never approximated).
+NOT_BUILT = {
+    "qwen3_5_moe_text": "num_experts (a mixture of experts with a gated shared expert)",
+    "qwen3_5_moe": "num_experts (a mixture of experts with a gated shared expert)",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen35Config(ModelConfig):
+    """Qwen3.5's text model: the shared fields with Qwen3_5TextConfig's defaults, and these."""
+
+    vocab_size: int = default(248320)
+    hidden_size: int = default(4096)
+    intermediate_size: int = default(12288)
+    num_hidden_layers: int = default(32)
+    num_attention_heads: int = default(16)
+    num_key_value_heads: int = default(4)
+    head_dim: int = default(256)
+    max_position_embeddings: int = default(32768)
+    bos_token_id: int | None = default(None)
+    eos_token_id: int | None = default(None)
+
+    layer_types: str = field("", "comma-separated linear_attention/full_attention, one per "
+                                 "layer; empty: every full_attention_interval-th layer full")
+    full_attention_interval: int = field(4, "every n-th layer (1-based) is full attention, "
+                                            "the others Gated DeltaNet (unless layer_types)")
+    linear_num_key_heads: int = field(16, "Gated DeltaNet query/key heads")
+    linear_num_value_heads: int = field(32, "Gated DeltaNet value heads (state heads), a "
+                                            "multiple of the key heads")
+    linear_key_head_dim: int = field(128, "Gated DeltaNet query/key head width")
+    linear_value_head_dim: int = field(128, "Gated DeltaNet value head width")
+    linear_conv_kernel_dim: int = field(4, "width of Gated DeltaNet's causal depthwise conv")
+    rope_theta: float = field(10_000.0, "rotary base of the full-attention layers")
+    partial_rotary_factor: float = field(0.25, "the share of each attention head's dims that "
+                                               "rotary rotates (the first ones)")
+
+    def __post_init__(self):
+        super().__post_init__()
+        checks = (
+            (self.attention in ATTENTION_IMPLEMENTATIONS,
+             f"attention={self.attention!r} is not one of {', '.join(ATTENTION_IMPLEMENTATIONS)}"),
+            (self.remat_policy in remat.NAMES,
+             f"remat_policy={self.remat_policy!r} is not one of {', '.join(remat.NAMES)}"),
+            (self.num_attention_heads % self.num_key_value_heads == 0,
+             (f"num_key_value_heads={self.num_key_value_heads} must divide "
+              f"num_attention_heads={self.num_attention_heads}")),
+            (self.linear_num_value_heads % self.linear_num_key_heads == 0,
+             (f"linear_num_key_heads={self.linear_num_key_heads} must divide "
+              f"linear_num_value_heads={self.linear_num_value_heads}")),
+            (self.rotary_dim() % 2 == 0 and 0 < self.rotary_dim() <= self.head_dim,
+             (f"partial_rotary_factor={self.partial_rotary_factor} of head_dim={self.head_dim} "
+              f"must give an even rotary width of at least 2")),
+            (self.linear_conv_kernel_dim >= 2,
+             f"linear_conv_kernel_dim={self.linear_conv_kernel_dim} must be >= 2"),
+            (self.full_attention_interval >= 1,
+             f"full_attention_interval={self.full_attention_interval} must be >= 1"),
+        )
+        for ok, message in checks:
+            if not ok:
+                raise UserError(f"--qwen3_5.{message}")
+        if self.layer_types:
+            kinds = self.layer_types.split(",")
+            if len(kinds) != self.num_hidden_layers or set(kinds) - set(LAYER_TYPES):
+                raise UserError(f"--qwen3_5.layer_types needs {self.num_hidden_layers} entries, "
+                                f"each one of {', '.join(LAYER_TYPES)}; got {self.layer_types!r}")
+
+    def layer_kinds(self) -> tuple[str, ...]:
+        if self.layer_types:
+            return tuple(self.layer_types.split(","))
+        n = self.full_attention_interval
+        return tuple("full_attention" if (i + 1) % n == 0 else "linear_attention"
+                     for i in range(self.num_hidden_layers))
+
+    def rotary_dim(self) -> int:
+        """The rotated dims of a head, as transformers rounds them: int(H * factor)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def deltanet(self) -> GatedDeltaNetConfig:
+        """The Gated DeltaNet layers' config."""
+        return GatedDeltaNetConfig(
+            hidden_size=self.hidden_size, linear_num_key_heads=self.linear_num_key_heads,
+            linear_num_value_heads=self.linear_num_value_heads,
+            linear_key_head_dim=self.linear_key_head_dim,
+            linear_value_head_dim=self.linear_value_head_dim,
+            linear_conv_kernel_dim=self.linear_conv_kernel_dim, rms_norm_eps=self.rms_norm_eps,
+            initializer_range=self.initializer_range)
+
+    @classmethod
+    def from_hf_config(cls, hf: dict, path: str = "config.json") -> "Qwen35Config":
+        return from_hf_dict(hf, path)
+
+    # --------------------------------------------------------------- counting
+
+    def num_parameters(self) -> int:
+        """Parameters of the model as built (the embedding counted once when tied)."""
+        d, v = self.hidden_size, self.vocab_size
+        g = self.deltanet()
+        linear_vectors = g.linear_conv_kernel_dim * g.conv_channels + 2 * \
+            self.linear_num_value_heads + self.linear_value_head_dim
+        full_vectors = 2 * self.head_dim
+        kinds = self.layer_kinds()
+        vectors = sum(linear_vectors if k == "linear_attention" else full_vectors for k in kinds)
+        head = 0 if self.tie_word_embeddings else v * d
+        layers = sum(self._mixer_matmul(k) for k in kinds) + len(kinds) * (
+            3 * d * self.intermediate_size + 2 * d)
+        return v * d + layers + vectors + d + head
+
+    def _mixer_matmul(self, kind: str) -> int:
+        """The matmul parameters of a layer's token mixer."""
+        d = self.hidden_size
+        if kind == "linear_attention":
+            k = self.linear_num_key_heads * self.linear_key_head_dim
+            u = self.linear_num_value_heads * self.linear_value_head_dim
+            # in_proj_qkv, in_proj_z, in_proj_b and in_proj_a, out_proj
+            return d * (2 * k + u) + d * u + 2 * d * self.linear_num_value_heads + u * d
+        q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        return d * 2 * q + 2 * d * kv + q * d  # q_proj carries the output gate: 2 q
+
+    def num_matmul_parameters(self) -> int:
+        """N of 6N FLOPs a token: the projections, the MLPs and the head; not the lookup,
+        norms, the conv (W multiply-adds per channel) or the decay parameters."""
+        kinds = self.layer_kinds()
+        return (sum(self._mixer_matmul(k) for k in kinds)
+                + len(kinds) * 3 * self.hidden_size * self.intermediate_size
+                + self.vocab_size * self.hidden_size)
+
+    def flops_per_token(self, seq_length: int) -> float:
+        """6N, plus per full layer 12 * d_attn * keys (PaLM appendix B), plus per linear
+        layer the delta rule's three H x U products per value head a token (decay and
+        predict, write, read), forward and backward: 18 N_v H U."""
+        kinds = self.layer_kinds()
+        full = kinds.count("full_attention")
+        width = self.num_attention_heads * self.head_dim
+        state = self.linear_num_value_heads * self.linear_key_head_dim * \
+            self.linear_value_head_dim
+        return (6 * self.num_matmul_parameters() + 12 * width * seq_length * full
+                + 18 * state * (len(kinds) - full))
+
+    # ---------------------------------------------------- HF transformers
+
+    def to_hf_config(self):
+        """transformers' Qwen3_5TextConfig (architectures Qwen3_5ForCausalLM)."""
+        from transformers import Qwen3_5TextConfig
+
+        config = Qwen3_5TextConfig(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
+            max_position_embeddings=self.max_position_embeddings,
+            rms_norm_eps=self.rms_norm_eps, initializer_range=self.initializer_range,
+            tie_word_embeddings=self.tie_word_embeddings, layer_types=list(self.layer_kinds()),
+            linear_num_key_heads=self.linear_num_key_heads,
+            linear_num_value_heads=self.linear_num_value_heads,
+            linear_key_head_dim=self.linear_key_head_dim,
+            linear_value_head_dim=self.linear_value_head_dim,
+            linear_conv_kernel_dim=self.linear_conv_kernel_dim,
+            rope_parameters={"rope_type": "default", "rope_theta": float(self.rope_theta),
+                             "partial_rotary_factor": float(self.partial_rotary_factor)},
+            bos_token_id=self.bos_token_id, eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id)
+        config.architectures = ["Qwen3_5ForCausalLM"]
+        return config
+
+
+# ------------------------------------------------------------- config.json
+
+# Qwen3_5TextConfig's defaults: what transformers assumes for a key config.json omits.
+HF_DEFAULTS = dict(
+    vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
+    num_attention_heads=16, num_key_value_heads=4, head_dim=256,
+    max_position_embeddings=32768, initializer_range=0.02, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, linear_conv_kernel_dim=4, linear_key_head_dim=128,
+    linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
+    full_attention_interval=4, rope_theta=10_000.0, partial_rotary_factor=0.25)
+# Keys whose other values would make transformers compute what this model does not.
+_MUST_BE = {"hidden_act": "silu", "attention_bias": False}
+_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+         "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+         "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+         "linear_num_key_heads", "linear_num_value_heads", "full_attention_interval")
+
+
+def text_fields(hf: dict, path: str) -> dict:
+    """The text model's keys: a `qwen3_5`'s `text_config`, or a `qwen3_5_text` whole."""
+    model_type = hf.get("model_type")
+    if model_type in NOT_BUILT:
+        raise UserError(f"{path}: model_type {model_type!r} is not built: its "
+                        f"{NOT_BUILT[model_type]} is not supported")
+    if model_type == "qwen3_5":
+        text = hf.get("text_config") or {}
+        if not isinstance(text, dict):
+            raise UserError(f"{path}: text_config must be an object, got {text!r}")
+        if text.get("model_type", "qwen3_5_text") != "qwen3_5_text":
+            raise UserError(f"{path}: text_config.model_type is {text['model_type']!r}, "
+                            f"expected 'qwen3_5_text'")
+        tied = hf.get("tie_word_embeddings", HF_DEFAULTS["tie_word_embeddings"])
+        return {"tie_word_embeddings": tied, **text}
+    if model_type != "qwen3_5_text":
+        raise UserError(f"{path}: model_type {model_type!r} is not a Qwen3.5 model (supported: "
+                        f"qwen3_5_text, and the text model of qwen3_5)")
+    return hf
+
+
+def _rope(hf: dict, path: str) -> dict:
+    """rope_parameters as transformers 5 reads them (or 4.x's rope_theta and
+    partial_rotary_factor at the top level); only the default rope is implemented."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise UserError(f"{path}: rope_parameters must be an object, got {rope!r}")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise UserError(f"{path}: rope_parameters.rope_type={rope_type!r} is not supported "
+                        f"(this Qwen3.5 model implements 'default')")
+    get = lambda name: rope.get(name, hf.get(name, HF_DEFAULTS[name]))  # noqa: E731
+    return {"rope_theta": float(get("rope_theta")),
+            "partial_rotary_factor": float(get("partial_rotary_factor"))}
+
+
+def from_hf_dict(hf: dict, path: str = "config.json") -> Qwen35Config:
+    """A Qwen35Config from config.json's keys; what this model would compute differently
+    from transformers is a UserError naming `path` and the key."""
+    hf = text_fields(hf, path)
+    get = lambda name: hf[name] if hf.get(name) is not None else HF_DEFAULTS.get(name)  # noqa: E731
+    for name, expected in _MUST_BE.items():
+        if hf.get(name, expected) != expected:
+            raise UserError(f"{path}: {name}={hf[name]!r} is not supported (this Qwen3.5 "
+                            f"model implements {name}={expected!r})")
+    for name in _INTS:
+        value = get(name)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise UserError(f"{path}: {name} must be an integer, got {value!r}")
+    layer_types = hf.get("layer_types")
+    if layer_types is not None and (not isinstance(layer_types, list)
+                                    or set(layer_types) - set(LAYER_TYPES)):
+        raise UserError(f"{path}: layer_types must be a list of {' or '.join(LAYER_TYPES)}, got "
+                        f"{layer_types!r}")
+    try:
+        config = Qwen35Config(
+            **{name: get(name) for name in _INTS}, **_rope(hf, path),
+            layer_types=",".join(layer_types or ()),
+            tie_word_embeddings=bool(get("tie_word_embeddings")),
+            rms_norm_eps=float(get("rms_norm_eps")),
+            initializer_range=float(get("initializer_range")),
+            bos_token_id=_first_int(hf.get("bos_token_id")),
+            eos_token_id=_first_int(hf.get("eos_token_id")),
+            pad_token_id=_first_int(hf.get("pad_token_id")))
+    except UserError as e:
+        raise UserError(f"{path}: {e}") from None
+    except (TypeError, ValueError) as e:
+        raise UserError(f"{path}: a key has the wrong type ({e})") from None
+    # layer_types that follow the interval are stored as the interval (the scan's period).
+    if config.layer_types and config.replace(layer_types="").layer_kinds() == config.layer_kinds():
+        config = config.replace(layer_types="")
+    return config
+
+
+def _first_int(value) -> int | None:
+    if isinstance(value, (list, tuple)):
+        value = value[0] if value else None
+    return None if value is None else int(value)
+
+
+# -------------------------------------------------------------------- presets
+# Qwen3.5's dense text models as their model cards describe them (written from knowledge,
+# no hub access where this was written; tests/test_qwen3_5.py counts their parameters
+# with transformers and against the cards' sizes, the vision tower left out). Token ids are
+# the checkpoint's (read from hf::DIR); the presets are shapes.
+_QWEN35 = dict(vocab_size=248320, head_dim=256, num_key_value_heads=4,
+               linear_num_key_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+               linear_conv_kernel_dim=4, full_attention_interval=4, partial_rotary_factor=0.25,
+               rope_theta=10_000_000.0, max_position_embeddings=262144, rms_norm_eps=1e-6)
+
+QWEN35_PRESETS: dict[str, dict[str, Any]] = {
+    # Tiny, for tests and the commands' default: the embedded tokenizer's 512 tokens and ids
+    # (pad 0, BOS 1, EOS 2), three Gated DeltaNet layers then one full-attention layer.
+    "debug": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                  linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=4,
+                  partial_rotary_factor=0.25, rope_theta=10_000.0, max_position_embeddings=512,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0),
+    "qwen3_5_9b": dict(_QWEN35, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
+                       num_attention_heads=16, linear_num_value_heads=32),
+    "qwen3_5_27b": dict(_QWEN35, hidden_size=5120, intermediate_size=17408,
+                        num_hidden_layers=64, num_attention_heads=24, linear_num_value_heads=48),
+}

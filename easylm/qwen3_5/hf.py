@@ -1,0 +1,127 @@
+"""The mapping between easylm Qwen3.5 parameters and transformers' `Qwen3_5ForCausalLM`
+tensors: our paths are HF's names with '/' for '.' (easylm/models/hf_checkpoint.py
+`hf_key`, kernels transposed), except
+
+    model/layers/0/linear_attn/A_log, dt_bias  <->  the same names with '.' (no .weight)
+    model/layers/0/linear_attn/conv1d/kernel (W, F)  <->  ...conv1d.weight (F, 1, W)
+
+A multimodal `qwen3_5` directory (Qwen3_5ForConditionalGeneration) keeps the text model's
+tensors under `model.language_model.` beside its vision tower (`model.visual.`), which
+this model does not load (the read says so in one line). Multi-token-prediction tensors
+(`mtp.`), which transformers does not load either, are skipped.
+"""
+
+import os
+import sys
+from collections.abc import Iterator, Mapping
+
+import jax
+import numpy as np
+from flax import traverse_util
+
+from easylm.errors import UserError
+from easylm.models.decoder import relayout
+from easylm.models.hf_checkpoint import HFTensors, hf_key, read_config, some, to_numpy
+from easylm.qwen3_5.config import Qwen35Config, from_hf_dict
+from easylm.qwen3_5.model import Qwen35ForCausalLM
+from easylm.runtime.dtypes import cast_names
+
+DTYPES = cast_names(("bf16", "fp32"))
+_TEXT_PREFIX = "model.language_model."
+_SKIPPED = ("model.visual.", "mtp.")
+
+
+def param_shapes(config: Qwen35Config) -> dict[str, tuple[int, ...]]:
+    """Parameter path -> shape (layers one by one), from eval_shape (nothing allocated)."""
+    module = Qwen35ForCausalLM(config.replace(scan_layers=False))
+    shapes = jax.eval_shape(module.init_params, jax.random.PRNGKey(0))
+    return {path: leaf.shape for path, leaf in traverse_util.flatten_dict(shapes, sep="/").items()}
+
+
+def hf_name(path: str) -> tuple[str, bool]:
+    """Our path -> (HF tensor name, whether to transpose)."""
+    *module, leaf = path.split("/")
+    if leaf in ("A_log", "dt_bias"):
+        return ".".join(module + [leaf]), False
+    return hf_key(path)
+
+
+def to_hf(params, config: Qwen35Config) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield (HF name, numpy tensor) one at a time (scanned layers unstacked first)."""
+    flat = traverse_util.flatten_dict(relayout(params, False), sep="/")
+    for path in param_shapes(config):
+        name, transpose = hf_name(path)
+        tensor = np.asarray(jax.device_get(flat[path]))
+        tensor = tensor.T if transpose else tensor
+        yield name, (tensor[:, None, :] if path.endswith("conv1d/kernel") else tensor)
+
+
+def from_hf(tensors: Mapping, config: Qwen35Config, dtype=None, source: str = "checkpoint",
+            place=None):
+    """Our parameter tree from HF-named tensors; missing, unexpected or misshapen tensors
+    are UserErrors that name them."""
+    shapes = param_shapes(config)
+    expected = {hf_name(path)[0]: path for path in shapes}
+    tied = config.tie_word_embeddings  # transformers may store the tied head too
+    missing = [name for name in expected if name not in tensors]
+    if missing:
+        raise UserError(f"{source} is missing {len(missing)} tensor(s): {some(missing)}")
+    unexpected = [name for name in tensors if name not in expected
+                  and not (tied and name == "lm_head.weight")]
+    if unexpected:
+        raise UserError(f"{source} has {len(unexpected)} unexpected tensor(s): "
+                        f"{some(unexpected)}")
+    flat = {}
+    for name, path in expected.items():
+        tensor = to_numpy(tensors[name])
+        if path.endswith("conv1d/kernel") and tensor.ndim == 3:
+            tensor = tensor[:, 0, :]  # (F, 1, W) -> (F, W), transposed below
+        if hf_name(path)[1] or path.endswith("conv1d/kernel"):
+            tensor = np.ascontiguousarray(tensor.T)
+        if tensor.shape != shapes[path]:
+            raise UserError(f"{source}: tensor {name} has shape {tensor.shape} as we lay it "
+                            f"out, but the config implies {shapes[path]}")
+        tensor = tensor if dtype is None else tensor.astype(dtype)
+        flat[path] = tensor if place is None else place(tensor)
+    return traverse_util.unflatten_dict(flat, sep="/")
+
+
+class TextModel(Mapping):
+    """A directory's text-model tensors under Qwen3_5ForCausalLM's names: a multimodal
+    checkpoint's `model.language_model.*` as `model.*`; the vision tower and the
+    multi-token-prediction head left out."""
+
+    def __init__(self, tensors: Mapping):
+        self.tensors, self.names = tensors, {}
+        for name in tensors:
+            if name.startswith(_SKIPPED):
+                continue
+            key = "model." + name[len(_TEXT_PREFIX):] if name.startswith(_TEXT_PREFIX) else name
+            self.names[key] = name
+
+    def __getitem__(self, name):
+        return self.tensors[self.names[name]]
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self):
+        return len(self.names)
+
+
+def read_hf_config(directory: str) -> Qwen35Config:
+    """DIR/config.json as a Qwen35Config (`qwen3_5_text`, or a `qwen3_5`'s text model)."""
+    return from_hf_dict(read_config(directory), os.path.join(directory, "config.json"))
+
+
+def load_hf_params(directory: str, dtype: str = "keep", place=None):
+    """(config, params) from a HF directory: numpy arrays, or what `place` makes of each."""
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype={dtype!r} is not one of {', '.join(DTYPES)}")
+    config = read_hf_config(directory)
+    tensors = HFTensors(directory)
+    if any(name.startswith("model.visual.") for name in tensors):
+        print(f"{directory}: the vision tower (model.visual.*) is not loaded: easylm's "
+              f"Qwen3.5 is the text model", file=sys.stderr)
+    return config, from_hf(TextModel(tensors), config, dtype=DTYPES[dtype], source=directory,
+                           place=place)

@@ -1,0 +1,172 @@
+"""Qwen3.5's text model on the shared decoder (easylm/models/decoder.py).
+
+Each layer is x + mixer(norm(x)), then x + MLP(norm(x)), with Gemma's (1 + w) RMS norm
+(cast after the product). The mixer is by kind:
+
+    linear_attention  Gated DeltaNet (easylm/models/gated_deltanet.py), a recurrent state
+                      in place of keys and values; it reads the documents (segment_ids)
+                      to restart that state at each
+    full_attention    attention whose q_proj also gives an output gate (per head
+                      [query | gate], as transformers splits it): o_proj(attend(...) *
+                      sigmoid(gate)); (1 + w) q/k norms; rotary on the first
+                      `rotary_dim()` dims of each head only
+
+Parameter names are transformers' (`model/layers/<i>/linear_attn/in_proj_qkv`,
+`.../self_attn/q_proj`, ...). The cache holds per linear layer a `DeltaNetState` (the
+conv's last inputs and the fp32 state: a constant size whatever the length) and per full
+layer keys and values. Sequence parallelism (sp > 1) splits a row over devices and
+reorders it; the recurrent state would have to pass from shard to shard, which is not
+built, so it is refused.
+
+Shape letters: B batch, T positions, D width, N query heads, K key/value heads, H head
+dim, R rotary dims.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from easylm.errors import UserError
+from easylm.models.context_parallel import SplitSequence
+from easylm.models.decoder import (
+    CACHE_PARTITION_RULES,
+    HEADS,
+    Attention,
+    CausalLM,
+    GatedMLP,
+    Sublayer,
+    apply_rotary,
+    write_cache,
+)
+from easylm.models.gated_deltanet import DeltaNetState, GatedDeltaNet
+from easylm.qwen3_5.config import Qwen35Config
+from easylm.runtime.sharding import BATCH_AXES, constrain
+
+PARTITION_RULES = (
+    (r"model/embed_tokens/embedding", P("mp", "fsdp")),
+    (r"self_attn/(q_proj|k_proj|v_proj)/kernel", P("fsdp", "mp")),
+    (r"self_attn/o_proj/kernel", P("mp", "fsdp")),
+    (r"linear_attn/(in_proj_qkv|in_proj_z)/kernel", P("fsdp", "mp")),
+    (r"linear_attn/(in_proj_b|in_proj_a)/kernel", P("fsdp", None)),
+    (r"linear_attn/out_proj/kernel", P("mp", "fsdp")),
+    (r"linear_attn/conv1d/kernel", P(None, None)),
+    (r"linear_attn/(A_log|dt_bias)$", P(None)),
+    (r"mlp/(gate_proj|up_proj)/kernel", P("fsdp", "mp")),
+    (r"mlp/down_proj/kernel", P("mp", "fsdp")),
+    (r"(input_layernorm|post_attention_layernorm|q_norm|k_norm|linear_attn/norm)/weight",
+     P(None)),
+    (r"model/norm/weight", P(None)),
+    (r"lm_head/kernel", P("fsdp", "mp")),
+)
+# A DeltaNetState: the conv inputs (B, W - 1, F) and the state (B, N, H, U), split over
+# the batch like the keys and values beside them.
+CACHE_RULES = CACHE_PARTITION_RULES + (
+    (r"(^|/)conv$", P(BATCH_AXES, None, None)),
+    (r"(^|/)recurrent$", P(BATCH_AXES, None, None, None)),
+)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * (1 + w) in fp32, then the compute dtype (transformers' Qwen3_5RMSNorm,
+    Gemma's form)."""
+
+    eps: float
+    dtype: jnp.dtype
+    param_dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):
+        weight = self.param("weight", nn.initializers.zeros_init(), (x.shape[-1],),
+                            self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+        return (x32 * (1.0 + weight.astype(jnp.float32))).astype(self.dtype)
+
+
+def rotate_partial(x, cos, sin):
+    """Rotary on the first R dims of x (B, T, heads, H), cos and sin being (B, T, R); the
+    rest pass unrotated (transformers' partial rotary)."""
+    R = cos.shape[-1]
+    return jnp.concatenate([apply_rotary(x[..., :R], cos, sin), x[..., R:]], axis=-1)
+
+
+class GatedAttention(Attention):
+    """Attention with the output gate: q_proj (D, N 2H) gives each head's query and gate."""
+
+    @nn.compact
+    def __call__(self, x, cos, sin, mask, window, positions, cache):
+        c = self.config
+        B, T, _ = x.shape
+        N, K, H = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        q, gate = jnp.split(self.dense(2 * N * H, "q_proj")(x).reshape(B, T, N, 2 * H), 2, -1)
+        k = self.dense(K * H, "k_proj")(x).reshape(B, T, K, H)
+        v = self.dense(K * H, "v_proj")(x).reshape(B, T, K, H)
+        q, k = self.norm("q_norm")(q), self.norm("k_norm")(k)
+        q = constrain(rotate_partial(q, cos, sin), HEADS)
+        k = constrain(rotate_partial(k, cos, sin), HEADS)
+        v = constrain(v, HEADS)
+        if cache is not None:
+            k, v, cache = write_cache(cache, k, v, positions)
+        out = self.attend(q, k, v, mask, window, positions).reshape(B, T, N * H)
+        out = out * jax.nn.sigmoid(gate.reshape(B, T, N * H))
+        return self.dense(c.hidden_size, "o_proj")(out), cache
+
+
+class DecoderLayer(Sublayer):
+    norm_class: type = RMSNorm
+    kind: str = "full_attention"
+
+    @nn.compact
+    def __call__(self, x, context, positions=None, cache=None):
+        c = self.config
+        h = self.norm("input_layernorm")(x)
+        if self.kind == "linear_attention":
+            (segment_ids,) = context
+            h, state = GatedDeltaNet(c.deltanet(), self.dtype, self.param_dtype,
+                                     name="linear_attn")(h, cache, segment_ids)
+            cache = None if cache is None else state
+        else:
+            h, cache = GatedAttention(c, self.dtype, self.param_dtype, norm_class=RMSNorm,
+                                      name="self_attn")(h, *context, 0, positions, cache)
+        x = x + h
+        x = x + GatedMLP(c, self.dtype, self.param_dtype, name="mlp")(
+            self.norm("post_attention_layernorm")(x))
+        return constrain(x, P(BATCH_AXES, None, None)), cache
+
+
+class Qwen35ForCausalLM(CausalLM):
+    layer = DecoderLayer
+    norm = RMSNorm
+
+    @classmethod
+    def period(cls, config: Qwen35Config) -> int:
+        # The interval when the layers follow it, else the whole stack as one block.
+        kinds, n = config.layer_kinds(), config.full_attention_interval
+        repeats = len(kinds) // n
+        return n if all(kinds[i] == kinds[i % n] for i in range(repeats * n)) else len(kinds)
+
+    @classmethod
+    def inv_freq(cls, config: Qwen35Config, kind: str):
+        R = config.rotary_dim()
+        return 1.0 / (config.rope_theta ** (jnp.arange(0, R, 2, dtype=jnp.float32) / R))
+
+    @classmethod
+    def layer_context(cls, config, kind: str, context: tuple, segment_ids):
+        if kind != "linear_attention":
+            return context
+        if isinstance(context[2], SplitSequence):
+            raise UserError("qwen3_5: sequence parallelism (sp > 1) is not built for Gated "
+                            "DeltaNet layers (their recurrent state would have to pass from "
+                            "shard to shard); use sp=1")
+        return (segment_ids,)
+
+    @classmethod
+    def layer_cache(cls, config: Qwen35Config, kind: str, batch_size: int, length: int, dtype):
+        if kind == "linear_attention":
+            return DeltaNetState.init(batch_size, config.deltanet(), dtype)
+        return Attention.init_cache(config, batch_size, length, dtype)
+
+    @classmethod
+    def cache_rules(cls, config):
+        return CACHE_RULES
