@@ -92,6 +92,9 @@ def expect_error(argv, capsys) -> str:
 def test_bad_input_is_one_line(trained, tmp_path, capsys, monkeypatch):
     directory, tokenizer = trained
     monkeypatch.chdir(REPO)
+    # An empty datasets cache, as on a fresh machine: building a task's split draws no bar.
+    import datasets
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets")
     local = ["--include_path=tests/eval_tasks", f"--tokenizer={tokenizer}"]
     good = [f"--load_checkpoint=params::{directory}", *local]
     assert expect_error(["--tasks=tiny_mc"], capsys).startswith("--load_checkpoint is required")

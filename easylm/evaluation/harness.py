@@ -241,7 +241,13 @@ def load_tasks(names: list[str], include_path: str = "", flags: str = "--"):
     problem a task can have before a model runs is a UserError here."""
     from datasets.exceptions import DatasetGenerationError
 
+    import datasets
+
     manager = task_manager(names, include_path, flags)
+    # datasets draws a bar on stderr the first time it builds a task's split (not once it
+    # is cached): noise before lm-eval's own progress, and before a refusal's one line.
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
     try:
         loaded = manager.load(names)
     except (FileNotFoundError, ConnectionError, DatasetGenerationError) as e:
@@ -249,6 +255,9 @@ def load_tasks(names: list[str], include_path: str = "", flags: str = "--"):
         reasons = [str(x).splitlines()[0] for x in (e, e.__cause__) if x is not None and str(x)]
         raise UserError(f"cannot load the data of {flags}tasks={','.join(names)}: "
                         f"{': '.join(reasons)}") from None
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
     children = {child for group in loaded["group_map"].values() for child in group}
     built = [*loaded["groups"].items(), *loaded["tasks"].items()]
     return manager, [item for name, item in built if name not in children]
