@@ -10,6 +10,8 @@ layer, and the head; the widest over max(D, F, T, N U) terms.
 """
 
 import contextlib
+import dataclasses
+import functools
 import io
 import json
 
@@ -28,7 +30,8 @@ from easylm.models import registry
 from easylm.models.decoder import relayout
 from easylm.qwen3_5.config import Qwen35Config, from_hf_dict
 from easylm.qwen3_5.family import FAMILY
-from easylm.serving.engine import Engine
+from easylm.serving import engine as engine_lib
+from easylm.serving.engine import Engine, Sampling
 
 T = 40  # past the conv window, under one DeltaNet chunk; the chunked form has its own tests
 CONFIG = FAMILY.from_preset("debug")
@@ -250,10 +253,127 @@ def test_training_through_the_command_lowers_the_loss(tmp_path, hf):
     assert len(losses) == 3 and np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
 
 
-def test_serving_is_refused_in_one_line(ours):
-    """The engine would carry one request's DeltaNet state into the next slot's request:
-    refused, naming why, before anything compiles."""
+# ------------------------------------------------------------------ serving
+# One engine program set for all serving tests: 2 slots of 32 positions, prompts up to 16
+# tokens prefilled 8 at a time (so a prompt's state crosses a chunk), 4 decode steps.
+ENGINE = {"batch_size": 2, "seq_length": 32, "min_bucket": 16, "decode_steps": 4,
+          "prefill_chunk_size": 8}
+PROMPT_A = [5, 77, 300, 12, 9, 450, 31, 8, 200, 64, 3, 99, 17]  # 13 tokens: two chunks
+PROMPT_B = [41, 7, 260, 88, 5, 123, 19]  # 7: decoded first in the 16-position window
+
+
+@pytest.fixture(scope="module")
+def engine(ours):
     config, params = ours
-    with pytest.raises(UserError) as e:
-        Engine({"batch_size": 2, "seq_length": 64}, FAMILY.bind(config), params)
-    assert "\n" not in str(e.value) and "recurrent state" in str(e.value), e.value
+    return Engine(ENGINE, FAMILY.bind(config), params)
+
+
+def served(engine, prompt, slot, n=12, decodes=None):
+    """Greedy tokens of `prompt` prefilled into `slot`, then decode calls for all slots."""
+    out = engine.fetch(engine.prefill([prompt], [slot], Sampling.empty(1)))
+    tokens = [int(out[0][0, 0])]
+    for _ in range(decodes if decodes is not None else -(-(n - 1) // ENGINE["decode_steps"])):
+        tokens += [int(t) for t in engine.fetch(engine.decode(Sampling.empty(2)))[0][:, slot]]
+    return tokens[:n]
+
+
+def test_served_greedy_tokens_equal_transformers_generate(hf, engine):
+    """The engine (chunked prefill, the recurrent decode with the state in its cache, the
+    decode windows over positions) = transformers' generate, 12 greedy tokens."""
+    _, model, _, _ = hf
+    for prompt in (PROMPT_A, PROMPT_B):
+        engine.reset()
+        with torch.no_grad():
+            expected = model.generate(torch.tensor([prompt]), max_new_tokens=12,
+                                      do_sample=False)[0, len(prompt):].tolist()
+        assert served(engine, prompt, slot=0) == expected, prompt
+
+
+def test_a_reused_slot_starts_its_state_afresh(ours, engine, monkeypatch):
+    """Slot 0 serves A, then B: B's tokens are a fresh engine's. The negative twin: an
+    engine whose prompts start from the slot's last state (no reset) gives other tokens."""
+    engine.reset()
+    alone = served(engine, PROMPT_B, slot=0)
+    engine.reset()
+    served(engine, PROMPT_A, slot=0)
+    assert served(engine, PROMPT_B, slot=0) == alone
+
+    def leaking(model, layout, cache, slots, rows, length):
+        fresh = model.init_cache(rows, length)
+        return layout.map(lambda b, s, c, f: f if s is not None else
+                          jnp.take(c, slots, axis=b, mode="clip"), cache, fresh)
+
+    monkeypatch.setattr(engine_lib, "prompt_cache", leaking)
+    config, params = ours
+    leaky = Engine(ENGINE, FAMILY.bind(config), params)
+    served(leaky, PROMPT_A, slot=0)
+    assert served(leaky, PROMPT_B, slot=0) != alone
+
+
+def test_two_requests_in_parallel_equal_each_alone(engine):
+    """A decodes alone for a call (slot 1 idle, its state garbage), then B joins in slot
+    1: each gets the tokens it gets alone."""
+    engine.reset()
+    a_alone = served(engine, PROMPT_A, slot=0)
+    engine.reset()
+    b_alone = served(engine, PROMPT_B, slot=1)
+    engine.reset()
+    out = engine.fetch(engine.prefill([PROMPT_A], [0], Sampling.empty(1)))
+    a = [int(out[0][0, 0])] + [int(t) for t in engine.fetch(engine.decode(Sampling.empty(2)))[0][:, 0]]
+    out = engine.fetch(engine.prefill([PROMPT_B], [1], Sampling.empty(1)))
+    b = [int(out[0][0, 0])]
+    for _ in range(3):
+        tokens = engine.fetch(engine.decode(Sampling.empty(2)))[0]
+        a, b = a + [int(t) for t in tokens[:, 0]], b + [int(t) for t in tokens[:, 1]]
+    assert a[:12] == a_alone and b[:12] == b_alone
+    assert a_alone != b_alone
+
+
+def _prompt_forward(model, params, tokens, lengths, chunk, state=True):
+    fn = jax.jit(functools.partial(engine_lib._prompt_forward, model, chunk, False,
+                                   state=state))
+    fresh, last, _ = fn((params, None), jnp.asarray(tokens), jnp.asarray(lengths))
+    layout = engine_lib.CacheLayout.of(model)
+    T = tokens.shape[1]
+    fresh = layout.map(lambda b, s, c: np.asarray(c if s is None else
+                                                  jax.lax.slice_in_dim(c, 0, T, axis=s)), fresh)
+    return np.asarray(last), fresh, layout
+
+
+def _states(layout, cache, row):
+    """The DeltaNet states of one row."""
+    return [np.take(c, row, axis=b) for b, s, c in
+            zip(layout.batch, layout.length, jax.tree.leaves(cache)) if s is None]
+
+
+def test_chunked_prefill_continues_the_state(ours):
+    """Two prompts (16 and 11 tokens) 8 at a time = at once (last logits, keys, values and
+    states), and the short one's state = its own unpadded prefill's. The negative twins: a
+    prefill that drops the state between chunks; one that lets padding write the state."""
+    config, params = ours
+    model = FAMILY.bind(config)
+    tokens = np.random.RandomState(3).randint(3, config.vocab_size, (2, 16))
+    lengths = np.array([16, 11])
+    whole, whole_cache, layout = _prompt_forward(model, params, tokens, lengths, 0)
+    chunked, chunked_cache, _ = _prompt_forward(model, params, tokens, lengths, 8)
+    assert layout.has_state and np.abs(whole).max() > 1.0
+    assert_close(chunked, whole, REL)
+    for c, w in zip(jax.tree.leaves(chunked_cache), jax.tree.leaves(whole_cache)):
+        assert_close(c, w, REL)
+    alone_last, alone, _ = _prompt_forward(model, params, tokens[1:, :11], lengths[1:], 8)
+    assert_close(chunked[1], alone_last[0], REL)
+    for c, a in zip(_states(layout, chunked_cache, 1), _states(layout, alone, 0)):
+        assert_close(c, a, REL)
+
+    def forgetting(params, base, rng, collections, ids, positions=None, cache=None, **kwargs):
+        later = positions[0, 0] > 0  # a chunk after the first: its state zeroed
+        cache = layout.map(lambda b, s, c: c if s is not None else
+                           jnp.where(later, jnp.zeros_like(c), c), cache)
+        return model.apply(params, base, rng, collections, ids, positions=positions,
+                           cache=cache, **kwargs)
+    forgot, _, _ = _prompt_forward(dataclasses.replace(model, apply=forgetting), params,
+                                   tokens, lengths, 8)
+    assert_differs(forgot, whole, REL)
+    _, padded, _ = _prompt_forward(model, params, tokens, lengths, 8, state=False)
+    assert_differs(np.concatenate([x.ravel() for x in _states(layout, padded, 1)]),
+                   np.concatenate([x.ravel() for x in _states(layout, alone, 0)]), REL)
