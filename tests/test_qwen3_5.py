@@ -1,7 +1,8 @@
 """The Qwen3.5 family (easylm/qwen3_5/) against transformers' Qwen3_5ForCausalLM: config.json
 both ways, parameter counts, logits through `hf::DIR`, the written-back directory, the
 scanned layers, prefill then decode with the DeltaNet state in the cache, packed
-documents, and a training run through the command.
+documents, a training run through the command, and serving through the engine (its
+greedy tokens = transformers' generate, slots reused and shared, chunked prefill).
 
 Tolerances (tests/numerics.py): a linear layer is about eight reductions in sequence
 (tests/test_gated_deltanet.py), a full one seven (q/k/v, the q/k norms, scores, their
