@@ -414,3 +414,29 @@ def test_serving_plan_counts_the_state_once_per_linear_layer():
     xla = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
            + m.temp_size_in_bytes)
     assert 0.8 < serving_bytes(model, sizes, jnp.float32, 1, S, S, 128)["total"] / xla < 1.25
+
+
+def test_cache_layout_is_read_off_the_shapes_the_layers_declare(ours):
+    """Keys/values and a latent (B, S, C) are positional, the DeltaNet conv inputs and
+    state are per-slot states, stacked (scanned) layers only move the axes; a cache array
+    with no slot axis is refused in one line."""
+    config, _ = ours
+    layout = engine_lib.CacheLayout.of(FAMILY.bind(config))
+    names = [jax.tree_util.keystr(p) for p, _ in
+             jax.tree_util.tree_flatten_with_path(FAMILY.bind(config).init_cache(1, 8))[0]]
+    kinds = {n: s for n, s in zip(names, layout.length)}
+    assert kinds["['3']['k']"] == 1 and kinds["['0'].conv"] is None
+    assert kinds["['0'].recurrent"] is None and set(layout.batch) == {0}
+    scanned = engine_lib.CacheLayout.of(FAMILY.bind(config.replace(scan_layers=True)))
+    # (R, B, ...): three DeltaNet slots' conv and state, the attention slot's keys/values.
+    assert set(scanned.batch) == {1}
+    assert scanned.length.count(None) == 6 and scanned.length.count(2) == 2
+    model = FAMILY.bind(config)
+    latent = dataclasses.replace(model, init_cache=lambda b, s, dtype=None: {
+        "kv": jnp.zeros((b, s, 24)), "state": jnp.zeros((b, 4, 4))})
+    assert engine_lib.CacheLayout.of(latent) == engine_lib.CacheLayout((0, 0), (1, None))
+    shared = dataclasses.replace(model, init_cache=lambda b, s, dtype=None: {
+        "table": jnp.zeros((s, 4))})
+    with pytest.raises(UserError) as e:
+        engine_lib.CacheLayout.of(shared)
+    assert "\n" not in str(e.value) and "['table']" in str(e.value), e.value
