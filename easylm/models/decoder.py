@@ -377,7 +377,10 @@ class CausalLM(nn.Module):
     """`apply(params, input_ids)` -> logits (B, T, V) in the compute dtype; with `cache=`
     (from `init_cache`) and `positions=`, `(logits, cache)` with this call's keys/values
     written; with `return_hidden=True` the final norm's output (B, T, D) instead of logits
-    (for losses that apply the head themselves, `head_weight`). `Model.forward`
+    (for losses that apply the head themselves, `head_weight`). With a cache, `segment_ids`
+    only mark padding (0; any other id: the call's one document): attention reads the
+    cache by position, a recurrent layer leaves its state as it is over padding (the
+    serving engine's right-padded prompts). `Model.forward`
     (easylm/models/family.py) turns each into one `ForwardOut`.
 
     What a layer caches while decoding is the layer's to declare: `layer_cache` (zeros
@@ -435,8 +438,6 @@ class CausalLM(nn.Module):
         B, T = input_ids.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        if cache is not None and segment_ids is not None:
-            raise ValueError("segment_ids (packed documents) cannot be used with a cache")
         model = _Backbone(self.config, self.dtype, self.param_dtype, type(self), name="model")
         hidden, new_cache = model(input_ids, positions, segment_ids, cache)  # (B, T, D)
         if return_hidden:

@@ -13,7 +13,12 @@ runs arrays. The cache is sharded like training activations (batch over
 (dp, fsdp, ep), heads over 'mp'), so a model that needs 'mp' to fit serves too.
 
 Model-agnostic: it runs a family's `easylm.models.family.Model` (its `apply`, `init_cache`,
-`cache_rules`; the cache's keys/values have axes (..., B, S, K, H)).
+`cache_rules`). What each cache array is, the layer declares by the shape its
+`layer_cache` gives (`CacheLayout`): an array with a length axis is positional (an
+attention layer's keys and values (B, S, K, H), a latent cache (B, S, C)): sliced to
+the positions a decode call reads and written by position; one without is a slot's
+state (Gated DeltaNet's conv inputs and recurrent state): carried whole, started from
+zeros when a slot takes a request, and continued from chunk to chunk of a prefill.
 
 Shapes: B slots, S cache positions (seq_length), n rows of one prefill or score
 call, T bucketed length, C decode steps per call, V vocabulary, N top logprobs.
@@ -74,18 +79,95 @@ def check_config(config: ConfigDict):
                         f"{config.prefill_chunk_size}")
 
 
-def check_cache(model: Model):
-    """Refuse a model whose cache holds more than keys and values (a recurrent state: Gated
-    DeltaNet's): the engine slices every cache array by position and reuses a slot's rows
-    for the next request, which would read a state of no length wrongly and carry one
-    request's state into the next."""
-    shapes = jax.eval_shape(lambda: model.init_cache(1, 8))
-    for path, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]:
-        name = getattr(path[-1], "key", getattr(path[-1], "name", None))
-        if name not in ("k", "v"):
-            raise UserError(f"{model.name}: the serving engine (serve, eval, GRPO rollouts) "
-                            f"is not built for layers with a recurrent state (the cache "
-                            f"holds {name!r}, which the engine cannot reset per request)")
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+    """Per cache array (in `jax.tree.leaves` order): its batch (slot) axis, and its length
+    axis or None for a slot's state, read off the shapes `init_cache` gives for two batch
+    sizes and two lengths: what a layer's `layer_cache` declares, whatever it names its
+    arrays (a scan's stacked layers only add a leading axis)."""
+
+    batch: tuple[int, ...]
+    length: tuple[int | None, ...]
+
+    @classmethod
+    def of(cls, model: Model) -> "CacheLayout":
+        def shapes(batch, length):
+            tree = jax.eval_shape(lambda: model.init_cache(batch, length))
+            return [leaf.shape for leaf in jax.tree.leaves(tree)], tree
+
+        base, tree = shapes(2, 8)
+        wider, _ = shapes(3, 8)
+        longer, _ = shapes(2, 16)
+        names = [jax.tree_util.keystr(path) for path, _ in
+                 jax.tree_util.tree_flatten_with_path(tree)[0]]
+        batch, length = [], []
+        for name, one, b, s in zip(names, base, wider, longer):
+            batch_axes = [i for i, (x, y) in enumerate(zip(one, b)) if x != y]
+            length_axes = [i for i, (x, y) in enumerate(zip(one, s)) if x != y]
+            if len(batch_axes) != 1 or len(length_axes) > 1 or batch_axes == length_axes:
+                raise UserError(f"{model.name}: the serving engine (serve, eval, GRPO "
+                                f"rollouts) needs each cache array to have one batch axis "
+                                f"and at most one length axis; {name} has shape {one} "
+                                f"for 2 slots of 8 positions")
+            batch.append(batch_axes[0])
+            length.append(length_axes[0] if length_axes else None)
+        return cls(tuple(batch), tuple(length))
+
+    @property
+    def has_state(self) -> bool:
+        """Whether some array is a slot's state (no length axis)."""
+        return any(axis is None for axis in self.length)
+
+    def map(self, fn, *trees):
+        """fn(batch axis, length axis or None, *leaves) over the cache's arrays."""
+        leaves = [jax.tree.leaves(tree) for tree in trees]
+        out = [fn(b, s, *xs) for b, s, *xs in zip(self.batch, self.length, *leaves)]
+        return jax.tree.unflatten(jax.tree.structure(trees[0]), out)
+
+    def cache_length(self, cache) -> int:
+        """S, the positions the cache holds (0: none, only state)."""
+        for leaf, axis in zip(jax.tree.leaves(cache), self.length):
+            if axis is not None:
+                return leaf.shape[axis]
+        return 0
+
+    def window(self, cache, length: int):
+        """The first `length` positions of each positional array; states whole."""
+        return self.map(lambda b, s, c: c if s is None else
+                        jax.lax.slice_in_dim(c, 0, length, axis=s), cache)
+
+    def write_window(self, cache, window):
+        """`window` (from `window`) written back over the cache's first positions."""
+        return self.map(lambda b, s, c, w: w if s is None else
+                        jax.lax.dynamic_update_slice_in_dim(c, w.astype(c.dtype), 0, axis=s),
+                        cache, window)
+
+    def write_slots(self, cache, fresh, slots, T: int):
+        """Rows of `fresh` (n prompts) into `slots` (n,): a positional array's first T
+        positions, a state whole. A slot index past the last (padding rows) is dropped."""
+        def write(b, s, c, f):
+            index = [slice(None)] * c.ndim
+            index[b] = slots
+            if s is not None:
+                index[s] = slice(0, T)
+                f = jax.lax.slice_in_dim(f, 0, T, axis=s)
+            return c.at[tuple(index)].set(f.astype(c.dtype), mode="drop")
+        return self.map(write, cache, fresh)
+
+
+def check_cache(model: Model) -> CacheLayout:
+    """The cache's layout; refused in one line when some array has no single batch axis
+    or more than one length axis (what the engine could not slice, write by slot and
+    reset per request)."""
+    return CacheLayout.of(model)
+
+
+def prompt_cache(model: Model, layout: CacheLayout, cache, slots, rows: int, length: int):
+    """The cache prompts going to `slots` start from: zeros, positions and state alike, so
+    a slot's last request leaks nothing into its next one (`cache` is the engine's,
+    which a prompt does not read)."""
+    del layout, cache, slots
+    return model.init_cache(rows, length)
 
 
 def buckets(largest: int, smallest: int) -> list[int]:
@@ -138,11 +220,13 @@ class Sampling:
         return tuple(np.array(a) for a in (self.keys, self.temperature, self.top_k, self.top_p))
 
 
-def _forward(model: Model, record: bool, params, tokens, positions, cache, base):
+def _forward(model: Model, record: bool, params, tokens, positions, cache, base,
+             segment_ids=None):
     """(logits, cache, out): with `record` (routing replay, GRPO), out is a 1-tuple of the
     expert choices each token got in each MoE layer, (n, L, T, K) int16 (L in
-    `moe.router_stats`' order); else ()."""
-    out = model.forward(params, tokens, positions, cache=cache, base=base, router_stats=record)
+    `moe.router_stats`' order); else (). `segment_ids` (n, T): 0 marks padding."""
+    out = model.forward(params, tokens, positions, segment_ids, cache=cache, base=base,
+                        router_stats=record)
     if not record:
         return out.logits, out.cache, ()
     n, T = tokens.shape
@@ -151,7 +235,8 @@ def _forward(model: Model, record: bool, params, tokens, positions, cache, base)
     return out.logits, out.cache, (experts,)
 
 
-def _prompt_forward(model: Model, chunk: int, record: bool, weights, tokens, lengths):
+def _prompt_forward(model: Model, chunk: int, record: bool, weights, tokens, lengths,
+                    start=None, state: bool = False):
     """The prompts' keys/values in a fresh cache of T' >= T positions (T rounded up to a
     multiple of the chunk) and each row's logits at its last token (n, V) in fp32.
 
@@ -159,7 +244,12 @@ def _prompt_forward(model: Model, chunk: int, record: bool, weights, tokens, len
     each chunk writes its keys/values and attends over the cache so far and itself under
     the cache's causal (and sliding-window) mask, so a layer holds (chunk, T') scores,
     never (T, T), and the head makes (n, chunk, V) logits, never (n, T, V). With `record`,
-    a third output: the expert choices of each prompt token, (n, L, T, K) (`_forward`)."""
+    a third output: the expert choices of each prompt token, (n, L, T, K) (`_forward`).
+
+    `start`: the cache of T' positions to begin from (None: zeros). With `state` (the cache
+    holds a state, `CacheLayout.has_state`), each chunk also marks the padding past each
+    row's length (segment id 0), which a recurrent layer then neither reads nor writes:
+    the state a row ends with is its last real token's, however the chunks fall."""
     params, base = weights
     n, T = tokens.shape
     C = T if chunk <= 0 or chunk >= T else chunk
@@ -170,14 +260,17 @@ def _prompt_forward(model: Model, chunk: int, record: bool, weights, tokens, len
         cache, last = carry
         chunk_ids, start = xs  # (n, C), the chunk's first position
         positions = jnp.broadcast_to(start + jnp.arange(C, dtype=jnp.int32), (n, C))
+        segments = (positions < lengths[:, None]).astype(jnp.int32) if state else None
         logits, cache, routing = _forward(model, record, params, chunk_ids, positions, cache,
-                                          base)
+                                          base, segments)
         at = lengths - 1 - start  # each row's last token, if it falls in this chunk
         picked = logits[jnp.arange(n), jnp.clip(at, 0, C - 1)].astype(jnp.float32)
         last = jnp.where(((at >= 0) & (at < C))[:, None], picked, last)
         return (cache, last), routing
 
-    carry = (model.init_cache(n, chunks * C), jnp.zeros((n, model.vocab_size), jnp.float32))
+    if start is None:
+        start = model.init_cache(n, chunks * C)
+    carry = (start, jnp.zeros((n, model.vocab_size), jnp.float32))
     starts = jnp.arange(chunks, dtype=jnp.int32) * C
     if chunks == 1:  # no loop: the program of an unchunked prefill
         (fresh, last), routing = step(carry, (ids[:, 0], starts[0]))
@@ -189,32 +282,34 @@ def _prompt_forward(model: Model, chunk: int, record: bool, weights, tokens, len
     return fresh, last, tuple(r[:, :, :T] for r in routing)
 
 
-def _prefill(model: Model, sample: bool, chunk: int, record: bool, weights, state, tokens,
-             lengths, slots, keys, temperature, top_k, top_p):
+def _prefill(model: Model, layout: CacheLayout, sample: bool, chunk: int, record: bool, weights,
+             state, tokens, lengths, slots, keys, temperature, top_k, top_p):
     cache, last, slot_positions = state
-    T = tokens.shape[1]
-    fresh, logits, routing = _prompt_forward(model, chunk, record, weights, tokens, lengths)
+    n, T = tokens.shape
+    C = T if chunk <= 0 or chunk >= T else chunk
+    start = prompt_cache(model, layout, cache, slots, n, -(-T // C) * C)
+    fresh, logits, routing = _prompt_forward(model, chunk, record, weights, tokens, lengths,
+                                             start, layout.has_state)
     out = next_tokens(logits, keys, lengths, temperature, top_k, top_p, sample) + routing
     # Padding rows carry slot index B, out of range, and are dropped.
-    cache = jax.tree.map(lambda c, f: c.at[..., slots, :T, :, :].set(f[..., :T, :, :],
-                                                                     mode="drop"), cache, fresh)
+    cache = layout.write_slots(cache, fresh, slots, T)
     last = last.at[slots].set(out[0], mode="drop")
     slot_positions = slot_positions.at[slots].set(lengths, mode="drop")
     # A leading step axis, like decode's outputs: (1, n, ...).
     return (cache, last, slot_positions), tuple(x[None] for x in out)
 
 
-def _decode(model: Model, steps: int, unroll: bool, sample: bool, record: bool, length: int,
-            weights, state, keys, temperature, top_k, top_p):
+def _decode(model: Model, layout: CacheLayout, steps: int, unroll: bool, sample: bool,
+            record: bool, length: int, weights, state, keys, temperature, top_k, top_p):
     """`steps` tokens for every slot, attending over the first `length` cache positions
     only (the host picks a length that covers every active slot's positions); a loop, or
     with `unroll` the steps one after another in one program."""
     params, base = weights
     cache, tokens, positions = state
-    S = jax.tree.leaves(cache)[0].shape[-3]
+    S = layout.cache_length(cache)
     # The first `length` positions, decoded in a copy and written back once per call:
-    # each step then reads L positions of keys and values, not S.
-    window = cache if length == S else jax.tree.map(lambda c: c[..., :length, :, :], cache)
+    # each step then reads L positions of keys and values, not S (a state goes whole).
+    window = cache if length >= S else layout.window(cache, length)
 
     def step(carry, _):
         window, tokens, positions = carry  # tokens (B,): the last token, not yet in the cache
@@ -229,7 +324,7 @@ def _decode(model: Model, steps: int, unroll: bool, sample: bool, record: bool, 
     (window, tokens, positions), outs = jax.lax.scan(step, (window, tokens, positions), None,
                                                      length=steps, unroll=steps if unroll else 1)
     if length < S:
-        window = jax.tree.map(lambda c, w: c.at[..., :length, :, :].set(w), cache, window)
+        window = layout.write_window(cache, window)
     return (window, tokens, positions), outs  # outs: (C, B, ...)
 
 
@@ -260,7 +355,7 @@ class Engine:
         return each token's expert choices in every MoE layer (`_forward`)."""
         self.config = config = get_default_config(config)
         check_config(config)
-        check_cache(model)
+        self.layout = layout = check_cache(model)
         # `params` and, for a variant, its frozen `base`: what `Model.forward` reads.
         self.model, self.params, self.base, self.mesh = model, params, base, mesh
         self.batch_size, self.seq_length = config.batch_size, config.seq_length
@@ -298,13 +393,13 @@ class Engine:
             "out_shardings": (self.state_shardings, NamedSharding(mesh, P()))}
         # Two programs each: all rows greedy, or some sampling (`next_tokens`'s `sample`);
         # the sampling one compiles when a request first samples.
-        self._prefill_fns = {sample: jax.jit(functools.partial(_prefill, model, sample,
+        self._prefill_fns = {sample: jax.jit(functools.partial(_prefill, model, layout, sample,
                                                                config.prefill_chunk_size,
                                                                record_routing),
                                              donate_argnums=(1,), **out_shardings)
                              for sample in (False, True)}
         self._decode_fns = {(sample, length): jax.jit(
-                                functools.partial(_decode, model, config.decode_steps,
+                                functools.partial(_decode, model, layout, config.decode_steps,
                                                   config.decode_unroll, sample, record_routing,
                                                   length),
                                 donate_argnums=(1,), **out_shardings)

@@ -2,9 +2,10 @@
 before anything is compiled (`python -m easylm.plan --plan.serve_tokens=32768`).
 
     weights   every parameter's shard in the compute dtype (the engine keeps them in --dtype)
-    kv cache  every slot's keys and values for seq_length positions: the engine's state
-    prompt    the prompt's own keys and values while it is prefilled (rows x T', T rounded up
-              to a multiple of the chunk), written into its slot at the end
+    kv cache  every slot's keys and values for seq_length positions, and a recurrent layer's
+              state (a constant per slot and layer): the engine's state
+    prompt    the prompt's own keys and values (and state) while it is prefilled (rows x T',
+              T rounded up to a multiple of the chunk), written into its slot at the end
     chunk     one chunk through one layer (layers run one after another): its scores and
               probabilities (rows, N, C, T') in fp32 and their mask, q/k/v, the MLP's
               (rows, C, F) and the head's (rows, C, V) logits
@@ -21,9 +22,9 @@ import jax.numpy as jnp
 from easylm.runtime.sharding import axes_size, match_partition_rules
 
 
-def _shard_bytes(shapes, rules, sizes: dict, dtype) -> int:
-    """One device's bytes of `shapes` under `rules`, every leaf in `dtype`; a dimension the
-    axes do not divide stays whole (as the engine's `fitted_spec` keeps it)."""
+def _shard_bytes(shapes, rules, sizes: dict, dtype=None) -> int:
+    """One device's bytes of `shapes` under `rules`, every leaf in `dtype` (None: its own);
+    a dimension the axes do not divide stays whole (as the engine's `fitted_spec` keeps it)."""
     total = 0
     specs = match_partition_rules(rules, shapes)
     for leaf, spec in zip(jax.tree.leaves(shapes), jax.tree.leaves(
@@ -33,7 +34,7 @@ def _shard_bytes(shapes, rules, sizes: dict, dtype) -> int:
             split = axes_size(sizes, axes)
             if shape[dim] % split == 0:
                 shape[dim] //= split
-        total += math.prod(shape) * jnp.dtype(dtype).itemsize
+        total += math.prod(shape) * jnp.dtype(dtype or leaf.dtype).itemsize
     return total
 
 
@@ -63,8 +64,11 @@ def serving_bytes(model, sizes: dict, dtype, slots: int, seq_length: int, prompt
     fresh = jax.eval_shape(lambda: model.init_cache(rows, padded, dtype))
     parts = {
         "weights": _shard_bytes(params, model.partition_rules, sizes, dtype),
-        "kv cache": _shard_bytes(cache, model.cache_rules, sizes, dtype),
-        "prompt": _shard_bytes(fresh, model.cache_rules, sizes, dtype),
+        # The caches as `init_cache` makes them in `dtype`: keys and values in it, a
+        # recurrent state in its own (Gated DeltaNet's fp32), the same bytes whatever the
+        # length (a constant per linear layer).
+        "kv cache": _shard_bytes(cache, model.cache_rules, sizes),
+        "prompt": _shard_bytes(fresh, model.cache_rules, sizes),
         "chunk": chunk_bytes(model.config, rows, C, padded, sizes["mp"], dtype),
     }
     return parts | {"total": sum(parts.values())}
