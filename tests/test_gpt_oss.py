@@ -127,7 +127,10 @@ def test_loss_with_the_aux_term_is_transformers_outputs_loss(pair):
     sums = next_token_sums(FAMILY.bind(config.replace(output_router_logits=True)), params,
                            batch, None)
     assert abs(float(sums.total_mean()) - float(out.loss)) <= atol
-    assert abs(float(sums.means()["moe_aux_loss"]) - float(out.aux_loss)) <= atol
+    means = sums.means()  # what the train step logs: the total, the parts beside it
+    assert abs(float(means["loss"]) - float(out.loss)) <= atol
+    assert abs(float(means["aux_loss"]) - float(out.aux_loss)) <= atol
+    assert abs(float(means["ce_loss"]) - float(out.loss)) > atol  # the CE alone is not it
     without = next_token_sums(FAMILY.bind(config), params, batch, None)
     assert abs(float(without.total_mean()) - float(out.loss)) > atol
 

@@ -38,6 +38,16 @@ def test_a_grpo_step_shows_its_reward_completion_length_and_kl():
         "step 2 | eval loss 0.0100 | reward 0.500"
 
 
+def test_a_mixture_of_experts_step_shows_the_total_loss_then_its_parts():
+    moe = {"loss": 2.53, "ce_loss": 2.5, "aux_loss": 1.5, "z_loss": 0.25, "accuracy": 0.4,
+           "moe_load_min": 3.0, "moe_load_max": 9.0, "moe_dropped": 0.0}
+    assert format_metrics(3, moe) == (
+        "step 3 | loss 2.5300 | ce_loss 2.5000 | aux_loss 1.500 | z_loss 0.250 | acc 0.400 | "
+        "expert load min 3 | max 9 | dropped 0 | tokens/s n/a (compiling)")
+    assert format_metrics(3, {"eval_loss": 2.53, "eval_ce_loss": 2.5, "eval_aux_loss": 1.5}) \
+        == "step 3 | eval loss 2.5300 | ce_loss 2.5000 | aux_loss 1.500"
+
+
 def test_first_step_says_it_compiles_instead_of_zero_tokens_per_second():
     first = {**STEP, "tokens_per_second": None, "mfu": None}
     assert format_metrics(1, first).endswith("tokens/s n/a (compiling)")

@@ -96,7 +96,13 @@ def test_loss_with_the_aux_term_is_transformers_outputs_loss(case):
     atol = logprob_tolerance(config, T, scale) * (moe_rel(config) / fp32_rel(1))
     sums = next_token_sums(FAMILY.bind(config), params, batch, None)
     assert abs(float(sums.total_mean()) - float(out.loss)) <= atol
-    assert abs(float(sums.means()["moe_aux_loss"]) - float(out.aux_loss)) <= atol
+    means = sums.means()  # what the train step logs
+    assert abs(float(means["loss"]) - float(out.loss)) <= atol
+    assert abs(float(means["aux_loss"]) - float(out.aux_loss)) <= atol
+    # Negative twin: the cross-entropy alone, logged beside it, is not outputs.loss.
+    assert abs(float(means["ce_loss"]) - float(out.loss)) > atol
+    assert abs(float(means["ce_loss"]) + config.router_aux_loss_coef * float(out.aux_loss)
+               - float(out.loss)) <= atol
     without = next_token_sums(FAMILY.bind(config.replace(output_router_logits=False)), params,
                               batch, None)
     assert abs(float(without.total_mean()) - float(out.loss)) > atol
@@ -173,7 +179,7 @@ def test_train_serve_and_export_through_the_public_commands(variant, tmp_path, c
     out = capsys.readouterr().out
     steps = [line for line in out.splitlines() if line.startswith("step ")]
     losses = [float(line.split("loss ")[1].split()[0]) for line in steps]
-    assert losses[-1] < losses[0] and "moe aux" in steps[0] and "expert load" in steps[0]
+    assert losses[-1] < losses[0] and "aux_loss" in steps[0] and "expert load" in steps[0]
     final = out.split("--load_checkpoint=params::")[1].split()[0]
 
     convert_easylm_to_hf.main(["convert", f"--load_checkpoint=params::{final}",
@@ -221,7 +227,7 @@ def test_a_train_step_over_ep_equals_one_over_fsdp():
     # The loss is ~ln 512 and the aux term ~1: the forward pass's error relative to them.
     rel = 2 * moe_rel(LLaMAConfig.from_preset("debug_moe", num_hidden_layers=1))
     for step in steps[:2]:
-        for key in ("loss", "moe_aux_loss", "moe_z_loss", "gradient_norm", "param_norm"):
+        for key in ("loss", "ce_loss", "aux_loss", "z_loss", "gradient_norm", "param_norm"):
             assert step[key] == pytest.approx(steps[-1][key], rel=rel), key
         for key in ("moe_load_max", "moe_load_min", "moe_dropped"):
             assert step[key] == steps[-1][key], key

@@ -22,6 +22,8 @@ from packaging.utils import canonicalize_name
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = open(os.path.join(REPO, "README.md")).read()
+# The recipes in full, moved out of the README: their commands are checked as its own.
+RECIPES = open(os.path.join(REPO, "docs", "recipes.md")).read()
 # A fresh `python3.11 -m venv` has these before anything is installed.
 VENV_BUILTIN = {"pip", "setuptools"}
 
@@ -280,8 +282,22 @@ def help_text(module: str) -> str:
     return out.getvalue()
 
 
+def test_the_readme_is_a_newcomers_path():
+    """A first hour's read: at most 200 lines, in the order a newcomer needs them (what it
+    is, Quick start, one command per recipe, where the docs are, Tests); the detail lives
+    in docs/, and every recipe's page is linked from it."""
+    assert len(README.splitlines()) <= 200, len(README.splitlines())
+    headings = re.findall(r"(?m)^## (.*)$", re.sub(r"(?ms)^```.*?^```", "", README))
+    assert headings == ["Quick start", "Recipes", "Documentation", "Tests",
+                        "License and credits"], headings
+    recipes = section("Recipes")
+    for page in ("recipes", "data", "model", "lora", "preference", "rl", "evaluation",
+                 "planning", "multihost"):
+        assert f"](docs/{page}.md" in recipes, page
+
+
 def test_every_command_and_flag_the_readme_names_exists():
-    named = list(named_commands_and_flags(README))
+    named = list(named_commands_and_flags(README + RECIPES))
     helps = {module: help_text(module) for module in {m for m, _ in named if m}}
     assert {"easylm.llama.train", "easylm.llama.serve", "easylm.data.preview"} <= set(helps)
     everywhere = "\n".join(helps.values())

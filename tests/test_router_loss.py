@@ -74,7 +74,14 @@ def check(with_terms, without, aux, aux_unmasked, tokens):
     assert_close(difference, COEF * aux, atol, scale=1.0)
     # Negative twin: the padding counted (no attention mask) moves the term.
     assert_differs(difference, COEF * aux_unmasked, atol, scale=1.0)
-    assert float(with_terms.means()["moe_aux_loss"]) == pytest.approx(aux, rel=atol)
+    means = with_terms.means()
+    assert float(means["aux_loss"]) == pytest.approx(aux, rel=atol)
+    # What a log step shows: `loss` is the total the gradient sees, the objective's own
+    # loss beside it under its name (the dense-like model's whole loss).
+    assert_close(float(means["loss"]), total, atol, scale=1.0)
+    part = float(means[with_terms.PART])
+    assert_close(part, float(without.means()["loss"]), atol, scale=1.0)
+    assert_differs(part, total, atol, scale=1.0)  # negative twin: the part alone differs
 
 
 @pytest.mark.parametrize("objective", preference.OBJECTIVES)

@@ -143,6 +143,7 @@ class GRPOSums(NamedTuple):
     metrics: dict  # name -> sum; per token (TOKEN_METRICS), per completion, or sum/count
 
     COUNT = "completions"  # what `weight` counts, for the logs' loss_<COUNT>
+    PART = "policy_loss"  # the GRPO policy loss: logged under this name beside a total `loss`
 
     @property
     def count(self):

@@ -27,6 +27,7 @@ class LossSums(NamedTuple):
     tokens: jax.Array  # number of counted tokens (sum of loss_masks)
 
     COUNT = "tokens"  # what `count` counts: the logs call it loss_tokens, eval_tokens
+    PART = "ce_loss"  # the cross-entropy: logged under this name beside a total `loss`
 
     @property
     def count(self):

@@ -51,6 +51,7 @@ class PreferenceSums(NamedTuple):
     metrics: dict  # name -> sum over pairs (rewards/chosen, ...)
 
     COUNT = "pairs"  # the trainer's generic denominator (losses.LossSums counts tokens)
+    PART = "preference_loss"  # the DPO/SimPO/ORPO loss, logged beside a total `loss`
 
     @property
     def count(self):

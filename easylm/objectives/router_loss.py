@@ -10,9 +10,12 @@ a preference objective, completions or tokens for GRPO), so that
 the step's one division by the count gives the mean loss plus the terms, and micro-batches
 add up (a micro-batched step's terms are then the count-weighted mean of its
 micro-batches'). Padding (segment id 0) is left out of the load-balancing loss, as
-transformers leaves out what its attention mask masks. Logged: the objective's own means,
-and `moe.load_metrics`' aux loss, z-loss, most and fewest pairs an expert got in any
-layer, and the pairs dropped past a capacity.
+transformers leaves out what its attention mask masks. Logged: `loss` is the total the
+gradient sees (the objective plus the weighted router terms: transformers' `outputs.loss`,
+TRL's logged `loss`), beside it the objective's own mean under its sums' `PART` name
+(`ce_loss` for next-token training) and its other means, the unweighted `aux_loss` (as
+TRL logs it) and `z_loss`, the most and fewest pairs an expert got in any layer, and the
+pairs dropped past a capacity.
 """
 
 from typing import Any, NamedTuple
@@ -43,10 +46,16 @@ class RouterSums(NamedTuple):
     def COUNT(self):  # noqa: N802 (the sums types' class attribute)
         return self.sums.COUNT
 
+    @property
+    def PART(self):  # noqa: N802 (the sums types' class attribute)
+        return self.sums.PART
+
     def means(self) -> dict:
         count = jnp.maximum(self.count, 1.0)
-        return {**self.sums.means(), "moe_aux_loss": self.aux_loss / count,
-                "moe_z_loss": self.z_loss / count, "moe_load_max": self.load.max(),
+        own = self.sums.means()
+        return {**own, "loss": own["loss"] + self.router_loss / count,
+                self.PART: own["loss"], "aux_loss": self.aux_loss / count,
+                "z_loss": self.z_loss / count, "moe_load_max": self.load.max(),
                 "moe_load_min": self.load.min(), "moe_dropped": self.dropped}
 
     def total_mean(self):

@@ -41,16 +41,22 @@ HELP = {
 }
 
 # Shown in the one-line summary, in this order, when present.
-# (Preference objectives log rewards/* instead of accuracy and perplexity.)
-_SUMMARY = (("loss", "loss {:.4f}"), ("accuracy", "acc {:.3f}"),
+# (Preference objectives log rewards/* instead of accuracy and perplexity.) A mixture of
+# experts' `loss` is the total the gradient sees; its parts follow it (router_loss.py).
+_SUMMARY = (("loss", "loss {:.4f}"), ("ce_loss", "ce_loss {:.4f}"),
+            ("preference_loss", "preference_loss {:.4f}"),
+            ("policy_loss", "policy_loss {:.4f}"), ("aux_loss", "aux_loss {:.3f}"),
+            ("z_loss", "z_loss {:.3f}"), ("accuracy", "acc {:.3f}"),
             ("rewards/accuracy", "reward acc {:.3f}"), ("rewards/margin", "margin {:.3f}"),
             ("reward", "reward {:.3f}"), ("completions/mean_length", "length {:.1f}"),
-            ("kl", "kl {:.2e}"), ("moe_aux_loss", "moe aux {:.3f}"),
-            ("moe_load_min", "expert load min {:,.0f}"), ("moe_load_max", "max {:,.0f}"),
+            ("kl", "kl {:.2e}"), ("moe_load_min", "expert load min {:,.0f}"),
+            ("moe_load_max", "max {:,.0f}"),
             ("moe_dropped", "dropped {:,.0f}"), ("learning_rate", "lr {:.2e}"),
             ("gradient_norm", "grad_norm {:.3f}"),
             ("tokens_per_second", "tokens/s {:,.0f}"))
-_EVAL_SUMMARY = (("eval_loss", "eval loss {:.4f}"), ("eval_accuracy", "acc {:.3f}"),
+_EVAL_SUMMARY = (("eval_loss", "eval loss {:.4f}"), ("eval_ce_loss", "ce_loss {:.4f}"),
+                 ("eval_preference_loss", "preference_loss {:.4f}"),
+                 ("eval_aux_loss", "aux_loss {:.3f}"), ("eval_accuracy", "acc {:.3f}"),
                  ("eval_rewards/accuracy", "reward acc {:.3f}"),
                  ("eval_rewards/margin", "margin {:.3f}"), ("eval_reward", "reward {:.3f}"),
                  ("eval_perplexity", "perplexity {:.2f}"), ("eval_tokens", "tokens {:,.0f}"),
