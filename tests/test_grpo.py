@@ -227,7 +227,8 @@ def test_sampling_correction_modes_are_trls(mode):
         if other != mode:
             w = trl_sampling_weights(old, sampling, masks, other, cap)
             assert not close_to(value, grad, f(logps, w),
-                                numeric_grad(lambda lp: f(lp, w), logps), masks, scale), other
+                                numeric_grad(lambda lp, w=w: f(lp, w), logps), masks,
+                                scale), other
 
 
 @pytest.mark.parametrize("loss_type", grpo.LOSS_TYPES)
