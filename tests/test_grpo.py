@@ -29,13 +29,20 @@ EPS32 = float(np.finfo(np.float32).eps)
 
 
 def reference_loss(logps, old, ref, adv, masks, o, kl_sign=1.0, clip=True, is_ratio=None,
-                   bias_correction=None):
+                   bias_correction=None, level=None):
     """TRL's GRPOTrainer._compute_loss (1.16) in float64 numpy, written from its source
-    (not from grpo.py). kl_sign=-1, clip=False and the other bias_correction than o's are
-    the negative twins' bugs."""
+    (not from grpo.py). kl_sign=-1, clip=False and the other bias_correction or level than
+    o's are the negative twins' bugs. level sequence (GSPO, trl/trainer/grpo_trainer.py
+    at f2cd577): log_importance_weights = (log_ratio * mask).sum(-1) /
+    mask.sum(-1).clamp(min=1), one per completion, as coef_1 in the clip and the KL."""
     if bias_correction is None:
         bias_correction = o.use_bias_correction_kl
-    ratio = np.exp(logps - old)
+    level = level or o.importance_sampling_level
+    log_ratio = logps - old
+    if level == "sequence":
+        log_ratio = (log_ratio * masks).sum(-1, keepdims=True) / np.maximum(
+            masks.sum(-1, keepdims=True), 1.0)
+    ratio = np.exp(log_ratio)
     eps_high = o.epsilon_high or o.epsilon
     clipped = np.clip(ratio, 1 - o.epsilon, 1 + eps_high) if clip else ratio
     a = adv[:, None]
@@ -141,6 +148,105 @@ def test_loss_and_gradient_are_trls_formula_in_float64(loss_type, iterations, we
             logps)
         assert abs(value - wrong) > 8 * n * EPS32 * scale or \
             np.abs(grad - wrong_grad).max() > atol, bug
+
+
+MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TRL's
+
+
+def trl_sampling_weights(old, sampling, mask, mode, cap):
+    """TRL's vllm importance sampling weights (trl/trainer/grpo_trainer.py at f2cd577,
+    _generate_and_score_completions) in float64: the difference (old - sampling) * mask,
+    summed over the completion for sequence_* modes; exp; *_truncate clamps at the cap,
+    *_mask fills 0 above it. (N, T), a sequence's weight repeated over its tokens."""
+    diff = (old - sampling) * mask
+    if mode.startswith("sequence"):
+        diff = np.repeat(diff.sum(-1, keepdims=True), diff.shape[1], axis=1)
+    ratio = np.exp(diff)
+    return np.minimum(ratio, cap) if mode.endswith("truncate") else np.where(ratio > cap, 0.0, ratio)
+
+
+def close_to(value, grad, expected, expected_grad, masks, scale):
+    """The bounds of test_loss_and_gradient_are_trls_formula_in_float64."""
+    n = masks.sum()
+    atol = 16 * EPS32 * np.abs(expected_grad).max() * 8
+    return abs(value - expected) <= 8 * n * EPS32 * scale and \
+        np.abs(grad - expected_grad).max() <= atol
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+@pytest.mark.parametrize("iterations", [1, 2])
+def test_sequence_level_ratio_is_trls_gspo(loss_type, iterations):
+    """--grpo.importance_sampling_level=sequence: the loss and its gradient equal TRL's
+    (float64, from its source) with the length-normalised sequence ratio in the clip and
+    the bias-corrected KL; negative twin: the token-level ratio is not within the bound."""
+    o = grpo.get_default_config({"loss_type": loss_type, "beta": 0.1, "epsilon": 0.2,
+                                 "epsilon_high": 0.28, "max_new_tokens": 7,
+                                 "importance_sampling_level": "sequence"})
+    logps, old, ref, adv, masks = parity_inputs()
+    if iterations == 1:
+        old = logps.copy()
+    value, grad = ours(logps, None if iterations == 1 else old, ref, adv, masks, o)
+    f = lambda lp, **bug: reference_loss(lp, old, ref, adv, masks, o, **bug)  # noqa: E731
+    scale = 3 * reference_loss(logps, old, ref, np.abs(adv), masks, o) + 2 * 0.1 * masks.sum()
+    assert close_to(value, grad, f(logps), numeric_grad(f, logps), masks, scale)
+    wrong = lambda lp: f(lp, level="token")  # noqa: E731
+    assert not close_to(value, grad, wrong(logps), numeric_grad(wrong, logps), masks, scale)
+    if iterations == 2:  # sequence ratios on both clip edges
+        seq = np.exp((np.where(masks > 0, logps - old, 0)).sum(-1) / np.maximum(masks.sum(-1), 1))
+        assert ((seq < 0.8) | (seq > 1.28))[masks.sum(-1) > 0].any()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sampling_correction_modes_are_trls(mode):
+    """Each --grpo.importance_sampling_mode: the weights from fixed training and sampler
+    log-probabilities equal TRL's, and the loss and gradient with them TRL's; negative
+    twin: every other mode's weights give another loss or gradient."""
+    from easylm.objectives.rollouts import sampling_weights
+
+    o = grpo.get_default_config({"loss_type": "grpo", "beta": 0.1, "max_new_tokens": 7,
+                                 "epsilon_high": 0.28})
+    logps, old, ref, adv, masks = parity_inputs()
+    # the sampler: per-token differences in [-0.9, 0.9] (some above log 2), sums beyond it
+    sampling = old - np.random.default_rng(3).uniform(-0.9, 0.9, old.shape)
+    cap = 2.0
+    diff = (old - sampling) * masks
+    got = np.asarray(sampling_weights(jnp.asarray(diff, jnp.float32),
+                                      jnp.asarray(masks, jnp.float32), mode, cap))
+    expected_w = trl_sampling_weights(old, sampling, masks, mode, cap)
+    on = masks > 0
+    # exp of a sum of <= 7 fp32 differences: relative error ~ 8 * 7 * eps * |sum|
+    np.testing.assert_allclose(got[on], expected_w[on], rtol=64 * 7 * EPS32, atol=0)
+    assert ((expected_w[on] == 0) | (expected_w[on] == cap)).any()  # the cap acts
+    assert ((expected_w[on] > 0) & (expected_w[on] < cap)).any()
+    value, grad = ours(logps, old, ref, adv, masks, o, got)
+    f = lambda lp, w: reference_loss(lp, old, ref, adv, masks, o, is_ratio=w)  # noqa: E731
+    scale = 3 * 2 * reference_loss(logps, old, ref, np.abs(adv), masks, o) + 2 * 0.1 * masks.sum()
+    assert close_to(value, grad, f(logps, expected_w),
+                    numeric_grad(lambda lp: f(lp, expected_w), logps), masks, scale)
+    for other in MODES:
+        if other != mode:
+            w = trl_sampling_weights(old, sampling, masks, other, cap)
+            assert not close_to(value, grad, f(logps, w),
+                                numeric_grad(lambda lp, w=w: f(lp, w), logps), masks,
+                                scale), other
+
+
+@pytest.mark.parametrize("loss_type", grpo.LOSS_TYPES)
+def test_masked_truncated_completions_change_only_their_rows(loss_type):
+    """mask_truncated_completions zeroes a truncated completion's loss mask (rollouts'
+    `keep`): its rows' gradient becomes 0 and no other row's changes, but for the token
+    count's denominator under bnpo / dapo (every other row scaled alike)."""
+    o = grpo.get_default_config({"loss_type": loss_type, "beta": 0.1, "max_new_tokens": 7})
+    logps, old, ref, adv, masks = parity_inputs()
+    truncated = masks.sum(-1) == masks.shape[1]  # the row of 7 (max_new_tokens) tokens
+    assert truncated.sum() == 1
+    kept = masks * ~truncated[:, None]
+    _, full = ours(logps, old, ref, adv, masks, o)
+    _, masked = ours(logps, old, ref, adv, kept, o)
+    assert np.abs(full[truncated]).max() > 0 and (masked[truncated] == 0).all()
+    factor = masks.sum() / kept.sum() if loss_type in ("bnpo", "dapo") else 1.0
+    np.testing.assert_allclose(masked[~truncated], full[~truncated] * factor,
+                               rtol=16 * EPS32, atol=16 * EPS32 * np.abs(full).max())
 
 
 def test_token_logps_are_a_tempered_log_softmax():
@@ -418,6 +524,30 @@ def test_grpo_with_lora_learns_against_the_base_as_its_reference(task, tmp_path)
     assert 0.35 <= r0 <= 0.65 and final >= r0 + 0.5 * (1 - r0), (r0, final)
 
 
+def test_gspo_and_a_sampling_mode_run_with_lora_accumulation_and_iterations(task, tmp_path):
+    """The public command with --grpo.importance_sampling_level=sequence and
+    --grpo.importance_sampling_mode=sequence_mask under LoRA (a KL to the base), two
+    micro-batches and two iterations on each rollout: it trains (a loss, a gradient), and
+    the sequence weights, exp of a completion's summed sampler-vs-trainer difference, are
+    1 to rounding (the engine samples from the trained forward), none masked."""
+    from test_checkpoint import metrics
+
+    steps = 4
+    llama_train.main(command(task, tmp_path, total_steps=steps, eval_freq=0, **LORA, **{
+        "eval_dataset.json_dataset.path": "", "grpo.num_generations": 4,
+        "train_dataset.json_dataset.batch_size": 16, "optimizer.accumulate_gradient_steps": 2,
+        "grpo.num_iterations": 2, "grpo.importance_sampling_level": "sequence",
+        "grpo.importance_sampling_mode": "sequence_mask",
+        "optimizer.adamw_optimizer.lr_decay_steps": steps}))
+    got = metrics(tmp_path)
+    assert sorted(got) == list(range(1, steps + 1))
+    for step, line in got.items():
+        assert np.isfinite(line["loss"]) and line["gradient_norm"] > 0, (step, line)
+        # a sum of <= 8 per-token differences, each ~1e-6 at fp32 (the rollout's own bound)
+        assert abs(line["sampling/importance_sampling_ratio/mean"] - 1) < 1e-3, (step, line)
+    assert got[steps]["kl"] > 0
+
+
 def test_rollouts_compile_nothing_after_the_first_step(learned):
     """Acceptance 4 (the compilation half): the first rollout lowers the engine's
     programs, and no later step (rollouts, train steps, evaluations) lowers any."""
@@ -481,6 +611,10 @@ def long_prompts(tmp_path):
      "seq_length=24, leaving room for a prompt, got 24"),
     ({"grpo.loss_type": "ppo"}, "--grpo.loss_type must be one of grpo, bnpo, dr_grpo, dapo, "
      "got 'ppo'"),
+    ({"grpo.importance_sampling_level": "seq"}, "--grpo.importance_sampling_level must be "
+     "one of token, sequence, got 'seq'"),
+    ({"grpo.importance_sampling_mode": "truncate"}, "--grpo.importance_sampling_mode must be "
+     "one of token_truncate, token_mask, sequence_truncate, sequence_mask, got 'truncate'"),
     ({"train_dataset.json_dataset.path": "embedded"}, "--objective=grpo makes rollouts from "
      "prompts: set --train_dataset.json_dataset.path to JSON lines with a prompt (and the "
      "fields your reward functions read, e.g. answer; docs/rl.md)"),

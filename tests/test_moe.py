@@ -147,6 +147,11 @@ def test_load_balancing_loss_equals_transformers():
         assert abs(got - expected) <= fp32_rel(3 * B * T, 2) * expected
     # Negative twin: the mask ignored.
     assert abs(float(moe.load_balancing_loss(layers, K)) - expected) > fp32_rel(3 * B * T, 2)
+    # No token counted (a GRPO step whose completions were all masked): 0 and a gradient
+    # of 0, not NaN.
+    value, grad = jax.value_and_grad(lambda x: moe.load_balancing_loss(
+        [x], K, jnp.zeros(B * T)))(jnp.asarray(layers[0]))
+    assert float(value) == 0.0 and not np.abs(np.asarray(grad)).any()
 
 
 def test_z_loss():

@@ -327,3 +327,31 @@ def test_sigkill_then_resume_with_replay_is_bitwise(command_run, task, tmp_path,
     for key in ("loss", "gradient_norm", "reward", "data/rollout/sampler_logp_diff_max",
                 "data/rollout/sampler_logp_diff_mean"):
         assert resumed[STEPS][key] == got[STEPS][key], key
+
+
+def test_gspo_sampling_mode_and_masked_truncations_run_with_replay(command_run, task, tmp_path):
+    """GRPO with routing replay and --grpo.importance_sampling_level=sequence,
+    --grpo.importance_sampling_mode=sequence_truncate, --grpo.mask_truncated_completions:
+    the loss counts only the completions that ended (EOS) before max_new_tokens. At this
+    random model's first step every completion runs to max_new_tokens, so no token has a
+    loss, and the step is finite (the load-balancing loss over no token was 0/0 before).
+    Negative twin: the same first step's rollouts without the flag (command_run) train
+    on their tokens."""
+    from test_checkpoint import metrics
+
+    from easylm import train
+
+    directory, _, _, plain = command_run
+    argv = grpo_argv(directory, task, tmp_path) + [
+        "--total_steps=1", "--save_model_freq=0", "--grpo.importance_sampling_level=sequence",
+        "--grpo.importance_sampling_mode=sequence_truncate",
+        "--grpo.mask_truncated_completions=True"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("WANDB_MODE", "disabled")
+        train.main(argv)
+    line, twin = metrics(tmp_path)[1], plain[1]
+    rows = 8 * 2  # batch_size x num_generations
+    assert line["completions/clipped_ratio"] == twin["completions/clipped_ratio"]  # the same
+    ended = (1 - line["completions/clipped_ratio"]) * rows
+    assert line["loss_tokens"] <= ended * NEW and np.isfinite(line["loss"])
+    assert twin["loss_tokens"] > ended * NEW

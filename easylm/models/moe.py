@@ -135,7 +135,9 @@ def load_balancing_loss(router_logits, top_k: int, mask=None):
     weight = jnp.ones(logits.shape[1]) if mask is None else jnp.asarray(mask, jnp.float32)
     counts = jnp.einsum("LNKE,N->E", jax.nn.one_hot(chosen, E), weight)
     prob_sums = jnp.einsum("LNE,N->E", probs, weight)
-    rows = logits.shape[0] * weight.sum()
+    # no token counted (a GRPO step whose every completion was masked as truncated): 0,
+    # not 0/0
+    rows = jnp.maximum(logits.shape[0] * weight.sum(), 1.0)
     return E * jnp.sum((counts / rows) * (prob_sums / rows))
 
 

@@ -37,6 +37,8 @@ from easylm.objectives.router_loss import fed_tokens, with_router_loss
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
+IS_LEVELS = ("token", "sequence")
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 HELP = {
     "grpo.num_generations": "G: completions sampled per prompt (the group its advantages "
@@ -69,12 +71,22 @@ HELP = {
                            "#### or in \\boxed{})",
     "grpo.length_buffer": "length_penalty's buffer in tokens before max_new_tokens (0: a "
                           "quarter of max_new_tokens)",
-    "grpo.importance_sampling_cap": "truncated importance sampling of the engine's sampled "
-                                    "tokens against the training forward: weights "
-                                    "min(exp(logp - engine logp), cap) (TRL's "
-                                    "vllm_importance_sampling_clip_max); 0: off. Applied at "
-                                    "temperature 1 and top_p 1 only, where the engine's "
-                                    "log-probabilities are the sampler's",
+    "grpo.importance_sampling_level": "the policy ratio of the clipped term (TRL's option): "
+                                      "token (per token), or sequence (GSPO: exp of the "
+                                      "mean over the completion's tokens of logp - old_logp, "
+                                      "one ratio per completion, clipped by epsilon / "
+                                      "epsilon_high)",
+    "grpo.importance_sampling_cap": "importance sampling of the engine's sampled "
+                                    "tokens against the training forward, the weights' cap "
+                                    "(TRL's vllm_importance_sampling_clip_max); 0: off. "
+                                    "Applied at temperature 1 and top_p 1 only, where the "
+                                    "engine's log-probabilities are the sampler's",
+    "grpo.importance_sampling_mode": "how the cap acts (TRL's vllm_importance_sampling_mode):"
+                                     " token_truncate (min(exp(logp - engine logp), cap) per "
+                                     "token), token_mask (0 where that is above the cap), "
+                                     "sequence_truncate / sequence_mask (the same on exp of "
+                                     "the completion's summed difference, one weight a "
+                                     "completion)",
     "grpo.routing_replay": "a mixture-of-experts model: the engine records each token's "
                            "expert choices in every MoE layer while sampling and the "
                            "training (and scoring) forwards replay them, so that the "
@@ -90,7 +102,8 @@ def get_default_config(updates=None) -> ConfigDict:
         scale_rewards="group",
         num_iterations=1, mask_truncated_completions=False, reward_funcs="answer_match",
         reward_weights="", format_pattern="", length_buffer=0,
-        importance_sampling_cap=3.0, routing_replay=False))
+        importance_sampling_cap=3.0, importance_sampling_mode="token_truncate",
+        importance_sampling_level="token", routing_replay=False))
     if updates is not None:
         config.update(ConfigDict(updates).copy_and_resolve_references())
     return config
@@ -111,7 +124,11 @@ def check_options(options, seq_length: int) -> None:
                options.importance_sampling_cap >= 1, "0 (off) or >= 1"),
               ("loss_type", options.loss_type in LOSS_TYPES, f"one of {', '.join(LOSS_TYPES)}"),
               ("scale_rewards", options.scale_rewards in SCALE_REWARDS,
-               f"one of {', '.join(SCALE_REWARDS)}"))
+               f"one of {', '.join(SCALE_REWARDS)}"),
+              ("importance_sampling_level", options.importance_sampling_level in IS_LEVELS,
+               f"one of {', '.join(IS_LEVELS)}"),
+              ("importance_sampling_mode", options.importance_sampling_mode in IS_MODES,
+               f"one of {', '.join(IS_MODES)}"))
     for name, ok, expected in checks:
         if not ok:
             raise UserError(f"--grpo.{name} must be {expected}, got {options[name]!r}")
@@ -180,14 +197,19 @@ def grpo_sums(logps, old_logps, ref_logps, advantages, masks, valid, options,
     sampled tokens (at the sampling temperature); old_logps (N, T) or None (one iteration:
     the ratio is 1, its gradient the policy gradient); ref_logps (N, T) or None (beta 0);
     advantages (N,); masks (N, T) the completion tokens; valid (N,) real rows; is_ratio
-    (N, T) or None: the truncated importance weights of the sampler's mismatch, which
-    scale the clipped term (TRL's vllm_importance_sampling_correction, token_truncate);
+    (N, T) or None: the importance weights of the sampler's mismatch (rollouts.
+    sampling_weights), which scale the clipped term (TRL's
+    vllm_importance_sampling_correction);
     scored_logps (N, T) or None: the rollout's policy, scored by the program that scored
     ref_logps (see the KL below)."""
     eps_low = options.epsilon
     eps_high = options.epsilon_high or options.epsilon
     old = jax.lax.stop_gradient(logps) if old_logps is None else old_logps
-    ratio = jnp.exp(logps - old)
+    log_ratio = logps - old
+    if options.importance_sampling_level == "sequence":  # GSPO: (N, 1), one per completion
+        log_ratio = jnp.sum(log_ratio * masks, axis=1, keepdims=True) / jnp.maximum(
+            jnp.sum(masks, axis=1, keepdims=True), 1.0)
+    ratio = jnp.exp(log_ratio)  # (N, T), or (N, 1) broadcast over the tokens
     a = advantages[:, None]
     per_token = -jnp.minimum(ratio * a, jnp.clip(ratio, 1 - eps_low, 1 + eps_high) * a)
     metrics = {}
@@ -334,9 +356,11 @@ class GRPOObjective(Objective):
         o = self.options
         reference = {BASE: ", KL to the base (adapters off)", COPY: ", KL to a frozen copy",
                      NO_REFERENCE: ""}[self.reference]
-        correction = f", importance weights <= {o.importance_sampling_cap:g}" \
-            if corrects_sampling(o) else ""
-        return (f" | objective grpo ({o.loss_type}, {o.num_generations} completions of <= "
+        correction = f", importance weights {o.importance_sampling_mode} at " \
+            f"{o.importance_sampling_cap:g}" if corrects_sampling(o) else ""
+        level = ", sequence-level ratio (GSPO)" if o.importance_sampling_level == "sequence" \
+            else ""
+        return (f" | objective grpo ({o.loss_type}{level}, {o.num_generations} completions of <= "
                 f"{o.max_new_tokens} tokens per prompt{reference}{correction})")
 
     def plan_rows(self) -> str:

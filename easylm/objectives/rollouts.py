@@ -92,6 +92,20 @@ def corrects_sampling(options) -> bool:
         options.top_p == 1
 
 
+def sampling_weights(diff, masks, mode: str, cap: float):
+    """The importance weights of the sampler's mismatch, as TRL's GRPOTrainer makes them
+    (vllm_importance_sampling_mode): diff (..., T) the training forward's log-probabilities
+    less the engine's on the completion tokens (0 elsewhere). token_*: exp(diff) per token;
+    sequence_*: exp of the completion's summed diff, broadcast over its tokens; *_truncate:
+    min(weight, cap); *_mask: 0 where the weight is above cap."""
+    if mode.startswith("sequence"):
+        diff = jnp.broadcast_to(jnp.sum(diff * masks, axis=-1, keepdims=True), diff.shape)
+    weight = jnp.exp(diff)
+    if mode.endswith("truncate"):
+        return jnp.minimum(weight, cap)
+    return jnp.where(weight > cap, 0.0, weight)
+
+
 def sampling_keys(seed: int, salt: int, step: int, index: int, n: int) -> np.ndarray:
     """(n, 2) uint32 raw keys, one per row, from the run's seed and where the rollout is."""
     state = np.random.SeedSequence([seed, salt, step, index]).generate_state(2 * n, np.uint32)
@@ -273,7 +287,9 @@ class Rollouts:
             if old:
                 out["old_logps"] = policy
             if weights:
-                out["is_ratio"] = jnp.minimum(jnp.exp(diff), o.importance_sampling_cap)
+                out["is_ratio"] = sampling_weights(diff, batch["loss_masks"],
+                                                   o.importance_sampling_mode,
+                                                   o.importance_sampling_cap)
                 out["logp_difference"] = jnp.abs(diff)
             if compare:
                 metrics["rollout/sampler_logp_diff_max"] = jnp.max(jnp.abs(diff))
