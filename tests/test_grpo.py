@@ -615,6 +615,10 @@ def long_prompts(tmp_path):
      "one of token, sequence, got 'seq'"),
     ({"grpo.importance_sampling_mode": "truncate"}, "--grpo.importance_sampling_mode must be "
      "one of token_truncate, token_mask, sequence_truncate, sequence_mask, got 'truncate'"),
+    ({"grpo.importance_sampling_mode": "token_mask", "grpo.temperature": 0.7},
+     "--grpo.importance_sampling_mode=token_mask needs the engine's log-probabilities to be "
+     "the sampler's: --grpo.temperature=1, --grpo.top_p=1 and --grpo.importance_sampling_cap "
+     "> 0 (got 0.7, 1, 3)"),
     ({"train_dataset.json_dataset.path": "embedded"}, "--objective=grpo makes rollouts from "
      "prompts: set --train_dataset.json_dataset.path to JSON lines with a prompt (and the "
      "fields your reward functions read, e.g. answer; docs/rl.md)"),

@@ -132,6 +132,13 @@ def check_options(options, seq_length: int) -> None:
     for name, ok, expected in checks:
         if not ok:
             raise UserError(f"--grpo.{name} must be {expected}, got {options[name]!r}")
+    if options.importance_sampling_mode != "token_truncate" and not corrects_sampling(options):
+        # Asked for by name, so not left out in silence as the default cap is.
+        raise UserError(f"--grpo.importance_sampling_mode={options.importance_sampling_mode} "
+                        f"needs the engine's log-probabilities to be the sampler's: "
+                        f"--grpo.temperature=1, --grpo.top_p=1 and --grpo.importance_sampling_cap"
+                        f" > 0 (got {options.temperature:g}, {options.top_p:g}, "
+                        f"{options.importance_sampling_cap:g})")
 
 
 def reward_weights(options, count: int) -> np.ndarray:
