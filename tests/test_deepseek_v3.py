@@ -140,3 +140,23 @@ def test_training_through_the_command_lowers_the_loss(tmp_path, saved):
     with open(tmp_path / "run" / "metrics.jsonl") as f:
         losses = [row["loss"] for row in map(json.loads, f) if "loss" in row]
     assert len(losses) == 3 and np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+
+
+def test_the_training_loss_is_transformers_loss(saved):
+    """The next-token objective the trainer runs (step 1's loss) = transformers' `labels`
+    loss on the same rows; the twin drops the correction bias."""
+    from easylm.objectives.next_token import next_token_sums
+
+    _, model, ids, config, params = saved
+    with torch.no_grad():
+        loss = float(model(torch.tensor(ids), labels=torch.tensor(ids)).loss)
+    batch = dict(input_tokens=jnp.asarray(ids),
+                 target_tokens=jnp.asarray(np.concatenate([ids[:, 1:], ids[:, :1]], axis=1)),
+                 loss_masks=jnp.asarray(np.arange(T) < T - 1, jnp.float32)[None].repeat(2, 0))
+    atol = 64 * np.finfo(np.float32).eps * loss
+    ours = float(next_token_sums(FAMILY.bind(config), params, batch, None).means()["loss"])
+    assert abs(ours - loss) <= atol, (ours, loss)
+    unbiased = jax.tree_util.tree_map_with_path(
+        lambda p, x: jnp.zeros_like(x) if "e_score_correction_bias" in str(p) else x, params)
+    off = float(next_token_sums(FAMILY.bind(config), unbiased, batch, None).means()["loss"])
+    assert abs(off - loss) > atol
