@@ -160,3 +160,15 @@ def test_the_training_loss_is_transformers_loss(saved):
         lambda p, x: jnp.zeros_like(x) if "e_score_correction_bias" in str(p) else x, params)
     off = float(next_token_sums(FAMILY.bind(config), unbiased, batch, None).means()["loss"])
     assert abs(off - loss) > atol
+
+
+def test_the_serving_engine_refuses_the_latent_cache_in_one_line(saved):
+    """The engine is not yet built for a cache of latents: it says so before compiling
+    (decoding through the model's own cache is tested above)."""
+    from easylm.errors import UserError
+    from easylm.serving.engine import Engine
+
+    _, _, _, config, params = saved
+    with pytest.raises(UserError) as e:
+        Engine({"batch_size": 2, "seq_length": 64}, FAMILY.bind(config), params)
+    assert "\n" not in str(e.value) and "'kv'" in str(e.value), e.value
