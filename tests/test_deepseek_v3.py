@@ -8,12 +8,12 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+import jax
+import jax.numpy as jnp
 
-from easylm.deepseek_v3.family import FAMILY  # noqa: E402
-from easylm.deepseek_v3 import hf  # noqa: E402
-from easylm.deepseek_v3.model import DeepseekV3ForCausalLM  # noqa: E402
+from easylm.deepseek_v3 import hf
+from easylm.deepseek_v3.family import FAMILY
+from easylm.deepseek_v3.model import DeepseekV3ForCausalLM
 
 T = 24
 
@@ -54,6 +54,11 @@ def saved(request, tmp_path_factory):
     ids = np.random.default_rng(0).integers(0, 512, (2, T))
     config, params = hf.load_hf_params(directory)
     return directory, model, ids, config, params
+
+
+def _one_variant(saved):
+    if not saved[3].q_lora_rank:
+        pytest.skip("the q_lora_rank variant is enough for this")
 
 
 def _tolerance(reference):
@@ -126,9 +131,8 @@ def test_training_through_the_command_lowers_the_loss(tmp_path, saved):
 
     from easylm import train
 
-    directory, _, _, config, _ = saved
-    if not config.q_lora_rank:
-        pytest.skip("one variant is enough for the command")
+    directory = saved[0]
+    _one_variant(saved)
     with contextlib.redirect_stdout(io.StringIO()):
         train.main(["train", f"--load_checkpoint=hf::{directory}", "--tokenizer=embedded",
                     "--total_steps=3", "--log_freq=1", "--dtype=fp32", "--mesh_dim=1,1,-1",
@@ -165,6 +169,7 @@ def test_the_training_loss_is_transformers_loss(saved):
 def test_the_serving_engine_refuses_the_latent_cache_in_one_line(saved):
     """The engine is not yet built for a cache of latents: it says so before compiling
     (decoding through the model's own cache is tested above)."""
+    _one_variant(saved)
     from easylm.errors import UserError
     from easylm.serving.engine import Engine
 
@@ -172,3 +177,23 @@ def test_the_serving_engine_refuses_the_latent_cache_in_one_line(saved):
     with pytest.raises(UserError) as e:
         Engine({"batch_size": 2, "seq_length": 64}, FAMILY.bind(config), params)
     assert "\n" not in str(e.value) and "'kv'" in str(e.value), e.value
+
+
+def test_training_leaves_the_correction_bias_as_it_is(saved):
+    """No gradient reaches the bias (it only picks experts) and the default weight-decay
+    exclusions skip it: a step of the default AdamW leaves it bit for bit."""
+    _one_variant(saved)
+    import re
+
+    from easylm.training import optimizers
+
+    _, _, ids, config, params = saved
+    model = FAMILY.bind(config)
+    grads = jax.grad(lambda p: model.forward(p, jnp.asarray(ids)).logits.std())(params)
+    flat = {"/".join(str(getattr(k, "key", k)) for k in path): g
+            for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]}
+    biases = [k for k in flat if k.endswith("e_score_correction_bias")]
+    assert biases and all(not np.any(flat[k]) for k in biases)
+    assert any(np.any(flat[k]) for k in flat if k.endswith("router/kernel"))
+    exclusions = optimizers.get_default_config().adamw_optimizer.weight_decay_exclusions
+    assert all(any(re.search(r, k) for r in exclusions.split(",")) for k in biases)

@@ -17,7 +17,8 @@ from easylm.models.config import ModelConfig, default, field
 from easylm.models.mla import MLAConfig
 from easylm.models.sigmoid_moe import SigmoidMoEConfig
 
-NOT_BUILT = {"deepseek_v2": "softmax router without the correction bias (DeepSeek-V2)"}
+NOT_BUILT = {"glm4_moe": "grouped-query attention with partial rotary (GLM-4.5) in place of "
+                         "multi-head latent attention"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,7 +197,7 @@ def from_hf_dict(hf: dict, path: str = "config.json") -> DeepseekV3Config:
     if hf.get("model_type") != "deepseek_v3":
         raise UserError(f"{path}: model_type {hf.get('model_type')!r} is not deepseek_v3")
     defaults = {f.name: f.default for f in dataclasses.fields(DeepseekV3Config)}
-    get = lambda name: hf[name] if hf.get(name) is not None else defaults.get(name)  # noqa: E731
+    get = lambda name: hf[name] if hf.get(name) is not None else defaults.get(name)
     for name, expected in _MUST_BE.items():
         if hf.get(name, expected) != expected:
             raise UserError(f"{path}: {name}={hf[name]!r} is not supported (expected "
@@ -215,12 +216,10 @@ def from_hf_dict(hf: dict, path: str = "config.json") -> DeepseekV3Config:
     rope_fields = {}
     if yarn:
         rope_fields = dict(rope_type="yarn", rope_factor=float(yarn["factor"]))
-        for ours, theirs in (("original_max_position_embeddings", "original_max_position_"
-                              "embeddings"), ("beta_fast", "beta_fast"),
-                             ("beta_slow", "beta_slow"), ("mscale", "mscale"),
-                             ("mscale_all_dim", "mscale_all_dim")):
-            if yarn.get(theirs) is not None:
-                rope_fields["rope_" + ours] = type(defaults["rope_" + ours])(yarn[theirs])
+        for name in ("original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+                     "mscale_all_dim"):
+            if yarn.get(name) is not None:
+                rope_fields["rope_" + name] = type(defaults["rope_" + name])(yarn[name])
         extra = set(yarn) - {"factor", "original_max_position_embeddings", "beta_fast",
                              "beta_slow", "mscale", "mscale_all_dim"}
         if any(yarn[k] is not None for k in extra):

@@ -63,7 +63,7 @@ def from_hf(tensors: Mapping, config: DeepseekV3Config, dtype=None, source="chec
     shapes = param_shapes(config)
     expected = {path: hf_names(path, shape) for path, shape in shapes.items()}
     wanted = {name for names in expected.values() for name, _ in names}
-    mtp = re.compile(rf"model\.layers\.(\d+)\.")
+    mtp = re.compile(r"model\.layers\.(\d+)\.")
     present = [n for n in tensors if not ((m := mtp.match(n))
                                           and int(m.group(1)) >= config.num_hidden_layers)]
     missing = [n for n in wanted if n not in tensors]
