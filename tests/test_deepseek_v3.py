@@ -62,8 +62,8 @@ def _one_variant(saved):
 
 
 def _tolerance(reference):
-    # fp32 through 3 layers: a few hundred ulps of the logits' magnitude.
-    return 512 * np.finfo(np.float32).eps * float(np.abs(reference).max())
+    # fp32 through 3 layers: tens of ulps of the logits' magnitude (measured ~6e-6 of 2.4).
+    return 64 * np.finfo(np.float32).eps * float(np.abs(reference).max())
 
 
 def test_logits_match_transformers(saved):
