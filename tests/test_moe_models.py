@@ -128,8 +128,8 @@ def test_hf_to_easylm_to_hf_is_bitwise_and_fused_tensors_read_the_same(case):
 
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(model_type="deepseek_v3", kv_lora_rank=512),
-     "model_type 'deepseek_v3' is not built: its kv_lora_rank"),
+    (dict(model_type="deepseek_v2", kv_lora_rank=512),
+     "model_type 'deepseek_v2' is not built: its kv_lora_rank"),
     (dict(model_type="qwen2_moe"), "model_type 'qwen2_moe' is not built: its shared_expert"),
     (dict(model_type="qwen3_next"), "model_type 'qwen3_next' is not built: its layer_types"),
     (dict(mlp_only_layers=[1]), "mlp_only_layers=\\[1\\] makes some layers' MLPs dense"),

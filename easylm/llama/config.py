@@ -41,7 +41,6 @@ MOE_TYPES = ("qwen3_moe", "mixtral")
 NOT_BUILT = {
     "qwen2_moe": "shared_expert_intermediate_size (a shared expert beside the routed ones)",
     "deepseek_v2": "kv_lora_rank (multi-head latent attention) and n_shared_experts",
-    "deepseek_v3": "kv_lora_rank (multi-head latent attention) and n_shared_experts",
     "qwen3_next": "layer_types (linear-attention layers) and shared_expert_intermediate_size",
 }
 # What a config.json without a key means: its transformers class's default (transformers

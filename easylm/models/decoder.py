@@ -139,10 +139,11 @@ class Sublayer(nn.Module):
 
 
 def cache_length(cache) -> int:
-    """S, the positions a cache holds: its attention layers' keys (B, S, K, H), under
-    whatever else other kinds of layers keep (a recurrent state has no length)."""
+    """S, the positions a cache holds: its attention layers' keys (B, S, K, H) or latents
+    (mla.LatentCache's kv, B, S, 1, C + R), under whatever else other kinds of layers keep
+    (a recurrent state has no length)."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(cache)[0]:
-        if getattr(path[-1], "key", None) == "k":
+        if getattr(path[-1], "key", None) == "k" or getattr(path[-1], "name", None) == "kv":
             return leaf.shape[-3]
     return 0  # no attention layer: nothing reads the mask
 

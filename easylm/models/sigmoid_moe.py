@@ -102,6 +102,10 @@ class SigmoidMoE(SparseMoE):
     and router_bias/e_score_correction_bias (E,) fp32 in the `BIAS` collection."""
 
     config: SigmoidMoEConfig
+    # Where e_score_correction_bias lives: its own collection (`BIAS`), or "params" for a
+    # family whose checkpoint loader carries it with the weights (it gets no gradient:
+    # it only picks experts).
+    bias_collection: str = BIAS
 
     @nn.compact
     def __call__(self, x, experts=None):
@@ -110,7 +114,8 @@ class SigmoidMoE(SparseMoE):
         E = c.num_experts
         tokens = x.reshape(B * T, D)
         logits = Router(E, False, c.initializer_range, jnp.float32, name="router")(tokens)
-        bias = self.variable(BIAS, "e_score_correction_bias", jnp.zeros, (E,), jnp.float32)
+        bias = self.variable(self.bias_collection, "e_score_correction_bias",
+                             lambda: jnp.zeros((E,), jnp.float32))
         if experts is None and self.has_variable(REPLAY, "experts"):
             experts = self.get_variable(REPLAY, "experts")
         if experts is not None:

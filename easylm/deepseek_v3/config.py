@@ -1,0 +1,258 @@
+"""DeepSeek-V3 (also DeepSeek-R1, Kimi K2, Moonlight) configuration: one dataclass and
+config.json as transformers 5 reads `DeepseekV3Config`.
+
+Every layer attends with multi-head latent attention (easylm/models/mla.py); the first
+`first_k_dense_replace` layers have a dense gated MLP (`intermediate_size`), the others
+DeepSeek's mixture of experts (easylm/models/sigmoid_moe.py: sigmoid scores, the
+correction bias that picks, group-limited top-k, `n_shared_experts` shared experts of
+`moe_intermediate_size` each). Rotary is default or YaRN (with mscale / mscale_all_dim).
+"""
+
+import dataclasses
+import sys
+
+from easylm.errors import UserError
+from easylm.models import rope
+from easylm.models.config import ModelConfig, default, field
+from easylm.models.mla import MLAConfig
+from easylm.models.sigmoid_moe import SigmoidMoEConfig
+
+NOT_BUILT = {"glm4_moe": "grouped-query attention with partial rotary (GLM-4.5) in place of "
+                         "multi-head latent attention"}
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepseekV3Config(ModelConfig):
+    vocab_size: int = default(129280)
+    hidden_size: int = default(7168)
+    intermediate_size: int = default(18432)
+    num_hidden_layers: int = default(61)
+    num_attention_heads: int = default(128)
+    max_position_embeddings: int = default(4096)
+    bos_token_id: int | None = default(0)
+    eos_token_id: int | None = default(1)
+
+    moe_intermediate_size: int = field(2048, "one routed (and shared) expert's MLP width")
+    n_routed_experts: int = field(256, "routed experts E")
+    n_shared_experts: int = field(1, "shared experts every token takes")
+    num_experts_per_tok: int = field(8, "routed experts chosen per token K")
+    n_group: int = field(8, "expert groups of the group-limited top-k")
+    topk_group: int = field(4, "groups kept per token")
+    first_k_dense_replace: int = field(3, "the first layers with a dense MLP")
+    routed_scaling_factor: float = field(2.5, "multiplies the routed experts' weights")
+    norm_topk_prob: bool = field(True, "divide the chosen weights by their sum")
+    kv_lora_rank: int = field(512, "the key/value latent C (what the cache holds)")
+    q_lora_rank: int = field(1536, "query latent width; 0: one q_proj")
+    qk_rope_head_dim: int = field(64, "rotary dims of each query/key head")
+    qk_nope_head_dim: int = field(128, "non-rotary dims of each query/key head")
+    v_head_dim: int = field(128, "value head width")
+    rope_theta: float = field(10_000.0, "rotary base")
+    rope_interleave: bool = field(True, "the checkpoint stores rotary dims as pairs")
+    attention_bias: bool = field(False, "biases on q_a_proj, kv_a_proj_with_mqa, o_proj")
+    rope_type: str = field("default", "default or yarn")
+    rope_factor: float = field(1.0, "YaRN factor")
+    rope_original_max_position_embeddings: int = field(4096, "YaRN's original context")
+    rope_beta_fast: float = field(32.0, "YaRN beta_fast")
+    rope_beta_slow: float = field(1.0, "YaRN beta_slow")
+    rope_mscale: float = field(0.0, "YaRN mscale (attention factor of cos/sin); 0: none")
+    rope_mscale_all_dim: float = field(0.0, "YaRN mscale_all_dim (softmax scale); 0: none")
+
+    def __post_init__(self):
+        # The shared decoder reads head_dim / num_key_value_heads: the latent cache's.
+        object.__setattr__(self, "num_key_value_heads", 1)
+        object.__setattr__(self, "head_dim", self.kv_lora_rank + self.qk_rope_head_dim)
+        if self.rope_type not in ("default", "yarn"):
+            raise UserError(f"--deepseek_v3.rope_type={self.rope_type!r} is not one of "
+                            f"default, yarn")
+        if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
+            raise UserError(f"--deepseek_v3.first_k_dense_replace={self.first_k_dense_replace}"
+                            f" must be in 0..num_hidden_layers={self.num_hidden_layers}")
+        try:
+            self.mla(), self.moe()
+        except ValueError as e:
+            raise UserError(f"--deepseek_v3: {e}") from None
+
+    def layer_kinds(self) -> tuple[str, ...]:
+        k = self.first_k_dense_replace
+        return ("dense",) * k + ("moe",) * (self.num_hidden_layers - k)
+
+    def yarn(self) -> tuple:
+        if self.rope_type != "yarn":
+            return ()
+        fields = dict(factor=self.rope_factor,
+                      original_max_position_embeddings=self.rope_original_max_position_embeddings,
+                      beta_fast=self.rope_beta_fast, beta_slow=self.rope_beta_slow)
+        if self.rope_mscale:
+            fields["mscale"] = self.rope_mscale
+        if self.rope_mscale_all_dim:
+            fields["mscale_all_dim"] = self.rope_mscale_all_dim
+        return tuple(sorted((k, v) for k, v in fields.items() if k in rope.YARN_FIELDS))
+
+    def mla(self) -> MLAConfig:
+        return MLAConfig(hidden_size=self.hidden_size,
+                         num_attention_heads=self.num_attention_heads,
+                         kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
+                         qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim,
+                         q_lora_rank=self.q_lora_rank or None, rope_theta=self.rope_theta,
+                         rope_interleave=self.rope_interleave, yarn=self.yarn(),
+                         attention_bias=self.attention_bias,
+                         initializer_range=self.initializer_range, attention=self.attention)
+
+    def moe(self) -> SigmoidMoEConfig:
+        return SigmoidMoEConfig(self.n_routed_experts, self.num_experts_per_tok,
+                                self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                                initializer_range=self.initializer_range, n_group=self.n_group,
+                                topk_group=self.topk_group,
+                                routed_scaling_factor=self.routed_scaling_factor,
+                                n_shared_experts=self.n_shared_experts)
+
+    # --------------------------------------------------------------- counting
+
+    def _attention_params(self) -> int:
+        d, n = self.hidden_size, self.num_attention_heads
+        h = self.qk_nope_head_dim + self.qk_rope_head_dim
+        q = (d * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * n * h
+             if self.q_lora_rank else d * n * h)
+        kv = d * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank + \
+            self.kv_lora_rank * n * (self.qk_nope_head_dim + self.v_head_dim)
+        return q + kv + n * self.v_head_dim * d
+
+    def _mlp_params(self, kind: str, active: bool = False) -> int:
+        d = self.hidden_size
+        if kind == "dense":
+            return 3 * d * self.intermediate_size
+        experts = self.num_experts_per_tok if active else self.n_routed_experts
+        return (3 * d * self.moe_intermediate_size * (experts + self.n_shared_experts)
+                + d * self.n_routed_experts)
+
+    def num_parameters(self) -> int:
+        d, v = self.hidden_size, self.vocab_size
+        layers = sum(self._attention_params() + self._mlp_params(k) + 2 * d
+                     for k in self.layer_kinds())
+        return v * d * (1 if self.tie_word_embeddings else 2) + layers + d
+
+    def num_matmul_parameters(self) -> int:
+        """Active: the chosen and shared experts only."""
+        return (sum(self._attention_params() + self._mlp_params(k, True)
+                    for k in self.layer_kinds()) + self.vocab_size * self.hidden_size)
+
+    def flops_per_token(self, seq_length: int) -> float:
+        n = self.num_attention_heads
+        width = n * (self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim) / 2
+        return 6 * self.num_matmul_parameters() + 12 * width * seq_length * \
+            self.num_hidden_layers
+
+    # ---------------------------------------------------- HF transformers
+
+    @classmethod
+    def from_hf_config(cls, hf: dict, path: str = "config.json") -> "DeepseekV3Config":
+        return from_hf_dict(hf, path)
+
+    def to_hf_config(self):
+        from transformers import DeepseekV3Config as HFConfig
+
+        rope_parameters = {"rope_type": self.rope_type, "rope_theta": float(self.rope_theta)}
+        if self.rope_type == "yarn":
+            rope_parameters.update(
+                factor=self.rope_factor,
+                original_max_position_embeddings=self.rope_original_max_position_embeddings,
+                beta_fast=self.rope_beta_fast, beta_slow=self.rope_beta_slow,
+                **({"mscale": self.rope_mscale} if self.rope_mscale else {}),
+                **({"mscale_all_dim": self.rope_mscale_all_dim}
+                   if self.rope_mscale_all_dim else {}))
+        config = HFConfig(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            moe_intermediate_size=self.moe_intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_attention_heads,
+            n_shared_experts=self.n_shared_experts, n_routed_experts=self.n_routed_experts,
+            routed_scaling_factor=self.routed_scaling_factor, kv_lora_rank=self.kv_lora_rank,
+            q_lora_rank=self.q_lora_rank or None, qk_rope_head_dim=self.qk_rope_head_dim,
+            v_head_dim=self.v_head_dim, qk_nope_head_dim=self.qk_nope_head_dim,
+            n_group=self.n_group, topk_group=self.topk_group,
+            num_experts_per_tok=self.num_experts_per_tok,
+            first_k_dense_replace=self.first_k_dense_replace,
+            norm_topk_prob=self.norm_topk_prob,
+            max_position_embeddings=self.max_position_embeddings,
+            initializer_range=self.initializer_range, rms_norm_eps=self.rms_norm_eps,
+            tie_word_embeddings=self.tie_word_embeddings, rope_parameters=rope_parameters,
+            rope_interleave=self.rope_interleave, attention_bias=self.attention_bias,
+            bos_token_id=self.bos_token_id, eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id)
+        config.architectures = ["DeepseekV3ForCausalLM"]
+        return config
+
+
+_INTS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+         "num_hidden_layers", "num_attention_heads", "n_routed_experts", "n_shared_experts",
+         "num_experts_per_tok", "n_group", "topk_group", "first_k_dense_replace",
+         "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+         "max_position_embeddings")
+_MUST_BE = {"hidden_act": "silu", "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+
+
+def from_hf_dict(hf: dict, path: str = "config.json") -> DeepseekV3Config:
+    if hf.get("model_type") != "deepseek_v3":
+        raise UserError(f"{path}: model_type {hf.get('model_type')!r} is not deepseek_v3")
+    defaults = {f.name: f.default for f in dataclasses.fields(DeepseekV3Config)}
+    get = lambda name: hf[name] if hf.get(name) is not None else defaults.get(name)
+    for name, expected in _MUST_BE.items():
+        if hf.get(name, expected) != expected:
+            raise UserError(f"{path}: {name}={hf[name]!r} is not supported (expected "
+                            f"{expected!r})")
+    for name in _INTS:
+        if not isinstance(get(name), int) or isinstance(get(name), bool):
+            raise UserError(f"{path}: {name} must be an integer, got {get(name)!r}")
+    if hf.get("num_nextn_predict_layers"):
+        print(f"{path}: its {hf['num_nextn_predict_layers']} multi-token-prediction layer(s) "
+              f"are not loaded (transformers skips them too)", file=sys.stderr)
+    try:
+        mla = MLAConfig.from_hf({**{k: get(k) for k in _INTS}, **hf})
+    except (KeyError, ValueError) as e:
+        raise UserError(f"{path}: rope: {e}") from None
+    yarn = dict(mla.yarn)
+    rope_fields = {}
+    if yarn:
+        rope_fields = dict(rope_type="yarn", rope_factor=float(yarn["factor"]))
+        for name in ("original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+                     "mscale_all_dim"):
+            if yarn.get(name) is not None:
+                rope_fields["rope_" + name] = type(defaults["rope_" + name])(yarn[name])
+        extra = set(yarn) - {"factor", "original_max_position_embeddings", "beta_fast",
+                             "beta_slow", "mscale", "mscale_all_dim"}
+        if any(yarn[k] is not None for k in extra):
+            raise UserError(f"{path}: YaRN keys {sorted(extra)} are not supported")
+    try:
+        return DeepseekV3Config(
+            **{name: get(name) for name in _INTS}, **rope_fields,
+            q_lora_rank=hf.get("q_lora_rank") or 0, rope_theta=mla.rope_theta,
+            rope_interleave=mla.rope_interleave, attention_bias=mla.attention_bias,
+            routed_scaling_factor=float(get("routed_scaling_factor")),
+            norm_topk_prob=bool(get("norm_topk_prob")),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            rms_norm_eps=float(get("rms_norm_eps")),
+            initializer_range=float(get("initializer_range")),
+            bos_token_id=hf.get("bos_token_id"), eos_token_id=_first(hf.get("eos_token_id")),
+            pad_token_id=hf.get("pad_token_id"))
+    except UserError as e:
+        raise UserError(f"{path}: {e}") from None
+
+
+def _first(value):
+    return value[0] if isinstance(value, (list, tuple)) and value else value
+
+
+DEEPSEEK_V3_PRESETS = {
+    # Tiny, for tests and the commands' default: the embedded tokenizer's 512 tokens.
+    "debug": dict(vocab_size=512, hidden_size=64, intermediate_size=128,
+                  moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+                  n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2,
+                  topk_group=1, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48,
+                  qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                  max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+    "deepseek_v3": dict(rope_type="yarn", rope_factor=40.0, rope_mscale=1.0,
+                        rope_mscale_all_dim=1.0, max_position_embeddings=163840,
+                        rope_beta_fast=32.0, rope_beta_slow=1.0),
+}

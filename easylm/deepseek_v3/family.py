@@ -1,0 +1,27 @@
+"""The DeepSeek-V3 family (DeepSeek-V3/R1, Kimi K2, Moonlight): `FAMILY`."""
+
+from easylm.deepseek_v3 import hf
+from easylm.deepseek_v3.config import DEEPSEEK_V3_PRESETS, NOT_BUILT, DeepseekV3Config
+from easylm.deepseek_v3.model import PARTITION_RULES, DeepseekV3ForCausalLM
+from easylm.models.family import HFAdapter, ModelFamily, layout
+
+
+def _read_params(directory: str, config: DeepseekV3Config, dtype: str = "keep", place=None):
+    return layout(FAMILY, hf.load_hf_params(directory, dtype, place)[1], config)
+
+
+class DeepseekV3Family(ModelFamily):
+    name = "deepseek_v3"
+    config_class = DeepseekV3Config
+    presets = DEEPSEEK_V3_PRESETS
+    default_preset = "debug"
+    tiny_preset = "debug"
+    module_class = DeepseekV3ForCausalLM
+    hf = HFAdapter(model_types=("deepseek_v3",), read_config=hf.read_hf_config,
+                   read_params=_read_params, write_params=hf.to_hf, not_built=NOT_BUILT)
+
+    def partition_rules(self, config: DeepseekV3Config):
+        return PARTITION_RULES
+
+
+FAMILY = DeepseekV3Family()
