@@ -166,17 +166,26 @@ def test_the_training_loss_is_transformers_loss(saved):
     assert abs(off - loss) > atol
 
 
-def test_the_serving_engine_refuses_the_latent_cache_in_one_line(saved):
-    """The engine is not yet built for a cache of latents: it says so before compiling
-    (decoding through the model's own cache is tested above)."""
+def test_served_greedy_tokens_equal_transformers_generate(saved):
+    """The serving engine on the latent cache (chunked prefill in the expanded form, decode
+    with the absorbed weights, its positional (B, S, C) latents sliced and written by
+    position as K/V are) = transformers' generate, 12 greedy tokens, prompts of 13 tokens
+    (two prefill chunks) and 7, one after the other in the same slot."""
     _one_variant(saved)
-    from easylm.errors import UserError
-    from easylm.serving.engine import Engine
+    from easylm.serving.engine import Engine, Sampling
 
-    _, _, _, config, params = saved
-    with pytest.raises(UserError) as e:
-        Engine({"batch_size": 2, "seq_length": 64}, FAMILY.bind(config), params)
-    assert "\n" not in str(e.value) and "'kv'" in str(e.value), e.value
+    _, model, _, config, params = saved
+    engine = Engine({"batch_size": 2, "seq_length": 32, "min_bucket": 16, "decode_steps": 4,
+                     "prefill_chunk_size": 8}, FAMILY.bind(config), params)
+    for prompt in ([5, 77, 300, 12, 9, 450, 31, 8, 200, 64, 3, 99, 17], [41, 7, 260, 88, 5]):
+        with torch.no_grad():
+            expected = model.generate(torch.tensor([prompt]), max_new_tokens=12,
+                                      do_sample=False)[0, len(prompt):].tolist()
+        out = engine.fetch(engine.prefill([prompt], [0], Sampling.empty(1)))
+        tokens = [int(out[0][0, 0])]
+        for _ in range(3):
+            tokens += [int(t) for t in engine.fetch(engine.decode(Sampling.empty(2)))[0][:, 0]]
+        assert tokens[:12] == expected, prompt
 
 
 def test_training_leaves_the_correction_bias_as_it_is(saved):
