@@ -18,7 +18,7 @@ from numerics import assert_close, assert_differs
 from easylm.errors import UserError
 from easylm.gemma.config import from_hf_dict
 from easylm.gemma.family import FAMILY
-from easylm.gemma.hf import TextTower, load_hf_params, to_hf
+from easylm.gemma.hf import load_hf_params, text_tower, to_hf
 from easylm.gemma.model import GemmaForCausalLM, partition_rules
 from easylm.models.hf_checkpoint import HFTensors
 from easylm.objectives.next_token import next_token_sums
@@ -166,7 +166,7 @@ def test_config_json_in_either_layout_and_the_text_tower_of_gemma3(tmp_path):
     tensors = {"model.language_model.norm.weight": 1, "language_model.model.embed_tokens.weight": 2,
                "language_model.lm_head.weight": 3, "vision_tower.vision_model.x.weight": 4,
                "model.multi_modal_projector.mm_input_projection_weight": 5}
-    tower = TextTower(tensors)
+    tower = text_tower(tensors)
     assert dict(tower) == {"model.norm.weight": 1, "model.embed_tokens.weight": 2,
                            "lm_head.weight": 3}
 

@@ -14,6 +14,7 @@ import sys
 from easylm.errors import UserError
 from easylm.models import rope
 from easylm.models.config import ModelConfig, default, field
+from easylm.models.hf_checkpoint import config_fields
 from easylm.models.mla import MLAConfig
 from easylm.models.sigmoid_moe import SigmoidMoEConfig
 
@@ -197,14 +198,7 @@ def from_hf_dict(hf: dict, path: str = "config.json") -> DeepseekV3Config:
     if hf.get("model_type") != "deepseek_v3":
         raise UserError(f"{path}: model_type {hf.get('model_type')!r} is not deepseek_v3")
     defaults = {f.name: f.default for f in dataclasses.fields(DeepseekV3Config)}
-    get = lambda name: hf[name] if hf.get(name) is not None else defaults.get(name)
-    for name, expected in _MUST_BE.items():
-        if hf.get(name, expected) != expected:
-            raise UserError(f"{path}: {name}={hf[name]!r} is not supported (expected "
-                            f"{expected!r})")
-    for name in _INTS:
-        if not isinstance(get(name), int) or isinstance(get(name), bool):
-            raise UserError(f"{path}: {name} must be an integer, got {get(name)!r}")
+    get = config_fields(hf, path, defaults, _INTS, _MUST_BE, "DeepSeek-V3")
     if hf.get("num_nextn_predict_layers"):
         print(f"{path}: its {hf['num_nextn_predict_layers']} multi-token-prediction layer(s) "
               f"are not loaded (transformers skips them too)", file=sys.stderr)

@@ -20,6 +20,7 @@ from typing import Any
 from easylm.errors import UserError
 from easylm.models import remat
 from easylm.models.config import ModelConfig, default, field
+from easylm.models.hf_checkpoint import config_fields, layer_types as hf_layer_types
 
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "dot_product", "cudnn")
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -193,7 +194,7 @@ def from_hf_dict(hf: dict, path: str = "config.json") -> GemmaConfig:
     """A GemmaConfig from config.json's fields (either layout); what this model would
     compute differently from transformers is a UserError naming `path` and the field."""
     hf = text_fields(hf, path)
-    get = lambda name: hf[name] if hf.get(name) is not None else HF_DEFAULTS.get(name)  # noqa: E731
+    get = config_fields(hf, path, HF_DEFAULTS, _INTS)
     for name, expected in _MUST_BE.items():
         if name == "hidden_activation" and "hidden_activation" not in hf and "hidden_act" in hf:
             name = "hidden_act"  # older configs' spelling
@@ -201,16 +202,8 @@ def from_hf_dict(hf: dict, path: str = "config.json") -> GemmaConfig:
         if value != expected:
             raise UserError(f"{path}: {name}={value!r} is not supported (this Gemma 3 model "
                             f"implements {name}={expected!r})")
-    for name in _INTS:
-        value = get(name)
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise UserError(f"{path}: {name} must be an integer, got {value!r}")
     global_rope, local_rope = _rope(hf, path)
-    layer_types = hf.get("layer_types")
-    if layer_types is not None and (not isinstance(layer_types, list)
-                                    or set(layer_types) - set(LAYER_TYPES)):
-        raise UserError(f"{path}: layer_types must be a list of {' or '.join(LAYER_TYPES)}, got "
-                        f"{layer_types!r}")
+    layer_types = hf_layer_types(hf, path, LAYER_TYPES)
     pattern, layer_types = _layer_pattern(layer_types, get("sliding_window_pattern"),
                                           get("num_hidden_layers"))
     try:

@@ -23,7 +23,13 @@ from easylm.errors import UserError
 from easylm.gemma.config import GemmaConfig, from_hf_dict
 from easylm.gemma.model import GemmaForCausalLM
 from easylm.models.decoder import relayout
-from easylm.models.hf_checkpoint import HFTensors, hf_key, params_from_hf, read_config
+from easylm.models.hf_checkpoint import (
+    HFTensors,
+    RenamedTensors,
+    hf_key,
+    params_from_hf,
+    read_config,
+)
 from easylm.runtime.dtypes import cast_names
 
 DTYPES = cast_names(("bf16", "fp32"))  # what a conversion may store
@@ -61,31 +67,20 @@ def from_hf(tensors: Mapping, config: GemmaConfig, dtype=None, source: str = "ch
     return traverse_util.unflatten_dict(flat, sep="/")
 
 
-class TextTower(Mapping):
-    """A multimodal checkpoint's text-model tensors under Gemma3ForCausalLM's names (the
-    vision tower's and the projector's left out)."""
+def _text_name(name: str) -> str | None:
+    """A stored tensor's name under Gemma3ForCausalLM's: a multimodal checkpoint's text
+    model as the text-only one's; the vision tower's and the projector's left out."""
+    if name.startswith(_VISION_PREFIXES):
+        return None
+    prefix = next((p for p in _TEXT_PREFIXES if name.startswith(p)), None)
+    if prefix is not None:
+        return "model." + name[len(prefix):]
+    return "lm_head.weight" if name == "language_model.lm_head.weight" else name
 
-    def __init__(self, tensors: Mapping):
-        self.tensors, self.names = tensors, {}
-        for name in tensors:
-            if name.startswith(_VISION_PREFIXES):
-                continue
-            prefix = next((p for p in _TEXT_PREFIXES if name.startswith(p)), None)
-            if prefix is not None:
-                self.names["model." + name[len(prefix):]] = name
-            elif name == "language_model.lm_head.weight":
-                self.names["lm_head.weight"] = name
-            else:
-                self.names[name] = name
 
-    def __getitem__(self, name):
-        return self.tensors[self.names[name]]
-
-    def __iter__(self):
-        return iter(self.names)
-
-    def __len__(self):
-        return len(self.names)
+def text_tower(tensors: Mapping) -> RenamedTensors:
+    """A multimodal checkpoint's text-model tensors under Gemma3ForCausalLM's names."""
+    return RenamedTensors(tensors, _text_name)
 
 
 def read_hf_config(directory: str) -> GemmaConfig:
@@ -100,5 +95,5 @@ def load_hf_params(directory: str, dtype: str = "keep", place=None):
     config = read_hf_config(directory)
     tensors = HFTensors(directory)
     if read_config(directory).get("model_type") == "gemma3":
-        tensors = TextTower(tensors)
+        tensors = text_tower(tensors)
     return config, from_hf(tensors, config, dtype=DTYPES[dtype], source=directory, place=place)

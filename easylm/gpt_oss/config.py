@@ -16,6 +16,7 @@ from typing import Any
 from easylm.errors import UserError
 from easylm.models import remat
 from easylm.models.config import ModelConfig, default, field
+from easylm.models.hf_checkpoint import config_fields, layer_types as hf_layer_types
 from easylm.models.moe import RouterLoss
 
 # The sink logit needs the einsum reference (no fused kernel adds it).
@@ -215,20 +216,8 @@ def from_hf_dict(hf: dict, path: str = "config.json") -> GptOssConfig:
     compute differently from transformers is a UserError naming `path` and the field."""
     if hf.get("model_type") != "gpt_oss":
         raise UserError(f"{path}: model_type {hf.get('model_type')!r} is not gpt_oss")
-    get = lambda name: hf[name] if hf.get(name) is not None else HF_DEFAULTS.get(name)  # noqa: E731
-    for name, expected in _MUST_BE.items():
-        if hf.get(name, expected) != expected:
-            raise UserError(f"{path}: {name}={hf[name]!r} is not supported (gpt-oss "
-                            f"implements {name}={expected!r})")
-    for name in _INTS:
-        value = get(name)
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise UserError(f"{path}: {name} must be an integer, got {value!r}")
-    layer_types = hf.get("layer_types")
-    if layer_types is not None and (not isinstance(layer_types, list)
-                                    or set(layer_types) - set(LAYER_TYPES)):
-        raise UserError(f"{path}: layer_types must be a list of {' or '.join(LAYER_TYPES)}, got "
-                        f"{layer_types!r}")
+    get = config_fields(hf, path, HF_DEFAULTS, _INTS, _MUST_BE, "gpt-oss")
+    layer_types = hf_layer_types(hf, path, LAYER_TYPES)
     try:
         return GptOssConfig(
             **{name: get(name) for name in _INTS},

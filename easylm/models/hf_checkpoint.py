@@ -13,8 +13,7 @@ anything that needs pickle globals beyond plain tensors is refused.
 
 import json
 import os
-from collections.abc import Mapping
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 import ml_dtypes
 import numpy as np
@@ -33,6 +32,32 @@ def read_config(directory: str) -> dict:
         raise UserError(f"{path}: expected a JSON object of config fields, got a "
                         f"{type(config).__name__}")
     return config
+
+
+def config_fields(hf: dict, path: str, defaults: dict, ints=(), must_be=None, model=""):
+    """`get(name)`: config.json's value of `name`, else `defaults`' where the file has none
+    or null. Checked first, each a UserError naming `path` and the key: every key of
+    `must_be` the file sets has the value `model` implements; every name in `ints` is an
+    integer."""
+    get = lambda name: hf[name] if hf.get(name) is not None else defaults.get(name)
+    for name, expected in (must_be or {}).items():
+        if hf.get(name, expected) != expected:
+            raise UserError(f"{path}: {name}={hf[name]!r} is not supported ({model} "
+                            f"implements {name}={expected!r})")
+    for name in ints:
+        value = get(name)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise UserError(f"{path}: {name} must be an integer, got {value!r}")
+    return get
+
+
+def layer_types(hf: dict, path: str, allowed) -> list | None:
+    """config.json's `layer_types` (None where absent), each one of `allowed`."""
+    types = hf.get("layer_types")
+    if types is not None and (not isinstance(types, list) or set(types) - set(allowed)):
+        raise UserError(f"{path}: layer_types must be a list of {' or '.join(allowed)}, got "
+                        f"{types!r}")
+    return types
 
 
 def _read_json(path: str):
@@ -131,6 +156,27 @@ class HFTensors(Mapping):
 
     def __contains__(self, name) -> bool:
         return name in self._file_of
+
+
+class RenamedTensors(Mapping):
+    """`tensors` under the names a model reads: `rename(name)` is a stored tensor's name
+    here, or None to leave it out (a multimodal checkpoint's vision tower, say)."""
+
+    def __init__(self, tensors: Mapping, rename):
+        self.tensors, self.names = tensors, {}
+        for name in tensors:
+            key = rename(name)
+            if key is not None:
+                self.names[key] = name
+
+    def __getitem__(self, name):
+        return self.tensors[self.names[name]]
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self):
+        return len(self.names)
 
 
 def to_numpy(tensor) -> np.ndarray:

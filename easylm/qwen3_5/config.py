@@ -16,6 +16,7 @@ from easylm.errors import UserError
 from easylm.models import remat
 from easylm.models.config import ATTENTION_IMPLEMENTATIONS, ModelConfig, default, field
 from easylm.models.gated_deltanet import GatedDeltaNetConfig
+from easylm.models.hf_checkpoint import config_fields, layer_types as hf_layer_types
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 # Near model_types this family does not build, and what in them it would compute
@@ -233,7 +234,7 @@ def _rope(hf: dict, path: str) -> dict:
     if rope_type != "default":
         raise UserError(f"{path}: rope_parameters.rope_type={rope_type!r} is not supported "
                         f"(this Qwen3.5 model implements 'default')")
-    get = lambda name: rope.get(name, hf.get(name, HF_DEFAULTS[name]))  # noqa: E731
+    get = lambda name: rope.get(name, hf.get(name, HF_DEFAULTS[name]))
     return {"rope_theta": float(get("rope_theta")),
             "partial_rotary_factor": float(get("partial_rotary_factor"))}
 
@@ -242,20 +243,8 @@ def from_hf_dict(hf: dict, path: str = "config.json") -> Qwen35Config:
     """A Qwen35Config from config.json's keys; what this model would compute differently
     from transformers is a UserError naming `path` and the key."""
     hf = text_fields(hf, path)
-    get = lambda name: hf[name] if hf.get(name) is not None else HF_DEFAULTS.get(name)  # noqa: E731
-    for name, expected in _MUST_BE.items():
-        if hf.get(name, expected) != expected:
-            raise UserError(f"{path}: {name}={hf[name]!r} is not supported (this Qwen3.5 "
-                            f"model implements {name}={expected!r})")
-    for name in _INTS:
-        value = get(name)
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise UserError(f"{path}: {name} must be an integer, got {value!r}")
-    layer_types = hf.get("layer_types")
-    if layer_types is not None and (not isinstance(layer_types, list)
-                                    or set(layer_types) - set(LAYER_TYPES)):
-        raise UserError(f"{path}: layer_types must be a list of {' or '.join(LAYER_TYPES)}, got "
-                        f"{layer_types!r}")
+    get = config_fields(hf, path, HF_DEFAULTS, _INTS, _MUST_BE, "this Qwen3.5 model")
+    layer_types = hf_layer_types(hf, path, LAYER_TYPES)
     try:
         config = Qwen35Config(
             **{name: get(name) for name in _INTS}, **_rope(hf, path),

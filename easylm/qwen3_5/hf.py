@@ -21,7 +21,14 @@ from flax import traverse_util
 
 from easylm.errors import UserError
 from easylm.models.decoder import relayout
-from easylm.models.hf_checkpoint import HFTensors, hf_key, read_config, some, to_numpy
+from easylm.models.hf_checkpoint import (
+    HFTensors,
+    RenamedTensors,
+    hf_key,
+    read_config,
+    some,
+    to_numpy,
+)
 from easylm.qwen3_5.config import Qwen35Config, from_hf_dict
 from easylm.qwen3_5.model import Qwen35ForCausalLM
 from easylm.runtime.dtypes import cast_names
@@ -86,27 +93,13 @@ def from_hf(tensors: Mapping, config: Qwen35Config, dtype=None, source: str = "c
     return traverse_util.unflatten_dict(flat, sep="/")
 
 
-class TextModel(Mapping):
-    """A directory's text-model tensors under Qwen3_5ForCausalLM's names: a multimodal
-    checkpoint's `model.language_model.*` as `model.*`; the vision tower and the
-    multi-token-prediction head left out."""
-
-    def __init__(self, tensors: Mapping):
-        self.tensors, self.names = tensors, {}
-        for name in tensors:
-            if name.startswith(_SKIPPED):
-                continue
-            key = "model." + name[len(_TEXT_PREFIX):] if name.startswith(_TEXT_PREFIX) else name
-            self.names[key] = name
-
-    def __getitem__(self, name):
-        return self.tensors[self.names[name]]
-
-    def __iter__(self):
-        return iter(self.names)
-
-    def __len__(self):
-        return len(self.names)
+def _text_name(name: str) -> str | None:
+    """A stored tensor's name under Qwen3_5ForCausalLM's: a multimodal checkpoint's
+    `model.language_model.*` as `model.*`; the vision tower and the multi-token-prediction
+    head left out."""
+    if name.startswith(_SKIPPED):
+        return None
+    return "model." + name[len(_TEXT_PREFIX):] if name.startswith(_TEXT_PREFIX) else name
 
 
 def read_hf_config(directory: str) -> Qwen35Config:
@@ -123,5 +116,5 @@ def load_hf_params(directory: str, dtype: str = "keep", place=None):
     if any(name.startswith("model.visual.") for name in tensors):
         print(f"{directory}: the vision tower (model.visual.*) is not loaded: easylm's "
               f"Qwen3.5 is the text model", file=sys.stderr)
-    return config, from_hf(TextModel(tensors), config, dtype=DTYPES[dtype], source=directory,
+    return config, from_hf(RenamedTensors(tensors, _text_name), config, dtype=DTYPES[dtype], source=directory,
                            place=place)
