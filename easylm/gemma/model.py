@@ -42,7 +42,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from easylm.gemma.config import GemmaConfig
-from easylm.models.decoder import Attention, CausalLM, GatedMLP, Sublayer
+from easylm.models.decoder import Attention, CausalLM, GatedMLP, Sublayer, pattern_period
 from easylm.runtime.sharding import BATCH_AXES, constrain
 
 _LAYER_RULES = (
@@ -119,11 +119,8 @@ class GemmaForCausalLM(CausalLM):
 
     @classmethod
     def period(cls, config: GemmaConfig) -> int:
-        # The configured pattern when the layers follow it (HF's layer_types may not: then
-        # the whole stack is one block, scanned once).
-        kinds, n = config.layer_kinds(), config.sliding_window_pattern
-        repeats = len(kinds) // n
-        return n if all(kinds[i] == kinds[i % n] for i in range(repeats * n)) else len(kinds)
+        # HF's layer_types may not follow the configured pattern.
+        return pattern_period(config.layer_kinds(), config.sliding_window_pattern)
 
     @classmethod
     def inv_freq(cls, config: GemmaConfig, kind: str):

@@ -230,6 +230,13 @@ class GatedMLP(Sublayer):
         return self.dense(self.config.hidden_size, "down_proj", self.bias)(h)
 
 
+def pattern_period(kinds, n: int) -> int:
+    """`n` when the layer kinds repeat every `n` layers (over the whole repeats: the tail
+    past them may be cut short), else the whole stack: one block, scanned once."""
+    repeats = len(kinds) // n
+    return n if all(kinds[i] == kinds[i % n] for i in range(repeats * n)) else len(kinds)
+
+
 def period(lm: type, config) -> int:
     """The length of the pattern the layers repeat (what a scan stacks), capped at L."""
     return max(1, min(lm.period(config), config.num_hidden_layers))

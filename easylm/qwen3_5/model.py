@@ -37,6 +37,7 @@ from easylm.models.decoder import (
     GatedMLP,
     Sublayer,
     apply_rotary,
+    pattern_period,
     write_cache,
 )
 from easylm.models.gated_deltanet import DeltaNetState, GatedDeltaNet
@@ -141,10 +142,7 @@ class Qwen35ForCausalLM(CausalLM):
 
     @classmethod
     def period(cls, config: Qwen35Config) -> int:
-        # The interval when the layers follow it, else the whole stack as one block.
-        kinds, n = config.layer_kinds(), config.full_attention_interval
-        repeats = len(kinds) // n
-        return n if all(kinds[i] == kinds[i % n] for i in range(repeats * n)) else len(kinds)
+        return pattern_period(config.layer_kinds(), config.full_attention_interval)
 
     @classmethod
     def inv_freq(cls, config: Qwen35Config, kind: str):
