@@ -261,7 +261,11 @@ _REDEFAULTED = {"train_dataset.text_processor.add_bos_token": ("auto", True),
                 "eval_dataset.text_processor.add_bos_token": ("auto", True),
                 "lora.base_dtype": ("auto", "bf16"),
                 # experts adapted too: the same kernels on a dense model
-                "lora.target_modules": (DEFAULT_TARGET_MODULES, DENSE_TARGET_MODULES)}
+                "lora.target_modules": (DEFAULT_TARGET_MODULES, DENSE_TARGET_MODULES),
+                # DeepSeek-V3's routing bias left undecayed: no other model has the parameter
+                **{f"optimizer.{name}_optimizer.weight_decay_exclusions":
+                   ("norm,embed,e_score_correction_bias", "norm,embed")
+                   for name in ("adamw", "palm")}}
 
 
 def _hashed(name: str, value):
