@@ -4,6 +4,7 @@ a dense first layer, a correction bias far from zero) read through hf::DIR."""
 
 import numpy as np
 import pytest
+from cli_utils import train_losses
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -125,24 +126,8 @@ def test_prefill_then_absorbed_decode_equals_the_full_forward(saved):
 def test_training_through_the_command_lowers_the_loss(tmp_path, saved):
     """hf::DIR trained by `python -m easylm.train`: step 1's loss = transformers' on the
     same batch is checked by the logits test; here the loss falls after updates."""
-    import contextlib
-    import io
-    import json
-
-    from easylm import train
-
-    directory = saved[0]
     _one_variant(saved)
-    with contextlib.redirect_stdout(io.StringIO()):
-        train.main(["train", f"--load_checkpoint=hf::{directory}", "--tokenizer=embedded",
-                    "--total_steps=3", "--log_freq=1", "--dtype=fp32", "--mesh_dim=1,1,-1",
-                    "--train_dataset.json_dataset.seq_length=32",
-                    "--train_dataset.json_dataset.batch_size=4", "--compilation_cache_dir=",
-                    f"--logger.output_dir={tmp_path}", "--logger.experiment_id=run",
-                    "--optimizer.adamw_optimizer.lr=1e-2",
-                    "--optimizer.adamw_optimizer.lr_warmup_steps=1", "--save_model_freq=0"])
-    with open(tmp_path / "run" / "metrics.jsonl") as f:
-        losses = [row["loss"] for row in map(json.loads, f) if "loss" in row]
+    losses = train_losses(saved[0], tmp_path)
     assert len(losses) == 3 and np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
 
 

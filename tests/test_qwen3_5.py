@@ -10,10 +10,8 @@ weighted sum, o_proj), each then the MLP's two and the two norms: at most twelve
 layer, and the head; the widest over max(D, F, T, N U) terms.
 """
 
-import contextlib
 import dataclasses
 import functools
-import io
 import json
 
 import jax
@@ -21,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from cli_utils import one_line_error
+from cli_utils import one_line_error, train_losses
 from numerics import assert_close, assert_differs, fp32_rel
 from transformers import AutoModelForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
@@ -240,17 +238,7 @@ def test_training_through_the_command_lowers_the_loss(tmp_path, hf):
     """hf::DIR trained by `python -m easylm.train`. The warmup's first step has lr 0, so
     step 3's loss is the first after an update; measured: 6.435, 6.494, 6.144, where the
     same run at lr 0 gives 6.435, 6.494, 6.575 (step 3's batch is not the easier one)."""
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        train.main(["train", f"--load_checkpoint=hf::{hf[0]}", "--tokenizer=embedded",
-                    "--total_steps=3", "--log_freq=1", "--dtype=fp32", "--mesh_dim=1,1,-1",
-                    "--train_dataset.json_dataset.seq_length=32",
-                    "--train_dataset.json_dataset.batch_size=4", "--compilation_cache_dir=",
-                    f"--logger.output_dir={tmp_path}", "--logger.experiment_id=run",
-                    "--optimizer.adamw_optimizer.lr=1e-2",
-                    "--optimizer.adamw_optimizer.lr_warmup_steps=1", "--save_model_freq=0"])
-    with open(tmp_path / "run" / "metrics.jsonl") as f:
-        losses = [row["loss"] for row in map(json.loads, f) if "loss" in row]
+    losses = train_losses(hf[0], tmp_path)
     assert len(losses) == 3 and np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
 
 
