@@ -7,14 +7,18 @@ One thread owns the engine (and so the device). Each turn of its loop:
        cancelled requests, freeing their slots
     2. admit waiting requests into free slots, round-robin over the requests they
        came in (so a 300-prompt request does not hold a 1-prompt one behind it):
-       one prefill call for all of them, whose first tokens are handed out at once
-       (a stream shows its first token right after prefill, not after a decode call)
-    3. dispatch one decode call (engine.decode_steps tokens for every slot)
-    4. while it runs, hand out the previous call's tokens and text; requests that
+       the prompts that fit one prefill chunk in one prefill call, whose first tokens
+       are handed out at once (a stream shows its first token right after prefill,
+       not after a decode call); longer ones start a staged prefill, one at a time
+    3. run ONE chunk of the staged prefill, if any (its slots are reserved; they join
+       decoding, and get their first tokens, after its last chunk)
+    4. dispatch one decode call (engine.decode_steps tokens for every slot)
+    5. while it runs, hand out the previous call's tokens and text; requests that
        finished (stop token, stop string, max_tokens) free their slots
 
-So a request never waits for another to finish, only for the current decode call
-and one scoring chunk, and the host's bookkeeping overlaps the device's work. Being
+So a request never waits for another to finish, only for the current decode call,
+one scoring chunk and one prefill chunk (a 32k-token prompt does not freeze the
+streams running beside it), and the host's bookkeeping overlaps the device's work. Being
 one call behind costs a little: a finished slot decodes one call too many, and
 tokens produced past a request's end are dropped.
 
@@ -123,6 +127,7 @@ class Batcher:
         self.slots: list[Generation | None] = [None] * B
         self.sampling = Sampling.empty(B)
         self._in_flight = None  # (decode outputs on the device, the slots when dispatched)
+        self._staged = None  # (engine.StagedPrefill, [(slot, Generation)]) being prefilled
         self._waiting: list[Generation] = []
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._scoring: collections.deque[_ScoreJob] = collections.deque()
@@ -206,6 +211,7 @@ class Batcher:
     def _has_work(self) -> bool:
         return (self._stopping or bool(self._waiting) or not self._jobs.empty()
                 or bool(self._scoring) or self._in_flight is not None
+                or self._staged is not None
                 or any(s is not None for s in self.slots))
 
     def _loop(self):
@@ -216,16 +222,26 @@ class Batcher:
                 if self._stopping:
                     break
                 dropped = [g for g in self._waiting if g.cancelled]
-                free = [i for i, s in enumerate(self.slots) if s is None]
-                admitted, self._waiting = _take_turns(
-                    [g for g in self._waiting if not g.cancelled], len(free))
+                reserved = {slot for slot, _ in self._staged[1]} if self._staged else set()
+                free = [i for i, s in enumerate(self.slots) if s is None and i not in reserved]
+                waiting = [g for g in self._waiting if not g.cancelled]
+                # While a staged prefill runs, only prompts of one chunk join.
+                admitted, _ = _take_turns([g for g in waiting if self._staged is None
+                                           or self._one_chunk(g)], len(free))
+                self._waiting = [g for g in waiting if g not in admitted]
             for g in dropped:
                 self._finish(None, g, "cancelled")
             try:
                 self._run_jobs()
                 self._score_chunk()
                 self._free_cancelled()
-                prefilled = self._admit(admitted, free)
+                short = [g for g in admitted if self._one_chunk(g)]
+                prefilled = self._admit(short, free)
+                if prefilled is not None:
+                    self._deliver(*prefilled)
+                self._begin_staged([g for g in admitted if not self._one_chunk(g)],
+                                   free[len(short):])
+                prefilled = self._staged_chunk()
                 if prefilled is not None:
                     self._deliver(*prefilled)
                 previous, self._in_flight = self._in_flight, None
@@ -242,7 +258,8 @@ class Batcher:
                 for i, g in enumerate(self.slots):
                     if g is not None:
                         self._finish(i, g, None, error=error)
-                for g in admitted:
+                staged, self._staged = self._staged, None
+                for g in admitted + [g for _, g in (staged[1] if staged else ())]:
                     if g.finish_reason is None:
                         self._finish(None, g, None, error=error)
 
@@ -295,21 +312,63 @@ class Batcher:
             if g is not None and g.cancelled:
                 self._finish(i, g, "cancelled")
 
-    def _admit(self, generations: list[Generation], free: list[int]):
-        """Prefill `generations` into free slots; returns (device outputs, owners) or None."""
-        if not generations:
-            return None
-        slots = free[:len(generations)]
+    def _one_chunk(self, g: Generation) -> bool:
+        return self.engine.prefill_chunks(len(g.prompt)) == 1
+
+    @staticmethod
+    def _rows(generations: list[Generation]) -> Sampling:
         rows = Sampling.empty(len(generations))
         for row, g in enumerate(generations):
             rows.keys[row], rows.temperature[row] = g.key, g.params.temperature
             rows.top_k[row], rows.top_p[row] = g.params.top_k, g.params.top_p
-        out = self.engine.prefill([g.prompt for g in generations], slots, rows)
-        for row, (slot, g) in enumerate(zip(slots, generations)):
+        return rows
+
+    def _seat(self, owners: list, rows: Sampling):
+        """Give each (slot, generation) its slot and the slot its sampling settings."""
+        for row, (slot, g) in enumerate(owners):
             self.slots[slot] = g
             for field in ("keys", "temperature", "top_k", "top_p"):
                 getattr(self.sampling, field)[slot] = getattr(rows, field)[row]
-        return out, list(zip(slots, generations))
+
+    def _admit(self, generations: list[Generation], free: list[int]):
+        """Prefill `generations` into free slots in one call; returns (device outputs,
+        owners) or None."""
+        if not generations:
+            return None
+        owners = list(zip(free, generations))
+        rows = self._rows(generations)
+        out = self.engine.prefill([g.prompt for g in generations], free[:len(generations)], rows)
+        self._seat(owners, rows)
+        return out, owners
+
+    def _begin_staged(self, generations: list[Generation], free: list[int]):
+        """Start prefilling `generations` (longer than a chunk) into free slots, a chunk
+        per turn (`_staged_chunk`); the slots stay empty, and reserved, until the last."""
+        if not generations:
+            return
+        slots = free[:len(generations)]
+        self._staged = (self.engine.begin_prefill([g.prompt for g in generations], slots,
+                                                  self._rows(generations)),
+                        list(zip(slots, generations)))
+
+    def _staged_chunk(self):
+        """The staged prefill's next chunk; after its last, its requests take their slots:
+        returns (device outputs, owners) then, else None. Dropped once every request in it
+        is cancelled."""
+        if self._staged is None:
+            return None
+        staged, owners = self._staged
+        if all(g.cancelled for _, g in owners):
+            self._staged = None
+            for _, g in owners:
+                self._finish(None, g, "cancelled")
+            return None
+        out = self.engine.prefill_step(staged)
+        if out is None:
+            return None
+        self._staged = None
+        self._seat(owners, staged.sampling)
+        return out, owners
 
     def _deliver(self, out, owners):
         """Hand row r of `out` (steps, rows, ...) to owners[r] = (slot, request as it was

@@ -2,7 +2,8 @@
 
     prefill  run prompts (n rows, bucketed length T), prefill_chunk_size tokens at a time,
              and write their keys/values into cache rows ("slots"); draw each row's
-             first new token
+             first new token. In one call, or one chunk per call (`begin_prefill`,
+             `prefill_step`) so that the batcher decodes the other slots in between
     decode   C steps for all B slots at once, each slot at its own position,
              attending over the first L cache positions (a bucket covering the
              active slots' positions)
@@ -220,6 +221,29 @@ class Sampling:
         return tuple(np.array(a) for a in (self.keys, self.temperature, self.top_k, self.top_p))
 
 
+@dataclasses.dataclass
+class StagedPrefill:
+    """Prompts prefilled one chunk per call (`Engine.begin_prefill`, `prefill_step`), so
+    that the other slots decode between their chunks. Their cache stays in a buffer of
+    their own (`carry`: rows x T', what one-call prefill holds too) until the last chunk,
+    which writes it into their slots: until then the slots hold nothing a decode call
+    could disturb or sample from."""
+
+    tokens: np.ndarray  # (rows, chunks * C), padded
+    lengths: np.ndarray  # (rows,)
+    slot_ids: np.ndarray  # (rows,), B for padding rows
+    sampling: Sampling  # padded to rows
+    T: int  # the length bucket
+    C: int  # the chunk
+    carry: object  # on the device: (cache of the prompts, last-token logits)
+    routing: list = dataclasses.field(default_factory=list)  # each chunk's, recording
+    done: int = 0  # chunks run
+
+    @property
+    def chunks(self) -> int:
+        return self.tokens.shape[1] // self.C
+
+
 def _forward(model: Model, record: bool, params, tokens, positions, cache, base,
              segment_ids=None):
     """(logits, cache, out): with `record` (routing replay, GRPO), out is a 1-tuple of the
@@ -235,38 +259,52 @@ def _forward(model: Model, record: bool, params, tokens, positions, cache, base,
     return out.logits, out.cache, (experts,)
 
 
+def _prompt_chunk(model: Model, record: bool, state: bool, weights, carry, chunk_ids, start,
+                  lengths):
+    """One chunk of prompts (n, C) starting at position `start` through the model over
+    `carry` = (their cache of T' positions, each row's last-token logits so far (n, V)):
+    the next carry, and with `record` the chunk's expert choices (`_forward`)."""
+    params, base = weights
+    cache, last = carry
+    n, C = chunk_ids.shape
+    positions = jnp.broadcast_to(start + jnp.arange(C, dtype=jnp.int32), (n, C))
+    segments = (positions < lengths[:, None]).astype(jnp.int32) if state else None
+    logits, cache, routing = _forward(model, record, params, chunk_ids, positions, cache,
+                                      base, segments)
+    at = lengths - 1 - start  # each row's last token, if it falls in this chunk
+    picked = logits[jnp.arange(n), jnp.clip(at, 0, C - 1)].astype(jnp.float32)
+    last = jnp.where(((at >= 0) & (at < C))[:, None], picked, last)
+    return (cache, last), routing
+
+
+def _chunking(T: int, chunk: int) -> tuple[int, int]:
+    """(C, chunks) for a T-token bucket: C = T when unchunked or the chunk is no shorter."""
+    C = T if chunk <= 0 or chunk >= T else chunk
+    return C, -(-T // C)
+
+
 def _prompt_forward(model: Model, chunk: int, record: bool, weights, tokens, lengths,
                     start=None, state: bool = False):
     """The prompts' keys/values in a fresh cache of T' >= T positions (T rounded up to a
     multiple of the chunk) and each row's logits at its last token (n, V) in fp32.
 
-    The prompt goes through the model `chunk` tokens at a time (a loop on the device):
-    each chunk writes its keys/values and attends over the cache so far and itself under
-    the cache's causal (and sliding-window) mask, so a layer holds (chunk, T') scores,
-    never (T, T), and the head makes (n, chunk, V) logits, never (n, T, V). With `record`,
-    a third output: the expert choices of each prompt token, (n, L, T, K) (`_forward`).
+    The prompt goes through the model `chunk` tokens at a time (a loop on the device,
+    `_prompt_chunk` per chunk): each chunk writes its keys/values and attends over the
+    cache so far and itself under the cache's causal (and sliding-window) mask, so a layer
+    holds (chunk, T') scores, never (T, T), and the head makes (n, chunk, V) logits, never
+    (n, T, V). With `record`, a third output: the expert choices of each prompt token,
+    (n, L, T, K) (`_forward`).
 
     `start`: the cache of T' positions to begin from (None: zeros). With `state` (the cache
     holds a state, `CacheLayout.has_state`), each chunk also marks the padding past each
     row's length (segment id 0), which a recurrent layer then neither reads nor writes:
     the state a row ends with is its last real token's, however the chunks fall."""
-    params, base = weights
     n, T = tokens.shape
-    C = T if chunk <= 0 or chunk >= T else chunk
-    chunks = -(-T // C)
+    C, chunks = _chunking(T, chunk)
     ids = jnp.pad(tokens, ((0, 0), (0, chunks * C - T))).reshape(n, chunks, C)
 
     def step(carry, xs):
-        cache, last = carry
-        chunk_ids, start = xs  # (n, C), the chunk's first position
-        positions = jnp.broadcast_to(start + jnp.arange(C, dtype=jnp.int32), (n, C))
-        segments = (positions < lengths[:, None]).astype(jnp.int32) if state else None
-        logits, cache, routing = _forward(model, record, params, chunk_ids, positions, cache,
-                                          base, segments)
-        at = lengths - 1 - start  # each row's last token, if it falls in this chunk
-        picked = logits[jnp.arange(n), jnp.clip(at, 0, C - 1)].astype(jnp.float32)
-        last = jnp.where(((at >= 0) & (at < C))[:, None], picked, last)
-        return (cache, last), routing
+        return _prompt_chunk(model, record, state, weights, carry, *xs, lengths)
 
     if start is None:
         start = model.init_cache(n, chunks * C)
@@ -284,12 +322,20 @@ def _prompt_forward(model: Model, chunk: int, record: bool, weights, tokens, len
 
 def _prefill(model: Model, layout: CacheLayout, sample: bool, chunk: int, record: bool, weights,
              state, tokens, lengths, slots, keys, temperature, top_k, top_p):
-    cache, last, slot_positions = state
     n, T = tokens.shape
-    C = T if chunk <= 0 or chunk >= T else chunk
-    start = prompt_cache(model, layout, cache, slots, n, -(-T // C) * C)
+    C, chunks = _chunking(T, chunk)
+    start = prompt_cache(model, layout, state[0], slots, n, chunks * C)
     fresh, logits, routing = _prompt_forward(model, chunk, record, weights, tokens, lengths,
                                              start, layout.has_state)
+    return _prefill_end(layout, sample, state, fresh, logits, routing, T, lengths, slots,
+                        keys, temperature, top_k, top_p)
+
+
+def _prefill_end(layout: CacheLayout, sample: bool, state, fresh, logits, routing, T: int,
+                 lengths, slots, keys, temperature, top_k, top_p):
+    """Each prompt's first token drawn from its last-token logits, and its cache written
+    into its slot: the engine's state and the outputs (`Engine.prefill`)."""
+    cache, last, slot_positions = state
     out = next_tokens(logits, keys, lengths, temperature, top_k, top_p, sample) + routing
     # Padding rows carry slot index B, out of range, and are dropped.
     cache = layout.write_slots(cache, fresh, slots, T)
@@ -297,6 +343,20 @@ def _prefill(model: Model, layout: CacheLayout, sample: bool, chunk: int, record
     slot_positions = slot_positions.at[slots].set(lengths, mode="drop")
     # A leading step axis, like decode's outputs: (1, n, ...).
     return (cache, last, slot_positions), tuple(x[None] for x in out)
+
+
+def _staged_start(model: Model, rows: int, length: int):
+    """A staged prefill's carry (`Engine.begin_prefill`): its prompts' zero cache of
+    `length` positions and last-token logits."""
+    return model.init_cache(rows, length), jnp.zeros((rows, model.vocab_size), jnp.float32)
+
+
+def _staged_end(layout: CacheLayout, sample: bool, T: int, state, carry, routing, lengths,
+                slots, keys, temperature, top_k, top_p):
+    # (chunks of (n, L, C, K)) -> (n, L, T, K)
+    routing = tuple(jnp.concatenate(r, axis=2)[:, :, :T] for r in routing)
+    return _prefill_end(layout, sample, state, *carry, routing, T, lengths, slots, keys,
+                        temperature, top_k, top_p)
 
 
 def _decode(model: Model, layout: CacheLayout, steps: int, unroll: bool, sample: bool,
@@ -404,6 +464,8 @@ class Engine:
                                                   length),
                                 donate_argnums=(1,), **out_shardings)
                             for sample in (False, True) for length in self.decode_buckets}
+        self._out_shardings, self._record = out_shardings, record_routing
+        self._staged = {}  # (rows, T) -> a staged prefill's programs (`_staged_fns`)
         # Replicated outputs: on several hosts each process can then read them (sharded
         # ones would span devices of other processes).
         self._score_fn = jax.jit(functools.partial(_score, model), **(
@@ -439,10 +501,9 @@ class Engine:
         """Device outputs -> host arrays (waits for the call that makes them)."""
         return tuple(np.asarray(x) for x in jax.device_get(out))
 
-    def prefill(self, prompts: list[list[int]], slots: list[int], sampling: Sampling):
-        """Write prompts into `slots` and draw their first tokens. Returns device arrays,
-        rows padded to a bucket: tokens (1, n), logprobs (1, n), top ids and logprobs (1, n, N)
-        (recording routing: then the prompts' expert choices (1, n, L, T, K))."""
+    def _rows(self, prompts: list[list[int]], slots: list[int]):
+        """Prompts right-padded to a (row, length) bucket: tokens (rows, T), lengths and
+        slot ids (rows,), B for padding rows."""
         n = len(prompts)
         rows = bucket_for(n, self.row_buckets)
         T = bucket_for(max(len(p) for p in prompts), self.length_buckets)
@@ -453,12 +514,86 @@ class Engine:
             lengths[i] = len(prompt)
         slot_ids = np.full(rows, self.batch_size, np.int32)
         slot_ids[:n] = slots
+        return tokens, lengths, slot_ids
+
+    def prefill(self, prompts: list[list[int]], slots: list[int], sampling: Sampling):
+        """Write prompts into `slots` and draw their first tokens, all chunks in one call.
+        Returns device arrays, rows padded to a bucket: tokens (1, n), logprobs (1, n), top
+        ids and logprobs (1, n, N) (recording routing: then the prompts' expert choices
+        (1, n, L, T, K))."""
+        tokens, lengths, slot_ids = self._rows(prompts, slots)
         self.state, out = self._run(self._prefill_fns[sampling.samples()], self.weights,
                                     self.state, tokens, lengths, slot_ids,
-                                    *sampling.pad(rows).arrays())
+                                    *sampling.pad(len(lengths)).arrays())
         real = slot_ids < self.batch_size
         self.positions[slot_ids[real]] = lengths[real]
         return out
+
+    def prefill_chunks(self, length: int) -> int:
+        """The chunks a prompt of `length` tokens is prefilled in (1: one call suffices)."""
+        return _chunking(bucket_for(length, self.length_buckets), self.config.prefill_chunk_size)[1]
+
+    def begin_prefill(self, prompts: list[list[int]], slots: list[int],
+                      sampling: Sampling) -> StagedPrefill:
+        """`prefill`, to be run one chunk per `prefill_step` call: nothing touches `slots`
+        until the last chunk (decode calls between chunks may run over them as over idle
+        slots)."""
+        tokens, lengths, slot_ids = self._rows(prompts, slots)
+        rows, T = tokens.shape
+        C, chunks = _chunking(T, self.config.prefill_chunk_size)
+        start, _, _ = self._staged_fns(rows, T)
+        return StagedPrefill(np.pad(tokens, ((0, 0), (0, chunks * C - T))), lengths, slot_ids,
+                             sampling.pad(rows), T, C, self._run(start))
+
+    def prefill_step(self, staged: StagedPrefill):
+        """Run `staged`'s next chunk; after its last, write its prompts into their slots
+        and return `prefill`'s outputs (device arrays), else None."""
+        rows = len(staged.lengths)
+        _, chunk, end = self._staged_fns(rows, staged.T)
+        at = staged.done * staged.C
+        staged.carry, routing = self._run(chunk, self.weights, staged.carry,
+                                          staged.tokens[:, at:at + staged.C], np.int32(at),
+                                          staged.lengths)
+        staged.routing.append(routing)
+        staged.done += 1
+        if staged.done < staged.chunks:
+            return None
+        routing = tuple(zip(*staged.routing))  # per recorded array, its chunks
+        self.state, out = self._run(end[staged.sampling.samples()], self.state, staged.carry,
+                                    routing, staged.lengths, staged.slot_ids,
+                                    *staged.sampling.arrays())
+        staged.carry = staged.routing = None
+        real = staged.slot_ids < self.batch_size
+        self.positions[staged.slot_ids[real]] = staged.lengths[real]
+        return out
+
+    def _staged_fns(self, rows: int, T: int):
+        """A staged prefill's programs for (rows, T): its carry's start, one chunk, and
+        the end (greedy, sampling); with a mesh the carry keeps the cache's shardings
+        from call to call."""
+        if (rows, T) not in self._staged:
+            C, chunks = _chunking(T, self.config.prefill_chunk_size)
+            model, mesh = self.model, self.mesh
+            carry_out = {}
+            if mesh is not None:
+                shapes = jax.eval_shape(_staged_start, model, rows, chunks * C)
+                specs = match_partition_rules(model.cache_rules, shapes[0])
+                cache = jax.tree.map(
+                    lambda spec, s: NamedSharding(mesh, fitted_spec(spec, s.shape, mesh)),
+                    specs, shapes[0], is_leaf=lambda x: isinstance(x, P))
+                carry = (cache, NamedSharding(mesh, P()))
+                carry_out = {"out_shardings": carry}
+            start = jax.jit(functools.partial(_staged_start, model, rows, chunks * C),
+                            **carry_out)
+            chunk = jax.jit(functools.partial(_prompt_chunk, model, self._record,
+                                              self.layout.has_state),
+                            donate_argnums=(1,), **({} if mesh is None else {
+                                "out_shardings": (carry, NamedSharding(mesh, P()))}))
+            end = {sample: jax.jit(functools.partial(_staged_end, self.layout, sample, T),
+                                   donate_argnums=(0,), **self._out_shardings)
+                   for sample in (False, True)}
+            self._staged[rows, T] = start, chunk, end
+        return self._staged[rows, T]
 
     def decode(self, sampling: Sampling, active=None):
         """decode_steps tokens for every slot, as device arrays: tokens (C, B),
@@ -515,6 +650,12 @@ class Engine:
                 for T in self.length_buckets:
                     # Slot index B: the writes are dropped, the cache stays as it is.
                     self.prefill([[0] * T] * rows, [self.batch_size] * rows, sampling(rows))
+                    if self.prefill_chunks(T) > 1:  # the batcher's chunk-per-call programs
+                        staged = self.begin_prefill([[0] * T] * rows, [self.batch_size] * rows,
+                                                    sampling(rows))
+                        while (out := self.prefill_step(staged)) is None:
+                            pass
+                        jax.block_until_ready(out)
             # Decoding writes garbage into idle slots, which nothing reads: each slot's
             # positions are written again before its queries can see them.
             for length in self.decode_buckets:
