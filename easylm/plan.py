@@ -540,7 +540,7 @@ def serving_report(config: ConfigDict, family, num_devices: int, num_processes: 
     lines = [f"plan: serving {_model_name(config, family)}, {model.num_parameters / 1e6:,.1f}M "
              f"parameters, {model.num_layers} layers | {num_devices} devices, mesh "
              f"{mesh_string(sizes)} | {plan.serve_slots} slots x {plan.serve_tokens} tokens, "
-             f"one {plan.serve_tokens}-token prompt prefilled in chunks of "
+             f"one {plan.serve_tokens}-token prompt prefilled or scored in chunks of "
              f"{plan.prefill_chunk_size or plan.serve_tokens} | compute {compute.name}",
              "per device:"]
     lines += [f"  {name:<12} {_size(size):>12}" for name, size in parts.items()]

@@ -295,8 +295,8 @@ class Batcher:
 
     def _chunk_rows(self, rows: list) -> int:
         """How many of `rows` (at most batch_size) to score now: as many as fit one
-        seq_length-token forward, bucketed, and at least one. That is what one long
-        prompt's prefill costs, so a decode call never waits longer for scoring."""
+        seq_length-token forward, bucketed, and at least one: one call, chunked inside
+        like a one-call prefill, so a decode call waits for no more than that."""
         engine, longest, fit = self.engine, 0, 1
         for n in engine.row_buckets:
             if n > len(rows):

@@ -7,7 +7,8 @@
     decode   C steps for all B slots at once, each slot at its own position,
              attending over the first L cache positions (a bucket covering the
              active slots' positions)
-    score    a full forward over (n, T) tokens: log-probabilities of given targets
+    score    (n, T) tokens through the model chunk by chunk like a prefill: the
+             log-probabilities of given targets
 
 Which request sits in which slot is `batcher.py`'s business; this file only
 runs arrays. The cache is sharded like training activations (batch over
@@ -388,16 +389,38 @@ def _decode(model: Model, layout: CacheLayout, steps: int, unroll: bool, sample:
     return (window, tokens, positions), outs  # outs: (C, B, ...)
 
 
-def _score(model: Model, weights, tokens, targets):
+def _score(model: Model, chunk: int, weights, tokens, targets):
+    """Per position of the rows (n, T): the target's log-probability, whether it is the
+    argmax, and the top N log-probabilities, in fp32. Like a prefill, the rows go through
+    the model `chunk` tokens at a time over their cache (`_forward` at each chunk's
+    positions), so a layer holds (chunk, T') scores and the head (n, chunk, V) logits,
+    never (T, T) or (n, T, V)."""
     params, base = weights
+    n, T = tokens.shape
+    C, chunks = _chunking(T, chunk)
+
+    def pad(x):  # (n, T) -> (chunks, n, C)
+        return jnp.pad(x, ((0, 0), (0, chunks * C - T))).reshape(n, chunks, C).swapaxes(0, 1)
+
+    def step(cache, xs):
+        ids, tgt, start = xs
+        positions = jnp.broadcast_to(start + jnp.arange(C, dtype=jnp.int32), (n, C))
+        logits, cache, _ = _forward(model, False, params, ids, positions, cache, base)
+        logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # (n, C, V)
+        target_logprobs = jnp.take_along_axis(logprobs, tgt[..., None], axis=-1)[..., 0]
+        is_greedy = jnp.argmax(logprobs, axis=-1) == tgt
+        top_logprobs, top_ids = jax.lax.top_k(logprobs, min(TOP_LOGPROBS, logprobs.shape[-1]))
+        return cache, (target_logprobs, is_greedy, top_ids, top_logprobs)
+
+    xs = (pad(tokens), pad(targets), jnp.arange(chunks, dtype=jnp.int32) * C)
+    cache = model.init_cache(n, chunks * C)
     with allow_whole_rows():  # texts of any length, on a training mesh with sp too
-        logits = model.forward(params, tokens, base=base).logits
-    logits = logits.astype(jnp.float32)  # (n, T, V)
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
-    target_logprobs = jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]
-    is_greedy = jnp.argmax(logits, axis=-1) == targets
-    top_logprobs, top_ids = jax.lax.top_k(logprobs, min(TOP_LOGPROBS, logits.shape[-1]))
-    return target_logprobs, is_greedy, top_ids, top_logprobs
+        if chunks == 1:  # no loop: the program of an unchunked forward
+            outs = jax.tree.map(lambda x: x[None], step(cache, jax.tree.map(lambda x: x[0], xs))[1])
+        else:
+            outs = jax.lax.scan(step, cache, xs)[1]
+    # (chunks, n, C, ...) -> (n, T, ...)
+    return tuple(jnp.moveaxis(x, 0, 1).reshape(n, chunks * C, *x.shape[3:])[:, :T] for x in outs)
 
 
 class Engine:
@@ -468,7 +491,7 @@ class Engine:
         self._staged = {}  # (rows, T) -> a staged prefill's programs (`_staged_fns`)
         # Replicated outputs: on several hosts each process can then read them (sharded
         # ones would span devices of other processes).
-        self._score_fn = jax.jit(functools.partial(_score, model), **(
+        self._score_fn = jax.jit(functools.partial(_score, model, config.prefill_chunk_size), **(
             {} if mesh is None else {"out_shardings": NamedSharding(mesh, P())}))
 
     def reset(self):

@@ -1,17 +1,21 @@
-"""What the serving engine holds on one device while it prefills a long prompt, estimated
-before anything is compiled (`python -m easylm.plan --plan.serve_tokens=32768`).
+"""What the serving engine holds on one device while it prefills or scores a long prompt,
+estimated before anything is compiled (`python -m easylm.plan --plan.serve_tokens=32768`).
 
     weights   every parameter's shard in the compute dtype (the engine keeps them in --dtype)
     kv cache  every slot's keys and values for seq_length positions, and a recurrent layer's
               state (a constant per slot and layer): the engine's state
     prompt    the prompt's own keys and values (and state) while it is prefilled (rows x T',
-              T rounded up to a multiple of the chunk), written into its slot at the end
+              T rounded up to a multiple of the chunk), written into its slot at the end;
+              a scored row's cache the same (the batcher scores at most seq_length tokens
+              of rows at a time)
     chunk     one chunk through one layer (layers run one after another): its scores and
               probabilities (rows, N, C, T') in fp32 and their mask, q/k/v, the MLP's
-              (rows, C, F) and the head's (rows, C, V) logits
+              (rows, C, F) and the head's (rows, C, V) logits, with a scored chunk's fp32
+              log-probabilities
 
 Each chunk attends over the prompt's cache so far (easylm/serving/engine.py
-`_prompt_forward`), so nothing grows as T^2: the chunk term is linear in T, the caches too.
+`_prompt_forward`, `_score`), so nothing grows as T^2: the chunk term is linear in T, the
+caches too.
 """
 
 import math
@@ -49,7 +53,8 @@ def chunk_bytes(config: dict, rows: int, chunk: int, keys: int, mp: int, dtype) 
     mask = rows * chunk * keys
     qkv = rows * chunk * (heads + 2 * kv) * head_dim * size
     mlp = rows * chunk * 3 * (config["intermediate_size"] // mp) * size
-    logits = rows * chunk * (config["vocab_size"] // mp) * (size + 4)  # and the fp32 pick
+    # The logits, and in fp32 a prefill's pick or a scored chunk's logits and log-softmax.
+    logits = rows * chunk * (config["vocab_size"] // mp) * (size + 8)
     return scores + mask + qkv + max(mlp, logits)
 
 
