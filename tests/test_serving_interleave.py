@@ -2,6 +2,7 @@
 runs one chunk per turn with a decode call of the running slots in between
 (easylm/serving/engine.py `begin_prefill`/`prefill_step`), and nobody's tokens change."""
 
+import itertools
 import threading
 
 import jax
@@ -22,7 +23,7 @@ def _decodes_between_chunks(log) -> bool:
     chunks = [i for i, (kind, _) in enumerate(log) if kind == "chunk"]
     return len(chunks) > 1 and all(
         any(kind == "decode" and running for kind, running in log[a + 1:b])
-        for a, b in zip(chunks, chunks[1:]))
+        for a, b in itertools.pairwise(chunks))
 
 
 def test_running_streams_decode_between_a_long_prompts_chunks(tokenizer):
@@ -117,3 +118,24 @@ def test_a_staged_prefill_keeps_a_recurrent_state_while_others_decode():
     assert staged_ids == whole_ids
     other_top, _ = run([2] + prompt[1:], staged=True)
     assert_differs(other_top, whole_top, rel)
+
+
+def test_a_staged_prefill_on_a_mesh_compiles_each_program_once():
+    """On a (1, 2, 4) mesh, as the server runs: the carry keeps the cache's shardings from
+    chunk to chunk (one compile of the chunk program for all of them, and none for a
+    second prompt), and the first token is the one-call prefill's."""
+    from easylm.runtime.sharding import make_mesh
+
+    batcher, _, _ = make_batcher(mesh=make_mesh("1,2,4"), batch_size=2, min_bucket=CHUNK,
+                                 prefill_chunk_size=2 * CHUNK)
+    batcher.stop()  # the engine alone
+    engine = batcher.engine
+    one_call = engine.fetch(engine.prefill([LONG], [0], Sampling.empty(1)))[0]
+    for _ in range(2):
+        staged = engine.begin_prefill([LONG], [1], Sampling.empty(1))
+        while (out := engine.prefill_step(staged)) is None:
+            engine.decode(Sampling.empty(2))
+        np.testing.assert_array_equal(engine.fetch(out)[0], one_call)
+    assert staged.chunks == 4
+    start, chunk, end = engine._staged_fns(1, 64)
+    assert (start._cache_size(), chunk._cache_size(), end[False]._cache_size()) == (1, 1, 1)

@@ -599,7 +599,7 @@ class Engine:
             model, mesh = self.model, self.mesh
             carry_out = {}
             if mesh is not None:
-                shapes = jax.eval_shape(_staged_start, model, rows, chunks * C)
+                shapes = jax.eval_shape(lambda: _staged_start(model, rows, chunks * C))
                 specs = match_partition_rules(model.cache_rules, shapes[0])
                 cache = jax.tree.map(
                     lambda spec, s: NamedSharding(mesh, fitted_spec(spec, s.shape, mesh)),
