@@ -17,7 +17,6 @@ from cli_utils import one_line_error
 
 from easylm.llama import train as llama_train
 from easylm.objectives.distill import chunked_token_jsd, token_jsd
-from easylm.objectives.next_token import head_logits
 
 EPS32 = float(np.finfo(np.float32).eps)
 

@@ -72,8 +72,8 @@ HELP = {
 
 def get_default_config(updates=None) -> ConfigDict:
     """TRL's GKDConfig defaults where the option is the same."""
-    config = ConfigDict(dict(teacher="", teacher_dtype="", lmbda=0.5, beta=0.5,
-                             temperature=0.9, max_new_tokens=128))
+    config = ConfigDict({"teacher": "", "teacher_dtype": "", "lmbda": 0.5, "beta": 0.5,
+                         "temperature": 0.9, "max_new_tokens": 128})
     if updates is not None:
         config.update(ConfigDict(updates).copy_and_resolve_references())
     return config
@@ -234,8 +234,8 @@ class Distill(Objective):
                   ("beta", 0 <= o.beta <= 1, "in [0, 1]"),
                   ("temperature", o.temperature > 0, "> 0"),
                   ("max_new_tokens", 1 <= o.max_new_tokens < seq_length,
-                   f">= 1 and below the row's seq_length={seq_length}, leaving room for a "
-                   f"prompt"))
+                   (f">= 1 and below the row's seq_length={seq_length}, leaving room for "
+                    f"a prompt")))
         for name, ok, expected in checks:
             if not ok:
                 raise UserError(f"--distill.{name} must be {expected}, got {o[name]!r}")
