@@ -156,7 +156,8 @@ def test_a_new_objective_shows_its_line_in_the_plan(capsys):
     config = flag_lib.parse(default_config(TOY, "toy_objective:LabelSmoothed"),
                             help_entries(TOY, "toy_objective:LabelSmoothed"),
                             ["train", OBJECTIVE, *ROWS], derived=family_run_defaults(TOY))
-    assert set(objectives.unused_flags(config)) == {"dpo.", "simpo.", "orpo.", "grpo."}
+    assert set(objectives.unused_flags(config)) == {"dpo.", "simpo.", "orpo.", "grpo.",
+                                                    "distill."}
 
 
 @pytest.mark.parametrize("argv, warned", [

@@ -587,7 +587,8 @@ def test_mfu_counts_the_reference_forward_with_and_without_lora():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--objective=ipo"], "--objective='ipo' is not one of next_token, dpo, simpo, orpo, grpo"),
+    (["--objective=ipo"], "--objective='ipo' is not one of next_token, dpo, simpo, orpo, grpo, "
+     "distill"),
     (["--objective=dpo"], "--objective=dpo trains on preference pairs: set "
      "--train_dataset.json_dataset.path to JSON lines with prompt, chosen and rejected "
      "(docs/preference.md)"),

@@ -20,11 +20,13 @@ REGISTRY = {
     "simpo": "easylm.objectives.preference:SimPO",
     "orpo": "easylm.objectives.preference:ORPO",
     "grpo": "easylm.objectives.grpo:GRPOObjective",
+    "distill": "easylm.objectives.distill:Distill",
 }
 DEFAULT = "next_token"
 HELP = {"objective": "what to train: next_token (language modelling on text), on "
-                     "preference pairs dpo, simpo or orpo (docs/preference.md), or grpo on "
-                     "rollouts from prompts (docs/rl.md); or MODULE:CLASS, an Objective "
+                     "preference pairs dpo, simpo or orpo (docs/preference.md), grpo on "
+                     "rollouts from prompts, or distill (a frozen teacher's distributions "
+                     "on the student's samples; docs/rl.md); or MODULE:CLASS, an Objective "
                      "of your own (docs/training.md)"}
 _SECTIONS = ("train_dataset", "eval_dataset")
 

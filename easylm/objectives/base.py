@@ -103,6 +103,12 @@ class Objective(abc.ABC):
         read here). `starting_params()` gives the run's starting point, also after a
         resume; `state` is the train state; `place` puts a host batch on the devices."""
 
+    def frozen_params(self, mesh) -> dict:
+        """Parameters its loss reads but does not train besides a reference copy ({name:
+        tree in its shards on `mesh`}: a distillation teacher), added to
+        `TrainState.frozen` once per run and never saved."""
+        return {}
+
     def prepare(self, batch: dict) -> dict:
         """A host batch as the step takes it."""
         return batch

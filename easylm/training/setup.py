@@ -77,6 +77,7 @@ def start(config: ConfigDict, family: ModelFamily, cleanup: contextlib.ExitStack
     if objective.reference == COPY:  # built once, never saved: the starting parameters
         state = state.replace(frozen={**state.frozen,
                                       "reference": starting_params(config, model, tx, mesh)})
+    state = state.replace(frozen={**state.frozen, **objective.frozen_params(mesh)})
     loss_fn = objective.loss_fn
     if mesh.shape["sp"] > 1:
         loss_fn = split_sequence(loss_fn, mesh.shape["sp"])  # balanced: zig-zag order
