@@ -7,6 +7,7 @@ numbers."""
 import collections
 import json
 import random
+import shutil
 import statistics
 import sys
 
@@ -392,6 +393,13 @@ def too_few(prompts, completions, **fields):
 
 def constant(prompts, completions, **fields):
     return [1.0] * len(completions)
+
+
+def odd_only(prompts, completions, completion_ids, target, **fields):
+    """'odd' prompts: whether the first token is odd (a group of G is all 0 or all 1 with
+    probability 2 / 2**G); 'even' prompts: 0 (every group without a signal)."""
+    return [float(t == 1 and bool(ids) and ids[0] % 2 == 1)
+            for ids, t in zip(completion_ids, target)]
 '''
 
 
@@ -548,6 +556,40 @@ def test_gspo_and_a_sampling_mode_run_with_lora_accumulation_and_iterations(task
     assert got[steps]["kl"] > 0
 
 
+def test_dynamic_sampling_trains_no_group_without_a_signal_and_resumes_exactly(task, tmp_path):
+    """--grpo.dynamic_sampling=True: half the prompts give every completion reward 0, so
+    without it a good share of each step's groups teach nothing; with it no trained group
+    has equal rewards, more prompts are rolled out to fill the batch (rounds and drops
+    logged), and a run resumed from a checkpoint draws the same prompts and samples: step
+    3 bitwise. Twin: the same run without dynamic sampling trains zero-signal groups."""
+    from test_checkpoint import metrics
+
+    def run(directory, steps=3, **flags):
+        llama_train.main(command(task, directory, total_steps=steps, eval_freq=0, **{
+            "eval_dataset.json_dataset.path": "", "grpo.num_generations": 4,
+            "grpo.reward_funcs": "grpo_task_rewards:odd_only",
+            "optimizer.adamw_optimizer.lr_decay_steps": 3, **flags}))
+        return metrics(directory)
+
+    dynamic = {"grpo.dynamic_sampling": True, "save_model_freq": 2}
+    got = run(tmp_path / "dynamic", **dynamic)
+    for step, line in got.items():
+        assert line["frac_reward_zero_std"] == 0 and line["reward_std"] > 0, (step, line)
+        assert line["data/dynamic_sampling/rounds"] >= 2, (step, line)  # half the groups drop
+        assert line["data/dynamic_sampling/dropped_groups"] >= 4, (step, line)
+        assert line["data/dynamic_sampling/sampled_groups"] == \
+            8 * line["data/dynamic_sampling/rounds"], (step, line)
+        assert line["data/dynamic_sampling/empty_groups"] == 0 or \
+            line["data/dynamic_sampling/rounds"] == 4, (step, line)
+    shutil.rmtree(tmp_path / "dynamic" / "run" / "checkpoints" / "3")
+    resumed = run(tmp_path / "dynamic", **dynamic)
+    for key in ("loss", "reward", "gradient_norm", "data/dynamic_sampling/rounds",
+                "data/dynamic_sampling/dropped_groups", "data/dataset_batches"):
+        assert resumed[3][key] == got[3][key], key
+    plain = run(tmp_path / "plain", steps=1)
+    assert plain[1]["frac_reward_zero_std"] > 0, plain[1]
+
+
 def test_rollouts_compile_nothing_after_the_first_step(learned):
     """Acceptance 4 (the compilation half): the first rollout lowers the engine's
     programs, and no later step (rollouts, train steps, evaluations) lowers any."""
@@ -609,6 +651,7 @@ def long_prompts(tmp_path):
      "are compared with each other), got 1"),
     ({"grpo.max_new_tokens": 24}, "--grpo.max_new_tokens must be >= 1 and below the row's "
      "seq_length=24, leaving room for a prompt, got 24"),
+    ({"grpo.max_sampling_rounds": 0}, "--grpo.max_sampling_rounds must be >= 1, got 0"),
     ({"grpo.loss_type": "ppo"}, "--grpo.loss_type must be one of grpo, bnpo, dr_grpo, dapo, "
      "got 'ppo'"),
     ({"grpo.importance_sampling_level": "seq"}, "--grpo.importance_sampling_level must be "

@@ -87,6 +87,14 @@ HELP = {
                                      "sequence_truncate / sequence_mask (the same on exp of "
                                      "the completion's summed difference, one weight a "
                                      "completion)",
+    "grpo.dynamic_sampling": "DAPO's dynamic sampling: a group whose completions all got "
+                             "the same reward (no advantage, nothing to learn) is dropped "
+                             "and the rollouts of more prompts fill the step's batch_size "
+                             "groups (at most max_sampling_rounds batches of prompts)",
+    "grpo.max_sampling_rounds": "dynamic sampling's bound: batches of prompts rolled out for "
+                                "one step; a batch still short after them trains on the "
+                                "groups it has (the empty places count nowhere; logged as "
+                                "dynamic_sampling/empty_groups)",
     "grpo.routing_replay": "a mixture-of-experts model: the engine records each token's "
                            "expert choices in every MoE layer while sampling and the "
                            "training (and scoring) forwards replay them, so that the "
@@ -103,7 +111,8 @@ def get_default_config(updates=None) -> ConfigDict:
         num_iterations=1, mask_truncated_completions=False, reward_funcs="answer_match",
         reward_weights="", format_pattern="", length_buffer=0,
         importance_sampling_cap=3.0, importance_sampling_mode="token_truncate",
-        importance_sampling_level="token", routing_replay=False))
+        importance_sampling_level="token", dynamic_sampling=False, max_sampling_rounds=4,
+        routing_replay=False))
     if updates is not None:
         config.update(ConfigDict(updates).copy_and_resolve_references())
     return config
@@ -120,6 +129,7 @@ def check_options(options, seq_length: int) -> None:
               ("epsilon", 0 < options.epsilon < 1, "in (0, 1)"),
               ("epsilon_high", options.epsilon_high >= 0, ">= 0"),
               ("num_iterations", options.num_iterations >= 1, ">= 1"),
+              ("max_sampling_rounds", options.max_sampling_rounds >= 1, ">= 1"),
               ("importance_sampling_cap", options.importance_sampling_cap == 0 or
                options.importance_sampling_cap >= 1, "0 (off) or >= 1"),
               ("loss_type", options.loss_type in LOSS_TYPES, f"one of {', '.join(LOSS_TYPES)}"),

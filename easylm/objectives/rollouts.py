@@ -23,6 +23,7 @@ The engine's programs (one prefill, a decode program per cache window) are compi
 the first step and serve every later one; its cache is freed between rollouts.
 """
 
+import collections
 import json
 import time
 
@@ -245,6 +246,18 @@ def gather_prompts(prompts: dict) -> tuple[dict, slice]:
              "examples": examples}, slice(jax.process_index() * b, (jax.process_index() + 1) * b))
 
 
+def _nothing(batch: dict) -> dict:
+    """`batch` (a rollout's host arrays) as places that count nowhere: not valid, no loss
+    mask, no advantage, no reward counted."""
+    out = dict(batch)
+    for key in ("valid", "loss_masks", "advantages"):
+        out[key] = np.zeros_like(batch[key])
+    for key in batch:
+        if key.startswith("rewards/"):
+            out[key] = np.zeros_like(batch[key])
+    return out
+
+
 class Rollouts:
     """The GRPO objective's batches (`batches`), made on the mesh the train state is on."""
 
@@ -322,15 +335,20 @@ class Rollouts:
         steps, the first of them at a step that is a multiple of num_iterations (a run
         resumed between two has a shorter cycle first)."""
         evaluating, mu = dataset.for_eval, self.options.num_iterations
-        for index, (prompts, data_metrics) in enumerate(dataset.iterate()):
+        data = dataset.iterate()
+        for index, (prompts, data_metrics) in enumerate(data):
             prompts, rows_here = gather_prompts(prompts)
             state = live_state()
             step = int(state.step)  # waits for the step in flight: the train time
             now = time.perf_counter()
             train = {} if evaluating or self._train_began is None else \
                 {"rollout/train_seconds": now - self._train_began}
-            batch, metrics = self.rollout(state, prompts, dataset.seq_length,
-                                          (_EVAL, step, index) if evaluating else (_TRAIN, step, 0))
+            if self.options.dynamic_sampling and not evaluating:
+                batch, metrics, data_metrics = self.informative_rollout(
+                    state, prompts, data_metrics, data, dataset.seq_length, step)
+            else:
+                batch, metrics = self.rollout(state, prompts, dataset.seq_length, (
+                    _EVAL, step, index) if evaluating else (_TRAIN, step, 0))
             batch = place({k: v[rows_here] for k, v in batch.items()})
             if self._score is not None:
                 scored, compared = self._score(state.params, state.frozen, batch)
@@ -383,6 +401,51 @@ class Rollouts:
         metrics.update({"rollout/generation_seconds": seconds,
                         "rollout/tokens_per_second": tokens / max(seconds, 1e-9)})
         return batch, metrics
+
+    def informative_rollout(self, state, prompts, data_metrics, data, T: int, step: int):
+        """(host batch, metrics, the last prompts' data metrics): DAPO's dynamic sampling.
+        Rollouts of `prompts`, then of the next batches of `data` (each process's, gathered
+        as any), until B groups with a reward signal (rewards not all equal) fill the batch
+        or max_sampling_rounds batches are spent. The groups keep the order they were
+        sampled in; surplus ones are dropped; places still empty hold a group marked not
+        valid (no loss, no metric). Round r samples with the keys of (step, r), so a
+        resumed run, whose data state counts every batch drawn, samples the same."""
+        B = len(prompts["prompt_lengths"])
+        parts, found, counts = [], 0, collections.Counter()
+        seconds = tokens = longest = 0.0
+        for round_ in range(self.options.max_sampling_rounds):
+            if round_:
+                try:
+                    prompts, data_metrics = next(data)
+                except StopIteration:  # a single pass ran out: train on what there is
+                    break
+                prompts, _ = gather_prompts(prompts)
+            batch, metrics = self.rollout(state, prompts, T, (_TRAIN, step, round_))
+            seconds += metrics["rollout/generation_seconds"]
+            tokens += metrics["rollout/tokens_per_second"] * metrics["rollout/generation_seconds"]
+            longest = max(longest, metrics["completions/max_length"])
+            valid = batch["valid"][:, 0] > 0
+            signal = np.flatnonzero(valid & ~(batch["frac_reward_zero_std"][:, 0] > 0))
+            counts["sampled_groups"] += int(valid.sum())
+            counts["dropped_groups"] += int(valid.sum()) - len(signal)
+            take = signal[:B - found]
+            counts["surplus_groups"] += len(signal) - len(take)
+            parts.append((batch, take))
+            found += len(take)
+            counts["rounds"] += 1
+            if found == B:
+                break
+        if found < B:  # the last batch's first groups, trained on by no loss or metric
+            batch = parts[-1][0]
+            parts.append((_nothing(batch), np.arange(B - found)))
+            counts["empty_groups"] = B - found
+        batch = {k: np.concatenate([b[k][take] for b, take in parts]) for k in parts[0][0]}
+        metrics = {"rollout/generation_seconds": seconds,
+                   "rollout/tokens_per_second": tokens / max(seconds, 1e-9),
+                   "completions/max_length": longest}
+        metrics.update({f"dynamic_sampling/{k}": float(counts[k]) for k in (
+            "rounds", "sampled_groups", "dropped_groups", "surplus_groups", "empty_groups")})
+        return batch, metrics, data_metrics
 
     def _score_rows(self, prompts, prompt_ids, completions, valid, T: int):
         """The rewards of `completions` and the host batch around them."""
