@@ -354,12 +354,14 @@ def test_nonfinite_loss_stops_the_run_naming_the_step(tmp_path):
     ([], "llama-3c8434a5"),  # the embedded demo, as the README shows it
     (["--train_dataset.json_dataset.path=data.jsonl", "--lora.rank=16",
       "--load_checkpoint=hf::/models/base"], "llama-30ada2a6"),
+    (["--objective=grpo", "--train_dataset.json_dataset.path=prompts.jsonl"], "llama-b3986fa2"),
 ])
 def test_redefaulted_flags_keep_the_directories_runs_had(argv, old_id):
     # The ids these commands got before --train_dataset.text_processor.add_bos_token and
     # --lora.base_dtype defaulted to auto (computed by the code at cac0ba9), and before
     # --lora.target_modules' default took the expert stacks too, and before the
-    # weight-decay exclusions' default named DeepSeek-V3's routing bias: the same command still
+    # weight-decay exclusions' default named DeepSeek-V3's routing bias, and before GRPO's
+    # dynamic sampling (computed at 77b6cac): the same command still
     # resumes its run; a setting that trains otherwise is another run.
     def run_id(*extra):
         config = train.parse_flags(["train", *argv, *extra])
@@ -372,6 +374,9 @@ def test_redefaulted_flags_keep_the_directories_runs_had(argv, old_id):
     assert run_id("--optimizer.muon_optimizer.momentum=0.9") == old_id
     assert run_id("--optimizer.type=muon") != run_id("--optimizer.type=muon",
                                                      "--optimizer.muon_optimizer.momentum=0.9")
+    if "--objective=grpo" in argv:  # dynamic sampling's flags, added later
+        assert run_id("--grpo.max_sampling_rounds=4") == old_id
+        assert run_id("--grpo.dynamic_sampling=True") != old_id
     if "--lora.rank=16" in argv:
         assert run_id("--lora.target_modules=q_proj/kernel$") != old_id
 

@@ -268,6 +268,11 @@ _REDEFAULTED = {"train_dataset.text_processor.add_bos_token": ("auto", True),
                    for name in ("adamw", "palm")}}
 
 
+# Flags added after runs were named by their hash, with the value that trains as before
+# their time: at that value they are left out of the hash.
+_ADDED = {"grpo.dynamic_sampling": False, "grpo.max_sampling_rounds": 4}
+
+
 def _hashed(name: str, value):
     new, old = _REDEFAULTED.get(name, (None, None))
     return old if new is not None and value == new else value
@@ -289,7 +294,7 @@ def run_directory(config: ConfigDict, model_name: str, unused: tuple = ()) -> st
                 and not k.startswith(("logger.", "jax_distributed.", "eval_harness.",
                                       *objectives.unused_flags(config), *unused,
                                       *optimizers.unused_flags(config.optimizer)))
-                and v is not None}
+                and v is not None and not (k in _ADDED and v == _ADDED[k])}
         digest = hashlib.sha1(json.dumps(flat, sort_keys=True).encode()).hexdigest()[:8]
         experiment_id = f"{model_name}-{digest}"
     return checkpoint.absolute_path(os.path.join(config.logger.output_dir, experiment_id))
