@@ -295,6 +295,53 @@ def test_parameters_and_optimizer_state_split_over_fsdp_and_sp():
     assert split != shards("fsdp=2,ep=4")
 
 
+def widest_per_row_place(hlo: str, rows: int, places: int) -> int:
+    """The most float values any array of a compiled HLO holds per (row, place) of a
+    (rows, places, ...) activation: D / devices where the (B, T, D) activations are split
+    over all of them, D where one is whole on a device."""
+    arrays = re.findall(rf"\b(?:f32|bf16)\[{rows},{places},([\d,]+)\]", hlo)
+    return max((int(np.prod([int(d) for d in dims.split(",")])) for dims in arrays), default=0)
+
+
+def test_the_sp_train_step_holds_no_whole_activation():
+    """The compiled train step under dp=1,fsdp=2,sp=4 holds each (B, T, D) activation or
+    gradient in eighths: XLA replicates none to change its split (it did for the embedding:
+    from the table's D split to the batch/sp split in one move, and its gather's indices
+    split over the batch while its output was not)."""
+    from easylm import bench, flags, model_flags
+    from easylm.training import optimizers
+    from easylm.training.step import device_batch, jit_train_step
+
+    rows, places = 8, 96  # not any dimension of the model, so the search is unambiguous
+    argv = ["bench", "--llama.base_model=debug", "--llama.num_hidden_layers=1",
+            f"--batch_size={rows}", f"--seq_length={places}", "--mesh_dim=dp=1,fsdp=2,sp=4"]
+    config = flags.parse(bench.train_config(LLAMA), bench._train_help(LLAMA), argv)
+    mesh = make_mesh(config.mesh_dim)
+    model = model_flags.build(LLAMA, config)
+    tx, schedule = optimizers.get_optimizer(config.optimizer)
+    with jax.set_mesh(mesh):
+        state = abstract_state(model, tx, mesh, 0)
+        step = jit_train_step(model, tx, schedule, 0, 1, state, mesh)
+        batch = device_batch(bench.synthetic_batch(config, model.vocab_size), mesh)
+        hlo = step.lower(state, batch).compile().as_text()
+    D = model.config["hidden_size"]
+    assert 0 < widest_per_row_place(hlo, rows, places) <= D // 8
+
+    # Twin: the move the embedding made before, in one step, and the same search finds
+    # the whole (B, T, D) array XLA makes for it.
+    from jax.sharding import PartitionSpec as P
+    from easylm.runtime.sharding import constrain
+
+    def one_move(x):
+        x = constrain(x, P(None, None, ("fsdp", "sp")))
+        return constrain(x * 2, P("fsdp", "sp", None)) * 3
+
+    with jax.set_mesh(mesh):
+        x = jax.ShapeDtypeStruct((rows, places, D), np.float32)
+        twin = jax.jit(one_move).lower(x).compile().as_text()
+    assert widest_per_row_place(twin, rows, places) == D
+
+
 # ------------------------------------------------------------ through the trainer command
 
 

@@ -301,17 +301,19 @@ class _Backbone(nn.Module):
                          param_dtype=self.param_dtype,
                          embedding_init=nn.initializers.normal(c.initializer_range),
                          name="embed_tokens")
-        x = embed(input_ids)
+        # The lookup (and, in the backward pass, the scatter into the table) happens
+        # where the table's D is split: over PARAMETER_AXES ('fsdp' and 'sp'), batch over
+        # the axes that replicate the table ('dp', 'ep'), and the ids split the same way.
+        # Then two all-to-alls, one mesh axis each, split the batch over BATCH_AXES and T
+        # over 'sp' as everywhere else. Going there in one move (or with the ids split
+        # over the batch) makes XLA build the whole (B, T, D) output or gradient on every
+        # device (when dp > 1, or under sp with fsdp > 1).
+        x = embed(constrain(input_ids, P(("dp", "ep"), None)))
         scale = lm.embed_scale(c)
         if scale is not None:  # in the compute dtype, as HF casts it
             x = x * jnp.asarray(scale, self.dtype)
-        # The lookup (and, in the backward pass, the scatter into the table) happens
-        # where the table's D is split: over PARAMETER_AXES ('fsdp' and 'sp'), batch over
-        # the axes that replicate the table ('dp', 'ep'). Then an all-to-all splits the
-        # batch over BATCH_AXES and T over 'sp' as everywhere else. Going straight from the
-        # batch split to the table's D split would make XLA gather the whole (B, T, D)
-        # gradient on every device when dp > 1.
         x = constrain(x, P(("dp", "ep"), None, PARAMETER_AXES))
+        x = constrain(x, P(BATCH_AXES, None, "sp"))
         x = constrain(x, P(BATCH_AXES, "sp", None))  # (B, T, D)
         contexts = self.contexts(positions, segment_ids, cache)
         if c.scan_layers:
