@@ -1,4 +1,4 @@
-"""The Qwen3.5 (dense) family: the one object through which train, eval, plan, bench,
+"""The Qwen3.5 family (dense, MoE, and Qwen3-Next): the one object through which train, eval, plan, bench,
 doctor and the converters reach the model (`FAMILY`)."""
 
 from easylm.models.family import HFAdapter, ModelFamily, layout
@@ -20,7 +20,9 @@ class Qwen35Family(ModelFamily):
     default_preset = "debug"
     tiny_preset = "debug"
     module_class = Qwen35ForCausalLM
-    hf = HFAdapter(model_types=("qwen3_5_text", "qwen3_5"),  # qwen3_5: its text model
+    # qwen3_5 and qwen3_5_moe: the multimodal checkpoints' text models
+    hf = HFAdapter(model_types=("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe",
+                                "qwen3_next"),
                    read_config=hf.read_hf_config, read_params=_read_params,
                    write_params=hf.to_hf, not_built=NOT_BUILT)
 
