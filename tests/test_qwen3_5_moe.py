@@ -215,3 +215,50 @@ def test_sequence_parallelism_is_refused_in_one_line(tmp_path, saved, capsys):
     error = capsys.readouterr().err.splitlines()[-1]  # after the embedded tokenizer's warning
     assert error.startswith("error: qwen3_5: sequence parallelism (sp > 1) is not built for "
                             "Gated DeltaNet layers"), error
+
+
+def test_lora_on_the_deltanet_projections_exports_adapter_equal_to_merged(tmp_path):
+    """LoRA through the train command on Qwen3-Next's attention and fused DeltaNet
+    projections (PEFT's names: in_proj_qkvz, in_proj_ba, out_proj, ...): the PEFT adapter
+    on transformers' base = the merged export; the twin: the base without it."""
+    import contextlib
+    import io
+
+    from peft import PeftModel
+
+    from easylm import convert_easylm_to_hf
+    from easylm.data.tokenizer import load_tokenizer
+
+    config = FAMILY.from_preset("debug_next")
+    torch_model(config).save_pretrained(tmp_path / "hf")
+    load_tokenizer("embedded").save_pretrained(tmp_path / "hf")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        train.main(["train", f"--load_checkpoint=hf::{tmp_path / 'hf'}",
+                    f"--tokenizer={tmp_path / 'hf'}", "--total_steps=3",
+                    "--train_dataset.json_dataset.seq_length=32",
+                    "--train_dataset.json_dataset.batch_size=4", "--compilation_cache_dir=",
+                    f"--logger.output_dir={tmp_path / 'runs'}", "--dtype=fp32",
+                    "--mesh_dim=1,1,-1", "--optimizer.adamw_optimizer.lr=1e-2",
+                    "--optimizer.adamw_optimizer.lr_warmup_steps=1", "--lora.rank=4",
+                    "--lora.alpha=8", "--lora.target_modules=(q_proj|k_proj|v_proj|o_proj|"
+                    "in_proj_qkvz|in_proj_ba|out_proj)/kernel$"])
+    final = out.getvalue().split("checkpoint: ")[1].split()[0]
+    for mode in ("adapter", "merged"):
+        convert_easylm_to_hf.main(["convert", f"--load_checkpoint=params::{final}",
+                                   f"--output_dir={tmp_path / mode}", f"--lora_mode={mode}",
+                                   "--verify=False"])
+    targets = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert sorted(targets["target_modules"]) == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkvz", "in_proj_ba", "out_proj"])
+    ids = torch.tensor(np.random.RandomState(2).randint(3, config.vocab_size, (2, 80)))
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    with torch.no_grad():
+        before = base(ids).logits.numpy()
+        peft = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(ids).logits.numpy()
+        merged = merged.eval()(ids).logits.numpy()
+    rel = fp32_rel(max(config.hidden_size, config.intermediate_size, 80, 64),
+                   14 * config.num_hidden_layers + 1)
+    assert_close(merged, peft, rel)
+    assert_differs(before, peft, rel)  # the adapters moved the logits
