@@ -175,7 +175,7 @@ def test_training_through_the_command_starts_at_transformers_loss(tmp_path, save
 
 
 def test_export_reloads_in_transformers_as_served(tmp_path, saved):
-    config, model, _, params, engine = saved
+    config, _, _, params, engine = saved
     write_safetensors(FAMILY.hf.write_params(params, config), str(tmp_path))
     config.to_hf_config().save_pretrained(tmp_path)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
@@ -241,8 +241,8 @@ def test_lora_on_the_deltanet_projections_exports_adapter_equal_to_merged(tmp_pa
                     f"--logger.output_dir={tmp_path / 'runs'}", "--dtype=fp32",
                     "--mesh_dim=1,1,-1", "--optimizer.adamw_optimizer.lr=1e-2",
                     "--optimizer.adamw_optimizer.lr_warmup_steps=1", "--lora.rank=4",
-                    "--lora.alpha=8", "--lora.target_modules=(q_proj|k_proj|v_proj|o_proj|"
-                    "in_proj_qkvz|in_proj_ba|out_proj)/kernel$"])
+                    "--lora.alpha=8", ("--lora.target_modules=(q_proj|k_proj|v_proj|o_proj|"
+                                       "in_proj_qkvz|in_proj_ba|out_proj)/kernel$")])
     final = out.getvalue().split("checkpoint: ")[1].split()[0]
     for mode in ("adapter", "merged"):
         convert_easylm_to_hf.main(["convert", f"--load_checkpoint=params::{final}",

@@ -34,8 +34,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from easylm.errors import UserError
-from easylm.models.context_parallel import SplitSequence
 from easylm.models import moe
+from easylm.models.context_parallel import SplitSequence
 from easylm.models.decoder import (
     CACHE_PARTITION_RULES,
     HEADS,
