@@ -100,7 +100,8 @@ def test_the_generic_commands_take_the_family_of_what_they_load(tmp_path, capsys
     message = one_line_error(train.main, argv, capsys)
     assert message == (f"{tmp_path / 'gpt2' / 'config.json'}: model_type 'gpt2' is not one "
                        f"easylm reads (llama: {', '.join(ARCHITECTURES)}; gemma: gemma3_text, "
-                       f"gemma3; gpt_oss: gpt_oss; qwen3_5: qwen3_5_text, qwen3_5; deepseek_v3: "
+                       f"gemma3; gpt_oss: gpt_oss; qwen3_5: qwen3_5_text, qwen3_5, qwen3_5_moe_text, "
+                       f"qwen3_5_moe, qwen3_next; deepseek_v3: "
                        f"deepseek_v3)")
     for model_type in ("gemma3_text", "gemma3"):  # gemma3: the text tower of the multimodal
         (tmp_path / model_type).mkdir()

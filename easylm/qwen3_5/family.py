@@ -1,4 +1,4 @@
-"""The Qwen3.5 (dense) family: the one object through which train, eval, plan, bench,
+"""The Qwen3.5 family (dense, MoE, and Qwen3-Next): the one object through which train, eval, plan, bench,
 doctor and the converters reach the model (`FAMILY`)."""
 
 from easylm.models.family import HFAdapter, ModelFamily, layout
@@ -20,7 +20,13 @@ class Qwen35Family(ModelFamily):
     default_preset = "debug"
     tiny_preset = "debug"
     module_class = Qwen35ForCausalLM
-    hf = HFAdapter(model_types=("qwen3_5_text", "qwen3_5"),  # qwen3_5: its text model
+    # LoRA: every projection (nn.Dense) is a target, the DeltaNet ones by transformers'
+    # names (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a or in_proj_qkvz, in_proj_ba,
+    # out_proj), and the expert stacks as moe.py adapts them.
+    variants = ("lora",)
+    # qwen3_5 and qwen3_5_moe: the multimodal checkpoints' text models
+    hf = HFAdapter(model_types=("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe",
+                                "qwen3_next"),
                    read_config=hf.read_hf_config, read_params=_read_params,
                    write_params=hf.to_hf, not_built=NOT_BUILT)
 

@@ -11,6 +11,12 @@ Each layer is x + mixer(norm(x)), then x + MLP(norm(x)), with Gemma's (1 + w) RM
                       sigmoid(gate)); (1 + w) q/k norms; rotary on the first
                       `rotary_dim()` dims of each head only
 
+The MLP is dense (qwen3_5_text) or, for qwen3_5_moe_text and qwen3_next, easylm/models/
+moe.py's routed experts beside a shared expert that sigmoid(shared_expert_gate(x))
+scales (`SharedExpertMoE`): mlp/router (D, E), mlp/experts/* (E, ...),
+mlp/shared_expert/{gate,up,down}_proj, mlp/shared_expert_gate (D, 1). Its
+`moe.RouterStats` are sown to the "router" collection, as LLaMA's MoE layers do.
+
 Parameter names are transformers' (`model/layers/<i>/linear_attn/in_proj_qkv`,
 `.../self_attn/q_proj`, ...). The cache holds per linear layer a `DeltaNetState` (the
 conv's last inputs and the fp32 state: a constant size whatever the length) and per full
@@ -28,6 +34,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from easylm.errors import UserError
+from easylm.models import moe
 from easylm.models.context_parallel import SplitSequence
 from easylm.models.decoder import (
     CACHE_PARTITION_RULES,
@@ -48,13 +55,15 @@ PARTITION_RULES = (
     (r"model/embed_tokens/embedding", P("mp", "fsdp")),
     (r"self_attn/(q_proj|k_proj|v_proj)/kernel", P("fsdp", "mp")),
     (r"self_attn/o_proj/kernel", P("mp", "fsdp")),
-    (r"linear_attn/(in_proj_qkv|in_proj_z)/kernel", P("fsdp", "mp")),
-    (r"linear_attn/(in_proj_b|in_proj_a)/kernel", P("fsdp", None)),
+    (r"linear_attn/(in_proj_qkv|in_proj_z|in_proj_qkvz)/kernel", P("fsdp", "mp")),
+    (r"linear_attn/(in_proj_b|in_proj_a|in_proj_ba)/kernel", P("fsdp", None)),
     (r"linear_attn/out_proj/kernel", P("mp", "fsdp")),
     (r"linear_attn/conv1d/kernel", P(None, None)),
     (r"linear_attn/(A_log|dt_bias)$", P(None)),
-    (r"mlp/(gate_proj|up_proj)/kernel", P("fsdp", "mp")),
-    (r"mlp/down_proj/kernel", P("mp", "fsdp")),
+    (r"mlp/(shared_expert/)?(gate_proj|up_proj)/kernel", P("fsdp", "mp")),
+    (r"mlp/(shared_expert/)?down_proj/kernel", P("mp", "fsdp")),
+    (r"mlp/shared_expert_gate/kernel", P("fsdp", None)),
+    *moe.PARTITION_RULES,
     (r"(input_layernorm|post_attention_layernorm|q_norm|k_norm|linear_attn/norm)/weight",
      P(None)),
     (r"model/norm/weight", P(None)),
@@ -114,6 +123,22 @@ class GatedAttention(Attention):
         return self.dense(c.hidden_size, "o_proj")(out), cache
 
 
+class SharedExpertMoE(moe.SparseMoE):
+    """x (B, T, D) -> (routed experts' sum + sigmoid(x W_g) * shared_expert(x), stats), as
+    transformers' Qwen3_5MoeSparseMoeBlock / Qwen3NextSparseMoeBlock compute it."""
+
+    shared: object = None  # the shared expert's config: intermediate_size its width
+
+    @nn.compact
+    def __call__(self, x, experts=None):
+        routed, stats = super().__call__(x, experts)
+        shared = GatedMLP(self.shared, self.dtype, self.param_dtype, name="shared_expert")(x)
+        gate = nn.Dense(1, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
+                        kernel_init=nn.initializers.normal(self.config.initializer_range),
+                        name="shared_expert_gate")(x)
+        return routed + jax.nn.sigmoid(gate) * shared, stats
+
+
 class DecoderLayer(Sublayer):
     norm_class: type = RMSNorm
     kind: str = "full_attention"
@@ -131,8 +156,15 @@ class DecoderLayer(Sublayer):
             h, cache = GatedAttention(c, self.dtype, self.param_dtype, norm_class=RMSNorm,
                                       name="self_attn")(h, *context, 0, positions, cache)
         x = x + h
-        x = x + GatedMLP(c, self.dtype, self.param_dtype, name="mlp")(
-            self.norm("post_attention_layernorm")(x))
+        h = self.norm("post_attention_layernorm")(x)
+        if c.num_experts:
+            shared = c.replace(intermediate_size=c.shared_expert_intermediate_size)
+            h, stats = SharedExpertMoE(c.moe(), self.dtype, self.param_dtype, shared=shared,
+                                       name="mlp")(h)
+            self.sow("router", "stats", stats)
+        else:
+            h = GatedMLP(c, self.dtype, self.param_dtype, name="mlp")(h)
+        x = x + h
         return constrain(x, P(BATCH_AXES, None, None)), cache
 
 
