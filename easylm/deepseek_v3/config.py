@@ -18,10 +18,6 @@ from easylm.models.hf_checkpoint import config_fields
 from easylm.models.mla import MLAConfig
 from easylm.models.sigmoid_moe import SigmoidMoEConfig
 
-NOT_BUILT = {"glm4_moe": "grouped-query attention with partial rotary (GLM-4.5) in place of "
-                         "multi-head latent attention"}
-
-
 @dataclasses.dataclass(frozen=True)
 class DeepseekV3Config(ModelConfig):
     vocab_size: int = default(129280)
