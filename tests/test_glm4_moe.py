@@ -3,9 +3,14 @@ saved by transformers (fp32; partial rotary, q/k norms, attention biases, 2 expe
 groups, a dense first layer, a router far from uniform and a correction bias far from
 zero) read through hf::DIR."""
 
+import contextlib
+import io
+import json
+import os
+import shutil
+
 import numpy as np
 import pytest
-from cli_utils import train_losses
 from numerics import assert_close, assert_differs, fp32_rel
 
 torch = pytest.importorskip("torch")
@@ -113,30 +118,6 @@ def test_served_greedy_tokens_equal_transformers_generate(saved):
         assert tokens[:12] == expected, prompt
 
 
-def test_step_one_loss_of_the_train_command_is_transformers_loss(tmp_path, saved):
-    """`python -m easylm.train --load_checkpoint=hf::DIR`: step 1's logged loss =
-    transformers' mean cross-entropy on the same first batch."""
-    from easylm.data import DatasetFactory
-    from easylm.data.tokenizer import load_tokenizer
-    from easylm.training import options
-
-    directory, model, config, _ = saved
-    losses = train_losses(directory, tmp_path)
-    run = options.parse_flags(FAMILY, ["train", "--train_dataset.json_dataset.seq_length=32",
-                                       "--train_dataset.json_dataset.batch_size=4"])
-    batch, _ = next(iter(DatasetFactory.load_dataset(run.train_dataset,
-                                                     load_tokenizer("embedded"))))
-    with torch.no_grad():
-        logits = model(torch.tensor(batch["input_tokens"]).long()).logits
-    nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1),
-                                            torch.tensor(batch["target_tokens"]).long().flatten(),
-                                            reduction="none")
-    mask = torch.tensor(batch["loss_masks"]).flatten()
-    expected = float((nll * mask).sum() / mask.sum())
-    assert abs(losses[0] - expected) <= _logprob_atol(config, logits.numpy()), (losses, expected)
-    assert len(losses) == 3 and np.all(np.isfinite(losses)), losses
-
-
 def test_export_reloads_in_transformers_with_the_same_logprobs(tmp_path, saved):
     from easylm.models.hf_checkpoint import write_safetensors
 
@@ -150,4 +131,123 @@ def test_export_reloads_in_transformers_with_the_same_logprobs(tmp_path, saved):
         np.testing.assert_array_equal(back.eval()(ids).logits.numpy(), model(ids).logits.numpy())
     again = hf.load_hf_params(str(tmp_path))[1]
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(again)):
+        np.testing.assert_array_equal(a, b)
+
+
+# ------------------------------------------------ aux-loss-free balancing in training
+
+RATE = 1e-2  # the bias moves this much a step: larger than the logits' rounding, so a
+# choice it changes changes visibly
+
+
+def _train(directory, output_dir):
+    """`python -m easylm.train` on hf::DIR, 3 steps, the biases moving, a checkpoint each
+    step (all kept), run in process."""
+    from easylm import train
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        train.main(["train", f"--load_checkpoint=hf::{directory}", "--tokenizer=embedded",
+                    "--total_steps=3", "--log_freq=1", "--dtype=fp32", "--mesh_dim=1,1,-1",
+                    "--train_dataset.json_dataset.seq_length=32",
+                    "--train_dataset.json_dataset.batch_size=4", "--compilation_cache_dir=",
+                    f"--logger.output_dir={output_dir}", "--logger.experiment_id=run",
+                    "--optimizer.adamw_optimizer.lr=1e-2",
+                    "--optimizer.adamw_optimizer.lr_warmup_steps=1", "--save_model_freq=1",
+                    "--checkpointer.keep=3", f"--glm4_moe.routed_bias_update_rate={RATE}",
+                    ])
+
+
+def _checkpoint_params(output_dir, step, config):
+    from easylm.runtime import checkpoint
+
+    abstract = jax.eval_shape(FAMILY.bind(config).init_params, jax.random.key(0))
+    directory = os.path.join(output_dir, "run", "checkpoints", str(step))
+    return jax.tree.map(np.asarray, checkpoint.load_params(f"params::{directory}", abstract))
+
+
+def _biases(params):
+    return np.stack([np.asarray(leaf) for path, leaf in
+                     jax.tree_util.tree_flatten_with_path(params)[0]
+                     if "e_score_correction_bias" in str(path[-1])])
+
+
+@pytest.fixture(scope="module")
+def balanced(saved, tmp_path_factory):
+    directory, _, config, _ = saved
+    output_dir = str(tmp_path_factory.mktemp("balanced"))
+    _train(directory, output_dir)
+    config = config.replace(routed_bias_update_rate=RATE)
+    with open(os.path.join(output_dir, "run", "metrics.jsonl")) as f:
+        logged = [row for row in map(json.loads, f) if "loss" in row]
+    return output_dir, config, logged
+
+
+def test_step_one_loss_of_the_train_command_is_transformers_loss(saved, balanced):
+    """`python -m easylm.train --load_checkpoint=hf::DIR`: step 1's logged loss =
+    transformers' mean cross-entropy on the same first batch (the biases move only after
+    the step)."""
+    _, model, config, _ = saved
+    _, _, logged = balanced
+    batch = next(_batches())
+    with torch.no_grad():
+        logits = model(torch.tensor(batch["input_tokens"]).long()).logits
+    nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1),
+                                            torch.tensor(batch["target_tokens"]).long().flatten(),
+                                            reduction="none")
+    mask = torch.tensor(batch["loss_masks"]).flatten()
+    expected = float((nll * mask).sum() / mask.sum())
+    loss = logged[0]["loss"]
+    assert abs(loss - expected) <= _logprob_atol(config, logits.numpy()), (loss, expected)
+    assert np.all(np.isfinite([row["loss"] for row in logged]))
+
+
+def _batches():
+    """The train command's batches (rows of 32, 4 a batch), in its order."""
+    from easylm.data import DatasetFactory
+    from easylm.data.tokenizer import load_tokenizer
+    from easylm.training import options
+
+    run = options.parse_flags(FAMILY, ["train", "--train_dataset.json_dataset.seq_length=32",
+                                       "--train_dataset.json_dataset.batch_size=4"])
+    for batch, _ in DatasetFactory.load_dataset(run.train_dataset, load_tokenizer("embedded")):
+        yield batch
+
+
+def test_the_bias_moves_by_the_sign_of_each_steps_load(saved, balanced):
+    """After each of 3 steps each layer's correction bias = the step before's + rate *
+    sign(mean load - load), the load the step's forward pass routed (its max and min are
+    the logged moe_load_max / moe_load_min); the weights train beside it."""
+    _, _, _, before = saved
+    output_dir, config, logged = balanced
+    model = FAMILY.bind(config)
+    routed = jax.jit(lambda p, ids, segments: model.forward(
+        p, ids, segment_ids=segments, router_stats=True).router_stats.load)
+    moved = 0
+    for step, batch in zip((1, 2, 3), _batches()):
+        load = np.asarray(routed(before, batch["input_tokens"], batch.get("segment_ids")),
+                          np.float32)
+        assert (logged[step - 1]["moe_load_max"], logged[step - 1]["moe_load_min"]) == \
+            (load.max(), load.min())
+        after = _checkpoint_params(output_dir, step, config)
+        expected = _biases(before) + np.float32(RATE) * np.sign(
+            load.mean(axis=-1, keepdims=True) - load)
+        np.testing.assert_array_equal(_biases(after), expected)
+        moved += int(np.any(_biases(after) != _biases(before)))
+        before = after
+    assert moved == 3 and len(logged) == 3
+
+
+def test_resuming_from_step_two_moves_the_bias_bit_for_bit(saved, balanced, tmp_path):
+    """The run's directory with its step-3 checkpoint gone (a kill -9 after step 2's
+    save), run again: step 3 resumes from step 2 and gives the uninterrupted run's
+    parameters, biases included, bit for bit."""
+    output_dir, config, _ = balanced
+    copy = tmp_path / "copy"
+    shutil.copytree(output_dir, copy)
+    shutil.rmtree(copy / "run" / "checkpoints" / "3")
+    _train(saved[0], str(copy))
+    resumed = _checkpoint_params(str(copy), 3, config)
+    expected = _checkpoint_params(output_dir, 3, config)
+    assert np.any(_biases(expected) != _biases(_checkpoint_params(output_dir, 2, config)))
+    for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(expected)):
         np.testing.assert_array_equal(a, b)

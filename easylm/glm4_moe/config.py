@@ -15,6 +15,7 @@ import sys
 from easylm.errors import UserError
 from easylm.models.config import ModelConfig, default, field
 from easylm.models.hf_checkpoint import config_fields
+from easylm.models.moe import RouterLoss
 from easylm.models.sigmoid_moe import SigmoidMoEConfig
 
 
@@ -41,6 +42,12 @@ class Glm4MoeConfig(ModelConfig):
     first_k_dense_replace: int = field(1, "the first layers with a dense MLP")
     routed_scaling_factor: float = field(1.0, "multiplies the routed experts' weights")
     norm_topk_prob: bool = field(True, "divide the chosen weights by their sum")
+    routed_bias_update_rate: float = field(
+        0.0, "aux-loss-free load balancing (MaxText's name): after each optimizer step each "
+             "layer's correction bias moves by this times sign(mean load - expert load); 0: "
+             "frozen (fine-tuning)")
+    aux_loss_alpha: float = field(0.0, "DeepSeek's sequence-wise auxiliary loss weight; only 0 "
+                                       "(off) is built")
     rope_theta: float = field(10_000.0, "rotary base")
     partial_rotary_factor: float = field(0.5, "the share of each head's dims rotary rotates "
                                               "(the first ones)")
@@ -60,6 +67,11 @@ class Glm4MoeConfig(ModelConfig):
             (0 <= self.first_k_dense_replace <= self.num_hidden_layers,
              f"first_k_dense_replace={self.first_k_dense_replace} must be in "
              f"0..num_hidden_layers={self.num_hidden_layers}"),
+            (not self.aux_loss_alpha,
+             f"aux_loss_alpha={self.aux_loss_alpha}: the sequence-wise auxiliary loss is not "
+             f"built; 0 (off) is"),
+            (self.routed_bias_update_rate >= 0,
+             f"routed_bias_update_rate={self.routed_bias_update_rate} must be >= 0"),
         )
         for ok, message in checks:
             if not ok:
@@ -71,6 +83,13 @@ class Glm4MoeConfig(ModelConfig):
 
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
+
+    def router_loss(self) -> RouterLoss | None:
+        """Routers' statistics (the step's expert load) only when the biases move."""
+        if not self.routed_bias_update_rate:
+            return None
+        return RouterLoss(self.num_experts_per_tok, 0.0,
+                          bias_update_rate=self.routed_bias_update_rate)
 
     def layer_kinds(self) -> tuple[str, ...]:
         k = self.first_k_dense_replace
