@@ -191,3 +191,42 @@ def test_training_leaves_the_correction_bias_as_it_is(saved):
     assert any(np.any(flat[k]) for k in flat if k.endswith("router/kernel"))
     exclusions = optimizers.get_default_config().adamw_optimizer.weight_decay_exclusions
     assert all(any(re.search(r, k) for r in exclusions.split(",")) for k in biases)
+
+
+def test_a_train_step_over_ep_equals_one_over_fsdp():
+    """--mesh_dim=dp=1,fsdp=2,ep=4 (each device 2 of the 8 routed experts, pairs exchanged
+    by all-to-all) and --mesh_dim=1,8,1: the same step's loss, expert load, gradient norm
+    and updated parameters, the routers' correction biases moved by the step's load."""
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    from ml_collections import ConfigDict
+    from numerics import fp32_rel
+    from test_trainer import Runner, make_batch, sgd
+
+    from easylm import model_flags, variants
+
+    flags = model_flags.flag_config(FAMILY, "debug")
+    # One layer, of experts: two compiles of a sharded step.
+    flags.num_hidden_layers, flags.first_k_dense_replace = 1, 0
+    flags.routed_bias_update_rate = 1e-2
+    model = variants.build(FAMILY, ConfigDict(dict(deepseek_v3=flags, dtype="fp32",
+                                                   param_dtype="fp32")))
+    batch = make_batch(batch_size=8, seq_length=T)
+    runners = [Runner(model, sgd(1e-2), mesh, devices=8)  # parameters: lr x gradient
+               for mesh in ("dp=1,fsdp=2,ep=4", "1,8,1")]
+    ep, fsdp = [r.step(batch) for r in runners]
+    # One layer's sums reordered over the widest reduction (the hidden size 64, the
+    # latent's 32 + 8, the rows' 32), then the head: relative to the loss (~ln 512).
+    rel = fp32_rel(64, 8 + 1)
+    for key in ("loss", "gradient_norm", "param_norm"):
+        assert ep[key] == pytest.approx(fsdp[key], rel=rel), key
+    for key in ("moe_load_max", "moe_load_min"):
+        assert ep[key] == fsdp[key], key
+    params = [jax.device_get(r.state.params) for r in runners]
+    biases = [np.concatenate([np.ravel(x) for path, x in
+                              jax.tree_util.tree_flatten_with_path(p)[0]
+                              if "e_score_correction_bias" in str(path[-1])]) for p in params]
+    np.testing.assert_array_equal(biases[0], biases[1])
+    assert np.any(biases[0])  # the bias moved from its zeros
+    for a, b in zip(jax.tree.leaves(params[0]), jax.tree.leaves(params[1])):
+        np.testing.assert_allclose(a, b, rtol=0, atol=rel * max(1.0, float(np.abs(b).max())))

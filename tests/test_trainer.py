@@ -77,7 +77,8 @@ class Runner:
             self.initial = init_state(model, tx, self.mesh, seed)
             shardings = jax.tree.map(lambda x: x.sharding, self.initial)
             self.step_fn = jax.jit(
-                make_train_step(loss_fn, tx, schedule, seed, accumulate),
+                make_train_step(loss_fn, tx, schedule, seed, accumulate,
+                                getattr(model.router_loss, "bias_update_rate", 0.0)),
                 in_shardings=(shardings, self.batch_sharding),
                 out_shardings=(shardings, NamedSharding(self.mesh, P())),
                 donate_argnums=(0,),

@@ -16,11 +16,8 @@ from easylm.models import rope
 from easylm.models.config import ModelConfig, default, field
 from easylm.models.hf_checkpoint import config_fields
 from easylm.models.mla import MLAConfig
+from easylm.models.moe import RouterLoss
 from easylm.models.sigmoid_moe import SigmoidMoEConfig
-
-NOT_BUILT = {"glm4_moe": "grouped-query attention with partial rotary (GLM-4.5) in place of "
-                         "multi-head latent attention"}
-
 
 @dataclasses.dataclass(frozen=True)
 class DeepseekV3Config(ModelConfig):
@@ -42,6 +39,12 @@ class DeepseekV3Config(ModelConfig):
     first_k_dense_replace: int = field(3, "the first layers with a dense MLP")
     routed_scaling_factor: float = field(2.5, "multiplies the routed experts' weights")
     norm_topk_prob: bool = field(True, "divide the chosen weights by their sum")
+    routed_bias_update_rate: float = field(
+        0.0, "aux-loss-free load balancing (MaxText's name): after each optimizer step each "
+             "layer's correction bias moves by this times sign(mean load - expert load); 0: "
+             "frozen (fine-tuning)")
+    aux_loss_alpha: float = field(0.0, "DeepSeek's sequence-wise auxiliary loss weight; only 0 "
+                                       "(off) is built")
     kv_lora_rank: int = field(512, "the key/value latent C (what the cache holds)")
     q_lora_rank: int = field(1536, "query latent width; 0: one q_proj")
     qk_rope_head_dim: int = field(64, "rotary dims of each query/key head")
@@ -68,10 +71,23 @@ class DeepseekV3Config(ModelConfig):
         if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
             raise UserError(f"--deepseek_v3.first_k_dense_replace={self.first_k_dense_replace}"
                             f" must be in 0..num_hidden_layers={self.num_hidden_layers}")
+        if self.aux_loss_alpha:
+            raise UserError(f"--deepseek_v3.aux_loss_alpha={self.aux_loss_alpha}: the "
+                            f"sequence-wise auxiliary loss is not built; 0 (off) is")
+        if self.routed_bias_update_rate < 0:
+            raise UserError(f"--deepseek_v3.routed_bias_update_rate="
+                            f"{self.routed_bias_update_rate} must be >= 0")
         try:
             self.mla(), self.moe()
         except ValueError as e:
             raise UserError(f"--deepseek_v3: {e}") from None
+
+    def router_loss(self) -> RouterLoss | None:
+        """Routers' statistics (the step's expert load) only when the biases move."""
+        if not self.routed_bias_update_rate:
+            return None
+        return RouterLoss(self.num_experts_per_tok, 0.0,
+                          bias_update_rate=self.routed_bias_update_rate)
 
     def layer_kinds(self) -> tuple[str, ...]:
         k = self.first_k_dense_replace

@@ -1,7 +1,7 @@
 """The DeepSeek-V3 family (DeepSeek-V3/R1, Kimi K2, Moonlight): `FAMILY`."""
 
 from easylm.deepseek_v3 import hf
-from easylm.deepseek_v3.config import DEEPSEEK_V3_PRESETS, NOT_BUILT, DeepseekV3Config
+from easylm.deepseek_v3.config import DEEPSEEK_V3_PRESETS, DeepseekV3Config
 from easylm.deepseek_v3.model import PARTITION_RULES, DeepseekV3ForCausalLM
 from easylm.models.family import HFAdapter, ModelFamily, layout
 
@@ -18,7 +18,7 @@ class DeepseekV3Family(ModelFamily):
     tiny_preset = "debug"
     module_class = DeepseekV3ForCausalLM
     hf = HFAdapter(model_types=("deepseek_v3",), read_config=hf.read_hf_config,
-                   read_params=_read_params, write_params=hf.to_hf, not_built=NOT_BUILT)
+                   read_params=_read_params, write_params=hf.to_hf)
 
     def partition_rules(self, config: DeepseekV3Config):
         return PARTITION_RULES

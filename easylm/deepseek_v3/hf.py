@@ -30,8 +30,11 @@ from easylm.runtime.dtypes import cast_names
 DTYPES = cast_names(("bf16", "fp32"))
 
 
-def param_shapes(config: DeepseekV3Config) -> dict[str, tuple[int, ...]]:
-    module = DeepseekV3ForCausalLM(config.replace(scan_layers=False))
+def param_shapes(config: DeepseekV3Config, lm: type = DeepseekV3ForCausalLM
+                 ) -> dict[str, tuple[int, ...]]:
+    """Our parameters' shapes, layers one by one; `lm` the causal LM (GLM-4.5's shares
+    this name map: the same MoE, its attention named as LLaMA's)."""
+    module = lm(config.replace(scan_layers=False))
     shapes = jax.eval_shape(module.init_params, jax.random.PRNGKey(0))
     return {path: leaf.shape for path, leaf in traverse_util.flatten_dict(shapes, sep="/").items()}
 
@@ -48,9 +51,10 @@ def hf_names(path: str, shape) -> list[tuple[str, bool]]:
     return [hf_key(path)]
 
 
-def to_hf(params, config: DeepseekV3Config) -> Iterator[tuple[str, np.ndarray]]:
+def to_hf(params, config: DeepseekV3Config, lm: type = DeepseekV3ForCausalLM
+          ) -> Iterator[tuple[str, np.ndarray]]:
     flat = traverse_util.flatten_dict(relayout(params, False), sep="/")
-    for path, shape in param_shapes(config).items():
+    for path, shape in param_shapes(config, lm).items():
         tensor = np.asarray(jax.device_get(flat[path]))
         names = hf_names(path, shape)
         parts = list(tensor) if len(names) > 1 else [tensor]
@@ -59,8 +63,8 @@ def to_hf(params, config: DeepseekV3Config) -> Iterator[tuple[str, np.ndarray]]:
 
 
 def from_hf(tensors: Mapping, config: DeepseekV3Config, dtype=None, source="checkpoint",
-            place=None):
-    shapes = param_shapes(config)
+            place=None, lm: type = DeepseekV3ForCausalLM):
+    shapes = param_shapes(config, lm)
     expected = {path: hf_names(path, shape) for path, shape in shapes.items()}
     wanted = {name for names in expected.values() for name, _ in names}
     mtp = re.compile(r"model\.layers\.(\d+)\.")

@@ -61,7 +61,12 @@ def rotary_embedding(positions, inv_freq, dtype, scale: float = 1.0):
 
 
 def apply_rotary(x, cos, sin):
-    """Rotate (B, T, heads, H) by the half-split convention of HF's rotate_half."""
+    """Rotate (B, T, heads, H) by the half-split convention of HF's rotate_half. cos and
+    sin narrower than H (R < H) rotate the first R dims and pass the rest (transformers'
+    partial rotary, which takes R from cos the same way)."""
+    R = cos.shape[-1]
+    if R < x.shape[-1]:
+        return jnp.concatenate([apply_rotary(x[..., :R], cos, sin), x[..., R:]], axis=-1)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]

@@ -166,6 +166,9 @@ class RouterLoss:
     top_k: int
     aux_coef: float
     z_coef: float = 0.0
+    # Aux-loss-free balancing: after each optimizer step the correction biases move by
+    # this times sign(mean load - load) (sigmoid_moe.update_bias); 0: they stay.
+    bias_update_rate: float = 0.0
 
 
 def router_stats(collection) -> RouterStats:

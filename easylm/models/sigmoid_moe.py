@@ -96,6 +96,31 @@ def _choose(choice, config: SigmoidMoEConfig):
     return jax.lax.top_k(choice, config.num_experts_per_tok)[1].astype(jnp.int32)
 
 
+def update_bias(params, load, rate: float):
+    """Aux-loss-free load balancing (DeepSeek-V3, section 2.1.2; MaxText's
+    `routed_bias_update_rate`): each layer's correction bias moves by
+    rate * sign(mean load - load), raising the bias of the experts that got fewer than
+    their share of the step's (token, expert) pairs and lowering the others'. `load`
+    (L, E) is the step's `RouterStats.load`, its layers in the order the forward sowed them:
+    jax's sorted-key order, the order the bias leaves flatten in too (as
+    moe.replay_collection relies on); a scanned stack's leaf (R, E) takes R rows."""
+    load = load.astype(jnp.float32)
+    step = rate * jnp.sign(load.mean(axis=-1, keepdims=True) - load)  # (L, E)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    out, start = [], 0
+    for path, leaf in leaves:
+        if getattr(path[-1], "key", None) != "e_score_correction_bias":
+            out.append(leaf)
+            continue
+        rows = leaf.shape[0] if leaf.ndim == 2 else 1
+        delta = step[start:start + rows].reshape(leaf.shape)
+        out.append((leaf.astype(jnp.float32) + delta).astype(leaf.dtype))
+        start += rows
+    if start != load.shape[0]:
+        raise ValueError(f"{load.shape[0]} layers of expert load for {start} correction biases")
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
 class SigmoidMoE(SparseMoE):
     """x (B, T, D) -> (y (B, T, D), RouterStats). Parameters: router/kernel (D, E) fp32,
     experts/... as `SparseMoE`'s, shared_experts/{gate_proj, up_proj, down_proj}/kernel;

@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from easylm.data import make_global_batch
 from easylm.errors import UserError
 from easylm.models.context_parallel import zigzag_permutation
+from easylm.models import sigmoid_moe
 from easylm.models.family import Model
 from easylm.objectives.next_token import NextToken
 from easylm.runtime.sharding import (
@@ -109,9 +110,11 @@ def split_sequence(loss_fn, sp: int):
 
 
 def make_train_step(loss_fn, tx: optax.GradientTransformation, schedule, seed: int,
-                    accumulate_steps: int = 1):
+                    accumulate_steps: int = 1, bias_update_rate: float = 0.0):
     """The pure train step `(state, batch) -> (state, metrics)` (jit it); `loss_fn(params,
-    batch, rng, frozen)` is the objective's."""
+    batch, rng, frozen)` is the objective's. `bias_update_rate` (a model whose
+    RouterLoss asks for it): after the update the routers' correction biases move by the
+    step's expert load (sigmoid_moe.update_bias)."""
 
     def train_step(state: TrainState, batch: dict):
         rng = jax.random.fold_in(jax.random.key(seed), state.step)
@@ -124,6 +127,8 @@ def make_train_step(loss_fn, tx: optax.GradientTransformation, schedule, seed: i
         gradient_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        if bias_update_rate:
+            params = sigmoid_moe.update_bias(params, sums.load, bias_update_rate)
         # A NaN/Inf step leaves parameters and optimizer state as they were; the
         # loop stops (or counts it) when it next looks at the metrics.
         finite = jnp.isfinite(means["loss"]) & jnp.isfinite(gradient_norm)
@@ -159,7 +164,8 @@ def jit_train_step(model: Model, tx, schedule, seed: int, accumulate_steps: int,
     state_shardings = jax.tree.map(lambda x: x.sharding, state)
     return jax.jit(
         make_train_step(loss_fn or NextToken(model).loss_fn, tx, schedule, seed,
-                        accumulate_steps),
+                        accumulate_steps,
+                        getattr(model.router_loss, "bias_update_rate", 0.0)),
         in_shardings=(state_shardings, NamedSharding(mesh, P(BATCH_AXES))),
         out_shardings=(state_shardings, NamedSharding(mesh, P())),
         donate_argnums=(0,),
