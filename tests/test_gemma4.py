@@ -1,0 +1,263 @@
+"""The gemma4 family against transformers' Gemma4ForCausalLM: tiny random `gemma4_text`
+directories saved by transformers (fp32; per-layer inputs, a global head size and kv heads
+of their own, keys as values, two KV-shared layers, a window of 8 shorter than every
+prompt, perturbed norms and layer_scalar, soft-capped logits), dense and with the MoE
+block, read through hf::DIR."""
+
+import numpy as np
+import pytest
+from cli_utils import train_losses
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import jax
+import jax.numpy as jnp
+
+from easylm.gemma4 import hf
+from easylm.gemma4.family import FAMILY
+from easylm.serving.engine import Engine, Sampling
+
+V = 512  # the embedded tokenizer's, for the training run
+KINDS = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+         "sliding_attention", "full_attention"]
+EPS = np.finfo(np.float32).eps
+
+
+def _save(directory, moe: bool):
+    torch.manual_seed(0)
+    config = transformers.Gemma4TextConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+        num_global_key_value_heads=1, sliding_window=8, layer_types=KINDS,
+        vocab_size_per_layer_input=V, hidden_size_per_layer_input=8, attention_k_eq_v=True,
+        num_kv_shared_layers=2, initializer_range=0.2, final_logit_softcapping=30.0,
+        max_position_embeddings=512, use_double_wide_mlp=moe, enable_moe_block=moe,
+        num_experts=4 if moe else None, top_k_experts=2 if moe else None,
+        moe_intermediate_size=32 if moe else None)
+    model = transformers.Gemma4ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "scale" in name:
+                p.add_(0.3 * torch.randn_like(p))
+        for layer in model.model.layers:
+            layer.layer_scalar.fill_(0.5 + float(torch.rand(1)))
+    model.save_pretrained(directory)
+    return model
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["dense", "moe"])
+def saved(request, tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("gemma4"))
+    model = _save(directory, request.param)
+    config, params = hf.load_hf_params(directory)
+    return directory, model, config, params
+
+
+def _dense(saved):
+    if saved[2].enable_moe_block:
+        pytest.skip("the dense model is enough for this")
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor(ids)).logits.numpy()
+
+
+def _tolerance(reference):
+    # fp32 through 6 layers with a 0.2 init: transformers' own fp32 logits are ~35 eps of
+    # their magnitude from its float64 ones (measured 3.3e-5 of 8.1); two fp32 paths
+    # differ by up to twice that, with a 2x margin.
+    return 128 * EPS * float(np.abs(reference).max())
+
+
+def _prompt(n=300, seed=0):
+    return [int(t) for t in np.random.default_rng(seed).integers(3, V, n)]
+
+
+def _score(config, params, prompt):
+    engine = Engine({"batch_size": 1, "seq_length": 320, "min_bucket": 320},
+                    FAMILY.bind(config), params)
+    return engine.score([prompt[:-1]], [prompt[1:]])[0][0]  # (T-1,) target log-probs
+
+
+def _reference_logprobs(model, prompt):
+    logits = torch.tensor(_logits(model, [prompt[:-1]])[0])
+    logp = torch.log_softmax(logits, -1)
+    return logp[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])].numpy(), logits.numpy()
+
+
+def _without_kv_sharing(config, params):
+    """The negative twin: every layer computes its own keys/values, the shared layers
+    with their producer's weights (what sharing would be if it were ignored)."""
+    tree = jax.tree.map(np.asarray, params)
+    layers = tree["model"]["layers"]
+    first = config.num_hidden_layers - config.num_kv_shared_layers
+    for i in range(first, config.num_hidden_layers):
+        kind = KINDS[i]
+        source = max(j for j in range(first) if KINDS[j] == kind)
+        for name in ("k_proj", "v_proj", "k_norm"):
+            if name in layers[str(source)]["self_attn"]:
+                layers[str(i)]["self_attn"][name] = layers[str(source)]["self_attn"][name]
+    return config.replace(num_kv_shared_layers=0), tree
+
+
+def test_served_logprobs_of_a_long_prompt_match_transformers(saved):
+    """The engine's log-probabilities of a 300-token prompt (past the window of 8) =
+    transformers', per token; twins: per-layer inputs dropped, KV sharing ignored."""
+    _, model, config, params = saved
+    prompt = _prompt()
+    ref, logits = _reference_logprobs(model, prompt)
+    ours = _score(config, params, prompt)
+    # A log-softmax of logits within `tol` moves by at most 2 * tol.
+    tol = 2 * _tolerance(logits)
+    np.testing.assert_allclose(ours, ref, atol=tol, rtol=0)
+    no_ple = jax.tree_util.tree_map_with_path(
+        lambda p, x: np.zeros_like(x) if "per_layer_model_projection" in str(p)
+        or "embed_tokens_per_layer" in str(p) else x, params)
+    assert np.abs(_score(config, no_ple, prompt) - ref).max() > 100 * tol
+    if not config.enable_moe_block:  # the MoE model's wide shared MLPs need sharing
+        assert np.abs(_score(*_without_kv_sharing(config, params), prompt) - ref).max() \
+            > 100 * tol
+
+
+def test_moe_block_matches_transformers(saved):
+    """The MoE model's logits = transformers' (experts through moe.py's grouped matmul);
+    twin: the per-expert scale ignored."""
+    _, model, config, params = saved
+    if not config.enable_moe_block:
+        pytest.skip("the MoE model's")
+    ids = np.asarray([_prompt(40, 1), _prompt(40, 2)])
+    ref = _logits(model, ids)
+    m = FAMILY.bind(config)
+    tol = _tolerance(ref)
+    np.testing.assert_allclose(np.asarray(m.forward(params, jnp.asarray(ids)).logits), ref,
+                               atol=tol, rtol=0)
+    unscaled = jax.tree_util.tree_map_with_path(
+        lambda p, x: np.ones_like(x) if "per_expert_scale" in str(p) else x, params)
+    off = np.asarray(m.forward(unscaled, jnp.asarray(ids)).logits)
+    assert np.abs(off - ref).max() > 100 * tol
+
+
+def test_served_greedy_tokens_equal_transformers_generate(saved):
+    """The engine (prefill in chunks of 8, decode 4 steps a call) = transformers' generate,
+    12 greedy tokens, prompts of 29 and 11 tokens in the same slot one after the other."""
+    _dense(saved)
+    _, model, config, params = saved
+    engine = Engine({"batch_size": 2, "seq_length": 64, "min_bucket": 16, "decode_steps": 4,
+                     "prefill_chunk_size": 8}, FAMILY.bind(config), params)
+    for prompt in (_prompt(29, 3), _prompt(11, 4)):
+        with torch.no_grad():
+            expected = model.generate(torch.tensor([prompt]), max_new_tokens=12,
+                                      do_sample=False)[0, len(prompt):].tolist()
+        out = engine.fetch(engine.prefill([prompt], [0], Sampling.empty(1)))
+        tokens = [int(out[0][0, 0])]
+        for _ in range(3):
+            tokens += [int(t) for t in engine.fetch(engine.decode(Sampling.empty(2)))[0][:, 0]]
+        assert tokens[:12] == expected, prompt
+
+
+def test_chunked_prefill_equals_the_whole_prompt(saved):
+    """A 45-token prompt prefilled in chunks of 8 writes the cache the unchunked prefill
+    writes and draws the same first token's log-probabilities."""
+    _dense(saved)
+    _, _, config, params = saved
+    prompt, outs, caches = _prompt(45, 5), [], []
+    for chunk in (8, 0):
+        engine = Engine({"batch_size": 1, "seq_length": 64, "min_bucket": 64,
+                         "prefill_chunk_size": chunk}, FAMILY.bind(config), params)
+        outs.append(engine.fetch(engine.prefill([prompt], [0], Sampling.empty(1))))
+        caches.append(jax.tree.map(np.asarray, engine.cache))
+    scale = max(float(np.abs(x).max()) for x in jax.tree.leaves(caches[1]))
+    for a, b in zip(jax.tree.leaves(caches[0]), jax.tree.leaves(caches[1])):
+        np.testing.assert_allclose(a[:, :45], b[:, :45], atol=64 * EPS * scale, rtol=0)
+    assert outs[0][0][0, 0] == outs[1][0][0, 0]
+    np.testing.assert_allclose(outs[0][3], outs[1][3], atol=1e-5, rtol=0)
+
+
+def test_shared_layers_hold_no_cache(saved):
+    """The serving cache of the KV-sharing model is smaller than the same model's without
+    sharing by exactly the shared layers' keys and values, read off the engine's arrays."""
+    _dense(saved)
+    _, _, config, params = saved
+    sizes = []
+    for c, p in ((config, params), _without_kv_sharing(config, params)):
+        engine = Engine({"batch_size": 2, "seq_length": 64}, FAMILY.bind(c), p)
+        sizes.append(sum(x.nbytes for x in jax.tree.leaves(engine.cache)))
+    shared = KINDS[-config.num_kv_shared_layers:]
+    saved_bytes = sum(2 * 2 * 64 * np.prod(config.attention_shape(k)) * 4 for k in shared)
+    print(f"cache bytes: {sizes[0]} with KV sharing, {sizes[1]} without "
+          f"({sizes[1] - sizes[0]} saved)")
+    assert sizes[1] - sizes[0] == saved_bytes > 0
+
+
+def test_the_training_loss_is_transformers_loss(saved):
+    """The next-token objective the trainer runs = transformers' `labels` loss on the
+    same rows; the twin drops the per-layer inputs."""
+    from easylm.objectives.next_token import next_token_sums
+
+    _dense(saved)  # the MoE model's forward is checked against transformers' above
+    _, model, config, params = saved
+    ids = np.asarray([_prompt(24, 6), _prompt(24, 7)])
+    with torch.no_grad():
+        loss = float(model(torch.tensor(ids), labels=torch.tensor(ids)).loss)
+    batch = dict(input_tokens=jnp.asarray(ids),
+                 target_tokens=jnp.asarray(np.concatenate([ids[:, 1:], ids[:, :1]], axis=1)),
+                 loss_masks=jnp.asarray(np.arange(24) < 23, jnp.float32)[None].repeat(2, 0))
+    atol = 128 * EPS * loss
+    ours = float(next_token_sums(FAMILY.bind(config), params, batch, None).means()["loss"])
+    assert abs(ours - loss) <= atol, (ours, loss)
+    no_ple = jax.tree_util.tree_map_with_path(
+        lambda p, x: np.zeros_like(x) if "embed_tokens_per_layer" in str(p) else x, params)
+    off = float(next_token_sums(FAMILY.bind(config), no_ple, batch, None).means()["loss"])
+    assert abs(off - loss) > 100 * atol
+
+
+def test_training_through_the_command_lowers_the_loss(tmp_path, saved):
+    """hf::DIR trained by `python -m easylm.train` (3 steps): the loss falls."""
+    _dense(saved)
+    losses = train_losses(saved[0], tmp_path)
+    assert len(losses) == 3 and np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+
+
+def test_export_loads_in_transformers_and_equals_served(tmp_path, saved):
+    """The converter's tensors and config.json load in transformers as Gemma4ForCausalLM
+    and compute the directory's logits bit for bit; read back, the same parameters."""
+    from easylm.models.hf_checkpoint import write_safetensors
+
+    _, model, config, params = saved
+    write_safetensors(FAMILY.hf.write_params(params, config), str(tmp_path))
+    config.to_hf_config().save_pretrained(tmp_path)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    assert type(back).__name__ == "Gemma4ForCausalLM"
+    ids = np.asarray([_prompt(30, 8)])
+    np.testing.assert_array_equal(_logits(back.eval(), ids), _logits(model, ids))
+    again = hf.load_hf_params(str(tmp_path))
+    assert again[0] == config
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(again[1])):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_multimodal_checkpoint_loads_its_language_model(tmp_path, capsys):
+    """hf::DIR of a `gemma4` (Gemma4ForConditionalGeneration) directory: its language
+    model's tensors, the towers left out in one line; text logits = transformers'."""
+    torch.manual_seed(0)
+    text = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=16, global_head_dim=16,
+                sliding_window=4, hidden_size_per_layer_input=4, vocab_size_per_layer_input=128,
+                layer_types=["sliding_attention", "full_attention"], initializer_range=0.2)
+    config = transformers.Gemma4Config(
+        text_config=text, vision_config=dict(hidden_size=32, intermediate_size=48,
+                                             num_hidden_layers=1, num_attention_heads=2,
+                                             num_key_value_heads=2, head_dim=16),
+        image_token_id=100, video_token_id=101, audio_token_id=102, boi_token_id=103,
+        eoi_token_id=104, boa_token_id=105, eoa_token_index=106)
+    model = transformers.Gemma4ForConditionalGeneration(config).eval()
+    model.save_pretrained(tmp_path)
+    ours_config, params = hf.load_hf_params(str(tmp_path))
+    line = capsys.readouterr().out
+    assert line.count("\n") == 1 and "not loaded" in line, line
+    ids = np.asarray([[5, 9, 40, 7, 99, 12, 3, 64, 21, 8]])
+    ref = _logits(model, ids)
+    ours = np.asarray(FAMILY.bind(ours_config).forward(params, jnp.asarray(ids)).logits)
+    np.testing.assert_allclose(ours, ref, atol=_tolerance(ref), rtol=0)
