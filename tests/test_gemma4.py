@@ -261,3 +261,24 @@ def test_multimodal_checkpoint_loads_its_language_model(tmp_path, capsys):
     ref = _logits(model, ids)
     ours = np.asarray(FAMILY.bind(ours_config).forward(params, jnp.asarray(ids)).logits)
     np.testing.assert_allclose(ours, ref, atol=_tolerance(ref), rtol=0)
+
+
+def test_training_leaves_layer_scalar_as_it_is(saved):
+    """layer_scalar is a constant of the checkpoint (a buffer in transformers): no gradient
+    reaches it and the default weight-decay exclusions skip it."""
+    import re
+
+    from easylm.training import optimizers
+
+    _dense(saved)
+    _, _, config, params = saved
+    model = FAMILY.bind(config)
+    grads = jax.grad(lambda p: model.forward(p, jnp.asarray([_prompt(8)])).logits.std())(params)
+    flat = {"/".join(str(getattr(k, "key", k)) for k in path): g
+            for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]}
+    scalars = [k for k in flat if k.endswith("layer_scalar")]
+    assert len(scalars) == config.num_hidden_layers
+    assert all(not np.any(flat[k]) for k in scalars)
+    assert all(np.any(flat[k]) for k in flat if k.endswith("per_layer_input_gate/kernel"))
+    exclusions = optimizers.get_default_config().adamw_optimizer.weight_decay_exclusions
+    assert all(any(re.search(r, k) for r in exclusions.split(",")) for k in scalars)
