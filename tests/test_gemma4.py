@@ -282,3 +282,41 @@ def test_training_leaves_layer_scalar_as_it_is(saved):
     assert all(np.any(flat[k]) for k in flat if k.endswith("per_layer_input_gate/kernel"))
     exclusions = optimizers.get_default_config().adamw_optimizer.weight_decay_exclusions
     assert all(any(re.search(r, k) for r in exclusions.split(",")) for k in scalars)
+
+
+def test_lora_adapter_loads_in_peft_and_equals_the_merged_export(tmp_path, saved):
+    """Random adapters on every projection (PEFT's q_proj ... down_proj; the expert stacks
+    as its target_parameters on the MoE model): the PEFT directory on transformers' model,
+    our adapted model, and the merged export loaded in transformers compute the same logits;
+    twin: PEFT with the adapters disabled."""
+    from peft import PeftModel
+
+    from easylm.models.hf_checkpoint import write_safetensors
+    from easylm.variants.adapters import Adapters
+    from easylm.variants.lora import LoraConfig
+
+    directory, _, config, params = saved
+    adapters_of = Adapters(FAMILY)
+    lm = adapters_of.lora_model(config, LoraConfig(rank=4, alpha=8.0, base_dtype="fp32"))
+    assert any("experts" in t for t in lm.targets) == config.enable_moe_block
+    rng = np.random.default_rng(1)
+    adapters = jax.tree.map(lambda x: jnp.asarray(0.2 * rng.standard_normal(x.shape), x.dtype),
+                            lm.adapter_shapes)
+    ids = np.asarray([_prompt(24, 9)])
+    base = lm.store_base(params)
+    ours = np.asarray(lm.apply(base, adapters, jnp.asarray(ids)))
+    adapters_of.save_peft(str(tmp_path / "adapter"), lm, adapters, config)
+    merged = jax.tree.map(np.asarray, lm.merge(base, adapters))
+    (tmp_path / "merged").mkdir()
+    write_safetensors(FAMILY.hf.write_params(merged, config), str(tmp_path / "merged"))
+    config.to_hf_config().save_pretrained(tmp_path / "merged")
+    exported = _logits(transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "merged", dtype=torch.float32).eval(), ids)
+    peft = PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(
+        directory, dtype=torch.float32), str(tmp_path / "adapter")).eval()
+    theirs = _logits(peft, ids)
+    tol = _tolerance(theirs)
+    np.testing.assert_allclose(ours, theirs, atol=tol, rtol=0)
+    np.testing.assert_allclose(exported, theirs, atol=tol, rtol=0)
+    with peft.disable_adapter():
+        assert np.abs(_logits(peft, ids) - ours).max() > 100 * tol
