@@ -320,3 +320,25 @@ def test_lora_adapter_loads_in_peft_and_equals_the_merged_export(tmp_path, saved
     np.testing.assert_allclose(exported, theirs, atol=tol, rtol=0)
     with peft.disable_adapter():
         assert np.abs(_logits(peft, ids) - ours).max() > 100 * tol
+
+
+def test_int8_serving_computes_with_its_dequantized_kernels(saved):
+    """--quantize=int8's model = the float model on the dequantized kernels (the same
+    numbers but for fp32 rounding, as tests/test_quantize.py's LLaMA), the projections
+    int8; twin: it is not the float model."""
+    from easylm.variants.lora import dequantize, flat, nested
+    from easylm.variants.quantize import Int8Model
+
+    _, _, config, params = saved
+    int8 = Int8Model(FAMILY.module_class(config))
+    quantized = int8.quantize(params)
+    q = flat(quantized)
+    assert int8.targets and all(q[p].array.qvalue.dtype == jnp.int8 for p in int8.targets)
+    ids = jnp.asarray([_prompt(24, 10)])
+    got = np.asarray(int8.apply(quantized, ids), np.float64)
+    expected = np.asarray(FAMILY.bind(config).forward(
+        nested({p: dequantize(x) for p, x in q.items()}), ids).logits, np.float64)
+    relative = lambda a, b: np.linalg.norm(a - b) / np.linalg.norm(b)
+    assert relative(got, expected) < 1e-5
+    floats = np.asarray(FAMILY.bind(config).forward(params, ids).logits, np.float64)
+    assert relative(got, floats) > 1e-3
