@@ -342,3 +342,24 @@ def test_int8_serving_computes_with_its_dequantized_kernels(saved):
     assert relative(got, expected) < 1e-5
     floats = np.asarray(FAMILY.bind(config).forward(params, ids).logits, np.float64)
     assert relative(got, floats) > 1e-3
+
+
+def test_counted_parameters_are_the_built_ones(saved):
+    """num_parameters (what the planner and the run's header report) = the parameters the
+    module makes, for each fixture's config (nothing allocated)."""
+    _, _, config, _ = saved
+    shapes = hf.param_shapes(config)
+    assert config.num_parameters() == sum(int(np.prod(s)) for s in shapes.values())
+
+
+def test_scan_and_unreadable_configs_are_one_line_errors(tmp_path):
+    from easylm.errors import UserError
+
+    with pytest.raises(UserError, match="scan_layers is not supported"):
+        FAMILY.from_preset("debug", scan_layers=True)
+    with pytest.raises(UserError, match="use_bidirectional_attention='all'"):
+        FAMILY.config_class.from_hf_config({"model_type": "gemma4_text",
+                                            "use_bidirectional_attention": "all"})
+    config = FAMILY.config_class.from_hf_config({"model_type": "gemma4_text",
+                                                 "hidden_size_per_layer_input": None})
+    assert config.hidden_size_per_layer_input == 0  # null: no per-layer inputs, as HF

@@ -155,11 +155,11 @@ class Gemma4Config(ModelConfig):
         return RouterLoss(top_k=self.top_k_experts, aux_coef=self.router_aux_loss_coef)
 
     def shard_variant(self, layers: int, mp: int):
-        variant = super().shard_variant(layers, mp)
-        return variant.replace(
-            num_kv_shared_layers=min(layers - 1, round(self.num_kv_shared_layers * layers
-                                                        / self.num_hidden_layers)),
-            num_global_key_value_heads=-(-self.global_kv_heads() // mp))
+        """ModelConfig's, every layer computing its own keys/values (a sample of 1 or 2
+        layers has no earlier layer to share with; a shared layer's activations are a few
+        (B, T, K, H) fewer, so the planner errs high) and the global kv heads split too."""
+        variant = ModelConfig.shard_variant(self.replace(num_kv_shared_layers=0), layers, mp)
+        return variant.replace(num_global_key_value_heads=-(-self.global_kv_heads() // mp))
 
     # --------------------------------------------------------------- counting
 
@@ -297,6 +297,8 @@ def from_hf_dict(hf: dict, path: str = "config.json") -> Gemma4Config:
     """A Gemma4Config from config.json's fields; what this model would compute differently
     from transformers is a UserError naming `path` and the field."""
     hf = text_fields(hf, path)
+    if "hidden_size_per_layer_input" in hf and not hf["hidden_size_per_layer_input"]:
+        hf = {**hf, "hidden_size_per_layer_input": 0}  # null: no per-layer inputs
     get = config_fields(hf, path, HF_DEFAULTS, _INTS, _MUST_BE, "this Gemma 4 model")
     if hf.get("use_bidirectional_attention") not in (None, "vision"):
         raise UserError(f"{path}: use_bidirectional_attention="
@@ -398,6 +400,19 @@ def _first_int(value) -> int | None:
 
 # -------------------------------------------------------------------- presets
 
+def _every(n: int, layers: int) -> str:
+    """layer_types with every n-th layer full."""
+    return ",".join("full_attention" if (i + 1) % n == 0 else "sliding_attention"
+                    for i in range(layers))
+
+
+_GEMMA4 = dict(vocab_size=262144, vocab_size_per_layer_input=262144, num_attention_heads=8,
+               head_dim=256, global_head_dim=512, hidden_size_per_layer_input=256,
+               sliding_window=512, max_position_embeddings=131072, rope_theta=1_000_000.0,
+               rope_partial_rotary_factor=0.25, rope_local_base_freq=10_000.0,
+               final_logit_softcapping=30.0, rms_norm_eps=1e-6, bos_token_id=2,
+               eos_token_id=1, pad_token_id=0)
+
 GEMMA4_PRESETS: dict[str, dict[str, Any]] = {
     # Tiny, for tests and the commands' default: the embedded tokenizer's 512 tokens and ids
     # (pad 0, BOS 1, EOS 2), a window shorter than a test's rows, per-layer inputs, the
@@ -411,4 +426,22 @@ GEMMA4_PRESETS: dict[str, dict[str, Any]] = {
                   hidden_size_per_layer_input=8, vocab_size_per_layer_input=512,
                   max_position_embeddings=512, rope_local_base_freq=1_000.0,
                   bos_token_id=1, eos_token_id=2, pad_token_id=0),
+    # The released models' text config.json, as transcribed in public code that reads them
+    # (written here without hub access; `--load_checkpoint=hf::DIR` reads the real file).
+    # E2B and E4B: per-layer inputs and KV sharing; E2B's shared layers' MLPs double wide.
+    "gemma4_e2b": dict(_GEMMA4, hidden_size=1536, intermediate_size=6144, num_hidden_layers=35,
+                       num_key_value_heads=1, num_kv_shared_layers=20,
+                       use_double_wide_mlp=True, layer_types=_every(5, 35)),
+    "gemma4_e4b": dict(_GEMMA4, hidden_size=2560, intermediate_size=10240,
+                       num_hidden_layers=42, num_key_value_heads=2, num_kv_shared_layers=18,
+                       layer_types=_every(6, 42)),
+    # 26B-A4B: 128 experts (8 a token) beside a small MLP, keys as values on the global
+    # layers, no per-layer inputs, no KV sharing.
+    "gemma4_26b_a4b": dict(_GEMMA4, hidden_size=2816, intermediate_size=2112,
+                           num_hidden_layers=30, num_attention_heads=16, num_key_value_heads=8,
+                           num_global_key_value_heads=2, attention_k_eq_v=True,
+                           hidden_size_per_layer_input=0, sliding_window=1024,
+                           max_position_embeddings=262144, layer_types=_every(6, 30),
+                           enable_moe_block=True, num_experts=128, top_k_experts=8,
+                           moe_intermediate_size=704),
 }
