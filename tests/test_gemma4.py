@@ -363,3 +363,34 @@ def test_scan_and_unreadable_configs_are_one_line_errors(tmp_path):
     config = FAMILY.config_class.from_hf_config({"model_type": "gemma4_text",
                                                  "hidden_size_per_layer_input": None})
     assert config.hidden_size_per_layer_input == 0  # null: no per-layer inputs, as HF
+
+
+@pytest.mark.parametrize("mesh_dim", ["fsdp=2,ep=4", "fsdp=8"])
+def test_expert_parallel_logits_equal_one_device(saved, mesh_dim):
+    """The MoE model sharded by its partition rules on 8 devices (experts split 4 ways,
+    tokens to their experts by all-to-all; or all on fsdp) = one device's logits."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from easylm.runtime.sharding import BATCH_AXES, make_mesh, match_partition_rules, \
+        named_shardings
+
+    _, _, config, params = saved
+    if not config.enable_moe_block:
+        pytest.skip("the MoE model's")
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    model = FAMILY.bind(config)
+    ids = jnp.asarray([_prompt(16, 20 + i) for i in range(8)])
+    ref = np.asarray(model.forward(params, ids).logits)
+    mesh = make_mesh(mesh_dim)
+    sharded = jax.device_put(params, named_shardings(
+        mesh, match_partition_rules(model.partition_rules, params)))
+    with jax.set_mesh(mesh):
+        forward = jax.jit(lambda p, x: model.forward(p, x).logits).lower(
+            sharded, jax.device_put(ids, NamedSharding(mesh, P(BATCH_AXES))))
+        compiled = forward.compile()
+        ours = np.asarray(compiled(sharded, jax.device_put(ids, NamedSharding(
+            mesh, P(BATCH_AXES)))))
+    if mesh.shape["ep"] > 1:  # the tokens travel to their experts' devices
+        assert "all-to-all" in compiled.as_text()
+    np.testing.assert_allclose(ours, ref, atol=_tolerance(ref), rtol=0)
