@@ -394,3 +394,21 @@ def test_expert_parallel_logits_equal_one_device(saved, mesh_dim):
     if mesh.shape["ep"] > 1:  # the tokens travel to their experts' devices
         assert "all-to-all" in compiled.as_text()
     np.testing.assert_allclose(ours, ref, atol=_tolerance(ref), rtol=0)
+
+
+def test_routing_replay_reproduces_the_recorded_choices(saved):
+    """GRPO's routing replay: the choices `router_stats` records, replayed, give the same
+    logits; replaying other choices does not."""
+    _, _, config, params = saved
+    if not config.enable_moe_block:
+        pytest.skip("the MoE model's")
+    model = FAMILY.bind(config)
+    ids = jnp.asarray([_prompt(16, 30)])
+    out = model.forward(params, ids, router_stats=True)
+    experts = out.router_stats.experts  # (L, N, K)
+    assert experts.shape == (config.num_hidden_layers, 16, config.top_k_experts)
+    replayed = model.forward(params, ids, routing=experts).logits
+    np.testing.assert_array_equal(np.asarray(replayed), np.asarray(out.logits))
+    other = model.forward(params, ids, routing=(experts + 1) % config.num_experts).logits
+    assert np.abs(np.asarray(other) - np.asarray(out.logits)).max() > 100 * _tolerance(
+        np.asarray(out.logits))
