@@ -64,6 +64,18 @@ def _logits(model, ids):
         return model(torch.tensor(ids)).logits.numpy()
 
 
+_FORWARDS = {}
+
+
+def _forward(config, params, ids):
+    """Logits (B, T, V) of `config`'s model, jitted once per config (twins that change
+    only parameters reuse the program)."""
+    if config not in _FORWARDS:
+        model = FAMILY.bind(config)
+        _FORWARDS[config] = jax.jit(lambda p, x: model.forward(p, x).logits)
+    return np.asarray(_FORWARDS[config](params, jnp.asarray(ids)))
+
+
 def _tolerance(reference):
     # fp32 through 6 layers with a 0.2 init: transformers' own fp32 logits are ~35 eps of
     # their magnitude from its float64 ones (measured 3.3e-5 of 8.1); two fp32 paths
@@ -75,10 +87,18 @@ def _prompt(n=300, seed=0):
     return [int(t) for t in np.random.default_rng(seed).integers(3, V, n)]
 
 
+_ENGINES = {}
+
+
 def _score(config, params, prompt):
-    engine = Engine({"batch_size": 1, "seq_length": 320, "min_bucket": 320},
-                    FAMILY.bind(config), params)
-    return engine.score([prompt[:-1]], [prompt[1:]])[0][0]  # (T-1,) target log-probs
+    """The engine's target log-probabilities (T-1,) of `prompt`: one engine per config,
+    its parameters swapped for a twin's (the same program)."""
+    if config not in _ENGINES:
+        _ENGINES[config] = Engine({"batch_size": 1, "seq_length": 320, "min_bucket": 320},
+                                  FAMILY.bind(config), params)
+    engine = _ENGINES[config]
+    engine.params = params
+    return engine.score([prompt[:-1]], [prompt[1:]])[0][0]
 
 
 def _reference_logprobs(model, prompt):
@@ -129,13 +149,11 @@ def test_moe_block_matches_transformers(saved):
         pytest.skip("the MoE model's")
     ids = np.asarray([_prompt(40, 1), _prompt(40, 2)])
     ref = _logits(model, ids)
-    m = FAMILY.bind(config)
     tol = _tolerance(ref)
-    np.testing.assert_allclose(np.asarray(m.forward(params, jnp.asarray(ids)).logits), ref,
-                               atol=tol, rtol=0)
+    np.testing.assert_allclose(_forward(config, params, ids), ref, atol=tol, rtol=0)
     unscaled = jax.tree_util.tree_map_with_path(
         lambda p, x: np.ones_like(x) if "per_expert_scale" in str(p) else x, params)
-    off = np.asarray(m.forward(unscaled, jnp.asarray(ids)).logits)
+    off = _forward(config, unscaled, ids)
     assert np.abs(off - ref).max() > 100 * tol
 
 
@@ -193,8 +211,13 @@ def test_shared_layers_hold_no_cache(saved):
 
 def test_the_training_loss_is_transformers_loss(saved):
     """The next-token objective the trainer runs = transformers' `labels` loss on the
-    same rows; the twin drops the per-layer inputs."""
+    same rows; the twin drops the per-layer inputs. Its gradient reaches no layer_scalar
+    (a constant of the checkpoint, a buffer in transformers), which the default
+    weight-decay exclusions skip too."""
+    import re
+
     from easylm.objectives.next_token import next_token_sums
+    from easylm.training import optimizers
 
     _dense(saved)  # the MoE model's forward is checked against transformers' above
     _, model, config, params = saved
@@ -204,20 +227,46 @@ def test_the_training_loss_is_transformers_loss(saved):
     batch = dict(input_tokens=jnp.asarray(ids),
                  target_tokens=jnp.asarray(np.concatenate([ids[:, 1:], ids[:, :1]], axis=1)),
                  loss_masks=jnp.asarray(np.arange(24) < 23, jnp.float32)[None].repeat(2, 0))
+    step = jax.jit(jax.value_and_grad(
+        lambda p: next_token_sums(FAMILY.bind(config), p, batch, None).means()["loss"]))
     atol = 128 * EPS * loss
-    ours = float(next_token_sums(FAMILY.bind(config), params, batch, None).means()["loss"])
-    assert abs(ours - loss) <= atol, (ours, loss)
+    ours, grads = step(params)
+    assert abs(float(ours) - loss) <= atol, (float(ours), loss)
     no_ple = jax.tree_util.tree_map_with_path(
         lambda p, x: np.zeros_like(x) if "embed_tokens_per_layer" in str(p) else x, params)
-    off = float(next_token_sums(FAMILY.bind(config), no_ple, batch, None).means()["loss"])
-    assert abs(off - loss) > 100 * atol
+    assert abs(float(step(no_ple)[0]) - loss) > 100 * atol
+    flat = {"/".join(str(getattr(k, "key", k)) for k in path): g
+            for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]}
+    scalars = [k for k in flat if k.endswith("layer_scalar")]
+    assert len(scalars) == config.num_hidden_layers
+    assert all(not np.any(flat[k]) for k in scalars)
+    assert all(np.any(flat[k]) for k in flat if k.endswith("per_layer_input_gate/kernel"))
+    exclusions = optimizers.get_default_config().adamw_optimizer.weight_decay_exclusions
+    assert all(any(re.search(r, k) for r in exclusions.split(",")) for k in scalars)
 
 
-def test_training_through_the_command_lowers_the_loss(tmp_path, saved):
-    """hf::DIR trained by `python -m easylm.train` (3 steps): the loss falls."""
+def test_training_through_the_command_lowers_the_loss_and_exports(tmp_path, saved):
+    """hf::DIR trained by `python -m easylm.train` (3 steps): the loss falls; the run's
+    checkpoint exported by `python -m easylm.convert_easylm_to_hf` loads in transformers
+    as Gemma4ForCausalLM, whose logits the command's --verify finds equal to ours."""
+    import contextlib
+    import io
+
+    from easylm import convert_easylm_to_hf
+
     _dense(saved)
     losses = train_losses(saved[0], tmp_path)
     assert len(losses) == 3 and np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        convert_easylm_to_hf.main(["convert", f"--output_dir={tmp_path / 'export'}",
+                                   f"--load_checkpoint=params::{tmp_path}/run/checkpoints/3",
+                                   # _tolerance's, the logits capped below 30
+                                   f"--verify_tolerance={128 * EPS * 30.0:.3g}"])
+    verified = [line for line in printed.getvalue().splitlines() if line.startswith("verify:")]
+    assert verified and "vs transformers" in verified[0], printed.getvalue()
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    assert type(back).__name__ == "Gemma4ForCausalLM"
 
 
 def test_export_loads_in_transformers_and_equals_served(tmp_path, saved):
@@ -259,29 +308,8 @@ def test_multimodal_checkpoint_loads_its_language_model(tmp_path, capsys):
     assert line.count("\n") == 1 and "not loaded" in line, line
     ids = np.asarray([[5, 9, 40, 7, 99, 12, 3, 64, 21, 8]])
     ref = _logits(model, ids)
-    ours = np.asarray(FAMILY.bind(ours_config).forward(params, jnp.asarray(ids)).logits)
+    ours = _forward(ours_config, params, ids)
     np.testing.assert_allclose(ours, ref, atol=_tolerance(ref), rtol=0)
-
-
-def test_training_leaves_layer_scalar_as_it_is(saved):
-    """layer_scalar is a constant of the checkpoint (a buffer in transformers): no gradient
-    reaches it and the default weight-decay exclusions skip it."""
-    import re
-
-    from easylm.training import optimizers
-
-    _dense(saved)
-    _, _, config, params = saved
-    model = FAMILY.bind(config)
-    grads = jax.grad(lambda p: model.forward(p, jnp.asarray([_prompt(8)])).logits.std())(params)
-    flat = {"/".join(str(getattr(k, "key", k)) for k in path): g
-            for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]}
-    scalars = [k for k in flat if k.endswith("layer_scalar")]
-    assert len(scalars) == config.num_hidden_layers
-    assert all(not np.any(flat[k]) for k in scalars)
-    assert all(np.any(flat[k]) for k in flat if k.endswith("per_layer_input_gate/kernel"))
-    exclusions = optimizers.get_default_config().adamw_optimizer.weight_decay_exclusions
-    assert all(any(re.search(r, k) for r in exclusions.split(",")) for k in scalars)
 
 
 def test_lora_adapter_loads_in_peft_and_equals_the_merged_export(tmp_path, saved):
@@ -304,9 +332,9 @@ def test_lora_adapter_loads_in_peft_and_equals_the_merged_export(tmp_path, saved
                             lm.adapter_shapes)
     ids = np.asarray([_prompt(24, 9)])
     base = lm.store_base(params)
-    ours = np.asarray(lm.apply(base, adapters, jnp.asarray(ids)))
+    ours = np.asarray(jax.jit(lambda b, a: lm.apply(b, a, jnp.asarray(ids)))(base, adapters))
     adapters_of.save_peft(str(tmp_path / "adapter"), lm, adapters, config)
-    merged = jax.tree.map(np.asarray, lm.merge(base, adapters))
+    merged = jax.tree.map(np.asarray, jax.jit(lm.merge)(base, adapters))
     (tmp_path / "merged").mkdir()
     write_safetensors(FAMILY.hf.write_params(merged, config), str(tmp_path / "merged"))
     config.to_hf_config().save_pretrained(tmp_path / "merged")
@@ -335,12 +363,12 @@ def test_int8_serving_computes_with_its_dequantized_kernels(saved):
     q = flat(quantized)
     assert int8.targets and all(q[p].array.qvalue.dtype == jnp.int8 for p in int8.targets)
     ids = jnp.asarray([_prompt(24, 10)])
-    got = np.asarray(int8.apply(quantized, ids), np.float64)
-    expected = np.asarray(FAMILY.bind(config).forward(
-        nested({p: dequantize(x) for p, x in q.items()}), ids).logits, np.float64)
+    got = np.asarray(jax.jit(int8.apply)(quantized, ids), np.float64)
+    expected = _forward(config, nested({p: dequantize(x) for p, x in q.items()}),
+                        ids).astype(np.float64)
     relative = lambda a, b: np.linalg.norm(a - b) / np.linalg.norm(b)
     assert relative(got, expected) < 1e-5
-    floats = np.asarray(FAMILY.bind(config).forward(params, ids).logits, np.float64)
+    floats = _forward(config, params, ids).astype(np.float64)
     assert relative(got, floats) > 1e-3
 
 
@@ -357,6 +385,8 @@ def test_scan_and_unreadable_configs_are_one_line_errors(tmp_path):
 
     with pytest.raises(UserError, match="scan_layers is not supported"):
         FAMILY.from_preset("debug", scan_layers=True)
+    with pytest.raises(UserError, match="loss_chunk_size is not supported"):
+        FAMILY.from_preset("debug", final_logit_softcapping=30.0, loss_chunk_size=8)
     with pytest.raises(UserError, match="use_bidirectional_attention='all'"):
         FAMILY.config_class.from_hf_config({"model_type": "gemma4_text",
                                             "use_bidirectional_attention": "all"})
@@ -381,7 +411,7 @@ def test_expert_parallel_logits_equal_one_device(saved, mesh_dim):
         pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
     model = FAMILY.bind(config)
     ids = jnp.asarray([_prompt(16, 20 + i) for i in range(8)])
-    ref = np.asarray(model.forward(params, ids).logits)
+    ref = _forward(config, params, ids)
     mesh = make_mesh(mesh_dim)
     sharded = jax.device_put(params, named_shardings(
         mesh, match_partition_rules(model.partition_rules, params)))
@@ -404,11 +434,11 @@ def test_routing_replay_reproduces_the_recorded_choices(saved):
         pytest.skip("the MoE model's")
     model = FAMILY.bind(config)
     ids = jnp.asarray([_prompt(16, 30)])
-    out = model.forward(params, ids, router_stats=True)
+    out = jax.jit(lambda p: model.forward(p, ids, router_stats=True))(params)
     experts = out.router_stats.experts  # (L, N, K)
     assert experts.shape == (config.num_hidden_layers, 16, config.top_k_experts)
-    replayed = model.forward(params, ids, routing=experts).logits
-    np.testing.assert_array_equal(np.asarray(replayed), np.asarray(out.logits))
-    other = model.forward(params, ids, routing=(experts + 1) % config.num_experts).logits
+    replay = jax.jit(lambda p, e: model.forward(p, ids, routing=e).logits)
+    np.testing.assert_array_equal(np.asarray(replay(params, experts)), np.asarray(out.logits))
+    other = replay(params, (experts + 1) % config.num_experts)
     assert np.abs(np.asarray(other) - np.asarray(out.logits)).max() > 100 * _tolerance(
         np.asarray(out.logits))
