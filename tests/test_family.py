@@ -27,7 +27,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "easylm"
 # The families' packages. Modules outside a family's package allowed to import it: none.
 # The generic commands reach each family through easylm/models/registry.py, which names it
 # by string and imports it lazily; one family never imports another.
-FAMILY_PACKAGES = ("llama", "gemma")
+FAMILY_PACKAGES = ("llama", "gemma", "gemma4")
 ENTRY_POINTS: set[str] = set()
 TOY = toy_family.FAMILY
 
@@ -72,7 +72,7 @@ def test_the_registry_imports_families_lazily_and_names_bad_ones():
     assert registry.get("toy_family:FAMILY") is TOY
     family, rest = registry.from_argv(["prog", "--family=toy_family:FAMILY", "--x=1"])
     assert family is TOY and rest == ["prog", "--x=1"]
-    with pytest.raises(UserError, match=r"^--family='gpt' is not one of llama, gemma, gpt_oss, qwen3_5, deepseek_v3 "
+    with pytest.raises(UserError, match=r"^--family='gpt' is not one of llama, gemma, gpt_oss, qwen3_5, deepseek_v3, gemma4 "
                                         r"\(or MODULE:ATTRIBUTE\)$"):
         registry.get("gpt")
     with pytest.raises(UserError, match=r"is not a ModelFamily$"):
