@@ -320,12 +320,14 @@ class _Backbone(nn.Module):
         x = constrain(x, P(("dp", "ep"), None, PARAMETER_AXES))
         x = constrain(x, P(BATCH_AXES, None, "sp"))
         x = constrain(x, P(BATCH_AXES, "sp", None))  # (B, T, D)
+        x = lm.layer_stream(c, x, input_ids, self.dtype, self.param_dtype)
         contexts = self.contexts(positions, segment_ids, cache)
         if c.scan_layers:
             x, cache = self.scanned(x, contexts, positions, cache)
         else:
             x, cache = _Layers(c, self.dtype, self.param_dtype, lm, name="layers")(
                 x, contexts, positions, cache)
+        x = lm.stream_hidden(x)
         return lm.norm(c.rms_norm_eps, self.dtype, self.param_dtype, name="norm")(x), cache
 
     def contexts(self, positions, segment_ids, cache):
@@ -446,6 +448,19 @@ class CausalLM(nn.Module):
         attention's (cos, sin, mask); a kind that reads the documents themselves (a
         recurrent state that restarts at each) adds `segment_ids` (B, T) or None."""
         return context
+
+    @classmethod
+    def layer_stream(cls, config, x, input_ids, dtype, param_dtype):
+        """What the layers pass from one to the next, from the embedded tokens x (B, T, D):
+        by default x itself. A family whose layers also pass on more (Gemma 4's per-layer
+        inputs and shared keys/values) returns a tree holding x; modules made here are the
+        backbone's (model/<name>). Called unscanned only, unless it returns x."""
+        return x
+
+    @classmethod
+    def stream_hidden(cls, stream):
+        """The hidden states (B, T, D) in what the last layer passed on."""
+        return stream
 
     @nn.compact
     def __call__(self, input_ids, positions=None, segment_ids=None, cache=None,

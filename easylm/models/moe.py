@@ -53,6 +53,7 @@ from easylm.runtime.sharding import BATCH_AXES
 ROUTERS = ("softmax_topk", "topk_softmax")
 EP = "ep"
 REPLAY = "routing"  # the variable collection that carries choices to replay
+ACTIVATIONS = {"silu": nn.silu, "gelu_tanh": partial(nn.gelu, approximate=True)}
 
 # Expert weights are stacked with a leading E axis, split over 'ep'; the rest as the dense
 # MLP's (D over fsdp, F over mp). The router is small and replicated.
@@ -81,8 +82,12 @@ class MoEConfig:
     swiglu_alpha: float = 1.702
     capacity_factor: float = 0.0  # 0: dropless
     initializer_range: float = 0.02
+    activation: str = "silu"  # of act(gate) * up: silu, or gelu_tanh (Gemma 4)
 
     def __post_init__(self):
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation {self.activation!r}; expected one of "
+                             f"{', '.join(ACTIVATIONS)}")
         if self.router not in ROUTERS:
             raise ValueError(f"router {self.router!r}; expected one of {', '.join(ROUTERS)}")
         if not 0 < self.num_experts_per_tok <= self.num_experts:
@@ -233,7 +238,7 @@ def expert_mlp(x, params, group_sizes, config: MoEConfig, dtype):
         up = jnp.clip(up, -limit, limit)
         h = (up + 1) * gate * jax.nn.sigmoid(gate * config.swiglu_alpha)
     else:
-        h = nn.silu(gate) * up
+        h = ACTIVATIONS[config.activation](gate) * up
     out = ragged(h, params["down_proj"].astype(dtype))  # (M, D)
     if "down_proj_lora_a" in params:
         out = out + _low_rank(ragged, h, params, "down_proj", dtype)
@@ -371,33 +376,39 @@ class SparseMoE(nn.Module):
         return out.reshape(B, T, D).astype(self.dtype), stats
 
     def _dispatch(self, x, weights, experts, params):
-        c = self.config
-        mesh = jax.sharding.get_abstract_mesh()
-        if mesh.empty or EP not in mesh.axis_names:
-            return moe_local(x, weights, experts, params, c, self.dtype)
-        ep = mesh.shape[EP]
-        if c.num_experts % ep:
-            raise ValueError(f"{c.num_experts} experts cannot be split over ep={ep}")
-        # Rows are (B, T) flattened: B split over the batch axes, T over 'sp' (context
-        # parallelism), so each device routes the tokens it holds.
-        batch = tuple(a for a in (*BATCH_AXES, "sp") if a in mesh.axis_names)
-        if x.shape[0] % math.prod(mesh.shape[a] for a in batch):
-            # Fewer rows than batch shards (decoding one sequence): XLA places it.
-            return moe_local(x, weights, experts, params, c, self.dtype)
-        if ep == 1:
-            local = partial(moe_local, config=c, dtype=self.dtype)
-        else:
-            local = partial(moe_expert_parallel, config=c, dtype=self.dtype, ep=ep)
+        return dispatch(x, weights, experts, params, self.config, self.dtype)
 
-        def shard(x, weights, experts, params):
-            out, dropped = local(x, weights, experts, params)
-            return out, jax.lax.psum(dropped, batch)
 
-        rows = P(batch, None)
-        expert_specs = jax.tree.map(lambda _: P(EP), params)
-        return jax.shard_map(shard, mesh=mesh, in_specs=(rows, rows, rows, expert_specs),
-                             out_specs=(rows, P()), check_vma=False)(x, weights, experts,
-                                                                      params)
+def dispatch(x, weights, experts, params, c: MoEConfig, dtype):
+    """Tokens x (N, D) through their chosen `experts` (N, K) weighted by `weights`, the
+    expert stacks `params` (`Experts`): (out (N, D), pairs dropped), per batch shard under
+    a mesh (split over 'ep' there), on one device otherwise."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or EP not in mesh.axis_names:
+        return moe_local(x, weights, experts, params, c, dtype)
+    ep = mesh.shape[EP]
+    if c.num_experts % ep:
+        raise ValueError(f"{c.num_experts} experts cannot be split over ep={ep}")
+    # Rows are (B, T) flattened: B split over the batch axes, T over 'sp' (context
+    # parallelism), so each device routes the tokens it holds.
+    batch = tuple(a for a in (*BATCH_AXES, "sp") if a in mesh.axis_names)
+    if x.shape[0] % math.prod(mesh.shape[a] for a in batch):
+        # Fewer rows than batch shards (decoding one sequence): XLA places it.
+        return moe_local(x, weights, experts, params, c, dtype)
+    if ep == 1:
+        local = partial(moe_local, config=c, dtype=dtype)
+    else:
+        local = partial(moe_expert_parallel, config=c, dtype=dtype, ep=ep)
+
+    def shard(x, weights, experts, params):
+        out, dropped = local(x, weights, experts, params)
+        return out, jax.lax.psum(dropped, batch)
+
+    rows = P(batch, None)
+    expert_specs = jax.tree.map(lambda _: P(EP), params)
+    return jax.shard_map(shard, mesh=mesh, in_specs=(rows, rows, rows, expert_specs),
+                         out_specs=(rows, P()), check_vma=False)(x, weights, experts,
+                                                                  params)
 
 
 class Router(nn.Module):

@@ -115,7 +115,7 @@ def get_default_config(updates=None) -> ConfigDict:
     config.adamw_optimizer.b2 = 0.95
     config.adamw_optimizer.eps = 1e-8
     config.adamw_optimizer.weight_decay = 0.1
-    config.adamw_optimizer.weight_decay_exclusions = "norm,embed,e_score_correction_bias"
+    config.adamw_optimizer.weight_decay_exclusions = "norm,embed,e_score_correction_bias,layer_scalar"
     config.adamw_optimizer.clip_gradient = 1.0
     config.adamw_optimizer.bf16_momentum = False
 
@@ -125,7 +125,7 @@ def get_default_config(updates=None) -> ConfigDict:
     config.palm_optimizer.b1 = 0.9
     config.palm_optimizer.decay_rate = 0.8
     config.palm_optimizer.weight_decay = 1.0
-    config.palm_optimizer.weight_decay_exclusions = "norm,embed,e_score_correction_bias"
+    config.palm_optimizer.weight_decay_exclusions = "norm,embed,e_score_correction_bias,layer_scalar"
     config.palm_optimizer.clip_gradient = 1.0
     config.palm_optimizer.bf16_momentum = False
 

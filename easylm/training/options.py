@@ -262,9 +262,10 @@ _REDEFAULTED = {"train_dataset.text_processor.add_bos_token": ("auto", True),
                 "lora.base_dtype": ("auto", "bf16"),
                 # experts adapted too: the same kernels on a dense model
                 "lora.target_modules": (DEFAULT_TARGET_MODULES, DENSE_TARGET_MODULES),
-                # DeepSeek-V3's routing bias left undecayed: no other model has the parameter
+                # DeepSeek-V3's routing bias and Gemma 4's layer_scalar (a constant of the
+                # checkpoint) left undecayed: no other model has the parameters
                 **{f"optimizer.{name}_optimizer.weight_decay_exclusions":
-                   ("norm,embed,e_score_correction_bias", "norm,embed")
+                   ("norm,embed,e_score_correction_bias,layer_scalar", "norm,embed")
                    for name in ("adamw", "palm")}}
 
 

@@ -1,0 +1,29 @@
+"""The Gemma 4 family (text; the language model of a multimodal checkpoint): `FAMILY`."""
+
+from easylm.gemma4 import hf
+from easylm.gemma4.config import GEMMA4_PRESETS, Gemma4Config
+from easylm.gemma4.model import Gemma4ForCausalLM, partition_rules
+from easylm.models.family import HFAdapter, ModelFamily, layout
+
+
+def _read_params(directory: str, config: Gemma4Config, dtype: str = "keep", place=None):
+    return layout(FAMILY, hf.load_hf_params(directory, dtype, place)[1], config)
+
+
+class Gemma4Family(ModelFamily):
+    name = "gemma4"
+    config_class = Gemma4Config
+    presets = GEMMA4_PRESETS
+    default_preset = "debug"
+    tiny_preset = "debug"
+    module_class = Gemma4ForCausalLM
+    variants = ("lora",)
+    hf = HFAdapter(model_types=("gemma4_text", "gemma4"),  # gemma4: its language model
+                   read_config=hf.read_hf_config, read_params=_read_params,
+                   write_params=hf.to_hf)
+
+    def partition_rules(self, config: Gemma4Config):
+        return partition_rules(config)
+
+
+FAMILY = Gemma4Family()
