@@ -20,7 +20,7 @@ from typing import Any
 from easylm.errors import UserError
 from easylm.models import remat
 from easylm.models.config import ModelConfig, default, field
-from easylm.models.hf_checkpoint import config_fields, layer_types as hf_layer_types
+from easylm.models.hf_checkpoint import config_fields, layer_types as hf_layer_types, text_model
 
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "dot_product", "cudnn")
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -176,14 +176,7 @@ def text_fields(hf: dict, path: str) -> dict:
     (its vision tower is not this model), the whole of a `gemma3_text` one."""
     model_type = hf.get("model_type")
     if model_type == "gemma3":
-        text = hf.get("text_config") or {}
-        if not isinstance(text, dict):
-            raise UserError(f"{path}: text_config must be an object, got {text!r}")
-        # A text_config's own model_type, when given, must be the text model's.
-        if text.get("model_type", "gemma3_text") != "gemma3_text":
-            raise UserError(f"{path}: text_config.model_type is {text['model_type']!r}, "
-                            f"expected 'gemma3_text'")
-        return {"tie_word_embeddings": hf.get("tie_word_embeddings", True), **text}
+        return text_model(hf, path, "gemma3_text", tied=True)
     if model_type != "gemma3_text":
         raise UserError(f"{path}: model_type {model_type!r} is not a Gemma 3 model (supported: "
                         f"gemma3_text, and the text tower of gemma3)")

@@ -15,7 +15,7 @@ from typing import Any
 from easylm.errors import UserError
 from easylm.models import remat
 from easylm.models.config import ATTENTION_IMPLEMENTATIONS, ModelConfig, default, field
-from easylm.models.hf_checkpoint import config_fields, layer_types as hf_layer_types
+from easylm.models.hf_checkpoint import config_fields, layer_types as hf_layer_types, text_model
 from easylm.models.moe import MoEConfig
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -280,13 +280,7 @@ def text_fields(hf: dict, path: str) -> dict:
     """The text model's fields: a `gemma4`'s `text_config`, or the whole `gemma4_text`."""
     model_type = hf.get("model_type")
     if model_type == "gemma4":
-        text = hf.get("text_config") or {}
-        if not isinstance(text, dict):
-            raise UserError(f"{path}: text_config must be an object, got {text!r}")
-        if text.get("model_type", "gemma4_text") != "gemma4_text":
-            raise UserError(f"{path}: text_config.model_type is {text['model_type']!r}, "
-                            f"expected 'gemma4_text'")
-        return {"tie_word_embeddings": hf.get("tie_word_embeddings", True), **text}
+        return text_model(hf, path, "gemma4_text", tied=True)
     if model_type != "gemma4_text":
         raise UserError(f"{path}: model_type {model_type!r} is not a Gemma 4 model (supported: "
                         f"gemma4_text, and the text model of gemma4)")

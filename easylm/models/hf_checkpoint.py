@@ -51,6 +51,21 @@ def config_fields(hf: dict, path: str, defaults: dict, ints=(), must_be=None, mo
     return get
 
 
+def text_model(hf: dict, path: str, text_type: str, tied: bool) -> dict:
+    """The text model's fields of a multimodal config.json: its `text_config` (whose own
+    model_type, when given, must be `text_type`), with the file's tie_word_embeddings
+    (`tied` where it has none) and model_type `text_type`. The towers that read images or
+    audio are not this model."""
+    text = hf.get("text_config") or {}
+    if not isinstance(text, dict):
+        raise UserError(f"{path}: text_config must be an object, got {text!r}")
+    if text.get("model_type", text_type) != text_type:
+        raise UserError(f"{path}: text_config.model_type is {text['model_type']!r}, "
+                        f"expected {text_type!r}")
+    return {"tie_word_embeddings": hf.get("tie_word_embeddings", tied), **text,
+            "model_type": text_type}
+
+
 def layer_types(hf: dict, path: str, allowed) -> list | None:
     """config.json's `layer_types` (None where absent), each one of `allowed`."""
     types = hf.get("layer_types")

@@ -27,7 +27,7 @@ from easylm.errors import UserError
 from easylm.models import remat
 from easylm.models.config import ATTENTION_IMPLEMENTATIONS, ModelConfig, default, field
 from easylm.models.gated_deltanet import GatedDeltaNetConfig
-from easylm.models.hf_checkpoint import config_fields, layer_types as hf_layer_types
+from easylm.models.hf_checkpoint import config_fields, layer_types as hf_layer_types, text_model
 from easylm.models.moe import MoEConfig, RouterLoss
 
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -315,15 +315,7 @@ def text_fields(hf: dict, path: str) -> dict:
         raise UserError(f"{path}: model_type {model_type!r} is not built: its "
                         f"{NOT_BUILT[model_type]} is not supported")
     if model_type in MULTIMODAL:
-        text_type = MULTIMODAL[model_type]
-        text = hf.get("text_config") or {}
-        if not isinstance(text, dict):
-            raise UserError(f"{path}: text_config must be an object, got {text!r}")
-        if text.get("model_type", text_type) != text_type:
-            raise UserError(f"{path}: text_config.model_type is {text['model_type']!r}, "
-                            f"expected {text_type!r}")
-        tied = hf.get("tie_word_embeddings", HF_DEFAULTS["tie_word_embeddings"])
-        return {"tie_word_embeddings": tied, **text, "model_type": text_type}
+        return text_model(hf, path, MULTIMODAL[model_type], HF_DEFAULTS["tie_word_embeddings"])
     if model_type not in MODEL_TYPES:
         raise UserError(f"{path}: model_type {model_type!r} is not a Qwen3.5 model (supported: "
                         f"{', '.join(MODEL_TYPES)}, and the text model of "
