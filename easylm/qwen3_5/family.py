@@ -20,6 +20,7 @@ class Qwen35Family(ModelFamily):
     default_preset = "debug"
     tiny_preset = "debug"
     module_class = Qwen35ForCausalLM
+    variants = ("int8",)
     hf = HFAdapter(model_types=("qwen3_5_text", "qwen3_5"),  # qwen3_5: its text model
                    read_config=hf.read_hf_config, read_params=_read_params,
                    write_params=hf.to_hf, not_built=NOT_BUILT)
