@@ -18,13 +18,12 @@ import jax
 from absl import logging as absl_logging
 from ml_collections import ConfigDict
 
-from easylm import flags as flag_lib, model_flags
+from easylm import flags as flag_lib, model_flags, variants
 from easylm.errors import UserError, exit_on_user_error
 from easylm.models.family import Model, ModelFamily, abstract_params
 from easylm.runtime import easylm_flags, run_flags
 from easylm.runtime.sharding import init_sharded, make_mesh
 from easylm.serving import engine as engine_lib
-from easylm import variants
 
 log = logging.getLogger("easylm.serving")  # not __name__: that is __main__ under -m
 

@@ -91,7 +91,7 @@ def build(family: ModelFamily, flags, config=None, from_checkpoint: bool = False
     model = model_flags.build(family, flags, config, from_checkpoint)
     lora = flags.get("lora")
     int8 = _int8(family, flags, serving, lora is not None and bool(lora.rank))
-    if flags.get("lora_checkpoint") and model.load is not None:
+    if serving and flags.get("lora_checkpoint"):
         model = _merging(family, flags.lora_checkpoint, config, model)
     if int8:
         from easylm.runtime.dtypes import dtype_from_flag
