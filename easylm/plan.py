@@ -28,7 +28,8 @@ policy, gradient accumulation (a smaller per-device batch), bf16 moments (failin
 that, those that help, together).
 
 With `--lora.*` the trained parameters are the adapters and the frozen base is counted in
-its stored dtype (docs/planning.md).
+its stored dtype (docs/planning.md). `--quantize=int8` is a served model's (below); a
+training plan refuses it, as the trainer does.
 
 Checked against XLA's `compiled.memory_analysis()` on 8 CPU devices with
 `--llama.scan_layers=True` (tests/test_plan.py: 4-7% under; LoRA 2% under to 13%
@@ -39,7 +40,7 @@ With `--plan.serve_tokens=T` it plans serving instead: what `python -m easylm.se
 while it prefills one T-token prompt in chunks (--plan.prefill_chunk_size) into an engine
 of --plan.serve_slots slots of T positions: weights, KV cache, the prompt's own cache and
 one chunk's activations (easylm/serving/memory.py; docs/long_context.md has it against
-XLA's analysis).
+XLA's analysis); with `--quantize=int8`, the weights as the int8 variant stores them.
 Exit status: 0 fits (or no device memory known), 1 does not fit, 2 bad flags.
 """
 
@@ -530,7 +531,7 @@ def serving_report(config: ConfigDict, family, num_devices: int, num_processes: 
     if sizes["sp"] > 1:
         raise UserError(f"--mesh_dim={config.mesh_dim}: serving does not split the sequence; "
                         f"plan it with sp=1")
-    model = variants.build(family, config)
+    model = variants.build(family, config, serving=True)  # --quantize=int8: int8 weights
     if model.max_seq_length and plan.serve_tokens > model.max_seq_length:
         raise UserError(f"--plan.serve_tokens={plan.serve_tokens} is above the model's "
                         f"max_position_embeddings={model.max_seq_length}")
@@ -541,7 +542,8 @@ def serving_report(config: ConfigDict, family, num_devices: int, num_processes: 
              f"parameters, {model.num_layers} layers | {num_devices} devices, mesh "
              f"{mesh_string(sizes)} | {plan.serve_slots} slots x {plan.serve_tokens} tokens, "
              f"one {plan.serve_tokens}-token prompt prefilled or scored in chunks of "
-             f"{plan.prefill_chunk_size or plan.serve_tokens} | compute {compute.name}",
+             f"{plan.prefill_chunk_size or plan.serve_tokens} | compute {compute.name}"
+             f"{', int8 weights' if config.get('quantize') == 'int8' else ''}",
              "per device:"]
     lines += [f"  {name:<12} {_size(size):>12}" for name, size in parts.items()]
     fits = budget is None or parts["total"] <= budget

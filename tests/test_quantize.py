@@ -304,3 +304,132 @@ def test_serve_int8_moe_answers_the_openai_api(moe_dir):
     tokens = tokens[:tokens.index(eos)] if eos in tokens else tokens
     text = load_tokenizer("embedded").decode(tokens, skip_special_tokens=True)
     assert response["choices"][0]["text"] == text
+
+
+# ------------------------------------------------- a variant, in every command
+#
+# --quantize=int8 is the int8 variant (easylm.variants.build): serve, eval, bench decode
+# and plan take it alike, refuse another value in one line, and training refuses it.
+
+
+def old_int8_path(engine_params, dtype):
+    """What the server did before int8 was a variant: the float engine's parameters
+    quantized by `Int8Model` of the unfused module, on the devices."""
+    config = LLaMAConfig.from_preset("debug", initializer_range=0.2)
+    int8 = Int8Model(LLaMAForCausalLM(config.unfused(), dtype=dtype, param_dtype=dtype))
+    return int8.quantize_sharded(engine_params, PARTITION_RULES, make_mesh("1,1,-1"))
+
+
+def test_serve_and_eval_build_the_int8_variant_as_the_old_path_did(hf_dir):
+    from easylm.evaluation import cli as eval_cli
+
+    def engine(*flags):
+        return serving_cli.load_engine(FAMILY, serve_config(hf_dir, "--pre_compile=False",
+                                                            *flags))[0]
+
+    served_engine, float_params = engine("--quantize=int8"), engine().params
+    served = served_engine.params
+    want = old_int8_path(float_params, jnp.float32)
+    leaves = jax.tree.leaves(want)
+    assert any(x.dtype == jnp.int8 for x in leaves)
+    assert jax.tree.structure(served) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(served), leaves):
+        np.testing.assert_array_equal(a, b)  # bit for bit: the same weights, the same numbers
+    config = flag_lib.parse(eval_cli.model_config(FAMILY), eval_cli.help_entries(FAMILY), [
+        "eval", f"--load_checkpoint=hf::{hf_dir / 'model'}", f"--tokenizer={hf_dir / 'tokenizer'}",
+        "--seq_length=64", "--min_bucket=64", "--batch_size=2", "--pre_compile=False",
+        "--quantize=int8"])
+    evaluated = eval_cli.load(FAMILY, config).engine
+    prompt = [1, 5, 9, 13]
+    assert greedy(evaluated, prompt, 4) == greedy(served_engine, prompt, 4)
+    for a, b in zip(jax.tree.leaves(evaluated.params), leaves):
+        np.testing.assert_array_equal(a, b)
+    # Negative twin: the float engine's parameters are not these.
+    assert not any(x.dtype == jnp.int8 for x in jax.tree.leaves(float_params))
+
+
+def serving_plan(capsys, *flags) -> dict:
+    from easylm import plan
+
+    with pytest.raises(SystemExit) as exit_code:
+        plan.main(["plan", "--llama.base_model=debug", "--dtype=bf16", "--plan.serve_tokens=64",
+                   "--plan.device_memory_gib=1", "--plan.num_devices=1", *flags])
+    assert exit_code.value.code == 0
+    out = capsys.readouterr().out
+    return {line.split()[0]: line for line in out.splitlines() if line.startswith("  ")} | {
+        "header": out.splitlines()[0]}
+
+
+def test_plan_counts_the_int8_variants_weights(capsys):
+    from easylm import plan, variants
+
+    int8, bf16 = serving_plan(capsys, "--quantize=int8"), serving_plan(capsys)
+    config = flag_lib.parse(plan.default_config(FAMILY), plan.help_entries(FAMILY), [
+        "plan", "--llama.base_model=debug", "--dtype=bf16", "--quantize=int8"])
+    model = variants.build(FAMILY, config, serving=True)
+    stored = jax.eval_shape(model.init_params, jax.random.key(0))
+    assert any(x.dtype == jnp.int8 for x in jax.tree.leaves(stored))
+    # one device: every weight whole, int8 values in a byte, the rest in bf16
+    assert int8["weights"].split()[1:] == plan._size(weight_bytes(stored)).split()
+    assert "int8 weights" in int8["header"] and "int8" not in bf16["header"]
+    # Negative twin: without the variant, every weight in bf16, more bytes.
+    assert int8["weights"] != bf16["weights"]
+
+
+@pytest.mark.parametrize("command", ["serve", "eval", "bench decode", "plan", "bench train",
+                                     "train"])
+def test_every_command_refuses_another_quantization_in_one_line(command, hf_dir, capsys):
+    from cli_utils import one_line_error
+
+    from easylm import bench, plan
+    from easylm.errors import exit_on_user_error
+    from easylm.evaluation import cli as eval_cli
+    from easylm.llama import train
+
+    load = f"--load_checkpoint=hf::{hf_dir / 'model'}"
+    engines = {
+        "serve": lambda argv: serving_cli.load_engine(FAMILY, serve_config(hf_dir, *argv[1:])),
+        "eval": lambda argv: eval_cli.load(FAMILY, flag_lib.parse(
+            eval_cli.model_config(FAMILY), eval_cli.help_entries(FAMILY), [*argv, load])),
+    }
+    main = {"bench decode": lambda argv: bench.main(["bench", "decode", *argv[1:]]),
+            "bench train": lambda argv: bench.main(["bench", "train", *argv[1:]]),
+            "plan": plan.main, "train": train.main}.get(command) or \
+        exit_on_user_error(engines[command])
+    error = one_line_error(main, [command, "--quantize=int4"], capsys)
+    listed = "a comma-separated list of" if command == "bench decode" else "one of"
+    assert error == f"--quantize='int4': expected {listed} none, int8"
+    if command in ("bench train", "plan", "train"):  # training: int8 is a served model's
+        error = one_line_error(main, [command, "--quantize=int8"], capsys)
+        assert error.startswith("--quantize=int8 stores a served model's weights in int8")
+        assert error.endswith("--lora.base_dtype=int8")
+
+
+def test_bench_decode_times_the_int8_variant():
+    from easylm.serving import decode_bench
+
+    config = decode_bench.default_config(FAMILY)
+    config.update({"batch_sizes": "1", "prompt_length": 8, "new_tokens": 4, "hf": "false",
+                   "mesh_dim": "1,1,-1", "quantize": "int8"})
+    (row,) = decode_bench.run(config, FAMILY)
+    assert row["easylm_int8_tokens_per_s"] > 0 and "easylm_tokens_per_s" not in row
+
+
+def test_deepseek_v3_serves_int8_with_its_shared_experts_placed():
+    """Every family that names the int8 variant serves with it: DeepSeek-V3's shared
+    experts' kernels, whose partition rules are anchored at the kernel (`kernel$`), are
+    placed by the rules extended to their int8 values and scales; the engine's greedy
+    tokens are the int8 model's (each the argmax of a full forward)."""
+    from easylm.models import registry
+
+    family = registry.get("deepseek_v3")
+    config = flag_lib.parse(serving_cli.default_config(family), serving_cli.help_entries(family), [
+        "serve", "--tokenizer=embedded", "--seq_length=32", "--min_bucket=32", "--batch_size=1",
+        "--dtype=fp32", "--quantize=int8", "--pre_compile=False"])
+    engine = serving_cli.load_engine(family, config)[0]
+    shared = [leaf for path, leaf in flat(engine.params).items() if "shared_experts/" in path]
+    assert shared and all(leaf.array.qvalue.dtype == jnp.int8 for leaf in shared)
+    prompt, steps = [1, 5, 9, 13], 5
+    tokens = greedy(engine, prompt, steps)
+    logits = jax.jit(engine.model.forward)(engine.params, jnp.array([prompt + tokens])).logits
+    assert tokens == np.argmax(logits[0, len(prompt) - 1:-1], -1).tolist()

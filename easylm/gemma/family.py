@@ -20,7 +20,7 @@ class GemmaFamily(ModelFamily):
     default_preset = "debug"
     tiny_preset = "debug"
     module_class = GemmaForCausalLM
-    variants = ("lora",)
+    variants = ("lora", "int8")
     hf = HFAdapter(model_types=("gemma3_text", "gemma3"),  # gemma3: its text tower
                    read_config=hf.read_hf_config, read_params=_read_params,
                    write_params=hf.to_hf)

@@ -17,7 +17,7 @@ class Gemma4Family(ModelFamily):
     default_preset = "debug"
     tiny_preset = "debug"
     module_class = Gemma4ForCausalLM
-    variants = ("lora",)
+    variants = ("lora", "int8")
     hf = HFAdapter(model_types=("gemma4_text", "gemma4"),  # gemma4: its language model
                    read_config=hf.read_hf_config, read_params=_read_params,
                    write_params=hf.to_hf)

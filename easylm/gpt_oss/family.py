@@ -20,7 +20,7 @@ class GptOssFamily(ModelFamily):
     default_preset = "debug"
     tiny_preset = "debug"
     module_class = GptOssForCausalLM
-    variants = ("lora",)
+    variants = ("lora", "int8")
     hf = HFAdapter(model_types=("gpt_oss",), read_config=hf.read_hf_config,
                    read_params=_read_params, write_params=hf.to_hf, gate_up_interleaved=True)
 

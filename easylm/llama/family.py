@@ -34,7 +34,7 @@ class LLaMAFamily(ModelFamily):
     tiny_preset = "debug"
     demo = EMBEDDED_DEFAULTS
     module_class = LLaMAForCausalLM
-    variants = ("lora",)
+    variants = ("lora", "int8")
     hf = HFAdapter(model_types=tuple(ARCHITECTURES), read_config=hf.read_hf_config,
                    read_params=_read_params, write_params=hf.to_hf, not_built=NOT_BUILT)
 

@@ -189,8 +189,9 @@ class ModelFamily:
     # Run-level flag defaults of the trainer's no-flags demo (data and steps, not shape).
     demo: dict = {}
     module_class: type = None  # the family's causal LM (a decoder.CausalLM subclass)
-    # The variants (easylm/variants/) its model takes: "lora" (adapters on a frozen base,
-    # for a model whose projections read their own kernels once `config.unfused()`).
+    # The variants (easylm/variants/) its model takes: "lora" (adapters on a frozen base),
+    # "int8" (weight-only serving, --quantize=int8); both for a model whose projections
+    # read their own kernels once `config.unfused()`.
     variants: tuple[str, ...] = ()
     hf: HFAdapter | None = None  # None: no Hugging Face checkpoints
 

@@ -23,7 +23,7 @@ class Qwen35Family(ModelFamily):
     # LoRA: every projection (nn.Dense) is a target, the DeltaNet ones by transformers'
     # names (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a or in_proj_qkvz, in_proj_ba,
     # out_proj), and the expert stacks as moe.py adapts them.
-    variants = ("lora",)
+    variants = ("lora", "int8")
     # qwen3_5 and qwen3_5_moe: the multimodal checkpoints' text models
     hf = HFAdapter(model_types=("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe",
                                 "qwen3_next"),

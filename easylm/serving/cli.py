@@ -18,15 +18,12 @@ import jax
 from absl import logging as absl_logging
 from ml_collections import ConfigDict
 
-from easylm import flags as flag_lib, model_flags
+from easylm import flags as flag_lib, model_flags, variants
 from easylm.errors import UserError, exit_on_user_error
 from easylm.models.family import Model, ModelFamily, abstract_params
 from easylm.runtime import easylm_flags, run_flags
-from easylm.runtime.dtypes import dtype_from_flag
 from easylm.runtime.sharding import init_sharded, make_mesh
 from easylm.serving import engine as engine_lib
-from easylm import variants
-from easylm.variants import quantize
 
 log = logging.getLogger("easylm.serving")  # not __name__: that is __main__ under -m
 
@@ -45,7 +42,8 @@ def engine_config(family: ModelFamily) -> ConfigDict:
     config = run_flags.get_default_config("load_checkpoint", "tokenizer", "mesh_dim", "dtype",
                                           mesh_dim=ENGINE_MESH_DIM)
     config.lora_checkpoint = ""
-    config.quantize = "none"
+    for name, default in variants.flag_sections(family, serving=True).items():  # --quantize
+        config[name] = default
     config.update(engine_lib.get_default_config())
     # The trainer's default model, so that both commands with no flags mean the same one.
     config[family.name] = model_flags.flag_config(family)
@@ -61,7 +59,7 @@ def engine_help_entries(family: ModelFamily) -> dict:
         "lora_checkpoint": "LoRA adapters to fold into --load_checkpoint's weights as they "
                            "load: a LoRA run's checkpoint (DIR, or params::DIR) or a PEFT "
                            "adapter directory",
-        "quantize": quantize.HELP,
+        **variants.help_entries(family, serving=True),
         **engine_lib.HELP,
         **model_flags.help_entries(family, "the checkpoint's, or the preset's"),
         f"{family.name}.base_model": "preset, used when the checkpoint does not record its "
@@ -125,7 +123,9 @@ def load_engine(family: ModelFamily, config: ConfigDict):
     from easylm.data.tokenizer import load_tokenizer
 
     settings = model_config(family, config)
-    model = variants.build(family, config, settings)
+    # --quantize=int8: the int8 variant, which reads the float weights (and folds in
+    # --lora_checkpoint's adapters) and quantizes them on the devices.
+    model = variants.build(family, config, settings, serving=True)
     tokenizer = load_tokenizer(config.tokenizer)
     if len(tokenizer) > model.vocab_size:
         raise UserError(f"--tokenizer={config.tokenizer!r} has {len(tokenizer)} tokens but the "
@@ -137,20 +137,14 @@ def load_engine(family: ModelFamily, config: ConfigDict):
         raise UserError(f"--seq_length={config.seq_length} is above the model's "
                         f"max_position_embeddings={limit}")
     engine_lib.check_config(config)
-    if config.quantize not in quantize.MODES:
-        raise UserError(f"--quantize={config.quantize!r}: expected one of "
-                        f"{', '.join(quantize.MODES)}")
+    if config.get("lora_checkpoint") and not config.load_checkpoint:
+        raise UserError(f"--lora_checkpoint={config.lora_checkpoint}: give the base its "
+                        f"adapters fold into with --load_checkpoint")
     mesh = make_mesh(config.mesh_dim)
     if mesh.shape["sp"] > 1:  # decoding reads a whole cache; only training splits rows
         raise UserError(f"--mesh_dim={config.mesh_dim}: serving does not split the sequence; "
                         f"give sp=1 (split the devices over fsdp or mp instead)")
     params = load_params(config, model, mesh)
-    if config.get("lora_checkpoint"):
-        params = variants.merge_adapters(family, config.lora_checkpoint, config.load_checkpoint,
-                                         settings, params, mesh)
-    if config.quantize == "int8":
-        model, params = quantize.int8_model(family, settings, dtype_from_flag("dtype", config.dtype),
-                                          params, mesh)
     engine = engine_lib.Engine(config, model, params, mesh)
     if config.pre_compile:
         start = time.time()

@@ -111,20 +111,26 @@ def run(config: ConfigDict, family) -> list[dict]:
     from easylm.data.tokenizer import load_tokenizer
 
     settings = model_config(family, config)
-    model = variants.build(family, config, settings)
-    batch_sizes, formats, dtype, use_hf = _read_flags(config, model.max_seq_length)
+    batch_sizes, formats, dtype, use_hf = _read_flags(config)
+    # Each weight format's model as the server builds it (--quantize=int8: the int8
+    # variant), all drawing the same random weights from the same key, quantized or not.
+    built = {name: variants.build(family, _with(config, quantize=name), settings,
+                                  serving=True) for name in ("none", *formats)}
+    model = built["none"]
+    _check_lengths(config, model.max_seq_length)
     mesh = make_mesh(config.mesh_dim)
     if mesh.shape["sp"] > 1:  # decoding reads a whole cache; only training splits rows
         raise UserError(f"--mesh_dim={config.mesh_dim}: serving does not split the sequence; "
                         f"give sp=1 (split the devices over fsdp or mp instead)")
-    params = init_sharded(model.init_params, model.partition_rules, mesh, jax.random.PRNGKey(0))
-    weights = {}  # weight format -> (model, parameters)
-    for name in formats:
-        if name == "int8":  # the same weights, quantized as the server does
-            weights[name] = quantize.int8_model(family, settings, dtype, params, mesh)
-        else:
-            weights[name] = model, params
-    hf_model = _hf_model(config, family, settings, params, dtype) if use_hf else None
+    weights = {name: (built[name], init_sharded(built[name].init_params,
+                                                built[name].partition_rules, mesh,
+                                                jax.random.PRNGKey(0)))
+               for name in formats}  # weight format -> (model, parameters)
+    hf_model = None
+    if use_hf:  # the float weights
+        params = weights["none"][1] if "none" in formats else init_sharded(
+            model.init_params, model.partition_rules, mesh, jax.random.PRNGKey(0))
+        hf_model = _hf_model(config, family, settings, params, dtype)
     tokenizer = load_tokenizer("embedded")
     rows = []
     for batch in batch_sizes:
@@ -134,22 +140,18 @@ def run(config: ConfigDict, family) -> list[dict]:
     return rows
 
 
-def _read_flags(config: ConfigDict, limit: int):
-    """(batch sizes, weight formats, compute dtype, whether HF runs too), each flag checked
-    against the others and the model's context `limit`."""
+def _with(config: ConfigDict, **changes) -> ConfigDict:
+    out = ConfigDict(config.to_dict())
+    out.update(changes)
+    return out
+
+
+def _read_flags(config: ConfigDict):
+    """(batch sizes, weight formats, compute dtype, whether HF runs too), each flag checked."""
     try:
         batch_sizes = [int(b) for b in config.batch_sizes.split(",")]
     except ValueError:
         raise UserError(f"--batch_sizes={config.batch_sizes!r} must be comma-separated integers")
-    if config.prompt_length + config.new_tokens > limit:
-        raise UserError(f"--prompt_length + --new_tokens = "
-                        f"{config.prompt_length + config.new_tokens} is above the model's "
-                        f"max_position_embeddings={limit}")
-    if config.seq_length and not (config.prompt_length + config.new_tokens <= config.seq_length
-                                  <= limit):
-        raise UserError(f"--seq_length={config.seq_length} must be between prompt_length + "
-                        f"new_tokens = {config.prompt_length + config.new_tokens} and the "
-                        f"model's max_position_embeddings={limit}")
     formats = config.quantize.split(",")
     if not formats or set(formats) - set(quantize.MODES):
         raise UserError(f"--quantize={config.quantize!r}: expected a comma-separated list of "
@@ -160,6 +162,19 @@ def _read_flags(config: ConfigDict, limit: int):
     if use_hf is None:
         raise UserError(f"--hf={config.hf!r} is not one of auto, true, false")
     return batch_sizes, formats, dtype, use_hf
+
+
+def _check_lengths(config: ConfigDict, limit: int):
+    """The prompt, the new tokens and the engine's context against the model's `limit`."""
+    if config.prompt_length + config.new_tokens > limit:
+        raise UserError(f"--prompt_length + --new_tokens = "
+                        f"{config.prompt_length + config.new_tokens} is above the model's "
+                        f"max_position_embeddings={limit}")
+    if config.seq_length and not (config.prompt_length + config.new_tokens <= config.seq_length
+                                  <= limit):
+        raise UserError(f"--seq_length={config.seq_length} must be between prompt_length + "
+                        f"new_tokens = {config.prompt_length + config.new_tokens} and the "
+                        f"model's max_position_embeddings={limit}")
 
 
 def _hf_model(config: ConfigDict, family, settings, params, dtype):

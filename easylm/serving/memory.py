@@ -1,7 +1,8 @@
 """What the serving engine holds on one device while it prefills or scores a long prompt,
 estimated before anything is compiled (`python -m easylm.plan --plan.serve_tokens=32768`).
 
-    weights   every parameter's shard in the compute dtype (the engine keeps them in --dtype)
+    weights   every parameter's shard in the compute dtype (the engine keeps them in --dtype),
+              an int8 variant's int8 values in their one byte
     kv cache  every slot's keys and values for seq_length positions, and a recurrent layer's
               state (a constant per slot and layer): the engine's state
     prompt    the prompt's own keys and values (and state) while it is prefilled (rows x T',
@@ -27,8 +28,9 @@ from easylm.runtime.sharding import axes_size, match_partition_rules
 
 
 def _shard_bytes(shapes, rules, sizes: dict, dtype=None) -> int:
-    """One device's bytes of `shapes` under `rules`, every leaf in `dtype` (None: its own);
-    a dimension the axes do not divide stays whole (as the engine's `fitted_spec` keeps it)."""
+    """One device's bytes of `shapes` under `rules`, every float leaf in `dtype` (None: its
+    own; an integer leaf, int8 weights, in its own); a dimension the axes do not divide
+    stays whole (as the engine's `fitted_spec` keeps it)."""
     total = 0
     specs = match_partition_rules(rules, shapes)
     for leaf, spec in zip(jax.tree.leaves(shapes), jax.tree.leaves(
@@ -38,7 +40,8 @@ def _shard_bytes(shapes, rules, sizes: dict, dtype=None) -> int:
             split = axes_size(sizes, axes)
             if shape[dim] % split == 0:
                 shape[dim] //= split
-        total += math.prod(shape) * jnp.dtype(dtype or leaf.dtype).itemsize
+        cast = dtype is not None and jnp.issubdtype(leaf.dtype, jnp.floating)
+        total += math.prod(shape) * jnp.dtype(dtype if cast else leaf.dtype).itemsize
     return total
 
 

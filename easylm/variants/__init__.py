@@ -1,10 +1,12 @@
 """Variants of a family's model: LoRA/QLoRA adapters on a frozen base, int8 weight-only
-serving. They sit above easylm/models/ (a family knows none of them, it only names the
-ones it offers in `ModelFamily.variants`): the commands build a run's model here,
-`build(family, flags)`, which is the family's own unless a variant's flags select one, and
-ask here for the variants' flags, help, run defaults and state settings."""
+serving (`--quantize=int8`). They sit above easylm/models/ (a family knows none of them,
+it only names the ones it offers in `ModelFamily.variants`): the commands build a run's
+model here, `build(family, flags)`, which is the family's own unless a variant's flags
+select one, and ask here for the variants' flags, help, run defaults and state settings."""
 
 import dataclasses
+
+import jax
 
 from easylm import model_flags
 from easylm.errors import UserError
@@ -12,30 +14,39 @@ from easylm.models import decoder
 from easylm.models.family import Model, ModelFamily
 
 
-def _offered(family: ModelFamily) -> list:
-    """The variant objects `family` offers (imported only for a family that offers one)."""
-    if "lora" not in family.variants:
-        return []
-    from easylm.variants.lora_variant import LORA
+def _offered(family: ModelFamily, serving: bool = False) -> list:
+    """The variant objects `family` offers (imported only for a family that offers one);
+    with `serving`, those a served model takes (int8: LoRA adapters are served merged,
+    --lora_checkpoint)."""
+    offered = []
+    if "lora" in family.variants and not serving:
+        from easylm.variants.lora_variant import LORA
 
-    return [LORA]
+        offered.append(LORA)
+    if "int8" in family.variants:
+        from easylm.variants.quantize import INT8
+
+        offered.append(INT8)
+    return offered
 
 
-def flag_sections(family: ModelFamily) -> dict:
-    """Top-level flag sections that select a variant (`--lora.*`), with their defaults."""
-    return {variant.section: variant.flags() for variant in _offered(family)}
+def flag_sections(family: ModelFamily, serving: bool = False) -> dict:
+    """Top-level flags that select a variant (`--lora.*`, `--quantize`), with their
+    defaults; with `serving`, only those of the variants a served model takes."""
+    return {variant.section: variant.flags() for variant in _offered(family, serving)}
 
 
-def help_entries(family: ModelFamily) -> dict:
+def help_entries(family: ModelFamily, serving: bool = False) -> dict:
     """--help text of `flag_sections`' fields, by dotted name."""
-    return {name: text for variant in _offered(family) for name, text in variant.help().items()}
+    return {name: text for variant in _offered(family, serving)
+            for name, text in variant.help().items()}
 
 
 def unused_flags(family: ModelFamily, flags) -> tuple:
     """Prefixes of `flag_sections` that select nothing in `flags` (LoRA's with
     --lora.rank=0): left out of the run directory's name, which runs without the variant
     then keep."""
-    return tuple(f"{variant.section}." for variant in _offered(family)
+    return tuple(variant.prefix for variant in _offered(family)
                  if not variant.selected(flags))
 
 
@@ -67,14 +78,26 @@ def merge_adapters(family: ModelFamily, spec: str, base_spec: str, config, param
     return Adapters(family).merge_into(spec, base_spec, config, params, mesh)
 
 
-def build(family: ModelFamily, flags, config=None, from_checkpoint: bool = False) -> Model:
-    """`model_flags.build(family, flags, ...)`, or with `--lora.rank` > 0 its LoRA variant:
-    adapters trained on the frozen base --load_checkpoint names
-    (easylm/variants/lora_variant.py)."""
+def build(family: ModelFamily, flags, config=None, from_checkpoint: bool = False,
+          serving: bool = False) -> Model:
+    """`model_flags.build(family, flags, ...)`, or the variant its flags select: with
+    `--lora.rank` > 0 its LoRA variant, adapters trained on the frozen base
+    --load_checkpoint names (easylm/variants/lora_variant.py); with `--quantize=int8` and
+    `serving`, its int8 weight-only model (easylm/variants/quantize.py), read as the float
+    one (with the adapters of --lora_checkpoint folded in) and quantized on the devices.
+    int8 is refused for training, and without `serving`, in one line."""
     if config is None:
         config = model_flags.model_config(family, flags, from_checkpoint)
     model = model_flags.build(family, flags, config, from_checkpoint)
     lora = flags.get("lora")
+    int8 = _int8(family, flags, serving, lora is not None and bool(lora.rank))
+    if serving and flags.get("lora_checkpoint"):
+        model = _merging(family, flags.lora_checkpoint, config, model)
+    if int8:
+        from easylm.runtime.dtypes import dtype_from_flag
+        from easylm.variants.quantize import int8_variant
+
+        return int8_variant(family, config, dtype_from_flag("dtype", flags.dtype), model)
     if lora is None or not lora.rank:
         return model
     from easylm.runtime.dtypes import dtype_from_flag
@@ -90,3 +113,34 @@ def build(family: ModelFamily, flags, config=None, from_checkpoint: bool = False
                 matmul_parameters=config.num_matmul_parameters())
     return lora_variant(dataclasses.replace(model, load=None), lm, host,
                         flags.get("load_checkpoint", ""), model.load)
+
+
+def _int8(family: ModelFamily, flags, serving: bool, lora: bool) -> bool:
+    """Whether `flags` select the int8 variant: refused (one line) for a family without
+    it, for training, and beside LoRA adapters being trained."""
+    if "int8" not in family.variants:
+        if flags.get("quantize", "none") != "none":
+            raise UserError(f"--quantize={flags.quantize}: the {family.name} family has no "
+                            f"int8 variant")
+        return False
+    from easylm.variants.quantize import INT8
+
+    if not serving:
+        INT8.refuse_training(flags)
+    if INT8.selected(flags) and lora:
+        raise UserError("--quantize=int8 serves a whole model; --lora.rank trains adapters: "
+                        "give one (an int8 base for adapters: --lora.base_dtype=int8)")
+    return INT8.selected(flags)
+
+
+def _merging(family: ModelFamily, spec: str, config, model: Model) -> Model:
+    """`model` whose `load` folds the adapters at `spec` (--lora_checkpoint) into the
+    weights it reads, before any quantizing."""
+    load = model.load
+
+    def merged(base_spec, abstract):
+        params = load(base_spec, abstract)
+        mesh = jax.tree.leaves(abstract)[0].sharding.mesh
+        return merge_adapters(family, spec, base_spec, config, params, mesh)
+
+    return dataclasses.replace(model, load=merged)

@@ -224,6 +224,7 @@ def partition_rules(rules: PartitionRules) -> PartitionRules:
         if len(spec) != 2:  # only (in, out) kernels carry adapters; experts' are above
             continue
         inputs, outputs = spec
+        pattern = pattern.removesuffix("$")  # anchored at the kernel: extended past it below
         derived += [(f"(?:{pattern})_lora_a$", P(inputs, None)),
                     (f"(?:{pattern})_lora_b$", P(None, outputs)),
                     (f"(?:{pattern})/array/qvalue$", spec),

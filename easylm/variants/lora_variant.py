@@ -95,6 +95,7 @@ class LoraVariant:
     something under. A family offers it by naming it in `ModelFamily.variants`."""
 
     section = "lora"
+    prefix = "lora."  # the flags it owns (run names, ignored flags)
 
     def flags(self) -> ConfigDict:
         return LoraConfig.get_default_config()

@@ -1,4 +1,5 @@
-"""Int8 weight-only post-training quantization for serving (`--quantize=int8`).
+"""Int8 weight-only post-training quantization for serving (`--quantize=int8`): the int8
+variant (`INT8`, its `Model`: `int8_variant`).
 
 Each targeted kernel W (in, out) is stored as int8 values q and one scale per output
 channel, in LoRA's int8 format (`easylm.variants.lora.quantize_kernel`, so both paths quantize a
@@ -118,11 +119,53 @@ def weight_bytes(params) -> int:
     return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params))
 
 
-def int8_model(family, config, dtype, params, mesh):
-    """(Model, parameters) of `family`'s int8 weight-only model (`--quantize=int8`) from
-    float parameters of `family.bind(config, dtype, dtype)` placed on `mesh`. qwix quantizes
-    the matmuls that read a module's own kernel, so the projections run unfused (the same
-    parameters, the same numbers)."""
+@dataclasses.dataclass(frozen=True)
+class Int8Variant:
+    """int8 weight-only serving as a variant: its flag (--quantize: none or int8), its help
+    and its `Model` (`int8_variant`, which `easylm.variants.build` makes). Only a served
+    model takes it: training refuses it in one line (an int8 base trains adapters:
+    --lora.base_dtype=int8)."""
+
+    section: str = "quantize"  # its flag: a value, not a section of fields
+    prefix: str = "quantize"  # the flags it owns (run names, ignored flags)
+    serves: bool = True  # the engine's commands (serve, eval) declare its flag
+
+    def flags(self) -> str:
+        return "none"
+
+    def help(self) -> dict:
+        return {"quantize": HELP}
+
+    def selected(self, flags) -> bool:
+        """Whether --quantize asks for int8; a value other than none and int8 is refused."""
+        value = flags.get("quantize", "none")
+        if value not in MODES:
+            raise UserError(f"--quantize={value!r}: expected one of {', '.join(MODES)}")
+        return value == "int8"
+
+    def run_defaults(self, flags) -> dict:
+        return {}
+
+    def state_settings(self, flags: dict) -> dict:
+        return {}  # never trained: a checkpoint's parameters mean nothing under it
+
+    def refuse_training(self, flags) -> None:
+        if self.selected(flags):
+            raise UserError("--quantize=int8 stores a served model's weights in int8 (serve, "
+                            "eval, bench decode, plan --plan.serve_tokens); a trained model "
+                            "cannot be: for adapters on an int8 base give --lora.rank=R "
+                            "--lora.base_dtype=int8")
+
+
+INT8 = Int8Variant()
+
+
+def int8_variant(family, config, dtype, model):
+    """`model` (`family`'s float model of `config`, parameters in any float dtype) as its
+    int8 weight-only `Model` computing in `dtype` (`--quantize=int8`): its parameters are
+    the float model's, drawn (`init_params`) or read (`load`), then quantized on the
+    devices. qwix quantizes the matmuls that read a module's own kernel, so the
+    projections run unfused (the same parameters, the same numbers)."""
     unfused = config.unfused()
     int8 = Int8Model(family.module_class(unfused, dtype=dtype, param_dtype=dtype))
 
@@ -130,5 +173,15 @@ def int8_model(family, config, dtype, params, mesh):
         del base, rng  # no frozen parameters, no dropout
         return int8.apply(params, *args, collections=collections, **kwargs)
 
-    return (dataclasses.replace(family.bind(unfused, dtype, dtype), apply=apply),
-            int8.quantize_sharded(params, family.partition_rules(config), mesh))
+    def load(spec, abstract):
+        from easylm.models.family import abstract_params
+
+        mesh = jax.tree.leaves(abstract)[0].sharding.mesh
+        params = model.load(spec, abstract_params(model, mesh))
+        return int8.quantize_sharded(params, model.partition_rules, mesh)
+
+    return dataclasses.replace(
+        family.bind(unfused, dtype, dtype), apply=apply,
+        init_params=lambda rng: int8.quantize(model.init_params(rng)),
+        partition_rules=partition_rules(model.partition_rules),
+        load=load if model.load is not None else None)
