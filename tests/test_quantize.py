@@ -415,20 +415,26 @@ def test_bench_decode_times_the_int8_variant():
     assert row["easylm_int8_tokens_per_s"] > 0 and "easylm_tokens_per_s" not in row
 
 
-def test_deepseek_v3_serves_int8_with_its_shared_experts_placed():
-    """Every family that names the int8 variant serves with it: DeepSeek-V3's shared
-    experts' kernels, whose partition rules are anchored at the kernel (`kernel$`), are
-    placed by the rules extended to their int8 values and scales; the engine's greedy
-    tokens are the int8 model's (each the argmax of a full forward)."""
+@pytest.mark.parametrize("name,part", [("deepseek_v3", "shared_experts/"),
+                                       ("glm4_moe", "shared_experts/"),
+                                       ("gemma4", "mlp/"), ("qwen3_5", "mlp/")])
+def test_the_newer_families_serve_int8(name, part):
+    """Every family that names the int8 variant serves with it: DeepSeek-V3's and GLM-4.5's
+    shared experts' kernels, whose partition rules are anchored at the kernel (`kernel$`),
+    are placed by the rules extended to their int8 values and scales; Gemma 4's and
+    Qwen3.5's MLPs are int8 too (Qwen3.5's DeltaNet projections stay in the float dtype:
+    they are not nn.Dense); the engine's greedy tokens are the int8 model's (each the
+    argmax of a full forward)."""
     from easylm.models import registry
 
-    family = registry.get("deepseek_v3")
+    family = registry.get(name)
     config = flag_lib.parse(serving_cli.default_config(family), serving_cli.help_entries(family), [
         "serve", "--tokenizer=embedded", "--seq_length=32", "--min_bucket=32", "--batch_size=1",
         "--dtype=fp32", "--quantize=int8", "--pre_compile=False"])
     engine = serving_cli.load_engine(family, config)[0]
-    shared = [leaf for path, leaf in flat(engine.params).items() if "shared_experts/" in path]
-    assert shared and all(leaf.array.qvalue.dtype == jnp.int8 for leaf in shared)
+    kernels = [leaf for path, leaf in flat(engine.params).items() if part in path
+               and hasattr(leaf, "array")]
+    assert kernels and all(leaf.array.qvalue.dtype == jnp.int8 for leaf in kernels)
     prompt, steps = [1, 5, 9, 13], 5
     tokens = greedy(engine, prompt, steps)
     logits = jax.jit(engine.model.forward)(engine.params, jnp.array([prompt + tokens])).logits
