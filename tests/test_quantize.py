@@ -422,9 +422,9 @@ def test_the_newer_families_serve_int8(name, part):
     """Every family that names the int8 variant serves with it: DeepSeek-V3's and GLM-4.5's
     shared experts' kernels, whose partition rules are anchored at the kernel (`kernel$`),
     are placed by the rules extended to their int8 values and scales; Gemma 4's and
-    Qwen3.5's MLPs are int8 too (Qwen3.5's DeltaNet projections stay in the float dtype:
-    they are not nn.Dense); the engine's greedy tokens are the int8 model's (each the
-    argmax of a full forward)."""
+    Qwen3.5's MLPs are int8 too (tests/test_qwen3_5_int8.py checks Qwen3.5's every
+    kernel); the engine's greedy tokens are the int8 model's (each the argmax of a full
+    forward)."""
     from easylm.models import registry
 
     family = registry.get(name)
