@@ -45,8 +45,11 @@ def served(request, tmp_path_factory):
     torch_model(config).save_pretrained(directory)
     config = FAMILY.hf.read_config(str(directory))
     params = FAMILY.hf.read_params(str(directory), config)
-    model, quantized = quantize.int8_model(FAMILY, config, jnp.float32, params,
-                                           make_mesh("1,1,-1"))
+    model = quantize.int8_variant(FAMILY, config, jnp.float32, FAMILY.bind(config))
+    int8 = quantize.Int8Model(FAMILY.module_class(config.unfused(), dtype=jnp.float32,
+                                                  param_dtype=jnp.float32))
+    quantized = int8.quantize_sharded(params, FAMILY.partition_rules(config),
+                                      make_mesh("1,1,-1"))
     return config, params, model, quantized
 
 
