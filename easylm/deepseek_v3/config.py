@@ -123,26 +123,12 @@ class DeepseekV3Config(SigmoidMoEDecoderConfig):
                 **({"mscale_all_dim": self.rope_mscale_all_dim}
                    if self.rope_mscale_all_dim else {}))
         config = HFConfig(
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            moe_intermediate_size=self.moe_intermediate_size,
-            num_hidden_layers=self.num_hidden_layers,
-            num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_attention_heads,
-            n_shared_experts=self.n_shared_experts, n_routed_experts=self.n_routed_experts,
-            routed_scaling_factor=self.routed_scaling_factor, kv_lora_rank=self.kv_lora_rank,
+            **self.hf_config_kwargs(),
+            num_key_value_heads=self.num_attention_heads, kv_lora_rank=self.kv_lora_rank,
             q_lora_rank=self.q_lora_rank or None, qk_rope_head_dim=self.qk_rope_head_dim,
             v_head_dim=self.v_head_dim, qk_nope_head_dim=self.qk_nope_head_dim,
-            n_group=self.n_group, topk_group=self.topk_group,
-            num_experts_per_tok=self.num_experts_per_tok,
-            first_k_dense_replace=self.first_k_dense_replace,
-            norm_topk_prob=self.norm_topk_prob,
-            max_position_embeddings=self.max_position_embeddings,
-            initializer_range=self.initializer_range, rms_norm_eps=self.rms_norm_eps,
-            tie_word_embeddings=self.tie_word_embeddings, rope_parameters=rope_parameters,
-            rope_interleave=self.rope_interleave, attention_bias=self.attention_bias,
-            bos_token_id=self.bos_token_id, eos_token_id=self.eos_token_id,
-            pad_token_id=self.pad_token_id)
+            rope_parameters=rope_parameters, rope_interleave=self.rope_interleave,
+            attention_bias=self.attention_bias)
         config.architectures = ["DeepseekV3ForCausalLM"]
         return config
 

@@ -100,25 +100,12 @@ class Glm4MoeConfig(SigmoidMoEDecoderConfig):
         from transformers import Glm4MoeConfig as HFConfig
 
         config = HFConfig(
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            moe_intermediate_size=self.moe_intermediate_size,
-            num_hidden_layers=self.num_hidden_layers,
-            num_attention_heads=self.num_attention_heads,
+            **self.hf_config_kwargs(),
             num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
-            n_shared_experts=self.n_shared_experts, n_routed_experts=self.n_routed_experts,
-            routed_scaling_factor=self.routed_scaling_factor, n_group=self.n_group,
-            topk_group=self.topk_group, num_experts_per_tok=self.num_experts_per_tok,
-            first_k_dense_replace=self.first_k_dense_replace,
-            norm_topk_prob=self.norm_topk_prob, attention_bias=self.attention_bias,
-            use_qk_norm=self.use_qk_norm, num_nextn_predict_layers=0,
-            max_position_embeddings=self.max_position_embeddings,
-            initializer_range=self.initializer_range, rms_norm_eps=self.rms_norm_eps,
-            tie_word_embeddings=self.tie_word_embeddings,
+            attention_bias=self.attention_bias, use_qk_norm=self.use_qk_norm,
+            num_nextn_predict_layers=0,
             rope_parameters={"rope_type": "default", "rope_theta": float(self.rope_theta),
-                             "partial_rotary_factor": float(self.partial_rotary_factor)},
-            bos_token_id=self.bos_token_id, eos_token_id=self.eos_token_id,
-            pad_token_id=self.pad_token_id)
+                             "partial_rotary_factor": float(self.partial_rotary_factor)})
         config.architectures = ["Glm4MoeForCausalLM"]
         return config
 

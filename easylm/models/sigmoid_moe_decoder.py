@@ -79,6 +79,26 @@ class SigmoidMoEDecoderConfig(ModelConfig):
                                 routed_scaling_factor=self.routed_scaling_factor,
                                 n_shared_experts=self.n_shared_experts)
 
+    def hf_config_kwargs(self) -> dict:
+        """transformers' config arguments both families write alike (to_hf_config adds the
+        attention's)."""
+        return dict(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            moe_intermediate_size=self.moe_intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            n_shared_experts=self.n_shared_experts, n_routed_experts=self.n_routed_experts,
+            routed_scaling_factor=self.routed_scaling_factor, n_group=self.n_group,
+            topk_group=self.topk_group, num_experts_per_tok=self.num_experts_per_tok,
+            first_k_dense_replace=self.first_k_dense_replace,
+            norm_topk_prob=self.norm_topk_prob,
+            max_position_embeddings=self.max_position_embeddings,
+            initializer_range=self.initializer_range, rms_norm_eps=self.rms_norm_eps,
+            tie_word_embeddings=self.tie_word_embeddings,
+            bos_token_id=self.bos_token_id, eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id)
+
     # --------------------------------------------------------------- counting
 
     def _attention_params(self) -> int:
