@@ -136,3 +136,23 @@ class ServerThread:
     def __exit__(self, *exc):
         self.server.should_exit = True
         self.thread.join(30)
+
+
+def assert_engine_greedy_equals_generate(model, bound, params):
+    """12 greedy tokens from the serving engine (chunked prefill, then decode over the
+    cache) = transformers' `model.generate`, prompts of 13 tokens (two prefill chunks) and
+    5, one after the other in the same slot. `bound`: the family bound to its config."""
+    import torch
+
+    engine = engine_lib.Engine({"batch_size": 2, "seq_length": 32, "min_bucket": 16,
+                                "decode_steps": 4, "prefill_chunk_size": 8}, bound, params)
+    for prompt in ([5, 77, 300, 12, 9, 450, 31, 8, 200, 64, 3, 99, 17], [41, 7, 260, 88, 5]):
+        with torch.no_grad():
+            expected = model.generate(torch.tensor([prompt]), max_new_tokens=12,
+                                      do_sample=False)[0, len(prompt):].tolist()
+        out = engine.fetch(engine.prefill([prompt], [0], engine_lib.Sampling.empty(1)))
+        tokens = [int(out[0][0, 0])]
+        for _ in range(3):
+            step = engine.fetch(engine.decode(engine_lib.Sampling.empty(2)))
+            tokens += [int(t) for t in step[0][:, 0]]
+        assert tokens[:12] == expected, prompt

@@ -5,6 +5,7 @@ a dense first layer, a correction bias far from zero) read through hf::DIR."""
 import numpy as np
 import pytest
 from cli_utils import train_losses
+from serving_utils import assert_engine_greedy_equals_generate
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -154,23 +155,10 @@ def test_the_training_loss_is_transformers_loss(saved):
 def test_served_greedy_tokens_equal_transformers_generate(saved):
     """The serving engine on the latent cache (chunked prefill in the expanded form, decode
     with the absorbed weights, its positional (B, S, C) latents sliced and written by
-    position as K/V are) = transformers' generate, 12 greedy tokens, prompts of 13 tokens
-    (two prefill chunks) and 7, one after the other in the same slot."""
+    position as K/V are) = transformers' generate, 12 greedy tokens."""
     _one_variant(saved)
-    from easylm.serving.engine import Engine, Sampling
-
     _, model, _, config, params = saved
-    engine = Engine({"batch_size": 2, "seq_length": 32, "min_bucket": 16, "decode_steps": 4,
-                     "prefill_chunk_size": 8}, FAMILY.bind(config), params)
-    for prompt in ([5, 77, 300, 12, 9, 450, 31, 8, 200, 64, 3, 99, 17], [41, 7, 260, 88, 5]):
-        with torch.no_grad():
-            expected = model.generate(torch.tensor([prompt]), max_new_tokens=12,
-                                      do_sample=False)[0, len(prompt):].tolist()
-        out = engine.fetch(engine.prefill([prompt], [0], Sampling.empty(1)))
-        tokens = [int(out[0][0, 0])]
-        for _ in range(3):
-            tokens += [int(t) for t in engine.fetch(engine.decode(Sampling.empty(2)))[0][:, 0]]
-        assert tokens[:12] == expected, prompt
+    assert_engine_greedy_equals_generate(model, FAMILY.bind(config), params)
 
 
 def test_training_leaves_the_correction_bias_as_it_is(saved):

@@ -12,6 +12,7 @@ import shutil
 import numpy as np
 import pytest
 from numerics import assert_close, assert_differs, fp32_rel
+from serving_utils import assert_engine_greedy_equals_generate
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -100,22 +101,9 @@ def test_served_logprobs_of_a_long_prompt_match_transformers(saved):
 
 
 def test_served_greedy_tokens_equal_transformers_generate(saved):
-    """12 greedy tokens from the engine (chunked prefill, then decode over the K/V cache)
-    = transformers' generate, two prompts one after the other in the same slot."""
-    from easylm.serving.engine import Engine, Sampling
-
+    """The engine over the K/V cache = transformers' generate, 12 greedy tokens."""
     _, model, config, params = saved
-    engine = Engine({"batch_size": 2, "seq_length": 32, "min_bucket": 16, "decode_steps": 4,
-                     "prefill_chunk_size": 8}, FAMILY.bind(config), params)
-    for prompt in ([5, 77, 300, 12, 9, 450, 31, 8, 200, 64, 3, 99, 17], [41, 7, 260, 88, 5]):
-        with torch.no_grad():
-            expected = model.generate(torch.tensor([prompt]), max_new_tokens=12,
-                                      do_sample=False)[0, len(prompt):].tolist()
-        out = engine.fetch(engine.prefill([prompt], [0], Sampling.empty(1)))
-        tokens = [int(out[0][0, 0])]
-        for _ in range(3):
-            tokens += [int(t) for t in engine.fetch(engine.decode(Sampling.empty(2)))[0][:, 0]]
-        assert tokens[:12] == expected, prompt
+    assert_engine_greedy_equals_generate(model, FAMILY.bind(config), params)
 
 
 def test_export_reloads_in_transformers_with_the_same_logprobs(tmp_path, saved):

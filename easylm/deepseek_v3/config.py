@@ -9,18 +9,23 @@ correction bias that picks, group-limited top-k, `n_shared_experts` shared exper
 """
 
 import dataclasses
-import sys
 
 from easylm.errors import UserError
 from easylm.models import rope
-from easylm.models.config import ModelConfig, default, field
+from easylm.models.config import default, field
 from easylm.models.hf_checkpoint import config_fields
 from easylm.models.mla import MLAConfig
-from easylm.models.moe import RouterLoss
-from easylm.models.sigmoid_moe import SigmoidMoEConfig
+from easylm.models.sigmoid_moe_decoder import (
+    HF_MUST_BE,
+    SigmoidMoEDecoderConfig,
+    check_model_type,
+    hf_common_fields,
+    skip_mtp,
+)
+
 
 @dataclasses.dataclass(frozen=True)
-class DeepseekV3Config(ModelConfig):
+class DeepseekV3Config(SigmoidMoEDecoderConfig):
     vocab_size: int = default(129280)
     hidden_size: int = default(7168)
     intermediate_size: int = default(18432)
@@ -29,22 +34,8 @@ class DeepseekV3Config(ModelConfig):
     max_position_embeddings: int = default(4096)
     bos_token_id: int | None = default(0)
     eos_token_id: int | None = default(1)
+    # The MoE fields' defaults (easylm/models/sigmoid_moe_decoder.py) are DeepSeek-V3's.
 
-    moe_intermediate_size: int = field(2048, "one routed (and shared) expert's MLP width")
-    n_routed_experts: int = field(256, "routed experts E")
-    n_shared_experts: int = field(1, "shared experts every token takes")
-    num_experts_per_tok: int = field(8, "routed experts chosen per token K")
-    n_group: int = field(8, "expert groups of the group-limited top-k")
-    topk_group: int = field(4, "groups kept per token")
-    first_k_dense_replace: int = field(3, "the first layers with a dense MLP")
-    routed_scaling_factor: float = field(2.5, "multiplies the routed experts' weights")
-    norm_topk_prob: bool = field(True, "divide the chosen weights by their sum")
-    routed_bias_update_rate: float = field(
-        0.0, "aux-loss-free load balancing (MaxText's name): after each optimizer step each "
-             "layer's correction bias moves by this times sign(mean load - expert load); 0: "
-             "frozen (fine-tuning)")
-    aux_loss_alpha: float = field(0.0, "DeepSeek's sequence-wise auxiliary loss weight; only 0 "
-                                       "(off) is built")
     kv_lora_rank: int = field(512, "the key/value latent C (what the cache holds)")
     q_lora_rank: int = field(1536, "query latent width; 0: one q_proj")
     qk_rope_head_dim: int = field(64, "rotary dims of each query/key head")
@@ -68,30 +59,11 @@ class DeepseekV3Config(ModelConfig):
         if self.rope_type not in ("default", "yarn"):
             raise UserError(f"--deepseek_v3.rope_type={self.rope_type!r} is not one of "
                             f"default, yarn")
-        if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
-            raise UserError(f"--deepseek_v3.first_k_dense_replace={self.first_k_dense_replace}"
-                            f" must be in 0..num_hidden_layers={self.num_hidden_layers}")
-        if self.aux_loss_alpha:
-            raise UserError(f"--deepseek_v3.aux_loss_alpha={self.aux_loss_alpha}: the "
-                            f"sequence-wise auxiliary loss is not built; 0 (off) is")
-        if self.routed_bias_update_rate < 0:
-            raise UserError(f"--deepseek_v3.routed_bias_update_rate="
-                            f"{self.routed_bias_update_rate} must be >= 0")
+        self.check_moe("deepseek_v3")
         try:
             self.mla(), self.moe()
         except ValueError as e:
             raise UserError(f"--deepseek_v3: {e}") from None
-
-    def router_loss(self) -> RouterLoss | None:
-        """Routers' statistics (the step's expert load) only when the biases move."""
-        if not self.routed_bias_update_rate:
-            return None
-        return RouterLoss(self.num_experts_per_tok, 0.0,
-                          bias_update_rate=self.routed_bias_update_rate)
-
-    def layer_kinds(self) -> tuple[str, ...]:
-        k = self.first_k_dense_replace
-        return ("dense",) * k + ("moe",) * (self.num_hidden_layers - k)
 
     def yarn(self) -> tuple:
         if self.rope_type != "yarn":
@@ -115,14 +87,6 @@ class DeepseekV3Config(ModelConfig):
                          attention_bias=self.attention_bias,
                          initializer_range=self.initializer_range, attention=self.attention)
 
-    def moe(self) -> SigmoidMoEConfig:
-        return SigmoidMoEConfig(self.n_routed_experts, self.num_experts_per_tok,
-                                self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
-                                initializer_range=self.initializer_range, n_group=self.n_group,
-                                topk_group=self.topk_group,
-                                routed_scaling_factor=self.routed_scaling_factor,
-                                n_shared_experts=self.n_shared_experts)
-
     # --------------------------------------------------------------- counting
 
     def _attention_params(self) -> int:
@@ -133,25 +97,6 @@ class DeepseekV3Config(ModelConfig):
         kv = d * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank + \
             self.kv_lora_rank * n * (self.qk_nope_head_dim + self.v_head_dim)
         return q + kv + n * self.v_head_dim * d
-
-    def _mlp_params(self, kind: str, active: bool = False) -> int:
-        d = self.hidden_size
-        if kind == "dense":
-            return 3 * d * self.intermediate_size
-        experts = self.num_experts_per_tok if active else self.n_routed_experts
-        return (3 * d * self.moe_intermediate_size * (experts + self.n_shared_experts)
-                + d * self.n_routed_experts)
-
-    def num_parameters(self) -> int:
-        d, v = self.hidden_size, self.vocab_size
-        layers = sum(self._attention_params() + self._mlp_params(k) + 2 * d
-                     for k in self.layer_kinds())
-        return v * d * (1 if self.tie_word_embeddings else 2) + layers + d
-
-    def num_matmul_parameters(self) -> int:
-        """Active: the chosen and shared experts only."""
-        return (sum(self._attention_params() + self._mlp_params(k, True)
-                    for k in self.layer_kinds()) + self.vocab_size * self.hidden_size)
 
     def flops_per_token(self, seq_length: int) -> float:
         n = self.num_attention_heads
@@ -178,26 +123,12 @@ class DeepseekV3Config(ModelConfig):
                 **({"mscale_all_dim": self.rope_mscale_all_dim}
                    if self.rope_mscale_all_dim else {}))
         config = HFConfig(
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            moe_intermediate_size=self.moe_intermediate_size,
-            num_hidden_layers=self.num_hidden_layers,
-            num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_attention_heads,
-            n_shared_experts=self.n_shared_experts, n_routed_experts=self.n_routed_experts,
-            routed_scaling_factor=self.routed_scaling_factor, kv_lora_rank=self.kv_lora_rank,
+            **self.hf_config_kwargs(),
+            num_key_value_heads=self.num_attention_heads, kv_lora_rank=self.kv_lora_rank,
             q_lora_rank=self.q_lora_rank or None, qk_rope_head_dim=self.qk_rope_head_dim,
             v_head_dim=self.v_head_dim, qk_nope_head_dim=self.qk_nope_head_dim,
-            n_group=self.n_group, topk_group=self.topk_group,
-            num_experts_per_tok=self.num_experts_per_tok,
-            first_k_dense_replace=self.first_k_dense_replace,
-            norm_topk_prob=self.norm_topk_prob,
-            max_position_embeddings=self.max_position_embeddings,
-            initializer_range=self.initializer_range, rms_norm_eps=self.rms_norm_eps,
-            tie_word_embeddings=self.tie_word_embeddings, rope_parameters=rope_parameters,
-            rope_interleave=self.rope_interleave, attention_bias=self.attention_bias,
-            bos_token_id=self.bos_token_id, eos_token_id=self.eos_token_id,
-            pad_token_id=self.pad_token_id)
+            rope_parameters=rope_parameters, rope_interleave=self.rope_interleave,
+            attention_bias=self.attention_bias)
         config.architectures = ["DeepseekV3ForCausalLM"]
         return config
 
@@ -207,17 +138,13 @@ _INTS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_siz
          "num_experts_per_tok", "n_group", "topk_group", "first_k_dense_replace",
          "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
          "max_position_embeddings")
-_MUST_BE = {"hidden_act": "silu", "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
 
 
 def from_hf_dict(hf: dict, path: str = "config.json") -> DeepseekV3Config:
-    if hf.get("model_type") != "deepseek_v3":
-        raise UserError(f"{path}: model_type {hf.get('model_type')!r} is not deepseek_v3")
+    check_model_type(hf, path, "deepseek_v3")
     defaults = {f.name: f.default for f in dataclasses.fields(DeepseekV3Config)}
-    get = config_fields(hf, path, defaults, _INTS, _MUST_BE, "DeepSeek-V3")
-    if hf.get("num_nextn_predict_layers"):
-        print(f"{path}: its {hf['num_nextn_predict_layers']} multi-token-prediction layer(s) "
-              f"are not loaded (transformers skips them too)", file=sys.stderr)
+    get = config_fields(hf, path, defaults, _INTS, HF_MUST_BE, "DeepSeek-V3")
+    skip_mtp(path, hf.get("num_nextn_predict_layers"))
     try:
         mla = MLAConfig.from_hf({**{k: get(k) for k in _INTS}, **hf})
     except (KeyError, ValueError) as e:
@@ -239,19 +166,9 @@ def from_hf_dict(hf: dict, path: str = "config.json") -> DeepseekV3Config:
             **{name: get(name) for name in _INTS}, **rope_fields,
             q_lora_rank=hf.get("q_lora_rank") or 0, rope_theta=mla.rope_theta,
             rope_interleave=mla.rope_interleave, attention_bias=mla.attention_bias,
-            routed_scaling_factor=float(get("routed_scaling_factor")),
-            norm_topk_prob=bool(get("norm_topk_prob")),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            rms_norm_eps=float(get("rms_norm_eps")),
-            initializer_range=float(get("initializer_range")),
-            bos_token_id=hf.get("bos_token_id"), eos_token_id=_first(hf.get("eos_token_id")),
-            pad_token_id=hf.get("pad_token_id"))
+            **hf_common_fields(hf, get))
     except UserError as e:
         raise UserError(f"{path}: {e}") from None
-
-
-def _first(value):
-    return value[0] if isinstance(value, (list, tuple)) and value else value
 
 
 DEEPSEEK_V3_PRESETS = {

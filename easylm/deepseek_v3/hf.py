@@ -1,96 +1,18 @@
-"""The mapping between easylm DeepSeek-V3 parameters and transformers'
-`DeepseekV3ForCausalLM` tensors: our paths are HF's names with '/' for '.'
-(easylm/models/hf_checkpoint.py `hf_key`, kernels transposed), except
+"""The mapping between easylm DeepSeek-V3 parameters and transformers' `DeepseekV3ForCausalLM`
+tensors: easylm/models/sigmoid_moe_hf.py's (the experts one tensor per expert as
+save_pretrained writes them, the router as mlp.gate, the correction bias kept fp32,
+multi-token-prediction layers skipped), over DeepSeek-V3's parameters."""
 
-    mlp/router/kernel (D, E)                <->  mlp.gate.weight (E, D)
-    mlp/e_score_correction_bias (E,)        <->  mlp.gate.e_score_correction_bias
-    mlp/experts/gate_proj, up_proj (E, D, F) <-> mlp.experts.<e>.gate_proj.weight (F, D) ...
-    mlp/experts/down_proj (E, F, D)         <->  mlp.experts.<e>.down_proj.weight (D, F)
-
-(the per-expert names save_pretrained writes; transformers 5 fuses them on load).
-Multi-token-prediction layers (model.layers.<L and above>), which transformers does not
-load either, are skipped.
-"""
-
+import functools
 import os
-import re
-from collections.abc import Iterator, Mapping
-
-import jax
-import numpy as np
-from flax import traverse_util
 
 from easylm.deepseek_v3.config import DeepseekV3Config, from_hf_dict
 from easylm.deepseek_v3.model import DeepseekV3ForCausalLM
-from easylm.errors import UserError
-from easylm.models.decoder import relayout
-from easylm.models.hf_checkpoint import HFTensors, hf_key, read_config, some, to_numpy
-from easylm.runtime.dtypes import cast_names
+from easylm.models import sigmoid_moe_hf
+from easylm.models.hf_checkpoint import read_config
 
-DTYPES = cast_names(("bf16", "fp32"))
-
-
-def param_shapes(config: DeepseekV3Config, lm: type = DeepseekV3ForCausalLM
-                 ) -> dict[str, tuple[int, ...]]:
-    """Our parameters' shapes, layers one by one; `lm` the causal LM (GLM-4.5's shares
-    this name map: the same MoE, its attention named as LLaMA's)."""
-    module = lm(config.replace(scan_layers=False))
-    shapes = jax.eval_shape(module.init_params, jax.random.PRNGKey(0))
-    return {path: leaf.shape for path, leaf in traverse_util.flatten_dict(shapes, sep="/").items()}
-
-
-def hf_names(path: str, shape) -> list[tuple[str, bool]]:
-    """Our path -> [(HF tensor name, transpose)]: one per expert for the experts."""
-    *module, leaf = path.split("/")
-    if module[-1:] == ["experts"]:
-        return [(".".join(module + [str(e), leaf, "weight"]), True) for e in range(shape[0])]
-    if module[-1:] == ["router"]:
-        return [(".".join(module[:-1] + ["gate", "weight"]), True)]
-    if leaf == "e_score_correction_bias":
-        return [(".".join(module + ["gate", leaf]), False)]
-    return [hf_key(path)]
-
-
-def to_hf(params, config: DeepseekV3Config, lm: type = DeepseekV3ForCausalLM
-          ) -> Iterator[tuple[str, np.ndarray]]:
-    flat = traverse_util.flatten_dict(relayout(params, False), sep="/")
-    for path, shape in param_shapes(config, lm).items():
-        tensor = np.asarray(jax.device_get(flat[path]))
-        names = hf_names(path, shape)
-        parts = list(tensor) if len(names) > 1 else [tensor]
-        for (name, transpose), part in zip(names, parts):
-            yield name, (part.T if transpose else part)
-
-
-def from_hf(tensors: Mapping, config: DeepseekV3Config, dtype=None, source="checkpoint",
-            place=None, lm: type = DeepseekV3ForCausalLM):
-    shapes = param_shapes(config, lm)
-    expected = {path: hf_names(path, shape) for path, shape in shapes.items()}
-    wanted = {name for names in expected.values() for name, _ in names}
-    mtp = re.compile(r"model\.layers\.(\d+)\.")
-    present = [n for n in tensors if not ((m := mtp.match(n))
-                                          and int(m.group(1)) >= config.num_hidden_layers)]
-    missing = [n for n in wanted if n not in tensors]
-    if missing:
-        raise UserError(f"{source} is missing {len(missing)} tensor(s): {some(missing)}")
-    unexpected = [n for n in present if n not in wanted
-                  and not (config.tie_word_embeddings and n == "lm_head.weight")]
-    if unexpected:
-        raise UserError(f"{source} has {len(unexpected)} unexpected tensor(s): "
-                        f"{some(unexpected)}")
-    flat = {}
-    for path, names in expected.items():
-        parts = [to_numpy(tensors[n]) for n, _ in names]
-        parts = [np.ascontiguousarray(p.T) if t else p for p, (_, t) in zip(parts, names)]
-        tensor = np.stack(parts) if len(parts) > 1 else parts[0]
-        if tensor.shape != shapes[path]:
-            raise UserError(f"{source}: tensor {names[0][0]} has shape {tensor.shape} as we "
-                            f"lay it out, but the config implies {shapes[path]}")
-        tensor = tensor if dtype is None else tensor.astype(dtype)
-        if path.endswith(("e_score_correction_bias", "router/kernel")):
-            tensor = tensor.astype(np.float32)  # kept fp32, as transformers keeps them
-        flat[path] = tensor if place is None else place(tensor)
-    return traverse_util.unflatten_dict(flat, sep="/")
+to_hf = functools.partial(sigmoid_moe_hf.to_hf, lm=DeepseekV3ForCausalLM)
+from_hf = functools.partial(sigmoid_moe_hf.from_hf, lm=DeepseekV3ForCausalLM)
 
 
 def read_hf_config(directory: str) -> DeepseekV3Config:
@@ -98,8 +20,5 @@ def read_hf_config(directory: str) -> DeepseekV3Config:
 
 
 def load_hf_params(directory: str, dtype: str = "keep", place=None):
-    if dtype not in DTYPES:
-        raise UserError(f"--dtype={dtype!r} is not one of {', '.join(DTYPES)}")
-    config = read_hf_config(directory)
-    return config, from_hf(HFTensors(directory), config, dtype=DTYPES[dtype],
-                           source=directory, place=place)
+    return sigmoid_moe_hf.load_hf_params(directory, read_hf_config, DeepseekV3ForCausalLM,
+                                         dtype, place)

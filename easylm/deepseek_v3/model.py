@@ -2,23 +2,21 @@
 
 Each layer is x + MLA(norm(x)) (easylm/models/mla.py), then x + MLP(norm(x)): a dense
 gated MLP for the first `first_k_dense_replace` layers (kind "dense"), DeepSeek's
-sigmoid-routed experts with shared experts after (kind "moe", easylm/models/
-sigmoid_moe.py). Parameter names are transformers' (`model/layers/<i>/self_attn/
+sigmoid-routed experts with shared experts after (kind "moe"), both easylm/models/
+sigmoid_moe_decoder.py's. Parameter names are transformers' (`model/layers/<i>/self_attn/
 q_a_proj`, `.../mlp/experts/...`); the correction bias is carried as a parameter,
 `mlp/e_score_correction_bias` (it gets no gradient: it only picks experts). The cache
 holds per layer the latent (`LatentCache`, C + R values a token); a decode step absorbs
 kv_b_proj (`MultiHeadLatentAttention.absorbs`).
 """
 
-import flax.linen as nn
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from easylm.deepseek_v3.config import DeepseekV3Config
-from easylm.models import sigmoid_moe
-from easylm.models.decoder import CausalLM, GatedMLP, RMSNorm, Sublayer
+from easylm.models import sigmoid_moe, sigmoid_moe_decoder
 from easylm.models.mla import LatentCache, MultiHeadLatentAttention
-from easylm.runtime.sharding import BATCH_AXES, constrain
+from easylm.runtime.sharding import BATCH_AXES
 
 PARTITION_RULES = sigmoid_moe.PARTITION_RULES + (
     (r"model/embed_tokens/embedding", P("mp", "fsdp")),
@@ -34,36 +32,15 @@ PARTITION_RULES = sigmoid_moe.PARTITION_RULES + (
 CACHE_RULES = ((r"(^|/)kv$", P(BATCH_AXES, None, None, None)),)
 
 
-class DecoderLayer(Sublayer):
-    norm_class: type = RMSNorm
-    kind: str = "moe"
-
-    @nn.compact
-    def __call__(self, x, context, positions=None, cache=None):
-        c = self.config
+class DecoderLayer(sigmoid_moe_decoder.DecoderLayer):
+    def attend(self, x, context, positions, cache):
         cos, sin, mask = context
-        h, cache = MultiHeadLatentAttention(c.mla(), self.dtype, self.param_dtype,
-                                            name="self_attn")(
-            self.norm("input_layernorm")(x), cos, sin, positions, mask, cache)
-        x = x + h
-        h = self.norm("post_attention_layernorm")(x)
-        if self.kind == "dense":
-            h = GatedMLP(c, self.dtype, self.param_dtype, name="mlp")(h)
-        else:
-            h, stats = sigmoid_moe.SigmoidMoE(c.moe(), self.dtype, self.param_dtype,
-                                              bias_collection="params", name="mlp")(h)
-            self.sow("router", "stats", stats)
-        return constrain(x + h, P(BATCH_AXES, None, None)), cache
+        return MultiHeadLatentAttention(self.config.mla(), self.dtype, self.param_dtype,
+                                        name="self_attn")(x, cos, sin, positions, mask, cache)
 
 
-class DeepseekV3ForCausalLM(CausalLM):
+class DeepseekV3ForCausalLM(sigmoid_moe_decoder.SigmoidMoECausalLM):
     layer = DecoderLayer
-    norm = RMSNorm
-
-    @classmethod
-    def period(cls, config: DeepseekV3Config) -> int:
-        # The dense layers come first: one pattern only when all layers are alike.
-        return 1 if len(set(config.layer_kinds())) == 1 else config.num_hidden_layers
 
     @classmethod
     def inv_freq(cls, config: DeepseekV3Config, kind: str):

@@ -10,17 +10,21 @@ correction bias that picks, group-limited top-k, `n_shared_experts` shared exper
 """
 
 import dataclasses
-import sys
 
 from easylm.errors import UserError
-from easylm.models.config import ModelConfig, default, field
+from easylm.models.config import default, field
 from easylm.models.hf_checkpoint import config_fields
-from easylm.models.moe import RouterLoss
-from easylm.models.sigmoid_moe import SigmoidMoEConfig
+from easylm.models.sigmoid_moe_decoder import (
+    HF_MUST_BE,
+    SigmoidMoEDecoderConfig,
+    check_model_type,
+    hf_common_fields,
+    skip_mtp,
+)
 
 
 @dataclasses.dataclass(frozen=True)
-class Glm4MoeConfig(ModelConfig):
+class Glm4MoeConfig(SigmoidMoEDecoderConfig):
     vocab_size: int = default(151552)
     hidden_size: int = default(4096)
     intermediate_size: int = default(10944)
@@ -32,22 +36,13 @@ class Glm4MoeConfig(ModelConfig):
     rms_norm_eps: float = default(1e-5)
     bos_token_id: int | None = default(None)
     eos_token_id: int | None = default(None)
+    moe_intermediate_size: int = default(1408)
+    n_routed_experts: int = default(128)
+    n_group: int = default(1)
+    topk_group: int = default(1)
+    first_k_dense_replace: int = default(1)
+    routed_scaling_factor: float = default(1.0)
 
-    moe_intermediate_size: int = field(1408, "one routed (and shared) expert's MLP width")
-    n_routed_experts: int = field(128, "routed experts E")
-    n_shared_experts: int = field(1, "shared experts every token takes")
-    num_experts_per_tok: int = field(8, "routed experts chosen per token K")
-    n_group: int = field(1, "expert groups of the group-limited top-k")
-    topk_group: int = field(1, "groups kept per token")
-    first_k_dense_replace: int = field(1, "the first layers with a dense MLP")
-    routed_scaling_factor: float = field(1.0, "multiplies the routed experts' weights")
-    norm_topk_prob: bool = field(True, "divide the chosen weights by their sum")
-    routed_bias_update_rate: float = field(
-        0.0, "aux-loss-free load balancing (MaxText's name): after each optimizer step each "
-             "layer's correction bias moves by this times sign(mean load - expert load); 0: "
-             "frozen (fine-tuning)")
-    aux_loss_alpha: float = field(0.0, "DeepSeek's sequence-wise auxiliary loss weight; only 0 "
-                                       "(off) is built")
     rope_theta: float = field(10_000.0, "rotary base")
     partial_rotary_factor: float = field(0.5, "the share of each head's dims rotary rotates "
                                               "(the first ones)")
@@ -64,18 +59,11 @@ class Glm4MoeConfig(ModelConfig):
             (R % 2 == 0 and 0 < R <= self.head_dim,
              f"partial_rotary_factor={self.partial_rotary_factor} of head_dim={self.head_dim} "
              f"is {R} rotary dims; expected an even number in 2..{self.head_dim}"),
-            (0 <= self.first_k_dense_replace <= self.num_hidden_layers,
-             f"first_k_dense_replace={self.first_k_dense_replace} must be in "
-             f"0..num_hidden_layers={self.num_hidden_layers}"),
-            (not self.aux_loss_alpha,
-             f"aux_loss_alpha={self.aux_loss_alpha}: the sequence-wise auxiliary loss is not "
-             f"built; 0 (off) is"),
-            (self.routed_bias_update_rate >= 0,
-             f"routed_bias_update_rate={self.routed_bias_update_rate} must be >= 0"),
         )
         for ok, message in checks:
             if not ok:
                 raise UserError(f"--glm4_moe.{message}")
+        self.check_moe("glm4_moe")
         try:
             self.moe()
         except ValueError as e:
@@ -83,25 +71,6 @@ class Glm4MoeConfig(ModelConfig):
 
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
-
-    def router_loss(self) -> RouterLoss | None:
-        """Routers' statistics (the step's expert load) only when the biases move."""
-        if not self.routed_bias_update_rate:
-            return None
-        return RouterLoss(self.num_experts_per_tok, 0.0,
-                          bias_update_rate=self.routed_bias_update_rate)
-
-    def layer_kinds(self) -> tuple[str, ...]:
-        k = self.first_k_dense_replace
-        return ("dense",) * k + ("moe",) * (self.num_hidden_layers - k)
-
-    def moe(self) -> SigmoidMoEConfig:
-        return SigmoidMoEConfig(self.n_routed_experts, self.num_experts_per_tok,
-                                self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
-                                initializer_range=self.initializer_range, n_group=self.n_group,
-                                topk_group=self.topk_group,
-                                routed_scaling_factor=self.routed_scaling_factor,
-                                n_shared_experts=self.n_shared_experts)
 
     def shard_variant(self, layers: int, mp: int):
         # The planner's few layers keep one dense layer first where the model has one.
@@ -115,25 +84,6 @@ class Glm4MoeConfig(ModelConfig):
                       self.head_dim)
         bias = (n + 2 * k) * h if self.attention_bias else 0
         return d * (n + 2 * k) * h + n * h * d + bias + (2 * h if self.use_qk_norm else 0)
-
-    def _mlp_params(self, kind: str, active: bool = False) -> int:
-        d = self.hidden_size
-        if kind == "dense":
-            return 3 * d * self.intermediate_size
-        experts = self.num_experts_per_tok if active else self.n_routed_experts
-        return (3 * d * self.moe_intermediate_size * (experts + self.n_shared_experts)
-                + d * self.n_routed_experts)
-
-    def num_parameters(self) -> int:
-        d, v = self.hidden_size, self.vocab_size
-        layers = sum(self._attention_params() + self._mlp_params(k) + 2 * d
-                     for k in self.layer_kinds())
-        return v * d * (1 if self.tie_word_embeddings else 2) + layers + d
-
-    def num_matmul_parameters(self) -> int:
-        """Active: the chosen and shared experts only."""
-        return (sum(self._attention_params() + self._mlp_params(k, True)
-                    for k in self.layer_kinds()) + self.vocab_size * self.hidden_size)
 
     def flops_per_token(self, seq_length: int) -> float:
         width = self.num_attention_heads * self.head_dim
@@ -150,25 +100,12 @@ class Glm4MoeConfig(ModelConfig):
         from transformers import Glm4MoeConfig as HFConfig
 
         config = HFConfig(
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            moe_intermediate_size=self.moe_intermediate_size,
-            num_hidden_layers=self.num_hidden_layers,
-            num_attention_heads=self.num_attention_heads,
+            **self.hf_config_kwargs(),
             num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
-            n_shared_experts=self.n_shared_experts, n_routed_experts=self.n_routed_experts,
-            routed_scaling_factor=self.routed_scaling_factor, n_group=self.n_group,
-            topk_group=self.topk_group, num_experts_per_tok=self.num_experts_per_tok,
-            first_k_dense_replace=self.first_k_dense_replace,
-            norm_topk_prob=self.norm_topk_prob, attention_bias=self.attention_bias,
-            use_qk_norm=self.use_qk_norm, num_nextn_predict_layers=0,
-            max_position_embeddings=self.max_position_embeddings,
-            initializer_range=self.initializer_range, rms_norm_eps=self.rms_norm_eps,
-            tie_word_embeddings=self.tie_word_embeddings,
+            attention_bias=self.attention_bias, use_qk_norm=self.use_qk_norm,
+            num_nextn_predict_layers=0,
             rope_parameters={"rope_type": "default", "rope_theta": float(self.rope_theta),
-                             "partial_rotary_factor": float(self.partial_rotary_factor)},
-            bos_token_id=self.bos_token_id, eos_token_id=self.eos_token_id,
-            pad_token_id=self.pad_token_id)
+                             "partial_rotary_factor": float(self.partial_rotary_factor)})
         config.architectures = ["Glm4MoeForCausalLM"]
         return config
 
@@ -177,18 +114,13 @@ _INTS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_siz
          "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "n_routed_experts",
          "n_shared_experts", "num_experts_per_tok", "n_group", "topk_group",
          "first_k_dense_replace", "max_position_embeddings")
-_MUST_BE = {"hidden_act": "silu", "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
 
 
 def from_hf_dict(hf: dict, path: str = "config.json") -> Glm4MoeConfig:
-    if hf.get("model_type") != "glm4_moe":
-        raise UserError(f"{path}: model_type {hf.get('model_type')!r} is not glm4_moe")
+    check_model_type(hf, path, "glm4_moe")
     defaults = {f.name: f.default for f in dataclasses.fields(Glm4MoeConfig)}
-    get = config_fields(hf, path, defaults, _INTS, _MUST_BE, "GLM-4.5")
-    mtp = hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers"))
-    if mtp:
-        print(f"{path}: its {mtp} multi-token-prediction layer(s) are not loaded "
-              f"(transformers skips them too)", file=sys.stderr)
+    get = config_fields(hf, path, defaults, _INTS, HF_MUST_BE, "GLM-4.5")
+    skip_mtp(path, hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers")))
     # transformers 5 writes rope_parameters; 4.x wrote rope_theta and partial_rotary_factor
     # at the top level (GLM-4.5's released config.json).
     rope = {**{k: hf[k] for k in ("rope_theta", "partial_rotary_factor") if k in hf},
@@ -206,19 +138,9 @@ def from_hf_dict(hf: dict, path: str = "config.json") -> Glm4MoeConfig:
             partial_rotary_factor=float(rope.get("partial_rotary_factor",
                                                  defaults["partial_rotary_factor"])),
             attention_bias=bool(get("attention_bias")), use_qk_norm=bool(get("use_qk_norm")),
-            routed_scaling_factor=float(get("routed_scaling_factor")),
-            norm_topk_prob=bool(get("norm_topk_prob")),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            rms_norm_eps=float(get("rms_norm_eps")),
-            initializer_range=float(get("initializer_range")),
-            bos_token_id=hf.get("bos_token_id"), eos_token_id=_first(hf.get("eos_token_id")),
-            pad_token_id=hf.get("pad_token_id"))
+            **hf_common_fields(hf, get))
     except UserError as e:
         raise UserError(f"{path}: {e}") from None
-
-
-def _first(value):
-    return value[0] if isinstance(value, (list, tuple)) and value else value
 
 
 GLM4_MOE_PRESETS = {

@@ -1,19 +1,18 @@
-"""The mapping between easylm GLM-4.5 parameters and transformers' `Glm4MoeForCausalLM`:
-DeepSeek-V3's (easylm/deepseek_v3/hf.py: the experts one tensor per expert as
+"""The mapping between easylm GLM-4.5 parameters and transformers' `Glm4MoeForCausalLM`
+tensors: easylm/models/sigmoid_moe_hf.py's (the experts one tensor per expert as
 save_pretrained writes them, the router as mlp.gate, the correction bias kept fp32,
 multi-token-prediction layers skipped), over GLM-4.5's parameters."""
 
 import functools
 import os
 
-from easylm.deepseek_v3 import hf as deepseek_v3_hf
-from easylm.errors import UserError
 from easylm.glm4_moe.config import Glm4MoeConfig, from_hf_dict
 from easylm.glm4_moe.model import Glm4MoeForCausalLM
-from easylm.models.hf_checkpoint import HFTensors, read_config
+from easylm.models import sigmoid_moe_hf
+from easylm.models.hf_checkpoint import read_config
 
-to_hf = functools.partial(deepseek_v3_hf.to_hf, lm=Glm4MoeForCausalLM)
-from_hf = functools.partial(deepseek_v3_hf.from_hf, lm=Glm4MoeForCausalLM)
+to_hf = functools.partial(sigmoid_moe_hf.to_hf, lm=Glm4MoeForCausalLM)
+from_hf = functools.partial(sigmoid_moe_hf.from_hf, lm=Glm4MoeForCausalLM)
 
 
 def read_hf_config(directory: str) -> Glm4MoeConfig:
@@ -21,8 +20,5 @@ def read_hf_config(directory: str) -> Glm4MoeConfig:
 
 
 def load_hf_params(directory: str, dtype: str = "keep", place=None):
-    if dtype not in deepseek_v3_hf.DTYPES:
-        raise UserError(f"--dtype={dtype!r} is not one of {', '.join(deepseek_v3_hf.DTYPES)}")
-    config = read_hf_config(directory)
-    return config, from_hf(HFTensors(directory), config, dtype=deepseek_v3_hf.DTYPES[dtype],
-                           source=directory, place=place)
+    return sigmoid_moe_hf.load_hf_params(directory, read_hf_config, Glm4MoeForCausalLM, dtype,
+                                         place)

@@ -31,8 +31,8 @@ def field(default, help_text: str):
 
 
 def default(value):
-    """A shared field redeclared with a family's own default; its help is `ModelConfig`'s
-    (the dataclass machinery fills it in: see `ModelConfig.__init_subclass__`)."""
+    """A shared field redeclared with a family's own default; its help is the base config's
+    (`ModelConfig`'s or a shared layer's config's; filled in by `ModelConfig.__init_subclass__`)."""
     return dataclasses.field(default=value, metadata={"help": None})
 
 
@@ -82,7 +82,8 @@ class ModelConfig:
         # A `default(value)` field keeps the shared help: filled in before @dataclass runs.
         for name, value in list(vars(cls).items()):
             if isinstance(value, dataclasses.Field) and value.metadata.get("help", "") is None:
-                shared = ModelConfig.__dataclass_fields__[name].metadata
+                # Not yet a dataclass: `__dataclass_fields__` is the nearest base's.
+                shared = cls.__dataclass_fields__[name].metadata
                 setattr(cls, name, dataclasses.field(default=value.default, metadata=shared))
 
     def __post_init__(self):

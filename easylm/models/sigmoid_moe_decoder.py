@@ -1,0 +1,193 @@
+"""A decoder whose first `first_k_dense_replace` layers have a dense gated MLP and the
+others DeepSeek-V3's mixture of experts (sigmoid_moe.py), as DeepSeek-V3 and GLM-4.5
+build theirs: the config fields, checks, parameter counting and config.json reading of
+that MoE, and the layer around a family's own attention. A family adds its attention
+(its fields, `_attention_params`, `flops_per_token`, the layer's `attend`).
+"""
+
+import dataclasses
+import sys
+
+import flax.linen as nn
+from jax.sharding import PartitionSpec as P
+
+from easylm.errors import UserError
+from easylm.models import sigmoid_moe
+from easylm.models.config import ModelConfig, field
+from easylm.models.decoder import CausalLM, GatedMLP, RMSNorm, Sublayer
+from easylm.models.moe import RouterLoss
+from easylm.models.sigmoid_moe import SigmoidMoEConfig
+from easylm.runtime.sharding import BATCH_AXES, constrain
+
+# config.json's keys whose other values these layers do not implement.
+HF_MUST_BE = {"hidden_act": "silu", "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+
+
+@dataclasses.dataclass(frozen=True)
+class SigmoidMoEDecoderConfig(ModelConfig):
+    """The MoE's fields, DeepSeek-V3's defaults; a family redeclares a default with
+    `default(value)` (the help stays this one)."""
+
+    moe_intermediate_size: int = field(2048, "one routed (and shared) expert's MLP width")
+    n_routed_experts: int = field(256, "routed experts E")
+    n_shared_experts: int = field(1, "shared experts every token takes")
+    num_experts_per_tok: int = field(8, "routed experts chosen per token K")
+    n_group: int = field(8, "expert groups of the group-limited top-k")
+    topk_group: int = field(4, "groups kept per token")
+    first_k_dense_replace: int = field(3, "the first layers with a dense MLP")
+    routed_scaling_factor: float = field(2.5, "multiplies the routed experts' weights")
+    norm_topk_prob: bool = field(True, "divide the chosen weights by their sum")
+    routed_bias_update_rate: float = field(
+        0.0, "aux-loss-free load balancing (MaxText's name): after each optimizer step each "
+             "layer's correction bias moves by this times sign(mean load - expert load); 0: "
+             "frozen (fine-tuning)")
+    aux_loss_alpha: float = field(0.0, "DeepSeek's sequence-wise auxiliary loss weight; only 0 "
+                                       "(off) is built")
+
+    def check_moe(self, family: str):
+        """The MoE fields' checks, each a UserError naming `--<family>.<field>`."""
+        checks = (
+            (0 <= self.first_k_dense_replace <= self.num_hidden_layers,
+             f"first_k_dense_replace={self.first_k_dense_replace} must be in "
+             f"0..num_hidden_layers={self.num_hidden_layers}"),
+            (not self.aux_loss_alpha,
+             f"aux_loss_alpha={self.aux_loss_alpha}: the sequence-wise auxiliary loss is not "
+             f"built; 0 (off) is"),
+            (self.routed_bias_update_rate >= 0,
+             f"routed_bias_update_rate={self.routed_bias_update_rate} must be >= 0"),
+        )
+        for ok, message in checks:
+            if not ok:
+                raise UserError(f"--{family}.{message}")
+
+    def router_loss(self) -> RouterLoss | None:
+        """Routers' statistics (the step's expert load) only when the biases move."""
+        if not self.routed_bias_update_rate:
+            return None
+        return RouterLoss(self.num_experts_per_tok, 0.0,
+                          bias_update_rate=self.routed_bias_update_rate)
+
+    def layer_kinds(self) -> tuple[str, ...]:
+        k = self.first_k_dense_replace
+        return ("dense",) * k + ("moe",) * (self.num_hidden_layers - k)
+
+    def moe(self) -> SigmoidMoEConfig:
+        return SigmoidMoEConfig(self.n_routed_experts, self.num_experts_per_tok,
+                                self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                                initializer_range=self.initializer_range, n_group=self.n_group,
+                                topk_group=self.topk_group,
+                                routed_scaling_factor=self.routed_scaling_factor,
+                                n_shared_experts=self.n_shared_experts)
+
+    def hf_config_kwargs(self) -> dict:
+        """transformers' config arguments both families write alike (to_hf_config adds the
+        attention's)."""
+        return dict(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            moe_intermediate_size=self.moe_intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            n_shared_experts=self.n_shared_experts, n_routed_experts=self.n_routed_experts,
+            routed_scaling_factor=self.routed_scaling_factor, n_group=self.n_group,
+            topk_group=self.topk_group, num_experts_per_tok=self.num_experts_per_tok,
+            first_k_dense_replace=self.first_k_dense_replace,
+            norm_topk_prob=self.norm_topk_prob,
+            max_position_embeddings=self.max_position_embeddings,
+            initializer_range=self.initializer_range, rms_norm_eps=self.rms_norm_eps,
+            tie_word_embeddings=self.tie_word_embeddings,
+            bos_token_id=self.bos_token_id, eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id)
+
+    # --------------------------------------------------------------- counting
+
+    def _attention_params(self) -> int:
+        raise NotImplementedError
+
+    def _mlp_params(self, kind: str, active: bool = False) -> int:
+        d = self.hidden_size
+        if kind == "dense":
+            return 3 * d * self.intermediate_size
+        experts = self.num_experts_per_tok if active else self.n_routed_experts
+        return (3 * d * self.moe_intermediate_size * (experts + self.n_shared_experts)
+                + d * self.n_routed_experts)
+
+    def num_parameters(self) -> int:
+        d, v = self.hidden_size, self.vocab_size
+        layers = sum(self._attention_params() + self._mlp_params(k) + 2 * d
+                     for k in self.layer_kinds())
+        return v * d * (1 if self.tie_word_embeddings else 2) + layers + d
+
+    def num_matmul_parameters(self) -> int:
+        """Active: the chosen and shared experts only."""
+        return (sum(self._attention_params() + self._mlp_params(k, True)
+                    for k in self.layer_kinds()) + self.vocab_size * self.hidden_size)
+
+
+# ------------------------------------------------------------- config.json
+
+
+def check_model_type(hf: dict, path: str, model_type: str):
+    if hf.get("model_type") != model_type:
+        raise UserError(f"{path}: model_type {hf.get('model_type')!r} is not {model_type}")
+
+
+def skip_mtp(path: str, layers):
+    """Say that config.json's `layers` multi-token-prediction layers are not loaded."""
+    if layers:
+        print(f"{path}: its {layers} multi-token-prediction layer(s) are not loaded "
+              f"(transformers skips them too)", file=sys.stderr)
+
+
+def hf_common_fields(hf: dict, get) -> dict:
+    """The non-integer fields both families read alike (`get`: hf_checkpoint.config_fields')."""
+    return dict(routed_scaling_factor=float(get("routed_scaling_factor")),
+                norm_topk_prob=bool(get("norm_topk_prob")),
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                rms_norm_eps=float(get("rms_norm_eps")),
+                initializer_range=float(get("initializer_range")),
+                bos_token_id=hf.get("bos_token_id"), eos_token_id=_first(hf.get("eos_token_id")),
+                pad_token_id=hf.get("pad_token_id"))
+
+
+def _first(value):
+    return value[0] if isinstance(value, (list, tuple)) and value else value
+
+
+# ------------------------------------------------------------------ layers
+
+
+class DecoderLayer(Sublayer):
+    """x + attend(norm(x)), then x + MLP(norm(x)): a dense gated MLP (kind "dense") or the
+    sigmoid-routed experts (kind "moe"). The correction bias is carried as a parameter,
+    `mlp/e_score_correction_bias` (it gets no gradient: it only picks experts)."""
+
+    norm_class: type = RMSNorm
+    kind: str = "moe"
+
+    def attend(self, x, context, positions, cache):
+        """The family's attention (named "self_attn"): (output, cache)."""
+        raise NotImplementedError
+
+    @nn.compact
+    def __call__(self, x, context, positions=None, cache=None):
+        c = self.config
+        h, cache = self.attend(self.norm("input_layernorm")(x), context, positions, cache)
+        x = x + h
+        h = self.norm("post_attention_layernorm")(x)
+        if self.kind == "dense":
+            h = GatedMLP(c, self.dtype, self.param_dtype, name="mlp")(h)
+        else:
+            h, stats = sigmoid_moe.SigmoidMoE(c.moe(), self.dtype, self.param_dtype,
+                                              bias_collection="params", name="mlp")(h)
+            self.sow("router", "stats", stats)
+        return constrain(x + h, P(BATCH_AXES, None, None)), cache
+
+
+class SigmoidMoECausalLM(CausalLM):
+    norm = RMSNorm
+
+    @classmethod
+    def period(cls, config: SigmoidMoEDecoderConfig) -> int:
+        # The dense layers come first: one pattern only when all layers are alike.
+        return 1 if len(set(config.layer_kinds())) == 1 else config.num_hidden_layers
