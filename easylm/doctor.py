@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from easylm import flags as flag_lib, model_flags
+from easylm import flags as flag_lib, model_flags, variants
 from easylm.data.options import loader_options
 from easylm.errors import UserError, exit_on_user_error
 from easylm.runtime import distributed
@@ -119,8 +119,8 @@ def _model_problems(config, family, mesh) -> list[str]:
                                                      "eval_dataset").seq_length
         except UserError as e:
             problems.append(str(e))
-    return problems + trainer.mesh_problems(config, model_config.to_dict(), family.name,
-                                            mesh.shape, lengths)
+    return problems + variants.training_problems(family, config) + trainer.mesh_problems(
+        config, model_config.to_dict(), family.name, mesh.shape, lengths)
 
 
 def check(config, family=None) -> tuple[list[str], list[str]]:

@@ -70,6 +70,10 @@ N, P = jax.device_count(), jax.process_count()
       "--llama.moe_intermediate_size=32", "--mesh_dim=dp=1,fsdp=2,ep=4"],
      ["--llama.num_experts=6 experts cannot be split over ep=4 of --mesh_dim=dp=1,fsdp=2,"
       "ep=4: give a number of experts that ep divides, or another ep"]),
+    (["--quantize=int8"], ["--quantize=int8 stores a served model's weights in int8 (serve, "
+                           "eval, bench decode, plan --plan.serve_tokens); a trained model "
+                           "cannot be: for adapters on an int8 base give --lora.rank=R "
+                           "--lora.base_dtype=int8"]),
 ])
 def test_each_problem_is_one_line_and_exit_1(argv, problems, tmp_path, capsys):
     if not any(a.startswith("--logger.output_dir") for a in argv):

@@ -115,6 +115,17 @@ def build(family: ModelFamily, flags, config=None, from_checkpoint: bool = False
                         flags.get("load_checkpoint", ""), model.load)
 
 
+def training_problems(family: ModelFamily, flags) -> list[str]:
+    """What the trainer refuses of the variants' flags at its start, as lines (for the
+    doctor): int8, which serves but does not train."""
+    lora = flags.get("lora")
+    try:
+        _int8(family, flags, serving=False, lora=bool(lora is not None and lora.get("rank")))
+    except UserError as e:
+        return [str(e)]
+    return []
+
+
 def _int8(family: ModelFamily, flags, serving: bool, lora: bool) -> bool:
     """Whether `flags` select the int8 variant: refused (one line) for a family without
     it, for training, and beside LoRA adapters being trained."""
