@@ -450,25 +450,7 @@ class Engine:
         self.decode_buckets = buckets(config.seq_length, max(config.min_bucket, config.seq_length // 8))
         # Each slot's position as the device has it (every decode call advances all).
         self.positions = np.zeros(config.batch_size, np.int64)
-        B, S = self.batch_size, self.seq_length
-
-        def init_state():  # (cache, each slot's last token, its position)
-            return model.init_cache(B, S), jnp.zeros(B, jnp.int32), jnp.zeros(B, jnp.int32)
-
-        if mesh is None:
-            self.state_shardings = None
-            self._init_state = jax.jit(init_state)
-        else:
-            # The state is created with the shardings the calls return, so that the
-            # first call's inputs look like every later call's: one compile each.
-            shapes = jax.eval_shape(lambda: model.init_cache(B, S))
-            specs = match_partition_rules(model.cache_rules, shapes)
-            cache_shardings = jax.tree.map(
-                lambda spec, s: NamedSharding(mesh, fitted_spec(spec, s.shape, mesh)),
-                specs, shapes, is_leaf=lambda x: isinstance(x, P))
-            replicated = NamedSharding(mesh, P())
-            self.state_shardings = (cache_shardings, replicated, replicated)
-            self._init_state = jax.jit(init_state, out_shardings=self.state_shardings)
+        self.state_shardings, self._init_state = self._state_program()
         self.reset()
         # Calls return the state with exactly the shardings it came in with (and small
         # replicated outputs), so the donated buffers are reused and nothing recompiles.
@@ -493,6 +475,26 @@ class Engine:
         # ones would span devices of other processes).
         self._score_fn = jax.jit(functools.partial(_score, model, config.prefill_chunk_size), **(
             {} if mesh is None else {"out_shardings": NamedSharding(mesh, P())}))
+
+    def _state_program(self):
+        """(the state's shardings or None, the program that makes a zero state): the
+        state is created with the shardings the calls return, so that the first call's
+        inputs look like every later call's: one compile each."""
+        model, mesh, B, S = self.model, self.mesh, self.batch_size, self.seq_length
+
+        def init_state():  # (cache, each slot's last token, its position)
+            return model.init_cache(B, S), jnp.zeros(B, jnp.int32), jnp.zeros(B, jnp.int32)
+
+        if mesh is None:
+            return None, jax.jit(init_state)
+        shapes = jax.eval_shape(lambda: model.init_cache(B, S))
+        specs = match_partition_rules(model.cache_rules, shapes)
+        cache_shardings = jax.tree.map(
+            lambda spec, s: NamedSharding(mesh, fitted_spec(spec, s.shape, mesh)),
+            specs, shapes, is_leaf=lambda x: isinstance(x, P))
+        replicated = NamedSharding(mesh, P())
+        shardings = (cache_shardings, replicated, replicated)
+        return shardings, jax.jit(init_state, out_shardings=shardings)
 
     def reset(self):
         """A fresh state: an empty cache, every slot free (the cache's memory comes back
