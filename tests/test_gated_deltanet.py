@@ -166,7 +166,7 @@ def test_recurrent_form_equals_chunked_form(monkeypatch):
 
 
 def test_gradients_of_the_two_forms_agree():
-    """Training differentiates the chunked form (its masked exp, the triangular solve):
+    """Training differentiates the chunked form (its masked exp, the UT inverse):
     over packed rows its parameter gradients are the token-by-token form's, within twice
     a forward's depth (a parameter's gradient sums over all B T tokens); a gradient that
     leaks across documents is caught."""
@@ -185,6 +185,49 @@ def test_gradients_of_the_two_forms_agree():
     for ours, theirs in zip(jax.tree.leaves(chunked), jax.tree.leaves(recurrent)):
         assert_close(ours, theirs, rel)
     assert_differs(leaked["A_log"], recurrent["A_log"], rel)
+
+
+def ut_system(C: int, seed: int = 0):
+    """A chunk's UT system as `chunk_terms` builds it, float64 (4, C, C): beta k k^T with
+    unit keys, times the decay between the tokens, its strictly lower part."""
+    rng = np.random.RandomState(seed)
+    k = rng.randn(4, C, 8)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    beta = rng.uniform(0, 1, (4, C, 1))
+    cum = np.cumsum(-rng.uniform(0, 0.1, (4, C)), axis=1)
+    return np.tril(beta * k @ k.transpose(0, 2, 1) * np.exp(cum[:, :, None] - cum[:, None]), -1)
+
+
+@pytest.mark.parametrize("C", [1, 24, 64])
+def test_unit_lower_inverse_is_the_inverse(C):
+    """(I + a)^-1 by block merges equals float64's inverse, for chunks of 1, 24 (padded to
+    32 rows) and 64, within 2 log2(C) matmuls in sequence of C terms each; the inverse
+    missing its last merge (its lower-left quarter zero) is caught."""
+    a = ut_system(C)
+    expected = np.linalg.inv(np.eye(C) + a)
+    rel = fp32_rel(C, depth=2 * max(1, math.ceil(math.log2(C))))
+    assert_close(jax.jit(gdn.unit_lower_inverse)(jnp.asarray(a, jnp.float32)), expected, rel)
+    if C > 1:
+        unmerged = expected.copy()
+        unmerged[:, C // 2:, :C // 2] = 0
+        assert_differs(unmerged, expected, rel)
+
+
+def test_the_chunked_form_calls_no_lapack():
+    """The chunked form's CPU program, forward and backward, is matmuls: no LAPACK call.
+    XLA:CPU's LAPACK kernels hand a batch to the intra-op thread pool and wait for it, which
+    deadlocked Qwen3.5 rollouts whose batch was split over 8 CPU devices (each pool thread
+    running one device's program, all waiting). Negative twin: `lax.linalg.triangular_solve`,
+    what the UT transform used before, lowers to such a call."""
+    _, params, x, _ = reference("separate")
+    layer = GatedDeltaNet(flax_config("separate"), form="chunked", chunk_size=16)
+    loss = lambda p: jnp.sum(layer.apply({"params": p}, jnp.asarray(x))[0])
+    assert "lapack" not in jax.jit(jax.value_and_grad(loss)).lower(params).as_text()
+
+    a = jnp.asarray(ut_system(16), jnp.float32)
+    solve = functools.partial(jax.lax.linalg.triangular_solve, left_side=True, lower=True,
+                              unit_diagonal=True)
+    assert "lapack" in jax.jit(solve).lower(a, a).as_text()
 
 
 def decode(layout, params, x, state):

@@ -180,6 +180,33 @@ def to_chunks(x, C: int, mode: str = "constant"):
     return jnp.moveaxis(x.reshape(B, (T + pad) // C, C, *x.shape[2:]), 1, 0)
 
 
+def unit_lower_inverse(a):
+    """(I + strictly lower part of a)^-1 for a (..., C, C), by matmuls only: the inverses
+    of the diagonal blocks of 1, 2, 4, ... rows, each pair of blocks P, Q joined by
+    [[P, 0], [-Q A_21 P, Q]] (recursive triangular inversion, as flash-linear-attention's
+    `solve_tril` merges its blocks). Not `lax.linalg.triangular_solve`: on XLA:CPU that is
+    a LAPACK call that hands batches to the intra-op thread pool and waits for them, which
+    deadlocks once every pool thread runs a device's program (a batch split over 8 CPU
+    devices, more than one row each)."""
+    C = a.shape[-1]
+    size = 1 << max(C - 1, 0).bit_length()  # C padded to a power of two with identity rows
+    a = jnp.pad(a, [(0, 0)] * (a.ndim - 2) + [(0, size - C)] * 2)
+    blocks = jnp.ones((*a.shape[:-2], size, 1, 1), a.dtype)  # (..., blocks, s, s)
+    s = 1
+    while s < size:
+        n = size // (2 * s)
+        rows = np.arange(n)[:, None] * 2 * s + s + np.arange(s)  # each pair's lower half
+        cols = rows - s
+        lower = a[..., rows[:, :, None], cols[:, None, :]]  # (..., n, s, s): A_21 per pair
+        P, Q = blocks[..., 0::2, :, :], blocks[..., 1::2, :, :]
+        joined = -jnp.matmul(Q, jnp.matmul(lower, P, precision=HIGHEST), precision=HIGHEST)
+        blocks = jnp.concatenate([
+            jnp.concatenate([P, jnp.zeros_like(P)], axis=-1),
+            jnp.concatenate([joined, Q], axis=-1)], axis=-2)  # (..., n, 2s, 2s)
+        s *= 2
+    return blocks[..., 0, :C, :C]
+
+
 def chunk_terms(q, k, v, g, beta, run, run_before):
     """Everything about one chunk that does not need the state, for all chunks at once.
     q, k (M, B, C, N, H); v (M, B, C, N, U); g, beta (M, B, C, N); run (M, B, C);
@@ -195,12 +222,10 @@ def chunk_terms(q, k, v, g, beta, run, run_before):
     writes = (run == run_last)[..., None]  # tokens whose writes survive to the chunk's end
     k_beta = k * beta[..., None]
     # The UT transform: (I + strictly lower (beta k k^T * decay))^-1 turns C sequential
-    # delta-rule updates into matmuls (transformers' torch_chunk_gated_delta_rule); the
-    # solve reads the diagonal as ones.
+    # delta-rule updates into matmuls (transformers' torch_chunk_gated_delta_rule).
     system = jnp.einsum("MBINH,MBJNH->MBNIJ", k_beta, k, precision=HIGHEST)
-    system = system * jnp.moveaxis(decay, -1, 2)
-    solve = lambda rhs: jax.lax.linalg.triangular_solve(
-        system, jnp.moveaxis(rhs, 3, 2), left_side=True, lower=True, unit_diagonal=True)
+    inverse = unit_lower_inverse(system * jnp.moveaxis(decay, -1, 2))  # (M, B, N, C, C)
+    solve = lambda rhs: jnp.einsum("MBNIJ,MBJNX->MBNIX", inverse, rhs, precision=HIGHEST)
     values = solve(v * beta[..., None])  # (M, B, N, C, U)
     k_decayed = solve(k_beta * jnp.where(reads, jnp.exp(cum), 0)[..., None])  # (M, B, N, C, H)
     intra = jnp.einsum("MBINH,MBJNH->MBNIJ", q, k, precision=HIGHEST) * jnp.moveaxis(decay, -1, 2)
