@@ -9,11 +9,16 @@ derives it for LLaMA's MoE over `ep`.
 """
 
 import json
+import os
+import signal
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_grpo import task  # noqa: F401 (a fixture: prompts and the parity reward)
 from test_qwen3_5_moe import rel_of, torch_model
 
 from easylm import train
@@ -84,3 +89,41 @@ def test_a_step_over_ep_equals_one_over_fsdp(directory, tmp_path, capsys):
         and "shared" not in jax.tree_util.keystr(path) else x, params)
     assert loss(params) == pytest.approx(ep["loss"], rel=rel)  # the command's batch
     assert abs(loss(rolled) - ep["loss"]) > rel * ep["loss"]
+
+
+@pytest.mark.slow  # three interpreters, the first compiling: ~75 s on two cores
+def test_grpo_with_replay_killed_then_resumed_is_bitwise(directory, task, tmp_path):
+    """`python -m easylm.train --objective=grpo --grpo.routing_replay=True` (tests/
+    test_routing_replay.py's command: 8 prompts x 2 completions, a checkpoint at step 2) on
+    --mesh_dim=8,1,1, its 16 rollout rows two a device (what hung on XLA:CPU while the
+    DeltaNet's UT solve was a LAPACK call), killed (SIGKILL) once step 2 is logged and
+    saved, then the same command: step 3 is bitwise the uninterrupted run's (loss, gradient
+    norm, reward, the sampler-trainer figures), so the rollouts after the resume and their
+    recorded choices were the same. The three runs share a compilation cache, so only the
+    first compiles."""
+    from test_checkpoint import ENV, metrics, run_until
+    from test_routing_replay import STEPS, grpo_argv
+
+    def argv(output_dir):
+        flags = grpo_argv(directory, task, output_dir)[1:] + [
+            "--mesh_dim=8,1,1", f"--compilation_cache_dir={tmp_path / 'compiled'}"]
+        return [sys.executable, "-m", "easylm.train", *flags]
+
+    env = dict(ENV, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               PYTHONPATH=os.pathsep.join([ENV["PYTHONPATH"], os.path.dirname(task[0])]))
+    whole = subprocess.run(argv(tmp_path / "whole"), env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    expected = metrics(tmp_path / "whole")
+    assert sorted(expected) == list(range(1, STEPS + 1))
+
+    code, _, _ = run_until(argv(tmp_path), tmp_path, 2, signal.SIGKILL, env)
+    assert code == -signal.SIGKILL
+    resumed = subprocess.run(argv(tmp_path), env=env, capture_output=True, text=True,
+                             timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"steps 2 -> {STEPS}" in resumed.stdout  # resumed, not started over
+    got = metrics(tmp_path)
+    for key in ("loss", "gradient_norm", "reward", "data/rollout/sampler_logp_diff_max",
+                "data/rollout/sampler_logp_diff_mean"):
+        assert got[STEPS][key] == expected[STEPS][key], key
