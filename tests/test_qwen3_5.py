@@ -236,6 +236,77 @@ def test_training_through_the_command_lowers_the_loss(tmp_path, hf):
     assert len(losses) == 3 and np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
 
 
+def objective_steps(directory, tmp_path, steps, *flags) -> list[dict]:
+    """The logged steps of `python -m easylm.train --load_checkpoint=hf::DIR` with `flags`
+    (fp32, lr 1e-2 from the first step), run in process."""
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        train.main(["train", f"--load_checkpoint=hf::{directory}", "--tokenizer=embedded",
+                    f"--total_steps={steps}", "--log_freq=1", "--dtype=fp32",
+                    "--mesh_dim=-1,1,1", "--save_model_freq=0", "--compilation_cache_dir=",
+                    "--optimizer.adamw_optimizer.lr=1e-2",
+                    "--optimizer.adamw_optimizer.lr_warmup_steps=0",
+                    f"--logger.output_dir={tmp_path}", "--logger.experiment_id=run", *flags])
+    with open(f"{tmp_path}/run/metrics.jsonl") as f:
+        return [row for row in map(json.loads, f) if "loss" in row]
+
+
+@pytest.fixture(scope="module")
+def two_layers(tmp_path_factory):
+    """A directory of debug's shapes in two layers (one Gated DeltaNet, one full attention):
+    less for the objectives' commands to compile."""
+    directory = tmp_path_factory.mktemp("qwen3_5_two_layers")
+    torch_model(FAMILY.from_preset("debug", num_hidden_layers=2,
+                                   full_attention_interval=2)).save_pretrained(directory)
+    return directory
+
+
+def test_dpo_under_qlora_starts_at_log_2_and_moves(tmp_path, two_layers):
+    """DPO with QLoRA (an nf4 base, rank-4 adapters whose B starts at zero) through the
+    command: at step 1 the policy is its reference (the base), so the margin is 0 and the
+    loss log 2, within a forward's rounding of the summed log-probabilities; after one
+    update at lr 1e-2 the margin moves beyond that bound (the twin)."""
+    pairs, beta = tmp_path / "pairs.jsonl", 0.1
+    rng = np.random.RandomState(0)
+    words = "the a cat dog ran sat on mat sun moon red blue big small".split()
+    text = lambda n: " ".join(rng.choice(words, n))
+    pairs.write_text("".join(json.dumps({"prompt": text(5), "chosen": text(6),
+                                         "rejected": text(4)}) + "\n" for _ in range(16)))
+    first, second = objective_steps(
+        two_layers, tmp_path, 2, "--objective=dpo", "--train_dataset.preference.enabled=True",
+        f"--train_dataset.json_dataset.path={pairs}", "--train_dataset.json_dataset.seq_length=32",
+        "--train_dataset.json_dataset.batch_size=8", "--lora.rank=4", "--lora.base_dtype=nf4",
+        f"--dpo.beta={beta}")
+    # A margin is beta times a difference of two such differences of sums over a row.
+    bound = beta * 4 * fp32_rel(128, 12 * 2 + 1) * max(abs(first["logps/chosen"]), abs(first["logps/rejected"]))
+    assert abs(first["rewards/margin"]) <= bound, (first["rewards/margin"], bound)
+    assert first["loss"] == pytest.approx(np.log(2), abs=bound)
+    assert abs(second["rewards/margin"]) > bound, (second["rewards/margin"], bound)
+
+
+def test_on_policy_distillation_runs_a_step(tmp_path, two_layers):
+    """--objective=distill through the command, every step on the engine's own rollouts
+    (--distill.lmbda=1) and the student's directory as its teacher: the step trains on
+    completions the engine made (1 to 4 tokens each) and its loss is finite."""
+    (step,) = objective_steps(
+        two_layers, tmp_path, 1, "--objective=distill", f"--distill.teacher=hf::{two_layers}",
+        "--distill.lmbda=1", "--distill.max_new_tokens=4",
+        f"--train_dataset.json_dataset.path={prompts_file(tmp_path)}",
+        "--train_dataset.json_dataset.seq_length=16", "--train_dataset.json_dataset.batch_size=8")
+    assert step["data/distill/on_policy"] == 1.0
+    assert 1 <= step["data/completions/mean_length"] <= 4 and step["loss_tokens"] > 0
+    assert np.isfinite(step["loss"]) and np.isfinite(step["gradient_norm"])
+
+
+def prompts_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"the cat {i} sat on"}) + "\n"
+                            for i in range(16)))
+    return path
+
+
 # ------------------------------------------------------------------ serving
 # One engine program set for all serving tests: 2 slots of 32 positions, prompts up to 16
 # tokens prefilled 8 at a time (so a prompt's state crosses a chunk), 4 decode steps.
