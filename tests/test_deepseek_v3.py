@@ -218,3 +218,118 @@ def test_a_train_step_over_ep_equals_one_over_fsdp():
     assert np.any(biases[0])  # the bias moved from its zeros
     for a, b in zip(jax.tree.leaves(params[0]), jax.tree.leaves(params[1])):
         np.testing.assert_allclose(a, b, rtol=0, atol=rel * max(1.0, float(np.abs(b).max())))
+
+
+# MLA's projections by transformers' module names, the shared experts' and the dense MLP's
+# (gate_proj, up_proj, down_proj) and the routed experts' stacks (PEFT's target_parameters).
+MLA_TARGETS = (r"(q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|gate_proj|"
+               r"up_proj|down_proj)/kernel$|experts/(gate_up_proj|down_proj)$")
+
+
+def lora_logprobs(tmp_path, directory, targets, expected_modules, monkeypatch):
+    """Two steps of `python -m easylm.train --lora.*` on hf::`directory`, exported as a PEFT
+    adapter and merged: (transformers' base, the base + PEFT adapter, the merged export)
+    log-probabilities of 2 random rows of 40; the adapter's target_modules checked.
+
+    peft 0.21 reads target_modules gate_proj, up_proj and down_proj of a deepseek_v3 or
+    glm4_moe model as transformers 4's per-expert projections and moves them onto the fused
+    experts (`_convert_peft_config_moe`, at twice the rank), so adapters on the dense and
+    shared-expert MLPs, which transformers 5 still names so, would not load: that
+    conversion is left out here, the adapter loaded as written."""
+    import contextlib
+    import io
+    import json
+
+    from peft import PeftModel
+    from peft.utils import transformers_weight_conversion
+
+    monkeypatch.setattr(transformers_weight_conversion, "_convert_peft_config_moe",
+                        lambda config, model: None)
+
+    from easylm import convert_easylm_to_hf, train
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        train.main(["train", f"--load_checkpoint=hf::{directory}", "--tokenizer=embedded",
+                    "--total_steps=2", "--dtype=fp32", "--mesh_dim=1,1,-1",
+                    "--train_dataset.json_dataset.seq_length=32",
+                    "--train_dataset.json_dataset.batch_size=2", "--compilation_cache_dir=",
+                    f"--logger.output_dir={tmp_path / 'runs'}",
+                    "--optimizer.adamw_optimizer.lr=5e-2",
+                    "--optimizer.adamw_optimizer.lr_warmup_steps=0", "--lora.rank=4",
+                    "--lora.alpha=8", f"--lora.target_modules={targets}"])
+    final = out.getvalue().split("checkpoint: ")[1].split()[0]
+    for mode in ("adapter", "merged"):
+        with contextlib.redirect_stdout(io.StringIO()):
+            convert_easylm_to_hf.main(["convert", f"--load_checkpoint=params::{final}",
+                                       f"--output_dir={tmp_path / mode}",
+                                       f"--lora_mode={mode}", "--verify=False"])
+    written = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert sorted(written["target_modules"]) == sorted(expected_modules)
+    assert written["target_parameters"]  # the routed experts' gate_up_proj and down_proj
+    ids = torch.tensor(np.random.RandomState(2).randint(3, 512, (2, 40)))
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    base = load(directory, dtype=torch.float32).eval()
+    merged = load(tmp_path / "merged", dtype=torch.float32).eval()
+    with torch.no_grad():
+        before = torch.log_softmax(base(ids).logits, -1).numpy()
+        peft = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+        peft = torch.log_softmax(peft(ids).logits, -1).numpy()
+        merged = torch.log_softmax(merged(ids).logits, -1).numpy()
+    return before, peft, merged
+
+
+def test_lora_on_mla_and_experts_exports_a_peft_adapter_equal_to_the_merged(tmp_path, saved,
+                                                                           monkeypatch):
+    """LoRA through the train command on MLA's projections (q_a_proj, q_b_proj,
+    kv_a_proj_with_mqa, kv_b_proj, o_proj), the dense and shared MLPs and the routed
+    experts: the PEFT adapter loaded by peft onto transformers' base = the merged export.
+    Both are transformers' sums, the adapter's x A B added beside x W instead of folded in:
+    per layer a dozen reductions in sequence reordered, two more for the adapters; a
+    log-probability moves by twice the logits' error. The twin: the base alone."""
+    from numerics import assert_close, assert_differs, fp32_rel
+
+    _one_variant(saved)
+    directory, _, _, config, _ = saved
+    before, peft, merged = lora_logprobs(
+        tmp_path, directory, MLA_TARGETS,
+        ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj",
+         "up_proj", "down_proj"], monkeypatch)
+    rel = 2 * fp32_rel(max(config.hidden_size, config.intermediate_size, 40),
+                       14 * config.num_hidden_layers + 1)
+    scale = float(np.abs(merged).max())
+    assert_close(merged, peft, rel, scale)
+    assert_differs(before, peft, rel, scale)  # the adapters moved the log-probabilities
+
+
+def test_live_adapters_decode_absorbed_as_the_merged_model_computes(saved):
+    """Adapters served live on their base (GRPO's rollouts, the trainer's eval hook): the
+    24 tokens through an empty cache, few enough that kv_b_proj is absorbed (its kernel as
+    qwix computes it, W + s A B) = the merged model's full forward (expanded); the twin:
+    the base's."""
+    from easylm.models.mla import MultiHeadLatentAttention
+    from easylm.variants.adapters import Adapters
+    from easylm.variants.lora import LoraConfig, flat, nested
+
+    _one_variant(saved)
+    _, _, ids, config, params = saved
+    attention = MultiHeadLatentAttention(config.mla())
+    assert attention.absorbs(T, cache=True) and not attention.absorbs(T, cache=None)
+    lm = Adapters(FAMILY).lora_model(config, LoraConfig(rank=2, target_modules=MLA_TARGETS))
+    leaves = flat(lm.adapter_shapes)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    adapters = nested({path: 0.2 * jax.random.normal(key, leaf.shape)
+                       for key, (path, leaf) in zip(keys, leaves.items())})
+    base = lm.store_base(params)
+    merged = _logits_of(config, lm.merge(base, adapters), ids)
+    positions = jnp.broadcast_to(jnp.arange(T), ids.shape)
+    cache = FAMILY.bind(config).init_cache(ids.shape[0], T)
+    decoded, _ = jax.jit(lambda *a: lm.apply(*a))(base, adapters, jnp.asarray(ids), positions,
+                                                None, cache)
+    tol = 3 * _tolerance(merged)  # the adapters' two products a projection
+    np.testing.assert_allclose(decoded, merged, atol=tol, rtol=0)
+    assert np.abs(_logits_of(config, params, ids) - merged).max() > 100 * tol
+
+
+def _logits_of(config, params, ids):
+    return np.asarray(DeepseekV3ForCausalLM(config).apply({"params": params}, jnp.asarray(ids)))
