@@ -333,3 +333,60 @@ def test_live_adapters_decode_absorbed_as_the_merged_model_computes(saved):
 
 def _logits_of(config, params, ids):
     return np.asarray(DeepseekV3ForCausalLM(config).apply({"params": params}, jnp.asarray(ids)))
+
+
+def test_served_int8_logprobs_are_the_float_models_within_the_rounding(saved):
+    """--quantize=int8: every MLA projection (kv_b_proj absorbed as well as expanded), the
+    MLPs', the shared and routed experts' and the head are int8. Bound (as
+    tests/test_qwen3_5_int8.py derives it): a kernel off by a relative eps puts its matmul
+    off by eps, and a chain of n by n eps; n on the deepest path is 5 a layer (q_a then q_b
+    or kv_a then kv_b, o_proj; gate/up then down), then the head. The float model's expert
+    choices are replayed (routing is discontinuous). The engine's prompt log-probabilities
+    (prefilled, expanded) = the int8 forward's within the fp32 tolerance of
+    `_tolerance`, twice for a log-probability. Twins: kv_b_proj's scales 10% off leave
+    the bound; the float model's log-probabilities leave the engine's tolerance."""
+    from test_quantize import relative
+
+    from easylm.runtime.sharding import make_mesh
+    from easylm.serving import scoring
+    from easylm.serving.engine import Engine
+    from easylm.variants import quantize
+    from easylm.variants.lora import dequantize, flat, nested
+
+    _one_variant(saved)
+    _, _, ids, config, params = saved
+    model = quantize.int8_variant(FAMILY, config, jnp.float32, FAMILY.bind(config))
+    int8 = quantize.Int8Model(DeepseekV3ForCausalLM(config))
+    quantized = int8.quantize_sharded(params, FAMILY.partition_rules(config),
+                                      make_mesh("1,1,-1"))
+    q, p = flat(quantized), flat(params)
+    kernels = sorted(path for path, leaf in q.items() if hasattr(leaf, "array"))
+    for name in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
+                 "shared_experts/down_proj", "experts/gate_proj", "lm_head"):
+        assert any(name in path for path in kernels), name
+    eps = max(relative(dequantize(q[path]), p[path]) for path in kernels)
+    ids = jnp.asarray(ids)
+    floats = jax.jit(lambda p: FAMILY.bind(config).forward(p, ids, router_stats=True))(params)
+    routing, reference = floats.router_stats.experts, floats.logits
+    bound = (5 * config.num_hidden_layers + 1) * eps
+    expanded = jax.jit(lambda p: model.forward(p, ids, routing=routing).logits)
+    # T tokens into an empty cache: kv_b_proj absorbed, as in decoding
+    absorbed = jax.jit(lambda p: model.forward(p, ids, routing=routing,
+                                               cache=model.init_cache(ids.shape[0], T)).logits)
+    for forward in (expanded, absorbed):
+        assert relative(forward(quantized), reference) <= bound
+    path = [path for path in kernels if path.endswith("kv_b_proj/kernel")][0]
+    wrong = {**q, path: q[path].replace(array=q[path].array.replace(
+        scale=q[path].array.scale * 1.1))}
+    assert relative(absorbed(nested(wrong)), reference) > bound
+
+    prompt = [int(t) for t in np.asarray(ids[0])]
+    engine = Engine({"batch_size": 1, "seq_length": 32, "decode_steps": 4,
+                     "prefill_chunk_size": 16}, model, quantized)
+    ((logps, _),) = scoring.prompt_logprobs(engine, [prompt])
+    logits = jax.jit(lambda p: model.forward(p, ids[:1]).logits[0])(quantized)
+    expected = np.asarray(jax.nn.log_softmax(logits, -1))[np.arange(T - 1), prompt[1:]]
+    atol = 2 * _tolerance(logits)
+    np.testing.assert_allclose(np.array(logps[1:]), expected, rtol=0, atol=atol)
+    as_float = np.asarray(jax.nn.log_softmax(reference[0], -1))[np.arange(T - 1), prompt[1:]]
+    assert np.abs(as_float - expected).max() > 10 * atol
