@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from easylm.deepseek_v3 import hf
 from easylm.deepseek_v3.family import FAMILY
 from easylm.deepseek_v3.model import DeepseekV3ForCausalLM
+from easylm.serving.engine import Engine
 
 T = 24
 
@@ -390,3 +391,46 @@ def test_served_int8_logprobs_are_the_float_models_within_the_rounding(saved):
     np.testing.assert_allclose(np.array(logps[1:]), expected, rtol=0, atol=atol)
     as_float = np.asarray(jax.nn.log_softmax(reference[0], -1))[np.arange(T - 1), prompt[1:]]
     assert np.abs(as_float - expected).max() > 10 * atol
+
+
+def test_the_serving_plan_counts_the_latent_cache_and_xla_agrees():
+    """`--plan.serve_tokens`' cache: per slot and layer, C + R values a token (the latent
+    and the rotary key), not N (P + R + V) keys and values (the twin); the whole plan
+    against XLA's analysis of the engine's prefill (arguments + outputs - aliased +
+    temporaries; 256 tokens in chunks of 64). Measured at 1,024 tokens in chunks of 128:
+    planned 7.25 MB, XLA 7.21 MB."""
+    from easylm.serving.engine import Sampling
+    from easylm.serving.memory import serving_bytes
+
+    S = 256
+    config = FAMILY.from_preset("debug", max_position_embeddings=S)
+    model = FAMILY.bind(config)
+    sizes = {"dp": 1, "fsdp": 1, "sp": 1, "ep": 1, "mp": 1}
+    mla = config.mla()
+    expanded = mla.num_attention_heads * (mla.qk_head_dim + mla.v_head_dim)
+    for length in (S // 2, S):
+        planned = serving_bytes(model, sizes, jnp.bfloat16, 2, length, length, 64)["kv cache"]
+        assert planned == 2 * config.num_hidden_layers * length * mla.cache_width * 2
+        assert planned != 2 * config.num_hidden_layers * length * expanded * 2
+    params = jax.jit(model.init_params)(jax.random.PRNGKey(0))
+    engine = Engine({"batch_size": 1, "seq_length": S, "min_bucket": S,
+                     "prefill_chunk_size": 64}, model, params)
+    args = (engine.weights, engine.state, np.zeros((1, S), np.int32), np.full(1, S, np.int32),
+            np.zeros(1, np.int32), *Sampling.empty(1).arrays())
+    m = engine._prefill_fns[False].lower(*args).compile().memory_analysis()
+    xla = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+           + m.temp_size_in_bytes)
+    assert 0.8 < serving_bytes(model, sizes, jnp.float32, 1, S, S, 64)["total"] / xla < 1.25
+
+
+def test_moonlight_counts_as_its_card():
+    """moonlight_16b_a3b: 15.29B parameters and 2.24B active without the embedding and the
+    head (163,840 x 2,048 each), as its card counts; transformers builds the same count
+    from the exported config."""
+    config = FAMILY.from_preset("moonlight_16b_a3b")
+    table = config.vocab_size * config.hidden_size
+    assert round((config.num_parameters() - 2 * table) / 1e9, 2) == 15.29
+    assert round((config.num_matmul_parameters() - table) / 1e9, 2) == 2.24
+    with torch.device("meta"):
+        built = transformers.AutoModelForCausalLM.from_config(config.to_hf_config())
+    assert sum(p.numel() for p in built.parameters()) == config.num_parameters()
