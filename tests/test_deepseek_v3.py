@@ -434,3 +434,38 @@ def test_moonlight_counts_as_its_card():
     with torch.device("meta"):
         built = transformers.AutoModelForCausalLM.from_config(config.to_hf_config())
     assert sum(p.numel() for p in built.parameters()) == config.num_parameters()
+
+
+def test_routing_replay_matches_the_sampler_and_routing_anew_does_not():
+    """GRPO's routing replay (`--grpo.routing_replay=True`) on DeepSeek's sigmoid routers:
+    tests/test_routing_replay.py's check with the debug model's router columns tied to a
+    relative 1e-6 (choices decided at rounding level). The engine records each token's
+    choices while sampling; the training forward replaying them gives the sampler's
+    log-probabilities within twice the logits' fp32 error (per layer a dozen reductions in
+    sequence over the widest of D, F, C and T); routing anew does not."""
+    from types import SimpleNamespace
+
+    from numerics import assert_close, assert_differs, fp32_rel
+    from test_routing_replay import NEW, ROWS, TIE, sample, trainer_logps
+
+    from easylm.variants.lora import flat, nested
+
+    config = FAMILY.from_preset("debug", routed_bias_update_rate=0.0)
+    model = FAMILY.bind(config)
+    assert model.router_loss is not None  # what the GRPO objective asks of replay
+    params = flat(jax.jit(model.init_params)(jax.random.key(0)))
+    noise = jax.random.split(jax.random.key(1), len(params))
+    params = nested({path: x[:, :1] * (1 + TIE * jax.random.normal(key, x.shape))
+                     if path.endswith("router/kernel") else x
+                     for key, (path, x) in zip(noise, params.items())})
+    rows = sample(config, model, params)
+    fast = SimpleNamespace(forward=jax.jit(model.forward))  # what trainer_logps calls
+    moe_layers = config.num_hidden_layers - config.first_k_dense_replace
+    assert rows["routing"].shape[:2] == (ROWS, moe_layers) and NEW
+    logits = fast.forward(params, jnp.asarray(rows["input_tokens"])).logits
+    terms = max(config.hidden_size, config.moe_intermediate_size, config.kv_lora_rank,
+                rows["input_tokens"].shape[1])
+    atol = 2 * fp32_rel(terms, 12 * config.num_hidden_layers + 1) * float(jnp.abs(logits).max())
+    sampler = rows["sampling_logps"] * rows["loss_masks"]
+    assert_close(trainer_logps(fast, params, rows, rows["routing"]), sampler, atol, scale=1.0)
+    assert_differs(trainer_logps(fast, params, rows), sampler, atol, scale=1.0)
