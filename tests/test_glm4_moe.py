@@ -141,6 +141,7 @@ def test_lora_peft_adapter_on_transformers_base_equals_the_merged_export(tmp_pat
     monkeypatch.setattr(transformers_weight_conversion, "_convert_peft_config_moe",
                         lambda config, model: None)
     directory, model, config, params = saved
+    assert "lora" in FAMILY.variants  # --lora.* trains it (as tests/test_deepseek_v3.py's)
     family_adapters = Adapters(FAMILY)
     lm = family_adapters.lora_model(config, LoraConfig(rank=2, alpha=4.0))
     leaves = flat(lm.adapter_shapes)
