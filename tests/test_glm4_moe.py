@@ -122,6 +122,58 @@ def test_export_reloads_in_transformers_with_the_same_logprobs(tmp_path, saved):
         np.testing.assert_array_equal(a, b)
 
 
+def test_lora_peft_adapter_on_transformers_base_equals_the_merged_export(tmp_path, saved,
+                                                                        monkeypatch):
+    """Adapters (drawn at 0.2, so that a misplaced one shows) on every default target:
+    q/k/v/o, the dense and shared-expert MLPs, the routed experts (PEFT's
+    target_parameters). Their PEFT directory loaded by peft onto transformers' base = the
+    merged parameters written back and loaded by transformers (the dense and shared MLPs'
+    gate_proj, up_proj, down_proj loaded as written: peft 0.21 would move them onto the
+    fused experts, tests/test_deepseek_v3.py's `lora_logprobs` says why). The twin: the
+    base alone."""
+    from peft import PeftModel
+    from peft.utils import transformers_weight_conversion
+
+    from easylm.models.hf_checkpoint import write_safetensors
+    from easylm.variants.adapters import Adapters
+    from easylm.variants.lora import LoraConfig, flat, nested
+
+    monkeypatch.setattr(transformers_weight_conversion, "_convert_peft_config_moe",
+                        lambda config, model: None)
+    directory, model, config, params = saved
+    assert "lora" in FAMILY.variants  # --lora.* trains it (as tests/test_deepseek_v3.py's)
+    family_adapters = Adapters(FAMILY)
+    lm = family_adapters.lora_model(config, LoraConfig(rank=2, alpha=4.0))
+    leaves = flat(lm.adapter_shapes)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    adapters = nested({path: 0.2 * jax.random.normal(key, leaf.shape)
+                       for key, (path, leaf) in zip(keys, leaves.items())})
+    family_adapters.save_peft(str(tmp_path / "adapter"), lm, adapters, config)
+    (tmp_path / "merged").mkdir()
+    write_safetensors(FAMILY.hf.write_params(lm.merge(lm.store_base(params), adapters), config),
+                      str(tmp_path / "merged"))
+    config.to_hf_config().save_pretrained(tmp_path / "merged")
+    written = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert sorted(written["target_modules"]) == ["down_proj", "gate_proj", "k_proj", "o_proj",
+                                                  "q_proj", "up_proj", "v_proj"]
+    assert len(written["target_parameters"]) == 2 * (config.num_hidden_layers
+                                                     - config.first_k_dense_replace)
+    ids = torch.tensor(np.random.default_rng(2).integers(0, 512, (2, 40)))
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged",
+                                                               dtype=torch.float32).eval()
+    with torch.no_grad():
+        before = torch.log_softmax(model(ids).logits, -1).numpy()
+        merged = torch.log_softmax(merged(ids).logits, -1).numpy()
+        base = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+        peft = PeftModel.from_pretrained(base.eval(), tmp_path / "adapter").eval()
+        peft = torch.log_softmax(peft(ids).logits, -1).numpy()
+    # Both transformers' sums, x A B beside x W instead of folded in: `_logprob_atol`'s
+    # reductions, two more a layer for the adapters.
+    atol = _logprob_atol(config, merged, terms=2)
+    np.testing.assert_allclose(peft, merged, atol=atol, rtol=0)
+    assert np.abs(before - peft).max() > 100 * atol
+
+
 # ------------------------------------------------ aux-loss-free balancing in training
 
 RATE = 1e-2  # the bias moves this much a step: larger than the logits' rounding, so a

@@ -132,8 +132,8 @@ def test_hf_to_easylm_to_hf_is_bitwise_and_fused_tensors_read_the_same(case):
      "model_type 'deepseek_v2' is not built: its kv_lora_rank"),
     (dict(model_type="qwen2_moe"), "model_type 'qwen2_moe' is not built: its shared_expert"),
     (dict(model_type="qwen3_next"), "model_type 'qwen3_next' is not built: its layer_types"),
-    (dict(mlp_only_layers=[1]), "mlp_only_layers=\\[1\\] makes some layers' MLPs dense"),
-    (dict(decoder_sparse_step=2), "decoder_sparse_step=2 makes some layers' MLPs dense"),
+    (dict(mlp_only_layers="1"), "mlp_only_layers must be a list of layer indices"),
+    (dict(decoder_sparse_step=0), "llama.decoder_sparse_step must be >= 1"),
     (dict(model_type="mixtral", architectures=["MixtralForCausalLM"], router_jitter_noise=0.1),
      "router_jitter_noise=0.1"),
 ])
@@ -153,6 +153,56 @@ def test_moe_layouts_not_built_are_one_line_naming_the_field(tmp_path, changes, 
     elif "not built" in message:  # the generic commands' choice of family says the same
         with pytest.raises(UserError, match=f"^{path}: {message}"):
             registry.family_of(f"hf::{tmp_path}")
+
+
+def test_dense_layers_among_the_experts_serve_and_export_as_transformers(tmp_path):
+    """Qwen3-MoE with decoder_sparse_step=2 and mlp_only_layers=[1] (layers 0, 1, 2 a gated
+    MLP of intermediate_size, layer 3 experts), saved by transformers: the serving engine's
+    log-probabilities = transformers' (a log-probability moves by twice the logits' error,
+    `moe_rel`), also with scanned layers (one repeat of the 4-layer pattern); the twin
+    skips the dense MLPs (their down_proj zeroed). The export writes the file's tensors
+    back bit for bit and config.json's layout."""
+    import json
+
+    from easylm.serving.engine import Engine
+
+    config = moe_config("qwen3_moe", num_hidden_layers=4, decoder_sparse_step=2,
+                        mlp_only_layers="1")
+    assert config.layer_kinds() == ("dense", "dense", "dense", "full_attention")
+    model = hf_variant(config)
+    model.save_pretrained(tmp_path / "hf")
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (written["decoder_sparse_step"], written["mlp_only_layers"]) == (2, [1])
+    read, params = hf.load_hf_params(str(tmp_path / "hf"))
+    assert read == config
+    assert read.num_parameters() == sum(p.numel() for p in model.parameters())
+    tokens = np.random.RandomState(0).randint(0, config.vocab_size, 2 * T + 1)
+    with torch.no_grad():
+        logits = model(torch.tensor(tokens[None, :-1])).logits[0].double()
+    expected = torch.log_softmax(logits, -1)[np.arange(2 * T), tokens[1:]].numpy()
+    atol = 2 * moe_rel(config) * float(logits.abs().max())
+
+    def served(config, p):
+        engine = Engine({"batch_size": 1, "seq_length": 64}, FAMILY.bind(config), p)
+        return engine.score([tokens[:-1].tolist()], [tokens[1:].tolist()])[0][0]
+
+    assert_close(served(config, params), expected, rel=atol, scale=1.0)
+    scanned = config.replace(scan_layers=True)
+    stacked = hf.load_hf_params(str(tmp_path / "hf"), scan_layers=True)[1]
+    assert sorted(stacked["model"]["layers"]) == ["slot0", "slot1", "slot2", "slot3"]
+    assert_close(served(scanned, stacked), expected, rel=atol, scale=1.0)
+    from easylm.variants.lora import flat, nested
+
+    skipped = nested({path: jnp.zeros_like(x) if path.endswith("mlp/down_proj/kernel") else x
+                      for path, x in flat(params).items()})
+    assert_differs(served(config, skipped), expected, rel=atol, scale=1.0)
+    saved = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    for tree, layout in ((params, config), (stacked, scanned)):
+        back = dict(hf.to_hf(tree, layout))
+        assert sorted(back) == sorted(saved)
+        assert all(np.array_equal(back[key], saved[key]) for key in saved)
+    written = config.to_hf_config()
+    assert (written.decoder_sparse_step, written.mlp_only_layers) == (2, [1])
 
 
 @pytest.mark.parametrize("variant", ["qwen3_moe", "mixtral"])

@@ -179,6 +179,18 @@ DEEPSEEK_V3_PRESETS = {
                   topk_group=1, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48,
                   qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
                   max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+    # Moonlight-16B-A3B (Moonshot AI; DeepSeek-V3's model_type): MLA with one q_proj, 1
+    # dense layer then 26 of 64 routed experts (top 6) and 2 shared, one expert group.
+    # rope_theta, rms_norm_eps and the token ids written from knowledge of its config.json.
+    "moonlight_16b_a3b": dict(vocab_size=163840, hidden_size=2048, intermediate_size=11264,
+                              moe_intermediate_size=1408, num_hidden_layers=27,
+                              num_attention_heads=16, n_routed_experts=64, n_shared_experts=2,
+                              num_experts_per_tok=6, n_group=1, topk_group=1,
+                              first_k_dense_replace=1, routed_scaling_factor=2.446,
+                              kv_lora_rank=512, q_lora_rank=0, qk_rope_head_dim=64,
+                              qk_nope_head_dim=128, v_head_dim=128, rope_theta=50000.0,
+                              max_position_embeddings=8192, rms_norm_eps=1e-5,
+                              bos_token_id=163584, eos_token_id=163585),
     "deepseek_v3": dict(rope_type="yarn", rope_factor=40.0, rope_mscale=1.0,
                         rope_mscale_all_dim=1.0, max_position_embeddings=163840,
                         rope_beta_fast=32.0, rope_beta_slow=1.0),

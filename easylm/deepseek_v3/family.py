@@ -17,7 +17,7 @@ class DeepseekV3Family(ModelFamily):
     default_preset = "debug"
     tiny_preset = "debug"
     module_class = DeepseekV3ForCausalLM
-    variants = ("int8",)
+    variants = ("lora", "int8")
     hf = HFAdapter(model_types=("deepseek_v3",), read_config=hf.read_hf_config,
                    read_params=_read_params, write_params=hf.to_hf)
 

@@ -17,7 +17,7 @@ class Glm4MoeFamily(ModelFamily):
     default_preset = "debug"
     tiny_preset = "debug"
     module_class = Glm4MoeForCausalLM
-    variants = ("int8",)
+    variants = ("lora", "int8")
     hf = HFAdapter(model_types=("glm4_moe",), read_config=hf.read_hf_config,
                    read_params=_read_params, write_params=hf.to_hf)
 

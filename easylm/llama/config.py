@@ -107,6 +107,13 @@ class LLaMAConfig(ModelConfig):
     moe_capacity_factor: float = field(0.0, "an expert takes at most this x its even share "
                                             "of a batch shard's tokens, the rest dropped "
                                             "(counted in moe_dropped); 0: dropless")
+    # Qwen3-MoE's dense layers among the sparse (its config.json fields): layer i has
+    # experts iff i is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0; the
+    # others a gated MLP of intermediate_size (`layer_kinds`).
+    decoder_sparse_step: int = field(1, "every this-many-th layer has experts, the others a "
+                                        "dense MLP (qwen3_moe)")
+    mlp_only_layers: str = field("", "comma-separated layer indices with a dense MLP "
+                                     "(qwen3_moe), e.g. '0,1'")
     # Numerics.
     rope_theta: float = field(10000.0, "rotary embedding base")
     rope_scaling_type: str = field("none", "rotary frequency scaling: "
@@ -173,6 +180,17 @@ class LLaMAConfig(ModelConfig):
             raise UserError(f"llama.head_dim must be even for rotary embeddings, got {self.head_dim}")
 
     def _check_moe(self):
+        if self.decoder_sparse_step < 1:
+            raise UserError(f"llama.decoder_sparse_step must be >= 1, got "
+                            f"{self.decoder_sparse_step}")
+        dense = self.dense_layers()
+        if (self.decoder_sparse_step != 1 or dense) and self.model_type != "qwen3_moe":
+            raise UserError(f"llama.decoder_sparse_step={self.decoder_sparse_step}, "
+                            f"llama.mlp_only_layers={self.mlp_only_layers!r}: dense layers among "
+                            f"the experts are qwen3_moe's, not {self.model_type}'s")
+        if any(not 0 <= i < self.num_hidden_layers for i in dense):
+            raise UserError(f"llama.mlp_only_layers={self.mlp_only_layers!r}: a layer index "
+                            f"outside 0..{self.num_hidden_layers - 1}")
         moe = self.model_type in MOE_TYPES
         if moe != (self.num_experts > 0):
             raise UserError(
@@ -207,6 +225,24 @@ class LLaMAConfig(ModelConfig):
         """RMS norm (weights of size H) of each query and key head before rotary: Qwen3's."""
         return self.model_type in ("qwen3", "qwen3_moe")
 
+    def dense_layers(self) -> tuple[int, ...]:
+        """mlp_only_layers as indices."""
+        try:
+            return tuple(int(i) for i in self.mlp_only_layers.replace(" ", "").split(",") if i)
+        except ValueError:
+            raise UserError(f"llama.mlp_only_layers={self.mlp_only_layers!r}: expected "
+                            f"comma-separated layer indices") from None
+
+    def layer_kinds(self) -> tuple[str, ...]:
+        """Each layer's kind: "dense" where Qwen3-MoE's layout gives a layer a gated MLP
+        among the experts, else "full_attention" (every layer of a dense model, every
+        sparse layer)."""
+        if not self.num_experts:
+            return super().layer_kinds()
+        dense = set(self.dense_layers())
+        return tuple("dense" if i in dense or (i + 1) % self.decoder_sparse_step else
+                     "full_attention" for i in range(self.num_hidden_layers))
+
     @property
     def moe(self):
         """The mixture-of-experts block's config (easylm/models/moe.py), None: dense MLP."""
@@ -239,15 +275,16 @@ class LLaMAConfig(ModelConfig):
         d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q = self.num_attention_heads * self.head_dim
         kv = self.num_key_value_heads * self.head_dim
-        layer = d * (q + 2 * kv) + q * d + self._mlp_parameters() + self._vectors_per_layer()
+        layer = d * (q + 2 * kv) + q * d + self._vectors_per_layer()
         head = 0 if self.tie_word_embeddings else v * d
-        return v * d + self.num_hidden_layers * layer + d + head
+        mlps = sum(self._mlp_parameters(kind) for kind in self.layer_kinds())
+        return v * d + self.num_hidden_layers * layer + mlps + d + head
 
-    def _mlp_parameters(self, active: bool = False) -> int:
-        """One layer's MLP matrices: gate, up and down, of every expert (or, `active`, of
-        the K a token is routed to) and the router, or of the dense MLP."""
+    def _mlp_parameters(self, kind: str, active: bool = False) -> int:
+        """The MLP matrices of a layer of `kind`: gate, up and down, of every expert (or,
+        `active`, of the K a token is routed to) and the router, or of the dense MLP."""
         d = self.hidden_size
-        if not self.num_experts:
+        if not self.num_experts or kind == "dense":
             return 3 * d * self.intermediate_size
         experts = self.num_experts_per_tok if active else self.num_experts
         return experts * 3 * d * self.moe_intermediate_size + d * self.num_experts
@@ -255,8 +292,9 @@ class LLaMAConfig(ModelConfig):
     def num_active_parameters(self) -> int:
         """Parameters a token's forward pass reads: all but the experts it is not routed
         to (= num_parameters for a dense model)."""
-        inactive = self._mlp_parameters() - self._mlp_parameters(active=True)
-        return self.num_parameters() - self.num_hidden_layers * inactive
+        inactive = sum(self._mlp_parameters(kind) - self._mlp_parameters(kind, active=True)
+                       for kind in self.layer_kinds())
+        return self.num_parameters() - inactive
 
     def _vectors_per_layer(self) -> int:
         """A layer's parameters outside its matmuls: norms and biases."""
@@ -344,8 +382,9 @@ class LLaMAConfig(ModelConfig):
         if self.model_type == "mixtral":
             return dict(common, num_local_experts=self.num_experts)
         return dict(common, num_experts=self.num_experts, norm_topk_prob=self.norm_topk_prob,
-                    moe_intermediate_size=self.moe_intermediate_size, decoder_sparse_step=1,
-                    mlp_only_layers=[])
+                    moe_intermediate_size=self.moe_intermediate_size,
+                    decoder_sparse_step=self.decoder_sparse_step,
+                    mlp_only_layers=list(self.dense_layers()))
 
     def _hf_switches(self) -> dict:
         """The switches as this variant's config.json spells them."""
@@ -474,14 +513,13 @@ def _moe_from_hf(model_type: str, hf: dict, get) -> dict:
         return dict(out, num_experts=get("num_local_experts"), norm_topk_prob=True)
     # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts.
     experts = hf.get("num_experts", hf.get("num_local_experts", get("num_experts")))
-    step, dense = get("decoder_sparse_step"), get("mlp_only_layers") or []
-    if step != 1 or dense:
-        field = f"mlp_only_layers={dense}" if dense else f"decoder_sparse_step={step}"
-        raise UserError(f"{field} makes some layers' MLPs dense: layers mixing dense and "
-                        f"mixture-of-experts MLPs are not supported (every layer sparse: "
-                        f"decoder_sparse_step=1, mlp_only_layers=[])")
+    dense = get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
+        raise UserError(f"mlp_only_layers must be a list of layer indices, got {dense!r}")
     return dict(out, num_experts=experts, moe_intermediate_size=get("moe_intermediate_size"),
-                norm_topk_prob=bool(get("norm_topk_prob")))
+                norm_topk_prob=bool(get("norm_topk_prob")),
+                decoder_sparse_step=get("decoder_sparse_step"),
+                mlp_only_layers=",".join(map(str, dense)))
 
 
 def _sliding_window(model_type: str, get) -> int:

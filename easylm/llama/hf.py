@@ -27,7 +27,7 @@ from flax import traverse_util
 from easylm.errors import UserError
 from easylm.llama.config import ARCHITECTURES, MOE_TYPES, NOT_BUILT, LLaMAConfig
 from easylm.llama.model import LLaMAForCausalLM
-from easylm.models.decoder import stack_layers
+from easylm.models.decoder import period, relayout, stack_layers
 from easylm.models.hf_checkpoint import (HFTensors, hf_key, params_from_hf, read_config, some,
                                          to_numpy)
 from easylm.runtime.dtypes import cast_names
@@ -49,6 +49,8 @@ def to_hf(params, config: LLaMAConfig) -> Iterator[tuple[str, np.ndarray]]:
     """Yield (HF name, numpy tensor) one at a time, unstacking scanned layers lazily.
     Experts are written one tensor per expert, as transformers 5.24's save_pretrained
     writes them (and transformers 4 held them)."""
+    if period(LLaMAForCausalLM, config) > 1:  # dense and sparse layers: slots, unstacked here
+        params, config = relayout(params, False), config.replace(scan_layers=False)
     flat = traverse_util.flatten_dict(params, sep="/")
     for path in param_shapes(config):
         tensor = _unstacked(flat, path, config)
@@ -143,7 +145,7 @@ def from_hf(tensors: Mapping[str, Any], config: LLaMAConfig, dtype=None, source:
         flat.update(_experts_from_hf(tensors, shapes, config, source, dtype, place))
     params = traverse_util.unflatten_dict(flat, sep="/")
     if config.scan_layers:
-        params = stack_layers(params)
+        params = stack_layers(params, period(LLaMAForCausalLM, config))
     return params
 
 

@@ -108,7 +108,7 @@ class DecoderLayer(Sublayer):
         """The gated MLP, or with experts the mixture of them, whose routing statistics go
         to the "router" collection (`moe.router_stats` collects them)."""
         c = self.config
-        if not c.num_experts:
+        if not c.num_experts or self.kind == "dense":  # Qwen3-MoE's dense layers too
             return GatedMLP(c, self.dtype, self.param_dtype, fused=c.fused_mlp, bias=c.mlp_bias,
                             name="mlp")(x)
         out, stats = SparseMoE(c.moe, self.dtype, self.param_dtype, name="mlp")(x)
@@ -133,3 +133,11 @@ class LLaMAForCausalLM(CausalLM):
     @classmethod
     def window(cls, config: LLaMAConfig, kind: str) -> int:
         return config.sliding_window
+
+    @classmethod
+    def period(cls, config: LLaMAConfig) -> int:
+        """The shortest pattern of dense and sparse layers that repeats (Qwen3-MoE's
+        decoder_sparse_step; with mlp_only_layers, often the whole stack)."""
+        kinds = cls.layer_kinds(config)
+        return next(n for n in range(1, len(kinds) + 1)
+                    if all(kind == kinds[i % n] for i, kind in enumerate(kinds)))

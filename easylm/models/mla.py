@@ -138,20 +138,6 @@ class LatentCache(NamedTuple):
         return LatentCache(self.kv.at[rows, positions].set(kv.astype(self.kv.dtype)))
 
 
-class _Kernel(nn.Module):
-    """A dense layer's kernel alone (same name, shape and initialiser as nn.Dense's), for a
-    projection read as a tensor rather than applied (kv_b_proj, absorbed)."""
-
-    shape: tuple
-    initializer_range: float
-    param_dtype: jnp.dtype
-
-    @nn.compact
-    def __call__(self):
-        return self.param("kernel", nn.initializers.normal(self.initializer_range), self.shape,
-                          self.param_dtype)
-
-
 class MultiHeadLatentAttention(nn.Module):
     """x (B, T, D), cos and sin (B, T, R) (decoder.rotary_embedding of `config.rope()`),
     positions (B, T), mask (B, T, S) bool or None (causal; with a cache: key s seen from
@@ -178,12 +164,11 @@ class MultiHeadLatentAttention(nn.Module):
             kv = cache.kv.astype(self.dtype)
             if mask is None:
                 mask = jnp.arange(kv.shape[1])[None, None, :] <= positions[:, :, None]
-        w = _Kernel((c.kv_lora_rank, N * (P + V)), c.initializer_range, self.param_dtype,
-                    name="kv_b_proj")().astype(self.dtype).reshape(c.kv_lora_rank, N, P + V)
+        kv_b = self.dense(N * (P + V), "kv_b_proj")  # latent (..., C) -> (..., N (P + V))
         if self.absorbs(T, cache):
-            out = self.absorbed(q_nope, q_rope, kv, w, mask)
+            out = self.absorbed(q_nope, q_rope, kv, self.kv_b_kernel(kv_b), mask)
         else:
-            out = self.expanded(q_nope, q_rope, kv, w, mask)
+            out = self.expanded(q_nope, q_rope, kv, kv_b, mask)
         out = self.dense(c.hidden_size, "o_proj", c.attention_bias)(out.reshape(B, T, N * V))
         return out, cache
 
@@ -198,6 +183,19 @@ class MultiHeadLatentAttention(nn.Module):
         return nn.Dense(features, use_bias=bias, dtype=self.dtype, param_dtype=self.param_dtype,
                         kernel_init=nn.initializers.normal(self.config.initializer_range),
                         name=name)
+
+    def kv_b_kernel(self, kv_b) -> jax.Array:
+        """kv_b_proj's kernel (C, N, X) as its matmul computes with it, for absorbing. A
+        variant's kernel (LoRA's W + s A B, qwix intercepting the matmul; int8's, stored as
+        qwix's WithAux) is what kv_b_proj makes of the identity: C * C * N X multiply-adds a
+        call, which a plain kernel, read as it is, does not cost."""
+        c = self.config
+        C, N = c.kv_lora_rank, c.num_attention_heads
+        stored = self.variables.get("params", {}).get("kv_b_proj", {})
+        kernel = stored.get("kernel")
+        if "kernel_lora_a" in stored or hasattr(kernel, "array"):
+            kernel = kv_b(jnp.eye(C, dtype=self.dtype))
+        return kernel.astype(self.dtype).reshape(C, N, -1)
 
     def norm(self, name: str):
         return RMSNorm(LATENT_NORM_EPS, self.dtype, self.param_dtype, name=name)
@@ -233,11 +231,12 @@ class MultiHeadLatentAttention(nn.Module):
             x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
         return apply_rotary(x, cos, sin)
 
-    def expanded(self, q_nope, q_rope, kv, w, mask):
+    def expanded(self, q_nope, q_rope, kv, kv_b, mask):
         """kv_b_proj over every cached latent, then N-head attention: (B, T, N, V)."""
         c = self.config
         C, P, V = c.kv_lora_rank, c.qk_nope_head_dim, c.v_head_dim
-        keys_values = jnp.einsum("BSC,CNX->BSNX", kv[:, :, 0, :C], w)
+        B, S = kv.shape[:2]
+        keys_values = kv_b(kv[:, :, 0, :C]).reshape(B, S, c.num_attention_heads, P + V)
         k_nope, v = keys_values[..., :P], keys_values[..., P:]  # (B, S, N, P), (B, S, N, V)
         k_rope = jnp.broadcast_to(kv[:, :, :, C:], (*k_nope.shape[:3], c.qk_rope_head_dim))
         q = jnp.concatenate([q_nope, q_rope], axis=-1)  # (B, T, N, H)

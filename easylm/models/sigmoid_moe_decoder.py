@@ -60,10 +60,10 @@ class SigmoidMoEDecoderConfig(ModelConfig):
             if not ok:
                 raise UserError(f"--{family}.{message}")
 
-    def router_loss(self) -> RouterLoss | None:
-        """Routers' statistics (the step's expert load) only when the biases move."""
-        if not self.routed_bias_update_rate:
-            return None
+    def router_loss(self) -> RouterLoss:
+        """Nothing trained on (aux 0, as the other mixtures without output_router_logits):
+        the routers' statistics logged, the biases moved by them when the rate is set, and
+        a model with routers to record and replay (GRPO's routing replay)."""
         return RouterLoss(self.num_experts_per_tok, 0.0,
                           bias_update_rate=self.routed_bias_update_rate)
 

@@ -55,9 +55,10 @@ HELP = "weight-only quantization of the matmul kernels at load: none or int8 (pe
 # of an 8B model's weights. Gated DeltaNet's wide projections too (Qwen3.5's in_proj_qkv,
 # in_proj_z, Qwen3-Next's fused in_proj_qkvz, and out_proj); its per-head decay and
 # write-strength projections (in_proj_a/b/ba, D x heads) stay in the compute dtype, as
-# the routers do.
+# the routers do. Multi-head latent attention's (DeepSeek-V3) four besides o_proj.
 DEFAULT_TARGETS = (r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|lm_head|"
-                   r"in_proj_qkvz|in_proj_qkv|in_proj_z|out_proj)/kernel$")
+                   r"in_proj_qkvz|in_proj_qkv|in_proj_z|out_proj|"
+                   r"q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj)/kernel$")
 # A mixture of experts' stacked expert weights (easylm/models/moe.py), quantized here
 # rather than by qwix (see the module doc).
 EXPERT_STACKS = re.compile(r"experts/(gate_proj|up_proj|down_proj)$")
