@@ -24,12 +24,12 @@ KINDS = ["sliding_attention", "sliding_attention", "full_attention", "sliding_at
 EPS = np.finfo(np.float32).eps
 
 
-def _save(directory, moe: bool):
+def _save(directory, moe: bool, kinds=KINDS):
     torch.manual_seed(0)
     config = transformers.Gemma4TextConfig(
-        vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+        vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=len(kinds),
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
-        num_global_key_value_heads=1, sliding_window=8, layer_types=KINDS,
+        num_global_key_value_heads=1, sliding_window=8, layer_types=list(kinds),
         vocab_size_per_layer_input=V, hidden_size_per_layer_input=8, attention_k_eq_v=True,
         num_kv_shared_layers=2, initializer_range=0.2, final_logit_softcapping=30.0,
         max_position_embeddings=512, use_double_wide_mlp=moe, enable_moe_block=moe,
@@ -444,3 +444,54 @@ def test_routing_replay_reproduces_the_recorded_choices(saved):
     other = replay(params, (experts + 1) % config.num_experts)
     assert np.abs(np.asarray(other) - np.asarray(out.logits)).max() > 100 * _tolerance(
         np.asarray(out.logits))
+
+
+def _train_metrics(directory, output_dir, name, *flags):
+    """The logged steps of one step of `python -m easylm.train --load_checkpoint=hf::DIR`
+    (fp32, 8 packed rows of 32 tokens with their segment ids), run in process."""
+    import contextlib
+    import io
+    import json
+
+    from easylm import train
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        train.main(["train", f"--load_checkpoint=hf::{directory}", "--tokenizer=embedded",
+                    "--total_steps=1", "--log_freq=1", "--dtype=fp32", "--save_model_freq=0",
+                    "--train_dataset.json_dataset.seq_length=32",
+                    "--train_dataset.json_dataset.batch_size=8",
+                    "--train_dataset.json_dataset.segment_ids=True",
+                    f"--compilation_cache_dir={output_dir}/xla",
+                    f"--logger.output_dir={output_dir}", f"--logger.experiment_id={name}",
+                    *flags])
+    with open(f"{output_dir}/{name}/metrics.jsonl") as f:
+        return [row for row in map(json.loads, f) if "loss" in row]
+
+
+def test_sequence_parallel_training_equals_unsplit(tmp_path):
+    """`python -m easylm.train --mesh_dim=dp=1,fsdp=2,sp=4` (the ring: the window of 8
+    shorter than the packed rows of 32, the shared layers attending over their producer's
+    split keys/values, the per-layer inputs split with the tokens) = `--mesh_dim=1,8,1`:
+    the first step's loss and gradient norm. Four layers (sliding, full, and one shared of
+    each), dense: the ring's compile is most of the time. Twin: the directory with its
+    per-layer input table zeroed, under sp, is not that."""
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    directory = tmp_path / "gemma4"
+    model = _save(directory, False, KINDS[1:3] * 2)
+    assert model.config.num_kv_shared_layers == 2
+    sp = ["--mesh_dim=dp=1,fsdp=2,sp=4", "--context_parallel=ring"]
+    whole = _train_metrics(directory, tmp_path, "whole", "--mesh_dim=1,8,1")[0]
+    split = _train_metrics(directory, tmp_path, "split", *sp)[0]
+    print(f"loss {split['loss']:.8g} (sp=4) {whole['loss']:.8g} (unsplit); gradient norm "
+          f"{split['gradient_norm']:.8g} {whole['gradient_norm']:.8g}")
+    # fp32 through 4 layers, sums over 8 x 32 tokens: as _tolerance, relative; the gradient
+    # norm a backward pass (about twice the reductions) deeper.
+    rel = 128 * EPS
+    assert split["loss"] == pytest.approx(whole["loss"], rel=rel)
+    assert split["gradient_norm"] == pytest.approx(whole["gradient_norm"], rel=2 * rel)
+    with torch.no_grad():
+        model.model.embed_tokens_per_layer.weight.zero_()
+    model.save_pretrained(tmp_path / "no_ple")
+    twin = _train_metrics(tmp_path / "no_ple", tmp_path, "twin", *sp)[0]  # the same program
+    assert twin["loss"] != pytest.approx(whole["loss"], rel=rel)

@@ -40,10 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from easylm.errors import UserError
 from easylm.gemma4.config import Gemma4Config
 from easylm.models import moe
-from easylm.models.context_parallel import SplitSequence
 from easylm.models.decoder import (
     Attention,
     CACHE_PARTITION_RULES,
@@ -162,10 +160,6 @@ class DecoderLayer(Sublayer):
     def __call__(self, stream, context, positions=None, cache=None):
         c = self.config
         cos, sin, mask = context
-        if isinstance(mask, SplitSequence):
-            raise UserError("gemma4: sequence parallelism (sp > 1) is not supported yet "
-                            "(untested with the shared keys/values and per-layer inputs); "
-                            "use sp=1")
         kind = base_kind(self.kind)
         x = stream["x"]
         kw = dict(config=c, dtype=self.dtype, param_dtype=self.param_dtype, norm_class=RMSNorm)
@@ -190,7 +184,7 @@ class DecoderLayer(Sublayer):
         scalar = self.param("layer_scalar", nn.initializers.ones, (1,), self.param_dtype)
         # A buffer in transformers: read from the checkpoint, never trained.
         out["x"] = constrain(x * jax.lax.stop_gradient(scalar).astype(self.dtype),
-                             P(BATCH_AXES, None, None))
+                             P(BATCH_AXES, "sp", None))
         if c.num_kv_shared_layers and not self.kind.startswith(SHARED):
             out["kv"] = {**stream["kv"], kind: kv}
         return out, cache
