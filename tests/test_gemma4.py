@@ -385,8 +385,8 @@ def test_counted_parameters_are_the_built_ones(saved):
 def test_scan_and_unreadable_configs_are_one_line_errors(tmp_path):
     from easylm.errors import UserError
 
-    with pytest.raises(UserError, match="scan_layers is not supported"):
-        FAMILY.from_preset("debug", scan_layers=True)
+    with pytest.raises(UserError, match="scan_layers needs hidden_size_per_layer_input=0"):
+        FAMILY.from_preset("debug", scan_layers=True)  # per-layer inputs and KV sharing
     with pytest.raises(UserError, match="loss_chunk_size is not supported"):
         FAMILY.from_preset("debug", final_logit_softcapping=30.0, loss_chunk_size=8)
     with pytest.raises(UserError, match="use_bidirectional_attention='all'"):
@@ -395,6 +395,44 @@ def test_scan_and_unreadable_configs_are_one_line_errors(tmp_path):
     config = FAMILY.config_class.from_hf_config({"model_type": "gemma4_text",
                                                  "hidden_size_per_layer_input": None})
     assert config.hidden_size_per_layer_input == 0  # null: no per-layer inputs, as HF
+
+
+def test_scanned_layers_equal_the_layers_one_by_one():
+    """`--gemma4.scan_layers` on a model with neither per-layer inputs nor KV sharing (as
+    26B-A4B; dense here, the MoE block's router stats being stacked by the shared scan
+    as other MoE families'): the pattern (sliding, full) stacked and scanned twice as one
+    block, the 5th layer (the last, always full) unscanned after it. The next-token loss and its gradients (laid out one by one) equal the unscanned model's;
+    twin: the two repeats stacked in the other order."""
+    from easylm.models.family import layout
+    from easylm.objectives.next_token import next_token_sums
+
+    config = FAMILY.from_preset(
+        "debug", num_hidden_layers=5, layer_types=",".join(KINDS[1:3] * 2 + KINDS[:1]),
+        hidden_size_per_layer_input=0, num_kv_shared_layers=0, initializer_range=0.2)
+    scanned = config.replace(scan_layers=True)
+    assert FAMILY.module_class.period(config) == 2
+    ids = np.asarray([_prompt(24, 40), _prompt(24, 41)])
+    batch = dict(input_tokens=jnp.asarray(ids), target_tokens=jnp.asarray(np.roll(ids, -1, 1)),
+                 loss_masks=jnp.ones(ids.shape, jnp.float32))
+
+    def loss_and_grads(c):
+        return jax.jit(jax.value_and_grad(lambda p: next_token_sums(
+            FAMILY.bind(c), p, batch, None).means()["loss"]))
+
+    params = jax.jit(FAMILY.bind(config).init_params)(jax.random.key(0))
+    stacked = layout(FAMILY, params, scanned)
+    assert set(stacked["model"]["layers"]) == {"slot0", "slot1"} and "tail4" in stacked["model"]
+    loss, grads = loss_and_grads(config)(params)
+    scanned_step = loss_and_grads(scanned)
+    got, got_grads = scanned_step(stacked)
+    atol = 128 * EPS * float(loss)  # as the training-loss test
+    assert abs(float(got) - float(loss)) <= atol
+    got_grads = layout(FAMILY, got_grads, config)
+    for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(grads)):  # twice as deep
+        np.testing.assert_allclose(a, b, atol=256 * EPS * float(np.abs(b).max()), rtol=0)
+    swapped = {**stacked, "model": {**stacked["model"], "layers": jax.tree.map(
+        lambda x: x[::-1], stacked["model"]["layers"])}}
+    assert abs(float(scanned_step(swapped)[0]) - float(loss)) > 100 * atol
 
 
 @pytest.mark.parametrize("mesh_dim", ["fsdp=2,ep=4"])
