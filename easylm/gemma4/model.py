@@ -22,7 +22,8 @@ through easylm/models/moe.py's grouped matmul.
 
 What passes from layer to layer (`layer_stream`): {"x": (B, T, D), "per_layer": (B, T,
 L', P) the inputs of the layers still to run, "kv": {kind: (k, v)} the last keys and
-values of each kind}; the layers are therefore not scanned.
+values of each kind}; a scan carries it only when it is x and an empty "kv" (no per-layer
+inputs, no KV sharing; the config refuses scan_layers otherwise, docs/families.md).
 
 Parameter names are transformers' (`model/layers/<i>/self_attn/q_proj/kernel`,
 `model/layers/<i>/router/kernel` for router.proj, `model/layers/<i>/experts/gate_proj`
