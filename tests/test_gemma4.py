@@ -435,7 +435,7 @@ def test_scanned_layers_equal_the_layers_one_by_one():
     assert abs(float(scanned_step(swapped)[0]) - float(loss)) > 100 * atol
 
 
-@pytest.mark.parametrize("mesh_dim", ["fsdp=2,ep=4"])
+@pytest.mark.parametrize("mesh_dim", ["fsdp=2,ep=4", "fsdp=8"])
 def test_expert_parallel_logits_equal_one_device(saved, mesh_dim):
     """The MoE model sharded by its partition rules on 8 devices (experts split 4 ways,
     tokens to their experts by all-to-all) = one device's logits."""
