@@ -65,8 +65,8 @@ _RULES = moe.PARTITION_RULES + (
     (r"mlp/(gate_proj|up_proj)/kernel", P("fsdp", "mp")),
     (r"mlp/down_proj/kernel", P("mp", "fsdp")),
     (r"per_layer_input_gate/kernel", P("fsdp", None)),
-    (r"per_layer_projection/kernel", P(None, "fsdp")),
-    (r"model/per_layer_model_projection/kernel", P("fsdp", None)),
+    (r"per_layer_projection/kernel", P("fsdp", None)),
+    (r"model/per_layer_model_projection/kernel", P(None, "fsdp")),
     (r"(norm|norm_1|norm_2)/weight$", P(None)),
     (r"(layer_scalar|router/scale|router/per_expert_scale)$", P(None)),
 )
