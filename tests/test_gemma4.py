@@ -24,12 +24,12 @@ KINDS = ["sliding_attention", "sliding_attention", "full_attention", "sliding_at
 EPS = np.finfo(np.float32).eps
 
 
-def _save(directory, moe: bool):
+def _save(directory, moe: bool, kinds=KINDS):
     torch.manual_seed(0)
     config = transformers.Gemma4TextConfig(
-        vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+        vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=len(kinds),
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
-        num_global_key_value_heads=1, sliding_window=8, layer_types=KINDS,
+        num_global_key_value_heads=1, sliding_window=8, layer_types=list(kinds),
         vocab_size_per_layer_input=V, hidden_size_per_layer_input=8, attention_k_eq_v=True,
         num_kv_shared_layers=2, initializer_range=0.2, final_logit_softcapping=30.0,
         max_position_embeddings=512, use_double_wide_mlp=moe, enable_moe_block=moe,
@@ -385,8 +385,8 @@ def test_counted_parameters_are_the_built_ones(saved):
 def test_scan_and_unreadable_configs_are_one_line_errors(tmp_path):
     from easylm.errors import UserError
 
-    with pytest.raises(UserError, match="scan_layers is not supported"):
-        FAMILY.from_preset("debug", scan_layers=True)
+    with pytest.raises(UserError, match="scan_layers needs hidden_size_per_layer_input=0"):
+        FAMILY.from_preset("debug", scan_layers=True)  # per-layer inputs and KV sharing
     with pytest.raises(UserError, match="loss_chunk_size is not supported"):
         FAMILY.from_preset("debug", final_logit_softcapping=30.0, loss_chunk_size=8)
     with pytest.raises(UserError, match="use_bidirectional_attention='all'"):
@@ -397,7 +397,45 @@ def test_scan_and_unreadable_configs_are_one_line_errors(tmp_path):
     assert config.hidden_size_per_layer_input == 0  # null: no per-layer inputs, as HF
 
 
-@pytest.mark.parametrize("mesh_dim", ["fsdp=2,ep=4"])
+def test_scanned_layers_equal_the_layers_one_by_one():
+    """`--gemma4.scan_layers` on a model with neither per-layer inputs nor KV sharing (as
+    26B-A4B; dense here, the MoE block's router stats being stacked by the shared scan
+    as other MoE families'): the pattern (sliding, full) stacked and scanned twice as one
+    block, the 5th layer (the last, always full) unscanned after it. The next-token loss and its gradients (laid out one by one) equal the unscanned model's;
+    twin: the two repeats stacked in the other order."""
+    from easylm.models.family import layout
+    from easylm.objectives.next_token import next_token_sums
+
+    config = FAMILY.from_preset(
+        "debug", num_hidden_layers=5, layer_types=",".join(KINDS[1:3] * 2 + KINDS[:1]),
+        hidden_size_per_layer_input=0, num_kv_shared_layers=0, initializer_range=0.2)
+    scanned = config.replace(scan_layers=True)
+    assert FAMILY.module_class.period(config) == 2
+    ids = np.asarray([_prompt(24, 40), _prompt(24, 41)])
+    batch = dict(input_tokens=jnp.asarray(ids), target_tokens=jnp.asarray(np.roll(ids, -1, 1)),
+                 loss_masks=jnp.ones(ids.shape, jnp.float32))
+
+    def loss_and_grads(c):
+        return jax.jit(jax.value_and_grad(lambda p: next_token_sums(
+            FAMILY.bind(c), p, batch, None).means()["loss"]))
+
+    params = jax.jit(FAMILY.bind(config).init_params)(jax.random.key(0))
+    stacked = layout(FAMILY, params, scanned)
+    assert set(stacked["model"]["layers"]) == {"slot0", "slot1"} and "tail4" in stacked["model"]
+    loss, grads = loss_and_grads(config)(params)
+    scanned_step = loss_and_grads(scanned)
+    got, got_grads = scanned_step(stacked)
+    atol = 128 * EPS * float(loss)  # as the training-loss test
+    assert abs(float(got) - float(loss)) <= atol
+    got_grads = layout(FAMILY, got_grads, config)
+    for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(grads)):  # twice as deep
+        np.testing.assert_allclose(a, b, atol=256 * EPS * float(np.abs(b).max()), rtol=0)
+    swapped = {**stacked, "model": {**stacked["model"], "layers": jax.tree.map(
+        lambda x: x[::-1], stacked["model"]["layers"])}}
+    assert abs(float(scanned_step(swapped)[0]) - float(loss)) > 100 * atol
+
+
+@pytest.mark.parametrize("mesh_dim", ["fsdp=2,ep=4", "fsdp=8"])
 def test_expert_parallel_logits_equal_one_device(saved, mesh_dim):
     """The MoE model sharded by its partition rules on 8 devices (experts split 4 ways,
     tokens to their experts by all-to-all) = one device's logits."""
@@ -444,3 +482,54 @@ def test_routing_replay_reproduces_the_recorded_choices(saved):
     other = replay(params, (experts + 1) % config.num_experts)
     assert np.abs(np.asarray(other) - np.asarray(out.logits)).max() > 100 * _tolerance(
         np.asarray(out.logits))
+
+
+def _train_metrics(directory, output_dir, name, *flags):
+    """The logged steps of one step of `python -m easylm.train --load_checkpoint=hf::DIR`
+    (fp32, 8 packed rows of 32 tokens with their segment ids), run in process."""
+    import contextlib
+    import io
+    import json
+
+    from easylm import train
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        train.main(["train", f"--load_checkpoint=hf::{directory}", "--tokenizer=embedded",
+                    "--total_steps=1", "--log_freq=1", "--dtype=fp32", "--save_model_freq=0",
+                    "--train_dataset.json_dataset.seq_length=32",
+                    "--train_dataset.json_dataset.batch_size=8",
+                    "--train_dataset.json_dataset.segment_ids=True",
+                    f"--compilation_cache_dir={output_dir}/xla",
+                    f"--logger.output_dir={output_dir}", f"--logger.experiment_id={name}",
+                    *flags])
+    with open(f"{output_dir}/{name}/metrics.jsonl") as f:
+        return [row for row in map(json.loads, f) if "loss" in row]
+
+
+def test_sequence_parallel_training_equals_unsplit(tmp_path):
+    """`python -m easylm.train --mesh_dim=dp=1,fsdp=2,sp=4` (the ring: the window of 8
+    shorter than the packed rows of 32, the shared layers attending over their producer's
+    split keys/values, the per-layer inputs split with the tokens) = `--mesh_dim=1,8,1`:
+    the first step's loss and gradient norm. Four layers (sliding, full, and one shared of
+    each), dense: the ring's compile is most of the time. Twin: the directory with its
+    per-layer input table zeroed, under sp, is not that."""
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    directory = tmp_path / "gemma4"
+    model = _save(directory, False, KINDS[1:3] * 2)
+    assert model.config.num_kv_shared_layers == 2
+    sp = ["--mesh_dim=dp=1,fsdp=2,sp=4", "--context_parallel=ring"]
+    whole = _train_metrics(directory, tmp_path, "whole", "--mesh_dim=1,8,1")[0]
+    split = _train_metrics(directory, tmp_path, "split", *sp)[0]
+    print(f"loss {split['loss']:.8g} (sp=4) {whole['loss']:.8g} (unsplit); gradient norm "
+          f"{split['gradient_norm']:.8g} {whole['gradient_norm']:.8g}")
+    # fp32 through 4 layers, sums over 8 x 32 tokens: as _tolerance, relative; the gradient
+    # norm a backward pass (about twice the reductions) deeper.
+    rel = 128 * EPS
+    assert split["loss"] == pytest.approx(whole["loss"], rel=rel)
+    assert split["gradient_norm"] == pytest.approx(whole["gradient_norm"], rel=2 * rel)
+    with torch.no_grad():
+        model.model.embed_tokens_per_layer.weight.zero_()
+    model.save_pretrained(tmp_path / "no_ple")
+    twin = _train_metrics(tmp_path / "no_ple", tmp_path, "twin", *sp)[0]  # the same program
+    assert twin["loss"] != pytest.approx(whole["loss"], rel=rel)

@@ -43,7 +43,8 @@ _EXPERTS = ("experts/gate_proj", "experts/up_proj", "experts/down_proj")
 
 def param_shapes(config: Gemma4Config) -> dict[str, tuple[int, ...]]:
     """Parameter path -> shape (nothing allocated)."""
-    shapes = jax.eval_shape(Gemma4ForCausalLM(config).init_params, jax.random.PRNGKey(0))
+    shapes = jax.eval_shape(Gemma4ForCausalLM(config.replace(scan_layers=False)).init_params,
+                            jax.random.PRNGKey(0))
     return {path: leaf.shape for path, leaf in traverse_util.flatten_dict(shapes, sep="/").items()}
 
 

@@ -22,7 +22,8 @@ through easylm/models/moe.py's grouped matmul.
 
 What passes from layer to layer (`layer_stream`): {"x": (B, T, D), "per_layer": (B, T,
 L', P) the inputs of the layers still to run, "kv": {kind: (k, v)} the last keys and
-values of each kind}; the layers are therefore not scanned.
+values of each kind}; a scan carries it only when it is x and an empty "kv" (no per-layer
+inputs, no KV sharing; the config refuses scan_layers otherwise, docs/families.md).
 
 Parameter names are transformers' (`model/layers/<i>/self_attn/q_proj/kernel`,
 `model/layers/<i>/router/kernel` for router.proj, `model/layers/<i>/experts/gate_proj`
@@ -40,10 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from easylm.errors import UserError
 from easylm.gemma4.config import Gemma4Config
 from easylm.models import moe
-from easylm.models.context_parallel import SplitSequence
 from easylm.models.decoder import (
     Attention,
     CACHE_PARTITION_RULES,
@@ -52,6 +51,7 @@ from easylm.models.decoder import (
     RMSNorm as _RMSNorm,
     Sublayer,
     apply_rotary,
+    pattern_period,
     write_cache,
 )
 from easylm.runtime.sharding import BATCH_AXES, constrain
@@ -65,8 +65,8 @@ _RULES = moe.PARTITION_RULES + (
     (r"mlp/(gate_proj|up_proj)/kernel", P("fsdp", "mp")),
     (r"mlp/down_proj/kernel", P("mp", "fsdp")),
     (r"per_layer_input_gate/kernel", P("fsdp", None)),
-    (r"per_layer_projection/kernel", P(None, "fsdp")),
-    (r"model/per_layer_model_projection/kernel", P("fsdp", None)),
+    (r"per_layer_projection/kernel", P("fsdp", None)),
+    (r"model/per_layer_model_projection/kernel", P(None, "fsdp")),
     (r"(norm|norm_1|norm_2)/weight$", P(None)),
     (r"(layer_scalar|router/scale|router/per_expert_scale)$", P(None)),
 )
@@ -162,10 +162,6 @@ class DecoderLayer(Sublayer):
     def __call__(self, stream, context, positions=None, cache=None):
         c = self.config
         cos, sin, mask = context
-        if isinstance(mask, SplitSequence):
-            raise UserError("gemma4: sequence parallelism (sp > 1) is not supported yet "
-                            "(untested with the shared keys/values and per-layer inputs); "
-                            "use sp=1")
         kind = base_kind(self.kind)
         x = stream["x"]
         kw = dict(config=c, dtype=self.dtype, param_dtype=self.param_dtype, norm_class=RMSNorm)
@@ -190,7 +186,7 @@ class DecoderLayer(Sublayer):
         scalar = self.param("layer_scalar", nn.initializers.ones, (1,), self.param_dtype)
         # A buffer in transformers: read from the checkpoint, never trained.
         out["x"] = constrain(x * jax.lax.stop_gradient(scalar).astype(self.dtype),
-                             P(BATCH_AXES, None, None))
+                             P(BATCH_AXES, "sp", None))
         if c.num_kv_shared_layers and not self.kind.startswith(SHARED):
             out["kv"] = {**stream["kv"], kind: kv}
         return out, cache
@@ -225,6 +221,15 @@ class Gemma4ForCausalLM(CausalLM):
     def layer_kinds(cls, config: Gemma4Config) -> tuple[str, ...]:
         return tuple(SHARED + kind if shared else kind
                      for kind, shared in zip(config.layer_kinds(), config.kv_shared()))
+
+    @classmethod
+    def period(cls, config: Gemma4Config) -> int:
+        """The shortest pattern of kinds the layers repeat (every 6th full: 6), what a scan
+        stacks as one block (`--gemma4.scan_layers`); the layers past its last whole
+        repeat are the unscanned tail."""
+        kinds = cls.layer_kinds(config)
+        return next((n for n in range(1, len(kinds) // 2 + 1)
+                     if pattern_period(kinds, n) == n), len(kinds))
 
     @classmethod
     def inv_freq(cls, config: Gemma4Config, kind: str):
