@@ -424,23 +424,7 @@ class Rollouts:
         o, objective = self.options, self.objective
         G, valid = o.num_generations, prompts["prompt_lengths"] > 0
         pad = objective.tokenizer.pad_token_id or 0
-        episodes, shown = [], []
-        for b, example in enumerate(prompts["examples"]):
-            for _ in range(G):
-                if not valid[b]:
-                    episodes.append(episodes_lib.Episode(None, [], [pad], [False], [0.0]))
-                    shown.append([])
-                    continue
-                env = objective.environment()
-                messages = list(env.reset(dict(example)))
-                ids = objective.renderer.ids(messages, True)
-                if len(ids) >= T:
-                    raise UserError(f"a prompt rendered with the chat template (and the tools' "
-                                    f"schemas) is {len(ids)} tokens, which leaves no room in "
-                                    f"rows of seq_length={T}")
-                episodes.append(episodes_lib.Episode(env, messages, ids, [False] * len(ids),
-                                                     [0.0] * len(ids)))
-                shown.append(list(messages))
+        episodes, shown = self._episodes(prompts["examples"], valid, T, pad)
         engine, sampling = self._ready_engine(state, len(episodes), T, where)
         began = time.perf_counter()
         try:
@@ -478,6 +462,29 @@ class Rollouts:
             "rollout/tool_calls": float(sum(getattr(v, "calls", 0) for v in envs)),
             "rollout/tool_errors": float(sum(getattr(v, "errors", 0) for v in envs))})
         return batch, metrics
+
+    def _episodes(self, examples, valid, T: int, pad: int):
+        """(G new episodes of each example, each one's prompt messages): an environment
+        each, reset on its example; a padding row's (not `valid`) has none."""
+        objective, G = self.objective, self.options.num_generations
+        episodes, shown = [], []
+        for b, example in enumerate(examples):
+            for _ in range(G):
+                if not valid[b]:
+                    episodes.append(episodes_lib.Episode(None, [], [pad], [False], [0.0]))
+                    shown.append([])
+                    continue
+                env = objective.environment()
+                messages = list(env.reset(dict(example)))
+                ids = objective.renderer.ids(messages, True)
+                if len(ids) >= T:
+                    raise UserError(f"a prompt rendered with the chat template (and the tools' "
+                                    f"schemas) is {len(ids)} tokens, which leaves no room in "
+                                    f"rows of seq_length={T}")
+                episodes.append(episodes_lib.Episode(env, messages, ids, [False] * len(ids),
+                                                     [0.0] * len(ids)))
+                shown.append(list(messages))
+        return episodes, shown
 
     def informative_rollout(self, state, prompts, data_metrics, data, T: int, step: int):
         """(host batch, metrics, the last prompts' data metrics): DAPO's dynamic sampling.
