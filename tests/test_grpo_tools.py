@@ -105,9 +105,9 @@ S = 64  # the row: every episode's tokens
 
 @pytest.fixture(scope="module")
 def rollouts(tools_module):
-    """(model, params, tokenizer, renderer, {keep_cache: episodes}): 8 episodes of up to
-    3 turns of <= 6 tokens, sampled at temperature 1 on one engine, once extending the
-    kept cache and once re-prefilling each conversation."""
+    """(model, params, tokenizer, renderer, {keep_cache: episodes}, engine): 8 episodes of
+    up to 3 turns of <= 6 tokens, sampled at temperature 1 on one engine, once extending
+    the kept cache and once re-prefilling each conversation."""
     _, module = tools_module
     tokenizer = make_tokenizer()
     config = LLaMAConfig.from_preset("debug", vocab_size=VOCAB, initializer_range=0.05)  # flat
@@ -137,7 +137,7 @@ def rollouts(tools_module):
         episodes_lib.run_episodes(engine, eps, sampling, 6, 3, renderer, tokenizer,
                                   keep_cache=keep)
         out[keep] = eps
-    return model, params, tokenizer, renderer, out
+    return model, params, tokenizer, renderer, out, engine
 
 
 def multi_turn(eps):
@@ -163,7 +163,7 @@ def test_rows_are_the_sampled_ids_and_the_template_deltas(rollouts):
     text between the model's turns tokenized, each turn the ids it sampled (whatever their
     text: a sampled <pad> stays), its EOS sampled or, when cut, context. The tools' answers
     are all there: a result, an exception, a timeout and bad JSON, each a tool message."""
-    _, _, tokenizer, renderer, out = rollouts
+    _, _, tokenizer, renderer, out, _ = rollouts
     contents = []
 
     def encode(text):
@@ -194,7 +194,8 @@ def test_rows_are_the_sampled_ids_and_the_template_deltas(rollouts):
     for expected in ("5", "error: boom raised RuntimeError: kaboom",
                      "error: the call to hang timed out after 0.2 s",
                      "error: the tool call is not valid JSON"):
-        assert any(c.startswith(expected) for c in contents), (expected, collections.Counter(c[:30] for c in contents))
+        seen = collections.Counter(c[:30] for c in contents)
+        assert any(c.startswith(expected) for c in contents), (expected, seen)
 
 
 def test_only_the_models_tokens_carry_loss(rollouts):
@@ -234,7 +235,7 @@ def test_later_turns_on_the_kept_cache_are_a_fresh_forward(rollouts):
     whole conversation without a cache. Tolerance: the forward's fp32 reordering
     (numerics.forward_rel) of the log-probabilities' magnitude. Negative twin: the same
     forward with the tools' tokens blanked (what a cache that missed them would see)."""
-    model, params, _, _, out = rollouts
+    model, params, _, _, out, _ = rollouts
     config = model.config
     for e in multi_turn(out[True]):
         ids = np.asarray(e.tokens)
@@ -274,6 +275,36 @@ def test_an_episode_prefills_its_prompt_and_appended_tokens_only(rollouts):
         assert r.prefilled == e.prompt_length + sum(resumed)
 
 
+def test_extend_continues_a_waiting_slots_cache_while_others_decode(rollouts):
+    """Engine level: slot 0 holds a 40-token history and waits (a tool runs) while slot 1
+    decodes short calls, whose cache window (32 positions) ends inside slot 0's history;
+    then slot 0's cache is extended by a suffix. The next token's top log-probabilities
+    equal a fresh forward of history + suffix (fp32 forward tolerance). Negative twin:
+    without `keep`, the idle slot's decode writes land inside its history (position 31)."""
+    model, params, _, _, _, engine = rollouts  # its programs, compiled by the rollouts
+    history = [3] + list(np.random.RandomState(0).randint(4, VOCAB, 39))
+    sampling = engine_lib.Sampling.empty(1)
+    sampling.temperature[:] = 1.0
+    every = sampling.pad(engine.batch_size)
+    active = np.arange(engine.batch_size) == 1
+    got = {}
+    for keep in (True, False):
+        engine.reset()
+        first = int(engine.fetch(engine.prefill([history], [0], sampling))[0][0, 0])
+        engine.fetch(engine.prefill([[3, 5, 7, 9]], [1], sampling))
+        for _ in range(3):  # slot 1 alone: a window of 32 positions
+            engine.fetch(engine.decode(every, active, keep=41 if keep else 0))
+        suffix = [first, 9, 10, 11]  # the sampled token, then an appended message
+        out = engine.fetch(engine.extend([suffix], [0], [40], sampling))
+        got[keep] = out[2][0, 0], out[3][0, 0]  # top ids, top log-probabilities
+    ids, logps = got[True]
+    full = log_softmax(model, params, history + suffix, S)[-1]
+    rel = forward_rel(model.config, S)
+    assert_close(logps, full[ids], rel)
+    twin_ids, twin = got[False]
+    assert_differs(twin, full[twin_ids], rel, scale=float(np.abs(full[ids]).max()))
+
+
 def test_parse_tool_calls_formats():
     hermes = 'x <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
     assert environments.parse_tool_calls(hermes) == [("add", {"a": 1})]
@@ -287,9 +318,10 @@ def test_parse_tool_calls_formats():
 @pytest.mark.parametrize("flags,message", [
     ({"tools": "no_such_module_x:f"}, "--grpo.tools=no_such_module_x:f: cannot import"),
     ({"tools": "grpo_test_tools:nope"}, "--grpo.tools=grpo_test_tools:nope: module"),
-    ({"environment": "grpo_test_tools:add"}, "--grpo.environment=grpo_test_tools:add: the "
-                                             "class has no reset()"),
-    ({"tools": "grpo_test_tools:add", "environment": "x:Y"}, "--grpo.tools and --grpo.environment are exclusive"),
+    ({"environment": "grpo_test_tools:add"},
+     "--grpo.environment=grpo_test_tools:add: the class has no reset()"),
+    ({"tools": "grpo_test_tools:add", "environment": "x:Y"},
+     "--grpo.tools and --grpo.environment are exclusive"),
 ])
 def test_unknown_tools_are_one_line_naming_the_flag(tools_module, flags, message):
     options = grpo.get_default_config(flags)
@@ -305,7 +337,6 @@ def test_train_command_runs_on_through_failing_tools(tools_module, tmp_path, mon
 
     from easylm import train
 
-    directory, _ = tools_module
     tokenizer_dir = tmp_path / "tokenizer"
     make_tokenizer().save_pretrained(tokenizer_dir)
     data = tmp_path / "prompts.jsonl"
@@ -327,6 +358,7 @@ def test_train_command_runs_on_through_failing_tools(tools_module, tmp_path, mon
              "train_dataset.json_dataset.batch_size": 8, "grpo.num_generations": 2,
              "grpo.max_new_tokens": 6, "grpo.max_turns": 3, "grpo.tool_timeout": 0.2,
              "grpo.tools": "grpo_test_tools:add,boom,hang", "grpo.reward_funcs": "format",
+             "grpo.temperature": 1.5,  # (not 1: no scoring program to compile)
              "grpo.format_pattern": ".*cat.*", "total_steps": 2, "log_freq": 1,
              "compilation_cache_dir": "", "logger.output_dir": str(tmp_path),
              "logger.experiment_id": "run"}

@@ -98,16 +98,16 @@ def parse_tool_calls(text: str):
             calls.append((None, f"error: the tool call is not valid JSON ({e}): {block[:200]}"))
             continue
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            calls.append((None, f"error: a tool call is a JSON object with a \"name\", got "
-                                f"{block[:200]}"))
+            error = f"error: a tool call is a JSON object with a \"name\", got {block[:200]}"
+            calls.append((None, error))
             continue
         arguments = call.get("arguments", call.get("parameters", {}))
         if isinstance(arguments, str):  # some templates write the arguments as a JSON string
             try:
                 arguments = json.loads(arguments)
             except json.JSONDecodeError as e:
-                calls.append((None, f"error: the arguments of {call['name']} are not valid "
-                                    f"JSON ({e})"))
+                error = f"error: the arguments of {call['name']} are not valid JSON ({e})"
+                calls.append((None, error))
                 continue
         if not isinstance(arguments, dict):
             calls.append((None, f"error: the arguments of {call['name']} must be an object"))

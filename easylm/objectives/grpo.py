@@ -22,10 +22,9 @@ import numpy as np
 from ml_collections import ConfigDict
 
 from easylm.data.options import loader_block
-from easylm.errors import UserError
 from easylm.data.prompts import chat_template
-from easylm.objectives import environments
-from easylm.objectives import rewards as rewards_lib
+from easylm.errors import UserError
+from easylm.objectives import environments, rewards as rewards_lib
 from easylm.objectives.base import BASE, COPY, NO_REFERENCE, Objective
 from easylm.objectives.chunked_logps import chunked_token_logps
 from easylm.objectives.episodes import ChatRenderer

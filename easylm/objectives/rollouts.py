@@ -33,8 +33,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from easylm.errors import UserError
-from easylm.objectives import episodes as episodes_lib
-from easylm.objectives import rewards as rewards_lib
+from easylm.objectives import episodes as episodes_lib, rewards as rewards_lib
 from easylm.runtime.sharding import BATCH_AXES
 from easylm.serving import engine as engine_lib
 
