@@ -305,6 +305,20 @@ def test_extend_continues_a_waiting_slots_cache_while_others_decode(rollouts):
     assert_differs(twin, full[twin_ids], rel, scale=float(np.abs(full[ids]).max()))
 
 
+def test_a_template_that_rewrites_earlier_turns_is_one_line():
+    """A template that renders only the last assistant turn (as templates that drop earlier
+    turns' reasoning do) is not prefix-stable: the delta is refused in one line."""
+    tokenizer = make_tokenizer()
+    forgetful = ("{%- for m in messages %}{%- if m['role'] != 'assistant' or loop.last %}"
+                 "<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|>{%- endif %}"
+                 "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant {% endif %}")
+    chat = [{"role": "user", "content": "the"}, {"role": "assistant", "content": "cat"}]
+    tool = [{"role": "tool", "content": "5"}]
+    assert episodes_lib.ChatRenderer(tokenizer, TEMPLATE, None, 2).delta(chat, tool, True)
+    with pytest.raises(UserError, match="^the chat template is not prefix-stable"):
+        episodes_lib.ChatRenderer(tokenizer, forgetful, None, 2).delta(chat, tool, True)
+
+
 def test_parse_tool_calls_formats():
     hermes = 'x <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
     assert environments.parse_tool_calls(hermes) == [("add", {"a": 1})]

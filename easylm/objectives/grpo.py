@@ -356,6 +356,8 @@ class GRPOObjective(Objective):
                             f"template, and the tokenizer has none; set --train_dataset."
                             f"text_processor.chat_template")
         renderer = ChatRenderer(tokenizer, template, schemas, model.eos_token_id)
+        renderer.delta([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hi"}],
+                       [{"role": "tool", "name": "probe", "content": "ok"}], True)  # stable?
         if schemas and not renderer.renders_tools():
             print(f"warning: {flag}: the chat template ignores tools=: the model is not shown "
                   f"the tools' schemas (the calls it makes are still run)")
