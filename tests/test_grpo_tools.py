@@ -319,6 +319,23 @@ def test_a_template_that_rewrites_earlier_turns_is_one_line():
         episodes_lib.ChatRenderer(tokenizer, forgetful, None, 2).delta(chat, tool, True)
 
 
+def test_a_template_without_tools_is_told():
+    """renders_tools: what the start-up line (the template ignores tools=) is decided by."""
+    add = get_json_schema(add_one)
+    assert episodes_lib.ChatRenderer(make_tokenizer(), TEMPLATE, [add], 2).renders_tools()
+    plain = TEMPLATE[TEMPLATE.index("{%- for m"):]
+    assert not episodes_lib.ChatRenderer(make_tokenizer(), plain, [add], 2).renders_tools()
+
+
+def add_one(a: int) -> int:
+    """Adds one.
+
+    Args:
+        a: the number
+    """
+    return a + 1
+
+
 def test_parse_tool_calls_formats():
     hermes = 'x <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
     assert environments.parse_tool_calls(hermes) == [("add", {"a": 1})]
