@@ -639,7 +639,8 @@ def long_prompts(tmp_path):
 
 @pytest.mark.parametrize("flags,message", [
     ({"grpo.reward_funcs": "nope"}, "--grpo.reward_funcs: unknown reward function 'nope': "
-     "not a built-in (answer_match, format, length_penalty, math_verify) nor module:function"),
+     "not a built-in (answer_match, environment, format, length_penalty, math_verify) "
+     "nor module:function"),
     ({"grpo.reward_funcs": "no_such_module_here:f"}, "--grpo.reward_funcs="
      "no_such_module_here:f: cannot import 'no_such_module_here' (ModuleNotFoundError: No "
      "module named 'no_such_module_here')"),

@@ -31,6 +31,15 @@ from easylm.data.text import TextProcessor, _add_bos, is_messages
 from easylm.errors import UserError
 
 
+def chat_template(template: str, tokenizer) -> str | None:
+    """text_processor.chat_template (a Jinja template or a file holding one), or the
+    tokenizer's."""
+    if template and os.path.isfile(template):
+        with open(template, encoding="utf-8") as f:
+            template = f.read()
+    return template or tokenizer.chat_template
+
+
 class PromptProcessor:
     """Examples -> (prompt tokens (L,) int32, the example) or a skip reason."""
 
@@ -41,11 +50,7 @@ class PromptProcessor:
         c = self.text.config
         self._bos = tokenizer.bos_token_id if _add_bos(c.add_bos_token, tokenizer) else None
         self._prepend = c.prepend_text
-        template = c.chat_template
-        if template and os.path.isfile(template):
-            with open(template, encoding="utf-8") as f:
-                template = f.read()
-        self._template = template or tokenizer.chat_template
+        self._template = chat_template(c.chat_template, tokenizer)
 
     def process(self, examples):
         return [self._one(example, where) if isinstance(example, dict) else example

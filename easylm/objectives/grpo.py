@@ -22,10 +22,12 @@ import numpy as np
 from ml_collections import ConfigDict
 
 from easylm.data.options import loader_block
+from easylm.data.prompts import chat_template
 from easylm.errors import UserError
-from easylm.objectives import rewards as rewards_lib
+from easylm.objectives import environments, rewards as rewards_lib
 from easylm.objectives.base import BASE, COPY, NO_REFERENCE, Objective
 from easylm.objectives.chunked_logps import chunked_token_logps
+from easylm.objectives.episodes import ChatRenderer
 from easylm.objectives.rollouts import (
     ROW_METRICS,
     Rollouts,
@@ -34,6 +36,7 @@ from easylm.objectives.rollouts import (
     token_logps,
 )
 from easylm.objectives.router_loss import fed_tokens, with_router_loss
+from easylm.serving.engine import check_cache
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -99,6 +102,18 @@ HELP = {
                            "expert choices in every MoE layer while sampling and the "
                            "training (and scoring) forwards replay them, so that the "
                            "trainer routes as the sampler did (docs/rl.md)",
+    "grpo.tools": "multi-turn tool use: MODULE:FN[,FN...], plain Python functions with type "
+                  "hints and an Args: docstring, shown to the model through the chat "
+                  "template's tools=; its <tool_call>{json}</tool_call> (Qwen/Hermes) or "
+                  "{\"name\": ..., \"parameters\": ...} (Llama 3) calls run and their "
+                  "results (or errors) come back as tool messages (docs/rl.md)",
+    "grpo.environment": "multi-turn episodes with MODULE:CLASS: reset(example) -> messages, "
+                        "step(messages) -> (messages to append, reward or None, done); its "
+                        "rewards reach the 'environment' reward function",
+    "grpo.tool_timeout": "seconds a tool call may run; past it the model reads a timeout "
+                         "error (0: no limit)",
+    "grpo.max_turns": "model turns per multi-turn episode (each up to max_new_tokens; the "
+                      "whole episode within the row's seq_length)",
 }
 
 
@@ -112,7 +127,7 @@ def get_default_config(updates=None) -> ConfigDict:
         reward_weights="", format_pattern="", length_buffer=0,
         importance_sampling_cap=3.0, importance_sampling_mode="token_truncate",
         importance_sampling_level="token", dynamic_sampling=False, max_sampling_rounds=4,
-        routing_replay=False))
+        routing_replay=False, tools="", environment="", tool_timeout=10.0, max_turns=4))
     if updates is not None:
         config.update(ConfigDict(updates).copy_and_resolve_references())
     return config
@@ -130,6 +145,8 @@ def check_options(options, seq_length: int) -> None:
               ("epsilon_high", options.epsilon_high >= 0, ">= 0"),
               ("num_iterations", options.num_iterations >= 1, ">= 1"),
               ("max_sampling_rounds", options.max_sampling_rounds >= 1, ">= 1"),
+              ("max_turns", options.max_turns >= 1, ">= 1"),
+              ("tool_timeout", options.tool_timeout >= 0, ">= 0 (0: no limit)"),
               ("importance_sampling_cap", options.importance_sampling_cap == 0 or
                options.importance_sampling_cap >= 1, "0 (off) or >= 1"),
               ("loss_type", options.loss_type in LOSS_TYPES, f"one of {', '.join(LOSS_TYPES)}"),
@@ -308,6 +325,7 @@ class GRPOObjective(Objective):
         if options.routing_replay and model.router_loss is None:
             raise UserError(f"--grpo.routing_replay=True replays a mixture of experts' routing: "
                             f"the {model.name} model has no routers")
+        self.environment, self.renderer = self._environment(model, config, tokenizer)
         self.reward_functions = rewards_lib.load(options.reward_funcs, options)
         self.weights = reward_weights(options, len(self.reward_functions))
         if not options.beta:
@@ -315,6 +333,35 @@ class GRPOObjective(Objective):
         else:
             self.reference = BASE if model.frozen is not None else COPY
         self._rollouts = None  # rollouts.Rollouts, made in prepare_run
+
+    def _environment(self, model, config, tokenizer):
+        """(a factory of one environment per episode, its ChatRenderer), or (None, None)
+        for single-turn rollouts."""
+        options = self.options
+        loaded = environments.load(options)
+        if loaded is None:
+            return None, None
+        factory, schemas = loaded
+        flag = "--grpo.tools" if options.tools else "--grpo.environment"
+        if options.routing_replay:
+            raise UserError(f"{flag}: multi-turn rollouts do not record routing; set "
+                            f"--grpo.routing_replay=False")
+        if check_cache(model).has_state:
+            raise UserError(f"{flag}: the {model.name} model's cache holds a recurrent state, "
+                            f"which an episode's slot cannot extend from its position after a "
+                            f"tool's answer; multi-turn rollouts need attention-only caches")
+        template = chat_template(config.train_dataset.text_processor.chat_template, tokenizer)
+        if not template:
+            raise UserError(f"{flag}: multi-turn rollouts render conversations with a chat "
+                            f"template, and the tokenizer has none; set --train_dataset."
+                            f"text_processor.chat_template")
+        renderer = ChatRenderer(tokenizer, template, schemas, model.eos_token_id)
+        renderer.delta([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hi"}],
+                       [{"role": "tool", "name": "probe", "content": "ok"}], True)  # stable?
+        if schemas and not renderer.renders_tools():
+            print(f"warning: {flag}: the chat template ignores tools=: the model is not shown "
+                  f"the tools' schemas (the calls it makes are still run)")
+        return factory, renderer
 
     def token_logps(self, params, frozen, tokens, targets, reference: bool = False,
                     positions=None, routing=None, router_stats=False):

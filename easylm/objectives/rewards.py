@@ -18,6 +18,8 @@ Built-ins, for verifiable tasks:
   length_penalty  DAPO's soft overlong punishment (2503.14476 eq. 13): 0 up to
                   max_new_tokens - length_buffer tokens, then falling linearly to -1 at
                   max_new_tokens
+  environment     the episode's rewards from --grpo.environment's step() (summed; None
+                  where it gave none): multi-turn rollouts only
   math_verify     1.0 when HF's math-verify finds the completion's answer equivalent to
                   `answer` (LaTeX and symbolic equivalence, e.g. $x^2+1$ = $1+x^2$); needs
                   the optional extra: pip install 'easylm[rl]'
@@ -105,6 +107,13 @@ def answer_match(prompts, completions, answer=None, **fields):
             for c, a in zip(completions, answer)]
 
 
+def environment(prompts, completions, environment_reward=None, **fields):
+    if environment_reward is None:
+        raise UserError("the environment reward reads the rewards of --grpo.environment's "
+                        "step(), which single-turn rollouts have none of")
+    return list(environment_reward)
+
+
 def make_format(pattern: str) -> Callable:
     try:
         compiled = re.compile(pattern)
@@ -155,7 +164,7 @@ def make_math_verify() -> Callable:
     return math_verify
 
 
-BUILT_INS = ("answer_match", "format", "length_penalty", "math_verify")
+BUILT_INS = ("answer_match", "environment", "format", "length_penalty", "math_verify")
 
 
 def load(names: str, options) -> list[tuple[str, Callable]]:
@@ -166,6 +175,8 @@ def load(names: str, options) -> list[tuple[str, Callable]]:
             continue
         if name == "answer_match":
             out.append((name, answer_match))
+        elif name == "environment":
+            out.append((name, environment))
         elif name == "format":
             out.append((name, make_format(options.format_pattern or DEFAULT_FORMAT)))
         elif name == "length_penalty":

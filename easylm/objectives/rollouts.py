@@ -32,7 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from easylm.objectives import rewards as rewards_lib
+from easylm.errors import UserError
+from easylm.objectives import episodes as episodes_lib, rewards as rewards_lib
 from easylm.runtime.sharding import BATCH_AXES
 from easylm.serving import engine as engine_lib
 
@@ -202,15 +203,20 @@ def completion_routing(routing, T: int) -> np.ndarray:
     return out
 
 
-def reward_inputs(examples, completions, texts):
+def reward_inputs(examples, completions, texts, chat: bool = False):
     """TRL's reward-function arguments: (prompts, completions, completion_ids, fields), from
-    each completion's example (a prompt's, repeated for its G completions), ids and text."""
+    each completion's example (a prompt's, repeated for its G completions), ids and text.
+    `chat` (multi-turn episodes): `texts` are the messages after the prompt, as they are."""
     prompts, shown, fields = [], [], {}
     keys = sorted({k for e in examples for k in e} - {"prompt", "completion", "completion_ids"})
     for example, text in zip(examples, texts):
         prompts.append(example["prompt"])
-        chat = not isinstance(example["prompt"], str)
-        shown.append([{"role": "assistant", "content": text}] if chat else text)
+        if chat:
+            shown.append(text)
+        elif not isinstance(example["prompt"], str):
+            shown.append([{"role": "assistant", "content": text}])
+        else:
+            shown.append(text)
         for k in keys:
             fields.setdefault(k, []).append(example.get(k))
     return prompts, shown, [list(c) for c in completions], fields
@@ -365,6 +371,8 @@ class Rollouts:
         """(host batch, metrics): G completions of each prompt of `prompts` (a prompts
         batch), their rewards, advantages and token rows."""
         o, objective = self.options, self.objective
+        if objective.environment is not None:
+            return self.episode_rollout(state, prompts, T, where)
         G, lengths = o.num_generations, prompts["prompt_lengths"]
         valid = lengths > 0  # (B,) padding rows at the end of an eval pass
         pad = objective.tokenizer.pad_token_id or 0
@@ -372,16 +380,7 @@ class Rollouts:
                       for b, n in enumerate(lengths)]
         repeated = [p for p in prompt_ids for _ in range(G)]
         n = len(repeated)
-        sampling = engine_lib.Sampling.empty(n)
-        sampling.keys[:] = sampling_keys(self.objective.config.seed, *where, n)
-        sampling.temperature[:], sampling.top_p[:] = o.temperature, o.top_p
-        fresh = (n, T) not in self.engines
-        engine = self._engine(n, T)
-        engine.params, engine.base = state.params, state.frozen.get("base")
-        engine.reset()
-        if fresh:  # every decode window now: no program at a later step
-            engine.compile_decode(sampling.pad(n))
-            engine.reset()
+        engine, sampling = self._ready_engine(state, n, T, where)
         began = time.perf_counter()
         routing = [] if o.routing_replay else None
         try:
@@ -401,6 +400,90 @@ class Rollouts:
         metrics.update({"rollout/generation_seconds": seconds,
                         "rollout/tokens_per_second": tokens / max(seconds, 1e-9)})
         return batch, metrics
+
+    def _ready_engine(self, state, n: int, T: int, where: tuple):
+        """(the engine of n rows, reset, on the live parameters; each row's sampling)."""
+        o = self.options
+        sampling = engine_lib.Sampling.empty(n)
+        sampling.keys[:] = sampling_keys(self.objective.config.seed, *where, n)
+        sampling.temperature[:], sampling.top_p[:] = o.temperature, o.top_p
+        fresh = (n, T) not in self.engines
+        engine = self._engine(n, T)
+        engine.params, engine.base = state.params, state.frozen.get("base")
+        engine.reset()
+        if fresh:  # every decode window now: no program at a later step
+            engine.compile_decode(sampling.pad(n))
+            engine.reset()
+        return engine, sampling
+
+    def episode_rollout(self, state, prompts: dict, T: int, where: tuple):
+        """(host batch, metrics): G multi-turn episodes of each prompt's example with the
+        objective's environment (episodes.py), their rewards, advantages and token rows
+        (the loss on the model's tokens only)."""
+        o, objective = self.options, self.objective
+        G, valid = o.num_generations, prompts["prompt_lengths"] > 0
+        pad = objective.tokenizer.pad_token_id or 0
+        episodes, shown = self._episodes(prompts["examples"], valid, T, pad)
+        engine, sampling = self._ready_engine(state, len(episodes), T, where)
+        began = time.perf_counter()
+        try:
+            episodes_lib.run_episodes(engine, episodes, sampling, o.max_new_tokens,
+                                      o.max_turns, objective.renderer, objective.tokenizer)
+        finally:
+            engine.params = engine.base = None  # the next train step donates these buffers
+            engine.release()
+        seconds = time.perf_counter() - began
+        row_valid = np.repeat(valid, G)
+        real = np.flatnonzero(row_valid)
+        sampled = [[t for t, m in zip(e.tokens, e.model) if m] for e in episodes]
+        B = len(valid)
+        per_function = np.full((len(self.names), B * G), np.nan)
+        if len(real):
+            examples = [dict(prompts["examples"][i // G], environment_reward=episodes[i].reward)
+                        for i in real]
+            per_function[:, real] = rewards_lib.score(objective.reward_functions, *reward_inputs(
+                examples, [sampled[i] for i in real],
+                [episodes[i].messages[len(shown[i]):] for i in real], chat=True))
+        truncated = np.asarray([e.truncated for e in episodes])
+        keep = row_valid & ~(truncated & o.mask_truncated_completions)
+        rows_ = episodes_lib.episode_rows(episodes, T, pad, keep)
+        logps = rows_.pop("sampling_logps")
+        batch, metrics = self._assemble(rows_, per_function.reshape(-1, B, G), valid, truncated,
+                                        [len(t) for t in sampled])
+        batch["sampling_logps"] = logps.reshape(B, G, T)
+        done = [episodes[i] for i in real] or [episodes_lib.Episode(None, [], [], [], [])]
+        envs = [e.env for e in done]
+        metrics.update({
+            "rollout/generation_seconds": seconds,
+            "rollout/tokens_per_second": sum(map(len, sampled)) / max(seconds, 1e-9),
+            "rollout/turns_per_episode": float(np.mean([e.turns for e in done])),
+            "rollout/prefill_tokens_per_episode": float(np.mean([e.prefilled for e in done])),
+            "rollout/tool_calls": float(sum(getattr(v, "calls", 0) for v in envs)),
+            "rollout/tool_errors": float(sum(getattr(v, "errors", 0) for v in envs))})
+        return batch, metrics
+
+    def _episodes(self, examples, valid, T: int, pad: int):
+        """(G new episodes of each example, each one's prompt messages): an environment
+        each, reset on its example; a padding row's (not `valid`) has none."""
+        objective, G = self.objective, self.options.num_generations
+        episodes, shown = [], []
+        for b, example in enumerate(examples):
+            for _ in range(G):
+                if not valid[b]:
+                    episodes.append(episodes_lib.Episode(None, [], [pad], [False], [0.0]))
+                    shown.append([])
+                    continue
+                env = objective.environment()
+                messages = list(env.reset(dict(example)))
+                ids = objective.renderer.ids(messages, True)
+                if len(ids) >= T:
+                    raise UserError(f"a prompt rendered with the chat template (and the tools' "
+                                    f"schemas) is {len(ids)} tokens, which leaves no room in "
+                                    f"rows of seq_length={T}")
+                episodes.append(episodes_lib.Episode(env, messages, ids, [False] * len(ids),
+                                                     [0.0] * len(ids)))
+                shown.append(list(messages))
+        return episodes, shown
 
     def informative_rollout(self, state, prompts, data_metrics, data, T: int, step: int):
         """(host batch, metrics, the last prompts' data metrics): DAPO's dynamic sampling.
@@ -465,13 +548,21 @@ class Rollouts:
                 texts))
             per_function[:, real] = scored
         per_function = per_function.reshape(-1, B, G)
-        rewards, adv, std = advantages(per_function, objective.weights, o.scale_rewards,
-                                       np.broadcast_to(valid[:, None], (B, G)))
         keep = row_valid & ~(truncated & o.mask_truncated_completions)
         batch = token_rows(prompt_ids, completions, G, T, objective.tokenizer.pad_token_id or 0,
                            keep)
-        batch = {k: v.reshape(B, G, T) for k, v in batch.items()}
-        lengths = np.asarray([len(c) for c in completions], np.float32)
+        return self._assemble(batch, per_function, valid, truncated, [len(c) for c in completions])
+
+    def _assemble(self, batch, per_function, valid, truncated, lengths):
+        """The host batch (B, G, ...) from the token rows (N, T), each function's rewards
+        (F, B, G) and the completions' truncation flags and lengths (N,)."""
+        o, objective = self.options, self.objective
+        B, G = len(valid), o.num_generations
+        row_valid = np.repeat(valid, G)
+        rewards, adv, std = advantages(per_function, objective.weights, o.scale_rewards,
+                                       np.broadcast_to(valid[:, None], (B, G)))
+        batch = {k: v.reshape(B, G, -1) for k, v in batch.items()}
+        lengths = np.asarray(lengths, np.float32)
         values = {"advantages": adv, "valid": row_valid, "reward": np.nan_to_num(rewards),
                   "reward_std": np.nan_to_num(std), "frac_reward_zero_std": np.isclose(std, 0),
                   "completions/mean_length": lengths, "completions/clipped_ratio": truncated}

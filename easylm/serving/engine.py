@@ -9,6 +9,9 @@
              active slots' positions)
     score    (n, T) tokens through the model chunk by chunk like a prefill: the
              log-probabilities of given targets
+    extend   suffixes fed onto slots that already hold a conversation, at each slot's
+             own position (a tool's result after the model's turn: multi-turn rollouts),
+             never re-reading the history; draw each slot's next token
 
 Which request sits in which slot is `batcher.py`'s business; this file only
 runs arrays. The cache is sharded like training activations (batch over
@@ -360,6 +363,29 @@ def _staged_end(layout: CacheLayout, sample: bool, T: int, state, carry, routing
                         temperature, top_k, top_p)
 
 
+def _extend(model: Model, layout: CacheLayout, sample: bool, weights, state, tokens, lengths,
+            starts, slots, keys, temperature, top_k, top_p):
+    """Suffixes (n, T) (right-padded, `lengths` real) fed onto the caches of `slots` (n,)
+    at positions starts..starts + T: their rows of the cache are taken whole (S
+    positions), the suffix written into them and attending over them under the cache's
+    causal mask, and written back. Padding writes past a row's suffix (nothing reads them
+    before its next tokens overwrite them) or past S (dropped). Each row's next token is
+    drawn from its last real position's logits (`_prefill_end`'s outputs)."""
+    params, base = weights
+    cache, last, slot_positions = state
+    n, T = tokens.shape
+    S = layout.cache_length(cache)
+    rows = layout.map(lambda b, s, c: jnp.take(c, slots, axis=b, mode="clip"), cache)
+    positions = starts[:, None] + jnp.arange(T, dtype=jnp.int32)  # (n, T)
+    logits, rows, _ = _forward(model, False, params, tokens, positions, rows, base)
+    picked = logits[jnp.arange(n), lengths - 1].astype(jnp.float32)  # (n, V)
+    out = next_tokens(picked, keys, starts + lengths, temperature, top_k, top_p, sample)
+    cache = layout.write_slots(cache, rows, slots, S)
+    last = last.at[slots].set(out[0], mode="drop")
+    slot_positions = slot_positions.at[slots].set(starts + lengths, mode="drop")
+    return (cache, last, slot_positions), tuple(x[None] for x in out)
+
+
 def _decode(model: Model, layout: CacheLayout, steps: int, unroll: bool, sample: bool,
             record: bool, length: int, weights, state, keys, temperature, top_k, top_p):
     """`steps` tokens for every slot, attending over the first `length` cache positions
@@ -471,6 +497,11 @@ class Engine:
                             for sample in (False, True) for length in self.decode_buckets}
         self._out_shardings, self._record = out_shardings, record_routing
         self._staged = {}  # (rows, T) -> a staged prefill's programs (`_staged_fns`)
+        # Suffix lengths an `extend` call is padded to: short ones (a tool's answer) stay short.
+        self.extend_buckets = buckets(config.seq_length, min(8, config.seq_length))
+        self._extend_fns = {sample: jax.jit(functools.partial(_extend, model, layout, sample),
+                                            donate_argnums=(1,), **out_shardings)
+                            for sample in (False, True)}
         # Replicated outputs: on several hosts each process can then read them (sharded
         # ones would span devices of other processes).
         self._score_fn = jax.jit(functools.partial(_score, model, config.prefill_chunk_size), **(
@@ -620,14 +651,17 @@ class Engine:
             self._staged[rows, T] = start, chunk, end
         return self._staged[rows, T]
 
-    def decode(self, sampling: Sampling, active=None):
+    def decode(self, sampling: Sampling, active=None, keep: int = 0):
         """decode_steps tokens for every slot, as device arrays: tokens (C, B),
         logprobs (C, B), top ids and logprobs (C, B, N) (recording routing: then each step's
         input token's expert choices (C, B, L, K)). `active` (B,) bool marks the
         slots whose tokens matter (default: all); the call attends over the shortest
-        cache length that holds their positions."""
+        cache length that holds their positions, and at least `keep`: an idle slot writes
+        its garbage at the window's last position, so a slot waiting to be `extend`ed
+        whose history ends at position keep - 1 stays intact."""
         active = np.ones(self.batch_size, bool) if active is None else np.asarray(active, bool)
         end = int(self.positions[active].max()) + self.config.decode_steps if active.any() else 0
+        end = max(end, keep)
         return self._decode(sampling, bucket_for(min(end, self.seq_length), self.decode_buckets))
 
     def compile_decode(self, sampling: Sampling):
@@ -642,6 +676,35 @@ class Engine:
         self.state, out = self._run(self._decode_fns[sampling.samples(), length], self.weights,
                                     self.state, *sampling.arrays())
         self.positions += self.config.decode_steps
+        return out
+
+    def extend(self, suffixes: list[list[int]], slots: list[int], starts: list[int],
+               sampling: Sampling):
+        """Feed each suffix onto its slot's cache at positions starts[i].., which the
+        slot's earlier tokens fill below (the history is not run again), and draw each
+        slot's next token: `prefill`'s outputs. A slot's cache past starts[i] may hold
+        anything (an idle slot's decode garbage): it is overwritten. Refused for a cache
+        that holds a recurrent state (it has moved past the history's last token)."""
+        if self.layout.has_state:
+            raise UserError(f"{self.model.name}: its cache holds a recurrent state, which a "
+                            f"slot cannot continue from an earlier position: no multi-turn "
+                            f"rollouts (--grpo.tools, --grpo.environment)")
+        n = len(suffixes)
+        rows = bucket_for(n, self.row_buckets)
+        T = bucket_for(max(len(x) for x in suffixes), self.extend_buckets)
+        tokens = np.zeros((rows, T), np.int32)
+        lengths, begin = np.ones(rows, np.int32), np.zeros(rows, np.int32)
+        slot_ids = np.full(rows, self.batch_size, np.int32)
+        for i, (suffix, slot, start) in enumerate(zip(suffixes, slots, starts)):
+            if not suffix or start + len(suffix) > self.seq_length:
+                raise ValueError(f"extend: slot {slot}'s suffix of {len(suffix)} tokens at "
+                                 f"{start} is empty or past seq_length={self.seq_length}")
+            tokens[i, :len(suffix)], lengths[i], begin[i], slot_ids[i] = suffix, len(suffix), \
+                start, slot
+        self.state, out = self._run(self._extend_fns[sampling.samples()], self.weights,
+                                    self.state, tokens, lengths, begin, slot_ids,
+                                    *sampling.pad(rows).arrays())
+        self.positions[slot_ids[:n]] = begin[:n] + lengths[:n]
         return out
 
     def score(self, tokens: list[list[int]], targets: list[list[int]]):
