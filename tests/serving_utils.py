@@ -156,3 +156,19 @@ def assert_engine_greedy_equals_generate(model, bound, params):
             step = engine.fetch(engine.decode(engine_lib.Sampling.empty(2)))
             tokens += [int(t) for t in step[0][:, 0]]
         assert tokens[:12] == expected, prompt
+
+
+def prefill_program_bytes(model, seq_length: int, chunk: int) -> int:
+    """What XLA's analysis says the engine's prefill program of one `seq_length`-token
+    prompt (one slot, chunks of `chunk`) holds: arguments + outputs - aliased +
+    temporaries, the figure the serving plan (`--plan.serve_tokens`) is checked against."""
+    params = jax.jit(model.init_params)(jax.random.PRNGKey(0))
+    engine = engine_lib.Engine({"batch_size": 1, "seq_length": seq_length,
+                                "min_bucket": seq_length, "prefill_chunk_size": chunk},
+                               model, params)
+    args = (engine.weights, engine.state, np.zeros((1, seq_length), np.int32),
+            np.full(1, seq_length, np.int32), np.zeros(1, np.int32),
+            *engine_lib.Sampling.empty(1).arrays())
+    m = engine._prefill_fns[False].lower(*args).compile().memory_analysis()
+    return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+            + m.temp_size_in_bytes)

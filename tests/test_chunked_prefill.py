@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from llama_variants import variant_config
 from numerics import assert_close, assert_differs, fp32_rel
-from serving_utils import full_forward_greedy, tiny_config
+from serving_utils import full_forward_greedy, prefill_program_bytes, tiny_config
 
 from easylm.gemma.family import FAMILY as GEMMA
 from easylm.gpt_oss.family import FAMILY as GPT_OSS
@@ -162,14 +162,7 @@ def test_serving_plan_is_what_xla_compiles_for_the_engines_prefill():
     and probabilities dominate; a plan that missed either, or the cache, is off by >= 25%."""
     S, C = 2048, 256
     model = LLAMA.bind(LLAMA.from_preset("debug", max_position_embeddings=S))
-    params = jax.jit(model.init_params)(jax.random.PRNGKey(0))
-    engine = engine_lib.Engine({"batch_size": 1, "seq_length": S, "min_bucket": S,
-                                "prefill_chunk_size": C}, model, params)
-    args = (engine.weights, engine.state, np.zeros((1, S), np.int32), np.full(1, S, np.int32),
-            np.zeros(1, np.int32), *engine_lib.Sampling.empty(1).arrays())
-    m = engine._prefill_fns[False].lower(*args).compile().memory_analysis()
-    xla = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-           + m.temp_size_in_bytes)
+    xla = prefill_program_bytes(model, S, C)
     sizes = {"dp": 1, "fsdp": 1, "sp": 1, "ep": 1, "mp": 1}
     planned = serving_bytes(model, sizes, jnp.float32, 1, S, S, C)
     assert 0.8 < planned["total"] / xla < 1.25

@@ -5,7 +5,7 @@ a dense first layer, a correction bias far from zero) read through hf::DIR."""
 import numpy as np
 import pytest
 from cli_utils import train_losses
-from serving_utils import assert_engine_greedy_equals_generate
+from serving_utils import assert_engine_greedy_equals_generate, prefill_program_bytes
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -16,7 +16,6 @@ import jax.numpy as jnp
 from easylm.deepseek_v3 import hf
 from easylm.deepseek_v3.family import FAMILY
 from easylm.deepseek_v3.model import DeepseekV3ForCausalLM
-from easylm.serving.engine import Engine
 
 T = 24
 
@@ -399,7 +398,6 @@ def test_the_serving_plan_counts_the_latent_cache_and_xla_agrees():
     against XLA's analysis of the engine's prefill (arguments + outputs - aliased +
     temporaries; 256 tokens in chunks of 64). Measured at 1,024 tokens in chunks of 128:
     planned 7.25 MB, XLA 7.21 MB."""
-    from easylm.serving.engine import Sampling
     from easylm.serving.memory import serving_bytes
 
     S = 256
@@ -412,14 +410,7 @@ def test_the_serving_plan_counts_the_latent_cache_and_xla_agrees():
         planned = serving_bytes(model, sizes, jnp.bfloat16, 2, length, length, 64)["kv cache"]
         assert planned == 2 * config.num_hidden_layers * length * mla.cache_width * 2
         assert planned != 2 * config.num_hidden_layers * length * expanded * 2
-    params = jax.jit(model.init_params)(jax.random.PRNGKey(0))
-    engine = Engine({"batch_size": 1, "seq_length": S, "min_bucket": S,
-                     "prefill_chunk_size": 64}, model, params)
-    args = (engine.weights, engine.state, np.zeros((1, S), np.int32), np.full(1, S, np.int32),
-            np.zeros(1, np.int32), *Sampling.empty(1).arrays())
-    m = engine._prefill_fns[False].lower(*args).compile().memory_analysis()
-    xla = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-           + m.temp_size_in_bytes)
+    xla = prefill_program_bytes(model, S, 64)
     assert 0.8 < serving_bytes(model, sizes, jnp.float32, 1, S, S, 64)["total"] / xla < 1.25
 
 

@@ -21,6 +21,7 @@ import pytest
 import torch
 from cli_utils import one_line_error, train_losses
 from numerics import assert_close, assert_differs, fp32_rel
+from serving_utils import prefill_program_bytes
 from transformers import AutoModelForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 from easylm import train
@@ -458,14 +459,7 @@ def test_serving_plan_counts_the_state_once_per_linear_layer():
     cache = jax.eval_shape(lambda: model.init_cache(2, S, jnp.bfloat16))
     assert _shard_bytes(cache, model.cache_rules, sizes, jnp.bfloat16) != expected
 
-    params = jax.jit(model.init_params)(jax.random.PRNGKey(0))
-    engine = Engine({"batch_size": 1, "seq_length": S, "min_bucket": S,
-                     "prefill_chunk_size": 128}, model, params)
-    args = (engine.weights, engine.state, np.zeros((1, S), np.int32), np.full(1, S, np.int32),
-            np.zeros(1, np.int32), *Sampling.empty(1).arrays())
-    m = engine._prefill_fns[False].lower(*args).compile().memory_analysis()
-    xla = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-           + m.temp_size_in_bytes)
+    xla = prefill_program_bytes(model, S, 128)
     assert 0.8 < serving_bytes(model, sizes, jnp.float32, 1, S, S, 128)["total"] / xla < 1.25
 
 
