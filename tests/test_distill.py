@@ -285,19 +285,28 @@ def test_distilling_closes_most_of_the_held_out_gap(learned):
     assert all(np.isfinite(got[s]["loss"]) and got[s]["gradient_norm"] > 0 for s in got)
 
 
-def test_resume_continues_with_the_same_numbers(task, learned, tmp_path):
-    """Stopped after step 2 (checkpoint), then the same command to step 4: every step's
-    loss and gradient norm are bitwise those of the uninterrupted run (JSON floats
-    round-trip exactly): the on-policy coin, the samples' keys and the data resume."""
-    from test_checkpoint import metrics
+def test_sigkill_then_resume_continues_with_the_same_numbers(task, learned, tmp_path):
+    """Killed (SIGKILL) once step 2's checkpoint is complete, then the same command to
+    step 6: every step's loss and gradient norm are bitwise those of the uninterrupted
+    run (JSON floats round-trip exactly): the on-policy coin, the samples' keys and the
+    data resume. The kill comes at once, so the killed run leaves steps after 2 half
+    done or logged without a checkpoint: what the resume must not read."""
+    import signal
 
-    argv = command(task, tmp_path, eval_freq=0)
+    from test_checkpoint import ENV, metrics, run_until
+
+    # Without the evaluations: they draw their own keys and change nothing trained.
+    argv = command(task, tmp_path, eval_freq=0, total_steps=6, save_model_freq=2)
+    env = dict(ENV, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    code, _, _ = run_until([sys.executable, "-m", "easylm.train", *argv[1:]], tmp_path, 2,
+                           signal.SIGKILL, env)
+    assert code == -signal.SIGKILL
+    assert max(metrics(tmp_path)) < 6  # killed before the end
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("WANDB_MODE", "disabled")
-        llama_train.main([*argv, "--total_steps=2"])
-        llama_train.main([*argv, "--total_steps=4", "--resume=True"])
+        llama_train.main(argv)
     resumed = metrics(tmp_path)
-    assert sorted(resumed) == list(range(1, 5))
+    assert sorted(resumed) == list(range(1, 7))
     assert {resumed[s]["data/distill/on_policy"] for s in resumed} == {0.0, 1.0}
     for s in resumed:
         for key in ("loss", "gradient_norm", "data/completions/mean_length"):

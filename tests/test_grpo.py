@@ -7,7 +7,6 @@ numbers."""
 import collections
 import json
 import random
-import shutil
 import statistics
 import sys
 
@@ -560,9 +559,12 @@ def test_dynamic_sampling_trains_no_group_without_a_signal_and_resumes_exactly(t
     """--grpo.dynamic_sampling=True: half the prompts give every completion reward 0, so
     without it a good share of each step's groups teach nothing; with it no trained group
     has equal rewards, more prompts are rolled out to fill the batch (rounds and drops
-    logged), and a run resumed from a checkpoint draws the same prompts and samples: step
-    3 bitwise. Twin: the same run without dynamic sampling trains zero-signal groups."""
-    from test_checkpoint import metrics
+    logged), and a run killed (SIGKILL) after step 2's checkpoint and resumed draws the
+    same prompts and samples: step 3 bitwise. Twin: the same run without dynamic sampling trains zero-signal groups."""
+    import os
+    import signal
+
+    from test_checkpoint import ENV, metrics, run_until
 
     def run(directory, steps=3, **flags):
         llama_train.main(command(task, directory, total_steps=steps, eval_freq=0, **{
@@ -581,8 +583,19 @@ def test_dynamic_sampling_trains_no_group_without_a_signal_and_resumes_exactly(t
             8 * line["data/dynamic_sampling/rounds"], (step, line)
         assert line["data/dynamic_sampling/empty_groups"] == 0 or \
             line["data/dynamic_sampling/rounds"] == 4, (step, line)
-    shutil.rmtree(tmp_path / "dynamic" / "run" / "checkpoints" / "3")
-    resumed = run(tmp_path / "dynamic", **dynamic)
+    # Killed (SIGKILL) once step 2's checkpoint is complete, then the same command.
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    argv = command(task, killed, total_steps=3, eval_freq=0, **{
+        "eval_dataset.json_dataset.path": "", "grpo.num_generations": 4,
+        "grpo.reward_funcs": "grpo_task_rewards:odd_only",
+        "optimizer.adamw_optimizer.lr_decay_steps": 3, **dynamic})
+    env = dict(ENV, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               PYTHONPATH=os.pathsep.join([ENV["PYTHONPATH"], os.path.dirname(task[0])]))
+    code, _, _ = run_until([sys.executable, "-m", "easylm.train", *argv[1:]], killed, 2,
+                           signal.SIGKILL, env)
+    assert code == -signal.SIGKILL
+    resumed = run(killed, **dynamic)
     for key in ("loss", "reward", "gradient_norm", "data/dynamic_sampling/rounds",
                 "data/dynamic_sampling/dropped_groups", "data/dataset_batches"):
         assert resumed[3][key] == got[3][key], key
