@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from numerics import assert_close, assert_differs, forward_rel
+from numerics import assert_close, assert_differs, forward_rel, fp32_rel, max_error
 from serving_utils import log_softmax
 from tool_chat import TEMPLATE, TOOLS_MODULE, VOCAB, make_tokenizer
 from transformers.utils import get_json_schema
@@ -60,26 +60,31 @@ def rollouts(tools_module):
     functions = [module.add, module.boom, module.hang]
     renderer = episodes_lib.ChatRenderer(tokenizer, TEMPLATE, [get_json_schema(f) for f in
                                                                 functions], 2)
-    engine = engine_lib.Engine(engine_lib.get_default_config(
-        {"batch_size": 8, "seq_length": S, "decode_steps": 4, "min_bucket": 32}),
-        FAMILY.bind(config), params)
-    out = {}
-    for keep in (True, False):
-        engine.reset()
-        eps = []
-        for i in range(8):
-            env = environments.ToolEnvironment(functions, timeout=0.2)
-            messages = env.reset({"prompt": ["the cat", "a dog is", "sun"][i % 3]})
-            ids = renderer.ids(messages, True)
-            eps.append(episodes_lib.Episode(env, list(messages), ids, [False] * len(ids),
-                                            [0.0] * len(ids)))
-        sampling = engine_lib.Sampling.empty(8)
-        sampling.keys[:] = np.arange(16, dtype=np.uint32).reshape(8, 2)
-        sampling.temperature[:] = 1.0
-        episodes_lib.run_episodes(engine, eps, sampling, 6, 3, renderer, tokenizer,
-                                  keep_cache=keep)
-        out[keep] = eps
+    engine = engine_lib.Engine(ENGINE, FAMILY.bind(config), params)
+    out = {keep: roll(engine, renderer, tokenizer, functions, keep) for keep in (True, False)}
     return model, params, tokenizer, renderer, out, engine
+
+
+ENGINE = engine_lib.get_default_config(
+    {"batch_size": 8, "seq_length": S, "decode_steps": 4, "min_bucket": 32})
+
+
+def roll(engine, renderer, tokenizer, functions, keep: bool):
+    """8 episodes of up to 3 turns of <= 6 tokens at temperature 1 (fixed keys)."""
+    engine.reset()
+    eps = []
+    for i in range(8):
+        env = environments.ToolEnvironment(functions, timeout=0.2)
+        messages = env.reset({"prompt": ["the cat", "a dog is", "sun"][i % 3]})
+        ids = renderer.ids(messages, True)
+        eps.append(episodes_lib.Episode(env, list(messages), ids, [False] * len(ids),
+                                        [0.0] * len(ids)))
+    sampling = engine_lib.Sampling.empty(8)
+    sampling.keys[:] = np.arange(16, dtype=np.uint32).reshape(8, 2)
+    sampling.temperature[:] = 1.0
+    episodes_lib.run_episodes(engine, eps, sampling, 6, 3, renderer, tokenizer,
+                              keep_cache=keep)
+    return eps
 
 
 def multi_turn(eps):
@@ -178,24 +183,69 @@ def test_later_turns_on_the_kept_cache_are_a_fresh_forward(rollouts):
     (numerics.forward_rel) of the log-probabilities' magnitude. Negative twin: the same
     forward with the tools' tokens blanked (what a cache that missed them would see)."""
     model, params, _, _, out, _ = rollouts
-    config = model.config
-    for e in multi_turn(out[True]):
-        ids = np.asarray(e.tokens)
-        later = np.zeros(len(ids), bool)
-        later[e.prompt_length:] = np.asarray(e.model[e.prompt_length:])
-        first_context = e.prompt_length + e.model[e.prompt_length:].index(False)
-        later[:first_context] = False  # turn 2 on: after the first tool answer
-        assert later.any()
-        where = np.flatnonzero(later)
-        got = np.asarray(e.logprobs)[where]
-        full = log_softmax(model, params, ids, S)
-        expected = full[where - 1, ids[where]]
-        rel = forward_rel(config, S)
+    check_later_turns(model, params, out[True], forward_rel(model.config, S))
+
+
+def later_turns(model, params, e):
+    """(the engine's log-probabilities of the model's tokens from turn 2 on, a full
+    forward's, the same forward's with the tools' tokens blanked)."""
+    ids = np.asarray(e.tokens)
+    later = np.zeros(len(ids), bool)
+    later[e.prompt_length:] = np.asarray(e.model[e.prompt_length:])
+    first_context = e.prompt_length + e.model[e.prompt_length:].index(False)
+    later[:first_context] = False  # turn 2 on: after the first tool answer
+    assert later.any()
+    where = np.flatnonzero(later)
+    full = log_softmax(model, params, ids, S)
+    blanked = ids.copy()
+    blanked[first_context:][~np.asarray(e.model[first_context:])] = 0
+    twin = log_softmax(model, params, blanked, S)
+    return np.asarray(e.logprobs)[where], full[where - 1, ids[where]], \
+        twin[where - 1, ids[where]]
+
+
+def check_later_turns(model, params, eps, rel: float):
+    for e in multi_turn(eps):
+        got, expected, twin = later_turns(model, params, e)
         assert_close(got, expected, rel)
-        blanked = ids.copy()
-        blanked[first_context:][~np.asarray(e.model[first_context:])] = 0
-        twin = log_softmax(model, params, blanked, S)[where - 1, ids[where]]
         assert_differs(got, twin, rel, scale=float(np.abs(expected).max()))
+
+
+def test_a_recurrent_state_model_continues_its_turns(tools_module, monkeypatch):
+    """Qwen3.5 (a Gated DeltaNet layer, whose cache is a recurrent state that cannot be
+    rewound, and a full-attention one): the same rollouts on the kept cache, every later
+    turn's log-probabilities a full forward's (the fp32 reordering of its 13 reductions a
+    layer, as tests/test_qwen3_5.py). Turns end mid-call (EOS, max_new_tokens) and wait
+    while others decode: the engine holds each slot's state there. Negative twin, off the
+    full forward: decode calls that hold only the waiting slots' state (a turn's state
+    still runs past its end in the call it ended in, and in the call sent before the host
+    read it; tests/test_qwen3_5.py has the twin that holds nothing)."""
+    from easylm.qwen3_5.family import FAMILY
+    from easylm.qwen3_5.model import Qwen35ForCausalLM
+
+    _, module = tools_module
+    tokenizer = make_tokenizer()
+    config = FAMILY.from_preset("debug", num_hidden_layers=2, full_attention_interval=2,
+                                vocab_size=VOCAB, initializer_range=0.05)
+    model = Qwen35ForCausalLM(config)
+    params = jax.jit(model.init_params)(jax.random.PRNGKey(0))
+    functions = [module.add, module.boom, module.hang]
+    renderer = episodes_lib.ChatRenderer(tokenizer, TEMPLATE, [get_json_schema(f) for f in
+                                                                functions], 2)
+    engine = engine_lib.Engine(ENGINE, FAMILY.bind(config), params)
+    assert engine.layout.has_state
+    rel = fp32_rel(max(config.hidden_size, config.intermediate_size, S, 64),
+                   12 * config.num_hidden_layers + 1)
+    check_later_turns(model, params, roll(engine, renderer, tokenizer, functions, True), rel)
+
+    decode = engine.decode
+    monkeypatch.setattr(engine, "decode", lambda sampling, active=None, keep=0, ends=None,
+                        stop=-1: decode(sampling, active, keep))
+    off = []
+    for e in multi_turn(roll(engine, renderer, tokenizer, functions, True)):
+        got, expected, _ = later_turns(model, params, e)
+        off.append(max_error(got, expected) / float(np.abs(expected).max()))
+    assert max(off) > rel, (off, rel)
 
 
 def test_an_episode_prefills_its_prompt_and_appended_tokens_only(rollouts):

@@ -384,6 +384,62 @@ def test_two_requests_in_parallel_equal_each_alone(engine):
     assert a_alone != b_alone
 
 
+def _waiting_turn(engine, protect: bool):
+    """Slot 0's turn ends mid-call (its last token at position 15), it waits two calls
+    while slot 1 decodes, then a suffix is appended (`extend`) and it decodes on. With
+    `protect`, the calls hold slot 0's state (`decode`'s ends, active); "partly": only
+    while it waits. Returns (slot 0's tokens and log-probabilities after the suffix,
+    its whole row, slot 1's tokens and log-probabilities)."""
+    engine.reset()
+    everyone = Sampling.empty(2)
+    turn = [int(engine.fetch(engine.prefill([PROMPT_A], [0], Sampling.empty(1)))[0][0, 0])]
+    engine.fetch(engine.prefill([PROMPT_B], [1], Sampling.empty(1)))
+    ends = [15, 10 ** 6] if protect is True else None  # slot 0 live at positions 13, 14
+    out = engine.fetch(engine.decode(everyone, ends=ends))
+    turn += [int(t) for t in out[0][:2, 0]]  # its turn: positions 13..15
+    b_ids, b_logps = [out[0][:, 1]], [out[1][:, 1]]
+    waiting = np.array([False, True]) if protect else None
+    for _ in range(2):  # the whole cache as the window whatever `active`: the same programs
+        out = engine.fetch(engine.decode(everyone, waiting, keep=engine.seq_length))
+        b_ids.append(out[0][:, 1])
+        b_logps.append(out[1][:, 1])
+    suffix = [9, 10, 11]  # a tool's answer
+    out = engine.fetch(engine.extend([[turn[-1]] + suffix], [0], [15], Sampling.empty(1)))
+    ids, logps = [int(out[0][0, 0])], [float(out[1][0, 0])]
+    out = engine.fetch(engine.decode(everyone, np.array([True, False])))
+    ids += [int(t) for t in out[0][:, 0]]
+    logps += [float(x) for x in out[1][:, 0]]
+    row = PROMPT_A + turn + suffix + ids
+    return np.asarray(ids), np.asarray(logps), row, np.concatenate(b_ids), \
+        np.concatenate(b_logps)
+
+
+def test_a_waiting_slots_state_continues_after_its_turn(ours, engine, forward):
+    """Multi-turn on a state cache: slot 0's turn ends mid-call, it waits while slot 1
+    decodes, then a suffix is extended onto its cache: its next tokens are the full
+    forward's greedy ones and their log-probabilities the full forward's (REL of the
+    logits' scale). Slot 1's tokens and log-probabilities are bitwise those of calls that
+    hold nothing (the mask leaves live slots alone). Negative twins: calls that hold
+    nothing (slot 0's state runs on through garbage), and calls that hold it only while it
+    waits (the rest of the call its turn ended in still moves it)."""
+    config, params = ours
+    ids, logps, row, b_ids, b_logps = _waiting_turn(engine, True)
+    n = len(PROMPT_A) + 3 + 3  # the positions before slot 0's first new token
+    full = np.asarray(jax.nn.log_softmax(forward(config, params, np.asarray([row])).logits[0]
+                                         .astype(jnp.float32)))
+    expected = full[np.arange(n - 1, len(row) - 1), ids]
+    assert (ids == full[n - 1:len(row) - 1].argmax(-1)).all()
+    scale = float(np.abs(full).max())
+    assert_close(logps, expected, REL, scale)
+    for twin in (False, "partly"):
+        t_ids, t_logps, t_row, t_b_ids, t_b_logps = _waiting_turn(engine, twin)
+        np.testing.assert_array_equal(t_b_ids, b_ids)
+        np.testing.assert_array_equal(t_b_logps, b_logps)
+        t_full = np.asarray(jax.nn.log_softmax(forward(config, params, np.asarray([t_row]))
+                                               .logits[0].astype(jnp.float32)))
+        assert_differs(t_logps, t_full[np.arange(n - 1, len(t_row) - 1), t_ids], REL, scale)
+
+
 def _prompt_forward(model, params, tokens, lengths, chunk, state=True):
     fn = jax.jit(functools.partial(engine_lib._prompt_forward, model, chunk, False,
                                    state=state))

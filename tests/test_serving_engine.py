@@ -71,6 +71,11 @@ def test_engine_greedy_and_logprobs_match_full_forward(served, tokenizer, logpro
         assert g.finish_reason == "length"
 
 
+def held(engine):
+    """A decode program's `ends` and `stop` (what a state cache holds; every slot live)."""
+    return np.full(engine.batch_size, np.iinfo(np.int32).max, np.int32), np.int32(-1)
+
+
 def test_decode_attends_over_the_shortest_window_covering_active_slots(tokenizer, logprob_atol):
     # seq_length 64: decode calls read 16, 32 or all 64 cache positions. A short request
     # next to a long one, and a request that outlives a long one, get the same tokens as
@@ -78,7 +83,8 @@ def test_decode_attends_over_the_shortest_window_covering_active_slots(tokenizer
     batcher, model, params = make_batcher()
     engine, lengths = batcher.engine, []
     decode = engine._decode
-    engine._decode = lambda sampling, length: lengths.append(length) or decode(sampling, length)
+    engine._decode = lambda sampling, length, *held: lengths.append(length) or decode(
+        sampling, length, *held)
     try:
         # Positions 3..10, and up to 14 in the call the batcher dispatches before it
         # sees the request finished: 16.
@@ -113,7 +119,8 @@ def test_unrolled_decode_is_the_same_program_without_a_loop(served, tokenizer, l
                                            [t.logprob for t in w.tokens], atol=logprob_atol(),
                                            rtol=0)
         engine = unrolled.engine
-        args = (engine.weights, engine.state, *engine_lib.Sampling.empty(engine.batch_size).arrays())
+        args = (engine.weights, engine.state, *held(engine),
+                *engine_lib.Sampling.empty(engine.batch_size).arrays())
         for unroll, fns in ((True, engine._decode_fns), (False, looped.engine._decode_fns)):
             hlo = fns[False, 16].lower(*args).as_text()
             assert ("stablehlo.while" in hlo) != unroll
@@ -204,7 +211,7 @@ def test_device_programs_have_no_data_dependent_branch(served):
     for (sample, _), fn in engine._decode_fns.items():
         sampling = engine_lib.Sampling.empty(engine.batch_size)
         sampling.temperature[:] = float(sample)
-        hlo = fn.lower(engine.weights, engine.state, *sampling.arrays()).as_text()
+        hlo = fn.lower(engine.weights, engine.state, *held(engine), *sampling.arrays()).as_text()
         assert "conditional" not in hlo and "stablehlo.case" not in hlo
         assert ("stablehlo.sort" in hlo) == sample  # only a sampling call sorts the vocabulary
 

@@ -10,7 +10,9 @@ turn ends (EOS, --grpo.max_new_tokens, or the row full) the environment's `step`
 thread pool while the other episodes keep decoding; its messages' delta is then prefilled
 onto the slot's cache at the episode's position (`Engine.extend`): the history is never
 run again, so an episode's prefill is its prompt plus what was appended (logged as
-rollout/prefill_tokens_per_episode). It ends when the environment says done, at
+rollout/prefill_tokens_per_episode). A cache holding a recurrent state (Qwen3.5's Gated
+DeltaNet) is held at the turn's end on the device: decode calls stop advancing a slot at
+its EOS or its turn's last position, and while it waits (`Engine.decode`). It ends when the environment says done, at
 --grpo.max_turns turns, or when the row (seq_length) has no room for the next delta and a
 token of the model.
 """
@@ -124,7 +126,11 @@ class _Runner:
                     keep = max((len(e.tokens) for e in episodes if e.state == WAITING), default=0)
                     active = np.zeros(engine.batch_size, bool)
                     active[:n] = decoding
-                    self._expect(engine.decode(full, active, keep),
+                    # A state cache (Gated DeltaNet) stops each turn where it can end (its
+                    # EOS, its last token) and is extended from there.
+                    ends = np.zeros(engine.batch_size, np.int64)
+                    ends[:n] = [self._last_position(e) for e in episodes]
+                    self._expect(engine.decode(full, active, keep, ends, self.renderer.eos),
                                  {i: i for i in np.flatnonzero(decoding)})
                 if self.pending:
                     self._read(*self.pending.popleft())
@@ -134,6 +140,12 @@ class _Runner:
                     return
         finally:
             self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def _last_position(self, e) -> int:
+        """The position of the current turn's last token at the latest (`_read`'s
+        max_new_tokens and seq_length ends)."""
+        begun = len(e.tokens) - len(e.turn)  # the same while the host catches up
+        return min(begun + self.max_new_tokens, self.engine.seq_length) - 1
 
     def _expect(self, out, columns):
         self.pending.append((out, columns, {i: self.episodes[i].epoch for i in columns}))

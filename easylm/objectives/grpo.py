@@ -36,7 +36,6 @@ from easylm.objectives.rollouts import (
     token_logps,
 )
 from easylm.objectives.router_loss import fed_tokens, with_router_loss
-from easylm.serving.engine import check_cache
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -346,10 +345,6 @@ class GRPOObjective(Objective):
         if options.routing_replay:
             raise UserError(f"{flag}: multi-turn rollouts do not record routing; set "
                             f"--grpo.routing_replay=False")
-        if check_cache(model).has_state:
-            raise UserError(f"{flag}: the {model.name} model's cache holds a recurrent state, "
-                            f"which an episode's slot cannot extend from its position after a "
-                            f"tool's answer; multi-turn rollouts need attention-only caches")
         template = chat_template(config.train_dataset.text_processor.chat_template, tokenizer)
         if not template:
             raise UserError(f"{flag}: multi-turn rollouts render conversations with a chat "

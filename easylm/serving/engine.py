@@ -23,7 +23,10 @@ Model-agnostic: it runs a family's `easylm.models.family.Model` (its `apply`, `i
 attention layer's keys and values (B, S, K, H), a latent cache (B, S, C)): sliced to
 the positions a decode call reads and written by position; one without is a slot's
 state (Gated DeltaNet's conv inputs and recurrent state): carried whole, started from
-zeros when a slot takes a request, and continued from chunk to chunk of a prefill.
+zeros when a slot takes a request, and continued from chunk to chunk of a prefill. A
+state cannot be rewound, so a decode call advances a slot's state only while the slot
+is live (`Engine.decode`'s active, ends, stop): a slot waiting for `extend` keeps the
+state of its history's end.
 
 Shapes: B slots, S cache positions (seq_length), n rows of one prefill or score
 call, T bucketed length, C decode steps per call, V vocabulary, N top logprobs.
@@ -370,14 +373,20 @@ def _extend(model: Model, layout: CacheLayout, sample: bool, weights, state, tok
     positions), the suffix written into them and attending over them under the cache's
     causal mask, and written back. Padding writes past a row's suffix (nothing reads them
     before its next tokens overwrite them) or past S (dropped). Each row's next token is
-    drawn from its last real position's logits (`_prefill_end`'s outputs)."""
+    drawn from its last real position's logits (`_prefill_end`'s outputs). A state part of
+    the cache continues from the slot's state, which must be that of its tokens before
+    starts (`_decode` keeps a waiting slot's)."""
     params, base = weights
     cache, last, slot_positions = state
     n, T = tokens.shape
     S = layout.cache_length(cache)
     rows = layout.map(lambda b, s, c: jnp.take(c, slots, axis=b, mode="clip"), cache)
     positions = starts[:, None] + jnp.arange(T, dtype=jnp.int32)  # (n, T)
-    logits, rows, _ = _forward(model, False, params, tokens, positions, rows, base)
+    # A state (held at the history's end by `_decode`) continues over the suffix; its
+    # padding (segment id 0) neither reads nor writes it, as in a prefill's chunks.
+    segments = (jnp.arange(T)[None, :] < lengths[:, None]).astype(jnp.int32) \
+        if layout.has_state else None
+    logits, rows, _ = _forward(model, False, params, tokens, positions, rows, base, segments)
     picked = logits[jnp.arange(n), lengths - 1].astype(jnp.float32)  # (n, V)
     out = next_tokens(picked, keys, starts + lengths, temperature, top_k, top_p, sample)
     cache = layout.write_slots(cache, rows, slots, S)
@@ -387,10 +396,18 @@ def _extend(model: Model, layout: CacheLayout, sample: bool, weights, state, tok
 
 
 def _decode(model: Model, layout: CacheLayout, steps: int, unroll: bool, sample: bool,
-            record: bool, length: int, weights, state, keys, temperature, top_k, top_p):
+            record: bool, length: int, weights, state, ends, stop, keys, temperature, top_k,
+            top_p):
     """`steps` tokens for every slot, attending over the first `length` cache positions
     only (the host picks a length that covers every active slot's positions); a loop, or
-    with `unroll` the steps one after another in one program."""
+    with `unroll` the steps one after another in one program.
+
+    A cache that holds a state (`CacheLayout.has_state`; else `ends` and `stop` are
+    unused and the program is the attention-only one): a step runs a slot live only while
+    its input token sits before ends (B,) and is not `stop` (a scalar; -1 none). A slot
+    not live keeps its state, last token and position, so its state stays that of the
+    tokens before its input token: what `_extend` continues from, the input token fed
+    again. Live slots compute exactly what they would without the mask."""
     params, base = weights
     cache, tokens, positions = state
     S = layout.cache_length(cache)
@@ -403,10 +420,23 @@ def _decode(model: Model, layout: CacheLayout, steps: int, unroll: bool, sample:
         # Idle and finished slots run past the end: they write (garbage, never read) at
         # the last position instead.
         at = jnp.minimum(positions, length - 1)[:, None]
-        logits, window, routing = _forward(model, record, params, tokens[:, None], at, window,
-                                           base)  # routing: the input token's choices
+        logits, new, routing = _forward(model, record, params, tokens[:, None], at, window,
+                                        base)  # routing: the input token's choices
         out = next_tokens(logits[:, 0], keys, positions + 1, temperature, top_k, top_p, sample)
-        return (window, out[0], positions + 1), out + tuple(r[:, :, 0] for r in routing)
+        if not layout.has_state:
+            return (new, out[0], positions + 1), out + tuple(r[:, :, 0] for r in routing)
+        live = (positions < ends) & (tokens != stop)  # (B,)
+
+        def held(b, s, n, o):  # a state's rows of slots not live: as they were
+            if s is not None:  # positional: a held slot rewrites its input token's entry
+                return n
+            shape = [1] * n.ndim
+            shape[b] = n.shape[b]
+            return jnp.where(live.reshape(shape), n, o)
+
+        window = layout.map(held, new, window)
+        return ((window, jnp.where(live, out[0], tokens), jnp.where(live, positions + 1, positions)),
+                out + tuple(r[:, :, 0] for r in routing))
 
     (window, tokens, positions), outs = jax.lax.scan(step, (window, tokens, positions), None,
                                                      length=steps, unroll=steps if unroll else 1)
@@ -651,18 +681,29 @@ class Engine:
             self._staged[rows, T] = start, chunk, end
         return self._staged[rows, T]
 
-    def decode(self, sampling: Sampling, active=None, keep: int = 0):
+    def decode(self, sampling: Sampling, active=None, keep: int = 0, ends=None,
+               stop: int = -1):
         """decode_steps tokens for every slot, as device arrays: tokens (C, B),
         logprobs (C, B), top ids and logprobs (C, B, N) (recording routing: then each step's
         input token's expert choices (C, B, L, K)). `active` (B,) bool marks the
         slots whose tokens matter (default: all); the call attends over the shortest
         cache length that holds their positions, and at least `keep`: an idle slot writes
         its garbage at the window's last position, so a slot waiting to be `extend`ed
-        whose history ends at position keep - 1 stays intact."""
+        whose history ends at position keep - 1 stays intact.
+
+        A cache that holds a state (`CacheLayout.has_state`) cannot be rewound: a slot
+        not active keeps its state, last token and position through the call, and an
+        active one stops advancing (`_decode`) once its input token is at position
+        ends[i] (default: never) or is `stop` (-1: none): a turn that ends there mid-call,
+        or in a call sent before the host read that it ended, leaves the state of the
+        tokens before its last one, which `extend` feeds again."""
         active = np.ones(self.batch_size, bool) if active is None else np.asarray(active, bool)
         end = int(self.positions[active].max()) + self.config.decode_steps if active.any() else 0
         end = max(end, keep)
-        return self._decode(sampling, bucket_for(min(end, self.seq_length), self.decode_buckets))
+        ends = np.iinfo(np.int32).max if ends is None else np.asarray(ends)
+        ends = np.where(active, ends, 0).astype(np.int32)
+        return self._decode(sampling, bucket_for(min(end, self.seq_length), self.decode_buckets),
+                            ends, stop)
 
     def compile_decode(self, sampling: Sampling):
         """Compile now the decode program of every cache window for `sampling`'s kind
@@ -672,9 +713,11 @@ class Engine:
         for length in self.decode_buckets:
             jax.block_until_ready(self._decode(sampling, length))
 
-    def _decode(self, sampling: Sampling, length: int):
+    def _decode(self, sampling: Sampling, length: int, ends=None, stop: int = -1):
+        if ends is None:  # every slot live
+            ends = np.full(self.batch_size, np.iinfo(np.int32).max, np.int32)
         self.state, out = self._run(self._decode_fns[sampling.samples(), length], self.weights,
-                                    self.state, *sampling.arrays())
+                                    self.state, ends, np.int32(stop), *sampling.arrays())
         self.positions += self.config.decode_steps
         return out
 
@@ -683,12 +726,10 @@ class Engine:
         """Feed each suffix onto its slot's cache at positions starts[i].., which the
         slot's earlier tokens fill below (the history is not run again), and draw each
         slot's next token: `prefill`'s outputs. A slot's cache past starts[i] may hold
-        anything (an idle slot's decode garbage): it is overwritten. Refused for a cache
-        that holds a recurrent state (it has moved past the history's last token)."""
-        if self.layout.has_state:
-            raise UserError(f"{self.model.name}: its cache holds a recurrent state, which a "
-                            f"slot cannot continue from an earlier position: no multi-turn "
-                            f"rollouts (--grpo.tools, --grpo.environment)")
+        anything (an idle slot's decode garbage): it is overwritten. A cache that holds a
+        state continues from the slot's, which must be that of its tokens before
+        starts[i]: the decode calls since its last turn began held it there (`decode`'s
+        active, ends and stop)."""
         n = len(suffixes)
         rows = bucket_for(n, self.row_buckets)
         T = bucket_for(max(len(x) for x in suffixes), self.extend_buckets)
