@@ -42,6 +42,17 @@ def tools_module(tmp_path_factory):
     sys.path.remove(str(directory))
 
 
+def tool_engine(family, model, config, module):
+    """(params, tokenizer, renderer, engine, tools): `model` drawn at random, served with the
+    test's tools rendered through the Hermes template."""
+    params = jax.jit(model.init_params)(jax.random.PRNGKey(0))
+    functions = [module.add, module.boom, module.hang]
+    renderer = episodes_lib.ChatRenderer(make_tokenizer(), TEMPLATE,
+                                         [get_json_schema(f) for f in functions], 2)
+    return params, renderer.tokenizer, renderer, engine_lib.Engine(ENGINE, family.bind(config),
+                                                                    params), functions
+
+
 S = 64  # the row: every episode's tokens
 
 
@@ -50,17 +61,12 @@ def rollouts(tools_module):
     """(model, params, tokenizer, renderer, {keep_cache: episodes}, engine): 8 episodes of
     up to 3 turns of <= 6 tokens, sampled at temperature 1 on one engine, once extending
     the kept cache and once re-prefilling each conversation."""
-    _, module = tools_module
-    tokenizer = make_tokenizer()
-    config = LLaMAConfig.from_preset("debug", vocab_size=VOCAB, initializer_range=0.05)  # flat
-    model = LLaMAForCausalLM(config)
-    params = jax.jit(model.init_params)(jax.random.PRNGKey(0))
     from easylm.llama.family import FAMILY
 
-    functions = [module.add, module.boom, module.hang]
-    renderer = episodes_lib.ChatRenderer(tokenizer, TEMPLATE, [get_json_schema(f) for f in
-                                                                functions], 2)
-    engine = engine_lib.Engine(ENGINE, FAMILY.bind(config), params)
+    config = LLaMAConfig.from_preset("debug", vocab_size=VOCAB, initializer_range=0.05)  # flat
+    model = LLaMAForCausalLM(config)
+    params, tokenizer, renderer, engine, functions = tool_engine(FAMILY, model, config,
+                                                                 tools_module[1])
     out = {keep: roll(engine, renderer, tokenizer, functions, keep) for keep in (True, False)}
     return model, params, tokenizer, renderer, out, engine
 
@@ -223,16 +229,11 @@ def test_a_recurrent_state_model_continues_its_turns(tools_module, monkeypatch):
     from easylm.qwen3_5.family import FAMILY
     from easylm.qwen3_5.model import Qwen35ForCausalLM
 
-    _, module = tools_module
-    tokenizer = make_tokenizer()
     config = FAMILY.from_preset("debug", num_hidden_layers=2, full_attention_interval=2,
                                 vocab_size=VOCAB, initializer_range=0.05)
     model = Qwen35ForCausalLM(config)
-    params = jax.jit(model.init_params)(jax.random.PRNGKey(0))
-    functions = [module.add, module.boom, module.hang]
-    renderer = episodes_lib.ChatRenderer(tokenizer, TEMPLATE, [get_json_schema(f) for f in
-                                                                functions], 2)
-    engine = engine_lib.Engine(ENGINE, FAMILY.bind(config), params)
+    params, tokenizer, renderer, engine, functions = tool_engine(FAMILY, model, config,
+                                                                 tools_module[1])
     assert engine.layout.has_state
     rel = fp32_rel(max(config.hidden_size, config.intermediate_size, S, 64),
                    12 * config.num_hidden_layers + 1)
