@@ -361,7 +361,7 @@ def test_redefaulted_flags_keep_the_directories_runs_had(argv, old_id):
     # --lora.base_dtype defaulted to auto (computed by the code at cac0ba9), and before
     # --lora.target_modules' default took the expert stacks too, and before the
     # weight-decay exclusions' default named DeepSeek-V3's routing bias and Gemma 4's
-    # layer_scalar, and before GRPO's dynamic sampling (computed at 77b6cac): the same command still
+    # layer_scalar, and before GRPO's dynamic sampling and multi-turn flags (computed at 77b6cac): the same command still
     # resumes its run; a setting that trains otherwise is another run.
     def run_id(*extra):
         config = train.parse_flags(["train", *argv, *extra])
@@ -377,6 +377,8 @@ def test_redefaulted_flags_keep_the_directories_runs_had(argv, old_id):
     if "--objective=grpo" in argv:  # dynamic sampling's flags, added later
         assert run_id("--grpo.max_sampling_rounds=4") == old_id
         assert run_id("--grpo.dynamic_sampling=True") != old_id
+        assert run_id("--grpo.max_turns=4", "--grpo.tool_timeout=10") == old_id  # multi-turn's
+        assert run_id("--grpo.max_turns=2") != old_id
     if "--lora.rank=16" in argv:
         assert run_id("--lora.target_modules=q_proj/kernel$") != old_id
 

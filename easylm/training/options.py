@@ -271,7 +271,10 @@ _REDEFAULTED = {"train_dataset.text_processor.add_bos_token": ("auto", True),
 
 # Flags added after runs were named by their hash, with the value that trains as before
 # their time: at that value they are left out of the hash.
-_ADDED = {"grpo.dynamic_sampling": False, "grpo.max_sampling_rounds": 4}
+_ADDED = {"grpo.dynamic_sampling": False, "grpo.max_sampling_rounds": 4,
+          # multi-turn: single-turn without tools or an environment
+          "grpo.tools": "", "grpo.environment": "", "grpo.tool_timeout": 10.0,
+          "grpo.max_turns": 4}
 
 
 def _hashed(name: str, value):
