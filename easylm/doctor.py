@@ -119,6 +119,12 @@ def _model_problems(config, family, mesh) -> list[str]:
                                                      "eval_dataset").seq_length
         except UserError as e:
             problems.append(str(e))
+    if config.objective == "grpo":  # the tools or environment it would import
+        from easylm.objectives import environments
+        try:
+            environments.load(config.grpo)
+        except UserError as e:
+            problems.append(str(e))
     return problems + variants.training_problems(family, config) + trainer.mesh_problems(
         config, model_config.to_dict(), family.name, mesh.shape, lengths)
 

@@ -74,6 +74,9 @@ N, P = jax.device_count(), jax.process_count()
                            "eval, bench decode, plan --plan.serve_tokens); a trained model "
                            "cannot be: for adapters on an int8 base give --lora.rank=R "
                            "--lora.base_dtype=int8"]),
+    (["--objective=grpo", "--grpo.tools=nosuchmodule:f"],
+     ["--grpo.tools=nosuchmodule:f: cannot import 'nosuchmodule' (ModuleNotFoundError: No "
+      "module named 'nosuchmodule')"]),
 ])
 def test_each_problem_is_one_line_and_exit_1(argv, problems, tmp_path, capsys):
     if not any(a.startswith("--logger.output_dir") for a in argv):
