@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from easylm import flags as flag_lib, model_flags, variants
+from easylm import flags as flag_lib, model_flags, objectives, variants
 from easylm.data.options import loader_options
 from easylm.errors import UserError, exit_on_user_error
 from easylm.runtime import distributed
@@ -119,12 +119,10 @@ def _model_problems(config, family, mesh) -> list[str]:
                                                      "eval_dataset").seq_length
         except UserError as e:
             problems.append(str(e))
-    if config.objective == "grpo":  # the tools or environment it would import
-        from easylm.objectives import environments
-        try:
-            environments.load(config.grpo)
-        except UserError as e:
-            problems.append(str(e))
+    try:  # the objective's own checks (e.g. the GRPO tools it would import)
+        objectives.check_config(config)
+    except UserError as e:
+        problems.append(str(e))
     return problems + variants.training_problems(family, config) + trainer.mesh_problems(
         config, model_config.to_dict(), family.name, mesh.shape, lengths)
 

@@ -74,7 +74,8 @@ N, P = jax.device_count(), jax.process_count()
                            "eval, bench decode, plan --plan.serve_tokens); a trained model "
                            "cannot be: for adapters on an int8 base give --lora.rank=R "
                            "--lora.base_dtype=int8"]),
-    (["--objective=grpo", "--grpo.tools=nosuchmodule:f"],
+    (["--objective=grpo", "--grpo.tools=nosuchmodule:f",
+      "--train_dataset.json_dataset.path=prompts.jsonl"],
      ["--grpo.tools=nosuchmodule:f: cannot import 'nosuchmodule' (ModuleNotFoundError: No "
       "module named 'nosuchmodule')"]),
 ])

@@ -312,6 +312,7 @@ class GRPOObjective(Objective):
             raise UserError(f"--lora.dropout={lora.dropout} does not act in --objective=grpo "
                             f"(its forward is the serving engine's, which has none): set it "
                             f"to 0")
+        environments.load(config.grpo)  # the tools or environment it imports, at start
 
     def __init__(self, model, config, tokenizer):
         super().__init__(model, config, tokenizer)
