@@ -36,7 +36,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import ConfigDict
 
-from easylm import flags, model_flags, variants
+from easylm import flags, model_flags, objectives, variants
 from easylm.errors import UserError, exit_on_user_error
 from easylm.runtime import dtypes, flops, profiling, run_flags
 from easylm.runtime.compilation import setup_compilation
@@ -286,6 +286,12 @@ def _train_main(argv):
 
     family, argv = registry.from_argv(argv)
     usage = "usage: python -m easylm.bench train [--family=NAME] [--flag=value ...]"
+    named = objectives.named_in(argv)
+    if named not in (None, objectives.DEFAULT):
+        raise UserError(f"--objective={named}: bench train times the next-token step on "
+                        f"synthetic tokens, not another objective's (its rollouts, pairs, "
+                        f"teacher): time that with python -m easylm.train, whose log has "
+                        f"tokens/s (and data/rollout/seconds)")
     config = flags.parse(train_config(family), _train_help(family), argv, usage)
     print(json.dumps(bench_train(config, family)))
 

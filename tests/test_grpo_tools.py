@@ -353,28 +353,13 @@ def test_unknown_tools_are_one_line_naming_the_flag(tools_module, flags, message
         environments.load(options)
 
 
-def test_train_command_runs_on_through_failing_tools(tools_module, tmp_path, monkeypatch):
-    """python -m easylm.train --objective=grpo --grpo.tools=...: tools that raise, hang past
-    --grpo.tool_timeout, and calls with bad JSON each come back as a tool message, and the
-    run trains its steps on."""
-    from test_checkpoint import metrics
-
-    from easylm import train
-
+def command(tmp_path, **overrides) -> list[str]:
+    """python -m easylm.train --objective=grpo --grpo.tools=...: 2 steps of 8 prompts x 2
+    episodes of up to 3 turns of <= 6 tokens, the tests' tokenizer saved under tmp_path."""
     tokenizer_dir = tmp_path / "tokenizer"
     make_tokenizer().save_pretrained(tokenizer_dir)
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["the cat", "a dog"] * 8))
-    seen = []
-    step = environments.ToolEnvironment.step
-
-    def recorded(self, messages):
-        out = step(self, messages)
-        seen.extend(m["content"] for m in out[0])
-        return out
-
-    monkeypatch.setattr(environments.ToolEnvironment, "step", recorded)
-    monkeypatch.setenv("WANDB_MODE", "disabled")
     flags = {"objective": "grpo", "llama.base_model": "debug", "llama.num_hidden_layers": 1,
              "llama.vocab_size": VOCAB, "tokenizer": str(tokenizer_dir),
              "train_dataset.json_dataset.path": str(data),
@@ -385,8 +370,29 @@ def test_train_command_runs_on_through_failing_tools(tools_module, tmp_path, mon
              "grpo.temperature": 1.5,  # (not 1: no scoring program to compile)
              "grpo.format_pattern": ".*cat.*", "total_steps": 2, "log_freq": 1,
              "compilation_cache_dir": "", "logger.output_dir": str(tmp_path),
-             "logger.experiment_id": "run"}
-    train.main(["train", *(f"--{k}={v}" for k, v in flags.items())])
+             "logger.experiment_id": "run", **overrides}
+    return ["train", *(f"--{k}={v}" for k, v in flags.items())]
+
+
+def test_train_command_runs_on_through_failing_tools(tools_module, tmp_path, monkeypatch):
+    """python -m easylm.train --objective=grpo --grpo.tools=...: tools that raise, hang past
+    --grpo.tool_timeout, and calls with bad JSON each come back as a tool message, and the
+    run trains its steps on."""
+    from test_checkpoint import metrics
+
+    from easylm import train
+
+    seen = []
+    step = environments.ToolEnvironment.step
+
+    def recorded(self, messages):
+        out = step(self, messages)
+        seen.extend(m["content"] for m in out[0])
+        return out
+
+    monkeypatch.setattr(environments.ToolEnvironment, "step", recorded)
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    train.main(command(tmp_path))
     got = metrics(tmp_path)
     assert sorted(got) == [1, 2]
     for key in ("data/rollout/turns_per_episode", "data/rollout/prefill_tokens_per_episode",
@@ -395,3 +401,176 @@ def test_train_command_runs_on_through_failing_tools(tools_module, tmp_path, mon
     for expected in ("error: boom raised", "error: the call to hang timed out",
                      "error: the tool call is not valid JSON"):
         assert any(c.startswith(expected) for c in seen), (expected, seen)
+
+
+# ------------------------------------------------------------ as users run it
+
+
+def test_the_command_with_tools_in_bf16_with_lora_scanned_layers_and_a_sharded_mesh(
+        tools_module, tmp_path):
+    """The same command in bf16 (compute and parameters), with LoRA adapters, scanned
+    layers and a dp x fsdp x mp mesh of the 8 devices, in one run: two steps (the second's
+    rollouts read the adapters the first updated), episodes of several turns, and every
+    step trains on exactly the tokens its rollouts sampled."""
+    from test_checkpoint import metrics
+
+    from easylm import train
+
+    train.main(command(tmp_path, **{"dtype": "bf16", "param_dtype": "bf16", "lora.rank": 4,
+                                    "llama.scan_layers": True, "mesh_dim": "2,2,2"}))
+    got = metrics(tmp_path)
+    assert sorted(got) == [1, 2]
+    for step, line in got.items():
+        assert np.isfinite(line["loss"]), (step, line)
+        assert line["loss_tokens"] == line["completions/mean_length"] * 8 * 2, (step, line)
+        assert line["data/rollout/turns_per_episode"] > 1, (step, line)
+    assert got[2]["gradient_norm"] > 0
+
+
+def test_a_tokenizer_that_adds_bos_gives_a_row_with_one():
+    """The embedded tokenizer adds a BOS to what it encodes, and its chat template writes
+    bos_token too: the prompt and each tool message's delta are the template's text
+    without the tokenizer's own special tokens, so a conversation's row (a turn ended by
+    its EOS, one cut before it, each followed by a tool's answer) is id for id what
+    transformers' apply_chat_template(tokenize=True) makes of the whole conversation: one
+    BOS, first. Negative twin: a renderer that lets the tokenizer add its BOS doubles it."""
+    from easylm.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer("embedded")
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    assert tokenizer("x")["input_ids"][0] == bos and "bos_token" in tokenizer.chat_template
+
+    def row_of(renderer):
+        messages = [{"role": "user", "content": "What is 2 + 3?"}]
+        row = renderer.ids(messages, True)
+        for text, ended in (("I will add them.", True), ("The sum", False)):
+            row += tokenizer(text, add_special_tokens=False)["input_ids"] + [eos] * ended
+            messages.append({"role": "assistant", "content": text})
+            new = [{"role": "tool", "content": "5"}]
+            row += renderer.delta(messages, new, ended)
+            messages += new
+        return row, messages
+
+    renderer = episodes_lib.ChatRenderer(tokenizer, tokenizer.chat_template, None, eos)
+    row, messages = row_of(renderer)
+    expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             tokenize=True, return_dict=True)["input_ids"]
+    assert row == expected and row.count(bos) == 1
+
+    class Doubling(episodes_lib.ChatRenderer):
+        def ids(self, messages, generation):
+            return list(self.tokenizer(self.tokenizer.apply_chat_template(
+                messages, chat_template=self.template, tokenize=False,
+                add_generation_prompt=generation))["input_ids"])
+
+    doubled, _ = row_of(Doubling(tokenizer, renderer.template, None, eos))
+    assert doubled[:2] == [bos, bos] and doubled != expected
+
+
+def test_tool_results_of_any_kind_are_text_the_model_reads(capsys):
+    """Non-strings are JSON, or their str() where JSON has no form for them (a cycle, a
+    set); a result with no text at all, and a tool raising what is not an Exception
+    (KeyboardInterrupt, SystemExit), are errors the model reads; a tool's prints go to the
+    trainer's stdout. (Exceptions, timeouts and bad JSON: the rollouts above.)"""
+    cycle = []
+    cycle.append(cycle)
+
+    class NoText:
+        def __str__(self):
+            raise ValueError("no")
+
+    def tool(value):
+        def f():
+            if isinstance(value, type) and issubclass(value, BaseException):
+                raise value("stop")
+            print("tool says hi")
+            return value
+        return f
+
+    got = {repr(v): environments.call_with_timeout(tool(v), {}, 5.0) for v in (
+        {"a": [1, None]}, None, (1, "x"), cycle, {3}, NoText(), KeyboardInterrupt, SystemExit)}
+    assert list(got.values())[:5] == ['{"a": [1, null]}', "null", '[1, "x"]', "[[...]]", "{3}"]
+    assert list(got.values())[5:] == ["error: f returned a NoText with no text (ValueError: no)",
+                                      "error: f raised KeyboardInterrupt: stop",
+                                      "error: f raised SystemExit: stop"]
+    assert capsys.readouterr().out.count("tool says hi\n") == 6
+
+
+def test_a_huge_tool_answer_is_cut_to_leave_the_model_its_turn(rollouts, tools_module):
+    """A tool answering 1 MB of text: its message is cut (marked with its length) to what
+    the row has room for, leaving the model a turn (max_new_tokens, or half the room
+    left), and the episode goes on; rows stay within seq_length. A delta that fits is
+    appended as it is; one that leaves no room even cut to nothing ends the episode."""
+    _, _, tokenizer, renderer, _, engine = rollouts
+    chat = [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "cat"}]
+    short = [{"role": "tool", "content": "5"}]
+    assert renderer.fit(chat, short, True, S, 6) == (short, renderer.delta(chat, short, True))
+    assert renderer.fit(chat, short, True, 3, 1) is None
+    huge = [{"role": "tool", "content": "5 " * 500_000}]
+    new, delta = renderer.fit(chat, huge, True, 40, 6)
+    assert new[0]["content"].endswith(" [cut: 1000000 characters in all]") and len(delta) <= 34
+
+    def add(a: int, b: int) -> str:
+        return "5 " * 500_000
+
+    eps = roll(engine, renderer, tokenizer, [add, tools_module[1].boom, tools_module[1].hang],
+               True)
+    cut = [(e, i) for e in eps for i, m in enumerate(e.messages)
+           if m["content"].endswith("[cut: 1000000 characters in all]")]
+    assert cut, "no episode called add: nothing to test"
+    for e, i in cut:
+        assert len(e.tokens) <= S and e.messages[i + 1]["role"] == "assistant"
+        assert e.model[-1], "the model's turn after the cut answer"
+
+
+def test_plan_preview_bench_and_doctor_given_tools(tools_module, tmp_path, capsys):
+    """The other commands given the run's --grpo.tools: plan's memory is that of the same run
+    without them (the rollouts' cache is the same rows); preview shows a prompt as its
+    first episode starts, rendered with the tools' schemas; bench train, which times the
+    next-token step only, says so in one line; doctor imports the tools (a problem line
+    when it cannot: tests/test_doctor.py)."""
+    from cli_utils import one_line_error
+
+    from easylm import bench, doctor, flags, plan
+    from easylm.data import preview
+    from easylm.llama import train
+    from easylm.llama.family import FAMILY
+
+    argv = ["--objective=grpo", "--llama.base_model=debug", f"--llama.vocab_size={VOCAB}",
+            "--train_dataset.json_dataset.path=prompts.jsonl", "--grpo.num_generations=2",
+            "--train_dataset.json_dataset.seq_length=64", "--grpo.max_new_tokens=6"]
+    tools = "--grpo.tools=grpo_test_tools:add,boom,hang"
+    plans = [plan.estimate(flags.parse(plan.default_config(FAMILY),
+                                       {**train.help_entries(), **plan.HELP}, ["plan", *a]),
+                           FAMILY, num_devices=1) for a in (argv, [*argv, tools])]
+    assert plans[0].rollout_cache > 0 and plans[1].rows() == plans[0].rows()
+
+    make_tokenizer().save_pretrained(tmp_path / "tokenizer")
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"prompt": "the cat", "answer": "5"}) + "\n")
+    preview.main(["preview", f"--tokenizer={tmp_path / 'tokenizer'}",
+                  f"--train_dataset.json_dataset.path={data}", "--num_examples=1",
+                  "--train_dataset.json_dataset.seq_length=64", "--completion_tokens=6",
+                  "--train_dataset.json_dataset.batch_size=1", "--num_batches=1", tools])
+    lines = capsys.readouterr().out.splitlines()
+    module = tools_module[1]
+    schemas = [get_json_schema(f) for f in (module.add, module.boom, module.hang)]
+    sampled = episodes_lib.ChatRenderer(make_tokenizer(), TEMPLATE, schemas, 2).ids(
+        [{"role": "user", "content": "the cat"}], True)
+    assert lines[:3] == [
+        "--- prompt 0",
+        ("<|im_start|> system <tools> add boom hang </tools> <|im_end|> <|im_start|> user "
+         "the cat <|im_end|> <|im_start|> assistant"),
+        f"({len(sampled)} tokens; to the rewards: {{'answer': '5'}})"]
+    assert lines[1] == make_tokenizer().decode(sampled)
+    assert lines[-1] == ("episode prompts that leave no room in the row (the rollout stops "
+                         "with an error there): 0")
+    assert one_line_error(preview.main, ["preview", tools], capsys).startswith(
+        "--grpo.tools and --grpo.environment preview GRPO's prompts: give --completion_tokens")
+
+    assert one_line_error(bench.main, ["bench", "train", "--objective=grpo", tools],
+                          capsys).startswith("--objective=grpo: bench train times the "
+                                             "next-token step on synthetic tokens")
+    with pytest.raises(SystemExit) as e:
+        doctor.main(["doctor", *argv, tools, f"--logger.output_dir={tmp_path}"])
+    assert e.value.code == 0 and "no problems found" in capsys.readouterr().out

@@ -11,7 +11,9 @@ source, and per-source counts) preview the same way; preference pairs
 (--train_dataset.preference.enabled=True) show both sides of each pair, and count the
 pairs truncated to seq_length; GRPO's prompts (--completion_tokens=N, the run's
 --grpo.max_new_tokens) show each prompt as the sampler gets it, with the fields that go
-to the rewards, and count the prompts too long for the row.
+to the rewards, and count the prompts too long for the row. With the run's --grpo.tools
+(or --grpo.environment) a prompt is shown as its first episode starts: the environment's
+reset() messages rendered by the chat template, with the tools' schemas.
 """
 
 import sys
@@ -35,6 +37,10 @@ HELP = {
     "completion_tokens": "> 0: the rows are GRPO's prompts (--objective=grpo), each leaving "
                          "this many tokens of its row for the completion: give the run's "
                          "--grpo.max_new_tokens",
+    "grpo.tools": "the run's --grpo.tools (with --completion_tokens): each prompt shown as "
+                  "its first episode starts, rendered with the tools' schemas",
+    "grpo.environment": "the run's --grpo.environment (with --completion_tokens): each "
+                        "prompt shown as its environment's reset() messages render",
     **{f"train_dataset.{k}": v for k, v in DatasetFactory.HELP.items()},
 }
 
@@ -46,6 +52,7 @@ def default_config():
     config.num_examples = 3
     config.num_batches = 8
     config.completion_tokens = 0
+    config.grpo = ConfigDict({"tools": "", "environment": ""})
     return config
 
 
@@ -78,7 +85,7 @@ def _examples(dataset, tokenizer, slots, records, documents) -> list[str]:
     return lines
 
 
-def _prompt_examples(tokenizer, slots, documents) -> list[str]:
+def _prompt_examples(tokenizer, slots, documents, episode) -> list[str]:
     """The first prompts as the sampler gets them (special tokens shown), each with the
     fields that travel with it to the reward functions."""
     lines = []
@@ -86,6 +93,7 @@ def _prompt_examples(tokenizer, slots, documents) -> list[str]:
         lines.append(f"--- prompt {slot}")
         if isinstance(document, tuple):
             ids, example = document
+            ids = episode(example) if episode else ids
             fields = {k: v for k, v in example.items() if k not in ("prompt", "messages")}
             lines += [tokenizer.decode(ids),
                       f"({len(ids)} tokens; to the rewards: {fields or 'no other field'})"]
@@ -110,20 +118,42 @@ def _skips_until(dataset, usable: int, window: int = 64) -> tuple[int, int]:
     return read, skipped
 
 
-def preview_prompts(config, tokenizer, num_examples, num_batches, completion_tokens):
+def _first_episode(config, grpo, tokenizer):
+    """example -> the ids of its first episode's prompt, as the run's multi-turn rollouts
+    render it (--grpo.tools / --grpo.environment), or None for single-turn prompts."""
+    from easylm.objectives import environments, episodes  # the engine's imports: only here
+
+    loaded = environments.load(ConfigDict(dict(grpo, tool_timeout=0.0)))
+    if loaded is None:
+        return None
+    factory, schemas = loaded
+    flag = "--grpo.tools" if grpo.tools else "--grpo.environment"
+    renderer = episodes.make_renderer(flag, config.text_processor.chat_template, tokenizer,
+                                      schemas, tokenizer.eos_token_id)
+    return lambda example: renderer.ids(list(factory().reset(dict(example))), True)
+
+
+def preview_prompts(config, tokenizer, num_examples, num_batches, completion_tokens,
+                    grpo=None):
     """GRPO's prompt rows: the first prompts, then their lengths over the first batches."""
-    dataset = DatasetFactory.load_dataset(DatasetFactory.get_default_config(config), tokenizer,
-                                          process_index=0, process_count=1,
+    config = DatasetFactory.get_default_config(config)
+    episode = _first_episode(config, grpo, tokenizer) if grpo else None
+    dataset = DatasetFactory.load_dataset(config, tokenizer, process_index=0, process_count=1,
                                           prompts=completion_tokens)
     slots = list(range(min(num_examples, dataset.order.num_documents or num_examples)))
     lines = _prompt_examples(tokenizer, slots,
-                             prepare_records(dataset.order.read(slots), dataset.processor))
+                             prepare_records(dataset.order.read(slots), dataset.processor),
+                             episode)
     batches, lengths = 0, []
     for batch, _ in dataset:
         if batches == num_batches:
             break
         batches += 1
-        lengths += [int(n) for n in batch["prompt_lengths"] if n]
+        if episode:
+            lengths += [len(episode(example)) for n, example in
+                        zip(batch["prompt_lengths"], batch["examples"]) if n]
+        else:
+            lengths += [int(n) for n in batch["prompt_lengths"] if n]
     dataset.close()
     read, skipped = _skips_until(dataset, len(lengths))
     room = dataset.seq_length - completion_tokens
@@ -134,6 +164,9 @@ def preview_prompts(config, tokenizer, num_examples, num_batches, completion_tok
         f"{sum(lengths) / max(len(lengths), 1):.1f}, longest {max(lengths, default=0)}",
         f"prompts skipped: {skipped} of the first {read} examples",
     ]
+    if episode:  # the lengths above are the rendered first episodes'
+        lines.append(f"episode prompts that leave no room in the row (the rollout stops "
+                     f"with an error there): {sum(n >= dataset.seq_length for n in lengths)}")
     return "\n".join(lines)
 
 
@@ -211,10 +244,15 @@ def main(argv=None):
     config = flags.parse(default_config(), HELP, argv, USAGE)
     if config.completion_tokens < 0:
         raise UserError(f"--completion_tokens must be >= 0, got {config.completion_tokens}")
+    multi_turn = config.grpo.tools or config.grpo.environment
+    if multi_turn and not config.completion_tokens:
+        raise UserError("--grpo.tools and --grpo.environment preview GRPO's prompts: give "
+                        "--completion_tokens (the run's --grpo.max_new_tokens) too")
     tokenizer = load_tokenizer(config.tokenizer)
     if config.completion_tokens > 0:
         print(preview_prompts(config.train_dataset, tokenizer, config.num_examples,
-                              config.num_batches, config.completion_tokens))
+                              config.num_batches, config.completion_tokens,
+                              config.grpo if multi_turn else None))
     else:
         print(preview(config.train_dataset, tokenizer, config.num_examples,
                       config.num_batches))

@@ -117,9 +117,10 @@ def parse_tool_calls(text: str):
 
 
 def call_with_timeout(function, arguments: dict, timeout: float) -> str:
-    """The tool's result as text (str as it is, anything else as JSON), or the error the
-    model reads instead. The call runs in a daemon thread: one that hangs past `timeout`
-    is abandoned there (a Python thread cannot be killed), and the episode goes on."""
+    """The tool's result as text (str as it is, anything else as JSON, or its str() when
+    JSON cannot write it), or the error the model reads instead. The call runs in a daemon
+    thread: one that hangs past `timeout` is abandoned there (a Python thread cannot be
+    killed), and the episode goes on."""
     result = {}
 
     def run():
@@ -140,10 +141,13 @@ def call_with_timeout(function, arguments: dict, timeout: float) -> str:
     value = result["value"]
     if isinstance(value, str):
         return value
-    try:
-        return json.dumps(value)
-    except TypeError:
-        return str(value)
+    for text in (json.dumps, str):  # str: what JSON has no form for (an object, a cycle)
+        try:
+            return text(value)
+        except Exception as e:  # noqa: BLE001  (a __str__ may raise anything)
+            error = e
+    return f"error: {name} returned a {type(value).__name__} with no text " \
+           f"({type(error).__name__}: {error})"
 
 
 class ToolEnvironment:

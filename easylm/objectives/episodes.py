@@ -12,9 +12,11 @@ onto the slot's cache at the episode's position (`Engine.extend`): the history i
 run again, so an episode's prefill is its prompt plus what was appended (logged as
 rollout/prefill_tokens_per_episode). A cache holding a recurrent state (Qwen3.5's Gated
 DeltaNet) is held at the turn's end on the device: decode calls stop advancing a slot at
-its EOS or its turn's last position, and while it waits (`Engine.decode`). It ends when the environment says done, at
---grpo.max_turns turns, or when the row (seq_length) has no room for the next delta and a
-token of the model.
+its EOS or its turn's last position, and while it waits (`Engine.decode`). Messages whose
+delta does not fit the row (a tool's 1 MB answer) are cut, marked, to leave the model a
+turn (`ChatRenderer.fit`). It ends when the environment says done, at --grpo.max_turns
+turns, or when the row (seq_length) has no room for the next delta, even cut, and a token
+of the model.
 """
 
 import collections
@@ -23,15 +25,48 @@ import dataclasses
 
 import numpy as np
 
+from easylm.data.prompts import chat_template
 from easylm.errors import UserError
 from easylm.serving.engine import Sampling
 
 DECODING, WAITING, DONE = "decoding", "waiting", "done"
 
 
+def make_renderer(flag: str, template_option: str, tokenizer, schemas, eos_id: int,
+                  print_fn=print) -> "ChatRenderer":
+    """The ChatRenderer of a run's `flag` (--grpo.tools or --grpo.environment): the chat
+    template of --train_dataset.text_processor.chat_template or the tokenizer's, checked
+    to be prefix-stable; a template that ignores tools= is said in one line."""
+    template = chat_template(template_option, tokenizer)
+    if not template:
+        raise UserError(f"{flag}: multi-turn rollouts render conversations with a chat "
+                        f"template, and the tokenizer has none; set --train_dataset."
+                        f"text_processor.chat_template")
+    renderer = ChatRenderer(tokenizer, template, schemas, eos_id)
+    renderer.delta([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hi"}],
+                   [{"role": "tool", "name": "probe", "content": "ok"}], True)  # stable?
+    if schemas and not renderer.renders_tools():
+        print_fn(f"warning: {flag}: the chat template ignores tools=: the model is not shown "
+                 f"the tools' schemas (the calls it makes are still run)")
+    return renderer
+
+
+def _text_length(message) -> int:
+    content = message.get("content")
+    return len(content) if isinstance(content, str) else 0
+
+
+def _cut(messages, chars: int):
+    """`messages` with each text content longer than `chars` characters cut there, marked."""
+    return [dict(m, content=f"{m['content'][:chars]} [cut: {len(m['content'])} characters "
+                            f"in all]") if _text_length(m) > chars else m for m in messages]
+
+
 class ChatRenderer:
     """Conversations -> ids with the chat template (the tools' schemas through `tools=`,
-    as TRL's GRPOTrainer renders them)."""
+    as TRL's GRPOTrainer renders them). Ids are the template's text tokenized without the
+    tokenizer's own special tokens (a BOS comes from the template's bos_token, once), as
+    transformers' apply_chat_template(tokenize=True) makes them."""
 
     def __init__(self, tokenizer, template, schemas, eos_id: int):
         self.tokenizer, self.template, self.schemas, self.eos = tokenizer, template, schemas, eos_id
@@ -70,6 +105,28 @@ class ChatRenderer:
             at = len(before) - 1 - before[::-1].index(self.eos)
             tail = before[at + (1 if ended_by_eos else 0):]
         return tail + after[len(before):]
+
+    def fit(self, messages, new, ended_by_eos: bool, room: int, reserve: int):
+        """(new, its delta) with the delta shorter than `room` tokens (what the row has
+        left), or None. Messages too long for it (a tool's 1 MB answer) are cut, each
+        content to the most characters that leave the model `reserve` tokens, and marked."""
+        longest = max(map(_text_length, new))
+        if longest <= 16 * room:  # else not worth rendering whole: cut it
+            delta = self.delta(messages, new, ended_by_eos)
+            if len(delta) < room:
+                return new, delta
+
+        def fits(chars):
+            delta = self.delta(messages, _cut(new, chars), ended_by_eos)
+            return delta if len(delta) <= room - max(reserve, 1) else None
+
+        if fits(0) is None:
+            return None
+        low, high = 0, min(longest, 16 * room)  # fits(low); the answer is below high
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if fits(middle) is not None else (low, middle)
+        return _cut(new, low), fits(low)
 
 
 @dataclasses.dataclass
@@ -198,10 +255,13 @@ class _Runner:
         if done or not new or e.turns >= self.max_turns:
             e.state = DONE
             return
-        delta = self.renderer.delta(e.messages, list(new), e.ended_by_eos)
-        if len(e.tokens) + len(delta) >= self.engine.seq_length:  # no room for a model token
+        room = self.engine.seq_length - len(e.tokens)  # for the delta and a model token
+        fitted = self.renderer.fit(e.messages, list(new), e.ended_by_eos, room,
+                                   min(self.max_new_tokens, room // 2))
+        if fitted is None:
             e.state, e.truncated = DONE, True
             return
+        new, delta = fitted
         e.messages.extend(new)
         last, start = e.tokens[-1], len(e.tokens) - 1
         e.tokens += delta

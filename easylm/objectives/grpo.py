@@ -22,12 +22,11 @@ import numpy as np
 from ml_collections import ConfigDict
 
 from easylm.data.options import loader_block
-from easylm.data.prompts import chat_template
 from easylm.errors import UserError
 from easylm.objectives import environments, rewards as rewards_lib
 from easylm.objectives.base import BASE, COPY, NO_REFERENCE, Objective
 from easylm.objectives.chunked_logps import chunked_token_logps
-from easylm.objectives.episodes import ChatRenderer
+from easylm.objectives.episodes import make_renderer
 from easylm.objectives.rollouts import (
     ROW_METRICS,
     Rollouts,
@@ -335,8 +334,8 @@ class GRPOObjective(Objective):
         self._rollouts = None  # rollouts.Rollouts, made in prepare_run
 
     def _environment(self, model, config, tokenizer):
-        """(a factory of one environment per episode, its ChatRenderer), or (None, None)
-        for single-turn rollouts."""
+        """(a factory of one environment per episode, its ChatRenderer (None without a
+        tokenizer: a plan)), or (None, None) for single-turn rollouts."""
         options = self.options
         loaded = environments.load(options)
         if loaded is None:
@@ -346,17 +345,10 @@ class GRPOObjective(Objective):
         if options.routing_replay:
             raise UserError(f"{flag}: multi-turn rollouts do not record routing; set "
                             f"--grpo.routing_replay=False")
-        template = chat_template(config.train_dataset.text_processor.chat_template, tokenizer)
-        if not template:
-            raise UserError(f"{flag}: multi-turn rollouts render conversations with a chat "
-                            f"template, and the tokenizer has none; set --train_dataset."
-                            f"text_processor.chat_template")
-        renderer = ChatRenderer(tokenizer, template, schemas, model.eos_token_id)
-        renderer.delta([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hi"}],
-                       [{"role": "tool", "name": "probe", "content": "ok"}], True)  # stable?
-        if schemas and not renderer.renders_tools():
-            print(f"warning: {flag}: the chat template ignores tools=: the model is not shown "
-                  f"the tools' schemas (the calls it makes are still run)")
+        if tokenizer is None:  # a plan: no rollout, no conversation to render
+            return factory, None
+        renderer = make_renderer(flag, config.train_dataset.text_processor.chat_template,
+                                 tokenizer, schemas, model.eos_token_id)
         return factory, renderer
 
     def token_logps(self, params, frozen, tokens, targets, reference: bool = False,
