@@ -508,7 +508,8 @@ def test_a_huge_tool_answer_is_cut_to_leave_the_model_its_turn(rollouts, tools_m
     assert renderer.fit(chat, short, True, 3, 1) is None
     huge = [{"role": "tool", "content": "5 " * 500_000}]
     new, delta = renderer.fit(chat, huge, True, 40, 6)
-    assert new[0]["content"].endswith(" [cut: 1000000 characters in all]") and len(delta) <= 34
+    assert new[0]["content"].endswith(" [cut: 1000000 characters in all]")
+    assert len(delta) == 40 - 6  # the most that leaves the model 6 tokens: "5 " is a token
 
     def add(a: int, b: int) -> str:
         return "5 " * 500_000
@@ -518,9 +519,8 @@ def test_a_huge_tool_answer_is_cut_to_leave_the_model_its_turn(rollouts, tools_m
     cut = [(e, i) for e in eps for i, m in enumerate(e.messages)
            if m["content"].endswith("[cut: 1000000 characters in all]")]
     assert cut, "no episode called add: nothing to test"
-    for e, i in cut:
+    for e, i in cut:  # the model took its turn after the cut answer
         assert len(e.tokens) <= S and e.messages[i + 1]["role"] == "assistant"
-        assert e.model[-1], "the model's turn after the cut answer"
 
 
 def test_plan_preview_bench_and_doctor_given_tools(tools_module, tmp_path, capsys):

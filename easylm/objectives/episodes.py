@@ -32,8 +32,8 @@ from easylm.serving.engine import Sampling
 DECODING, WAITING, DONE = "decoding", "waiting", "done"
 
 
-def make_renderer(flag: str, template_option: str, tokenizer, schemas, eos_id: int,
-                  print_fn=print) -> "ChatRenderer":
+def make_renderer(flag: str, template_option: str, tokenizer, schemas,
+                  eos_id: int) -> "ChatRenderer":
     """The ChatRenderer of a run's `flag` (--grpo.tools or --grpo.environment): the chat
     template of --train_dataset.text_processor.chat_template or the tokenizer's, checked
     to be prefix-stable; a template that ignores tools= is said in one line."""
@@ -46,8 +46,8 @@ def make_renderer(flag: str, template_option: str, tokenizer, schemas, eos_id: i
     renderer.delta([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hi"}],
                    [{"role": "tool", "name": "probe", "content": "ok"}], True)  # stable?
     if schemas and not renderer.renders_tools():
-        print_fn(f"warning: {flag}: the chat template ignores tools=: the model is not shown "
-                 f"the tools' schemas (the calls it makes are still run)")
+        print(f"warning: {flag}: the chat template ignores tools=: the model is not shown "
+              f"the tools' schemas (the calls it makes are still run)")
     return renderer
 
 
