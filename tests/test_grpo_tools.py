@@ -467,6 +467,29 @@ def test_a_tokenizer_that_adds_bos_gives_a_row_with_one():
     assert doubled[:2] == [bos, bos] and doubled != expected
 
 
+def test_a_bos_that_is_the_eos_is_not_taken_for_the_end_of_the_models_turn():
+    """A tokenizer whose BOS is its EOS (GPT-2's <|endoftext|> is both), under a template
+    that writes bos_token first and ends no turn with it: a tool message's delta is the
+    template's new suffix alone, after a turn that drew the EOS or was cut before it (what
+    the template writes after the model's turn is looked for in that turn only). Old
+    code took the BOS for the turn's end and appended the whole history again."""
+    tokenizer = make_tokenizer()
+    tokenizer.bos_token = tokenizer.eos_token
+    template = ("{{ bos_token }}{%- for m in messages %}<|im_start|>{{ m['role'] }} "
+                "{{ m['content'] }} {% endfor %}{%- if add_generation_prompt %}<|im_start|>"
+                "assistant {% endif %}")
+    renderer = episodes_lib.ChatRenderer(tokenizer, template, None, 2)
+    chat = [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "cat"}]
+    new = [{"role": "user", "content": "5"}]
+    before, after = renderer.ids(chat, False), renderer.ids(chat + new, True)
+    assert before[0] == 2 and before.count(2) == 1
+    for ended_by_eos in (True, False):
+        assert renderer.delta(chat, new, ended_by_eos) == after[len(before):]
+    # The Hermes template writes the EOS after the turn: a cut turn gets it as context.
+    hermes = episodes_lib.ChatRenderer(tokenizer, TEMPLATE, None, 2)
+    assert hermes.delta(chat, new, False)[0] == 2 and hermes.delta(chat, new, True)[0] != 2
+
+
 def test_tool_results_of_any_kind_are_text_the_model_reads(capsys):
     """Non-strings are JSON, or their str() where JSON has no form for them (a cycle, a
     set); a result with no text at all, and a tool raising what is not an Exception

@@ -91,7 +91,7 @@ class ChatRenderer:
         """The ids that follow the model's last turn when `new` messages are appended: the
         template's rendering of `messages + new` (with the generation prompt) less that of
         `messages`, plus what the template writes after the model's turn ends (its EOS, when
-        the turn was cut before it, and e.g. a newline)."""
+        the turn was cut before it, and e.g. a newline; `messages` ends with that turn)."""
         before, after = self.ids(messages, False), self.ids(messages + new, True)
         if after[:len(before)] != before:
             raise UserError("the chat template is not prefix-stable: appending messages "
@@ -100,10 +100,13 @@ class ChatRenderer:
                             "--grpo.environment) cannot append the new messages' tokens "
                             "alone; set --train_dataset.text_processor.chat_template to one "
                             "that renders earlier turns as they were")
+        # The model's turn: where the generation prompt before it ends. An EOS before that
+        # (a BOS that is the EOS, GPT-2's) is not the turn's end.
+        turn = before[min(len(self.ids(messages[:-1], True)), len(before)):]
         tail = []
-        if self.eos in before:
-            at = len(before) - 1 - before[::-1].index(self.eos)
-            tail = before[at + (1 if ended_by_eos else 0):]
+        if self.eos in turn:
+            at = len(turn) - 1 - turn[::-1].index(self.eos)
+            tail = turn[at + (1 if ended_by_eos else 0):]
         return tail + after[len(before):]
 
     def fit(self, messages, new, ended_by_eos: bool, room: int, reserve: int):
