@@ -148,7 +148,8 @@ class DecoderLayer(Sublayer):
         c = self.config
         h = self.norm("input_layernorm")(x)
         if self.kind == "linear_attention":
-            segment_ids, order = context
+            segment_ids, split = context
+            order = None if split is None else split.order
             h, state = GatedDeltaNet(c.deltanet(), self.dtype, self.param_dtype,
                                      name="linear_attn")(h, cache, segment_ids, order)
             cache = None if cache is None else state
@@ -185,9 +186,10 @@ class Qwen35ForCausalLM(CausalLM):
     def layer_context(cls, config, kind: str, context: tuple, segment_ids):
         if kind != "linear_attention":
             return context
-        # Under sp the places' order: the layer passes its state from piece to piece.
+        # Under sp the `SplitSequence` (its places' order, a static field: a string
+        # would not pass a scan over the layers): the state passes from piece to piece.
         split = context[2]
-        return segment_ids, (split.order if isinstance(split, SplitSequence) else None)
+        return segment_ids, (split if isinstance(split, SplitSequence) else None)
 
     @classmethod
     def layer_cache(cls, config: Qwen35Config, kind: str, batch_size: int, length: int, dtype):
