@@ -408,3 +408,19 @@ def test_sequence_split_over_sp_equals_whole_rows(monkeypatch):
         print(f"zeroed ndim {ndim}: max |difference| {np.abs(wrong - expected).max():.3g}, "
               f"tolerance {REL * np.abs(expected).max():.3g}")
         assert_differs(wrong, expected, REL)
+
+
+def test_pieces_shorter_than_the_conv_window_are_one_line():
+    """Rows of 16 under sp=4 are pieces of 2, fewer than the conv's 3 inputs from the piece
+    before: refused (a UserError, one line) before anything compiles."""
+    from easylm.errors import UserError
+    from easylm.runtime.sharding import make_mesh
+
+    _, params, x, _ = reference("separate")
+    layer = GatedDeltaNet(flax_config("separate"))
+    with jax.set_mesh(make_mesh("fsdp=2,sp=4")), pytest.raises(UserError) as error:
+        jax.eval_shape(lambda: layer.apply({"params": params}, x[:, :16], None, None, "zigzag"))
+    assert str(error.value) == (
+        "Gated DeltaNet under sp=4: rows of 16 tokens cut into 8 pieces of 2, shorter than "
+        "the conv's 3 inputs of the piece before (linear_conv_kernel_dim=4); give longer "
+        "rows or a smaller sp")

@@ -12,8 +12,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from easylm.data import make_global_batch
 from easylm.errors import UserError
-from easylm.models.context_parallel import use_order, zigzag_permutation
 from easylm.models import sigmoid_moe
+from easylm.models.context_parallel import use_order, zigzag_permutation
 from easylm.models.family import Model
 from easylm.objectives.next_token import NextToken
 from easylm.runtime.sharding import (
