@@ -9,6 +9,7 @@ relative to the output's magnitude; bf16 rounds each of those eight stages' resu
 2^-7 relative (`EPS_BF16`), errors that add as a random walk: sqrt(8) EPS_BF16.
 """
 
+import contextlib
 import functools
 import math
 
@@ -341,3 +342,85 @@ def test_padding_leaves_the_state_alone():
     _, padded_state = run("separate", params, x, None, ONE_DOCUMENT)
     wrong, _ = run("separate", params, x_next, padded_state)
     assert_differs(wrong[1, 0], want[1], REL, scale=scale)
+
+
+# ------------------------------------------------------------------ the sequence split over sp
+
+# Rows of 96 cut into 8 pieces of 12 (sp = 4): documents crossing piece boundaries, one
+# starting exactly on one (48), one two tokens before one (70: the conv window of the
+# piece at 72 reads one token of the document before), padding at both ends of row 0.
+SPLIT_T = 96
+SPLIT_SEGMENTS = np.array([[0] * 3 + [1] * 26 + [2] * 41 + [3] * 23 + [0] * 3,
+                           [1] * 48 + [2] * 48])
+
+
+def split_outputs(params, x, segments, order: str | None, grads: bool = True):
+    """(out, parameter gradients of sum(sin(out)) or None) with the rows split over
+    fsdp=2,sp=4 in `order` (`zigzag`: permuted before, un-permuted after), chunks of 8;
+    order None: whole rows, one device."""
+    from easylm.models.context_parallel import from_zigzag, to_zigzag
+    from easylm.runtime.sharding import make_mesh
+
+    layer = GatedDeltaNet(flax_config("separate"), chunk_size=8)
+    sp = 4
+
+    def forward(p):
+        if order == "zigzag":
+            out = layer.apply({"params": p}, to_zigzag(x, sp), None, to_zigzag(segments, sp),
+                              order)[0]
+            out = from_zigzag(out, sp)
+        else:
+            out = layer.apply({"params": p}, x, None, segments, order)[0]
+        return jnp.sum(jnp.sin(out)), out
+
+    step = jax.jit(jax.value_and_grad(forward, has_aux=True) if grads
+                   else lambda p: (forward(p), None))
+    with contextlib.ExitStack() as stack:
+        if order is not None:
+            stack.enter_context(jax.set_mesh(make_mesh("fsdp=2,sp=4")))
+        (_, out), gradients = step(params)
+    return np.asarray(out), gradients
+
+
+def test_sequence_split_over_sp_equals_whole_rows(monkeypatch):
+    """Under fsdp=2,sp=4 (zig-zag order) each device runs its two pieces from [0 | I] and
+    composes the all-gathered (M, C) of the pieces before: outputs and parameter gradients
+    are the whole rows' (the gradients within twice a forward's depth, summed over all
+    B T tokens); in the row's own order the outputs too. Twins: the state entering each
+    piece zeroed (the composed stack, the only (2 sp, b, N, H, U) that `_mine` picks
+    from), and the conv's inputs from the piece before zeroed (its (2 sp, b, W - 1, F));
+    each alone is caught."""
+    _, params, x, _ = reference("separate")
+    x, segments = jnp.asarray(x[:, :SPLIT_T]), jnp.asarray(SPLIT_SEGMENTS)
+    expected, expected_grads = split_outputs(params, x, segments, None)
+    out, grads = split_outputs(params, x, segments, "zigzag")
+    assert_close(out, expected, REL)
+    rel = fp32_rel(max(32, B * SPLIT_T, 4 * 8), depth=16)
+    for ours, theirs in zip(jax.tree.leaves(grads), jax.tree.leaves(expected_grads)):
+        assert_close(ours, theirs, rel)
+    assert_close(split_outputs(params, x, segments, "rows", grads=False)[0], expected, REL)
+
+    mine = gdn._mine
+    for ndim in (5, 4):  # the entering states, then the conv's inputs before each piece
+        monkeypatch.setattr(gdn, "_mine", lambda a, o, n=ndim: jnp.zeros_like(mine(a, o))
+                            if a.ndim == n else mine(a, o))
+        wrong = split_outputs(params, x, segments, "zigzag", grads=False)[0]
+        print(f"zeroed ndim {ndim}: max |difference| {np.abs(wrong - expected).max():.3g}, "
+              f"tolerance {REL * np.abs(expected).max():.3g}")
+        assert_differs(wrong, expected, REL)
+
+
+def test_pieces_shorter_than_the_conv_window_are_one_line():
+    """Rows of 16 under sp=4 are pieces of 2, fewer than the conv's 3 inputs from the piece
+    before: refused (a UserError, one line) before anything compiles."""
+    from easylm.errors import UserError
+    from easylm.runtime.sharding import make_mesh
+
+    _, params, x, _ = reference("separate")
+    layer = GatedDeltaNet(flax_config("separate"))
+    with jax.set_mesh(make_mesh("fsdp=2,sp=4")), pytest.raises(UserError) as error:
+        jax.eval_shape(lambda: layer.apply({"params": params}, x[:, :16], None, None, "zigzag"))
+    assert str(error.value) == (
+        "Gated DeltaNet under sp=4: rows of 16 tokens cut into 8 pieces of 2, shorter than "
+        "the conv's 3 inputs of the piece before (linear_conv_kernel_dim=4); give longer "
+        "rows or a smaller sp")

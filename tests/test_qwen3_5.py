@@ -301,6 +301,61 @@ def test_on_policy_distillation_runs_a_step(tmp_path, two_layers):
     assert np.isfinite(step["loss"]) and np.isfinite(step["gradient_norm"])
 
 
+def sp_steps(directory, tmp_path, name, *flags) -> list[dict]:
+    """Two logged steps of `python -m easylm.train --load_checkpoint=hf::DIR` on packed rows
+    of 64 (8 rows of short documents, segment ids on), fp32, lr 1e-2 from the first step."""
+    import contextlib
+    import io
+
+    documents = tmp_path / "documents.jsonl"
+    rng = np.random.default_rng(0)
+    words = "the a cat dog ran sat on mat sun moon red blue big small happy sad tree".split()
+    documents.write_text("".join(json.dumps({"text": " ".join(rng.choice(words, n))}) + "\n"
+                                 for n in rng.integers(4, 30, 200)))
+    with contextlib.redirect_stdout(io.StringIO()):
+        train.main(["train", f"--load_checkpoint=hf::{directory}", "--tokenizer=embedded",
+                    "--total_steps=2", "--log_freq=1", "--dtype=fp32", "--save_model_freq=0",
+                    f"--train_dataset.json_dataset.path={documents}",
+                    "--train_dataset.json_dataset.seq_length=64",
+                    "--train_dataset.json_dataset.batch_size=8",
+                    "--train_dataset.json_dataset.segment_ids=True", "--compilation_cache_dir=",
+                    "--optimizer.adamw_optimizer.lr=1e-2",
+                    "--optimizer.adamw_optimizer.lr_warmup_steps=0",
+                    f"--logger.output_dir={tmp_path}", f"--logger.experiment_id={name}", *flags])
+    with open(f"{tmp_path}/{name}/metrics.jsonl") as f:
+        return [row for row in map(json.loads, f) if "loss" in row]
+
+
+def test_sequence_parallel_training_equals_unsplit(tmp_path, two_layers, monkeypatch):
+    """`--mesh_dim=dp=1,fsdp=2,sp=4` on packed rows of 64 (pieces of 8 places; documents of
+    4 to 30 words cross them, and start inside them) = `--mesh_dim=1,8,1`: the first step's
+    loss and gradient norm and the second step's loss (the ring; the DeltaNet layer is the
+    same under `all_gather`, measured equal once, docs/long_context.md). Tolerance: fp32 through the two layers as REL derives it for the debug model, the
+    gradient norm a backward pass (about twice the reductions) deeper. Twin: every piece
+    starting from a zero state and zero conv inputs (`_mine` picking zeros), under sp."""
+    from easylm.models import gated_deltanet as gdn
+
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    rel = fp32_rel(max(CONFIG.hidden_size, CONFIG.intermediate_size, 64, 4 * 16), 12 * 2 + 1)
+    whole = sp_steps(two_layers, tmp_path, "whole", "--mesh_dim=1,8,1")
+    sp = ["--mesh_dim=dp=1,fsdp=2,sp=4", "--context_parallel=ring"]
+    split = sp_steps(two_layers, tmp_path, "split", *sp)
+    print(f"loss {split[0]['loss']:.8g} {split[1]['loss']:.8g} (sp=4) {whole[0]['loss']:.8g} "
+          f"{whole[1]['loss']:.8g} (unsplit); gradient norm {split[0]['gradient_norm']:.8g} "
+          f"{whole[0]['gradient_norm']:.8g}")
+    assert split[0]["loss"] == pytest.approx(whole[0]["loss"], rel=rel)
+    assert split[0]["gradient_norm"] == pytest.approx(whole[0]["gradient_norm"], rel=2 * rel)
+    assert split[1]["loss"] == pytest.approx(whole[1]["loss"], rel=rel)
+
+    mine = gdn._mine
+    monkeypatch.setattr(gdn, "_mine", lambda x, order: jnp.zeros_like(mine(x, order)))
+    twin = sp_steps(two_layers, tmp_path, "twin", *sp)
+    print(f"twin: loss {twin[0]['loss']:.8g}, gradient norm {twin[0]['gradient_norm']:.8g}")
+    assert twin[0]["loss"] != pytest.approx(whole[0]["loss"], rel=rel)
+    assert twin[0]["gradient_norm"] != pytest.approx(whole[0]["gradient_norm"], rel=2 * rel)
+
+
 def prompts_file(tmp_path):
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"the cat {i} sat on"}) + "\n"

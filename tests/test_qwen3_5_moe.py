@@ -210,22 +210,6 @@ def test_what_it_does_not_build_is_one_line(tmp_path, capsys):
         FAMILY.from_preset("debug_moe", norm_topk_prob=False)
 
 
-def test_sequence_parallelism_is_refused_in_one_line(tmp_path, saved, capsys):
-    """sp > 1 would have to pass the DeltaNet state from shard to shard, which is not built
-    (docs/long_context.md says why); the run stops with one line, not a wrong loss."""
-    directory = saved[2]
-    with pytest.raises(SystemExit) as e:
-        train.main(["train", f"--load_checkpoint=hf::{directory}", "--tokenizer=embedded",
-                    "--total_steps=1", "--mesh_dim=dp=1,fsdp=2,sp=4",
-                    "--train_dataset.json_dataset.seq_length=64",
-                    "--train_dataset.json_dataset.batch_size=2", "--compilation_cache_dir=",
-                    f"--logger.output_dir={tmp_path}", "--save_model_freq=0"])
-    assert e.value.code == 2
-    error = capsys.readouterr().err.splitlines()[-1]  # after the embedded tokenizer's warning
-    assert error.startswith("error: qwen3_5: sequence parallelism (sp > 1) is not built for "
-                            "Gated DeltaNet layers"), error
-
-
 def test_lora_on_the_deltanet_projections_exports_adapter_equal_to_merged(tmp_path):
     """LoRA through the train command on Qwen3-Next's attention and fused DeltaNet
     projections (PEFT's names: in_proj_qkvz, in_proj_ba, out_proj, ...): the PEFT adapter

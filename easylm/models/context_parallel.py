@@ -370,6 +370,34 @@ def allow_whole_rows():
         _whole_rows.reset(token)
 
 
+ORDERS = ("zigzag", "rows")
+_order = contextvars.ContextVar("sequence_order", default="zigzag")
+
+
+@contextlib.contextmanager
+def use_order(order: str):
+    """The order the places of a row are in for a decoder traced inside this block under a
+    mesh with sp > 1: `zigzag` (`to_zigzag`, what the trainer gives and the default) or
+    `rows` (the row's own order). Attention does not care (it reads positions); a layer
+    that carries state along the row (Gated DeltaNet) does."""
+    if order not in ORDERS:
+        raise ValueError(f"sequence order {order!r}; expected one of {', '.join(ORDERS)}")
+    token = _order.set(order)
+    try:
+        yield
+    finally:
+        _order.reset(token)
+
+
+def piece_table(sp: int, order: str) -> np.ndarray:
+    """(sp, 2): the row's pieces (its 2*sp equal parts, 0 first) each device holds, in the
+    order it holds them: zig-zag i and 2*sp-1-i, in row order 2i and 2i+1."""
+    i = np.arange(sp)
+    if order == "zigzag":
+        return np.stack([i, 2 * sp - 1 - i], axis=1)
+    return np.stack([2 * i, 2 * i + 1], axis=1)
+
+
 def current_strategy() -> str:
     """The strategy `use_strategy` set (the default outside one)."""
     return _strategy.get()
@@ -389,6 +417,7 @@ class SplitSequence:
 
     segment_ids: Any
     strategy: str = struct.field(pytree_node=False, default=DEFAULT_STRATEGY)
+    order: str = struct.field(pytree_node=False, default="zigzag")  # of the places: ORDERS
 
     @classmethod
     def if_split(cls, positions, segment_ids, cache):
@@ -408,7 +437,7 @@ class SplitSequence:
             raise UserError(f"a forward of {B} rows of {T} tokens under a mesh with sp={sp} "
                             f"needs T a multiple of 2*sp = {2 * sp} and B of the batch axes' "
                             f"{batch} (pad the rows, or run without sp)")
-        return cls(segment_ids, current_strategy())
+        return cls(segment_ids, current_strategy(), _order.get())
 
     def attention(self, q, k, v, positions, window: int, scale: float | None):
         return context_parallel_attention(q, k, v, positions, self.segment_ids,

@@ -47,6 +47,17 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from easylm.errors import UserError
+from easylm.models.context_parallel import (
+    BATCH_AXES,
+    SP,
+    from_zigzag,
+    piece_table,
+    sequence_shards,
+    to_zigzag,
+)
 
 # The delta rule's products accumulate into a state carried across the whole sequence, so
 # they run at full fp32 precision even where a backend would default fp32 matmuls to
@@ -127,14 +138,22 @@ def causal_conv(x, kernel, conv_state, real, run):
     conv_state (B, W - 1, F); a tap reaching into another document reads zero.
     Returns (out (B, T, F) in x's dtype, the new conv state)."""
     W = kernel.shape[0]
-    T = x.shape[1]
     x_all = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)  # (B, W - 1 + T, F)
     run_all = jnp.concatenate([jnp.repeat(run[:, :1], W - 1, axis=1), run], axis=1)
-    out = jnp.zeros(x.shape, jnp.float32)
-    for i in range(W):  # out[t] = sum_i kernel[i] x_all[t + i]: W shifted slices, W ~ 4
+    return conv_taps(x_all, run_all, run, kernel), next_conv_state(x_all, run_all, real, W)
+
+
+def conv_taps(x_all, run_all, run, kernel):
+    """SiLU(sum_i kernel[i] x_all[t + i]) for x_all (B, W - 1 + T, F), the W - 1 inputs
+    before the first token then the T tokens', a tap whose run differs from the token's
+    read as zero. Out (B, T, F) in x_all's dtype."""
+    W = kernel.shape[0]
+    T = run.shape[1]
+    out = jnp.zeros((*run.shape, x_all.shape[-1]), jnp.float32)
+    for i in range(W):  # W shifted slices, W ~ 4
         same = (run_all[:, i:i + T] == run)[..., None]
         out = out + jnp.where(same, x_all[:, i:i + T], 0).astype(jnp.float32) * kernel[i]
-    return nn.silu(out).astype(x.dtype), next_conv_state(x_all, run_all, real, W)
+    return nn.silu(out).astype(x_all.dtype)
 
 
 def next_conv_state(x_all, run_all, real, W: int):
@@ -262,15 +281,153 @@ def chunked_rule(q, k, v, g, beta, state, run, chunk_size: int):
 def delta_rule(q, k, v, g, beta, state, run, recurrent: bool, chunk_size: int):
     """L2-normalise q, k (B, T, K, H) and share each key head with its G value heads,
     scale q by H^-0.5, and run the rule in fp32 over v (B, T, N, U), g, beta (B, T, N)."""
-    def l2norm(x):  # transformers' (flash-linear-attention's) eps inside the square root
+    q, k = normalised(q, k, v.shape[2])
+    args = (q, k, v.astype(jnp.float32), g, beta, state, run)
+    return recurrent_rule(*args) if recurrent else chunked_rule(*args, chunk_size)
+
+
+def normalised(q, k, N: int):
+    """q, k (B, T, K, H) L2-normalised in fp32 (transformers' (flash-linear-attention's)
+    eps inside the square root), each key head repeated for its N // K value heads, q
+    times H^-0.5."""
+    def l2norm(x):
         x = x.astype(jnp.float32)
         return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
 
-    G = v.shape[2] // k.shape[2]
+    G = N // k.shape[2]
     q, k = (jnp.repeat(l2norm(x), G, axis=2) for x in (q, k))
-    q = q * q.shape[-1] ** -0.5
-    args = (q, k, v.astype(jnp.float32), g, beta, state, run)
-    return recurrent_rule(*args) if recurrent else chunked_rule(*args, chunk_size)
+    return q * q.shape[-1] ** -0.5, k
+
+
+# ------------------------------------------------------------------ the sequence split over 'sp'
+#
+# Under a mesh with sp > 1 a row is cut into 2 sp pieces of L = T / (2 sp) places, each
+# device holding two (`context_parallel.piece_table`: zig-zag i and 2 sp - 1 - i, or 2i and
+# 2i + 1 in the row's order). Per piece the rule is affine in the state entering it,
+# S_out = M S_in + C and out = out_0 + R S_in (M (H, H), R (L, H) per value head), and
+# per column of S: one pass of the rule over v with H zero columns appended, from the
+# state [0 | I], gives [C | M] as its final state and [out_0 | R] as its output. The
+# devices all-gather every piece's (M, C), compose them in the row's order (each
+# device alike: 2 sp - 1 small matmuls) for the state entering each of its pieces, and add
+# R S_in. The conv reads the last W - 1 inputs of the piece before (an all-gather of
+# every piece's). Documents restart across pieces as inside one: the document counter is
+# the whole row's (`split_documents`), and a piece whose first token's differs from the
+# last token's of the piece before enters from zeros.
+
+
+def split_documents(segment_ids, B: int, T: int, order: str):
+    """`documents` of rows whose places are in `order` (`zigzag` or `rows`), split over sp:
+    computed over each row in its own order, returned in the given one."""
+    sp = sequence_shards()
+    if segment_ids is None or order != "zigzag":
+        return documents(segment_ids, B, T)
+    return to_zigzag(documents(from_zigzag(jnp.asarray(segment_ids), sp), B, T), sp)
+
+
+def _pieces(x):
+    """A device's (b, 2 L, ...) -> (2 b, L, ...): its two pieces stacked on the batch."""
+    b, t = x.shape[:2]
+    return jnp.moveaxis(x.reshape(b, 2, t // 2, *x.shape[2:]), 1, 0).reshape(
+        2 * b, t // 2, *x.shape[2:])
+
+
+def _unpieces(x):
+    """The inverse of `_pieces`."""
+    b, L = x.shape[0] // 2, x.shape[1]
+    return jnp.moveaxis(x.reshape(2, b, *x.shape[1:]), 0, 1).reshape(b, 2 * L, *x.shape[2:])
+
+
+def _gathered_in_row_order(tree, order: str):
+    """Each device's (2 b, ...) per piece, all-gathered over sp -> (2 sp, b, ...): every
+    piece of the row, first to last."""
+    sp = jax.lax.axis_size(SP)
+    where = np.argsort(piece_table(sp, order).ravel())  # device * 2 + slot of each piece
+
+    def arrange(x):  # (sp, 2 b, ...) -> (2 sp, b, ...)
+        return x.reshape(2 * sp, x.shape[1] // 2, *x.shape[2:])[where]
+    return jax.tree.map(arrange, jax.lax.all_gather(tree, SP))
+
+
+def _mine(x, order: str):
+    """(2 sp, b, ...) per piece of the row -> (2 b, ...) this device's two, stacked."""
+    table = jnp.asarray(piece_table(jax.lax.axis_size(SP), order))
+    x = jnp.take(x, table[jax.lax.axis_index(SP)], axis=0)
+    return x.reshape(-1, *x.shape[2:])
+
+
+def _split_call(local, args, specs, out_spec):
+    """`local` under shard_map over the current mesh: the batch of every (B, T, ...) array
+    over the batch axes, T over sp; heads whole."""
+    names = jax.sharding.get_abstract_mesh().axis_names
+    batch = tuple(a for a in BATCH_AXES if a in names) or None
+
+    def spec(ndim):
+        return P() if ndim is None else P(batch, SP, *(None,) * (ndim - 2))
+    return jax.shard_map(local, in_specs=tuple(spec(n) for n in specs),
+                         out_specs=spec(out_spec))(*args)
+
+
+def check_split(T: int, width: int):
+    """A UserError unless each of the 2 sp pieces of a row of T holds the conv's W - 1."""
+    sp = sequence_shards()
+    if T // (2 * sp) < width - 1:
+        raise UserError(f"Gated DeltaNet under sp={sp}: rows of {T} tokens cut into "
+                        f"{2 * sp} pieces of {T // (2 * sp)}, shorter than the conv's "
+                        f"{width - 1} inputs of the piece before (linear_conv_kernel_dim="
+                        f"{width}); give longer rows or a smaller sp")
+
+
+def split_causal_conv(x, kernel, run, order: str):
+    """`causal_conv`'s output for x (B, T, F), run (B, T) split over sp in `order`: each
+    piece reads the last W - 1 inputs (and runs) of the piece before it in the row."""
+    W = kernel.shape[0]
+
+    def local(x, run, kernel):
+        xs, runs = _pieces(x), _pieces(run)  # (2 b, L, F), (2 b, L)
+        tails = _gathered_in_row_order((xs[:, -(W - 1):], runs[:, -(W - 1):]), order)
+        # The piece before each: none before the first (zeros, in no document).
+        before_x, before_run = (jnp.concatenate([jnp.full_like(t[:1], fill), t[:-1]])
+                                for t, fill in zip(tails, (0, -1)))
+        x_all = jnp.concatenate([_mine(before_x, order), xs], axis=1)
+        run_all = jnp.concatenate([_mine(before_run, order), runs], axis=1)
+        return _unpieces(conv_taps(x_all, run_all, runs, kernel))
+
+    return _split_call(local, (x, run, kernel), (3, 2, None), 3)
+
+
+def split_delta_rule(q, k, v, g, beta, run, order: str, recurrent: bool, chunk_size: int):
+    """`delta_rule`'s output from zeros for q, k (B, T, K, H), v (B, T, N, U), g, beta, run
+    (B, T, ...) split over sp in `order`."""
+    N, H, U = v.shape[2], q.shape[3], v.shape[3]
+    q, k = normalised(q, k, N)
+
+    def local(q, k, v, g, beta, run):
+        q, k, g, beta, run = (_pieces(x) for x in (q, k, g, beta, run))
+        v = _pieces(v.astype(jnp.float32))
+        b2 = v.shape[0]
+        v = jnp.concatenate([v, jnp.zeros((*v.shape[:3], H), v.dtype)], axis=-1)
+        start = jnp.concatenate([jnp.zeros((b2, N, H, U)),
+                                 jnp.broadcast_to(jnp.eye(H), (b2, N, H, H))], axis=-1)
+        # The scan's carry varies over the mesh axes as the pieces do.
+        start = jax.lax.pcast(start, tuple(jax.typeof(v).manual_axis_type.varying),
+                              to="varying")
+        args = (q, k, v, g, beta, start, run)
+        out, final = recurrent_rule(*args) if recurrent else chunked_rule(*args, chunk_size)
+        M, C = final[..., U:], final[..., :U]  # (2 b, N, H, H), (2 b, N, H, U)
+        M, C, first, last = _gathered_in_row_order((M, C, run[:, 0], run[:, -1]), order)
+        S, entering = jnp.zeros(C.shape[1:]), []
+        for p in range(M.shape[0]):  # the state entering each piece, in the row's order
+            if p:
+                same = (first[p] == last[p - 1])[:, None, None, None]
+                S = jnp.where(same, jnp.einsum("BNHJ,BNJU->BNHU", M[p - 1], S,
+                                               precision=HIGHEST) + C[p - 1], 0.0)
+            entering.append(S)
+        entering = _mine(jnp.stack(entering), order)  # (2 b, N, H, U)
+        out = out[..., :U] + jnp.einsum("BLNH,BNHU->BLNU", out[..., U:], entering,
+                                        precision=HIGHEST)
+        return _unpieces(out)
+
+    return _split_call(local, (q, k, v, g, beta, run), (4, 4, 4, 3, 3, 2), 4)
 
 
 # ------------------------------------------------------------------ the layer
@@ -284,9 +441,11 @@ class CausalConv(nn.Module):
     param_dtype: jnp.dtype
 
     @nn.compact
-    def __call__(self, x, conv_state, real, run):
+    def __call__(self, x, conv_state, real, run, order: str | None = None):
         F = x.shape[-1]
         kernel = self.param("kernel", conv_init, (self.width, F), self.param_dtype)
+        if order is not None:  # the sequence split over sp: no state in or out
+            return split_causal_conv(x, kernel.astype(jnp.float32), run, order), None
         return causal_conv(x, kernel.astype(jnp.float32), conv_state, real, run)
 
 
@@ -312,7 +471,9 @@ class GatedDeltaNet(nn.Module):
 
     `state` None starts from zeros; `segment_ids` (B, T) marks documents and padding (see
     the module docstring). `form`: `chunked`, `recurrent`, or `auto` (recurrent for a
-    single token, chunked otherwise)."""
+    single token, chunked otherwise). `order` (`zigzag` or `rows`, the places' order):
+    T is split over the mesh's 'sp' (training, scoring; see "the sequence split over
+    'sp'"), no state passed in, None returned for it."""
 
     config: GatedDeltaNetConfig
     dtype: jnp.dtype = jnp.float32
@@ -321,20 +482,28 @@ class GatedDeltaNet(nn.Module):
     chunk_size: int = 64
 
     @nn.compact
-    def __call__(self, x, state: DeltaNetState | None = None, segment_ids=None):
+    def __call__(self, x, state: DeltaNetState | None = None, segment_ids=None,
+                 order: str | None = None):
         c = self.config
         if self.form not in FORMS:
             raise ValueError(f"form {self.form!r}; expected one of {', '.join(FORMS)}")
         B, T, _ = x.shape
         K, N = c.linear_num_key_heads, c.linear_num_value_heads
         H, U = c.linear_key_head_dim, c.linear_value_head_dim
-        if state is None:
-            state = DeltaNetState.init(B, c, self.dtype)
-        real, run = documents(segment_ids, B, T)
+        if order is not None:
+            if state is not None:
+                raise ValueError("a state passed in with the sequence split over sp")
+            check_split(T, c.linear_conv_kernel_dim)
+            real, run = split_documents(segment_ids, B, T, order)
+        else:
+            if state is None:
+                state = DeltaNetState.init(B, c, self.dtype)
+            real, run = documents(segment_ids, B, T)
         x = jnp.where(real[..., None], x, 0).astype(self.dtype)
         qkv, z, b, a = self.project(x)  # (B, T, F), (B, T, N, U), (B, T, N), (B, T, N)
         qkv, conv_state = CausalConv(c.linear_conv_kernel_dim, self.param_dtype,
-                                     name="conv1d")(qkv, state.conv, real, run)
+                                     name="conv1d")(qkv, state and state.conv, real, run,
+                                                    order)
         q, k, v = jnp.split(qkv, [K * H, 2 * K * H], axis=-1)
         q, k, v = q.reshape(B, T, K, H), k.reshape(B, T, K, H), v.reshape(B, T, N, U)
 
@@ -346,11 +515,16 @@ class GatedDeltaNet(nn.Module):
         # Padding neither decays nor writes the state.
         g, beta = jnp.where(real[..., None], g, 0.0), jnp.where(real[..., None], beta, 0.0)
         recurrent = self.form == "recurrent" or (self.form == "auto" and T == 1)
-        out, recurrent_state = delta_rule(q, k, v, g, beta, state.recurrent, run, recurrent,
-                                          self.chunk_size)  # (B, T, N, U) fp32
+        if order is not None:
+            out = split_delta_rule(q, k, v, g, beta, run, order, recurrent, self.chunk_size)
+        else:
+            out, recurrent_state = delta_rule(q, k, v, g, beta, state.recurrent, run,
+                                              recurrent, self.chunk_size)  # (B, T, N, U) fp32
         out = GatedRMSNorm(c.rms_norm_eps, self.dtype, self.param_dtype, name="norm")(
             out.astype(self.dtype), z)
         out = self.dense(c.hidden_size, "out_proj")(out.reshape(B, T, N * U))
+        if order is not None:
+            return out, None
         return out, DeltaNetState(conv_state.astype(state.conv.dtype), recurrent_state)
 
     def dense(self, features, name):

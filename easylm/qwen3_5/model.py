@@ -21,8 +21,9 @@ Parameter names are transformers' (`model/layers/<i>/linear_attn/in_proj_qkv`,
 `.../self_attn/q_proj`, ...). The cache holds per linear layer a `DeltaNetState` (the
 conv's last inputs and the fp32 state: a constant size whatever the length) and per full
 layer keys and values. Sequence parallelism (sp > 1) splits a row over devices and
-reorders it; the recurrent state would have to pass from shard to shard, which is not
-built, so it is refused.
+reorders it: attention runs context_parallel's strategy, a DeltaNet layer passes its
+state and conv inputs from piece to piece (gated_deltanet.py, "the sequence split over
+'sp'").
 
 Shape letters: B batch, T positions, D width, N query heads, K key/value heads, H head
 dim, R rotary dims.
@@ -33,7 +34,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from easylm.errors import UserError
 from easylm.models import moe
 from easylm.models.context_parallel import SplitSequence
 from easylm.models.decoder import (
@@ -148,9 +148,10 @@ class DecoderLayer(Sublayer):
         c = self.config
         h = self.norm("input_layernorm")(x)
         if self.kind == "linear_attention":
-            (segment_ids,) = context
+            segment_ids, split = context
+            order = None if split is None else split.order
             h, state = GatedDeltaNet(c.deltanet(), self.dtype, self.param_dtype,
-                                     name="linear_attn")(h, cache, segment_ids)
+                                     name="linear_attn")(h, cache, segment_ids, order)
             cache = None if cache is None else state
         else:
             h, cache = GatedAttention(c, self.dtype, self.param_dtype, norm_class=RMSNorm,
@@ -185,11 +186,10 @@ class Qwen35ForCausalLM(CausalLM):
     def layer_context(cls, config, kind: str, context: tuple, segment_ids):
         if kind != "linear_attention":
             return context
-        if isinstance(context[2], SplitSequence):
-            raise UserError("qwen3_5: sequence parallelism (sp > 1) is not built for Gated "
-                            "DeltaNet layers (their recurrent state would have to pass from "
-                            "shard to shard); use sp=1")
-        return (segment_ids,)
+        # Under sp the `SplitSequence` (its places' order, a static field: a string
+        # would not pass a scan over the layers): the state passes from piece to piece.
+        split = context[2]
+        return segment_ids, (split if isinstance(split, SplitSequence) else None)
 
     @classmethod
     def layer_cache(cls, config: Qwen35Config, kind: str, batch_size: int, length: int, dtype):

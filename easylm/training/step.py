@@ -12,8 +12,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from easylm.data import make_global_batch
 from easylm.errors import UserError
-from easylm.models.context_parallel import zigzag_permutation
 from easylm.models import sigmoid_moe
+from easylm.models.context_parallel import use_order, zigzag_permutation
 from easylm.models.family import Model
 from easylm.objectives.next_token import NextToken
 from easylm.runtime.sharding import (
@@ -104,7 +104,11 @@ def split_sequence(loss_fn, sp: int):
     them in zig-zag order (`zigzag_tokens`)."""
 
     def zigzag_loss(params, batch, rng, frozen):
-        return loss_fn(params, zigzag_tokens(batch, sp), rng, frozen)
+        # A batch of an objective's own layout stays in the row's order; a layer that
+        # carries state along the row (Gated DeltaNet) is told so.
+        permuted = any(key.endswith("input_tokens") for key in batch)
+        with use_order("zigzag" if permuted else "rows"):
+            return loss_fn(params, zigzag_tokens(batch, sp), rng, frozen)
 
     return zigzag_loss
 
