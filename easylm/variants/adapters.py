@@ -36,9 +36,10 @@ from easylm.runtime import checkpoint
 from easylm.variants import lora_variant as variant
 from easylm.variants.lora import LoraConfig, LoraModel, read_peft, write_peft
 
-# Unscanned or scanned (a period-1 stack, a pattern's slots, the layers past the last
-# repeat): where a layer's kernel may sit, for the regex a PEFT directory's modules make.
-_ANY_LAYER = r"model/(layers/(\d+/|slot\d+/)?|tail\d+/)"
+# Unscanned or scanned (a period-1 stack, a pattern's slots, a later block's, the layers
+# past the last repeat): where a layer's kernel may sit, for the regex a PEFT directory's
+# modules make.
+_ANY_LAYER = r"model/(layers(_from\d+)?/(\d+/|slot\d+/)?|tail\d+/)"
 
 
 class Adapters:
