@@ -308,6 +308,14 @@ def _own_input(inputs, i) -> tuple:
     return () if inputs is None else (jax.tree.map(lambda u: u[i], inputs),)
 
 
+def _per_repeat(inputs, start: int, repeats: int, n: int):
+    """The layers' own inputs (L, ...) of the block from layer `start` as its scan's
+    per-repeat input: (R, n, ...), or (R, ...) for a period of one."""
+    shape = (repeats, n) if n > 1 else (repeats,)
+    return jax.tree.map(lambda u: u[start:start + repeats * n].reshape(*shape, *u.shape[1:]),
+                        inputs)
+
+
 class _Layers(nn.Module):
     """The layers one by one, named layers/<i>/... like HF's model.layers.<i>."""
 
@@ -412,9 +420,7 @@ class _Backbone(nn.Module):
                 contexts_in = contexts[kinds[start]]
             else:
                 body, args, contexts_in = _Block, dict(lm=lm, kinds=kinds[start:start + n]), contexts
-            own = () if inputs is None else (jax.tree.map(
-                lambda u: u[start:start + repeats * n].reshape(
-                    repeats, *((n,) if n > 1 else ()), *u.shape[1:]), inputs),)
+            own = () if inputs is None else (_per_repeat(inputs, start, repeats, n),)
             stack = nn.scan(
                 # 'router': what a mixture-of-experts layer sows (moe.RouterStats), per layer;
                 # 'routing': the choices it replays (moe.replay_collection), per layer.
