@@ -552,6 +552,33 @@ def test_export_of_the_scanned_layout_loads_in_transformers(tmp_path, deep):
     np.testing.assert_allclose(_forward(scanned, stacked, ids), ref, atol=_tolerance(ref), rtol=0)
 
 
+def test_peft_adapter_loads_into_the_scanned_kv_sharing_model(tmp_path, deep):
+    """A PEFT directory adapting every projection (k_proj and v_proj in the producing
+    layers only: the shared ones have none) loads into the scanned model, whose logits are
+    the unscanned adapted model's; twin: the shared block's adapters stacked in the other
+    order."""
+    from easylm.variants.adapters import Adapters
+    from easylm.variants.lora import LoraConfig
+
+    _, _, config, params, scanned, stacked = deep
+    adapters_of = Adapters(FAMILY)
+    lm = adapters_of.lora_model(config, LoraConfig(rank=2, base_dtype="fp32"))
+    rng = np.random.default_rng(2)
+    adapters = jax.tree.map(lambda x: jnp.asarray(0.2 * rng.standard_normal(x.shape), x.dtype),
+                            lm.adapter_shapes)
+    adapters_of.save_peft(str(tmp_path), lm, adapters, config)
+    lora, loaded = adapters_of.load_peft(str(tmp_path), scanned)
+    assert "k_proj" in str(jax.tree_util.tree_flatten_with_path(loaded["model"]["layers"])[0])
+    ids = jnp.asarray([_prompt(16, 46)])
+    ref = np.asarray(jax.jit(lambda b, a: lm.apply(b, a, ids))(lm.store_base(params), adapters))
+    lm_scanned = adapters_of.lora_model(scanned, lora)
+    got = jax.jit(lambda b, a: lm_scanned.apply(b, a, ids))
+    base = lm_scanned.store_base(stacked)
+    np.testing.assert_allclose(np.asarray(got(base, loaded)), ref, atol=_tolerance(ref), rtol=0)
+    twin = np.asarray(got(base, _reversed_repeats(loaded, "layers_from4")))
+    assert np.abs(twin - ref).max() > 100 * _tolerance(ref)
+
+
 @pytest.mark.parametrize("mesh_dim", ["fsdp=2,ep=4", "fsdp=8"])
 def test_expert_parallel_logits_equal_one_device(saved, mesh_dim):
     """The MoE model sharded by its partition rules on 8 devices (experts split 4 ways,
