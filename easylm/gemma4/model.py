@@ -28,7 +28,9 @@ scan carries it; each layer is called with its own per-layer input u_l (B, T, P)
 
 Parameter names are transformers' (`model/layers/<i>/self_attn/q_proj/kernel`,
 `model/layers/<i>/router/kernel` for router.proj, `model/layers/<i>/experts/gate_proj`
-(E, D, F) for half of experts.gate_up_proj); easylm/gemma4/hf.py maps them.
+(E, D, F) for half of experts.gate_up_proj); easylm/gemma4/hf.py maps them. Scanned, the
+layers that make keys/values are `model/layers/slot<j>/...` and the KV-shared ones a
+second block, `model/layers_from<s>/slot<j>/...` (easylm/models/decoder.py).
 
 Shape letters: B batch, T positions, S cache positions, D width, F MLP width, N query
 heads, K key/value heads, H head width, L layers, P per-layer input width, E experts.
