@@ -440,7 +440,7 @@ def deep(tmp_path_factory):
     values, model/layers_from4/slot<j> for the shared ones), the per-layer inputs going in
     as the scans' per-repeat input. (directory, transformers' model, config, params, the
     scanned config, its parameters)."""
-    from easylm.models.decoder import scan_blocks
+    from easylm.models.decoder import relayout_like, scan_blocks
     from easylm.models.family import layout
 
     directory = str(tmp_path_factory.mktemp("gemma4_deep"))
@@ -452,6 +452,9 @@ def deep(tmp_path_factory):
     assert {"layers", "layers_from4"} <= set(stacked["model"]) and not any(
         key.startswith("tail") for key in stacked["model"])
     assert set(stacked["model"]["layers_from4"]) == {"slot0", "slot1"}
+    # A checkpoint read into the other layout (family.read_params) finds the blocks by name.
+    like = jax.eval_shape(lambda: stacked)
+    assert jax.tree.structure(relayout_like(params, like)) == jax.tree.structure(stacked)
     return directory, model, config, params, scanned, stacked
 
 
