@@ -419,7 +419,8 @@ class _Backbone(nn.Module):
                 args = dict(kind=kinds[start])
                 contexts_in = contexts[kinds[start]]
             else:
-                body, args, contexts_in = _Block, dict(lm=lm, kinds=kinds[start:start + n]), contexts
+                body, contexts_in = _Block, contexts
+                args = dict(lm=lm, kinds=kinds[start:start + n])
             own = () if inputs is None else (_per_repeat(inputs, start, repeats, n),)
             stack = nn.scan(
                 # 'router': what a mixture-of-experts layer sows (moe.RouterStats), per layer;
