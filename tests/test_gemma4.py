@@ -24,14 +24,14 @@ KINDS = ["sliding_attention", "sliding_attention", "full_attention", "sliding_at
 EPS = np.finfo(np.float32).eps
 
 
-def _save(directory, moe: bool, kinds=KINDS):
+def _save(directory, moe: bool, kinds=KINDS, shared=2):
     torch.manual_seed(0)
     config = transformers.Gemma4TextConfig(
         vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=len(kinds),
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
         num_global_key_value_heads=1, sliding_window=8, layer_types=list(kinds),
         vocab_size_per_layer_input=V, hidden_size_per_layer_input=8, attention_k_eq_v=True,
-        num_kv_shared_layers=2, initializer_range=0.2, final_logit_softcapping=30.0,
+        num_kv_shared_layers=shared, initializer_range=0.2, final_logit_softcapping=30.0,
         max_position_embeddings=512, use_double_wide_mlp=moe, enable_moe_block=moe,
         num_experts=4 if moe else None, top_k_experts=2 if moe else None,
         moe_intermediate_size=32 if moe else None)
@@ -382,11 +382,9 @@ def test_counted_parameters_are_the_built_ones(saved):
     assert config.num_parameters() == sum(int(np.prod(s)) for s in shapes.values())
 
 
-def test_scan_and_unreadable_configs_are_one_line_errors(tmp_path):
+def test_unreadable_configs_are_one_line_errors(tmp_path):
     from easylm.errors import UserError
 
-    with pytest.raises(UserError, match="scan_layers needs hidden_size_per_layer_input=0"):
-        FAMILY.from_preset("debug", scan_layers=True)  # per-layer inputs and KV sharing
     with pytest.raises(UserError, match="loss_chunk_size is not supported"):
         FAMILY.from_preset("debug", final_logit_softcapping=30.0, loss_chunk_size=8)
     with pytest.raises(UserError, match="use_bidirectional_attention='all'"):
@@ -433,6 +431,155 @@ def test_scanned_layers_equal_the_layers_one_by_one():
     swapped = {**stacked, "model": {**stacked["model"], "layers": jax.tree.map(
         lambda x: x[::-1], stacked["model"]["layers"])}}
     assert abs(float(scanned_step(swapped)[0]) - float(loss)) > 100 * atol
+
+
+@pytest.fixture(scope="module")
+def deep(tmp_path_factory):
+    """A dense model of (sliding, full) x 4 whose last 4 layers are KV-shared: scanned, two
+    blocks of two repeats each (model/layers/slot<j> for the layers that make keys and
+    values, model/layers_from4/slot<j> for the shared ones), the per-layer inputs going in
+    as the scans' per-repeat input. (directory, transformers' model, config, params, the
+    scanned config, its parameters)."""
+    from easylm.models.decoder import relayout_like, scan_blocks
+    from easylm.models.family import layout
+
+    directory = str(tmp_path_factory.mktemp("gemma4_deep"))
+    model = _save(directory, False, KINDS[1:3] * 4, shared=4)
+    config, params = hf.load_hf_params(directory)
+    scanned = config.replace(scan_layers=True)
+    assert scan_blocks(FAMILY.module_class, scanned) == ((0, 2), (4, 2))
+    stacked = layout(FAMILY, params, scanned)
+    assert {"layers", "layers_from4"} <= set(stacked["model"]) and not any(
+        key.startswith("tail") for key in stacked["model"])
+    assert set(stacked["model"]["layers_from4"]) == {"slot0", "slot1"}
+    # A checkpoint read into the other layout (family.read_params) finds the blocks by name.
+    like = jax.eval_shape(lambda: stacked)
+    assert jax.tree.structure(relayout_like(params, like)) == jax.tree.structure(stacked)
+    return directory, model, config, params, scanned, stacked
+
+
+def _reversed_repeats(tree, block):
+    """A scanned tree with `block`'s repeats stacked in the other order."""
+    model = dict(tree["model"])
+    model[block] = jax.tree.map(lambda x: x[::-1], model[block])
+    return {**tree, "model": model}
+
+
+def test_scanned_per_layer_inputs_and_kv_sharing_equal_the_layers_one_by_one(deep):
+    """The next-token loss and gradients of the scanned model (the producing layers one
+    scanned block, the KV-shared ones another, taking the first's last keys/values) =
+    the layers one by one. Twins: each layer given the next one's per-layer input (the
+    tables' columns rolled by P), and the producing repeats stacked in the other order
+    (the shared layers then attend over the first repeat's keys/values)."""
+    from easylm.models.family import layout
+    from easylm.objectives.next_token import next_token_sums
+
+    _, _, config, params, scanned, stacked = deep
+    ids = np.asarray([_prompt(24, 42), _prompt(24, 43)])
+    batch = dict(input_tokens=jnp.asarray(ids), target_tokens=jnp.asarray(np.roll(ids, -1, 1)),
+                 loss_masks=jnp.ones(ids.shape, jnp.float32))
+
+    def loss_and_grads(c):
+        return jax.jit(jax.value_and_grad(lambda p: next_token_sums(
+            FAMILY.bind(c), p, batch, None).means()["loss"]))
+
+    loss, grads = loss_and_grads(config)(params)
+    scanned_step = loss_and_grads(scanned)
+    got, got_grads = scanned_step(stacked)
+    atol = 128 * EPS * float(loss)  # as the training-loss test
+    assert abs(float(got) - float(loss)) <= atol, (float(got), float(loss))
+    got_grads = layout(FAMILY, got_grads, config)
+    assert jax.tree.structure(got_grads) == jax.tree.structure(grads)
+    for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(grads)):  # as the test above
+        np.testing.assert_allclose(a, b, atol=256 * EPS * float(np.abs(b).max()), rtol=0)
+    P_ = config.hidden_size_per_layer_input
+    rolled = jax.tree_util.tree_map_with_path(
+        lambda p, x: np.roll(x, -P_, -1) if "embed_tokens_per_layer" in str(p)
+        or "per_layer_model_projection" in str(p) else x, stacked)
+    assert abs(float(scanned_step(rolled)[0]) - float(loss)) > 100 * atol
+    swapped = _reversed_repeats(stacked, "layers")
+    assert abs(float(scanned_step(swapped)[0]) - float(loss)) > 100 * atol
+
+
+def _served(engine, prompt):
+    """Chunked prefill (chunks of 8) and 2 decode calls of 4 greedy steps: the tokens and
+    their log-probabilities."""
+    out = engine.fetch(engine.prefill([prompt], [0], Sampling.empty(1)))
+    tokens, logprobs = [int(out[0][0, 0])], [float(out[1][0, 0])]
+    for _ in range(2):
+        out = engine.fetch(engine.decode(Sampling.empty(1)))
+        tokens += [int(t) for t in out[0][:, 0]]
+        logprobs += [float(x) for x in out[1][:, 0]]
+    return tokens, np.asarray(logprobs)
+
+
+def test_scanned_per_layer_inputs_and_kv_sharing_serve_as_unscanned(deep):
+    """The engine on the scanned model (its cache laid out in the two blocks, the shared
+    layers reading the last producer's cache) = on the layers one by one: 9 greedy tokens
+    after a 29-token prompt prefilled in chunks of 8, and their log-probabilities. Twin:
+    the producing repeats stacked in the other order."""
+    _, model, config, params, scanned, stacked = deep
+    engines = [Engine({"batch_size": 1, "seq_length": 64, "min_bucket": 16, "decode_steps": 4,
+                       "prefill_chunk_size": 8}, FAMILY.bind(c), p)
+               for c, p in ((config, params), (scanned, stacked))]
+    prompt = _prompt(29, 44)
+    tokens, logprobs = _served(engines[0], prompt)
+    got_tokens, got_logprobs = _served(engines[1], prompt)
+    assert got_tokens == tokens
+    # A log-softmax of logits within `tol` moves by at most 2 * tol.
+    tol = 2 * _tolerance(_logits(model, [prompt + tokens]))
+    np.testing.assert_allclose(got_logprobs, logprobs, atol=tol, rtol=0)
+    engines[1].params = _reversed_repeats(stacked, "layers")  # the same programs
+    assert np.abs(_served(engines[1], prompt)[1] - logprobs).max() > 100 * tol
+
+
+def test_export_of_the_scanned_layout_loads_in_transformers(tmp_path, deep):
+    """The converter writes the scanned model's tensors as the unscanned one's (bit for
+    bit); they load in transformers as Gemma4ForCausalLM, whose logits are the saved
+    model's and the scanned forward's."""
+    from easylm.models.hf_checkpoint import write_safetensors
+
+    _, model, config, params, scanned, stacked = deep
+    written = dict(FAMILY.hf.write_params(stacked, scanned))
+    expected = dict(FAMILY.hf.write_params(params, config))
+    assert written.keys() == expected.keys()
+    for name, tensor in expected.items():
+        np.testing.assert_array_equal(written[name], tensor, err_msg=name)
+    write_safetensors(written.items(), str(tmp_path))
+    scanned.to_hf_config().save_pretrained(tmp_path)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    assert type(back).__name__ == "Gemma4ForCausalLM"
+    ids = np.asarray([_prompt(30, 45)])
+    ref = _logits(model, ids)
+    np.testing.assert_array_equal(_logits(back.eval(), ids), ref)
+    np.testing.assert_allclose(_forward(scanned, stacked, ids), ref, atol=_tolerance(ref), rtol=0)
+
+
+def test_peft_adapter_loads_into_the_scanned_kv_sharing_model(tmp_path, deep):
+    """A PEFT directory adapting every projection (k_proj and v_proj in the producing
+    layers only: the shared ones have none) loads into the scanned model, whose logits are
+    the unscanned adapted model's; twin: the shared block's adapters stacked in the other
+    order."""
+    from easylm.variants.adapters import Adapters
+    from easylm.variants.lora import LoraConfig
+
+    _, _, config, params, scanned, stacked = deep
+    adapters_of = Adapters(FAMILY)
+    lm = adapters_of.lora_model(config, LoraConfig(rank=2, base_dtype="fp32"))
+    rng = np.random.default_rng(2)
+    adapters = jax.tree.map(lambda x: jnp.asarray(0.2 * rng.standard_normal(x.shape), x.dtype),
+                            lm.adapter_shapes)
+    adapters_of.save_peft(str(tmp_path), lm, adapters, config)
+    lora, loaded = adapters_of.load_peft(str(tmp_path), scanned)
+    assert "k_proj" in str(jax.tree_util.tree_flatten_with_path(loaded["model"]["layers"])[0])
+    ids = jnp.asarray([_prompt(16, 46)])
+    ref = np.asarray(jax.jit(lambda b, a: lm.apply(b, a, ids))(lm.store_base(params), adapters))
+    lm_scanned = adapters_of.lora_model(scanned, lora)
+    got = jax.jit(lambda b, a: lm_scanned.apply(b, a, ids))
+    base = lm_scanned.store_base(stacked)
+    np.testing.assert_allclose(np.asarray(got(base, loaded)), ref, atol=_tolerance(ref), rtol=0)
+    twin = np.asarray(got(base, _reversed_repeats(loaded, "layers_from4")))
+    assert np.abs(twin - ref).max() > 100 * _tolerance(ref)
 
 
 @pytest.mark.parametrize("mesh_dim", ["fsdp=2,ep=4", "fsdp=8"])

@@ -110,12 +110,6 @@ class Gemma4Config(ModelConfig):
                                           and self.moe_intermediate_size > 0):
             raise fail(f"enable_moe_block needs 0 < top_k_experts ({self.top_k_experts}) <= "
                        f"num_experts ({self.num_experts}) and moe_intermediate_size > 0")
-        if self.scan_layers and (self.hidden_size_per_layer_input or self.num_kv_shared_layers):
-            raise fail(f"scan_layers needs hidden_size_per_layer_input=0 and "
-                       f"num_kv_shared_layers=0 (got {self.hidden_size_per_layer_input} and "
-                       f"{self.num_kv_shared_layers}): the scan carries only the hidden "
-                       f"states, not each layer's per-layer input or the keys/values the "
-                       f"shared layers take (docs/families.md, Gemma 4)")
         if self.final_logit_softcapping and self.loss_chunk_size:
             raise fail("loss_chunk_size is not supported with final_logit_softcapping (the "
                        "chunked loss applies the head without the cap)")

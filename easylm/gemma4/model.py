@@ -20,14 +20,17 @@ entry is empty). The experts are routed on the residual before the MLP: softmax 
 proj(norm(x) * scale / sqrt(D)), the top k renormalised and times a per-expert scale,
 through easylm/models/moe.py's grouped matmul.
 
-What passes from layer to layer (`layer_stream`): {"x": (B, T, D), "per_layer": (B, T,
-L', P) the inputs of the layers still to run, "kv": {kind: (k, v)} the last keys and
-values of each kind}; a scan carries it only when it is x and an empty "kv" (no per-layer
-inputs, no KV sharing; the config refuses scan_layers otherwise, docs/families.md).
+What passes from layer to layer (`layer_stream`): {"x": (B, T, D), "kv": {kind: (k, v)}
+the last keys and values (B, T or S, K, H) of each kind a shared layer takes, zeros until
+a layer of the kind makes them}, one structure and shape from layer to layer, so that a
+scan carries it; each layer is called with its own per-layer input u_l (B, T, P) beside it
+(the decoder slices (L, B, T, P), or as a scan's per-repeat input, docs/families.md).
 
 Parameter names are transformers' (`model/layers/<i>/self_attn/q_proj/kernel`,
 `model/layers/<i>/router/kernel` for router.proj, `model/layers/<i>/experts/gate_proj`
-(E, D, F) for half of experts.gate_up_proj); easylm/gemma4/hf.py maps them.
+(E, D, F) for half of experts.gate_up_proj); easylm/gemma4/hf.py maps them. Scanned, the
+layers that make keys/values are `model/layers/slot<j>/...` and the KV-shared ones a
+second block, `model/layers_from<s>/slot<j>/...` (easylm/models/decoder.py).
 
 Shape letters: B batch, T positions, S cache positions, D width, F MLP width, N query
 heads, K key/value heads, H head width, L layers, P per-layer input width, E experts.
@@ -159,7 +162,7 @@ class DecoderLayer(Sublayer):
     kind: str = "full_attention"
 
     @nn.compact
-    def __call__(self, stream, context, positions=None, cache=None):
+    def __call__(self, stream, context, positions=None, cache=None, own=None):
         c = self.config
         cos, sin, mask = context
         kind = base_kind(self.kind)
@@ -177,17 +180,15 @@ class DecoderLayer(Sublayer):
                 "post_feedforward_layernorm_2")(self.experts(x))
         x = x + self.norm("post_feedforward_layernorm")(h)
         out = {"x": x, "kv": stream["kv"]}
-        if c.hidden_size_per_layer_input:
-            u = stream["per_layer"]  # (B, T, L', P): this layer's first
+        if c.hidden_size_per_layer_input:  # own: this layer's input (B, T, P)
             g = gelu_tanh(self.dense(c.hidden_size_per_layer_input, "per_layer_input_gate")(x))
-            g = self.dense(c.hidden_size, "per_layer_projection")(g * u[:, :, 0])
+            g = self.dense(c.hidden_size, "per_layer_projection")(g * own)
             x = x + self.norm("post_per_layer_input_norm")(g)
-            out["per_layer"] = u[:, :, 1:]
         scalar = self.param("layer_scalar", nn.initializers.ones, (1,), self.param_dtype)
         # A buffer in transformers: read from the checkpoint, never trained.
         out["x"] = constrain(x * jax.lax.stop_gradient(scalar).astype(self.dtype),
                              P(BATCH_AXES, "sp", None))
-        if c.num_kv_shared_layers and not self.kind.startswith(SHARED):
+        if kind in stream["kv"] and not self.kind.startswith(SHARED):
             out["kv"] = {**stream["kv"], kind: kv}
         return out, cache
 
@@ -224,10 +225,11 @@ class Gemma4ForCausalLM(CausalLM):
 
     @classmethod
     def period(cls, config: Gemma4Config) -> int:
-        """The shortest pattern of kinds the layers repeat (every 6th full: 6), what a scan
-        stacks as one block (`--gemma4.scan_layers`); the layers past its last whole
-        repeat are the unscanned tail."""
-        kinds = cls.layer_kinds(config)
+        """The shortest pattern of sliding and full layers that repeats (every 6th full: 6),
+        what a scan stacks (`--gemma4.scan_layers`); the layers past its last whole repeat
+        are the unscanned tail. The KV-shared layers' repeats, whose kinds are their own,
+        are a second scanned block of the same pattern (decoder.scan_blocks)."""
+        kinds = config.layer_kinds()
         return next((n for n in range(1, len(kinds) // 2 + 1)
                      if pattern_period(kinds, n) == n), len(kinds))
 
@@ -256,12 +258,19 @@ class Gemma4ForCausalLM(CausalLM):
         return float(np.sqrt(config.hidden_size))
 
     @classmethod
-    def layer_stream(cls, config: Gemma4Config, x, input_ids, dtype, param_dtype):
-        stream = {"x": x, "kv": {}}
+    def layer_stream(cls, config: Gemma4Config, x, input_ids, dtype, param_dtype, length):
+        """({"x": x, "kv": zeros (B, length, K, H) for each kind a shared layer takes},
+        the per-layer inputs (L, B, T, P) or None)."""
+        B, T, D = x.shape
+        taken = dict.fromkeys(base_kind(k) for k in cls.layer_kinds(config) if k.startswith(SHARED))
+        kv = {}
+        for kind in taken:
+            shape = (B, length, *config.attention_shape(kind))
+            kv[kind] = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        stream = {"x": x, "kv": kv}
         p, L = config.hidden_size_per_layer_input, config.num_hidden_layers
         if not p:
-            return stream
-        B, T, D = x.shape
+            return stream, None
         init = nn.initializers.normal(config.initializer_range)
         table = nn.Embed(config.vocab_size_per_layer_input, L * p, dtype=dtype,
                          param_dtype=param_dtype, embedding_init=init,
@@ -272,9 +281,8 @@ class Gemma4ForCausalLM(CausalLM):
         projected = RMSNorm(config.rms_norm_eps, dtype, param_dtype,
                             name="per_layer_projection_norm")(
             (projected * jnp.asarray(D ** -0.5, dtype)).reshape(B, T, L, p))
-        stream["per_layer"] = (projected + tokens.reshape(B, T, L, p)) * jnp.asarray(
-            2 ** -0.5, dtype)
-        return stream
+        per_layer = (projected + tokens.reshape(B, T, L, p)) * jnp.asarray(2 ** -0.5, dtype)
+        return stream, jnp.moveaxis(per_layer, 2, 0)  # (L, B, T, P)
 
     @classmethod
     def stream_hidden(cls, stream):

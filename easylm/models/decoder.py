@@ -15,7 +15,10 @@ Parameter names follow Hugging Face's (`model/embed_tokens`, `model/layers/<i>/.
 layers repeat a pattern of `period` kinds R times and are stored stacked with a leading
 axis of R: with a period of one as `model/layers/...`, else one stack per place in the
 pattern, `model/layers/slot<j>/...`, and the L - R * period layers left over after the
-repeats as `model/tail<i>/...` (MaxText scans Gemma's pattern the same way).
+repeats as `model/tail<i>/...` (MaxText scans Gemma's pattern the same way). Where the
+repeats' kinds change part way (Gemma 4's KV-shared layers after the ones that make
+keys/values), each run of like repeats is a scanned block of its own, the one starting at
+layer s stored as `model/layers_from<s>/...` (`scan_blocks`).
 
 Decoding passes a cache (`init_cache`) laid out like the layers: each layer's entry, as
 its kind declares it (`CausalLM.layer_cache`; an attention layer's keys and values
@@ -247,6 +250,31 @@ def period(lm: type, config) -> int:
     return max(1, min(lm.period(config), config.num_hidden_layers))
 
 
+def scan_blocks(lm: type, config) -> tuple[tuple[int, int], ...]:
+    """(first layer, repeats) of each scanned block: the pattern's whole repeats, cut where
+    the kinds of one repeat differ from the one before (Gemma 4's KV-shared layers: their
+    kinds are their own); one block of all the repeats for every other family."""
+    kinds, n = lm.layer_kinds(config), period(lm, config)
+    blocks = []
+    for r in range(len(kinds) // n):
+        if blocks and kinds[r * n:(r + 1) * n] == kinds[(r - 1) * n:r * n]:
+            blocks[-1][1] += 1
+        else:
+            blocks.append([r * n, 1])
+    return tuple(map(tuple, blocks))
+
+
+def block_name(start: int) -> str:
+    """Where the scanned block from layer `start` is stored under model/."""
+    return "layers" if start == 0 else f"layers_from{start}"
+
+
+def _scanned_layers(lm: type, config) -> int:
+    """How many layers the scanned blocks hold (the rest is the tail)."""
+    n = period(lm, config)
+    return len(lm.layer_kinds(config)) // n * n
+
+
 def _layer_class(lm: type, config):
     if config.remat_policy == "none":
         return lm.layer
@@ -264,13 +292,28 @@ class _Block(nn.Module):
     kinds: tuple
 
     @nn.compact
-    def __call__(self, x, contexts, positions, cache):
+    def __call__(self, x, contexts, positions, cache, own=None):
         layer, new_cache = _layer_class(self.lm, self.config), {}
         for j, kind in enumerate(self.kinds):
             x, new_cache[f"slot{j}"] = layer(self.config, self.dtype, self.param_dtype, kind=kind,
                                              name=f"slot{j}")(
-                x, contexts[kind], positions, None if cache is None else cache[f"slot{j}"])
+                x, contexts[kind], positions, None if cache is None else cache[f"slot{j}"],
+                *_own_input(own, j))
         return x, (None if cache is None else new_cache)
+
+
+def _own_input(inputs, i) -> tuple:
+    """The extra argument a layer is called with: its own slice of the layers' inputs
+    (`CausalLM.layer_stream`), none where the family has none."""
+    return () if inputs is None else (jax.tree.map(lambda u: u[i], inputs),)
+
+
+def _per_repeat(inputs, start: int, repeats: int, n: int):
+    """The layers' own inputs (L, ...) of the block from layer `start` as its scan's
+    per-repeat input: (R, n, ...), or (R, ...) for a period of one."""
+    shape = (repeats, n) if n > 1 else (repeats,)
+    return jax.tree.map(lambda u: u[start:start + repeats * n].reshape(*shape, *u.shape[1:]),
+                        inputs)
 
 
 class _Layers(nn.Module):
@@ -282,12 +325,13 @@ class _Layers(nn.Module):
     lm: type
 
     @nn.compact
-    def __call__(self, x, contexts, positions, cache):
+    def __call__(self, x, contexts, positions, cache, inputs=None):
         layer, new_cache = _layer_class(self.lm, self.config), {}
         for i, kind in enumerate(self.lm.layer_kinds(self.config)):
             x, new_cache[str(i)] = layer(self.config, self.dtype, self.param_dtype, kind=kind,
                                          name=str(i))(
-                x, contexts[kind], positions, None if cache is None else cache[str(i)])
+                x, contexts[kind], positions, None if cache is None else cache[str(i)],
+                *_own_input(inputs, i))
         return x, (None if cache is None else new_cache)
 
 
@@ -320,13 +364,14 @@ class _Backbone(nn.Module):
         x = constrain(x, P(("dp", "ep"), None, PARAMETER_AXES))
         x = constrain(x, P(BATCH_AXES, None, "sp"))
         x = constrain(x, P(BATCH_AXES, "sp", None))  # (B, T, D)
-        x = lm.layer_stream(c, x, input_ids, self.dtype, self.param_dtype)
+        length = x.shape[1] if cache is None else cache_length(cache)
+        x, inputs = lm.layer_stream(c, x, input_ids, self.dtype, self.param_dtype, length)
         contexts = self.contexts(positions, segment_ids, cache)
         if c.scan_layers:
-            x, cache = self.scanned(x, contexts, positions, cache)
+            x, cache = self.scanned(x, contexts, positions, cache, inputs)
         else:
             x, cache = _Layers(c, self.dtype, self.param_dtype, lm, name="layers")(
-                x, contexts, positions, cache)
+                x, contexts, positions, cache, inputs)
         x = lm.stream_hidden(x)
         return lm.norm(c.rms_norm_eps, self.dtype, self.param_dtype, name="norm")(x), cache
 
@@ -360,33 +405,39 @@ class _Backbone(nn.Module):
                 kind_mask), segment_ids)
         return contexts
 
-    def scanned(self, x, contexts, positions, cache):
-        """The pattern's R repeats as one scanned module (layers/...), then the tail."""
+    def scanned(self, x, contexts, positions, cache, inputs=None):
+        """Each block's R repeats of the pattern as one scanned module (layers/..., then
+        layers_from<s>/...), then the tail. The layers' own inputs (L, ...) go in as the
+        scan's per-repeat input, (R, n, ...), beside the cache."""
         c, lm = self.config, self.lm
         kinds, n = lm.layer_kinds(c), period(lm, c)
-        repeats = len(kinds) // n
-        if n == 1:
-            body = _layer_class(lm, c)
-            args = dict(kind=kinds[0])
-            contexts_in = contexts[kinds[0]]
-        else:
-            body, args, contexts_in = _Block, dict(lm=lm, kinds=kinds[:n]), contexts
-        stack = nn.scan(
-            # 'router': what a mixture-of-experts layer sows (moe.RouterStats), per layer;
-            # 'routing': the choices it replays (moe.replay_collection), per layer.
-            body, variable_axes={"params": 0, "router": 0, "routing": 0},
-            # 'dropout': each layer its own key when one is given (LoRA's adapter
-            # dropout, easylm/variants/lora.py); a scan passes no stream it does not name.
-            split_rngs={"params": True, "dropout": True},
-            in_axes=(nn.broadcast, nn.broadcast, 0), length=repeats)
-        x, new = stack(c, self.dtype, self.param_dtype, **args, name="layers")(
-            x, contexts_in, positions, None if cache is None else cache["layers"])
-        new_cache = {"layers": new}
+        new_cache = {}
+        for start, repeats in scan_blocks(lm, c):
+            name = block_name(start)
+            if n == 1:
+                body = _layer_class(lm, c)
+                args = dict(kind=kinds[start])
+                contexts_in = contexts[kinds[start]]
+            else:
+                body, contexts_in = _Block, contexts
+                args = dict(lm=lm, kinds=kinds[start:start + n])
+            own = () if inputs is None else (_per_repeat(inputs, start, repeats, n),)
+            stack = nn.scan(
+                # 'router': what a mixture-of-experts layer sows (moe.RouterStats), per layer;
+                # 'routing': the choices it replays (moe.replay_collection), per layer.
+                body, variable_axes={"params": 0, "router": 0, "routing": 0},
+                # 'dropout': each layer its own key when one is given (LoRA's adapter
+                # dropout, easylm/variants/lora.py); a scan passes no stream it does not name.
+                split_rngs={"params": True, "dropout": True},
+                in_axes=(nn.broadcast, nn.broadcast, 0) + (0,) * len(own), length=repeats)
+            x, new_cache[name] = stack(c, self.dtype, self.param_dtype, **args, name=name)(
+                x, contexts_in, positions, None if cache is None else cache[name], *own)
         tail = _layer_class(lm, c)
-        for i in range(repeats * n, len(kinds)):
+        for i in range(_scanned_layers(lm, c), len(kinds)):
             x, new_cache[f"tail{i}"] = tail(c, self.dtype, self.param_dtype, kind=kinds[i],
                                             name=f"tail{i}")(
-                x, contexts[kinds[i]], positions, None if cache is None else cache[f"tail{i}"])
+                x, contexts[kinds[i]], positions, None if cache is None else cache[f"tail{i}"],
+                *_own_input(inputs, i))
         return x, (None if cache is None else new_cache)
 
 
@@ -450,12 +501,16 @@ class CausalLM(nn.Module):
         return context
 
     @classmethod
-    def layer_stream(cls, config, x, input_ids, dtype, param_dtype):
-        """What the layers pass from one to the next, from the embedded tokens x (B, T, D):
-        by default x itself. A family whose layers also pass on more (Gemma 4's per-layer
-        inputs and shared keys/values) returns a tree holding x; modules made here are the
-        backbone's (model/<name>). Called unscanned only, unless it returns x."""
-        return x
+    def layer_stream(cls, config, x, input_ids, dtype, param_dtype, length: int):
+        """(what the layers pass from one to the next, what each layer takes for itself),
+        from the embedded tokens x (B, T, D): by default (x, None). A family whose layers
+        pass on more (Gemma 4's keys/values for its KV-shared layers) returns a tree holding
+        x, of one structure and shape from layer to layer (a scan carries it; `length` is
+        the positions attended over, T or the cache's S); one whose layers each take an
+        input of their own (Gemma 4's per-layer inputs) returns those as a tree with the
+        layer axis first (L, ...), and each layer is called with its slice as a fifth
+        argument. Modules made here are the backbone's (model/<name>)."""
+        return x, None
 
     @classmethod
     def stream_hidden(cls, stream):
@@ -506,12 +561,13 @@ class CausalLM(nn.Module):
 
         if not c.scan_layers:
             return {str(i): entry(kind) for i, kind in enumerate(kinds)}
-        n = period(lm, c)
-        repeats = len(kinds) // n
-        layers = (entry(kinds[0], repeats) if n == 1 else
-                  {f"slot{j}": entry(kinds[j], repeats) for j in range(n)})
-        return {"layers": layers,
-                **{f"tail{i}": entry(kinds[i]) for i in range(repeats * n, len(kinds))}}
+        n, cache = period(lm, c), {}
+        for start, repeats in scan_blocks(lm, c):
+            cache[block_name(start)] = (
+                entry(kinds[start], repeats) if n == 1 else
+                {f"slot{j}": entry(kinds[start + j], repeats) for j in range(n)})
+        return {**cache, **{f"tail{i}": entry(kinds[i])
+                            for i in range(_scanned_layers(lm, c), len(kinds))}}
 
     def init_params(self, rng, seq_length: int = 8):
         """Parameters only (a pure function of rng; run it sharded)."""
@@ -540,53 +596,81 @@ def _stack(*xs):  # numpy stays on the host (converters), jax arrays stay jax
     return np.stack(xs) if isinstance(xs[0], np.ndarray) else jnp.stack(xs)
 
 
-def stack_layers(tree, n: int = 1):
+def stack_layers(tree, n: int = 1, blocks=None):
     """Layers one by one (model/layers/<i>/...) -> scanned: a pattern of period `n`
-    repeated R times, stacked (see the module docstring)."""
+    repeated, stacked per block of `blocks` ((first layer, repeats) each, `scan_blocks`;
+    None: one block of all the whole repeats), see the module docstring. A block none of
+    whose layers the tree holds (adapters on k_proj, which KV-shared layers lack) is left
+    out."""
     model = dict(tree["model"])
     layers = model.pop("layers")
-    num_layers = len(layers)
-    repeats = num_layers // n
+    num_layers = 1 + max(int(i) for i in layers)
+    blocks = blocks or ((0, num_layers // n),)
 
-    def slot(j):
-        return jax.tree_util.tree_map(_stack, *[layers[str(r * n + j)] for r in range(repeats)])
+    def slot(start, repeats, j):
+        return jax.tree_util.tree_map(
+            _stack, *[layers[str(start + r * n + j)] for r in range(repeats)])
 
-    model["layers"] = slot(0) if n == 1 else {f"slot{j}": slot(j) for j in range(n)}
-    for i in range(repeats * n, num_layers):
+    for start, repeats in blocks:
+        if str(start) not in layers:
+            continue
+        model[block_name(start)] = (slot(start, repeats, 0) if n == 1 else
+                                    {f"slot{j}": slot(start, repeats, j) for j in range(n)})
+    end = blocks[-1][0] + blocks[-1][1] * n
+    for i in range(end, num_layers):
         model[f"tail{i}"] = layers[str(i)]
     return {**tree, "model": model}
 
 
+def _blocks_of(model) -> dict:
+    """{first layer: a scanned block's tree} of a scanned model/ tree."""
+    return {0 if key == "layers" else int(key[len("layers_from"):]): block
+            for key, block in model.items()
+            if key == "layers" or str(key).startswith("layers_from")}
+
+
+def _block_period(block) -> int:
+    return len(block) if all(str(key).startswith("slot") for key in block) else 1
+
+
+def _block_repeats(block) -> int:
+    return jax.tree_util.tree_leaves(block)[0].shape[0]
+
+
 def unstack_layers(tree):
     """Scanned -> layers one by one: the inverse of `stack_layers`."""
-    model = dict(tree["model"])
-    stacked = model.pop("layers")
-    if all(str(key).startswith("slot") for key in stacked):
-        parts = [stacked[f"slot{j}"] for j in range(len(stacked))]
-    else:
-        parts = [stacked]
-    n = len(parts)
-    repeats = jax.tree_util.tree_leaves(parts[0])[0].shape[0]
-    layers = {str(r * n + j): jax.tree_util.tree_map(lambda x, r=r: x[r], parts[j])
-              for r in range(repeats) for j in range(n)}
+    model, layers = dict(tree["model"]), {}
+    for start, block in _blocks_of(model).items():
+        model.pop(block_name(start))
+        n = _block_period(block)
+        parts = [block[f"slot{j}"] for j in range(n)] if n > 1 else [block]
+        for r in range(_block_repeats(block)):
+            for j in range(n):
+                layers[str(start + r * n + j)] = jax.tree_util.tree_map(
+                    lambda x, r=r: x[r], parts[j])
     for key in [key for key in model if str(key).startswith("tail")]:
         layers[key[len("tail"):]] = model.pop(key)
+    layers = {key: layers[key] for key in sorted(layers, key=int)}
     return {**tree, "model": {**model, "layers": layers}}
 
 
 def relayout_like(tree, like):
     """`tree` in the layout `like` (a tree keyed like it) has."""
     scanned = layers_scanned(like)
-    layers = like["model"]["layers"] if scanned else {}
-    n = len(layers) if all(str(key).startswith("slot") for key in layers) else 1
-    return relayout(tree, scanned, n)
+    if not scanned:
+        return relayout(tree, scanned)
+    blocks = _blocks_of(like["model"])
+    n = _block_period(blocks[0])
+    return relayout(tree, scanned, n, tuple((start, _block_repeats(block))
+                                            for start, block in sorted(blocks.items())))
 
 
-def relayout(tree, scanned: bool | None, n: int = 1):
-    """`tree` with its layers stacked (`scanned`) or one by one, whichever it holds now:
-    the one conversion between the two layouts (checkpoints, bases and adapters are read
-    in the layout they were stored in; None keeps it)."""
+def relayout(tree, scanned: bool | None, n: int = 1, blocks=None):
+    """`tree` with its layers stacked (`scanned`, with `stack_layers`' n and blocks) or one
+    by one, whichever it holds now: the one conversion between the two layouts
+    (checkpoints, bases and adapters are read in the layout they were stored in; None
+    keeps it)."""
     have = layers_scanned(tree)
     if scanned is None or have is None or have == scanned:
         return tree
-    return stack_layers(tree, n) if scanned else unstack_layers(tree)
+    return stack_layers(tree, n, blocks) if scanned else unstack_layers(tree)

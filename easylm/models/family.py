@@ -240,7 +240,9 @@ def hf_param_shapes(family: ModelFamily, config) -> dict[str, tuple[int, ...]]:
 def layout(family: ModelFamily, tree, config):
     """`tree` (parameters, or anything keyed like them) in the layout `config` says
     (`scan_layers`, the pattern's period): easylm/models/decoder.py's two layouts."""
-    return decoder.relayout(tree, config.scan_layers, decoder.period(family.module_class, config))
+    lm = family.module_class
+    return decoder.relayout(tree, config.scan_layers, decoder.period(lm, config),
+                            decoder.scan_blocks(lm, config) if config.scan_layers else None)
 
 
 def torch_reference(family: ModelFamily, config, params):

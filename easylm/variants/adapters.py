@@ -36,9 +36,10 @@ from easylm.runtime import checkpoint
 from easylm.variants import lora_variant as variant
 from easylm.variants.lora import LoraConfig, LoraModel, read_peft, write_peft
 
-# Unscanned or scanned (a period-1 stack, a pattern's slots, the layers past the last
-# repeat): where a layer's kernel may sit, for the regex a PEFT directory's modules make.
-_ANY_LAYER = r"model/(layers/(\d+/|slot\d+/)?|tail\d+/)"
+# Unscanned or scanned (a period-1 stack, a pattern's slots, a later block's, the layers
+# past the last repeat): where a layer's kernel may sit, for the regex a PEFT directory's
+# modules make.
+_ANY_LAYER = r"model/(layers(_from\d+)?/(\d+/|slot\d+/)?|tail\d+/)"
 
 
 class Adapters:
@@ -100,16 +101,11 @@ class Adapters:
 
     def _kernels_pattern(self, kernels: list[str], config, source: str) -> str:
         """A regex (re.search) selecting exactly these unscanned kernel paths, written per
-        layer position when all layers have the same ones, so that it fits scanned paths."""
-        per_layer, other = {}, []
-        for path in kernels:
-            if path.startswith("model/layers/"):
-                _, _, index, rest = path.split("/", 3)
-                per_layer.setdefault(rest, set()).add(int(index))
-            else:
-                other.append(path)
-        uneven = [rest for rest, layers in per_layer.items()
-                  if len(layers) != config.num_hidden_layers]
+        layer position when every layer that has a kernel has its adapters (Gemma 4's
+        KV-shared layers have no k_proj), so that it fits scanned paths."""
+        per_layer, other = _by_layer(kernels)
+        having, _ = _by_layer(hf_param_shapes(self.family, config))
+        uneven = [rest for rest, layers in per_layer.items() if layers != having.get(rest)]
         if uneven and config.scan_layers:
             raise UserError(f"{source} adapts {uneven[0]} in some layers only, which scanned "
                             f"layers (--{self.family.name}.scan_layers=True) cannot hold; load "
@@ -259,6 +255,19 @@ class Adapters:
         fp32 = self.lora_model(config, dataclasses.replace(lm.config, base_dtype="fp32"))
         ours = fp32.apply(fp32.store_base(base), adapters, jnp.asarray(ids))
         return float(np.abs(np.asarray(ours) - theirs).max())
+
+
+def _by_layer(paths) -> tuple[dict[str, set[int]], list[str]]:
+    """({path within a layer: the layers holding it}, the paths outside the layers) of
+    unscanned paths."""
+    per_layer, other = {}, []
+    for path in paths:
+        if path.startswith("model/layers/"):
+            _, _, index, rest = path.split("/", 3)
+            per_layer.setdefault(rest, set()).add(int(index))
+        else:
+            other.append(path)
+    return per_layer, other
 
 
 def _one_by_one(adapters) -> dict:
