@@ -21,6 +21,7 @@ import torch
 from llama_variants import hf_variant
 from numerics import assert_close, assert_differs, fp32_rel
 from test_grpo import task  # noqa: F401 (a fixture: prompts and the parity reward)
+from test_grpo_tools import tools_module  # noqa: F401 (a fixture: the tools' module)
 
 from easylm import model_flags
 from easylm.llama import hf
@@ -395,14 +396,14 @@ def episodes(tmp_path_factory):
     rows = episodes_lib.episode_rows(eps, S, 0, np.ones(len(eps), bool))
     logits = model.forward(params, jnp.asarray(rows["input_tokens"])).logits
     atol = logprob_atol(config, float(jnp.abs(logits).max()), length=S)
-    return config, model, params, rows, eps, atol
+    return config, model, params, rows, eps, atol, directory / "model"
 
 
 def test_episodes_record_every_fed_position(episodes):
     """Each episode's row carries K distinct recorded experts at every position it feeds
     up to its last target (prompt, sampled tokens, the appended tool messages) and -1
     past it."""
-    config, _, _, rows, eps, _ = episodes
+    config, _, _, rows, eps, _, _ = episodes
     routing = rows["routing"]
     assert routing.shape[1:] == (config.num_hidden_layers, rows["loss_masks"].shape[1],
                                  config.num_experts_per_tok)
@@ -422,7 +423,7 @@ def test_episodes_replay_matches_the_sampler_and_routing_anew_does_not(episodes)
     bound. Negative twins: routing anew, and replaying all but the extended positions
     (the tool messages and the re-fed token before each, routed anew), they differ by
     far more."""
-    _, model, params, rows, eps, atol = episodes
+    _, model, params, rows, eps, atol, _ = episodes
     sampler = rows["sampling_logps"] * rows["loss_masks"]
     replayed = trainer_logps(model, params, rows, rows["routing"])
     assert_close(replayed, sampler, atol, scale=1.0)
@@ -439,3 +440,32 @@ def test_episodes_replay_matches_the_sampler_and_routing_anew_does_not(episodes)
           f"(bound {atol:.3g})")
     assert_differs(anew, sampler, atol, scale=1.0)
     assert_differs(unextended, sampler, atol, scale=1.0)
+
+
+def test_grpo_command_with_tools_and_replay(episodes, tools_module, tmp_path, monkeypatch):
+    """python -m easylm.train --objective=grpo --grpo.routing_replay=True --grpo.tools=...
+    on the near-tied Qwen3-MoE: two steps of multi-turn episodes with tool calls, each
+    step's rollouts scored by the training forward replaying the sampler's choices within
+    the derived bound (data/rollout/sampler_logp_diff_max)."""
+    from test_checkpoint import metrics
+    from test_grpo_tools import S, command
+
+    from easylm import train
+
+    config, model, params, _, _, _, directory = episodes
+    argv = [a for a in command(tmp_path, **{
+        "grpo.routing_replay": True, "grpo.temperature": 1.0,
+        "grpo.tools": "grpo_test_tools:add,boom"}) if not a.startswith("--llama.")]
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    train.main(argv + [f"--load_checkpoint=hf::{directory}"])
+    got = metrics(tmp_path)
+    assert sorted(got) == [1, 2]
+    ids = np.random.RandomState(0).randint(0, config.vocab_size, (4, S))
+    atol = logprob_atol(config, float(jnp.abs(model.forward(params, ids).logits).max()),
+                        length=S)
+    print(f"\ncommand with tools: sampler_logp_diff_max "
+          f"{[line['data/rollout/sampler_logp_diff_max'] for line in got.values()]} "
+          f"(bound {atol:.3g})")
+    for step, line in got.items():
+        assert 0 <= line["data/rollout/sampler_logp_diff_max"] <= atol, (step, line)
+    assert sum(line["data/rollout/tool_calls"] for line in got.values()) > 0
