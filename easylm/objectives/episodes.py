@@ -315,7 +315,9 @@ def run_episodes(engine, episodes, sampling, max_new_tokens: int, max_turns: int
                  tokenizer, keep_cache: bool = True):
     """Run `episodes` (each in slot = its index; prompts in `tokens`) to their ends on
     `engine`, in place. `keep_cache` False: each later turn re-prefills the whole
-    conversation into its slot instead of extending its cache (the comparison's baseline)."""
+    conversation into its slot instead of extending its cache (the comparison's baseline;
+    with routing recorded, the re-prefill's choices replace the earlier turns', which
+    near-tied routers may have made otherwise: replay then matches the later turns only)."""
     _Runner(engine, episodes, sampling, max_new_tokens, max_turns, renderer, tokenizer,
             keep_cache).run()
     return episodes
