@@ -364,24 +364,19 @@ def test_gspo_sampling_mode_and_masked_truncations_run_with_replay(command_run, 
 
 
 @pytest.fixture(scope="module")
-def episodes(tmp_path_factory):
+def episodes(tmp_path_factory, tools_module):
     """(config, model, params, episodes' rows with the engine's log-probabilities and
     recorded choices, the episodes, the tolerance): test_grpo_tools' 8 tool-calling
     episodes of up to 3 turns on the near-tied Qwen3-MoE at the chat tokenizer's
     vocabulary, each later turn extended onto the kept cache."""
     from test_grpo_tools import ENGINE, S, multi_turn, roll
-    from tool_chat import TEMPLATE, TOOLS_MODULE, VOCAB, make_tokenizer
+    from tool_chat import TEMPLATE, VOCAB, make_tokenizer
     from transformers.utils import get_json_schema
 
     from easylm.objectives import episodes as episodes_lib
 
     directory = tmp_path_factory.mktemp("tied-tools")
-    (directory / "replay_test_tools.py").write_text(TOOLS_MODULE)
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("replay_test_tools",
-                                                  directory / "replay_test_tools.py")
-    tools = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tools)
+    tools = tools_module[1]
     config = tiny_config().replace(vocab_size=VOCAB)
     save_tied(config, directory / "model")
     _, params = hf.load_hf_params(str(directory / "model"))
