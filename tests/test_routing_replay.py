@@ -21,6 +21,7 @@ import torch
 from llama_variants import hf_variant
 from numerics import assert_close, assert_differs, fp32_rel
 from test_grpo import task  # noqa: F401 (a fixture: prompts and the parity reward)
+from test_grpo_tools import tools_module  # noqa: F401 (a fixture: the tools' module)
 
 from easylm import model_flags
 from easylm.llama import hf
@@ -49,9 +50,11 @@ def save_tied(config, directory):
     model.save_pretrained(directory)
 
 
-def logprob_atol(config, logits_scale: float, extra_per_layer: int = 0) -> float:
-    """`extra_per_layer`: reductions a variant adds to each layer (LoRA's x A and (x A) B)."""
-    terms = max(config.hidden_size, config.moe_intermediate_size, T)
+def logprob_atol(config, logits_scale: float, extra_per_layer: int = 0,
+                 length: int = T) -> float:
+    """`extra_per_layer`: reductions a variant adds to each layer (LoRA's x A and (x A) B);
+    `length`: the rows' (attention's reductions)."""
+    terms = max(config.hidden_size, config.moe_intermediate_size, length)
     per_layer = (7 if config.qk_norm else 6) + 2 + extra_per_layer
     return 2 * fp32_rel(terms, per_layer * config.num_hidden_layers + 1) * logits_scale
 
@@ -355,3 +358,109 @@ def test_gspo_sampling_mode_and_masked_truncations_run_with_replay(command_run, 
     ended = (1 - line["completions/clipped_ratio"]) * rows
     assert line["loss_tokens"] <= ended * NEW and np.isfinite(line["loss"])
     assert twin["loss_tokens"] > ended * NEW
+
+
+# ------------------------------------------------------------ multi-turn episodes (tools)
+
+
+@pytest.fixture(scope="module")
+def episodes(tmp_path_factory, tools_module):
+    """(config, model, params, episodes' rows with the engine's log-probabilities and
+    recorded choices, the episodes, the tolerance): test_grpo_tools' 8 tool-calling
+    episodes of up to 3 turns on the near-tied Qwen3-MoE at the chat tokenizer's
+    vocabulary, each later turn extended onto the kept cache."""
+    from test_grpo_tools import ENGINE, S, multi_turn, roll
+    from tool_chat import TEMPLATE, VOCAB, make_tokenizer
+    from transformers.utils import get_json_schema
+
+    from easylm.objectives import episodes as episodes_lib
+
+    directory = tmp_path_factory.mktemp("tied-tools")
+    tools = tools_module[1]
+    config = tiny_config().replace(vocab_size=VOCAB)
+    save_tied(config, directory / "model")
+    _, params = hf.load_hf_params(str(directory / "model"))
+    model = FAMILY.bind(config)
+    functions = [tools.add, tools.boom]  # (hang: its timeout would only slow the test)
+    renderer = episodes_lib.ChatRenderer(make_tokenizer(), TEMPLATE,
+                                         [get_json_schema(f) for f in functions],
+                                         config.eos_token_id)
+    engine = engine_lib.Engine(ENGINE, model, params, record_routing=True)
+    eps = roll(engine, renderer, renderer.tokenizer, functions, keep=True)
+    multi_turn(eps)  # some episode called a tool and was extended
+    rows = episodes_lib.episode_rows(eps, S, 0, np.ones(len(eps), bool))
+    logits = model.forward(params, jnp.asarray(rows["input_tokens"])).logits
+    atol = logprob_atol(config, float(jnp.abs(logits).max()), length=S)
+    return config, model, params, rows, eps, atol, directory / "model"
+
+
+def test_episodes_record_every_fed_position(episodes):
+    """Each episode's row carries K distinct recorded experts at every position it feeds
+    up to its last target (prompt, sampled tokens, the appended tool messages) and -1
+    past it."""
+    config, _, _, rows, eps, _, _ = episodes
+    routing = rows["routing"]
+    assert routing.shape[1:] == (config.num_hidden_layers, rows["loss_masks"].shape[1],
+                                 config.num_experts_per_tok)
+    fed = np.zeros(rows["loss_masks"].shape, bool)
+    for i, e in enumerate(eps):
+        fed[i, :len(e.tokens) - 1] = True  # every input whose next token is in the row
+    assert (routing >= 0).all(axis=(1, 3))[fed].all()
+    assert not (routing >= 0).any(axis=(1, 3))[~fed].any()
+    ordered = np.sort(routing[fed.nonzero()[0], :, fed.nonzero()[1]], axis=-1)
+    assert (np.diff(ordered, axis=-1) > 0).all() and (ordered < config.num_experts).all()
+
+
+def test_episodes_replay_matches_the_sampler_and_routing_anew_does_not(episodes):
+    """Multi-turn episodes with tool calls: replaying the choices the engine recorded
+    (prefill, decode steps, and each `extend` of a tool message), the trainer's
+    log-probabilities of every turn's tokens are the engine's within the derived fp32
+    bound. Negative twins: routing anew, and replaying all but the extended positions
+    (the tool messages and the re-fed token before each, routed anew), they differ by
+    far more."""
+    _, model, params, rows, eps, atol, _ = episodes
+    sampler = rows["sampling_logps"] * rows["loss_masks"]
+    replayed = trainer_logps(model, params, rows, rows["routing"])
+    assert_close(replayed, sampler, atol, scale=1.0)
+    anew = trainer_logps(model, params, rows)
+    extended = rows["routing"].copy()
+    for i, e in enumerate(eps):
+        context = np.flatnonzero(~np.asarray(e.model[:extended.shape[2]]))
+        context = context[context >= e.prompt_length]  # the appended messages' tokens
+        extended[i, :, np.unique(np.concatenate([context, context - 1]))] = -1
+    unextended = trainer_logps(model, params, rows, extended)
+    print(f"\nepisodes sampler vs trainer max |logp diff|: replay "
+          f"{np.abs(replayed - sampler).max():.3g}, no replay {np.abs(anew - sampler).max():.3g}"
+          f", extended positions anew {np.abs(unextended - sampler).max():.3g} "
+          f"(bound {atol:.3g})")
+    assert_differs(anew, sampler, atol, scale=1.0)
+    assert_differs(unextended, sampler, atol, scale=1.0)
+
+
+def test_grpo_command_with_tools_and_replay(episodes, tools_module, tmp_path, monkeypatch):
+    """python -m easylm.train --objective=grpo --grpo.routing_replay=True --grpo.tools=...
+    on the near-tied Qwen3-MoE: two steps of multi-turn episodes with tool calls, each
+    step's rollouts scored by the training forward replaying the sampler's choices within
+    the derived bound (data/rollout/sampler_logp_diff_max)."""
+    from test_checkpoint import metrics
+    from test_grpo_tools import S, command
+
+    from easylm import train
+
+    config, model, params, _, _, _, directory = episodes
+    argv = [a for a in command(tmp_path, **{
+        "grpo.routing_replay": True, "grpo.temperature": 1.0,
+        "grpo.tools": "grpo_test_tools:add,boom"}) if not a.startswith("--llama.")]
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    train.main(argv + [f"--load_checkpoint=hf::{directory}"])
+    got = metrics(tmp_path)
+    assert sorted(got) == [1, 2]
+    ids = np.random.RandomState(0).randint(0, config.vocab_size, (4, S))
+    atol = logprob_atol(config, float(jnp.abs(model.forward(params, ids).logits).max()),
+                        length=S)
+    print(f"\ncommand with tools: sampler_logp_diff_max "
+          f"{[line['data/rollout/sampler_logp_diff_max'] for line in got.values()]} "
+          f"(bound {atol:.3g})")
+    for step, line in got.items():
+        assert 0 <= line["data/rollout/sampler_logp_diff_max"] <= atol, (step, line)
+    assert sum(line["data/rollout/tool_calls"] for line in got.values()) > 0

@@ -17,6 +17,14 @@ delta does not fit the row (a tool's 1 MB answer) are cut, marked, to leave the 
 turn (`ChatRenderer.fit`). It ends when the environment says done, at --grpo.max_turns
 turns, or when the row (seq_length) has no room for the next delta, even cut, and a token
 of the model.
+
+With routing replay (an engine that records routing, a mixture of experts) each episode
+also keeps, per position of its row, the expert choices its token got as the engine fed
+it (`Episode.routing`): the prompt's from the prefill, each sampled token's from the
+decode step that fed it, and each delta's, with the model's last token fed again before
+it, from `extend` (which rewrites that position's cache entry, so its choices are the
+ones later tokens attended over). `episode_rows` lays them out where the training row
+feeds its tokens.
 """
 
 import collections
@@ -147,6 +155,7 @@ class Episode:
     truncated: bool = False  # ended without its EOS, or by the row's budget
     state: str = DECODING
     epoch: int = 0  # bumped at each turn's end and start: stale engine outputs are skipped
+    routing: list = dataclasses.field(default_factory=list)  # per position: (L, K) or None
 
     @property
     def prompt_length(self) -> int:
@@ -166,7 +175,8 @@ class _Runner:
         self.engine, self.episodes, self.sampling = engine, episodes, sampling
         self.max_new_tokens, self.max_turns = max_new_tokens, max_turns
         self.renderer, self.tokenizer, self.keep_cache = renderer, tokenizer, keep_cache
-        self.pending = collections.deque()  # (device outputs, {episode: column}, epochs)
+        self.pending = collections.deque()  # (device outputs, {episode: column}, epochs, fed)
+        self.record = getattr(engine, "record_routing", False)
         self.futures = {}  # episode -> the environment's step in flight
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(episodes)))
 
@@ -177,8 +187,9 @@ class _Runner:
             e.prefilled += len(e.tokens)
             if e.env is None:
                 e.state = DONE
+        columns = {i: i for i, e in enumerate(episodes) if e.state == DECODING}
         self._expect(engine.prefill([e.tokens for e in episodes], list(range(n)), self.sampling),
-                     {i: i for i, e in enumerate(episodes) if e.state == DECODING})
+                     columns, {i: (0, len(episodes[i].tokens)) for i in columns})
         try:
             while True:
                 decoding = np.asarray([e.state == DECODING for e in episodes])
@@ -207,17 +218,26 @@ class _Runner:
         begun = len(e.tokens) - len(e.turn)  # the same while the host catches up
         return min(begun + self.max_new_tokens, self.engine.seq_length) - 1
 
-    def _expect(self, out, columns):
-        self.pending.append((out, columns, {i: self.episodes[i].epoch for i in columns}))
+    def _expect(self, out, columns, fed=None):
+        """`fed` (a prefill's or an extend's): {episode: (the position its fed tokens
+        start at, how many)}; None: a decode call (each step feeds the last token)."""
+        self.pending.append((out, columns, {i: self.episodes[i].epoch for i in columns}, fed))
 
-    def _read(self, out, columns, epochs):
-        ids, logprobs = self.engine.fetch(out)[:2]  # (steps, rows)
+    def _read(self, out, columns, epochs, fed):
+        fetched = self.engine.fetch(out)
+        ids, logprobs = fetched[:2]  # (steps, rows)
         S, eos = self.engine.seq_length, self.renderer.eos
         for i, column in columns.items():
             e = self.episodes[i]
             if e.state != DECODING or e.epoch != epochs[i]:
                 continue  # a turn that has ended since the call was made
-            for t, lp in zip(ids[:, column].tolist(), logprobs[:, column].tolist()):
+            if self.record and fed is not None:  # (1, n, L, T, K): the fed tokens' choices
+                start, count = fed[i]
+                _place(e.routing, start, fetched[4][0, column, :, :count].swapaxes(0, 1))
+            for step, (t, lp) in enumerate(zip(ids[:, column].tolist(),
+                                               logprobs[:, column].tolist())):
+                if self.record and fed is None:  # (C, B, L, K): the step's input token's
+                    _place(e.routing, len(e.tokens) - 1, fetched[4][step, column][None])
                 e.tokens.append(t)
                 e.model.append(True)
                 e.logprobs.append(lp)
@@ -276,17 +296,28 @@ class _Runner:
             # written it yet), then the delta, at the episode's own positions
             e.prefilled += len(delta)
             out = self.engine.extend([[last] + delta], [i], [start], _one(self.sampling, i))
+            fed = (start, len(delta) + 1)
         else:  # the whole conversation again: what a rollout without a kept cache runs
             e.prefilled += len(e.tokens)
             out = self.engine.prefill([e.tokens], [i], _one(self.sampling, i))
-        self._expect(out, {i: 0})
+            fed = (0, len(e.tokens))
+        self._expect(out, {i: 0}, {i: fed})
+
+
+def _place(routing: list, start: int, chosen):
+    """Write `chosen` (n, L, K) at positions start.. of an episode's `routing`."""
+    if len(routing) < start + len(chosen):
+        routing.extend([None] * (start + len(chosen) - len(routing)))
+    routing[start:start + len(chosen)] = list(chosen)
 
 
 def run_episodes(engine, episodes, sampling, max_new_tokens: int, max_turns: int, renderer,
                  tokenizer, keep_cache: bool = True):
     """Run `episodes` (each in slot = its index; prompts in `tokens`) to their ends on
     `engine`, in place. `keep_cache` False: each later turn re-prefills the whole
-    conversation into its slot instead of extending its cache (the comparison's baseline)."""
+    conversation into its slot instead of extending its cache (the comparison's baseline;
+    with routing recorded, the re-prefill's choices replace the earlier turns', which
+    near-tied routers may have made otherwise: replay then matches the later turns only)."""
     _Runner(engine, episodes, sampling, max_new_tokens, max_turns, renderer, tokenizer,
             keep_cache).run()
     return episodes
@@ -295,7 +326,9 @@ def run_episodes(engine, episodes, sampling, max_new_tokens: int, max_turns: int
 def episode_rows(episodes, T: int, pad_id: int, keep) -> dict:
     """Rows (N, T) of the episodes' tokens: input_tokens, target_tokens, loss_masks (1 on
     the model's tokens of the rows `keep`s, 0 on the prompt and every appended message) and
-    sampling_logps (the engine's log-probabilities where loss_masks is 1)."""
+    sampling_logps (the engine's log-probabilities where loss_masks is 1); and, when the
+    episodes recorded routing, routing (N, L, T, K) int16: each input token's expert
+    choices, -1 (route as usual) where none was recorded (past the row, padding rows)."""
     N = len(episodes)
     tokens = np.full((N, T + 1), pad_id, np.int32)
     masks = np.zeros((N, T + 1), np.float32)
@@ -305,5 +338,15 @@ def episode_rows(episodes, T: int, pad_id: int, keep) -> dict:
         tokens[i, :len(row)] = row
         masks[i, :len(row)] = np.asarray(e.model[:T + 1], np.float32) * float(keep[i])
         logps[i, :len(row)] = e.logprobs[:T + 1]
-    return {"input_tokens": tokens[:, :-1], "target_tokens": tokens[:, 1:],
-            "loss_masks": masks[:, 1:], "sampling_logps": logps[:, 1:] * masks[:, 1:]}
+    out = {"input_tokens": tokens[:, :-1], "target_tokens": tokens[:, 1:],
+           "loss_masks": masks[:, 1:], "sampling_logps": logps[:, 1:] * masks[:, 1:]}
+    recorded = [r for e in episodes for r in e.routing if r is not None]
+    if recorded:
+        L, K = recorded[0].shape
+        routing = np.full((N, L, T, K), -1, np.int16)
+        for i, e in enumerate(episodes):
+            for p, chosen in enumerate(e.routing[:T]):
+                if chosen is not None:
+                    routing[i, :, p] = chosen
+        out["routing"] = routing
+    return out

@@ -342,9 +342,6 @@ class GRPOObjective(Objective):
             return None, None
         factory, schemas = loaded
         flag = "--grpo.tools" if options.tools else "--grpo.environment"
-        if options.routing_replay:
-            raise UserError(f"{flag}: multi-turn rollouts do not record routing; set "
-                            f"--grpo.routing_replay=False")
         if tokenizer is None:  # a plan: no rollout, no conversation to render
             return factory, None
         renderer = make_renderer(flag, config.train_dataset.text_processor.chat_template,

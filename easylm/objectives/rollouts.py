@@ -448,9 +448,12 @@ class Rollouts:
         keep = row_valid & ~(truncated & o.mask_truncated_completions)
         rows_ = episodes_lib.episode_rows(episodes, T, pad, keep)
         logps = rows_.pop("sampling_logps")
+        routing = rows_.pop("routing", None)  # (N, L, T, K), with routing replay
         batch, metrics = self._assemble(rows_, per_function.reshape(-1, B, G), valid, truncated,
                                         [len(t) for t in sampled])
         batch["sampling_logps"] = logps.reshape(B, G, T)
+        if routing is not None:  # (B, G, L, T, K): what the training forward replays
+            batch["routing"] = routing.reshape(B, G, *routing.shape[1:])
         done = [episodes[i] for i in real] or [episodes_lib.Episode(None, [], [], [], [])]
         envs = [e.env for e in done]
         metrics.update({

@@ -366,8 +366,8 @@ def _staged_end(layout: CacheLayout, sample: bool, T: int, state, carry, routing
                         temperature, top_k, top_p)
 
 
-def _extend(model: Model, layout: CacheLayout, sample: bool, weights, state, tokens, lengths,
-            starts, slots, keys, temperature, top_k, top_p):
+def _extend(model: Model, layout: CacheLayout, sample: bool, record: bool, weights, state,
+            tokens, lengths, starts, slots, keys, temperature, top_k, top_p):
     """Suffixes (n, T) (right-padded, `lengths` real) fed onto the caches of `slots` (n,)
     at positions starts..starts + T: their rows of the cache are taken whole (S
     positions), the suffix written into them and attending over them under the cache's
@@ -375,7 +375,8 @@ def _extend(model: Model, layout: CacheLayout, sample: bool, weights, state, tok
     before its next tokens overwrite them) or past S (dropped). Each row's next token is
     drawn from its last real position's logits (`_prefill_end`'s outputs). A state part of
     the cache continues from the slot's state, which must be that of its tokens before
-    starts (`_decode` keeps a waiting slot's)."""
+    starts (`_decode` keeps a waiting slot's). With `record`, the suffixes' expert choices
+    too (n, L, T, K) (`_forward`), as a prefill's."""
     params, base = weights
     cache, last, slot_positions = state
     n, T = tokens.shape
@@ -386,9 +387,10 @@ def _extend(model: Model, layout: CacheLayout, sample: bool, weights, state, tok
     # padding (segment id 0) neither reads nor writes it, as in a prefill's chunks.
     segments = (jnp.arange(T)[None, :] < lengths[:, None]).astype(jnp.int32) \
         if layout.has_state else None
-    logits, rows, _ = _forward(model, False, params, tokens, positions, rows, base, segments)
+    logits, rows, routing = _forward(model, record, params, tokens, positions, rows, base,
+                                     segments)
     picked = logits[jnp.arange(n), lengths - 1].astype(jnp.float32)  # (n, V)
-    out = next_tokens(picked, keys, starts + lengths, temperature, top_k, top_p, sample)
+    out = next_tokens(picked, keys, starts + lengths, temperature, top_k, top_p, sample) + routing
     cache = layout.write_slots(cache, rows, slots, S)
     last = last.at[slots].set(out[0], mode="drop")
     slot_positions = slot_positions.at[slots].set(starts + lengths, mode="drop")
@@ -491,7 +493,7 @@ class Engine:
     def __init__(self, config: ConfigDict, model: Model, params, mesh=None, base=None,
                  record_routing: bool = False):
         """`record_routing` (GRPO's routing replay, a MoE model): prefill and decode also
-        return each token's expert choices in every MoE layer (`_forward`)."""
+        return each token's expert choices in every MoE layer (`_forward`); so does extend."""
         self.config = config = get_default_config(config)
         check_config(config)
         self.layout = layout = check_cache(model)
@@ -526,10 +528,12 @@ class Engine:
                                 donate_argnums=(1,), **out_shardings)
                             for sample in (False, True) for length in self.decode_buckets}
         self._out_shardings, self._record = out_shardings, record_routing
+        self.record_routing = record_routing
         self._staged = {}  # (rows, T) -> a staged prefill's programs (`_staged_fns`)
         # Suffix lengths an `extend` call is padded to: short ones (a tool's answer) stay short.
         self.extend_buckets = buckets(config.seq_length, min(8, config.seq_length))
-        self._extend_fns = {sample: jax.jit(functools.partial(_extend, model, layout, sample),
+        self._extend_fns = {sample: jax.jit(functools.partial(_extend, model, layout, sample,
+                                                              record_routing),
                                             donate_argnums=(1,), **out_shardings)
                             for sample in (False, True)}
         # Replicated outputs: on several hosts each process can then read them (sharded
@@ -725,7 +729,8 @@ class Engine:
                sampling: Sampling):
         """Feed each suffix onto its slot's cache at positions starts[i].., which the
         slot's earlier tokens fill below (the history is not run again), and draw each
-        slot's next token: `prefill`'s outputs. A slot's cache past starts[i] may hold
+        slot's next token: `prefill`'s outputs (recording routing: the suffixes' expert
+        choices (1, n, L, T, K)). A slot's cache past starts[i] may hold
         anything (an idle slot's decode garbage): it is overwritten. A cache that holds a
         state continues from the slot's, which must be that of its tokens before
         starts[i]: the decode calls since its last turn began held it there (`decode`'s
