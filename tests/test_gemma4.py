@@ -395,6 +395,18 @@ def test_unreadable_configs_are_one_line_errors(tmp_path):
     assert config.hidden_size_per_layer_input == 0  # null: no per-layer inputs, as HF
 
 
+def _loss_and_grads(*seeds):
+    """config -> the jitted next-token loss and gradients on rows of 24 prompt tokens, one
+    per seed."""
+    from easylm.objectives.next_token import next_token_sums
+
+    ids = np.asarray([_prompt(24, seed) for seed in seeds])
+    batch = dict(input_tokens=jnp.asarray(ids), target_tokens=jnp.asarray(np.roll(ids, -1, 1)),
+                 loss_masks=jnp.ones(ids.shape, jnp.float32))
+    return lambda c: jax.jit(jax.value_and_grad(lambda p: next_token_sums(
+        FAMILY.bind(c), p, batch, None).means()["loss"]))
+
+
 def test_scanned_layers_equal_the_layers_one_by_one():
     """`--gemma4.scan_layers` on a model with neither per-layer inputs nor KV sharing (as
     26B-A4B; dense here, the MoE block's router stats being stacked by the shared scan
@@ -402,21 +414,13 @@ def test_scanned_layers_equal_the_layers_one_by_one():
     block, the 5th layer (the last, always full) unscanned after it. The next-token loss and its gradients (laid out one by one) equal the unscanned model's;
     twin: the two repeats stacked in the other order."""
     from easylm.models.family import layout
-    from easylm.objectives.next_token import next_token_sums
 
     config = FAMILY.from_preset(
         "debug", num_hidden_layers=5, layer_types=",".join(KINDS[1:3] * 2 + KINDS[:1]),
         hidden_size_per_layer_input=0, num_kv_shared_layers=0, initializer_range=0.2)
     scanned = config.replace(scan_layers=True)
     assert FAMILY.module_class.period(config) == 2
-    ids = np.asarray([_prompt(24, 40), _prompt(24, 41)])
-    batch = dict(input_tokens=jnp.asarray(ids), target_tokens=jnp.asarray(np.roll(ids, -1, 1)),
-                 loss_masks=jnp.ones(ids.shape, jnp.float32))
-
-    def loss_and_grads(c):
-        return jax.jit(jax.value_and_grad(lambda p: next_token_sums(
-            FAMILY.bind(c), p, batch, None).means()["loss"]))
-
+    loss_and_grads = _loss_and_grads(40, 41)
     params = jax.jit(FAMILY.bind(config).init_params)(jax.random.key(0))
     stacked = layout(FAMILY, params, scanned)
     assert set(stacked["model"]["layers"]) == {"slot0", "slot1"} and "tail4" in stacked["model"]
@@ -472,17 +476,9 @@ def test_scanned_per_layer_inputs_and_kv_sharing_equal_the_layers_one_by_one(dee
     tables' columns rolled by P), and the producing repeats stacked in the other order
     (the shared layers then attend over the first repeat's keys/values)."""
     from easylm.models.family import layout
-    from easylm.objectives.next_token import next_token_sums
 
     _, _, config, params, scanned, stacked = deep
-    ids = np.asarray([_prompt(24, 42), _prompt(24, 43)])
-    batch = dict(input_tokens=jnp.asarray(ids), target_tokens=jnp.asarray(np.roll(ids, -1, 1)),
-                 loss_masks=jnp.ones(ids.shape, jnp.float32))
-
-    def loss_and_grads(c):
-        return jax.jit(jax.value_and_grad(lambda p: next_token_sums(
-            FAMILY.bind(c), p, batch, None).means()["loss"]))
-
+    loss_and_grads = _loss_and_grads(42, 43)
     loss, grads = loss_and_grads(config)(params)
     scanned_step = loss_and_grads(scanned)
     got, got_grads = scanned_step(stacked)
