@@ -27,6 +27,7 @@ import numpy as np
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from easylm.data.conversations import ChatRenderer
 from easylm.llama.config import LLaMAConfig
 from easylm.llama.family import FAMILY
 from easylm.objectives import episodes as episodes_lib
@@ -83,7 +84,7 @@ def main():
     model = FAMILY.bind(config)
     params = jax.jit(model.init_params)(jax.random.PRNGKey(0))
     tok = tokenizer(512)
-    renderer = episodes_lib.ChatRenderer(tok, TEMPLATE, None, tok.eos_token_id)
+    renderer = ChatRenderer(tok, TEMPLATE, None, tok.eos_token_id)
     prompt = " ".join(["w"] * (args.prompt_tokens - 4))
     length = args.prompt_tokens + args.turns * (args.turn_tokens + args.tool_tokens + 8)
     S = 1 << (length - 1).bit_length()

@@ -1,9 +1,10 @@
-"""Multi-turn GRPO with tools (easylm/objectives/episodes.py, environments.py,
-serving/engine.py `extend`): an episode's row is its sampled ids and the chat template's
-deltas, exactly; only the model's tokens carry loss; a later turn decoded on the kept cache
-has the log-probabilities of a fresh forward of the whole conversation; an episode's
-prefill is its prompt and what was appended, never its history again; and tools that
-raise, hang or get bad JSON are messages the model reads, through the train command.
+"""Multi-turn GRPO with tools (easylm/objectives/episodes.py, easylm/data/environments.py
+and conversations.py, serving/engine.py `extend`): an episode's row is its sampled ids
+and the chat template's deltas, exactly; only the model's tokens carry loss; a later turn
+decoded on the kept cache has the log-probabilities of a fresh forward of the whole
+conversation; an episode's prefill is its prompt and what was appended, never its history
+again; and tools that raise, hang or get bad JSON are messages the model reads, through
+the train command.
 
 The tokenizer is a tiny word-level one with a Hermes-style chat template (tools in the
 system turn, tool results as <tool_response> in a user turn, <|im_end|> the EOS), whose
@@ -24,10 +25,12 @@ from serving_utils import log_softmax
 from tool_chat import TEMPLATE, TOOLS_MODULE, VOCAB, make_tokenizer
 from transformers.utils import get_json_schema
 
+from easylm.data import environments
+from easylm.data.conversations import ChatRenderer
 from easylm.errors import UserError
 from easylm.llama.config import LLaMAConfig
 from easylm.llama.model import LLaMAForCausalLM
-from easylm.objectives import environments, episodes as episodes_lib, grpo
+from easylm.objectives import episodes as episodes_lib, grpo
 from easylm.serving import engine as engine_lib
 
 
@@ -47,8 +50,8 @@ def tool_engine(family, model, config, module):
     test's tools rendered through the Hermes template."""
     params = jax.jit(model.init_params)(jax.random.PRNGKey(0))
     functions = [module.add, module.boom, module.hang]
-    renderer = episodes_lib.ChatRenderer(make_tokenizer(), TEMPLATE,
-                                         [get_json_schema(f) for f in functions], 2)
+    schemas = [get_json_schema(f) for f in functions]
+    renderer = ChatRenderer(make_tokenizer(), TEMPLATE, schemas, 2)
     return params, renderer.tokenizer, renderer, engine_lib.Engine(ENGINE, family.bind(config),
                                                                     params), functions
 
@@ -307,17 +310,17 @@ def test_a_template_that_rewrites_earlier_turns_is_one_line():
                  "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant {% endif %}")
     chat = [{"role": "user", "content": "the"}, {"role": "assistant", "content": "cat"}]
     tool = [{"role": "tool", "content": "5"}]
-    assert episodes_lib.ChatRenderer(tokenizer, TEMPLATE, None, 2).delta(chat, tool, True)
+    assert ChatRenderer(tokenizer, TEMPLATE, None, 2).delta(chat, tool, True)
     with pytest.raises(UserError, match="^the chat template is not prefix-stable"):
-        episodes_lib.ChatRenderer(tokenizer, forgetful, None, 2).delta(chat, tool, True)
+        ChatRenderer(tokenizer, forgetful, None, 2).delta(chat, tool, True)
 
 
 def test_a_template_without_tools_is_told():
     """renders_tools: what the start-up line (the template ignores tools=) is decided by."""
     add = get_json_schema(add_one)
-    assert episodes_lib.ChatRenderer(make_tokenizer(), TEMPLATE, [add], 2).renders_tools()
+    assert ChatRenderer(make_tokenizer(), TEMPLATE, [add], 2).renders_tools()
     plain = TEMPLATE[TEMPLATE.index("{%- for m"):]
-    assert not episodes_lib.ChatRenderer(make_tokenizer(), plain, [add], 2).renders_tools()
+    assert not ChatRenderer(make_tokenizer(), plain, [add], 2).renders_tools()
 
 
 def add_one(a: int) -> int:
@@ -451,13 +454,13 @@ def test_a_tokenizer_that_adds_bos_gives_a_row_with_one():
             messages += new
         return row, messages
 
-    renderer = episodes_lib.ChatRenderer(tokenizer, tokenizer.chat_template, None, eos)
+    renderer = ChatRenderer(tokenizer, tokenizer.chat_template, None, eos)
     row, messages = row_of(renderer)
     expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                              tokenize=True, return_dict=True)["input_ids"]
     assert row == expected and row.count(bos) == 1
 
-    class Doubling(episodes_lib.ChatRenderer):
+    class Doubling(ChatRenderer):
         def ids(self, messages, generation):
             return list(self.tokenizer(self.tokenizer.apply_chat_template(
                 messages, chat_template=self.template, tokenize=False,
@@ -478,7 +481,7 @@ def test_a_bos_that_is_the_eos_is_not_taken_for_the_end_of_the_models_turn():
     template = ("{{ bos_token }}{%- for m in messages %}<|im_start|>{{ m['role'] }} "
                 "{{ m['content'] }} {% endfor %}{%- if add_generation_prompt %}<|im_start|>"
                 "assistant {% endif %}")
-    renderer = episodes_lib.ChatRenderer(tokenizer, template, None, 2)
+    renderer = ChatRenderer(tokenizer, template, None, 2)
     chat = [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "cat"}]
     new = [{"role": "user", "content": "5"}]
     before, after = renderer.ids(chat, False), renderer.ids(chat + new, True)
@@ -486,7 +489,7 @@ def test_a_bos_that_is_the_eos_is_not_taken_for_the_end_of_the_models_turn():
     for ended_by_eos in (True, False):
         assert renderer.delta(chat, new, ended_by_eos) == after[len(before):]
     # The Hermes template writes the EOS after the turn: a cut turn gets it as context.
-    hermes = episodes_lib.ChatRenderer(tokenizer, TEMPLATE, None, 2)
+    hermes = ChatRenderer(tokenizer, TEMPLATE, None, 2)
     assert hermes.delta(chat, new, False)[0] == 2 and hermes.delta(chat, new, True)[0] != 2
 
 
@@ -578,7 +581,7 @@ def test_plan_preview_bench_and_doctor_given_tools(tools_module, tmp_path, capsy
     lines = capsys.readouterr().out.splitlines()
     module = tools_module[1]
     schemas = [get_json_schema(f) for f in (module.add, module.boom, module.hang)]
-    sampled = episodes_lib.ChatRenderer(make_tokenizer(), TEMPLATE, schemas, 2).ids(
+    sampled = ChatRenderer(make_tokenizer(), TEMPLATE, schemas, 2).ids(
         [{"role": "user", "content": "the cat"}], True)
     assert lines[:3] == [
         "--- prompt 0",

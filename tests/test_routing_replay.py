@@ -373,6 +373,7 @@ def episodes(tmp_path_factory, tools_module):
     from tool_chat import TEMPLATE, VOCAB, make_tokenizer
     from transformers.utils import get_json_schema
 
+    from easylm.data.conversations import ChatRenderer
     from easylm.objectives import episodes as episodes_lib
 
     directory = tmp_path_factory.mktemp("tied-tools")
@@ -382,9 +383,8 @@ def episodes(tmp_path_factory, tools_module):
     _, params = hf.load_hf_params(str(directory / "model"))
     model = FAMILY.bind(config)
     functions = [tools.add, tools.boom]  # (hang: its timeout would only slow the test)
-    renderer = episodes_lib.ChatRenderer(make_tokenizer(), TEMPLATE,
-                                         [get_json_schema(f) for f in functions],
-                                         config.eos_token_id)
+    renderer = ChatRenderer(make_tokenizer(), TEMPLATE, [get_json_schema(f) for f in functions],
+                            config.eos_token_id)
     engine = engine_lib.Engine(ENGINE, model, params, record_routing=True)
     eps = roll(engine, renderer, renderer.tokenizer, functions, keep=True)
     multi_turn(eps)  # some episode called a tool and was extended

@@ -121,14 +121,14 @@ def _skips_until(dataset, usable: int, window: int = 64) -> tuple[int, int]:
 def _first_episode(config, grpo, tokenizer):
     """example -> the ids of its first episode's prompt, as the run's multi-turn rollouts
     render it (--grpo.tools / --grpo.environment), or None for single-turn prompts."""
-    from easylm.objectives import environments, episodes  # the engine's imports: only here
+    from easylm.data import conversations, environments  # tools' imports: only here
 
     loaded = environments.load(ConfigDict(dict(grpo, tool_timeout=0.0)))
     if loaded is None:
         return None
     factory, schemas = loaded
     flag = "--grpo.tools" if grpo.tools else "--grpo.environment"
-    renderer = episodes.make_renderer(flag, config.text_processor.chat_template, tokenizer,
+    renderer = conversations.make_renderer(flag, config.text_processor.chat_template, tokenizer,
                                       schemas, tokenizer.eos_token_id)
     return lambda example: renderer.ids(list(factory().reset(dict(example))), True)
 

@@ -21,12 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 from ml_collections import ConfigDict
 
+from easylm.data import environments
+from easylm.data.conversations import make_renderer
 from easylm.data.options import loader_block
 from easylm.errors import UserError
-from easylm.objectives import environments, rewards as rewards_lib
+from easylm.objectives import rewards as rewards_lib
 from easylm.objectives.base import BASE, COPY, NO_REFERENCE, Objective
 from easylm.objectives.chunked_logps import chunked_token_logps
-from easylm.objectives.episodes import make_renderer
 from easylm.objectives.rollouts import (
     ROW_METRICS,
     Rollouts,
