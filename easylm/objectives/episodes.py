@@ -75,7 +75,7 @@ class _Runner:
         self.max_new_tokens, self.max_turns = max_new_tokens, max_turns
         self.renderer, self.tokenizer, self.keep_cache = renderer, tokenizer, keep_cache
         self.pending = collections.deque()  # (device outputs, {episode: column}, epochs, fed)
-        self.record = getattr(engine, "record_routing", False)
+        self.record = engine.record_routing
         self.futures = {}  # episode -> the environment's step in flight
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(episodes)))
 

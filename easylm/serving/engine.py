@@ -527,8 +527,7 @@ class Engine:
                                                   length),
                                 donate_argnums=(1,), **out_shardings)
                             for sample in (False, True) for length in self.decode_buckets}
-        self._out_shardings, self._record = out_shardings, record_routing
-        self.record_routing = record_routing
+        self._out_shardings, self.record_routing = out_shardings, record_routing
         self._staged = {}  # (rows, T) -> a staged prefill's programs (`_staged_fns`)
         # Suffix lengths an `extend` call is padded to: short ones (a tool's answer) stay short.
         self.extend_buckets = buckets(config.seq_length, min(8, config.seq_length))
@@ -675,7 +674,7 @@ class Engine:
                 carry_out = {"out_shardings": carry}
             start = jax.jit(functools.partial(_staged_start, model, rows, chunks * C),
                             **carry_out)
-            chunk = jax.jit(functools.partial(_prompt_chunk, model, self._record,
+            chunk = jax.jit(functools.partial(_prompt_chunk, model, self.record_routing,
                                               self.layout.has_state),
                             donate_argnums=(1,), **({} if mesh is None else {
                                 "out_shardings": (carry, NamedSharding(mesh, P()))}))
