@@ -265,16 +265,7 @@ def grpo_sums(logps, old_logps, ref_logps, advantages, masks, valid, options,
             kl = kl * ratio
         per_token = per_token + options.beta * kl
         metrics["kl"] = jnp.sum(kl * masks)
-    # The share of clipped ratios, as TRL's global_masked_mean counts them: of the
-    # completion tokens, or with one ratio a completion (GSPO) of the completions, each
-    # counted once whatever its length.
-    low = (ratio < 1 - eps_low) & (a < 0)
-    high = (ratio > 1 + eps_high) & (a > 0)
-    counted = valid[:, None] if options.importance_sampling_level == "sequence" else masks
-    metrics.update({"clip_ratio/low_mean": jnp.sum(low * counted),
-                    "clip_ratio/high_mean": jnp.sum(high * counted),
-                    "clip_ratio/region_mean": jnp.sum((low | high) * counted),
-                    "clip_ratio/count": jnp.sum(counted)})
+    metrics.update(clip_ratio_sums(ratio, a, masks, valid, options))
     if entropy is not None:
         metrics["entropy"] = jnp.sum(entropy * masks)
     lengths = jnp.sum(masks, axis=1)
@@ -291,6 +282,19 @@ def grpo_sums(logps, old_logps, ref_logps, advantages, masks, valid, options,
         metrics[name] = jnp.sum(value * (1.0 if name.endswith(("/sum", "/count")) else valid))
     return sums_type(loss=loss, weight=weight, completions=completions,
                      tokens=jnp.sum(lengths), metrics=metrics)
+
+
+def clip_ratio_sums(ratio, a, masks, valid, options) -> dict:
+    """The clipped shares' sums and their count, as TRL's global_masked_mean counts them:
+    of the completion tokens, or with one ratio a completion (GSPO: ratio (N, 1)) of the
+    completions, each counted once whatever its length."""
+    low = (ratio < 1 - options.epsilon) & (a < 0)
+    high = (ratio > 1 + (options.epsilon_high or options.epsilon)) & (a > 0)
+    counted = valid[:, None] if options.importance_sampling_level == "sequence" else masks
+    return {"clip_ratio/low_mean": jnp.sum(low * counted),
+            "clip_ratio/high_mean": jnp.sum(high * counted),
+            "clip_ratio/region_mean": jnp.sum((low | high) * counted),
+            "clip_ratio/count": jnp.sum(counted)}
 
 
 # -------------------------------------------------------------- the trainer's objective
