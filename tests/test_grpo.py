@@ -196,6 +196,53 @@ def test_sequence_level_ratio_is_trls_gspo(loss_type, iterations):
         assert ((seq < 0.8) | (seq > 1.28))[masks.sum(-1) > 0].any()
 
 
+def trl_clip_ratios(logps, old, adv, masks, o, per_token=False):
+    """TRL's clip_ratio/low_mean, high_mean, region_mean (trl/trainer/grpo_trainer.py at
+    f2cd577, _compute_loss's global_masked_mean): the clipped share of the completion
+    tokens, or with a sequence-level ratio ((N, 1), one per completion) of the completions,
+    each counted once (x.sum() / x.shape[0]). per_token: the negative twin's bug, a
+    sequence's flag counted once per token (easylm before issue 60)."""
+    log_ratio = logps - old
+    if o.importance_sampling_level == "sequence":
+        log_ratio = (log_ratio * masks).sum(-1, keepdims=True) / np.maximum(
+            masks.sum(-1, keepdims=True), 1.0)
+    ratio, a = np.exp(log_ratio), adv[:, None]
+    low = (ratio < 1 - o.epsilon) & (a < 0)
+    high = (ratio > 1 + (o.epsilon_high or o.epsilon)) & (a > 0)
+    mean = (lambda x: x.sum() / x.shape[0]) if ratio.shape[1] == 1 and not per_token else \
+        (lambda x: (x * masks).sum() / masks.sum())
+    return {"clip_ratio/low_mean": mean(low), "clip_ratio/high_mean": mean(high),
+            "clip_ratio/region_mean": mean(low | high)}
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_clip_ratio_metrics_are_trls(level):
+    """The logged clip ratios of each importance_sampling_level are TRL's: with GSPO's
+    sequence ratio, the share of completions clipped (each counted once), not of tokens.
+    The batch is one where the two counts differ (its completions have 1 to 7 tokens);
+    the negative twin, GSPO's flags counted per token, gives other numbers."""
+    o = grpo.get_default_config({"loss_type": "dapo", "epsilon": 0.2, "epsilon_high": 0.28,
+                                 "max_new_tokens": 7, "importance_sampling_level": level})
+    rng = np.random.default_rng(5)
+    N, T = 8, 7
+    logps = -rng.uniform(0.05, 3.0, (N, T))
+    old = logps - rng.choice([-0.6, 0.0, 0.6], (N, 1)) - rng.uniform(-0.05, 0.05, (N, T))
+    adv = np.asarray([1.0, -1.0] * 4)
+    masks = (np.arange(T)[None] < np.asarray([7, 1, 3, 7, 2, 5, 6, 4])[:, None]).astype(
+        np.float64)
+    sums = grpo.grpo_sums(*(jnp.asarray(x, jnp.float32) for x in (logps, old)), None,
+                          jnp.asarray(adv, jnp.float32), jnp.asarray(masks, jnp.float32),
+                          jnp.ones(N, jnp.float32), o)
+    got = {k: float(v) for k, v in sums.means().items() if k.startswith("clip_ratio/")}
+    expected = trl_clip_ratios(logps, old, adv, masks, o)
+    # Counts of whole tokens or completions over a count: exact but for one fp32 division.
+    assert got == pytest.approx(expected, rel=EPS32, abs=0)
+    assert 0 < expected["clip_ratio/low_mean"] and 0 < expected["clip_ratio/high_mean"]
+    if level == "sequence":
+        wrong = trl_clip_ratios(logps, old, adv, masks, o, per_token=True)
+        assert all(abs(wrong[k] - expected[k]) > 0.01 for k in expected), (wrong, expected)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_sampling_correction_modes_are_trls(mode):
     """Each --grpo.importance_sampling_mode: the weights from fixed training and sampler

@@ -190,7 +190,8 @@ class GRPOSums(NamedTuple):
     weight: jax.Array  # its denominator: completions (grpo, dr_grpo) or tokens (bnpo, dapo)
     completions: jax.Array  # completions counted (real rows)
     tokens: jax.Array  # completion tokens with loss
-    metrics: dict  # name -> sum; per token (TOKEN_METRICS), per completion, or sum/count
+    metrics: dict  # name -> sum: per token (TOKEN_METRICS), per completion, sum/count, or
+    # a group's sums over the group's own count (GROUP/count: clip_ratio's)
 
     COUNT = "completions"  # what `weight` counts, for the logs' loss_<COUNT>
     PART = "policy_loss"  # the GRPO policy loss: logged under this name beside a total `loss`
@@ -201,7 +202,8 @@ class GRPOSums(NamedTuple):
 
     def means(self) -> dict:
         """Every sum over its own denominator: per-token metrics over tokens, per-reward
-        means over the completions that function scored, the rest over completions."""
+        means over the completions that function scored, a group's metrics over the
+        group's count (GROUP/count), the rest over completions."""
         out = {"loss": self.loss / jnp.maximum(self.weight, 1.0)}
         completions, tokens = jnp.maximum(self.completions, 1.0), jnp.maximum(self.tokens, 1.0)
         for name, value in self.metrics.items():
@@ -210,6 +212,9 @@ class GRPOSums(NamedTuple):
             if name.endswith("/sum"):
                 count = self.metrics[name[:-len("/sum")] + "/count"]
                 out[name[:-len("/sum")] + "/mean"] = value / jnp.maximum(count, 1.0)
+            elif name.rsplit("/", 1)[0] + "/count" in self.metrics:
+                count = self.metrics[name.rsplit("/", 1)[0] + "/count"]
+                out[name] = value / jnp.maximum(count, 1.0)
             else:
                 out[name] = value / (tokens if name in TOKEN_METRICS else completions)
         return out
@@ -219,8 +224,7 @@ class TokenGRPOSums(GRPOSums):
     COUNT = "tokens"  # bnpo, dapo: the loss is a mean over completion tokens
 
 
-TOKEN_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
-                 "clip_ratio/region_mean", "sampling/sampling_logp_difference/mean",
+TOKEN_METRICS = ("kl", "entropy", "sampling/sampling_logp_difference/mean",
                  "sampling/importance_sampling_ratio/mean")
 
 
@@ -261,11 +265,7 @@ def grpo_sums(logps, old_logps, ref_logps, advantages, masks, valid, options,
             kl = kl * ratio
         per_token = per_token + options.beta * kl
         metrics["kl"] = jnp.sum(kl * masks)
-    low = (ratio < 1 - eps_low) & (a < 0)
-    high = (ratio > 1 + eps_high) & (a > 0)
-    metrics.update({"clip_ratio/low_mean": jnp.sum(low * masks),
-                    "clip_ratio/high_mean": jnp.sum(high * masks),
-                    "clip_ratio/region_mean": jnp.sum((low | high) * masks)})
+    metrics.update(clip_ratio_sums(ratio, a, masks, valid, options))
     if entropy is not None:
         metrics["entropy"] = jnp.sum(entropy * masks)
     lengths = jnp.sum(masks, axis=1)
@@ -282,6 +282,19 @@ def grpo_sums(logps, old_logps, ref_logps, advantages, masks, valid, options,
         metrics[name] = jnp.sum(value * (1.0 if name.endswith(("/sum", "/count")) else valid))
     return sums_type(loss=loss, weight=weight, completions=completions,
                      tokens=jnp.sum(lengths), metrics=metrics)
+
+
+def clip_ratio_sums(ratio, a, masks, valid, options) -> dict:
+    """The clipped shares' sums and their count, as TRL's global_masked_mean counts them:
+    of the completion tokens, or with one ratio a completion (GSPO: ratio (N, 1)) of the
+    completions, each counted once whatever its length."""
+    low = (ratio < 1 - options.epsilon) & (a < 0)
+    high = (ratio > 1 + (options.epsilon_high or options.epsilon)) & (a > 0)
+    counted = valid[:, None] if options.importance_sampling_level == "sequence" else masks
+    return {"clip_ratio/low_mean": jnp.sum(low * counted),
+            "clip_ratio/high_mean": jnp.sum(high * counted),
+            "clip_ratio/region_mean": jnp.sum((low | high) * counted),
+            "clip_ratio/count": jnp.sum(counted)}
 
 
 # -------------------------------------------------------------- the trainer's objective
