@@ -22,7 +22,7 @@ from easylm.models import remat
 from easylm.models.config import ModelConfig, default, field
 from easylm.models.hf_checkpoint import config_fields, layer_types as hf_layer_types, text_model
 
-ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "dot_product", "cudnn")
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "dot_product", "cudnn", "splash")
 LAYER_TYPES = ("sliding_attention", "full_attention")
 ROPE_TYPES = ("default", "linear")
 

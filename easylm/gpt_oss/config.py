@@ -20,7 +20,7 @@ from easylm.models.hf_checkpoint import config_fields, layer_types as hf_layer_t
 from easylm.models.moe import RouterLoss
 
 # The sink logit needs the einsum reference (no fused kernel adds it).
-ATTENTION_IMPLEMENTATIONS = ("xla",)
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "splash")  # the others take no sinks
 LAYER_TYPES = ("sliding_attention", "full_attention")
 ROPE_TYPES = ("yarn", "default")
 
@@ -42,7 +42,7 @@ class GptOssConfig(ModelConfig):
     bos_token_id: int | None = default(199998)
     eos_token_id: int | None = default(200002)
     pad_token_id: int | None = default(199999)
-    attention: str = default("xla")
+    attention: str = default("auto")
     # Experts.
     num_local_experts: int = field(32, "experts E of each layer's MoE")
     num_experts_per_tok: int = field(4, "experts each token is routed to")

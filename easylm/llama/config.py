@@ -18,7 +18,7 @@ from easylm.models import remat
 from easylm.models.config import ModelConfig, field, preset_config
 from easylm.models.moe import MoEConfig, RouterLoss
 
-ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "dot_product", "cudnn")
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "dot_product", "cudnn", "splash")
 REMAT_POLICIES = remat.NAMES
 ROPE_SCALING_TYPES = ("none", "llama3", "yarn")
 # The LLaMA variants, by HF model_type: (their transformers class, the switches their

@@ -20,9 +20,9 @@ import math
 from typing import Any
 
 from easylm.errors import UserError
-from easylm.models import remat
+from easylm.models import remat, splash
 
-ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "dot_product", "cudnn")
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "dot_product", "cudnn", "splash")
 
 
 def field(default, help_text: str):
@@ -65,8 +65,9 @@ class ModelConfig:
     pad_token_id: int | None = field(None, "padding token id, carried to HF's config.json")
     # Implementation choices: none of these change the numbers.
     attention: str = field("auto", f"attention kernel: {', '.join(ATTENTION_IMPLEMENTATIONS)} "
-                                   "(auto: cuDNN flash attention on GPU, XLA elsewhere; "
-                                   "dot_product: jax.nn.dot_product_attention)")
+                                   "(auto: cuDNN flash attention on GPU, Pallas splash "
+                                   "attention on TPU, XLA elsewhere; dot_product: "
+                                   "jax.nn.dot_product_attention)")
     scan_layers: bool = field(False, "run the layers as one jax.lax.scan (one compiled block "
                                      "of the layers' repeating pattern, faster compiles of "
                                      "deep models; parameters stacked; the same numbers)")
@@ -91,6 +92,8 @@ class ModelConfig:
             object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
         if self.head_dim is None:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if self.attention == "splash":  # the kernel's constraints (lengths are padded)
+            splash.check_available("attention")
 
     # ----------------------------------------------------------------- values
 
