@@ -124,6 +124,25 @@ def test_causal_sinks_soft_cap():
     assert_differs(out, reference(q, k, v, dout, sinks=sinks)[0], rel)  # cap dropped
 
 
+def test_sharded_rows_and_heads_equal_one_device():
+    # Under a mesh the kernel runs in shard_map: rows over fsdp and ep, heads (and their
+    # sinks) over mp; the sinks' gradient is summed over the row shards.
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    axes = ("dp", "fsdp", "sp", "ep", "mp")
+    mesh = jax.make_mesh((1, 2, 1, 2, 2), axes, axis_types=(AxisType.Auto,) * 5)
+    T, ids = 128, packed_ids(4, 128)
+    sinks = np.linspace(-1.0, 3.0, N).astype(np.float32)
+    q, k, v, dout = inputs(4, T)
+    with jax.set_mesh(mesh):
+        rows = NamedSharding(mesh, P(("dp", "fsdp", "ep"), "sp", "mp", None))
+        q, k, v = (jax.device_put(x, rows) for x in (q, k, v))
+
+        def fn(q, k, v, sinks):
+            return attention(q, k, v, jnp.asarray(ids), "splash", sinks=sinks)
+        got = jax.jit(lambda *a: run(fn, *a))(q, k, v, dout, sinks)
+    assert_matches(got, reference(q, k, v, dout, ids, sinks=sinks), T)
+
+
 def test_splash_is_refused_where_it_cannot_run(monkeypatch):
     monkeypatch.setattr(splash, "INTERPRET", False)
     with pytest.raises(UserError, match="attention=splash needs a TPU"):
