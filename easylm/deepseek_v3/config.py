@@ -56,6 +56,7 @@ class DeepseekV3Config(SigmoidMoEDecoderConfig):
         # The shared decoder reads head_dim / num_key_value_heads: the latent cache's.
         object.__setattr__(self, "num_key_value_heads", 1)
         object.__setattr__(self, "head_dim", self.kv_lora_rank + self.qk_rope_head_dim)
+        super().__post_init__()  # the shared checks (attention=splash where it runs)
         if self.rope_type not in ("default", "yarn"):
             raise UserError(f"--deepseek_v3.rope_type={self.rope_type!r} is not one of "
                             f"default, yarn")
