@@ -27,8 +27,8 @@ class GptOssConfig(ModelConfig):
     and these."""
 
     section = "gpt_oss"
-    # The sink logit needs the einsum reference (no fused kernel adds it).
-    attention_implementations = ("xla",)
+    # The sink logit needs the einsum reference or splash (attention.py sends sinks there).
+    attention_implementations = ("auto", "xla", "splash")
     routed_experts_field = "num_local_experts"
     experts_per_token_field = "num_experts_per_tok"
     layer_type_choices = LAYER_TYPES[:2]  # sliding_attention, full_attention
@@ -45,7 +45,7 @@ class GptOssConfig(ModelConfig):
     bos_token_id: int | None = default(199998)
     eos_token_id: int | None = default(200002)
     pad_token_id: int | None = default(199999)
-    attention: str = default("xla")
+    attention: str = default("auto")
     # Experts.
     num_local_experts: int = field(32, "experts E of each layer's MoE")
     num_experts_per_tok: int = field(4, "experts each token is routed to")

@@ -41,7 +41,7 @@ from jax.sharding import PartitionSpec as P
 from easylm.errors import UserError
 from easylm.gpt_oss.config import GptOssConfig
 from easylm.models import decoder, moe, rope
-from easylm.models.attention import causal_mask
+from easylm.models.attention import attention, holds_window
 from easylm.models.context_parallel import SplitSequence
 from easylm.models.decoder import Attention, CausalLM, Sublayer
 from easylm.runtime.sharding import BATCH_AXES, constrain
@@ -66,24 +66,6 @@ def partition_rules(config: GptOssConfig):
     return _RULES + moe.PARTITION_RULES
 
 
-def sink_attention(q, k, v, mask, window: int, sinks):
-    """Softmax attention whose denominator also holds each head's sink logit exp(sinks[n])
-    (transformers' gpt-oss eager_attention_forward): q (B, T, N, H), k, v (B, S, K, H),
-    mask (B, T, S) or None (causal, over the last `window` keys when > 0), sinks (N,)."""
-    B, T, N, H = q.shape
-    K = k.shape[2]
-    q = q.reshape(B, T, K, N // K, H) * jnp.asarray(H ** -0.5, q.dtype)
-    scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
-    if mask is None:
-        mask = causal_mask(T, k.shape[1], window)[None]
-    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, K, N // K, 1, 1),
-                            (B, K, N // K, T, 1))
-    probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
-    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs.astype(v.dtype), v)
-    return out.reshape(B, T, N, H)
-
-
 class SinkAttention(Attention):
     """The shared Attention with gpt-oss's sinks: a learnable logit per query head."""
 
@@ -94,7 +76,8 @@ class SinkAttention(Attention):
             raise UserError("gpt-oss under context parallelism (--mesh_dim with sp > 1): its "
                             "attention sinks are not built into the ring and all-gather "
                             "kernels; use sp=1")
-        return sink_attention(q, k, v, mask, window if mask is None else 0, sinks)
+        return attention(q, k, v, mask, self.config.attention,
+                         0 if holds_window(mask) else window, sinks=sinks)
 
 
 class RMSNorm(decoder.RMSNorm):

@@ -4,9 +4,18 @@ Shapes (letters used throughout easylm):
     B batch, T query positions, S key positions,
     N query heads, K key/value heads, G = N // K query heads per kv head, H head dim.
 
-    q: (B, T, N, H)    k, v: (B, S, K, H)    mask: (B, T, S) bool or None (causal)
+    q: (B, T, N, H)    k, v: (B, S, K, H)
+
+    mask: None            causal self-attention (T == S), over the last `window` keys
+          (B, T) int      segment ids: causal inside each document of a packed row, nothing
+                          across documents (T == S; with `window`, by place in the row,
+                          which is the position inside a document: packing restarts them)
+          (B, T, S) bool  any mask (a cache's, by position); it holds the window itself
 
 Grouped-query attention never repeats K/V: queries are viewed as (B, T, K, G, H).
+`sinks` (N,) (gpt-oss): one more logit per head in the softmax's denominator, with no
+value. `soft_cap` c: scores c * tanh(scores / c) before the mask (Gemma 2's
+attn_logit_softcapping; no family here has it yet).
 
 A sliding window of W (Mistral, Qwen) lets a query see at most the last W keys, itself
 included: key s is visible from query t iff t - W < s <= t, transformers' convention
@@ -18,30 +27,52 @@ Implementations:
     xla          the plain einsum reference below
     dot_product  jax.nn.dot_product_attention with its XLA implementation
     cudnn        jax.nn.dot_product_attention's cuDNN flash kernel (GPU, bf16/fp16)
-    auto         cudnn where it applies, dot_product elsewhere
+    splash       JAX's Pallas splash attention kernel (TPU; easylm/models/splash.py)
+    auto         cudnn on GPU, splash on TPU, where they apply; dot_product elsewhere
+A mask, sinks or a soft cap that an implementation cannot take sends the call to the one
+that can (a cache's (B, T, S) mask: dot_product; sinks, a soft cap: xla), so every name
+gives the same numbers for every call.
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from easylm.models import splash
+
 # The names a config's `attention` field takes (easylm/models/config.py); a family allows
 # these or fewer (`ModelConfig.attention_implementations`).
-ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "dot_product", "cudnn")
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "dot_product", "cudnn", "splash")
 
 
-def xla_attention(q, k, v, mask=None, window: int = 0, scale: float | None = None):
+def xla_attention(q, k, v, mask=None, window: int = 0, scale: float | None = None,
+                  sinks=None, soft_cap: float | None = None):
     B, T, N, H = q.shape
     K = k.shape[2]
     scale = 1.0 / np.sqrt(H) if scale is None else scale
     q = q.reshape(B, T, K, N // K, H) * jnp.asarray(scale, q.dtype)
     scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
-    if mask is None:
-        mask = causal_mask(T, k.shape[1], window)[None]
+    if soft_cap:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+    mask = dense_mask(mask, T, k.shape[1], window)
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+    else:  # the sink's column joins the softmax, then is dropped (it has no value)
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, K, N // K, 1, 1),
+                                (*scores.shape[:-1], 1))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs.astype(v.dtype), v)
     return out.reshape(B, T, N, H)
+
+
+def dense_mask(mask, T: int, S: int, window: int = 0):
+    """Any of the three masks (module docstring) as (B or 1, T, S) bool."""
+    if mask is None:
+        return causal_mask(T, S, window)[None]
+    if mask.ndim == 2:  # segment ids
+        return segment_mask(mask) & causal_mask(T, S, window)[None]
+    return mask
 
 
 def causal_mask(T: int, S: int, window: int = 0):
@@ -67,7 +98,22 @@ def segment_mask(segment_ids):
     return same & causal_mask(T, T)[None]
 
 
-def resolve_implementation(implementation: str, q, mask) -> str:
+def holds_window(mask) -> bool:
+    """Whether `mask` is a (B, T, S) mask, which holds any window (the others take one)."""
+    return mask is not None and mask.ndim == 3
+
+
+def resolve_implementation(implementation: str, q, k, mask, sinks=None,
+                           soft_cap: float | None = None) -> str:
+    """The implementation that runs: the configured one where it can take this call,
+    else the one that can (module docstring)."""
+    self_attention = not holds_window(mask) and q.shape[1] == k.shape[1]
+    if implementation == "splash" or (implementation == "auto" and splash.available()):
+        if self_attention:
+            return "splash"
+        implementation = "auto"  # a cache's mask: splash's masks are static
+    if sinks is not None or soft_cap:
+        return "xla"
     if implementation != "auto":
         return implementation
     on_gpu = jax.default_backend() == "gpu"
@@ -79,15 +125,22 @@ def resolve_implementation(implementation: str, q, mask) -> str:
 
 
 def attention(q, k, v, mask=None, implementation: str = "auto", window: int = 0,
-              scale: float | None = None):
-    """Causal attention when `mask` is None (over the last `window` keys when > 0), else
-    attention under `mask`, which then holds any window. Scores are q·k times `scale`
-    (default 1/sqrt(H); Gemma's is query_pre_attn_scalar ** -0.5)."""
-    if window and mask is not None:
-        raise ValueError("a mask holds the sliding window itself (sliding_window_mask)")
-    implementation = resolve_implementation(implementation, q, mask)
+              scale: float | None = None, sinks=None, soft_cap: float | None = None):
+    """Causal attention when `mask` is None or segment ids (over the last `window` keys
+    when > 0), else attention under a (B, T, S) `mask`, which then holds any window.
+    Scores are q·k times `scale` (default 1/sqrt(H); Gemma's is query_pre_attn_scalar **
+    -0.5)."""
+    if window and holds_window(mask):
+        raise ValueError("a (B, T, S) mask holds the sliding window itself "
+                         "(sliding_window_mask)")
+    implementation = resolve_implementation(implementation, q, k, mask, sinks, soft_cap)
+    if implementation == "splash":
+        return splash.splash_attention(q, k, v, mask, window, scale, sinks, soft_cap)
     if implementation == "xla":
-        return xla_attention(q, k, v, mask, window, scale)
+        return xla_attention(q, k, v, mask, window, scale, sinks, soft_cap)
+    if mask is not None and mask.ndim == 2:  # segment ids
+        mask = dense_mask(mask, q.shape[1], k.shape[1], window)
+        window = 0
     return jax.nn.dot_product_attention(
         q, k, v, scale=scale,
         mask=None if mask is None else mask[:, None],

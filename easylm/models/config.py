@@ -28,7 +28,7 @@ import os
 from typing import Any, ClassVar
 
 from easylm.errors import UserError
-from easylm.models import remat
+from easylm.models import remat, splash
 from easylm.models.attention import ATTENTION_IMPLEMENTATIONS
 from easylm.models.hf_checkpoint import read_config
 
@@ -77,8 +77,9 @@ class ModelConfig:
     pad_token_id: int | None = field(None, "padding token id, carried to HF's config.json")
     # Implementation choices: none of these change the numbers.
     attention: str = field("auto", f"attention kernel: {', '.join(ATTENTION_IMPLEMENTATIONS)} "
-                                   "(auto: cuDNN flash attention on GPU, XLA elsewhere; "
-                                   "dot_product: jax.nn.dot_product_attention)")
+                                   "(auto: cuDNN flash attention on GPU, Pallas splash "
+                                   "attention on TPU, XLA elsewhere; dot_product: "
+                                   "jax.nn.dot_product_attention)")
     scan_layers: bool = field(False, "run the layers as one jax.lax.scan (one compiled block "
                                      "of the layers' repeating pattern, faster compiles of "
                                      "deep models; parameters stacked; the same numbers)")
@@ -134,6 +135,8 @@ class ModelConfig:
                               ("remat_policy", remat.NAMES)):
             if getattr(self, name) not in allowed:
                 fail(f"{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}")
+        if self.attention == "splash":  # the kernel's constraints (lengths are padded)
+            splash.check_available("attention")
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim"):
             if getattr(self, name) < 1:

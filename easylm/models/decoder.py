@@ -41,7 +41,8 @@ from jax.sharding import PartitionSpec as P
 
 from easylm.models import remat
 from easylm.models.context_parallel import SplitSequence
-from easylm.models.attention import attention, segment_mask, sliding_window_mask
+from easylm.errors import UserError
+from easylm.models.attention import attention, holds_window, sliding_window_mask
 from easylm.runtime.sharding import BATCH_AXES, PARAMETER_AXES, constrain
 
 # The key/value cache (B, S, K, H): batch split like activations, heads on 'mp' like the
@@ -213,10 +214,19 @@ class Attention(Sublayer):
         parallelism's when the sequence is split over 'sp'; a family whose softmax differs
         (gpt-oss's sinks) overrides this."""
         if isinstance(mask, SplitSequence):  # the sequence split over 'sp'
+            refuse_splash_split(self.config.attention)
             return mask.attention(q, k, v, positions, window, self.scale)
-        # Without a mask (plain causal) the kernel applies the window itself.
-        return attention(q, k, v, mask, self.config.attention, window if mask is None else 0,
-                         scale=self.scale)
+        # Without a (B, T, S) mask (causal, or segment ids) the kernel applies the window.
+        return attention(q, k, v, mask, self.config.attention,
+                         0 if holds_window(mask) else window, scale=self.scale)
+
+
+def refuse_splash_split(implementation: str):
+    """attention=splash under sp > 1: the ring and all-gather kernels are not splash's."""
+    if implementation == "splash":
+        raise UserError("attention=splash under context parallelism (a mesh with sp > 1): "
+                        "the ring and all-gather kernels run there, not splash; use "
+                        "attention=auto or sp=1")
 
 
 class GatedMLP(Sublayer):
@@ -376,9 +386,11 @@ class _Backbone(nn.Module):
         return lm.norm(c.rms_norm_eps, self.dtype, self.param_dtype, name="norm")(x), cache
 
     def contexts(self, positions, segment_ids, cache):
-        """Each layer kind's (cos, sin, mask): the mask (B, T, S) is None for plain causal
-        attention (the kernel's own, with the kind's window), else it holds the window;
-        under a mesh with sp > 1 a `SplitSequence` (segment ids, no mask) instead."""
+        """Each layer kind's (cos, sin, mask): without a cache the mask is None (plain
+        causal) or the segment ids (B, T), and the kernel applies the kind's window (no
+        (B, T, T) mask: splash takes segment ids); with a cache, a (B, T, S) mask by
+        position that holds the window; under a mesh with sp > 1 a `SplitSequence`
+        (segment ids, no mask) instead."""
         c, lm = self.config, self.lm
         # A parameter init's (1, 8) dummy need not split: the parameters are the same.
         split = None if self.is_initializing() else SplitSequence.if_split(
@@ -387,7 +399,7 @@ class _Backbone(nn.Module):
             return {kind: lm.layer_context(c, kind, (*rotary_embedding(
                         positions, lm.inv_freq(c, kind), self.dtype), split), segment_ids)
                     for kind in dict.fromkeys(lm.layer_kinds(c))}
-        mask = None if segment_ids is None else segment_mask(segment_ids)
+        mask = segment_ids  # (B, T) or None
         key_positions = positions  # (B, S)
         if cache is not None:
             # Query at position p sees cache slots 0..p: (B, T, S).
@@ -398,7 +410,7 @@ class _Backbone(nn.Module):
         for kind in dict.fromkeys(lm.layer_kinds(c)):
             window = lm.window(c, kind)
             kind_mask = mask
-            if window and mask is not None:  # ... and only the last `window` of them
+            if window and cache is not None:  # ... and only the last `window` of them
                 kind_mask = mask & sliding_window_mask(positions, key_positions, window)
             contexts[kind] = lm.layer_context(c, kind, (*rotary_embedding(
                 positions, lm.inv_freq(c, kind), self.dtype, lm.rope_attention_factor(c, kind)),
