@@ -17,7 +17,7 @@ from easylm.errors import UserError
 from easylm.models import remat
 from easylm.models.config import ModelConfig, default, field
 from easylm.models.hf_checkpoint import config_fields, layer_types as hf_layer_types
-from easylm.models.moe import RouterLoss
+from easylm.models.moe import ExpertMatmulConfig, RouterLoss
 
 # The sink logit needs the einsum reference (no fused kernel adds it).
 ATTENTION_IMPLEMENTATIONS = ("xla",)
@@ -26,7 +26,7 @@ ROPE_TYPES = ("yarn", "default")
 
 
 @dataclasses.dataclass(frozen=True)
-class GptOssConfig(ModelConfig):
+class GptOssConfig(ExpertMatmulConfig, ModelConfig):
     """gpt-oss: the shared fields (easylm/models/config.py), with gpt-oss-20b's values,
     and these."""
 

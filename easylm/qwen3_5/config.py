@@ -28,7 +28,7 @@ from easylm.models import remat
 from easylm.models.config import ATTENTION_IMPLEMENTATIONS, ModelConfig, default, field
 from easylm.models.gated_deltanet import GatedDeltaNetConfig
 from easylm.models.hf_checkpoint import config_fields, layer_types as hf_layer_types, text_model
-from easylm.models.moe import MoEConfig, RouterLoss
+from easylm.models.moe import ExpertMatmulConfig, MoEConfig, RouterLoss
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
@@ -41,7 +41,7 @@ NOT_BUILT: dict[str, str] = {}
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen35Config(ModelConfig):
+class Qwen35Config(ExpertMatmulConfig, ModelConfig):
     """Qwen3.5's text model: the shared fields with Qwen3_5TextConfig's defaults, and these."""
 
     vocab_size: int = default(248320)
@@ -153,7 +153,7 @@ class Qwen35Config(ModelConfig):
             return None
         return MoEConfig(self.num_experts, self.num_experts_per_tok, self.moe_intermediate_size,
                          norm_topk_prob=self.norm_topk_prob,
-                         initializer_range=self.initializer_range)
+                         initializer_range=self.initializer_range, matmul=self.moe_matmul)
 
     def router_loss(self) -> RouterLoss | None:
         if not self.num_experts:
