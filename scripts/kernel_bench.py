@@ -32,12 +32,11 @@ def timed(f, *args, steps=10):
 
 def grouped_matmul():
     for tokens, D, F, E, K in ((16384, 1024, 768, 32, 8), (16384, 2048, 768, 128, 8)):
-        rng = np.random.default_rng(0)
         M = tokens * K
-        experts = np.sort(rng.integers(0, E, M))
-        sizes = jnp.asarray(np.bincount(experts, minlength=E), jnp.int32)
-        x = jnp.asarray(rng.standard_normal((M, D)), jnp.bfloat16)
-        params = {name: jnp.asarray(rng.standard_normal(shape) / np.sqrt(shape[1]), jnp.bfloat16)
+        keys = iter(jax.random.split(jax.random.key(0), 5))
+        sizes = jnp.bincount(jax.random.randint(next(keys), (M,), 0, E), length=E)
+        x = jax.random.normal(next(keys), (M, D), jnp.bfloat16)  # made on the device
+        params = {name: jax.random.normal(next(keys), shape, jnp.bfloat16) / np.sqrt(shape[1])
                   for name, shape in (("gate_proj", (E, D, F)), ("up_proj", (E, D, F)),
                                       ("down_proj", (E, F, D)))}
         results = {}
@@ -69,8 +68,8 @@ def attention():
         print(json.dumps({"bench": "attention", "skipped": "no attention=splash in this tree"}))
         return
     for B, N, T, H in ((8, 16, 2048, 128), (2, 16, 8192, 128)):
-        rng = np.random.default_rng(0)
-        q, k, v = (jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.bfloat16) for _ in range(3))
+        q, k, v = (jax.random.normal(key, (B, T, N, H), jnp.bfloat16)
+                   for key in jax.random.split(jax.random.key(0), 3))
         for kind in ("splash", "xla"):
             step = jax.jit(jax.grad(lambda q, k, v: jnp.sum(  # noqa: B023
                 attend(q, k, v, None, kind).astype(jnp.float32)), (0, 1, 2)))

@@ -14,6 +14,7 @@
 # docs/benchmarks.md's TPU section with the date and commit.
 set -uo pipefail
 deadline=${DEADLINE:-500}
+here=$(dirname "$0")
 if [ ! -d /tmp/site/flax ]; then
   idx=/opt/pypi/simple; have=""
   for p in flax optax orbax-checkpoint ml-collections absl-py transformers tokenizers \
@@ -36,8 +37,18 @@ run() {
   local t; t=$(left); (( t > cap )) && t=$cap
   if (( t < 40 )); then echo "{\"skipped\": \"$*\", \"seconds_left\": $(left)}" | tee -a "$results"; return 1; fi
   local start=$SECONDS
-  timeout "$t" "$@" | tee -a "$results"
-  local rc=${PIPESTATUS[0]}
+  timeout "$t" "$@" > >(tee -a "$results") &
+  local pid=$!
+  # The machine's host memory (40 GB) is the run's too: a run that leaves under 3 GB of
+  # it is stopped here, named, before the machine is taken away with every result.
+  while kill -0 $pid 2>/dev/null; do
+    if (( $(awk '/MemAvailable/ {print int($2 / 1048576)}' /proc/meminfo) < 3 )); then
+      kill $pid; echo "{\"failed\": \"$*\", \"host_memory\": \"under 3 GB left\"}" | tee -a "$results"
+    fi
+    sleep 1
+  done
+  wait $pid
+  local rc=$?
   echo "# $(( SECONDS - start )) s, exit $rc, $(left) s left" >&2
   (( rc == 0 )) || echo "{\"failed\": \"$*\", \"exit\": $rc}" | tee -a "$results"
   return $rc
@@ -59,8 +70,8 @@ python3 -c "from easylm.models.config import ATTENTION_IMPLEMENTATIONS as A; ass
 
 # 1. The kernels: grouped matmul fwd+bwd (issue 56: ragged_dot 114, megablox 128 TFLOP/s
 #    at the small MoE's shape), attention fwd+bwd (skipped without splash).
-run 90 python3 scripts/kernel_bench.py grouped_matmul
-[ $attention = splash ] && run 90 python3 scripts/kernel_bench.py attention
+run 90 python3 "$here"/kernel_bench.py grouped_matmul
+[ $attention = splash ] && run 90 python3 "$here"/kernel_bench.py attention
 # 2. The small MoE's step, megablox then ragged_dot (issue 56: 13.9% MFU; target >= 30%).
 CAP=110 bench $moe_flags --llama.moe_matmul=megablox
 CAP=100 bench $moe_flags --llama.moe_matmul=ragged_dot
