@@ -4,7 +4,8 @@ line each (run by scripts/tpu_bench.sh; any backend, meant for a TPU):
     python scripts/kernel_bench.py grouped_matmul   # moe_matmul: megablox vs ragged_dot
     python scripts/kernel_bench.py attention        # attention: splash vs xla (if built)
 
-grouped_matmul times the experts' three grouped matmuls (gate, up, down) and their
+grouped_matmul times (on a device; scripts/bench_moe.py compares ragged_dot with a dense
+einsum on CPU) the experts' three grouped matmuls (gate, up, down) and their
 gradients through `moe.expert_mlp` in bf16, the rows routed evenly at random, at the
 small MoE's shape (d 1024, 32 experts top-8, expert width 768, 16k tokens) and at 128
 experts d 2048; TFLOP/s counts 3 matmuls x 3 (forward, dx, dw) x 2 M D F.
@@ -17,18 +18,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_moe import timed  # scripts/, beside this one
 
 from easylm.models import moe
-
-def timed(f, *args, steps=10):
-    out = f(*args)
-    jax.block_until_ready(out)
-    start = time.perf_counter()
-    for _ in range(steps):
-        out = f(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - start) / steps
-
 
 def grouped_matmul():
     for tokens, D, F, E, K in ((16384, 1024, 768, 32, 8), (16384, 2048, 768, 128, 8)):
@@ -48,7 +40,7 @@ def grouped_matmul():
                                .astype(jnp.float32))
 
             step = jax.jit(jax.grad(loss, (0, 1)))
-            seconds = timed(step, params, x)
+            seconds = timed(step, params, x, iters=10)
             flops = 3 * 3 * 2 * M * D * F
             results[kind] = seconds
             print(json.dumps({"bench": "grouped_matmul_fwd_bwd", "matmul": kind, "rows": M,
@@ -74,7 +66,7 @@ def attention():
             step = jax.jit(jax.grad(lambda q, k, v: jnp.sum(  # noqa: B023
                 attend(q, k, v, None, kind).astype(jnp.float32)), (0, 1, 2)))
             try:
-                seconds = timed(step, q, k, v)
+                seconds = timed(step, q, k, v, iters=10)
             except Exception as e:  # the XLA path at 8192 may not fit: say so, go on
                 print(json.dumps({"bench": "attention_fwd_bwd", "attention": kind,
                                   "shape": [B, N, T, H], "failed": str(e)[:200]}))
