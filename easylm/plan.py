@@ -77,6 +77,9 @@ from easylm.serving.memory import serving_bytes
 from easylm.training import optimizers, options
 
 GIB = 1024 ** 3
+# Attention kernels that keep no (T, T) scores for the backward pass (flash attention:
+# easylm/models/attention.py's splash); planned as the XLA einsum less those.
+FLASH_ATTENTION = ("splash",)
 
 HELP = {
     "plan.device_memory_gib": "memory of one device in GiB to check the plan against "
@@ -188,12 +191,15 @@ def _shapes(model):
     return jax.eval_shape(model.init_params, jax.random.key(0)), frozen
 
 
-def _residual_bytes(model, batch, sp: int = 1) -> int:
-    """Bytes the backward pass keeps (parameters, frozen ones and inputs not counted) for
-    `batch`; with sp > 1, one device's share when its rows are split over sp devices:
-    traced under a mesh with that sp axis, so attention is the context parallel one (no
-    T x T probabilities kept), and every residual, a (rows, T, ...) array split over sp,
-    divided by sp."""
+def _residual_bytes(model, batch, sp: int = 1, flash: bool = False) -> int:
+    """Bytes the backward pass keeps (parameters, frozen ones and inputs not counted, nor
+    what a remat policy offloads to the host) for `batch`; with sp > 1, one device's share
+    when its rows are split over sp devices: traced under a mesh with that sp axis, so
+    attention is the context parallel one (no T x T probabilities kept), and every
+    residual, a (rows, T, ...) array split over sp, divided by sp. `flash`: the model's
+    attention is a flash kernel's (splash), traced as the XLA einsum less its (..., T, T)
+    scores and probabilities; the kernel's log-sum-exp (B, N, T), 1/(2H) of its output's
+    size, is left out."""
     if sp > 1:
         mesh = AbstractMesh((1, 1, sp, 1, 1), MESH_AXES, axis_types=(AxisType.Auto,) * 5)
         with jax.sharding.use_abstract_mesh(mesh):
@@ -215,8 +221,11 @@ def _residual_bytes(model, batch, sp: int = 1) -> int:
                 model, p, b, jax.random.key(0), frozen).loss, params, batch))
 
         jax.eval_shape(trace, frozen)
+    T = batch["input_tokens"].shape[1]
     return sum(aval.size * aval.dtype.itemsize for aval, source in residuals
-               if not source.startswith(("from the argument", "from a constant")))
+               if not source.startswith(("from the argument", "from a constant"))
+               and getattr(aval, "memory_space", None) != jax.memory.Space.Host
+               and not (flash and aval.shape[-2:] == (T, T)))
 
 
 def _gathered_layer(family, config, mp: int, compute) -> int:
@@ -278,6 +287,9 @@ def _estimate(config: ConfigDict, family, num_devices: int, num_processes: int) 
     T, sp = _row_split(config, data.seq_length, sizes["sp"])
 
     _check_plannable(family, model_flags.model_config(family, config))
+    flash = model_flags.model_config(family, config).attention in FLASH_ATTENTION
+    if flash:  # traced as the XLA einsum, its T x T residuals left out (_residual_bytes)
+        config = _changed(config, {f"{family.name}.attention": "xla"})
     model = variants.build(family, config)
     # A preference pair is two rows; the policy's activations are then those of the
     # language-model loss on them (the reference's forward pass keeps none).
@@ -300,7 +312,8 @@ def _estimate(config: ConfigDict, family, num_devices: int, num_processes: int) 
         batch.update(segment_ids=micro, positions=micro)
     mp = sizes["mp"]
     L = model.num_layers
-    saved = [_residual_bytes(_shard_model(family, config, n, mp), batch, sp) for n in (1, 2)]
+    saved = [_residual_bytes(_shard_model(family, config, n, mp), batch, sp, flash)
+             for n in (1, 2)]
     per_layer = saved[1] - saved[0]
     activations = saved[0] + (L - 1) * per_layer
 
@@ -308,7 +321,7 @@ def _estimate(config: ConfigDict, family, num_devices: int, num_processes: int) 
     # keeps without remat, less what the policy keeps anyway) ...
     working = 0
     if model.config.get("remat_policy", "none") != "none":
-        plain = [_residual_bytes(_shard_model(family, config, n, mp, "none"), batch, sp)
+        plain = [_residual_bytes(_shard_model(family, config, n, mp, "none"), batch, sp, flash)
                  for n in (1, 2)]
         working += (plain[1] - plain[0]) - per_layer
     # ... and with fsdp (or sp: PARAMETER_AXES) its weights are gathered whole and their

@@ -339,3 +339,128 @@ def test_expert_parallel_equals_one_device(mesh_dim, skewed):
             np.testing.assert_array_equal(g, 0)
         else:
             assert_close(g, r, fp32_rel(max(D, F, B * T * K), 4))
+
+
+# ------------------------------------------------ megablox (Pallas interpret mode on CPU)
+
+
+def grouped_inputs(seed=3, rows=48, sizes=(5, 0, 9, 13, 2, 0, 7, 4)):
+    """Rows (rows, D) with groups of `sizes` (summing to less than `rows`: the rest belong
+    to no group, as capacity-dropped pairs and tile padding do) and stacks (E, D, F)."""
+    rng = np.random.RandomState(seed)
+    return (jnp.asarray(rng.randn(rows, D), jnp.float32),
+            jnp.asarray(rng.randn(E, D, F) / np.sqrt(D), jnp.float32),
+            jnp.asarray(sizes, jnp.int32))
+
+
+def test_megablox_gmm_equals_ragged_dot_forward_and_gradients():
+    """megablox's gmm (its custom VJP: gmm, the transposed gmm, tgmm) = ragged_dot, rows past
+    the groups zero in the output and in their gradient; the same sums in another order:
+    fp32, one reduction over D forward, over D or F (dx) and the rows (dw) backward."""
+    x, w, sizes = grouped_inputs()
+    tiling = moe._tiling(x.shape[0], D, F)
+    cot = jnp.cos(jnp.arange(x.shape[0] * F)).reshape(-1, F)
+
+    def loss(f):
+        return lambda x, w, sizes: jnp.sum(f(x, w, sizes) * cot)
+
+    kernel = lambda x, w, s: moe.gmm(x, w, s, jnp.float32, tiling)  # noqa: E731
+    ragged = lambda x, w, s: jax.lax.ragged_dot(x, w, s)  # noqa: E731
+    out, expected = kernel(x, w, sizes), ragged(x, w, sizes)
+    assert_close(out, expected, fp32_rel(D))
+    np.testing.assert_array_equal(out[int(sizes.sum()):], 0)
+    grads = jax.grad(loss(kernel), (0, 1))(x, w, sizes)
+    reference = jax.grad(loss(ragged), (0, 1))(x, w, sizes)
+    for g, r in zip(grads, reference):
+        assert_close(g, r, fp32_rel(max(D, F, x.shape[0])))
+    np.testing.assert_array_equal(grads[0][int(sizes.sum()):], 0)
+    # Negative twin: group sizes shifted by one (a row given to the next expert) is seen.
+    shifted = sizes.at[0].add(-1).at[2].add(1)
+    assert_differs(kernel(x, w, shifted), expected, fp32_rel(D))
+    assert_differs(jax.grad(loss(kernel), 1)(x, w, shifted), reference[1],
+                   fp32_rel(max(D, F, x.shape[0])))
+
+
+def moe_matmul_parity(config, params, x, rel_out, rel_grad):
+    """SparseMoE with moe_matmul=megablox = with ragged_dot: output and gradients."""
+    def loss(config):
+        def f(p, x):
+            y, stats = SparseMoE(config).apply({"params": p}, x)
+            return jnp.sum(y * jnp.cos(jnp.arange(D))), (y, stats.dropped)
+        return jax.value_and_grad(f, (0, 1), has_aux=True)
+
+    (_, (y1, d1)), g1 = loss(dataclasses.replace(config, matmul="ragged_dot"))(params, x)
+    (_, (y2, d2)), g2 = loss(dataclasses.replace(config, matmul="megablox"))(params, x)
+    assert int(d1) == int(d2)
+    assert_close(y2, y1, rel_out)
+    for g, r in zip(jax.tree.leaves(g2), jax.tree.leaves(g1)):
+        assert_close(g, r, rel_grad)
+    return y1, y2
+
+
+@pytest.mark.parametrize("capacity_factor", [0.0, 0.5])
+def test_sparse_moe_megablox_equals_ragged_dot(capacity_factor):
+    """The whole block (sort, three grouped matmuls, combine), dropless and with pairs
+    dropped past capacity (rows past the groups: the kernel leaves them unwritten)."""
+    config = MoEConfig(E, K, F, capacity_factor=capacity_factor)
+    y1, _ = moe_matmul_parity(config, init(config), jnp.asarray(hidden()), REL,
+                              fp32_rel(max(D, F, B * T * K), 4))
+    assert_differs(y1, dense_reference(config, init(config, seed=1), hidden()), REL)
+
+
+def test_sparse_moe_megablox_with_lora_adapters_equals_ragged_dot():
+    """LoRA on the experts (adapters beside the stacks, moe.EXPERT_ADAPTERS) keeps its
+    numbers and its adapters' gradients under megablox; negative twin: the adapters
+    dropped changes the output."""
+    config = MoEConfig(E, K, F)
+    params = init(config)
+    rng, R = np.random.RandomState(5), 4
+    adapters = {"gate_up_proj_lora_a": rng.randn(E, D, R) / np.sqrt(D),
+                "gate_up_proj_lora_b": rng.randn(E, R, 2 * F) / np.sqrt(R),
+                "down_proj_lora_a": rng.randn(E, F, R) / np.sqrt(F),
+                "down_proj_lora_b": rng.randn(E, R, D) / np.sqrt(R)}
+    params = params | {"experts": params["experts"] | jax.tree.map(
+        lambda a: jnp.asarray(a, jnp.float32), adapters)}
+    x = jnp.asarray(hidden())
+    _, y2 = moe_matmul_parity(config, params, x, fp32_rel(max(D, F), 5),
+                              fp32_rel(max(D, F, B * T * K), 6))
+    plain = run(dataclasses.replace(config, matmul="megablox"), init(config), x)[0]
+    assert_differs(plain, y2, fp32_rel(max(D, F), 5))
+
+
+@pytest.mark.parametrize("mesh_dim", ["fsdp=2,ep=4"])
+def test_expert_parallel_megablox_equals_one_device_ragged_dot(mesh_dim):
+    """Experts split over 'ep' (tokens sent with all_to_all), each device's grouped matmul
+    through megablox: output and gradients equal one device's ragged_dot."""
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    config = MoEConfig(E, K, F)
+    params = init(config)
+    x = jnp.asarray(np.random.RandomState(2).randn(8, 4, D).astype(np.float32))
+
+    def loss(config):
+        def f(p, x):
+            return jnp.sum(SparseMoE(config).apply({"params": p}, x)[0] * jnp.cos(
+                jnp.arange(D)))
+        return jax.value_and_grad(f, (0, 1))
+
+    l1, g1 = loss(dataclasses.replace(config, matmul="ragged_dot"))(params, x)
+    mesh = make_mesh(mesh_dim)
+    sharded = jax.device_put(params, named_shardings(
+        mesh, match_partition_rules(moe.PARTITION_RULES, params)))
+    xs = jax.device_put(x, NamedSharding(mesh, P(BATCH_AXES)))
+    with jax.set_mesh(mesh):
+        l2, g2 = jax.jit(loss(dataclasses.replace(config, matmul="megablox")))(sharded, xs)
+    assert abs(float(l2) - float(l1)) <= fp32_rel(B * T * D, 4) * float(abs(l1) + 1)
+    for g, r in zip(jax.tree.leaves(g2), jax.tree.leaves(g1)):
+        assert_close(g, r, fp32_rel(max(D, F, B * T * K), 4))
+
+
+def test_moe_matmul_flag_is_checked():
+    from easylm.errors import UserError
+    from easylm.llama.config import LLaMAConfig
+
+    with pytest.raises(UserError, match="moe_matmul='cutlass' is not one of"):
+        LLaMAConfig.from_preset("debug", moe_matmul="cutlass")
+    assert moe.matmul_kind("auto") == ("megablox" if jax.default_backend() == "tpu"
+                                       else "ragged_dot")

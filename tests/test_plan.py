@@ -64,12 +64,15 @@ def compiled_bytes(config) -> int:
     [*B, "--mesh_dim=8,1,1", "--llama.remat_policy=nothing_saveable"],  # dp, full remat
     [*A, "--mesh_dim=1,8,1", "--llama.remat_policy=checkpoint_dots"],   # fsdp, attention-heavy
     [*B, "--mesh_dim=1,4,2"],                                        # fsdp x mp
+    # The attention block's projections kept, the MLP's recomputed (remat.py).
+    [*A, "--mesh_dim=1,8,1", "--llama.remat_policy=save_attention_projections"],
     # LoRA: adapters trained on a frozen base, bf16 and QLoRA's nf4 (without remat JAX
     # saves each layer's fp32 cast of its bf16 kernels; XLA:CPU keeps less: 13% over).
     [*B, "--mesh_dim=1,8,1", "--lora.rank=4"],
     [*B, "--mesh_dim=1,8,1", "--llama.remat_policy=nothing_saveable", "--lora.rank=4",
      "--lora.base_dtype=nf4"],
 ], ids=["B-fsdp8-none", "B-dp8-nothing_saveable", "A-fsdp8-checkpoint_dots", "B-fsdp4-mp2-none",
+        "A-fsdp8-save_attention_projections",
         "B-fsdp8-lora-bf16-none", "B-fsdp8-qlora-nf4-nothing_saveable"])
 def test_estimate_is_within_20_percent_of_xla(argv):
     config = parse(*argv)
@@ -318,3 +321,29 @@ def test_grpo_counts_the_rollouts_cache_beside_what_stays_resident():
     config = parse(*B, "--mesh_dim=1,8,1", "--dtype=fp32", *grpo)
     printed, _ = plan.report(config, FAMILY, 8, 1, None)
     assert re.search(r"^  rollout cache +\d", printed, re.M), printed
+
+
+def test_kept_offloaded_and_flash_attention_terms(monkeypatch):
+    """What the new terms add or leave out, per device (A: 4 rows of T=256, D=128, 2 of the
+    4 heads' K/V, 4 layers): save_attention_projections keeps q, attention's output and
+    o_proj's (D wide) and k, v (D/2 wide) per layer in fp32; offloading them keeps none on
+    the device (nothing_saveable's); a flash kernel keeps no (T, T) scores, with or
+    without remat, and XLA's einsum keeps some in every layer."""
+    def planned(policy, *extra):
+        return plan.estimate(parse(*A, "--mesh_dim=1,8,1", f"--llama.remat_policy={policy}",
+                                   *extra), FAMILY, num_devices=8)
+
+    rows, T, D, L = 4, 256, 128, 4
+    nothing = planned("nothing_saveable")
+    kept = planned("save_attention_projections")
+    assert kept.activations - nothing.activations == L * rows * T * (3 * D + 2 * D // 2) * 4
+    assert planned("offload_attention_projections").activations == nothing.activations
+    # The flash term, with dot_product standing in for splash (named by the attention
+    # field; the kernel is another branch's): the T x T residuals of each layer dropped.
+    monkeypatch.setattr(plan, "FLASH_ATTENTION", ("dot_product",))
+    scores = rows * 4 * T * T * 4  # (rows, heads, T, T) fp32: one score-sized array
+    for policy, xla in (("none", planned("none")), ("nothing_saveable", nothing)):
+        flash = planned(policy, "--llama.attention=dot_product")
+        dropped = (xla.activations + xla.working_set) - (flash.activations + flash.working_set)
+        assert dropped >= scores * (L if policy == "none" else 1)
+        assert flash.total < xla.total

@@ -20,13 +20,13 @@ from easylm.models.hf_checkpoint import (
     layer_types as hf_layer_types,
     text_model,
 )
-from easylm.models.moe import MoEConfig
+from easylm.models.moe import ExpertMatmulConfig, MoEConfig
 
 ROPE_TYPES = ("default", "proportional")
 
 
 @dataclasses.dataclass(frozen=True)
-class Gemma4Config(ModelConfig):
+class Gemma4Config(ExpertMatmulConfig, ModelConfig):
     """Gemma 4's text model: the shared fields with Gemma4TextConfig's defaults, and these.
     `head_dim` and `num_key_value_heads` are the sliding layers'."""
 
@@ -142,7 +142,7 @@ class Gemma4Config(ModelConfig):
         return MoEConfig(num_experts=self.num_experts, num_experts_per_tok=self.top_k_experts,
                          intermediate_size=self.moe_intermediate_size, norm_topk_prob=True,
                          activation="gelu_tanh", capacity_factor=self.capacity_factor,
-                         initializer_range=self.initializer_range)
+                         initializer_range=self.initializer_range, matmul=self.moe_matmul)
 
     def router_loss(self):
         from easylm.models.moe import RouterLoss

@@ -16,13 +16,13 @@ from typing import Any
 from easylm.errors import UserError
 from easylm.models.config import LAYER_TYPES, ModelConfig, default, field
 from easylm.models.hf_checkpoint import config_fields, first_int, layer_types as hf_layer_types
-from easylm.models.moe import RouterLoss
+from easylm.models.moe import ExpertMatmulConfig, RouterLoss
 
 ROPE_TYPES = ("yarn", "default")
 
 
 @dataclasses.dataclass(frozen=True)
-class GptOssConfig(ModelConfig):
+class GptOssConfig(ExpertMatmulConfig, ModelConfig):
     """gpt-oss: the shared fields (easylm/models/config.py), with gpt-oss-20b's values,
     and these."""
 

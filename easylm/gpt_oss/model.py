@@ -91,7 +91,8 @@ def moe_config(config: GptOssConfig) -> moe.MoEConfig:
                          config.intermediate_size, router="topk_softmax", router_bias=True,
                          expert_bias=True, swiglu_limit=config.swiglu_limit,
                          swiglu_alpha=config.swiglu_alpha,
-                         initializer_range=config.initializer_range)
+                         initializer_range=config.initializer_range,
+                         matmul=config.moe_matmul)
 
 
 class DecoderLayer(Sublayer):

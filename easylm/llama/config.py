@@ -16,7 +16,7 @@ from typing import Any
 from easylm.errors import UserError
 from easylm.models.config import ModelConfig, field, preset_config
 from easylm.models.hf_checkpoint import first_int
-from easylm.models.moe import MoEConfig, RouterLoss
+from easylm.models.moe import ExpertMatmulConfig, MoEConfig, RouterLoss
 
 ROPE_SCALING_TYPES = ("none", "llama3", "yarn")
 # The LLaMA variants, by HF model_type: (their transformers class, the switches their
@@ -75,7 +75,7 @@ HF_ROPE_THETA = {"mixtral": 1000000.0}
 
 
 @dataclasses.dataclass(frozen=True)
-class LLaMAConfig(ModelConfig):
+class LLaMAConfig(ExpertMatmulConfig, ModelConfig):
     """LLaMA and its variants (Qwen2/3, Mistral, Qwen3-MoE, Mixtral): the shared fields
     (easylm/models/config.py) and these."""
 
@@ -241,7 +241,7 @@ class LLaMAConfig(ModelConfig):
             return None
         return MoEConfig(self.num_experts, self.num_experts_per_tok, self.moe_intermediate_size,
                          norm_topk_prob=self.norm_topk_prob,
-                         capacity_factor=self.moe_capacity_factor,
+                         capacity_factor=self.moe_capacity_factor, matmul=self.moe_matmul,
                          initializer_range=self.initializer_range)
 
     # ----------------------------------------------------------------- presets

@@ -109,8 +109,9 @@ class ModelConfig:
         # A `default(value)` field keeps the shared help: filled in before @dataclass runs.
         for name, value in list(vars(cls).items()):
             if isinstance(value, dataclasses.Field) and value.metadata.get("help", "") is None:
-                # Not yet a dataclass: `__dataclass_fields__` is the nearest base's.
-                shared = cls.__dataclass_fields__[name].metadata
+                # Not yet a dataclass: the nearest base declaring the field has it.
+                shared = next(base.__dataclass_fields__[name] for base in cls.__mro__[1:]
+                              if name in getattr(base, "__dataclass_fields__", {})).metadata
                 setattr(cls, name, dataclasses.field(default=value.default, metadata=shared))
 
     def __post_init__(self):

@@ -122,9 +122,10 @@ class Sublayer(nn.Module):
     norm_class: type = RMSNorm
 
     def dense(self, features, name, bias=False):
-        return nn.Dense(features, use_bias=bias, dtype=self.dtype, param_dtype=self.param_dtype,
-                        kernel_init=nn.initializers.normal(self.config.initializer_range),
-                        name=name)
+        return NamedDense(features, use_bias=bias, dtype=self.dtype,
+                          param_dtype=self.param_dtype,
+                          kernel_init=nn.initializers.normal(self.config.initializer_range),
+                          name=name)
 
     def norm(self, name):
         return self.norm_class(self.config.rms_norm_eps, self.dtype, self.param_dtype, name=name)
@@ -144,7 +145,16 @@ class Sublayer(nn.Module):
         if bias:
             out = out + jnp.concatenate([b.astype(self.dtype) for _, b in weights])
         edges = np.cumsum([f for _, f in names_and_features])[:-1]
-        return jnp.split(out, edges, axis=-1)
+        return [checkpoint_name(part, name) for part, (name, _) in
+                zip(jnp.split(out, edges, axis=-1), names_and_features)]
+
+
+class NamedDense(nn.Dense):
+    """nn.Dense whose output carries its name (`checkpoint_name`, e.g. "q_proj"): what the
+    remat policies that keep some projections' outputs (easylm/models/remat.py) select."""
+
+    def __call__(self, x):
+        return checkpoint_name(super().__call__(x), self.name)
 
 
 def cache_length(cache) -> int:

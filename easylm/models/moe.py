@@ -11,8 +11,13 @@ clamped variant, (clip(up) + 1) * g * sigmoid(alpha * g) with g = min(gate, limi
 `expert_bias` its per-expert biases.
 
 Dispatch is dropless: the N*k (token, expert) pairs are sorted by expert, each expert's
-rows multiplied by its weights in one grouped matmul (`jax.lax.ragged_dot`, given how
-many rows each expert has), and the results put back in token order and weighted. With
+rows multiplied by its weights in one grouped matmul (given how many rows each expert
+has), and the results put back in token order and weighted. The grouped matmul is
+`MoEConfig.matmul` (a family's `--<family>.moe_matmul`): `jax.lax.ragged_dot`, or JAX's
+Pallas TPU kernel megablox (`gmm` forward, `gmm` with the weights transposed for the
+rows' gradient, `tgmm` for the weights'; its ops.gmm custom VJP), on rows padded to a
+tile multiple; `auto` is megablox on a TPU and ragged_dot elsewhere. Off a TPU megablox
+runs in Pallas interpret mode (the same numbers, slowly: its CPU tests). With
 `capacity_factor` > 0 an expert takes at most ceil(capacity_factor * N * k / E) pairs of
 each batch shard, first choices before second choices, earlier tokens first; the pairs
 past that add nothing (the token keeps its residual) and are counted in `dropped`.
@@ -46,14 +51,22 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import qwix
+from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
 from jax.sharding import PartitionSpec as P
 
+from easylm.errors import UserError
+from easylm.models.config import field
 from easylm.runtime.sharding import BATCH_AXES
 
 ROUTERS = ("softmax_topk", "topk_softmax")
 EP = "ep"
 REPLAY = "routing"  # the variable collection that carries choices to replay
 ACTIVATIONS = {"silu": nn.silu, "gelu_tanh": partial(nn.gelu, approximate=True)}
+MATMULS = ("auto", "ragged_dot", "megablox")
+# megablox's largest tiles (rows, contraction, output columns), MaxText's v5e defaults
+# for rows (wi_tile_fwd_batch_seq=512); the other two are one tile t dividing both D and F
+# (`_tiling`), so that the backward pass's transposed gmm and tgmm tile exactly too.
+MEGABLOX_TILE = (512, 1024)
 
 # Expert weights are stacked with a leading E axis, split over 'ep'; the rest as the dense
 # MLP's (D over fsdp, F over mp). The router is small and replicated.
@@ -83,8 +96,11 @@ class MoEConfig:
     capacity_factor: float = 0.0  # 0: dropless
     initializer_range: float = 0.02
     activation: str = "silu"  # of act(gate) * up: silu, or gelu_tanh (Gemma 4)
+    matmul: str = "auto"  # the grouped matmul: one of MATMULS
 
     def __post_init__(self):
+        if self.matmul not in MATMULS:
+            raise ValueError(f"moe_matmul={self.matmul!r} is not one of {', '.join(MATMULS)}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation {self.activation!r}; expected one of "
                              f"{', '.join(ACTIVATIONS)}")
@@ -93,6 +109,24 @@ class MoEConfig:
         if not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in "
                              f"1..num_experts={self.num_experts}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertMatmulConfig:
+    """The field a family whose layers may have experts adds to its config, a base listed
+    before `ModelConfig` (`class LLaMAConfig(ExpertMatmulConfig, ModelConfig)`); the family
+    passes it on as `MoEConfig.matmul`."""
+
+    moe_matmul: str = field("auto", "the experts' grouped matmul: ragged_dot "
+                                    "(jax.lax.ragged_dot), megablox (JAX's Pallas TPU kernel; "
+                                    "off a TPU in interpret mode: slow, for tests) or auto "
+                                    "(megablox on TPU, ragged_dot elsewhere); the same numbers")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.moe_matmul not in MATMULS:
+            raise UserError(f"moe_matmul={self.moe_matmul!r} is not one of "
+                            f"{', '.join(MATMULS)}")
 
 
 class RouterStats(NamedTuple):
@@ -220,11 +254,19 @@ def expert_mlp(x, params, group_sizes, config: MoEConfig, dtype):
     """Rows x (M, D), sorted so that expert e's group_sizes[e] rows are consecutive, through
     their experts; rows past sum(group_sizes) come out as zeros. params: (E, ...) stacks,
     and the LoRA adapters of some (`EXPERT_ADAPTERS`)."""
+    M, D = x.shape
     ragged = partial(jax.lax.ragged_dot, group_sizes=group_sizes,
                      preferred_element_type=dtype)
+    grouped = ragged
+    if matmul_kind(config.matmul) == "megablox":
+        tiling = _tiling(M, D, config.intermediate_size)
+        x = jnp.pad(x, ((0, -M % tiling[0]), (0, 0)))  # rows: a multiple of the row tile
+        grouped = partial(gmm, group_sizes=group_sizes, dtype=dtype, tiling=tiling)
     x = x.astype(dtype)
-    gate = ragged(x, params["gate_proj"].astype(dtype))  # (M, F)
-    up = ragged(x, params["up_proj"].astype(dtype))  # (M, F)
+    gate = grouped(x, params["gate_proj"].astype(dtype))  # (M, F)
+    up = grouped(x, params["up_proj"].astype(dtype))  # (M, F)
+    # LoRA's rank-R products stay on ragged_dot: a megablox tile of R columns is mostly
+    # padding.
     if "gate_up_proj_lora_a" in params:
         gate_up = _low_rank(ragged, x, params, "gate_up_proj", dtype)  # (M, 2F)
         gate, up = gate + gate_up[:, :gate.shape[1]], up + gate_up[:, gate.shape[1]:]
@@ -239,13 +281,48 @@ def expert_mlp(x, params, group_sizes, config: MoEConfig, dtype):
         h = (up + 1) * gate * jax.nn.sigmoid(gate * config.swiglu_alpha)
     else:
         h = ACTIVATIONS[config.activation](gate) * up
-    out = ragged(h, params["down_proj"].astype(dtype))  # (M, D)
+    out = grouped(h, params["down_proj"].astype(dtype))  # (M, D)
     if "down_proj_lora_a" in params:
         out = out + _low_rank(ragged, h, params, "down_proj", dtype)
     if config.expert_bias:
         out = out + params["down_proj_bias"].astype(dtype)[expert]
     valid = jnp.arange(x.shape[0]) < group_sizes.sum()
-    return jnp.where(valid[:, None], out, 0)
+    return jnp.where(valid[:, None], out, 0)[:M]
+
+
+def matmul_kind(matmul: str) -> str:
+    """The grouped matmul `MoEConfig.matmul` runs here: auto is megablox on a TPU."""
+    if matmul == "auto":
+        return "megablox" if jax.default_backend() == "tpu" else "ragged_dot"
+    return matmul
+
+
+def _tiling(M: int, D: int, F: int) -> tuple[int, int, int]:
+    """megablox's tiles (rows, contraction, columns) for rows (M, D) through (D, F) and
+    (F, D) stacks: rows up to MEGABLOX_TILE[0] (M is padded to a multiple), and one tile
+    t for D and F alike, the largest multiple of 128 up to MEGABLOX_TILE[1] dividing both
+    (the backward pass swaps their roles). Off a TPU (interpret mode) any t dividing both."""
+    rows = min(MEGABLOX_TILE[0], -(-M // 16) * 16)
+    common = math.gcd(D, F)
+    if jax.default_backend() != "tpu":
+        return rows, common, common
+    fits = [t for t in range(128, MEGABLOX_TILE[1] + 1, 128) if common % t == 0]
+    if not fits:
+        raise UserError(f"moe_matmul=megablox tiles the width ({D}) and the expert width "
+                        f"({F}) by multiples of 128, which these are not: use "
+                        f"moe_matmul=ragged_dot")
+    return rows, fits[-1], fits[-1]
+
+
+def gmm(lhs, rhs, group_sizes, dtype, tiling):
+    """megablox's grouped matmul (its custom VJP: gmm, transposed gmm, tgmm): lhs (M, in)
+    through rhs (E, in, out), M a multiple of the row tile. Rows past sum(group_sizes)
+    belong to no group: the kernel leaves them (and their gradient) unwritten, so they
+    are zeroed on the way in and out."""
+    valid = (jnp.arange(lhs.shape[0]) < group_sizes.sum())[:, None]
+    out = megablox.gmm(jnp.where(valid, lhs, 0), rhs, group_sizes, dtype, tiling,
+                       interpret=jax.default_backend() != "tpu")
+    return jnp.where(valid, out, 0)
 
 
 def _low_rank(ragged, x, params, name: str, dtype):

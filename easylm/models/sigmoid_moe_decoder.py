@@ -15,7 +15,7 @@ from easylm.errors import UserError
 from easylm.models import sigmoid_moe
 from easylm.models.config import ModelConfig, field
 from easylm.models.decoder import CausalLM, GatedMLP, RMSNorm, Sublayer
-from easylm.models.moe import RouterLoss
+from easylm.models.moe import ExpertMatmulConfig, RouterLoss
 from easylm.models.sigmoid_moe import SigmoidMoEConfig
 from easylm.runtime.sharding import BATCH_AXES, constrain
 
@@ -24,7 +24,7 @@ HF_MUST_BE = {"hidden_act": "silu", "topk_method": "noaux_tc", "scoring_func": "
 
 
 @dataclasses.dataclass(frozen=True)
-class SigmoidMoEDecoderConfig(ModelConfig):
+class SigmoidMoEDecoderConfig(ExpertMatmulConfig, ModelConfig):
     """The MoE's fields, DeepSeek-V3's defaults; a family redeclares a default with
     `default(value)` (the help stays this one)."""
 
@@ -80,7 +80,8 @@ class SigmoidMoEDecoderConfig(ModelConfig):
                                 initializer_range=self.initializer_range, n_group=self.n_group,
                                 topk_group=self.topk_group,
                                 routed_scaling_factor=self.routed_scaling_factor,
-                                n_shared_experts=self.n_shared_experts)
+                                n_shared_experts=self.n_shared_experts,
+                                matmul=self.moe_matmul)
 
     def hf_config_kwargs(self) -> dict:
         """transformers' config arguments both families write alike (to_hf_config adds the

@@ -32,7 +32,7 @@ from easylm.models.hf_checkpoint import (
     layer_types as hf_layer_types,
     text_model,
 )
-from easylm.models.moe import MoEConfig, RouterLoss
+from easylm.models.moe import ExpertMatmulConfig, MoEConfig, RouterLoss
 
 MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 MOE_TYPES = ("qwen3_5_moe_text", "qwen3_next")
@@ -44,7 +44,7 @@ NOT_BUILT: dict[str, str] = {}
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen35Config(ModelConfig):
+class Qwen35Config(ExpertMatmulConfig, ModelConfig):
     """Qwen3.5's text model: the shared fields with Qwen3_5TextConfig's defaults, and these."""
 
     section = "qwen3_5"
@@ -152,7 +152,7 @@ class Qwen35Config(ModelConfig):
             return None
         return MoEConfig(self.num_experts, self.num_experts_per_tok, self.moe_intermediate_size,
                          norm_topk_prob=self.norm_topk_prob,
-                         initializer_range=self.initializer_range)
+                         initializer_range=self.initializer_range, matmul=self.moe_matmul)
 
     def router_loss(self) -> RouterLoss | None:
         if not self.num_experts:
