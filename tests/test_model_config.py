@@ -86,7 +86,7 @@ def test_the_shared_checks_are_one_line_for_every_family(name):
 
 def test_gpt_oss_allows_only_its_own_attention():
     family = registry.get("gpt_oss")
-    with pytest.raises(UserError, match=r"attention='dot_product' is not one of xla$"):
+    with pytest.raises(UserError, match=r"attention='dot_product' is not one of auto, xla, splash$"):
         family.from_preset("debug", attention="dot_product")
 
 
