@@ -213,33 +213,73 @@ def test_the_commands_refuse_the_image_text_family_in_one_line(hf, capsys):
     assert "--family=qwen3_5_vl: the image-text model is read, run and written" in error
 
 
-def image_chat_batch(hf, config):
-    """An image chat as the loss reads it: the assistant's last four tokens counted, the
-    image inputs beside the tokens (input_tokens = the row less its last token)."""
-    ids, encoded = prepared(hf, config, [picture(0, 24, 16)])
-    inputs, targets = ids[:-1], ids[1:]
-    masks = np.zeros((1, T), np.float32)
-    masks[0, len(targets) - 4:len(targets)] = 1
+# Qwen3.5's chat template in small: an image part is <|vision_start|><|image_pad|>
+# <|vision_end|>, text parts follow; words are the vocabulary's w0 ... w499.
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }} {% if m['content'] is string %}"
+    "{{ m['content'] }}{% else %}{% for p in m['content'] %}{% if p['type'] == 'text' %}"
+    "{{ p['text'] }} {% else %}<|vision_start|><|image_pad|><|vision_end|>{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
+
+
+def vl_tokenizer(config):
+    """A word-level tokenizer whose placeholders have the checkpoint's ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = {"<|image_pad|>": config.image_token_id, "<|video_pad|>": config.video_token_id,
+                "<|vision_start|>": config.vision_start_token_id,
+                "<|vision_end|>": config.vision_end_token_id, "<|im_start|>": 504,
+                "<|im_end|>": 505}
+    vocab = {f"w{i}": i for i in range(500)} | specials | {"user": 506, "assistant": 507}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(list(specials))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                   pad_token="w0")
+    fast.chat_template = TEMPLATE
+    return fast
+
+
+def image_chat_batch(hf, config, tmp_path):
+    """An image chat JSON row rendered by the chat template (loss on the assistant's
+    tokens and its <|im_end|>), as the loss reads it: the image inputs beside the tokens
+    (input_tokens = the row less its last token)."""
+    from easylm.data.text import TextProcessor
+
+    picture(0, 24, 16).save(tmp_path / "photo.png")
+    messages = [{"role": "user", "content": [{"type": "image", "image": "photo.png"},
+                                             {"type": "text", "text": "w40 w41"}]},
+                {"role": "assistant", "content": "w77 w78 w79"}]
+    text = TextProcessor({"chat": True}, vl_tokenizer(config))
+    ids, masks, encoded = qwen_images.encode_image_chat(
+        text, qwen_images.load_image_processor(hf[0]), config, messages,
+        "chats.jsonl line 1", str(tmp_path))
+    assert list(ids[-4:]) == [77, 78, 79, 505] and masks.sum() == 4 and masks[-4:].all()
+    assert (ids == config.image_token_id).sum() == 6  # 6 x 4 patches, 2 x 2 merged
+    n = len(ids) - 1
     batch = {"input_tokens": np.zeros((1, T), np.int32),
-             "target_tokens": np.zeros((1, T), np.int32), "loss_masks": masks,
-             **qwen_images.image_inputs(config, [inputs], [encoded], T)}
-    batch["input_tokens"][0, :len(inputs)] = inputs
-    batch["target_tokens"][0, :len(targets)] = targets
-    return ids, encoded, {k: jnp.asarray(v) for k, v in batch.items()}
+             "target_tokens": np.zeros((1, T), np.int32),
+             "loss_masks": np.zeros((1, T), np.float32),
+             **qwen_images.image_inputs(config, [ids[:-1]], [encoded], T)}
+    batch["input_tokens"][0, :n], batch["target_tokens"][0, :n] = ids[:-1], ids[1:]
+    batch["loss_masks"][0, :n] = masks[1:]
+    return ids, masks, encoded, {k: jnp.asarray(v) for k, v in batch.items()}
 
 
-def test_sft_loss_on_an_image_chat_equals_transformers_labels_loss(hf, ours):
-    """The next-token loss reads the batch's image inputs: = transformers' loss with
-    labels -100 outside the assistant's tokens; its gradient reaches the projector
-    (visual/merger); a few steps on it lower it."""
+def test_sft_loss_on_an_image_chat_equals_transformers_labels_loss(hf, ours, tmp_path):
+    """An image chat row (a local image file) rendered by the chat template; the
+    next-token loss reads the batch's image inputs: = transformers' loss with labels -100
+    outside the assistant's tokens; its gradient reaches the projector (visual/merger);
+    a few steps on it lower it."""
     from easylm.objectives.next_token import next_token_sums
 
     config, params = ours
     model = FAMILY.bind(config)
-    ids, encoded, batch = image_chat_batch(hf, config)
-    row = torch.tensor([ids])
-    labels = torch.full_like(row, -100)
-    labels[0, -4:] = row[0, -4:]
+    ids, masks, encoded, batch = image_chat_batch(hf, config, tmp_path)
+    row = torch.tensor(ids[None].astype(np.int64))
+    labels = torch.where(torch.from_numpy(masks[None]) > 0, row, -100)
     with torch.no_grad():
         expected = hf[1](input_ids=row, labels=labels,
                          pixel_values=torch.from_numpy(np.concatenate([p for p, _ in encoded])),

@@ -70,6 +70,28 @@ def expand_image_tokens(ids, grids, config: Qwen35VLConfig) -> list[int]:
     return out
 
 
+def encode_image_chat(text_processor, image_processor, config: Qwen35VLConfig, messages,
+                      where: str, base_dir: str = ""):
+    """(ids, loss masks, the images' encodings) of one chat whose messages may hold image
+    parts (easylm/data/images.py), rendered by the chat template (`text_processor`, a
+    TextProcessor in chat mode: loss on the assistant's tokens only), each image's
+    placeholder repeated once per merged patch (with no loss)."""
+    from easylm.data.images import chat_images
+
+    encoded = encode_images(image_processor, chat_images(messages, where, base_dir), config)
+    result = text_processor.encode_chats([(messages, 0, where)], parts=True)[0]
+    if isinstance(result, str):  # a row with nothing to train on: its reason
+        raise UserError(result)
+    ids, masks = result
+    places = np.flatnonzero(ids == config.image_token_id)
+    if len(places) != len(encoded):
+        raise UserError(f"{where}: the chat template wrote {len(places)} image placeholder(s) "
+                        f"for the {len(encoded)} image part(s)")
+    repeats = np.ones(len(ids), np.int64)
+    repeats[places] = [tokens_of(grid, config) for _, grid in encoded]
+    return np.repeat(ids, repeats), np.repeat(masks, repeats), encoded
+
+
 def _patch_places(grid: tuple, merge: int) -> np.ndarray:
     """(N, 4): each patch's (row, col, rows, cols), in the processor's order (m x m
     blocks row by row, each block's patches row by row)."""

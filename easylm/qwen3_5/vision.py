@@ -53,8 +53,8 @@ class Qwen35VLConfig(Qwen35Config):
     prefixed vision_)."""
 
     mrope_section: str = field("11,11,10", "rotary frequencies read from the time, height "
-                                           "and width positions (comma-separated, summing to "
-                                           "half the rotary dims)")
+                                           "and width positions (comma-separated, dealt out "
+                                           "interleaved; the rest read time)")
     image_token_id: int = field(248056, "the placeholder token an image embedding replaces")
     video_token_id: int = field(248057, "the video placeholder token (videos are not read)")
     vision_start_token_id: int = field(248053, "the token before an image's placeholders")
@@ -162,24 +162,26 @@ def mrope_axes(config: Qwen35VLConfig) -> np.ndarray:
                     np.where((i % 3 == 2) & (i < 3 * width), 2, 0)).astype(np.int32)
 
 
-class _PatchEmbed(nn.Module):
+class _TowerPart(nn.Module):
+    """A part of the vision tower: its config, dtypes, and dense layers with biases."""
+
     config: Qwen35VLConfig
     dtype: jnp.dtype
     param_dtype: jnp.dtype
 
+    def dense(self, features, name):
+        return nn.Dense(features, dtype=self.dtype, param_dtype=self.param_dtype,
+                        kernel_init=nn.initializers.normal(self.config.initializer_range),
+                        name=name)
+
+
+class _PatchEmbed(_TowerPart):
     @nn.compact
     def __call__(self, pixels):  # (B, P, E) -> (B, P, D)
-        c = self.config
-        return nn.Dense(c.vision_hidden_size, dtype=self.dtype, param_dtype=self.param_dtype,
-                        kernel_init=nn.initializers.normal(c.initializer_range),
-                        name="proj")(pixels.astype(self.dtype))
+        return self.dense(self.config.vision_hidden_size, "proj")(pixels.astype(self.dtype))
 
 
-class _Blocks(nn.Module):
-    config: Qwen35VLConfig
-    dtype: jnp.dtype
-    param_dtype: jnp.dtype
-
+class _Blocks(_TowerPart):
     @nn.compact
     def __call__(self, x, cos, sin, mask):
         c = self.config
@@ -191,34 +193,23 @@ class _Blocks(nn.Module):
         return x
 
 
-class _Merger(nn.Module):
+class _Merger(_TowerPart):
     """norm each patch, then each m x m block's patches side by side through a GELU MLP
     to the text width."""
-
-    config: Qwen35VLConfig
-    dtype: jnp.dtype
-    param_dtype: jnp.dtype
 
     @nn.compact
     def __call__(self, x):  # (B, P, D) -> (B, Q, D_text)
         c = self.config
         B, P, D = x.shape
         wide = D * c.vision_spatial_merge_size ** 2
-        dense = lambda features, name: nn.Dense(
-            features, dtype=self.dtype, param_dtype=self.param_dtype,
-            kernel_init=nn.initializers.normal(c.initializer_range), name=name)
         x = nn.LayerNorm(1e-6, dtype=self.dtype, param_dtype=self.param_dtype, name="norm")(x)
         x = x.reshape(B, P * D // wide, wide)
-        return dense(c.hidden_size, "linear_fc2")(nn.gelu(dense(wide, "linear_fc1")(x),
-                                                          approximate=False))
+        return self.dense(c.hidden_size, "linear_fc2")(
+            nn.gelu(self.dense(wide, "linear_fc1")(x), approximate=False))
 
 
-class Qwen35VisionTower(nn.Module):
+class Qwen35VisionTower(_TowerPart):
     """Image inputs -> each row's merged patch embeddings (B, Q, D_text)."""
-
-    config: Qwen35VLConfig
-    dtype: jnp.dtype
-    param_dtype: jnp.dtype
 
     @nn.compact
     def __call__(self, pixel_values, patch_grid, patch_segments):

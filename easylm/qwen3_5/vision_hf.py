@@ -167,7 +167,7 @@ class Qwen35VLFamily(Qwen35Family):
     config_class = Qwen35VLConfig
     presets = QWEN35_VL_PRESETS
     module_class = Qwen35VLForConditionalGeneration
-    variants = ("lora",)
+    variants = ()  # LoRA and int8 wait for the commands to take the family
     hf = HFAdapter(model_types=tuple(MODEL_TYPES), read_config=read_hf_config,
                    read_params=_read_params, write_params=to_hf)
 
