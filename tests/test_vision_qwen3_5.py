@@ -300,3 +300,31 @@ def test_sft_loss_on_an_image_chat_equals_transformers_labels_loss(hf, ours, tmp
         value, grads = value_and_grad(params, batch)
         losses.append(float(value))
     assert losses[-1] < losses[0], losses
+
+
+def test_sharded_equals_single_device(hf, ours, forward):
+    """Both towers placed by the partition rules over fsdp=2, mp=4 (image inputs split
+    over the batch like the tokens): the log-probabilities of a one-image and a two-image
+    chat = one device's, within REL (sharded sums add in other orders)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from easylm.runtime.sharding import BATCH_AXES, make_mesh, named_shardings
+
+    config, params = ours
+    chats = [prepared(hf, config, [picture(0, 24, 16)]),
+             prepared(hf, config, [picture(0, 24, 16), picture(1, 16, 32)])]
+    rows = np.zeros((2, T), np.int32)
+    for b, (ids, _) in enumerate(chats):
+        rows[b, :len(ids)] = ids
+    inputs = qwen_images.image_inputs(config, [ids for ids, _ in chats],
+                                      [encoded for _, encoded in chats], T)
+    single = forward(params, jnp.asarray(rows), images=inputs).logits
+    mesh = make_mesh("1,2,4")
+    placed = jax.device_put(params, named_shardings(
+        mesh, match_partition_rules(FAMILY.partition_rules(config), params)))
+    split = lambda x: jax.device_put(x, NamedSharding(mesh, P(BATCH_AXES, *(None,) * (x.ndim - 1))))  # noqa: E731
+    with jax.set_mesh(mesh):
+        sharded = jax.jit(FAMILY.bind(config).forward)(
+            placed, split(rows), images={k: split(v) for k, v in inputs.items()}).logits
+    assert placed["visual"]["blocks"]["0"]["attn"]["qkv"]["kernel"].sharding.spec == P("fsdp", "mp")
+    assert_close(np.asarray(sharded), np.asarray(single), REL)
