@@ -140,7 +140,7 @@ def image_inputs(config: Qwen35VLConfig, rows, encoded, length: int) -> dict:
         total = sum(len(patches) for patches, _ in images)
         if total > P:
             raise UserError(f"row {b}: its {len(images)} image(s) have {total} patches, more "
-                            f"than --{'qwen3_5_vl'}.max_image_patches={P}")
+                            f"than --qwen3_5_vl.max_image_patches={P}")
         places = np.flatnonzero(np.asarray(ids) == config.image_token_id)
         if len(places) != total // m ** 2:
             raise UserError(f"row {b}: {len(places)} image tokens for {total // m ** 2} "
