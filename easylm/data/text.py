@@ -182,11 +182,12 @@ class TextProcessor:
             (_get(example, "messages", where, "text_processor.chat=True"), 0, where)
             if isinstance(example, dict) else example for example, where in examples])
 
-    def encode_chats(self, chats):
+    def encode_chats(self, chats, parts: bool = False):
         """chats: (messages, first, where) each, or a value passed through as in `process`.
         Only assistant messages from index `first` on get loss (preference pairs train
-        only the replies after their shared conversation)."""
-        rendered = [(*self._render(chat[0], chat[2], chat[1]), chat[2])
+        only the replies after their shared conversation). `parts`: a message's content
+        may be a list of parts (an image-text model's chats, easylm/data/images.py)."""
+        rendered = [(*self._render(chat[0], chat[2], chat[1], parts), chat[2])
                     if isinstance(chat, tuple) else chat for chat in chats]
         texts = [r[0] for r in rendered if isinstance(r, tuple)]
         encodings = iter(self.tokenizer.backend_tokenizer.encode_batch(
@@ -208,13 +209,14 @@ class TextProcessor:
             results.append((np.asarray(encoding.ids, np.int32), masks))
         return results
 
-    def _render(self, messages, where, first=0):
+    def _render(self, messages, where, first=0, parts=False):
         """The conversation as text and the (begin, end) characters of each assistant turn
         from message `first` on. A turn spans from the end of the prompt that asks for it
         to the end of the turn."""
-        if not is_messages(messages):
+        if not is_messages(messages, parts):
             raise UserError(f"{where}: 'messages' must be a list of "
-                            f"{{\"role\": str, \"content\": str}} objects")
+                            f"{{\"role\": str, \"content\": str"
+                            f"{' or a list of parts' if parts else ''}}} objects")
         render = functools.partial(self.tokenizer.apply_chat_template,
                                    chat_template=self.chat_template, tokenize=False)
         text = render(messages)
@@ -232,11 +234,15 @@ class TextProcessor:
         return text, spans
 
 
-def is_messages(value):
-    """Whether `value` is a list of {"role": str, "content": str} objects."""
+def is_messages(value, parts: bool = False):
+    """Whether `value` is a list of {"role": str, "content": str} objects (with `parts`,
+    a content may also be a list of {"type": ...} parts)."""
+    def content(c):
+        return isinstance(c, str) or (parts and isinstance(c, list) and all(
+            isinstance(p, dict) for p in c))
     return isinstance(value, list) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str)
-        and isinstance(m.get("content"), str) for m in value)
+        isinstance(m, dict) and isinstance(m.get("role"), str) and content(m.get("content"))
+        for m in value)
 
 
 @functools.lru_cache(maxsize=256)

@@ -364,7 +364,8 @@ class _Backbone(nn.Module):
     lm: type
 
     @nn.compact
-    def __call__(self, input_ids, positions, segment_ids, cache):
+    def __call__(self, input_ids, positions, segment_ids, cache, embeddings=None,
+                 rope_positions=None):
         c, lm = self.config, self.lm
         embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype,
                          param_dtype=self.param_dtype,
@@ -384,9 +385,12 @@ class _Backbone(nn.Module):
         x = constrain(x, P(("dp", "ep"), None, PARAMETER_AXES))
         x = constrain(x, P(BATCH_AXES, None, "sp"))
         x = constrain(x, P(BATCH_AXES, "sp", None))  # (B, T, D)
+        if embeddings is not None:  # (values (B, T, D), where (B, T)): an image's, say
+            values, where = embeddings
+            x = jnp.where(where[..., None], values.astype(x.dtype), x)
         length = x.shape[1] if cache is None else cache_length(cache)
         x, inputs = lm.layer_stream(c, x, input_ids, self.dtype, self.param_dtype, length)
-        contexts = self.contexts(positions, segment_ids, cache)
+        contexts = self.contexts(positions, segment_ids, cache, rope_positions)
         if c.scan_layers:
             x, cache = self.scanned(x, contexts, positions, cache, inputs)
         else:
@@ -395,19 +399,21 @@ class _Backbone(nn.Module):
         x = lm.stream_hidden(x)
         return lm.norm(c.rms_norm_eps, self.dtype, self.param_dtype, name="norm")(x), cache
 
-    def contexts(self, positions, segment_ids, cache):
+    def contexts(self, positions, segment_ids, cache, rope_positions=None):
         """Each layer kind's (cos, sin, mask): without a cache the mask is None (plain
         causal) or the segment ids (B, T), and the kernel applies the kind's window (no
         (B, T, T) mask: splash takes segment ids); with a cache, a (B, T, S) mask by
         position that holds the window; under a mesh with sp > 1 a `SplitSequence`
-        (segment ids, no mask) instead."""
+        (segment ids, no mask) instead. The rotary reads `rope_positions` where given
+        (`CausalLM.rotary`), else `positions`."""
         c, lm = self.config, self.lm
+        rope_positions = positions if rope_positions is None else rope_positions
         # A parameter init's (1, 8) dummy need not split: the parameters are the same.
         split = None if self.is_initializing() else SplitSequence.if_split(
             positions, segment_ids, cache)
         if split is not None:  # no (B, T, T) mask: the window is the kind's, applied there
-            return {kind: lm.layer_context(c, kind, (*rotary_embedding(
-                        positions, lm.inv_freq(c, kind), self.dtype), split), segment_ids)
+            return {kind: lm.layer_context(c, kind, (*lm.rotary(
+                        c, kind, rope_positions, self.dtype), split), segment_ids)
                     for kind in dict.fromkeys(lm.layer_kinds(c))}
         mask = segment_ids  # (B, T) or None
         key_positions = positions  # (B, S)
@@ -422,9 +428,8 @@ class _Backbone(nn.Module):
             kind_mask = mask
             if window and cache is not None:  # ... and only the last `window` of them
                 kind_mask = mask & sliding_window_mask(positions, key_positions, window)
-            contexts[kind] = lm.layer_context(c, kind, (*rotary_embedding(
-                positions, lm.inv_freq(c, kind), self.dtype, lm.rope_attention_factor(c, kind)),
-                kind_mask), segment_ids)
+            contexts[kind] = lm.layer_context(c, kind, (*lm.rotary(
+                c, kind, rope_positions, self.dtype), kind_mask), segment_ids)
         return contexts
 
     def scanned(self, x, contexts, positions, cache, inputs=None):
@@ -507,6 +512,15 @@ class CausalLM(nn.Module):
         return 1.0
 
     @classmethod
+    def rotary(cls, config, kind: str, positions, dtype):
+        """cos, sin (B, T, R) of a layer of `kind` at `positions` (B, T): by default
+        `rotary_embedding` of `inv_freq`, scaled by `rope_attention_factor`. A family whose
+        rotary reads more than one position a token (Qwen3.5's multimodal rotary over
+        time, height and width) takes its own positions (B, T, A) here."""
+        return rotary_embedding(positions, cls.inv_freq(config, kind), dtype,
+                                cls.rope_attention_factor(config, kind))
+
+    @classmethod
     def window(cls, config, kind: str) -> int:
         """A sliding window of a layer of `kind` (0: none)."""
         return 0
@@ -542,11 +556,19 @@ class CausalLM(nn.Module):
     @nn.compact
     def __call__(self, input_ids, positions=None, segment_ids=None, cache=None,
                  return_hidden=False):
+        return self.decode(input_ids, positions, segment_ids, cache, return_hidden)
+
+    def decode(self, input_ids, positions=None, segment_ids=None, cache=None,
+               return_hidden=False, embeddings=None, rope_positions=None):
+        """The body of `__call__` (called from a compact method), with what a multimodal
+        model adds: `embeddings` (values (B, T, D), where (B, T)) in place of the tokens'
+        where `where` holds, and `rope_positions` for the rotary (`rotary`)."""
         B, T = input_ids.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         model = _Backbone(self.config, self.dtype, self.param_dtype, type(self), name="model")
-        hidden, new_cache = model(input_ids, positions, segment_ids, cache)  # (B, T, D)
+        hidden, new_cache = model(input_ids, positions, segment_ids, cache, embeddings,
+                                  rope_positions)  # (B, T, D)
         if return_hidden:
             return hidden if cache is None else (hidden, new_cache)
         if self.config.tie_word_embeddings:

@@ -125,20 +125,23 @@ class Model:
 
     def forward(self, params, ids, positions=None, segment_ids=None, cache=None, *,
                 base=None, rng=None, return_hidden=False, router_stats=False,
-                routing=None) -> ForwardOut:
+                routing=None, images=None) -> ForwardOut:
         """The one forward pass every objective, the serving engine and the evaluator run,
         over ids (B, T) at `positions` (B, T; None: 0..T-1), packed documents
         `segment_ids` (B, T) or a `cache` (`init_cache`). return_hidden: the final norm's
         output instead of logits (`head` turns it into logits); router_stats: the MoE
         layers' statistics for the router losses; routing: (L, N, K) expert choices to
-        replay, as router_stats stacks them."""
+        replay, as router_stats stacks them; images: a multimodal model's image inputs
+        (easylm/models/vision.py's `ImageInputs` fields, (B, ...) each), for a module that
+        takes them."""
         collections = {}
         if routing is not None:
             collections[moe.REPLAY] = moe.replay_collection(self.router_params(params, base),
                                                             routing)
         out = self.apply(params, base, rng, collections, ids, positions=positions,
                          segment_ids=segment_ids, cache=cache, return_hidden=return_hidden,
-                         mutable=["router"] if router_stats else False)
+                         mutable=["router"] if router_stats else False,
+                         **({} if images is None else {"images": images}))
         stats = None
         if router_stats:
             out, variables = out
@@ -194,6 +197,9 @@ class ModelFamily:
     # read their own kernels once `config.unfused()`.
     variants: tuple[str, ...] = ()
     hf: HFAdapter | None = None  # None: no Hugging Face checkpoints
+    # Why the commands (train, serve, eval, plan, bench: `variants.build`) refuse this
+    # family as yet, in one line; '': they take it.
+    not_in_commands: str = ""
 
     def partition_rules(self, config: ModelConfig) -> PartitionRules:
         """The table of (regex on a parameter's path, PartitionSpec) that shards it."""

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from easylm.errors import UserError
+from easylm.models import vision
 from easylm.objectives.base import Objective
 from easylm.objectives.router_loss import with_router_loss
 
@@ -61,7 +62,8 @@ def next_token_sums(model, params, batch, rng, base=None) -> LossSums:
     out = model.forward(params, batch["input_tokens"], batch.get("positions"),
                         batch.get("segment_ids"), base=base, rng=rng, return_hidden=chunked,
                         # a mixture of experts: its router losses too
-                        router_stats=model.router_loss is not None)
+                        router_stats=model.router_loss is not None,
+                        images=vision.image_inputs_of(batch))
     if not chunked:
         sums = next_token_loss(out.logits, batch["target_tokens"], batch["loss_masks"])
     else:

@@ -1,0 +1,149 @@
+"""What image-text models share: the image inputs a batch carries, at fixed shapes; a
+vision transformer block with 2-D rotary; and the image's embeddings put in place of its
+placeholder tokens' before the decoder's layers.
+
+The image inputs (`IMAGE_KEYS`, (B, ...) arrays beside the tokens, made on the host by a
+family's processor from the checkpoint's own image processor):
+
+    pixel_values     (B, P, E)  each row's patches, its images one after another, then
+                                zeros up to P (a config's max_image_patches)
+    patch_grid       (B, P, 4)  each patch's (row, column) in its image's patch grid, and
+                                that grid's (rows, columns); zeros for padding
+    patch_segments   (B, P)     which image of the row a patch is in (1, 2, ...; 0: padding):
+                                a patch attends to its own image's only
+    image_tokens     (B, T)     for each token, the merged patch (an index into the row's
+                                vision tower outputs) whose embedding replaces it; -1: none
+    rope_positions   (B, T, A)  a token's rotary positions over A axes (time, height,
+                                width for Qwen3.5's multimodal rotary)
+
+Shape letters: B batch, P patches of a row, Q merged patches, T positions, D width,
+E a patch's values (channels x frames x pixels), N heads, H head dim.
+"""
+
+from typing import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from easylm.models.attention import attention
+from easylm.models.decoder import apply_rotary
+
+IMAGE_KEYS = ("pixel_values", "patch_grid", "patch_segments", "image_tokens", "rope_positions")
+
+
+def axial_rotary(rows, cols, head_dim: int, theta: float, dtype):
+    """cos, sin (B, P, H) of 2-D rotary at patch (rows, cols) (B, P): the first half of a
+    head's frequencies turn with the row, the second with the column (each H/4 frequencies
+    of base `theta` over H/2 dims), laid out for rotate-half like 1-D rotary."""
+    half = head_dim // 2
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, half, 2, dtype=jnp.float32) / half))
+    angles = jnp.concatenate([rows[..., None].astype(jnp.float32) * inv_freq,
+                              cols[..., None].astype(jnp.float32) * inv_freq], axis=-1)
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+
+
+def bilinear_taps(rows, cols, grid_rows, grid_cols, side: int):
+    """(indices, weights) (B, P, 4) into a (side x side) table of learned position
+    embeddings, resampled to each image's grid bilinearly with aligned corners (as
+    torch's F.interpolate(align_corners=True) does): the four neighbours of (rows, cols)
+    (B, P) in an image of (grid_rows, grid_cols) patches."""
+    def axis(index, size):  # (taps (..., 2), weights (..., 2)) along one axis
+        src = index.astype(jnp.float32) * (side - 1) / jnp.maximum(size - 1, 1)
+        floor = jnp.floor(src)
+        raw = floor[..., None] + jnp.arange(2, dtype=jnp.float32)
+        weights = jnp.maximum(1.0 - jnp.abs(src[..., None] - raw), 0.0)
+        return jnp.clip(raw, 0, side - 1).astype(jnp.int32), weights
+
+    h_taps, h_weights = axis(rows, grid_rows)
+    w_taps, w_weights = axis(cols, grid_cols)
+    indices = h_taps[..., :, None] * side + w_taps[..., None, :]
+    weights = h_weights[..., :, None] * w_weights[..., None, :]
+    return indices.reshape(*rows.shape, 4), weights.reshape(*rows.shape, 4)
+
+
+def image_embeddings(merged, image_tokens):
+    """(values (B, T, D), where (B, T)): each token's embedding from `merged` (B, Q, D)
+    where `image_tokens` (B, T) names one, what `CausalLM.decode` puts in place of the
+    token embedding."""
+    where = image_tokens >= 0
+    values = jnp.take_along_axis(merged, jnp.maximum(image_tokens, 0)[..., None], axis=1)
+    return values, where
+
+
+class _Part(nn.Module):
+    """Dense layers with biases, as a vision block's parts make them."""
+
+    dtype: jnp.dtype
+    param_dtype: jnp.dtype
+    initializer_range: float
+
+    def dense(self, features, name):
+        return nn.Dense(features, dtype=self.dtype, param_dtype=self.param_dtype,
+                        kernel_init=nn.initializers.normal(self.initializer_range), name=name)
+
+
+class VisionAttention(_Part):
+    """qkv (D, 3 N H: queries, keys, values), 2-D rotary on whole heads (in fp32, as
+    transformers' apply_rotary_pos_emb_vision), attention under `mask`, proj."""
+
+    num_heads: int = 1
+
+    @nn.compact
+    def __call__(self, x, cos, sin, mask):
+        B, P, D = x.shape
+        N = self.num_heads
+        qkv = self.dense(3 * D, "qkv")(x).reshape(B, P, 3, N, D // N)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        q = apply_rotary(q.astype(jnp.float32), cos, sin).astype(self.dtype)
+        k = apply_rotary(k.astype(jnp.float32), cos, sin).astype(self.dtype)
+        return self.dense(D, "proj")(attention(q, k, v, mask, "xla").reshape(B, P, D))
+
+
+class VisionMLP(_Part):
+    """linear_fc2(activation(linear_fc1(x)))."""
+
+    intermediate_size: int = 0
+    activation: Callable = nn.gelu
+
+    @nn.compact
+    def __call__(self, x):
+        h = self.activation(self.dense(self.intermediate_size, "linear_fc1")(x))
+        return self.dense(x.shape[-1], "linear_fc2")(h)
+
+
+class VisionBlock(nn.Module):
+    """A pre-norm vision transformer block, x + attn(norm1(x)), then x + mlp(norm2(x)),
+    with layer norms. Parameter names are transformers' Qwen-VL vision blocks' (norm1,
+    attn/qkv, attn/proj, mlp/linear_fc1, ...)."""
+
+    num_heads: int
+    intermediate_size: int
+    activation: Callable
+    dtype: jnp.dtype
+    param_dtype: jnp.dtype
+    eps: float = 1e-6
+    initializer_range: float = 0.02
+
+    @nn.compact
+    def __call__(self, x, cos, sin, mask):
+        parts = dict(dtype=self.dtype, param_dtype=self.param_dtype,
+                     initializer_range=self.initializer_range)
+        norm = lambda name: nn.LayerNorm(self.eps, dtype=self.dtype,
+                                         param_dtype=self.param_dtype, name=name)
+        x = x + VisionAttention(**parts, num_heads=self.num_heads, name="attn")(
+            norm("norm1")(x), cos, sin, mask)
+        return x + VisionMLP(**parts, intermediate_size=self.intermediate_size,
+                             activation=self.activation, name="mlp")(norm("norm2")(x))
+
+
+def patch_mask(segments):
+    """(B, P, P): patches of one image attend to each other (padding to padding, which
+    keeps every softmax row finite; nothing reads those)."""
+    return segments[:, :, None] == segments[:, None, :]
+
+
+def image_inputs_of(batch: dict) -> dict | None:
+    """A batch's image inputs (IMAGE_KEYS), or None for a batch of text."""
+    return {key: batch[key] for key in IMAGE_KEYS} if "pixel_values" in batch else None

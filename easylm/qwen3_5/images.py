@@ -1,0 +1,160 @@
+"""Images into Qwen3.5's image inputs (easylm/models/vision.py's IMAGE_KEYS), on the host.
+
+The pixels are the checkpoint's own image processor's (transformers' `AutoImageProcessor`
+read from the checkpoint's preprocessor_config.json, `use_fast=False`: Qwen2-VL's PIL
+processor, which resizes each image to a multiple of patch x merge pixels within its pixel
+budget, normalises it and cuts it into patches, 2 x 2 merge blocks first). Not
+`AutoProcessor`: for Qwen3.5 it also builds a video processor, which needs torchvision.
+
+One image in a token row is the chat template's <|vision_start|><|image_pad|>
+<|vision_end|>; `expand_image_tokens` repeats its <|image_pad|> once per merged patch,
+as transformers' processor does. `image_inputs` then lays out a batch's rows: patches
+padded to max_image_patches, the multimodal rotary's positions (transformers'
+`Qwen3_5Model.get_rope_index`: text counts up one a token, an image's tokens sit on its
+grid from the position it starts at, and the text after it resumes max(rows, cols) later).
+"""
+
+import os
+
+import numpy as np
+
+from easylm.errors import UserError
+from easylm.qwen3_5.vision import Qwen35VLConfig
+
+
+def load_image_processor(directory: str):
+    """The image processor DIR/preprocessor_config.json describes (its PIL class)."""
+    if not os.path.isfile(os.path.join(directory, "preprocessor_config.json")):
+        raise UserError(f"{directory}: no preprocessor_config.json: the image processor "
+                        f"the checkpoint was trained with is needed to read images")
+    from transformers import AutoImageProcessor
+
+    return AutoImageProcessor.from_pretrained(directory, use_fast=False)
+
+
+def encode_images(processor, images, config: Qwen35VLConfig) -> list[tuple[np.ndarray, tuple]]:
+    """[(patches (N, E) float32, (t, rows, cols))] of each PIL image."""
+    out = []
+    for image in images:
+        features = processor(images=[image], return_tensors="np")
+        patches = np.asarray(features["pixel_values"], np.float32)
+        grid = tuple(int(g) for g in np.asarray(features["image_grid_thw"])[0])
+        if patches.shape[1] != config.patch_values():
+            raise UserError(f"the image processor gives patches of {patches.shape[1]} values, "
+                            f"but the model's patch takes {config.patch_values()} "
+                            f"(in_channels x temporal_patch_size x patch_size^2)")
+        out.append((patches, grid))
+    return out
+
+
+def tokens_of(grid: tuple, config: Qwen35VLConfig) -> int:
+    """The merged patches (image tokens) of an image of `grid` (t, rows, cols)."""
+    return int(np.prod(grid)) // config.vision_spatial_merge_size ** 2
+
+
+def expand_image_tokens(ids, grids, config: Qwen35VLConfig) -> list[int]:
+    """`ids` with its k-th image token repeated once per merged patch of image k."""
+    out, k = [], 0
+    for token in ids:
+        if token != config.image_token_id:
+            out.append(token)
+            continue
+        if k == len(grids):
+            raise UserError(f"the text has more image placeholders than the {len(grids)} "
+                            f"image(s) given")
+        out.extend([token] * tokens_of(grids[k], config))
+        k += 1
+    if k != len(grids):
+        raise UserError(f"{len(grids)} image(s) given, but the text has {k} image "
+                        f"placeholder(s)")
+    return out
+
+
+def encode_image_chat(text_processor, image_processor, config: Qwen35VLConfig, messages,
+                      where: str, base_dir: str = ""):
+    """(ids, loss masks, the images' encodings) of one chat whose messages may hold image
+    parts (easylm/data/images.py), rendered by the chat template (`text_processor`, a
+    TextProcessor in chat mode: loss on the assistant's tokens only), each image's
+    placeholder repeated once per merged patch (with no loss)."""
+    from easylm.data.images import chat_images
+
+    encoded = encode_images(image_processor, chat_images(messages, where, base_dir), config)
+    result = text_processor.encode_chats([(messages, 0, where)], parts=True)[0]
+    if isinstance(result, str):  # a row with nothing to train on: its reason
+        raise UserError(result)
+    ids, masks = result
+    places = np.flatnonzero(ids == config.image_token_id)
+    if len(places) != len(encoded):
+        raise UserError(f"{where}: the chat template wrote {len(places)} image placeholder(s) "
+                        f"for the {len(encoded)} image part(s)")
+    repeats = np.ones(len(ids), np.int64)
+    repeats[places] = [tokens_of(grid, config) for _, grid in encoded]
+    return np.repeat(ids, repeats), np.repeat(masks, repeats), encoded
+
+
+def _patch_places(grid: tuple, merge: int) -> np.ndarray:
+    """(N, 4): each patch's (row, col, rows, cols), in the processor's order (m x m
+    blocks row by row, each block's patches row by row)."""
+    t, rows, cols = grid
+    j = np.arange(rows * cols)
+    in_col, in_row = j % merge, (j // merge) % merge
+    block_col = (j // merge ** 2) % (cols // merge)
+    block_row = j // (merge ** 2 * (cols // merge))
+    places = np.stack([block_row * merge + in_row, block_col * merge + in_col,
+                       np.full_like(j, rows), np.full_like(j, cols)], axis=-1)
+    return np.tile(places, (t, 1))
+
+
+def rope_positions(ids, grids, config: Qwen35VLConfig) -> np.ndarray:
+    """(T, 3): each token's (time, height, width) rotary positions."""
+    m = config.vision_spatial_merge_size
+    ids = np.asarray(ids)
+    out = np.zeros((len(ids), 3), np.int64)
+    start, i, k = 0, 0, 0
+    while i < len(ids):
+        if ids[i] != config.image_token_id:
+            out[i] = start
+            start, i = start + 1, i + 1
+            continue
+        t, rows, cols = grids[k]
+        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(rows // m), np.arange(cols // m),
+                                 indexing="ij")
+        n = tt.size
+        out[i:i + n] = np.stack([tt, hh, ww], -1).reshape(n, 3) + start
+        start, i, k = start + max(rows, cols) // m, i + n, k + 1
+    return out
+
+
+def image_inputs(config: Qwen35VLConfig, rows, encoded, length: int) -> dict:
+    """The image inputs (B, ...) of token rows `rows` (each with its image tokens
+    expanded, at most `length` long) whose images `encoded` (per row, `encode_images`'
+    pairs) are; rows shorter than `length` are padded as text."""
+    B, P, m = len(rows), config.max_image_patches, config.vision_spatial_merge_size
+    inputs = {"pixel_values": np.zeros((B, P, config.patch_values()), np.float32),
+              "patch_grid": np.zeros((B, P, 4), np.int32),
+              "patch_segments": np.zeros((B, P), np.int32),
+              "image_tokens": np.full((B, length), -1, np.int32),
+              "rope_positions": np.zeros((B, length, 3), np.int32)}
+    for b, (ids, images) in enumerate(zip(rows, encoded)):
+        grids = [grid for _, grid in images]
+        total = sum(len(patches) for patches, _ in images)
+        if total > P:
+            raise UserError(f"row {b}: its {len(images)} image(s) have {total} patches, more "
+                            f"than --qwen3_5_vl.max_image_patches={P}")
+        places = np.flatnonzero(np.asarray(ids) == config.image_token_id)
+        if len(places) != total // m ** 2:
+            raise UserError(f"row {b}: {len(places)} image tokens for {total // m ** 2} "
+                            f"merged patches of its {len(images)} image(s)")
+        if len(places) and places[-1] >= length:
+            raise UserError(f"row {b}: an image's tokens run past the row's {length} tokens")
+        at = 0
+        for segment, (patches, grid) in enumerate(images, start=1):
+            n = len(patches)
+            inputs["pixel_values"][b, at:at + n] = patches
+            inputs["patch_grid"][b, at:at + n] = _patch_places(grid, m)
+            inputs["patch_segments"][b, at:at + n] = segment
+            at += n
+        inputs["image_tokens"][b, places] = np.arange(len(places))
+        padded = list(ids[:length]) + [0] * (length - min(len(ids), length))
+        inputs["rope_positions"][b] = rope_positions(padded, grids, config)
+    return inputs
