@@ -167,7 +167,7 @@ def prefill_program_bytes(model, seq_length: int, chunk: int) -> int:
                                 "min_bucket": seq_length, "prefill_chunk_size": chunk},
                                model, params)
     args = (engine.weights, engine.state, np.zeros((1, seq_length), np.int32),
-            np.full(1, seq_length, np.int32), np.zeros(1, np.int32),
+            np.full(1, seq_length, np.int32), np.zeros(1, np.int32), None,
             *engine_lib.Sampling.empty(1).arrays())
     m = engine._prefill_fns[False].lower(*args).compile().memory_analysis()
     return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes

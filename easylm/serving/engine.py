@@ -61,6 +61,10 @@ HELP = {
     "decode_unroll": "unroll a decode call's decode_steps steps into one straight-line "
                      "program instead of a loop (longer compile; fewer kernel launches and "
                      "no loop bookkeeping per token)",
+    "share_prompts": "a prompt that several requests of one prefill share (GRPO's "
+                     "num_generations completions of a prompt, identical requests "
+                     "arriving together) runs through the model once and its cache is "
+                     "copied into each request's slot; False: every copy is prefilled",
 }
 
 
@@ -73,6 +77,7 @@ def get_default_config(updates=None) -> ConfigDict:
     config.pre_compile = False
     config.decode_unroll = False
     config.prefill_chunk_size = 512
+    config.share_prompts = True
     if updates is not None:
         config.update(ConfigDict(updates).copy_and_resolve_references())
     return config
@@ -228,6 +233,22 @@ class Sampling:
         return tuple(np.array(a) for a in (self.keys, self.temperature, self.top_k, self.top_p))
 
 
+@dataclasses.dataclass(frozen=True)
+class PromptRows:
+    """A prefill's rows (`Engine._rows`): the prompts it runs, U rows padded to a
+    (row, length) bucket, and the requests they go to, n rows padded to a row bucket."""
+
+    tokens: np.ndarray  # (U, T)
+    lengths: np.ndarray  # (U,)
+    slot_ids: np.ndarray  # (n,), B for padding rows
+    source: np.ndarray | None  # (n,): request i's prompt row; None: row i (U = n)
+
+    @property
+    def request_lengths(self) -> np.ndarray:
+        """(n,): each request's prompt length."""
+        return self.lengths if self.source is None else self.lengths[self.source]
+
+
 @dataclasses.dataclass
 class StagedPrefill:
     """Prompts prefilled one chunk per call (`Engine.begin_prefill`, `prefill_step`), so
@@ -236,10 +257,9 @@ class StagedPrefill:
     which writes it into their slots: until then the slots hold nothing a decode call
     could disturb or sample from."""
 
-    tokens: np.ndarray  # (rows, chunks * C), padded
-    lengths: np.ndarray  # (rows,)
-    slot_ids: np.ndarray  # (rows,), B for padding rows
-    sampling: Sampling  # padded to rows
+    tokens: np.ndarray  # (U, chunks * C), padded
+    rows: "PromptRows"
+    sampling: Sampling  # padded to the requests' rows
     T: int  # the length bucket
     C: int  # the chunk
     carry: object  # on the device: (cache of the prompts, last-token logits)
@@ -328,21 +348,29 @@ def _prompt_forward(model: Model, chunk: int, record: bool, weights, tokens, len
 
 
 def _prefill(model: Model, layout: CacheLayout, sample: bool, chunk: int, record: bool, weights,
-             state, tokens, lengths, slots, keys, temperature, top_k, top_p):
+             state, tokens, lengths, slots, source, keys, temperature, top_k, top_p):
     n, T = tokens.shape
     C, chunks = _chunking(T, chunk)
     start = prompt_cache(model, layout, state[0], slots, n, chunks * C)
     fresh, logits, routing = _prompt_forward(model, chunk, record, weights, tokens, lengths,
                                              start, layout.has_state)
     return _prefill_end(layout, sample, state, fresh, logits, routing, T, lengths, slots,
-                        keys, temperature, top_k, top_p)
+                        source, keys, temperature, top_k, top_p)
 
 
 def _prefill_end(layout: CacheLayout, sample: bool, state, fresh, logits, routing, T: int,
-                 lengths, slots, keys, temperature, top_k, top_p):
-    """Each prompt's first token drawn from its last-token logits, and its cache written
-    into its slot: the engine's state and the outputs (`Engine.prefill`)."""
+                 lengths, slots, source, keys, temperature, top_k, top_p):
+    """Each request's first token drawn from its prompt's last-token logits, and its
+    prompt's cache written into its slot: the engine's state and the outputs
+    (`Engine.prefill`). The prompts (`fresh`, `logits`, `routing`, `lengths`: U rows) are
+    the requests' (`slots`, sampling: n rows) one to one when `source` is None, else
+    request i's prompt is row source[i] (prompts shared by several requests, run once:
+    their cache, a state's included, is copied into each request's slot whole)."""
     cache, last, slot_positions = state
+    if source is not None:
+        fresh = layout.map(lambda b, s, f: jnp.take(f, source, axis=b), fresh)
+        logits, lengths = logits[source], lengths[source]
+        routing = tuple(r[source] for r in routing)
     out = next_tokens(logits, keys, lengths, temperature, top_k, top_p, sample) + routing
     # Padding rows carry slot index B, out of range, and are dropped.
     cache = layout.write_slots(cache, fresh, slots, T)
@@ -359,11 +387,11 @@ def _staged_start(model: Model, rows: int, length: int):
 
 
 def _staged_end(layout: CacheLayout, sample: bool, T: int, state, carry, routing, lengths,
-                slots, keys, temperature, top_k, top_p):
+                slots, source, keys, temperature, top_k, top_p):
     # (chunks of (n, L, C, K)) -> (n, L, T, K)
     routing = tuple(jnp.concatenate(r, axis=2)[:, :, :T] for r in routing)
-    return _prefill_end(layout, sample, state, *carry, routing, T, lengths, slots, keys,
-                        temperature, top_k, top_p)
+    return _prefill_end(layout, sample, state, *carry, routing, T, lengths, slots, source,
+                        keys, temperature, top_k, top_p)
 
 
 def _extend(model: Model, layout: CacheLayout, sample: bool, record: bool, weights, state,
@@ -508,6 +536,8 @@ class Engine:
         self.decode_buckets = buckets(config.seq_length, max(config.min_bucket, config.seq_length // 8))
         # Each slot's position as the device has it (every decode call advances all).
         self.positions = np.zeros(config.batch_size, np.int64)
+        # Prompt tokens since `reset`: run through the model, and shared (`share_prompts`).
+        self.prompt_tokens = {"prefilled": 0, "cached": 0}
         self.state_shardings, self._init_state = self._state_program()
         self.reset()
         # Calls return the state with exactly the shardings it came in with (and small
@@ -565,6 +595,7 @@ class Engine:
         after `release`)."""
         self.state = self._run(self._init_state)
         self.positions[:] = 0
+        self.prompt_tokens = {"prefilled": 0, "cached": 0}
 
     def release(self):
         """Free the cache's device memory until `reset` (an engine that evaluates now and
@@ -590,33 +621,49 @@ class Engine:
         """Device outputs -> host arrays (waits for the call that makes them)."""
         return tuple(np.asarray(x) for x in jax.device_get(out))
 
-    def _rows(self, prompts: list[list[int]], slots: list[int]):
-        """Prompts right-padded to a (row, length) bucket: tokens (rows, T), lengths and
-        slot ids (rows,), B for padding rows."""
+    def _rows(self, prompts: list[list[int]], slots: list[int]) -> "PromptRows":
+        """Prompts right-padded to a (row, length) bucket, each distinct one once when
+        `share_prompts` (else each request's own), and each request's slot and prompt
+        row; counted in `prompt_tokens`."""
         n = len(prompts)
         rows = bucket_for(n, self.row_buckets)
-        T = bucket_for(max(len(p) for p in prompts), self.length_buckets)
-        tokens = np.zeros((rows, T), np.int32)
-        lengths = np.ones(rows, np.int32)
+        distinct, source = {}, np.zeros(rows, np.int32)
         for i, prompt in enumerate(prompts):
+            key = tuple(prompt) if self.config.share_prompts else i
+            source[i] = distinct.setdefault(key, len(distinct))
+        unique = [prompts[source[:n].tolist().index(u)] for u in range(len(distinct))]
+        U = bucket_for(len(unique), self.row_buckets)
+        T = bucket_for(max(len(p) for p in prompts), self.length_buckets)
+        tokens = np.zeros((U, T), np.int32)
+        lengths = np.ones(U, np.int32)
+        for i, prompt in enumerate(unique):
             tokens[i, :len(prompt)] = prompt
             lengths[i] = len(prompt)
         slot_ids = np.full(rows, self.batch_size, np.int32)
         slot_ids[:n] = slots
-        return tokens, lengths, slot_ids
+        ran = sum(map(len, unique))
+        self.prompt_tokens["prefilled"] += ran
+        self.prompt_tokens["cached"] += sum(map(len, prompts)) - ran
+        # None: one row per request (no program with a gather for the common case).
+        return PromptRows(tokens, lengths, slot_ids,
+                          None if len(unique) == n and U == rows else source)
 
     def prefill(self, prompts: list[list[int]], slots: list[int], sampling: Sampling):
         """Write prompts into `slots` and draw their first tokens, all chunks in one call.
         Returns device arrays, rows padded to a bucket: tokens (1, n), logprobs (1, n), top
         ids and logprobs (1, n, N) (recording routing: then the prompts' expert choices
         (1, n, L, T, K))."""
-        tokens, lengths, slot_ids = self._rows(prompts, slots)
+        rows = self._rows(prompts, slots)
         self.state, out = self._run(self._prefill_fns[sampling.samples()], self.weights,
-                                    self.state, tokens, lengths, slot_ids,
-                                    *sampling.pad(len(lengths)).arrays())
-        real = slot_ids < self.batch_size
-        self.positions[slot_ids[real]] = lengths[real]
+                                    self.state, rows.tokens, rows.lengths, rows.slot_ids,
+                                    rows.source, *sampling.pad(len(rows.slot_ids)).arrays())
+        self._placed(rows)
         return out
+
+    def _placed(self, rows: "PromptRows"):
+        """The host's record of the positions of the slots `rows` were written into."""
+        real = rows.slot_ids < self.batch_size
+        self.positions[rows.slot_ids[real]] = rows.request_lengths[real]
 
     def prefill_chunks(self, length: int) -> int:
         """The chunks a prompt of `length` tokens is prefilled in (1: one call suffices)."""
@@ -627,33 +674,32 @@ class Engine:
         """`prefill`, to be run one chunk per `prefill_step` call: nothing touches `slots`
         until the last chunk (decode calls between chunks may run over them as over idle
         slots)."""
-        tokens, lengths, slot_ids = self._rows(prompts, slots)
-        rows, T = tokens.shape
+        rows = self._rows(prompts, slots)
+        U, T = rows.tokens.shape
         C, chunks = _chunking(T, self.config.prefill_chunk_size)
-        start, _, _ = self._staged_fns(rows, T)
-        return StagedPrefill(np.pad(tokens, ((0, 0), (0, chunks * C - T))), lengths, slot_ids,
-                             sampling.pad(rows), T, C, self._run(start))
+        start, _, _ = self._staged_fns(U, T)
+        return StagedPrefill(np.pad(rows.tokens, ((0, 0), (0, chunks * C - T))), rows,
+                             sampling.pad(len(rows.slot_ids)), T, C, self._run(start))
 
     def prefill_step(self, staged: StagedPrefill):
         """Run `staged`'s next chunk; after its last, write its prompts into their slots
         and return `prefill`'s outputs (device arrays), else None."""
-        rows = len(staged.lengths)
-        _, chunk, end = self._staged_fns(rows, staged.T)
+        rows = staged.rows
+        _, chunk, end = self._staged_fns(len(rows.lengths), staged.T)
         at = staged.done * staged.C
         staged.carry, routing = self._run(chunk, self.weights, staged.carry,
                                           staged.tokens[:, at:at + staged.C], np.int32(at),
-                                          staged.lengths)
+                                          rows.lengths)
         staged.routing.append(routing)
         staged.done += 1
         if staged.done < staged.chunks:
             return None
         routing = tuple(zip(*staged.routing))  # per recorded array, its chunks
         self.state, out = self._run(end[staged.sampling.samples()], self.state, staged.carry,
-                                    routing, staged.lengths, staged.slot_ids,
+                                    routing, rows.lengths, rows.slot_ids, rows.source,
                                     *staged.sampling.arrays())
         staged.carry = staged.routing = None
-        real = staged.slot_ids < self.batch_size
-        self.positions[staged.slot_ids[real]] = staged.lengths[real]
+        self._placed(rows)
         return out
 
     def _staged_fns(self, rows: int, T: int):
@@ -781,10 +827,12 @@ class Engine:
 
             for rows in self.row_buckets:
                 for T in self.length_buckets:
-                    # Slot index B: the writes are dropped, the cache stays as it is.
-                    self.prefill([[0] * T] * rows, [self.batch_size] * rows, sampling(rows))
+                    # Distinct prompts (shared ones compile a program of their own when
+                    # first met); slot index B: the writes are dropped, the cache stays.
+                    prompts = [[0] * (T - 1) + [i % self.model.vocab_size] for i in range(rows)]
+                    self.prefill(prompts, [self.batch_size] * rows, sampling(rows))
                     if self.prefill_chunks(T) > 1:  # the batcher's chunk-per-call programs
-                        staged = self.begin_prefill([[0] * T] * rows, [self.batch_size] * rows,
+                        staged = self.begin_prefill(prompts, [self.batch_size] * rows,
                                                     sampling(rows))
                         while (out := self.prefill_step(staged)) is None:
                             pass
@@ -796,3 +844,4 @@ class Engine:
         for rows in self.row_buckets:
             for T in self.length_buckets:
                 self.score([[0] * T] * rows, [[0] * T] * rows)
+        self.prompt_tokens = {"prefilled": 0, "cached": 0}
