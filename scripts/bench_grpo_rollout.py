@@ -113,6 +113,8 @@ def sharing(args, config, model, params, prompts, tokens):
     compile each), timed in turns."""
     engines = {share: engine_lib.Engine({**config, "share_prompts": share}, model, params)
                for share in (True, False)}
+    for engine in engines.values():  # one cache at a time on the device (as GRPO's)
+        engine.release()
     sampling = engine_lib.Sampling.empty(args.rows)
     sampling.keys[:] = sampling_keys(0, 0, 0, 0, args.rows)
     sampling.temperature[:] = 1.0
@@ -124,6 +126,7 @@ def sharing(args, config, model, params, prompts, tokens):
         out, _ = generate(engine, prompts, sampling, args.new_tokens, eos_id=None)
         assert sum(map(len, out)) == tokens
         prefilled[share] = engine.prompt_tokens["prefilled"]
+        engine.release()
 
     for share in engines:
         began = time.perf_counter()

@@ -120,7 +120,7 @@ def test_unrolled_decode_is_the_same_program_without_a_loop(served, tokenizer, l
                                            rtol=0)
         engine = unrolled.engine
         args = (engine.weights, engine.state, *held(engine),
-                *engine_lib.Sampling.empty(engine.batch_size).arrays())
+                engine_lib.Sampling.empty(engine.batch_size))
         for unroll, fns in ((True, engine._decode_fns), (False, looped.engine._decode_fns)):
             hlo = fns[False, 16].lower(*args).as_text()
             assert ("stablehlo.while" in hlo) != unroll
@@ -211,7 +211,7 @@ def test_device_programs_have_no_data_dependent_branch(served):
     for (sample, _), fn in engine._decode_fns.items():
         sampling = engine_lib.Sampling.empty(engine.batch_size)
         sampling.temperature[:] = float(sample)
-        hlo = fn.lower(engine.weights, engine.state, *held(engine), *sampling.arrays()).as_text()
+        hlo = fn.lower(engine.weights, engine.state, *held(engine), sampling).as_text()
         assert "conditional" not in hlo and "stablehlo.case" not in hlo
         assert ("stablehlo.sort" in hlo) == sample  # only a sampling call sorts the vocabulary
 

@@ -447,19 +447,16 @@ class Rollouts:
         real = np.flatnonzero(row_valid)
         sampled = [[t for t, m in zip(e.tokens, e.model) if m] for e in episodes]
         B = len(valid)
-        per_function = np.full((len(self.names), B * G), np.nan)
-        if len(real):
-            examples = [dict(prompts["examples"][i // G], environment_reward=episodes[i].reward)
-                        for i in real]
-            per_function[:, real] = rewards_lib.score(objective.reward_functions, *reward_inputs(
-                examples, [sampled[i] for i in real],
-                [episodes[i].messages[len(shown[i]):] for i in real], chat=True))
+        per_function = self._rewards(
+            real, B, [dict(prompts["examples"][i // G], environment_reward=episodes[i].reward)
+                      for i in real], [sampled[i] for i in real],
+            [episodes[i].messages[len(shown[i]):] for i in real], chat=True)
         truncated = np.asarray([e.truncated for e in episodes])
         keep = row_valid & ~(truncated & o.mask_truncated_completions)
         rows_ = episodes_lib.episode_rows(episodes, T, pad, keep)
         logps = rows_.pop("sampling_logps")
         routing = rows_.pop("routing", None)  # (N, L, T, K), with routing replay
-        batch, metrics = self._assemble(rows_, per_function.reshape(-1, B, G), valid, truncated,
+        batch, metrics = self._assemble(rows_, per_function, valid, truncated,
                                         [len(t) for t in sampled])
         batch["sampling_logps"] = logps.reshape(B, G, T)
         if routing is not None:  # (B, G, L, T, K): what the training forward replays
@@ -556,17 +553,23 @@ class Rollouts:
         texts = objective.tokenizer.batch_decode(
             [completions[i][:-1] if not truncated[i] else completions[i] for i in real],
             skip_special_tokens=True)
-        per_function = np.full((len(self.names), B * G), np.nan)
-        if len(real):
-            scored = rewards_lib.score(objective.reward_functions, *reward_inputs(
-                [prompts["examples"][i // G] for i in real], [completions[i] for i in real],
-                texts))
-            per_function[:, real] = scored
-        per_function = per_function.reshape(-1, B, G)
+        per_function = self._rewards(real, B, [prompts["examples"][i // G] for i in real],
+                                     [completions[i] for i in real], texts)
         keep = row_valid & ~(truncated & o.mask_truncated_completions)
         batch = token_rows(prompt_ids, completions, G, T, objective.tokenizer.pad_token_id or 0,
                            keep)
         return self._assemble(batch, per_function, valid, truncated, [len(c) for c in completions])
+
+    def _rewards(self, real, B: int, examples, completions, texts, chat: bool = False):
+        """Each reward function's rewards (F, B, G) of the rows `real` (their examples,
+        completions and texts, in that order); NaN elsewhere."""
+        G = self.options.num_generations
+        per_function = np.full((len(self.names), B * G), np.nan)
+        if len(real):
+            per_function[:, real] = rewards_lib.score(self.objective.reward_functions,
+                                                      *reward_inputs(examples, completions,
+                                                                     texts, chat=chat))
+        return per_function.reshape(-1, B, G)
 
     def _assemble(self, batch, per_function, valid, truncated, lengths):
         """The host batch (B, G, ...) from the token rows (N, T), each function's rewards
