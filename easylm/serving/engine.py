@@ -28,6 +28,11 @@ state cannot be rewound, so a decode call advances a slot's state only while the
 is live (`Engine.decode`'s active, ends, stop): a slot waiting for `extend` keeps the
 state of its history's end.
 
+Each compiled call (`_prefill`, `_prefill_end`, `_extend`, `_decode`) is bound to one
+`Settings` (the model, the cache layout, greedy or sampling, chunk, steps, window: what a
+program is specialised on) and takes the weights, the state, its rows (`PromptRows`) and
+one `Sampling` value (the rows' keys, temperatures, top-k, top-p).
+
 Shapes: B slots, S cache positions (seq_length), n rows of one prefill or score
 call, T bucketed length, C decode steps per call, V vocabulary, N top logprobs.
 """
