@@ -16,6 +16,13 @@ batcher  easylm.serving.batcher.Batcher.generate: the server's continuous batchi
 Each is timed --repeats times after a warm-up (compilation), in turns so that both see
 the machine's load alike; prints the medians in tokens/s and their ratio (acceptance:
 rollout >= 0.8 x batcher).
+
+    python scripts/bench_grpo_rollout.py --what=sharing --base_model=qwen3_0.6b \
+        --dtype=bf16 --rows=64 --group=8 --prompt_tokens=512 --new_tokens=256
+
+--what=sharing times the rollout alone with the engine's share_prompts on and off: rows
+/ group prompts, each repeated `group` times as GRPO's groups are (on: each prompt
+prefilled once and its cache copied; off: every copy prefilled).
 """
 
 import argparse
@@ -23,6 +30,7 @@ import statistics
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from easylm.data.tokenizer import load_tokenizer
@@ -41,6 +49,10 @@ def main():
     parser.add_argument("--prompt_tokens", type=int, default=16)
     parser.add_argument("--new_tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--what", choices=("batcher", "sharing"), default="batcher")
+    parser.add_argument("--base_model", default="debug", help="a LLaMA-family preset")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--group", type=int, default=1, help="completions per prompt")
     args = parser.parse_args()
     shape = {}
     if args.hidden_size:
@@ -48,15 +60,19 @@ def main():
                      num_attention_heads=4, num_key_value_heads=4)
     if args.layers:
         shape.update(num_hidden_layers=args.layers)
-    model = FAMILY.bind(LLaMAConfig.from_preset("debug", **shape))
+    dtype = jnp.bfloat16 if args.dtype == "bf16" else jnp.float32
+    model = FAMILY.bind(LLaMAConfig.from_preset(args.base_model, **shape), dtype, dtype)
     params = jax.jit(model.init_params)(jax.random.PRNGKey(0))
     seq_length = args.prompt_tokens + args.new_tokens
     config = {"batch_size": args.rows, "seq_length": seq_length,
               "min_bucket": args.prompt_tokens}
     rng = np.random.default_rng(0)
-    prompts = [[1, *rng.integers(3, 512, args.prompt_tokens - 1).tolist()]
-               for _ in range(args.rows)]
+    distinct = [[1, *rng.integers(3, 512, args.prompt_tokens - 1).tolist()]
+                for _ in range(args.rows // args.group)]
+    prompts = [prompt for prompt in distinct for _ in range(args.group)]
     tokens = args.rows * args.new_tokens
+    if args.what == "sharing":
+        return sharing(args, config, model, params, prompts, tokens)
 
     engine = engine_lib.Engine(config, model, params)
     sampling = engine_lib.Sampling.empty(args.rows)
@@ -90,6 +106,44 @@ def main():
     print(f"{args.rows} rows x {args.new_tokens} new tokens after {args.prompt_tokens}, "
           f"{jax.devices()[0].platform}: rollout {rates['rollout']:,.0f} tokens/s, batcher "
           f"{rates['batcher']:,.0f} tokens/s, ratio {rates['rollout'] / rates['batcher']:.2f}")
+
+
+def sharing(args, config, model, params, prompts, tokens):
+    """Rollout tokens/s with share_prompts on and off (medians of --repeats after a
+    compile each), timed in turns."""
+    engines = {share: engine_lib.Engine({**config, "share_prompts": share}, model, params)
+               for share in (True, False)}
+    for engine in engines.values():  # one cache at a time on the device (as GRPO's)
+        engine.release()
+    sampling = engine_lib.Sampling.empty(args.rows)
+    sampling.keys[:] = sampling_keys(0, 0, 0, 0, args.rows)
+    sampling.temperature[:] = 1.0
+    times, prefilled = {True: [], False: []}, {}
+
+    def rollout(share):
+        engine = engines[share]
+        engine.reset()
+        out, _ = generate(engine, prompts, sampling, args.new_tokens, eos_id=None)
+        assert sum(map(len, out)) == tokens
+        prefilled[share] = engine.prompt_tokens["prefilled"]
+        engine.release()
+
+    for share in engines:
+        began = time.perf_counter()
+        rollout(share)  # compile
+        print(f"share_prompts={share}: first rollout (compiles included) "
+              f"{time.perf_counter() - began:.1f}s", flush=True)
+    for _ in range(args.repeats):
+        for share in engines:
+            start = time.perf_counter()
+            rollout(share)
+            times[share].append(time.perf_counter() - start)
+    rates = {share: tokens / statistics.median(t) for share, t in times.items()}
+    print(f"{args.base_model} {args.dtype}, {args.rows // args.group} prompts x {args.group} "
+          f"completions of {args.new_tokens} tokens after {args.prompt_tokens}, "
+          f"{jax.devices()[0].platform}: sharing on {rates[True]:,.0f} tokens/s "
+          f"({prefilled[True]:,} prompt tokens prefilled), off {rates[False]:,.0f} tokens/s "
+          f"({prefilled[False]:,}), ratio {rates[True] / rates[False]:.2f}")
 
 
 if __name__ == "__main__":

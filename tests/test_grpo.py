@@ -872,3 +872,48 @@ def test_a_step_with_no_signal_leaves_the_parameters_bitwise_unchanged(task, tmp
     start, after = (traverse_util.flatten_dict(p, sep="/") for p in (start, after))
     assert start.keys() == after.keys()
     assert [key for key in start if not np.array_equal(start[key], after[key])] == []
+
+
+def test_a_group_prefills_its_prompt_once_and_samples_what_sharing_off_does(task, tmp_path):
+    """--grpo.num_generations=8: a step's rollout runs each prompt through the model once
+    (rollout/prefill_tokens: the distinct prompts' tokens once, the other copies' cached), and
+    its rows (tokens, masks, rewards, advantages) are bitwise those of
+    --grpo.share_prompts=False, which prefills all 8 copies (the twin: 8x the tokens).
+    The engine's log-probabilities and so the loss agree to fp32 rounding, not bitwise:
+    XLA's CPU matmul sums a forward of 8 prompt rows in another order than one of 64."""
+    from test_checkpoint import metrics
+
+    from easylm.objectives.rollouts import Rollouts
+
+    made, real_rollout = [], Rollouts.rollout
+
+    def rollout(self, state, prompts, *args):
+        batch, out = real_rollout(self, state, prompts, *args)
+        rows = [tuple(t[:n]) for t, n in zip(prompts["prompt_tokens"], prompts["prompt_lengths"])]
+        made.append((sum(map(len, rows)), sum(map(len, set(rows))), batch))
+        return batch, out
+
+    got = {}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Rollouts, "rollout", rollout)
+        for share in (True, False):
+            llama_train.main(command(task, tmp_path / str(share), total_steps=1, eval_freq=0,
+                                     **{"eval_dataset.json_dataset.path": "",
+                                        "grpo.share_prompts": share}))
+            got[share] = metrics(tmp_path / str(share))[1]
+    (prompt_tokens, distinct, shared), (_, _, dense) = made
+    # A prompt the batch holds twice (the task repeats some) runs once as well.
+    assert got[True]["data/rollout/prefill_tokens"] == distinct < prompt_tokens
+    assert got[True]["data/rollout/cached_prompt_tokens"] == 8 * prompt_tokens - distinct
+    assert got[False]["data/rollout/prefill_tokens"] == 8 * prompt_tokens
+    assert got[False]["data/rollout/cached_prompt_tokens"] == 0
+    assert shared.keys() == dense.keys()
+    for key in shared:
+        if key != "sampling_logps":
+            np.testing.assert_array_equal(shared[key], dense[key], err_msg=key)
+    # One layer's forward (D=64, F=256, 24 positions: about 8 reductions) to a log-softmax
+    # (twice the logits' error) at the logits' scale, about their log-probabilities'.
+    scale = float(np.abs(dense["sampling_logps"]).max())
+    np.testing.assert_allclose(shared["sampling_logps"], dense["sampling_logps"], rtol=0,
+                               atol=2 * 8 * np.sqrt(256) * EPS32 * scale)
+    assert got[True]["loss"] == pytest.approx(got[False]["loss"], rel=1e-5, abs=1e-7)

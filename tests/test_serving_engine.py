@@ -8,7 +8,7 @@ import pytest
 import torch
 from jax.sharding import NamedSharding, PartitionSpec as P
 from llama_variants import VARIANTS, hf_variant, variant_config
-from numerics import assert_close, assert_differs, forward_rel
+from numerics import assert_close, assert_differs, forward_rel, fp32_rel
 from serving_utils import (  # noqa: F401 (a fixture)
     GREEDY,
     PROMPTS,
@@ -120,7 +120,7 @@ def test_unrolled_decode_is_the_same_program_without_a_loop(served, tokenizer, l
                                            rtol=0)
         engine = unrolled.engine
         args = (engine.weights, engine.state, *held(engine),
-                *engine_lib.Sampling.empty(engine.batch_size).arrays())
+                engine_lib.Sampling.empty(engine.batch_size))
         for unroll, fns in ((True, engine._decode_fns), (False, looped.engine._decode_fns)):
             hlo = fns[False, 16].lower(*args).as_text()
             assert ("stablehlo.while" in hlo) != unroll
@@ -211,7 +211,7 @@ def test_device_programs_have_no_data_dependent_branch(served):
     for (sample, _), fn in engine._decode_fns.items():
         sampling = engine_lib.Sampling.empty(engine.batch_size)
         sampling.temperature[:] = float(sample)
-        hlo = fn.lower(engine.weights, engine.state, *held(engine), *sampling.arrays()).as_text()
+        hlo = fn.lower(engine.weights, engine.state, *held(engine), sampling).as_text()
         assert "conditional" not in hlo and "stablehlo.case" not in hlo
         assert ("stablehlo.sort" in hlo) == sample  # only a sampling call sorts the vocabulary
 
@@ -245,3 +245,100 @@ def test_fitted_spec_drops_axes_that_do_not_divide():
     spec = P(("dp", "fsdp"), None, "mp", None)
     assert engine_lib.fitted_spec(spec, (4, 8, 4, 16), mesh) == spec
     assert engine_lib.fitted_spec(spec, (1, 8, 2, 16), mesh) == P(None, None, None, None)
+
+
+def _sharing_models():
+    """name -> (family, config): each kind of cache the engine holds. LLaMA's K/V, a
+    sliding window (Mistral's 12), gpt-oss's sinks, Qwen3.5's Gated DeltaNet state
+    beside full attention, DeepSeek-V3's latent (and its experts: routing recorded),
+    Gemma 4's K/V stored once for the layers that share it."""
+    from easylm.deepseek_v3.family import FAMILY as DEEPSEEK_V3
+    from easylm.gemma4.family import FAMILY as GEMMA4
+    from easylm.gpt_oss.family import FAMILY as GPT_OSS
+    from easylm.llama.family import FAMILY as LLAMA
+    from easylm.qwen3_5.family import FAMILY as QWEN3_5
+
+    return {"llama": (LLAMA, tiny_config()), "mistral": (LLAMA, variant_config("mistral")),
+            "gpt_oss": (GPT_OSS, GPT_OSS.from_preset("debug", initializer_range=0.2)),
+            # Fewer layers than the presets' (compile time), each kind of layer kept: a
+            # Gated DeltaNet and an attention layer; a dense and an MoE layer; a sliding,
+            # a full, and a sliding layer reading the first one's K/V.
+            "qwen3_5": (QWEN3_5, QWEN3_5.from_preset("debug", initializer_range=0.2,
+                                                     num_hidden_layers=2,
+                                                     full_attention_interval=2)),
+            "deepseek_v3": (DEEPSEEK_V3, DEEPSEEK_V3.from_preset("debug", initializer_range=0.2,
+                                                                 num_hidden_layers=2)),
+            "gemma4": (GEMMA4, GEMMA4.from_preset(
+                "debug", initializer_range=0.2, num_hidden_layers=3, num_kv_shared_layers=1,
+                layer_types="sliding_attention,full_attention,sliding_attention"))}
+
+
+def _shared_rollout(engine, share: bool, prompts, staged: bool, wrong=False):
+    """Greedy outputs of `prompts` on the engine's 8 slots (a prefill, then two decode
+    calls): per call (tokens, logprobs, top ids, top logprobs[, routing]), and the
+    engine's prompt-token counts. `wrong`: each shared prompt's copies are given the
+    cache and logits of the next distinct prompt (the bug the comparison must catch)."""
+    engine.reset()
+    engine.config.share_prompts = share  # read at each prefill: one engine, its programs
+    rows = engine._rows
+
+    def misplaced(prompts, slots):
+        out = rows(prompts, slots)
+        n, distinct = len(prompts), int(out.source[:len(prompts)].max()) + 1
+        out.source[:n] = (out.source[:n] + 1) % distinct
+        return out
+
+    sampling = engine_lib.Sampling.empty(8)
+    slots = list(range(len(prompts)))
+    engine._rows = misplaced if wrong else rows
+    try:
+        if staged:
+            run = engine.begin_prefill(prompts, slots, sampling)
+            while (first := engine.prefill_step(run)) is None:
+                pass
+        else:
+            first = engine.prefill(prompts, slots, sampling)
+    finally:
+        del engine._rows
+    calls = [engine.fetch(first)] + [engine.fetch(engine.decode(sampling)) for _ in range(2)]
+    return calls, dict(engine.prompt_tokens)
+
+
+@pytest.mark.parametrize("name, staged", [(name, False) for name in (
+    "llama", "mistral", "gpt_oss", "qwen3_5", "deepseek_v3", "gemma4")]
+                         + [("qwen3_5", True)])
+def test_a_shared_prompt_is_prefilled_once_and_serves_what_each_copy_would(name, staged):
+    # Two prompts three times each (GRPO's groups) and one alone, 7 requests: with
+    # sharing their 29 distinct tokens run (2 chunks of 8 in the 16 bucket; staged: a
+    # chunk per call, the server's long prompts), the other
+    # 38 are copies; every request's tokens, log-probabilities (and recorded expert
+    # choices) are those of the engine that prefills every copy.
+    family, config = _sharing_models()[name]
+    model = family.bind(config)
+    params = jax.jit(model.init_params)(jax.random.PRNGKey(0))
+    rs = np.random.RandomState(3)
+    a, b, c = (rs.randint(3, config.vocab_size, n).tolist() for n in (13, 6, 10))
+    prompts = [a, a, b, a, b, c, b]
+    engine = engine_lib.Engine({"batch_size": 8, "seq_length": 32, "decode_steps": 4,
+                                "min_bucket": 16, "prefill_chunk_size": 8}, model, params,
+                               record_routing=model.router_loss is not None)
+    dense, dense_count = _shared_rollout(engine, False, prompts, staged)
+    shared, shared_count = _shared_rollout(engine, True, prompts, staged)
+    assert dense_count == {"prefilled": 67, "cached": 0}
+    assert shared_count == {"prefilled": 29, "cached": 38}
+    # The same sums in another order: XLA's CPU matmul blocks a forward of 4 prompt rows
+    # otherwise than one of 8 (logits of one row differ by ~1e-6 between the two). A
+    # log-probability moves by at most twice its logits' error; these logits and
+    # log-probabilities are both of order log(V), so the scale is the log-probabilities'.
+    rel = 2 * fp32_rel(max(config.hidden_size, config.intermediate_size, 32),
+                       12 * config.num_hidden_layers + 2)
+    for d, s in zip(dense, shared):
+        np.testing.assert_array_equal(s[0][:, :7], d[0][:, :7])  # tokens
+        assert_close(s[1][:, :7], d[1][:, :7], rel)  # log-probabilities
+        if len(d) > 4:  # each fed token's expert choices
+            np.testing.assert_array_equal(s[4][:, :7], d[4][:, :7])
+    if name == "llama" and not staged:
+        # Negative twin: copies handed another prompt's cache and logits.
+        wrong, _ = _shared_rollout(engine, True, prompts, staged, wrong=True)
+        assert_differs(np.concatenate([w[1][:, :7] for w in wrong]),
+                       np.concatenate([d[1][:, :7] for d in dense]), rel)

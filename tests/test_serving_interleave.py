@@ -42,7 +42,7 @@ def test_running_streams_decode_between_a_long_prompts_chunks(tokenizer):
         return decode(sampling, active)
 
     def recorded_step(staged):
-        long_slot[:] = staged.slot_ids[:1].tolist()
+        long_slot[:] = staged.rows.slot_ids[:1].tolist()
         out = prefill_step(staged)
         log.append(("chunk", out is not None))
         return out

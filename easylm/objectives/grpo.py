@@ -101,6 +101,10 @@ HELP = {
                            "expert choices in every MoE layer while sampling and the "
                            "training (and scoring) forwards replay them, so that the "
                            "trainer routes as the sampler did (docs/rl.md)",
+    "grpo.share_prompts": "a group's num_generations rows prefill their prompt once and "
+                          "copy its cache (the engine's share_prompts; logged as "
+                          "rollout/prefill_tokens and rollout/cached_prompt_tokens); False: "
+                          "each row prefills its own copy",
     "grpo.tools": "multi-turn tool use: MODULE:FN[,FN...], plain Python functions with type "
                   "hints and an Args: docstring, shown to the model through the chat "
                   "template's tools=; its <tool_call>{json}</tool_call> (Qwen/Hermes) or "
@@ -126,7 +130,8 @@ def get_default_config(updates=None) -> ConfigDict:
         reward_weights="", format_pattern="", length_buffer=0,
         importance_sampling_cap=3.0, importance_sampling_mode="token_truncate",
         importance_sampling_level="token", dynamic_sampling=False, max_sampling_rounds=4,
-        routing_replay=False, tools="", environment="", tool_timeout=10.0, max_turns=4))
+        routing_replay=False, share_prompts=True, tools="", environment="", tool_timeout=10.0,
+        max_turns=4))
     if updates is not None:
         config.update(ConfigDict(updates).copy_and_resolve_references())
     return config

@@ -24,6 +24,7 @@ the first step and serve every later one; its cache is freed between rollouts.
 """
 
 import collections
+import contextlib
 import json
 import time
 
@@ -252,6 +253,18 @@ def gather_prompts(prompts: dict) -> tuple[dict, slice]:
              "examples": examples}, slice(jax.process_index() * b, (jax.process_index() + 1) * b))
 
 
+def generation_metrics(generated: dict, tokens: int) -> dict:
+    """A rollout's generation metrics from `Rollouts._leased`'s record and the tokens it
+    sampled: seconds, tokens per second, the prompt tokens run through the model
+    (prefill_tokens: a prompt a group shares once, with share_prompts) and those copied
+    from a shared prompt's cache (cached_prompt_tokens)."""
+    seconds = generated["seconds"]
+    return {"rollout/generation_seconds": seconds,
+            "rollout/tokens_per_second": tokens / max(seconds, 1e-9),
+            "rollout/prefill_tokens": float(generated["prefilled"]),
+            "rollout/cached_prompt_tokens": float(generated["cached"])}
+
+
 def _nothing(batch: dict) -> dict:
     """`batch` (a rollout's host arrays) as places that count nowhere: not valid, no loss
     mask, no advantage, no reward counted."""
@@ -330,7 +343,8 @@ class Rollouts:
         if key not in self.engines:
             config = engine_lib.get_default_config({
                 "batch_size": n, "seq_length": seq_length,
-                "min_bucket": seq_length - self.options.max_new_tokens})
+                "min_bucket": seq_length - self.options.max_new_tokens,
+                "share_prompts": self.options.share_prompts})
             self.engines[key] = engine_lib.Engine(config, self.objective.model, None, self.mesh,
                                                   record_routing=self.options.routing_replay)
             self.engines[key].release()  # until the first rollout
@@ -378,31 +392,27 @@ class Rollouts:
         pad = objective.tokenizer.pad_token_id or 0
         prompt_ids = [prompts["prompt_tokens"][b, :n].tolist() if n else [pad]
                       for b, n in enumerate(lengths)]
+        # A group's G rows share their prompt: the engine prefills it once (share_prompts).
         repeated = [p for p in prompt_ids for _ in range(G)]
-        n = len(repeated)
-        engine, sampling = self._ready_engine(state, n, T, where)
-        began = time.perf_counter()
         routing = [] if o.routing_replay else None
-        try:
+        with self._leased(state, len(repeated), T, where) as (engine, sampling, generated):
             completions, logprobs = generate(engine, repeated, sampling, o.max_new_tokens,
                                              objective.model.eos_token_id, routing)
-        finally:
-            engine.params = engine.base = None  # the next train step donates these buffers
-            engine.release()
-        seconds = time.perf_counter() - began
         batch, metrics = self._score_rows(prompts, prompt_ids, completions, valid, T)
         batch["sampling_logps"] = completion_values(prompt_ids, logprobs, G, T).reshape(
             batch["loss_masks"].shape)
         if routing is not None:  # (B, G, L, T, K): what the training forward replays
             batch["routing"] = completion_routing(routing, T).reshape(
                 *batch["loss_masks"].shape[:2], *routing[0].shape[1:2], T, -1)
-        tokens = sum(len(c) for c in completions)
-        metrics.update({"rollout/generation_seconds": seconds,
-                        "rollout/tokens_per_second": tokens / max(seconds, 1e-9)})
+        metrics.update(generation_metrics(generated, sum(len(c) for c in completions)))
         return batch, metrics
 
-    def _ready_engine(self, state, n: int, T: int, where: tuple):
-        """(the engine of n rows, reset, on the live parameters; each row's sampling)."""
+    @contextlib.contextmanager
+    def _leased(self, state, n: int, T: int, where: tuple):
+        """(the engine of n rows, reset, on the live parameters; each row's sampling; a
+        dict that holds, once the block ends, the generation's seconds and the engine's
+        prompt-token counts). On leaving, the engine lets go of the parameters (the next
+        train step donates their buffers) and of its cache."""
         o = self.options
         sampling = engine_lib.Sampling.empty(n)
         sampling.keys[:] = sampling_keys(self.objective.config.seed, *where, n)
@@ -414,7 +424,13 @@ class Rollouts:
         if fresh:  # every decode window now: no program at a later step
             engine.compile_decode(sampling.pad(n))
             engine.reset()
-        return engine, sampling
+        generated, began = {}, time.perf_counter()
+        try:
+            yield engine, sampling, generated
+        finally:
+            engine.params = engine.base = None
+            engine.release()
+        generated.update(seconds=time.perf_counter() - began, **engine.prompt_tokens)
 
     def episode_rollout(self, state, prompts: dict, T: int, where: tuple):
         """(host batch, metrics): G multi-turn episodes of each prompt's example with the
@@ -424,41 +440,31 @@ class Rollouts:
         G, valid = o.num_generations, prompts["prompt_lengths"] > 0
         pad = objective.tokenizer.pad_token_id or 0
         episodes, shown = self._episodes(prompts["examples"], valid, T, pad)
-        engine, sampling = self._ready_engine(state, len(episodes), T, where)
-        began = time.perf_counter()
-        try:
+        with self._leased(state, len(episodes), T, where) as (engine, sampling, generated):
             episodes_lib.run_episodes(engine, episodes, sampling, o.max_new_tokens,
                                       o.max_turns, objective.renderer, objective.tokenizer)
-        finally:
-            engine.params = engine.base = None  # the next train step donates these buffers
-            engine.release()
-        seconds = time.perf_counter() - began
         row_valid = np.repeat(valid, G)
         real = np.flatnonzero(row_valid)
         sampled = [[t for t, m in zip(e.tokens, e.model) if m] for e in episodes]
         B = len(valid)
-        per_function = np.full((len(self.names), B * G), np.nan)
-        if len(real):
-            examples = [dict(prompts["examples"][i // G], environment_reward=episodes[i].reward)
-                        for i in real]
-            per_function[:, real] = rewards_lib.score(objective.reward_functions, *reward_inputs(
-                examples, [sampled[i] for i in real],
-                [episodes[i].messages[len(shown[i]):] for i in real], chat=True))
+        per_function = self._rewards(
+            real, B, [dict(prompts["examples"][i // G], environment_reward=episodes[i].reward)
+                      for i in real], [sampled[i] for i in real],
+            [episodes[i].messages[len(shown[i]):] for i in real], chat=True)
         truncated = np.asarray([e.truncated for e in episodes])
         keep = row_valid & ~(truncated & o.mask_truncated_completions)
         rows_ = episodes_lib.episode_rows(episodes, T, pad, keep)
         logps = rows_.pop("sampling_logps")
         routing = rows_.pop("routing", None)  # (N, L, T, K), with routing replay
-        batch, metrics = self._assemble(rows_, per_function.reshape(-1, B, G), valid, truncated,
+        batch, metrics = self._assemble(rows_, per_function, valid, truncated,
                                         [len(t) for t in sampled])
         batch["sampling_logps"] = logps.reshape(B, G, T)
         if routing is not None:  # (B, G, L, T, K): what the training forward replays
             batch["routing"] = routing.reshape(B, G, *routing.shape[1:])
         done = [episodes[i] for i in real] or [episodes_lib.Episode(None, [], [], [], [])]
         envs = [e.env for e in done]
+        metrics.update(generation_metrics(generated, sum(map(len, sampled))))
         metrics.update({
-            "rollout/generation_seconds": seconds,
-            "rollout/tokens_per_second": sum(map(len, sampled)) / max(seconds, 1e-9),
             "rollout/turns_per_episode": float(np.mean([e.turns for e in done])),
             "rollout/prefill_tokens_per_episode": float(np.mean([e.prefilled for e in done])),
             "rollout/tool_calls": float(sum(getattr(v, "calls", 0) for v in envs)),
@@ -498,7 +504,7 @@ class Rollouts:
         resumed run, whose data state counts every batch drawn, samples the same."""
         B = len(prompts["prompt_lengths"])
         parts, found, counts = [], 0, collections.Counter()
-        seconds = tokens = longest = 0.0
+        seconds = tokens = longest = prefilled = cached = 0.0
         for round_ in range(self.options.max_sampling_rounds):
             if round_:
                 try:
@@ -510,6 +516,8 @@ class Rollouts:
             seconds += metrics["rollout/generation_seconds"]
             tokens += metrics["rollout/tokens_per_second"] * metrics["rollout/generation_seconds"]
             longest = max(longest, metrics["completions/max_length"])
+            prefilled += metrics["rollout/prefill_tokens"]
+            cached += metrics["rollout/cached_prompt_tokens"]
             valid = batch["valid"][:, 0] > 0
             signal = np.flatnonzero(valid & ~(batch["frac_reward_zero_std"][:, 0] > 0))
             counts["sampled_groups"] += int(valid.sum())
@@ -528,6 +536,7 @@ class Rollouts:
         batch = {k: np.concatenate([b[k][take] for b, take in parts]) for k in parts[0][0]}
         metrics = {"rollout/generation_seconds": seconds,
                    "rollout/tokens_per_second": tokens / max(seconds, 1e-9),
+                   "rollout/prefill_tokens": prefilled, "rollout/cached_prompt_tokens": cached,
                    "completions/max_length": longest}
         metrics.update({f"dynamic_sampling/{k}": float(counts[k]) for k in (
             "rounds", "sampled_groups", "dropped_groups", "surplus_groups", "empty_groups")})
@@ -544,17 +553,23 @@ class Rollouts:
         texts = objective.tokenizer.batch_decode(
             [completions[i][:-1] if not truncated[i] else completions[i] for i in real],
             skip_special_tokens=True)
-        per_function = np.full((len(self.names), B * G), np.nan)
-        if len(real):
-            scored = rewards_lib.score(objective.reward_functions, *reward_inputs(
-                [prompts["examples"][i // G] for i in real], [completions[i] for i in real],
-                texts))
-            per_function[:, real] = scored
-        per_function = per_function.reshape(-1, B, G)
+        per_function = self._rewards(real, B, [prompts["examples"][i // G] for i in real],
+                                     [completions[i] for i in real], texts)
         keep = row_valid & ~(truncated & o.mask_truncated_completions)
         batch = token_rows(prompt_ids, completions, G, T, objective.tokenizer.pad_token_id or 0,
                            keep)
         return self._assemble(batch, per_function, valid, truncated, [len(c) for c in completions])
+
+    def _rewards(self, real, B: int, examples, completions, texts, chat: bool = False):
+        """Each reward function's rewards (F, B, G) of the rows `real` (their examples,
+        completions and texts, in that order); NaN elsewhere."""
+        G = self.options.num_generations
+        per_function = np.full((len(self.names), B * G), np.nan)
+        if len(real):
+            per_function[:, real] = rewards_lib.score(self.objective.reward_functions,
+                                                      *reward_inputs(examples, completions,
+                                                                     texts, chat=chat))
+        return per_function.reshape(-1, B, G)
 
     def _assemble(self, batch, per_function, valid, truncated, lengths):
         """The host batch (B, G, ...) from the token rows (N, T), each function's rewards

@@ -28,6 +28,11 @@ state cannot be rewound, so a decode call advances a slot's state only while the
 is live (`Engine.decode`'s active, ends, stop): a slot waiting for `extend` keeps the
 state of its history's end.
 
+Each compiled call (`_prefill`, `_prefill_end`, `_extend`, `_decode`) is bound to one
+`Settings` (the model, the cache layout, greedy or sampling, chunk, steps, window: what a
+program is specialised on) and takes the weights, the state, its rows (`PromptRows`) and
+one `Sampling` value (the rows' keys, temperatures, top-k, top-p).
+
 Shapes: B slots, S cache positions (seq_length), n rows of one prefill or score
 call, T bucketed length, C decode steps per call, V vocabulary, N top logprobs.
 """
@@ -61,6 +66,10 @@ HELP = {
     "decode_unroll": "unroll a decode call's decode_steps steps into one straight-line "
                      "program instead of a loop (longer compile; fewer kernel launches and "
                      "no loop bookkeeping per token)",
+    "share_prompts": "a prompt that several requests of one prefill share (GRPO's "
+                     "num_generations completions of a prompt, identical requests "
+                     "arriving together) runs through the model once and its cache is "
+                     "copied into each request's slot; False: every copy is prefilled",
 }
 
 
@@ -73,6 +82,7 @@ def get_default_config(updates=None) -> ConfigDict:
     config.pre_compile = False
     config.decode_unroll = False
     config.prefill_chunk_size = 512
+    config.share_prompts = True
     if updates is not None:
         config.update(ConfigDict(updates).copy_and_resolve_references())
     return config
@@ -199,9 +209,12 @@ def fitted_spec(spec: P, shape, mesh) -> P:
     return P(*dims)
 
 
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["keys", "temperature", "top_k", "top_p"], meta_fields=[])
 @dataclasses.dataclass
 class Sampling:
-    """Per-row sampling settings as host arrays, one entry per row: (rows,)."""
+    """Per-row sampling settings, one entry per row: (rows,). Host arrays, and the one
+    sampling value a compiled call takes (`snapshot`)."""
 
     keys: np.ndarray  # (rows, 2) uint32
     temperature: np.ndarray  # float32, 0 = greedy
@@ -223,9 +236,50 @@ class Sampling:
         """Whether any row samples (temperature > 0); else every row is greedy."""
         return bool((self.temperature > 0).any())
 
-    def arrays(self):
-        # Copies: the batcher edits its arrays while an asynchronous call may still read them.
-        return tuple(np.array(a) for a in (self.keys, self.temperature, self.top_k, self.top_p))
+    def snapshot(self) -> "Sampling":
+        """A copy for a device call: the batcher edits its arrays while an asynchronous
+        call may still read them."""
+        return Sampling(*(np.array(a) for a in dataclasses.astuple(self)))
+
+    def draw(self, logits, positions, sample: bool):
+        """`next_tokens` of logits (rows, V) with these rows' settings."""
+        return next_tokens(logits, self.keys, positions, self.temperature, self.top_k,
+                           self.top_p, sample)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What a compiled engine call is specialised on: one program per value."""
+
+    model: Model
+    layout: CacheLayout
+    sample: bool = False  # some row samples (`next_tokens`' sample); else all greedy
+    record: bool = False  # routing replay: also return each fed token's expert choices
+    chunk: int = 0  # prefill_chunk_size
+    steps: int = 1  # decode_steps
+    unroll: bool = False  # decode_unroll
+    window: int = 0  # decode: the cache positions a call attends over
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["tokens", "lengths", "slot_ids", "source", "starts"],
+                   meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class PromptRows:
+    """A prefill's rows (`Engine._rows`): the prompts it runs, U rows padded to a
+    (row, length) bucket, and the requests they go to, n rows padded to a row bucket;
+    an extend's suffixes (U = n) and where each starts."""
+
+    tokens: np.ndarray  # (U, T)
+    lengths: np.ndarray  # (U,)
+    slot_ids: np.ndarray  # (n,), B for padding rows
+    source: np.ndarray | None  # (n,): request i's prompt row; None: row i (U = n)
+    starts: np.ndarray | None = None  # (n,) extend: each suffix's first position
+
+    @property
+    def request_lengths(self) -> np.ndarray:
+        """(n,): each request's prompt length."""
+        return self.lengths if self.source is None else self.lengths[self.source]
 
 
 @dataclasses.dataclass
@@ -236,10 +290,9 @@ class StagedPrefill:
     which writes it into their slots: until then the slots hold nothing a decode call
     could disturb or sample from."""
 
-    tokens: np.ndarray  # (rows, chunks * C), padded
-    lengths: np.ndarray  # (rows,)
-    slot_ids: np.ndarray  # (rows,), B for padding rows
-    sampling: Sampling  # padded to rows
+    tokens: np.ndarray  # (U, chunks * C), padded
+    rows: "PromptRows"
+    sampling: Sampling  # padded to the requests' rows
     T: int  # the length bucket
     C: int  # the chunk
     carry: object  # on the device: (cache of the prompts, last-token logits)
@@ -327,23 +380,31 @@ def _prompt_forward(model: Model, chunk: int, record: bool, weights, tokens, len
     return fresh, last, tuple(r[:, :, :T] for r in routing)
 
 
-def _prefill(model: Model, layout: CacheLayout, sample: bool, chunk: int, record: bool, weights,
-             state, tokens, lengths, slots, keys, temperature, top_k, top_p):
-    n, T = tokens.shape
-    C, chunks = _chunking(T, chunk)
-    start = prompt_cache(model, layout, state[0], slots, n, chunks * C)
-    fresh, logits, routing = _prompt_forward(model, chunk, record, weights, tokens, lengths,
-                                             start, layout.has_state)
-    return _prefill_end(layout, sample, state, fresh, logits, routing, T, lengths, slots,
-                        keys, temperature, top_k, top_p)
+def _prefill(settings: Settings, weights, state, rows: PromptRows, sampling: Sampling):
+    model, layout = settings.model, settings.layout
+    n, T = rows.tokens.shape
+    C, chunks = _chunking(T, settings.chunk)
+    start = prompt_cache(model, layout, state[0], rows.slot_ids, n, chunks * C)
+    fresh, logits, routing = _prompt_forward(model, settings.chunk, settings.record, weights,
+                                             rows.tokens, rows.lengths, start, layout.has_state)
+    return _prefill_end(settings, state, fresh, logits, routing, rows, sampling)
 
 
-def _prefill_end(layout: CacheLayout, sample: bool, state, fresh, logits, routing, T: int,
-                 lengths, slots, keys, temperature, top_k, top_p):
-    """Each prompt's first token drawn from its last-token logits, and its cache written
-    into its slot: the engine's state and the outputs (`Engine.prefill`)."""
-    cache, last, slot_positions = state
-    out = next_tokens(logits, keys, lengths, temperature, top_k, top_p, sample) + routing
+def _prefill_end(settings: Settings, state, fresh, logits, routing, rows: PromptRows,
+                 sampling: Sampling):
+    """Each request's first token drawn from its prompt's last-token logits, and its
+    prompt's cache written into its slot: the engine's state and the outputs
+    (`Engine.prefill`). The prompts (`fresh`, `logits`, `routing`, `lengths`: U rows) are
+    the requests' (`slots`, sampling: n rows) one to one when `source` is None, else
+    request i's prompt is row source[i] (prompts shared by several requests, run once:
+    their cache, a state's included, is copied into each request's slot whole)."""
+    layout, (cache, last, slot_positions) = settings.layout, state
+    lengths, slots, source, T = rows.lengths, rows.slot_ids, rows.source, rows.tokens.shape[1]
+    if source is not None:
+        fresh = layout.map(lambda b, s, f: jnp.take(f, source, axis=b), fresh)
+        logits, lengths = logits[source], lengths[source]
+        routing = tuple(r[source] for r in routing)
+    out = sampling.draw(logits, lengths, settings.sample) + routing
     # Padding rows carry slot index B, out of range, and are dropped.
     cache = layout.write_slots(cache, fresh, slots, T)
     last = last.at[slots].set(out[0], mode="drop")
@@ -358,18 +419,16 @@ def _staged_start(model: Model, rows: int, length: int):
     return model.init_cache(rows, length), jnp.zeros((rows, model.vocab_size), jnp.float32)
 
 
-def _staged_end(layout: CacheLayout, sample: bool, T: int, state, carry, routing, lengths,
-                slots, keys, temperature, top_k, top_p):
+def _staged_end(settings: Settings, state, carry, routing, rows: PromptRows,
+                sampling: Sampling):
     # (chunks of (n, L, C, K)) -> (n, L, T, K)
-    routing = tuple(jnp.concatenate(r, axis=2)[:, :, :T] for r in routing)
-    return _prefill_end(layout, sample, state, *carry, routing, T, lengths, slots, keys,
-                        temperature, top_k, top_p)
+    routing = tuple(jnp.concatenate(r, axis=2)[:, :, :rows.tokens.shape[1]] for r in routing)
+    return _prefill_end(settings, state, *carry, routing, rows, sampling)
 
 
-def _extend(model: Model, layout: CacheLayout, sample: bool, record: bool, weights, state,
-            tokens, lengths, starts, slots, keys, temperature, top_k, top_p):
-    """Suffixes (n, T) (right-padded, `lengths` real) fed onto the caches of `slots` (n,)
-    at positions starts..starts + T: their rows of the cache are taken whole (S
+def _extend(settings: Settings, weights, state, rows: PromptRows, sampling: Sampling):
+    """Suffixes (n, T) (`rows`: right-padded, `lengths` real) fed onto the caches of
+    `slot_ids` (n,) at positions starts..starts + T: their rows of the cache are taken whole (S
     positions), the suffix written into them and attending over them under the cache's
     causal mask, and written back. Padding writes past a row's suffix (nothing reads them
     before its next tokens overwrite them) or past S (dropped). Each row's next token is
@@ -377,31 +436,30 @@ def _extend(model: Model, layout: CacheLayout, sample: bool, record: bool, weigh
     the cache continues from the slot's state, which must be that of its tokens before
     starts (`_decode` keeps a waiting slot's). With `record`, the suffixes' expert choices
     too (n, L, T, K) (`_forward`), as a prefill's."""
-    params, base = weights
+    model, layout, (params, base) = settings.model, settings.layout, weights
     cache, last, slot_positions = state
+    tokens, lengths, starts, slots = rows.tokens, rows.lengths, rows.starts, rows.slot_ids
     n, T = tokens.shape
     S = layout.cache_length(cache)
-    rows = layout.map(lambda b, s, c: jnp.take(c, slots, axis=b, mode="clip"), cache)
+    held = layout.map(lambda b, s, c: jnp.take(c, slots, axis=b, mode="clip"), cache)
     positions = starts[:, None] + jnp.arange(T, dtype=jnp.int32)  # (n, T)
     # A state (held at the history's end by `_decode`) continues over the suffix; its
     # padding (segment id 0) neither reads nor writes it, as in a prefill's chunks.
     segments = (jnp.arange(T)[None, :] < lengths[:, None]).astype(jnp.int32) \
         if layout.has_state else None
-    logits, rows, routing = _forward(model, record, params, tokens, positions, rows, base,
-                                     segments)
+    logits, held, routing = _forward(model, settings.record, params, tokens, positions, held,
+                                     base, segments)
     picked = logits[jnp.arange(n), lengths - 1].astype(jnp.float32)  # (n, V)
-    out = next_tokens(picked, keys, starts + lengths, temperature, top_k, top_p, sample) + routing
-    cache = layout.write_slots(cache, rows, slots, S)
+    out = sampling.draw(picked, starts + lengths, settings.sample) + routing
+    cache = layout.write_slots(cache, held, slots, S)
     last = last.at[slots].set(out[0], mode="drop")
     slot_positions = slot_positions.at[slots].set(starts + lengths, mode="drop")
     return (cache, last, slot_positions), tuple(x[None] for x in out)
 
 
-def _decode(model: Model, layout: CacheLayout, steps: int, unroll: bool, sample: bool,
-            record: bool, length: int, weights, state, ends, stop, keys, temperature, top_k,
-            top_p):
-    """`steps` tokens for every slot, attending over the first `length` cache positions
-    only (the host picks a length that covers every active slot's positions); a loop, or
+def _decode(settings: Settings, weights, state, ends, stop, sampling: Sampling):
+    """`steps` tokens for every slot, attending over the first `window` cache positions
+    only (the host picks a window that covers every active slot's positions); a loop, or
     with `unroll` the steps one after another in one program.
 
     A cache that holds a state (`CacheLayout.has_state`; else `ends` and `stop` are
@@ -410,6 +468,8 @@ def _decode(model: Model, layout: CacheLayout, steps: int, unroll: bool, sample:
     not live keeps its state, last token and position, so its state stays that of the
     tokens before its input token: what `_extend` continues from, the input token fed
     again. Live slots compute exactly what they would without the mask."""
+    model, layout, length, record = settings.model, settings.layout, settings.window, \
+        settings.record
     params, base = weights
     cache, tokens, positions = state
     S = layout.cache_length(cache)
@@ -424,7 +484,7 @@ def _decode(model: Model, layout: CacheLayout, steps: int, unroll: bool, sample:
         at = jnp.minimum(positions, length - 1)[:, None]
         logits, new, routing = _forward(model, record, params, tokens[:, None], at, window,
                                         base)  # routing: the input token's choices
-        out = next_tokens(logits[:, 0], keys, positions + 1, temperature, top_k, top_p, sample)
+        out = sampling.draw(logits[:, 0], positions + 1, settings.sample)
         if not layout.has_state:
             return (new, out[0], positions + 1), out + tuple(r[:, :, 0] for r in routing)
         live = (positions < ends) & (tokens != stop)  # (B,)
@@ -440,8 +500,9 @@ def _decode(model: Model, layout: CacheLayout, steps: int, unroll: bool, sample:
         return ((window, jnp.where(live, out[0], tokens), jnp.where(live, positions + 1, positions)),
                 out + tuple(r[:, :, 0] for r in routing))
 
+    unroll = settings.steps if settings.unroll else 1
     (window, tokens, positions), outs = jax.lax.scan(step, (window, tokens, positions), None,
-                                                     length=steps, unroll=steps if unroll else 1)
+                                                     length=settings.steps, unroll=unroll)
     if length < S:
         window = layout.write_window(cache, window)
     return (window, tokens, positions), outs  # outs: (C, B, ...)
@@ -508,33 +569,33 @@ class Engine:
         self.decode_buckets = buckets(config.seq_length, max(config.min_bucket, config.seq_length // 8))
         # Each slot's position as the device has it (every decode call advances all).
         self.positions = np.zeros(config.batch_size, np.int64)
+        # Prompt tokens since `reset`: run through the model, and shared (`share_prompts`).
+        self.prompt_tokens = {"prefilled": 0, "cached": 0}
         self.state_shardings, self._init_state = self._state_program()
         self.reset()
         # Calls return the state with exactly the shardings it came in with (and small
         # replicated outputs), so the donated buffers are reused and nothing recompiles.
         out_shardings = {} if mesh is None else {
             "out_shardings": (self.state_shardings, NamedSharding(mesh, P()))}
-        # Two programs each: all rows greedy, or some sampling (`next_tokens`'s `sample`);
-        # the sampling one compiles when a request first samples.
-        self._prefill_fns = {sample: jax.jit(functools.partial(_prefill, model, layout, sample,
-                                                               config.prefill_chunk_size,
-                                                               record_routing),
-                                             donate_argnums=(1,), **out_shardings)
-                             for sample in (False, True)}
-        self._decode_fns = {(sample, length): jax.jit(
-                                functools.partial(_decode, model, layout, config.decode_steps,
-                                                  config.decode_unroll, sample, record_routing,
-                                                  length),
-                                donate_argnums=(1,), **out_shardings)
-                            for sample in (False, True) for length in self.decode_buckets}
+        self.settings = Settings(model, layout, record=record_routing,
+                                 chunk=config.prefill_chunk_size, steps=config.decode_steps,
+                                 unroll=config.decode_unroll)
         self._out_shardings, self.record_routing = out_shardings, record_routing
+
+        def programs(fn, **settings):
+            # Two programs each: all rows greedy, or some sampling (`next_tokens`'s
+            # `sample`); the sampling one compiles when a request first samples.
+            return {sample: jax.jit(functools.partial(fn, dataclasses.replace(
+                        self.settings, sample=sample, **settings)), donate_argnums=(1,),
+                        **out_shardings) for sample in (False, True)}
+
+        self._prefill_fns = programs(_prefill)
+        self._decode_fns = {(sample, length): fn for length in self.decode_buckets
+                            for sample, fn in programs(_decode, window=length).items()}
         self._staged = {}  # (rows, T) -> a staged prefill's programs (`_staged_fns`)
         # Suffix lengths an `extend` call is padded to: short ones (a tool's answer) stay short.
         self.extend_buckets = buckets(config.seq_length, min(8, config.seq_length))
-        self._extend_fns = {sample: jax.jit(functools.partial(_extend, model, layout, sample,
-                                                              record_routing),
-                                            donate_argnums=(1,), **out_shardings)
-                            for sample in (False, True)}
+        self._extend_fns = programs(_extend)
         # Replicated outputs: on several hosts each process can then read them (sharded
         # ones would span devices of other processes).
         self._score_fn = jax.jit(functools.partial(_score, model, config.prefill_chunk_size), **(
@@ -565,6 +626,7 @@ class Engine:
         after `release`)."""
         self.state = self._run(self._init_state)
         self.positions[:] = 0
+        self.prompt_tokens = {"prefilled": 0, "cached": 0}
 
     def release(self):
         """Free the cache's device memory until `reset` (an engine that evaluates now and
@@ -590,33 +652,49 @@ class Engine:
         """Device outputs -> host arrays (waits for the call that makes them)."""
         return tuple(np.asarray(x) for x in jax.device_get(out))
 
-    def _rows(self, prompts: list[list[int]], slots: list[int]):
-        """Prompts right-padded to a (row, length) bucket: tokens (rows, T), lengths and
-        slot ids (rows,), B for padding rows."""
+    def _rows(self, prompts: list[list[int]], slots: list[int]) -> "PromptRows":
+        """Prompts right-padded to a (row, length) bucket, each distinct one once when
+        `share_prompts` (else each request's own), and each request's slot and prompt
+        row; counted in `prompt_tokens`."""
         n = len(prompts)
         rows = bucket_for(n, self.row_buckets)
-        T = bucket_for(max(len(p) for p in prompts), self.length_buckets)
-        tokens = np.zeros((rows, T), np.int32)
-        lengths = np.ones(rows, np.int32)
+        distinct, source = {}, np.zeros(rows, np.int32)
         for i, prompt in enumerate(prompts):
+            key = tuple(prompt) if self.config.share_prompts else i
+            source[i] = distinct.setdefault(key, len(distinct))
+        unique = [prompts[source[:n].tolist().index(u)] for u in range(len(distinct))]
+        U = bucket_for(len(unique), self.row_buckets)
+        T = bucket_for(max(len(p) for p in prompts), self.length_buckets)
+        tokens = np.zeros((U, T), np.int32)
+        lengths = np.ones(U, np.int32)
+        for i, prompt in enumerate(unique):
             tokens[i, :len(prompt)] = prompt
             lengths[i] = len(prompt)
         slot_ids = np.full(rows, self.batch_size, np.int32)
         slot_ids[:n] = slots
-        return tokens, lengths, slot_ids
+        ran = sum(map(len, unique))
+        self.prompt_tokens["prefilled"] += ran
+        self.prompt_tokens["cached"] += sum(map(len, prompts)) - ran
+        # None: one row per request (no program with a gather for the common case).
+        return PromptRows(tokens, lengths, slot_ids,
+                          None if len(unique) == n and U == rows else source)
 
     def prefill(self, prompts: list[list[int]], slots: list[int], sampling: Sampling):
         """Write prompts into `slots` and draw their first tokens, all chunks in one call.
         Returns device arrays, rows padded to a bucket: tokens (1, n), logprobs (1, n), top
         ids and logprobs (1, n, N) (recording routing: then the prompts' expert choices
         (1, n, L, T, K))."""
-        tokens, lengths, slot_ids = self._rows(prompts, slots)
+        rows = self._rows(prompts, slots)
         self.state, out = self._run(self._prefill_fns[sampling.samples()], self.weights,
-                                    self.state, tokens, lengths, slot_ids,
-                                    *sampling.pad(len(lengths)).arrays())
-        real = slot_ids < self.batch_size
-        self.positions[slot_ids[real]] = lengths[real]
+                                    self.state, rows,
+                                    sampling.pad(len(rows.slot_ids)).snapshot())
+        self._placed(rows)
         return out
+
+    def _placed(self, rows: "PromptRows"):
+        """The host's record of the positions of the slots `rows` were written into."""
+        real = rows.slot_ids < self.batch_size
+        self.positions[rows.slot_ids[real]] = rows.request_lengths[real]
 
     def prefill_chunks(self, length: int) -> int:
         """The chunks a prompt of `length` tokens is prefilled in (1: one call suffices)."""
@@ -627,33 +705,31 @@ class Engine:
         """`prefill`, to be run one chunk per `prefill_step` call: nothing touches `slots`
         until the last chunk (decode calls between chunks may run over them as over idle
         slots)."""
-        tokens, lengths, slot_ids = self._rows(prompts, slots)
-        rows, T = tokens.shape
+        rows = self._rows(prompts, slots)
+        U, T = rows.tokens.shape
         C, chunks = _chunking(T, self.config.prefill_chunk_size)
-        start, _, _ = self._staged_fns(rows, T)
-        return StagedPrefill(np.pad(tokens, ((0, 0), (0, chunks * C - T))), lengths, slot_ids,
-                             sampling.pad(rows), T, C, self._run(start))
+        start, _, _ = self._staged_fns(U, T)
+        return StagedPrefill(np.pad(rows.tokens, ((0, 0), (0, chunks * C - T))), rows,
+                             sampling.pad(len(rows.slot_ids)), T, C, self._run(start))
 
     def prefill_step(self, staged: StagedPrefill):
         """Run `staged`'s next chunk; after its last, write its prompts into their slots
         and return `prefill`'s outputs (device arrays), else None."""
-        rows = len(staged.lengths)
-        _, chunk, end = self._staged_fns(rows, staged.T)
+        rows = staged.rows
+        _, chunk, end = self._staged_fns(len(rows.lengths), staged.T)
         at = staged.done * staged.C
         staged.carry, routing = self._run(chunk, self.weights, staged.carry,
                                           staged.tokens[:, at:at + staged.C], np.int32(at),
-                                          staged.lengths)
+                                          rows.lengths)
         staged.routing.append(routing)
         staged.done += 1
         if staged.done < staged.chunks:
             return None
         routing = tuple(zip(*staged.routing))  # per recorded array, its chunks
         self.state, out = self._run(end[staged.sampling.samples()], self.state, staged.carry,
-                                    routing, staged.lengths, staged.slot_ids,
-                                    *staged.sampling.arrays())
+                                    routing, rows, staged.sampling.snapshot())
         staged.carry = staged.routing = None
-        real = staged.slot_ids < self.batch_size
-        self.positions[staged.slot_ids[real]] = staged.lengths[real]
+        self._placed(rows)
         return out
 
     def _staged_fns(self, rows: int, T: int):
@@ -678,8 +754,8 @@ class Engine:
                                               self.layout.has_state),
                             donate_argnums=(1,), **({} if mesh is None else {
                                 "out_shardings": (carry, NamedSharding(mesh, P()))}))
-            end = {sample: jax.jit(functools.partial(_staged_end, self.layout, sample, T),
-                                   donate_argnums=(0,), **self._out_shardings)
+            end = {sample: jax.jit(functools.partial(_staged_end, dataclasses.replace(
+                       self.settings, sample=sample)), donate_argnums=(0,), **self._out_shardings)
                    for sample in (False, True)}
             self._staged[rows, T] = start, chunk, end
         return self._staged[rows, T]
@@ -720,7 +796,7 @@ class Engine:
         if ends is None:  # every slot live
             ends = np.full(self.batch_size, np.iinfo(np.int32).max, np.int32)
         self.state, out = self._run(self._decode_fns[sampling.samples(), length], self.weights,
-                                    self.state, ends, np.int32(stop), *sampling.arrays())
+                                    self.state, ends, np.int32(stop), sampling.snapshot())
         self.positions += self.config.decode_steps
         return out
 
@@ -747,8 +823,8 @@ class Engine:
             tokens[i, :len(suffix)], lengths[i], begin[i], slot_ids[i] = suffix, len(suffix), \
                 start, slot
         self.state, out = self._run(self._extend_fns[sampling.samples()], self.weights,
-                                    self.state, tokens, lengths, begin, slot_ids,
-                                    *sampling.pad(rows).arrays())
+                                    self.state, PromptRows(tokens, lengths, slot_ids, None, begin),
+                                    sampling.pad(rows).snapshot())
         self.positions[slot_ids[:n]] = begin[:n] + lengths[:n]
         return out
 
@@ -781,10 +857,12 @@ class Engine:
 
             for rows in self.row_buckets:
                 for T in self.length_buckets:
-                    # Slot index B: the writes are dropped, the cache stays as it is.
-                    self.prefill([[0] * T] * rows, [self.batch_size] * rows, sampling(rows))
+                    # Distinct prompts (shared ones compile a program of their own when
+                    # first met); slot index B: the writes are dropped, the cache stays.
+                    prompts = [[0] * (T - 1) + [i % self.model.vocab_size] for i in range(rows)]
+                    self.prefill(prompts, [self.batch_size] * rows, sampling(rows))
                     if self.prefill_chunks(T) > 1:  # the batcher's chunk-per-call programs
-                        staged = self.begin_prefill([[0] * T] * rows, [self.batch_size] * rows,
+                        staged = self.begin_prefill(prompts, [self.batch_size] * rows,
                                                     sampling(rows))
                         while (out := self.prefill_step(staged)) is None:
                             pass
@@ -796,3 +874,4 @@ class Engine:
         for rows in self.row_buckets:
             for T in self.length_buckets:
                 self.score([[0] * T] * rows, [[0] * T] * rows)
+        self.prompt_tokens = {"prefilled": 0, "cached": 0}
