@@ -22,7 +22,7 @@ from easylm.errors import UserError
 from easylm.llama.config import LLaMAConfig
 from easylm.llama.model import LLaMAForCausalLM
 from easylm.models import splash
-from easylm.models.attention import attention, xla_attention
+from easylm.models.attention import attention, resolve_implementation, xla_attention
 from easylm.models.decoder import stack_layers, unstack_layers
 from llama_variants import variant_config
 
@@ -180,3 +180,32 @@ def test_llama_with_splash_equals_xla():
     no_window = LLaMAForCausalLM(config.replace(sliding_window=0))
     assert_differs(no_window.apply({"params": params}, ids, segment_ids=segment_ids), logits2,
                    rel)
+
+
+def test_a_cache_falls_back_with_the_same_numbers():
+    # Chunked prefill over a KV cache: a (B, T, S) mask by position, which splash's static
+    # masks do not take; such a call runs dot_product (xla with sinks) under any name.
+    q, k = jnp.zeros((1, 4, N, H)), jnp.zeros((1, 12, K, H))
+    cache_mask = jnp.ones((1, 4, 12), bool)
+    assert resolve_implementation("splash", q, k, cache_mask) == "dot_product"
+    assert resolve_implementation("splash", q, k, cache_mask, sinks=jnp.zeros(N)) == "xla"
+    assert resolve_implementation("auto", q, q, None) == "splash"  # interpret mode: "a TPU"
+    config = variant_config("mistral", sliding_window=8, attention="xla")
+    params = LLaMAForCausalLM(config).init_params(jax.random.PRNGKey(1))
+    ids = jnp.asarray(np.random.RandomState(1).randint(0, config.vocab_size, (2, 24)))
+    logits = {}
+    for name in ("xla", "splash"):
+        model = LLaMAForCausalLM(config.replace(attention=name))
+        cache, chunks = model.init_cache(2, 32), []
+        for start in (0, 12):  # two chunks of 12 into a cache of 32
+            positions = jnp.broadcast_to(jnp.arange(start, start + 12), (2, 12))
+            out, cache = model.apply({"params": params}, ids[:, start:start + 12],
+                                     positions=positions, cache=cache)
+            chunks.append(out)
+        logits[name] = jnp.concatenate(chunks, axis=1)
+    rel = forward_rel(config, 32)
+    assert_close(logits["splash"], logits["xla"], rel)
+    whole = LLaMAForCausalLM(config).apply({"params": params}, ids)  # no cache: the twin's base
+    assert_close(logits["xla"], whole, rel)
+    no_window = LLaMAForCausalLM(config.replace(sliding_window=0)).apply({"params": params}, ids)
+    assert_differs(logits["splash"], no_window, rel)
