@@ -16,14 +16,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from numerics import assert_close, assert_differs, forward_rel, fp32_rel
 
 from easylm.errors import UserError
 from easylm.llama.config import LLaMAConfig
+from easylm.llama.family import FAMILY
 from easylm.llama.model import LLaMAForCausalLM
 from easylm.models import splash
-from easylm.models.attention import attention, xla_attention
+from easylm.models.attention import attention, resolve_implementation, xla_attention
 from easylm.models.decoder import stack_layers, unstack_layers
+from easylm.runtime.sharding import make_mesh
 from llama_variants import variant_config
 
 N, K, H = 4, 2, 32  # GQA: two query heads per kv head
@@ -127,7 +130,6 @@ def test_causal_sinks_soft_cap():
 def test_sharded_rows_and_heads_equal_one_device():
     # Under a mesh the kernel runs in shard_map: rows over fsdp and ep, heads (and their
     # sinks) over mp; the sinks' gradient is summed over the row shards.
-    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
     axes = ("dp", "fsdp", "sp", "ep", "mp")
     mesh = jax.make_mesh((1, 2, 1, 2, 2), axes, axis_types=(AxisType.Auto,) * 5)
     T, ids = 128, packed_ids(4, 128)
@@ -180,3 +182,40 @@ def test_llama_with_splash_equals_xla():
     no_window = LLaMAForCausalLM(config.replace(sliding_window=0))
     assert_differs(no_window.apply({"params": params}, ids, segment_ids=segment_ids), logits2,
                    rel)
+
+
+def test_a_cache_falls_back_with_the_same_numbers():
+    # Chunked prefill over a KV cache: a (B, T, S) mask by position, which splash's static
+    # masks do not take; such a call runs dot_product (xla with sinks) under any name.
+    q, k = jnp.zeros((1, 4, N, H)), jnp.zeros((1, 12, K, H))
+    cache_mask = jnp.ones((1, 4, 12), bool)
+    assert resolve_implementation("splash", q, k, cache_mask) == "dot_product"
+    assert resolve_implementation("splash", q, k, cache_mask, sinks=jnp.zeros(N)) == "xla"
+    assert resolve_implementation("auto", q, q, None) == "splash"  # interpret mode: "a TPU"
+    config = variant_config("mistral", sliding_window=8, attention="xla")
+    params = LLaMAForCausalLM(config).init_params(jax.random.PRNGKey(1))
+    ids = jnp.asarray(np.random.RandomState(1).randint(0, config.vocab_size, (2, 24)))
+    logits = {}
+    for name in ("xla", "splash"):
+        model = LLaMAForCausalLM(config.replace(attention=name))
+        cache, chunks = model.init_cache(2, 32), []
+        for start in (0, 12):  # two chunks of 12 into a cache of 32
+            positions = jnp.broadcast_to(jnp.arange(start, start + 12), (2, 12))
+            out, cache = model.apply({"params": params}, ids[:, start:start + 12],
+                                     positions=positions, cache=cache)
+            chunks.append(out)
+        logits[name] = jnp.concatenate(chunks, axis=1)
+    rel = forward_rel(config, 32)
+    assert_close(logits["splash"], logits["xla"], rel)
+    whole = LLaMAForCausalLM(config).apply({"params": params}, ids)  # no cache: the twin's base
+    assert_close(logits["xla"], whole, rel)
+    no_window = LLaMAForCausalLM(config.replace(sliding_window=0)).apply({"params": params}, ids)
+    assert_differs(logits["splash"], no_window, rel)
+
+
+def test_splash_under_sequence_parallelism_is_refused_in_one_line():
+    model = FAMILY.bind(variant_config("mistral", sliding_window=8, attention="splash"))
+    params = jax.eval_shape(model.init_params, jax.random.key(0))
+    with jax.set_mesh(make_mesh("fsdp=2,sp=4")), pytest.raises(UserError) as error:
+        jax.eval_shape(model.forward, params, np.zeros((2, 32), np.int32))
+    assert str(error.value).startswith("attention=splash under context parallelism")

@@ -33,8 +33,6 @@ V vocabulary, N query heads, K key/value heads, G = N // K, H head dim, E expert
 """
 
 import flax.linen as nn
-import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 

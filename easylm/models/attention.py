@@ -6,7 +6,8 @@ Shapes (letters used throughout easylm):
 
     q: (B, T, N, H)    k, v: (B, S, K, H)
 
-    mask: None            causal self-attention (T == S), over the last `window` keys
+    mask: None            causal (the queries are the last T of S), over the last
+                          `window` keys
           (B, T) int      segment ids: causal inside each document of a packed row, nothing
                           across documents (T == S; with `window`, by place in the row,
                           which is the position inside a document: packing restarts them)
@@ -20,8 +21,8 @@ attn_logit_softcapping; no family here has it yet).
 A sliding window of W (Mistral, Qwen) lets a query see at most the last W keys, itself
 included: key s is visible from query t iff t - W < s <= t, transformers' convention
 (`masking_utils.sliding_window_overlay`: kv_idx > q_idx - sliding_window). With no mask
-the kernels apply it themselves (`window=`); a caller with a mask puts it in the mask
-(`sliding_window_mask`).
+or segment ids the kernels apply it themselves (`window=`); a caller with a (B, T, S) mask
+puts it in the mask (`sliding_window_mask`).
 
 Implementations:
     xla          the plain einsum reference below
