@@ -462,5 +462,4 @@ def test_moe_matmul_flag_is_checked():
 
     with pytest.raises(UserError, match="moe_matmul='cutlass' is not one of"):
         LLaMAConfig.from_preset("debug", moe_matmul="cutlass")
-    assert moe.matmul_kind("auto") == ("megablox" if jax.default_backend() == "tpu"
-                                       else "ragged_dot")
+    assert moe.matmul_kind("auto") == "ragged_dot"  # measured faster on a v5e (docs/moe.md)
