@@ -15,7 +15,7 @@ from easylm.errors import UserError
 from easylm.models import sigmoid_moe
 from easylm.models.config import ModelConfig, field
 from easylm.models.decoder import CausalLM, GatedMLP, RMSNorm, Sublayer
-from easylm.models.moe import ExpertMatmulConfig, RouterLoss
+from easylm.models.moe import MATMULS, ExpertMatmulConfig, RouterLoss
 from easylm.models.sigmoid_moe import SigmoidMoEConfig
 from easylm.runtime.sharding import BATCH_AXES, constrain
 
@@ -55,6 +55,9 @@ class SigmoidMoEDecoderConfig(ExpertMatmulConfig, ModelConfig):
              f"built; 0 (off) is"),
             (self.routed_bias_update_rate >= 0,
              f"routed_bias_update_rate={self.routed_bias_update_rate} must be >= 0"),
+            # DeepSeek-V3's __post_init__ does not reach ExpertMatmulConfig's
+            (self.moe_matmul in MATMULS,
+             f"moe_matmul={self.moe_matmul!r} is not one of {', '.join(MATMULS)}"),
         )
         for ok, message in checks:
             if not ok:
