@@ -462,7 +462,7 @@ def test_moe_matmul_flag_is_checked():
 
     from easylm.deepseek_v3.config import DeepseekV3Config
 
-    for config_class in (LLaMAConfig, DeepseekV3Config):  # DeepSeek checks on its own path
+    for config_class in (LLaMAConfig, DeepseekV3Config):
         with pytest.raises(UserError, match="moe_matmul='cutlass' is not one of"):
             config_class(moe_matmul="cutlass")
     assert moe.matmul_kind("auto") == "ragged_dot"  # measured faster on a v5e (docs/moe.md)

@@ -3,11 +3,7 @@
 from easylm.deepseek_v3 import hf
 from easylm.deepseek_v3.config import DEEPSEEK_V3_PRESETS, DeepseekV3Config
 from easylm.deepseek_v3.model import PARTITION_RULES, DeepseekV3ForCausalLM
-from easylm.models.family import HFAdapter, ModelFamily, layout
-
-
-def _read_params(directory: str, config: DeepseekV3Config, dtype: str = "keep", place=None):
-    return layout(FAMILY, hf.load_hf_params(directory, dtype, place)[1], config)
+from easylm.models.family import HFAdapter, ModelFamily, hf_params_reader
 
 
 class DeepseekV3Family(ModelFamily):
@@ -18,8 +14,9 @@ class DeepseekV3Family(ModelFamily):
     tiny_preset = "debug"
     module_class = DeepseekV3ForCausalLM
     variants = ("lora", "int8")
-    hf = HFAdapter(model_types=("deepseek_v3",), read_config=hf.read_hf_config,
-                   read_params=_read_params, write_params=hf.to_hf)
+    hf = HFAdapter(model_types=("deepseek_v3",), read_config=DeepseekV3Config.read_hf,
+                   write_params=hf.to_hf,
+                   read_params=hf_params_reader(hf.load_hf_params, DeepseekV3ForCausalLM))
 
     def partition_rules(self, config: DeepseekV3Config):
         return PARTITION_RULES

@@ -127,7 +127,7 @@ class ExpertMatmulConfig:
     def __post_init__(self):
         super().__post_init__()
         if self.moe_matmul not in MATMULS:
-            raise UserError(f"moe_matmul={self.moe_matmul!r} is not one of "
+            raise UserError(f"--{self.section}.moe_matmul={self.moe_matmul!r} is not one of "
                             f"{', '.join(MATMULS)}")
 
 

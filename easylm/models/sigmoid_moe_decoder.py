@@ -15,7 +15,7 @@ from easylm.errors import UserError
 from easylm.models import sigmoid_moe
 from easylm.models.config import ModelConfig, field
 from easylm.models.decoder import CausalLM, GatedMLP, RMSNorm, Sublayer
-from easylm.models.moe import MATMULS, ExpertMatmulConfig, RouterLoss
+from easylm.models.moe import ExpertMatmulConfig, RouterLoss
 from easylm.models.sigmoid_moe import SigmoidMoEConfig
 from easylm.runtime.sharding import BATCH_AXES, constrain
 
@@ -27,6 +27,9 @@ HF_MUST_BE = {"hidden_act": "silu", "topk_method": "noaux_tc", "scoring_func": "
 class SigmoidMoEDecoderConfig(ExpertMatmulConfig, ModelConfig):
     """The MoE's fields, DeepSeek-V3's defaults; a family redeclares a default with
     `default(value)` (the help stays this one)."""
+
+    routed_experts_field = "n_routed_experts"
+    experts_per_token_field = "num_experts_per_tok"
 
     moe_intermediate_size: int = field(2048, "one routed (and shared) expert's MLP width")
     n_routed_experts: int = field(256, "routed experts E")
@@ -55,9 +58,6 @@ class SigmoidMoEDecoderConfig(ExpertMatmulConfig, ModelConfig):
              f"built; 0 (off) is"),
             (self.routed_bias_update_rate >= 0,
              f"routed_bias_update_rate={self.routed_bias_update_rate} must be >= 0"),
-            # DeepSeek-V3's __post_init__ does not reach ExpertMatmulConfig's
-            (self.moe_matmul in MATMULS,
-             f"moe_matmul={self.moe_matmul!r} is not one of {', '.join(MATMULS)}"),
         )
         for ok, message in checks:
             if not ok:
