@@ -278,6 +278,14 @@ def _check_plannable(family, config) -> None:
                         f"for an upper bound")
 
 
+def _flash_as_xla(family, config: ConfigDict) -> tuple[ConfigDict, bool]:
+    """(config, flash): a flash attention kernel's config traced as the XLA einsum, whose
+    T x T residuals `_residual_bytes` then leaves out."""
+    if model_flags.model_config(family, config).attention not in FLASH_ATTENTION:
+        return config, False
+    return _changed(config, {f"{family.name}.attention": "xla"}), True
+
+
 def _estimate(config: ConfigDict, family, num_devices: int, num_processes: int) -> Estimate:
     sizes = mesh_sizes(config, num_devices, num_processes)
     data = _dataset(config)
@@ -287,9 +295,7 @@ def _estimate(config: ConfigDict, family, num_devices: int, num_processes: int) 
     T, sp = _row_split(config, data.seq_length, sizes["sp"])
 
     _check_plannable(family, model_flags.model_config(family, config))
-    flash = model_flags.model_config(family, config).attention in FLASH_ATTENTION
-    if flash:  # traced as the XLA einsum, its T x T residuals left out (_residual_bytes)
-        config = _changed(config, {f"{family.name}.attention": "xla"})
+    config, flash = _flash_as_xla(family, config)
     model = variants.build(family, config)
     # A preference pair is two rows; the policy's activations are then those of the
     # language-model loss on them (the reference's forward pass keeps none).
@@ -311,11 +317,10 @@ def _estimate(config: ConfigDict, family, num_devices: int, num_processes: int) 
     if data.segment_ids:
         batch.update(segment_ids=micro, positions=micro)
     mp = sizes["mp"]
-    L = model.num_layers
     saved = [_residual_bytes(_shard_model(family, config, n, mp), batch, sp, flash)
              for n in (1, 2)]
     per_layer = saved[1] - saved[0]
-    activations = saved[0] + (L - 1) * per_layer
+    activations = saved[0] + (model.num_layers - 1) * per_layer
 
     # One layer's backward: with remat its forward is recomputed (everything a layer
     # keeps without remat, less what the policy keeps anyway) ...

@@ -460,7 +460,9 @@ def test_moe_matmul_flag_is_checked():
     from easylm.errors import UserError
     from easylm.llama.config import LLaMAConfig
 
-    with pytest.raises(UserError, match="moe_matmul='cutlass' is not one of"):
-        LLaMAConfig.from_preset("debug", moe_matmul="cutlass")
-    assert moe.matmul_kind("auto") == ("megablox" if jax.default_backend() == "tpu"
-                                       else "ragged_dot")
+    from easylm.deepseek_v3.config import DeepseekV3Config
+
+    for config_class in (LLaMAConfig, DeepseekV3Config):
+        with pytest.raises(UserError, match="moe_matmul='cutlass' is not one of"):
+            config_class(moe_matmul="cutlass")
+    assert moe.matmul_kind("auto") == "ragged_dot"  # measured faster on a v5e (docs/moe.md)

@@ -16,8 +16,9 @@ has), and the results put back in token order and weighted. The grouped matmul i
 `MoEConfig.matmul` (a family's `--<family>.moe_matmul`): `jax.lax.ragged_dot`, or JAX's
 Pallas TPU kernel megablox (`gmm` forward, `gmm` with the weights transposed for the
 rows' gradient, `tgmm` for the weights'; its ops.gmm custom VJP), on rows padded to a
-tile multiple; `auto` is megablox on a TPU and ragged_dot elsewhere. Off a TPU megablox
-runs in Pallas interpret mode (the same numbers, slowly: its CPU tests). With
+tile multiple; `auto` is ragged_dot (faster on a v5e than megablox at the tiles tried:
+`matmul_kind`). Off a TPU megablox runs in Pallas interpret mode (the same numbers,
+slowly: its CPU tests). With
 `capacity_factor` > 0 an expert takes at most ceil(capacity_factor * N * k / E) pairs of
 each batch shard, first choices before second choices, earlier tokens first; the pairs
 past that add nothing (the token keeps its residual) and are counted in `dropped`.
@@ -120,12 +121,13 @@ class ExpertMatmulConfig:
     moe_matmul: str = field("auto", "the experts' grouped matmul: ragged_dot "
                                     "(jax.lax.ragged_dot), megablox (JAX's Pallas TPU kernel; "
                                     "off a TPU in interpret mode: slow, for tests) or auto "
-                                    "(megablox on TPU, ragged_dot elsewhere); the same numbers")
+                                    "(ragged_dot: the faster on a v5e so far, docs/moe.md); "
+                                    "the same numbers")
 
     def __post_init__(self):
         super().__post_init__()
         if self.moe_matmul not in MATMULS:
-            raise UserError(f"moe_matmul={self.moe_matmul!r} is not one of "
+            raise UserError(f"--{self.section}.moe_matmul={self.moe_matmul!r} is not one of "
                             f"{', '.join(MATMULS)}")
 
 
@@ -291,10 +293,13 @@ def expert_mlp(x, params, group_sizes, config: MoEConfig, dtype):
 
 
 def matmul_kind(matmul: str) -> str:
-    """The grouped matmul `MoEConfig.matmul` runs here: auto is megablox on a TPU."""
-    if matmul == "auto":
-        return "megablox" if jax.default_backend() == "tpu" else "ragged_dot"
-    return matmul
+    """The grouped matmul `MoEConfig.matmul` runs: auto is ragged_dot on every backend.
+    Measured on one v5e (2026-12-05, docs/benchmarks.md#experts-and-memory), forward and
+    backward in bf16: at the small MoE's shape (131k rows, D 1024, F 768, 32 experts)
+    ragged_dot 114.6 TFLOP/s, megablox with `_tiling`'s tiles 64.7; at 128 experts, D 2048,
+    68.4 against 44.3. auto picks megablox on a TPU once a tiling beats ragged_dot
+    (scripts/kernel_bench.py sweeps them)."""
+    return "ragged_dot" if matmul == "auto" else matmul
 
 
 def _tiling(M: int, D: int, F: int) -> tuple[int, int, int]:
