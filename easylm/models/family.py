@@ -142,7 +142,9 @@ class Model:
         stats = None
         if router_stats:
             out, variables = out
-            stats = moe.router_stats(variables["router"])
+            # None where no layer routed (the planner's one dense layer of a model whose
+            # first layers are dense).
+            stats = moe.router_stats(variables["router"]) if "router" in variables else None
         new_cache = None
         if cache is not None:
             out, new_cache = out
