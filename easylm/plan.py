@@ -252,8 +252,13 @@ def estimate(config: ConfigDict, family, num_devices: int, num_processes: int = 
         return _estimate(config, family, num_devices, num_processes)
 
 
-def _check_plannable(family, config) -> None:
-    """A UserError when this machine cannot trace `config` (a GPU-only kernel)."""
+def _check_plannable(flags: ConfigDict, family, sizes: dict, T: int) -> None:
+    """A UserError for what the trainer refuses of this mesh (rows of T over sp, experts
+    over ep), and where this machine cannot trace the model (a GPU-only kernel)."""
+    config = model_flags.model_config(family, flags)
+    problems = options.mesh_problems(flags, config, sizes, {"train_dataset": T})
+    if problems:
+        raise UserError(problems[0])
     if config.attention == "cudnn" and jax.default_backend() != "gpu":
         # 'auto' picks it on a GPU only; tracing it needs cuDNN present.
         raise UserError(f"--{family.name}.attention=cudnn can only be planned where cuDNN is: "
@@ -268,12 +273,7 @@ def _estimate(config: ConfigDict, family, num_devices: int, num_processes: int) 
     check_batch_split(data.batch_size, sizes, accumulate)
     rows = data.batch_size // batch_shards(sizes)  # rows of one device per step
     T, sp = data.seq_length, sizes["sp"]
-    model_config = model_flags.model_config(family, config)
-    # What the trainer refuses of this mesh (rows over sp, experts over ep), refused here.
-    problems = options.mesh_problems(config, model_config, sizes, {"train_dataset": T})
-    if problems:
-        raise UserError(problems[0])
-    _check_plannable(family, model_config)
+    _check_plannable(config, family, sizes, T)
     model = variants.build(family, config)
     # A preference pair is two rows; the policy's activations are then those of the
     # language-model loss on them (the reference's forward pass keeps none).

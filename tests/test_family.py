@@ -27,7 +27,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "easylm"
 # The families' packages. Modules outside a family's package allowed to import it: none.
 # The generic commands reach each family through easylm/models/registry.py, which names it
 # by string and imports it lazily; one family never imports another.
-FAMILY_PACKAGES = ("llama", "gemma", "gemma4", "deepseek_v3", "glm4_moe")
+FAMILY_PACKAGES = tuple(registry.FAMILIES)
 ENTRY_POINTS: set[str] = set()
 TOY = toy_family.FAMILY
 

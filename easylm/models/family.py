@@ -246,7 +246,7 @@ def layout(family: ModelFamily, tree, config):
 
 
 def _layout(lm: type, tree, config):
-    return decoder.relayout(tree, config.scan_layers, decoder.period(lm, config),
+    return decoder.relayout(tree, config.scan_layers, decoder.period(config),
                             decoder.scan_blocks(lm, config) if config.scan_layers else None)
 
 

@@ -200,8 +200,3 @@ class DecoderLayer(Sublayer):
 
 class SigmoidMoECausalLM(CausalLM):
     norm = RMSNorm
-
-    @classmethod
-    def period(cls, config: SigmoidMoEDecoderConfig) -> int:
-        # The dense layers come first: one pattern only when all layers are alike.
-        return 1 if len(set(config.layer_kinds())) == 1 else config.num_hidden_layers
