@@ -284,7 +284,7 @@ def _compile_only(config: ConfigDict, model, tx, schedule, mesh) -> dict:
 def _train_main(argv):
     from easylm.models import registry
 
-    family, argv = registry.from_argv(argv)
+    family, argv = registry.from_argv(argv, detect=True)
     usage = "usage: python -m easylm.bench train [--family=NAME] [--flag=value ...]"
     named = objectives.named_in(argv)
     if named not in (None, objectives.DEFAULT):

@@ -57,7 +57,7 @@ def family_in(argv: list[str]) -> tuple[ModelFamily, list[str]]:
     """(the family --family=NAME names, else the one that reads --hf_model's config.json,
     else the default; argv without --family)."""
     named = any(arg.startswith("--family=") for arg in argv)
-    family, argv = registry.from_argv(argv)
+    family, argv = registry.from_argv(argv, detect=True)
     source = next((arg.partition("=")[2] for arg in argv if arg.startswith("--hf_model=")), "")
     if not named and source:
         family = registry.get(registry.family_of(f"hf::{source}") or registry.DEFAULT)

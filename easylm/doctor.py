@@ -185,7 +185,7 @@ def check(config, family=None) -> tuple[list[str], list[str]]:
 def main(argv=None):
     from easylm.models import registry
 
-    family, argv = registry.from_argv(argv or sys.argv)
+    family, argv = registry.from_argv(argv or sys.argv, detect=True)
     usage = "usage: python -m easylm.doctor [--family=NAME] [trainer flags]"
     # The trainer's run defaults too (rows no longer than the model takes, eval rows like
     # the train rows): the lengths checked are those the run would read.

@@ -65,7 +65,7 @@ def model_config(family: ModelFamily, flags: ConfigDict, from_checkpoint: bool =
     recorded = recorded_config(family, flags.get("load_checkpoint", ""), from_checkpoint)
     if recorded is None:
         return family.from_preset(preset, **overrides)
-    return dataclasses.replace(recorded, **overrides)
+    return recorded.replace(**overrides)
 
 
 def recorded_config(family: ModelFamily, spec: str, from_checkpoint: bool = True):

@@ -249,14 +249,6 @@ def _dataset(config: ConfigDict):
     return loader_options(config.train_dataset)
 
 
-def _row_split(config: ConfigDict, T: int, sp: int) -> tuple[int, int]:
-    """(T, sp), rows of T tokens checked to split over sp devices in zig-zag order."""
-    if sp > 1 and T % (2 * sp):
-        raise UserError(f"--train_dataset.{loader_block(config.train_dataset)}.seq_length={T} "
-                        f"must be a multiple of 2*sp = {2 * sp} to split rows over sp={sp}")
-    return T, sp
-
-
 def _strategy(config: ConfigDict) -> str:
     """--context_parallel, as the trainer reads it: how attention splits under sp > 1."""
     return config.get("context_parallel") or DEFAULT_STRATEGY
@@ -269,8 +261,13 @@ def estimate(config: ConfigDict, family, num_devices: int, num_processes: int = 
         return _estimate(config, family, num_devices, num_processes)
 
 
-def _check_plannable(family, config) -> None:
-    """A UserError when this machine cannot trace `config` (a GPU-only kernel)."""
+def _check_plannable(flags: ConfigDict, family, sizes: dict, T: int) -> None:
+    """A UserError for what the trainer refuses of this mesh (rows of T over sp, experts
+    over ep), and where this machine cannot trace the model (a GPU-only kernel)."""
+    config = model_flags.model_config(family, flags)
+    problems = options.mesh_problems(flags, config, sizes, {"train_dataset": T})
+    if problems:
+        raise UserError(problems[0])
     if config.attention == "cudnn" and jax.default_backend() != "gpu":
         # 'auto' picks it on a GPU only; tracing it needs cuDNN present.
         raise UserError(f"--{family.name}.attention=cudnn can only be planned where cuDNN is: "
@@ -292,9 +289,8 @@ def _estimate(config: ConfigDict, family, num_devices: int, num_processes: int) 
     accumulate = config.optimizer.accumulate_gradient_steps
     check_batch_split(data.batch_size, sizes, accumulate)
     rows = data.batch_size // batch_shards(sizes)  # rows of one device per step
-    T, sp = _row_split(config, data.seq_length, sizes["sp"])
-
-    _check_plannable(family, model_flags.model_config(family, config))
+    T, sp = data.seq_length, sizes["sp"]
+    _check_plannable(config, family, sizes, T)
     config, flash = _flash_as_xla(family, config)
     model = variants.build(family, config)
     # A preference pair is two rows; the policy's activations are then those of the
@@ -512,7 +508,7 @@ def report(config: ConfigDict, family, num_devices: int, num_processes: int,
         f"{data.seq_length} tokens per step | compute {compute}"
         f"{' (--dtype=auto on ' + jax.default_backend() + ')' if config.dtype == 'auto' else ''}, "
         f"parameters {'/'.join(trained)} | {config.optimizer.type} | remat "
-        f"{model.config.get('remat_policy', 'none')}",
+        f"{model.config['remat_policy']}",
         "per device:",
     ]
     lines += [f"  {name:<12} {_size(size):>12}" for name, size in plan.rows()]
@@ -587,7 +583,7 @@ def help_entries(family, objective: str | None = None) -> dict:
 def main(argv=None):
     from easylm.models import registry
 
-    family, argv = registry.from_argv(argv or sys.argv)
+    family, argv = registry.from_argv(argv or sys.argv, detect=True)
     usage = (f"{__doc__.strip().splitlines()[0]}\n\n  python -m easylm.plan "
              f"--{family.name}.base_model=... --mesh_dim=1,-1,1 --plan.device_memory_gib=80\n\n"
              f"usage: python -m easylm.plan [--family=NAME] [trainer flags] "

@@ -27,7 +27,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "easylm"
 # The families' packages. Modules outside a family's package allowed to import it: none.
 # The generic commands reach each family through easylm/models/registry.py, which names it
 # by string and imports it lazily; one family never imports another.
-FAMILY_PACKAGES = ("llama", "gemma", "gemma4", "deepseek_v3", "glm4_moe")
+FAMILY_PACKAGES = tuple(registry.FAMILIES)
 ENTRY_POINTS: set[str] = set()
 TOY = toy_family.FAMILY
 
@@ -93,7 +93,8 @@ def test_the_generic_commands_take_the_family_of_what_they_load(tmp_path, capsys
         (hf / "config.json").write_text(json.dumps({"model_type": model_type}))
         family, rest = registry.from_argv(["prog", f"--load_checkpoint=hf::{hf}"], detect=True)
         assert family is llama and rest == ["prog", f"--load_checkpoint=hf::{hf}"]
-    # Not detected unless asked (plan, bench, doctor take --family or the default).
+    # Not detected unless asked (every command asks: train, serve, eval, plan, bench, doctor,
+    # convert).
     (tmp_path / "gpt2").mkdir()
     (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     argv = ["prog", f"--load_checkpoint=hf::{tmp_path / 'gpt2'}"]
@@ -117,6 +118,48 @@ def test_the_generic_commands_take_the_family_of_what_they_load(tmp_path, capsys
     message = one_line_error(serve.main, ["serve", "--family=gpt"], capsys)
     assert message == ("--family='gpt' is not one of llama, gemma, gpt_oss, qwen3_5, "
                        "deepseek_v3, glm4_moe, gemma4, qwen3_5_vl (or MODULE:ATTRIBUTE)")
+
+
+def _tiny_hf_directory(name, directory, **changes):
+    """config.json of family `name`'s tiny preset (all plan and doctor read of it)."""
+    family = registry.get(name)
+    config = family.from_preset(family.tiny_preset or family.default_preset, **changes)
+    hf = config.to_hf_config()
+    if name == "deepseek_v3":  # a multi-token-prediction layer, said once per command
+        hf.num_nextn_predict_layers = 1
+    hf.save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize("name", list(registry.FAMILIES))
+def test_plan_and_doctor_read_every_familys_hf_directory(name, tmp_path, capsys):
+    from easylm import doctor
+
+    for main, command in ((plan.main, ["plan", "--plan.device_memory_gib=1"]),
+                          (doctor.main, ["doctor", f"--logger.output_dir={tmp_path}",
+                                         f"--compilation_cache_dir={tmp_path / 'cache'}"])):
+        directory = _tiny_hf_directory(name, tmp_path / command[0])
+        with pytest.raises(SystemExit) as e:
+            main([*command, f"--load_checkpoint=hf::{directory}", "--mesh_dim=1,-1,1",
+                  "--train_dataset.json_dataset.seq_length=32",
+                  "--train_dataset.json_dataset.batch_size=8"])
+        out, err = capsys.readouterr()
+        assert e.value.code == 0, err
+        if main is plan.main:
+            assert out.startswith(f"plan: hf::{directory} ("), out
+        notes = [line for line in err.splitlines() if "multi-token-prediction" in line]
+        assert len(notes) == (name == "deepseek_v3"), err  # was 2 or 3 times
+
+
+def test_plan_refuses_the_mesh_the_trainer_refuses(tmp_path, capsys):
+    """Gemma 4's 6 experts over ep=4: the trainer's line, from the planner too."""
+    directory = _tiny_hf_directory("gemma4", tmp_path, enable_moe_block=True, num_experts=6,
+                                   top_k_experts=2, moe_intermediate_size=16)
+    message = one_line_error(plan.main, [
+        "plan", f"--load_checkpoint=hf::{directory}", "--mesh_dim=dp=1,fsdp=2,ep=4",
+        "--plan.num_devices=8", "--train_dataset.json_dataset.batch_size=8"], capsys)
+    assert message.startswith("--gemma4.num_experts=6 experts cannot be split over ep=4 of "
+                              "--mesh_dim=dp=1,fsdp=2,ep=4"), message
 
 
 # ------------------------------------------------- the second family, end to end

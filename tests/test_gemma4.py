@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from easylm.gemma4 import hf
 from easylm.gemma4.family import FAMILY
+from easylm.models import decoder
 from easylm.serving.engine import Engine, Sampling
 
 V = 512  # the embedded tokenizer's, for the training run
@@ -439,7 +440,7 @@ def test_scanned_layers_equal_the_layers_one_by_one():
         "debug", num_hidden_layers=5, layer_types=",".join(KINDS[1:3] * 2 + KINDS[:1]),
         hidden_size_per_layer_input=0, num_kv_shared_layers=0, initializer_range=0.2)
     scanned = config.replace(scan_layers=True)
-    assert FAMILY.module_class.period(config) == 2
+    assert decoder.period(config) == 2
     loss_and_grads = _loss_and_grads(40, 41)
     params = jax.jit(FAMILY.bind(config).init_params)(jax.random.key(0))
     stacked = layout(FAMILY, params, scanned)

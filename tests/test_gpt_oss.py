@@ -27,6 +27,7 @@ from easylm.gpt_oss.config import GptOssConfig, from_hf_dict
 from easylm.gpt_oss.family import FAMILY
 from easylm.gpt_oss.model import GptOssForCausalLM
 from easylm.models import registry
+from easylm.models.decoder import period
 from easylm.models.hf_checkpoint import HFTensors
 
 SEQ = 16
@@ -137,9 +138,8 @@ def test_loss_with_the_aux_term_is_transformers_outputs_loss(pair):
 
 def test_the_scanned_pattern_is_sliding_then_full(pair):
     config = pair[0]
-    assert GptOssForCausalLM.period(config) == 2
-    assert GptOssForCausalLM.period(config.replace(layer_types="full_attention," * 2 +
-                                                   "full_attention")) == 1
+    assert period(config) == 2
+    assert period(config.replace(layer_types="full_attention," * 2 + "full_attention")) == 1
 
 
 def test_router_stats_are_sown_per_layer(pair):

@@ -184,6 +184,25 @@ def test_models_import_no_flag_code_and_eval_no_family():
             assert not edges & flag_code, (name, edges & flag_code)
             text = modules()[name].read_text()
             assert "ml_collections" not in text and "absl" not in text, name
-    families = {"easylm.llama", "easylm.gemma", "easylm.gpt_oss", "easylm.qwen3_5"}
+    from easylm.models import registry
+
+    families = {f"easylm.{name}" for name in registry.FAMILIES}  # every family's package
     assert not {edge.rpartition(".")[0] for edge in graph["easylm.eval"]} & families
     assert "importlib" not in modules()["easylm.eval"].read_text()
+
+
+def test_docs_families_walks_every_family_with_its_files_lengths():
+    """docs/families.md's table: one row per registered family, each file's line count as
+    the file has it now (as tests/test_readme.py holds the README to its numbers)."""
+    import re
+
+    from easylm.models import registry
+
+    text = (ROOT.parent / "docs" / "families.md").read_text()
+    rows = re.findall(r"^\| `easylm/(\w+)/` \|.*\| (\d+) \| (\d+) \| (\d+) \| (\d+) \|$", text,
+                      re.MULTILINE)
+    assert [name for name, *_ in rows] == list(registry.FAMILIES)
+    for name, *counts in rows:
+        lengths = [len((ROOT / name / f"{part}.py").read_text().splitlines())
+                   for part in ("config", "model", "hf", "family")]
+        assert list(map(int, counts)) == lengths, name

@@ -42,7 +42,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from easylm.gemma.config import GemmaConfig
-from easylm.models.decoder import Attention, CausalLM, GatedMLP, Sublayer, pattern_period
+from easylm.models.decoder import Attention, CausalLM, GatedMLP, Sublayer
 from easylm.runtime.sharding import BATCH_AXES, constrain
 
 _LAYER_RULES = (
@@ -116,11 +116,6 @@ class GemmaForCausalLM(CausalLM):
 
     layer = DecoderLayer
     norm = RMSNorm
-
-    @classmethod
-    def period(cls, config: GemmaConfig) -> int:
-        # HF's layer_types may not follow the configured pattern.
-        return pattern_period(config.layer_kinds(), config.sliding_window_pattern)
 
     @classmethod
     def inv_freq(cls, config: GemmaConfig, kind: str):

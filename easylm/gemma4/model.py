@@ -54,7 +54,6 @@ from easylm.models.decoder import (
     RMSNorm as _RMSNorm,
     Sublayer,
     apply_rotary,
-    pattern_period,
     write_cache,
 )
 from easylm.runtime.sharding import BATCH_AXES, constrain
@@ -222,16 +221,6 @@ class Gemma4ForCausalLM(CausalLM):
     def layer_kinds(cls, config: Gemma4Config) -> tuple[str, ...]:
         return tuple(SHARED + kind if shared else kind
                      for kind, shared in zip(config.layer_kinds(), config.kv_shared()))
-
-    @classmethod
-    def period(cls, config: Gemma4Config) -> int:
-        """The shortest pattern of sliding and full layers that repeats (every 6th full: 6),
-        what a scan stacks (`--gemma4.scan_layers`); the layers past its last whole repeat
-        are the unscanned tail. The KV-shared layers' repeats, whose kinds are their own,
-        are a second scanned block of the same pattern (decoder.scan_blocks)."""
-        kinds = config.layer_kinds()
-        return next((n for n in range(1, len(kinds) // 2 + 1)
-                     if pattern_period(kinds, n) == n), len(kinds))
 
     @classmethod
     def inv_freq(cls, config: Gemma4Config, kind: str):

@@ -70,11 +70,6 @@ class Glm4MoeConfig(SigmoidMoEDecoderConfig):
     def rotary_widths(self) -> dict[str, int]:
         return {}  # the rotated share of a head is checked with partial_rotary_factor
 
-    def shard_variant(self, layers: int, mp: int):
-        # The planner's few layers keep one dense layer first where the model has one.
-        variant = super().shard_variant(layers, mp)
-        return variant.replace(first_k_dense_replace=min(self.first_k_dense_replace, 1))
-
     # --------------------------------------------------------------- counting
 
     def _attention_params(self) -> int:

@@ -122,13 +122,6 @@ class GptOssForCausalLM(CausalLM):
     norm = RMSNorm
 
     @classmethod
-    def period(cls, config: GptOssConfig) -> int:
-        # The shortest pattern the layers repeat (sliding, full: 2), the whole stack if none.
-        kinds = config.layer_kinds()
-        return next(n for n in range(1, len(kinds) + 1)
-                    if all(kinds[i] == kinds[i % n] for i in range(len(kinds))))
-
-    @classmethod
     def inv_freq(cls, config: GptOssConfig, kind: str):
         return _rope(config)[0]
 

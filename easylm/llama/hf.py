@@ -49,7 +49,7 @@ def to_hf(params, config: LLaMAConfig) -> Iterator[tuple[str, np.ndarray]]:
     """Yield (HF name, numpy tensor) one at a time, unstacking scanned layers lazily.
     Experts are written one tensor per expert, as transformers 5.24's save_pretrained
     writes them (and transformers 4 held them)."""
-    if period(LLaMAForCausalLM, config) > 1:  # dense and sparse layers: slots, unstacked here
+    if period(config) > 1:  # dense and sparse layers: slots, unstacked here
         params, config = relayout(params, False), config.replace(scan_layers=False)
     flat = traverse_util.flatten_dict(params, sep="/")
     for path in param_shapes(config):
@@ -145,7 +145,7 @@ def from_hf(tensors: Mapping[str, Any], config: LLaMAConfig, dtype=None, source:
         flat.update(_experts_from_hf(tensors, shapes, config, source, dtype, place))
     params = traverse_util.unflatten_dict(flat, sep="/")
     if config.scan_layers:
-        params = stack_layers(params, period(LLaMAForCausalLM, config))
+        params = stack_layers(params, period(config))
     return params
 
 

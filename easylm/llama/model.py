@@ -134,10 +134,3 @@ class LLaMAForCausalLM(CausalLM):
     def window(cls, config: LLaMAConfig, kind: str) -> int:
         return config.sliding_window
 
-    @classmethod
-    def period(cls, config: LLaMAConfig) -> int:
-        """The shortest pattern of dense and sparse layers that repeats (Qwen3-MoE's
-        decoder_sparse_step; with mlp_only_layers, often the whole stack)."""
-        kinds = cls.layer_kinds(config)
-        return next(n for n in range(1, len(kinds) + 1)
-                    if all(kind == kinds[i % n] for i, kind in enumerate(kinds)))

@@ -258,23 +258,32 @@ class GatedMLP(Sublayer):
         return self.dense(self.config.hidden_size, "down_proj", self.bias)(h)
 
 
-def pattern_period(kinds, n: int) -> int:
-    """`n` when the layer kinds repeat every `n` layers (over the whole repeats: the tail
-    past them may be cut short), else the whole stack: one block, scanned once."""
-    repeats = len(kinds) // n
-    return n if all(kinds[i] == kinds[i % n] for i in range(repeats * n)) else len(kinds)
+def pattern_period(kinds) -> int:
+    """The length n of the shortest pattern the layer kinds repeat: its R = L // n whole
+    repeats alike, and the tail past them either under two or more repeats (Gemma 4's
+    last layer, always full) or the pattern's start cut short (Gemma 3's 26 layers: 4 x 6
+    and 2 sliding); L, one block scanned once, when no shorter one does (layers of
+    experts after the dense first ones)."""
+    L = len(kinds)
+    for n in range(1, L + 1):
+        R = L // n
+        if all(kinds[i] == kinds[i % n] for i in range(R * n)) and (
+                R >= 2 or all(kinds[i] == kinds[i - n] for i in range(n, L))):
+            return n
+    return L
 
 
-def period(lm: type, config) -> int:
-    """The length of the pattern the layers repeat (what a scan stacks), capped at L."""
-    return max(1, min(lm.period(config), config.num_hidden_layers))
+def period(config) -> int:
+    """The length of the pattern the layers repeat (what a scan stacks), from the config's
+    layer kinds (each family's layers: `ModelConfig.layer_kinds`)."""
+    return max(1, pattern_period(config.layer_kinds()))
 
 
 def scan_blocks(lm: type, config) -> tuple[tuple[int, int], ...]:
     """(first layer, repeats) of each scanned block: the pattern's whole repeats, cut where
     the kinds of one repeat differ from the one before (Gemma 4's KV-shared layers: their
     kinds are their own); one block of all the repeats for every other family."""
-    kinds, n = lm.layer_kinds(config), period(lm, config)
+    kinds, n = lm.layer_kinds(config), period(config)
     blocks = []
     for r in range(len(kinds) // n):
         if blocks and kinds[r * n:(r + 1) * n] == kinds[(r - 1) * n:r * n]:
@@ -291,7 +300,7 @@ def block_name(start: int) -> str:
 
 def _scanned_layers(lm: type, config) -> int:
     """How many layers the scanned blocks hold (the rest is the tail)."""
-    n = period(lm, config)
+    n = period(config)
     return len(lm.layer_kinds(config)) // n * n
 
 
@@ -437,7 +446,7 @@ class _Backbone(nn.Module):
         layers_from<s>/...), then the tail. The layers' own inputs (L, ...) go in as the
         scan's per-repeat input, (R, n, ...), beside the cache."""
         c, lm = self.config, self.lm
-        kinds, n = lm.layer_kinds(c), period(lm, c)
+        kinds, n = lm.layer_kinds(c), period(c)
         new_cache = {}
         for start, repeats in scan_blocks(lm, c):
             name = block_name(start)
@@ -491,15 +500,10 @@ class CausalLM(nn.Module):
 
     @classmethod
     def layer_kinds(cls, config) -> tuple[str, ...]:
-        """Each layer's kind: what a config with kinds of layers says (its `layer_kinds()`,
-        Gemma's and gpt-oss's sliding and full layers), else all alike."""
-        if hasattr(config, "layer_kinds"):
-            return config.layer_kinds()
-        return ("full_attention",) * config.num_hidden_layers
-
-    @classmethod
-    def period(cls, config) -> int:
-        return 1
+        """Each layer's kind: its config's (`ModelConfig.layer_kinds`); a family whose
+        layers of one kind differ in how they are built (Gemma 4's KV-shared ones) marks
+        them here, the pattern (`period`) staying the config's."""
+        return config.layer_kinds()
 
     @classmethod
     def inv_freq(cls, config, kind: str):
@@ -605,7 +609,7 @@ class CausalLM(nn.Module):
 
         if not c.scan_layers:
             return {str(i): entry(kind) for i, kind in enumerate(kinds)}
-        n, cache = period(lm, c), {}
+        n, cache = period(c), {}
         for start, repeats in scan_blocks(lm, c):
             cache[block_name(start)] = (
                 entry(kinds[start], repeats) if n == 1 else

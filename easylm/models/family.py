@@ -145,7 +145,9 @@ class Model:
         stats = None
         if router_stats:
             out, variables = out
-            stats = moe.router_stats(variables["router"])
+            # None where no layer routed (the planner's one dense layer of a model whose
+            # first layers are dense).
+            stats = moe.router_stats(variables["router"]) if "router" in variables else None
         new_cache = None
         if cache is not None:
             out, new_cache = out
@@ -250,7 +252,7 @@ def layout(family: ModelFamily, tree, config):
 
 
 def _layout(lm: type, tree, config):
-    return decoder.relayout(tree, config.scan_layers, decoder.period(lm, config),
+    return decoder.relayout(tree, config.scan_layers, decoder.period(config),
                             decoder.scan_blocks(lm, config) if config.scan_layers else None)
 
 

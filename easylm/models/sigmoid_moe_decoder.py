@@ -70,6 +70,12 @@ class SigmoidMoEDecoderConfig(ExpertMatmulConfig, ModelConfig):
         return RouterLoss(self.num_experts_per_tok, 0.0,
                           bias_update_rate=self.routed_bias_update_rate)
 
+    def shard_variant(self, layers: int, mp: int):
+        # The planner's few layers keep one dense layer first where the model has one: the
+        # second of two is then one of experts, the layer it counts L - 1 times.
+        variant = super().shard_variant(layers, mp)
+        return variant.replace(first_k_dense_replace=min(self.first_k_dense_replace, 1))
+
     def layer_kinds(self) -> tuple[str, ...]:
         k = self.first_k_dense_replace
         return ("dense",) * k + ("moe",) * (self.num_hidden_layers - k)
@@ -136,9 +142,14 @@ def check_model_type(hf: dict, path: str, model_type: str):
         raise UserError(f"{path}: model_type {hf.get('model_type')!r} is not {model_type}")
 
 
+_TOLD: set[str] = set()  # the config.json files whose note was printed
+
+
 def skip_mtp(path: str, layers):
-    """Say that config.json's `layers` multi-token-prediction layers are not loaded."""
-    if layers:
+    """Say that config.json's `layers` multi-token-prediction layers are not loaded: once
+    per file and process (a command reads a config more than once)."""
+    if layers and path not in _TOLD:
+        _TOLD.add(path)
         print(f"{path}: its {layers} multi-token-prediction layer(s) are not loaded "
               f"(transformers skips them too)", file=sys.stderr)
 
@@ -190,8 +201,3 @@ class DecoderLayer(Sublayer):
 
 class SigmoidMoECausalLM(CausalLM):
     norm = RMSNorm
-
-    @classmethod
-    def period(cls, config: SigmoidMoEDecoderConfig) -> int:
-        # The dense layers come first: one pattern only when all layers are alike.
-        return 1 if len(set(config.layer_kinds())) == 1 else config.num_hidden_layers

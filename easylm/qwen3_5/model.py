@@ -44,7 +44,6 @@ from easylm.models.decoder import (
     GatedMLP,
     Sublayer,
     apply_rotary,
-    pattern_period,
     write_cache,
 )
 from easylm.models.gated_deltanet import DeltaNetState, GatedDeltaNet
@@ -172,10 +171,6 @@ class DecoderLayer(Sublayer):
 class Qwen35ForCausalLM(CausalLM):
     layer = DecoderLayer
     norm = RMSNorm
-
-    @classmethod
-    def period(cls, config: Qwen35Config) -> int:
-        return pattern_period(config.layer_kinds(), config.full_attention_interval)
 
     @classmethod
     def inv_freq(cls, config: Qwen35Config, kind: str):

@@ -228,7 +228,7 @@ def format_row(row: dict) -> str:
 def main(argv=None):
     from easylm.models import registry
 
-    family, argv = registry.from_argv(argv or sys.argv)
+    family, argv = registry.from_argv(argv or sys.argv, detect=True)
     usage = "usage: python -m easylm.bench decode [--family=NAME] [--flag=value ...]"
     config = flag_lib.parse(default_config(family), help_entries(family), argv, usage)
     device = f"{jax.devices()[0].device_kind} ({jax.default_backend()})"
