@@ -102,7 +102,7 @@ def test_the_generic_commands_take_the_family_of_what_they_load(tmp_path, capsys
                        f"easylm reads (llama: {', '.join(ARCHITECTURES)}; gemma: gemma3_text, "
                        f"gemma3; gpt_oss: gpt_oss; qwen3_5: qwen3_5_text, qwen3_5, qwen3_5_moe_text, "
                        f"qwen3_5_moe, qwen3_next; deepseek_v3: "
-                       f"deepseek_v3; glm4_moe: glm4_moe; gemma4: gemma4_text, gemma4; "
+                       f"deepseek_v3, kimi_k25; glm4_moe: glm4_moe; gemma4: gemma4_text, gemma4; "
                        f"olmo3: olmo3)")
     for model_type in ("gemma3_text", "gemma3"):  # gemma3: the text tower of the multimodal
         (tmp_path / model_type).mkdir()

@@ -18,7 +18,8 @@ class DeepseekV3Family(ModelFamily):
     tiny_preset = "debug"
     module_class = DeepseekV3ForCausalLM
     variants = ("lora", "int8")
-    hf = HFAdapter(model_types=("deepseek_v3",), read_config=hf.read_hf_config,
+    hf = HFAdapter(model_types=("deepseek_v3", "kimi_k25"),  # kimi_k25: its text model
+                   read_config=hf.read_hf_config,
                    read_params=_read_params, write_params=hf.to_hf)
 
     def partition_rules(self, config: DeepseekV3Config):
