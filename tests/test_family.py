@@ -72,7 +72,7 @@ def test_the_registry_imports_families_lazily_and_names_bad_ones():
     assert registry.get("toy_family:FAMILY") is TOY
     family, rest = registry.from_argv(["prog", "--family=toy_family:FAMILY", "--x=1"])
     assert family is TOY and rest == ["prog", "--x=1"]
-    with pytest.raises(UserError, match=r"^--family='gpt' is not one of llama, gemma, gpt_oss, qwen3_5, deepseek_v3, glm4_moe, gemma4, olmo3 "
+    with pytest.raises(UserError, match=r"^--family='gpt' is not one of llama, gemma, gpt_oss, qwen3_5, deepseek_v3, glm4_moe, gemma4, olmo3, minimax_m2 "
                                         r"\(or MODULE:ATTRIBUTE\)$"):
         registry.get("gpt")
     with pytest.raises(UserError, match=r"is not a ModelFamily$"):
@@ -103,7 +103,7 @@ def test_the_generic_commands_take_the_family_of_what_they_load(tmp_path, capsys
                        f"gemma3; gpt_oss: gpt_oss; qwen3_5: qwen3_5_text, qwen3_5, qwen3_5_moe_text, "
                        f"qwen3_5_moe, qwen3_next; deepseek_v3: "
                        f"deepseek_v3, kimi_k25; glm4_moe: glm4_moe; gemma4: gemma4_text, gemma4; "
-                       f"olmo3: olmo3)")
+                       f"olmo3: olmo3; minimax_m2: minimax_m2)")
     for model_type in ("gemma3_text", "gemma3"):  # gemma3: the text tower of the multimodal
         (tmp_path / model_type).mkdir()
         (tmp_path / model_type / "config.json").write_text(json.dumps({"model_type": model_type}))
@@ -115,7 +115,7 @@ def test_the_generic_commands_take_the_family_of_what_they_load(tmp_path, capsys
     assert registry.from_argv([*argv, "--family=toy_family:FAMILY"], True)[0] is TOY
     message = one_line_error(serve.main, ["serve", "--family=gpt"], capsys)
     assert message == ("--family='gpt' is not one of llama, gemma, gpt_oss, qwen3_5, "
-                       "deepseek_v3, glm4_moe, gemma4, olmo3 (or MODULE:ATTRIBUTE)")
+                       "deepseek_v3, glm4_moe, gemma4, olmo3, minimax_m2 (or MODULE:ATTRIBUTE)")
 
 
 # ------------------------------------------------- the second family, end to end
