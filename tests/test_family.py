@@ -5,6 +5,7 @@ code unchanged."""
 import ast
 import json
 import pathlib
+import re
 
 import jax
 import numpy as np
@@ -228,3 +229,16 @@ def test_a_second_family_plans_and_benches(tmp_path):
     assert row["model"] == "tiny" and row["parameters"] == \
         model_flags.build(TOY, config).num_parameters
     assert row["tokens_per_second"] > 0 and len(row["losses"]) == 2
+
+
+@pytest.mark.parametrize("model_type, why", [
+    ("llama4_text", "attention_chunk_size (chunked local attention)"),
+    ("mistral4", "softmax group-limited router"), ("deepseek_v32", "index_topk indexer"),
+    ("glm_moe_dsa", "index_topk indexer"), ("deepseek_v4", "compress_rates")])
+def test_the_late_2026_types_not_built_are_refused_by_what_differs(tmp_path, model_type, why):
+    """hf::DIR of a model_type near a family's that it does not build: one line naming what
+    that model computes differently (not 'not one easylm reads')."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    with pytest.raises(UserError, match=rf"model_type '{model_type}' is not built: its "
+                                        rf"{re.escape(why)}"):
+        registry.family_of(f"hf::{tmp_path}")

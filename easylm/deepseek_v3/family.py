@@ -5,6 +5,18 @@ from easylm.deepseek_v3.config import DEEPSEEK_V3_PRESETS, DeepseekV3Config
 from easylm.deepseek_v3.model import PARTITION_RULES, DeepseekV3ForCausalLM
 from easylm.models.family import HFAdapter, ModelFamily, layout
 
+# Near model_types that are not built: what they compute that this model does not.
+NOT_BUILT = {
+    "mistral4": "softmax group-limited router and Llama-4 attention scaling "
+                "(llama_4_scaling_beta) on MLA (Mistral Small 4)",
+    "deepseek_v32": "index_topk indexer (DeepSeek sparse attention: the keys an indexer picks "
+                    "per query)",
+    "glm_moe_dsa": "index_topk indexer (DeepSeek sparse attention: the keys an indexer picks "
+                   "per query)",
+    "deepseek_v4": "compress_rates (compressed sparse attention), its indexer and hc_mult "
+                   "hyper-connections",
+}
+
 
 def _read_params(directory: str, config: DeepseekV3Config, dtype: str = "keep", place=None):
     return layout(FAMILY, hf.load_hf_params(directory, dtype, place)[1], config)
@@ -20,7 +32,7 @@ class DeepseekV3Family(ModelFamily):
     variants = ("lora", "int8")
     hf = HFAdapter(model_types=("deepseek_v3", "kimi_k25"),  # kimi_k25: its text model
                    read_config=hf.read_hf_config,
-                   read_params=_read_params, write_params=hf.to_hf)
+                   read_params=_read_params, write_params=hf.to_hf, not_built=NOT_BUILT)
 
     def partition_rules(self, config: DeepseekV3Config):
         return PARTITION_RULES
