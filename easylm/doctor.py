@@ -124,7 +124,7 @@ def _model_problems(config, family, mesh) -> list[str]:
     except UserError as e:
         problems.append(str(e))
     return problems + variants.training_problems(family, config) + trainer.mesh_problems(
-        config, model_config.to_dict(), family.name, mesh.shape, lengths)
+        config, model_config, mesh.shape, lengths)
 
 
 def check(config, family=None) -> tuple[list[str], list[str]]:

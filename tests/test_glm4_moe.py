@@ -73,7 +73,7 @@ def _unbiased(params):
 
 def test_config_json_is_read_as_transformers_reads_it(saved, capsys):
     directory, model, config, _ = saved
-    hf.read_hf_config(directory)
+    FAMILY.hf.read_config(directory)
     assert "1 multi-token-prediction layer(s) are not loaded" in capsys.readouterr().err
     assert (config.rotary_dim(), config.num_key_value_heads, config.use_qk_norm,
             config.attention_bias, config.n_group) == (8, 2, True, True, 2)

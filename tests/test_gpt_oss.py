@@ -309,7 +309,7 @@ def test_what_this_model_would_compute_differently_is_one_line(tmp_path, pair, f
     (tmp_path / "config.json").write_text(json.dumps(saved))
     with pytest.raises(UserError, match=message) as error:
         hf.hf_tensors(str(tmp_path)) if field == "quantization_config" else \
-            hf.read_hf_config(str(tmp_path))
+            FAMILY.hf.read_config(str(tmp_path))
     assert "\n" not in str(error.value) and "config.json" in str(error.value)
 
 

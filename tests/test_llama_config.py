@@ -124,7 +124,7 @@ def test_unknown_preset_is_one_clear_error():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (dict(num_attention_heads=6, num_key_value_heads=4), "not a multiple of llama.num_key_value_heads=4"),
+        (dict(num_attention_heads=6, num_key_value_heads=4), "--llama.num_key_value_heads=4 must divide num_attention_heads=6"),
         (dict(attention="flash"), "llama.attention='flash' is not one of auto, xla, dot_product, cudnn"),
         (dict(remat_policy="full"), "llama.remat_policy='full' is not one of none"),
         (dict(hidden_size=0), "llama.hidden_size must be >= 1, got 0"),

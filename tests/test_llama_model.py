@@ -13,7 +13,8 @@ from numerics import EPS_BF16, assert_close, assert_differs, forward_rel, fp32_r
 from transformers import LlamaForCausalLM as HFLlama
 from transformers.masking_utils import sliding_window_causal_mask_function
 
-from easylm.llama.config import REMAT_POLICIES, LLaMAConfig
+from easylm.llama.config import LLaMAConfig
+from easylm.models.remat import NAMES as REMAT_POLICIES
 from easylm.llama.hf import from_hf, to_hf
 from easylm.llama.model import LLaMAForCausalLM
 from easylm.models.attention import causal_mask, segment_mask, xla_attention

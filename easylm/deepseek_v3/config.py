@@ -26,6 +26,8 @@ from easylm.models.sigmoid_moe_decoder import (
 
 @dataclasses.dataclass(frozen=True)
 class DeepseekV3Config(SigmoidMoEDecoderConfig):
+    section = "deepseek_v3"
+
     vocab_size: int = default(129280)
     hidden_size: int = default(7168)
     intermediate_size: int = default(18432)
@@ -53,9 +55,7 @@ class DeepseekV3Config(SigmoidMoEDecoderConfig):
     rope_mscale_all_dim: float = field(0.0, "YaRN mscale_all_dim (softmax scale); 0: none")
 
     def __post_init__(self):
-        # The shared decoder reads head_dim / num_key_value_heads: the latent cache's.
-        object.__setattr__(self, "num_key_value_heads", 1)
-        object.__setattr__(self, "head_dim", self.kv_lora_rank + self.qk_rope_head_dim)
+        super().__post_init__()
         if self.rope_type not in ("default", "yarn"):
             raise UserError(f"--deepseek_v3.rope_type={self.rope_type!r} is not one of "
                             f"default, yarn")
@@ -64,6 +64,13 @@ class DeepseekV3Config(SigmoidMoEDecoderConfig):
             self.mla(), self.moe()
         except ValueError as e:
             raise UserError(f"--deepseek_v3: {e}") from None
+
+    def fixed_fields(self) -> dict:
+        # The shared decoder reads head_dim / num_key_value_heads: the latent cache's.
+        return {"num_key_value_heads": 1, "head_dim": self.kv_lora_rank + self.qk_rope_head_dim}
+
+    def rotary_widths(self) -> dict[str, int]:
+        return {"qk_rope_head_dim": self.qk_rope_head_dim}
 
     def yarn(self) -> tuple:
         if self.rope_type != "yarn":

@@ -1,9 +1,10 @@
-"""The DeepSeek-V3 family (DeepSeek-V3/R1, Kimi K2, Moonlight): `FAMILY`."""
+"""The DeepSeek-V3 family (DeepSeek-V3/R1, Kimi K2, Moonlight, Kimi K2.5's text model):
+`FAMILY`."""
 
 from easylm.deepseek_v3 import hf
 from easylm.deepseek_v3.config import DEEPSEEK_V3_PRESETS, DeepseekV3Config
 from easylm.deepseek_v3.model import PARTITION_RULES, DeepseekV3ForCausalLM
-from easylm.models.family import HFAdapter, ModelFamily, layout
+from easylm.models.family import HFAdapter, ModelFamily, hf_params_reader
 
 # Near model_types that are not built: what they compute that this model does not.
 NOT_BUILT = {
@@ -18,10 +19,6 @@ NOT_BUILT = {
 }
 
 
-def _read_params(directory: str, config: DeepseekV3Config, dtype: str = "keep", place=None):
-    return layout(FAMILY, hf.load_hf_params(directory, dtype, place)[1], config)
-
-
 class DeepseekV3Family(ModelFamily):
     name = "deepseek_v3"
     config_class = DeepseekV3Config
@@ -31,8 +28,9 @@ class DeepseekV3Family(ModelFamily):
     module_class = DeepseekV3ForCausalLM
     variants = ("lora", "int8")
     hf = HFAdapter(model_types=("deepseek_v3", "kimi_k25"),  # kimi_k25: its text model
-                   read_config=hf.read_hf_config,
-                   read_params=_read_params, write_params=hf.to_hf, not_built=NOT_BUILT)
+                   read_config=DeepseekV3Config.read_hf, write_params=hf.to_hf,
+                   read_params=hf_params_reader(hf.load_hf_params, DeepseekV3ForCausalLM),
+                   not_built=NOT_BUILT)
 
     def partition_rules(self, config: DeepseekV3Config):
         return PARTITION_RULES

@@ -4,16 +4,15 @@ save_pretrained writes them, the router as mlp.gate, the correction bias kept fp
 multi-token-prediction layers skipped), over DeepSeek-V3's parameters.
 
 A multimodal `kimi_k25` directory (Kimi K2.5, Kimi_K25ForConditionalGeneration) holds the
-same text model under `model.language_model.` and `lm_head.` (as transformers saves it) or
+same text model under `model.language_model.` and `lm_head.` (as transformers holds it) or
 `language_model.model.` and `language_model.lm_head.` (the released files, and what
-transformers 5.25 writes, its layers as `blocks`), beside a vision
-tower and projector that are not loaded (one line says so). It is written back as the
-DeepSeek-V3 text model it is (`DeepseekV3ForCausalLM`)."""
+transformers 5.25 writes, its layers as `blocks`), beside a vision tower and projector
+that are not loaded (one line says so). It is written back as the DeepSeek-V3 text model
+it is (`DeepseekV3ForCausalLM`)."""
 
 import functools
-import os
 
-from easylm.deepseek_v3.config import DeepseekV3Config, from_hf_dict
+from easylm.deepseek_v3.config import DeepseekV3Config
 from easylm.deepseek_v3.model import DeepseekV3ForCausalLM
 from easylm.errors import UserError
 from easylm.models import sigmoid_moe_hf
@@ -23,10 +22,6 @@ to_hf = functools.partial(sigmoid_moe_hf.to_hf, lm=DeepseekV3ForCausalLM)
 from_hf = functools.partial(sigmoid_moe_hf.from_hf, lm=DeepseekV3ForCausalLM)
 _TEXT = (("model.language_model.", "model."), ("language_model.model.", "model."),
          ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."))
-
-
-def read_hf_config(directory: str) -> DeepseekV3Config:
-    return from_hf_dict(read_config(directory), os.path.join(directory, "config.json"))
 
 
 def _text_name(name: str) -> str | None:
@@ -39,12 +34,14 @@ def _text_name(name: str) -> str | None:
 
 
 def load_hf_params(directory: str, dtype: str = "keep", place=None):
+    """(config, parameters) of a deepseek_v3 directory, or of a kimi_k25's text model."""
     if read_config(directory).get("model_type") != "kimi_k25":
-        return sigmoid_moe_hf.load_hf_params(directory, read_hf_config, DeepseekV3ForCausalLM,
-                                             dtype, place)
+        return sigmoid_moe_hf.load_hf_params(directory, dtype, place,
+                                             config_class=DeepseekV3Config,
+                                             lm=DeepseekV3ForCausalLM)
     if dtype not in sigmoid_moe_hf.DTYPES:
         raise UserError(f"--dtype={dtype!r} is not one of {', '.join(sigmoid_moe_hf.DTYPES)}")
-    config = read_hf_config(directory)
+    config = DeepseekV3Config.read_hf(directory)
     tensors = HFTensors(directory)
     text = RenamedTensors(tensors, _text_name)
     print(f"{directory}: the language model's tensors read; {len(tensors) - len(text)} "

@@ -18,12 +18,14 @@ import dataclasses
 from typing import Any
 
 from easylm.errors import UserError
-from easylm.models import remat
-from easylm.models.config import ModelConfig, default, field
-from easylm.models.hf_checkpoint import config_fields, layer_types as hf_layer_types, text_model
+from easylm.models.config import LAYER_TYPES, ModelConfig, default, field
+from easylm.models.hf_checkpoint import (
+    config_fields,
+    first_int,
+    layer_types as hf_layer_types,
+    text_model,
+)
 
-ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "dot_product", "cudnn")
-LAYER_TYPES = ("sliding_attention", "full_attention")
 ROPE_TYPES = ("default", "linear")
 
 
@@ -31,6 +33,9 @@ ROPE_TYPES = ("default", "linear")
 class GemmaConfig(ModelConfig):
     """Gemma 3's text model: the shared fields (easylm/models/config.py), with
     Gemma3TextConfig's defaults, and these."""
+
+    section = "gemma"
+    layer_type_choices = LAYER_TYPES[:2]  # sliding_attention, full_attention
 
     vocab_size: int = default(262208)
     hidden_size: int = default(2304)
@@ -61,23 +66,7 @@ class GemmaConfig(ModelConfig):
                                             "(positions divided by it; 1: none)")
     def __post_init__(self):
         super().__post_init__()
-        if self.attention not in ATTENTION_IMPLEMENTATIONS:
-            raise UserError(f"--gemma.attention={self.attention!r} is not one of "
-                            f"{', '.join(ATTENTION_IMPLEMENTATIONS)}")
-        if self.remat_policy not in remat.NAMES:
-            raise UserError(f"--gemma.remat_policy={self.remat_policy!r} is not one of "
-                            f"{', '.join(remat.NAMES)}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise UserError(f"--gemma.num_key_value_heads={self.num_key_value_heads} must divide "
-                            f"--gemma.num_attention_heads={self.num_attention_heads}")
-        if self.head_dim % 2:
-            raise UserError(f"--gemma.head_dim={self.head_dim} must be even (rotary embeddings)")
-        if self.layer_types:
-            kinds = self.layer_types.split(",")
-            if len(kinds) != self.num_hidden_layers or set(kinds) - set(LAYER_TYPES):
-                raise UserError(f"--gemma.layer_types needs {self.num_hidden_layers} entries, each "
-                                f"one of {', '.join(LAYER_TYPES)}; got {self.layer_types!r}")
-        elif self.sliding_window_pattern < 1:
+        if not self.layer_types and self.sliding_window_pattern < 1:
             raise UserError(f"--gemma.sliding_window_pattern must be >= 1, got "
                             f"{self.sliding_window_pattern}")
 
@@ -196,7 +185,7 @@ def from_hf_dict(hf: dict, path: str = "config.json") -> GemmaConfig:
             raise UserError(f"{path}: {name}={value!r} is not supported (this Gemma 3 model "
                             f"implements {name}={expected!r})")
     global_rope, local_rope = _rope(hf, path)
-    layer_types = hf_layer_types(hf, path, LAYER_TYPES)
+    layer_types = hf_layer_types(hf, path, GemmaConfig.layer_type_choices)
     pattern, layer_types = _layer_pattern(layer_types, get("sliding_window_pattern"),
                                           get("num_hidden_layers"))
     try:
@@ -214,9 +203,9 @@ def from_hf_dict(hf: dict, path: str = "config.json") -> GemmaConfig:
             rope_local_base_freq=float(local_rope["rope_theta"]),
             rope_scaling_factor=float(global_rope.get("factor", 1.0)),
             initializer_range=float(get("initializer_range")),
-            bos_token_id=_first_int(get("bos_token_id")),
-            eos_token_id=_first_int(get("eos_token_id")),
-            pad_token_id=_first_int(hf.get("pad_token_id", HF_DEFAULTS["pad_token_id"])))
+            bos_token_id=first_int(get("bos_token_id")),
+            eos_token_id=first_int(get("eos_token_id")),
+            pad_token_id=first_int(hf.get("pad_token_id", HF_DEFAULTS["pad_token_id"])))
     except UserError as e:
         raise UserError(f"{path}: {e}") from None
     except (TypeError, ValueError) as e:
@@ -239,7 +228,7 @@ def _rope(hf: dict, path: str) -> tuple[dict, dict]:
     """(global, sliding) rope parameters as Gemma3TextConfig derives them from either
     layout; only the default and linear types are implemented."""
     params = hf.get("rope_parameters") or {}
-    if not isinstance(params, dict) or set(params) - set(LAYER_TYPES):
+    if not isinstance(params, dict) or set(params) - set(GemmaConfig.layer_type_choices):
         raise UserError(f"{path}: rope_parameters must map sliding_attention and full_attention "
                         f"to their rope settings, got {params!r}")
     full = dict(params.get("full_attention") or {"rope_type": "default"})
@@ -273,10 +262,6 @@ def get_number(hf: dict, name: str, path: str) -> float:
     return float(value)
 
 
-def _first_int(value) -> int | None:
-    if isinstance(value, (list, tuple)):
-        value = value[0] if value else None
-    return None if value is None else int(value)
 
 
 # -------------------------------------------------------------------- presets

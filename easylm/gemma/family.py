@@ -4,13 +4,7 @@ doctor and the converters reach the Gemma model (`FAMILY`)."""
 from easylm.gemma import hf
 from easylm.gemma.config import GEMMA_PRESETS, GemmaConfig
 from easylm.gemma.model import GemmaForCausalLM, partition_rules
-from easylm.models.family import HFAdapter, ModelFamily, layout
-
-
-def _read_params(directory: str, config: GemmaConfig, dtype: str = "keep", place=None):
-    # As config.json describes them, laid out as `config` says: the loader then checks
-    # them against `config`, which the --gemma.* flags may have changed.
-    return layout(FAMILY, hf.load_hf_params(directory, dtype, place)[1], config)
+from easylm.models.family import HFAdapter, ModelFamily, hf_params_reader
 
 
 class GemmaFamily(ModelFamily):
@@ -22,7 +16,8 @@ class GemmaFamily(ModelFamily):
     module_class = GemmaForCausalLM
     variants = ("lora", "int8")
     hf = HFAdapter(model_types=("gemma3_text", "gemma3"),  # gemma3: its text tower
-                   read_config=hf.read_hf_config, read_params=_read_params,
+                   read_config=GemmaConfig.read_hf,
+                   read_params=hf_params_reader(hf.load_hf_params, GemmaForCausalLM),
                    write_params=hf.to_hf)
 
     def partition_rules(self, config: GemmaConfig):

@@ -12,7 +12,6 @@ tensors under `model.language_model.` (transformers >= 4.52) or `language_model.
 (the released files), beside a vision tower and projector that this model has no use for.
 """
 
-import os
 from collections.abc import Iterator, Mapping
 
 import jax
@@ -20,7 +19,7 @@ import numpy as np
 from flax import traverse_util
 
 from easylm.errors import UserError
-from easylm.gemma.config import GemmaConfig, from_hf_dict
+from easylm.gemma.config import GemmaConfig
 from easylm.gemma.model import GemmaForCausalLM
 from easylm.models.decoder import relayout
 from easylm.models.hf_checkpoint import (
@@ -83,16 +82,11 @@ def text_tower(tensors: Mapping) -> RenamedTensors:
     return RenamedTensors(tensors, _text_name)
 
 
-def read_hf_config(directory: str) -> GemmaConfig:
-    """DIR/config.json as a GemmaConfig (`gemma3_text`, or a `gemma3`'s text tower)."""
-    return from_hf_dict(read_config(directory), os.path.join(directory, "config.json"))
-
-
 def load_hf_params(directory: str, dtype: str = "keep", place=None):
     """(config, params) from a HF directory: numpy arrays, or what `place` makes of each."""
     if dtype not in DTYPES:
         raise UserError(f"--dtype={dtype!r} is not one of {', '.join(DTYPES)}")
-    config = read_hf_config(directory)
+    config = GemmaConfig.read_hf(directory)
     tensors = HFTensors(directory)
     if read_config(directory).get("model_type") == "gemma3":
         tensors = text_tower(tensors)

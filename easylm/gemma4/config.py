@@ -13,12 +13,15 @@ import dataclasses
 from typing import Any
 
 from easylm.errors import UserError
-from easylm.models import remat
-from easylm.models.config import ATTENTION_IMPLEMENTATIONS, ModelConfig, default, field
-from easylm.models.hf_checkpoint import config_fields, layer_types as hf_layer_types, text_model
+from easylm.models.config import LAYER_TYPES, ModelConfig, default, field
+from easylm.models.hf_checkpoint import (
+    config_fields,
+    first_int,
+    layer_types as hf_layer_types,
+    text_model,
+)
 from easylm.models.moe import MoEConfig
 
-LAYER_TYPES = ("sliding_attention", "full_attention")
 ROPE_TYPES = ("default", "proportional")
 
 
@@ -26,6 +29,11 @@ ROPE_TYPES = ("default", "proportional")
 class Gemma4Config(ModelConfig):
     """Gemma 4's text model: the shared fields with Gemma4TextConfig's defaults, and these.
     `head_dim` and `num_key_value_heads` are the sliding layers'."""
+
+    section = "gemma4"
+    routed_experts_field = "num_experts"
+    experts_per_token_field = "top_k_experts"
+    layer_type_choices = LAYER_TYPES[:2]  # sliding_attention, full_attention
 
     vocab_size: int = default(262144)
     hidden_size: int = default(2304)
@@ -80,24 +88,9 @@ class Gemma4Config(ModelConfig):
     def __post_init__(self):
         super().__post_init__()
         fail = lambda msg: UserError(f"--gemma4.{msg}")
-        if self.attention not in ATTENTION_IMPLEMENTATIONS:
-            raise fail(f"attention={self.attention!r} is not one of "
-                       f"{', '.join(ATTENTION_IMPLEMENTATIONS)}")
-        if self.remat_policy not in remat.NAMES:
-            raise fail(f"remat_policy={self.remat_policy!r} is not one of "
-                       f"{', '.join(remat.NAMES)}")
-        for heads in (self.num_key_value_heads, self.global_kv_heads()):
-            if self.num_attention_heads % heads:
-                raise fail(f"num_key_value_heads / num_global_key_value_heads ({heads}) must "
-                           f"divide num_attention_heads={self.num_attention_heads}")
-        if self.head_dim % 2 or self.global_head_dim % 2:
-            raise fail(f"head_dim={self.head_dim} and global_head_dim={self.global_head_dim} "
-                       f"must be even (rotary embeddings)")
-        if self.layer_types:
-            kinds = self.layer_types.split(",")
-            if len(kinds) != self.num_hidden_layers or set(kinds) - set(LAYER_TYPES):
-                raise fail(f"layer_types needs {self.num_hidden_layers} entries, each one of "
-                           f"{', '.join(LAYER_TYPES)}; got {self.layer_types!r}")
+        if self.num_attention_heads % self.global_kv_heads():
+            raise fail(f"num_global_key_value_heads={self.global_kv_heads()} must divide "
+                       f"num_attention_heads={self.num_attention_heads}")
         if not 0 <= self.num_kv_shared_layers < self.num_hidden_layers:
             raise fail(f"num_kv_shared_layers={self.num_kv_shared_layers} must be in 0.."
                        f"{self.num_hidden_layers - 1}")
@@ -123,6 +116,13 @@ class Gemma4Config(ModelConfig):
                  ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
                   for i in range(self.num_hidden_layers)])
         return tuple(kinds[:-1]) + ("full_attention",)
+
+    @property
+    def routed_experts(self) -> int:
+        return self.num_experts if self.enable_moe_block else 0
+
+    def rotary_widths(self) -> dict[str, int]:
+        return {"head_dim": self.head_dim, "global_head_dim": self.global_head_dim}
 
     def kv_shared(self) -> tuple[bool, ...]:
         """Whether each layer takes its keys/values from an earlier layer."""
@@ -296,7 +296,7 @@ def from_hf_dict(hf: dict, path: str = "config.json") -> Gemma4Config:
                         f"{hf['use_bidirectional_attention']!r} is not supported (text "
                         f"tokens attend causally here)")
     layers = get("num_hidden_layers")
-    kinds = hf_layer_types(hf, path, LAYER_TYPES) or [
+    kinds = hf_layer_types(hf, path, Gemma4Config.layer_type_choices) or [
         "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)]
     global_kv, global_h = _global_attention(hf, path, kinds, get)
     full, local = _rope(hf, path)
@@ -320,9 +320,9 @@ def from_hf_dict(hf: dict, path: str = "config.json") -> Gemma4Config:
             rope_local_base_freq=float(local["rope_theta"]),
             final_logit_softcapping=float(hf.get("final_logit_softcapping") or 0.0),
             initializer_range=float(get("initializer_range")),
-            bos_token_id=_first_int(get("bos_token_id")),
-            eos_token_id=_first_int(get("eos_token_id")),
-            pad_token_id=_first_int(hf.get("pad_token_id", HF_DEFAULTS["pad_token_id"])))
+            bos_token_id=first_int(get("bos_token_id")),
+            eos_token_id=first_int(get("eos_token_id")),
+            pad_token_id=first_int(hf.get("pad_token_id", HF_DEFAULTS["pad_token_id"])))
     except UserError as e:
         raise UserError(f"{path}: {e}") from None
     except (TypeError, ValueError) as e:
@@ -363,7 +363,7 @@ def _rope(hf: dict, path: str) -> tuple[dict, dict]:
         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
                            "rope_theta": 1_000_000.0}}
-    if not isinstance(params, dict) or set(params) - set(LAYER_TYPES):
+    if not isinstance(params, dict) or set(params) - set(Gemma4Config.layer_type_choices):
         raise UserError(f"{path}: rope_parameters must map sliding_attention and full_attention "
                         f"to their rope settings, got {params!r}")
     full = dict(params.get("full_attention") or {})
@@ -383,10 +383,6 @@ def _rope(hf: dict, path: str) -> tuple[dict, dict]:
     return full, local
 
 
-def _first_int(value) -> int | None:
-    if isinstance(value, (list, tuple)):
-        value = value[0] if value else None
-    return None if value is None else int(value)
 
 
 # -------------------------------------------------------------------- presets

@@ -3,11 +3,7 @@
 from easylm.gemma4 import hf
 from easylm.gemma4.config import GEMMA4_PRESETS, Gemma4Config
 from easylm.gemma4.model import Gemma4ForCausalLM, partition_rules
-from easylm.models.family import HFAdapter, ModelFamily, layout
-
-
-def _read_params(directory: str, config: Gemma4Config, dtype: str = "keep", place=None):
-    return layout(FAMILY, hf.load_hf_params(directory, dtype, place)[1], config)
+from easylm.models.family import HFAdapter, ModelFamily, hf_params_reader
 
 
 class Gemma4Family(ModelFamily):
@@ -19,7 +15,8 @@ class Gemma4Family(ModelFamily):
     module_class = Gemma4ForCausalLM
     variants = ("lora", "int8")
     hf = HFAdapter(model_types=("gemma4_text", "gemma4"),  # gemma4: its language model
-                   read_config=hf.read_hf_config, read_params=_read_params,
+                   read_config=Gemma4Config.read_hf,
+                   read_params=hf_params_reader(hf.load_hf_params, Gemma4ForCausalLM),
                    write_params=hf.to_hf)
 
     def partition_rules(self, config: Gemma4Config):

@@ -15,7 +15,6 @@ under `model.language_model.`, beside vision and audio towers that are not loade
 line says so).
 """
 
-import os
 from collections.abc import Iterator, Mapping
 
 import jax
@@ -23,7 +22,7 @@ import numpy as np
 from flax import traverse_util
 
 from easylm.errors import UserError
-from easylm.gemma4.config import Gemma4Config, from_hf_dict
+from easylm.gemma4.config import Gemma4Config
 from easylm.gemma4.model import Gemma4ForCausalLM
 from easylm.models.decoder import relayout
 from easylm.models.hf_checkpoint import (
@@ -127,15 +126,11 @@ def text_model(tensors: Mapping) -> RenamedTensors:
     return RenamedTensors(tensors, rename)
 
 
-def read_hf_config(directory: str) -> Gemma4Config:
-    return from_hf_dict(read_config(directory), os.path.join(directory, "config.json"))
-
-
 def load_hf_params(directory: str, dtype: str = "keep", place=None):
     """(config, params) from a HF directory: numpy arrays, or what `place` makes of each."""
     if dtype not in DTYPES:
         raise UserError(f"--dtype={dtype!r} is not one of {', '.join(DTYPES)}")
-    config = read_hf_config(directory)
+    config = Gemma4Config.read_hf(directory)
     tensors = HFTensors(directory)
     if read_config(directory).get("model_type") == "gemma4":
         text = text_model(tensors)

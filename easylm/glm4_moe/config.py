@@ -25,6 +25,8 @@ from easylm.models.sigmoid_moe_decoder import (
 
 @dataclasses.dataclass(frozen=True)
 class Glm4MoeConfig(SigmoidMoEDecoderConfig):
+    section = "glm4_moe"
+
     vocab_size: int = default(151552)
     hidden_size: int = default(4096)
     intermediate_size: int = default(10944)
@@ -52,17 +54,10 @@ class Glm4MoeConfig(SigmoidMoEDecoderConfig):
     def __post_init__(self):
         super().__post_init__()
         R = self.rotary_dim()
-        checks = (
-            (self.num_attention_heads % self.num_key_value_heads == 0,
-             f"num_key_value_heads={self.num_key_value_heads} must divide "
-             f"num_attention_heads={self.num_attention_heads}"),
-            (R % 2 == 0 and 0 < R <= self.head_dim,
-             f"partial_rotary_factor={self.partial_rotary_factor} of head_dim={self.head_dim} "
-             f"is {R} rotary dims; expected an even number in 2..{self.head_dim}"),
-        )
-        for ok, message in checks:
-            if not ok:
-                raise UserError(f"--glm4_moe.{message}")
+        if R % 2 or not 0 < R <= self.head_dim:
+            raise UserError(f"--glm4_moe.partial_rotary_factor={self.partial_rotary_factor} of "
+                            f"head_dim={self.head_dim} is {R} rotary dims; expected an even "
+                            f"number in 2..{self.head_dim}")
         self.check_moe("glm4_moe")
         try:
             self.moe()
@@ -71,6 +66,9 @@ class Glm4MoeConfig(SigmoidMoEDecoderConfig):
 
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
+
+    def rotary_widths(self) -> dict[str, int]:
+        return {}  # the rotated share of a head is checked with partial_rotary_factor
 
     def shard_variant(self, layers: int, mp: int):
         # The planner's few layers keep one dense layer first where the model has one.

@@ -3,11 +3,7 @@
 from easylm.glm4_moe import hf
 from easylm.glm4_moe.config import GLM4_MOE_PRESETS, Glm4MoeConfig
 from easylm.glm4_moe.model import PARTITION_RULES, Glm4MoeForCausalLM
-from easylm.models.family import HFAdapter, ModelFamily, layout
-
-
-def _read_params(directory: str, config: Glm4MoeConfig, dtype: str = "keep", place=None):
-    return layout(FAMILY, hf.load_hf_params(directory, dtype, place)[1], config)
+from easylm.models.family import HFAdapter, ModelFamily, hf_params_reader
 
 
 class Glm4MoeFamily(ModelFamily):
@@ -18,8 +14,9 @@ class Glm4MoeFamily(ModelFamily):
     tiny_preset = "debug"
     module_class = Glm4MoeForCausalLM
     variants = ("lora", "int8")
-    hf = HFAdapter(model_types=("glm4_moe",), read_config=hf.read_hf_config,
-                   read_params=_read_params, write_params=hf.to_hf)
+    hf = HFAdapter(model_types=("glm4_moe",), read_config=Glm4MoeConfig.read_hf,
+                   write_params=hf.to_hf,
+                   read_params=hf_params_reader(hf.load_hf_params, Glm4MoeForCausalLM))
 
     def partition_rules(self, config: Glm4MoeConfig):
         return PARTITION_RULES

@@ -14,14 +14,10 @@ import dataclasses
 from typing import Any
 
 from easylm.errors import UserError
-from easylm.models import remat
-from easylm.models.config import ModelConfig, default, field
-from easylm.models.hf_checkpoint import config_fields, layer_types as hf_layer_types
+from easylm.models.config import LAYER_TYPES, ModelConfig, default, field
+from easylm.models.hf_checkpoint import config_fields, first_int, layer_types as hf_layer_types
 from easylm.models.moe import RouterLoss
 
-# The sink logit needs the einsum reference (no fused kernel adds it).
-ATTENTION_IMPLEMENTATIONS = ("xla",)
-LAYER_TYPES = ("sliding_attention", "full_attention")
 ROPE_TYPES = ("yarn", "default")
 
 
@@ -29,6 +25,13 @@ ROPE_TYPES = ("yarn", "default")
 class GptOssConfig(ModelConfig):
     """gpt-oss: the shared fields (easylm/models/config.py), with gpt-oss-20b's values,
     and these."""
+
+    section = "gpt_oss"
+    # The sink logit needs the einsum reference (no fused kernel adds it).
+    attention_implementations = ("xla",)
+    routed_experts_field = "num_local_experts"
+    experts_per_token_field = "num_experts_per_tok"
+    layer_type_choices = LAYER_TYPES[:2]  # sliding_attention, full_attention
 
     vocab_size: int = default(201088)
     hidden_size: int = default(2880)
@@ -75,32 +78,20 @@ class GptOssConfig(ModelConfig):
                                            "training loss (0: off; logged either way)")
     def __post_init__(self):
         super().__post_init__()
-        for name, allowed in (("attention", ATTENTION_IMPLEMENTATIONS),
-                              ("remat_policy", remat.NAMES), ("rope_type", ROPE_TYPES)):
-            if getattr(self, name) not in allowed:
-                raise UserError(f"--gpt_oss.{name}={getattr(self, name)!r} is not one of "
-                                f"{', '.join(allowed)}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise UserError(f"--gpt_oss.num_key_value_heads={self.num_key_value_heads} must "
-                            f"divide --gpt_oss.num_attention_heads={self.num_attention_heads}")
-        if self.head_dim % 2:
-            raise UserError(f"--gpt_oss.head_dim={self.head_dim} must be even (rotary)")
+        if self.rope_type not in ROPE_TYPES:
+            raise UserError(f"--gpt_oss.rope_type={self.rope_type!r} is not one of "
+                            f"{', '.join(ROPE_TYPES)}")
         if not 0 < self.num_experts_per_tok <= self.num_local_experts:
             raise UserError(f"--gpt_oss.num_experts_per_tok={self.num_experts_per_tok} must be "
                             f"in 1..num_local_experts={self.num_local_experts}")
         if self.sliding_window < 1:
             raise UserError(f"--gpt_oss.sliding_window must be >= 1, got {self.sliding_window}")
-        if self.layer_types:
-            kinds = self.layer_types.split(",")
-            if len(kinds) != self.num_hidden_layers or set(kinds) - set(LAYER_TYPES):
-                raise UserError(f"--gpt_oss.layer_types needs {self.num_hidden_layers} entries, "
-                                f"each one of {', '.join(LAYER_TYPES)}; got {self.layer_types!r}")
 
     def layer_kinds(self) -> tuple[str, ...]:
         """Each layer's attention (HF's names); by default sliding, full, sliding, ..."""
         if self.layer_types:
             return tuple(self.layer_types.split(","))
-        return tuple(LAYER_TYPES[i % 2] for i in range(self.num_hidden_layers))
+        return tuple(self.layer_type_choices[i % 2] for i in range(self.num_hidden_layers))
 
     def router_loss(self) -> RouterLoss:
         # Every layer is a mixture of experts: training adds its router losses as
@@ -217,7 +208,7 @@ def from_hf_dict(hf: dict, path: str = "config.json") -> GptOssConfig:
     if hf.get("model_type") != "gpt_oss":
         raise UserError(f"{path}: model_type {hf.get('model_type')!r} is not gpt_oss")
     get = config_fields(hf, path, HF_DEFAULTS, _INTS, _MUST_BE, "gpt-oss")
-    layer_types = hf_layer_types(hf, path, LAYER_TYPES)
+    layer_types = hf_layer_types(hf, path, GptOssConfig.layer_type_choices)
     try:
         return GptOssConfig(
             **{name: get(name) for name in _INTS},
@@ -227,9 +218,9 @@ def from_hf_dict(hf: dict, path: str = "config.json") -> GptOssConfig:
             tie_word_embeddings=bool(get("tie_word_embeddings")),
             output_router_logits=bool(get("output_router_logits")),
             attention_bias=bool(get("attention_bias")),
-            bos_token_id=_first_int(get("bos_token_id")),
-            eos_token_id=_first_int(get("eos_token_id")),
-            pad_token_id=_first_int(get("pad_token_id")))
+            bos_token_id=first_int(get("bos_token_id")),
+            eos_token_id=first_int(get("eos_token_id")),
+            pad_token_id=first_int(get("pad_token_id")))
     except UserError as e:
         raise UserError(f"{path}: {e}") from None
     except (TypeError, ValueError) as e:
@@ -267,15 +258,12 @@ def _rope(hf: dict, path: str) -> dict:
 
 def _layer_types(layer_types, layers: int) -> str:
     """config.json's layer_types as the field holds them: empty when they are the default."""
-    if not layer_types or layer_types == [LAYER_TYPES[i % 2] for i in range(layers)]:
+    alternating = [GptOssConfig.layer_type_choices[i % 2] for i in range(layers)]
+    if not layer_types or layer_types == alternating:
         return ""
     return ",".join(layer_types)
 
 
-def _first_int(value) -> int | None:
-    if isinstance(value, (list, tuple)):
-        value = value[0] if value else None
-    return None if value is None else int(value)
 
 
 # -------------------------------------------------------------------- presets

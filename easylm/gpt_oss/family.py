@@ -4,13 +4,7 @@ doctor and the converters reach the gpt-oss model (`FAMILY`)."""
 from easylm.gpt_oss import hf
 from easylm.gpt_oss.config import GPT_OSS_PRESETS, GptOssConfig
 from easylm.gpt_oss.model import GptOssForCausalLM, partition_rules
-from easylm.models.family import HFAdapter, ModelFamily, layout
-
-
-def _read_params(directory: str, config: GptOssConfig, dtype: str = "keep", place=None):
-    # As config.json describes them, laid out as `config` says: the loader then checks
-    # them against `config`, which the --gpt_oss.* flags may have changed.
-    return layout(FAMILY, hf.load_hf_params(directory, dtype, place)[1], config)
+from easylm.models.family import HFAdapter, ModelFamily, hf_params_reader
 
 
 class GptOssFamily(ModelFamily):
@@ -21,8 +15,9 @@ class GptOssFamily(ModelFamily):
     tiny_preset = "debug"
     module_class = GptOssForCausalLM
     variants = ("lora", "int8")
-    hf = HFAdapter(model_types=("gpt_oss",), read_config=hf.read_hf_config,
-                   read_params=_read_params, write_params=hf.to_hf, gate_up_interleaved=True)
+    hf = HFAdapter(model_types=("gpt_oss",), read_config=GptOssConfig.read_hf,
+                   read_params=hf_params_reader(hf.load_hf_params, GptOssForCausalLM),
+                   write_params=hf.to_hf, gate_up_interleaved=True)
 
     def partition_rules(self, config: GptOssConfig):
         return partition_rules(config)

@@ -24,7 +24,7 @@ import numpy as np
 from flax import traverse_util
 
 from easylm.errors import UserError
-from easylm.gpt_oss.config import GptOssConfig, from_hf_dict
+from easylm.gpt_oss.config import GptOssConfig
 from easylm.gpt_oss.model import GptOssForCausalLM
 from easylm.models.decoder import relayout
 from easylm.models.hf_checkpoint import HFTensors, hf_key, read_config, some, to_numpy
@@ -163,10 +163,6 @@ class Mxfp4Tensors(Mapping):
         return len(self.names)
 
 
-def read_hf_config(directory: str) -> GptOssConfig:
-    return from_hf_dict(read_config(directory), os.path.join(directory, "config.json"))
-
-
 def hf_tensors(directory: str) -> Mapping:
     """DIR's tensors by HF name, MXFP4 experts dequantized; another quantization refused."""
     quantization = read_config(directory).get("quantization_config")
@@ -183,6 +179,6 @@ def load_hf_params(directory: str, dtype: str = "keep", place=None):
     """(config, params) from a HF directory: numpy arrays, or what `place` makes of each."""
     if dtype not in DTYPES:
         raise UserError(f"--dtype={dtype!r} is not one of {', '.join(DTYPES)}")
-    config = read_hf_config(directory)
+    config = GptOssConfig.read_hf(directory)
     return config, from_hf(hf_tensors(directory), config, dtype=DTYPES[dtype], source=directory,
                            place=place)

@@ -14,12 +14,10 @@ import dataclasses
 from typing import Any
 
 from easylm.errors import UserError
-from easylm.models import remat
 from easylm.models.config import ModelConfig, field, preset_config
+from easylm.models.hf_checkpoint import first_int
 from easylm.models.moe import MoEConfig, RouterLoss
 
-ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "dot_product", "cudnn")
-REMAT_POLICIES = remat.NAMES
 ROPE_SCALING_TYPES = ("none", "llama3", "yarn")
 # The LLaMA variants, by HF model_type: (their transformers class, the switches their
 # config.json can set). What a model_type fixes, every config of it has: Qwen2's bias on
@@ -92,6 +90,10 @@ class LLaMAConfig(ModelConfig):
     """LLaMA and its variants (Qwen2/3, Mistral, Qwen3-MoE, Mixtral): the shared fields
     (easylm/models/config.py) and these."""
 
+    section = "llama"
+    routed_experts_field = "num_experts"
+    experts_per_token_field = "num_experts_per_tok"
+
     # Architecture: which LLaMA variant (HF's model_type) and its switches.
     model_type: str = field("llama", f"the variant, as HF's config.json names it: "
                                      f"{', '.join(ARCHITECTURES)} (qwen2: bias on q/k/v; "
@@ -163,8 +165,6 @@ class LLaMAConfig(ModelConfig):
                     f"llama.{field}={value!r} is not one of {', '.join(allowed)}"
                 )
 
-        choice("attention", ATTENTION_IMPLEMENTATIONS)
-        choice("remat_policy", REMAT_POLICIES)
         choice("rope_scaling_type", ROPE_SCALING_TYPES)
         choice("model_type", tuple(ARCHITECTURES))
         if self.sliding_window < 0:
@@ -179,18 +179,9 @@ class LLaMAConfig(ModelConfig):
                     f"llama.{switch}={getattr(self, switch)!r} is not part of model_type "
                     f"{self.model_type!r} (transformers' {ARCHITECTURES[self.model_type][0]} "
                     f"has no such switch); it is part of {', '.join(others)}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size",
-                     "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim"):
-            if getattr(self, name) < 1:
-                raise UserError(f"llama.{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise UserError(
-                f"llama.num_attention_heads={self.num_attention_heads} is not a multiple "
-                f"of llama.num_key_value_heads={self.num_key_value_heads}"
-            )
-        if self.head_dim % 2:
-            raise UserError(f"llama.head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.intermediate_size < 1:
+            raise UserError(f"llama.intermediate_size must be >= 1, got "
+                            f"{self.intermediate_size}")
 
     def _check_moe(self):
         if self.decoder_sparse_step < 1:
@@ -466,10 +457,10 @@ class LLaMAConfig(ModelConfig):
             rope_theta=float(rope_theta),
             tie_word_embeddings=bool(get("tie_word_embeddings")),
             initializer_range=get("initializer_range"),
-            bos_token_id=_first_int(get("bos_token_id"), None),
-            eos_token_id=_first_int(get("eos_token_id"), None),
-            pad_token_id=_first_int(get("pad_token_id"), None),
-            unk_token_id=_first_int(hf.get("unk_token_id"), None),
+            bos_token_id=first_int(get("bos_token_id")),
+            eos_token_id=first_int(get("eos_token_id")),
+            pad_token_id=first_int(get("pad_token_id")),
+            unk_token_id=first_int(hf.get("unk_token_id")),
             model_type=model_type,
             **_switches_from_hf(model_type, get),
             **_moe_from_hf(model_type, hf, get),
@@ -605,12 +596,6 @@ def _sliding_window(model_type: str, get) -> int:
                     f"layers: a window on some layers only is not supported")
 
 
-def _first_int(value, default: int | None) -> int | None:
-    if value is None:
-        return default
-    if isinstance(value, (list, tuple)):
-        return int(value[0])
-    return int(value)
 
 
 # -------------------------------------------------------------------- presets

@@ -20,6 +20,8 @@ from easylm.models.sigmoid_moe_decoder import SigmoidMoEDecoderConfig, check_mod
 
 @dataclasses.dataclass(frozen=True)
 class MiniMaxM2Config(SigmoidMoEDecoderConfig):
+    section = "minimax_m2"
+
     vocab_size: int = default(200064)
     hidden_size: int = default(3072)
     intermediate_size: int = default(1536)
@@ -47,9 +49,6 @@ class MiniMaxM2Config(SigmoidMoEDecoderConfig):
         super().__post_init__()
         R = self.rotary_dim()
         checks = (
-            (self.num_attention_heads % self.num_key_value_heads == 0,
-             f"num_key_value_heads={self.num_key_value_heads} must divide "
-             f"num_attention_heads={self.num_attention_heads}"),
             (R % 2 == 0 and 0 < R <= self.head_dim,
              f"partial_rotary_factor={self.partial_rotary_factor} of head_dim={self.head_dim} "
              f"is {R} rotary dims; expected an even number in 2..{self.head_dim}"),
@@ -70,6 +69,9 @@ class MiniMaxM2Config(SigmoidMoEDecoderConfig):
 
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
+
+    def rotary_widths(self) -> dict[str, int]:
+        return {}  # the rotated share of a head is checked with partial_rotary_factor
 
     # --------------------------------------------------------------- counting
 

@@ -3,11 +3,7 @@
 from easylm.minimax_m2 import hf
 from easylm.minimax_m2.config import MINIMAX_M2_PRESETS, MiniMaxM2Config
 from easylm.minimax_m2.model import PARTITION_RULES, MiniMaxM2ForCausalLM
-from easylm.models.family import HFAdapter, ModelFamily, layout
-
-
-def _read_params(directory: str, config: MiniMaxM2Config, dtype: str = "keep", place=None):
-    return layout(FAMILY, hf.load_hf_params(directory, dtype, place)[1], config)
+from easylm.models.family import HFAdapter, ModelFamily, hf_params_reader
 
 
 class MiniMaxM2Family(ModelFamily):
@@ -18,8 +14,9 @@ class MiniMaxM2Family(ModelFamily):
     tiny_preset = "debug"
     module_class = MiniMaxM2ForCausalLM
     variants = ("lora", "int8")
-    hf = HFAdapter(model_types=("minimax_m2",), read_config=hf.read_hf_config,
-                   read_params=_read_params, write_params=hf.to_hf)
+    hf = HFAdapter(model_types=("minimax_m2",), read_config=MiniMaxM2Config.read_hf,
+                   read_params=hf_params_reader(hf.load_hf_params, MiniMaxM2ForCausalLM),
+                   write_params=hf.to_hf)
 
     def partition_rules(self, config: MiniMaxM2Config):
         return PARTITION_RULES

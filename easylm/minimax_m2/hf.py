@@ -8,12 +8,11 @@ are HF's names with '/' for '.' (`hf_checkpoint.hf_key`), except the MoE's
 """
 
 import functools
-import os
 
-from easylm.minimax_m2.config import MiniMaxM2Config, from_hf_dict
+from easylm.minimax_m2.config import MiniMaxM2Config
 from easylm.minimax_m2.model import MiniMaxM2ForCausalLM
 from easylm.models import sigmoid_moe_hf
-from easylm.models.hf_checkpoint import hf_key, read_config
+from easylm.models.hf_checkpoint import hf_key
 
 _EXPERT = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
@@ -35,10 +34,5 @@ def hf_names(path: str, shape) -> list[tuple[str, bool]]:
 to_hf = functools.partial(sigmoid_moe_hf.to_hf, lm=MiniMaxM2ForCausalLM, names=hf_names)
 
 
-def read_hf_config(directory: str) -> MiniMaxM2Config:
-    return from_hf_dict(read_config(directory), os.path.join(directory, "config.json"))
-
-
-def load_hf_params(directory: str, dtype: str = "keep", place=None):
-    return sigmoid_moe_hf.load_hf_params(directory, read_hf_config, MiniMaxM2ForCausalLM, dtype,
-                                         place, names=hf_names)
+load_hf_params = functools.partial(sigmoid_moe_hf.load_hf_params, config_class=MiniMaxM2Config,
+                                   lm=MiniMaxM2ForCausalLM, names=hf_names)

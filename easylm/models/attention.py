@@ -25,6 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# The names a config's `attention` field takes (easylm/models/config.py); a family allows
+# these or fewer (`ModelConfig.attention_implementations`).
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "dot_product", "cudnn")
+
 
 def xla_attention(q, k, v, mask=None, window: int = 0, scale: float | None = None):
     B, T, N, H = q.shape

@@ -13,16 +13,28 @@ fields; where its default for a shared field differs (Gemma's vocabulary), it sa
 Each field's help is in its metadata (`field(default, help)`); the command layer makes the
 `--<family>.*` flags from them (easylm/model_flags.py). What a layer caches while decoding
 is declared by the layer (`CausalLM.layer_cache`, easylm/models/decoder.py), not here.
+
+What generic code reads of a family beyond the shared fields is declared here too, typed,
+and each family fills it from its own fields: `section` (its flags' --<section>.*),
+`attention_implementations` and `layer_type_choices` (what it allows), `routed_experts`
+and `experts_per_token` (its mixture of experts; 0: dense), `layer_kinds()`,
+`fixed_fields()` (shared fields its architecture sets) and `rotary_widths()`. The checks
+every family shares run once, in `__post_init__` (`check_shared`).
 """
 
 import dataclasses
 import math
-from typing import Any
+import os
+from typing import Any, ClassVar
 
 from easylm.errors import UserError
 from easylm.models import remat
+from easylm.models.attention import ATTENTION_IMPLEMENTATIONS
+from easylm.models.hf_checkpoint import read_config
 
-ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "dot_product", "cudnn")
+# The layer kinds a `layer_types` field may name (HF's names): a family with that field
+# allows some of them (`ModelConfig.layer_type_choices`).
+LAYER_TYPES = ("sliding_attention", "full_attention", "linear_attention")
 
 
 def field(default, help_text: str):
@@ -77,6 +89,20 @@ class ModelConfig:
                                     "time, never all (B, T, V) at once (saves memory with "
                                     "large vocabularies); 0: all at once")
 
+    # ------------------------------------------- declared for the generic code
+    # The flags' section (--<section>.<field>): what every message about a field names.
+    section: ClassVar[str] = "model"
+    # The `attention` values this family computes (a subset of ATTENTION_IMPLEMENTATIONS).
+    attention_implementations: ClassVar[tuple[str, ...]] = ATTENTION_IMPLEMENTATIONS
+    # The field holding the routed-expert count (what `routed_experts` reads and a message
+    # about it names, e.g. deepseek_v3's n_routed_experts), and the one holding the experts
+    # each token takes; "" for a dense family.
+    routed_experts_field: ClassVar[str] = ""
+    experts_per_token_field: ClassVar[str] = ""
+    # The kinds a family's `layer_types` field may list (LAYER_TYPES' names); () for a
+    # family without that field.
+    layer_type_choices: ClassVar[tuple[str, ...]] = ()
+
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         # A `default(value)` field keeps the shared help: filled in before @dataclass runs.
@@ -87,15 +113,59 @@ class ModelConfig:
                 setattr(cls, name, dataclasses.field(default=value.default, metadata=shared))
 
     def __post_init__(self):
+        for name, value in self.fixed_fields().items():
+            given = getattr(self, name)
+            if given is not None and given != value:
+                raise UserError(f"--{self.section}.{name}={given}: this architecture sets it "
+                                f"to {value}; leave it unset")
+            object.__setattr__(self, name, value)
         if self.num_key_value_heads is None:
             object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
-        if self.head_dim is None:
+        if self.head_dim is None and self.num_attention_heads > 0:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        self.check_shared()
+
+    def check_shared(self):
+        """The checks every family's config shares, each a UserError naming the flag."""
+        def fail(message):
+            raise UserError(f"--{self.section}.{message}")
+
+        for name, allowed in (("attention", self.attention_implementations),
+                              ("remat_policy", remat.NAMES)):
+            if getattr(self, name) not in allowed:
+                fail(f"{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}")
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                fail(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            fail(f"num_key_value_heads={self.num_key_value_heads} must divide "
+                 f"num_attention_heads={self.num_attention_heads}")
+        for name, width in self.rotary_widths().items():
+            if width % 2:
+                fail(f"{name}={width} must be even (rotary embeddings)")
+        if self.layer_type_choices and self.layer_types:
+            kinds = self.layer_types.split(",")
+            if len(kinds) != self.num_hidden_layers or set(kinds) - set(self.layer_type_choices):
+                fail(f"layer_types needs {self.num_hidden_layers} entries, each one of "
+                     f"{', '.join(self.layer_type_choices)}; got {self.layer_types!r}")
+
+    def fixed_fields(self) -> dict[str, Any]:
+        """Shared fields this architecture sets from its own (DeepSeek-V3's latent cache:
+        one key/value head of kv_lora_rank + qk_rope_head_dim): set here, and a flag that
+        asks for another value is refused."""
+        return {}
+
+    def rotary_widths(self) -> dict[str, int]:
+        """The widths rotary embeddings rotate, by the field that sets each (even)."""
+        return {"head_dim": self.head_dim}
 
     # ----------------------------------------------------------------- values
 
     def replace(self, **changes):
-        return dataclasses.replace(self, **changes)
+        # The fields the architecture sets follow the changed ones.
+        fixed = {name: None for name in self.fixed_fields() if name not in changes}
+        return dataclasses.replace(self, **fixed, **changes)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -109,6 +179,17 @@ class ModelConfig:
     def layer_kinds(self) -> tuple[str, ...]:
         """Each layer's kind (HF's layer_types names); all alike unless a family says."""
         return ("full_attention",) * self.num_hidden_layers
+
+    @property
+    def routed_experts(self) -> int:
+        """Routed experts E of each mixture-of-experts layer, 0 for a dense model: what
+        expert parallelism (ep of --mesh_dim) splits. The family's `routed_experts_field`."""
+        return getattr(self, self.routed_experts_field) if self.routed_experts_field else 0
+
+    @property
+    def experts_per_token(self) -> int:
+        """Routed experts each token takes (K), 0 for a dense model."""
+        return getattr(self, self.experts_per_token_field) if self.routed_experts else 0
 
     def unfused(self):
         """This config computing each projection with its own matmul (what LoRA and int8
@@ -149,6 +230,11 @@ class ModelConfig:
         return self.replace(**fields)
 
     # ---------------------------------------------------- HF transformers
+
+    @classmethod
+    def read_hf(cls, directory: str):
+        """DIR/config.json as `from_hf_config` reads it (a family's HFAdapter.read_config)."""
+        return cls.from_hf_config(read_config(directory), os.path.join(directory, "config.json"))
 
     @classmethod
     def from_hf_config(cls, hf: dict, path: str = "config.json"):

@@ -272,9 +272,22 @@ def params_by_rule(lm: type, tensors, config, dtype=None, source: str = "checkpo
 def layout(family: ModelFamily, tree, config):
     """`tree` (parameters, or anything keyed like them) in the layout `config` says
     (`scan_layers`, the pattern's period): easylm/models/decoder.py's two layouts."""
-    lm = family.module_class
+    return _layout(family.module_class, tree, config)
+
+
+def _layout(lm: type, tree, config):
     return decoder.relayout(tree, config.scan_layers, decoder.period(lm, config),
                             decoder.scan_blocks(lm, config) if config.scan_layers else None)
+
+
+def hf_params_reader(load_hf_params: Callable, lm: type) -> Callable:
+    """`HFAdapter.read_params` of a family whose `load_hf_params(DIR, dtype, place)` gives
+    (config.json's config, its parameters layer by layer): the parameters laid out as the
+    `config` asked for says (the loader then checks them against that config, which the
+    --<family>.* flags may have changed)."""
+    def read_params(directory: str, config, dtype: str = "keep", place=None):
+        return _layout(lm, load_hf_params(directory, dtype, place)[1], config)
+    return read_params
 
 
 def torch_reference(family: ModelFamily, config, params):

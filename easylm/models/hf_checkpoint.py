@@ -66,6 +66,14 @@ def text_model(hf: dict, path: str, text_type: str, tied: bool) -> dict:
             "model_type": text_type}
 
 
+def first_int(value) -> int | None:
+    """A token id field of config.json: an int, or a list of them whose first counts (a
+    model with several EOS ids), or None."""
+    if isinstance(value, (list, tuple)):
+        value = value[0] if value else None
+    return None if value is None else int(value)
+
+
 def layer_types(hf: dict, path: str, allowed) -> list | None:
     """config.json's `layer_types` (None where absent), each one of `allowed`."""
     types = hf.get("layer_types")

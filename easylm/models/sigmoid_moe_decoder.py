@@ -28,6 +28,9 @@ class SigmoidMoEDecoderConfig(ModelConfig):
     """The MoE's fields, DeepSeek-V3's defaults; a family redeclares a default with
     `default(value)` (the help stays this one)."""
 
+    routed_experts_field = "n_routed_experts"
+    experts_per_token_field = "num_experts_per_tok"
+
     moe_intermediate_size: int = field(2048, "one routed (and shared) expert's MLP width")
     n_routed_experts: int = field(256, "routed experts E")
     n_shared_experts: int = field(1, "shared experts every token takes")

@@ -88,11 +88,11 @@ def from_hf(tensors: Mapping, config, dtype=None, source="checkpoint", place=Non
     return traverse_util.unflatten_dict(flat, sep="/")
 
 
-def load_hf_params(directory: str, read_hf_config, lm: type, dtype: str = "keep", place=None,
-                   names=hf_names):
-    """(config, parameters) of a checkpoint directory; `read_hf_config` the family's."""
+def load_hf_params(directory: str, dtype: str = "keep", place=None, *, config_class: type,
+                   lm: type, names=hf_names):
+    """(config, parameters) of a checkpoint directory, its config a `config_class`."""
     if dtype not in DTYPES:
         raise UserError(f"--dtype={dtype!r} is not one of {', '.join(DTYPES)}")
-    config = read_hf_config(directory)
+    config = config_class.read_hf(directory)
     return config, from_hf(HFTensors(directory), config, dtype=DTYPES[dtype],
                            source=directory, place=place, lm=lm, names=names)

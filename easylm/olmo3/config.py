@@ -10,8 +10,8 @@ from LLaMA is in easylm/olmo3/model.py: post-norm and the q/k norms over all hea
 import dataclasses
 
 from easylm.errors import UserError
-from easylm.models import remat, rope
-from easylm.models.config import ATTENTION_IMPLEMENTATIONS, ModelConfig, default, field
+from easylm.models import rope
+from easylm.models.config import ModelConfig, default, field
 from easylm.models.hf_checkpoint import config_fields, layer_types as hf_layer_types
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -22,6 +22,9 @@ ROPE_TYPES = ("default", "yarn")
 class Olmo3Config(ModelConfig):
     """OLMo 3: the shared fields (easylm/models/config.py) with Olmo3Config's defaults, and
     these."""
+
+    section = "olmo3"
+    layer_type_choices = LAYER_TYPES
 
     vocab_size: int = default(50304)
     max_position_embeddings: int = default(2048)
@@ -46,28 +49,15 @@ class Olmo3Config(ModelConfig):
                                               "0.1 ln(factor) + 1, transformers' default")
 
     def __post_init__(self):
-        super().__post_init__()
+        super().__post_init__()  # the shared checks, layer_types among them
         checks = (
-            (self.attention in ATTENTION_IMPLEMENTATIONS,
-             f"attention={self.attention!r} is not one of {', '.join(ATTENTION_IMPLEMENTATIONS)}"),
-            (self.remat_policy in remat.NAMES,
-             f"remat_policy={self.remat_policy!r} is not one of {', '.join(remat.NAMES)}"),
             (self.rope_type in ROPE_TYPES,
              f"rope_type={self.rope_type!r} is not one of {', '.join(ROPE_TYPES)}"),
-            (self.num_attention_heads % self.num_key_value_heads == 0,
-             f"num_key_value_heads={self.num_key_value_heads} must divide "
-             f"num_attention_heads={self.num_attention_heads}"),
-            (self.head_dim % 2 == 0, f"head_dim={self.head_dim} must be even (rotary)"),
             (self.sliding_window >= 1, f"sliding_window must be >= 1, got {self.sliding_window}"),
         )
         for ok, message in checks:
             if not ok:
                 raise UserError(f"--olmo3.{message}")
-        if self.layer_types:
-            kinds = self.layer_types.split(",")
-            if len(kinds) != self.num_hidden_layers or set(kinds) - set(LAYER_TYPES):
-                raise UserError(f"--olmo3.layer_types needs {self.num_hidden_layers} entries, "
-                                f"each one of {', '.join(LAYER_TYPES)}; got {self.layer_types!r}")
 
     def layer_kinds(self) -> tuple[str, ...]:
         if self.layer_types:

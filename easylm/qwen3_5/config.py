@@ -24,13 +24,16 @@ import dataclasses
 from typing import Any
 
 from easylm.errors import UserError
-from easylm.models import remat
-from easylm.models.config import ATTENTION_IMPLEMENTATIONS, ModelConfig, default, field
+from easylm.models.config import LAYER_TYPES, ModelConfig, default, field
 from easylm.models.gated_deltanet import GatedDeltaNetConfig
-from easylm.models.hf_checkpoint import config_fields, layer_types as hf_layer_types, text_model
+from easylm.models.hf_checkpoint import (
+    config_fields,
+    first_int,
+    layer_types as hf_layer_types,
+    text_model,
+)
 from easylm.models.moe import MoEConfig, RouterLoss
 
-LAYER_TYPES = ("linear_attention", "full_attention")
 MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 MOE_TYPES = ("qwen3_5_moe_text", "qwen3_next")
 # The multimodal checkpoints' model_type -> their text model's.
@@ -43,6 +46,11 @@ NOT_BUILT: dict[str, str] = {}
 @dataclasses.dataclass(frozen=True)
 class Qwen35Config(ModelConfig):
     """Qwen3.5's text model: the shared fields with Qwen3_5TextConfig's defaults, and these."""
+
+    section = "qwen3_5"
+    routed_experts_field = "num_experts"
+    experts_per_token_field = "num_experts_per_tok"
+    layer_type_choices = LAYER_TYPES[1:]  # full_attention, linear_attention
 
     vocab_size: int = default(248320)
     hidden_size: int = default(4096)
@@ -88,13 +96,6 @@ class Qwen35Config(ModelConfig):
     def __post_init__(self):
         super().__post_init__()
         checks = (
-            (self.attention in ATTENTION_IMPLEMENTATIONS,
-             f"attention={self.attention!r} is not one of {', '.join(ATTENTION_IMPLEMENTATIONS)}"),
-            (self.remat_policy in remat.NAMES,
-             f"remat_policy={self.remat_policy!r} is not one of {', '.join(remat.NAMES)}"),
-            (self.num_attention_heads % self.num_key_value_heads == 0,
-             (f"num_key_value_heads={self.num_key_value_heads} must divide "
-              f"num_attention_heads={self.num_attention_heads}")),
             (self.linear_num_value_heads % self.linear_num_key_heads == 0,
              (f"linear_num_key_heads={self.linear_num_key_heads} must divide "
               f"linear_num_value_heads={self.linear_num_value_heads}")),
@@ -119,11 +120,6 @@ class Qwen35Config(ModelConfig):
         for ok, message in checks:
             if not ok:
                 raise UserError(f"--qwen3_5.{message}")
-        if self.layer_types:
-            kinds = self.layer_types.split(",")
-            if len(kinds) != self.num_hidden_layers or set(kinds) - set(LAYER_TYPES):
-                raise UserError(f"--qwen3_5.layer_types needs {self.num_hidden_layers} entries, "
-                                f"each one of {', '.join(LAYER_TYPES)}; got {self.layer_types!r}")
 
     def layer_kinds(self) -> tuple[str, ...]:
         if self.layer_types:
@@ -135,6 +131,9 @@ class Qwen35Config(ModelConfig):
     def rotary_dim(self) -> int:
         """The rotated dims of a head, as transformers rounds them: int(H * factor)."""
         return int(self.head_dim * self.partial_rotary_factor)
+
+    def rotary_widths(self) -> dict[str, int]:
+        return {}  # the rotated share of a head is checked with partial_rotary_factor
 
     def deltanet(self) -> GatedDeltaNetConfig:
         """The Gated DeltaNet layers' config."""
@@ -359,7 +358,7 @@ def from_hf_dict(hf: dict, path: str = "config.json") -> Qwen35Config:
     moe = model_type in MOE_TYPES
     ints = _INTS + (_MOE_INTS if moe else ())
     get = config_fields(hf, path, defaults, ints, _MUST_BE, "this Qwen3.5 model")
-    layer_types = hf_layer_types(hf, path, LAYER_TYPES)
+    layer_types = hf_layer_types(hf, path, Qwen35Config.layer_type_choices)
     if model_type == "qwen3_next":
         _sparse_layers(hf, path)
     extra = {}
@@ -375,9 +374,9 @@ def from_hf_dict(hf: dict, path: str = "config.json") -> Qwen35Config:
             tie_word_embeddings=bool(get("tie_word_embeddings")),
             rms_norm_eps=float(get("rms_norm_eps")),
             initializer_range=float(get("initializer_range")),
-            bos_token_id=_first_int(hf.get("bos_token_id")),
-            eos_token_id=_first_int(hf.get("eos_token_id")),
-            pad_token_id=_first_int(hf.get("pad_token_id")))
+            bos_token_id=first_int(hf.get("bos_token_id")),
+            eos_token_id=first_int(hf.get("eos_token_id")),
+            pad_token_id=first_int(hf.get("pad_token_id")))
     except UserError as e:
         raise UserError(f"{path}: {e}") from None
     except (TypeError, ValueError) as e:
@@ -388,10 +387,6 @@ def from_hf_dict(hf: dict, path: str = "config.json") -> Qwen35Config:
     return config
 
 
-def _first_int(value) -> int | None:
-    if isinstance(value, (list, tuple)):
-        value = value[0] if value else None
-    return None if value is None else int(value)
 
 
 # -------------------------------------------------------------------- presets

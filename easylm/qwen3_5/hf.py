@@ -17,7 +17,6 @@ this model does not load (the read says so in one line). Multi-token-prediction 
 (`mtp.`), which transformers does not load either, are skipped.
 """
 
-import os
 import sys
 from collections.abc import Iterator, Mapping
 
@@ -31,11 +30,10 @@ from easylm.models.hf_checkpoint import (
     HFTensors,
     RenamedTensors,
     hf_key,
-    read_config,
     some,
     to_numpy,
 )
-from easylm.qwen3_5.config import Qwen35Config, from_hf_dict
+from easylm.qwen3_5.config import Qwen35Config
 from easylm.qwen3_5.model import Qwen35ForCausalLM
 from easylm.runtime.dtypes import cast_names
 
@@ -140,16 +138,11 @@ def _text_name(name: str) -> str | None:
     return "model." + name[len(_TEXT_PREFIX):] if name.startswith(_TEXT_PREFIX) else name
 
 
-def read_hf_config(directory: str) -> Qwen35Config:
-    """DIR/config.json as a Qwen35Config (`qwen3_5_text`, or a `qwen3_5`'s text model)."""
-    return from_hf_dict(read_config(directory), os.path.join(directory, "config.json"))
-
-
 def load_hf_params(directory: str, dtype: str = "keep", place=None):
     """(config, params) from a HF directory: numpy arrays, or what `place` makes of each."""
     if dtype not in DTYPES:
         raise UserError(f"--dtype={dtype!r} is not one of {', '.join(DTYPES)}")
-    config = read_hf_config(directory)
+    config = Qwen35Config.read_hf(directory)
     tensors = HFTensors(directory)
     if any(name.startswith("model.visual.") for name in tensors):
         print(f"{directory}: the vision tower (model.visual.*) is not loaded: easylm's "

@@ -16,6 +16,7 @@ from easylm import flags as flag_lib, model_flags, objectives, variants
 from easylm.data.options import loader_block
 from easylm.errors import UserError
 from easylm.evaluation import harness_flags
+from easylm.models.config import ModelConfig
 from easylm.models.context_parallel import STRATEGIES
 from easylm.models.family import Model, ModelFamily
 from easylm.runtime import checkpoint, distributed, easylm_flags, run_flags
@@ -340,14 +341,14 @@ def check_seq_length(config: ConfigDict, model: Model, datasets: dict):
                 f"{flag}={dataset.seq_length} is above the model's max_position_embeddings="
                 f"{model.max_seq_length}: lower {flag}, or raise --{model.name}."
                 f"max_position_embeddings if the model can take longer rows")
-        chunk = model.config.get("loss_chunk_size", 0)
+        chunk = model.loss_chunk_size
         if dataset is not None and chunk and dataset.seq_length % chunk:
             flag = f"--{section}.{loader_block(config[section])}.seq_length"
             raise UserError(f"--{model.name}.loss_chunk_size={chunk} must divide the rows' "
                             f"length, {flag}={dataset.seq_length}")
 
 
-def mesh_problems(config: ConfigDict, model_config: dict, model_name: str, mesh_shape,
+def mesh_problems(config: ConfigDict, model_config: ModelConfig, mesh_shape,
                   seq_lengths: dict) -> list[str]:
     """What the mesh must divide, one line each, before anything is traced (the trainer
     refuses the first, `python -m easylm.doctor` lists them all): rows that split over sp
@@ -364,13 +365,12 @@ def mesh_problems(config: ConfigDict, model_config: dict, model_name: str, mesh_
             flag = f"--{section}.{loader_block(config[section])}.seq_length"
             problems.append(f"{flag}={length} must be a multiple of 2*sp = {2 * sp} to split "
                             f"rows over --mesh_dim={config.mesh_dim}")
-    # The families name their expert count as their HF configs do: num_experts (LLaMA's
-    # Qwen3-MoE and Mixtral switches), num_local_experts (gpt-oss); 0 is a dense MLP.
-    for field_name, experts in model_config.items():
-        if field_name.endswith("experts") and isinstance(experts, int) and experts % ep:
-            problems.append(f"--{model_name}.{field_name}={experts} experts cannot be split "
-                            f"over ep={ep} of --mesh_dim={config.mesh_dim}: give a number of "
-                            f"experts that ep divides, or another ep")
+    experts = model_config.routed_experts  # 0: a dense model, nothing to split
+    if experts % ep:
+        problems.append(f"--{model_config.section}.{model_config.routed_experts_field}="
+                        f"{experts} experts cannot be split over ep={ep} of --mesh_dim="
+                        f"{config.mesh_dim}: give a number of experts that ep divides, or "
+                        f"another ep")
     return problems
 
 

@@ -17,6 +17,7 @@ from easylm.data.tokenizer import load_tokenizer
 from easylm.errors import UserError
 from easylm.evaluation import harness_flags
 from easylm.models.context_parallel import DEFAULT_STRATEGY, use_strategy
+from easylm.models.config import ModelConfig
 from easylm.models.family import Model, ModelFamily
 from easylm.objectives.base import COPY
 from easylm.runtime import checkpoint, distributed, flops
@@ -62,7 +63,8 @@ def start(config: ConfigDict, family: ModelFamily, cleanup: contextlib.ExitStack
                                                                  jax.random.key(0)))
     harness = _harness(config, model, tokenizer, mesh)
     objective = objectives.build(config, model, tokenizer)
-    dataset, eval_dataset = _datasets(config, tokenizer, objective, mesh, model)
+    dataset, eval_dataset = _datasets(config, tokenizer, objective, mesh, model,
+                                      family.config_class(**model.config))
     run_dir = run_directory(config, model.name, variants.unused_flags(family, config))
     manager, latest = _checkpoints(config, run_dir, cleanup)
     cleanup.enter_context(jax.set_mesh(mesh))
@@ -140,9 +142,10 @@ def _harness(config: ConfigDict, model: Model, tokenizer, mesh):
     return HarnessHook(config.eval_harness, model, tokenizer, mesh)
 
 
-def _datasets(config: ConfigDict, tokenizer, objective, mesh, model: Model):
+def _datasets(config: ConfigDict, tokenizer, objective, mesh, model: Model,
+              model_config: ModelConfig):
     """The train and (if evaluating) eval datasets of the objective's rows, checked against
-    the mesh and the model."""
+    the mesh and the model (`model_config`: its config)."""
     kind = dict(pairs=objective.rows == "pairs",
                 prompts=objective.completion_tokens if objective.rows == "prompts" else 0)
     train = DatasetFactory.load_dataset(config.train_dataset, tokenizer, **kind)
@@ -154,7 +157,7 @@ def _datasets(config: ConfigDict, tokenizer, objective, mesh, model: Model):
     check_seq_length(config, model, {"train_dataset": train, "eval_dataset": evaluation})
     lengths = {section: data.seq_length for section, data in
                (("train_dataset", train), ("eval_dataset", evaluation)) if data is not None}
-    problems = mesh_problems(config, model.config, model.name, mesh.shape, lengths)
+    problems = mesh_problems(config, model_config, mesh.shape, lengths)
     if problems:
         raise UserError(problems[0])
     return train, evaluation

@@ -1,0 +1,97 @@
+"""easylm/models/config.py: what every family's config declares for the generic code
+(the routed experts expert parallelism splits) and the checks it shares, for each family
+in the registry."""
+
+import pytest
+from ml_collections import ConfigDict
+
+from easylm.errors import UserError
+from easylm.models import registry
+from easylm.training.options import mesh_problems
+
+# Every registered mixture of experts, tiny: (family, preset, overrides).
+MIXTURES = {
+    "qwen3_moe": ("llama", "debug", dict(model_type="qwen3_moe", num_experts=4,
+                                         num_experts_per_tok=2, moe_intermediate_size=32)),
+    "mixtral": ("llama", "debug", dict(model_type="mixtral", num_experts=4, norm_topk_prob=True)),
+    "gpt_oss": ("gpt_oss", "debug", {}),
+    "qwen3_5_moe": ("qwen3_5", "debug_moe", {}),
+    "qwen3_next": ("qwen3_5", "debug_next", {}),
+    "deepseek_v3": ("deepseek_v3", "debug", {}),
+    "glm4_moe": ("glm4_moe", "debug", {}),
+    "gemma4": ("gemma4", "debug", dict(enable_moe_block=True, num_experts=4, top_k_experts=2,
+                                       moe_intermediate_size=16)),
+}
+# The field each family's routed-expert count is (what a message about it names).
+ROUTED_FIELD = {"llama": "num_experts", "gpt_oss": "num_local_experts",
+                "qwen3_5": "num_experts", "deepseek_v3": "n_routed_experts",
+                "glm4_moe": "n_routed_experts", "gemma4": "num_experts"}
+
+
+def mixture(name: str, **changes):
+    family_name, preset, overrides = MIXTURES[name]
+    family = registry.get(family_name)
+    return family, family.from_preset(preset, **{**overrides, **changes})
+
+
+def test_every_registered_mixture_is_here():
+    families = {family for family, _, _ in MIXTURES.values()}
+    assert families == {name for name in registry.FAMILIES
+                        if name not in ("gemma",)}  # Gemma 3 has no experts
+
+
+@pytest.mark.parametrize("name", MIXTURES)
+def test_ep_reads_the_declared_routed_experts(name):
+    family, config = mixture(name)
+    field = ROUTED_FIELD[family.name]
+    assert config.routed_experts == getattr(config, field) > 0
+    assert 0 < config.experts_per_token < config.routed_experts
+    mesh = ConfigDict(dict(context_parallel="", mesh_dim="dp=1,fsdp=2,ep=4"))
+    # The count ep divides: no problem (DeepSeek-V3 and GLM-4.5 were refused by their
+    # n_shared_experts=1, Gemma 4 by its top_k_experts=2, before the declared count).
+    assert mesh_problems(mesh, config, {"dp": 1, "fsdp": 2, "ep": 4}, {}) == []
+    mesh.mesh_dim = "dp=1,fsdp=1,ep=3"
+    assert mesh_problems(mesh, config, {"dp": 1, "fsdp": 1, "ep": 3}, {}) == [
+        f"--{family.name}.{field}={config.routed_experts} experts cannot be split over ep=3 "
+        f"of --mesh_dim=dp=1,fsdp=1,ep=3: give a number of experts that ep divides, or "
+        f"another ep"]
+
+
+def test_a_dense_model_declares_no_experts():
+    for name in registry.FAMILIES:
+        family = registry.get(name)
+        config = family.from_preset(family.tiny_preset or family.default_preset)
+        if name in ("llama", "gemma", "gemma4", "qwen3_5"):  # their debug presets are dense
+            assert (config.routed_experts, config.experts_per_token) == (0, 0), name
+    # Gemma 4's expert fields without its MoE block switched on are no experts.
+    assert registry.get("gemma4").from_preset("debug", num_experts=4).routed_experts == 0
+
+
+@pytest.mark.parametrize("name", list(registry.FAMILIES))
+def test_the_shared_checks_are_one_line_for_every_family(name):
+    family = registry.get(name)
+    preset = family.tiny_preset or family.default_preset
+    heads = family.from_preset(preset).num_attention_heads  # the preset itself is fine
+    allowed = family.config_class.attention_implementations
+    for overrides, message in (
+        (dict(remat_policy="full"), rf"^--{name}\.remat_policy='full' is not one of none, "),
+        (dict(attention="flash"), rf"^--{name}\.attention='flash' is not one of "
+                                  rf"{', '.join(allowed)}$"),
+        # Not a divisor of the heads; DeepSeek-V3's latent cache has one: not silently 1.
+        (dict(num_key_value_heads=heads + 1), rf"^--{name}\.num_key_value_heads={heads + 1}"),
+    ):
+        with pytest.raises(UserError, match=message):
+            family.from_preset(preset, **overrides)
+
+
+def test_gpt_oss_allows_only_its_own_attention():
+    family = registry.get("gpt_oss")
+    with pytest.raises(UserError, match=r"attention='dot_product' is not one of xla$"):
+        family.from_preset("debug", attention="dot_product")
+
+
+def test_a_field_the_architecture_sets_follows_a_replace():
+    config = registry.get("deepseek_v3").from_preset("debug")
+    assert (config.num_key_value_heads, config.head_dim) == (1, 32 + 8)
+    assert config.replace(kv_lora_rank=16).head_dim == 16 + 8
+    assert type(config)(**config.to_dict()) == config  # as a checkpoint's metadata records it
