@@ -14,7 +14,7 @@ import dataclasses
 
 from easylm.errors import UserError
 from easylm.models.config import default, field
-from easylm.models.hf_checkpoint import config_fields
+from easylm.models.hf_checkpoint import config_fields, first_int
 from easylm.models.sigmoid_moe_decoder import SigmoidMoEDecoderConfig, check_model_type
 
 
@@ -153,14 +153,11 @@ def from_hf_dict(hf: dict, path: str = "config.json") -> MiniMaxM2Config:
             initializer_range=float(get("initializer_range")),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             bos_token_id=hf.get("bos_token_id", HF_DEFAULTS["bos_token_id"]),
-            eos_token_id=_first(hf.get("eos_token_id", HF_DEFAULTS["eos_token_id"])),
+            eos_token_id=first_int(hf.get("eos_token_id", HF_DEFAULTS["eos_token_id"])),
             pad_token_id=hf.get("pad_token_id"))
     except UserError as e:
         raise UserError(f"{path}: {e}") from None
 
-
-def _first(value):
-    return value[0] if isinstance(value, (list, tuple)) and value else value
 
 
 MINIMAX_M2_PRESETS = {

@@ -12,7 +12,7 @@ import dataclasses
 from easylm.errors import UserError
 from easylm.models import rope
 from easylm.models.config import ModelConfig, default, field
-from easylm.models.hf_checkpoint import config_fields, layer_types as hf_layer_types
+from easylm.models.hf_checkpoint import config_fields, first_int, layer_types as hf_layer_types
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 ROPE_TYPES = ("default", "yarn")
@@ -172,9 +172,9 @@ def from_hf_dict(hf: dict, path: str = "config.json") -> Olmo3Config:
             attention_bias=bool(get("attention_bias")),
             rope_theta=float(full["rope_theta"]), sliding_rope_theta=float(sliding["rope_theta"]),
             **_yarn_fields(full),
-            bos_token_id=_first_int(hf.get("bos_token_id", HF_DEFAULTS["bos_token_id"])),
-            eos_token_id=_first_int(hf.get("eos_token_id", HF_DEFAULTS["eos_token_id"])),
-            pad_token_id=_first_int(hf.get("pad_token_id", HF_DEFAULTS["pad_token_id"])))
+            bos_token_id=first_int(hf.get("bos_token_id", HF_DEFAULTS["bos_token_id"])),
+            eos_token_id=first_int(hf.get("eos_token_id", HF_DEFAULTS["eos_token_id"])),
+            pad_token_id=first_int(hf.get("pad_token_id", HF_DEFAULTS["pad_token_id"])))
     except UserError as e:
         raise UserError(f"{path}: {e}") from None
     except (TypeError, ValueError) as e:
@@ -224,11 +224,6 @@ def _yarn_fields(full: dict) -> dict:
                 rope_beta_slow=float(full.get("beta_slow") or 1.0),
                 rope_attention_factor=float(full.get("attention_factor") or 0.0))
 
-
-def _first_int(value) -> int | None:
-    if isinstance(value, (list, tuple)):
-        value = value[0] if value else None
-    return None if value is None else int(value)
 
 
 # -------------------------------------------------------------------- presets
