@@ -113,3 +113,5 @@ def test_the_released_shape_counts_as_its_card():
     config = FAMILY.from_preset("smollm3_3b")
     assert config.num_parameters() == 3_075_098_624
     assert config.layer_kinds()[:4] == ("full_attention",) * 3 + ("no_rope",)
+    # The planner's few layers keep the mix (its NoPE indices were out of range before).
+    assert config.shard_variant(4, 2).layer_kinds() == ("full_attention",) * 3 + ("no_rope",)

@@ -260,6 +260,15 @@ class LLaMAConfig(ModelConfig):
         return tuple("dense" if i in dense or (i + 1) % self.decoder_sparse_step else
                      "full_attention" for i in range(self.num_hidden_layers))
 
+    def shard_variant(self, layers: int, mp: int):
+        """The planner's few layers keep SmolLM3's mix of NoPE layers (as a config with
+        layer_types keeps its mix)."""
+        kinds = self.layer_kinds()
+        picked = [kinds[i * len(kinds) // layers] for i in range(layers)]
+        nope = ",".join(str(i) for i, kind in enumerate(picked) if kind == "no_rope")
+        fewer = self.replace(num_hidden_layers=layers, no_rope_layers=nope)
+        return super(LLaMAConfig, fewer).shard_variant(layers, mp)
+
     @property
     def moe(self):
         """The mixture-of-experts block's config (easylm/models/moe.py), None: dense MLP."""
