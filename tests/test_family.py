@@ -5,6 +5,7 @@ code unchanged."""
 import ast
 import json
 import pathlib
+import re
 
 import jax
 import numpy as np
@@ -73,7 +74,7 @@ def test_the_registry_imports_families_lazily_and_names_bad_ones():
     family, rest = registry.from_argv(["prog", "--family=toy_family:FAMILY", "--x=1"])
     assert family is TOY and rest == ["prog", "--x=1"]
     with pytest.raises(UserError, match=r"^--family='gpt' is not one of llama, gemma, gpt_oss, qwen3_5, deepseek_v3, glm4_moe, gemma4, "
-                                        r"qwen3_5_vl "
+                                        r"olmo3, minimax_m2, qwen3_5_vl "
                                         r"\(or MODULE:ATTRIBUTE\)$"):
         registry.get("gpt")
     with pytest.raises(UserError, match=r"is not a ModelFamily$"):
@@ -104,8 +105,8 @@ def test_the_generic_commands_take_the_family_of_what_they_load(tmp_path, capsys
                        f"easylm reads (llama: {', '.join(ARCHITECTURES)}; gemma: gemma3_text, "
                        f"gemma3; gpt_oss: gpt_oss; qwen3_5: qwen3_5_text, qwen3_5, qwen3_5_moe_text, "
                        f"qwen3_5_moe, qwen3_next; deepseek_v3: "
-                       f"deepseek_v3; glm4_moe: glm4_moe; gemma4: gemma4_text, gemma4; qwen3_5_vl: "
-                       f"qwen3_5, qwen3_5_moe)")
+                       f"deepseek_v3, kimi_k25; glm4_moe: glm4_moe; gemma4: gemma4_text, gemma4; "
+                       f"olmo3: olmo3; minimax_m2: minimax_m2; qwen3_5_vl: qwen3_5, qwen3_5_moe)")
     for model_type in ("gemma3_text", "gemma3"):  # gemma3: the text tower of the multimodal
         (tmp_path / model_type).mkdir()
         (tmp_path / model_type / "config.json").write_text(json.dumps({"model_type": model_type}))
@@ -117,7 +118,7 @@ def test_the_generic_commands_take_the_family_of_what_they_load(tmp_path, capsys
     assert registry.from_argv([*argv, "--family=toy_family:FAMILY"], True)[0] is TOY
     message = one_line_error(serve.main, ["serve", "--family=gpt"], capsys)
     assert message == ("--family='gpt' is not one of llama, gemma, gpt_oss, qwen3_5, "
-                       "deepseek_v3, glm4_moe, gemma4, qwen3_5_vl (or MODULE:ATTRIBUTE)")
+                       "deepseek_v3, glm4_moe, gemma4, olmo3, minimax_m2, qwen3_5_vl (or MODULE:ATTRIBUTE)")
 
 
 def _tiny_hf_directory(name, directory, **changes):
@@ -131,7 +132,8 @@ def _tiny_hf_directory(name, directory, **changes):
     return directory
 
 
-@pytest.mark.parametrize("name", list(registry.FAMILIES))
+@pytest.mark.parametrize("name", [name for name in registry.FAMILIES
+                                  if not registry.get(name).not_in_commands])
 def test_plan_and_doctor_read_every_familys_hf_directory(name, tmp_path, capsys):
     from easylm import doctor
 
@@ -272,3 +274,16 @@ def test_a_second_family_plans_and_benches(tmp_path):
     assert row["model"] == "tiny" and row["parameters"] == \
         model_flags.build(TOY, config).num_parameters
     assert row["tokens_per_second"] > 0 and len(row["losses"]) == 2
+
+
+@pytest.mark.parametrize("model_type, why", [
+    ("llama4_text", "attention_chunk_size (chunked local attention)"),
+    ("mistral4", "softmax group-limited router"), ("deepseek_v32", "index_topk indexer"),
+    ("glm_moe_dsa", "index_topk indexer"), ("deepseek_v4", "compress_rates")])
+def test_the_late_2026_types_not_built_are_refused_by_what_differs(tmp_path, model_type, why):
+    """hf::DIR of a model_type near a family's that it does not build: one line naming what
+    that model computes differently (not 'not one easylm reads')."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    with pytest.raises(UserError, match=rf"model_type '{model_type}' is not built: its "
+                                        rf"{re.escape(why)}"):
+        registry.family_of(f"hf::{tmp_path}")

@@ -144,7 +144,7 @@ def test_bad_fields(overrides, message):
 
 def test_non_llama_hf_config_rejected():
     with pytest.raises(UserError, match="model_type 'gemma' is not a LLaMA variant "
-                                        r"\(supported: llama, qwen2, qwen3, mistral, qwen3_moe, "
+                                        r"\(supported: llama, qwen2, qwen3, mistral, smollm3, qwen3_moe, "
                                         r"mixtral\)"):
         LLaMAConfig.from_hf_config(dict(model_type="gemma", vocab_size=8, hidden_size=8,
                                         intermediate_size=8, num_hidden_layers=1,
@@ -154,7 +154,8 @@ def test_non_llama_hf_config_rejected():
 # ---------------------------------------------- config.json read as transformers reads it
 
 _HF_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
-               "qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig", "mixtral": "MixtralConfig"}
+               "qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig", "mixtral": "MixtralConfig",
+               "smollm3": "SmolLM3Config"}
 
 
 def _hf_class(model_type):

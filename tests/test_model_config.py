@@ -19,13 +19,15 @@ MIXTURES = {
     "qwen3_next": ("qwen3_5", "debug_next", {}),
     "deepseek_v3": ("deepseek_v3", "debug", {}),
     "glm4_moe": ("glm4_moe", "debug", {}),
+    "minimax_m2": ("minimax_m2", "debug", {}),
     "gemma4": ("gemma4", "debug", dict(enable_moe_block=True, num_experts=4, top_k_experts=2,
                                        moe_intermediate_size=16)),
 }
 # The field each family's routed-expert count is (what a message about it names).
 ROUTED_FIELD = {"llama": "num_experts", "gpt_oss": "num_local_experts",
                 "qwen3_5": "num_experts", "deepseek_v3": "n_routed_experts",
-                "glm4_moe": "n_routed_experts", "gemma4": "num_experts"}
+                "glm4_moe": "n_routed_experts", "gemma4": "num_experts",
+                "minimax_m2": "n_routed_experts"}
 
 
 def mixture(name: str, **changes):
@@ -37,7 +39,7 @@ def mixture(name: str, **changes):
 def test_every_registered_mixture_is_here():
     families = {family for family, _, _ in MIXTURES.values()}
     assert families == {name for name in registry.FAMILIES
-                        if name not in ("gemma",)}  # Gemma 3 has no experts
+                        if name not in ("gemma", "olmo3")}  # Gemma 3, OLMo 3: no experts
 
 
 @pytest.mark.parametrize("name", MIXTURES)
@@ -61,7 +63,7 @@ def test_a_dense_model_declares_no_experts():
     for name in registry.FAMILIES:
         family = registry.get(name)
         config = family.from_preset(family.tiny_preset or family.default_preset)
-        if name in ("llama", "gemma", "gemma4", "qwen3_5"):  # their debug presets are dense
+        if name in ("llama", "gemma", "gemma4", "qwen3_5", "olmo3"):  # dense debug presets
             assert (config.routed_experts, config.experts_per_token) == (0, 0), name
     # Gemma 4's expert fields without its MoE block switched on are no experts.
     assert registry.get("gemma4").from_preset("debug", num_experts=4).routed_experts == 0

@@ -13,7 +13,7 @@ import dataclasses
 from easylm.errors import UserError
 from easylm.models import rope
 from easylm.models.config import default, field
-from easylm.models.hf_checkpoint import config_fields
+from easylm.models.hf_checkpoint import config_fields, text_model
 from easylm.models.mla import MLAConfig
 from easylm.models.sigmoid_moe_decoder import (
     HF_MUST_BE,
@@ -147,7 +147,21 @@ _INTS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_siz
          "max_position_embeddings")
 
 
+def text_fields(hf: dict, path: str) -> dict:
+    """The text model's fields: `text_config` of a multimodal `kimi_k25` config.json (Kimi
+    K2.5: a DeepSeek-V3 text model beside a vision tower, which is not this model; its
+    text_config says `kimi_k2` in the released files, read as transformers reads it,
+    deepseek_v3), the whole of a `deepseek_v3` one."""
+    if hf.get("model_type") != "kimi_k25":
+        return hf
+    text = hf.get("text_config") or {}
+    if isinstance(text, dict) and text.get("model_type") == "kimi_k2":
+        text = {**text, "model_type": "deepseek_v3"}
+    return text_model({**hf, "text_config": text}, path, "deepseek_v3", tied=True)
+
+
 def from_hf_dict(hf: dict, path: str = "config.json") -> DeepseekV3Config:
+    hf = text_fields(hf, path)
     check_model_type(hf, path, "deepseek_v3")
     defaults = {f.name: f.default for f in dataclasses.fields(DeepseekV3Config)}
     get = config_fields(hf, path, defaults, _INTS, HF_MUST_BE, "DeepSeek-V3")

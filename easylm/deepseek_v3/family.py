@@ -1,9 +1,22 @@
-"""The DeepSeek-V3 family (DeepSeek-V3/R1, Kimi K2, Moonlight): `FAMILY`."""
+"""The DeepSeek-V3 family (DeepSeek-V3/R1, Kimi K2, Moonlight, Kimi K2.5's text model):
+`FAMILY`."""
 
 from easylm.deepseek_v3 import hf
 from easylm.deepseek_v3.config import DEEPSEEK_V3_PRESETS, DeepseekV3Config
 from easylm.deepseek_v3.model import PARTITION_RULES, DeepseekV3ForCausalLM
 from easylm.models.family import HFAdapter, ModelFamily, hf_params_reader
+
+# Near model_types that are not built: what they compute that this model does not.
+NOT_BUILT = {
+    "mistral4": "softmax group-limited router and Llama-4 attention scaling "
+                "(llama_4_scaling_beta) on MLA (Mistral Small 4)",
+    "deepseek_v32": "index_topk indexer (DeepSeek sparse attention: the keys an indexer picks "
+                    "per query)",
+    "glm_moe_dsa": "index_topk indexer (DeepSeek sparse attention: the keys an indexer picks "
+                   "per query)",
+    "deepseek_v4": "compress_rates (compressed sparse attention), its indexer and hc_mult "
+                   "hyper-connections",
+}
 
 
 class DeepseekV3Family(ModelFamily):
@@ -14,9 +27,10 @@ class DeepseekV3Family(ModelFamily):
     tiny_preset = "debug"
     module_class = DeepseekV3ForCausalLM
     variants = ("lora", "int8")
-    hf = HFAdapter(model_types=("deepseek_v3",), read_config=DeepseekV3Config.read_hf,
-                   write_params=hf.to_hf,
-                   read_params=hf_params_reader(hf.load_hf_params, DeepseekV3ForCausalLM))
+    hf = HFAdapter(model_types=("deepseek_v3", "kimi_k25"),  # kimi_k25: its text model
+                   read_config=DeepseekV3Config.read_hf, write_params=hf.to_hf,
+                   read_params=hf_params_reader(hf.load_hf_params, DeepseekV3ForCausalLM),
+                   not_built=NOT_BUILT)
 
     def partition_rules(self, config: DeepseekV3Config):
         return PARTITION_RULES

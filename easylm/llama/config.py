@@ -28,11 +28,13 @@ ARCHITECTURES = {
     "qwen2": ("Qwen2ForCausalLM", ("sliding_window",)),
     "qwen3": ("Qwen3ForCausalLM", ("attention_bias", "sliding_window")),
     "mistral": ("MistralForCausalLM", ("sliding_window",)),
+    # LLaMA with every `no_rope_layer_interval`-th layer attending without rotary (NoPE).
+    "smollm3": ("SmolLM3ForCausalLM", ("attention_bias", "mlp_bias", "no_rope_layers")),
     # Qwen3 and Mistral with every layer's MLP a mixture of experts (easylm/models/moe.py).
     "qwen3_moe": ("Qwen3MoeForCausalLM", ("attention_bias", "sliding_window")),
     "mixtral": ("MixtralForCausalLM", ("sliding_window",)),
 }
-SWITCHES = ("attention_bias", "mlp_bias", "sliding_window")
+SWITCHES = ("attention_bias", "mlp_bias", "sliding_window", "no_rope_layers")
 MOE_TYPES = ("qwen3_moe", "mixtral")
 # Mixture-of-experts models near these variants that are not built, by model_type: what
 # in their config.json this model would compute differently (refused, never approximated).
@@ -40,6 +42,10 @@ NOT_BUILT = {
     "qwen2_moe": "shared_expert_intermediate_size (a shared expert beside the routed ones)",
     "deepseek_v2": "kv_lora_rank (multi-head latent attention) and n_shared_experts",
     "qwen3_next": "layer_types (linear-attention layers) and shared_expert_intermediate_size",
+    "llama4_text": "attention_chunk_size (chunked local attention), no_rope_layers with "
+                   "attention temperature tuning, and the MoE that weighs each expert's input",
+    "llama4": "text model (llama4_text: chunked local attention, NoPE layers with temperature "
+              "tuning, the MoE that weighs each expert's input)",
 }
 # What a config.json without a key means: its transformers class's default (transformers
 # 5's LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config; None: derived, as the class
@@ -59,6 +65,11 @@ HF_DEFAULTS = {
                     max_position_embeddings=131072, sliding_window=4096),
     "qwen2": _HF_QWEN2,
     "qwen3": dict(_HF_QWEN2, head_dim=128),
+    "smollm3": dict(_HF_LLAMA, vocab_size=128256, hidden_size=2048, num_hidden_layers=36,
+                    num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=32768,
+                    pad_token_id=128004, bos_token_id=128000, eos_token_id=128001,
+                    tie_word_embeddings=True, use_sliding_window=False, sliding_window=None,
+                    no_rope_layers=None, no_rope_layer_interval=4),
     # Qwen3MoeConfig has no head_dim field: absent, the model derives it (as Qwen2).
     "qwen3_moe": dict(_HF_QWEN2, hidden_size=2048, intermediate_size=6144,
                       num_hidden_layers=24, num_key_value_heads=4, max_window_layers=None,
@@ -71,7 +82,7 @@ HF_DEFAULTS = {
                     router_aux_loss_coef=0.001, router_jitter_noise=0.0),
 }
 # transformers' rope_theta where config.json names none (MixtralConfig's default differs).
-HF_ROPE_THETA = {"mixtral": 1000000.0}
+HF_ROPE_THETA = {"mixtral": 1000000.0, "smollm3": 2000000.0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +102,8 @@ class LLaMAConfig(ExpertMatmulConfig, ModelConfig):
     mlp_bias: bool = field(False, "bias on the gate, up and down projections (llama)")
     sliding_window: int = field(0, "each query attends to at most this many positions, "
                                    "itself included (qwen2, qwen3, mistral); 0: all")
+    no_rope_layers: str = field("", "comma-separated indices of the layers that attend without "
+                                    "rotary (NoPE, smollm3), e.g. '3,7,11'")
     # Mixture of experts (qwen3_moe, mixtral): every layer's MLP is easylm/models/moe.py's
     # block (a router, then the chosen experts' gated MLPs, weighted).
     num_experts: int = field(0, "experts E in each layer's mixture-of-experts MLP "
@@ -179,6 +192,9 @@ class LLaMAConfig(ExpertMatmulConfig, ModelConfig):
             raise UserError(f"llama.decoder_sparse_step={self.decoder_sparse_step}, "
                             f"llama.mlp_only_layers={self.mlp_only_layers!r}: dense layers among "
                             f"the experts are qwen3_moe's, not {self.model_type}'s")
+        if any(not 0 <= i < self.num_hidden_layers for i in self.nope_layers()):
+            raise UserError(f"llama.no_rope_layers={self.no_rope_layers!r}: a layer index "
+                            f"outside 0..{self.num_hidden_layers - 1}")
         if any(not 0 <= i < self.num_hidden_layers for i in dense):
             raise UserError(f"llama.mlp_only_layers={self.mlp_only_layers!r}: a layer index "
                             f"outside 0..{self.num_hidden_layers - 1}")
@@ -224,15 +240,34 @@ class LLaMAConfig(ExpertMatmulConfig, ModelConfig):
             raise UserError(f"llama.mlp_only_layers={self.mlp_only_layers!r}: expected "
                             f"comma-separated layer indices") from None
 
+    def nope_layers(self) -> tuple[int, ...]:
+        """no_rope_layers as indices."""
+        try:
+            return tuple(int(i) for i in self.no_rope_layers.replace(" ", "").split(",") if i)
+        except ValueError:
+            raise UserError(f"llama.no_rope_layers={self.no_rope_layers!r}: expected "
+                            f"comma-separated layer indices") from None
+
     def layer_kinds(self) -> tuple[str, ...]:
         """Each layer's kind: "dense" where Qwen3-MoE's layout gives a layer a gated MLP
-        among the experts, else "full_attention" (every layer of a dense model, every
-        sparse layer)."""
+        among the experts, "no_rope" for SmolLM3's layers without rotary, else
+        "full_attention" (every other layer of a dense model, every sparse layer)."""
         if not self.num_experts:
-            return super().layer_kinds()
+            nope = set(self.nope_layers())
+            return tuple("no_rope" if i in nope else "full_attention"
+                         for i in range(self.num_hidden_layers))
         dense = set(self.dense_layers())
         return tuple("dense" if i in dense or (i + 1) % self.decoder_sparse_step else
                      "full_attention" for i in range(self.num_hidden_layers))
+
+    def shard_variant(self, layers: int, mp: int):
+        """The planner's few layers keep SmolLM3's mix of NoPE layers (as a config with
+        layer_types keeps its mix)."""
+        kinds = self.layer_kinds()
+        picked = [kinds[i * len(kinds) // layers] for i in range(layers)]
+        nope = ",".join(str(i) for i, kind in enumerate(picked) if kind == "no_rope")
+        fewer = self.replace(num_hidden_layers=layers, no_rope_layers=nope)
+        return super(LLaMAConfig, fewer).shard_variant(layers, mp)
 
     @property
     def moe(self):
@@ -383,6 +418,11 @@ class LLaMAConfig(ExpertMatmulConfig, ModelConfig):
             return dict(attention_bias=self.attention_bias, mlp_bias=self.mlp_bias)
         if self.model_type in ("mistral", "mixtral"):
             return dict(sliding_window=self.sliding_window or None)
+        if self.model_type == "smollm3":  # no_rope_layers: 1 where a layer rotates
+            nope = set(self.nope_layers())
+            return dict(attention_bias=self.attention_bias, mlp_bias=self.mlp_bias,
+                        use_sliding_window=False, no_rope_layers=[
+                            int(i not in nope) for i in range(self.num_hidden_layers)])
         # Qwen: the window on every layer (those from max_window_layers on slide), or none;
         # Qwen3-MoE slides every layer with use_sliding_window.
         out = dict(use_sliding_window=False)
@@ -485,7 +525,31 @@ def _switches_from_hf(model_type: str, get) -> dict:
            if name in switches}
     if "sliding_window" in switches:
         out["sliding_window"] = _sliding_window(model_type, get)
+    if "no_rope_layers" in switches:
+        out["no_rope_layers"] = _nope_layers(get)
     return out
+
+
+def _nope_layers(get) -> str:
+    """SmolLM3's layers without rotary as SmolLM3Config reads them: `no_rope_layers` (1: the
+    layer rotates, 0: NoPE), else every `no_rope_layer_interval`-th layer NoPE. Its window
+    (use_sliding_window) falls on the NoPE layers only, which is refused."""
+    if get("use_sliding_window") and get("sliding_window"):
+        raise UserError(f"use_sliding_window=true with sliding_window={get('sliding_window')} "
+                        f"slides SmolLM3's NoPE layers only: a window on some layers only is "
+                        f"not supported")
+    layers, interval = get("num_hidden_layers"), get("no_rope_layer_interval")
+    flags = get("no_rope_layers")
+    if flags is None:
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+            raise UserError(f"no_rope_layer_interval must be a positive integer, got "
+                            f"{interval!r}")
+        flags = [int((i + 1) % interval != 0) for i in range(layers)]
+    if not isinstance(flags, list) or len(flags) < layers or \
+            any(flag not in (0, 1) for flag in flags):
+        raise UserError(f"no_rope_layers must list 0 or 1 for each of the {layers} layers, got "
+                        f"{flags!r}")
+    return ",".join(str(i) for i in range(layers) if not flags[i])
 
 
 def _moe_from_hf(model_type: str, hf: dict, get) -> dict:
@@ -617,6 +681,13 @@ LLAMA_PRESETS: dict[str, dict[str, Any]] = {
     "qwen3_4b": dict(_QWEN3, tie_word_embeddings=True, **_shape(2560, 9728, 36, 32)),
     "qwen3_8b": dict(_QWEN3, **_shape(4096, 12288, 36, 32)),
     "mistral_7b": dict(_MISTRAL, **_shape(4096, 14336, 32, 32)),
+    # HuggingFaceTB/SmolLM3-3B's config.json (written from knowledge): every 4th layer NoPE,
+    # tied embeddings, the Llama 3 vocabulary, 65,536 positions at rope_theta 5e6.
+    "smollm3_3b": dict(model_type="smollm3", vocab_size=128256, max_position_embeddings=65536,
+                       rms_norm_eps=1e-6, rope_theta=5_000_000.0, tie_word_embeddings=True,
+                       bos_token_id=128000, eos_token_id=128012, pad_token_id=128004,
+                       no_rope_layers=",".join(str(i) for i in range(3, 36, 4)),
+                       **_shape(2048, 11008, 36, 16, num_key_value_heads=4)),
     # Mixtures of experts: Qwen3-30B-A3B (30.5B parameters, 3.3B active) and
     # Mixtral-8x7B-v0.1 (46.7B, 12.9B active), as their config.json files have them
     # (written from knowledge, checked against the model cards' counts in

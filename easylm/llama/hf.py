@@ -179,7 +179,8 @@ def _experts_from_hf(tensors: Mapping, shapes: dict, config: LLaMAConfig, source
 _INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
          "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
          "sliding_window", "max_window_layers", "num_experts", "num_local_experts",
-         "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step")
+         "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step",
+         "no_rope_layer_interval")
 _OPTIONAL_NUMBERS = ("rms_norm_eps", "rope_theta", "initializer_range", "router_aux_loss_coef",
                      "router_jitter_noise")
 _OPTIONAL_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window",

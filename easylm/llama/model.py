@@ -124,7 +124,7 @@ class LLaMAForCausalLM(CausalLM):
 
     @classmethod
     def inv_freq(cls, config: LLaMAConfig, kind: str):
-        return rope_frequencies(config)
+        return None if kind == "no_rope" else rope_frequencies(config)
 
     @classmethod
     def rope_attention_factor(cls, config: LLaMAConfig, kind: str) -> float:

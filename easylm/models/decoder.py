@@ -55,7 +55,10 @@ HEADS = P(BATCH_AXES, "sp", "mp", None)  # (B, T, heads, H)
 
 def rotary_embedding(positions, inv_freq, dtype, scale: float = 1.0):
     """cos, sin (B, T, H) for integer positions (B, T) and inverse frequencies (H/2,),
-    times `scale` in fp32 before the cast (YaRN's attention factor, easylm/models/rope.py)."""
+    times `scale` in fp32 before the cast (YaRN's attention factor, easylm/models/rope.py).
+    No frequencies (a NoPE kind: `CausalLM.inv_freq` None): (None, None), no rotation."""
+    if inv_freq is None:
+        return None, None
     angles = positions[..., None].astype(jnp.float32) * inv_freq
     angles = jnp.concatenate([angles, angles], axis=-1)
     cos, sin = jnp.cos(angles), jnp.sin(angles)
@@ -67,7 +70,9 @@ def rotary_embedding(positions, inv_freq, dtype, scale: float = 1.0):
 def apply_rotary(x, cos, sin):
     """Rotate (B, T, heads, H) by the half-split convention of HF's rotate_half. cos and
     sin narrower than H (R < H) rotate the first R dims and pass the rest (transformers'
-    partial rotary, which takes R from cos the same way)."""
+    partial rotary, which takes R from cos the same way). None (a NoPE layer's): x as it is."""
+    if cos is None:
+        return x
     R = cos.shape[-1]
     if R < x.shape[-1]:
         return jnp.concatenate([apply_rotary(x[..., :R], cos, sin), x[..., R:]], axis=-1)
@@ -78,7 +83,8 @@ def apply_rotary(x, cos, sin):
 
 class RMSNorm(nn.Module):
     """w * x / rms(x): normalised in fp32, cast to the compute dtype, then scaled (HF LLaMA);
-    with `scale_in_fp32` (a subclass's), scaled in fp32 and then cast (HF gpt-oss)."""
+    with `scale_in_fp32` (`FP32ScaledRMSNorm`), scaled in fp32 and then cast (HF gpt-oss,
+    OLMo 3)."""
 
     eps: float
     dtype: jnp.dtype
@@ -93,6 +99,12 @@ class RMSNorm(nn.Module):
         if self.scale_in_fp32:
             return (weight.astype(jnp.float32) * x32).astype(self.dtype)
         return weight.astype(self.dtype) * x32.astype(self.dtype)
+
+
+class FP32ScaledRMSNorm(RMSNorm):
+    """(w * x / rms(x)) in fp32, then cast: transformers' norm of gpt-oss and OLMo 2/3."""
+
+    scale_in_fp32 = True
 
 
 class _DenseParams(nn.Module):
@@ -178,14 +190,16 @@ def write_cache(cache, k, v, positions):
 
 
 class Attention(Sublayer):
-    """q, k, v projections (fused or not, with or without biases), optional per-head q/k
-    norms, rotary, the cache write, attention (scaled by `scale`, 1/sqrt(H) when None),
-    and the output projection."""
+    """q, k, v projections (fused or not, with or without biases), optional q/k norms (per
+    head, or with `qk_norm_over_heads` over all heads' q (N*H) and k (K*H) at once, OLMo
+    2/3's), rotary (none where cos is None: a NoPE layer), the cache write, attention
+    (scaled by `scale`, 1/sqrt(H) when None), and the output projection."""
 
     fused: bool = False
     qkv_bias: bool = False
     out_bias: bool = False
     qk_norm: bool = False
+    qk_norm_over_heads: bool = False
     scale: float | None = None
 
     @staticmethod
@@ -206,6 +220,8 @@ class Attention(Sublayer):
             q, k, v = (self.dense(N * H, "q_proj", self.qkv_bias)(x),
                        self.dense(K * H, "k_proj", self.qkv_bias)(x),
                        self.dense(K * H, "v_proj", self.qkv_bias)(x))
+        if self.qk_norm_over_heads:  # the whole (N*H,) query and (K*H,) key, before rotary
+            q, k = self.norm("q_norm")(q), self.norm("k_norm")(k)
         q, k, v = q.reshape(B, T, N, H), k.reshape(B, T, K, H), v.reshape(B, T, K, H)
         if self.qk_norm:  # each head's query and key normalised, before rotary
             q, k = self.norm("q_norm")(q), self.norm("k_norm")(k)
@@ -507,7 +523,8 @@ class CausalLM(nn.Module):
 
     @classmethod
     def inv_freq(cls, config, kind: str):
-        """Rotary inverse frequencies (H/2,) of a layer of `kind`."""
+        """Rotary inverse frequencies (H/2,) of a layer of `kind`; None: the kind has no
+        rotary (NoPE: SmolLM3's every 4th layer, Llama 4's global ones)."""
         raise NotImplementedError
 
     @classmethod

@@ -25,13 +25,14 @@ import dataclasses
 from typing import Any, Callable, Iterable
 
 import flax.struct
+import flax.traverse_util
 import jax
 import jax.numpy as jnp
 
 from easylm.errors import UserError
 from easylm.models import decoder, moe
 from easylm.models.config import ModelConfig, preset_config
-from easylm.models.hf_checkpoint import write_safetensors
+from easylm.models.hf_checkpoint import hf_key, params_from_hf, write_safetensors
 from easylm.runtime.sharding import PartitionRules, path_to_string
 
 Params = Any  # a tree of arrays
@@ -243,6 +244,37 @@ def hf_param_shapes(family: ModelFamily, config) -> dict[str, tuple[int, ...]]:
     shapes = jax.eval_shape(module.init_params, jax.random.PRNGKey(0))
     return {path: leaf.shape
             for path, leaf in traverse_util.flatten_dict(shapes, sep="/").items()}
+
+
+def _unscanned_shapes(lm: type, config) -> dict[str, tuple[int, ...]]:
+    module = lm(config.replace(scan_layers=False))
+    shapes = jax.eval_shape(module.init_params, jax.random.PRNGKey(0))
+    return {"/".join(path): leaf.shape
+            for path, leaf in flax.traverse_util.flatten_dict(shapes).items()}
+
+
+def tensors_by_rule(lm: type, params, config) -> Iterable:
+    """(HF name, numpy array) of each parameter of a model whose names are all the rule's
+    (`hf_checkpoint.hf_key`: the path with '.' for '/', kernels transposed), its layers
+    unstacked first: OLMo 3's, Llama 4's dense parts."""
+    import numpy as np
+
+    flat = flax.traverse_util.flatten_dict(decoder.relayout(params, False), sep="/")
+    for path in _unscanned_shapes(lm, config):
+        key, transpose = hf_key(path)
+        tensor = np.asarray(jax.device_get(flat[path]))
+        yield key, (tensor.T if transpose else tensor)
+
+
+def params_by_rule(lm: type, tensors, config, dtype=None, source: str = "checkpoint",
+                   place=None, ignored=lambda name: False):
+    """The inverse of `tensors_by_rule`: the parameters (layers one by one) from HF-named
+    tensors; missing, unexpected (unless `ignored`; a tied head's copy always is) and
+    misshapen tensors are UserErrors naming them (`hf_checkpoint.params_from_hf`)."""
+    tied = config.tie_word_embeddings
+    flat = params_from_hf(tensors, _unscanned_shapes(lm, config), source, dtype, place,
+                          ignored=lambda key: (tied and key == "lm_head.weight") or ignored(key))
+    return flax.traverse_util.unflatten_dict(flat, sep="/")
 
 
 def layout(family: ModelFamily, tree, config):

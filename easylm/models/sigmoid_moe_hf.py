@@ -9,7 +9,8 @@ GLM-4.5) and transformers' tensors: our paths are HF's names with '/' for '.'
 
 (the per-expert names save_pretrained writes; transformers 5 fuses them on load).
 Multi-token-prediction layers (model.layers.<L and above>), which transformers does not
-load either, are skipped. `lm` is the family's causal LM: its attention's names are its own.
+load either, are skipped. `lm` is the family's causal LM: its attention's names are its own;
+`names` a family's own map of the MoE's (MiniMax-M2's, Mixtral's layout).
 """
 
 import re
@@ -46,20 +47,20 @@ def hf_names(path: str, shape) -> list[tuple[str, bool]]:
     return [hf_key(path)]
 
 
-def to_hf(params, config, lm: type) -> Iterator[tuple[str, np.ndarray]]:
+def to_hf(params, config, lm: type, names=hf_names) -> Iterator[tuple[str, np.ndarray]]:
     flat = traverse_util.flatten_dict(relayout(params, False), sep="/")
     for path, shape in param_shapes(config, lm).items():
         tensor = np.asarray(jax.device_get(flat[path]))
-        names = hf_names(path, shape)
-        parts = list(tensor) if len(names) > 1 else [tensor]
-        for (name, transpose), part in zip(names, parts):
+        keys = names(path, shape)
+        parts = list(tensor) if len(keys) > 1 else [tensor]
+        for (name, transpose), part in zip(keys, parts):
             yield name, (part.T if transpose else part)
 
 
 def from_hf(tensors: Mapping, config, dtype=None, source="checkpoint", place=None, *,
-            lm: type):
+            lm: type, names=hf_names):
     shapes = param_shapes(config, lm)
-    expected = {path: hf_names(path, shape) for path, shape in shapes.items()}
+    expected = {path: names(path, shape) for path, shape in shapes.items()}
     wanted = {name for names in expected.values() for name, _ in names}
     mtp = re.compile(r"model\.layers\.(\d+)\.")
     present = [n for n in tensors if not ((m := mtp.match(n))
@@ -88,10 +89,10 @@ def from_hf(tensors: Mapping, config, dtype=None, source="checkpoint", place=Non
 
 
 def load_hf_params(directory: str, dtype: str = "keep", place=None, *, config_class: type,
-                   lm: type):
+                   lm: type, names=hf_names):
     """(config, parameters) of a checkpoint directory, its config a `config_class`."""
     if dtype not in DTYPES:
         raise UserError(f"--dtype={dtype!r} is not one of {', '.join(DTYPES)}")
     config = config_class.read_hf(directory)
     return config, from_hf(HFTensors(directory), config, dtype=DTYPES[dtype],
-                           source=directory, place=place, lm=lm)
+                           source=directory, place=place, lm=lm, names=names)

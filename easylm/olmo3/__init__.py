@@ -1,0 +1,1 @@
+"""OLMo 3 (`olmo3`): `easylm.olmo3.family.FAMILY`."""
