@@ -28,7 +28,8 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "easylm"
 # The families' packages. Modules outside a family's package allowed to import it: none.
 # The generic commands reach each family through easylm/models/registry.py, which names it
 # by string and imports it lazily; one family never imports another.
-FAMILY_PACKAGES = tuple(registry.FAMILIES)
+FAMILY_PACKAGES = tuple(dict.fromkeys(  # qwen3_5_vl lives in qwen3_5's package
+    module.split(".")[1] for module in registry.FAMILIES.values()))
 ENTRY_POINTS: set[str] = set()
 TOY = toy_family.FAMILY
 

@@ -52,6 +52,8 @@ class Qwen35VLConfig(Qwen35Config):
     token ids, and the vision tower's shape (transformers' Qwen3_5VisionConfig, each field
     prefixed vision_)."""
 
+    section = "qwen3_5_vl"
+
     mrope_section: str = field("11,11,10", "rotary frequencies read from the time, height "
                                            "and width positions (comma-separated, dealt out "
                                            "interleaved; the rest read time)")
