@@ -201,7 +201,8 @@ def test_docs_families_walks_every_family_with_its_files_lengths():
     text = (ROOT.parent / "docs" / "families.md").read_text()
     rows = re.findall(r"^\| `easylm/(\w+)/` \|.*\| (\d+) \| (\d+) \| (\d+) \| (\d+) \|$", text,
                       re.MULTILINE)
-    assert [name for name, *_ in rows] == list(registry.FAMILIES)
+    packages = dict.fromkeys(module.split(".")[1] for module in registry.FAMILIES.values())
+    assert [name for name, *_ in rows] == list(packages)  # qwen3_5_vl is in qwen3_5's
     for name, *counts in rows:
         lengths = [len((ROOT / name / f"{part}.py").read_text().splitlines())
                    for part in ("config", "model", "hf", "family")]

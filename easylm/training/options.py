@@ -275,7 +275,9 @@ _REDEFAULTED = {"train_dataset.text_processor.add_bos_token": ("auto", True),
 _ADDED = {"grpo.dynamic_sampling": False, "grpo.max_sampling_rounds": 4,
           # multi-turn: single-turn without tools or an environment
           "grpo.tools": "", "grpo.environment": "", "grpo.tool_timeout": 10.0,
-          "grpo.max_turns": 4}
+          "grpo.max_turns": 4,
+          # a group's prompt prefilled once: the same rows as each copy prefilled
+          "grpo.share_prompts": True}
 
 
 def _hashed(name: str, value):
