@@ -72,13 +72,12 @@ class _PreNormLayer(DecoderLayer):
     @nn.compact
     def __call__(self, x, context, positions=None, cache=None):
         c = self.config
-        cos, sin, mask = context
+        cos, sin, mask, window = context
         kw = dict(config=c, dtype=self.dtype, param_dtype=self.param_dtype,
                   norm_class=self.norm_class)
         h, cache = Attention(**kw, qkv_bias=True, out_bias=True, qk_norm_over_heads=True,
                              name="self_attn")(
-            self.norm("post_attention_layernorm")(x), cos, sin, mask,
-            Olmo3ForCausalLM.window(c, self.kind), positions, cache)
+            self.norm("post_attention_layernorm")(x), cos, sin, mask, window, positions, cache)
         x = x + h
         return x + GatedMLP(**kw, name="mlp")(self.norm("post_feedforward_layernorm")(x)), cache
 

@@ -34,7 +34,7 @@ CACHE_RULES = ((r"(^|/)kv$", P(BATCH_AXES, None, None, None)),)
 
 class DecoderLayer(sigmoid_moe_decoder.DecoderLayer):
     def attend(self, x, context, positions, cache):
-        cos, sin, mask = context
+        cos, sin, mask, _ = context  # MLA has no window
         return MultiHeadLatentAttention(self.config.mla(), self.dtype, self.param_dtype,
                                         name="self_attn")(x, cos, sin, positions, mask, cache)
 

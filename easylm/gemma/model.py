@@ -97,12 +97,12 @@ class DecoderLayer(Sublayer):
     @nn.compact
     def __call__(self, x, context, positions=None, cache=None):
         c = self.config
-        cos, sin, mask = context
+        cos, sin, mask, window = context
         kw = dict(config=c, dtype=self.dtype, param_dtype=self.param_dtype, norm_class=RMSNorm)
         h, cache = Attention(**kw, qk_norm=True, scale=float(c.query_pre_attn_scalar) ** -0.5,
                              name="self_attn")(
-            self.norm("input_layernorm")(x), cos, sin, mask,
-            GemmaForCausalLM.window(c, self.kind), positions, cache)
+            self.norm("input_layernorm")(x), cos, sin, mask, window, positions,
+            cache)
         x = x + self.norm("post_attention_layernorm")(h)
         h = GatedMLP(**kw, activation=functools.partial(nn.gelu, approximate=True), name="mlp")(
             self.norm("pre_feedforward_layernorm")(x))

@@ -163,12 +163,12 @@ class DecoderLayer(Sublayer):
     @nn.compact
     def __call__(self, stream, context, positions=None, cache=None, own=None):
         c = self.config
-        cos, sin, mask = context
+        cos, sin, mask, window = context
         kind = base_kind(self.kind)
         x = stream["x"]
         kw = dict(config=c, dtype=self.dtype, param_dtype=self.param_dtype, norm_class=RMSNorm)
         h, cache, kv = SelfAttention(**kw, scale=1.0, kind=self.kind, name="self_attn")(
-            self.norm("input_layernorm")(x), cos, sin, mask, Gemma4ForCausalLM.window(c, kind),
+            self.norm("input_layernorm")(x), cos, sin, mask, window,
             positions, cache, stream["kv"].get(kind))
         x = x + self.norm("post_attention_layernorm")(h)
         wide = 2 if c.use_double_wide_mlp and self.kind.startswith(SHARED) else 1

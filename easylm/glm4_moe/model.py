@@ -32,10 +32,10 @@ PARTITION_RULES = sigmoid_moe.PARTITION_RULES + (
 class DecoderLayer(sigmoid_moe_decoder.DecoderLayer):
     def attend(self, x, context, positions, cache):
         c = self.config
-        cos, sin, mask = context
+        cos, sin, mask, window = context
         return Attention(c, self.dtype, self.param_dtype, qkv_bias=c.attention_bias,
                          qk_norm=c.use_qk_norm, name="self_attn")(
-            x, cos, sin, mask, 0, positions, cache)
+            x, cos, sin, mask, window, positions, cache)
 
 
 class Glm4MoeForCausalLM(sigmoid_moe_decoder.SigmoidMoECausalLM):

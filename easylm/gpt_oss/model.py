@@ -100,12 +100,12 @@ class DecoderLayer(Sublayer):
     @nn.compact
     def __call__(self, x, context, positions=None, cache=None):
         c = self.config
-        cos, sin, mask = context
+        cos, sin, mask, window = context
         h, cache = SinkAttention(c, self.dtype, self.param_dtype, norm_class=RMSNorm,
                                  qkv_bias=c.attention_bias, out_bias=c.attention_bias,
                                  name="self_attn")(
-            self.norm("input_layernorm")(x), cos, sin, mask,
-            GptOssForCausalLM.window(c, self.kind), positions, cache)
+            self.norm("input_layernorm")(x), cos, sin, mask, window, positions,
+            cache)
         x = x + h
         h, stats = moe.SparseMoE(moe_config(c), self.dtype, self.param_dtype, name="mlp")(
             self.norm("post_attention_layernorm")(x))

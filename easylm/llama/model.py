@@ -94,11 +94,11 @@ class DecoderLayer(Sublayer):
     @nn.compact
     def __call__(self, x, context, positions=None, cache=None):
         c = self.config
-        cos, sin, mask = context
+        cos, sin, mask, window = context
         h, cache = Attention(c, self.dtype, self.param_dtype, fused=c.fused_qkv,
                              qkv_bias=c.qkv_bias, out_bias=c.attention_bias, qk_norm=c.qk_norm,
                              name="self_attn")(
-            self.norm("input_layernorm")(x), cos, sin, mask, c.sliding_window, positions, cache)
+            self.norm("input_layernorm")(x), cos, sin, mask, window, positions, cache)
         x = x + h
         x = x + self.mlp(self.norm("post_attention_layernorm")(x))
         x = constrain(x, P(BATCH_AXES, None, None))

@@ -27,9 +27,9 @@ PARTITION_RULES = sigmoid_moe.PARTITION_RULES + (
 
 class DecoderLayer(sigmoid_moe_decoder.DecoderLayer):
     def attend(self, x, context, positions, cache):
-        cos, sin, mask = context
+        cos, sin, mask, window = context
         return Attention(self.config, self.dtype, self.param_dtype, qk_norm_over_heads=True,
-                         name="self_attn")(x, cos, sin, mask, 0, positions, cache)
+                         name="self_attn")(x, cos, sin, mask, window, positions, cache)
 
 
 class MiniMaxM2ForCausalLM(sigmoid_moe_decoder.SigmoidMoECausalLM):

@@ -36,6 +36,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
@@ -380,6 +381,23 @@ class _Layers(nn.Module):
         return x, (None if cache is None else new_cache)
 
 
+@struct.dataclass
+class LayerContext:
+    """What the decoder hands a layer of one kind (`CausalLM.layer_context` may turn it
+    into what a non-attention kind reads): the rotary's cos and sin (B, T, R) (None for a
+    NoPE kind), the mask (None: causal; (B, T) segment ids; (B, T, S) with a cache; a
+    `SplitSequence` under sp) and the kind's sliding window (0: none), computed once here
+    from the layer kinds (`CausalLM.window`). It unpacks as `cos, sin, mask, window`."""
+
+    cos: Any
+    sin: Any
+    mask: Any
+    window: int = struct.field(pytree_node=False, default=0)
+
+    def __iter__(self):
+        return iter((self.cos, self.sin, self.mask, self.window))
+
+
 class _Backbone(nn.Module):
     """model/...: the embedding, the layers and the final norm; hidden states (B, T, D)."""
 
@@ -425,7 +443,7 @@ class _Backbone(nn.Module):
         return lm.norm(c.rms_norm_eps, self.dtype, self.param_dtype, name="norm")(x), cache
 
     def contexts(self, positions, segment_ids, cache, rope_positions=None):
-        """Each layer kind's (cos, sin, mask): without a cache the mask is None (plain
+        """Each layer kind's `LayerContext`: without a cache the mask is None (plain
         causal) or the segment ids (B, T), and the kernel applies the kind's window (no
         (B, T, T) mask: splash takes segment ids); with a cache, a (B, T, S) mask by
         position that holds the window; under a mesh with sp > 1 a `SplitSequence`
@@ -437,8 +455,9 @@ class _Backbone(nn.Module):
         split = None if self.is_initializing() else SplitSequence.if_split(
             positions, segment_ids, cache)
         if split is not None:  # no (B, T, T) mask: the window is the kind's, applied there
-            return {kind: lm.layer_context(c, kind, (*lm.rotary(
-                        c, kind, rope_positions, self.dtype), split), segment_ids)
+            return {kind: lm.layer_context(c, kind, LayerContext(*lm.rotary(
+                        c, kind, rope_positions, self.dtype), split, lm.window(c, kind)),
+                        segment_ids)
                     for kind in dict.fromkeys(lm.layer_kinds(c))}
         mask = segment_ids  # (B, T) or None
         key_positions = positions  # (B, S)
@@ -453,8 +472,8 @@ class _Backbone(nn.Module):
             kind_mask = mask
             if window and cache is not None:  # ... and only the last `window` of them
                 kind_mask = mask & sliding_window_mask(positions, key_positions, window)
-            contexts[kind] = lm.layer_context(c, kind, (*lm.rotary(
-                c, kind, rope_positions, self.dtype), kind_mask), segment_ids)
+            contexts[kind] = lm.layer_context(c, kind, LayerContext(*lm.rotary(
+                c, kind, rope_positions, self.dtype), kind_mask, window), segment_ids)
         return contexts
 
     def scanned(self, x, contexts, positions, cache, inputs=None):
@@ -551,10 +570,11 @@ class CausalLM(nn.Module):
         return None
 
     @classmethod
-    def layer_context(cls, config, kind: str, context: tuple, segment_ids):
+    def layer_context(cls, config, kind: str, context, segment_ids):
         """What a layer of `kind` is called with as its context: by default the
-        attention's (cos, sin, mask); a kind that reads the documents themselves (a
-        recurrent state that restarts at each) adds `segment_ids` (B, T) or None."""
+        decoder's `LayerContext` (cos, sin, mask, window); a kind that reads the documents
+        themselves (a recurrent state that restarts at each) adds `segment_ids` (B, T) or
+        None."""
         return context
 
     @classmethod

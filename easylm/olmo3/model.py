@@ -53,12 +53,12 @@ class DecoderLayer(Sublayer):
     @nn.compact
     def __call__(self, x, context, positions=None, cache=None):
         c = self.config
-        cos, sin, mask = context
+        cos, sin, mask, window = context
         kw = dict(config=c, dtype=self.dtype, param_dtype=self.param_dtype,
                   norm_class=FP32ScaledRMSNorm)
         h, cache = Attention(**kw, qkv_bias=c.attention_bias, out_bias=c.attention_bias,
                              qk_norm_over_heads=True, name="self_attn")(
-            x, cos, sin, mask, Olmo3ForCausalLM.window(c, self.kind), positions, cache)
+            x, cos, sin, mask, window, positions, cache)
         x = x + self.norm("post_attention_layernorm")(h)
         x = x + self.norm("post_feedforward_layernorm")(GatedMLP(**kw, name="mlp")(x))
         return constrain(x, P(BATCH_AXES, None, None)), cache

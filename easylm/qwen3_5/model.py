@@ -154,7 +154,7 @@ class DecoderLayer(Sublayer):
             cache = None if cache is None else state
         else:
             h, cache = GatedAttention(c, self.dtype, self.param_dtype, norm_class=RMSNorm,
-                                      name="self_attn")(h, *context, 0, positions, cache)
+                                      name="self_attn")(h, *context, positions, cache)
         x = x + h
         h = self.norm("post_attention_layernorm")(x)
         if c.num_experts:
@@ -178,12 +178,12 @@ class Qwen35ForCausalLM(CausalLM):
         return 1.0 / (config.rope_theta ** (jnp.arange(0, R, 2, dtype=jnp.float32) / R))
 
     @classmethod
-    def layer_context(cls, config, kind: str, context: tuple, segment_ids):
+    def layer_context(cls, config, kind: str, context, segment_ids):
         if kind != "linear_attention":
             return context
         # Under sp the `SplitSequence` (its places' order, a static field: a string
         # would not pass a scan over the layers): the state passes from piece to piece.
-        split = context[2]
+        split = context.mask
         return segment_ids, (split if isinstance(split, SplitSequence) else None)
 
     @classmethod
