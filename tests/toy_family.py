@@ -51,7 +51,7 @@ class ParallelLayer(Sublayer):
     def __call__(self, x, context, positions=None, cache=None):
         h = self.norm("norm")(x)
         attended, cache = Attention(self.config, self.dtype, self.param_dtype, name="attn")(
-            h, *context, 0, positions, cache)
+            h, *context, positions, cache)  # cos, sin, mask, window
         activation = {"gelu": nn.gelu, "silu": nn.silu}[self.config.mlp_activation]
         mlp = GatedMLP(self.config, self.dtype, self.param_dtype, activation=activation,
                        name="mlp")(h)

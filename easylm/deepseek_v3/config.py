@@ -59,9 +59,8 @@ class DeepseekV3Config(SigmoidMoEDecoderConfig):
         if self.rope_type not in ("default", "yarn"):
             raise UserError(f"--deepseek_v3.rope_type={self.rope_type!r} is not one of "
                             f"default, yarn")
-        self.check_moe("deepseek_v3")
         try:
-            self.mla(), self.moe()
+            self.mla()
         except ValueError as e:
             raise UserError(f"--deepseek_v3: {e}") from None
 

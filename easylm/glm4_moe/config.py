@@ -16,7 +16,7 @@ from easylm.models.config import default, field
 from easylm.models.hf_checkpoint import config_fields
 from easylm.models.sigmoid_moe_decoder import (
     HF_MUST_BE,
-    SigmoidMoEDecoderConfig,
+    PartialRotaryMoEConfig,
     check_model_type,
     hf_common_fields,
     skip_mtp,
@@ -24,7 +24,7 @@ from easylm.models.sigmoid_moe_decoder import (
 
 
 @dataclasses.dataclass(frozen=True)
-class Glm4MoeConfig(SigmoidMoEDecoderConfig):
+class Glm4MoeConfig(PartialRotaryMoEConfig):
     section = "glm4_moe"
 
     vocab_size: int = default(151552)
@@ -45,30 +45,8 @@ class Glm4MoeConfig(SigmoidMoEDecoderConfig):
     first_k_dense_replace: int = default(1)
     routed_scaling_factor: float = default(1.0)
 
-    rope_theta: float = field(10_000.0, "rotary base")
-    partial_rotary_factor: float = field(0.5, "the share of each head's dims rotary rotates "
-                                              "(the first ones)")
     attention_bias: bool = field(False, "biases on q_proj, k_proj, v_proj")
     use_qk_norm: bool = field(False, "RMS-normalise each query and key head before rotary")
-
-    def __post_init__(self):
-        super().__post_init__()
-        R = self.rotary_dim()
-        if R % 2 or not 0 < R <= self.head_dim:
-            raise UserError(f"--glm4_moe.partial_rotary_factor={self.partial_rotary_factor} of "
-                            f"head_dim={self.head_dim} is {R} rotary dims; expected an even "
-                            f"number in 2..{self.head_dim}")
-        self.check_moe("glm4_moe")
-        try:
-            self.moe()
-        except ValueError as e:
-            raise UserError(f"--glm4_moe: {e}") from None
-
-    def rotary_dim(self) -> int:
-        return int(self.head_dim * self.partial_rotary_factor)
-
-    def rotary_widths(self) -> dict[str, int]:
-        return {}  # the rotated share of a head is checked with partial_rotary_factor
 
     # --------------------------------------------------------------- counting
 
@@ -77,11 +55,6 @@ class Glm4MoeConfig(SigmoidMoEDecoderConfig):
                       self.head_dim)
         bias = (n + 2 * k) * h if self.attention_bias else 0
         return d * (n + 2 * k) * h + n * h * d + bias + (2 * h if self.use_qk_norm else 0)
-
-    def flops_per_token(self, seq_length: int) -> float:
-        width = self.num_attention_heads * self.head_dim
-        return 6 * self.num_matmul_parameters() + 12 * width * seq_length * \
-            self.num_hidden_layers
 
     # ---------------------------------------------------- HF transformers
 

@@ -9,11 +9,9 @@ correction bias is carried as a parameter, `mlp/e_score_correction_bias`, as Dee
 is (it gets no gradient: it only picks experts).
 """
 
-import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from easylm.glm4_moe.config import Glm4MoeConfig
-from easylm.models import rope, sigmoid_moe, sigmoid_moe_decoder
+from easylm.models import sigmoid_moe, sigmoid_moe_decoder
 from easylm.models.decoder import Attention
 
 PARTITION_RULES = sigmoid_moe.PARTITION_RULES + (
@@ -38,10 +36,6 @@ class DecoderLayer(sigmoid_moe_decoder.DecoderLayer):
             x, cos, sin, mask, window, positions, cache)
 
 
-class Glm4MoeForCausalLM(sigmoid_moe_decoder.SigmoidMoECausalLM):
+class Glm4MoeForCausalLM(sigmoid_moe_decoder.PartialRotaryMoECausalLM):
     layer = DecoderLayer
 
-    @classmethod
-    def inv_freq(cls, config: Glm4MoeConfig, kind: str):
-        # (R/2,): cos and sin R wide, so apply_rotary rotates the first R dims only.
-        return jnp.asarray(rope.default(config.rope_theta, config.rotary_dim())[0])

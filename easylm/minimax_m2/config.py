@@ -13,13 +13,13 @@ chosen weights divided by their sum. transformers' `intermediate_size` is the ex
 import dataclasses
 
 from easylm.errors import UserError
-from easylm.models.config import default, field
+from easylm.models.config import default
 from easylm.models.hf_checkpoint import config_fields, first_int
-from easylm.models.sigmoid_moe_decoder import SigmoidMoEDecoderConfig, check_model_type
+from easylm.models.sigmoid_moe_decoder import PartialRotaryMoEConfig, check_model_type
 
 
 @dataclasses.dataclass(frozen=True)
-class MiniMaxM2Config(SigmoidMoEDecoderConfig):
+class MiniMaxM2Config(PartialRotaryMoEConfig):
     section = "minimax_m2"
 
     vocab_size: int = default(200064)
@@ -41,37 +41,16 @@ class MiniMaxM2Config(SigmoidMoEDecoderConfig):
     first_k_dense_replace: int = default(0)
     routed_scaling_factor: float = default(1.0)
 
-    rope_theta: float = field(5_000_000.0, "rotary base")
-    partial_rotary_factor: float = field(0.5, "the share of each head's dims rotary rotates "
-                                              "(the first ones)")
+    rope_theta: float = default(5_000_000.0)
 
     def __post_init__(self):
         super().__post_init__()
-        R = self.rotary_dim()
-        checks = (
-            (R % 2 == 0 and 0 < R <= self.head_dim,
-             f"partial_rotary_factor={self.partial_rotary_factor} of head_dim={self.head_dim} "
-             f"is {R} rotary dims; expected an even number in 2..{self.head_dim}"),
-            ((self.n_group, self.topk_group, self.n_shared_experts, self.first_k_dense_replace,
-              self.routed_scaling_factor) == (1, 1, 0, 0, 1.0),
-             "n_group, topk_group, n_shared_experts, first_k_dense_replace, "
-             "routed_scaling_factor: MiniMax-M2 routes over one group, no shared expert, no "
-             "dense layer, no scaling (1, 1, 0, 0, 1.0)"),
-        )
-        for ok, message in checks:
-            if not ok:
-                raise UserError(f"--minimax_m2.{message}")
-        self.check_moe("minimax_m2")
-        try:
-            self.moe()
-        except ValueError as e:
-            raise UserError(f"--minimax_m2: {e}") from None
-
-    def rotary_dim(self) -> int:
-        return int(self.head_dim * self.partial_rotary_factor)
-
-    def rotary_widths(self) -> dict[str, int]:
-        return {}  # the rotated share of a head is checked with partial_rotary_factor
+        if (self.n_group, self.topk_group, self.n_shared_experts, self.first_k_dense_replace,
+                self.routed_scaling_factor) != (1, 1, 0, 0, 1.0):
+            raise UserError("--minimax_m2.n_group, topk_group, n_shared_experts, "
+                            "first_k_dense_replace, routed_scaling_factor: MiniMax-M2 routes "
+                            "over one group, no shared expert, no dense layer, no scaling "
+                            "(1, 1, 0, 0, 1.0)")
 
     # --------------------------------------------------------------- counting
 
@@ -79,11 +58,6 @@ class MiniMaxM2Config(SigmoidMoEDecoderConfig):
         d, n, k, h = (self.hidden_size, self.num_attention_heads, self.num_key_value_heads,
                       self.head_dim)
         return d * (n + 2 * k) * h + n * h * d + (n + k) * h  # the q/k norms over all heads
-
-    def flops_per_token(self, seq_length: int) -> float:
-        width = self.num_attention_heads * self.head_dim
-        return 6 * self.num_matmul_parameters() + 12 * width * seq_length * \
-            self.num_hidden_layers
 
     # ---------------------------------------------------- HF transformers
 

@@ -8,11 +8,9 @@ are transformers' but for the MoE (easylm/minimax_m2/hf.py); the correction bias
 carried as a parameter, `mlp/e_score_correction_bias` (no gradient: it only picks).
 """
 
-import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from easylm.minimax_m2.config import MiniMaxM2Config
-from easylm.models import rope, sigmoid_moe, sigmoid_moe_decoder
+from easylm.models import sigmoid_moe, sigmoid_moe_decoder
 from easylm.models.decoder import Attention
 
 PARTITION_RULES = sigmoid_moe.PARTITION_RULES + (
@@ -32,10 +30,6 @@ class DecoderLayer(sigmoid_moe_decoder.DecoderLayer):
                          name="self_attn")(x, cos, sin, mask, window, positions, cache)
 
 
-class MiniMaxM2ForCausalLM(sigmoid_moe_decoder.SigmoidMoECausalLM):
+class MiniMaxM2ForCausalLM(sigmoid_moe_decoder.PartialRotaryMoECausalLM):
     layer = DecoderLayer
 
-    @classmethod
-    def inv_freq(cls, config: MiniMaxM2Config, kind: str):
-        # (R/2,): cos and sin R wide, so apply_rotary rotates the first R dims only.
-        return jnp.asarray(rope.default(config.rope_theta, config.rotary_dim())[0])

@@ -9,10 +9,11 @@ import dataclasses
 import sys
 
 import flax.linen as nn
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from easylm.errors import UserError
-from easylm.models import sigmoid_moe
+from easylm.models import rope, sigmoid_moe
 from easylm.models.config import ModelConfig, field
 from easylm.models.decoder import CausalLM, GatedMLP, RMSNorm, Sublayer
 from easylm.models.moe import ExpertMatmulConfig, RouterLoss
@@ -47,8 +48,13 @@ class SigmoidMoEDecoderConfig(ExpertMatmulConfig, ModelConfig):
     aux_loss_alpha: float = field(0.0, "DeepSeek's sequence-wise auxiliary loss weight; only 0 "
                                        "(off) is built")
 
-    def check_moe(self, family: str):
-        """The MoE fields' checks, each a UserError naming `--<family>.<field>`."""
+    def __post_init__(self):
+        super().__post_init__()
+        self.check_moe()
+
+    def check_moe(self):
+        """The MoE fields' checks, each a UserError naming `--<section>.<field>`."""
+        family = self.section
         checks = (
             (0 <= self.first_k_dense_replace <= self.num_hidden_layers,
              f"first_k_dense_replace={self.first_k_dense_replace} must be in "
@@ -62,6 +68,10 @@ class SigmoidMoEDecoderConfig(ExpertMatmulConfig, ModelConfig):
         for ok, message in checks:
             if not ok:
                 raise UserError(f"--{family}.{message}")
+        try:
+            self.moe()
+        except ValueError as e:
+            raise UserError(f"--{family}: {e}") from None
 
     def router_loss(self) -> RouterLoss:
         """Nothing trained on (aux 0, as the other mixtures without output_router_logits):
@@ -134,6 +144,37 @@ class SigmoidMoEDecoderConfig(ExpertMatmulConfig, ModelConfig):
                     for k in self.layer_kinds()) + self.vocab_size * self.hidden_size)
 
 
+@dataclasses.dataclass(frozen=True)
+class PartialRotaryMoEConfig(SigmoidMoEDecoderConfig):
+    """A family whose every layer attends with the shared grouped-query attention, rotary on
+    the first `partial_rotary_factor` of each head's dims (GLM-4.5, MiniMax-M2): the fields,
+    the check and the count that attention adds; the family adds its biases and norms
+    (`_attention_params`)."""
+
+    rope_theta: float = field(10_000.0, "rotary base")
+    partial_rotary_factor: float = field(0.5, "the share of each head's dims rotary rotates "
+                                              "(the first ones)")
+
+    def __post_init__(self):
+        super().__post_init__()
+        R = self.rotary_dim()
+        if R % 2 or not 0 < R <= self.head_dim:
+            raise UserError(f"--{self.section}.partial_rotary_factor="
+                            f"{self.partial_rotary_factor} of head_dim={self.head_dim} is {R} "
+                            f"rotary dims; expected an even number in 2..{self.head_dim}")
+
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def rotary_widths(self) -> dict[str, int]:
+        return {}  # the rotated share of a head is checked with partial_rotary_factor
+
+    def flops_per_token(self, seq_length: int) -> float:
+        width = self.num_attention_heads * self.head_dim
+        return 6 * self.num_matmul_parameters() + 12 * width * seq_length * \
+            self.num_hidden_layers
+
+
 # ------------------------------------------------------------- config.json
 
 
@@ -201,3 +242,12 @@ class DecoderLayer(Sublayer):
 
 class SigmoidMoECausalLM(CausalLM):
     norm = RMSNorm
+
+
+class PartialRotaryMoECausalLM(SigmoidMoECausalLM):
+    """`PartialRotaryMoEConfig`'s rotary: cos and sin `rotary_dim()` wide, so that
+    `apply_rotary` rotates the first R dims of each head only."""
+
+    @classmethod
+    def inv_freq(cls, config, kind: str):
+        return jnp.asarray(rope.default(config.rope_theta, config.rotary_dim())[0])  # (R/2,)
