@@ -162,12 +162,45 @@ def transformers_loss(hf, image: Image.Image) -> float:
 
 def test_sft_through_the_command(hf, tmp_path):
     """Step 1's loss = transformers' labels loss on the same chat and image (another
-    image: differs); 3 steps lower it; the vision tower, frozen by default, is saved as it
-    was loaded; the export reloads whole in transformers."""
+    image: differs); 3 steps lower it. With --qwen3_5_vl.train_vision=projector only the
+    projector of the vision tower trains (its blocks keep their bits, weight decay and
+    all); the export reloads whole in transformers."""
+    from easylm import convert_easylm_to_hf as convert
+
     path = write_data(tmp_path, [chat_row("a.png")], {"a.png": picture(0, 24, 16)})
-    losses = train(hf, path, tmp_path / "out", 3, "--save_model_freq=3")
+    losses = train(hf, path, tmp_path / "out", 3, "--save_model_freq=3",
+                   "--qwen3_5_vl.train_vision=projector")
     expected = transformers_loss(hf, picture(0, 24, 16))
     assert_close(np.asarray(losses[:1]), np.asarray([expected]), REL)
-    assert_differs(np.asarray(losses[:1]), np.asarray([transformers_loss(hf, picture(5, 24, 16))]),
-                   REL)
+    assert_differs(np.asarray(losses[:1]),
+                   np.asarray([transformers_loss(hf, picture(5, 24, 16))]), REL)
     assert losses[-1] < losses[0], losses
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        convert.main(["convert", f"--load_checkpoint=params::{tmp_path}/out/run/checkpoints/3",
+                      f"--output_dir={tmp_path / 'export'}", "--verify=False"])
+    model, info = Qwen3_5ForConditionalGeneration.from_pretrained(
+        tmp_path / "export", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    before, after = dict(hf[1].state_dict()), model.state_dict()
+    same = {name for name, tensor in after.items() if torch.equal(tensor, before[name])}
+    assert {n for n in after if n.startswith("model.visual.") and "merger" not in n} <= same
+    assert "model.visual.merger.linear_fc2.weight" not in same
+    assert "model.language_model.layers.0.mlp.up_proj.weight" not in same
+
+
+def test_options_that_cannot_take_images_are_refused_in_one_line(hf, tmp_path, capsys):
+    from easylm import train as command
+
+    path = write_data(tmp_path, [chat_row("a.png")], {"a.png": picture(0, 24, 16)})
+    common = ["train", "--family=qwen3_5_vl", f"--load_checkpoint=hf::{hf[0]}",
+              f"--tokenizer={hf[2]}", "--train_dataset.text_processor.chat=True",
+              f"--train_dataset.json_dataset.path={path}", f"--logger.output_dir={tmp_path}",
+              "--train_dataset.json_dataset.seq_length=32"]
+    for flags, message in (
+            (["--objective=dpo", "--train_dataset.preference.enabled=True"],
+             "--objective=dpo: image chats train with next-token loss only as yet"),
+            (["--mesh_dim=dp=1,fsdp=1,sp=2", "--train_dataset.json_dataset.batch_size=1"],
+             "sp=2 splits rows over devices, which image chats do not take yet"),
+            (["--qwen3_5_vl.train_vision=some"], "train_vision='some' is not one of")):
+        assert message in one_line_error(command.main, common + flags, capsys)
