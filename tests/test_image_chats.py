@@ -204,3 +204,20 @@ def test_options_that_cannot_take_images_are_refused_in_one_line(hf, tmp_path, c
              "sp=2 splits rows over devices, which image chats do not take yet"),
             (["--qwen3_5_vl.train_vision=some"], "train_vision='some' is not one of")):
         assert message in one_line_error(command.main, common + flags, capsys)
+
+
+def test_preview_shows_each_image_as_one_marker_and_counts_them(hf, tmp_path, capsys):
+    from easylm.data import preview
+
+    path = write_data(tmp_path, [chat_row("a.png"), chat_row("b.png"), chat_row("gone.png")],
+                      {"a.png": picture(0, 24, 16), "b.png": picture(1, 16, 32)})
+    preview.main(["preview", "--family=qwen3_5_vl", f"--load_checkpoint=hf::{hf[0]}",
+                  f"--tokenizer={hf[2]}", "--train_dataset.text_processor.chat=True",
+                  f"--train_dataset.json_dataset.path={path}", "--num_batches=1",
+                  f"--train_dataset.json_dataset.seq_length={T}",
+                  "--train_dataset.json_dataset.batch_size=2"])
+    out = capsys.readouterr().out
+    assert "[[<|im_start|> user <|vision_start|>]][[<image 1: 6 tokens>]][[<|vision_end|>" in out
+    assert "(21 tokens, 4 with loss, 1 image(s))" in out
+    assert "(skipped: " + path + ":3: image " in out
+    assert "images: 2, image tokens: 14" in out

@@ -13,6 +13,7 @@ from ml_collections import ConfigDict
 
 from easylm import flags as flag_lib, model_flags, objectives, variants
 from easylm.data import DatasetFactory, make_global_batch
+from easylm.data.image_chats import processor_directory
 from easylm.data.tokenizer import load_tokenizer
 from easylm.errors import UserError
 from easylm.evaluation import harness_flags
@@ -145,16 +146,13 @@ def _harness(config: ConfigDict, model: Model, tokenizer, mesh):
 
 
 def _image_chats(config: ConfigDict, family: ModelFamily, model_config: ModelConfig):
-    """An image-text family's reader of image chats (text_processor.chat=True), with the
-    image processor saved beside --tokenizer (a directory), else in --load_checkpoint's
-    hf::DIR; None for a family that reads no images or data that are no chats."""
+    """An image-text family's reader of image chats (text_processor.chat=True), with its
+    image processor (`image_chats.processor_directory`); None for a family that reads no
+    images or data that are no chats."""
     if not config.train_dataset.text_processor.chat:
         return None
-    directory = config.tokenizer
-    if not os.path.isfile(os.path.join(directory, "preprocessor_config.json")) \
-            and config.load_checkpoint.startswith("hf::"):
-        directory = config.load_checkpoint[len("hf::"):]
-    return family.image_chats(model_config, directory)
+    return family.image_chats(model_config, processor_directory(config.tokenizer,
+                                                                config.load_checkpoint))
 
 
 def _datasets(config: ConfigDict, tokenizer, objective, mesh, model: Model,
