@@ -118,6 +118,19 @@ def test_image_chats_refuse_what_they_cannot_meet(hf, tmp_path):
         text.process([(chat_row("a.png"), "chats.jsonl:1")])
 
 
+def test_a_token_cache_refuses_image_chats_in_one_line(hf, tmp_path, capsys):
+    from easylm.data import cache
+
+    path = write_data(tmp_path, [chat_row("a.png")], {"a.png": picture(0, 24, 16)})
+    error = one_line_error(cache.main, [
+        "cache", f"--tokenizer={hf[2]}", "--train_dataset.text_processor.chat=True",
+        f"--train_dataset.json_dataset.path={path}", f"--output={tmp_path / 'cache'}",
+        "--processes=1"], capsys)
+    assert error == (f"{path}:1: a message has image parts, which only an image-text model "
+                     f"reads, from a json or huggingface source (e.g. --family=qwen3_5_vl, "
+                     f"docs/vision.md); a token cache holds no images")
+
+
 def train(hf, data, output_dir, steps=3, *flags):
     from easylm import train as command
 
