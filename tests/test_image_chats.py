@@ -213,7 +213,7 @@ def test_options_that_cannot_take_images_are_refused_in_one_line(hf, tmp_path, c
     for flags, message in (
             (["--objective=dpo", "--train_dataset.preference.enabled=True"],
              "--objective=dpo: image chats train with next-token loss only as yet"),
-            (["--mesh_dim=dp=1,fsdp=1,sp=2", "--train_dataset.json_dataset.batch_size=1"],
+            (["--mesh_dim=dp=1,fsdp=-1,sp=2", "--train_dataset.json_dataset.batch_size=4"],
              "sp=2 splits rows over devices, which image chats do not take yet"),
             (["--qwen3_5_vl.train_vision=some"], "train_vision='some' is not one of")):
         assert message in one_line_error(command.main, common + flags, capsys)
