@@ -300,6 +300,7 @@ def _image_chats(config):
     """The reader of image chats --family and --load_checkpoint name, or None."""
     if not config.family:
         return None
+    # Only here: the families (and JAX) load when an image-text model is asked for.
     from easylm.models import registry
     from easylm.models.family import hf_adapter
 
