@@ -37,6 +37,7 @@ import time
 import numpy as np
 
 from easylm.data import options
+from easylm.data.image_chats import ImageChatProcessor, ImageChats, image_chat_problems
 from easylm.data.mixture import load_mixture
 from easylm.data.options import loader_block  # noqa: F401 (where callers look for it)
 from easylm.data.pairs import Pairs, open_pairs
@@ -50,7 +51,7 @@ logger = logging.getLogger(__name__)
 STATE_VERSION = 1
 _MAX_WARNINGS = 10
 # The row kinds whose states are marked (rows.py), in the order a mismatch is reported.
-_MARKED_KINDS = (MixtureDocuments, Pairs, Prompts)
+_MARKED_KINDS = (MixtureDocuments, Pairs, Prompts, ImageChats)
 
 
 class DatasetFactory:
@@ -60,12 +61,13 @@ class DatasetFactory:
 
     @classmethod
     def load_dataset(cls, config, tokenizer, for_eval=False, process_index=None,
-                     process_count=None, pairs=False, section=None, prompts=0):
+                     process_count=None, pairs=False, section=None, prompts=0, images=None):
         """process_index/process_count default to JAX's; tests pass them to simulate hosts.
         pairs: the caller trains on preference pairs (batches of chosen_* and rejected_*
         rows); other callers get a clear error for preference data. prompts: > 0, rows are
         prompts for rollouts, leaving this many tokens of a row for the completion
-        (prompts.py).
+        (prompts.py). images: an image-text model's `image_chats` object; with
+        text_processor.chat=True, rows are chats with images (image_chats.py).
         section: the flags' name in messages (default: eval_dataset for_eval, else
         train_dataset)."""
         config = cls.get_default_config(config)
@@ -76,6 +78,16 @@ class DatasetFactory:
             source, processor = open_prompts(config, loader, tokenizer, prompts)
             order = make_order(source, loader, shuffle, loader.seed)
             kind = Prompts(loader, order)
+        elif images is not None and config.text_processor.chat:
+            problems = image_chat_problems(config, loader)
+            if problems:
+                raise UserError(problems[0])
+            source, _ = open_source(config.type, loader, config.text_processor, tokenizer,
+                                    loader.strict)
+            processor = ImageChatProcessor(config.text_processor, tokenizer, images,
+                                           loader.seq_length)
+            order = make_order(source, loader, shuffle, loader.seed)
+            kind = ImageChats(loader, order, images)
         elif config.preference.enabled:
             if not pairs:
                 raise UserError(f"--{section}.preference.enabled=True makes batches of "

@@ -13,7 +13,10 @@ pairs truncated to seq_length; GRPO's prompts (--completion_tokens=N, the run's
 --grpo.max_new_tokens) show each prompt as the sampler gets it, with the fields that go
 to the rewards, and count the prompts too long for the row. With the run's --grpo.tools
 (or --grpo.environment) a prompt is shown as its first episode starts: the environment's
-reset() messages rendered by the chat template, with the tools' schemas.
+reset() messages rendered by the chat template, with the tools' schemas. Chats with
+images (an image-text model's: --family=qwen3_5_vl --load_checkpoint=hf::DIR, whose image
+processor reads them) show each image's run of placeholder tokens as one marker with its
+token count, and count the images and image tokens of the batches.
 """
 
 import sys
@@ -22,6 +25,7 @@ from ml_collections import ConfigDict
 
 from easylm import flags
 from easylm.data.dataset import DatasetFactory
+from easylm.data.image_chats import image_runs, processor_directory
 from easylm.data.options import loader_block
 from easylm.data.pairs import SIDES, render_pair
 from easylm.data.reader import prepare_records
@@ -37,6 +41,9 @@ HELP = {
     "completion_tokens": "> 0: the rows are GRPO's prompts (--objective=grpo), each leaving "
                          "this many tokens of its row for the completion: give the run's "
                          "--grpo.max_new_tokens",
+    "family": "chats with images: the image-text model's family (e.g. qwen3_5_vl)",
+    "load_checkpoint": "chats with images: the model's hf::DIR (its config.json and image "
+                       "processor)",
     "grpo.tools": "the run's --grpo.tools (with --completion_tokens): each prompt shown as "
                   "its first episode starts, rendered with the tools' schemas",
     "grpo.environment": "the run's --grpo.environment (with --completion_tokens): each "
@@ -52,6 +59,8 @@ def default_config():
     config.num_examples = 3
     config.num_batches = 8
     config.completion_tokens = 0
+    config.family = ""
+    config.load_checkpoint = ""
     config.grpo = ConfigDict({"tools": "", "environment": ""})
     return config
 
@@ -67,7 +76,21 @@ def render(tokenizer, tokens, masks):
     return "".join(pieces)
 
 
-def _examples(dataset, tokenizer, slots, records, documents) -> list[str]:
+def render_image_chat(tokenizer, document, image_token_id: int) -> list[str]:
+    """Preview lines of an image chat: each image's placeholder tokens one marker."""
+    tokens, masks, _ = document
+    pieces, start = [], 0
+    runs = image_runs(tokens, image_token_id)
+    for k, (begin, end) in enumerate(runs, 1):
+        pieces += [render(tokenizer, tokens[start:begin], masks[start:begin]),
+                   f"[[<image {k}: {end - begin} tokens>]]"]
+        start = end
+    pieces.append(render(tokenizer, tokens[start:], masks[start:]))
+    return ["".join(pieces), f"({len(tokens)} tokens, {int(masks.sum())} with loss, "
+                             f"{len(runs)} image(s))"]
+
+
+def _examples(dataset, tokenizer, slots, records, documents, images=None) -> list[str]:
     """The first documents (or pairs) as the model sees them, loss masks marked."""
     lines = ["legend: [[text]] gets no loss", ""]
     for slot, record, document in zip(slots, records, documents):
@@ -75,6 +98,8 @@ def _examples(dataset, tokenizer, slots, records, documents) -> list[str]:
         lines.append(f"--- {'pair' if dataset.pairs else 'document'} {slot}{source}")
         if isinstance(document, tuple) and dataset.pairs:
             lines += render_pair(render, tokenizer, document)
+        elif isinstance(document, tuple) and images is not None:
+            lines += render_image_chat(tokenizer, document, images.image_token_id)
         elif isinstance(document, tuple):
             tokens, masks = document
             lines += [render(tokenizer, tokens, masks),
@@ -170,10 +195,13 @@ def preview_prompts(config, tokenizer, num_examples, num_batches, completion_tok
     return "\n".join(lines)
 
 
-def preview(config, tokenizer, num_examples, num_batches):
+def preview(config, tokenizer, num_examples, num_batches, images=None):
+    """`images`: an image-text model's reader of image chats (not packed: one a row)."""
     # Segment ids (they change nothing else) tell where documents start; pairs are not
     # packed, so each side starts one (its BOS).
     config = DatasetFactory.get_default_config(config)
+    if images is not None and config.text_processor.chat:
+        return preview_image_chats(config, tokenizer, num_examples, num_batches, images)
     if not config.preference.enabled:
         config[loader_block(config)].segment_ids = True
     dataset = DatasetFactory.load_dataset(config, tokenizer, process_index=0,
@@ -223,6 +251,36 @@ def preview(config, tokenizer, num_examples, num_batches):
     return "\n".join(lines)
 
 
+def preview_image_chats(config, tokenizer, num_examples, num_batches, images):
+    """The first image chats, then their tokens, images and image tokens over the first
+    batches."""
+    dataset = DatasetFactory.load_dataset(config, tokenizer, process_index=0,
+                                          process_count=1, images=images)
+    slots = list(range(min(num_examples, dataset.order.num_documents or num_examples)))
+    records = dataset.order.read(slots)
+    lines = _examples(dataset, tokenizer, slots, records,
+                      prepare_records(records, dataset.processor), images)
+    batches = targets = loss = pictures = image_tokens = 0
+    metrics = {}
+    for batch, metrics in dataset:
+        if batches == num_batches:
+            break
+        batches += 1
+        targets += batch["target_tokens"].size
+        loss += int(batch["loss_masks"].sum())
+        pictures += int(batch["patch_segments"].max(axis=1).sum())
+        image_tokens += int((batch["image_tokens"] >= 0).sum())
+    dataset.close()
+    return "\n".join(lines + [
+        f"{batches} batches of {dataset.batch_size} x {dataset.seq_length} tokens, one chat "
+        f"a row (not packed)",
+        f"target tokens: {targets}, with loss: {loss} ({100 * loss / max(targets, 1):.1f}%)",
+        f"images: {pictures}, image tokens: {image_tokens}",
+        f"chats skipped: {metrics.get('dataset_skipped_documents', 0)} (of those the "
+        f"batches read)",
+    ])
+
+
 def _row_offsets(dataset):
     """Where each row's next piece starts in its document: 0 at a document's first token."""
     streams = dataset.get_state_dict()["streams"]
@@ -236,6 +294,26 @@ def _documents_started(segment_ids, offsets):
     with it."""
     pieces = segment_ids.max(axis=1)
     return int(sum(k - (k > 0 and offset > 0) for k, offset in zip(pieces, offsets)))
+
+
+def _image_chats(config):
+    """The reader of image chats --family and --load_checkpoint name, or None."""
+    if not config.family:
+        return None
+    # Only here: the families (and JAX) load when an image-text model is asked for.
+    from easylm.models import registry
+    from easylm.models.family import hf_adapter
+
+    family = registry.get(config.family)
+    if not config.load_checkpoint.startswith("hf::"):
+        raise UserError(f"--family={config.family}: give the model as --load_checkpoint="
+                        f"hf::DIR (its config.json and image processor)")
+    model = hf_adapter(family).read_config(config.load_checkpoint[len("hf::"):])
+    images = family.image_chats(model, processor_directory(config.tokenizer,
+                                                           config.load_checkpoint))
+    if images is None:
+        raise UserError(f"--family={config.family} reads no images")
+    return images
 
 
 @exit_on_user_error
@@ -255,7 +333,7 @@ def main(argv=None):
                               config.grpo if multi_turn else None))
     else:
         print(preview(config.train_dataset, tokenizer, config.num_examples,
-                      config.num_batches))
+                      config.num_batches, _image_chats(config)))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import os
 import numpy as np
 from ml_collections import ConfigDict
 
+from easylm.data.images import image_references
 from easylm.errors import UserError
 
 
@@ -213,6 +214,11 @@ class TextProcessor:
         """The conversation as text and the (begin, end) characters of each assistant turn
         from message `first` on. A turn spans from the end of the prompt that asks for it
         to the end of the turn."""
+        if not parts and is_messages(messages, True) and _has_images(messages):
+            raise UserError(f"{where}: a message has image parts, which only an image-text "
+                            f"model reads, from a json or huggingface source (e.g. "
+                            f"--family=qwen3_5_vl, docs/vision.md); a token cache holds no "
+                            f"images")
         if not is_messages(messages, parts):
             raise UserError(f"{where}: 'messages' must be a list of "
                             f"{{\"role\": str, \"content\": str"
@@ -243,6 +249,13 @@ def is_messages(value, parts: bool = False):
     return isinstance(value, list) and all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and content(m.get("content"))
         for m in value)
+
+
+def _has_images(messages) -> bool:
+    try:
+        return bool(image_references(messages))
+    except UserError:  # an image part without a path: an image part all the same
+        return True
 
 
 @functools.lru_cache(maxsize=256)

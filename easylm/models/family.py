@@ -208,6 +208,17 @@ class ModelFamily:
         """The table of (regex on a parameter's path, PartitionSpec) that shards it."""
         raise NotImplementedError
 
+    def image_chats(self, config: ModelConfig, directory: str):
+        """An image-text model's reader of chats with images (easylm/data/image_chats.py:
+        `encode_chat`, `batch_inputs`, `image_token_id`), with the image processor saved in
+        `directory`; None: the family reads no images."""
+        return None
+
+    def untrained_parameters(self, config: ModelConfig) -> tuple[str, ...]:
+        """Regexes of the parameter paths a run leaves as they are (no update, no optimizer
+        state, no weight decay): an image-text model's frozen vision tower."""
+        return ()
+
     def from_preset(self, name: str, **overrides) -> ModelConfig:
         return preset_config(self.config_class, self.presets, name, self.name, **overrides)
 

@@ -158,3 +158,22 @@ def image_inputs(config: Qwen35VLConfig, rows, encoded, length: int) -> dict:
         padded = list(ids[:length]) + [0] * (length - min(len(ids), length))
         inputs["rope_positions"][b] = rope_positions(padded, grids, config)
     return inputs
+
+
+class Qwen35ImageChats:
+    """What the data pipeline asks of an image-text model (easylm/data/image_chats.py):
+    a chat with image parts as token ids, loss masks and image encodings, and a batch's
+    image inputs; Qwen3.5's, with the checkpoint's own image processor."""
+
+    def __init__(self, config: Qwen35VLConfig, image_processor):
+        self.config, self.image_processor = config, image_processor
+        self.image_token_id = config.image_token_id
+
+    def encode_chat(self, text_processor, messages, where: str, base_dir: str = ""):
+        """(ids, masks, encodings) of a chat (`encode_image_chat`)."""
+        return encode_image_chat(text_processor, self.image_processor, self.config, messages,
+                                 where, base_dir)
+
+    def batch_inputs(self, rows, encoded, length: int) -> dict:
+        """The image inputs (B, ...) of token rows `rows` (`image_inputs`)."""
+        return image_inputs(self.config, rows, encoded, length)

@@ -19,6 +19,7 @@ D vision width, E a patch's values, R rotary dims.
 import dataclasses
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
@@ -41,6 +42,8 @@ VISION_RULES = (
     (r"visual/.*(bias|scale)$", P(None)),
 )
 PARTITION_RULES = VISION_RULES + TEXT_RULES
+# --qwen3_5_vl.train_vision -> the parameters a run leaves as they are (regexes on paths).
+UNTRAINED = {"none": (r"^visual/",), "projector": (r"^visual/(?!merger/)",), "all": ()}
 # The text model's model_type -> transformers' image-text config class and model.
 HF_CLASSES = {"qwen3_5_text": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
               "qwen3_5_moe_text": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration")}
@@ -71,6 +74,8 @@ class Qwen35VLConfig(Qwen35Config):
     vision_in_channels: int = field(3, "colour channels")
     vision_num_position_embeddings: int = field(2304, "learned positions (a square grid)")
     vision_rope_theta: float = field(10_000.0, "the vision 2-D rotary's base")
+    train_vision: str = field("none", "what of the vision tower a run trains: none (frozen), "
+                                      "projector (the patch merger, visual/merger) or all")
     max_image_patches: int = field(1024, "patches of one row's images together: image inputs "
                                          "are padded to it (a fixed shape for the compiled "
                                          "step; a multiple of vision_spatial_merge_size^2)")
@@ -92,6 +97,8 @@ class Qwen35VLConfig(Qwen35Config):
             (side * side == self.vision_num_position_embeddings,
              f"vision_num_position_embeddings={self.vision_num_position_embeddings} must be "
              f"a square"),
+            (self.train_vision in UNTRAINED,
+             f"train_vision={self.train_vision!r} is not one of {', '.join(UNTRAINED)}"),
             (self.max_image_patches > 0 and self.max_image_patches % unit == 0,
              f"max_image_patches={self.max_image_patches} must be a positive multiple of "
              f"{unit} (vision_spatial_merge_size^2)"),
@@ -229,7 +236,10 @@ class Qwen35VisionTower(_TowerPart):
                                        c.vision_rope_theta, jnp.float32)
         x = _Blocks(c, self.dtype, self.param_dtype, name="blocks")(
             x, cos, sin, vision.patch_mask(patch_segments))
-        return _Merger(c, self.dtype, self.param_dtype, name="merger")(x)
+        # What a run does not train gets no gradient, and costs no backward pass.
+        x = jax.lax.stop_gradient(x) if c.train_vision == "projector" else x
+        merged = _Merger(c, self.dtype, self.param_dtype, name="merger")(x)
+        return jax.lax.stop_gradient(merged) if c.train_vision == "none" else merged
 
 
 class Qwen35VLForConditionalGeneration(Qwen35ForCausalLM):

@@ -30,10 +30,12 @@ from easylm.models.hf_checkpoint import (
 from easylm.qwen3_5 import hf as text_hf
 from easylm.qwen3_5.config import from_hf_dict
 from easylm.qwen3_5.family import Qwen35Family
+from easylm.qwen3_5.images import Qwen35ImageChats, load_image_processor
 from easylm.qwen3_5.vision import (
     HF_CLASSES,
     PARTITION_RULES,
     QWEN35_VL_PRESETS,
+    UNTRAINED,
     Qwen35VLConfig,
     Qwen35VLForConditionalGeneration,
 )
@@ -167,17 +169,18 @@ class Qwen35VLFamily(Qwen35Family):
     config_class = Qwen35VLConfig
     presets = QWEN35_VL_PRESETS
     module_class = Qwen35VLForConditionalGeneration
-    variants = ()  # LoRA and int8 wait for the commands to take the family
+    variants = ()  # LoRA and int8: not yet for the image-text model (docs/vision.md)
     hf = HFAdapter(model_types=tuple(MODEL_TYPES), read_config=read_hf_config,
                    read_params=_read_params, write_params=to_hf)
 
-    not_in_commands = ("the image-text model is read, run and written through its family "
-                       "object (easylm.qwen3_5.vision_hf.FAMILY), but images do not reach "
-                       "the data, the trainer or the server yet (docs/vision.md); "
-                       "--family=qwen3_5 trains and serves its text model")
-
     def partition_rules(self, config):
         return PARTITION_RULES
+
+    def image_chats(self, config, directory):
+        return Qwen35ImageChats(config, load_image_processor(directory))
+
+    def untrained_parameters(self, config):
+        return UNTRAINED[config.train_vision]
 
 
 assert set(MODEL_TYPES.values()) == set(HF_CLASSES)

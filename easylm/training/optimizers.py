@@ -188,6 +188,21 @@ def weight_decay_mask(exclusions: str):
     return mask
 
 
+def leave_untrained(tx: optax.GradientTransformation, patterns: tuple[str, ...]):
+    """`tx` over the parameters no regex in `patterns` matches (a family's
+    `untrained_parameters`); those it matches keep their values: no update, no weight
+    decay, no optimizer state (optax.multi_transform hands them to set_to_zero)."""
+    if not patterns:
+        return tx
+
+    def labels(params):
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: "untrained" if any(re.search(p, path_to_string(path))
+                                               for p in patterns) else "trained", params)
+
+    return optax.multi_transform({"trained": tx, "untrained": optax.set_to_zero()}, labels)
+
+
 def _clip(norm: float):
     return [optax.clip_by_global_norm(norm)] if norm > 0 else []
 

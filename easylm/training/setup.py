@@ -13,6 +13,7 @@ from ml_collections import ConfigDict
 
 from easylm import flags as flag_lib, model_flags, objectives, variants
 from easylm.data import DatasetFactory, make_global_batch
+from easylm.data.image_chats import processor_directory
 from easylm.data.tokenizer import load_tokenizer
 from easylm.errors import UserError
 from easylm.evaluation import harness_flags
@@ -58,13 +59,15 @@ def start(config: ConfigDict, family: ModelFamily, cleanup: contextlib.ExitStack
     tokenizer = load_tokenizer(config.tokenizer)
     _check_model(config, model, tokenizer)
     tx, schedule = optimizers.get_optimizer(config.optimizer)
+    model_config = family.config_class(**model.config)
+    tx = optimizers.leave_untrained(tx, family.untrained_parameters(model_config))
     # Muon's split of the parameters, refused before a run directory is made if empty.
     split = optimizers.describe(config.optimizer, jax.eval_shape(model.init_params,
                                                                  jax.random.key(0)))
     harness = _harness(config, model, tokenizer, mesh)
     objective = objectives.build(config, model, tokenizer)
-    dataset, eval_dataset = _datasets(config, tokenizer, objective, mesh, model,
-                                      family.config_class(**model.config))
+    dataset, eval_dataset = _datasets(config, tokenizer, objective, mesh, model, model_config,
+                                      _image_chats(config, family, model_config))
     run_dir = run_directory(config, model.name, variants.unused_flags(family, config))
     manager, latest = _checkpoints(config, run_dir, cleanup)
     cleanup.enter_context(jax.set_mesh(mesh))
@@ -142,11 +145,28 @@ def _harness(config: ConfigDict, model: Model, tokenizer, mesh):
     return HarnessHook(config.eval_harness, model, tokenizer, mesh)
 
 
+def _image_chats(config: ConfigDict, family: ModelFamily, model_config: ModelConfig):
+    """An image-text family's reader of image chats (text_processor.chat=True), with its
+    image processor (`image_chats.processor_directory`); None for a family that reads no
+    images or data that are no chats."""
+    if not config.train_dataset.text_processor.chat:
+        return None
+    return family.image_chats(model_config, processor_directory(config.tokenizer,
+                                                                config.load_checkpoint))
+
+
 def _datasets(config: ConfigDict, tokenizer, objective, mesh, model: Model,
-              model_config: ModelConfig):
+              model_config: ModelConfig, images=None):
     """The train and (if evaluating) eval datasets of the objective's rows, checked against
-    the mesh and the model (`model_config`: its config)."""
-    kind = dict(pairs=objective.rows == "pairs",
+    the mesh and the model (`model_config`: its config); `images`: an image-text model's
+    reader of image chats."""
+    if images is not None and mesh.shape["sp"] > 1:
+        raise UserError(f"--mesh_dim={config.mesh_dim}: sp={mesh.shape['sp']} splits rows "
+                        f"over devices, which image chats do not take yet; use sp=1")
+    if images is not None and objective.rows != "documents":
+        raise UserError(f"--objective={config.objective}: image chats train with next-token "
+                        f"loss only as yet (--objective=next_token)")
+    kind = dict(pairs=objective.rows == "pairs", images=images,
                 prompts=objective.completion_tokens if objective.rows == "prompts" else 0)
     train = DatasetFactory.load_dataset(config.train_dataset, tokenizer, **kind)
     evaluation = None

@@ -1,0 +1,151 @@
+"""Chats with images, for an image-text model: one chat per row, never packed.
+
+    --family=qwen3_5_vl --load_checkpoint=hf::DIR --tokenizer=DIR
+    --train_dataset.text_processor.chat=True --train_dataset.json_dataset.path=chats.jsonl
+
+A row of the data is {"messages": [...]} as for text chats, whose user contents may be
+lists of parts: {"type": "text", "text": ...}, {"type": "image", "image": PATH} or
+{"type": "image_url", "image_url": {"url": DATA_URL}} (easylm/data/images.py reads them: a
+path is relative to the data file's folder, nothing is fetched). The chat template renders
+the chat, the model's image processor turns each image into patches and its placeholder
+into one token per merged patch (the family's `image_chats` object: for Qwen3.5,
+easylm/qwen3_5/images.py); loss masks are text chats' (the assistant's tokens only).
+
+Why not packed: an image's tokens and its patches must stay in one row, and the image
+inputs are laid out per row (easylm/models/vision.py); a row holds one chat, padded, and
+a chat longer than seq_length + 1 tokens is cut at its end, unless that would cut an
+image's tokens (then the row is skipped, with its file and line). A missing or unreadable
+image skips its row the same way (with strict=True: stops the run with that line).
+
+A batch holds the text arrays (input_tokens, target_tokens, loss_masks) and the image
+inputs of its input_tokens (vision.IMAGE_KEYS), from the family's `batch_inputs`. A token
+cache holds no images: image parts in a cache build are refused (text.py).
+"""
+
+import os
+
+import numpy as np
+
+from easylm.data.pairs import PairStream
+from easylm.data.rows import restore_size
+from easylm.data.text import TextProcessor, _get
+from easylm.errors import UserError
+
+
+def image_chat_problems(config, loader) -> list[str]:
+    """Options that cannot meet image chats, as lines (what load_dataset refuses)."""
+    problems = []
+    if config.type not in ("json", "huggingface"):
+        problems.append(f"--train_dataset.type={config.type}: image chats are read from a "
+                        f"json or huggingface source (a token cache or mixture holds no "
+                        f"images)")
+    if config.preference.enabled:
+        problems.append("--train_dataset.preference.enabled=True: preference pairs with "
+                        "images are not read yet; train image chats with next-token loss")
+    if loader.segment_ids:
+        problems.append("segment_ids=True: image chats are not packed (one chat per row), "
+                        "so there are no segments; set it to False")
+    return problems
+
+
+def processor_directory(tokenizer: str, load_checkpoint: str) -> str:
+    """Where an image-text model's image processor is saved (preprocessor_config.json):
+    beside the --tokenizer directory, else in --load_checkpoint's hf::DIR."""
+    if not os.path.isfile(os.path.join(tokenizer, "preprocessor_config.json")) \
+            and load_checkpoint.startswith("hf::"):
+        return load_checkpoint[len("hf::"):]
+    return tokenizer
+
+
+def image_runs(tokens, image_token_id: int) -> list[tuple[int, int]]:
+    """(start, end) of each run of image tokens in `tokens` (one run an image)."""
+    edges = np.diff(np.concatenate([[0], (tokens == image_token_id).astype(np.int8), [0]]))
+    return list(zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)))
+
+
+class ImageChatProcessor:
+    """Examples -> (tokens (L,), masks (L,), the images' encodings), L <= seq_length + 1;
+    or None / a skip reason, as TextProcessor.process."""
+
+    def __init__(self, text_processor, tokenizer, images, seq_length: int):
+        self.text = TextProcessor(text_processor, tokenizer)
+        self.images, self.row_length = images, seq_length + 1
+
+    def process(self, examples):
+        return [self._one(example, where) if isinstance(example, dict) else example
+                for example, where in examples]
+
+    def _one(self, example, where):
+        try:
+            messages = _get(example, "messages", where, "text_processor.chat=True")
+            ids, masks, encoded = self.images.encode_chat(self.text, messages, where,
+                                                          _folder(where))
+        except UserError as e:
+            return str(e)
+        T = self.row_length - 1
+        places = np.flatnonzero(ids == self.images.image_token_id)
+        if len(places) and places[-1] >= T:
+            return (f"{where}: its image tokens reach token {places[-1] + 1}, past "
+                    f"seq_length={T}: the chat cannot be cut without cutting an image")
+        ids, masks = ids[:self.row_length], masks[:self.row_length]
+        if not masks[1:].any():
+            return f"{where}: no assistant token within seq_length={T}, nothing to train on"
+        return ids.astype(np.int32), masks.astype(np.float32), encoded
+
+
+def _folder(where: str) -> str:
+    """The folder of the data file `where` ('path:line') names: image paths are relative
+    to it ('' for a row of a huggingface dataset: the working directory)."""
+    path, sep, line = where.rpartition(":")
+    return os.path.dirname(path) if sep and line.isdigit() else ""
+
+
+class ImageChats:
+    """The row kind of image chats (rows.py): one chat per row, never packed, no counters;
+    `images` lays out the batch's image inputs."""
+
+    marker, counters = "image_chats", None
+    saved_from_it = "the data state was saved from image chats but this run's data are not"
+    not_saved_from_it = ("the data state was not saved from image chats but this run's data "
+                         "are image chats")
+    rows_per_example = 1
+
+    def __init__(self, config, order, images):
+        self.seq_length, self.order, self.images = config.seq_length, order, images
+
+    def new_counts(self, batch_size):
+        return np.zeros((batch_size, 0, 2), np.int64)
+
+    def stream(self, slot, offset):
+        return ImageChatStream(self.seq_length, slot)
+
+    def make_batch(self, streams, served, counts, pad_id):
+        rows = {r: s.next_row(pad_id) for r, s in streams.items()}
+        tokens = np.stack([rows[r][0] for r in served])   # (b, T+1)
+        masks = np.stack([rows[r][1] for r in served])
+        T = self.seq_length
+        return dict(input_tokens=tokens[:, :-1], target_tokens=tokens[:, 1:],
+                    loss_masks=masks[:, 1:],
+                    **self.images.batch_inputs(list(tokens[:, :-1]),
+                                               [rows[r][2] for r in served], T))
+
+    def metrics(self, counts, frontier):
+        return {}
+
+    def state(self):
+        return {"image_chats": True}
+
+    def restore(self, state):
+        restore_size(self.order, state)
+
+
+class ImageChatStream(PairStream):
+    """The chats of one batch row: slots r, r+B, r+2B, ..., one a batch."""
+
+    def next_row(self, pad_id):
+        """(tokens (T+1,), masks, encodings) padded with pad_id and mask 0; a row of
+        padding (no image) at the end of a finite pass."""
+        if not self.queue:
+            return (*self._pad(np.zeros(0, np.int32), np.zeros(0, np.float32), pad_id), [])
+        _, (tokens, masks, encoded) = self.queue.popleft()
+        return (*self._pad(tokens, masks, pad_id), encoded)
