@@ -1,6 +1,7 @@
 """What image-text models share: the image inputs a batch carries, at fixed shapes; a
-vision transformer block with 2-D rotary; and the image's embeddings put in place of its
-placeholder tokens' before the decoder's layers.
+vision transformer block with 2-D rotary; the image's embeddings put in place of its
+placeholder tokens' before the decoder's layers, and its tokens' blocks for the attention
+that lets them see each other (`image_blocks`); the checkpoint's image processor.
 
 The image inputs (`IMAGE_KEYS`, (B, ...) arrays beside the tokens, made on the host by a
 family's processor from the checkpoint's own image processor):
@@ -14,18 +15,21 @@ family's processor from the checkpoint's own image processor):
     image_tokens     (B, T)     for each token, the merged patch (an index into the row's
                                 vision tower outputs) whose embedding replaces it; -1: none
     rope_positions   (B, T, A)  a token's rotary positions over A axes (time, height,
-                                width for Qwen3.5's multimodal rotary)
+                                width for Qwen3.5's multimodal rotary; a family with 1-D
+                                positions, Gemma 4, has none)
 
 Shape letters: B batch, P patches of a row, Q merged patches, T positions, D width,
 E a patch's values (channels x frames x pixels), N heads, H head dim.
 """
 
+import os
 from typing import Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from easylm.errors import UserError
 from easylm.models.attention import attention
 from easylm.models.decoder import apply_rotary
 
@@ -144,6 +148,29 @@ def patch_mask(segments):
     return segments[:, :, None] == segments[:, None, :]
 
 
+def image_blocks(image_tokens):
+    """(B, T) each token's block: runs of image tokens numbered 0, 1, ... in a row, -1 for
+    text (transformers' `get_block_sequence_ids_for_mask`): what
+    attention.BidirectionalBlocks reads."""
+    is_image = image_tokens >= 0
+    before = jnp.pad(is_image[:, :-1], ((0, 0), (1, 0)))
+    starts = is_image & ~before
+    return jnp.where(is_image, jnp.cumsum(starts, axis=1) - 1, -1)
+
+
 def image_inputs_of(batch: dict) -> dict | None:
-    """A batch's image inputs (IMAGE_KEYS), or None for a batch of text."""
-    return {key: batch[key] for key in IMAGE_KEYS} if "pixel_values" in batch else None
+    """A batch's image inputs (those of IMAGE_KEYS it has), or None for a batch of text."""
+    if "pixel_values" not in batch:
+        return None
+    return {key: batch[key] for key in IMAGE_KEYS if key in batch}
+
+
+def load_image_processor(directory: str):
+    """The image processor DIR/preprocessor_config.json describes (its PIL class: the
+    fast ones need torchvision)."""
+    if not os.path.isfile(os.path.join(directory, "preprocessor_config.json")):
+        raise UserError(f"{directory}: no preprocessor_config.json: the image processor "
+                        f"the checkpoint was trained with is needed to read images")
+    from transformers import AutoImageProcessor
+
+    return AutoImageProcessor.from_pretrained(directory, use_fast=False)

@@ -14,22 +14,11 @@ padded to max_image_patches, the multimodal rotary's positions (transformers'
 grid from the position it starts at, and the text after it resumes max(rows, cols) later).
 """
 
-import os
-
 import numpy as np
 
 from easylm.errors import UserError
+from easylm.models.vision import load_image_processor  # noqa: F401 (this module's API)
 from easylm.qwen3_5.vision import Qwen35VLConfig
-
-
-def load_image_processor(directory: str):
-    """The image processor DIR/preprocessor_config.json describes (its PIL class)."""
-    if not os.path.isfile(os.path.join(directory, "preprocessor_config.json")):
-        raise UserError(f"{directory}: no preprocessor_config.json: the image processor "
-                        f"the checkpoint was trained with is needed to read images")
-    from transformers import AutoImageProcessor
-
-    return AutoImageProcessor.from_pretrained(directory, use_fast=False)
 
 
 def encode_images(processor, images, config: Qwen35VLConfig) -> list[tuple[np.ndarray, tuple]]:
