@@ -1,0 +1,100 @@
+"""Images into Gemma 4's image inputs (easylm/models/vision.py's IMAGE_KEYS less
+rope_positions), on the host.
+
+The pixels are the checkpoint's own image processor's (transformers' Gemma4 PIL image
+processor, read from preprocessor_config.json by `vision.load_image_processor`): it
+resizes each image, keeping its aspect, to the largest multiple of patch x k pixels a side
+within its budget of max_soft_tokens x k^2 patches, scales the pixels to [0, 1] and cuts
+the image into patches row by row (padding the rest to the budget: left out here).
+
+One image in a token row is the chat template's `<|image|>`; `expand_image_tokens`
+writes it as transformers' Gemma4Processor does (`replace_image_token`): <boi>, then
+`<|image|>` once per soft token (rows x cols / k^2), then <eoi>. `image_inputs` lays out
+a batch's rows: each row's patches one image after another, padded to max_image_patches.
+Not `AutoProcessor`: for Gemma 4 it also builds a video processor, which needs
+torchvision, and an audio feature extractor.
+"""
+
+import numpy as np
+
+from easylm.errors import UserError
+from easylm.gemma4.vision import Gemma4VLConfig
+
+
+def encode_images(processor, images, config: Gemma4VLConfig) -> list[tuple[np.ndarray, tuple]]:
+    """[(patches (N, E) float32, (rows, cols))] of each PIL image, its padding left out."""
+    out = []
+    for image in images:
+        features = processor(images=[image], return_tensors="np")
+        places = np.asarray(features["image_position_ids"])[0]  # (x, y); padding -1
+        real = places[:, 0] >= 0
+        patches = np.asarray(features["pixel_values"], np.float32)[0][real]
+        if patches.shape[1] != config.patch_values():
+            raise UserError(f"the image processor gives patches of {patches.shape[1]} values, "
+                            f"but the model's patch takes {config.patch_values()} "
+                            f"(3 x vision_patch_size^2)")
+        grid = (int(places[real, 1].max()) + 1, int(places[real, 0].max()) + 1)
+        k = config.vision_pooling_kernel_size
+        if grid[0] % k or grid[1] % k or grid[0] * grid[1] != len(patches):
+            raise UserError(f"the image processor's grid {grid} is not whole {k} x {k} blocks "
+                            f"(vision_pooling_kernel_size={k})")
+        out.append((patches, grid))
+    return out
+
+
+def tokens_of(grid: tuple, config: Gemma4VLConfig) -> int:
+    """The soft tokens (image tokens) of an image of `grid` (rows, cols) patches."""
+    return grid[0] * grid[1] // config.vision_pooling_kernel_size ** 2
+
+
+def expand_image_tokens(ids, grids, config: Gemma4VLConfig) -> list[int]:
+    """`ids` with its k-th image token written as <boi>, one image token per soft token of
+    image k, <eoi>."""
+    out, k = [], 0
+    for token in ids:
+        if token != config.image_token_id:
+            out.append(token)
+            continue
+        if k == len(grids):
+            raise UserError(f"the text has more image placeholders than the {len(grids)} "
+                            f"image(s) given")
+        out += [config.boi_token_id] + [token] * tokens_of(grids[k], config) + [
+            config.eoi_token_id]
+        k += 1
+    if k != len(grids):
+        raise UserError(f"{len(grids)} image(s) given, but the text has {k} image "
+                        f"placeholder(s)")
+    return out
+
+
+def image_inputs(config: Gemma4VLConfig, rows, encoded, length: int) -> dict:
+    """The image inputs (B, ...) of token rows `rows` (each with its image tokens
+    expanded, at most `length` long) whose images `encoded` (per row, `encode_images`'
+    pairs) are."""
+    B, P, k = len(rows), config.max_image_patches, config.vision_pooling_kernel_size
+    inputs = {"pixel_values": np.zeros((B, P, config.patch_values()), np.float32),
+              "patch_grid": np.zeros((B, P, 4), np.int32),
+              "patch_segments": np.zeros((B, P), np.int32),
+              "image_tokens": np.full((B, length), -1, np.int32)}
+    for b, (ids, images) in enumerate(zip(rows, encoded)):
+        total = sum(len(patches) for patches, _ in images)
+        if total > P:
+            raise UserError(f"row {b}: its {len(images)} image(s) have {total} patches, more "
+                            f"than --gemma4_vl.max_image_patches={P}")
+        places = np.flatnonzero(np.asarray(ids) == config.image_token_id)
+        if len(places) != total // k ** 2:
+            raise UserError(f"row {b}: {len(places)} image tokens for {total // k ** 2} "
+                            f"soft tokens of its {len(images)} image(s)")
+        if len(places) and places[-1] >= length:
+            raise UserError(f"row {b}: an image's tokens run past the row's {length} tokens")
+        at = 0
+        for segment, (patches, (height, width)) in enumerate(images, start=1):
+            n = len(patches)
+            row, col = np.divmod(np.arange(n), width)
+            inputs["pixel_values"][b, at:at + n] = patches
+            inputs["patch_grid"][b, at:at + n] = np.stack(
+                [row, col, np.full(n, height), np.full(n, width)], axis=-1)
+            inputs["patch_segments"][b, at:at + n] = segment
+            at += n
+        inputs["image_tokens"][b, places] = np.arange(len(places))
+    return inputs
