@@ -193,7 +193,9 @@ def test_config_json_and_refusals(hf, tmp_path):
 
 
 def test_every_parameter_has_a_partition_rule(ours):
+    """... and the config counts them all (what the planner and the run header read)."""
     config, params = ours
+    assert sum(np.size(x) for x in jax.tree.leaves(params)) == config.num_parameters()
     specs = match_partition_rules(FAMILY.partition_rules(config), params)
     layer = specs["vision_tower"]["encoder"]["layers"]["0"]
     assert layer["self_attn"]["q_proj"]["linear"]["kernel"] is not None

@@ -19,6 +19,7 @@ import numpy as np
 
 from easylm.errors import UserError
 from easylm.gemma4.vision import Gemma4VLConfig
+from easylm.models.vision import lay_out_images
 
 
 def encode_images(processor, images, config: Gemma4VLConfig) -> list[tuple[np.ndarray, tuple]]:
@@ -70,31 +71,14 @@ def expand_image_tokens(ids, grids, config: Gemma4VLConfig) -> list[int]:
 def image_inputs(config: Gemma4VLConfig, rows, encoded, length: int) -> dict:
     """The image inputs (B, ...) of token rows `rows` (each with its image tokens
     expanded, at most `length` long) whose images `encoded` (per row, `encode_images`'
-    pairs) are."""
-    B, P, k = len(rows), config.max_image_patches, config.vision_pooling_kernel_size
-    inputs = {"pixel_values": np.zeros((B, P, config.patch_values()), np.float32),
-              "patch_grid": np.zeros((B, P, 4), np.int32),
-              "patch_segments": np.zeros((B, P), np.int32),
-              "image_tokens": np.full((B, length), -1, np.int32)}
-    for b, (ids, images) in enumerate(zip(rows, encoded)):
-        total = sum(len(patches) for patches, _ in images)
-        if total > P:
-            raise UserError(f"row {b}: its {len(images)} image(s) have {total} patches, more "
-                            f"than --gemma4_vl.max_image_patches={P}")
-        places = np.flatnonzero(np.asarray(ids) == config.image_token_id)
-        if len(places) != total // k ** 2:
-            raise UserError(f"row {b}: {len(places)} image tokens for {total // k ** 2} "
-                            f"soft tokens of its {len(images)} image(s)")
-        if len(places) and places[-1] >= length:
-            raise UserError(f"row {b}: an image's tokens run past the row's {length} tokens")
-        at = 0
-        for segment, (patches, (height, width)) in enumerate(images, start=1):
-            n = len(patches)
-            row, col = np.divmod(np.arange(n), width)
-            inputs["pixel_values"][b, at:at + n] = patches
-            inputs["patch_grid"][b, at:at + n] = np.stack(
-                [row, col, np.full(n, height), np.full(n, width)], axis=-1)
-            inputs["patch_segments"][b, at:at + n] = segment
-            at += n
-        inputs["image_tokens"][b, places] = np.arange(len(places))
-    return inputs
+    pairs) are: each image's patches row by row."""
+    def places_of(grid):
+        height, width = grid
+        row, col = np.divmod(np.arange(height * width), width)
+        return np.stack([row, col, np.full_like(row, height), np.full_like(row, width)], -1)
+
+    k = config.vision_pooling_kernel_size
+    return lay_out_images(rows, encoded, length, max_patches=config.max_image_patches,
+                          patch_values=config.patch_values(),
+                          image_token_id=config.image_token_id, unit=k * k,
+                          places_of=places_of, flag="--gemma4_vl.max_image_patches")

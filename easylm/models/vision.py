@@ -28,6 +28,7 @@ from typing import Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from easylm.errors import UserError
 from easylm.models.attention import attention
@@ -174,3 +175,38 @@ def load_image_processor(directory: str):
     from transformers import AutoImageProcessor
 
     return AutoImageProcessor.from_pretrained(directory, use_fast=False)
+
+
+def lay_out_images(rows, encoded, length: int, *, max_patches: int, patch_values: int,
+                   image_token_id: int, unit: int, places_of: Callable, flag: str) -> dict:
+    """The image inputs (B, ...) but rope_positions, on the host, of token rows `rows`
+    (each with its image tokens expanded, at most `length` long) whose images `encoded`
+    are (per row, [(patches (n, E), grid)]): each row's patches one image after another,
+    padded to `max_patches` (the flag `flag` names), `places_of(grid)` (n, 4) their
+    patch_grid rows, `unit` patches an image token; the k-th image token of a row takes
+    the row's k-th token of the vision tower's output."""
+    B, P = len(rows), max_patches
+    inputs = {"pixel_values": np.zeros((B, P, patch_values), np.float32),
+              "patch_grid": np.zeros((B, P, 4), np.int32),
+              "patch_segments": np.zeros((B, P), np.int32),
+              "image_tokens": np.full((B, length), -1, np.int32)}
+    for b, (ids, images) in enumerate(zip(rows, encoded)):
+        total = sum(len(patches) for patches, _ in images)
+        if total > P:
+            raise UserError(f"row {b}: its {len(images)} image(s) have {total} patches, more "
+                            f"than {flag}={P}")
+        places = np.flatnonzero(np.asarray(ids) == image_token_id)
+        if len(places) != total // unit:
+            raise UserError(f"row {b}: {len(places)} image tokens for the {total // unit} "
+                            f"its {len(images)} image(s) make")
+        if len(places) and places[-1] >= length:
+            raise UserError(f"row {b}: an image's tokens run past the row's {length} tokens")
+        at = 0
+        for segment, (patches, grid) in enumerate(images, start=1):
+            n = len(patches)
+            inputs["pixel_values"][b, at:at + n] = patches
+            inputs["patch_grid"][b, at:at + n] = places_of(grid)
+            inputs["patch_segments"][b, at:at + n] = segment
+            at += n
+        inputs["image_tokens"][b, places] = np.arange(len(places))
+    return inputs
