@@ -19,7 +19,7 @@ import numpy as np
 
 from easylm.errors import UserError
 from easylm.gemma4.vision import Gemma4VLConfig
-from easylm.models.vision import lay_out_images
+from easylm.models.vision import expand_placeholders, lay_out_images
 
 
 def encode_images(processor, images, config: Gemma4VLConfig) -> list[tuple[np.ndarray, tuple]]:
@@ -51,21 +51,10 @@ def tokens_of(grid: tuple, config: Gemma4VLConfig) -> int:
 def expand_image_tokens(ids, grids, config: Gemma4VLConfig) -> list[int]:
     """`ids` with its k-th image token written as <boi>, one image token per soft token of
     image k, <eoi>."""
-    out, k = [], 0
-    for token in ids:
-        if token != config.image_token_id:
-            out.append(token)
-            continue
-        if k == len(grids):
-            raise UserError(f"the text has more image placeholders than the {len(grids)} "
-                            f"image(s) given")
-        out += [config.boi_token_id] + [token] * tokens_of(grids[k], config) + [
-            config.eoi_token_id]
-        k += 1
-    if k != len(grids):
-        raise UserError(f"{len(grids)} image(s) given, but the text has {k} image "
-                        f"placeholder(s)")
-    return out
+    c = config
+    return expand_placeholders(ids, c.image_token_id, [
+        [c.boi_token_id] + [c.image_token_id] * tokens_of(g, c) + [c.eoi_token_id]
+        for g in grids])
 
 
 def image_inputs(config: Gemma4VLConfig, rows, encoded, length: int) -> dict:

@@ -177,6 +177,25 @@ def load_image_processor(directory: str):
     return AutoImageProcessor.from_pretrained(directory, use_fast=False)
 
 
+def expand_placeholders(ids, placeholder: int, expansions) -> list[int]:
+    """`ids` with its k-th `placeholder` token replaced by the tokens `expansions[k]`
+    (what the processor writes for image k); the counts must agree."""
+    out, k = [], 0
+    for token in ids:
+        if token != placeholder:
+            out.append(token)
+            continue
+        if k == len(expansions):
+            raise UserError(f"the text has more image placeholders than the "
+                            f"{len(expansions)} image(s) given")
+        out.extend(expansions[k])
+        k += 1
+    if k != len(expansions):
+        raise UserError(f"{len(expansions)} image(s) given, but the text has {k} image "
+                        f"placeholder(s)")
+    return out
+
+
 def lay_out_images(rows, encoded, length: int, *, max_patches: int, patch_values: int,
                    image_token_id: int, unit: int, places_of: Callable, flag: str) -> dict:
     """The image inputs (B, ...) but rope_positions, on the host, of token rows `rows`

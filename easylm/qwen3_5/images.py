@@ -17,7 +17,11 @@ grid from the position it starts at, and the text after it resumes max(rows, col
 import numpy as np
 
 from easylm.errors import UserError
-from easylm.models.vision import lay_out_images, load_image_processor  # noqa: F401
+from easylm.models.vision import (  # noqa: F401 (load_image_processor: this module's API)
+    expand_placeholders,
+    lay_out_images,
+    load_image_processor,
+)
 from easylm.qwen3_5.vision import Qwen35VLConfig
 
 
@@ -43,20 +47,8 @@ def tokens_of(grid: tuple, config: Qwen35VLConfig) -> int:
 
 def expand_image_tokens(ids, grids, config: Qwen35VLConfig) -> list[int]:
     """`ids` with its k-th image token repeated once per merged patch of image k."""
-    out, k = [], 0
-    for token in ids:
-        if token != config.image_token_id:
-            out.append(token)
-            continue
-        if k == len(grids):
-            raise UserError(f"the text has more image placeholders than the {len(grids)} "
-                            f"image(s) given")
-        out.extend([token] * tokens_of(grids[k], config))
-        k += 1
-    if k != len(grids):
-        raise UserError(f"{len(grids)} image(s) given, but the text has {k} image "
-                        f"placeholder(s)")
-    return out
+    image = config.image_token_id
+    return expand_placeholders(ids, image, [[image] * tokens_of(g, config) for g in grids])
 
 
 def encode_image_chat(text_processor, image_processor, config: Qwen35VLConfig, messages,
