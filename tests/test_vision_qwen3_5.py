@@ -31,7 +31,7 @@ from easylm.errors import UserError
 from easylm.models import registry
 from easylm.models.hf_checkpoint import write_safetensors
 from easylm.qwen3_5 import images as qwen_images
-from easylm.qwen3_5.vision_hf import FAMILY, read_hf_config
+from easylm.qwen3_5.vision_hf import FAMILY
 from easylm.runtime.sharding import match_partition_rules
 
 CONFIG = FAMILY.from_preset("debug")
@@ -166,11 +166,11 @@ def test_export_reloads_in_transformers_whole(hf, ours, tmp_path):
     theirs = dict(hf[1].state_dict())
     for name, tensor in model.state_dict().items():
         np.testing.assert_array_equal(tensor.numpy(), theirs[name].numpy(), err_msg=name)
-    assert read_hf_config(str(tmp_path)) == config
+    assert FAMILY.hf.read_config(str(tmp_path)) == config
 
 
 def test_config_json_and_refusals(hf, tmp_path):
-    config = read_hf_config(hf[0])
+    config = FAMILY.hf.read_config(hf[0])
     assert config == CONFIG.replace(max_image_patches=config.max_image_patches)
     assert registry.family_of(f"hf::{hf[0]}") == "qwen3_5"  # text unless asked for images
     saved = json.loads(open(f"{hf[0]}/config.json").read())
@@ -178,7 +178,7 @@ def test_config_json_and_refusals(hf, tmp_path):
         (tmp_path / "config.json").write_text(json.dumps(
             {**saved, "vision_config": {**saved["vision_config"], key: value}}))
         with pytest.raises(UserError, match=key):
-            read_hf_config(str(tmp_path))
+            FAMILY.hf.read_config(str(tmp_path))
     with pytest.raises(UserError, match="preprocessor_config.json"):
         qwen_images.load_image_processor(str(tmp_path))
 

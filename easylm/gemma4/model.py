@@ -280,7 +280,11 @@ class Gemma4ForCausalLM(CausalLM):
     @nn.compact
     def __call__(self, input_ids, positions=None, segment_ids=None, cache=None,
                  return_hidden=False):
-        out = super().__call__(input_ids, positions, segment_ids, cache, return_hidden)
+        return self.soft_cap(self.decode(input_ids, positions, segment_ids, cache,
+                                         return_hidden), cache, return_hidden)
+
+    def soft_cap(self, out, cache, return_hidden):
+        """`decode`'s output with the logits capped: c * tanh(logits / c)."""
         cap = self.config.final_logit_softcapping
         if not cap or return_hidden:
             return out

@@ -12,6 +12,10 @@ Shapes (letters used throughout easylm):
                           across documents (T == S; with `window`, by place in the row,
                           which is the position inside a document: packing restarts them)
           (B, T, S) bool  any mask (a cache's, by position); it holds the window itself
+          BidirectionalBlocks  causal (inside each document), except that the tokens of
+                          one block (an image's) also see each other both ways; the window
+                          still applies (Gemma 4's sliding layers under
+                          use_bidirectional_attention="vision")
 
 Grouped-query attention never repeats K/V: queries are viewed as (B, T, K, G, H).
 `sinks` (N,) (gpt-oss): one more logit per head in the softmax's denominator, with no
@@ -35,10 +39,13 @@ that can (a cache's (B, T, S) mask: dot_product; sinks, a soft cap: xla), so eve
 gives the same numbers for every call.
 """
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from easylm.errors import UserError
 from easylm.models import splash
 
 # The names a config's `attention` field takes (easylm/models/config.py); a family allows
@@ -67,8 +74,34 @@ def xla_attention(q, k, v, mask=None, window: int = 0, scale: float | None = Non
     return out.reshape(B, T, N, H)
 
 
+class BidirectionalBlocks(NamedTuple):
+    """A mask kind (module docstring): `blocks` (B, T) each token's block id (-1: in none),
+    `segment_ids` (B, T) the documents of a packed row or None. As transformers' Gemma 4
+    builds it: AND(window, OR(causal, same block)) (`create_masks_for_vision_model`)."""
+
+    blocks: jax.Array
+    segment_ids: jax.Array | None = None
+
+    def dense(self, T: int, S: int, window: int = 0):
+        """(B, T, S) bool; T == S (a call without a cache)."""
+        t, s = jnp.arange(T)[:, None], jnp.arange(S)[None, :]
+        mask = (s <= t)[None] | same_block(self.blocks, self.blocks)
+        if window:
+            mask &= (s > t - window)[None]
+        if self.segment_ids is not None:
+            mask &= self.segment_ids[:, :, None] == self.segment_ids[:, None, :]
+        return mask
+
+
+def same_block(query_blocks, key_blocks):
+    """(B, T) and (B, S) block ids -> (B, T, S) bool: both tokens in one block (id >= 0)."""
+    return (query_blocks[:, :, None] == key_blocks[:, None, :]) & (query_blocks[:, :, None] >= 0)
+
+
 def dense_mask(mask, T: int, S: int, window: int = 0):
-    """Any of the three masks (module docstring) as (B or 1, T, S) bool."""
+    """Any of the masks (module docstring) as (B or 1, T, S) bool."""
+    if isinstance(mask, BidirectionalBlocks):
+        return mask.dense(T, S, window)
     if mask is None:
         return causal_mask(T, S, window)[None]
     if mask.ndim == 2:  # segment ids
@@ -101,7 +134,7 @@ def segment_mask(segment_ids):
 
 def holds_window(mask) -> bool:
     """Whether `mask` is a (B, T, S) mask, which holds any window (the others take one)."""
-    return mask is not None and mask.ndim == 3
+    return mask is not None and not isinstance(mask, BidirectionalBlocks) and mask.ndim == 3
 
 
 def resolve_implementation(implementation: str, q, k, mask, sinks=None,
@@ -109,6 +142,11 @@ def resolve_implementation(implementation: str, q, k, mask, sinks=None,
     """The implementation that runs: the configured one where it can take this call,
     else the one that can (module docstring)."""
     self_attention = not holds_window(mask) and q.shape[1] == k.shape[1]
+    if isinstance(mask, BidirectionalBlocks):  # a mask by data: splash's masks are static
+        if implementation == "splash":
+            raise UserError("attention=splash cannot take the bidirectional image-token mask "
+                            "(use_bidirectional_attention=vision); use attention=auto")
+        self_attention = False
     if implementation == "splash" or (implementation == "auto" and splash.available()):
         if self_attention:
             return "splash"
@@ -139,7 +177,7 @@ def attention(q, k, v, mask=None, implementation: str = "auto", window: int = 0,
         return splash.splash_attention(q, k, v, mask, window, scale, sinks, soft_cap)
     if implementation == "xla":
         return xla_attention(q, k, v, mask, window, scale, sinks, soft_cap)
-    if mask is not None and mask.ndim == 2:  # segment ids
+    if isinstance(mask, BidirectionalBlocks) or (mask is not None and mask.ndim == 2):
         mask = dense_mask(mask, q.shape[1], k.shape[1], window)
         window = 0
     return jax.nn.dot_product_attention(

@@ -43,7 +43,13 @@ from jax.sharding import PartitionSpec as P
 from easylm.models import remat
 from easylm.models.context_parallel import SplitSequence
 from easylm.errors import UserError
-from easylm.models.attention import attention, holds_window, sliding_window_mask
+from easylm.models.attention import (
+    BidirectionalBlocks,
+    attention,
+    holds_window,
+    same_block,
+    sliding_window_mask,
+)
 from easylm.runtime.sharding import BATCH_AXES, PARAMETER_AXES, constrain
 
 # The key/value cache (B, S, K, H): batch split like activations, heads on 'mp' like the
@@ -408,7 +414,7 @@ class _Backbone(nn.Module):
 
     @nn.compact
     def __call__(self, input_ids, positions, segment_ids, cache, embeddings=None,
-                 rope_positions=None):
+                 rope_positions=None, blocks=None):
         c, lm = self.config, self.lm
         embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype,
                          param_dtype=self.param_dtype,
@@ -433,7 +439,7 @@ class _Backbone(nn.Module):
             x = jnp.where(where[..., None], values.astype(x.dtype), x)
         length = x.shape[1] if cache is None else cache_length(cache)
         x, inputs = lm.layer_stream(c, x, input_ids, self.dtype, self.param_dtype, length)
-        contexts = self.contexts(positions, segment_ids, cache, rope_positions)
+        contexts = self.contexts(positions, segment_ids, cache, rope_positions, blocks)
         if c.scan_layers:
             x, cache = self.scanned(x, contexts, positions, cache, inputs)
         else:
@@ -442,18 +448,25 @@ class _Backbone(nn.Module):
         x = lm.stream_hidden(x)
         return lm.norm(c.rms_norm_eps, self.dtype, self.param_dtype, name="norm")(x), cache
 
-    def contexts(self, positions, segment_ids, cache, rope_positions=None):
+    def contexts(self, positions, segment_ids, cache, rope_positions=None, blocks=None):
         """Each layer kind's `LayerContext`: without a cache the mask is None (plain
         causal) or the segment ids (B, T), and the kernel applies the kind's window (no
         (B, T, T) mask: splash takes segment ids); with a cache, a (B, T, S) mask by
         position that holds the window; under a mesh with sp > 1 a `SplitSequence`
         (segment ids, no mask) instead. The rotary reads `rope_positions` where given
-        (`CausalLM.rotary`), else `positions`."""
+        (`CausalLM.rotary`), else `positions`. `blocks` (B, T): the tokens of one block
+        (an image's) see each other both ways in the kinds `CausalLM.bidirectional` names
+        (attention.BidirectionalBlocks; with a cache, the call's own tokens)."""
         c, lm = self.config, self.lm
         rope_positions = positions if rope_positions is None else rope_positions
         # A parameter init's (1, 8) dummy need not split: the parameters are the same.
         split = None if self.is_initializing() else SplitSequence.if_split(
             positions, segment_ids, cache)
+        bidirectional = {kind for kind in lm.layer_kinds(c)
+                         if blocks is not None and lm.bidirectional(c, kind)}
+        if split is not None and bidirectional:
+            raise UserError("bidirectional attention among an image's tokens under context "
+                            "parallelism (a mesh with sp > 1) is not supported; use sp=1")
         if split is not None:  # no (B, T, T) mask: the window is the kind's, applied there
             return {kind: lm.layer_context(c, kind, LayerContext(*lm.rotary(
                         c, kind, rope_positions, self.dtype), split, lm.window(c, kind)),
@@ -470,8 +483,15 @@ class _Backbone(nn.Module):
         for kind in dict.fromkeys(lm.layer_kinds(c)):
             window = lm.window(c, kind)
             kind_mask = mask
+            if kind in bidirectional and cache is None:
+                kind_mask = BidirectionalBlocks(blocks, segment_ids)
+            elif kind in bidirectional:  # the call's tokens' blocks, by cache position
+                rows = jnp.arange(blocks.shape[0])[:, None]
+                key_blocks = jnp.full(mask.shape[::2], -1, blocks.dtype).at[
+                    rows, positions].set(blocks)
+                kind_mask = mask | same_block(blocks, key_blocks)
             if window and cache is not None:  # ... and only the last `window` of them
-                kind_mask = mask & sliding_window_mask(positions, key_positions, window)
+                kind_mask = kind_mask & sliding_window_mask(positions, key_positions, window)
             contexts[kind] = lm.layer_context(c, kind, LayerContext(*lm.rotary(
                 c, kind, rope_positions, self.dtype), kind_mask, window), segment_ids)
         return contexts
@@ -566,6 +586,12 @@ class CausalLM(nn.Module):
         return 0
 
     @classmethod
+    def bidirectional(cls, config, kind: str) -> bool:
+        """Whether in a layer of `kind` the tokens of one block (an image's: `decode`'s
+        `blocks`) see each other both ways (Gemma 4's sliding layers); else causal."""
+        return False
+
+    @classmethod
     def embed_scale(cls, config) -> float | None:
         return None
 
@@ -600,16 +626,18 @@ class CausalLM(nn.Module):
         return self.decode(input_ids, positions, segment_ids, cache, return_hidden)
 
     def decode(self, input_ids, positions=None, segment_ids=None, cache=None,
-               return_hidden=False, embeddings=None, rope_positions=None):
+               return_hidden=False, embeddings=None, rope_positions=None, blocks=None):
         """The body of `__call__` (called from a compact method), with what a multimodal
         model adds: `embeddings` (values (B, T, D), where (B, T)) in place of the tokens'
-        where `where` holds, and `rope_positions` for the rotary (`rotary`)."""
+        where `where` holds, `rope_positions` for the rotary (`rotary`), and `blocks`
+        (B, T) the block (an image) each token is in, -1 for none, for the kinds of
+        layers in which a block's tokens see each other both ways (`bidirectional`)."""
         B, T = input_ids.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         model = _Backbone(self.config, self.dtype, self.param_dtype, type(self), name="model")
         hidden, new_cache = model(input_ids, positions, segment_ids, cache, embeddings,
-                                  rope_positions)  # (B, T, D)
+                                  rope_positions, blocks)  # (B, T, D)
         if return_hidden:
             return hidden if cache is None else (hidden, new_cache)
         if self.config.tie_word_embeddings:

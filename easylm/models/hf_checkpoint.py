@@ -273,12 +273,13 @@ def some(names, limit: int = 8) -> str:
 
 
 def params_from_hf(tensors: Mapping, shapes: dict, source: str, dtype=None, place=None,
-                   ignored=lambda name: False) -> dict:
+                   ignored=lambda name: False, name_of=hf_key) -> dict:
     """{path: array} for every path of `shapes` ({'/'-path: shape}) from HF-named tensors
     (numpy, torch, or array-like): missing tensors, unexpected ones (unless `ignored`) and
     shape mismatches are UserErrors that name them. `place` (e.g. jax.device_put) moves
-    each as it is converted, so its host copy can go before the next is read."""
-    expected = {hf_key(path)[0]: path for path in shapes}
+    each as it is converted, so its host copy can go before the next is read. `name_of`:
+    a path's (HF name, transposed), `hf_key`'s rule unless a family names some otherwise."""
+    expected = {name_of(path)[0]: path for path in shapes}
     missing = [key for key in expected if key not in tensors]
     if missing:
         raise UserError(f"{source} is missing {len(missing)} tensor(s): {some(missing)}")
@@ -288,7 +289,7 @@ def params_from_hf(tensors: Mapping, shapes: dict, source: str, dtype=None, plac
     flat = {}
     for key, path in expected.items():
         tensor = to_numpy(tensors[key])
-        _, transpose = hf_key(path)
+        _, transpose = name_of(path)
         if transpose:  # `place` copies anyway: no contiguous host copy first
             tensor = tensor.T if place else np.ascontiguousarray(tensor.T)
         if tensor.shape != shapes[path]:

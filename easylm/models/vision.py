@@ -1,6 +1,7 @@
 """What image-text models share: the image inputs a batch carries, at fixed shapes; a
-vision transformer block with 2-D rotary; and the image's embeddings put in place of its
-placeholder tokens' before the decoder's layers.
+vision transformer block with 2-D rotary; the image's embeddings put in place of its
+placeholder tokens' before the decoder's layers, and its tokens' blocks for the attention
+that lets them see each other (`image_blocks`); the checkpoint's image processor.
 
 The image inputs (`IMAGE_KEYS`, (B, ...) arrays beside the tokens, made on the host by a
 family's processor from the checkpoint's own image processor):
@@ -14,18 +15,22 @@ family's processor from the checkpoint's own image processor):
     image_tokens     (B, T)     for each token, the merged patch (an index into the row's
                                 vision tower outputs) whose embedding replaces it; -1: none
     rope_positions   (B, T, A)  a token's rotary positions over A axes (time, height,
-                                width for Qwen3.5's multimodal rotary)
+                                width for Qwen3.5's multimodal rotary; a family with 1-D
+                                positions, Gemma 4, has none)
 
 Shape letters: B batch, P patches of a row, Q merged patches, T positions, D width,
 E a patch's values (channels x frames x pixels), N heads, H head dim.
 """
 
+import os
 from typing import Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from easylm.errors import UserError
 from easylm.models.attention import attention
 from easylm.models.decoder import apply_rotary
 
@@ -144,6 +149,83 @@ def patch_mask(segments):
     return segments[:, :, None] == segments[:, None, :]
 
 
+def image_blocks(image_tokens):
+    """(B, T) each token's block: runs of image tokens numbered 0, 1, ... in a row, -1 for
+    text (transformers' `get_block_sequence_ids_for_mask`): what
+    attention.BidirectionalBlocks reads."""
+    is_image = image_tokens >= 0
+    before = jnp.pad(is_image[:, :-1], ((0, 0), (1, 0)))
+    starts = is_image & ~before
+    return jnp.where(is_image, jnp.cumsum(starts, axis=1) - 1, -1)
+
+
 def image_inputs_of(batch: dict) -> dict | None:
-    """A batch's image inputs (IMAGE_KEYS), or None for a batch of text."""
-    return {key: batch[key] for key in IMAGE_KEYS} if "pixel_values" in batch else None
+    """A batch's image inputs (those of IMAGE_KEYS it has), or None for a batch of text."""
+    if "pixel_values" not in batch:
+        return None
+    return {key: batch[key] for key in IMAGE_KEYS if key in batch}
+
+
+def load_image_processor(directory: str):
+    """The image processor DIR/preprocessor_config.json describes (its PIL class: the
+    fast ones need torchvision)."""
+    if not os.path.isfile(os.path.join(directory, "preprocessor_config.json")):
+        raise UserError(f"{directory}: no preprocessor_config.json: the image processor "
+                        f"the checkpoint was trained with is needed to read images")
+    from transformers import AutoImageProcessor
+
+    return AutoImageProcessor.from_pretrained(directory, use_fast=False)
+
+
+def expand_placeholders(ids, placeholder: int, expansions) -> list[int]:
+    """`ids` with its k-th `placeholder` token replaced by the tokens `expansions[k]`
+    (what the processor writes for image k); the counts must agree."""
+    out, k = [], 0
+    for token in ids:
+        if token != placeholder:
+            out.append(token)
+            continue
+        if k == len(expansions):
+            raise UserError(f"the text has more image placeholders than the "
+                            f"{len(expansions)} image(s) given")
+        out.extend(expansions[k])
+        k += 1
+    if k != len(expansions):
+        raise UserError(f"{len(expansions)} image(s) given, but the text has {k} image "
+                        f"placeholder(s)")
+    return out
+
+
+def lay_out_images(rows, encoded, length: int, *, max_patches: int, patch_values: int,
+                   image_token_id: int, unit: int, places_of: Callable, flag: str) -> dict:
+    """The image inputs (B, ...) but rope_positions, on the host, of token rows `rows`
+    (each with its image tokens expanded, at most `length` long) whose images `encoded`
+    are (per row, [(patches (n, E), grid)]): each row's patches one image after another,
+    padded to `max_patches` (the flag `flag` names), `places_of(grid)` (n, 4) their
+    patch_grid rows, `unit` patches an image token; the k-th image token of a row takes
+    the row's k-th token of the vision tower's output."""
+    B, P = len(rows), max_patches
+    inputs = {"pixel_values": np.zeros((B, P, patch_values), np.float32),
+              "patch_grid": np.zeros((B, P, 4), np.int32),
+              "patch_segments": np.zeros((B, P), np.int32),
+              "image_tokens": np.full((B, length), -1, np.int32)}
+    for b, (ids, images) in enumerate(zip(rows, encoded)):
+        total = sum(len(patches) for patches, _ in images)
+        if total > P:
+            raise UserError(f"row {b}: its {len(images)} image(s) have {total} patches, more "
+                            f"than {flag}={P}")
+        places = np.flatnonzero(np.asarray(ids) == image_token_id)
+        if len(places) != total // unit:
+            raise UserError(f"row {b}: {len(places)} image tokens for the {total // unit} "
+                            f"its {len(images)} image(s) make")
+        if len(places) and places[-1] >= length:
+            raise UserError(f"row {b}: an image's tokens run past the row's {length} tokens")
+        at = 0
+        for segment, (patches, grid) in enumerate(images, start=1):
+            n = len(patches)
+            inputs["pixel_values"][b, at:at + n] = patches
+            inputs["patch_grid"][b, at:at + n] = places_of(grid)
+            inputs["patch_segments"][b, at:at + n] = segment
+            at += n
+        inputs["image_tokens"][b, places] = np.arange(len(places))
+    return inputs

@@ -14,22 +14,15 @@ padded to max_image_patches, the multimodal rotary's positions (transformers'
 grid from the position it starts at, and the text after it resumes max(rows, cols) later).
 """
 
-import os
-
 import numpy as np
 
 from easylm.errors import UserError
+from easylm.models.vision import (  # noqa: F401 (load_image_processor: this module's API)
+    expand_placeholders,
+    lay_out_images,
+    load_image_processor,
+)
 from easylm.qwen3_5.vision import Qwen35VLConfig
-
-
-def load_image_processor(directory: str):
-    """The image processor DIR/preprocessor_config.json describes (its PIL class)."""
-    if not os.path.isfile(os.path.join(directory, "preprocessor_config.json")):
-        raise UserError(f"{directory}: no preprocessor_config.json: the image processor "
-                        f"the checkpoint was trained with is needed to read images")
-    from transformers import AutoImageProcessor
-
-    return AutoImageProcessor.from_pretrained(directory, use_fast=False)
 
 
 def encode_images(processor, images, config: Qwen35VLConfig) -> list[tuple[np.ndarray, tuple]]:
@@ -54,20 +47,8 @@ def tokens_of(grid: tuple, config: Qwen35VLConfig) -> int:
 
 def expand_image_tokens(ids, grids, config: Qwen35VLConfig) -> list[int]:
     """`ids` with its k-th image token repeated once per merged patch of image k."""
-    out, k = [], 0
-    for token in ids:
-        if token != config.image_token_id:
-            out.append(token)
-            continue
-        if k == len(grids):
-            raise UserError(f"the text has more image placeholders than the {len(grids)} "
-                            f"image(s) given")
-        out.extend([token] * tokens_of(grids[k], config))
-        k += 1
-    if k != len(grids):
-        raise UserError(f"{len(grids)} image(s) given, but the text has {k} image "
-                        f"placeholder(s)")
-    return out
+    image = config.image_token_id
+    return expand_placeholders(ids, image, [[image] * tokens_of(g, config) for g in grids])
 
 
 def encode_image_chat(text_processor, image_processor, config: Qwen35VLConfig, messages,
@@ -129,34 +110,16 @@ def image_inputs(config: Qwen35VLConfig, rows, encoded, length: int) -> dict:
     """The image inputs (B, ...) of token rows `rows` (each with its image tokens
     expanded, at most `length` long) whose images `encoded` (per row, `encode_images`'
     pairs) are; rows shorter than `length` are padded as text."""
-    B, P, m = len(rows), config.max_image_patches, config.vision_spatial_merge_size
-    inputs = {"pixel_values": np.zeros((B, P, config.patch_values()), np.float32),
-              "patch_grid": np.zeros((B, P, 4), np.int32),
-              "patch_segments": np.zeros((B, P), np.int32),
-              "image_tokens": np.full((B, length), -1, np.int32),
-              "rope_positions": np.zeros((B, length, 3), np.int32)}
+    m = config.vision_spatial_merge_size
+    inputs = lay_out_images(rows, encoded, length, max_patches=config.max_image_patches,
+                            patch_values=config.patch_values(),
+                            image_token_id=config.image_token_id, unit=m * m,
+                            places_of=lambda grid: _patch_places(grid, m),
+                            flag="--qwen3_5_vl.max_image_patches")
+    inputs["rope_positions"] = np.zeros((len(rows), length, 3), np.int32)
     for b, (ids, images) in enumerate(zip(rows, encoded)):
-        grids = [grid for _, grid in images]
-        total = sum(len(patches) for patches, _ in images)
-        if total > P:
-            raise UserError(f"row {b}: its {len(images)} image(s) have {total} patches, more "
-                            f"than --qwen3_5_vl.max_image_patches={P}")
-        places = np.flatnonzero(np.asarray(ids) == config.image_token_id)
-        if len(places) != total // m ** 2:
-            raise UserError(f"row {b}: {len(places)} image tokens for {total // m ** 2} "
-                            f"merged patches of its {len(images)} image(s)")
-        if len(places) and places[-1] >= length:
-            raise UserError(f"row {b}: an image's tokens run past the row's {length} tokens")
-        at = 0
-        for segment, (patches, grid) in enumerate(images, start=1):
-            n = len(patches)
-            inputs["pixel_values"][b, at:at + n] = patches
-            inputs["patch_grid"][b, at:at + n] = _patch_places(grid, m)
-            inputs["patch_segments"][b, at:at + n] = segment
-            at += n
-        inputs["image_tokens"][b, places] = np.arange(len(places))
         padded = list(ids[:length]) + [0] * (length - min(len(ids), length))
-        inputs["rope_positions"][b] = rope_positions(padded, grids, config)
+        inputs["rope_positions"][b] = rope_positions(padded, [g for _, g in images], config)
     return inputs
 
 

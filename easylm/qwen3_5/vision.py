@@ -27,7 +27,8 @@ from jax.sharding import PartitionSpec as P
 from easylm.errors import UserError
 from easylm.models import vision
 from easylm.models.config import field
-from easylm.qwen3_5.config import QWEN35_PRESETS, Qwen35Config
+from easylm.models.hf_checkpoint import config_fields
+from easylm.qwen3_5.config import MULTIMODAL, QWEN35_PRESETS, Qwen35Config, from_hf_dict
 from easylm.qwen3_5.model import PARTITION_RULES as TEXT_RULES, Qwen35ForCausalLM
 
 VISION_RULES = (
@@ -44,6 +45,14 @@ VISION_RULES = (
 PARTITION_RULES = VISION_RULES + TEXT_RULES
 # --qwen3_5_vl.train_vision -> the parameters a run leaves as they are (regexes on paths).
 UNTRAINED = {"none": (r"^visual/",), "projector": (r"^visual/(?!merger/)",), "all": ()}
+# transformers' Qwen3_5VisionConfig defaults: what it assumes for a key the file omits.
+VISION_DEFAULTS = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16,
+                       patch_size=16, temporal_patch_size=2, spatial_merge_size=2,
+                       in_channels=3, num_position_embeddings=2304,
+                       hidden_act="gelu_pytorch_tanh")
+_VISION_INTS = ("depth", "hidden_size", "intermediate_size", "num_heads", "patch_size",
+                "temporal_patch_size", "spatial_merge_size", "in_channels",
+                "num_position_embeddings", "out_hidden_size")
 # The text model's model_type -> transformers' image-text config class and model.
 HF_CLASSES = {"qwen3_5_text": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
               "qwen3_5_moe_text": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration")}
@@ -106,6 +115,49 @@ class Qwen35VLConfig(Qwen35Config):
         for ok, message in checks:
             if not ok:
                 raise UserError(f"--qwen3_5_vl.{message}")
+
+    @classmethod
+    def from_hf_config(cls, hf: dict, path: str = "config.json") -> "Qwen35VLConfig":
+        """config.json of an image-text Qwen3.5 (`qwen3_5`, `qwen3_5_moe`)."""
+        if hf.get("model_type") not in MULTIMODAL:
+            raise UserError(f"{path}: model_type {hf.get('model_type')!r} is not an "
+                            f"image-text Qwen3.5 ({', '.join(MULTIMODAL)}); --family=qwen3_5 "
+                            f"reads text models")
+        text = from_hf_dict(hf, path)
+        vision = hf.get("vision_config") or {}
+        if not isinstance(vision, dict):
+            raise UserError(f"{path}: vision_config must be an object, got {vision!r}")
+        get = config_fields(vision, f"{path} vision_config",
+                            dict(VISION_DEFAULTS, out_hidden_size=text.hidden_size),
+                            _VISION_INTS, {"hidden_act": "gelu_pytorch_tanh"},
+                            "this Qwen3.5 vision tower")
+        if get("out_hidden_size") != text.hidden_size:
+            raise UserError(f"{path}: vision_config.out_hidden_size={get('out_hidden_size')} "
+                            f"must be the text model's hidden_size={text.hidden_size}")
+        rope = vision.get("rope_parameters") or {}
+        if rope.get("rope_type", "axial") != "axial":
+            raise UserError(f"{path}: vision_config.rope_parameters.rope_type="
+                            f"{rope['rope_type']!r} is not supported (axial is)")
+        text_rope = (hf.get("text_config") or {}).get("rope_parameters") or {}
+        sections = text_rope.get("mrope_section", [11, 11, 10])
+        if text_rope.get("mrope_interleaved", True) is not True:
+            raise UserError(f"{path}: text_config.rope_parameters.mrope_interleaved=false is "
+                            f"not supported (Qwen3.5 interleaves its sections)")
+        ids = {name: hf.get(name, default) for name, default in (
+            ("image_token_id", 248056), ("video_token_id", 248057),
+            ("vision_start_token_id", 248053), ("vision_end_token_id", 248054))}
+        return cls(
+            **text.to_dict(), **ids,
+            mrope_section=",".join(str(int(s)) for s in sections),
+            vision_depth=get("depth"), vision_hidden_size=get("hidden_size"),
+            vision_intermediate_size=get("intermediate_size"),
+            vision_num_heads=get("num_heads"),
+            vision_patch_size=get("patch_size"),
+            vision_temporal_patch_size=get("temporal_patch_size"),
+            vision_spatial_merge_size=get("spatial_merge_size"),
+            vision_in_channels=get("in_channels"),
+            vision_num_position_embeddings=get("num_position_embeddings"),
+            vision_rope_theta=float(rope.get("rope_theta", 10_000.0)))
 
     def mrope_sections(self) -> tuple[int, ...]:
         try:

@@ -10,29 +10,25 @@ them as `model.*`) and `lm_head.weight`; the vision tower's are `model.visual.*`
         (D, C, tp, p, p): a Conv3d whose stride is its kernel, one matmul per patch
 """
 
-import os
-
 import jax
 import numpy as np
 from flax import traverse_util
 
 from easylm.errors import UserError
-from easylm.models.family import HFAdapter, layout
+from easylm.models.family import HFAdapter, hf_params_reader
 from easylm.models.hf_checkpoint import (
     HFTensors,
     RenamedTensors,
-    config_fields,
     hf_key,
     params_from_hf,
-    read_config,
     to_numpy,
 )
+from easylm.models.vision import load_image_processor
 from easylm.qwen3_5 import hf as text_hf
-from easylm.qwen3_5.config import from_hf_dict
+from easylm.qwen3_5.config import MULTIMODAL
 from easylm.qwen3_5.family import Qwen35Family
-from easylm.qwen3_5.images import Qwen35ImageChats, load_image_processor
+from easylm.qwen3_5.images import Qwen35ImageChats
 from easylm.qwen3_5.vision import (
-    HF_CLASSES,
     PARTITION_RULES,
     QWEN35_VL_PRESETS,
     UNTRAINED,
@@ -40,59 +36,8 @@ from easylm.qwen3_5.vision import (
     Qwen35VLForConditionalGeneration,
 )
 
-MODEL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 _VISUAL = "model.visual."
 _CONV = "patch_embed.proj.weight"
-# transformers' Qwen3_5VisionConfig defaults: what it assumes for a key the file omits.
-VISION_DEFAULTS = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16,
-                       patch_size=16, temporal_patch_size=2, spatial_merge_size=2,
-                       in_channels=3, num_position_embeddings=2304, hidden_act="gelu_pytorch_tanh")
-_VISION_INTS = ("depth", "hidden_size", "intermediate_size", "num_heads", "patch_size",
-                "temporal_patch_size", "spatial_merge_size", "in_channels",
-                "num_position_embeddings", "out_hidden_size")
-
-
-def read_hf_config(directory: str) -> Qwen35VLConfig:
-    """DIR/config.json of an image-text Qwen3.5 as a Qwen35VLConfig."""
-    path = os.path.join(directory, "config.json")
-    hf = read_config(directory)
-    if hf.get("model_type") not in MODEL_TYPES:
-        raise UserError(f"{path}: model_type {hf.get('model_type')!r} is not an image-text "
-                        f"Qwen3.5 ({', '.join(MODEL_TYPES)}); --family=qwen3_5 reads text "
-                        f"models")
-    text = from_hf_dict(hf, path)
-    vision = hf.get("vision_config") or {}
-    if not isinstance(vision, dict):
-        raise UserError(f"{path}: vision_config must be an object, got {vision!r}")
-    get = config_fields(vision, f"{path} vision_config",
-                        dict(VISION_DEFAULTS, out_hidden_size=text.hidden_size), _VISION_INTS,
-                        {"hidden_act": "gelu_pytorch_tanh"}, "this Qwen3.5 vision tower")
-    if get("out_hidden_size") != text.hidden_size:
-        raise UserError(f"{path}: vision_config.out_hidden_size={get('out_hidden_size')} must "
-                        f"be the text model's hidden_size={text.hidden_size}")
-    rope = vision.get("rope_parameters") or {}
-    if rope.get("rope_type", "axial") != "axial":
-        raise UserError(f"{path}: vision_config.rope_parameters.rope_type="
-                        f"{rope['rope_type']!r} is not supported (axial is)")
-    text_rope = (hf.get("text_config") or {}).get("rope_parameters") or {}
-    sections = text_rope.get("mrope_section", [11, 11, 10])
-    if text_rope.get("mrope_interleaved", True) is not True:
-        raise UserError(f"{path}: text_config.rope_parameters.mrope_interleaved=false is not "
-                        f"supported (Qwen3.5 interleaves its sections)")
-    ids = {name: hf.get(name, default) for name, default in (
-        ("image_token_id", 248056), ("video_token_id", 248057),
-        ("vision_start_token_id", 248053), ("vision_end_token_id", 248054))}
-    return Qwen35VLConfig(
-        **text.to_dict(), **ids,
-        mrope_section=",".join(str(int(s)) for s in sections),
-        vision_depth=get("depth"), vision_hidden_size=get("hidden_size"),
-        vision_intermediate_size=get("intermediate_size"), vision_num_heads=get("num_heads"),
-        vision_patch_size=get("patch_size"),
-        vision_temporal_patch_size=get("temporal_patch_size"),
-        vision_spatial_merge_size=get("spatial_merge_size"),
-        vision_in_channels=get("in_channels"),
-        vision_num_position_embeddings=get("num_position_embeddings"),
-        vision_rope_theta=float(rope.get("rope_theta", 10_000.0)))
 
 
 def vision_shapes(config: Qwen35VLConfig) -> dict[str, tuple[int, ...]]:
@@ -133,7 +78,7 @@ def _text_name(name: str) -> str | None:
 def load_hf_params(directory: str, dtype: str = "keep", place=None):
     if dtype not in text_hf.DTYPES:
         raise UserError(f"--dtype={dtype!r} is not one of {', '.join(text_hf.DTYPES)}")
-    config = read_hf_config(directory)
+    config = Qwen35VLConfig.read_hf(directory)
     return config, from_hf(HFTensors(directory), config, text_hf.DTYPES[dtype], directory,
                            place)
 
@@ -157,10 +102,6 @@ def to_hf(params, config: Qwen35VLConfig):
         yield _VISUAL + name, tensor
 
 
-def _read_params(directory: str, config: Qwen35VLConfig, dtype: str = "keep", place=None):
-    return layout(FAMILY, load_hf_params(directory, dtype, place)[1], config)
-
-
 class Qwen35VLFamily(Qwen35Family):
     """Qwen3.5's image-text model: the text family's layers, presets of its text model
     with the debug vision tower, the vision tower's rules and names."""
@@ -170,8 +111,10 @@ class Qwen35VLFamily(Qwen35Family):
     presets = QWEN35_VL_PRESETS
     module_class = Qwen35VLForConditionalGeneration
     variants = ()  # LoRA and int8: not yet for the image-text model (docs/vision.md)
-    hf = HFAdapter(model_types=tuple(MODEL_TYPES), read_config=read_hf_config,
-                   read_params=_read_params, write_params=to_hf)
+    hf = HFAdapter(model_types=tuple(MULTIMODAL), read_config=Qwen35VLConfig.read_hf,
+                   read_params=hf_params_reader(load_hf_params,
+                                                Qwen35VLForConditionalGeneration),
+                   write_params=to_hf)
 
     def partition_rules(self, config):
         return PARTITION_RULES
@@ -183,5 +126,4 @@ class Qwen35VLFamily(Qwen35Family):
         return UNTRAINED[config.train_vision]
 
 
-assert set(MODEL_TYPES.values()) == set(HF_CLASSES)
 FAMILY = Qwen35VLFamily()
