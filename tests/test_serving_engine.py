@@ -342,3 +342,53 @@ def test_a_shared_prompt_is_prefilled_once_and_serves_what_each_copy_would(name,
         wrong, _ = _shared_rollout(engine, True, prompts, staged, wrong=True)
         assert_differs(np.concatenate([w[1][:, :7] for w in wrong]),
                        np.concatenate([d[1][:, :7] for d in dense]), rel)
+
+
+def _renamed_cache_family():
+    """The test-only family whose layers keep their keys and values under other names
+    ("keys", "values"): a positional cache that only its shapes declare."""
+    import toy_family
+
+    from easylm.models.decoder import Attention
+
+    class Layer(toy_family.ParallelLayer):
+        def __call__(self, x, context, positions=None, cache=None):
+            inner = None if cache is None else {"k": cache["keys"], "v": cache["values"]}
+            x, inner = super().__call__(x, context, positions, inner)
+            return x, (None if inner is None else {"keys": inner["k"], "values": inner["v"]})
+
+    class LM(toy_family.ToyLM):
+        layer = Layer
+
+        @classmethod
+        def layer_cache(cls, config, kind, batch_size, length, dtype):
+            kv = Attention.init_cache(config, batch_size, length, dtype)
+            return {"keys": kv["k"], "values": kv["v"]}
+
+    class Family(toy_family.ToyFamily):
+        module_class = LM
+
+    return toy_family.FAMILY, Family()
+
+
+def test_a_positional_cache_under_other_names_is_masked_and_served_alike():
+    # The decoder's masks and the engine read a cache's length by one rule (the axis
+    # its shapes grow along), not by the arrays' names: the renamed family's tokens and
+    # log-probabilities are the plain one's, bit for bit (the same operations).
+    plain, renamed = _renamed_cache_family()
+    config = plain.config_class()
+    prompts = [[1, 5, 9, 33, 7], [1, *range(40, 50)]]
+    served = []
+    for family in (plain, renamed):
+        model = family.bind(config)
+        params = jax.jit(model.init_params)(jax.random.PRNGKey(0))
+        engine = engine_lib.Engine({"batch_size": 2, "seq_length": 16, "decode_steps": 3,
+                                    "min_bucket": 16}, model, params)
+        sampling = engine_lib.Sampling.empty(2)
+        calls = [engine.fetch(engine.prefill(prompts, [0, 1], sampling))]
+        calls += [engine.fetch(engine.decode(sampling)) for _ in range(2)]
+        served.append([c[:2] for c in calls])  # tokens, logprobs
+        assert engine.layout.length == (1,) * 4  # (B, S, K, H) keys and values, 2 layers
+    for x, y in zip(*served):
+        np.testing.assert_array_equal(x[0], y[0])
+        np.testing.assert_array_equal(x[1], y[1])

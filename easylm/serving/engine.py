@@ -47,6 +47,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import ConfigDict
 
 from easylm.errors import UserError
+from easylm.models import decoder
 from easylm.models.context_parallel import allow_whole_rows
 from easylm.models.family import Model
 from easylm.runtime.sharding import axes_size, match_partition_rules
@@ -101,8 +102,9 @@ def check_config(config: ConfigDict):
 class CacheLayout:
     """Per cache array (in `jax.tree.leaves` order): its batch (slot) axis, and its length
     axis or None for a slot's state, read off the shapes `init_cache` gives for two batch
-    sizes and two lengths: what a layer's `layer_cache` declares, whatever it names its
-    arrays (a scan's stacked layers only add a leading axis)."""
+    sizes (the batch axis) and by the decoder's rule (`decoder.length_axes`, the length
+    its masks read): what a layer's `layer_cache` declares, whatever it names its arrays
+    (a scan's stacked layers only add a leading axis)."""
 
     batch: tuple[int, ...]
     length: tuple[int | None, ...]
@@ -115,14 +117,15 @@ class CacheLayout:
 
         base, tree = shapes(2, 8)
         wider, _ = shapes(3, 8)
-        longer, _ = shapes(2, 16)
         names = [jax.tree_util.keystr(path) for path, _ in
                  jax.tree_util.tree_flatten_with_path(tree)[0]]
         batch, length = [], []
-        for name, one, b, s in zip(names, base, wider, longer):
+        # The length axes by the decoder's rule (what its masks read), the batch axis alike.
+        for name, one, b, length_axes in zip(names, base, wider, decoder.length_axes(
+                model.init_cache)):
             batch_axes = [i for i, (x, y) in enumerate(zip(one, b)) if x != y]
-            length_axes = [i for i, (x, y) in enumerate(zip(one, s)) if x != y]
-            if len(batch_axes) != 1 or len(length_axes) > 1 or batch_axes == length_axes:
+            if len(batch_axes) != 1 or len(length_axes) > 1 or \
+                    tuple(batch_axes) == length_axes:
                 raise UserError(f"{model.name}: the serving engine (serve, eval, GRPO "
                                 f"rollouts) needs each cache array to have one batch axis "
                                 f"and at most one length axis; {name} has shape {one} "
