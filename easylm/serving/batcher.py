@@ -190,16 +190,19 @@ class Batcher:
             self._wake.notify()
         return future
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, tokenizer):
-        """Blocking helper (tests, benchmarks): the finished Generations, in order."""
+    def generate(self, prompts: Sequence[Sequence[int]], params, tokenizer):
+        """Blocking helper (tests, benchmarks): the finished Generations, in order;
+        `params` one SamplingParams for all, or one per prompt."""
         done = [threading.Event() for _ in prompts]
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
 
         def on_event(event, finished):
             if event.finish_reason or event.error:
                 finished.set()
 
-        gens = [Generation(p, params, tokenizer, lambda e, d=d: on_event(e, d))
-                for p, d in zip(prompts, done)]
+        gens = [Generation(p, q, tokenizer, lambda e, d=d: on_event(e, d))
+                for p, q, d in zip(prompts, params, done)]
         for g in gens:
             self.submit(g)
         for d in done:
@@ -294,18 +297,12 @@ class Batcher:
             job.future.set_result(job.results)
 
     def _chunk_rows(self, rows: list) -> int:
-        """How many of `rows` (at most batch_size) to score now: as many as fit one
-        seq_length-token forward, bucketed, and at least one: one call, chunked inside
-        like a one-call prefill, so a decode call waits for no more than that."""
-        engine, longest, fit = self.engine, 0, 1
-        for n in engine.row_buckets:
-            if n > len(rows):
-                break
-            longest = max([longest] + [len(r) for r in rows[:n]])
-            if n * bucket_for(longest, engine.length_buckets) > engine.seq_length:
-                break
-            fit = n
-        return fit
+        """How many of `rows` (at most batch_size) to score now: as many as one score
+        call holds (`prefill_rows` of their length bucket: prefill_budget tokens), and at
+        least one: one call, chunked inside like a one-call prefill, so a decode call
+        waits for no more than that."""
+        engine = self.engine
+        return engine.prefill_rows[bucket_for(max(map(len, rows)), engine.length_buckets)]
 
     def _free_cancelled(self):
         for i, g in enumerate(self.slots):
@@ -346,6 +343,11 @@ class Batcher:
         per turn (`_staged_chunk`); the slots stay empty, and reserved, until the last."""
         if not generations:
             return
+        # One staged prefill's rows; the rest wait, first in line, for the next.
+        take = self.engine.staged_rows(max(len(g.prompt) for g in generations))
+        generations, rest = generations[:take], generations[take:]
+        with self._wake:
+            self._waiting[:0] = rest
         slots = free[:len(generations)]
         self._staged = (self.engine.begin_prefill([g.prompt for g in generations], slots,
                                                   self._rows(generations)),
