@@ -32,6 +32,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from typing import Callable, Sequence
 
@@ -41,6 +42,7 @@ from easylm.serving.engine import Engine, Sampling, bucket_for
 from easylm.serving.text import TextStream
 
 log = logging.getLogger(__name__)
+USE_LOG_SECONDS = 10.0  # how often a busy batcher logs the cache's use
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +94,8 @@ class Generation:
         self.tokens: list[Token] = []
         self.cancelled = False
         self.finish_reason: str | None = None
+        # Prompt tokens whose cache another request's run of the same prompt filled.
+        self.cached_tokens = 0
         seed = params.seed if params.seed is not None else int(np.random.randint(2**31))
         # jax.random.PRNGKey(seed)'s raw bits, made on the host.
         self.key = np.array([(seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF], np.uint32)
@@ -129,6 +133,7 @@ class Batcher:
         self._in_flight = None  # (decode outputs on the device, the slots when dispatched)
         self._staged = None  # (engine.StagedPrefill, [(slot, Generation)]) being prefilled
         self._waiting: list[Generation] = []
+        self._logged = float("-inf")  # when `_log_use` last logged
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._scoring: collections.deque[_ScoreJob] = collections.deque()
         self._wake = threading.Condition()
@@ -254,6 +259,7 @@ class Batcher:
                                        list(enumerate(self.slots)))
                 if previous is not None:
                     self._deliver(*previous)
+                self._log_use()
             except Exception as e:  # a device call failed: fail what is in flight, keep serving
                 log.exception("batcher step failed")
                 self._in_flight = None
@@ -265,6 +271,20 @@ class Batcher:
                 for g in admitted + [g for _, g in (staged[1] if staged else ())]:
                     if g.finish_reason is None:
                         self._finish(None, g, None, error=error)
+
+    def _log_use(self):
+        """Every USE_LOG_SECONDS while requests run: the cache's slots in use, the
+        requests waiting for one, and the prompt tokens prefilled and shared since start."""
+        now = time.monotonic()
+        if now - self._logged < USE_LOG_SECONDS:
+            return
+        self._logged = now
+        engine = self.engine
+        log.info("cache: %d of %d slots in use (%d positions each), %d requests waiting; "
+                 "prompt tokens since start: %d prefilled, %d from shared prompts",
+                 sum(s is not None for s in self.slots), engine.batch_size,
+                 engine.seq_length, len(self._waiting), engine.prompt_tokens["prefilled"],
+                 engine.prompt_tokens["cached"])
 
     def _run_jobs(self):
         while not self._jobs.empty():
@@ -335,6 +355,8 @@ class Batcher:
         owners = list(zip(free, generations))
         rows = self._rows(generations)
         out = self.engine.prefill([g.prompt for g in generations], free[:len(generations)], rows)
+        for g, cached in zip(generations, out.cached):
+            g.cached_tokens = cached
         self._seat(owners, rows)
         return out, owners
 
@@ -349,9 +371,11 @@ class Batcher:
         with self._wake:
             self._waiting[:0] = rest
         slots = free[:len(generations)]
-        self._staged = (self.engine.begin_prefill([g.prompt for g in generations], slots,
-                                                  self._rows(generations)),
-                        list(zip(slots, generations)))
+        staged = self.engine.begin_prefill([g.prompt for g in generations], slots,
+                                           self._rows(generations))
+        for g, cached in zip(generations, staged.cached):
+            g.cached_tokens = cached
+        self._staged = (staged, list(zip(slots, generations)))
 
     def _staged_chunk(self):
         """The staged prefill's next chunk; after its last, its requests take their slots:

@@ -12,7 +12,6 @@ its model through `load_engine` too.
 import dataclasses
 import logging
 import sys
-import time
 
 import jax
 from absl import logging as absl_logging
@@ -147,7 +146,7 @@ def load_engine(family: ModelFamily, config: ConfigDict):
     params = load_params(config, model, mesh)
     engine = engine_lib.Engine(config, model, params, mesh)
     if config.pre_compile:
-        print(engine.warmup(), flush=True)
+        engine.warmup()  # logs what it compiled, in how long
     stop_ids = {i for i in (tokenizer.eos_token_id, model.eos_token_id) if i is not None}
     return engine, tokenizer, stop_ids
 

@@ -203,6 +203,18 @@ def prompt_cache(model: Model, layout: CacheLayout, cache, slots, rows: int, len
     return model.init_cache(rows, length)
 
 
+def cached_tokens(prompts: list[list[int]], calls: list) -> list[int]:
+    """Per request of a prefill's `calls` (`Engine._calls`): its prompt's tokens when
+    another request's run of the same prompt filled its cache (a shared prompt), else 0."""
+    cached = [0] * len(prompts)
+    for rows, requests in calls:
+        ran = set()
+        for i, row in zip(requests, rows.source[:len(requests)].tolist()):
+            cached[i] = len(prompts[i]) if row in ran else 0
+            ran.add(row)
+    return cached
+
+
 def buckets(largest: int, smallest: int) -> list[int]:
     """smallest, 2*smallest, ... below largest, then largest."""
     out, size = [], max(1, smallest)
@@ -308,6 +320,7 @@ class Prefilled:
 
     parts: list  # [(device outputs (1, B, ...), request indices)]
     n: int  # requests
+    cached: list = dataclasses.field(default_factory=list)  # per request (`cached_tokens`)
 
     def fetch(self) -> tuple[np.ndarray, ...]:
         """Host arrays (1, n, ...) in request order."""
@@ -337,6 +350,7 @@ class StagedPrefill:
     carry: object  # on the device: (cache of the prompts, last-token logits)
     routing: list = dataclasses.field(default_factory=list)  # each chunk's, recording
     done: int = 0  # chunks run
+    cached: list = dataclasses.field(default_factory=list)  # per request (`cached_tokens`)
 
     @property
     def chunks(self) -> int:
@@ -733,14 +747,14 @@ class Engine:
         at once, `prefill_rows` distinct prompts a call. Returns a `Prefilled` (device
         arrays; `fetch` gives tokens (1, n), logprobs (1, n), top ids and logprobs
         (1, n, N); recording routing: then the prompts' expert choices (1, n, L, T, K))."""
-        parts = []
-        for rows, requests in self._calls(prompts, slots):
+        parts, calls = [], self._calls(prompts, slots)
+        for rows, requests in calls:
             self.state, out = self._run(self._prefill_fns[sampling.samples()], self.weights,
                                         self.state, rows,
                                         sampling.take(requests).pad(self.batch_size).snapshot())
             self._placed(rows)
             parts.append((out, requests))
-        return Prefilled(parts, len(prompts))
+        return Prefilled(parts, len(prompts), cached_tokens(prompts, calls))
 
     def _placed(self, rows: "PromptRows"):
         """The host's record of the positions of the slots `rows` were written into."""
@@ -760,7 +774,8 @@ class Engine:
         """`prefill` of at most `staged_rows` distinct prompts, to be run one chunk per
         `prefill_step` call: nothing touches `slots` until the last chunk (decode calls
         between chunks may run over them as over idle slots)."""
-        (rows, requests), *more = self._calls(prompts, slots)
+        calls = self._calls(prompts, slots)
+        (rows, requests), *more = calls
         if more:
             raise ValueError(f"begin_prefill: more distinct prompts than the "
                              f"{len(rows.lengths)} one staged prefill holds")
@@ -769,7 +784,7 @@ class Engine:
         start, _, _ = self._staged_fns(U, T)
         return StagedPrefill(np.pad(rows.tokens, ((0, 0), (0, chunks * C - T))), rows,
                              sampling.take(requests).pad(self.batch_size), T, C,
-                             self._run(start))
+                             self._run(start), cached=cached_tokens(prompts, calls))
 
     def prefill_step(self, staged: StagedPrefill):
         """Run `staged`'s next chunk; after its last, write its prompts into their slots
@@ -790,7 +805,7 @@ class Engine:
         staged.carry = staged.routing = None
         self._placed(rows)
         n = int((rows.slot_ids < self.batch_size).sum())
-        return Prefilled([(out, list(range(n)))], n)
+        return Prefilled([(out, list(range(n)))], n, staged.cached)
 
     def _staged_fns(self, rows: int, T: int):
         """A staged prefill's programs for (rows, T): its carry's start, one chunk, and
