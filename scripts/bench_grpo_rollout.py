@@ -109,32 +109,30 @@ def main():
 
 
 def sharing(args, config, model, params, prompts, tokens):
-    """Rollout tokens/s with share_prompts on and off (medians of --repeats after a
-    compile each), timed in turns."""
-    engines = {share: engine_lib.Engine({**config, "share_prompts": share}, model, params)
-               for share in (True, False)}
-    for engine in engines.values():  # one cache at a time on the device (as GRPO's)
-        engine.release()
+    """Rollout tokens/s with share_prompts on and off (medians of --repeats after the
+    engine's warm-up), timed in turns on one engine (the flag is read at each prefill:
+    the same programs serve both)."""
+    began = time.perf_counter()
+    engine = engine_lib.Engine(config, model, params)
+    print(engine.warmup(sample=(True,), score=False), flush=True)
     sampling = engine_lib.Sampling.empty(args.rows)
     sampling.keys[:] = sampling_keys(0, 0, 0, 0, args.rows)
     sampling.temperature[:] = 1.0
     times, prefilled = {True: [], False: []}, {}
 
     def rollout(share):
-        engine = engines[share]
         engine.reset()
+        engine.config.share_prompts = share
         out, _ = generate(engine, prompts, sampling, args.new_tokens, eos_id=None)
         assert sum(map(len, out)) == tokens
         prefilled[share] = engine.prompt_tokens["prefilled"]
-        engine.release()
 
-    for share in engines:
-        began = time.perf_counter()
-        rollout(share)  # compile
-        print(f"share_prompts={share}: first rollout (compiles included) "
-              f"{time.perf_counter() - began:.1f}s", flush=True)
+    for share in (True, False):
+        rollout(share)  # untimed
+        print(f"share_prompts={share}: a first rollout done {time.perf_counter() - began:.1f}s "
+              f"after the engine's start", flush=True)
     for _ in range(args.repeats):
-        for share in engines:
+        for share in (True, False):
             start = time.perf_counter()
             rollout(share)
             times[share].append(time.perf_counter() - start)

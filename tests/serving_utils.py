@@ -167,7 +167,8 @@ def prefill_program_bytes(model, seq_length: int, chunk: int) -> int:
                                 "min_bucket": seq_length, "prefill_chunk_size": chunk},
                                model, params)
     rows = engine_lib.PromptRows(np.zeros((1, seq_length), np.int32),
-                                 np.full(1, seq_length, np.int32), np.zeros(1, np.int32), None)
+                                 np.full(1, seq_length, np.int32), np.zeros(1, np.int32),
+                                 np.zeros(1, np.int32))  # every prefill gathers its rows
     args = (engine.weights, engine.state, rows, engine_lib.Sampling.empty(1))
     m = engine._prefill_fns[False].lower(*args).compile().memory_analysis()
     return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes

@@ -1,6 +1,8 @@
 """The generation engine: KV-cache parity with a full forward pass, HF parity, decode
 windows, compiled programs, sharding."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -171,34 +173,65 @@ def _doublings(start: int, stop: int) -> list[int]:
     return out
 
 
-def test_pre_compile_covers_every_bucket(tokenizer):
-    """Warm-up compiles each program once per shape it will ever see, derived here from
-    the flags (seq_length 32, min_bucket 16, batch_size 1): prompts in length buckets
-    16, 32 (doubling from min_bucket); decode windows over 16, 32 cache positions
+@contextlib.contextmanager
+def _counting_compiles():
+    """A list that gets one entry per XLA compile while the block runs (every jitted
+    function's and every eager operation's: `jax.monitoring`'s backend-compile event)."""
+    compiles = []
+
+    def listen(event, duration, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield compiles
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+
+
+def test_warmup_compiles_a_fixed_set_and_no_mix_of_requests_compiles_after(tokenizer):
+    """Warm-up compiles each program once, a set derived here from the flags (seq_length
+    32, min_bucket 16, batch_size 4): prompts in length buckets 16, 32 (doubling from
+    min_bucket), prefill_budget // bucket rows a call (so one program per bucket,
+    whatever the number of prompts); decode windows over 16, 32 cache positions
     (doubling from max(min_bucket, seq_length / 8)); each for greedy and for sampling.
-    Then requests of every shape and kind compile nothing. Catches a warm-up that skips
-    the sampling programs or a bucket (a count below), and a request that lands in a
-    shape warm-up never made (a count above after serving)."""
-    seq_length, min_bucket = 32, 16
+    Then a random mix of requests (prompt lengths, max_tokens, shared prompts, greedy and
+    sampled, more than the slots) compiles nothing at all: no program and no eager
+    operation. Negative twins: the first prefill on a cold engine compiles, and so does
+    `extend`, which warm-up leaves out."""
+    seq_length, min_bucket, budget = 32, 16, 40
     lengths = _doublings(min_bucket, seq_length)
     windows = _doublings(max(min_bucket, seq_length // 8), seq_length)
     expected = {**{("prefill", sample): len(lengths) for sample in (False, True)},
                 **{("decode", sample, w): 1 for sample in (False, True) for w in windows},
                 ("score",): len(lengths)}
     # On a mesh, as the server runs: the state must not change shardings after warm-up.
-    batcher, _, _ = make_batcher(mesh=make_mesh("1,2,4"), seq_length=seq_length, batch_size=1,
-                                 min_bucket=min_bucket)
+    batcher, _, _ = make_batcher(mesh=make_mesh("1,2,4"), seq_length=seq_length, batch_size=4,
+                                 min_bucket=min_bucket, prefill_budget=budget)
     try:
         engine = batcher.engine
-        engine.warmup()
+        assert engine.prefill_rows == {16: 2, 32: 1}
+        with _counting_compiles() as cold:
+            engine.fetch(engine.prefill([[1, 2]], [0], engine_lib.Sampling.empty(1)))
+        assert cold  # the counter sees a compile
+        print(engine.warmup())
         assert _compiled(engine) == expected
-        # ... and nothing compiles again when requests of every shape and kind come in:
-        # prompts of 3, 21 and 2 tokens (both length buckets), greedy and sampled.
-        for temperature in (0.0, 0.8):
-            batcher.generate([[1, 2, 3], [1] + list(range(20)), [1, 5]],
-                             SamplingParams(max_tokens=8, temperature=temperature), tokenizer)
-        engine.score([[1, 2, 3]], [[2, 3, 4]])
-        assert _compiled(engine) == expected
+        rs = np.random.RandomState(0)
+        prompts = [[1, *rs.randint(3, 300, rs.randint(0, 28)).tolist()] for _ in range(9)]
+        prompts += prompts[:3]  # shared prompts in one prefill
+        with _counting_compiles() as compiles:
+            params = [SamplingParams(max_tokens=int(rs.randint(1, seq_length - len(p) + 1)),
+                                     temperature=float(rs.choice([0.0, 0.8])), seed=i)
+                      for i, p in enumerate(prompts)]
+            gens = batcher.generate(prompts, params, tokenizer)
+            assert [len(g.tokens) for g in gens] == [q.max_tokens for q in params]
+            engine.score([[1, 2, 3]] * 3 + [list(range(30))], [[2, 3, 4]] * 3 + [[0] * 30])
+        assert compiles == [] and _compiled(engine) == expected
+        with _counting_compiles() as compiles:  # not among warm-up's programs
+            batcher.run(lambda: engine.fetch(engine.extend(
+                [[5, 6]], [0], [3], engine_lib.Sampling.empty(1)))).result()
+        assert compiles
     finally:
         batcher.stop()
 
@@ -280,17 +313,18 @@ def _shared_rollout(engine, share: bool, prompts, staged: bool, wrong=False):
     cache and logits of the next distinct prompt (the bug the comparison must catch)."""
     engine.reset()
     engine.config.share_prompts = share  # read at each prefill: one engine, its programs
-    rows = engine._rows
+    calls = engine._calls
 
     def misplaced(prompts, slots):
-        out = rows(prompts, slots)
-        n, distinct = len(prompts), int(out.source[:len(prompts)].max()) + 1
-        out.source[:n] = (out.source[:n] + 1) % distinct
+        out = calls(prompts, slots)
+        for rows, requests in out:
+            n, distinct = len(requests), int(rows.source[:len(requests)].max()) + 1
+            rows.source[:n] = (rows.source[:n] + 1) % distinct
         return out
 
     sampling = engine_lib.Sampling.empty(8)
     slots = list(range(len(prompts)))
-    engine._rows = misplaced if wrong else rows
+    engine._calls = misplaced if wrong else calls
     try:
         if staged:
             run = engine.begin_prefill(prompts, slots, sampling)
@@ -299,7 +333,7 @@ def _shared_rollout(engine, share: bool, prompts, staged: bool, wrong=False):
         else:
             first = engine.prefill(prompts, slots, sampling)
     finally:
-        del engine._rows
+        del engine._calls
     calls = [engine.fetch(first)] + [engine.fetch(engine.decode(sampling)) for _ in range(2)]
     return calls, dict(engine.prompt_tokens)
 
@@ -342,3 +376,53 @@ def test_a_shared_prompt_is_prefilled_once_and_serves_what_each_copy_would(name,
         wrong, _ = _shared_rollout(engine, True, prompts, staged, wrong=True)
         assert_differs(np.concatenate([w[1][:, :7] for w in wrong]),
                        np.concatenate([d[1][:, :7] for d in dense]), rel)
+
+
+def _renamed_cache_family():
+    """The test-only family whose layers keep their keys and values under other names
+    ("keys", "values"): a positional cache that only its shapes declare."""
+    import toy_family
+
+    from easylm.models.decoder import Attention
+
+    class Layer(toy_family.ParallelLayer):
+        def __call__(self, x, context, positions=None, cache=None):
+            inner = None if cache is None else {"k": cache["keys"], "v": cache["values"]}
+            x, inner = super().__call__(x, context, positions, inner)
+            return x, (None if inner is None else {"keys": inner["k"], "values": inner["v"]})
+
+    class LM(toy_family.ToyLM):
+        layer = Layer
+
+        @classmethod
+        def layer_cache(cls, config, kind, batch_size, length, dtype):
+            kv = Attention.init_cache(config, batch_size, length, dtype)
+            return {"keys": kv["k"], "values": kv["v"]}
+
+    class Family(toy_family.ToyFamily):
+        module_class = LM
+
+    return toy_family.FAMILY, Family()
+
+
+def test_a_positional_cache_under_other_names_is_masked_and_served_alike():
+    # The decoder's masks and the engine read a cache's length by one rule (the axis
+    # its shapes grow along), not by the arrays' names: the renamed family's tokens and
+    # log-probabilities are the plain one's, bit for bit (the same operations).
+    plain, renamed = _renamed_cache_family()
+    config = plain.config_class()
+    prompts = [[1, 5, 9, 33, 7], [1, *range(40, 50)]]
+    served = []
+    for family in (plain, renamed):
+        model = family.bind(config)
+        params = jax.jit(model.init_params)(jax.random.PRNGKey(0))
+        engine = engine_lib.Engine({"batch_size": 2, "seq_length": 16, "decode_steps": 3,
+                                    "min_bucket": 16}, model, params)
+        sampling = engine_lib.Sampling.empty(2)
+        calls = [engine.fetch(engine.prefill(prompts, [0, 1], sampling))]
+        calls += [engine.fetch(engine.decode(sampling)) for _ in range(2)]
+        served.append([c[:2] for c in calls])  # tokens, logprobs
+        assert engine.layout.length == (1,) * 4  # (B, S, K, H) keys and values, 2 layers
+    for x, y in zip(*served):
+        np.testing.assert_array_equal(x[0], y[0])
+        np.testing.assert_array_equal(x[1], y[1])

@@ -137,5 +137,5 @@ def test_a_staged_prefill_on_a_mesh_compiles_each_program_once():
             engine.decode(Sampling.empty(2))
         np.testing.assert_array_equal(engine.fetch(out)[0], one_call)
     assert staged.chunks == 4
-    start, chunk, end = engine._staged_fns(1, 64)
+    start, chunk, end = engine._staged_fns(engine.prefill_rows[64], 64)
     assert (start._cache_size(), chunk._cache_size(), end[False]._cache_size()) == (1, 1, 1)

@@ -10,6 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from fastapi.testclient import TestClient
@@ -580,3 +581,39 @@ def test_lm_eval_recipe_pre_compiles():
     argv = [a for a in shlex.split(command.rstrip("&").replace("\\", "")) if a.startswith("--")]
     config = flag_lib.parse(serving_cli.default_config(FAMILY), serving_cli.help_entries(FAMILY), ["serve"] + argv)
     assert config.pre_compile
+
+
+def test_usage_reports_prompt_tokens_served_from_a_shared_prompt(live, tokenizer):
+    # Two prompts of one request admitted together (the batcher held until both wait):
+    # the same prompt twice runs once, and the copy's tokens are OpenAI's
+    # usage.prompt_tokens_details.cached_tokens; two different prompts have none.
+    batcher = live[1].batcher
+    text = "Serving language models means batching"
+    for prompts, cached in (([text, text], len(tokenizer(text)["input_ids"])),
+                            ([text, "The quick brown fox"], 0)):
+        held = threading.Event()
+        batcher.run(held.wait, 30)
+        with ThreadPoolExecutor(1) as pool:
+            response = pool.submit(post, live, "/v1/completions", {
+                "model": "easylm", "prompt": prompts, "max_tokens": 2, "temperature": 0})
+            _wait_for(lambda: len(batcher._waiting) == 2, "both prompts waiting")
+            held.set()
+            usage = response.result().json()["usage"]
+        assert usage["prompt_tokens_details"] == {"cached_tokens": cached}
+
+
+def test_64_requests_of_any_length_on_4_slots_all_get_their_answer_alone(live):
+    # A hostile mix: 64 concurrent token-id prompts of random lengths up to the
+    # context (64 positions) with 4 cache slots, so 60 wait at first: each is queued,
+    # none fails, and each gets the greedy tokens it gets alone.
+    rs = np.random.RandomState(7)
+    bodies = []
+    for _ in range(64):
+        length = int(rs.randint(1, 60))
+        bodies.append({"prompt": [rs.randint(3, 300, length).tolist()], "temperature": 0,
+                       "max_tokens": int(rs.randint(1, min(12, 64 - length) + 1))})
+    with ThreadPoolExecutor(64) as pool:
+        together = list(pool.map(lambda b: post(live, "/v1/completions", b), bodies))
+    assert [r.status_code for r in together] == [200] * 64
+    alone = [answer(post(live, "/v1/completions", b)) for b in bodies]
+    assert [answer(r) for r in together] == alone

@@ -176,14 +176,27 @@ class NamedDense(nn.Dense):
         return checkpoint_name(super().__call__(x), self.name)
 
 
-def cache_length(cache) -> int:
-    """S, the positions a cache holds: its attention layers' keys (B, S, K, H) or latents
-    (mla.LatentCache's kv, B, S, 1, C + R), under whatever else other kinds of layers keep
-    (a recurrent state has no length)."""
-    for path, leaf in jax.tree_util.tree_flatten_with_path(cache)[0]:
-        if getattr(path[-1], "key", None) == "k" or getattr(path[-1], "name", None) == "kv":
-            return leaf.shape[-3]
-    return 0  # no attention layer: nothing reads the mask
+def length_axes(init_cache) -> list[tuple[int, ...]]:
+    """Per array of the cache `init_cache(batch, length)` makes (`jax.tree.leaves` order):
+    the axes that grow with its length: one for a positional array (an attention layer's
+    keys and values (B, S, K, H), a latent (B, S, 1, C + R)), none for a slot's state
+    (Gated DeltaNet's). The one rule by which the decoder reads a cache's length
+    (`cache_length`: its masks) and the serving engine slices and writes positions
+    (`CacheLayout`): what each layer's `layer_cache` declares by its shapes, whatever it
+    names its arrays."""
+    short, long = (jax.tree.leaves(jax.eval_shape(lambda: init_cache(2, n))) for n in (8, 16))
+    return [tuple(i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y)
+            for a, b in zip(short, long)]
+
+
+def cache_length(lm, config, cache) -> int:
+    """S, the positions `cache` (laid out as `init_cache(lm, config, ...)`) holds: the
+    length of its first positional array (`length_axes`); 0 when it holds only state
+    (no attention layer: nothing reads the mask)."""
+    axes = length_axes(lambda batch, length: init_cache(lm, config, batch, length, jnp.float32))
+    leaves = jax.tree.leaves(cache)
+    assert len(leaves) == len(axes), (len(leaves), len(axes))
+    return next((leaf.shape[grown[0]] for leaf, grown in zip(leaves, axes) if grown), 0)
 
 
 def write_cache(cache, k, v, positions):
@@ -437,7 +450,7 @@ class _Backbone(nn.Module):
         if embeddings is not None:  # (values (B, T, D), where (B, T)): an image's, say
             values, where = embeddings
             x = jnp.where(where[..., None], values.astype(x.dtype), x)
-        length = x.shape[1] if cache is None else cache_length(cache)
+        length = x.shape[1] if cache is None else cache_length(lm, c, cache)
         x, inputs = lm.layer_stream(c, x, input_ids, self.dtype, self.param_dtype, length)
         contexts = self.contexts(positions, segment_ids, cache, rope_positions, blocks)
         if c.scan_layers:
@@ -476,7 +489,7 @@ class _Backbone(nn.Module):
         key_positions = positions  # (B, S)
         if cache is not None:
             # Query at position p sees cache slots 0..p: (B, T, S).
-            S = cache_length(cache)
+            S = cache_length(lm, c, cache)
             key_positions = jnp.arange(S)[None, :]
             mask = key_positions[:, None, :] <= positions[:, :, None]
         contexts = {}
@@ -664,27 +677,31 @@ class CausalLM(nn.Module):
     def init_cache(self, batch_size: int, length: int, dtype=None):
         """Zeros for `length` cache positions, laid out like the layers (stacked for a
         scan as the parameters are)."""
-        c, lm = self.config, type(self)
-        dtype = dtype or self.dtype
-        kinds = lm.layer_kinds(c)
-
-        def entry(kind, *stacked):
-            one = jax.eval_shape(lambda: lm.layer_cache(c, kind, batch_size, length, dtype))
-            return jax.tree.map(lambda x: jnp.zeros((*stacked, *x.shape), x.dtype), one)
-
-        if not c.scan_layers:
-            return {str(i): entry(kind) for i, kind in enumerate(kinds)}
-        n, cache = period(c), {}
-        for start, repeats in scan_blocks(lm, c):
-            cache[block_name(start)] = (
-                entry(kinds[start], repeats) if n == 1 else
-                {f"slot{j}": entry(kinds[start + j], repeats) for j in range(n)})
-        return {**cache, **{f"tail{i}": entry(kinds[i])
-                            for i in range(_scanned_layers(lm, c), len(kinds))}}
+        return init_cache(type(self), self.config, batch_size, length, dtype or self.dtype)
 
     def init_params(self, rng, seq_length: int = 8):
         """Parameters only (a pure function of rng; run it sharded)."""
         return self.init(rng, jnp.zeros((1, seq_length), jnp.int32))["params"]
+
+
+def init_cache(lm, config, batch_size: int, length: int, dtype):
+    """`CausalLM.init_cache` of the family class `lm`: each layer's `layer_cache`, laid out
+    like the layers."""
+    kinds = lm.layer_kinds(config)
+
+    def entry(kind, *stacked):
+        one = jax.eval_shape(lambda: lm.layer_cache(config, kind, batch_size, length, dtype))
+        return jax.tree.map(lambda x: jnp.zeros((*stacked, *x.shape), x.dtype), one)
+
+    if not config.scan_layers:
+        return {str(i): entry(kind) for i, kind in enumerate(kinds)}
+    n, cache = period(config), {}
+    for start, repeats in scan_blocks(lm, config):
+        cache[block_name(start)] = (
+            entry(kinds[start], repeats) if n == 1 else
+            {f"slot{j}": entry(kinds[start + j], repeats) for j in range(n)})
+    return {**cache, **{f"tail{i}": entry(kinds[i])
+                        for i in range(_scanned_layers(lm, config), len(kinds))}}
 
 
 def head_weight(params, config):

@@ -119,8 +119,7 @@ class MLAConfig:
 
 class LatentCache(NamedTuple):
     """Per layer (B, S, 1, C + R): each token's normalised latent, then its rotated rope
-    key. The axis of 1 is the one key/value head the absorbed form attends with (and
-    keeps S third from the end, where the decoder reads a cache's length)."""
+    key. The axis of 1 is the one key/value head the absorbed form attends with."""
 
     kv: jax.Array
 

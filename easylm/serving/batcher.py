@@ -32,6 +32,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from typing import Callable, Sequence
 
@@ -41,6 +42,7 @@ from easylm.serving.engine import Engine, Sampling, bucket_for
 from easylm.serving.text import TextStream
 
 log = logging.getLogger(__name__)
+USE_LOG_SECONDS = 10.0  # how often a busy batcher logs the cache's use
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +94,8 @@ class Generation:
         self.tokens: list[Token] = []
         self.cancelled = False
         self.finish_reason: str | None = None
+        # Prompt tokens whose cache another request's run of the same prompt filled.
+        self.cached_tokens = 0
         seed = params.seed if params.seed is not None else int(np.random.randint(2**31))
         # jax.random.PRNGKey(seed)'s raw bits, made on the host.
         self.key = np.array([(seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF], np.uint32)
@@ -129,6 +133,7 @@ class Batcher:
         self._in_flight = None  # (decode outputs on the device, the slots when dispatched)
         self._staged = None  # (engine.StagedPrefill, [(slot, Generation)]) being prefilled
         self._waiting: list[Generation] = []
+        self._logged = float("-inf")  # when `_log_use` last logged
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._scoring: collections.deque[_ScoreJob] = collections.deque()
         self._wake = threading.Condition()
@@ -190,16 +195,19 @@ class Batcher:
             self._wake.notify()
         return future
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, tokenizer):
-        """Blocking helper (tests, benchmarks): the finished Generations, in order."""
+    def generate(self, prompts: Sequence[Sequence[int]], params, tokenizer):
+        """Blocking helper (tests, benchmarks): the finished Generations, in order;
+        `params` one SamplingParams for all, or one per prompt."""
         done = [threading.Event() for _ in prompts]
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
 
         def on_event(event, finished):
             if event.finish_reason or event.error:
                 finished.set()
 
-        gens = [Generation(p, params, tokenizer, lambda e, d=d: on_event(e, d))
-                for p, d in zip(prompts, done)]
+        gens = [Generation(p, q, tokenizer, lambda e, d=d: on_event(e, d))
+                for p, q, d in zip(prompts, params, done)]
         for g in gens:
             self.submit(g)
         for d in done:
@@ -251,6 +259,7 @@ class Batcher:
                                        list(enumerate(self.slots)))
                 if previous is not None:
                     self._deliver(*previous)
+                self._log_use()
             except Exception as e:  # a device call failed: fail what is in flight, keep serving
                 log.exception("batcher step failed")
                 self._in_flight = None
@@ -262,6 +271,20 @@ class Batcher:
                 for g in admitted + [g for _, g in (staged[1] if staged else ())]:
                     if g.finish_reason is None:
                         self._finish(None, g, None, error=error)
+
+    def _log_use(self):
+        """Every USE_LOG_SECONDS while requests run: the cache's slots in use, the
+        requests waiting for one, and the prompt tokens prefilled and shared since start."""
+        now = time.monotonic()
+        if now - self._logged < USE_LOG_SECONDS:
+            return
+        self._logged = now
+        engine = self.engine
+        log.info("cache: %d of %d slots in use (%d positions each), %d requests waiting; "
+                 "prompt tokens since start: %d prefilled, %d from shared prompts",
+                 sum(s is not None for s in self.slots), engine.batch_size,
+                 engine.seq_length, len(self._waiting), engine.prompt_tokens["prefilled"],
+                 engine.prompt_tokens["cached"])
 
     def _run_jobs(self):
         while not self._jobs.empty():
@@ -294,18 +317,12 @@ class Batcher:
             job.future.set_result(job.results)
 
     def _chunk_rows(self, rows: list) -> int:
-        """How many of `rows` (at most batch_size) to score now: as many as fit one
-        seq_length-token forward, bucketed, and at least one: one call, chunked inside
-        like a one-call prefill, so a decode call waits for no more than that."""
-        engine, longest, fit = self.engine, 0, 1
-        for n in engine.row_buckets:
-            if n > len(rows):
-                break
-            longest = max([longest] + [len(r) for r in rows[:n]])
-            if n * bucket_for(longest, engine.length_buckets) > engine.seq_length:
-                break
-            fit = n
-        return fit
+        """How many of `rows` (at most batch_size) to score now: as many as one score
+        call holds (`prefill_rows` of their length bucket: prefill_budget tokens), and at
+        least one: one call, chunked inside like a one-call prefill, so a decode call
+        waits for no more than that."""
+        engine = self.engine
+        return engine.prefill_rows[bucket_for(max(map(len, rows)), engine.length_buckets)]
 
     def _free_cancelled(self):
         for i, g in enumerate(self.slots):
@@ -338,6 +355,8 @@ class Batcher:
         owners = list(zip(free, generations))
         rows = self._rows(generations)
         out = self.engine.prefill([g.prompt for g in generations], free[:len(generations)], rows)
+        for g, cached in zip(generations, out.cached):
+            g.cached_tokens = cached
         self._seat(owners, rows)
         return out, owners
 
@@ -346,10 +365,17 @@ class Batcher:
         per turn (`_staged_chunk`); the slots stay empty, and reserved, until the last."""
         if not generations:
             return
+        # One staged prefill's rows; the rest wait, first in line, for the next.
+        take = self.engine.staged_rows(max(len(g.prompt) for g in generations))
+        generations, rest = generations[:take], generations[take:]
+        with self._wake:
+            self._waiting[:0] = rest
         slots = free[:len(generations)]
-        self._staged = (self.engine.begin_prefill([g.prompt for g in generations], slots,
-                                                  self._rows(generations)),
-                        list(zip(slots, generations)))
+        staged = self.engine.begin_prefill([g.prompt for g in generations], slots,
+                                           self._rows(generations))
+        for g, cached in zip(generations, staged.cached):
+            g.cached_tokens = cached
+        self._staged = (staged, list(zip(slots, generations)))
 
     def _staged_chunk(self):
         """The staged prefill's next chunk; after its last, its requests take their slots:

@@ -12,7 +12,6 @@ its model through `load_engine` too.
 import dataclasses
 import logging
 import sys
-import time
 
 import jax
 from absl import logging as absl_logging
@@ -147,10 +146,7 @@ def load_engine(family: ModelFamily, config: ConfigDict):
     params = load_params(config, model, mesh)
     engine = engine_lib.Engine(config, model, params, mesh)
     if config.pre_compile:
-        start = time.time()
-        engine.warmup()
-        log.info("pre-compiled %d prompt buckets and %d decode windows in %.1fs",
-                 len(engine.length_buckets), len(engine.decode_buckets), time.time() - start)
+        engine.warmup()  # logs what it compiled, in how long
     stop_ids = {i for i in (tokenizer.eos_token_id, model.eos_token_id) if i is not None}
     return engine, tokenizer, stop_ids
 

@@ -5,10 +5,11 @@
 
 Each batch size gets its own engine with exactly that many slots; every slot is
 given a random prompt and generates new_tokens greedily (no stop tokens), through
-the same batcher the server uses (detokenization included). A first run compiles
-and is not timed. With --hf (default on CPU), Hugging Face transformers'
+the same batcher the server uses (detokenization included). A first run is not timed. With --hf (default on CPU), Hugging Face transformers'
 `generate` with a static cache runs the same weights on the same prompts in the
-same process, and the table shows the ratio.
+same process, and the table shows the ratio. Each engine prints what its warm-up
+compiled and how long it took, and the row the time from the engine's start (its
+compiles included) to its first token.
 """
 
 import importlib.util
@@ -69,23 +70,30 @@ def help_entries(family) -> dict:
 
 
 def engine_tokens_per_second(model, params, batch: int, config, tokenizer, prompts,
-                             mesh) -> float:
+                             mesh) -> tuple[float, float]:
+    """(tokens/s, seconds from the engine's start to a first token): the engine is made
+    and warmed up (its greedy programs compiled: `Engine.warmup`) and serves one token,
+    then the timed run (after one untimed one)."""
+    began = time.perf_counter()
     engine = engine_lib.Engine(
         {"batch_size": batch, "seq_length": config.seq_length or config.prompt_length + config.new_tokens,
          "decode_steps": config.decode_steps, "decode_unroll": config.decode_unroll,
          "min_bucket": config.prompt_length},
         model, params, mesh)
+    print(f"batch {batch:>4}: {engine.warmup(sample=(False,), score=False)}", flush=True)
     batcher = Batcher(engine).start()
     greedy = SamplingParams(max_tokens=config.new_tokens, temperature=0.0)
     try:
-        batcher.generate(prompts, greedy, tokenizer)  # compile
+        batcher.generate(prompts[:1], SamplingParams(max_tokens=1, temperature=0.0), tokenizer)
+        first = time.perf_counter() - began
+        batcher.generate(prompts, greedy, tokenizer)
         start = time.perf_counter()
         gens = batcher.generate(prompts, greedy, tokenizer)
         elapsed = time.perf_counter() - start
     finally:
         batcher.stop()
     assert all(len(g.tokens) == config.new_tokens for g in gens)
-    return batch * config.new_tokens / elapsed
+    return batch * config.new_tokens / elapsed, first
 
 
 def hf_tokens_per_second(hf_model, prompts, new_tokens: int) -> float:
@@ -198,8 +206,8 @@ def _measure(batch: int, config: ConfigDict, vocab_size: int, variants: dict, hf
         3, vocab_size, (batch, config.prompt_length)).tolist()
     row = {"batch": batch}
     for name, (variant, weights) in variants.items():
-        row[KEYS[name]] = engine_tokens_per_second(variant, weights, batch, config,
-                                                   tokenizer, prompts, mesh)
+        row[KEYS[name]], row[f"{KEYS[name][:-len('tokens_per_s')]}first_token_s"] = \
+            engine_tokens_per_second(variant, weights, batch, config, tokenizer, prompts, mesh)
     if hf_model is not None:
         row["hf_tokens_per_s"] = hf_tokens_per_second(hf_model, prompts, config.new_tokens)
         for name in variants:
@@ -217,6 +225,9 @@ def format_row(row: dict) -> str:
         if key in row:
             label = "easylm" if name == "none" else f"easylm {name}"
             text += f" {label} {row[key]:>10,.0f} tokens/s"
+            first = row.get(f"{key[:-len('tokens_per_s')]}first_token_s")
+            if first is not None:
+                text += f" (engine start to first token {first:.1f}s)"
     if "hf_tokens_per_s" in row:
         text += f"   HF static cache {row['hf_tokens_per_s']:>10,.0f} tokens/s"
         text += "".join(f"   ratio{'' if n == 'none' else ' ' + n} {row[RATIOS[n]]:.2f}x"

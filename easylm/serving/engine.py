@@ -37,8 +37,12 @@ Shapes: B slots, S cache positions (seq_length), n rows of one prefill or score
 call, T bucketed length, C decode steps per call, V vocabulary, N top logprobs.
 """
 
+import concurrent.futures
 import dataclasses
 import functools
+import logging
+import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -47,10 +51,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import ConfigDict
 
 from easylm.errors import UserError
+from easylm.models import decoder
 from easylm.models.context_parallel import allow_whole_rows
 from easylm.models.family import Model
 from easylm.runtime.sharding import axes_size, match_partition_rules
 from easylm.serving.sampling import TOP_LOGPROBS, next_tokens
+
+log = logging.getLogger(__name__)
 
 HELP = {
     "batch_size": "decode slots: requests generated concurrently (continuous batching)",
@@ -59,7 +66,12 @@ HELP = {
     "decode_steps": "tokens decoded per device call between scheduling decisions",
     "min_bucket": "shortest prompt-length bucket; buckets double up to seq_length (decode "
                   "windows over the cache: from the larger of this and seq_length/8)",
-    "pre_compile": "compile every prefill/score bucket and decode window at start",
+    "pre_compile": "compile the engine's programs at start (`Engine.warmup`: per length "
+                   "bucket a prefill and a score program, per cache window a decode "
+                   "program, greedy and sampling), so no request compiles",
+    "prefill_budget": "prompt tokens one prefill or score call runs at most: a call holds "
+                      "budget // length-bucket rows (1 to batch_size), so there is one "
+                      "program per length bucket, whatever the number of prompts",
     "prefill_chunk_size": "prompt tokens a prefill runs through the model at a time (each "
                           "chunk attends over the cache so far: scores are chunk x T, not "
                           "T x T); 0: the whole prompt at once",
@@ -82,6 +94,7 @@ def get_default_config(updates=None) -> ConfigDict:
     config.pre_compile = False
     config.decode_unroll = False
     config.prefill_chunk_size = 512
+    config.prefill_budget = 4096
     config.share_prompts = True
     if updates is not None:
         config.update(ConfigDict(updates).copy_and_resolve_references())
@@ -89,7 +102,7 @@ def get_default_config(updates=None) -> ConfigDict:
 
 
 def check_config(config: ConfigDict):
-    for name in ("batch_size", "seq_length", "decode_steps", "min_bucket"):
+    for name in ("batch_size", "seq_length", "decode_steps", "min_bucket", "prefill_budget"):
         if config[name] < 1:
             raise UserError(f"--{name} must be >= 1, got {config[name]}")
     if config.prefill_chunk_size < 0:
@@ -101,8 +114,9 @@ def check_config(config: ConfigDict):
 class CacheLayout:
     """Per cache array (in `jax.tree.leaves` order): its batch (slot) axis, and its length
     axis or None for a slot's state, read off the shapes `init_cache` gives for two batch
-    sizes and two lengths: what a layer's `layer_cache` declares, whatever it names its
-    arrays (a scan's stacked layers only add a leading axis)."""
+    sizes (the batch axis) and by the decoder's rule (`decoder.length_axes`, the length
+    its masks read): what a layer's `layer_cache` declares, whatever it names its arrays
+    (a scan's stacked layers only add a leading axis)."""
 
     batch: tuple[int, ...]
     length: tuple[int | None, ...]
@@ -115,14 +129,15 @@ class CacheLayout:
 
         base, tree = shapes(2, 8)
         wider, _ = shapes(3, 8)
-        longer, _ = shapes(2, 16)
         names = [jax.tree_util.keystr(path) for path, _ in
                  jax.tree_util.tree_flatten_with_path(tree)[0]]
         batch, length = [], []
-        for name, one, b, s in zip(names, base, wider, longer):
+        # The length axes by the decoder's rule (what its masks read), the batch axis alike.
+        for name, one, b, length_axes in zip(names, base, wider, decoder.length_axes(
+                model.init_cache)):
             batch_axes = [i for i, (x, y) in enumerate(zip(one, b)) if x != y]
-            length_axes = [i for i, (x, y) in enumerate(zip(one, s)) if x != y]
-            if len(batch_axes) != 1 or len(length_axes) > 1 or batch_axes == length_axes:
+            if len(batch_axes) != 1 or len(length_axes) > 1 or \
+                    tuple(batch_axes) == length_axes:
                 raise UserError(f"{model.name}: the serving engine (serve, eval, GRPO "
                                 f"rollouts) needs each cache array to have one batch axis "
                                 f"and at most one length axis; {name} has shape {one} "
@@ -188,6 +203,18 @@ def prompt_cache(model: Model, layout: CacheLayout, cache, slots, rows: int, len
     return model.init_cache(rows, length)
 
 
+def cached_tokens(prompts: list[list[int]], calls: list) -> list[int]:
+    """Per request of a prefill's `calls` (`Engine._calls`): its prompt's tokens when
+    another request's run of the same prompt filled its cache (a shared prompt), else 0."""
+    cached = [0] * len(prompts)
+    for rows, requests in calls:
+        ran = set()
+        for i, row in zip(requests, rows.source[:len(requests)].tolist()):
+            cached[i] = len(prompts[i]) if row in ran else 0
+            ran.add(row)
+    return cached
+
+
 def buckets(largest: int, smallest: int) -> list[int]:
     """smallest, 2*smallest, ... below largest, then largest."""
     out, size = [], max(1, smallest)
@@ -232,6 +259,10 @@ class Sampling:
         return Sampling(*(np.concatenate([a, b]) for a, b in
                           zip(dataclasses.astuple(self), dataclasses.astuple(pad))))
 
+    def take(self, rows) -> "Sampling":
+        """These settings of `rows` (indices), in that order."""
+        return Sampling(*(a[np.asarray(rows, np.int64)] for a in dataclasses.astuple(self)))
+
     def samples(self) -> bool:
         """Whether any row samples (temperature > 0); else every row is greedy."""
         return bool((self.temperature > 0).any())
@@ -266,9 +297,9 @@ class Settings:
                    meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class PromptRows:
-    """A prefill's rows (`Engine._rows`): the prompts it runs, U rows padded to a
-    (row, length) bucket, and the requests they go to, n rows padded to a row bucket;
-    an extend's suffixes (U = n) and where each starts."""
+    """A prefill call's rows (`Engine._calls`): the prompts it runs, U rows (the length
+    bucket's `prefill_rows`), and the requests they go to, padded to B rows; an extend's
+    suffixes (U = n) and where each starts."""
 
     tokens: np.ndarray  # (U, T)
     lengths: np.ndarray  # (U,)
@@ -280,6 +311,27 @@ class PromptRows:
     def request_lengths(self) -> np.ndarray:
         """(n,): each request's prompt length."""
         return self.lengths if self.source is None else self.lengths[self.source]
+
+
+@dataclasses.dataclass
+class Prefilled:
+    """A prefill's outputs (`Engine.prefill`): per device call, its outputs (rows padded
+    to B) and the requests its rows 0.. serve."""
+
+    parts: list  # [(device outputs (1, B, ...), request indices)]
+    n: int  # requests
+    cached: list = dataclasses.field(default_factory=list)  # per request (`cached_tokens`)
+
+    def fetch(self) -> tuple[np.ndarray, ...]:
+        """Host arrays (1, n, ...) in request order."""
+        out = None
+        for arrays, requests in self.parts:
+            arrays = [np.asarray(x) for x in jax.device_get(arrays)]
+            if out is None:
+                out = [np.zeros((x.shape[0], self.n, *x.shape[2:]), x.dtype) for x in arrays]
+            for whole, x in zip(out, arrays):
+                whole[:, requests] = x[:, :len(requests)]
+        return tuple(out)
 
 
 @dataclasses.dataclass
@@ -298,6 +350,7 @@ class StagedPrefill:
     carry: object  # on the device: (cache of the prompts, last-token logits)
     routing: list = dataclasses.field(default_factory=list)  # each chunk's, recording
     done: int = 0  # chunks run
+    cached: list = dataclasses.field(default_factory=list)  # per request (`cached_tokens`)
 
     @property
     def chunks(self) -> int:
@@ -562,7 +615,11 @@ class Engine:
         self.model, self.params, self.base, self.mesh = model, params, base, mesh
         self.batch_size, self.seq_length = config.batch_size, config.seq_length
         self.length_buckets = buckets(config.seq_length, config.min_bucket)
-        self.row_buckets = buckets(config.batch_size, 1)
+        self.row_buckets = buckets(config.batch_size, 1)  # an extend's rows
+        # Rows of one prefill or score call of each length bucket: prefill_budget tokens
+        # (1 to B rows), so each bucket has one program whatever the number of prompts.
+        self.prefill_rows = {T: min(config.batch_size, max(1, config.prefill_budget // T))
+                             for T in self.length_buckets}
         # Cache lengths a decode call attends over: S/8, S/4, S/2, S (or from min_bucket
         # when that is larger), so short requests on a long-context server read a fraction
         # of the cache per token, at the cost of at most four decode programs per kind.
@@ -649,47 +706,55 @@ class Engine:
 
     @staticmethod
     def fetch(out) -> tuple[np.ndarray, ...]:
-        """Device outputs -> host arrays (waits for the call that makes them)."""
+        """Device outputs -> host arrays (waits for the call that makes them); a
+        `Prefilled`'s calls' rows put back in request order."""
+        if isinstance(out, Prefilled):
+            return out.fetch()
         return tuple(np.asarray(x) for x in jax.device_get(out))
 
-    def _rows(self, prompts: list[list[int]], slots: list[int]) -> "PromptRows":
-        """Prompts right-padded to a (row, length) bucket, each distinct one once when
-        `share_prompts` (else each request's own), and each request's slot and prompt
-        row; counted in `prompt_tokens`."""
-        n = len(prompts)
-        rows = bucket_for(n, self.row_buckets)
-        distinct, source = {}, np.zeros(rows, np.int32)
+    def _calls(self, prompts: list[list[int]], slots: list[int]) -> list[tuple]:
+        """The prefill calls for `prompts` going to `slots`: (PromptRows, the requests it
+        serves), each distinct prompt once when `share_prompts` (else each request's
+        own), `prefill_rows` of them a call, right-padded to the prompts' length bucket;
+        each call's request rows padded to B (slot index B: dropped). Counted in
+        `prompt_tokens`."""
+        B, n = self.batch_size, len(prompts)
+        distinct, firsts, source = {}, [], []
         for i, prompt in enumerate(prompts):
             key = tuple(prompt) if self.config.share_prompts else i
-            source[i] = distinct.setdefault(key, len(distinct))
-        unique = [prompts[source[:n].tolist().index(u)] for u in range(len(distinct))]
-        U = bucket_for(len(unique), self.row_buckets)
+            if key not in distinct:
+                distinct[key] = len(firsts)
+                firsts.append(i)
+            source.append(distinct[key])
         T = bucket_for(max(len(p) for p in prompts), self.length_buckets)
-        tokens = np.zeros((U, T), np.int32)
-        lengths = np.ones(U, np.int32)
-        for i, prompt in enumerate(unique):
-            tokens[i, :len(prompt)] = prompt
-            lengths[i] = len(prompt)
-        slot_ids = np.full(rows, self.batch_size, np.int32)
-        slot_ids[:n] = slots
-        ran = sum(map(len, unique))
+        U, calls = self.prefill_rows[T], []
+        for first in range(0, len(firsts), U):
+            requests = [i for i in range(n) if first <= source[i] < first + U]
+            tokens, lengths = np.zeros((U, T), np.int32), np.ones(U, np.int32)
+            for row, i in enumerate(firsts[first:first + U]):
+                tokens[row, :len(prompts[i])], lengths[row] = prompts[i], len(prompts[i])
+            slot_ids, rows = np.full(B, B, np.int32), np.zeros(B, np.int32)
+            slot_ids[:len(requests)] = [slots[i] for i in requests]
+            rows[:len(requests)] = [source[i] - first for i in requests]
+            calls.append((PromptRows(tokens, lengths, slot_ids, rows), requests))
+        ran = sum(len(prompts[i]) for i in firsts)
         self.prompt_tokens["prefilled"] += ran
         self.prompt_tokens["cached"] += sum(map(len, prompts)) - ran
-        # None: one row per request (no program with a gather for the common case).
-        return PromptRows(tokens, lengths, slot_ids,
-                          None if len(unique) == n and U == rows else source)
+        return calls
 
     def prefill(self, prompts: list[list[int]], slots: list[int], sampling: Sampling):
-        """Write prompts into `slots` and draw their first tokens, all chunks in one call.
-        Returns device arrays, rows padded to a bucket: tokens (1, n), logprobs (1, n), top
-        ids and logprobs (1, n, N) (recording routing: then the prompts' expert choices
-        (1, n, L, T, K))."""
-        rows = self._rows(prompts, slots)
-        self.state, out = self._run(self._prefill_fns[sampling.samples()], self.weights,
-                                    self.state, rows,
-                                    sampling.pad(len(rows.slot_ids)).snapshot())
-        self._placed(rows)
-        return out
+        """Write prompts into `slots` and draw their first tokens, all chunks of a call
+        at once, `prefill_rows` distinct prompts a call. Returns a `Prefilled` (device
+        arrays; `fetch` gives tokens (1, n), logprobs (1, n), top ids and logprobs
+        (1, n, N); recording routing: then the prompts' expert choices (1, n, L, T, K))."""
+        parts, calls = [], self._calls(prompts, slots)
+        for rows, requests in calls:
+            self.state, out = self._run(self._prefill_fns[sampling.samples()], self.weights,
+                                        self.state, rows,
+                                        sampling.take(requests).pad(self.batch_size).snapshot())
+            self._placed(rows)
+            parts.append((out, requests))
+        return Prefilled(parts, len(prompts), cached_tokens(prompts, calls))
 
     def _placed(self, rows: "PromptRows"):
         """The host's record of the positions of the slots `rows` were written into."""
@@ -700,17 +765,26 @@ class Engine:
         """The chunks a prompt of `length` tokens is prefilled in (1: one call suffices)."""
         return _chunking(bucket_for(length, self.length_buckets), self.config.prefill_chunk_size)[1]
 
+    def staged_rows(self, length: int) -> int:
+        """The distinct prompts of up to `length` tokens one `begin_prefill` takes."""
+        return self.prefill_rows[bucket_for(length, self.length_buckets)]
+
     def begin_prefill(self, prompts: list[list[int]], slots: list[int],
                       sampling: Sampling) -> StagedPrefill:
-        """`prefill`, to be run one chunk per `prefill_step` call: nothing touches `slots`
-        until the last chunk (decode calls between chunks may run over them as over idle
-        slots)."""
-        rows = self._rows(prompts, slots)
+        """`prefill` of at most `staged_rows` distinct prompts, to be run one chunk per
+        `prefill_step` call: nothing touches `slots` until the last chunk (decode calls
+        between chunks may run over them as over idle slots)."""
+        calls = self._calls(prompts, slots)
+        (rows, requests), *more = calls
+        if more:
+            raise ValueError(f"begin_prefill: more distinct prompts than the "
+                             f"{len(rows.lengths)} one staged prefill holds")
         U, T = rows.tokens.shape
         C, chunks = _chunking(T, self.config.prefill_chunk_size)
         start, _, _ = self._staged_fns(U, T)
         return StagedPrefill(np.pad(rows.tokens, ((0, 0), (0, chunks * C - T))), rows,
-                             sampling.pad(len(rows.slot_ids)), T, C, self._run(start))
+                             sampling.take(requests).pad(self.batch_size), T, C,
+                             self._run(start), cached=cached_tokens(prompts, calls))
 
     def prefill_step(self, staged: StagedPrefill):
         """Run `staged`'s next chunk; after its last, write its prompts into their slots
@@ -730,7 +804,8 @@ class Engine:
                                     routing, rows, staged.sampling.snapshot())
         staged.carry = staged.routing = None
         self._placed(rows)
-        return out
+        n = int((rows.slot_ids < self.batch_size).sum())
+        return Prefilled([(out, list(range(n)))], n, staged.cached)
 
     def _staged_fns(self, rows: int, T: int):
         """A staged prefill's programs for (rows, T): its carry's start, one chunk, and
@@ -831,12 +906,11 @@ class Engine:
     def score(self, tokens: list[list[int]], targets: list[list[int]]):
         """Per row: target log-probabilities (len,), greedy flags (len,), top ids and
         top log-probabilities (len, N), for rows of up to seq_length tokens."""
-        results = []
-        for start in range(0, len(tokens), self.batch_size):
-            chunk_tokens = tokens[start:start + self.batch_size]
-            chunk_targets = targets[start:start + self.batch_size]
-            rows = bucket_for(len(chunk_tokens), self.row_buckets)
-            T = bucket_for(max(len(t) for t in chunk_tokens), self.length_buckets)
+        results, T = [], bucket_for(max(len(t) for t in tokens), self.length_buckets)
+        rows = self.prefill_rows[T]  # per call: one program per length bucket
+        for start in range(0, len(tokens), rows):
+            chunk_tokens = tokens[start:start + rows]
+            chunk_targets = targets[start:start + rows]
             ids = np.zeros((rows, T), np.int32)
             tgt = np.zeros((rows, T), np.int32)
             for i, (row, target) in enumerate(zip(chunk_tokens, chunk_targets)):
@@ -846,32 +920,69 @@ class Engine:
                 results.append(tuple(np.asarray(x)[i, :len(row)] for x in out))
         return results
 
-    def warmup(self):
-        """Compile every bucket now, the greedy and the sampling programs alike, rather than
-        on the first request that needs them."""
-        for temperature in (0.0, 1.0):
-            def sampling(rows):
-                s = Sampling.empty(rows)
-                s.temperature[:] = temperature
-                return s
-
-            for rows in self.row_buckets:
-                for T in self.length_buckets:
-                    # Distinct prompts (shared ones compile a program of their own when
-                    # first met); slot index B: the writes are dropped, the cache stays.
-                    prompts = [[0] * (T - 1) + [i % self.model.vocab_size] for i in range(rows)]
-                    self.prefill(prompts, [self.batch_size] * rows, sampling(rows))
-                    if self.prefill_chunks(T) > 1:  # the batcher's chunk-per-call programs
-                        staged = self.begin_prefill(prompts, [self.batch_size] * rows,
-                                                    sampling(rows))
-                        while (out := self.prefill_step(staged)) is None:
-                            pass
-                        jax.block_until_ready(out)
+    def warmup(self, sample=(False, True), score: bool = True) -> str:
+        """Compile now the programs requests run, rather than on the first that needs
+        them: per length bucket a prefill (and with chunks a staged prefill's) and a score
+        program, per cache window a decode program, for greedy and/or sampling rows
+        (`sample`). The one-call programs are traced one by one and compiled side by side
+        in threads (XLA compiles one program on one core); jit's calls then find them
+        compiled. Afterwards no prompt length, number of prompts or max_tokens compiles
+        anything (`extend`'s programs, multi-turn episodes', are not among them).
+        Returns (and logs) one line: what was compiled, in how long."""
+        began, B = time.perf_counter(), self.batch_size
+        programs = []  # (jitted function, its arguments)
+        for kind in sample:
+            for T in self.length_buckets:
+                (rows, _), = self._calls(*self._dummy_prompts(T))
+                programs.append((self._prefill_fns[kind], (
+                    self.weights, self.state, rows, self._dummy_sampling(B, kind))))
+            ends = np.full(B, np.iinfo(np.int32).max, np.int32)
+            programs += [(self._decode_fns[kind, length], (
+                self.weights, self.state, ends, np.int32(-1), self._dummy_sampling(B, kind)))
+                for length in self.decode_buckets]
+        if score:
+            programs += [(self._score_fn, (self.weights, *[np.zeros(
+                (self.prefill_rows[T], T), np.int32)] * 2)) for T in self.length_buckets]
+        lowered = [self._run(lambda: fn.lower(*args)) for fn, args in programs]
+        with concurrent.futures.ThreadPoolExecutor(min(len(lowered), os.cpu_count() or 1)) as pool:
+            list(pool.map(lambda program: program.compile(), lowered))
+        # Each program run once: the staged prefills compile here.
+        for kind in sample:
+            for T in self.length_buckets:
+                prompts, slots = self._dummy_prompts(T)
+                self.fetch(self.prefill(prompts, slots, self._dummy_sampling(len(prompts), kind)))
+                if self.prefill_chunks(T) > 1:  # the batcher's chunk-per-call programs
+                    staged = self.begin_prefill(prompts, slots,
+                                                self._dummy_sampling(len(prompts), kind))
+                    while (out := self.prefill_step(staged)) is None:
+                        pass
+                    self.fetch(out)
             # Decoding writes garbage into idle slots, which nothing reads: each slot's
             # positions are written again before its queries can see them.
             for length in self.decode_buckets:
-                jax.block_until_ready(self._decode(sampling(self.batch_size), length))
-        for rows in self.row_buckets:
+                jax.block_until_ready(self._decode(self._dummy_sampling(B, kind), length))
+        if score:
             for T in self.length_buckets:
-                self.score([[0] * T] * rows, [[0] * T] * rows)
-        self.prompt_tokens = {"prefilled": 0, "cached": 0}
+                self.score([[0] * T], [[0] * T])
+        self.reset()
+        rows = ", ".join(str(self.prefill_rows[T]) for T in self.length_buckets)
+        line = (f"compiled {len(programs)} programs in {time.perf_counter() - began:.1f}s: "
+                f"prefill{' and score' * score} of prompt lengths {self.length_buckets} "
+                f"({rows} rows a call), decode over cache windows {self.decode_buckets} ({B} "
+                f"slots, {self.config.decode_steps} steps a call), "
+                f"{' and '.join('sampling' if k else 'greedy' for k in sample)}")
+        log.info(line)
+        return line
+
+    def _dummy_prompts(self, T: int):
+        """Warm-up's prompts of bucket T, one call's worth, all distinct, and their slots:
+        index B, so that their writes are dropped and the cache stays."""
+        prompts = [[0] * (T - 1) + [i % self.model.vocab_size]
+                   for i in range(self.prefill_rows[T])]
+        return prompts, [self.batch_size] * len(prompts)
+
+    @staticmethod
+    def _dummy_sampling(rows: int, sample: bool) -> Sampling:
+        s = Sampling.empty(rows)
+        s.temperature[:] = float(sample)
+        return s

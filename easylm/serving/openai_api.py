@@ -161,9 +161,18 @@ def _chat_logprobs(service: Service, tokens: list[Token], k: int):
                          "top_logprobs": [entry(i, p) for i, p in t.top[:k]]} for t in tokens]}
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage; `cached_tokens`: prompt tokens served from another request's run
+    of the same prompt (the engine's share_prompts)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def _cached(gens, n: int) -> int:
+    """Cached prompt tokens as OpenAI counts prompts, once each: a prompt's n samples
+    (gens[i * n: (i + 1) * n]) count it cached when none of them ran it."""
+    return sum(min(g.cached_tokens for g in gens[i:i + n]) for i in range(0, len(gens), n))
 
 
 def router(service: Service) -> APIRouter:
@@ -214,7 +223,8 @@ async def _completions(service: Service, body: CompletionRequest, request: Reque
     gens = await service.complete(request, sequences, params)
     return {**common, "choices": [_completion_choice(service, i, g, prefix, body.logprobs)
                                   for i, g in enumerate(gens)],
-            "usage": _usage(prompt_tokens, sum(len(g.tokens) for g in gens))}
+            "usage": _usage(prompt_tokens, sum(len(g.tokens) for g in gens),
+                            _cached(gens, body.n))}
 
 
 async def _chat_completions(service: Service, body: ChatRequest, request: Request):
@@ -239,7 +249,7 @@ async def _chat_completions(service: Service, body: ChatRequest, request: Reques
         "index": i, "message": {"role": "assistant", "content": g.stream.text},
         "logprobs": None if k is None else _chat_logprobs(service, g.tokens, k),
         "finish_reason": g.finish_reason} for i, g in enumerate(gens)],
-        "usage": _usage(len(prompt), sum(len(g.tokens) for g in gens))}
+        "usage": _usage(len(prompt), sum(len(g.tokens) for g in gens), _cached(gens, body.n))}
 
 
 def _completion_prompts(service: Service, body: CompletionRequest):
@@ -310,7 +320,7 @@ async def _stream_completion(service: Service, body, common, sequences, params, 
                              prompt_tokens: int):
     """Choice i's chunks carry index i (sequence i: a sample of prompt i // n)."""
     k = body.logprobs
-    _, events = service.start(sequences, params)
+    gens, events = service.start(sequences, params)
     offsets, generated = [0] * len(sequences), [0] * len(sequences)
     for i in range(len(sequences)):
         text, lp = prefix(i)
@@ -333,13 +343,14 @@ async def _stream_completion(service: Service, body, common, sequences, params, 
             yield sse({**common, "choices": [{"index": i, "text": event.text, "logprobs": lp,
                                               "finish_reason": event.finish_reason}]})
     if body.include_usage:
-        yield sse({**common, "choices": [], "usage": _usage(prompt_tokens, sum(generated))})
+        yield sse({**common, "choices": [], "usage": _usage(prompt_tokens, sum(generated),
+                                                            _cached(gens, body.n))})
     yield sse("[DONE]")
 
 
 async def _stream_chat(service: Service, body, common, sequences, params, k):
     """Choice i's chunks carry index i, each choice opening with its role, as OpenAI's."""
-    _, events = service.start(sequences, params)
+    gens, events = service.start(sequences, params)
     common = {**common, "object": "chat.completion.chunk"}
     for i in range(len(sequences)):
         yield sse({**common, "choices": [{"index": i, "delta": {"role": "assistant",
@@ -357,5 +368,6 @@ async def _stream_chat(service: Service, body, common, sequences, params, k):
             yield sse({**common, "choices": [{"index": i, "delta": delta, "logprobs": lp,
                                               "finish_reason": event.finish_reason}]})
     if body.include_usage:  # the prompt once, as OpenAI counts it
-        yield sse({**common, "choices": [], "usage": _usage(len(sequences[0]), generated)})
+        yield sse({**common, "choices": [], "usage": _usage(len(sequences[0]), generated,
+                                                            _cached(gens, body.n))})
     yield sse("[DONE]")
