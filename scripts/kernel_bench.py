@@ -13,8 +13,7 @@ experts d 2048; TFLOP/s counts 3 matmuls x 3 (forward, dx, dw) x 2 M D F.
 
 moe_layer times the parts of one small-MoE layer's experts block, forward and backward
 (bf16, 16k tokens, d 1024, 32 experts top 8, width 768): the router and `route`, the sort,
-the grouped matmuls, the whole dispatch (`moe.moe_local`) with gate and up fused or not,
-and the dispatch as it was before 2026-12-06 (a gather whose gradient is a scatter-add,
+the grouped matmuls, the whole dispatch (`moe.moe_local`), and the dispatch as it was before 2026-12-06 (a gather whose gradient is a scatter-add,
 and a scatter to put the rows back).
 """
 
@@ -134,28 +133,19 @@ def moe_layer(N=16384, D=1024, F=768, E=32, K=8):
         order, inverse, sizes = moe._sort_pairs(experts, jnp.ones(experts.shape, bool), E)
         return order + inverse + sizes.sum()
 
-    def dispatch(fused):
-        def fn(x, params):
-            moe.FUSED_GATE_UP = fused  # read as the function is traced
-            return moe.moe_local(x, weights, experts, params, config, bf16)[0]
-        return fn
+    def dispatch(x, params):
+        return moe.moe_local(x, weights, experts, params, config, bf16)[0]
+
+    def grouped(x, params):
+        return moe.expert_mlp(x, params, sizes, config, bf16)
 
     parts = [
         ("router_and_route", total(routed), (x, router)),
         ("sort_and_inverse", jax.jit(sort), (experts,)),
-        ("grouped_matmuls_fused", total(lambda x, p: (setattr(moe, "FUSED_GATE_UP", True),
-                                                      moe.expert_mlp(x, p, sizes, config,
-                                                                     bf16))[1]),
-         (sorted_x, params)),
-        ("grouped_matmuls_unfused", total(lambda x, p: (setattr(moe, "FUSED_GATE_UP", False),
-                                                        moe.expert_mlp(x, p, sizes, config,
-                                                                       bf16))[1]),
-         (sorted_x, params)),
-        ("dispatch_fused", total(dispatch(True)), (x, params)),
-        ("dispatch_unfused", total(dispatch(False)), (x, params)),
-        ("dispatch_scatter_0486088", total(lambda x, p: (
-            setattr(moe, "FUSED_GATE_UP", False),
-            _scatter_dispatch(x, weights, experts, p, config, bf16))[1]), (x, params)),
+        ("grouped_matmuls", total(grouped), (sorted_x, params)),
+        ("dispatch", total(dispatch), (x, params)),
+        ("dispatch_scatter_0486088", total(lambda x, p: _scatter_dispatch(
+            x, weights, experts, p, config, bf16)), (x, params)),
     ]
     for name, fn, args in parts:
         try:
@@ -167,7 +157,6 @@ def moe_layer(N=16384, D=1024, F=768, E=32, K=8):
         print(json.dumps({"bench": "moe_layer_fwd_bwd", "part": name, "tokens": N, "D": D,
                           "F": F, "experts": E, "top_k": K, "ms": round(seconds * 1e3, 2)}),
               flush=True)
-    moe.FUSED_GATE_UP = True
 
 
 if __name__ == "__main__":

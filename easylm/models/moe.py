@@ -12,7 +12,9 @@ clamped variant, (clip(up) + 1) * g * sigmoid(alpha * g) with g = min(gate, limi
 
 Dispatch is dropless: the N*k (token, expert) pairs are sorted by expert, each expert's
 rows multiplied by its weights in one grouped matmul (given how many rows each expert
-has), and the results put back in token order and weighted. The grouped matmul is
+has), and the results put back in token order and weighted. Both moves are gathers by a
+permutation and its inverse, forward and backward (`_permute`): autodiff would write a
+gather's gradient as a scatter-add, which on a v5e cost the small MoE ~6 ms a layer. The grouped matmul is
 `MoEConfig.matmul` (a family's `--<family>.moe_matmul`): `jax.lax.ragged_dot`, or JAX's
 Pallas TPU kernel megablox (`gmm` forward, `gmm` with the weights transposed for the
 rows' gradient, `tgmm` for the weights'; its ops.gmm custom VJP), on rows padded to a
@@ -68,9 +70,6 @@ MATMULS = ("auto", "ragged_dot", "megablox")
 # for rows (wi_tile_fwd_batch_seq=512); the other two are one tile t dividing both D and F
 # (`_tiling`), so that the backward pass's transposed gmm and tgmm tile exactly too.
 MEGABLOX_TILE = (512, 1024)
-# gate and up as one grouped matmul over their concatenated stacks (E, D, 2F); a constant
-# that scripts/kernel_bench.py flips to time both on a device (docs/benchmarks.md).
-FUSED_GATE_UP = True
 
 # Expert weights are stacked with a leading E axis, split over 'ep'; the rest as the dense
 # MLP's (D over fsdp, F over mp). The router is small and replicated.
@@ -269,14 +268,10 @@ def expert_mlp(x, params, group_sizes, config: MoEConfig, dtype):
         grouped = partial(gmm, group_sizes=group_sizes, dtype=dtype, tiling=tiling)
     x = x.astype(dtype)
     F = config.intermediate_size
-    if FUSED_GATE_UP:
-        # one grouped matmul of 2F columns rather than two of F (fewer, larger kernels)
-        gate_up = grouped(x, jnp.concatenate([params["gate_proj"].astype(dtype),
-                                              params["up_proj"].astype(dtype)], -1))
-        gate, up = gate_up[:, :F], gate_up[:, F:]  # (M, F) each
-    else:
-        gate = grouped(x, params["gate_proj"].astype(dtype))  # (M, F)
-        up = grouped(x, params["up_proj"].astype(dtype))  # (M, F)
+    # Gate and up stay two grouped matmuls: one over their concatenated (E, D, 2F) stacks
+    # made the small MoE's step 5% slower on a v5e (docs/benchmarks.md, 2026-12-06).
+    gate = grouped(x, params["gate_proj"].astype(dtype))  # (M, F)
+    up = grouped(x, params["up_proj"].astype(dtype))  # (M, F)
     # LoRA's rank-R products stay on ragged_dot: a megablox tile of R columns is mostly
     # padding.
     if "gate_up_proj_lora_a" in params:
