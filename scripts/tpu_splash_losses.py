@@ -45,8 +45,9 @@ def main():
     parser.add_argument("flags", nargs="*", help="python -m easylm.llama.train's flags")
     args = parser.parse_args()
     out = tempfile.mkdtemp(prefix="splash-losses-")
-    runs = {kind: losses(kind, args.steps, args.flags, out) for kind in ("splash", "xla")}
-    for kind, found in runs.items():
+    runs = {}
+    for kind in ("splash", "xla"):  # each printed as it ends (a timeout keeps the first)
+        runs[kind] = found = losses(kind, args.steps, args.flags, out)
         print(json.dumps({"bench": "train_losses", "attention": kind,
                           "losses": [round(found[s], 6) for s in sorted(found)]}), flush=True)
     common = sorted(set(runs["splash"]) & set(runs["xla"]))
