@@ -14,9 +14,9 @@ Dispatch is dropless: the N*k (token, expert) pairs are sorted by expert, each e
 rows multiplied by its weights in one grouped matmul (given how many rows each expert
 has), and the results put back in token order and weighted. Both moves are gathers by a
 permutation and its inverse, forward and backward (`_permute`): autodiff would write a
-gather's gradient as a scatter-add, which on a v5e cost the small MoE ~6 ms a layer. The grouped matmul is
-`MoEConfig.matmul` (a family's `--<family>.moe_matmul`): `jax.lax.ragged_dot`, or JAX's
-Pallas TPU kernel megablox (`gmm` forward, `gmm` with the weights transposed for the
+gather's gradient as a scatter-add, which on a v5e cost the small MoE ~6 ms a layer.
+The grouped matmul is `MoEConfig.matmul` (a family's `--<family>.moe_matmul`):
+`jax.lax.ragged_dot`, or JAX's Pallas TPU kernel megablox (`gmm` forward, `gmm` with the weights transposed for the
 rows' gradient, `tgmm` for the weights'; its ops.gmm custom VJP), on rows padded to a
 tile multiple; `auto` is ragged_dot (faster on a v5e than megablox at the tiles tried:
 `matmul_kind`). Off a TPU megablox runs in Pallas interpret mode (the same numbers,
