@@ -13,8 +13,9 @@ experts d 2048; TFLOP/s counts 3 matmuls x 3 (forward, dx, dw) x 2 M D F.
 
 moe_layer times the parts of one small-MoE layer's experts block, forward and backward
 (bf16, 16k tokens, d 1024, 32 experts top 8, width 768): the router and `route`, the sort,
-the grouped matmuls, the whole dispatch (`moe.moe_local`), and the dispatch as it was before 2026-12-06 (a gather whose gradient is a scatter-add,
-and a scatter to put the rows back).
+the grouped matmuls, the whole dispatch (`moe.moe_local`), and the dispatch as it was
+before 2026-12-06 (a gather whose gradient is a scatter-add, and a scatter to put the rows
+back).
 """
 
 import json

@@ -16,11 +16,11 @@ has), and the results put back in token order and weighted. Both moves are gathe
 permutation and its inverse, forward and backward (`_permute`): autodiff would write a
 gather's gradient as a scatter-add, which on a v5e cost the small MoE ~6 ms a layer.
 The grouped matmul is `MoEConfig.matmul` (a family's `--<family>.moe_matmul`):
-`jax.lax.ragged_dot`, or JAX's Pallas TPU kernel megablox (`gmm` forward, `gmm` with the weights transposed for the
-rows' gradient, `tgmm` for the weights'; its ops.gmm custom VJP), on rows padded to a
-tile multiple; `auto` is ragged_dot (faster on a v5e than megablox at the tiles tried:
-`matmul_kind`). Off a TPU megablox runs in Pallas interpret mode (the same numbers,
-slowly: its CPU tests). With
+`jax.lax.ragged_dot`, or JAX's Pallas TPU kernel megablox (`gmm` forward, `gmm` with the
+weights transposed for the rows' gradient, `tgmm` for the weights'; its ops.gmm custom
+VJP), on rows padded to a tile multiple; `auto` is ragged_dot (faster on a v5e than
+megablox at the tiles tried: `matmul_kind`). Off a TPU megablox runs in Pallas interpret
+mode (the same numbers, slowly: its CPU tests). With
 `capacity_factor` > 0 an expert takes at most ceil(capacity_factor * N * k / E) pairs of
 each batch shard, first choices before second choices, earlier tokens first; the pairs
 past that add nothing (the token keeps its residual) and are counted in `dropped`.
