@@ -3,12 +3,19 @@ line each (run by scripts/tpu_bench.sh; any backend, meant for a TPU):
 
     python scripts/kernel_bench.py grouped_matmul   # moe_matmul: megablox vs ragged_dot
     python scripts/kernel_bench.py attention        # attention: splash vs xla (if built)
+    python scripts/kernel_bench.py moe_layer        # where one MoE layer's time goes
 
 grouped_matmul times (on a device; scripts/bench_moe.py compares ragged_dot with a dense
 einsum on CPU) the experts' three grouped matmuls (gate, up, down) and their
 gradients through `moe.expert_mlp` in bf16, the rows routed evenly at random, at the
 small MoE's shape (d 1024, 32 experts top-8, expert width 768, 16k tokens) and at 128
 experts d 2048; TFLOP/s counts 3 matmuls x 3 (forward, dx, dw) x 2 M D F.
+
+moe_layer times the parts of one small-MoE layer's experts block, forward and backward
+(bf16, 16k tokens, d 1024, 32 experts top 8, width 768): the router and `route`, the sort,
+the grouped matmuls, the whole dispatch (`moe.moe_local`), and the dispatch as it was
+before 2026-12-06 (a gather whose gradient is a scatter-add, and a scatter to put the rows
+back).
 """
 
 import json
@@ -90,5 +97,69 @@ def attention():
                               "tflops": round(flops / seconds / 1e12, 1)}), flush=True)
 
 
+def _scatter_dispatch(x, weights, experts, params, config, dtype):
+    """moe.moe_local as it was at 0486088 (dropless): x[order // K], whose gradient XLA
+    writes as a scatter-add, and rows put back in token order with a scatter."""
+    K = config.num_experts_per_tok
+    order = jnp.argsort(experts.reshape(-1), stable=True)
+    sizes = jnp.bincount(experts.reshape(-1), length=config.num_experts)
+    rows = moe.expert_mlp(x[order // K], params, sizes, config, dtype)
+    unsorted = jnp.zeros_like(rows).at[order].set(rows).reshape(x.shape[0], K, -1)
+    return jnp.einsum("nK,nKD->nD", weights.astype(rows.dtype), unsorted)
+
+
+def moe_layer(N=16384, D=1024, F=768, E=32, K=8):
+    keys = iter(jax.random.split(jax.random.key(0), 6))
+    x = jax.random.normal(next(keys), (N, D), jnp.bfloat16)
+    router = jax.random.normal(next(keys), (D, E), jnp.float32) * 0.02
+    params = {name: jax.random.normal(next(keys), shape, jnp.bfloat16) / np.sqrt(shape[1])
+              for name, shape in (("gate_proj", (E, D, F)), ("up_proj", (E, D, F)),
+                                  ("down_proj", (E, F, D)))}
+    config = moe.MoEConfig(E, K, F, matmul="ragged_dot")
+    logits = jnp.einsum("ND,DE->NE", x.astype(jnp.float32), router)
+    weights, experts = moe.route(logits, config)
+    sizes = jnp.bincount(experts.reshape(-1), length=E)
+    sorted_x = x[jnp.argsort(experts.reshape(-1), stable=True) // K]
+    bf16 = jnp.bfloat16
+
+    def total(fn):
+        return jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32)),
+                                tuple(range(2))))
+
+    def routed(x, router):
+        logits = jnp.einsum("ND,DE->NE", x.astype(jnp.float32), router)
+        return moe.route(logits, config)[0]
+
+    def sort(experts):
+        order, inverse, sizes = moe._sort_pairs(experts, jnp.ones(experts.shape, bool), E)
+        return order + inverse + sizes.sum()
+
+    def dispatch(x, params):
+        return moe.moe_local(x, weights, experts, params, config, bf16)[0]
+
+    def grouped(x, params):
+        return moe.expert_mlp(x, params, sizes, config, bf16)
+
+    parts = [
+        ("router_and_route", total(routed), (x, router)),
+        ("sort_and_inverse", jax.jit(sort), (experts,)),
+        ("grouped_matmuls", total(grouped), (sorted_x, params)),
+        ("dispatch", total(dispatch), (x, params)),
+        ("dispatch_scatter_0486088", total(lambda x, p: _scatter_dispatch(
+            x, weights, experts, p, config, bf16)), (x, params)),
+    ]
+    for name, fn, args in parts:
+        try:
+            seconds = timed(fn, *args, iters=10)
+        except Exception as e:
+            print(json.dumps({"bench": "moe_layer_fwd_bwd", "part": name,
+                              "failed": str(e)[:300]}), flush=True)
+            continue
+        print(json.dumps({"bench": "moe_layer_fwd_bwd", "part": name, "tokens": N, "D": D,
+                          "F": F, "experts": E, "top_k": K, "ms": round(seconds * 1e3, 2)}),
+              flush=True)
+
+
 if __name__ == "__main__":
-    {"grouped_matmul": grouped_matmul, "attention": attention}[sys.argv[1]]()
+    {"grouped_matmul": grouped_matmul, "attention": attention,
+     "moe_layer": moe_layer}[sys.argv[1]](*map(int, sys.argv[2:]))  # moe_layer N D F E K

@@ -12,13 +12,15 @@ clamped variant, (clip(up) + 1) * g * sigmoid(alpha * g) with g = min(gate, limi
 
 Dispatch is dropless: the N*k (token, expert) pairs are sorted by expert, each expert's
 rows multiplied by its weights in one grouped matmul (given how many rows each expert
-has), and the results put back in token order and weighted. The grouped matmul is
-`MoEConfig.matmul` (a family's `--<family>.moe_matmul`): `jax.lax.ragged_dot`, or JAX's
-Pallas TPU kernel megablox (`gmm` forward, `gmm` with the weights transposed for the
-rows' gradient, `tgmm` for the weights'; its ops.gmm custom VJP), on rows padded to a
-tile multiple; `auto` is ragged_dot (faster on a v5e than megablox at the tiles tried:
-`matmul_kind`). Off a TPU megablox runs in Pallas interpret mode (the same numbers,
-slowly: its CPU tests). With
+has), and the results put back in token order and weighted. Both moves are gathers by a
+permutation and its inverse, forward and backward (`_permute`): autodiff would write a
+gather's gradient as a scatter-add, which on a v5e cost the small MoE ~6 ms a layer.
+The grouped matmul is `MoEConfig.matmul` (a family's `--<family>.moe_matmul`):
+`jax.lax.ragged_dot`, or JAX's Pallas TPU kernel megablox (`gmm` forward, `gmm` with the
+weights transposed for the rows' gradient, `tgmm` for the weights'; its ops.gmm custom
+VJP), on rows padded to a tile multiple; `auto` is ragged_dot (faster on a v5e than
+megablox at the tiles tried: `matmul_kind`). Off a TPU megablox runs in Pallas interpret
+mode (the same numbers, slowly: its CPU tests). With
 `capacity_factor` > 0 an expert takes at most ceil(capacity_factor * N * k / E) pairs of
 each batch shard, first choices before second choices, earlier tokens first; the pairs
 past that add nothing (the token keeps its residual) and are counted in `dropped`.
@@ -265,13 +267,16 @@ def expert_mlp(x, params, group_sizes, config: MoEConfig, dtype):
         x = jnp.pad(x, ((0, -M % tiling[0]), (0, 0)))  # rows: a multiple of the row tile
         grouped = partial(gmm, group_sizes=group_sizes, dtype=dtype, tiling=tiling)
     x = x.astype(dtype)
+    F = config.intermediate_size
+    # Gate and up stay two grouped matmuls: one over their concatenated (E, D, 2F) stacks
+    # made the small MoE's step 5% slower on a v5e (docs/benchmarks.md, 2026-12-06).
     gate = grouped(x, params["gate_proj"].astype(dtype))  # (M, F)
     up = grouped(x, params["up_proj"].astype(dtype))  # (M, F)
     # LoRA's rank-R products stay on ragged_dot: a megablox tile of R columns is mostly
     # padding.
     if "gate_up_proj_lora_a" in params:
         gate_up = _low_rank(ragged, x, params, "gate_up_proj", dtype)  # (M, 2F)
-        gate, up = gate + gate_up[:, :gate.shape[1]], up + gate_up[:, gate.shape[1]:]
+        gate, up = gate + gate_up[:, :F], up + gate_up[:, F:]
     if config.expert_bias:
         expert = _row_expert(group_sizes, x.shape[0])
         gate = gate + params["gate_proj_bias"].astype(dtype)[expert]
@@ -366,17 +371,46 @@ def _kept(experts, E, cap):
 
 
 def _sort_pairs(experts, kept, E):
-    """The (token, expert) pairs sorted by expert, dropped ones last: (order (n*K,),
-    group sizes (E,)). order[i] is the flat (token * K + slot) index of sorted row i."""
+    """The (token, expert) pairs sorted by expert, dropped ones last: (order (n*K,), its
+    inverse (n*K,), group sizes (E,)). order[i] is the flat (token * K + slot) index of
+    sorted row i; inverse[j] the sorted row of flat pair j."""
     key = jnp.where(kept, experts, E).reshape(-1)
     order = jnp.argsort(key, stable=True)
-    return order, jnp.bincount(key, length=E + 1)[:E]
+    return order, jnp.argsort(order), jnp.bincount(key, length=E + 1)[:E]
 
 
-def _combine(rows, order, weights):
+@jax.custom_vjp
+def _permute(rows, index, inverse):
+    """rows[index] for a permutation `index` whose inverse is `inverse`. Its gradient is
+    the inverse gather g[inverse] rather than the scatter-add that autodiff of a gather
+    writes: on a TPU a scatter of (n*K, D) rows costs several times the gather."""
+    return rows.at[index].get(mode="promise_in_bounds")
+
+
+def _permute_fwd(rows, index, inverse):
+    return _permute(rows, index, inverse), (index, inverse)
+
+
+def _permute_bwd(residuals, g):
+    index, inverse = residuals
+    return g.at[inverse].get(mode="promise_in_bounds"), None, None
+
+
+_permute.defvjp(_permute_fwd, _permute_bwd)
+
+
+def _gather_pairs(x, order, inverse, K):
+    """Each sorted row's token: x (n, D) -> (n*K, D), x[order // K], as the K copies of
+    every token permuted (so that the gradient gathers and sums over K, no scatter)."""
+    n, D = x.shape
+    copies = jnp.broadcast_to(x[:, None], (n, K, D)).reshape(n * K, D)
+    return _permute(copies, order, inverse)
+
+
+def _combine(rows, order, inverse, weights):
     """Sorted rows (n*K, D) back in token order, weighted and summed over K: (n, D)."""
     n, K = weights.shape
-    unsorted = jnp.zeros_like(rows).at[order].set(rows).reshape(n, K, -1)
+    unsorted = _permute(rows, inverse, order).reshape(n, K, -1)
     return jnp.einsum("nK,nKD->nD", weights.astype(rows.dtype), unsorted)
 
 
@@ -384,9 +418,10 @@ def moe_local(x, weights, experts, params, config: MoEConfig, dtype):
     """One batch shard on one device holding all experts: x (n, D) -> (n, D), dropped."""
     E, K = config.num_experts, config.num_experts_per_tok
     kept = _kept(experts, E, capacity(config, x.shape[0]))
-    order, sizes = _sort_pairs(experts, kept, E)
-    rows = expert_mlp(x[order // K], params, sizes, config, dtype)
-    out = _combine(rows, order, jnp.where(kept, weights, 0))
+    order, inverse, sizes = _sort_pairs(experts, kept, E)
+    rows = expert_mlp(_gather_pairs(x.astype(dtype), order, inverse, K), params, sizes,
+                      config, dtype)
+    out = _combine(rows, order, inverse, jnp.where(kept, weights, 0))
     return out, jnp.sum(~kept)
 
 
@@ -398,7 +433,7 @@ def moe_expert_parallel(x, weights, experts, params, config: MoEConfig, dtype, e
     n = x.shape[0]
     cap = capacity(config, n)
     kept = _kept(experts, E, cap)
-    order, sizes = _sort_pairs(experts, kept, E)  # sorted by expert, so by device
+    order, inverse, sizes = _sort_pairs(experts, kept, E)  # sorted by expert, so by device
     per_device = sizes.reshape(ep, local).sum(axis=1)  # (ep,) pairs sent to each device
     slots = n * K if cap <= 0 else min(n * K, local * cap)  # buffer rows per device
     # Sorted row i goes to device d = its expert // local, at d's slot i - start[d].
@@ -421,7 +456,7 @@ def moe_expert_parallel(x, weights, experts, params, config: MoEConfig, dtype, e
     done = jnp.zeros_like(done).at[local_order].set(done)
     back = jax.lax.all_to_all(done.reshape(ep, slots, -1), EP, 0, 0, tiled=False)
     rows = back.reshape(ep * slots, -1).at[send_index].get(mode="fill", fill_value=0)
-    out = _combine(rows, order, jnp.where(kept, weights, 0))
+    out = _combine(rows, order, inverse, jnp.where(kept, weights, 0))
     return out, jnp.sum(~kept)
 
 

@@ -29,7 +29,8 @@ default).
 Where it runs: on TPU; elsewhere only in Pallas interpret mode (`INTERPRET`, set from
 EASYLM_PALLAS_INTERPRET=1 or by tests), a slow emulation for correctness tests.
 Not here: a cache's (B, T, S) mask (decode, chunked prefill: attention.py gives those to
-the XLA path) and context parallelism (sp > 1: the ring and all-gather kernels).
+the XLA path) and context parallelism (sp > 1: the ring and all-gather kernels; why,
+and what each would need: docs/long_context.md).
 """
 
 import os
