@@ -2,21 +2,10 @@
 sparse_attention.py) with the indexer's rotary interleaved and some layers sharing the last
 full layer's keys; DeepSeek-V3.2's checkpoint names, shared layers without an indexer."""
 
-import functools
-
-from easylm.deepseek_v32.family import PARTITION_RULES
+from easylm.glm_moe_dsa import hf
 from easylm.glm_moe_dsa.config import GLM_MOE_DSA_PRESETS, GlmMoeDsaConfig
-from easylm.models import sigmoid_moe_hf
+from easylm.glm_moe_dsa.model import PARTITION_RULES, GlmMoeDsaForCausalLM
 from easylm.models.family import HFAdapter, ModelFamily, hf_params_reader
-from easylm.models.sparse_attention import SparseMLACausalLM
-
-
-class GlmMoeDsaForCausalLM(SparseMLACausalLM):
-    pass
-
-
-load_hf_params = functools.partial(sigmoid_moe_hf.load_hf_params,
-                                   config_class=GlmMoeDsaConfig, lm=GlmMoeDsaForCausalLM)
 
 
 class GlmMoeDsaFamily(ModelFamily):
@@ -28,8 +17,8 @@ class GlmMoeDsaFamily(ModelFamily):
     module_class = GlmMoeDsaForCausalLM
     variants = ("lora", "int8")
     hf = HFAdapter(model_types=("glm_moe_dsa",), read_config=GlmMoeDsaConfig.read_hf,
-                   write_params=functools.partial(sigmoid_moe_hf.to_hf, lm=GlmMoeDsaForCausalLM),
-                   read_params=hf_params_reader(load_hf_params, GlmMoeDsaForCausalLM))
+                   write_params=hf.to_hf,
+                   read_params=hf_params_reader(hf.load_hf_params, GlmMoeDsaForCausalLM))
 
     def partition_rules(self, config: GlmMoeDsaConfig):
         return PARTITION_RULES
