@@ -50,11 +50,12 @@ class GlmMoeDsaConfig(DeepseekV32Config):
         return tuple(kind == "shared" for kind in self.indexer_types.split(","))
 
     def shard_variant(self, layers: int, mp: int):
-        variant = super().shard_variant(layers, mp)
+        # The few layers keep the mix of full and shared ones (the first full).
         shared = self.shared_topk()
-        return variant.replace(indexer_types=",".join(
-            "shared" if i and shared[i * len(shared) // layers] else "full"
-            for i in range(layers)) if self.shares_topk() else "")
+        kinds = ",".join("shared" if i and shared[i * len(shared) // layers] else "full"
+                         for i in range(layers))
+        variant = super(GlmMoeDsaConfig, self.replace(indexer_types="")).shard_variant(layers, mp)
+        return variant.replace(indexer_types=kinds if self.shares_topk() else "")
 
     @classmethod
     def from_hf_config(cls, hf: dict, path: str = "config.json") -> "GlmMoeDsaConfig":
