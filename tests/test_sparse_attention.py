@@ -118,3 +118,24 @@ def test_export_loads_in_transformers_and_equals_served(tmp_path, saved):
     read = lambda d: (family.hf.read_config(d), family.hf.read_params(d, config))
     hf_parity.check_export(family, model, config, params, tmp_path, ARCHITECTURES[family.name],
                            read)
+
+
+@pytest.mark.slow  # CI runs the served log-probabilities only (its seconds budget)
+def test_lora_through_the_command_exports_a_peft_adapter_equal_to_the_merged(tmp_path, saved,
+                                                                          monkeypatch):
+    """test_deepseek_v3's LoRA check on a DSA directory: 2 steps of `python -m easylm.train
+    --lora.*` on MLA's projections, the MLPs and the routed experts (the indexer is not a
+    target: it gets no gradient); the PEFT adapter on transformers' base = the merged export
+    (tolerance as there); twin: the base alone."""
+    from test_deepseek_v3 import MLA_TARGETS, lora_logprobs
+
+    _, directory, _, config, _ = saved
+    before, peft, merged = lora_logprobs(
+        tmp_path, directory, MLA_TARGETS,
+        ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj",
+         "up_proj", "down_proj"], monkeypatch)
+    rel = 2 * fp32_rel(max(config.hidden_size, config.intermediate_size, 40),
+                       14 * config.num_hidden_layers + 1)
+    scale = float(np.abs(merged).max())
+    assert_close(peft, merged, rel, scale)
+    assert_differs(before, merged, rel, scale)
