@@ -57,12 +57,12 @@ class DeepseekV3Config(SigmoidMoEDecoderConfig):
     def __post_init__(self):
         super().__post_init__()
         if self.rope_type not in ("default", "yarn"):
-            raise UserError(f"--deepseek_v3.rope_type={self.rope_type!r} is not one of "
+            raise UserError(f"--{self.section}.rope_type={self.rope_type!r} is not one of "
                             f"default, yarn")
         try:
             self.mla()
         except ValueError as e:
-            raise UserError(f"--deepseek_v3: {e}") from None
+            raise UserError(f"--{self.section}: {e}") from None
 
     def fixed_fields(self) -> dict:
         # The shared decoder reads head_dim / num_key_value_heads: the latent cache's.
@@ -119,6 +119,13 @@ class DeepseekV3Config(SigmoidMoEDecoderConfig):
     def to_hf_config(self):
         from transformers import DeepseekV3Config as HFConfig
 
+        config = HFConfig(**self.hf_mla_kwargs(), rope_interleave=self.rope_interleave)
+        config.architectures = ["DeepseekV3ForCausalLM"]
+        return config
+
+    def hf_mla_kwargs(self) -> dict:
+        """transformers' config arguments of this model's MLA and MoE (what DeepSeek-V3.2's
+        and GLM-5's configs take too)."""
         rope_parameters = {"rope_type": self.rope_type, "rope_theta": float(self.rope_theta)}
         if self.rope_type == "yarn":
             rope_parameters.update(
@@ -128,15 +135,12 @@ class DeepseekV3Config(SigmoidMoEDecoderConfig):
                 **({"mscale": self.rope_mscale} if self.rope_mscale else {}),
                 **({"mscale_all_dim": self.rope_mscale_all_dim}
                    if self.rope_mscale_all_dim else {}))
-        config = HFConfig(
+        return dict(
             **self.hf_config_kwargs(),
             num_key_value_heads=self.num_attention_heads, kv_lora_rank=self.kv_lora_rank,
             q_lora_rank=self.q_lora_rank or None, qk_rope_head_dim=self.qk_rope_head_dim,
             v_head_dim=self.v_head_dim, qk_nope_head_dim=self.qk_nope_head_dim,
-            rope_parameters=rope_parameters, rope_interleave=self.rope_interleave,
-            attention_bias=self.attention_bias)
-        config.architectures = ["DeepseekV3ForCausalLM"]
-        return config
+            rope_parameters=rope_parameters, attention_bias=self.attention_bias)
 
 
 _INTS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
@@ -159,11 +163,15 @@ def text_fields(hf: dict, path: str) -> dict:
     return text_model({**hf, "text_config": text}, path, "deepseek_v3", tied=True)
 
 
-def from_hf_dict(hf: dict, path: str = "config.json") -> DeepseekV3Config:
+def from_hf_dict(hf: dict, path: str = "config.json", cls: type = DeepseekV3Config,
+                 model_type: str = "deepseek_v3", model: str = "DeepSeek-V3",
+                 **fields) -> DeepseekV3Config:
+    """A `cls` from config.json's fields: DeepSeek-V3's, and a variant's (DeepSeek-V3.2,
+    GLM-5: `model_type`, named `model` in messages) with its own `fields`."""
     hf = text_fields(hf, path)
-    check_model_type(hf, path, "deepseek_v3")
-    defaults = {f.name: f.default for f in dataclasses.fields(DeepseekV3Config)}
-    get = config_fields(hf, path, defaults, _INTS, HF_MUST_BE, "DeepSeek-V3")
+    check_model_type(hf, path, model_type)
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    get = config_fields(hf, path, defaults, _INTS, HF_MUST_BE, model)
     skip_mtp(path, hf.get("num_nextn_predict_layers"))
     try:
         mla = MLAConfig.from_hf({**{k: get(k) for k in _INTS}, **hf})
@@ -182,11 +190,11 @@ def from_hf_dict(hf: dict, path: str = "config.json") -> DeepseekV3Config:
         if any(yarn[k] is not None for k in extra):
             raise UserError(f"{path}: YaRN keys {sorted(extra)} are not supported")
     try:
-        return DeepseekV3Config(
+        return cls(
             **{name: get(name) for name in _INTS}, **rope_fields,
             q_lora_rank=hf.get("q_lora_rank") or 0, rope_theta=mla.rope_theta,
             rope_interleave=mla.rope_interleave, attention_bias=mla.attention_bias,
-            **hf_common_fields(hf, get))
+            **hf_common_fields(hf, get), **fields)
     except UserError as e:
         raise UserError(f"{path}: {e}") from None
 

@@ -10,10 +10,6 @@ from easylm.models.family import HFAdapter, ModelFamily, hf_params_reader
 NOT_BUILT = {
     "mistral4": "softmax group-limited router and Llama-4 attention scaling "
                 "(llama_4_scaling_beta) on MLA (Mistral Small 4)",
-    "deepseek_v32": "index_topk indexer (DeepSeek sparse attention: the keys an indexer picks "
-                    "per query)",
-    "glm_moe_dsa": "index_topk indexer (DeepSeek sparse attention: the keys an indexer picks "
-                   "per query)",
     "deepseek_v4": "compress_rates (compressed sparse attention), its indexer and hc_mult "
                    "hyper-connections",
 }

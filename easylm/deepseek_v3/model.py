@@ -10,12 +10,11 @@ holds per layer the latent (`LatentCache`, C + R values a token); a decode step 
 kv_b_proj (`MultiHeadLatentAttention.absorbs`).
 """
 
-import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from easylm.deepseek_v3.config import DeepseekV3Config
 from easylm.models import sigmoid_moe, sigmoid_moe_decoder
-from easylm.models.mla import LatentCache, MultiHeadLatentAttention
+from easylm.models.mla import LatentCache, LatentRotary, MultiHeadLatentAttention
 from easylm.runtime.sharding import BATCH_AXES
 
 PARTITION_RULES = sigmoid_moe.PARTITION_RULES + (
@@ -39,16 +38,8 @@ class DecoderLayer(sigmoid_moe_decoder.DecoderLayer):
                                         name="self_attn")(x, cos, sin, positions, mask, cache)
 
 
-class DeepseekV3ForCausalLM(sigmoid_moe_decoder.SigmoidMoECausalLM):
+class DeepseekV3ForCausalLM(LatentRotary, sigmoid_moe_decoder.SigmoidMoECausalLM):
     layer = DecoderLayer
-
-    @classmethod
-    def inv_freq(cls, config: DeepseekV3Config, kind: str):
-        return jnp.asarray(config.mla().rope()[0])
-
-    @classmethod
-    def rope_attention_factor(cls, config: DeepseekV3Config, kind: str) -> float:
-        return config.mla().rope()[1]
 
     @classmethod
     def layer_cache(cls, config: DeepseekV3Config, kind: str, batch_size: int, length: int,

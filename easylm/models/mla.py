@@ -152,10 +152,16 @@ class MultiHeadLatentAttention(nn.Module):
 
     @nn.compact
     def __call__(self, x, cos, sin, positions, mask=None, cache=None):
+        return self.attend(x, self.query_latent(x), cos, sin, positions, mask, cache)
+
+    def attend(self, x, q_latent, cos, sin, positions, mask, cache):
+        """The attention from the query latent (`query_latent`): (out (B, T, D), cache). A
+        layer that reads the query latent itself (DeepSeek sparse attention's indexer,
+        easylm/models/sparse_attention.py) calls this from its own compact method."""
         c = self.config
         B, T, _ = x.shape
         N, P, V = c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim
-        q_nope, q_rope = self.split_query(self.query(x))  # (B, T, N, P), (B, T, N, R)
+        q_nope, q_rope = self.split_query(self.query(q_latent))  # (B, T, N, P), (B, T, N, R)
         q_rope = self.rotate(q_rope, cos, sin)
         kv = self.latent(x, cos, sin)  # (B, T, 1, C + R)
         if cache is not None:
@@ -199,17 +205,22 @@ class MultiHeadLatentAttention(nn.Module):
     def norm(self, name: str):
         return RMSNorm(LATENT_NORM_EPS, self.dtype, self.param_dtype, name=name)
 
-    def query(self, x):
-        """(B, T, N, H)."""
+    def query_latent(self, x):
+        """q_a_layernorm(q_a_proj(x)) (B, T, Q); x itself without a q_lora_rank."""
         c = self.config
-        B, T, _ = x.shape
-        features = c.num_attention_heads * c.qk_head_dim
         if c.q_lora_rank is None:
-            q = self.dense(features, "q_proj")(x)
-        else:
-            q = self.dense(c.q_lora_rank, "q_a_proj", c.attention_bias)(x)  # (B, T, Q)
-            q = self.dense(features, "q_b_proj")(self.norm("q_a_layernorm")(q))
-        return q.reshape(B, T, c.num_attention_heads, c.qk_head_dim)
+            return x
+        return self.norm("q_a_layernorm")(self.dense(c.q_lora_rank, "q_a_proj",
+                                                     c.attention_bias)(x))
+
+    def query(self, q_latent):
+        """(B, T, N, H) from `query_latent`'s output."""
+        c = self.config
+        B, T, _ = q_latent.shape
+        features = c.num_attention_heads * c.qk_head_dim
+        name = "q_proj" if c.q_lora_rank is None else "q_b_proj"
+        return self.dense(features, name)(q_latent).reshape(B, T, c.num_attention_heads,
+                                                            c.qk_head_dim)
 
     def split_query(self, q):
         """Each head's non-rotary dimensions, then its rotary ones."""
@@ -257,3 +268,16 @@ class MultiHeadLatentAttention(nn.Module):
         # rides along as a value and is cut off).
         out = attention(q, kv, kv, mask, c.attention, scale=c.softmax_scale)[..., :C]
         return jnp.einsum("BTNC,CNV->BTNV", out, w[..., P:])
+
+
+class LatentRotary:
+    """A causal LM's rotary when its layers are MLA's (decoder.CausalLM's class methods):
+    `config.mla()`'s frequencies and YaRN attention factor, every kind alike."""
+
+    @classmethod
+    def inv_freq(cls, config, kind: str):
+        return jnp.asarray(config.mla().rope()[0])
+
+    @classmethod
+    def rope_attention_factor(cls, config, kind: str) -> float:
+        return config.mla().rope()[1]

@@ -21,7 +21,9 @@ FAMILIES = {"llama": "easylm.llama.family:FAMILY", "gemma": "easylm.gemma.family
             "gemma4": "easylm.gemma4.family:FAMILY", "olmo3": "easylm.olmo3.family:FAMILY",
             "minimax_m2": "easylm.minimax_m2.family:FAMILY",
             "qwen3_5_vl": "easylm.qwen3_5.vision_hf:FAMILY",
-            "gemma4_vl": "easylm.gemma4.vision_hf:FAMILY"}
+            "gemma4_vl": "easylm.gemma4.vision_hf:FAMILY",
+            "deepseek_v32": "easylm.deepseek_v32.family:FAMILY",
+            "glm_moe_dsa": "easylm.glm_moe_dsa.family:FAMILY"}
 DEFAULT = "llama"
 # The flags that name what a command loads, whose family it then is.
 CHECKPOINT_FLAGS = ("--load_checkpoint=", "--lora_checkpoint=")

@@ -227,17 +227,20 @@ class DecoderLayer(Sublayer):
 
     @nn.compact
     def __call__(self, x, context, positions=None, cache=None):
-        c = self.config
         h, cache = self.attend(self.norm("input_layernorm")(x), context, positions, cache)
         x = x + h
-        h = self.norm("post_attention_layernorm")(x)
-        if self.kind == "dense":
-            h = GatedMLP(c, self.dtype, self.param_dtype, name="mlp")(h)
-        else:
-            h, stats = sigmoid_moe.SigmoidMoE(c.moe(), self.dtype, self.param_dtype,
-                                              bias_collection="params", name="mlp")(h)
-            self.sow("router", "stats", stats)
+        h = self.feed_forward(self.norm("post_attention_layernorm")(x), self.kind)
         return constrain(x + h, P(BATCH_AXES, None, None)), cache
+
+    def feed_forward(self, h, kind: str):
+        """The MLP of a layer of `kind` ("dense" or "moe"), named "mlp"."""
+        c = self.config
+        if kind == "dense":
+            return GatedMLP(c, self.dtype, self.param_dtype, name="mlp")(h)
+        h, stats = sigmoid_moe.SigmoidMoE(c.moe(), self.dtype, self.param_dtype,
+                                          bias_collection="params", name="mlp")(h)
+        self.sow("router", "stats", stats)
+        return h
 
 
 class SigmoidMoECausalLM(CausalLM):

@@ -1,0 +1,130 @@
+"""DeepSeek-V3.2 configuration: DeepSeek-V3's (easylm/deepseek_v3/config.py) and the
+lightning indexer's fields of DeepSeek sparse attention (easylm/models/sparse_attention.py),
+config.json as transformers 5 reads `DeepseekV32Config`. MLA's rotary is always the
+interleaved one, and every layer has a q latent (`q_lora_rank`).
+"""
+
+import dataclasses
+from typing import ClassVar
+
+from easylm.deepseek_v3.config import DEEPSEEK_V3_PRESETS, DeepseekV3Config, from_hf_dict
+from easylm.errors import UserError
+from easylm.models.config import field
+from easylm.models.sparse_attention import IndexerConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepseekV32Config(DeepseekV3Config):
+    section = "deepseek_v32"
+    # The indexer's rotary: half-split (DeepSeek-V3.2) or interleaved pairs (GLM-5).
+    indexer_rope_interleave: ClassVar[bool] = False
+
+    index_topk: int = field(2048, "keys the indexer keeps per query (all while a query "
+                                  "sees fewer)")
+    index_n_heads: int = field(64, "indexer query heads")
+    index_head_dim: int = field(128, "indexer head width (its first qk_rope_head_dim "
+                                     "dims rotary)")
+
+    def __post_init__(self):
+        super().__post_init__()
+        checks = ((self.q_lora_rank > 0, f"q_lora_rank={self.q_lora_rank}: the indexer reads "
+                                         f"the q latent; give one (> 0)"),
+                  (self.index_topk >= 1, f"index_topk={self.index_topk} must be >= 1"),
+                  (self.index_n_heads >= 1, f"index_n_heads={self.index_n_heads} must be >= 1"),
+                  (self.qk_rope_head_dim <= self.index_head_dim,
+                   f"index_head_dim={self.index_head_dim} must be at least "
+                   f"qk_rope_head_dim={self.qk_rope_head_dim} (its rotary dims)"))
+        for ok, message in checks:
+            if not ok:
+                raise UserError(f"--{self.section}.{message}")
+
+    def fixed_fields(self) -> dict:
+        return {**super().fixed_fields(), "rope_interleave": True}
+
+    def indexer(self) -> IndexerConfig:
+        return IndexerConfig(q_lora_rank=self.q_lora_rank, n_heads=self.index_n_heads,
+                             head_dim=self.index_head_dim, rope_dim=self.qk_rope_head_dim,
+                             topk=self.index_topk, rope_interleave=self.indexer_rope_interleave,
+                             initializer_range=self.initializer_range)
+
+    def shared_topk(self) -> tuple[bool, ...]:
+        """Per layer: whether it reuses the last full layer's keys (GLM-5's shared ones)."""
+        return (False,) * self.num_hidden_layers
+
+    def shares_topk(self) -> bool:
+        return any(self.shared_topk())
+
+    # --------------------------------------------------------------- counting
+
+    def _indexer_params(self) -> int:
+        H, K, d = self.index_n_heads, self.index_head_dim, self.hidden_size
+        return self.q_lora_rank * H * K + d * K + 2 * K + d * H
+
+    def num_parameters(self) -> int:
+        full = self.shared_topk().count(False)
+        return super().num_parameters() + full * self._indexer_params()
+
+    def num_matmul_parameters(self) -> int:
+        full = self.shared_topk().count(False)
+        return super().num_matmul_parameters() + full * (self._indexer_params()
+                                                         - 2 * self.index_head_dim)
+
+    def flops_per_token(self, seq_length: int) -> float:
+        # The dense reference: MLA over all keys (DeepSeek-V3's count), and the indexer's
+        # scores, forward only (no gradient reaches it), H * K multiply-adds a pair.
+        full = self.shared_topk().count(False)
+        return super().flops_per_token(seq_length) + \
+            full * 2 * self.index_n_heads * self.index_head_dim * seq_length / 2
+
+    # ---------------------------------------------------- HF transformers
+
+    @classmethod
+    def from_hf_config(cls, hf: dict, path: str = "config.json") -> "DeepseekV32Config":
+        return read_hf_fields(hf, path, cls, "deepseek_v32", "DeepSeek-V3.2")
+
+    def hf_indexer_kwargs(self) -> dict:
+        return dict(**self.hf_mla_kwargs(), index_topk=self.index_topk,
+                    index_n_heads=self.index_n_heads, index_head_dim=self.index_head_dim)
+
+    def to_hf_config(self):
+        from transformers import DeepseekV32Config as HFConfig
+
+        config = HFConfig(**self.hf_indexer_kwargs())
+        config.architectures = ["DeepseekV32ForCausalLM"]
+        return config
+
+
+def read_hf_fields(hf: dict, path: str, cls: type, model_type: str, model: str, **fields):
+    """A DSA config from config.json: DeepSeek-V3's reading and the indexer's fields; the
+    per-layer lists transformers derives (`mlp_layer_types`, `layer_types`) must be what
+    this model builds."""
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    for name in ("index_topk", "index_n_heads", "index_head_dim"):
+        value = hf.get(name, defaults[name])
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise UserError(f"{path}: {name} must be an integer, got {value!r}")
+        fields[name] = value
+    config = from_hf_dict({"first_k_dense_replace": defaults["first_k_dense_replace"], **hf},
+                          path, cls, model_type, model, **fields)
+    L, k = config.num_hidden_layers, config.first_k_dense_replace
+    mlp = hf.get("mlp_layer_types")
+    if mlp is not None and list(mlp) != ["dense"] * k + ["sparse"] * (L - k):
+        raise UserError(f"{path}: mlp_layer_types {mlp} is not {k} dense layers then sparse "
+                        f"ones (first_k_dense_replace), the only layout built")
+    layer_types = hf.get("layer_types")
+    if layer_types is not None and set(layer_types) != {"indexed_attention"}:
+        raise UserError(f"{path}: layer_types {sorted(set(layer_types))}: only "
+                        f"indexed_attention layers are built")
+    return config
+
+
+DEEPSEEK_V32_PRESETS = {
+    # Tiny, for tests and the commands' default: the embedded tokenizer's 512 tokens; an
+    # indexer keeping 8 keys, so that rows of 16 and more are sparse.
+    "debug": dict(DEEPSEEK_V3_PRESETS["debug"], index_topk=8, index_n_heads=4,
+                  index_head_dim=16),
+    # deepseek-ai/DeepSeek-V3.2(-Exp): DeepSeek-V3's shape (its preset's YaRN) and an
+    # indexer of 64 heads of 128 keeping 2048 keys (transformers' DeepseekV32Config).
+    "deepseek_v3_2": dict(DEEPSEEK_V3_PRESETS["deepseek_v3"], index_topk=2048,
+                          index_n_heads=64, index_head_dim=128),
+}

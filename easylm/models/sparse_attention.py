@@ -1,0 +1,238 @@
+"""DeepSeek sparse attention (DSA: DeepSeek-V3.2, GLM-5) on multi-head latent attention
+(mla.py), as transformers 5.25's `DeepseekV32Attention` / `GlmMoeDsaAttention` compute it:
+a dense reference, the indexer's top-k turned into a mask over full attention.
+
+Each layer's lightning indexer scores every visible key for every query, cheaply:
+
+    q = wq_b(q_latent)            (B, T, H, K)   H indexer heads of K dims; q_latent is
+                                                 MLA's q_a_layernorm(q_a_proj(x))
+    k = k_norm(wk(x))             (B, S, K)      one key a token (a LayerNorm, eps 1e-6)
+    rotary on the first R dims of q and k (R = MLA's qk_rope_head_dim, its cos and sin;
+    half-split for DeepSeek-V3.2, interleaved pairs for GLM-5: `rope_interleave`)
+    w = weights_proj(x) / sqrt(H) (B, T, H)      in fp32, as transformers keeps it
+    score[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s] / sqrt(K))
+
+and the `topk` visible keys of highest score are the only ones MLA attends to (all of them
+while a query sees fewer). GLM-5's "shared" layers (`shared_topk` kinds) have no indexer:
+they attend to the keys the last full layer chose, which the layers pass on beside x
+(`SparseMLACausalLM.layer_stream`). The choice gets no gradient (transformers computes the
+indexer under no_grad; DeepSeek trains it with its own KL loss, which is not built here).
+
+Serving: the indexer's keys are one more positional cache array per layer,
+`IndexedLatentCache.index_k` (B, S, K) beside the latent (B, S, 1, C + R); the engine
+learns its axes from `init_cache` shapes like any other. Shared layers cache the latent
+only.
+
+What the sparse form would save over this dense reference (docs/families.md gives the
+arithmetic): attention over topk keys instead of S, so O(T * topk) instead of O(T * S)
+score and value FLOPs; the indexer itself still scores all S keys, but with H * K
+(64 x 128 for DeepSeek-V3.2) multiply-adds per pair, in fp8 on the released kernels.
+
+Shape letters: B batch, T queries, S keys, D width, Q q_lora_rank, H indexer heads, K
+indexer head dim, R rotary dims.
+"""
+
+import dataclasses
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from easylm.errors import UserError
+from easylm.models import sigmoid_moe_decoder
+from easylm.models.attention import dense_mask
+from easylm.models.context_parallel import SplitSequence
+from easylm.models.decoder import apply_rotary
+from easylm.models.mla import LatentCache, LatentRotary, MultiHeadLatentAttention
+from easylm.runtime.sharding import BATCH_AXES, constrain
+
+SHARED = "_shared_topk"  # suffix of a layer kind that reuses the last full layer's choice
+INDEXER_NORM_EPS = 1e-6  # transformers' k_norm: nn.LayerNorm(K, eps=1e-6)
+PARTITION_RULES = (
+    (r"indexer/(wq_b|wk|weights_proj)/kernel", P("fsdp", None)),
+    (r"indexer/k_norm/(weight|bias)", P(None)),
+)
+CACHE_RULES = ((r"(^|/)kv$", P(BATCH_AXES, None, None, None)),
+               (r"(^|/)index_k$", P(BATCH_AXES, None, None)))
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerConfig:
+    q_lora_rank: int
+    n_heads: int
+    head_dim: int
+    rope_dim: int  # MLA's qk_rope_head_dim: the first dims of a head that rotary turns
+    topk: int
+    rope_interleave: bool = False  # GLM-5: rotary pairs (x0, x1), ...; DeepSeek-V3.2: halves
+    initializer_range: float = 0.02
+
+
+class IndexedLatentCache(NamedTuple):
+    """Per layer: MLA's latent (B, S, 1, C + R) (mla.LatentCache's) and the indexer's keys
+    (B, S, K), rotated."""
+
+    kv: jax.Array
+    index_k: jax.Array
+
+    @classmethod
+    def init(cls, mla, indexer: IndexerConfig, batch: int, length: int, dtype=jnp.float32):
+        return cls(LatentCache.init(mla, batch, length, dtype).kv,
+                   jnp.zeros((batch, length, indexer.head_dim), dtype))
+
+    def write(self, kv, positions):
+        """MLA's rows (B, T, 1, C + R) at `positions` (B, T)."""
+        return self._replace(kv=LatentCache(self.kv).write(kv, positions).kv)
+
+    def write_index(self, k, positions):
+        """The indexer's keys (B, T, K) at `positions` (B, T)."""
+        rows = jnp.arange(k.shape[0])[:, None]
+        return self._replace(index_k=self.index_k.at[rows, positions].set(
+            k.astype(self.index_k.dtype)))
+
+
+class LayerNorm(nn.Module):
+    """transformers' nn.LayerNorm under its names (weight, bias), in fp32."""
+
+    eps: float
+    param_dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):
+        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+        bias = self.param("bias", nn.initializers.zeros, (x.shape[-1],), self.param_dtype)
+        x = x.astype(jnp.float32)
+        mean = x.mean(-1, keepdims=True)
+        var = jnp.square(x - mean).mean(-1, keepdims=True)
+        return (x - mean) * jax.lax.rsqrt(var + self.eps) * weight + bias
+
+
+def rotate(x, cos, sin, interleave: bool):
+    """Rotary on the first R dims of (B, T, heads, K) (R = cos's width); interleaved pairs
+    are first laid out as halves (the layout transformers' rotation returns too)."""
+    R = cos.shape[-1]
+    turned, rest = x[..., :R], x[..., R:]
+    if interleave:
+        turned = jnp.concatenate([turned[..., 0::2], turned[..., 1::2]], axis=-1)
+    return jnp.concatenate([apply_rotary(turned, cos, sin), rest], axis=-1)
+
+
+class Indexer(nn.Module):
+    """(x (B, T, D), q_latent (B, T, Q), cos, sin (B, T, R), positions (B, T), visible
+    (B, T, S) bool, cache) -> (selected (B, T, S) bool: the top-k visible keys of each
+    query, cache with this call's keys written)."""
+
+    config: IndexerConfig
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+
+    def dense(self, features: int, name: str):
+        return nn.Dense(features, use_bias=False, dtype=jnp.float32,
+                        param_dtype=self.param_dtype,
+                        kernel_init=nn.initializers.normal(self.config.initializer_range),
+                        name=name)
+
+    @nn.compact
+    def __call__(self, x, q_latent, cos, sin, positions, visible, cache=None):
+        c = self.config
+        B, T, _ = x.shape
+        H, K = c.n_heads, c.head_dim
+        x32, cos, sin = (a.astype(jnp.float32) for a in (x, cos, sin))
+        q = self.dense(H * K, "wq_b")(q_latent.astype(jnp.float32)).reshape(B, T, H, K)
+        k = LayerNorm(INDEXER_NORM_EPS, self.param_dtype, name="k_norm")(
+            self.dense(K, "wk")(x32))  # (B, T, K)
+        q = rotate(q, cos, sin, c.rope_interleave)
+        k = rotate(k[:, :, None], cos, sin, c.rope_interleave)[:, :, 0]
+        if cache is not None:
+            cache = cache.write_index(k, positions)
+            k = cache.index_k.astype(jnp.float32)  # (B, S, K)
+        scores = jax.nn.relu(jnp.einsum("BTHK,BSK->BTHS", q, k) * K ** -0.5)
+        weights = self.dense(H, "weights_proj")(x32) * H ** -0.5  # (B, T, H)
+        index = jnp.einsum("BTH,BTHS->BTS", weights, scores)
+        index = jnp.where(visible, index, -jnp.inf)
+        _, top = jax.lax.top_k(index, min(c.topk, index.shape[-1]))  # (B, T, topk)
+        selected = jnp.zeros(index.shape, bool).at[
+            jnp.arange(B)[:, None, None], jnp.arange(T)[None, :, None], top].set(True)
+        return jax.lax.stop_gradient(selected), cache
+
+
+class SparseLatentAttention(MultiHeadLatentAttention):
+    """MLA over the keys an indexer selects: (x, cos, sin, positions, mask, cache,
+    selected) -> (out, cache, selected). With `indexer` None (a shared layer) the keys are
+    `selected`, the last full layer's."""
+
+    indexer: IndexerConfig | None = None
+
+    @nn.compact
+    def __call__(self, x, cos, sin, positions, mask=None, cache=None, selected=None):
+        if isinstance(mask, SplitSequence):
+            raise UserError("DeepSeek sparse attention under context parallelism (a mesh "
+                            "with sp > 1) is not built: its indexer scores every key of the "
+                            "sequence; use sp=1")
+        T = x.shape[1]
+        visible = dense_mask(mask, T, T if cache is None else cache.kv.shape[1])
+        q_latent = self.query_latent(x)
+        if self.indexer is not None:
+            selected, cache = Indexer(self.indexer, self.dtype, self.param_dtype,
+                                      name="indexer")(x, q_latent, cos, sin, positions,
+                                                      visible, cache)
+        out, cache = self.attend(x, q_latent, cos, sin, positions, visible & selected, cache)
+        return out, cache, selected
+
+
+def mlp_kind(kind: str) -> str:
+    return kind.removesuffix(SHARED)
+
+
+class DecoderLayer(sigmoid_moe_decoder.DecoderLayer):
+    """x + sparse MLA(norm(x)), then x + MLP(norm(x)) (dense or experts). Where the model
+    has shared layers, x comes and goes as (x, the last full layer's selection)."""
+
+    @nn.compact
+    def __call__(self, x, context, positions=None, cache=None):
+        c = self.config
+        cos, sin, mask, _ = context  # MLA has no window
+        x, selected = x if isinstance(x, tuple) else (x, None)
+        own = None if self.kind.endswith(SHARED) else c.indexer()
+        h, cache, selected = SparseLatentAttention(
+            c.mla(), self.dtype, self.param_dtype, indexer=own, name="self_attn")(
+            self.norm("input_layernorm")(x), cos, sin, positions, mask, cache, selected)
+        x = x + h
+        x = x + self.feed_forward(self.norm("post_attention_layernorm")(x), mlp_kind(self.kind))
+        x = constrain(x, P(BATCH_AXES, None, None))
+        return ((x, selected) if c.shares_topk() else x), cache
+
+
+class SparseMLACausalLM(LatentRotary, sigmoid_moe_decoder.SigmoidMoECausalLM):
+    """The causal LM of DSA layers. Its config gives `mla()`, `indexer()` and
+    `shared_topk()` (per layer: reuses the last full layer's choice), `shares_topk()`."""
+
+    layer = DecoderLayer
+
+    @classmethod
+    def layer_kinds(cls, config):
+        return tuple(kind + (SHARED if shared else "") for kind, shared in
+                     zip(config.layer_kinds(), config.shared_topk()))
+
+    @classmethod
+    def layer_cache(cls, config, kind: str, batch_size: int, length: int, dtype):
+        if kind.endswith(SHARED):
+            return LatentCache.init(config.mla(), batch_size, length, dtype)
+        return IndexedLatentCache.init(config.mla(), config.indexer(), batch_size, length,
+                                       dtype)
+
+    @classmethod
+    def cache_rules(cls, config):
+        return CACHE_RULES
+
+    @classmethod
+    def layer_stream(cls, config, x, input_ids, dtype, param_dtype, length: int):
+        """x, or (x, no key selected yet (B, T, length)) where layers share a choice."""
+        if not config.shares_topk():
+            return x, None
+        return (x, jnp.zeros((*x.shape[:2], length), bool)), None
+
+    @classmethod
+    def stream_hidden(cls, stream):
+        return stream[0] if isinstance(stream, tuple) else stream
