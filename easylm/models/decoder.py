@@ -23,8 +23,8 @@ layer s stored as `model/layers_from<s>/...` (`scan_blocks`).
 Decoding passes a cache (`init_cache`) laid out like the layers: each layer's entry, as
 its kind declares it (`CausalLM.layer_cache`; an attention layer's keys and values
 (B, S, K, H)). Each call writes its tokens' keys/values at their `positions` and
-attends over the whole cache under a positions-aware causal mask (a sliding window is
-part of that mask), so every row can be at its own length (continuous batching).
+attends over the whole cache under a positions-aware causal mask (a sliding window or a
+chunk is part of that mask), so every row can be at its own length (continuous batching).
 
 Shape letters: B batch, T positions, S cache positions, D width, F MLP width,
 V vocabulary, N query heads, K key/value heads, H head dim, L layers, R repeats.
@@ -42,7 +42,8 @@ from jax.sharding import PartitionSpec as P
 from easylm.models import remat
 from easylm.models.context_parallel import SplitSequence
 from easylm.errors import UserError
-from easylm.models.attention import attention, holds_window, sliding_window_mask
+from easylm.models.attention import (attention, chunked_mask, dense_mask, holds_window,
+                                     sliding_window_mask)
 from easylm.runtime.sharding import BATCH_AXES, PARAMETER_AXES, constrain
 
 # The key/value cache (B, S, K, H): batch split like activations, heads on 'mp' like the
@@ -437,6 +438,10 @@ class _Backbone(nn.Module):
         split = None if self.is_initializing() else SplitSequence.if_split(
             positions, segment_ids, cache)
         if split is not None:  # no (B, T, T) mask: the window is the kind's, applied there
+            if any(lm.chunk(c, kind) for kind in lm.layer_kinds(c)):
+                raise UserError("chunked local attention under context parallelism (a mesh "
+                                "with sp > 1) is not built: the ring and all-gather kernels "
+                                "take no chunk; use sp=1")
             return {kind: lm.layer_context(c, kind, (*lm.rotary(
                         c, kind, rope_positions, self.dtype), split), segment_ids)
                     for kind in dict.fromkeys(lm.layer_kinds(c))}
@@ -453,6 +458,10 @@ class _Backbone(nn.Module):
             kind_mask = mask
             if window and cache is not None:  # ... and only the last `window` of them
                 kind_mask = mask & sliding_window_mask(positions, key_positions, window)
+            chunk = lm.chunk(c, kind)
+            if chunk:  # ... of the query's chunk: always a (B, T, S) mask
+                kind_mask = dense_mask(kind_mask, positions.shape[1], key_positions.shape[1],
+                                       window) & chunked_mask(positions, key_positions, chunk)
             contexts[kind] = lm.layer_context(c, kind, (*lm.rotary(
                 c, kind, rope_positions, self.dtype), kind_mask), segment_ids)
         return contexts
@@ -544,6 +553,12 @@ class CausalLM(nn.Module):
     @classmethod
     def window(cls, config, kind: str) -> int:
         """A sliding window of a layer of `kind` (0: none)."""
+        return 0
+
+    @classmethod
+    def chunk(cls, config, kind: str) -> int:
+        """Chunked local attention of a layer of `kind`: its chunk of positions (0: none;
+        Llama 4's attention_chunk_size, easylm/models/attention.py)."""
         return 0
 
     @classmethod
