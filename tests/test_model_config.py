@@ -23,6 +23,7 @@ MIXTURES = {
                                               rope_original_max_position_embeddings=8)),
     "glm4_moe": ("glm4_moe", "debug", {}),
     "minimax_m2": ("minimax_m2", "debug", {}),
+    "llama4": ("llama4", "debug", {}),
     "gemma4": ("gemma4", "debug", dict(enable_moe_block=True, num_experts=4, top_k_experts=2,
                                        moe_intermediate_size=16)),
 }
@@ -30,7 +31,7 @@ MIXTURES = {
 ROUTED_FIELD = {"llama": "num_experts", "gpt_oss": "num_local_experts",
                 "qwen3_5": "num_experts", "deepseek_v3": "n_routed_experts",
                 "glm4_moe": "n_routed_experts", "gemma4": "num_experts",
-                "minimax_m2": "n_routed_experts"}
+                "minimax_m2": "n_routed_experts", "llama4": "num_local_experts"}
 
 
 def mixture(name: str, **changes):
@@ -137,9 +138,11 @@ def _train_losses(name, mesh_dim, output_dir) -> list[float]:
         return [row["loss"] for row in map(json.loads, f) if "loss" in row]
 
 
-# mistral4 dispatches as deepseek_v3 (its router only differs): ~3 min on two cores, slow.
+# mistral4 dispatches as deepseek_v3 (its router only differs), llama4 as any top-1 mixture:
+# ~3 min each on two cores, slow.
 @pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow)
-                                  if name == "mistral4" else name for name in MIXTURES])
+                                  if name in ("mistral4", "llama4") else name
+                                  for name in MIXTURES])
 def test_training_over_ep_equals_training_over_fsdp(name, tmp_path):
     """--mesh_dim=dp=1,fsdp=2,ep=4 (each device a quarter of the experts, tokens exchanged
     by all-to-all) trains as --mesh_dim=1,8,1 does, through the command."""
