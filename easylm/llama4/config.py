@@ -115,11 +115,12 @@ class Llama4Config(ExpertMatmulConfig, ModelConfig):
         return RouterLoss(self.num_experts_per_tok, self.router_aux_loss_coef)
 
     def shard_variant(self, layers: int, mp: int):
-        variant = super().shard_variant(layers, mp)
+        # The first `layers` layers' kinds (at least one of experts where the model has them).
         keep = lambda text: ",".join(str(i) for i in _indices(text, "") if i < layers)
-        return variant.replace(moe_layers=keep(self.moe_layers),
-                               no_rope_layers=keep(self.no_rope_layers),
-                               intermediate_size_mlp=-(-self.intermediate_size_mlp // mp))
+        moe = keep(self.moe_layers) or (str(layers - 1) if self.moe_layers else "")
+        trimmed = self.replace(moe_layers=moe, no_rope_layers=keep(self.no_rope_layers))
+        return super(Llama4Config, trimmed).shard_variant(layers, mp).replace(
+            intermediate_size_mlp=-(-self.intermediate_size_mlp // mp))
 
     # --------------------------------------------------------------- counting
 
