@@ -111,6 +111,7 @@ SHALLOW = {"llama": dict(num_hidden_layers=1), "gpt_oss": dict(num_hidden_layers
            "deepseek_v3": dict(num_hidden_layers=1, first_k_dense_replace=0),
            "glm4_moe": dict(num_hidden_layers=1, first_k_dense_replace=0),
            "minimax_m2": dict(num_hidden_layers=1),
+           "llama4": dict(num_hidden_layers=2, moe_layers="0,1", no_rope_layers="1"),
            "gemma4": dict(num_hidden_layers=2, num_kv_shared_layers=0,
                           layer_types="sliding_attention,full_attention")}
 
