@@ -40,7 +40,7 @@ from easylm import flags, model_flags
 from easylm.errors import INSTALL, UserError, exit_on_user_error
 from easylm.models import registry
 from easylm.models.family import ModelFamily, hf_adapter
-from easylm.models.hf_checkpoint import write_safetensors
+from easylm.models.hf_checkpoint import causal_lm_class, write_safetensors
 from easylm.runtime.checkpoint import (
     check_free_space,
     disk_full_error,
@@ -120,10 +120,9 @@ def export(family: ModelFamily, params, config, directory: str, dtype: str = "ke
 def verify(family: ModelFamily, params, config, directory: str) -> float:
     """Max |logits(HF export) - logits(ours)| on fixed sequences, both in fp32."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model, info = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
-                                                       output_loading_info=True)
+    model, info = causal_lm_class(directory).from_pretrained(directory, dtype=torch.float32,
+                                                             output_loading_info=True)
     bad = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys") and v}
     if bad:
         raise UserError(f"{directory}: transformers reports {bad}")

@@ -18,10 +18,14 @@ MIXTURES = {
     "qwen3_5_moe": ("qwen3_5", "debug_moe", {}),
     "qwen3_next": ("qwen3_5", "debug_next", {}),
     "deepseek_v3": ("deepseek_v3", "debug", {}),
+    "mistral4": ("deepseek_v3", "debug", dict(model_type="mistral4", rope_type="yarn",
+                                              rope_factor=4.0, llama_4_scaling_beta=0.5,
+                                              rope_original_max_position_embeddings=8)),
     "glm4_moe": ("glm4_moe", "debug", {}),
     "minimax_m2": ("minimax_m2", "debug", {}),
     "deepseek_v32": ("deepseek_v32", "debug", {}),
     "glm_moe_dsa": ("glm_moe_dsa", "debug", {}),
+    "llama4": ("llama4", "debug", {}),
     "gemma4": ("gemma4", "debug", dict(enable_moe_block=True, num_experts=4, top_k_experts=2,
                                        moe_intermediate_size=16)),
 }
@@ -30,7 +34,7 @@ ROUTED_FIELD = {"llama": "num_experts", "gpt_oss": "num_local_experts",
                 "qwen3_5": "num_experts", "deepseek_v3": "n_routed_experts",
                 "glm4_moe": "n_routed_experts", "gemma4": "num_experts",
                 "minimax_m2": "n_routed_experts", "deepseek_v32": "n_routed_experts",
-                "glm_moe_dsa": "n_routed_experts"}
+                "glm_moe_dsa": "n_routed_experts", "llama4": "num_local_experts"}
 
 
 def mixture(name: str, **changes):
@@ -115,6 +119,7 @@ SHALLOW = {"llama": dict(num_hidden_layers=1), "gpt_oss": dict(num_hidden_layers
            "deepseek_v32": dict(num_hidden_layers=1, first_k_dense_replace=0),
            "glm_moe_dsa": dict(num_hidden_layers=2, first_k_dense_replace=0,
                                indexer_types="full,shared"),
+           "llama4": dict(num_hidden_layers=2, moe_layers="0,1", no_rope_layers="1"),
            "gemma4": dict(num_hidden_layers=2, num_kv_shared_layers=0,
                           layer_types="sliding_attention,full_attention")}
 
@@ -143,8 +148,10 @@ def _train_losses(name, mesh_dim, output_dir) -> list[float]:
 
 
 # Behind `slow` (CI's seconds budget): the DSA families, whose dense-reference indexer
-# makes each sharded compile the longest of the mixtures'.
-SLOW_EP = ("deepseek_v32", "glm_moe_dsa")
+# makes each sharded compile the longest of the mixtures'; mistral4 dispatches as
+# deepseek_v3 (its router only differs) and llama4 as any top-1 mixture (~3 min each on
+# two busy cores).
+SLOW_EP = ("deepseek_v32", "glm_moe_dsa", "mistral4", "llama4")
 
 
 @pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if name in SLOW_EP

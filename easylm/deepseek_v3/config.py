@@ -6,6 +6,11 @@ Every layer attends with multi-head latent attention (easylm/models/mla.py); the
 DeepSeek's mixture of experts (easylm/models/sigmoid_moe.py: sigmoid scores, the
 correction bias that picks, group-limited top-k, `n_shared_experts` shared experts of
 `moe_intermediate_size` each). Rotary is default or YaRN (with mscale / mscale_all_dim).
+
+Mistral Small 4 (`model_type` mistral4, transformers' Mistral4ForCausalLM) is this model
+with two changes, read from its config.json and written back as it: the router scores
+with a softmax over the experts and has no correction bias, and each query is multiplied
+by Llama 4's position scale (`llama_4_scaling_beta`, easylm/models/mla.py).
 """
 
 import dataclasses
@@ -15,6 +20,8 @@ from easylm.models import rope
 from easylm.models.config import default, field
 from easylm.models.hf_checkpoint import config_fields, text_model
 from easylm.models.mla import MLAConfig
+from easylm.models import sigmoid_moe
+from easylm.models.sigmoid_moe import SigmoidMoEConfig
 from easylm.models.sigmoid_moe_decoder import (
     HF_MUST_BE,
     SigmoidMoEDecoderConfig,
@@ -38,6 +45,10 @@ class DeepseekV3Config(SigmoidMoEDecoderConfig):
     eos_token_id: int | None = default(1)
     # The MoE fields' defaults (easylm/models/sigmoid_moe_decoder.py) are DeepSeek-V3's.
 
+    model_type: str = field("deepseek_v3", "deepseek_v3, or mistral4 (Mistral Small 4: a "
+                                           "softmax router without correction bias, and "
+                                           "llama_4_scaling_beta)")
+
     kv_lora_rank: int = field(512, "the key/value latent C (what the cache holds)")
     q_lora_rank: int = field(1536, "query latent width; 0: one q_proj")
     qk_rope_head_dim: int = field(64, "rotary dims of each query/key head")
@@ -53,12 +64,31 @@ class DeepseekV3Config(SigmoidMoEDecoderConfig):
     rope_beta_slow: float = field(1.0, "YaRN beta_slow")
     rope_mscale: float = field(0.0, "YaRN mscale (attention factor of cos/sin); 0: none")
     rope_mscale_all_dim: float = field(0.0, "YaRN mscale_all_dim (softmax scale); 0: none")
+    llama_4_scaling_beta: float = field(
+        0.0, "mistral4: queries at position p multiplied by 1 + beta * log(1 + floor(p / "
+             "rope_original_max_position_embeddings)); 0: none")
 
     def __post_init__(self):
         super().__post_init__()
         if self.rope_type not in ("default", "yarn"):
             raise UserError(f"--{self.section}.rope_type={self.rope_type!r} is not one of "
                             f"default, yarn")
+        flag = f"--{self.section}"
+        if self.model_type not in MODEL_TYPES:
+            raise UserError(f"{flag}.model_type={self.model_type!r} is not one of "
+                            f"{', '.join(MODEL_TYPES)}")
+        mistral4 = self.model_type == "mistral4"
+        if self.llama_4_scaling_beta and not mistral4:
+            raise UserError(f"{flag}.llama_4_scaling_beta={self.llama_4_scaling_beta}: "
+                            f"Llama 4's query scale is mistral4's, not {self.model_type}'s")
+        if self.llama_4_scaling_beta and self.rope_type != "yarn":
+            raise UserError(f"{flag}.llama_4_scaling_beta={self.llama_4_scaling_beta} "
+                            f"divides positions by YaRN's original context: rope_type=yarn "
+                            f"needs setting")
+        if mistral4 and self.routed_bias_update_rate:
+            raise UserError(f"{flag}.routed_bias_update_rate="
+                            f"{self.routed_bias_update_rate}: mistral4's router has no "
+                            f"correction bias to move")
         try:
             self.mla()
         except ValueError as e:
@@ -91,7 +121,13 @@ class DeepseekV3Config(SigmoidMoEDecoderConfig):
                          q_lora_rank=self.q_lora_rank or None, rope_theta=self.rope_theta,
                          rope_interleave=self.rope_interleave, yarn=self.yarn(),
                          attention_bias=self.attention_bias,
-                         initializer_range=self.initializer_range, attention=self.attention)
+                         initializer_range=self.initializer_range, attention=self.attention,
+                         query_scale_beta=self.llama_4_scaling_beta,
+                         query_scale_length=self.rope_original_max_position_embeddings)
+
+    def moe(self) -> SigmoidMoEConfig:
+        router = "softmax" if self.model_type == "mistral4" else sigmoid_moe.ROUTER
+        return dataclasses.replace(super().moe(), router=router)
 
     # --------------------------------------------------------------- counting
 
@@ -117,10 +153,12 @@ class DeepseekV3Config(SigmoidMoEDecoderConfig):
         return from_hf_dict(hf, path)
 
     def to_hf_config(self):
-        from transformers import DeepseekV3Config as HFConfig
+        from transformers import DeepseekV3Config, Mistral4Config
 
-        config = HFConfig(**self.hf_mla_kwargs(), rope_interleave=self.rope_interleave)
-        config.architectures = ["DeepseekV3ForCausalLM"]
+        mistral4 = self.model_type == "mistral4"
+        config = (Mistral4Config if mistral4 else DeepseekV3Config)(
+            **self.hf_mla_kwargs(), rope_interleave=self.rope_interleave)
+        config.architectures = ["Mistral4ForCausalLM" if mistral4 else "DeepseekV3ForCausalLM"]
         return config
 
     def hf_mla_kwargs(self) -> dict:
@@ -135,6 +173,11 @@ class DeepseekV3Config(SigmoidMoEDecoderConfig):
                 **({"mscale": self.rope_mscale} if self.rope_mscale else {}),
                 **({"mscale_all_dim": self.rope_mscale_all_dim}
                    if self.rope_mscale_all_dim else {}))
+        if self.model_type == "mistral4":
+            rope_parameters.update(
+                llama_4_scaling_beta=self.llama_4_scaling_beta,
+                partial_rotary_factor=self.qk_rope_head_dim / (self.qk_rope_head_dim
+                                                               + self.qk_nope_head_dim))
         return dict(
             **self.hf_config_kwargs(),
             num_key_value_heads=self.num_attention_heads, kv_lora_rank=self.kv_lora_rank,
@@ -143,6 +186,11 @@ class DeepseekV3Config(SigmoidMoEDecoderConfig):
             rope_parameters=rope_parameters, attention_bias=self.attention_bias)
 
 
+MODEL_TYPES = ("deepseek_v3", "mistral4")
+# Mistral4Config's rope where config.json has none.
+_MISTRAL4_ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=128.0,
+                      original_max_position_embeddings=8192, beta_fast=32.0, beta_slow=1.0,
+                      mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
 _INTS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
          "num_hidden_layers", "num_attention_heads", "n_routed_experts", "n_shared_experts",
          "num_experts_per_tok", "n_group", "topk_group", "first_k_dense_replace",
@@ -169,8 +217,16 @@ def from_hf_dict(hf: dict, path: str = "config.json", cls: type = DeepseekV3Conf
     """A `cls` from config.json's fields: DeepSeek-V3's, and a variant's (DeepSeek-V3.2,
     GLM-5: `model_type`, named `model` in messages) with its own `fields`."""
     hf = text_fields(hf, path)
+    mistral4 = {}
+    if cls is DeepseekV3Config and hf.get("model_type") == "mistral4":
+        model_type, model = "mistral4", "Mistral Small 4"
     check_model_type(hf, path, model_type)
     defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    if model_type == "mistral4":  # Mistral4Config's defaults (its released shape)
+        defaults.update(DEEPSEEK_V3_PRESETS["mistral_small_4"])
+        hf = {"rope_parameters": _MISTRAL4_ROPE, **hf}
+        beta = (hf.get("rope_parameters") or {}).get("llama_4_scaling_beta")
+        mistral4 = dict(model_type="mistral4", llama_4_scaling_beta=float(beta or 0.0))
     get = config_fields(hf, path, defaults, _INTS, HF_MUST_BE, model)
     skip_mtp(path, hf.get("num_nextn_predict_layers"))
     try:
@@ -194,7 +250,7 @@ def from_hf_dict(hf: dict, path: str = "config.json", cls: type = DeepseekV3Conf
             **{name: get(name) for name in _INTS}, **rope_fields,
             q_lora_rank=hf.get("q_lora_rank") or 0, rope_theta=mla.rope_theta,
             rope_interleave=mla.rope_interleave, attention_bias=mla.attention_bias,
-            **hf_common_fields(hf, get), **fields)
+            **mistral4, **hf_common_fields(hf, get), **fields)
     except UserError as e:
         raise UserError(f"{path}: {e}") from None
 
@@ -219,6 +275,20 @@ DEEPSEEK_V3_PRESETS = {
                               qk_nope_head_dim=128, v_head_dim=128, rope_theta=50000.0,
                               max_position_embeddings=8192, rms_norm_eps=1e-5,
                               bos_token_id=163584, eos_token_id=163585),
+    # Mistral-Small-4-119B-2603's text model, as transformers 5.25's Mistral4Config defaults
+    # describe it (119B parameters, 128 experts, 4 + 1 shared a token, no dense layer).
+    "mistral_small_4": dict(model_type="mistral4", vocab_size=131072, hidden_size=4096,
+                            intermediate_size=12288, moe_intermediate_size=2048,
+                            num_hidden_layers=36, num_attention_heads=32, n_routed_experts=128,
+                            n_shared_experts=1, num_experts_per_tok=4, n_group=1, topk_group=1,
+                            first_k_dense_replace=0, routed_scaling_factor=1.0,
+                            norm_topk_prob=True, kv_lora_rank=256, q_lora_rank=1024,
+                            qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=128,
+                            rope_theta=10000.0, rope_type="yarn", rope_factor=128.0,
+                            rope_original_max_position_embeddings=8192, rope_mscale=1.0,
+                            rope_mscale_all_dim=1.0, llama_4_scaling_beta=0.1,
+                            max_position_embeddings=1048576, rms_norm_eps=1e-6,
+                            bos_token_id=1, eos_token_id=2, pad_token_id=11),
     "deepseek_v3": dict(rope_type="yarn", rope_factor=40.0, rope_mscale=1.0,
                         rope_mscale_all_dim=1.0, max_position_embeddings=163840,
                         rope_beta_fast=32.0, rope_beta_slow=1.0),

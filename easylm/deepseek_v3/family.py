@@ -1,5 +1,5 @@
-"""The DeepSeek-V3 family (DeepSeek-V3/R1, Kimi K2, Moonlight, Kimi K2.5's text model):
-`FAMILY`."""
+"""The DeepSeek-V3 family (DeepSeek-V3/R1, Kimi K2, Moonlight, Kimi K2.5's text model,
+Mistral Small 4): `FAMILY`."""
 
 from easylm.deepseek_v3 import hf
 from easylm.deepseek_v3.config import DEEPSEEK_V3_PRESETS, DeepseekV3Config
@@ -8,8 +8,6 @@ from easylm.models.family import HFAdapter, ModelFamily, hf_params_reader
 
 # Near model_types that are not built: what they compute that this model does not.
 NOT_BUILT = {
-    "mistral4": "softmax group-limited router and Llama-4 attention scaling "
-                "(llama_4_scaling_beta) on MLA (Mistral Small 4)",
     "deepseek_v4": "compress_rates (compressed sparse attention), its indexer and hc_mult "
                    "hyper-connections",
 }
@@ -23,7 +21,8 @@ class DeepseekV3Family(ModelFamily):
     tiny_preset = "debug"
     module_class = DeepseekV3ForCausalLM
     variants = ("lora", "int8")
-    hf = HFAdapter(model_types=("deepseek_v3", "kimi_k25"),  # kimi_k25: its text model
+    # kimi_k25: its text model; mistral4: model_type mistral4 (config.py)
+    hf = HFAdapter(model_types=("deepseek_v3", "kimi_k25", "mistral4"),
                    read_config=DeepseekV3Config.read_hf, write_params=hf.to_hf,
                    read_params=hf_params_reader(hf.load_hf_params, DeepseekV3ForCausalLM),
                    not_built=NOT_BUILT)

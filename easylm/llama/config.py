@@ -42,10 +42,6 @@ NOT_BUILT = {
     "qwen2_moe": "shared_expert_intermediate_size (a shared expert beside the routed ones)",
     "deepseek_v2": "kv_lora_rank (multi-head latent attention) and n_shared_experts",
     "qwen3_next": "layer_types (linear-attention layers) and shared_expert_intermediate_size",
-    "llama4_text": "attention_chunk_size (chunked local attention), no_rope_layers with "
-                   "attention temperature tuning, and the MoE that weighs each expert's input",
-    "llama4": "text model (llama4_text: chunked local attention, NoPE layers with temperature "
-              "tuning, the MoE that weighs each expert's input)",
 }
 # What a config.json without a key means: its transformers class's default (transformers
 # 5's LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config; None: derived, as the class

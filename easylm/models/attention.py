@@ -28,6 +28,12 @@ included: key s is visible from query t iff t - W < s <= t, transformers' conven
 or segment ids the kernels apply it themselves (`window=`); a caller with a (B, T, S) mask
 puts it in the mask (`sliding_window_mask`).
 
+Chunked local attention of C (Llama 4's attention_chunk_size) lets a query see the keys of
+its own chunk of C positions, itself and those before it: key s is visible from query t
+iff s // C == t // C and s <= t, transformers' convention (`masking_utils.chunked_overlay`).
+No kernel takes a chunk: a caller puts it in a (B, T, S) mask (`chunked_mask`), which sends
+splash's and cuDNN's calls to dot_product (the same numbers).
+
 Implementations:
     xla          the plain einsum reference below
     dot_product  jax.nn.dot_product_attention with its XLA implementation
@@ -123,6 +129,12 @@ def sliding_window_mask(query_positions, key_positions, window: int):
     """(B, T) and (B, S) positions -> (B, T, S) bool: key within the last `window`
     positions of the query, itself included (and any later key: AND it with a causal mask)."""
     return key_positions[:, None, :] > query_positions[:, :, None] - window
+
+
+def chunked_mask(query_positions, key_positions, chunk: int):
+    """(B, T) and (B, S) positions -> (B, T, S) bool: key in the query's chunk of `chunk`
+    positions (and any later key of it: AND it with a causal mask)."""
+    return key_positions[:, None, :] // chunk == query_positions[:, :, None] // chunk
 
 
 def segment_mask(segment_ids):

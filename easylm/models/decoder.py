@@ -23,8 +23,8 @@ layer s stored as `model/layers_from<s>/...` (`scan_blocks`).
 Decoding passes a cache (`init_cache`) laid out like the layers: each layer's entry, as
 its kind declares it (`CausalLM.layer_cache`; an attention layer's keys and values
 (B, S, K, H)). Each call writes its tokens' keys/values at their `positions` and
-attends over the whole cache under a positions-aware causal mask (a sliding window is
-part of that mask), so every row can be at its own length (continuous batching).
+attends over the whole cache under a positions-aware causal mask (a sliding window or a
+chunk is part of that mask), so every row can be at its own length (continuous batching).
 
 Shape letters: B batch, T positions, S cache positions, D width, F MLP width,
 V vocabulary, N query heads, K key/value heads, H head dim, L layers, R repeats.
@@ -46,6 +46,8 @@ from easylm.errors import UserError
 from easylm.models.attention import (
     BidirectionalBlocks,
     attention,
+    chunked_mask,
+    dense_mask,
     holds_window,
     same_block,
     sliding_window_mask,
@@ -481,6 +483,10 @@ class _Backbone(nn.Module):
             raise UserError("bidirectional attention among an image's tokens under context "
                             "parallelism (a mesh with sp > 1) is not supported; use sp=1")
         if split is not None:  # no (B, T, T) mask: the window is the kind's, applied there
+            if any(lm.chunk(c, kind) for kind in lm.layer_kinds(c)):
+                raise UserError("chunked local attention under context parallelism (a mesh "
+                                "with sp > 1) is not built: the ring and all-gather kernels "
+                                "take no chunk; use sp=1")
             return {kind: lm.layer_context(c, kind, LayerContext(*lm.rotary(
                         c, kind, rope_positions, self.dtype), split, lm.window(c, kind)),
                         segment_ids)
@@ -505,6 +511,10 @@ class _Backbone(nn.Module):
                 kind_mask = mask | same_block(blocks, key_blocks)
             if window and cache is not None:  # ... and only the last `window` of them
                 kind_mask = kind_mask & sliding_window_mask(positions, key_positions, window)
+            chunk = lm.chunk(c, kind)
+            if chunk:  # ... of the query's chunk: always a (B, T, S) mask
+                kind_mask = dense_mask(kind_mask, positions.shape[1], key_positions.shape[1],
+                                       window) & chunked_mask(positions, key_positions, chunk)
             contexts[kind] = lm.layer_context(c, kind, LayerContext(*lm.rotary(
                 c, kind, rope_positions, self.dtype), kind_mask, window), segment_ids)
         return contexts
@@ -603,6 +613,12 @@ class CausalLM(nn.Module):
         """Whether in a layer of `kind` the tokens of one block (an image's: `decode`'s
         `blocks`) see each other both ways (Gemma 4's sliding layers); else causal."""
         return False
+
+    @classmethod
+    def chunk(cls, config, kind: str) -> int:
+        """Chunked local attention of a layer of `kind`: its chunk of positions (0: none;
+        Llama 4's attention_chunk_size, easylm/models/attention.py)."""
+        return 0
 
     @classmethod
     def embed_scale(cls, config) -> float | None:

@@ -32,7 +32,8 @@ import jax.numpy as jnp
 from easylm.errors import UserError
 from easylm.models import decoder, moe
 from easylm.models.config import ModelConfig, preset_config
-from easylm.models.hf_checkpoint import hf_key, params_from_hf, write_safetensors
+from easylm.models.hf_checkpoint import (causal_lm_class, hf_key, params_from_hf,
+                                         write_safetensors)
 from easylm.runtime.sharding import PartitionRules, path_to_string
 
 Params = Any  # a tree of arrays
@@ -318,14 +319,13 @@ def torch_reference(family: ModelFamily, config, params):
 
     import numpy as np
     import torch
-    from transformers import AutoModelForCausalLM
 
     with tempfile.TemporaryDirectory() as directory:
         write_safetensors(((name, np.asarray(x, np.float32))
                            for name, x in hf_adapter(family).write_params(params, config)),
                           directory)
         config.to_hf_config().save_pretrained(directory)
-        return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+        return causal_lm_class(directory).from_pretrained(directory, dtype=torch.float32).eval()
 
 
 def load_params(family: ModelFamily, spec: str, config, abstract_params, rules: PartitionRules):

@@ -13,6 +13,7 @@ anything that needs pickle globals beyond plain tensors is refused.
 
 import json
 import os
+import re
 from collections.abc import Iterable, Iterator, Mapping
 
 import ml_dtypes
@@ -200,6 +201,86 @@ class RenamedTensors(Mapping):
 
     def __len__(self):
         return len(self.names)
+
+
+_FUSED = re.compile(r"(.*\.experts)\.(gate_up_proj|down_proj)$")
+_PER_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+class PerExpertTensors(Mapping):
+    """`tensors` whose fused experts (transformers 5's `...experts.gate_up_proj`, gate's
+    outputs first, and `...experts.down_proj`, as save_pretrained writes them for a model
+    without a per-expert conversion: Mistral 4, Llama 4) read under the per-expert names
+    `...experts.<e>.{gate,up,down}_proj.weight` (out, in). The fused stacks are (E, out,
+    in), or with `in_out` (E, in, out) (Llama 4's)."""
+
+    def __init__(self, tensors: Mapping, in_out: bool = False):
+        self.tensors, self.in_out, self.names = tensors, in_out, {}
+        for name in tensors:
+            fused = _FUSED.match(name)
+            if not fused:
+                self.names[name] = (name, None, None)
+                continue
+            prefix, kind = fused.groups()
+            leaves = ("gate_proj", "up_proj") if kind == "gate_up_proj" else ("down_proj",)
+            for e in range(tensors[name].shape[0]):
+                for part, leaf in enumerate(leaves):
+                    self.names[f"{prefix}.{e}.{leaf}.weight"] = (name, e, part if
+                                                                 len(leaves) > 1 else None)
+
+    def __getitem__(self, key):
+        name, e, part = self.names[key]
+        tensor = self.tensors[name]
+        if e is None:
+            return tensor
+        one = to_numpy(tensor[e])  # (out, in), or (in, out) with in_out
+        one = one.T if self.in_out else one
+        if part is not None:  # gate's rows, then up's
+            half = one.shape[0] // 2
+            one = one[half:] if part else one[:half]
+        return np.ascontiguousarray(one)
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self):
+        return len(self.names)
+
+
+def fuse_experts(named: Iterable, in_out: bool = False) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, tensor) pairs with the per-expert ones (`...experts.<e>.<leaf>.weight`, a
+    layer's together) fused as `PerExpertTensors` reads them: one gate_up_proj and one
+    down_proj a layer, written once the layer's experts have passed."""
+    prefix, leaves = None, {}
+
+    def fused():
+        gate_up = [np.concatenate([leaves["gate_proj"][e], leaves["up_proj"][e]])
+                   for e in sorted(leaves["gate_proj"])]
+        down = [leaves["down_proj"][e] for e in sorted(leaves["down_proj"])]
+        for kind, stack in (("gate_up_proj", np.stack(gate_up)), ("down_proj", np.stack(down))):
+            yield f"{prefix}.{kind}", stack.transpose(0, 2, 1) if in_out else stack  # (E, ...)
+
+    for name, tensor in named:
+        match = _PER_EXPERT.match(name)
+        if prefix is not None and (not match or match.group(1) != prefix):
+            yield from fused()
+            prefix, leaves = None, {}
+        if not match:
+            yield name, tensor
+            continue
+        prefix, e, leaf = match.groups()
+        leaves.setdefault(leaf, {})[int(e)] = tensor
+    if prefix is not None:
+        yield from fused()
+
+
+def causal_lm_class(directory: str):
+    """transformers' class for DIR's config.json: its `architectures`' first, which
+    AutoModelForCausalLM does not map for every model (Mistral4ForCausalLM in 5.25)."""
+    import transformers
+
+    names = read_config(directory).get("architectures") or [""]
+    return getattr(transformers, names[0], None) or transformers.AutoModelForCausalLM
 
 
 def to_numpy(tensor) -> np.ndarray:

@@ -25,6 +25,11 @@ YaRN (easylm/models/rope.py) enters twice, as transformers has it: its attention
 multiplies cos and sin (the rotary dimensions only), and `mscale_all_dim` multiplies the
 softmax scale of all dimensions (`yarn_softmax_scale`).
 
+Mistral Small 4 multiplies each query by Llama 4's position-dependent attention scale,
+1 + beta * log(1 + floor(p / L)) at position p (`query_scale_beta` beta, L its YaRN
+original context, `query_scale_length`): 1 within the first L positions, growing slowly
+past them.
+
 Parameter names are transformers' (q_a_proj/kernel is q_a_proj.weight transposed).
 
 Shape letters: B batch, T query positions, S key (cache) positions, D width, N heads,
@@ -66,6 +71,9 @@ class MLAConfig:
     attention_bias: bool = False
     initializer_range: float = 0.02
     attention: str = "auto"  # the kernel (easylm/models/attention.py)
+    # Llama 4's query scale (Mistral Small 4's llama_4_scaling_beta; 0: none) and its L.
+    query_scale_beta: float = 0.0
+    query_scale_length: int = 8192
 
     @classmethod
     def from_hf(cls, hf: dict, **overrides) -> "MLAConfig":
@@ -163,6 +171,11 @@ class MultiHeadLatentAttention(nn.Module):
         N, P, V = c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim
         q_nope, q_rope = self.split_query(self.query(q_latent))  # (B, T, N, P), (B, T, N, R)
         q_rope = self.rotate(q_rope, cos, sin)
+        if c.query_scale_beta:  # Llama 4's, by position: (B, T, 1, 1)
+            scale = 1 + c.query_scale_beta * jnp.log1p(jnp.floor(
+                positions.astype(jnp.float32) / c.query_scale_length))
+            scale = scale[..., None, None].astype(q_nope.dtype)
+            q_nope, q_rope = q_nope * scale, q_rope * scale
         kv = self.latent(x, cos, sin)  # (B, T, 1, C + R)
         if cache is not None:
             cache = cache.write(kv, positions)

@@ -6,6 +6,7 @@ Routing (`route`), as the released models do it:
     softmax_topk   probabilities over all experts, the k largest kept, optionally divided
                    by their sum (Mixtral always; Qwen3-MoE when `norm_topk_prob`)
     topk_softmax   the k largest logits (with the router's bias, gpt-oss), softmax over them
+    topk_sigmoid   the k largest logits, each through a sigmoid (Llama 4)
 Experts are gated MLPs, down(act(gate(x)) * up(x)); `swiglu_limit` gives gpt-oss's
 clamped variant, (clip(up) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit), and
 `expert_bias` its per-expert biases.
@@ -61,7 +62,7 @@ from easylm.errors import UserError
 from easylm.models.config import field
 from easylm.runtime.sharding import BATCH_AXES
 
-ROUTERS = ("softmax_topk", "topk_softmax")
+ROUTERS = ("softmax_topk", "topk_softmax", "topk_sigmoid")
 EP = "ep"
 REPLAY = "routing"  # the variable collection that carries choices to replay
 ACTIVATIONS = {"silu": nn.silu, "gelu_tanh": partial(nn.gelu, approximate=True)}
@@ -152,7 +153,7 @@ def route(logits, config: MoEConfig, experts=None):
     past a rollout's end) is routed as usual."""
     logits = logits.astype(jnp.float32)
     k = config.num_experts_per_tok
-    scores = logits if config.router == "topk_softmax" else jax.nn.softmax(logits, axis=-1)
+    scores = logits if config.router.startswith("topk_") else jax.nn.softmax(logits, axis=-1)
     top, own = jax.lax.top_k(scores, k)
     if experts is None:
         experts = own
@@ -162,6 +163,8 @@ def route(logits, config: MoEConfig, experts=None):
         top = jnp.take_along_axis(scores, experts, axis=-1)
     if config.router == "topk_softmax":
         return jax.nn.softmax(top, axis=-1), experts
+    if config.router == "topk_sigmoid":
+        return jax.nn.sigmoid(top), experts
     if config.norm_topk_prob:
         top = top / top.sum(axis=-1, keepdims=True)
     return top, experts

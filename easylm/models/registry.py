@@ -23,7 +23,8 @@ FAMILIES = {"llama": "easylm.llama.family:FAMILY", "gemma": "easylm.gemma.family
             "qwen3_5_vl": "easylm.qwen3_5.vision_hf:FAMILY",
             "gemma4_vl": "easylm.gemma4.vision_hf:FAMILY",
             "deepseek_v32": "easylm.deepseek_v32.family:FAMILY",
-            "glm_moe_dsa": "easylm.glm_moe_dsa.family:FAMILY"}
+            "glm_moe_dsa": "easylm.glm_moe_dsa.family:FAMILY",
+            "llama4": "easylm.llama4.family:FAMILY"}
 DEFAULT = "llama"
 # The flags that name what a command loads, whose family it then is.
 CHECKPOINT_FLAGS = ("--load_checkpoint=", "--lora_checkpoint=")

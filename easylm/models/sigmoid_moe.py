@@ -9,8 +9,9 @@ s + b, b the correction bias (aux-loss-free balancing moves it between steps, ne
 gradient): experts fall into n_group groups of E / n_group, each group is worth the sum
 of its two best s + b, only the topk_group best groups stay, and the k best of their
 experts are chosen. The weights are the chosen experts' s, without b (divided by their
-sum with `norm_topk_prob`). The router's kernel and the bias stay fp32 whatever the
-parameters' dtype, as transformers keeps them (`_keep_in_fp32_modules_strict`).
+sum with `norm_topk_prob`). Mistral Small 4 routes the same way on softmax scores, without
+a correction bias (router "softmax"). The router's kernel and the bias stay fp32 whatever
+the parameters' dtype, as transformers keeps them (`_keep_in_fp32_modules_strict`).
 
 The routed experts are moe.py's (the same stacked parameters, LoRA adapters, grouped
 matmul, capacity and expert parallelism); the shared experts are one gated MLP of width
@@ -35,6 +36,9 @@ from easylm.models.moe import REPLAY, Experts, MoEConfig, Router, RouterStats, S
 
 BIAS = "router_bias"  # the collection holding e_score_correction_bias
 ROUTER = "sigmoid"
+# How the router's logits become scores: DeepSeek-V3's sigmoid (with the correction bias
+# that picks), or Mistral 4's softmax over all experts (no bias).
+ROUTERS = (ROUTER, "softmax")
 # moe.py's, and the shared experts split as a dense MLP is (D over fsdp, F over mp).
 PARTITION_RULES = moe.PARTITION_RULES + (
     (r"shared_experts/(gate_proj|up_proj)/kernel$", P("fsdp", "mp")),
@@ -55,8 +59,9 @@ class SigmoidMoEConfig(MoEConfig):
 
     def __post_init__(self):
         E, G, K = self.num_experts, self.n_group, self.num_experts_per_tok
-        if self.router != ROUTER:
-            raise ValueError(f"router {self.router!r}: this block routes by {ROUTER!r}")
+        if self.router not in ROUTERS:
+            raise ValueError(f"router {self.router!r}: this block routes by "
+                             f"{' or '.join(ROUTERS)}")
         if E % G or E // G < 2:
             raise ValueError(f"{E} experts cannot form n_group={G} groups of two or more")
         if not 0 < self.topk_group <= G:
@@ -69,9 +74,15 @@ class SigmoidMoEConfig(MoEConfig):
 def sigmoid_route(logits, bias, config: SigmoidMoEConfig, experts=None):
     """(weights (N, K) fp32, experts (N, K) int32) from router logits (N, E) and the
     correction bias (E,). `experts` given (routing replay), those are used and only their
-    weights come from `logits`; rows of -1 are routed as usual (as moe.route)."""
-    scores = jax.nn.sigmoid(logits.astype(jnp.float32))  # (N, E)
-    own = _choose(scores + bias.astype(jnp.float32), config)
+    weights come from `logits`; rows of -1 are routed as usual (as moe.route). A softmax
+    router has no bias (None)."""
+    logits = logits.astype(jnp.float32)
+    if config.router == "softmax":
+        scores = jax.nn.softmax(logits, axis=-1)  # (N, E)
+        own = _choose(scores, config)
+    else:
+        scores = jax.nn.sigmoid(logits)
+        own = _choose(scores + bias.astype(jnp.float32), config)
     if experts is None:
         experts = own
     else:
@@ -124,7 +135,8 @@ def update_bias(params, load, rate: float):
 class SigmoidMoE(SparseMoE):
     """x (B, T, D) -> (y (B, T, D), RouterStats). Parameters: router/kernel (D, E) fp32,
     experts/... as `SparseMoE`'s, shared_experts/{gate_proj, up_proj, down_proj}/kernel;
-    and router_bias/e_score_correction_bias (E,) fp32 in the `BIAS` collection."""
+    and router_bias/e_score_correction_bias (E,) fp32 in the `BIAS` collection (none with
+    a softmax router)."""
 
     config: SigmoidMoEConfig
     # Where e_score_correction_bias lives: its own collection (`BIAS`), or "params" for a
@@ -139,13 +151,15 @@ class SigmoidMoE(SparseMoE):
         E = c.num_experts
         tokens = x.reshape(B * T, D)
         logits = Router(E, False, c.initializer_range, jnp.float32, name="router")(tokens)
-        bias = self.variable(self.bias_collection, "e_score_correction_bias",
-                             lambda: jnp.zeros((E,), jnp.float32))
+        bias = None
+        if c.router == ROUTER:
+            bias = self.variable(self.bias_collection, "e_score_correction_bias",
+                                 lambda: jnp.zeros((E,), jnp.float32)).value
         if experts is None and self.has_variable(REPLAY, "experts"):
             experts = self.get_variable(REPLAY, "experts")
         if experts is not None:
             experts = experts.reshape(B * T, c.num_experts_per_tok)
-        weights, experts = sigmoid_route(logits, bias.value, c, experts)
+        weights, experts = sigmoid_route(logits, bias, c, experts)
         params = Experts(c, D, self.param_dtype, name="experts")()
         out, dropped = self._dispatch(tokens, weights, experts, params)
         out = out.reshape(B, T, D).astype(self.dtype)

@@ -1,0 +1,1 @@
+"""Llama 4's text model (llama4_text): easylm/llama4/model.py."""
