@@ -14,8 +14,6 @@ NOT_BUILT = {
                     "per query)",
     "glm_moe_dsa": "index_topk indexer (DeepSeek sparse attention: the keys an indexer picks "
                    "per query)",
-    "deepseek_v4": "compress_rates (compressed sparse attention), its indexer and hc_mult "
-                   "hyper-connections",
 }
 
 

@@ -20,7 +20,8 @@ FAMILIES = {"llama": "easylm.llama.family:FAMILY", "gemma": "easylm.gemma.family
             "glm4_moe": "easylm.glm4_moe.family:FAMILY",
             "gemma4": "easylm.gemma4.family:FAMILY", "olmo3": "easylm.olmo3.family:FAMILY",
             "minimax_m2": "easylm.minimax_m2.family:FAMILY",
-            "qwen3_5_vl": "easylm.qwen3_5.vision_hf:FAMILY"}
+            "qwen3_5_vl": "easylm.qwen3_5.vision_hf:FAMILY",
+            "deepseek_v4": "easylm.deepseek_v4.family:FAMILY"}
 DEFAULT = "llama"
 # The flags that name what a command loads, whose family it then is.
 CHECKPOINT_FLAGS = ("--load_checkpoint=", "--lora_checkpoint=")
