@@ -280,7 +280,7 @@ def test_a_second_family_plans_and_benches(tmp_path):
 @pytest.mark.parametrize("model_type, why", [
     ("llama4_text", "attention_chunk_size (chunked local attention)"),
     ("mistral4", "softmax group-limited router"), ("deepseek_v32", "index_topk indexer"),
-    ("glm_moe_dsa", "index_topk indexer"), ("deepseek_v4", "compress_rates")])
+    ("glm_moe_dsa", "index_topk indexer")])
 def test_the_late_2026_types_not_built_are_refused_by_what_differs(tmp_path, model_type, why):
     """hf::DIR of a model_type near a family's that it does not build: one line naming what
     that model computes differently (not 'not one easylm reads')."""

@@ -92,6 +92,8 @@ class DeepseekV4Config(ExpertMatmulConfig, ModelConfig):
                                      or set(self.mlp_kinds()) - set(MLP_TYPES)):
             fail(f"mlp_layer_types needs {self.num_hidden_layers} entries, each one of "
                  f"{', '.join(MLP_TYPES)}; got {self.mlp_layer_types!r}")
+        if self.n_shared_experts != 1:
+            fail(f"n_shared_experts={self.n_shared_experts}: one shared expert is built")
         if self.scoring_func not in SCORING:
             fail(f"scoring_func={self.scoring_func!r} is not one of {', '.join(SCORING)}")
         if self.compress_rope_type not in ("default", "yarn"):
@@ -189,11 +191,11 @@ class DeepseekV4Config(ExpertMatmulConfig, ModelConfig):
             own += self.q_lora_rank * self.index_n_heads * i + d * self.index_n_heads
         return own
 
-    def _mlp_params(self, mlp: str, active: bool = False) -> int:
+    def _mlp_params(self, active: bool = False) -> int:
         d, f = self.hidden_size, self.moe_intermediate_size
         experts = self.num_experts_per_tok if active else self.n_routed_experts
-        own = 3 * d * f * (experts + self.n_shared_experts) + d * self.n_routed_experts
-        return own + (0 if mlp == "hash_moe" else self.n_routed_experts)
+        # As transformers counts: its buffers (the correction bias, tid2eid) left out.
+        return 3 * d * f * (experts + self.n_shared_experts) + d * self.n_routed_experts
 
     def _hc_params(self) -> int:
         k = self.hc_mult
@@ -201,13 +203,13 @@ class DeepseekV4Config(ExpertMatmulConfig, ModelConfig):
 
     def num_parameters(self) -> int:
         d, v = self.hidden_size, self.vocab_size
-        layers = sum(self._attention_params(a) + self._mlp_params(m) + self._hc_params() + 2 * d
+        layers = sum(self._attention_params(a) + self._mlp_params() + self._hc_params() + 2 * d
                      for a, m in zip(self.attention_kinds(), self.mlp_kinds()))
         head = self.hc_mult * (self.hc_mult * d + 1) + 1
         return v * d * (1 if self.tie_word_embeddings else 2) + layers + d + head
 
     def num_matmul_parameters(self) -> int:
-        return (sum(self._attention_params(a) + self._mlp_params(m, True)
+        return (sum(self._attention_params(a) + self._mlp_params(True)
                     for a, m in zip(self.attention_kinds(), self.mlp_kinds()))
                 + self.vocab_size * self.hidden_size)
 
@@ -272,7 +274,7 @@ _INTS = ("vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_layer
          "o_lora_rank", "index_n_heads", "index_head_dim", "index_topk", "hc_mult",
          "hc_sinkhorn_iters", "max_position_embeddings")
 HF_MUST_BE = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-              "num_key_value_heads": 1}
+              "num_key_value_heads": 1, "n_shared_experts": 1}  # transformers' one shared MLP
 
 
 def _rope(hf: dict, path: str) -> dict:

@@ -158,6 +158,8 @@ class Indexer(Sublayer):
         # The top k by index, not by a threshold: relu leaves ties (at 0) that a threshold
         # would all keep; ties go to the lower index (jax's top_k, as torch's on CPU).
         k = min(c.index_topk, keys.shape[1])
+        if not k:
+            return visible
         chosen = jax.lax.top_k(scores, k)[1]  # (B, T, k)
         picked = jnp.zeros(scores.shape, bool)
         picked = jax.vmap(jax.vmap(lambda row, at: row.at[at].set(True)))(picked, chosen)
@@ -184,7 +186,7 @@ class Attention(Sublayer):
         mask = same & (rows[None, :] <= rows[:, None]) & (rows[:, None] - rows[None, :]
                                                           < c.sliding_window)
         m = c.compress_rate(self.attention_type)
-        if m and T >= m:
+        if m:  # (its parameters made also when T < m: no entry then)
             csa = self.attention_type == "compressed_sparse_attention"
             entries = Compressor(c, self.dtype, self.param_dtype, rate=m, width=H, overlap=csa,
                                  name="compressor")(u, inv_freq)
