@@ -20,6 +20,7 @@ MIXTURES = {
     "deepseek_v3": ("deepseek_v3", "debug", {}),
     "glm4_moe": ("glm4_moe", "debug", {}),
     "minimax_m2": ("minimax_m2", "debug", {}),
+    "deepseek_v4": ("deepseek_v4", "debug", {}),
     "gemma4": ("gemma4", "debug", dict(enable_moe_block=True, num_experts=4, top_k_experts=2,
                                        moe_intermediate_size=16)),
 }
@@ -27,7 +28,7 @@ MIXTURES = {
 ROUTED_FIELD = {"llama": "num_experts", "gpt_oss": "num_local_experts",
                 "qwen3_5": "num_experts", "deepseek_v3": "n_routed_experts",
                 "glm4_moe": "n_routed_experts", "gemma4": "num_experts",
-                "minimax_m2": "n_routed_experts"}
+                "minimax_m2": "n_routed_experts", "deepseek_v4": "n_routed_experts"}
 
 
 def mixture(name: str, **changes):
