@@ -108,6 +108,9 @@ SHALLOW = {"llama": dict(num_hidden_layers=1), "gpt_oss": dict(num_hidden_layers
            "deepseek_v3": dict(num_hidden_layers=1, first_k_dense_replace=0),
            "glm4_moe": dict(num_hidden_layers=1, first_k_dense_replace=0),
            "minimax_m2": dict(num_hidden_layers=1),
+           "deepseek_v4": dict(num_hidden_layers=2, mlp_layer_types="hash_moe,moe",
+                               layer_types="compressed_sparse_attention,"
+                                           "heavily_compressed_attention"),
            "gemma4": dict(num_hidden_layers=2, num_kv_shared_layers=0,
                           layer_types="sliding_attention,full_attention")}
 
