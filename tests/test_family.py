@@ -278,10 +278,7 @@ def test_a_second_family_plans_and_benches(tmp_path):
     assert row["tokens_per_second"] > 0 and len(row["losses"]) == 2
 
 
-@pytest.mark.parametrize("model_type, why", [
-    ("llama4", "vision tower"),
-    ("deepseek_v32", "index_topk indexer"),
-    ("glm_moe_dsa", "index_topk indexer"), ("deepseek_v4", "compress_rates")])
+@pytest.mark.parametrize("model_type, why", [("llama4", "vision tower")])
 def test_the_late_2026_types_not_built_are_refused_by_what_differs(tmp_path, model_type, why):
     """hf::DIR of a model_type near a family's that it does not build: one line naming what
     that model computes differently (not 'not one easylm reads')."""

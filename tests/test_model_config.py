@@ -26,6 +26,7 @@ MIXTURES = {
     "deepseek_v32": ("deepseek_v32", "debug", {}),
     "glm_moe_dsa": ("glm_moe_dsa", "debug", {}),
     "llama4": ("llama4", "debug", {}),
+    "deepseek_v4": ("deepseek_v4", "debug", {}),
     "gemma4": ("gemma4", "debug", dict(enable_moe_block=True, num_experts=4, top_k_experts=2,
                                        moe_intermediate_size=16)),
 }
@@ -34,7 +35,8 @@ ROUTED_FIELD = {"llama": "num_experts", "gpt_oss": "num_local_experts",
                 "qwen3_5": "num_experts", "deepseek_v3": "n_routed_experts",
                 "glm4_moe": "n_routed_experts", "gemma4": "num_experts",
                 "minimax_m2": "n_routed_experts", "deepseek_v32": "n_routed_experts",
-                "glm_moe_dsa": "n_routed_experts", "llama4": "num_local_experts"}
+                "glm_moe_dsa": "n_routed_experts", "llama4": "num_local_experts",
+                "deepseek_v4": "n_routed_experts"}
 
 
 def mixture(name: str, **changes):
@@ -120,6 +122,9 @@ SHALLOW = {"llama": dict(num_hidden_layers=1), "gpt_oss": dict(num_hidden_layers
            "glm_moe_dsa": dict(num_hidden_layers=2, first_k_dense_replace=0,
                                indexer_types="full,shared"),
            "llama4": dict(num_hidden_layers=2, moe_layers="0,1", no_rope_layers="1"),
+           "deepseek_v4": dict(num_hidden_layers=2, mlp_layer_types="hash_moe,moe",
+                               layer_types="compressed_sparse_attention,"
+                                           "heavily_compressed_attention"),
            "gemma4": dict(num_hidden_layers=2, num_kv_shared_layers=0,
                           layer_types="sliding_attention,full_attention")}
 

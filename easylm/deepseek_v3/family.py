@@ -6,11 +6,6 @@ from easylm.deepseek_v3.config import DEEPSEEK_V3_PRESETS, DeepseekV3Config
 from easylm.deepseek_v3.model import PARTITION_RULES, DeepseekV3ForCausalLM
 from easylm.models.family import HFAdapter, ModelFamily, hf_params_reader
 
-# Near model_types that are not built: what they compute that this model does not.
-NOT_BUILT = {
-    "deepseek_v4": "compress_rates (compressed sparse attention), its indexer and hc_mult "
-                   "hyper-connections",
-}
 
 
 class DeepseekV3Family(ModelFamily):
@@ -24,8 +19,7 @@ class DeepseekV3Family(ModelFamily):
     # kimi_k25: its text model; mistral4: model_type mistral4 (config.py)
     hf = HFAdapter(model_types=("deepseek_v3", "kimi_k25", "mistral4"),
                    read_config=DeepseekV3Config.read_hf, write_params=hf.to_hf,
-                   read_params=hf_params_reader(hf.load_hf_params, DeepseekV3ForCausalLM),
-                   not_built=NOT_BUILT)
+                   read_params=hf_params_reader(hf.load_hf_params, DeepseekV3ForCausalLM))
 
     def partition_rules(self, config: DeepseekV3Config):
         return PARTITION_RULES

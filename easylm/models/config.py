@@ -34,7 +34,8 @@ from easylm.models.hf_checkpoint import read_config
 
 # The layer kinds a `layer_types` field may name (HF's names): a family with that field
 # allows some of them (`ModelConfig.layer_type_choices`).
-LAYER_TYPES = ("sliding_attention", "full_attention", "linear_attention")
+LAYER_TYPES = ("sliding_attention", "full_attention", "linear_attention",
+               "compressed_sparse_attention", "heavily_compressed_attention")  # DeepSeek-V4
 
 
 def field(default, help_text: str):

@@ -97,6 +97,7 @@ class MoEConfig:
     expert_bias: bool = False  # gpt-oss
     swiglu_limit: float = 0.0  # > 0: gpt-oss's clamped SwiGLU
     swiglu_alpha: float = 1.702
+    clamp_limit: float = 0.0  # > 0: DeepSeek-V4's act(min(gate, l)) * clip(up, -l, l)
     capacity_factor: float = 0.0  # 0: dropless
     initializer_range: float = 0.02
     activation: str = "silu"  # of act(gate) * up: silu, or gelu_tanh (Gemma 4)
@@ -290,6 +291,9 @@ def expert_mlp(x, params, group_sizes, config: MoEConfig, dtype):
         up = jnp.clip(up, -limit, limit)
         h = (up + 1) * gate * jax.nn.sigmoid(gate * config.swiglu_alpha)
     else:
+        if config.clamp_limit > 0:
+            gate = jnp.minimum(gate, config.clamp_limit)
+            up = jnp.clip(up, -config.clamp_limit, config.clamp_limit)
         h = ACTIVATIONS[config.activation](gate) * up
     out = grouped(h, params["down_proj"].astype(dtype))  # (M, D)
     if "down_proj_lora_a" in params:

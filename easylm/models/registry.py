@@ -24,7 +24,8 @@ FAMILIES = {"llama": "easylm.llama.family:FAMILY", "gemma": "easylm.gemma.family
             "gemma4_vl": "easylm.gemma4.vision_hf:FAMILY",
             "deepseek_v32": "easylm.deepseek_v32.family:FAMILY",
             "glm_moe_dsa": "easylm.glm_moe_dsa.family:FAMILY",
-            "llama4": "easylm.llama4.family:FAMILY"}
+            "llama4": "easylm.llama4.family:FAMILY",
+            "deepseek_v4": "easylm.deepseek_v4.family:FAMILY"}
 DEFAULT = "llama"
 # The flags that name what a command loads, whose family it then is.
 CHECKPOINT_FLAGS = ("--load_checkpoint=", "--lora_checkpoint=")

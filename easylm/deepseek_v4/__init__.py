@@ -1,0 +1,1 @@
+"""DeepSeek-V4 (Pro, Flash): compressed sparse attention and hyper-connections."""

@@ -1,0 +1,26 @@
+"""The DeepSeek-V4 family (V4-Flash, V4-Pro): `FAMILY`. Full forward (training,
+scoring) exact to transformers; decoding with a cache is refused (model.py's
+NOT_SERVED says why)."""
+
+from easylm.deepseek_v4 import hf
+from easylm.deepseek_v4.config import DEEPSEEK_V4_PRESETS, DeepseekV4Config
+from easylm.deepseek_v4.model import PARTITION_RULES, DeepseekV4ForCausalLM
+from easylm.models.family import HFAdapter, ModelFamily, hf_params_reader
+
+
+class DeepseekV4Family(ModelFamily):
+    name = "deepseek_v4"
+    config_class = DeepseekV4Config
+    presets = DEEPSEEK_V4_PRESETS
+    default_preset = "debug"
+    tiny_preset = "debug"
+    module_class = DeepseekV4ForCausalLM
+    hf = HFAdapter(model_types=("deepseek_v4",), read_config=DeepseekV4Config.read_hf,
+                   read_params=hf_params_reader(hf.load_hf_params, DeepseekV4ForCausalLM),
+                   write_params=hf.to_hf)
+
+    def partition_rules(self, config: DeepseekV4Config):
+        return PARTITION_RULES
+
+
+FAMILY = DeepseekV4Family()

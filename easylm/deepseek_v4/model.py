@@ -1,0 +1,393 @@
+"""DeepSeek-V4's model on the shared decoder (easylm/models/decoder.py), as transformers
+5.25's modeling_deepseek_v4.py computes it in one forward pass (no cache). A dense
+reference: every query is scored against all T tokens and all compressed entries and
+masked where transformers masks (docs/models.md says what the sparse form would save).
+
+Shape letters: B batch, T tokens, D width, N heads, H head width (keys = values), R rotary
+dims (the last R of each head, rotated in interleaved pairs), W compressed entries, m
+tokens an entry compresses, C streams (hc_mult), I / M the indexer's head width / heads,
+G output groups, E experts, K experts a token takes.
+
+The residual is C streams x (B, T, C, D) (the embedding copied C times). Each layer:
+
+    post, comb, u = hc(x, hc_attn_*)                  # hyper-connection, below
+    x = post * attn(attn_norm(u)) + comb^T x          # x[k] += sum_j comb[j, k] x[j]
+    post, comb, u = hc(x, hc_ffn_*)
+    x = post * ffn(ffn_norm(u)) + comb^T x
+
+hc: f = rms(x flattened to C*D) @ fn^T -> (pre C, post C, comb C*C); pre = sigmoid(f s0 +
+b) + eps, post = 2 sigmoid(f s1 + b), comb = softmax_rows(f s2 + b) + eps, then Sinkhorn:
+columns, then (rows, columns) hc_sinkhorn_iters - 1 times, each divided by its sum + eps;
+u = sum_j pre_j x_j. After the layers: pre from hc_head (sigmoid + eps), u = sum pre x, norm.
+
+attn (every type): q_res = q_norm(wq_a u); q = rms(wq_b q_res) per head (no weight),
+rotated; kv = norm(wkv u) (B, T, H), rotated: one head that is key and value. Keys: the T
+tokens under the sliding-window causal mask (i - window < j <= i) and, for the
+compressed types, the W = T // m compressed entries after them. Logits q.k / sqrt(H), a
+learned sink logit per head joins the softmax and is dropped; out = p @ v, its rotary
+dims rotated back (-sin, the query's position); grouped output: each of G groups of
+heads through its own block of wo_a (N H / G -> o_lora_rank), then wo_b.
+
+Compressor of m (HCA, heavily compressed): per window of m tokens, entry =
+norm(sum_t softmax_t(wgate u + ape) * wkv u) rotated at position w m (compressed base).
+CSA (m = compress_rate_csa): wkv, wgate give 2H: entry w mixes window w-1's first H
+(the overlap) and window w's last H over 2m slots. Entry w is visible to token i when
+(w + 1) m <= i + 1. CSA's lightning indexer keeps index_topk of the visible entries:
+its own CSA compressor at width I gives keys k_w; score(i, w) = sum_h (weights_proj u /
+sqrt(M))_h relu(q_h . k_w) / sqrt(I), q = wq_b q_res (M heads of I, rotated); the top
+index_topk visible (all visible where fewer).
+
+ffn: scores s = sqrtsoftplus(u @ gate) (or sigmoid/softmax); experts: top-K of s + bias
+(moe) or tid2eid[token] (hash_moe); weights = s of those / their sum * routed_scaling_factor;
+experts silu(min(g, l)) * clip(up, -l, l); plus one shared expert, clamped alike.
+
+Parameter names are the checkpoint's (as transformers' save_pretrained writes them:
+attn/wq_a, attn/compressor/ape, ffn/gate, hc_attn_fn, ...; easylm/deepseek_v4/hf.py). A
+packed row (segment ids) masks the window and the compressed entries by document (an
+entry is visible where the tokens it compresses are all in the query's document).
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from easylm.deepseek_v4.config import DeepseekV4Config
+from easylm.errors import UserError
+from easylm.models import moe
+from easylm.models.decoder import CausalLM, FP32ScaledRMSNorm, Sublayer
+from easylm.runtime.sharding import BATCH_AXES, constrain
+
+PARTITION_RULES = moe.PARTITION_RULES + (
+    (r"model/embed_tokens/embedding", P("mp", "fsdp")),
+    (r"lm_head/kernel", P("fsdp", "mp")),
+    (r"ffn/gate/(kernel|bias|tid2eid)$", P()),
+    (r"shared_experts/(w1|w3)/kernel$", P("fsdp", "mp")),
+    (r"shared_experts/w2/kernel$", P("mp", "fsdp")),
+    (r"attn/.*kernel$", P("fsdp", None)),
+    (r"(ape|attn_sink|weight|hc_\w+)$", P()),
+)
+SCORE = {"sqrtsoftplus": lambda x: jnp.sqrt(jax.nn.softplus(x)), "sigmoid": jax.nn.sigmoid,
+         "softmax": lambda x: jax.nn.softmax(x, axis=-1)}
+
+
+def rotate(x, cos, sin):
+    """x (B, T, heads, H) with its last R dims rotated in interleaved pairs by cos, sin
+    (B, T, R/2), in fp32 (transformers' V4 rotary)."""
+    R = 2 * cos.shape[-1]
+    c = jnp.repeat(cos, 2, axis=-1)[:, :, None, :]
+    s = jnp.repeat(sin, 2, axis=-1)[:, :, None, :]
+    r = x[..., -R:].astype(jnp.float32)
+    turned = jnp.stack([-r[..., 1::2], r[..., 0::2]], axis=-1).reshape(r.shape)
+    return jnp.concatenate([x[..., :-R], (r * c + turned * s).astype(x.dtype)], axis=-1)
+
+
+def angles(positions, inv_freq):
+    a = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)
+    return jnp.cos(a), jnp.sin(a)
+
+
+def unweighted_rms(x, eps):
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+def hyper_connection(x, fn, base, scale, c: DeepseekV4Config):
+    """(post (B, T, C), comb (B, T, C, C), u (B, T, D)) of streams x (B, T, C, D)."""
+    B, T, C, D = x.shape
+    f = unweighted_rms(x.reshape(B, T, C * D).astype(jnp.float32), c.rms_norm_eps)
+    f = f @ fn.astype(jnp.float32).T
+    pre_w, post_w, comb_w = jnp.split(f, [C, 2 * C], axis=-1)
+    pre_b, post_b, comb_b = jnp.split(base.astype(jnp.float32), [C, 2 * C])
+    pre = jax.nn.sigmoid(pre_w * scale[0] + pre_b) + c.hc_eps
+    post = 2 * jax.nn.sigmoid(post_w * scale[1] + post_b)
+    comb = jax.nn.softmax(comb_w.reshape(B, T, C, C) * scale[2] + comb_b.reshape(C, C),
+                          axis=-1) + c.hc_eps
+    comb = comb / (comb.sum(axis=-2, keepdims=True) + c.hc_eps)
+    for _ in range(c.hc_sinkhorn_iters - 1):
+        comb = comb / (comb.sum(axis=-1, keepdims=True) + c.hc_eps)
+        comb = comb / (comb.sum(axis=-2, keepdims=True) + c.hc_eps)
+    u = (pre[..., None] * x).sum(axis=2).astype(x.dtype)
+    return post, comb, u
+
+
+class Compressor(Sublayer):
+    """u (B, T, D) -> entries (B, W, width), W = T // rate, rotated at w * rate."""
+
+    rate: int = 4
+    width: int = 0
+    overlap: bool = False  # CSA's: each entry also reads the window before
+
+    @nn.compact
+    def __call__(self, u, inv_freq):
+        B, T, _ = u.shape
+        m, h, k = self.rate, self.width, 2 if self.overlap else 1
+        W = T // m
+        kv = self.dense(k * h, "wkv")(u)[:, :W * m].reshape(B, W, m, k * h)
+        ape = self.param("ape", nn.initializers.zeros, (m, k * h), jnp.float32)
+        gate = self.dense(k * h, "wgate")(u)[:, :W * m].reshape(B, W, m, k * h)
+        gate = gate.astype(jnp.float32) + ape
+        if self.overlap:  # window w-1's first h beside window w's last h: 2m slots
+            shift = lambda t, fill: jnp.concatenate(
+                [jnp.full_like(t[:, :1], fill), t[:, :-1]], axis=1)
+            kv = jnp.concatenate([shift(kv[..., :h], 0.0), kv[..., h:]], axis=2)
+            gate = jnp.concatenate([shift(gate[..., :h], -jnp.inf), gate[..., h:]], axis=2)
+        weights = jax.nn.softmax(gate, axis=2).astype(kv.dtype)
+        entries = FP32ScaledRMSNorm(self.config.rms_norm_eps, self.dtype, self.param_dtype,
+                                    name="norm")((kv * weights).sum(axis=2))
+        cos, sin = angles(jnp.broadcast_to(jnp.arange(W) * m, (B, W)), inv_freq)
+        return rotate(entries[:, :, None, :], cos, sin)[:, :, 0]
+
+
+class Indexer(Sublayer):
+    """The lightning indexer: which visible entries (B, T, W) each query keeps."""
+
+    @nn.compact
+    def __call__(self, u, q_res, cos, sin, inv_freq, visible):
+        c = self.config
+        B, T, _ = u.shape
+        M, I = c.index_n_heads, c.index_head_dim
+        keys = Compressor(c, self.dtype, self.param_dtype, rate=c.compress_rate_csa, width=I,
+                          overlap=True, name="compressor")(u, inv_freq)  # (B, W, I)
+        q = rotate(self.dense(M * I, "wq_b")(q_res).reshape(B, T, M, I), cos, sin)
+        scores = jax.nn.relu(jnp.einsum("BTMI,BWI->BTMW", q.astype(jnp.float32),
+                                        keys.astype(jnp.float32))) * I ** -0.5
+        heads = self.dense(M, "weights_proj")(u).astype(jnp.float32) * M ** -0.5
+        scores = jnp.einsum("BTMW,BTM->BTW", scores, heads)
+        scores = jnp.where(visible, scores, -jnp.inf)
+        # The top k by index, not by a threshold: relu leaves ties (at 0) that a threshold
+        # would all keep; ties go to the lower index (jax's top_k, as torch's on CPU).
+        k = min(c.index_topk, keys.shape[1])
+        if not k:
+            return visible
+        chosen = jax.lax.top_k(scores, k)[1]  # (B, T, k)
+        picked = jnp.zeros(scores.shape, bool)
+        picked = jax.vmap(jax.vmap(lambda row, at: row.at[at].set(True)))(picked, chosen)
+        return visible & picked
+
+
+class Attention(Sublayer):
+    attention_type: str = "sliding_attention"
+
+    @nn.compact
+    def __call__(self, u, cos, sin, inv_freq, segment_ids):
+        c = self.config
+        B, T, _ = u.shape
+        N, H, G = c.num_attention_heads, c.head_dim, c.o_groups
+        norm = lambda name: FP32ScaledRMSNorm(c.rms_norm_eps, self.dtype, self.param_dtype,
+                                              name=name)
+        q_res = norm("q_norm")(self.dense(c.q_lora_rank, "wq_a")(u))
+        q = unweighted_rms(self.dense(N * H, "wq_b")(q_res).reshape(B, T, N, H), c.rms_norm_eps)
+        q = rotate(q, cos, sin)
+        kv = rotate(norm("norm")(self.dense(H, "wkv")(u))[:, :, None, :], cos, sin)[:, :, 0]
+        rows = jnp.arange(T)
+        same = (jnp.ones((B, T, T), bool) if segment_ids is None else
+                segment_ids[:, :, None] == segment_ids[:, None, :])
+        mask = same & (rows[None, :] <= rows[:, None]) & (rows[:, None] - rows[None, :]
+                                                          < c.sliding_window)
+        m = c.compress_rate(self.attention_type)
+        if m:  # (its parameters made also when T < m: no entry then)
+            csa = self.attention_type == "compressed_sparse_attention"
+            entries = Compressor(c, self.dtype, self.param_dtype, rate=m, width=H, overlap=csa,
+                                 name="compressor")(u, inv_freq)
+            W = entries.shape[1]
+            w = jnp.arange(W)
+            visible = jnp.broadcast_to((w[None, :] + 1) * m <= rows[:, None] + 1, (B, T, W))
+            if segment_ids is not None:  # the entry's tokens all in the query's document
+                first = jnp.maximum(w - csa, 0) * m
+                visible = visible & (segment_ids[:, first][:, None, :] == segment_ids[:, :, None])
+            if csa:
+                visible = Indexer(c, self.dtype, self.param_dtype, name="indexer")(
+                    u, q_res, cos, sin, inv_freq, visible)
+            kv = jnp.concatenate([kv, entries.astype(kv.dtype)], axis=1)
+            mask = jnp.concatenate([mask, visible], axis=-1)
+        logits = jnp.einsum("BTNH,BSH->BNTS", q.astype(jnp.float32),
+                            kv.astype(jnp.float32)) * H ** -0.5
+        logits = jnp.where(mask[:, None], logits, -jnp.inf)
+        sink = self.param("attn_sink", nn.initializers.zeros, (N,), jnp.float32)
+        sink = jnp.broadcast_to(sink[None, :, None, None], (B, N, T, 1))
+        probs = jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
+        out = jnp.einsum("BNTS,BSH->BTNH", probs.astype(self.dtype), kv.astype(self.dtype))
+        out = rotate(out, cos, -sin).reshape(B, T, G, N * H // G)
+        wo_a = _Kernel((N * H // G, G * c.o_lora_rank), c.initializer_range, self.param_dtype,
+                       name="wo_a")()
+        out = jnp.einsum("BTGJ,JGR->BTGR", out,
+                         wo_a.astype(self.dtype).reshape(N * H // G, G, c.o_lora_rank))
+        return self.dense(c.hidden_size, "wo_b")(out.reshape(B, T, G * c.o_lora_rank))
+
+
+def _kernel(c):
+    return nn.initializers.normal(c.initializer_range)
+
+
+class _Kernel(nn.Module):
+    """wo_a's kernel (N H / G, G o_lora_rank): G blocks side by side (block-diagonal)."""
+
+    shape: tuple
+    initializer_range: float
+    param_dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self):
+        return self.param("kernel", nn.initializers.normal(self.initializer_range), self.shape,
+                          self.param_dtype)
+
+
+class MoE(Sublayer):
+    """u (B, T, D), ids (B, T) -> (y (B, T, D), moe.RouterStats)."""
+
+    hashed: bool = False
+
+    @nn.compact
+    def __call__(self, u, ids):
+        c, mc = self.config, self.config.moe()
+        B, T, D = u.shape
+        E, K, L = c.n_routed_experts, c.num_experts_per_tok, c.swiglu_limit
+        tokens = u.reshape(B * T, D)
+        gate = _Gate(c, self.hashed, name="gate")
+        logits, bias, table = gate(D)
+        logits = tokens.astype(jnp.float32) @ logits  # (N, E)
+        scores = SCORE[c.scoring_func](logits)
+        if self.hashed:  # a frozen token -> experts table
+            experts = jnp.round(jax.lax.stop_gradient(table)).astype(jnp.int32)[ids.reshape(-1)]
+        else:
+            experts = jax.lax.top_k(scores + jax.lax.stop_gradient(bias), K)[1]
+        weights = jnp.take_along_axis(scores, experts, axis=-1)
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+        weights = weights * c.routed_scaling_factor
+        params = moe.Experts(mc, D, self.param_dtype, name="experts")()
+        out, dropped = moe.dispatch(tokens, weights, experts, params, mc, self.dtype)
+        shared = _Shared(c, self.dtype, self.param_dtype, name="shared_experts")(u)
+        stats = moe.RouterStats(logits, experts, jnp.bincount(experts.reshape(-1), length=E),
+                                dropped)
+        return out.reshape(B, T, D).astype(self.dtype) + shared, stats
+
+
+class _Gate(nn.Module):
+    """The router's kernel (D, E) fp32, and the correction bias (E,) that picks (moe) or the
+    token -> experts table (V, K) (hash_moe, integers carried as floats): neither gets a
+    gradient."""
+
+    config: DeepseekV4Config
+    hashed: bool
+
+    @nn.compact
+    def __call__(self, D):
+        c = self.config
+        kernel = self.param("kernel", _kernel(c), (D, c.n_routed_experts), jnp.float32)
+        if self.hashed:
+            table = self.param("tid2eid", lambda key, shape: jax.random.randint(
+                key, shape, 0, c.n_routed_experts).astype(jnp.float32),
+                (c.vocab_size, c.num_experts_per_tok))
+            return kernel, None, table
+        return kernel, self.param("bias", nn.initializers.zeros, (c.n_routed_experts,),
+                                  jnp.float32), None
+
+
+class _Shared(Sublayer):
+    @nn.compact
+    def __call__(self, u):
+        L, F = self.config.swiglu_limit, self.config.moe_intermediate_size
+        gate = jnp.minimum(self.dense(F, "w1")(u), L)
+        up = jnp.clip(self.dense(F, "w3")(u), -L, L)
+        return self.dense(u.shape[-1], "w2")(nn.silu(gate) * up)
+
+
+class DecoderLayer(Sublayer):
+    kind: str = "sliding_attention:moe"
+
+    @nn.compact
+    def __call__(self, stream, context, positions=None, cache=None):
+        if cache is not None:
+            raise UserError(NOT_SERVED)
+        c = self.config
+        attention, mlp = self.kind.split(":")
+        cos, sin, segment_ids = context
+        x, ids = stream["x"], stream["ids"]
+        C, D = c.hc_mult, c.hidden_size
+        norm = lambda name: FP32ScaledRMSNorm(c.rms_norm_eps, self.dtype, self.param_dtype,
+                                              name=name)
+
+        def hc(name):
+            fn = self.param(f"hc_{name}_fn", _kernel(c), ((2 + C) * C, C * D), jnp.float32)
+            base = self.param(f"hc_{name}_base", nn.initializers.zeros, ((2 + C) * C,),
+                              jnp.float32)
+            scale = self.param(f"hc_{name}_scale", nn.initializers.ones, (3,), jnp.float32)
+            return hyper_connection(x, fn, base, scale, c)
+
+        def mix(post, comb, out):
+            return (post.astype(x.dtype)[..., None] * out[:, :, None, :]
+                    + jnp.einsum("BTjk,BTjD->BTkD", comb.astype(x.dtype), x))
+
+        inv_freq = c.inv_freq(attention)
+        post, comb, u = hc("attn")
+        out = Attention(c, self.dtype, self.param_dtype, attention_type=attention,
+                        name="attn")(norm("attn_norm")(u), cos, sin, inv_freq, segment_ids)
+        x = mix(post, comb, out)
+        post, comb, u = hc("ffn")
+        out, stats = MoE(c, self.dtype, self.param_dtype, hashed=mlp == "hash_moe",
+                         name="ffn")(norm("ffn_norm")(u), ids)
+        self.sow("router", "stats", stats)
+        x = constrain(mix(post, comb, out), P(BATCH_AXES, None, None, None))
+        return {"x": x, "ids": ids}, cache
+
+
+NOT_SERVED = ("deepseek_v4: decoding with a cache (serve, generation) is not built: the "
+              "compressors' open windows, overlap and indexer keys are state the engine's "
+              "positional caches cannot hold yet; training and scoring run the full forward")
+
+
+class _HyperHead(nn.Module):
+    """The streams (B, T, C, D) -> (B, T, D): weighted by sigmoid(rms(x) @ hc_fn^T s + b)."""
+
+    config: DeepseekV4Config
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.config
+        B, T, C, D = x.shape
+        fn = self.param("hc_fn", _kernel(c), (C, C * D), jnp.float32)
+        base = self.param("hc_base", nn.initializers.zeros, (C,), jnp.float32)
+        scale = self.param("hc_scale", nn.initializers.ones, (1,), jnp.float32)
+        f = unweighted_rms(x.reshape(B, T, C * D).astype(jnp.float32), c.rms_norm_eps) @ fn.T
+        pre = jax.nn.sigmoid(f * scale + base) + c.hc_eps
+        return (pre[..., None] * x).sum(axis=2).astype(x.dtype)
+
+
+class DeepseekV4ForCausalLM(CausalLM):
+    layer = DecoderLayer
+    norm = FP32ScaledRMSNorm
+
+    @classmethod
+    def rotary(cls, config: DeepseekV4Config, kind: str, positions, dtype):
+        """cos, sin (B, T, R/2): one per interleaved pair, in fp32."""
+        return angles(positions, config.inv_freq(kind.split(":")[0]))
+
+    @classmethod
+    def layer_context(cls, config, kind: str, context: tuple, segment_ids):
+        cos, sin, _ = context
+        return cos, sin, segment_ids
+
+    @classmethod
+    def layer_stream(cls, config, x, input_ids, dtype, param_dtype, length: int):
+        B, T, D = x.shape
+        streams = jnp.broadcast_to(x[:, :, None, :], (B, T, config.hc_mult, D))
+        return {"x": streams, "ids": input_ids}, None
+
+    @classmethod
+    def stream_hidden(cls, stream):
+        # Called inside the backbone (model/): the head is its model/hc_head, built with
+        # the config of the model being traced (`decode` holds it: a class method has none).
+        return _HyperHead(_TRACING[-1], name="hc_head")(stream["x"])
+
+    def decode(self, input_ids, positions=None, segment_ids=None, cache=None,
+               return_hidden=False, embeddings=None, rope_positions=None):
+        _TRACING.append(self.config)
+        try:
+            return super().decode(input_ids, positions, segment_ids, cache, return_hidden,
+                                  embeddings, rope_positions)
+        finally:
+            _TRACING.pop()
+
+
+_TRACING: list = []  # the configs of the models whose forward is being traced
