@@ -7,7 +7,6 @@ from easylm.deepseek_v3.model import PARTITION_RULES, DeepseekV3ForCausalLM
 from easylm.models.family import HFAdapter, ModelFamily, hf_params_reader
 
 
-
 class DeepseekV3Family(ModelFamily):
     name = "deepseek_v3"
     config_class = DeepseekV3Config

@@ -364,9 +364,10 @@ class DeepseekV4ForCausalLM(CausalLM):
         return angles(positions, config.inv_freq(kind.split(":")[0]))
 
     @classmethod
-    def layer_context(cls, config, kind: str, context: tuple, segment_ids):
-        cos, sin, _ = context
-        return cos, sin, segment_ids
+    def layer_context(cls, config, kind: str, context, segment_ids):
+        # The attention masks by document itself (its compressed entries too): the segment
+        # ids in place of the decoder's mask and window.
+        return context.cos, context.sin, segment_ids
 
     @classmethod
     def layer_stream(cls, config, x, input_ids, dtype, param_dtype, length: int):
