@@ -10,7 +10,8 @@ import pytest
 from easylm.serving import engine as engine_lib
 from easylm.serving.engine import Engine, Sampling
 from easylm.serving.pages import SCRATCH, PageBook
-from tests.serving_utils import tiny_config
+from serving_utils import GREEDY, PROMPTS, full_forward_greedy, make_batcher, tiny_config
+from serving_utils import tokenizer  # noqa: F401 (a fixture)
 
 # 2 slots of 32 positions, prompts prefilled 8 tokens at a time, 4 decode steps a call,
 # one length bucket (few programs to compile); pages of 8 positions, so a prompt spans
@@ -115,3 +116,20 @@ def test_too_few_pages_for_one_request_is_refused():
     with pytest.raises(UserError, match="--pages=4"):
         engine_lib.check_config(engine_lib.get_default_config(
             {"seq_length": 64, "page_size": 16, "pages": 4}))
+
+
+def test_requests_wait_for_pages_and_get_their_tokens(tokenizer):
+    """10 requests on 4 slots with pages for about 3 of them at once (8 pages of 8
+    positions; a request holds its prompt's and 12 new tokens' pages, 2 to 5): each waits
+    for finished requests' pages, none fails, each gets the tokens a full forward greedily
+    gives, and every page is back in the pool at the end."""
+    batcher, model, params = make_batcher(page_size=8, pages=9)
+    try:
+        gens = batcher.generate(PROMPTS * 2, GREEDY, tokenizer)
+        for g in gens:
+            assert g.finish_reason == "length", g.finish_reason
+            expected, _ = full_forward_greedy(model, params, g.prompt, GREEDY.max_tokens)
+            assert [t.id for t in g.tokens] == expected
+        assert batcher.engine.pages.in_use == 0
+    finally:
+        batcher.stop()

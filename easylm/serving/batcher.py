@@ -228,6 +228,7 @@ class Batcher:
                 # While a staged prefill runs, only prompts of one chunk join.
                 admitted, _ = _take_turns([g for g in waiting if self._staged is None
                                            or self._one_chunk(g)], len(free))
+                admitted = self._fit_pages(admitted, free)
                 self._waiting = [g for g in waiting if g not in admitted]
             for g in dropped:
                 self._finish(None, g, "cancelled")
@@ -330,12 +331,33 @@ class Batcher:
             for field in ("keys", "temperature", "top_k", "top_p"):
                 getattr(self.sampling, field)[slot] = getattr(rows, field)[row]
 
+    def _fit_pages(self, admitted: list[Generation], free: list[int]) -> list[Generation]:
+        """With a paged cache (engine.pages_free not None): the first of `admitted` whose
+        pages (prompt and max_tokens, `engine.pages_needed`) the free pages cover; the
+        rest wait for finished requests' pages. Free slots hold none (a staged prefill's
+        cancelled or failed requests leave theirs claimed)."""
+        if self.engine.pages_free() is None:
+            return admitted
+        for slot in free:
+            self.engine.free(slot)
+        left = self.engine.pages_free()
+        for i, g in enumerate(admitted):
+            left -= self.engine.pages_needed(len(g.prompt) + g.params.max_tokens)
+            if left < 0:
+                return admitted[:i]
+        return admitted
+
+    def _claim(self, owners):
+        for slot, g in owners:
+            self.engine.claim(slot, len(g.prompt) + g.params.max_tokens)
+
     def _admit(self, generations: list[Generation], free: list[int]):
         """Prefill `generations` into free slots in one call; returns (device outputs,
         owners) or None."""
         if not generations:
             return None
         owners = list(zip(free, generations))
+        self._claim(owners)
         rows = self._rows(generations)
         out = self.engine.prefill([g.prompt for g in generations], free[:len(generations)], rows)
         self._seat(owners, rows)
@@ -347,6 +369,7 @@ class Batcher:
         if not generations:
             return
         slots = free[:len(generations)]
+        self._claim(zip(slots, generations))
         self._staged = (self.engine.begin_prefill([g.prompt for g in generations], slots,
                                                   self._rows(generations)),
                         list(zip(slots, generations)))
@@ -413,6 +436,7 @@ class Batcher:
         raises, so that one request's failure stays its own."""
         if slot is not None and self.slots[slot] is g:
             self.slots[slot] = None
+            self.engine.free(slot)
             self.sampling.temperature[slot] = 0  # an idle slot should not make others sort
         g.finish_reason = reason or "error"
         text = ""

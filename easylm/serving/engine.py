@@ -658,6 +658,7 @@ class Engine:
         if self.pages:
             self.pages = PageBook(self.batch_size, self.seq_length, self.config.page_size,
                                   self.layout.pages)
+            self._claimed = set()  # slots `claim`ed for a request not yet prefilled
         self.prompt_tokens = {"prefilled": 0, "cached": 0}
 
     def release(self):
@@ -665,18 +666,46 @@ class Engine:
         then, in a training job); nothing may run on the engine in between."""
         self.state = None
 
-    def _reserve(self, slots, positions, fresh: bool = False):
+    def pages_free(self) -> int | None:
+        """Pages no slot holds (None: dense, no pages)."""
+        return len(self.pages.free) if self.pages else None
+
+    def pages_needed(self, positions: int) -> int:
+        """Pages a request of `positions` (prompt and new tokens) holds at most."""
+        return -(-min(positions, self.seq_length) // self.config.page_size) if self.pages else 0
+
+    def claim(self, slot: int, positions: int):
+        """With pages: `slot`'s pages returned and pages for a request's `positions` taken
+        (`pages_free` must cover `pages_needed`: the batcher admits by it), so that the
+        request never runs out of pages; its prefill then takes no more."""
+        if self.pages:
+            self.pages.release(slot)
+            self._claimed.add(slot)
+            self._reserve([slot], [positions])
+
+    def free(self, slot: int):
+        """With pages: `slot`'s request is done; its pages go back to the pool (the page
+        table on the device changes with the next call)."""
+        if self.pages:
+            self.pages.release(slot)
+
+    def _reserve(self, slots, positions, fresh: bool = False, strict: bool = True):
         """With pages: give each of `slots` (a slot index past the last: none) pages for
-        its positions 0..positions[i]-1 (`fresh`: after returning the pages it held, a new
-        request's), and send the page table to the device if it changed."""
+        its positions 0..positions[i]-1 (`fresh`: a new request's, after returning the
+        pages the slot held unless it was `claim`ed), and send the page table to the
+        device if it changed. Not `strict` (decode): a slot that cannot get a page writes
+        its positions past its pages to the scratch page (a claimed request's are past
+        its last token)."""
         if not self.pages:
             return
         for slot, upto in zip(slots, positions):
             if slot >= self.batch_size:
                 continue
-            if fresh:
+            if fresh and slot not in self._claimed:
                 self.pages.release(slot)
-            if not self.pages.reserve(slot, min(int(upto), self.seq_length)):
+            if fresh:
+                self._claimed.discard(slot)
+            if not self.pages.reserve(slot, min(int(upto), self.seq_length)) and strict:
                 raise RuntimeError(f"out of cache pages: slot {slot} needs "
                                    f"{self.pages.needed(slot, upto)}, {len(self.pages.free)} free")
         if self.pages.dirty:
@@ -839,7 +868,7 @@ class Engine:
         ends = np.where(active, ends, 0).astype(np.int32)
         if self.pages:  # pages for the positions the call writes, of slots holding some
             held = np.flatnonzero(active & (self.pages.held > 0))
-            self._reserve(held, self.positions[held] + self.config.decode_steps)
+            self._reserve(held, self.positions[held] + self.config.decode_steps, strict=False)
         return self._decode(sampling, bucket_for(min(end, self.seq_length), self.decode_buckets),
                             ends, stop)
 
