@@ -133,3 +133,51 @@ def test_requests_wait_for_pages_and_get_their_tokens(tokenizer):
         assert batcher.engine.pages.in_use == 0
     finally:
         batcher.stop()
+
+
+SYSTEM = [1] + list(range(40, 63))  # 24 tokens: three full pages of 8
+
+
+def test_a_request_that_shares_pages_with_a_finished_one_gets_its_own_tokens(tokenizer):
+    """A prompt's full pages outlive its request (indexed, unreferenced); prompts that
+    start with the same 16+ tokens then take them and run only the rest (`extend`), and
+    get the tokens a full forward greedily gives: one after the first finished, then
+    four at once (GRPO's completions of one prompt, a repeated system prompt). The twin
+    with sharing off computes every prompt whole (`cached` 0) and gets the same tokens."""
+    later = [SYSTEM + [7, 8, 9], SYSTEM + [100], SYSTEM[:20], SYSTEM + [7, 8, 9], SYSTEM]
+    for share in (True, False):
+        batcher, model, params = make_batcher(page_size=8, share_prompts=share)
+        try:
+            engine = batcher.engine
+            (first,) = batcher.generate([SYSTEM], GREEDY, tokenizer)
+            assert engine.pages.in_use == 0 and len(engine.pages.unused) == (3 if share else 0)
+            gens = batcher.generate(later[:1], GREEDY, tokenizer)
+            gens += batcher.generate(later[1:], GREEDY, tokenizer)
+            for g in [first] + gens:
+                expected, _ = full_forward_greedy(model, params, g.prompt, GREEDY.max_tokens)
+                assert [t.id for t in g.tokens] == expected, (share, g.prompt)
+            # The first request computes its 24 tokens; later[i] shares 16 (SYSTEM[:20],
+            # SYSTEM: pages of tokens before their last) or 24 positions.
+            cached = engine.prompt_tokens["cached"]
+            assert cached == (24 + 24 + 16 + 24 + 16 if share else 0), cached
+        finally:
+            batcher.stop()
+
+
+def test_a_recurrent_state_prefills_in_full():
+    """Gated DeltaNet's state at a page's end is not kept, so a prompt that starts with
+    another's pages cannot start there: Qwen3.5 shares no page (`claim` gives 0)."""
+    family, config = KINDS["qwen3_5"]()
+    model = family.bind(config)
+    params = jax.jit(model.init_params)(jax.random.PRNGKey(0))
+    engine = Engine({**ENGINE, "page_size": 8}, model, params)
+    prompt = list(range(3, 23))
+    assert engine.claim(0, 24, prompt) == 0
+    engine.pages.register(0, prompt)  # even were its pages indexed ...
+    assert engine.claim(1, 24, prompt) == 0  # ... another prompt would not take them
+    llama = KINDS["llama"]()[0].bind(tiny_config())
+    twin = Engine({**ENGINE, "page_size": 8}, llama,
+                  jax.jit(llama.init_params)(jax.random.PRNGKey(0)))
+    assert twin.claim(0, 24, prompt) == 0
+    twin.pages.register(0, prompt)
+    assert twin.claim(1, 24, prompt) == 16  # the twin: attention alone shares two pages

@@ -237,8 +237,7 @@ class Batcher:
                 self._score_chunk()
                 self._free_cancelled()
                 short = [g for g in admitted if self._one_chunk(g)]
-                prefilled = self._admit(short, free)
-                if prefilled is not None:
+                for prefilled in self._admit(short, free):
                     self._deliver(*prefilled)
                 self._begin_staged([g for g in admitted if not self._one_chunk(g)],
                                    free[len(short):])
@@ -347,21 +346,26 @@ class Batcher:
                 return admitted[:i]
         return admitted
 
-    def _claim(self, owners):
-        for slot, g in owners:
-            self.engine.claim(slot, len(g.prompt) + g.params.max_tokens)
-
     def _admit(self, generations: list[Generation], free: list[int]):
-        """Prefill `generations` into free slots in one call; returns (device outputs,
-        owners) or None."""
-        if not generations:
-            return None
+        """Prefill `generations` into free slots: those whose prompt starts with pages
+        another request left (`engine.claim`) from there on (`engine.prefill_after`), the
+        others in one call. Returns [(device outputs, owners)] per call."""
         owners = list(zip(free, generations))
-        self._claim(owners)
-        rows = self._rows(generations)
-        out = self.engine.prefill([g.prompt for g in generations], free[:len(generations)], rows)
-        self._seat(owners, rows)
-        return out, owners
+        starts = [self.engine.claim(slot, len(g.prompt) + g.params.max_tokens, g.prompt)
+                  for slot, g in owners]
+        calls = []
+        for after in (False, True):
+            group = [(o, s) for o, s in zip(owners, starts) if bool(s) == after]
+            if not group:
+                continue
+            mine = [o for o, _ in group]
+            rows = self._rows([g for _, g in mine])
+            prompts, slots = [g.prompt for _, g in mine], [slot for slot, _ in mine]
+            out = (self.engine.prefill_after(prompts, slots, [s for _, s in group], rows)
+                   if after else self.engine.prefill(prompts, slots, rows))
+            self._seat(mine, rows)
+            calls.append((out, mine))
+        return calls
 
     def _begin_staged(self, generations: list[Generation], free: list[int]):
         """Start prefilling `generations` (longer than a chunk) into free slots, a chunk
@@ -369,7 +373,8 @@ class Batcher:
         if not generations:
             return
         slots = free[:len(generations)]
-        self._claim(zip(slots, generations))
+        for slot, g in zip(slots, generations):  # shares no page: it writes its whole prompt
+            self.engine.claim(slot, len(g.prompt) + g.params.max_tokens)
         self._staged = (self.engine.begin_prefill([g.prompt for g in generations], slots,
                                                   self._rows(generations)),
                         list(zip(slots, generations)))

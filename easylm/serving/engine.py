@@ -659,6 +659,9 @@ class Engine:
             self.pages = PageBook(self.batch_size, self.seq_length, self.config.page_size,
                                   self.layout.pages)
             self._claimed = set()  # slots `claim`ed for a request not yet prefilled
+            # Each slot's positions that may take pages: a claimed request's, else all.
+            self._bound = np.full(self.batch_size, self.seq_length, np.int64)
+            self._share_pages = self.config.share_prompts and not self.layout.has_state
         self.prompt_tokens = {"prefilled": 0, "cached": 0}
 
     def release(self):
@@ -668,20 +671,37 @@ class Engine:
 
     def pages_free(self) -> int | None:
         """Pages no slot holds (None: dense, no pages)."""
-        return len(self.pages.free) if self.pages else None
+        return self.pages.available if self.pages else None
 
     def pages_needed(self, positions: int) -> int:
         """Pages a request of `positions` (prompt and new tokens) holds at most."""
         return -(-min(positions, self.seq_length) // self.config.page_size) if self.pages else 0
 
-    def claim(self, slot: int, positions: int):
+    def claim(self, slot: int, positions: int, prompt=()) -> int:
         """With pages: `slot`'s pages returned and pages for a request's `positions` taken
         (`pages_free` must cover `pages_needed`: the batcher admits by it), so that the
-        request never runs out of pages; its prefill then takes no more."""
-        if self.pages:
-            self.pages.release(slot)
-            self._claimed.add(slot)
-            self._reserve([slot], [positions])
+        request never runs out of pages; its prefill then takes no more. With
+        `share_prompts` (and no state in the cache: a state cannot start mid-prompt), the
+        first of them are the indexed pages that already hold `prompt`'s first full pages
+        (`PageBook.lookup`): returns how many of its positions they hold, which its
+        prefill skips (`extend` from there), else 0."""
+        if not self.pages:
+            return 0
+        self.pages.release(slot)
+        shared = self.pages.lookup(prompt) if self._share_pages else []
+        self.pages.share(slot, shared)
+        self._reserve([slot], [positions])
+        self._claimed.add(slot)
+        self._bound[slot] = positions
+        return len(shared) * self.config.page_size
+
+    def _index(self, slots, prompts):
+        """With pages and sharing: index the full pages of the prompts just written into
+        `slots` (calls sent later may read them)."""
+        if self.pages and self._share_pages:
+            for slot, prompt in zip(slots, prompts):
+                if slot < self.batch_size:
+                    self.pages.register(int(slot), prompt)
 
     def free(self, slot: int):
         """With pages: `slot`'s request is done; its pages go back to the pool (the page
@@ -703,7 +723,8 @@ class Engine:
                 continue
             if fresh and slot not in self._claimed:
                 self.pages.release(slot)
-            if fresh:
+                self._bound[slot] = self.seq_length
+            if strict:  # a prefill's or an extend's: the claim is spent
                 self._claimed.discard(slot)
             if not self.pages.reserve(slot, min(int(upto), self.seq_length)) and strict:
                 raise RuntimeError(f"out of cache pages: slot {slot} needs "
@@ -779,6 +800,8 @@ class Engine:
         """The host's record of the positions of the slots `rows` were written into."""
         real = rows.slot_ids < self.batch_size
         self.positions[rows.slot_ids[real]] = rows.request_lengths[real]
+        source = np.arange(len(rows.slot_ids)) if rows.source is None else rows.source
+        self._index(rows.slot_ids, [rows.tokens[u, :rows.lengths[u]] for u in source])
 
     def prefill_chunks(self, length: int) -> int:
         """The chunks a prompt of `length` tokens is prefilled in (1: one call suffices)."""
@@ -868,7 +891,8 @@ class Engine:
         ends = np.where(active, ends, 0).astype(np.int32)
         if self.pages:  # pages for the positions the call writes, of slots holding some
             held = np.flatnonzero(active & (self.pages.held > 0))
-            self._reserve(held, self.positions[held] + self.config.decode_steps, strict=False)
+            self._reserve(held, np.minimum(self.positions[held] + self.config.decode_steps,
+                                           self._bound[held]), strict=False)
         return self._decode(sampling, bucket_for(min(end, self.seq_length), self.decode_buckets),
                             ends, stop)
 
@@ -915,6 +939,16 @@ class Engine:
                                     self.state, PromptRows(tokens, lengths, slot_ids, None, begin),
                                     sampling.pad(rows).snapshot())
         self.positions[slot_ids[:n]] = begin[:n] + lengths[:n]
+        return out
+
+    def prefill_after(self, prompts: list[list[int]], slots: list[int], starts: list[int],
+                      sampling: Sampling):
+        """`prefill` of prompts whose first starts[i] positions their slots' shared pages
+        already hold (`claim`): only the rest runs through the model (`extend`)."""
+        out = self.extend([p[s:] for p, s in zip(prompts, starts)], slots, starts, sampling)
+        self.prompt_tokens["prefilled"] += sum(len(p) - s for p, s in zip(prompts, starts))
+        self.prompt_tokens["cached"] += sum(starts)
+        self._index(slots, prompts)
         return out
 
     def score(self, tokens: list[list[int]], targets: list[list[int]]):

@@ -21,8 +21,10 @@ Shape letters: B slots, S positions a slot may hold (seq_length), L positions a 
 reads, P pages, Z page_size.
 """
 
+import collections
 import dataclasses
 import functools
+import hashlib
 
 import jax
 import jax.numpy as jnp
@@ -137,16 +139,77 @@ class PagedLayout:
 
 class PageBook:
     """The host's record of the pages: each slot's table row (its first `held[b]` entries
-    its own pages, the rest the scratch page) and the free pages. Sent to the device
-    (`PagedCache.table`) before a call that reads it whenever it changed (`dirty`)."""
+    its pages, the rest the scratch page), each page's reference count (the slots holding
+    it), the free pages, and the prefix index. Sent to the device (`PagedCache.table`)
+    before a call that reads it whenever it changed (`dirty`).
+
+    Prefix sharing: a full page of a prompt is indexed by a hash of its tokens chained with
+    its predecessor's hash (`chain`), so a later prompt that starts with the same tokens
+    takes the same pages (`share`) instead of computing them. A page is only ever written
+    by the slot that filled it first, before it was indexed: a sharing slot's prompt goes on
+    from the first position past its shared pages, in pages of its own (the partial page is
+    never shared: copy on write done by never writing). A page no slot holds stays indexed
+    and is taken back, least recently used first, when the free list runs out."""
 
     def __init__(self, slots: int, length: int, page_size: int, pages: int):
         self.page_size = page_size
         self.table = np.full((slots, -(-length // page_size)), SCRATCH, np.int32)
         self.held = np.zeros(slots, np.int64)
         self.free = list(range(pages - 1, SCRATCH, -1))  # pop() hands out low pages first
+        self.refs = np.zeros(pages, np.int64)
+        self.index: dict[bytes, int] = {}  # prefix hash -> page
+        self.hash_of: dict[int, bytes] = {}  # indexed page -> its prefix hash
+        self.unused = collections.OrderedDict()  # indexed pages no slot holds, oldest first
         self.pages = pages
         self.dirty = True
+
+    def chain(self, tokens) -> list[bytes]:
+        """Each full page's prefix hash: sha256 of the previous one and the page's tokens."""
+        out, h, Z = [], b"", self.page_size
+        for i in range(len(tokens) // Z):
+            h = hashlib.sha256(h + np.asarray(tokens[i * Z:(i + 1) * Z], np.int64).tobytes()).digest()
+            out.append(h)
+        return out
+
+    def lookup(self, tokens) -> list[int]:
+        """The indexed pages that hold `tokens`' first full pages, leaving at least its last
+        token to compute (its logits draw the first new token)."""
+        pages = []
+        for h in self.chain(tokens[:len(tokens) - 1]):
+            if h not in self.index:
+                break
+            pages.append(self.index[h])
+        return pages
+
+    def share(self, slot: int, pages: list[int]):
+        """`slot` (holding nothing) takes `pages` as its first pages."""
+        assert self.held[slot] == 0
+        for i, page in enumerate(pages):
+            self.table[slot, i] = page
+            self.refs[page] += 1
+            self.unused.pop(page, None)
+        self.held[slot] = len(pages)
+        self.dirty = self.dirty or bool(pages)
+
+    def register(self, slot: int, tokens):
+        """Index `slot`'s full pages of `tokens` (written, or about to be, by a call sent
+        before any that reads them through the index)."""
+        for i, h in enumerate(self.chain(tokens)[:int(self.held[slot])]):
+            page = int(self.table[slot, i])
+            if h not in self.index and page not in self.hash_of:
+                self.index[h], self.hash_of[page] = page, h
+
+    @property
+    def available(self) -> int:
+        """Pages a reservation may take: free ones and indexed ones no slot holds."""
+        return len(self.free) + len(self.unused)
+
+    def _take(self) -> int:
+        if self.free:
+            return self.free.pop()
+        page, _ = self.unused.popitem(last=False)
+        del self.index[self.hash_of.pop(page)]
+        return page
 
     def needed(self, slot: int, positions: int) -> int:
         """Pages `slot` lacks to hold positions 0..positions-1."""
@@ -157,26 +220,35 @@ class PageBook:
         """Give `slot` pages for positions 0..positions-1; False (nothing changed) when
         too few pages are free."""
         need = self.needed(slot, positions)
-        if need > len(self.free):
+        if need > self.available:
             return False
         for _ in range(need):
-            self.table[slot, self.held[slot]] = self.free.pop()
+            page = self._take()
+            self.table[slot, self.held[slot]] = page
+            self.refs[page] = 1
             self.held[slot] += 1
         self.dirty = self.dirty or need > 0
         return True
 
     def release(self, slot: int):
-        """`slot`'s pages back to the free list; its row at the scratch page."""
+        """`slot`'s pages back: to the free list, or when indexed (a prefix another request
+        may share) to the unused ones; its row at the scratch page."""
         held = int(self.held[slot])
-        self.free.extend(self.table[slot, :held][::-1].tolist())
+        for page in self.table[slot, :held][::-1].tolist():
+            self.refs[page] -= 1
+            if self.refs[page] == 0:
+                if page in self.hash_of:
+                    self.unused[page] = None
+                else:
+                    self.free.append(page)
         self.table[slot, :held] = SCRATCH
         self.held[slot] = 0
         self.dirty = self.dirty or held > 0
 
     @property
     def in_use(self) -> int:
-        """Pages held by slots (the scratch page not counted)."""
-        return int(self.held.sum())
+        """Pages some slot holds (a shared page once; the scratch page not counted)."""
+        return int((self.refs > 0).sum())
 
 
 def check_pages(page_size: int, pages: int, slots: int, length: int) -> int:
