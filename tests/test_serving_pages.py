@@ -81,23 +81,29 @@ def test_pages_serve_what_the_dense_cache_serves(kind):
     """Same greedy tokens; log-probabilities equal to fp32 rounding: the model reads the
     same values at every position its mask admits (a gather instead of a slice), and the
     masked ones weigh exactly 0. XLA may fuse the two programs differently, so allow a few
-    ulps of the fp32 log-probabilities (|logp| < ~10: 1e-5 absolute)."""
+    ulps of the fp32 log-probabilities (|logp| < ~10: 1e-5 absolute). The negative twin,
+    on the same programs: slot 0's page table one page off changes what it draws."""
     name, model, params, (tokens, logprobs) = kind
     engine = Engine({**ENGINE, "page_size": 8}, model, params)
     paged_tokens, paged_logprobs = _serve(engine)
     np.testing.assert_array_equal(paged_tokens, tokens)
     np.testing.assert_allclose(paged_logprobs, logprobs, atol=1e-5, rtol=0)
     assert engine.pages.in_use > 0 and not engine.pages.dirty
-
-
-def test_a_page_table_one_page_off_serves_other_tokens():
-    """The negative twin: slot 0 reading its neighbour's page changes what it draws."""
-    family, config = KINDS["llama"]()
-    model = family.bind(config)
-    params = jax.jit(model.init_params)(jax.random.PRNGKey(0))
-    _, logprobs = _serve(Engine({**ENGINE, "page_size": 8}, model, params))
-    _, bad_logprobs = _serve(Engine({**ENGINE, "page_size": 8}, model, params), corrupt=True)
+    engine.reset()
+    _, bad_logprobs = _serve(engine, corrupt=True)
     assert np.abs(bad_logprobs - logprobs).max() > 1e-3
+
+
+def test_a_recurrent_state_prefills_in_full(kind):
+    """Gated DeltaNet's state at a page's end is not kept, so a prompt that starts with
+    another's indexed pages cannot start there: Qwen3.5 shares no page (`claim` gives 0);
+    attention-only caches share the full pages before the prompt's last token."""
+    name, model, params, _ = kind
+    engine = Engine({**ENGINE, "page_size": 8}, model, params)  # only its state compiles
+    prompt = list(range(3, 23))  # 20 tokens: two full pages
+    assert engine.claim(0, 24, prompt) == 0
+    engine.pages.register(0, prompt)  # indexed as a prefill would (sharing on or not)
+    assert engine.claim(1, 24, prompt) == (0 if name == "qwen3_5" else 16)
 
 
 def test_page_book_hands_out_and_takes_back_pages():
@@ -162,22 +168,3 @@ def test_a_request_that_shares_pages_with_a_finished_one_gets_its_own_tokens(tok
             assert cached == (24 + 24 + 16 + 24 + 16 if share else 0), cached
         finally:
             batcher.stop()
-
-
-def test_a_recurrent_state_prefills_in_full():
-    """Gated DeltaNet's state at a page's end is not kept, so a prompt that starts with
-    another's pages cannot start there: Qwen3.5 shares no page (`claim` gives 0)."""
-    family, config = KINDS["qwen3_5"]()
-    model = family.bind(config)
-    params = jax.jit(model.init_params)(jax.random.PRNGKey(0))
-    engine = Engine({**ENGINE, "page_size": 8}, model, params)
-    prompt = list(range(3, 23))
-    assert engine.claim(0, 24, prompt) == 0
-    engine.pages.register(0, prompt)  # even were its pages indexed ...
-    assert engine.claim(1, 24, prompt) == 0  # ... another prompt would not take them
-    llama = KINDS["llama"]()[0].bind(tiny_config())
-    twin = Engine({**ENGINE, "page_size": 8}, llama,
-                  jax.jit(llama.init_params)(jax.random.PRNGKey(0)))
-    assert twin.claim(0, 24, prompt) == 0
-    twin.pages.register(0, prompt)
-    assert twin.claim(1, 24, prompt) == 16  # the twin: attention alone shares two pages

@@ -70,7 +70,9 @@ HELP = {
     "share_prompts": "a prompt that several requests of one prefill share (GRPO's "
                      "num_generations completions of a prompt, identical requests "
                      "arriving together) runs through the model once and its cache is "
-                     "copied into each request's slot; False: every copy is prefilled",
+                     "copied into each request's slot; with --page_size, a prompt also takes the "
+                     "cached pages of an earlier request's identical prefix; False: every "
+                     "copy is prefilled",
     "page_size": "positions per cache page (pages.py): the positional caches live in one "
                  "pool of pages and each slot holds a page table, so memory goes to the "
                  "positions requests use; 0: dense, each slot owns seq_length positions",
