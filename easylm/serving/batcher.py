@@ -236,6 +236,7 @@ class Batcher:
                 # While a staged prefill runs, only prompts of one chunk join.
                 admitted, _ = _take_turns([g for g in waiting if self._staged is None
                                            or self._one_chunk(g)], len(free))
+                admitted = self._fit_pages(admitted, free)
                 self._waiting = [g for g in waiting if g not in admitted]
             for g in dropped:
                 self._finish(None, g, "cancelled")
@@ -244,8 +245,7 @@ class Batcher:
                 self._score_chunk()
                 self._free_cancelled()
                 short = [g for g in admitted if self._one_chunk(g)]
-                prefilled = self._admit(short, free)
-                if prefilled is not None:
+                for prefilled in self._admit(short, free):
                     self._deliver(*prefilled)
                 self._begin_staged([g for g in admitted if not self._one_chunk(g)],
                                    free[len(short):])
@@ -347,18 +347,48 @@ class Batcher:
             for field in ("keys", "temperature", "top_k", "top_p"):
                 getattr(self.sampling, field)[slot] = getattr(rows, field)[row]
 
+    def _fit_pages(self, admitted: list[Generation], free: list[int]) -> list[Generation]:
+        """With a paged cache (engine.pages_free not None): the first of `admitted` whose
+        pages (prompt and max_tokens, `engine.pages_needed`) the free pages cover; the
+        rest wait for finished requests' pages. Free slots hold none (a staged prefill's
+        cancelled or failed requests leave theirs claimed)."""
+        if self.engine.pages_free() is None:
+            return admitted
+        for slot in free:
+            self.engine.free(slot)
+        left = self.engine.pages_free()
+        for i, g in enumerate(admitted):
+            left -= self.engine.pages_needed(len(g.prompt) + g.params.max_tokens)
+            if left < 0:
+                return admitted[:i]
+        return admitted
+
     def _admit(self, generations: list[Generation], free: list[int]):
-        """Prefill `generations` into free slots in one call; returns (device outputs,
-        owners) or None."""
-        if not generations:
-            return None
+        """Prefill `generations` into free slots: those whose prompt starts with pages
+        another request left (`engine.claim`) from there on (`engine.prefill_after`), the
+        others in one call. Returns [(device outputs, owners)] per call."""
         owners = list(zip(free, generations))
-        rows = self._rows(generations)
-        out = self.engine.prefill([g.prompt for g in generations], free[:len(generations)], rows)
-        for g, cached in zip(generations, out.cached):
-            g.cached_tokens = cached
-        self._seat(owners, rows)
-        return out, owners
+        starts = [self.engine.claim(slot, len(g.prompt) + g.params.max_tokens, g.prompt)
+                  for slot, g in owners]
+        calls = []
+        for after in (False, True):
+            group = [(o, s) for o, s in zip(owners, starts) if bool(s) == after]
+            if not group:
+                continue
+            mine = [o for o, _ in group]
+            rows = self._rows([g for _, g in mine])
+            prompts, slots = [g.prompt for _, g in mine], [slot for slot, _ in mine]
+            if after:  # the positions its shared pages hold: prompt tokens not run
+                out = self.engine.prefill_after(prompts, slots, [s for _, s in group], rows)
+                cached = [s for _, s in group]
+            else:
+                out = self.engine.prefill(prompts, slots, rows)
+                cached = out.cached
+            for (_, g), tokens in zip(mine, cached):
+                g.cached_tokens = tokens
+            self._seat(mine, rows)
+            calls.append((out, mine))
+        return calls
 
     def _begin_staged(self, generations: list[Generation], free: list[int]):
         """Start prefilling `generations` (longer than a chunk) into free slots, a chunk
@@ -371,6 +401,8 @@ class Batcher:
         with self._wake:
             self._waiting[:0] = rest
         slots = free[:len(generations)]
+        for slot, g in zip(slots, generations):  # shares no page: it writes its whole prompt
+            self.engine.claim(slot, len(g.prompt) + g.params.max_tokens)
         staged = self.engine.begin_prefill([g.prompt for g in generations], slots,
                                            self._rows(generations))
         for g, cached in zip(generations, staged.cached):
@@ -439,6 +471,7 @@ class Batcher:
         raises, so that one request's failure stays its own."""
         if slot is not None and self.slots[slot] is g:
             self.slots[slot] = None
+            self.engine.free(slot)
             self.sampling.temperature[slot] = 0  # an idle slot should not make others sort
         g.finish_reason = reason or "error"
         text = ""

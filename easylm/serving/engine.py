@@ -55,6 +55,7 @@ from easylm.models import decoder
 from easylm.models.context_parallel import allow_whole_rows
 from easylm.models.family import Model
 from easylm.runtime.sharding import axes_size, match_partition_rules
+from easylm.serving.pages import PageBook, PagedCache, PagedLayout, check_pages
 from easylm.serving.sampling import TOP_LOGPROBS, next_tokens
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,14 @@ HELP = {
     "share_prompts": "a prompt that several requests of one prefill share (GRPO's "
                      "num_generations completions of a prompt, identical requests "
                      "arriving together) runs through the model once and its cache is "
-                     "copied into each request's slot; False: every copy is prefilled",
+                     "copied into each request's slot; with --page_size, a prompt also takes the "
+                     "cached pages of an earlier request's identical prefix; False: every "
+                     "copy is prefilled",
+    "page_size": "positions per cache page (pages.py): the positional caches live in one "
+                 "pool of pages and each slot holds a page table, so memory goes to the "
+                 "positions requests use; 0: dense, each slot owns seq_length positions",
+    "pages": "pages in the pool with --page_size (one of them a scratch page); 0: enough "
+             "for every slot's whole seq_length",
 }
 
 
@@ -96,6 +104,8 @@ def get_default_config(updates=None) -> ConfigDict:
     config.prefill_chunk_size = 512
     config.prefill_budget = 4096
     config.share_prompts = True
+    config.page_size = 0
+    config.pages = 0
     if updates is not None:
         config.update(ConfigDict(updates).copy_and_resolve_references())
     return config
@@ -108,6 +118,8 @@ def check_config(config: ConfigDict):
     if config.prefill_chunk_size < 0:
         raise UserError(f"--prefill_chunk_size must be >= 0 (0: unchunked), got "
                         f"{config.prefill_chunk_size}")
+    if config.page_size:
+        check_pages(config.page_size, config.pages, config.batch_size, config.seq_length)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,13 +176,25 @@ class CacheLayout:
                 return leaf.shape[axis]
         return 0
 
+    def empty(self, model: Model, slots: int, length: int):
+        """The engine's zero cache: `slots` rows of `length` positions."""
+        return model.init_cache(slots, length)
+
+    def take_slots(self, cache, slots):
+        """The rows of `slots` (n,), all positions (a padding slot reads the last slot's)."""
+        return self.map(lambda b, s, c: jnp.take(c, slots, axis=b, mode="clip"), cache)
+
     def window(self, cache, length: int):
         """The first `length` positions of each positional array; states whole."""
+        if length >= self.cache_length(cache):
+            return cache
         return self.map(lambda b, s, c: c if s is None else
                         jax.lax.slice_in_dim(c, 0, length, axis=s), cache)
 
     def write_window(self, cache, window):
         """`window` (from `window`) written back over the cache's first positions."""
+        if self.cache_length(window) >= self.cache_length(cache):
+            return window
         return self.map(lambda b, s, c, w: w if s is None else
                         jax.lax.dynamic_update_slice_in_dim(c, w.astype(c.dtype), 0, axis=s),
                         cache, window)
@@ -494,7 +518,7 @@ def _extend(settings: Settings, weights, state, rows: PromptRows, sampling: Samp
     tokens, lengths, starts, slots = rows.tokens, rows.lengths, rows.starts, rows.slot_ids
     n, T = tokens.shape
     S = layout.cache_length(cache)
-    held = layout.map(lambda b, s, c: jnp.take(c, slots, axis=b, mode="clip"), cache)
+    held = layout.take_slots(cache, slots)
     positions = starts[:, None] + jnp.arange(T, dtype=jnp.int32)  # (n, T)
     # A state (held at the history's end by `_decode`) continues over the suffix; its
     # padding (segment id 0) neither reads nor writes it, as in a prefill's chunks.
@@ -525,10 +549,9 @@ def _decode(settings: Settings, weights, state, ends, stop, sampling: Sampling):
         settings.record
     params, base = weights
     cache, tokens, positions = state
-    S = layout.cache_length(cache)
     # The first `length` positions, decoded in a copy and written back once per call:
     # each step then reads L positions of keys and values, not S (a state goes whole).
-    window = cache if length >= S else layout.window(cache, length)
+    window = layout.window(cache, length)
 
     def step(carry, _):
         window, tokens, positions = carry  # tokens (B,): the last token, not yet in the cache
@@ -556,9 +579,7 @@ def _decode(settings: Settings, weights, state, ends, stop, sampling: Sampling):
     unroll = settings.steps if settings.unroll else 1
     (window, tokens, positions), outs = jax.lax.scan(step, (window, tokens, positions), None,
                                                      length=settings.steps, unroll=unroll)
-    if length < S:
-        window = layout.write_window(cache, window)
-    return (window, tokens, positions), outs  # outs: (C, B, ...)
+    return (layout.write_window(cache, window), tokens, positions), outs  # outs: (C, B, ...)
 
 
 def _score(model: Model, chunk: int, weights, tokens, targets):
@@ -611,6 +632,12 @@ class Engine:
         self.config = config = get_default_config(config)
         check_config(config)
         self.layout = layout = check_cache(model)
+        self.pages = None  # with --page_size, the host's book of each slot's pages
+        if config.page_size:
+            pages = check_pages(config.page_size, config.pages, config.batch_size,
+                                config.seq_length)
+            self.layout = layout = PagedLayout(layout, config.page_size, pages)
+            self.pages = PageBook(config.batch_size, config.seq_length, config.page_size, pages)
         # `params` and, for a variant, its frozen `base`: what `Model.forward` reads.
         self.model, self.params, self.base, self.mesh = model, params, base, mesh
         self.batch_size, self.seq_length = config.batch_size, config.seq_length
@@ -663,18 +690,22 @@ class Engine:
         state is created with the shardings the calls return, so that the first call's
         inputs look like every later call's: one compile each."""
         model, mesh, B, S = self.model, self.mesh, self.batch_size, self.seq_length
+        layout = self.layout
 
         def init_state():  # (cache, each slot's last token, its position)
-            return model.init_cache(B, S), jnp.zeros(B, jnp.int32), jnp.zeros(B, jnp.int32)
+            return layout.empty(model, B, S), jnp.zeros(B, jnp.int32), jnp.zeros(B, jnp.int32)
 
         if mesh is None:
             return None, jax.jit(init_state)
-        shapes = jax.eval_shape(lambda: model.init_cache(B, S))
-        specs = match_partition_rules(model.cache_rules, shapes)
+        shapes = jax.eval_shape(lambda: layout.empty(model, B, S))
+        arrays = shapes.pool if self.pages else shapes  # a pool's pages split like slots
+        specs = match_partition_rules(model.cache_rules, arrays)
         cache_shardings = jax.tree.map(
             lambda spec, s: NamedSharding(mesh, fitted_spec(spec, s.shape, mesh)),
-            specs, shapes, is_leaf=lambda x: isinstance(x, P))
+            specs, arrays, is_leaf=lambda x: isinstance(x, P))
         replicated = NamedSharding(mesh, P())
+        if self.pages:
+            cache_shardings = PagedCache(cache_shardings, replicated)
         shardings = (cache_shardings, replicated, replicated)
         return shardings, jax.jit(init_state, out_shardings=shardings)
 
@@ -683,12 +714,87 @@ class Engine:
         after `release`)."""
         self.state = self._run(self._init_state)
         self.positions[:] = 0
+        if self.pages:
+            self.pages = PageBook(self.batch_size, self.seq_length, self.config.page_size,
+                                  self.layout.pages)
+            self._claimed = set()  # slots `claim`ed for a request not yet prefilled
+            # Each slot's positions that may take pages: a claimed request's, else all.
+            self._bound = np.full(self.batch_size, self.seq_length, np.int64)
+            self._share_pages = self.config.share_prompts and not self.layout.has_state
         self.prompt_tokens = {"prefilled": 0, "cached": 0}
 
     def release(self):
         """Free the cache's device memory until `reset` (an engine that evaluates now and
         then, in a training job); nothing may run on the engine in between."""
         self.state = None
+
+    def pages_free(self) -> int | None:
+        """Pages no slot holds (None: dense, no pages)."""
+        return self.pages.available if self.pages else None
+
+    def pages_needed(self, positions: int) -> int:
+        """Pages a request of `positions` (prompt and new tokens) holds at most."""
+        return -(-min(positions, self.seq_length) // self.config.page_size) if self.pages else 0
+
+    def claim(self, slot: int, positions: int, prompt=()) -> int:
+        """With pages: `slot`'s pages returned and pages for a request's `positions` taken
+        (`pages_free` must cover `pages_needed`: the batcher admits by it), so that the
+        request never runs out of pages; its prefill then takes no more. With
+        `share_prompts` (and no state in the cache: a state cannot start mid-prompt), the
+        first of them are the indexed pages that already hold `prompt`'s first full pages
+        (`PageBook.lookup`): returns how many of its positions they hold, which its
+        prefill skips (`extend` from there), else 0."""
+        if not self.pages:
+            return 0
+        self.pages.release(slot)
+        shared = self.pages.lookup(prompt) if self._share_pages else []
+        self.pages.share(slot, shared)
+        self._reserve([slot], [positions])
+        self._claimed.add(slot)
+        self._bound[slot] = positions
+        return len(shared) * self.config.page_size
+
+    def _index(self, slots, prompts):
+        """With pages and sharing: index the full pages of the prompts just written into
+        `slots` (calls sent later may read them)."""
+        if self.pages and self._share_pages:
+            for slot, prompt in zip(slots, prompts):
+                if slot < self.batch_size:
+                    self.pages.register(int(slot), prompt)
+
+    def free(self, slot: int):
+        """With pages: `slot`'s request is done; its pages go back to the pool (the page
+        table on the device changes with the next call)."""
+        if self.pages:
+            self.pages.release(slot)
+
+    def _reserve(self, slots, positions, fresh: bool = False, strict: bool = True):
+        """With pages: give each of `slots` (a slot index past the last: none) pages for
+        its positions 0..positions[i]-1 (`fresh`: a new request's, after returning the
+        pages the slot held unless it was `claim`ed), and send the page table to the
+        device if it changed. Not `strict` (decode): a slot that cannot get a page writes
+        its positions past its pages to the scratch page (a claimed request's are past
+        its last token)."""
+        if not self.pages:
+            return
+        for slot, upto in zip(slots, positions):
+            if slot >= self.batch_size:
+                continue
+            if fresh and slot not in self._claimed:
+                self.pages.release(slot)
+                self._bound[slot] = self.seq_length
+            if strict:  # a prefill's or an extend's: the claim is spent
+                self._claimed.discard(slot)
+            if not self.pages.reserve(slot, min(int(upto), self.seq_length)) and strict:
+                raise RuntimeError(f"out of cache pages: slot {slot} needs "
+                                   f"{self.pages.needed(slot, upto)}, {len(self.pages.free)} free")
+        if self.pages.dirty:
+            cache, last, positions_ = self.state
+            table = jnp.asarray(self.pages.table)
+            if self.mesh is not None:
+                table = jax.device_put(table, NamedSharding(self.mesh, P()))
+            self.state = (PagedCache(cache.pool, table), last, positions_)
+            self.pages.dirty = False
 
     def _run(self, fn, *args):
         if self.mesh is None:
@@ -748,6 +854,7 @@ class Engine:
         arrays; `fetch` gives tokens (1, n), logprobs (1, n), top ids and logprobs
         (1, n, N); recording routing: then the prompts' expert choices (1, n, L, T, K))."""
         parts, calls = [], self._calls(prompts, slots)
+        self._reserve(slots, map(len, prompts), fresh=True)
         for rows, requests in calls:
             self.state, out = self._run(self._prefill_fns[sampling.samples()], self.weights,
                                         self.state, rows,
@@ -760,6 +867,8 @@ class Engine:
         """The host's record of the positions of the slots `rows` were written into."""
         real = rows.slot_ids < self.batch_size
         self.positions[rows.slot_ids[real]] = rows.request_lengths[real]
+        source = np.arange(len(rows.slot_ids)) if rows.source is None else rows.source
+        self._index(rows.slot_ids, [rows.tokens[u, :rows.lengths[u]] for u in source])
 
     def prefill_chunks(self, length: int) -> int:
         """The chunks a prompt of `length` tokens is prefilled in (1: one call suffices)."""
@@ -779,6 +888,7 @@ class Engine:
         if more:
             raise ValueError(f"begin_prefill: more distinct prompts than the "
                              f"{len(rows.lengths)} one staged prefill holds")
+        self._reserve(slots, map(len, prompts), fresh=True)
         U, T = rows.tokens.shape
         C, chunks = _chunking(T, self.config.prefill_chunk_size)
         start, _, _ = self._staged_fns(U, T)
@@ -856,6 +966,10 @@ class Engine:
         end = max(end, keep)
         ends = np.iinfo(np.int32).max if ends is None else np.asarray(ends)
         ends = np.where(active, ends, 0).astype(np.int32)
+        if self.pages:  # pages for the positions the call writes, of slots holding some
+            held = np.flatnonzero(active & (self.pages.held > 0))
+            self._reserve(held, np.minimum(self.positions[held] + self.config.decode_steps,
+                                           self._bound[held]), strict=False)
         return self._decode(sampling, bucket_for(min(end, self.seq_length), self.decode_buckets),
                             ends, stop)
 
@@ -897,10 +1011,21 @@ class Engine:
                                  f"{start} is empty or past seq_length={self.seq_length}")
             tokens[i, :len(suffix)], lengths[i], begin[i], slot_ids[i] = suffix, len(suffix), \
                 start, slot
+        self._reserve(slot_ids[:n], begin[:n] + lengths[:n])
         self.state, out = self._run(self._extend_fns[sampling.samples()], self.weights,
                                     self.state, PromptRows(tokens, lengths, slot_ids, None, begin),
                                     sampling.pad(rows).snapshot())
         self.positions[slot_ids[:n]] = begin[:n] + lengths[:n]
+        return out
+
+    def prefill_after(self, prompts: list[list[int]], slots: list[int], starts: list[int],
+                      sampling: Sampling):
+        """`prefill` of prompts whose first starts[i] positions their slots' shared pages
+        already hold (`claim`): only the rest runs through the model (`extend`)."""
+        out = self.extend([p[s:] for p, s in zip(prompts, starts)], slots, starts, sampling)
+        self.prompt_tokens["prefilled"] += sum(len(p) - s for p, s in zip(prompts, starts))
+        self.prompt_tokens["cached"] += sum(starts)
+        self._index(slots, prompts)
         return out
 
     def score(self, tokens: list[list[int]], targets: list[list[int]]):

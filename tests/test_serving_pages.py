@@ -1,0 +1,176 @@
+"""The paged cache (easylm/serving/pages.py): served tokens and log-probabilities with pages
+= the dense engine's for every kind of cache array, and the page book's accounting."""
+
+import importlib
+
+import jax
+import numpy as np
+import pytest
+
+from easylm.serving import engine as engine_lib
+from easylm.serving.engine import Engine, Sampling
+from easylm.serving.pages import SCRATCH, PageBook
+from serving_utils import GREEDY, PROMPTS, full_forward_greedy, make_batcher, tiny_config
+from serving_utils import tokenizer  # noqa: F401 (a fixture)
+
+# 2 slots of 32 positions, prompts prefilled 8 tokens at a time, 4 decode steps a call,
+# one length bucket (few programs to compile); pages of 8 positions, so a prompt spans
+# pages and decoding crosses page boundaries.
+ENGINE = {"batch_size": 2, "seq_length": 32, "min_bucket": 32, "decode_steps": 4,
+          "prefill_chunk_size": 8}
+PROMPT_A = [5, 77, 300, 12, 9, 450, 31, 8, 200, 64, 3, 99, 17]  # 13 tokens: two chunks
+PROMPT_B = [41, 7, 260, 88, 5, 123, 19]
+PROMPT_C = [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]  # 20
+
+
+def _family(name):
+    return importlib.import_module(f"easylm.{name}.family").FAMILY
+
+
+# Each kind of cache array: LLaMA's keys and values, a sliding window (LLaMA's, window 8:
+# the prompts and decoding pass it), gpt-oss's sinks over sliding and full layers,
+# DeepSeek-V3's latent, Gemma 4's keys and values stored once and shared by later layers,
+# Qwen3.5's Gated DeltaNet state (per slot) beside its attention layers' keys and values.
+KINDS = {
+    "llama": lambda: (_family("llama"), tiny_config()),
+    "sliding": lambda: (_family("llama"), tiny_config(model_type="mistral", sliding_window=8)),
+    "gpt_oss": lambda: (_family("gpt_oss"), _family("gpt_oss").from_preset("debug")),
+    "deepseek_v3": lambda: (_family("deepseek_v3"), _family("deepseek_v3").from_preset("debug")),
+    "gemma4": lambda: (_family("gemma4"), _family("gemma4").from_preset("debug")),
+    "qwen3_5": lambda: (_family("qwen3_5"), _family("qwen3_5").from_preset("debug")),
+}
+
+
+def _serve(engine: Engine, corrupt: bool = False):
+    """A session on 2 slots: A and B prefilled together (in chunks of 8), 8 tokens
+    decoded, slot 1 takes C (its pages returned and others given), 4 more tokens each.
+    Returns every drawn token and its log-probability. `corrupt`: after the prefill,
+    slot 0's page table points one page off. Two programs in all: C's prefill has a
+    padding row (slot index B, its writes dropped) to reuse A and B's."""
+    vocab = engine.model.vocab_size
+    a, b, c = ([t % vocab for t in p] for p in (PROMPT_A, PROMPT_B, PROMPT_C))
+    tokens, logprobs = [], []
+
+    def take(out, slots=slice(None)):
+        out = engine.fetch(out)
+        tokens.append(out[0][:, slots])
+        logprobs.append(out[1][:, slots])
+
+    take(engine.prefill([a, b], [0, 1], Sampling.empty(2)))
+    if corrupt:
+        held = int(engine.pages.held[0])
+        engine.pages.table[0, :held] = engine.pages.table[0, :held] + 1
+        engine.pages.dirty = True
+    for _ in range(2):
+        take(engine.decode(Sampling.empty(2)))
+    take(engine.prefill([c, a], [1, 2], Sampling.empty(2)), slice(0, 1))
+    take(engine.decode(Sampling.empty(2)))
+    return [np.concatenate([x.reshape(-1) for x in xs]) for xs in (tokens, logprobs)]
+
+
+# The three slowest to compile run with the slow tests (the suite's CI budget): their
+# cache kinds (sinks, a latent, shared K/V) only change what the gathered window holds.
+SLOW = ("gpt_oss", "deepseek_v3", "gemma4")
+
+
+@pytest.fixture(scope="module", params=[pytest.param(k, marks=pytest.mark.slow) if k in SLOW
+                                        else k for k in KINDS])
+def kind(request):
+    family, config = KINDS[request.param]()
+    model = family.bind(config)
+    params = jax.jit(model.init_params)(jax.random.PRNGKey(0))
+    dense = _serve(Engine(ENGINE, model, params))
+    return request.param, model, params, dense
+
+
+def test_pages_serve_what_the_dense_cache_serves(kind):
+    """Same greedy tokens; log-probabilities equal to fp32 rounding: the model reads the
+    same values at every position its mask admits (a gather instead of a slice), and the
+    masked ones weigh exactly 0. XLA may fuse the two programs differently, so allow a few
+    ulps of the fp32 log-probabilities (|logp| < ~10: 1e-5 absolute). The negative twin,
+    on the same programs: slot 0's page table one page off changes what it draws."""
+    name, model, params, (tokens, logprobs) = kind
+    engine = Engine({**ENGINE, "page_size": 8}, model, params)
+    paged_tokens, paged_logprobs = _serve(engine)
+    np.testing.assert_array_equal(paged_tokens, tokens)
+    np.testing.assert_allclose(paged_logprobs, logprobs, atol=1e-5, rtol=0)
+    assert engine.pages.in_use > 0 and not engine.pages.dirty
+    engine.reset()
+    _, bad_logprobs = _serve(engine, corrupt=True)
+    assert np.abs(bad_logprobs - logprobs).max() > 1e-3
+
+
+def test_a_recurrent_state_prefills_in_full(kind):
+    """Gated DeltaNet's state at a page's end is not kept, so a prompt that starts with
+    another's indexed pages cannot start there: Qwen3.5 shares no page (`claim` gives 0);
+    attention-only caches share the full pages before the prompt's last token."""
+    name, model, params, _ = kind
+    engine = Engine({**ENGINE, "page_size": 8}, model, params)  # only its state compiles
+    prompt = list(range(3, 23))  # 20 tokens: two full pages
+    assert engine.claim(0, 24, prompt) == 0
+    engine.pages.register(0, prompt)  # indexed as a prefill would (sharing on or not)
+    assert engine.claim(1, 24, prompt) == (0 if name == "qwen3_5" else 16)
+
+
+def test_page_book_hands_out_and_takes_back_pages():
+    book = PageBook(slots=2, length=32, page_size=8, pages=6)  # 5 usable
+    assert book.reserve(0, 13) and book.table[0, :2].tolist() == [1, 2]
+    assert book.reserve(1, 17) and book.table[1, :3].tolist() == [3, 4, 5]
+    assert not book.reserve(0, 17) and book.held[0] == 2  # one short: nothing taken
+    book.release(1)
+    assert book.in_use == 2 and (book.table[1] == SCRATCH).all()
+    assert book.reserve(0, 32) and book.in_use == 4
+
+
+def test_too_few_pages_for_one_request_is_refused():
+    from easylm.errors import UserError
+
+    with pytest.raises(UserError, match="--pages=4"):
+        engine_lib.check_config(engine_lib.get_default_config(
+            {"seq_length": 64, "page_size": 16, "pages": 4}))
+
+
+def test_requests_wait_for_pages_and_get_their_tokens(tokenizer):
+    """10 requests on 4 slots with pages for about 3 of them at once (8 pages of 8
+    positions; a request holds its prompt's and 12 new tokens' pages, 2 to 5): each waits
+    for finished requests' pages, none fails, each gets the tokens a full forward greedily
+    gives, and every page is back in the pool at the end."""
+    batcher, model, params = make_batcher(page_size=8, pages=9)
+    try:
+        gens = batcher.generate(PROMPTS * 2, GREEDY, tokenizer)
+        for g in gens:
+            assert g.finish_reason == "length", g.finish_reason
+            expected, _ = full_forward_greedy(model, params, g.prompt, GREEDY.max_tokens)
+            assert [t.id for t in g.tokens] == expected
+        assert batcher.engine.pages.in_use == 0
+    finally:
+        batcher.stop()
+
+
+SYSTEM = [1] + list(range(40, 63))  # 24 tokens: three full pages of 8
+
+
+def test_a_request_that_shares_pages_with_a_finished_one_gets_its_own_tokens(tokenizer):
+    """A prompt's full pages outlive its request (indexed, unreferenced); prompts that
+    start with the same 16+ tokens then take them and run only the rest (`extend`), and
+    get the tokens a full forward greedily gives: one after the first finished, then
+    four at once (GRPO's completions of one prompt, a repeated system prompt). The twin
+    with sharing off computes every prompt whole (`cached` 0) and gets the same tokens."""
+    later = [SYSTEM + [7, 8, 9], SYSTEM + [100], SYSTEM[:20], SYSTEM + [7, 8, 9], SYSTEM]
+    for share in (True, False):
+        batcher, model, params = make_batcher(page_size=8, share_prompts=share)
+        try:
+            engine = batcher.engine
+            (first,) = batcher.generate([SYSTEM], GREEDY, tokenizer)
+            assert engine.pages.in_use == 0 and len(engine.pages.unused) == (3 if share else 0)
+            gens = batcher.generate(later[:1], GREEDY, tokenizer)
+            gens += batcher.generate(later[1:], GREEDY, tokenizer)
+            for g in [first] + gens:
+                expected, _ = full_forward_greedy(model, params, g.prompt, GREEDY.max_tokens)
+                assert [t.id for t in g.tokens] == expected, (share, g.prompt)
+            # The first request computes its 24 tokens; later[i] shares 16 (SYSTEM[:20],
+            # SYSTEM: pages of tokens before their last) or 24 positions.
+            cached = engine.prompt_tokens["cached"]
+            assert cached == (24 + 24 + 16 + 24 + 16 if share else 0), cached
+        finally:
+            batcher.stop()
