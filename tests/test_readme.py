@@ -346,6 +346,7 @@ MODEL_NAMES = {"llama": "LLaMA 1, 2, 3 and 3.2", "mistral": "Mistral", "qwen2": 
                "gemma4_text": "Gemma 4", "gemma4": "Gemma 4", "olmo3": "OLMo 3",
                "smollm3": "SmolLM3", "kimi_k25": "Kimi K2.5", "minimax_m2": "MiniMax-M2",
                "deepseek_v32": "DeepSeek-V3.2", "glm_moe_dsa": "GLM-5",
+               "deepseek_v4": "DeepSeek-V4",
                "llama4_text": "Llama 4", "mistral4": "Mistral Small 4"}
 
 

@@ -131,3 +131,23 @@ def test_prompts_of_different_requests_take_turns_for_slots(served, tokenizer):
         assert done.acquire(timeout=60)
     assert "single" in order[:4], order
     assert [n for n in order if n != "single"] == [f"big{i}" for i in range(12)]
+
+
+def test_a_busy_batcher_logs_the_caches_use(served, tokenizer, caplog, monkeypatch):
+    """While requests run the batcher logs, every USE_LOG_SECONDS, the slots in use and
+    the prompt tokens prefilled and shared; none before that much time has passed (the
+    quick start's short session prints its ready line only)."""
+    import logging
+
+    from easylm.serving import batcher as batcher_module
+
+    batcher, _, _ = served
+    with caplog.at_level(logging.INFO, logger=batcher_module.log.name):
+        monkeypatch.setattr(batcher_module, "USE_LOG_SECONDS", 1e9)
+        batcher.generate(PROMPTS[:1], GREEDY, tokenizer)
+        assert not [r for r in caplog.records if "slots in use" in r.getMessage()]
+        monkeypatch.setattr(batcher_module, "USE_LOG_SECONDS", 0.0)
+        batcher.generate(PROMPTS[:2], GREEDY, tokenizer)
+    (line, *_) = [r.getMessage() for r in caplog.records if "slots in use" in r.getMessage()]
+    assert f"of {batcher.engine.batch_size} slots in use" in line, line
+    assert "prompt tokens since start" in line and "requests waiting" in line, line

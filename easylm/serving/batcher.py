@@ -133,7 +133,9 @@ class Batcher:
         self._in_flight = None  # (decode outputs on the device, the slots when dispatched)
         self._staged = None  # (engine.StagedPrefill, [(slot, Generation)]) being prefilled
         self._waiting: list[Generation] = []
-        self._logged = float("-inf")  # when `_log_use` last logged
+        # When `_log_use` last logged: the first line comes USE_LOG_SECONDS after the start
+        # (a short session, the quick start's, logs nothing but its ready line).
+        self._logged = time.monotonic()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._scoring: collections.deque[_ScoreJob] = collections.deque()
         self._wake = threading.Condition()
@@ -279,12 +281,13 @@ class Batcher:
         if now - self._logged < USE_LOG_SECONDS:
             return
         self._logged = now
-        engine = self.engine
-        log.info("cache: %d of %d slots in use (%d positions each), %d requests waiting; "
+        engine, free = self.engine, self.engine.pages_free()
+        pages = "" if free is None else f", {free} pages free"
+        log.info("cache: %d of %d slots in use (%d positions each)%s, %d requests waiting; "
                  "prompt tokens since start: %d prefilled, %d from shared prompts",
                  sum(s is not None for s in self.slots), engine.batch_size,
-                 engine.seq_length, len(self._waiting), engine.prompt_tokens["prefilled"],
-                 engine.prompt_tokens["cached"])
+                 engine.seq_length, pages, len(self._waiting),
+                 engine.prompt_tokens["prefilled"], engine.prompt_tokens["cached"])
 
     def _run_jobs(self):
         while not self._jobs.empty():
