@@ -32,7 +32,6 @@ V vocabulary, N query heads, K key/value heads, H head dim, L layers.
 """
 
 import jax.numpy as jnp
-import numpy as np
 import flax.linen as nn
 from jax.sharding import PartitionSpec as P
 
@@ -70,17 +69,8 @@ def rope_frequencies(config: LLaMAConfig) -> jnp.ndarray:
     inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))
     if config.rope_scaling_type != "llama3":
         return inv_freq
-    factor = config.rope_scaling_factor
-    low, high = config.rope_low_freq_factor, config.rope_high_freq_factor
-    old_context = config.rope_original_max_position_embeddings
-    wavelength = 2 * np.pi / inv_freq
-    # Long wavelengths are slowed down by `factor`, short ones kept, and the band
-    # between is interpolated smoothly.
-    scaled = jnp.where(wavelength > old_context / low, inv_freq / factor, inv_freq)
-    smooth = (old_context / wavelength - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    in_band = (wavelength >= old_context / high) & (wavelength <= old_context / low)
-    return jnp.where(in_band, smoothed, scaled)
+    return rope.llama3(inv_freq, config.rope_scaling_factor, config.rope_low_freq_factor,
+                       config.rope_high_freq_factor, config.rope_original_max_position_embeddings)
 
 
 def _yarn(config: LLaMAConfig):

@@ -28,9 +28,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from easylm.llama.model import rope_frequencies
 from easylm.llama4.config import Llama4Config
-from easylm.models import moe
+from easylm.models import moe, rope
 from easylm.models.attention import attention
 from easylm.models.context_parallel import SplitSequence
 from easylm.models.decoder import (HEADS, CausalLM, Sublayer, apply_rotary,
@@ -146,8 +145,18 @@ class Llama4ForCausalLM(CausalLM):
 
     @classmethod
     def inv_freq(cls, config: Llama4Config, kind: str):
-        return rope_frequencies(config) if kind.startswith("rope") else None
+        return _inv_freq(config) if kind.startswith("rope") else None
 
     @classmethod
     def chunk(cls, config: Llama4Config, kind: str) -> int:
         return config.attention_chunk_size if kind.startswith("rope") else 0
+
+
+def _inv_freq(config: Llama4Config):
+    """Inverse frequencies (H/2,) of the rotary layers, Llama 3.1's scaling where set."""
+    H = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))
+    if config.rope_scaling_type != "llama3":
+        return inv_freq
+    return rope.llama3(inv_freq, config.rope_scaling_factor, config.rope_low_freq_factor,
+                       config.rope_high_freq_factor, config.rope_original_max_position_embeddings)

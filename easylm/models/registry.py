@@ -22,8 +22,8 @@ FAMILIES = {"llama": "easylm.llama.family:FAMILY", "gemma": "easylm.gemma.family
             "minimax_m2": "easylm.minimax_m2.family:FAMILY",
             "qwen3_5_vl": "easylm.qwen3_5.vision_hf:FAMILY",
             "gemma4_vl": "easylm.gemma4.vision_hf:FAMILY",
-            "deepseek_v32": "easylm.deepseek_v32.family:FAMILY",
-            "glm_moe_dsa": "easylm.glm_moe_dsa.family:FAMILY",
+            "deepseek_v32": "easylm.deepseek_v3.v32:FAMILY",
+            "glm_moe_dsa": "easylm.deepseek_v3.glm5:FAMILY",
             "llama4": "easylm.llama4.family:FAMILY",
             "deepseek_v4": "easylm.deepseek_v4.family:FAMILY"}
 DEFAULT = "llama"

@@ -15,6 +15,7 @@ whole dimensions (transformers' default; gpt-oss turns it off).
 
 import math
 
+import jax.numpy as jnp
 import numpy as np
 
 # YaRN's fields besides the base, as a rope_parameters dict names them.
@@ -26,6 +27,18 @@ def default(theta: float, dim: int) -> tuple[np.ndarray, float]:
     """theta ** (-2i / dim) for i < dim / 2, and no attention factor."""
     exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
     return (np.float32(1.0) / np.power(np.float32(theta), exponents)).astype(np.float32), 1.0
+
+
+def llama3(inv_freq, factor: float, low: float, high: float, original: int):
+    """Llama 3.1's long-context scaling of inverse frequencies (H/2,) (Llama 3.1-3.3,
+    Llama 4): wavelengths longer than original / low slowed down by `factor`, those shorter
+    than original / high kept, and the band between interpolated smoothly."""
+    wavelength = 2 * np.pi / inv_freq
+    scaled = jnp.where(wavelength > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelength - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    in_band = (wavelength >= original / high) & (wavelength <= original / low)
+    return jnp.where(in_band, smoothed, scaled)
 
 
 def _mscale(scale: float, mscale: float = 1.0) -> float:

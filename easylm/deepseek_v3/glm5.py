@@ -1,15 +1,28 @@
-"""GLM-5 configuration: DeepSeek-V3.2's (easylm/deepseek_v32/config.py) with the indexer's
-rotary on interleaved pairs and GLM's cross-layer top-k sharing: `indexer_types` names
-each layer "full" (its own indexer) or "shared" (the keys the last full layer chose), as
-transformers 5 reads `GlmMoeDsaConfig`.
+"""The GLM-5 family (`glm_moe_dsa`: GLM-5, GLM-5.1): DeepSeek-V3.2's model (v32.py,
+easylm/models/sparse_attention.py) with the indexer's rotary on interleaved pairs and
+GLM's cross-layer top-k sharing: `indexer_types` names each layer "full" (its own
+indexer) or "shared" (the keys the last full layer chose, no indexer of its own), as
+transformers 5 reads `GlmMoeDsaConfig`; DeepSeek-V3.2's checkpoint names. `FAMILY`.
 """
 
 import dataclasses
+import functools
 from typing import ClassVar
 
-from easylm.deepseek_v32.config import DEEPSEEK_V32_PRESETS, DeepseekV32Config, read_hf_fields
+from easylm.deepseek_v3.v32 import (
+    DEEPSEEK_V32_PRESETS,
+    PARTITION_RULES,
+    DeepseekV32Config,
+    read_hf_fields,
+)
 from easylm.errors import UserError
+from easylm.models import sigmoid_moe_hf
 from easylm.models.config import default, field
+from easylm.models.family import HFAdapter, ModelFamily, hf_params_reader
+from easylm.models.sparse_attention import SparseMLACausalLM
+
+
+# ------------------------------------------------------------------------------ config
 
 INDEXER_TYPES = ("full", "shared")
 
@@ -95,3 +108,37 @@ GLM_MOE_DSA_PRESETS = {
     # experts top 8, MLA with a 2048 q latent, an indexer of 32 heads keeping 2048 keys).
     "glm_5": dict(bos_token_id=0, eos_token_id=1),
 }
+
+
+# ------------------------------------------------------------------------------- model
+
+class GlmMoeDsaForCausalLM(SparseMLACausalLM):
+    pass
+
+
+# ---------------------------------------------------------------- HF checkpoint names
+
+to_hf = functools.partial(sigmoid_moe_hf.to_hf, lm=GlmMoeDsaForCausalLM)
+load_hf_params = functools.partial(sigmoid_moe_hf.load_hf_params, config_class=GlmMoeDsaConfig,
+                                   lm=GlmMoeDsaForCausalLM)
+
+
+# ------------------------------------------------------------------------------ family
+
+class GlmMoeDsaFamily(ModelFamily):
+    name = "glm_moe_dsa"
+    config_class = GlmMoeDsaConfig
+    presets = GLM_MOE_DSA_PRESETS
+    default_preset = "debug"
+    tiny_preset = "debug"
+    module_class = GlmMoeDsaForCausalLM
+    variants = ("lora", "int8")
+    hf = HFAdapter(model_types=("glm_moe_dsa",), read_config=GlmMoeDsaConfig.read_hf,
+                   write_params=to_hf,
+                   read_params=hf_params_reader(load_hf_params, GlmMoeDsaForCausalLM))
+
+    def partition_rules(self, config: GlmMoeDsaConfig):
+        return PARTITION_RULES
+
+
+FAMILY = GlmMoeDsaFamily()

@@ -1,17 +1,25 @@
-"""DeepSeek-V3.2 configuration: DeepSeek-V3's (easylm/deepseek_v3/config.py) and the
-lightning indexer's fields of DeepSeek sparse attention (easylm/models/sparse_attention.py),
-config.json as transformers 5 reads `DeepseekV32Config`. MLA's rotary is always the
-interleaved one, and every layer has a q latent (`q_lora_rank`).
+"""The DeepSeek-V3.2 family (`deepseek_v32`: DeepSeek-V3.2-Exp, DeepSeek-V3.2): DeepSeek-V3
+(this package) with DeepSeek sparse attention (easylm/models/sparse_attention.py). Its
+config (the lightning indexer's fields; config.json as transformers 5 reads
+`DeepseekV32Config`: MLA's rotary always interleaved, every layer a q latent), its model,
+its checkpoint names (DeepSeek-V3's, easylm/models/sigmoid_moe_hf.py, and the indexer's:
+`self_attn.indexer.wq_b`, `wk`, `k_norm`, `weights_proj`) and `FAMILY`.
 """
 
 import dataclasses
+import functools
 from typing import ClassVar
 
 from easylm.deepseek_v3.config import DEEPSEEK_V3_PRESETS, DeepseekV3Config, from_hf_dict
+from easylm.deepseek_v3.model import PARTITION_RULES as DEEPSEEK_V3_RULES
 from easylm.errors import UserError
+from easylm.models import sigmoid_moe_hf, sparse_attention
 from easylm.models.config import field
-from easylm.models.sparse_attention import IndexerConfig
+from easylm.models.family import HFAdapter, ModelFamily, hf_params_reader
+from easylm.models.sparse_attention import IndexerConfig, SparseMLACausalLM
 
+
+# ------------------------------------------------------------------------------ config
 
 @dataclasses.dataclass(frozen=True)
 class DeepseekV32Config(DeepseekV3Config):
@@ -128,3 +136,40 @@ DEEPSEEK_V32_PRESETS = {
     "deepseek_v3_2": dict(DEEPSEEK_V3_PRESETS["deepseek_v3"], index_topk=2048,
                           index_n_heads=64, index_head_dim=128),
 }
+
+
+# ------------------------------------------------------------------------------- model
+
+PARTITION_RULES = sparse_attention.PARTITION_RULES + DEEPSEEK_V3_RULES
+
+
+class DeepseekV32ForCausalLM(SparseMLACausalLM):
+    pass
+
+
+# ---------------------------------------------------------------- HF checkpoint names
+
+to_hf = functools.partial(sigmoid_moe_hf.to_hf, lm=DeepseekV32ForCausalLM)
+load_hf_params = functools.partial(sigmoid_moe_hf.load_hf_params, config_class=DeepseekV32Config,
+                                   lm=DeepseekV32ForCausalLM)
+
+
+# ------------------------------------------------------------------------------ family
+
+class DeepseekV32Family(ModelFamily):
+    name = "deepseek_v32"
+    config_class = DeepseekV32Config
+    presets = DEEPSEEK_V32_PRESETS
+    default_preset = "debug"
+    tiny_preset = "debug"
+    module_class = DeepseekV32ForCausalLM
+    variants = ("lora", "int8")
+    hf = HFAdapter(model_types=("deepseek_v32",), read_config=DeepseekV32Config.read_hf,
+                   write_params=to_hf,
+                   read_params=hf_params_reader(load_hf_params, DeepseekV32ForCausalLM))
+
+    def partition_rules(self, config: DeepseekV32Config):
+        return PARTITION_RULES
+
+
+FAMILY = DeepseekV32Family()
