@@ -88,7 +88,6 @@ def test_config_json_and_counts_are_transformers(saved):
         FAMILY.config_class.from_hf_config({"model_type": "deepseek_v4", "n_shared_experts": 2})
 
 
-@pytest.mark.slow  # ~90 s: three 300-token forwards compiled (the model and its twins)
 def test_logprobs_of_a_long_prompt_match_transformers(saved):
     """A full forward's log-probabilities of a 300-token prompt = transformers'; twins (the
     same tolerance): the indexer ignored (every visible entry kept), the hyper-connections
@@ -123,7 +122,7 @@ def test_serving_is_refused_in_one_line(saved):
         hf_parity.served_logprobs(FAMILY.bind(config), params, _prompt(20))
 
 
-@pytest.mark.slow  # ~300 s on 2 shared cores: the command compiles the 3 layers twice
+@pytest.mark.extended  # ~300 s on 2 shared cores: the command compiles the 3 layers twice
 def test_training_through_the_command_starts_at_transformers_loss_and_exports(tmp_path, saved):
     directory, model, config, _ = saved
     hf_parity.check_training_command(FAMILY, directory, model, tmp_path, _rel(config, 32),

@@ -103,7 +103,7 @@ def test_served_greedy_tokens_equal_transformers_generate(saved):
     assert_engine_greedy_equals_generate(model, FAMILY.bind(config), params)
 
 
-@pytest.mark.slow  # the backward compile: ~40-100 s on two shared cores
+@pytest.mark.extended  # the backward compile: ~40-100 s on two shared cores
 def test_gradients_are_transformers(saved):
     """The loss's gradient of a 40-token row = torch's backward through transformers, on
     the attention, the router and the experts (within the logits' relative error of each
@@ -135,7 +135,7 @@ def test_gradients_are_transformers(saved):
         assert_close(np.asarray(mine), ref, _rel(config, 40), err_msg=name)
 
 
-@pytest.mark.slow  # ~80 s on two cores
+@pytest.mark.extended  # ~80 s on two cores
 def test_training_through_the_command_starts_at_transformers_loss_and_exports(tmp_path):
     """At initializer_range 0.1: at 0.2 the third step's Adam update at lr 1e-2 overshoots
     (7.41, 7.36, 7.50), with gradients equal to transformers' (the test above)."""

@@ -94,7 +94,7 @@ def test_served_greedy_tokens_equal_transformers_generate(saved):
     assert_engine_greedy_equals_generate(model, FAMILY.bind(config), params)
 
 
-@pytest.mark.slow  # ~80 s on two cores: the CI budget of this module is its parity tests
+@pytest.mark.extended  # ~80 s on two cores: CI runs this module's parity tests
 def test_training_through_the_command_starts_at_transformers_loss_and_exports(tmp_path, saved):
     directory, model, config, _ = saved
     hf_parity.check_training_command(FAMILY, directory, model, tmp_path, _rel(config, 32),

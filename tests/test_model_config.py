@@ -152,15 +152,15 @@ def _train_losses(name, mesh_dim, output_dir) -> list[float]:
         return [row["loss"] for row in map(json.loads, f) if "loss" in row]
 
 
-# Behind `slow` (CI's seconds budget): the DSA families, whose dense-reference indexer
-# makes each sharded compile the longest of the mixtures'; mistral4 dispatches as
-# deepseek_v3 (its router only differs) and llama4 as any top-1 mixture (~3 min each on
-# two busy cores).
-SLOW_EP = ("deepseek_v32", "glm_moe_dsa", "mistral4", "llama4")
+# Marked `extended` (CI's time budget leaves them out): the DSA families, whose
+# dense-reference indexer makes each sharded compile the longest of the mixtures';
+# mistral4 dispatches as deepseek_v3 (its router only differs) and llama4 as any top-1
+# mixture (~3 min each on two busy cores).
+EXTENDED = ("deepseek_v32", "glm_moe_dsa", "mistral4", "llama4")
 
 
-@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if name in SLOW_EP
-                                  else name for name in MIXTURES])
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.extended)
+                                  if name in EXTENDED else name for name in MIXTURES])
 def test_training_over_ep_equals_training_over_fsdp(name, tmp_path):
     """--mesh_dim=dp=1,fsdp=2,ep=4 (each device a quarter of the experts, tokens exchanged
     by all-to-all) trains as --mesh_dim=1,8,1 does, through the command."""

@@ -68,13 +68,13 @@ def _serve(engine: Engine, corrupt: bool = False):
     return [np.concatenate([x.reshape(-1) for x in xs]) for xs in (tokens, logprobs)]
 
 
-# The three slowest to compile run with the slow tests (the suite's CI budget): their
+# The three slowest to compile are `extended` (CI's time budget leaves them out): their
 # cache kinds (sinks, a latent, shared K/V) only change what the gathered window holds.
-SLOW = ("gpt_oss", "deepseek_v3", "gemma4")
+EXTENDED = ("gpt_oss", "deepseek_v3", "gemma4")
 
 
-@pytest.fixture(scope="module", params=[pytest.param(k, marks=pytest.mark.slow) if k in SLOW
-                                        else k for k in KINDS])
+@pytest.fixture(scope="module", params=[pytest.param(k, marks=pytest.mark.extended)
+                                        if k in EXTENDED else k for k in KINDS])
 def kind(request):
     family, config = KINDS[request.param]()
     model = family.bind(config)

@@ -98,13 +98,13 @@ def test_served_logprobs_of_a_long_prompt_match_transformers(saved):
                    scale=1.0)
 
 
-@pytest.mark.slow  # CI runs the served log-probabilities only (its seconds budget)
+@pytest.mark.extended  # CI runs the served log-probabilities only (its time budget)
 def test_served_greedy_tokens_equal_transformers_generate(saved):
     family, _, model, config, params = saved
     assert_engine_greedy_equals_generate(model, family.bind(config), params)
 
 
-@pytest.mark.slow  # CI runs the served log-probabilities only (its seconds budget)
+@pytest.mark.extended  # CI runs the served log-probabilities only (its time budget)
 def test_training_through_the_command_starts_at_transformers_loss_and_exports(tmp_path, saved):
     """Rows of 32 > the 16 keys kept: the loss is the sparse model's."""
     family, directory, model, config, _ = saved
@@ -112,7 +112,7 @@ def test_training_through_the_command_starts_at_transformers_loss_and_exports(tm
                                      ARCHITECTURES[family.name])
 
 
-@pytest.mark.slow  # CI runs the served log-probabilities only (its seconds budget)
+@pytest.mark.extended  # CI runs the served log-probabilities only (its time budget)
 def test_export_loads_in_transformers_and_equals_served(tmp_path, saved):
     family, _, model, config, params = saved
     read = lambda d: (family.hf.read_config(d), family.hf.read_params(d, config))
@@ -120,7 +120,7 @@ def test_export_loads_in_transformers_and_equals_served(tmp_path, saved):
                            read)
 
 
-@pytest.mark.slow  # CI runs the served log-probabilities only (its seconds budget)
+@pytest.mark.extended  # CI runs the served log-probabilities only (its time budget)
 def test_lora_through_the_command_exports_a_peft_adapter_equal_to_the_merged(tmp_path, saved,
                                                                           monkeypatch):
     """test_deepseek_v3's LoRA check on a DSA directory: 2 steps of `python -m easylm.train
