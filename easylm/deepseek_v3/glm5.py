@@ -11,14 +11,14 @@ from typing import ClassVar
 
 from easylm.deepseek_v3.v32 import (
     DEEPSEEK_V32_PRESETS,
-    PARTITION_RULES,
     DeepseekV32Config,
+    DeepseekV32Family,
     read_hf_fields,
 )
 from easylm.errors import UserError
 from easylm.models import sigmoid_moe_hf
 from easylm.models.config import default, field
-from easylm.models.family import HFAdapter, ModelFamily, hf_params_reader
+from easylm.models.family import HFAdapter, hf_params_reader
 from easylm.models.sparse_attention import SparseMLACausalLM
 
 
@@ -125,20 +125,17 @@ load_hf_params = functools.partial(sigmoid_moe_hf.load_hf_params, config_class=G
 
 # ------------------------------------------------------------------------------ family
 
-class GlmMoeDsaFamily(ModelFamily):
+class GlmMoeDsaFamily(DeepseekV32Family):
+    """DeepSeek-V3.2's family (its presets' defaults, variants and partition rules) with
+    GLM-5's config, presets, model and model_type."""
+
     name = "glm_moe_dsa"
     config_class = GlmMoeDsaConfig
     presets = GLM_MOE_DSA_PRESETS
-    default_preset = "debug"
-    tiny_preset = "debug"
     module_class = GlmMoeDsaForCausalLM
-    variants = ("lora", "int8")
     hf = HFAdapter(model_types=("glm_moe_dsa",), read_config=GlmMoeDsaConfig.read_hf,
                    write_params=to_hf,
                    read_params=hf_params_reader(load_hf_params, GlmMoeDsaForCausalLM))
-
-    def partition_rules(self, config: GlmMoeDsaConfig):
-        return PARTITION_RULES
 
 
 FAMILY = GlmMoeDsaFamily()
