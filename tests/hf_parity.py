@@ -107,6 +107,24 @@ def check_export(family, model, config, params, tmp_path, architecture, read):
         np.testing.assert_array_equal(a, b)
 
 
+def check_whole_export(family, config, params, reference, model_class, tmp_path):
+    """The converter's tensors and config.json load in transformers as `model_class` with
+    no missing or unexpected weights, each tensor bit for bit `reference`'s (the model the
+    parameters were read from: an image-text model, whose logits need its images), and
+    the config reads back the same."""
+    from easylm.models.hf_checkpoint import write_safetensors
+
+    write_safetensors(((name, np.asarray(x, np.float32))
+                       for name, x in family.hf.write_params(params, config)), str(tmp_path))
+    config.to_hf_config().save_pretrained(tmp_path)
+    model, info = model_class.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    theirs = dict(reference.state_dict())
+    for name, tensor in model.state_dict().items():
+        np.testing.assert_array_equal(tensor.numpy(), theirs[name].numpy(), err_msg=name)
+    assert family.hf.read_config(str(tmp_path)) == config
+
+
 def check_lora_peft(family, directory, config, params, tmp_path, rel, target_modules):
     """Random adapters (drawn at 0.2, so that a misplaced one shows) on every default
     target: the PEFT directory on transformers' model, our adapted model, and the merged

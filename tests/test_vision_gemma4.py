@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import hf_parity
 import torch
 from numerics import assert_close, assert_differs, fp32_rel
 from PIL import Image
@@ -29,7 +30,6 @@ from easylm.gemma4 import images as gemma_images
 from easylm.gemma4.vision_hf import FAMILY
 from easylm.models import registry
 from easylm.models.attention import BidirectionalBlocks, attention
-from easylm.models.hf_checkpoint import write_safetensors
 from easylm.models.vision import load_image_processor
 from easylm.runtime.sharding import match_partition_rules
 
@@ -164,16 +164,8 @@ def test_image_tokens_are_written_as_transformers_processor_writes_them(hf, ours
 
 def test_export_reloads_in_transformers_whole(hf, ours, tmp_path):
     config, params = ours
-    write_safetensors(((name, np.asarray(x, np.float32))
-                       for name, x in FAMILY.hf.write_params(params, config)), str(tmp_path))
-    config.to_hf_config().save_pretrained(tmp_path)
-    model, info = Gemma4ForConditionalGeneration.from_pretrained(
-        tmp_path, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
-    theirs = dict(hf[1].state_dict())
-    for name, tensor in model.state_dict().items():
-        np.testing.assert_array_equal(tensor.numpy(), theirs[name].numpy(), err_msg=name)
-    assert FAMILY.hf.read_config(str(tmp_path)) == config
+    hf_parity.check_whole_export(FAMILY, config, params, hf[1], Gemma4ForConditionalGeneration,
+                                 tmp_path)
 
 
 def test_config_json_and_refusals(hf, tmp_path):

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import hf_parity
 import torch
 from numerics import assert_close, assert_differs, fp32_rel
 from PIL import Image
@@ -29,7 +30,6 @@ from transformers import (
 
 from easylm.errors import UserError
 from easylm.models import registry
-from easylm.models.hf_checkpoint import write_safetensors
 from easylm.qwen3_5 import images as qwen_images
 from easylm.qwen3_5.vision_hf import FAMILY
 from easylm.runtime.sharding import match_partition_rules
@@ -157,16 +157,8 @@ def test_the_checkpoints_own_image_processor_is_read(hf):
 
 def test_export_reloads_in_transformers_whole(hf, ours, tmp_path):
     config, params = ours
-    write_safetensors(((name, np.asarray(x, np.float32))
-                       for name, x in FAMILY.hf.write_params(params, config)), str(tmp_path))
-    config.to_hf_config().save_pretrained(tmp_path)
-    model, info = Qwen3_5ForConditionalGeneration.from_pretrained(
-        tmp_path, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
-    theirs = dict(hf[1].state_dict())
-    for name, tensor in model.state_dict().items():
-        np.testing.assert_array_equal(tensor.numpy(), theirs[name].numpy(), err_msg=name)
-    assert FAMILY.hf.read_config(str(tmp_path)) == config
+    hf_parity.check_whole_export(FAMILY, config, params, hf[1], Qwen3_5ForConditionalGeneration,
+                                 tmp_path)
 
 
 def test_config_json_and_refusals(hf, tmp_path):
