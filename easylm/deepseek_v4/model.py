@@ -242,7 +242,7 @@ class MoE(Sublayer):
     def __call__(self, u, ids):
         c, mc = self.config, self.config.moe()
         B, T, D = u.shape
-        E, K, L = c.n_routed_experts, c.num_experts_per_tok, c.swiglu_limit
+        E, K = c.n_routed_experts, c.num_experts_per_tok
         tokens = u.reshape(B * T, D)
         gate = _Gate(c, self.hashed, name="gate")
         logits, bias, table = gate(D)
