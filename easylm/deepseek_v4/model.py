@@ -1,7 +1,16 @@
 """DeepSeek-V4's model on the shared decoder (easylm/models/decoder.py), as transformers
-5.25's modeling_deepseek_v4.py computes it in one forward pass (no cache). A dense
-reference: every query is scored against all T tokens and all compressed entries and
-masked where transformers masks (docs/models.md says what the sparse form would save).
+5.25's modeling_deepseek_v4.py computes it. A dense reference: every query is scored
+against all T tokens and all compressed entries and masked where transformers masks
+(docs/model.md says what the sparse form would save).
+
+Served (a cache, `layer_cache`), every array is positional (B, S, ...), so the engine's
+generic code slices, pages and writes it by position with no state per slot: the shared
+key/value head of each token; for a compressed layer, each token's compressor projections
+(kv, and the gate with its position bias: the windows still open) and, at each position
+p, the entry of the window ending at p, which a query sees from p on when (p + 1) is a
+multiple of m (its garbage at the other positions is never read); for CSA the indexer's
+compressor alike. Entry w thus sits at position (w + 1) m - 1, and "visible" is the causal
+mask. What it costs against W = S / m entries and a window: docs/model.md.
 
 Shape letters: B batch, T tokens, D width, N heads, H head width (keys = values), R rotary
 dims (the last R of each head, rotated in interleaved pairs), W compressed entries, m
