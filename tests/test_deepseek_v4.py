@@ -207,8 +207,9 @@ def test_paged_cache_decodes_as_generate(saved):
 @pytest.mark.extended  # CI runs the served log-probabilities only (its time budget)
 def test_the_serve_command_answers_in_bf16_and_refuses_a_prompt_past_the_context(saved):
     """`python -m easylm.serve --load_checkpoint=hf::DIR --dtype=bf16`, in process: a
-    greedy completion of up to 12 tokens (the end token may come first); a prompt longer than --seq_length is a 400 naming
-    the limit in one line, and the server answers after it."""
+    greedy completion of up to 12 tokens (the end token may come first); a prompt longer
+    than --seq_length is a 400 naming the limit in one line, and the server answers after
+    it."""
     from fastapi.testclient import TestClient
 
     from easylm import flags as flag_lib

@@ -122,10 +122,10 @@ def hyper_connection(x, fn, base, scale, c: DeepseekV4Config):
 
 
 class Compressor(Sublayer):
-    """u (B, T, D) -> entries (B, W, width), W = T // rate, rotated at w * rate. With a
-    cache (`compressor_cache`), the entries at position resolution instead: this call's
-    projections (its pending windows) written at `positions`, and at every position p of
-    the call the entry of the window ending at p (the one a query sees from p on when
+    """u (B, T, D) -> (entries (B, W, width), W = T // rate, rotated at w * rate; None).
+    With a cache (`compressor_cache`), the entries at position resolution instead: this
+    call's projections (its pending windows) written at `positions`, and at every position
+    p of the call the entry of the window ending at p (the one a query sees from p on when
     p + 1 is a multiple of the rate; elsewhere never read): (all S entries, the cache)."""
 
     rate: int = 4
@@ -149,7 +149,7 @@ class Compressor(Sublayer):
                 [jnp.full_like(t[:, :1], fill), t[:, :-1]], axis=1)
             kv = jnp.concatenate([shift(kv[..., :h], 0.0), kv[..., h:]], axis=2)
             gate = jnp.concatenate([shift(gate[..., :h], -jnp.inf), gate[..., h:]], axis=2)
-        return self.pool(kv, gate, jnp.broadcast_to(jnp.arange(W) * m, (B, W)), inv_freq)
+        return self.pool(kv, gate, jnp.broadcast_to(jnp.arange(W) * m, (B, W)), inv_freq), None
 
     def pool(self, kv, gate, at, inv_freq):
         """Windows kv, gate (B, W, slots, h) -> entries (B, W, h) rotated at `at` (B, W)."""
@@ -191,18 +191,17 @@ def compressor_cache(batch: int, length: int, width: int, overlap: bool, dtype) 
 
 
 class Indexer(Sublayer):
-    """The lightning indexer: which visible entries (B, T, W) each query keeps (with a
-    cache: of the S entries at position resolution, and the cache)."""
+    """The lightning indexer: (which visible entries (B, T, W) each query keeps, the cache:
+    None, or with one, of the S entries at position resolution)."""
 
     @nn.compact
     def __call__(self, u, q_res, cos, sin, inv_freq, visible, positions=None, cache=None):
         c = self.config
         B, T, _ = u.shape
         M, I = c.index_n_heads, c.index_head_dim
-        keys = Compressor(c, self.dtype, self.param_dtype, rate=c.compress_rate_csa, width=I,
-                          overlap=True, name="compressor")(u, inv_freq, positions, cache)
-        if cache is not None:
-            keys, cache = keys  # (B, S, I)
+        keys, cache = Compressor(c, self.dtype, self.param_dtype, rate=c.compress_rate_csa,
+                                 width=I, overlap=True, name="compressor")(
+            u, inv_freq, positions, cache)  # (B, W or S, I)
         q = rotate(self.dense(M * I, "wq_b")(q_res).reshape(B, T, M, I), cos, sin)
         scores = jax.nn.relu(jnp.einsum("BTMI,BWI->BTMW", q.astype(jnp.float32),
                                         keys.astype(jnp.float32))) * I ** -0.5
@@ -218,7 +217,7 @@ class Indexer(Sublayer):
             picked = jnp.zeros(scores.shape, bool)
             picked = jax.vmap(jax.vmap(lambda row, at: row.at[at].set(True)))(picked, chosen)
             visible = visible & picked
-        return visible if cache is None else (visible, cache)
+        return visible, cache
 
 
 class Attention(Sublayer):
@@ -236,8 +235,7 @@ class Attention(Sublayer):
         q = rotate(q, cos, sin)
         kv = rotate(norm("norm")(self.dense(H, "wkv")(u))[:, :, None, :], cos, sin)[:, :, 0]
         if cache is None:  # the T tokens, by document
-            rows = jnp.arange(T)
-            keys = queries = rows[None, :]
+            keys = queries = jnp.arange(T)[None, :]
             same = (jnp.ones((B, T, T), bool) if segment_ids is None else
                     segment_ids[:, :, None] == segment_ids[:, None, :])
         else:  # the cache's S positions (written first), by position
@@ -249,32 +247,9 @@ class Attention(Sublayer):
             same = True
         mask = same & (keys[:, None, :] <= queries[:, :, None]) & (
             queries[:, :, None] - keys[:, None, :] < c.sliding_window)  # (B, T, S)
-        m = c.compress_rate(self.attention_type)
-        if m:  # (its parameters made also when T < m: no entry then)
-            csa = self.attention_type == "compressed_sparse_attention"
-            compressor = Compressor(c, self.dtype, self.param_dtype, rate=m, width=H,
-                                    overlap=csa, name="compressor")
-            if cache is None:
-                entries = compressor(u, inv_freq)
-                W = entries.shape[1]
-                w = jnp.arange(W)
-                visible = jnp.broadcast_to((w[None, :] + 1) * m <= rows[:, None] + 1,
-                                           (B, T, W))
-                if segment_ids is not None:  # the entry's tokens all in the query's document
-                    first = jnp.maximum(w - csa, 0) * m
-                    visible = visible & (segment_ids[:, first][:, None, :]
-                                         == segment_ids[:, :, None])
-            else:  # the entry of the window ending at key position s, seen from s on
-                entries, cache["compressor"] = compressor(u, inv_freq, positions,
-                                                          cache["compressor"])
-                visible = (keys[:, None, :] <= queries[:, :, None]) & (
-                    (keys[:, None, :] + 1) % m == 0)
-            if csa:
-                visible = Indexer(c, self.dtype, self.param_dtype, name="indexer")(
-                    u, q_res, cos, sin, inv_freq, visible, positions,
-                    None if cache is None else cache["indexer"])
-                if cache is not None:
-                    visible, cache["indexer"] = visible
+        if c.compress_rate(self.attention_type):
+            entries, visible, cache = self.compressed(u, q_res, cos, sin, inv_freq, segment_ids,
+                                                      positions, keys, queries, cache)
             kv = jnp.concatenate([kv, entries.astype(kv.dtype)], axis=1)
             mask = jnp.concatenate([mask, visible], axis=-1)
         logits = jnp.einsum("BTNH,BSH->BNTS", q.astype(jnp.float32),
@@ -290,6 +265,38 @@ class Attention(Sublayer):
         out = jnp.einsum("BTGJ,JGR->BTGR", out,
                          wo_a.astype(self.dtype).reshape(N * H // G, G, c.o_lora_rank))
         return self.dense(c.hidden_size, "wo_b")(out.reshape(B, T, G * c.o_lora_rank)), cache
+
+    def compressed(self, u, q_res, cos, sin, inv_freq, segment_ids, positions, keys, queries,
+                   cache):
+        """(the compressed entries (B, W or S, H), which each query sees (B, T, W or S),
+        the cache). Their parameters are made also when T < m (no entry then)."""
+        c = self.config
+        B, T, _ = u.shape
+        m = c.compress_rate(self.attention_type)
+        csa = self.attention_type == "compressed_sparse_attention"
+        compressor = Compressor(c, self.dtype, self.param_dtype, rate=m, width=c.head_dim,
+                                overlap=csa, name="compressor")
+        if cache is None:
+            entries, _ = compressor(u, inv_freq)
+            w = jnp.arange(entries.shape[1])
+            visible = jnp.broadcast_to((w[None, :] + 1) * m <= queries[0, :, None] + 1,
+                                       (B, T, len(w)))
+            if segment_ids is not None:  # the entry's tokens all in the query's document
+                first = jnp.maximum(w - csa, 0) * m
+                visible = visible & (segment_ids[:, first][:, None, :]
+                                     == segment_ids[:, :, None])
+        else:  # the entry of the window ending at key position s, seen from s on
+            entries, cache["compressor"] = compressor(u, inv_freq, positions,
+                                                      cache["compressor"])
+            visible = (keys[:, None, :] <= queries[:, :, None]) & (
+                (keys[:, None, :] + 1) % m == 0)
+        if csa:
+            visible, indexed = Indexer(c, self.dtype, self.param_dtype, name="indexer")(
+                u, q_res, cos, sin, inv_freq, visible, positions,
+                None if cache is None else cache["indexer"])
+            if cache is not None:
+                cache["indexer"] = indexed
+        return entries, visible, cache
 
 
 def layer_cache(c: DeepseekV4Config, attention: str, batch: int, length: int, dtype) -> dict:
