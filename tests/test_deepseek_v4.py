@@ -3,7 +3,10 @@ directory saved by transformers (fp32) with every special path active: one layer
 attention type (sliding, compressed sparse with its indexer keeping 3 entries of up to
 74, heavily compressed), compression rates and the window below the 300-token prompt,
 hc_mult 2, a hash-routed layer, routers scaled 5x, a random correction bias, and the
-sinks, position biases, norms and hyper-connection biases perturbed."""
+sinks, position biases, norms and hyper-connection biases perturbed. The full forward and
+the serving engine (its caches, chunked prefill, decode) both."""
+
+import contextlib
 
 import numpy as np
 import pytest
@@ -15,13 +18,16 @@ transformers = pytest.importorskip("transformers")
 import jax
 import jax.numpy as jnp
 import hf_parity
+from serving_utils import assert_engine_greedy_equals_generate
 
 from easylm.deepseek_v4 import hf, model as v4_model
 from easylm.deepseek_v4.family import FAMILY
 from easylm.errors import UserError
+from easylm.serving.engine import Engine, Sampling
 
 V = 512  # the embedded tokenizer's, for the training run
 PROMPT = 300
+CHUNK = 100  # the served prompt's prefill chunk: not a multiple of either compress rate
 
 
 def _save(directory):
@@ -88,6 +94,38 @@ def test_config_json_and_counts_are_transformers(saved):
         FAMILY.config_class.from_hf_config({"model_type": "deepseek_v4", "n_shared_experts": 2})
 
 
+@contextlib.contextmanager
+def one_stream():
+    """The hyper-connections collapsed to one stream (mean in, added out, no mixing): a
+    twin's model."""
+    def collapsed(x, fn, base, scale, c):
+        C = x.shape[2]
+        return (jnp.ones(x.shape[:3]), jnp.broadcast_to(jnp.eye(C), x.shape[:2] + (C, C)),
+                x.mean(axis=2))
+
+    original, v4_model.hyper_connection = v4_model.hyper_connection, collapsed
+    try:
+        yield
+    finally:
+        v4_model.hyper_connection = original
+
+
+@contextlib.contextmanager
+def pending_dropped():
+    """Each call's compressors start from an empty cache: windows pending at a chunk's
+    start (and the entries before it) lost, a twin of the served path."""
+    cached = v4_model.Compressor.cached
+
+    def fresh(self, kv, gate, inv_freq, positions, cache):
+        return cached(self, kv, gate, inv_freq, positions, jax.tree.map(jnp.zeros_like, cache))
+
+    v4_model.Compressor.cached = fresh
+    try:
+        yield
+    finally:
+        v4_model.Compressor.cached = cached
+
+
 def test_logprobs_of_a_long_prompt_match_transformers(saved):
     """A full forward's log-probabilities of a 300-token prompt = transformers'; twins (the
     same tolerance): the indexer ignored (every visible entry kept), the hyper-connections
@@ -101,25 +139,105 @@ def test_logprobs_of_a_long_prompt_match_transformers(saved):
                  rel=atol, scale=1.0)
     assert_differs(hf_parity.module_logprobs(lm(config.replace(index_topk=10 ** 6)), params,
                                              prompt), expected, rel=atol, scale=1.0)
-
-    def one_stream(x, fn, base, scale, c):
-        C = x.shape[2]
-        return (jnp.ones(x.shape[:3]), jnp.broadcast_to(jnp.eye(C), x.shape[:2] + (C, C)),
-                x.mean(axis=2))
-
-    original = v4_model.hyper_connection
-    v4_model.hyper_connection = one_stream
-    try:
+    with one_stream():
         collapsed = hf_parity.module_logprobs(lm(config), params, prompt)
-    finally:
-        v4_model.hyper_connection = original
     assert_differs(collapsed, expected, rel=atol, scale=1.0)
 
 
-def test_serving_is_refused_in_one_line(saved):
-    _, _, config, params = saved
-    with pytest.raises(UserError, match="decoding with a cache .* is not built"):
-        hf_parity.served_logprobs(FAMILY.bind(config), params, _prompt(20))
+def served(config, params, prompt, chunk=CHUNK):
+    """The engine's log-probabilities of prompt[1:], its prompt `chunk` tokens a call."""
+    engine = Engine({"batch_size": 1, "seq_length": 320, "min_bucket": 320,
+                     "prefill_chunk_size": chunk}, FAMILY.bind(config), params)
+    return engine.score([prompt[:-1]], [prompt[1:]])[0][0]
+
+
+def test_served_logprobs_of_a_long_prompt_match_transformers(saved):
+    """Through the engine's caches, 100 tokens a chunk: the CSA (4, with the window before)
+    and HCA (8) windows straddle the chunks' edges, so entries are made from windows
+    pending in the cache; same tolerance as the full forward (the same sums)."""
+    _, model, config, params = saved
+    prompt = _prompt()
+    expected, logits = hf_parity.reference_logprobs(model, prompt)
+    atol = 2 * _rel(config) * float(np.abs(logits).max())
+    assert_close(served(config, params, prompt), expected, rel=atol, scale=1.0)
+
+
+@pytest.mark.extended  # CI runs the served log-probabilities and the full forward's twins
+def test_served_twins_differ(saved):
+    """The served test's twins, each through the engine: the indexer ignored, the
+    hyper-connections collapsed, the compressors' pending windows dropped at each chunk."""
+    _, model, config, params = saved
+    prompt = _prompt()
+    expected, logits = hf_parity.reference_logprobs(model, prompt)
+    atol = 2 * _rel(config) * float(np.abs(logits).max())
+    assert_differs(served(config.replace(index_topk=10 ** 6), params, prompt), expected,
+                   rel=atol, scale=1.0)
+    for twin in (one_stream, pending_dropped):
+        with twin():
+            assert_differs(served(config, params, prompt), expected, rel=atol, scale=1.0)
+
+
+@pytest.mark.extended  # CI runs the served log-probabilities only (its time budget)
+def test_served_greedy_tokens_equal_transformers_generate(saved):
+    """13 + 12 tokens: the window (16), 6 CSA entries of which the indexer keeps 3, 3 HCA
+    entries; prefill chunks of 8, decode steps of 4 across the entries' edges."""
+    _, model, config, params = saved
+    assert_engine_greedy_equals_generate(model, FAMILY.bind(config), params)
+
+
+@pytest.mark.extended  # CI runs the served log-probabilities only (its time budget)
+def test_paged_cache_decodes_as_generate(saved):
+    """--page_size: every cache array is positional, so pages hold the compressors'
+    entries and pending windows like keys and values; 12 greedy tokens = generate."""
+    _, model, config, params = saved
+    prompt = _prompt(21, seed=1)
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=12,
+                                  do_sample=False)[0, len(prompt):].tolist()
+    engine = Engine({"batch_size": 2, "seq_length": 48, "min_bucket": 16, "decode_steps": 4,
+                     "prefill_chunk_size": 8, "page_size": 8}, FAMILY.bind(config), params)
+    engine.claim(1, len(prompt) + 12)
+    out = engine.fetch(engine.prefill([prompt], [1], Sampling.empty(1)))
+    tokens = [int(out[0][0, 0])]
+    for _ in range(3):
+        tokens += [int(t) for t in engine.fetch(engine.decode(Sampling.empty(2)))[0][:, 1]]
+    assert tokens[:12] == expected
+
+
+@pytest.mark.extended  # CI runs the served log-probabilities only (its time budget)
+def test_the_serve_command_answers_in_bf16_and_refuses_a_prompt_past_the_context(saved):
+    """`python -m easylm.serve --load_checkpoint=hf::DIR --dtype=bf16`, in process: a
+    greedy completion of up to 12 tokens (the end token may come first); a prompt longer
+    than --seq_length is a 400 naming the limit in one line, and the server answers after
+    it."""
+    from fastapi.testclient import TestClient
+
+    from easylm import flags as flag_lib
+    from easylm.models import registry
+    from easylm.serving import cli as serving_cli
+
+    directory = saved[0]
+    family, argv = registry.from_argv(
+        ["serve", f"--load_checkpoint=hf::{directory}", "--tokenizer=embedded", "--dtype=bf16",
+         "--seq_length=64", "--batch_size=2", "--prefill_chunk_size=16", "--min_bucket=16"],
+        detect=True)
+    assert family is FAMILY
+    config = flag_lib.parse(serving_cli.default_config(family),
+                            serving_cli.help_entries(family), argv)
+    app, batcher = serving_cli.build(family, config)
+    try:
+        client = TestClient(app, base_url="http://127.0.0.1")
+        ok = client.post("/v1/completions", json={"prompt": _prompt(20), "max_tokens": 12,
+                                                  "temperature": 0})
+        long = client.post("/v1/completions", json={"prompt": _prompt(80), "max_tokens": 4})
+        again = client.post("/v1/completions", json={"prompt": _prompt(5), "max_tokens": 2})
+    finally:
+        batcher.stop()
+    assert ok.status_code == 200, ok.text
+    assert 1 <= ok.json()["usage"]["completion_tokens"] <= 12
+    assert long.status_code == 400 and "64" in long.text and "\n" not in long.json()[
+        "error"]["message"], long.text
+    assert again.status_code == 200, again.text
 
 
 @pytest.mark.extended  # ~300 s on 2 shared cores: the command compiles the 3 layers twice

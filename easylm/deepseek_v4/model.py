@@ -1,7 +1,16 @@
 """DeepSeek-V4's model on the shared decoder (easylm/models/decoder.py), as transformers
-5.25's modeling_deepseek_v4.py computes it in one forward pass (no cache). A dense
-reference: every query is scored against all T tokens and all compressed entries and
-masked where transformers masks (docs/models.md says what the sparse form would save).
+5.25's modeling_deepseek_v4.py computes it. A dense reference: every query is scored
+against all T tokens and all compressed entries and masked where transformers masks
+(docs/model.md says what the sparse form would save).
+
+Served (a cache, `layer_cache`), every array is positional (B, S, ...), so the engine's
+generic code slices, pages and writes it by position with no state per slot: the shared
+key/value head of each token; for a compressed layer, each token's compressor projections
+(kv, and the gate with its position bias: the windows still open) and, at each position
+p, the entry of the window ending at p, which a query sees from p on when (p + 1) is a
+multiple of m (its garbage at the other positions is never read); for CSA the indexer's
+compressor alike. Entry w thus sits at position (w + 1) m - 1, and "visible" is the causal
+mask. What it costs against W = S / m entries and a window: docs/model.md.
 
 Shape letters: B batch, T tokens, D width, N heads, H head width (keys = values), R rotary
 dims (the last R of each head, rotated in interleaved pairs), W compressed entries, m
@@ -53,7 +62,6 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from easylm.deepseek_v4.config import DeepseekV4Config
-from easylm.errors import UserError
 from easylm.models import moe
 from easylm.models.decoder import CausalLM, FP32ScaledRMSNorm, Sublayer
 from easylm.runtime.sharding import BATCH_AXES, constrain
@@ -67,6 +75,8 @@ PARTITION_RULES = moe.PARTITION_RULES + (
     (r"attn/.*kernel$", P("fsdp", None)),
     (r"(ape|attn_sink|weight|hc_\w+)$", P()),
 )
+# Every cache array is (B, S, width): split over the batch like activations.
+CACHE_RULES = ((r".", P(BATCH_AXES, None, None)),)
 SCORE = {"sqrtsoftplus": lambda x: jnp.sqrt(jax.nn.softplus(x)), "sigmoid": jax.nn.sigmoid,
          "softmax": lambda x: jax.nn.softmax(x, axis=-1)}
 
@@ -112,43 +122,86 @@ def hyper_connection(x, fn, base, scale, c: DeepseekV4Config):
 
 
 class Compressor(Sublayer):
-    """u (B, T, D) -> entries (B, W, width), W = T // rate, rotated at w * rate."""
+    """u (B, T, D) -> (entries (B, W, width), W = T // rate, rotated at w * rate; None).
+    With a cache (`compressor_cache`), the entries at position resolution instead: this
+    call's projections (its pending windows) written at `positions`, and at every position
+    p of the call the entry of the window ending at p (the one a query sees from p on when
+    p + 1 is a multiple of the rate; elsewhere never read): (all S entries, the cache)."""
 
     rate: int = 4
     width: int = 0
     overlap: bool = False  # CSA's: each entry also reads the window before
 
     @nn.compact
-    def __call__(self, u, inv_freq):
+    def __call__(self, u, inv_freq, positions=None, cache=None):
         B, T, _ = u.shape
         m, h, k = self.rate, self.width, 2 if self.overlap else 1
-        W = T // m
-        kv = self.dense(k * h, "wkv")(u)[:, :W * m].reshape(B, W, m, k * h)
+        kv = self.dense(k * h, "wkv")(u)  # (B, T, k h)
         ape = self.param("ape", nn.initializers.zeros, (m, k * h), jnp.float32)
-        gate = self.dense(k * h, "wgate")(u)[:, :W * m].reshape(B, W, m, k * h)
-        gate = gate.astype(jnp.float32) + ape
+        gate = self.dense(k * h, "wgate")(u).astype(jnp.float32)
+        if cache is not None:
+            return self.cached(kv, gate + ape[positions % m], inv_freq, positions, cache)
+        W = T // m
+        kv = kv[:, :W * m].reshape(B, W, m, k * h)
+        gate = gate[:, :W * m].reshape(B, W, m, k * h) + ape
         if self.overlap:  # window w-1's first h beside window w's last h: 2m slots
             shift = lambda t, fill: jnp.concatenate(
                 [jnp.full_like(t[:, :1], fill), t[:, :-1]], axis=1)
             kv = jnp.concatenate([shift(kv[..., :h], 0.0), kv[..., h:]], axis=2)
             gate = jnp.concatenate([shift(gate[..., :h], -jnp.inf), gate[..., h:]], axis=2)
+        return self.pool(kv, gate, jnp.broadcast_to(jnp.arange(W) * m, (B, W)), inv_freq), None
+
+    def pool(self, kv, gate, at, inv_freq):
+        """Windows kv, gate (B, W, slots, h) -> entries (B, W, h) rotated at `at` (B, W)."""
         weights = jax.nn.softmax(gate, axis=2).astype(kv.dtype)
         entries = FP32ScaledRMSNorm(self.config.rms_norm_eps, self.dtype, self.param_dtype,
                                     name="norm")((kv * weights).sum(axis=2))
-        cos, sin = angles(jnp.broadcast_to(jnp.arange(W) * m, (B, W)), inv_freq)
+        cos, sin = angles(at, inv_freq)
         return rotate(entries[:, :, None, :], cos, sin)[:, :, 0]
+
+    def cached(self, kv, gate, inv_freq, positions, cache):
+        m, h, k = self.rate, self.width, 2 if self.overlap else 1
+        rows = jnp.arange(kv.shape[0])[:, None]
+        cache = dict(cache, kv=cache["kv"].at[rows, positions].set(kv.astype(cache["kv"].dtype)),
+                     gate=cache["gate"].at[rows, positions].set(gate))
+        # The k m tokens up to each position p (B, T, k m); before position 0: none (a
+        # gate of -inf: CSA's first entry has no window before it).
+        slots = positions[..., None] - k * m + 1 + jnp.arange(k * m)
+        at = jnp.maximum(slots, 0)
+        take = jax.vmap(lambda c, i: c[i])  # (S, k h), (T, k m) -> (T, k m, k h)
+        kv_w = take(cache["kv"], at).astype(kv.dtype)
+        gate_w = jnp.where((slots >= 0)[..., None], take(cache["gate"], at), -jnp.inf)
+        if self.overlap:  # window w-1's first h beside window w's last h
+            kv_w = jnp.concatenate([kv_w[:, :, :m, :h], kv_w[:, :, m:, h:]], axis=2)
+            gate_w = jnp.concatenate([gate_w[:, :, :m, :h], gate_w[:, :, m:, h:]], axis=2)
+        entries = self.pool(kv_w, gate_w, positions + 1 - m, inv_freq)  # (B, T, h)
+        cache["entries"] = cache["entries"].at[rows, positions].set(
+            entries.astype(cache["entries"].dtype))
+        return cache["entries"].astype(kv.dtype), cache
+
+
+def compressor_cache(batch: int, length: int, width: int, overlap: bool, dtype) -> dict:
+    """A compressor's cache, all positional (B, S, ...): each token's projections (the
+    pending windows: kv, and the gate in fp32 with its position bias added) and the entry
+    of the window ending at each position."""
+    k = 2 if overlap else 1
+    return {"kv": jnp.zeros((batch, length, k * width), dtype),
+            "gate": jnp.zeros((batch, length, k * width), jnp.float32),
+            "entries": jnp.zeros((batch, length, width), dtype)}
 
 
 class Indexer(Sublayer):
-    """The lightning indexer: which visible entries (B, T, W) each query keeps."""
+    """The lightning indexer: (which visible entries (B, T, W) each query keeps, the cache:
+    None, or with one, of the S entries at position resolution)."""
 
     @nn.compact
-    def __call__(self, u, q_res, cos, sin, inv_freq, visible):
+    def __call__(self, u, q_res, cos, sin, inv_freq, visible, positions=None, cache=None):
         c = self.config
         B, T, _ = u.shape
         M, I = c.index_n_heads, c.index_head_dim
-        keys = Compressor(c, self.dtype, self.param_dtype, rate=c.compress_rate_csa, width=I,
-                          overlap=True, name="compressor")(u, inv_freq)  # (B, W, I)
+        keys, cache = Compressor(c, self.dtype, self.param_dtype, rate=c.compress_rate_csa,
+                                 width=I, overlap=True, name="compressor")(
+            u, inv_freq, positions, cache)  # (B, W or S, I)
         q = rotate(self.dense(M * I, "wq_b")(q_res).reshape(B, T, M, I), cos, sin)
         scores = jax.nn.relu(jnp.einsum("BTMI,BWI->BTMW", q.astype(jnp.float32),
                                         keys.astype(jnp.float32))) * I ** -0.5
@@ -156,21 +209,22 @@ class Indexer(Sublayer):
         scores = jnp.einsum("BTMW,BTM->BTW", scores, heads)
         scores = jnp.where(visible, scores, -jnp.inf)
         # The top k by index, not by a threshold: relu leaves ties (at 0) that a threshold
-        # would all keep; ties go to the lower index (jax's top_k, as torch's on CPU).
+        # would all keep; ties go to the lower index (jax's top_k, as torch's on CPU), and
+        # entries at position resolution keep the entries' order.
         k = min(c.index_topk, keys.shape[1])
-        if not k:
-            return visible
-        chosen = jax.lax.top_k(scores, k)[1]  # (B, T, k)
-        picked = jnp.zeros(scores.shape, bool)
-        picked = jax.vmap(jax.vmap(lambda row, at: row.at[at].set(True)))(picked, chosen)
-        return visible & picked
+        if k:
+            chosen = jax.lax.top_k(scores, k)[1]  # (B, T, k)
+            picked = jnp.zeros(scores.shape, bool)
+            picked = jax.vmap(jax.vmap(lambda row, at: row.at[at].set(True)))(picked, chosen)
+            visible = visible & picked
+        return visible, cache
 
 
 class Attention(Sublayer):
     attention_type: str = "sliding_attention"
 
     @nn.compact
-    def __call__(self, u, cos, sin, inv_freq, segment_ids):
+    def __call__(self, u, cos, sin, inv_freq, segment_ids, positions=None, cache=None):
         c = self.config
         B, T, _ = u.shape
         N, H, G = c.num_attention_heads, c.head_dim, c.o_groups
@@ -180,25 +234,22 @@ class Attention(Sublayer):
         q = unweighted_rms(self.dense(N * H, "wq_b")(q_res).reshape(B, T, N, H), c.rms_norm_eps)
         q = rotate(q, cos, sin)
         kv = rotate(norm("norm")(self.dense(H, "wkv")(u))[:, :, None, :], cos, sin)[:, :, 0]
-        rows = jnp.arange(T)
-        same = (jnp.ones((B, T, T), bool) if segment_ids is None else
-                segment_ids[:, :, None] == segment_ids[:, None, :])
-        mask = same & (rows[None, :] <= rows[:, None]) & (rows[:, None] - rows[None, :]
-                                                          < c.sliding_window)
-        m = c.compress_rate(self.attention_type)
-        if m:  # (its parameters made also when T < m: no entry then)
-            csa = self.attention_type == "compressed_sparse_attention"
-            entries = Compressor(c, self.dtype, self.param_dtype, rate=m, width=H, overlap=csa,
-                                 name="compressor")(u, inv_freq)
-            W = entries.shape[1]
-            w = jnp.arange(W)
-            visible = jnp.broadcast_to((w[None, :] + 1) * m <= rows[:, None] + 1, (B, T, W))
-            if segment_ids is not None:  # the entry's tokens all in the query's document
-                first = jnp.maximum(w - csa, 0) * m
-                visible = visible & (segment_ids[:, first][:, None, :] == segment_ids[:, :, None])
-            if csa:
-                visible = Indexer(c, self.dtype, self.param_dtype, name="indexer")(
-                    u, q_res, cos, sin, inv_freq, visible)
+        if cache is None:  # the T tokens, by document
+            keys = queries = jnp.arange(T)[None, :]
+            same = (jnp.ones((B, T, T), bool) if segment_ids is None else
+                    segment_ids[:, :, None] == segment_ids[:, None, :])
+        else:  # the cache's S positions (written first), by position
+            cache = dict(cache)
+            at = jnp.arange(B)[:, None]
+            cache["kv"] = cache["kv"].at[at, positions].set(kv.astype(cache["kv"].dtype))
+            kv = cache["kv"].astype(kv.dtype)
+            keys, queries = jnp.arange(kv.shape[1])[None, :], positions
+            same = True
+        mask = same & (keys[:, None, :] <= queries[:, :, None]) & (
+            queries[:, :, None] - keys[:, None, :] < c.sliding_window)  # (B, T, S)
+        if c.compress_rate(self.attention_type):
+            entries, visible, cache = self.compressed(u, q_res, cos, sin, inv_freq, segment_ids,
+                                                      positions, keys, queries, cache)
             kv = jnp.concatenate([kv, entries.astype(kv.dtype)], axis=1)
             mask = jnp.concatenate([mask, visible], axis=-1)
         logits = jnp.einsum("BTNH,BSH->BNTS", q.astype(jnp.float32),
@@ -213,7 +264,52 @@ class Attention(Sublayer):
                        name="wo_a")()
         out = jnp.einsum("BTGJ,JGR->BTGR", out,
                          wo_a.astype(self.dtype).reshape(N * H // G, G, c.o_lora_rank))
-        return self.dense(c.hidden_size, "wo_b")(out.reshape(B, T, G * c.o_lora_rank))
+        return self.dense(c.hidden_size, "wo_b")(out.reshape(B, T, G * c.o_lora_rank)), cache
+
+    def compressed(self, u, q_res, cos, sin, inv_freq, segment_ids, positions, keys, queries,
+                   cache):
+        """(the compressed entries (B, W or S, H), which each query sees (B, T, W or S),
+        the cache). Their parameters are made also when T < m (no entry then)."""
+        c = self.config
+        B, T, _ = u.shape
+        m = c.compress_rate(self.attention_type)
+        csa = self.attention_type == "compressed_sparse_attention"
+        compressor = Compressor(c, self.dtype, self.param_dtype, rate=m, width=c.head_dim,
+                                overlap=csa, name="compressor")
+        if cache is None:
+            entries, _ = compressor(u, inv_freq)
+            w = jnp.arange(entries.shape[1])
+            visible = jnp.broadcast_to((w[None, :] + 1) * m <= queries[0, :, None] + 1,
+                                       (B, T, len(w)))
+            if segment_ids is not None:  # the entry's tokens all in the query's document
+                first = jnp.maximum(w - csa, 0) * m
+                visible = visible & (segment_ids[:, first][:, None, :]
+                                     == segment_ids[:, :, None])
+        else:  # the entry of the window ending at key position s, seen from s on
+            entries, cache["compressor"] = compressor(u, inv_freq, positions,
+                                                      cache["compressor"])
+            visible = (keys[:, None, :] <= queries[:, :, None]) & (
+                (keys[:, None, :] + 1) % m == 0)
+        if csa:
+            visible, indexed = Indexer(c, self.dtype, self.param_dtype, name="indexer")(
+                u, q_res, cos, sin, inv_freq, visible, positions,
+                None if cache is None else cache["indexer"])
+            if cache is not None:
+                cache["indexer"] = indexed
+        return entries, visible, cache
+
+
+def layer_cache(c: DeepseekV4Config, attention: str, batch: int, length: int, dtype) -> dict:
+    """A layer's cache, every array positional (B, S, ...): the shared key/value head of
+    each token (the window reads the last sliding_window of them) and, for a compressed
+    type, its compressor's (`compressor_cache`) and, for CSA, its indexer's."""
+    cache = {"kv": jnp.zeros((batch, length, c.head_dim), dtype)}
+    if c.compress_rate(attention):
+        csa = attention == "compressed_sparse_attention"
+        cache["compressor"] = compressor_cache(batch, length, c.head_dim, csa, dtype)
+        if csa:
+            cache["indexer"] = compressor_cache(batch, length, c.index_head_dim, True, dtype)
+    return cache
 
 
 def _kernel(c):
@@ -298,8 +394,6 @@ class DecoderLayer(Sublayer):
 
     @nn.compact
     def __call__(self, stream, context, positions=None, cache=None):
-        if cache is not None:
-            raise UserError(NOT_SERVED)
         c = self.config
         attention, mlp = self.kind.split(":")
         cos, sin, segment_ids = context
@@ -321,8 +415,9 @@ class DecoderLayer(Sublayer):
 
         inv_freq = c.inv_freq(attention)
         post, comb, u = hc("attn")
-        out = Attention(c, self.dtype, self.param_dtype, attention_type=attention,
-                        name="attn")(norm("attn_norm")(u), cos, sin, inv_freq, segment_ids)
+        out, cache = Attention(c, self.dtype, self.param_dtype, attention_type=attention,
+                               name="attn")(norm("attn_norm")(u), cos, sin, inv_freq,
+                                            segment_ids, positions, cache)
         x = mix(post, comb, out)
         post, comb, u = hc("ffn")
         out, stats = MoE(c, self.dtype, self.param_dtype, hashed=mlp == "hash_moe",
@@ -330,11 +425,6 @@ class DecoderLayer(Sublayer):
         self.sow("router", "stats", stats)
         x = constrain(mix(post, comb, out), P(BATCH_AXES, None, None, None))
         return {"x": x, "ids": ids}, cache
-
-
-NOT_SERVED = ("deepseek_v4: decoding with a cache (serve, generation) is not built: the "
-              "compressors' open windows, overlap and indexer keys are state the engine's "
-              "positional caches cannot hold yet; training and scoring run the full forward")
 
 
 class _HyperHead(nn.Module):
@@ -376,19 +466,14 @@ class DeepseekV4ForCausalLM(CausalLM):
         return {"x": streams, "ids": input_ids}, None
 
     @classmethod
-    def stream_hidden(cls, stream):
-        # Called inside the backbone (model/): the head is its model/hc_head, built with
-        # the config of the model being traced (`decode` holds it: a class method has none).
-        return _HyperHead(_TRACING[-1], name="hc_head")(stream["x"])
+    def stream_hidden(cls, config, stream):
+        # Called inside the backbone (model/): the head is its model/hc_head.
+        return _HyperHead(config, name="hc_head")(stream["x"])
 
-    def decode(self, input_ids, positions=None, segment_ids=None, cache=None,
-               return_hidden=False, embeddings=None, rope_positions=None):
-        _TRACING.append(self.config)
-        try:
-            return super().decode(input_ids, positions, segment_ids, cache, return_hidden,
-                                  embeddings, rope_positions)
-        finally:
-            _TRACING.pop()
+    @classmethod
+    def layer_cache(cls, config, kind: str, batch_size: int, length: int, dtype):
+        return layer_cache(config, kind.split(":")[0], batch_size, length, dtype)
 
-
-_TRACING: list = []  # the configs of the models whose forward is being traced
+    @classmethod
+    def cache_rules(cls, config):
+        return CACHE_RULES

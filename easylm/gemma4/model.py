@@ -274,7 +274,7 @@ class Gemma4ForCausalLM(CausalLM):
         return stream, jnp.moveaxis(per_layer, 2, 0)  # (L, B, T, P)
 
     @classmethod
-    def stream_hidden(cls, stream):
+    def stream_hidden(cls, config, stream):
         return stream["x"]
 
     @nn.compact

@@ -460,7 +460,7 @@ class _Backbone(nn.Module):
         else:
             x, cache = _Layers(c, self.dtype, self.param_dtype, lm, name="layers")(
                 x, contexts, positions, cache, inputs)
-        x = lm.stream_hidden(x)
+        x = lm.stream_hidden(c, x)
         return lm.norm(c.rms_norm_eps, self.dtype, self.param_dtype, name="norm")(x), cache
 
     def contexts(self, positions, segment_ids, cache, rope_positions=None, blocks=None):
@@ -645,8 +645,9 @@ class CausalLM(nn.Module):
         return x, None
 
     @classmethod
-    def stream_hidden(cls, stream):
-        """The hidden states (B, T, D) in what the last layer passed on."""
+    def stream_hidden(cls, config, stream):
+        """The hidden states (B, T, D) in what the last layer passed on (modules made here
+        are the backbone's, as in `layer_stream`)."""
         return stream
 
     @nn.compact

@@ -234,5 +234,5 @@ class SparseMLACausalLM(LatentRotary, sigmoid_moe_decoder.SigmoidMoECausalLM):
         return (x, jnp.zeros((*x.shape[:2], length), bool)), None
 
     @classmethod
-    def stream_hidden(cls, stream):
+    def stream_hidden(cls, config, stream):
         return stream[0] if isinstance(stream, tuple) else stream
