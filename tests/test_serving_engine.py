@@ -25,6 +25,7 @@ from transformers import LlamaForCausalLM as HFLlama
 from easylm.llama.hf import from_hf
 from easylm.runtime.sharding import make_mesh
 from easylm.serving import engine as engine_lib
+from easylm.serving import sampling as sampling_lib
 from easylm.serving.batcher import SamplingParams
 
 
@@ -195,7 +196,8 @@ def test_warmup_compiles_a_fixed_set_and_no_mix_of_requests_compiles_after(token
     32, min_bucket 16, batch_size 4): prompts in length buckets 16, 32 (doubling from
     min_bucket), prefill_budget // bucket rows a call (so one program per bucket,
     whatever the number of prompts); decode windows over 16, 32 cache positions
-    (doubling from max(min_bucket, seq_length / 8)); each for greedy and for sampling.
+    (doubling from max(min_bucket, seq_length / 8)); each for greedy, sampling and
+    sampling with top-k/top-p.
     Then a random mix of requests (prompt lengths, max_tokens, shared prompts, greedy and
     sampled, more than the slots) compiles nothing at all: no program and no eager
     operation. Negative twins: the first prefill on a cold engine compiles, and so does
@@ -203,8 +205,8 @@ def test_warmup_compiles_a_fixed_set_and_no_mix_of_requests_compiles_after(token
     seq_length, min_bucket, budget = 32, 16, 40
     lengths = _doublings(min_bucket, seq_length)
     windows = _doublings(max(min_bucket, seq_length // 8), seq_length)
-    expected = {**{("prefill", sample): len(lengths) for sample in (False, True)},
-                **{("decode", sample, w): 1 for sample in (False, True) for w in windows},
+    expected = {**{("prefill", sample): len(lengths) for sample in sampling_lib.KINDS},
+                **{("decode", sample, w): 1 for sample in sampling_lib.KINDS for w in windows},
                 ("score",): len(lengths)}
     # On a mesh, as the server runs: the state must not change shardings after warm-up.
     batcher, _, _ = make_batcher(mesh=make_mesh("1,2,4"), seq_length=seq_length, batch_size=4,
@@ -243,10 +245,11 @@ def test_device_programs_have_no_data_dependent_branch(served):
     engine = batcher.engine
     for (sample, _), fn in engine._decode_fns.items():
         sampling = engine_lib.Sampling.empty(engine.batch_size)
-        sampling.temperature[:] = float(sample)
+        sampling.temperature[:] = float(sample > 0)
         hlo = fn.lower(engine.weights, engine.state, *held(engine), sampling).as_text()
         assert "conditional" not in hlo and "stablehlo.case" not in hlo
-        assert ("stablehlo.sort" in hlo) == sample  # only a sampling call sorts the vocabulary
+        # Only a call whose rows truncate (top-k, top-p) sorts the vocabulary.
+        assert ("stablehlo.sort" in hlo) == (sample == sampling_lib.TRUNCATE)
 
 
 def test_sharded_cache_serves_the_same_tokens(served, tokenizer, logprob_atol):
