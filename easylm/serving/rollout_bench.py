@@ -1,4 +1,4 @@
-"""GRPO rollout throughput: completions tokens/s of one rollout's generation, two ways.
+"""GRPO rollout throughput: completion tokens/s of one rollout's generation, several ways.
 
     python -m easylm.bench rollout --llama.base_model=qwen3_0.6b --dtype=bf16 \
         --prompts=8 --group=8 --prompt_length=512 --new_tokens=256
@@ -6,13 +6,15 @@
 A rollout is what a GRPO step generates (easylm.objectives.rollouts.generate, the same
 function): `prompts` distinct random prompts, each repeated `group` times as GRPO's
 groups are, one prefill of every row and then decode calls of `new_tokens` sampled
-tokens each (temperature 1, no stop token, so both ways do the same work). Measured in
+tokens each (temperature 1, no stop token, so every way does the same work). Measured in
 one process, one engine after the other:
 
     dense   --page_size=0 --share_prompts=False: each row owns seq_length cache
             positions and every copy of a prompt is prefilled
     paged   --page_size=Z --share_prompts=True: the cache in pages, each distinct prompt
             prefilled once and copied to its group's rows
+    shared  --page_size=0 --share_prompts=True: the dense cache, each distinct prompt
+            prefilled once (what sharing gains without pages)
 
 Each engine compiles its programs first (`Engine.warmup`, sampling), runs one untimed
 rollout, then `repeats` timed ones; the line per way says tokens/s (median), the prompt
@@ -43,14 +45,15 @@ HELP = {
     "prompt_length": "tokens per prompt",
     "new_tokens": "sampled tokens per completion",
     "page_size": "the paged way's --page_size",
-    "decode_steps": "tokens decoded per device call (both ways)",
+    "decode_steps": "tokens decoded per device call (every way)",
     "repeats": "timed rollouts per way (after one untimed)",
-    "ways": "comma-separated ways to measure: dense, paged",
+    "ways": "comma-separated ways to measure: dense, paged, shared (the first is the baseline)",
     **run_flags.help_entries("dtype", "mesh_dim", **ENGINE_NOTES),
 }
 
 WAYS = {"dense": {"page_size": 0, "share_prompts": False},
-        "paged": {"share_prompts": True}}
+        "paged": {"share_prompts": True},
+        "shared": {"page_size": 0, "share_prompts": True}}
 
 
 def default_config(family) -> ConfigDict:
@@ -143,8 +146,9 @@ def main(argv=None):
           f"{config.prompts} prompts x {config.group} completions of {config.new_tokens} "
           f"tokens after {config.prompt_length}, dtype {config.dtype}", flush=True)
     rows = run(config, family)
-    if len(rows) == 2:
-        print(f"paged / dense: {rows[1]['tokens_per_s'] / rows[0]['tokens_per_s']:.2f}x")
+    for row in rows[1:]:
+        print(f"{row['way']} / {rows[0]['way']}: "
+              f"{row['tokens_per_s'] / rows[0]['tokens_per_s']:.2f}x", flush=True)
     print(json.dumps({"benchmark": "rollout", "device": device,
                       "flags": flag_lib.flatten(config), "results": rows}))
 
