@@ -71,7 +71,8 @@ HELP = {
                   "windows over the cache: from the larger of this and seq_length/8)",
     "pre_compile": "compile the engine's programs at start (`Engine.warmup`: per length "
                    "bucket a prefill and a score program, per cache window a decode "
-                   "program, greedy and sampling), so no request compiles",
+                   "program, each greedy, sampling and sampling with top-k/top-p), so no "
+                   "request compiles",
     "prefill_budget": "prompt tokens one prefill or score call runs at most: a call holds "
                       "budget // length-bucket rows (1 to batch_size), so there is one "
                       "program per length bucket, whatever the number of prompts",
