@@ -22,6 +22,7 @@ tokens it prefilled and the engine's start to the end of its first rollout. Prog
 lines are flushed as they happen (a rollout that dies says how far it got).
 """
 
+import faulthandler
 import json
 import statistics
 import sys
@@ -48,6 +49,8 @@ HELP = {
     "decode_steps": "tokens decoded per device call (every way)",
     "repeats": "timed rollouts per way (after one untimed)",
     "ways": "comma-separated ways to measure: dense, paged, shared (the first is the baseline)",
+    "stall_report_s": "every this many seconds, print every thread's Python stack to stderr "
+                      "(faulthandler): where a run that seems stuck is; 0: off",
     **run_flags.help_entries("dtype", "mesh_dim", **ENGINE_NOTES),
 }
 
@@ -66,6 +69,7 @@ def default_config(family) -> ConfigDict:
     config.decode_steps = 8
     config.repeats = 2
     config.ways = "dense,paged"
+    config.stall_report_s = 0
     config.update(run_flags.get_default_config("dtype", "mesh_dim", mesh_dim=ENGINE_MESH_DIM))
     config[family.name] = model_flags.flag_config(family, family.tiny_preset)
     return config
@@ -79,7 +83,9 @@ def measure(way: str, config: ConfigDict, model, params, mesh, prompts) -> dict:
     settings = {"batch_size": rows, "seq_length": config.prompt_length + config.new_tokens,
                 "min_bucket": config.prompt_length, "decode_steps": config.decode_steps,
                 "page_size": config.page_size, **WAYS[way]}
+    print(f"{way}: making the engine", flush=True)
     engine = engine_lib.Engine(settings, model, params, mesh)
+    print(f"{way}: compiling ({time.perf_counter() - began:.1f}s)", flush=True)
     print(f"{way}: {engine.warmup(sample=(True,), score=False)}", flush=True)
     sampling = engine_lib.Sampling.empty(rows)
     sampling.keys[:] = sampling_keys(0, 0, 0, 0, rows)
@@ -115,6 +121,7 @@ def run(config: ConfigDict, family) -> list[dict]:
                         f"{config.prompt_length + config.new_tokens} is above the model's "
                         f"max_position_embeddings={model.max_seq_length}")
     mesh = make_mesh(config.mesh_dim)
+    print("initialising the weights", flush=True)
     params = init_sharded(model.init_params, model.partition_rules, mesh, jax.random.PRNGKey(0))
     rng = np.random.default_rng(0)
     distinct = [rng.integers(3, model.vocab_size, config.prompt_length).tolist()
@@ -145,7 +152,10 @@ def main(argv=None):
     print(f"rollout benchmark on {device}: {config[family.name].base_model}, "
           f"{config.prompts} prompts x {config.group} completions of {config.new_tokens} "
           f"tokens after {config.prompt_length}, dtype {config.dtype}", flush=True)
+    if config.stall_report_s > 0:
+        faulthandler.dump_traceback_later(config.stall_report_s, repeat=True)
     rows = run(config, family)
+    faulthandler.cancel_dump_traceback_later()
     for row in rows[1:]:
         print(f"{row['way']} / {rows[0]['way']}: "
               f"{row['tokens_per_s'] / rows[0]['tokens_per_s']:.2f}x", flush=True)
