@@ -62,8 +62,9 @@ def next_tokens(logits, keys, positions, temperature, top_k, top_p, sample: int 
       sample: static, a kind (`kind`). GREEDY (False): every row is greedy whatever its
         temperature; SAMPLE (True): rows with a temperature sample, without top-k or
         top-p; TRUNCATE: with them. Only TRUNCATE sorts the vocabulary (the costly
-        part); the caller knows the kind from the rows' settings on the host. A data-dependent `lax.cond` instead would copy its
-        predicate to the host on every token on GPU, stalling the device.
+        part); the caller knows the kind from the rows' settings on the host. A
+        data-dependent `lax.cond` instead would copy its predicate to the host on every
+        token on GPU, stalling the device.
     Returns:
       tokens (B,), their log-probability (B,), and the N most likely tokens'
       ids (B, N) and log-probabilities (B, N), all under the model's own
