@@ -56,7 +56,7 @@ from easylm.models.context_parallel import allow_whole_rows
 from easylm.models.family import Model
 from easylm.runtime.sharding import axes_size, match_partition_rules
 from easylm.serving.pages import PageBook, PagedCache, PagedLayout, check_pages
-from easylm.serving.sampling import KINDS, SAMPLE, TOP_LOGPROBS, TRUNCATE, kind, next_tokens
+from easylm.serving.sampling import KINDS, SAMPLE, TOP_LOGPROBS, TRUNCATE, kind as rows_kind, next_tokens
 
 log = logging.getLogger(__name__)
 
@@ -293,7 +293,7 @@ class Sampling:
     def samples(self) -> int:
         """The rows' kind (`sampling.kind`): 0 (False) when every row is greedy, else
         whether some sampling row truncates (top-k, top-p)."""
-        return kind(self.temperature, self.top_k, self.top_p)
+        return rows_kind(self.temperature, self.top_k, self.top_p)
 
     def snapshot(self) -> "Sampling":
         """A copy for a device call: the batcher edits its arrays while an asynchronous
