@@ -56,7 +56,8 @@ from easylm.models.context_parallel import allow_whole_rows
 from easylm.models.family import Model
 from easylm.runtime.sharding import axes_size, match_partition_rules
 from easylm.serving.pages import PageBook, PagedCache, PagedLayout, check_pages
-from easylm.serving.sampling import KINDS, SAMPLE, TOP_LOGPROBS, TRUNCATE, kind as rows_kind, next_tokens
+from easylm.serving.sampling import (KINDS, SAMPLE, TOP_LOGPROBS, TRUNCATE, kind as rows_kind,
+                                     next_tokens)
 
 log = logging.getLogger(__name__)
 
