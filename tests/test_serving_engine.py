@@ -159,12 +159,12 @@ def test_greedy_matches_hf_generate(tokenizer, variant):
 
 
 def _compiled(engine) -> dict:
-    """Programs compiled so far, by jitted function: prefill (greedy, sampling), decode
-    (greedy/sampling x window), score."""
+    """Programs compiled so far, by jitted function (those compiled at least once): prefill
+    (per sampling kind), decode (kind x window), score."""
     fns = {**{("prefill", k): f for k, f in engine._prefill_fns.items()},
            **{("decode", *k): f for k, f in engine._decode_fns.items()},
            ("score",): engine._score_fn}
-    return {key: f._cache_size() for key, f in fns.items()}
+    return {key: n for key, f in fns.items() if (n := f._cache_size())}
 
 
 def _doublings(start: int, stop: int) -> list[int]:
