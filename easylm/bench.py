@@ -1,4 +1,4 @@
-"""Benchmarks: `python -m easylm.bench {train,data,decode} [--flag=value ...]`.
+"""Benchmarks: `python -m easylm.bench {train,data,decode,rollout} [--flag=value ...]`.
 
     train   the trainer's own jitted train step on synthetic tokens: warm-up steps,
             then timed steps; prints one JSON line (tokens/s, step time, MFU, peak
@@ -7,6 +7,8 @@
             went (easylm/runtime/profiling.py).
     data    the data pipeline against raw `tokenizers` batch encoding (easylm/data/throughput.py)
     decode  the serving engine's generated tokens/s (easylm/serving/decode_bench.py)
+    rollout a GRPO rollout's tokens/s, dense cache against pages and shared prompts
+            (easylm/serving/rollout_bench.py)
 
 Example, the llama_1b shape on one GPU:
 
@@ -48,7 +50,7 @@ from easylm.training.options import HELP as TRAINER_HELP
 from easylm.training.state import abstract_state, init_state
 from easylm.training.step import device_batch, jit_train_step, split_sequence
 
-USAGE = "usage: python -m easylm.bench {train,data,decode} [--flag=value ...]"
+USAGE = "usage: python -m easylm.bench {train,data,decode,rollout} [--flag=value ...]"
 
 TRAIN_HELP = {
     "seq_length": "tokens per row",
@@ -302,13 +304,15 @@ def main(argv=None):
     if argv[1:2] and flags.wants_help(argv[:2]):
         print(f"{USAGE}\n(each benchmark's flags: python -m easylm.bench NAME --help)")
         return
-    if len(argv) < 2 or argv[1] not in ("train", "data", "decode"):
-        raise UserError(f"expected a benchmark name, train, data or decode ({USAGE})")
+    if len(argv) < 2 or argv[1] not in ("train", "data", "decode", "rollout"):
+        raise UserError(f"expected a benchmark name, train, data, decode or rollout ({USAGE})")
     name, rest = argv[1], [f"{argv[0]} {argv[1]}"] + argv[2:]
     if name == "train":
         return _train_main(rest)
     if name == "data":
         from easylm.data.throughput import main as data_main
+    elif name == "rollout":
+        from easylm.serving.rollout_bench import main as data_main
     else:
         from easylm.serving.decode_bench import main as data_main
     return data_main(rest)

@@ -56,9 +56,12 @@ from easylm.models.context_parallel import allow_whole_rows
 from easylm.models.family import Model
 from easylm.runtime.sharding import axes_size, match_partition_rules
 from easylm.serving.pages import PageBook, PagedCache, PagedLayout, check_pages
-from easylm.serving.sampling import TOP_LOGPROBS, next_tokens
+from easylm.serving.sampling import (KINDS, SAMPLE, TOP_LOGPROBS, TRUNCATE, kind as rows_kind,
+                                     next_tokens)
 
 log = logging.getLogger(__name__)
+
+KIND_NAMES = {False: "greedy", SAMPLE: "sampling", TRUNCATE: "sampling with top-k/top-p"}
 
 HELP = {
     "batch_size": "decode slots: requests generated concurrently (continuous batching)",
@@ -69,7 +72,8 @@ HELP = {
                   "windows over the cache: from the larger of this and seq_length/8)",
     "pre_compile": "compile the engine's programs at start (`Engine.warmup`: per length "
                    "bucket a prefill and a score program, per cache window a decode "
-                   "program, greedy and sampling), so no request compiles",
+                   "program, each greedy, sampling and sampling with top-k/top-p), so no "
+                   "request compiles",
     "prefill_budget": "prompt tokens one prefill or score call runs at most: a call holds "
                       "budget // length-bucket rows (1 to batch_size), so there is one "
                       "program per length bucket, whatever the number of prompts",
@@ -287,9 +291,10 @@ class Sampling:
         """These settings of `rows` (indices), in that order."""
         return Sampling(*(a[np.asarray(rows, np.int64)] for a in dataclasses.astuple(self)))
 
-    def samples(self) -> bool:
-        """Whether any row samples (temperature > 0); else every row is greedy."""
-        return bool((self.temperature > 0).any())
+    def samples(self) -> int:
+        """The rows' kind (`sampling.kind`): 0 (False) when every row is greedy, else
+        whether some sampling row truncates (top-k, top-p)."""
+        return rows_kind(self.temperature, self.top_k, self.top_p)
 
     def snapshot(self) -> "Sampling":
         """A copy for a device call: the batcher edits its arrays while an asynchronous
@@ -308,7 +313,7 @@ class Settings:
 
     model: Model
     layout: CacheLayout
-    sample: bool = False  # some row samples (`next_tokens`' sample); else all greedy
+    sample: int = 0  # greedy, sampling, or sampling with top-k/top-p (`sampling.kind`)
     record: bool = False  # routing replay: also return each fed token's expert choices
     chunk: int = 0  # prefill_chunk_size
     steps: int = 1  # decode_steps
@@ -667,11 +672,11 @@ class Engine:
         self._out_shardings, self.record_routing = out_shardings, record_routing
 
         def programs(fn, **settings):
-            # Two programs each: all rows greedy, or some sampling (`next_tokens`'s
-            # `sample`); the sampling one compiles when a request first samples.
+            # Three programs each: all rows greedy, some sampling, some sampling with
+            # top-k or top-p (`sampling.kind`); each compiles when first used.
             return {sample: jax.jit(functools.partial(fn, dataclasses.replace(
                         self.settings, sample=sample, **settings)), donate_argnums=(1,),
-                        **out_shardings) for sample in (False, True)}
+                        **out_shardings) for sample in KINDS}
 
         self._prefill_fns = programs(_prefill)
         self._decode_fns = {(sample, length): fn for length in self.decode_buckets
@@ -941,7 +946,7 @@ class Engine:
                                 "out_shardings": (carry, NamedSharding(mesh, P()))}))
             end = {sample: jax.jit(functools.partial(_staged_end, dataclasses.replace(
                        self.settings, sample=sample)), donate_argnums=(0,), **self._out_shardings)
-                   for sample in (False, True)}
+                   for sample in KINDS}
             self._staged[rows, T] = start, chunk, end
         return self._staged[rows, T]
 
@@ -1045,11 +1050,11 @@ class Engine:
                 results.append(tuple(np.asarray(x)[i, :len(row)] for x in out))
         return results
 
-    def warmup(self, sample=(False, True), score: bool = True) -> str:
+    def warmup(self, sample=KINDS, score: bool = True) -> str:
         """Compile now the programs requests run, rather than on the first that needs
         them: per length bucket a prefill (and with chunks a staged prefill's) and a score
-        program, per cache window a decode program, for greedy and/or sampling rows
-        (`sample`). The one-call programs are traced one by one and compiled side by side
+        program, per cache window a decode program, for each kind of rows in `sample`
+        (`sampling.kind`: greedy, sampling, sampling with top-k or top-p). The one-call programs are traced one by one and compiled side by side
         in threads (XLA compiles one program on one core); jit's calls then find them
         compiled. Afterwards no prompt length, number of prompts or max_tokens compiles
         anything (`extend`'s programs, multi-turn episodes', are not among them).
@@ -1095,7 +1100,7 @@ class Engine:
                 f"prefill{' and score' * score} of prompt lengths {self.length_buckets} "
                 f"({rows} rows a call), decode over cache windows {self.decode_buckets} ({B} "
                 f"slots, {self.config.decode_steps} steps a call), "
-                f"{' and '.join('sampling' if k else 'greedy' for k in sample)}")
+                f"{', '.join(KIND_NAMES[k] for k in sample)}")
         log.info(line)
         return line
 
@@ -1107,7 +1112,9 @@ class Engine:
         return prompts, [self.batch_size] * len(prompts)
 
     @staticmethod
-    def _dummy_sampling(rows: int, sample: bool) -> Sampling:
+    def _dummy_sampling(rows: int, sample: int) -> Sampling:
+        """Rows of kind `sample` (`sampling.kind`)."""
         s = Sampling.empty(rows)
-        s.temperature[:] = float(sample)
+        s.temperature[:] = float(sample > 0)
+        s.top_p[:] = 0.5 if sample == TRUNCATE else 1.0
         return s

@@ -13,11 +13,30 @@ import jax.numpy as jnp
 
 TOP_LOGPROBS = 5  # alternatives reported per token (OpenAI's `logprobs` maximum)
 
+# What a call's rows need (`next_tokens`' `sample`, one compiled program each): all greedy;
+# some sample, none truncates (GRPO's rollouts: temperature only); some sample with top-k
+# or top-p, which sorts the vocabulary. GREEDY == False and SAMPLE == True as keys.
+GREEDY, SAMPLE, TRUNCATE = 0, 1, 2
+KINDS = (GREEDY, SAMPLE, TRUNCATE)
 
-def _sample(logits, keys, temperature, top_k, top_p):
-    """Draw from softmax(logits / temperature) restricted by top-k, then top-p (HF's order)."""
+
+def kind(temperature, top_k, top_p) -> int:
+    """The `sample` kind host arrays of rows' settings need."""
+    sampled = temperature > 0
+    if not sampled.any():
+        return GREEDY
+    return TRUNCATE if ((top_k > 0) | (top_p < 1))[sampled].any() else SAMPLE
+
+
+def _sample(logits, keys, temperature, top_k, top_p, truncate: bool):
+    """Draw from softmax(logits / temperature) restricted by top-k, then top-p (HF's order).
+    Without `truncate` no row is restricted and nothing is sorted; with it, a row with
+    neither top-k nor top-p draws from the same logits with the same key, so its token is
+    the one it draws without `truncate`."""
     V = logits.shape[-1]
     scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]  # (B, V)
+    if not truncate:
+        return jax.vmap(jax.random.categorical)(keys, scaled)
     ordered = -jnp.sort(-scaled, axis=-1)  # descending
     k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
     ordered = jnp.where(jnp.arange(V)[None, :] < k[:, None], ordered, -jnp.inf)
@@ -27,10 +46,11 @@ def _sample(logits, keys, temperature, top_k, top_p):
     keep = (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]
     threshold = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)
     allowed = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+    allowed = jnp.where(((top_k > 0) | (top_p < 1))[:, None], allowed, scaled)
     return jax.vmap(jax.random.categorical)(keys, allowed)
 
 
-def next_tokens(logits, keys, positions, temperature, top_k, top_p, sample: bool = True):
+def next_tokens(logits, keys, positions, temperature, top_k, top_p, sample: int = TRUNCATE):
     """Pick one token per row and report log-probabilities.
 
     Args:
@@ -39,10 +59,12 @@ def next_tokens(logits, keys, positions, temperature, top_k, top_p, sample: bool
       positions: (B,) position of the token being drawn (folded into the key).
       temperature: (B,) float, 0 for greedy; top_k: (B,) int, 0 for off;
       top_p: (B,) float, 1 for off.
-      sample: static. False: every row is greedy whatever its temperature, and the
-        vocabulary is never sorted (the costly part); the caller knows from the
-        temperatures on the host. A data-dependent `lax.cond` instead would copy its
-        predicate to the host on every token on GPU, stalling the device.
+      sample: static, a kind (`kind`). GREEDY (False): every row is greedy whatever its
+        temperature; SAMPLE (True): rows with a temperature sample, without top-k or
+        top-p; TRUNCATE: with them. Only TRUNCATE sorts the vocabulary (the costly
+        part); the caller knows the kind from the rows' settings on the host. A
+        data-dependent `lax.cond` instead would copy its predicate to the host on every
+        token on GPU, stalling the device.
     Returns:
       tokens (B,), their log-probability (B,), and the N most likely tokens'
       ids (B, N) and log-probabilities (B, N), all under the model's own
@@ -52,7 +74,7 @@ def next_tokens(logits, keys, positions, temperature, top_k, top_p, sample: bool
     tokens = jnp.argmax(logits, axis=-1)
     if sample:
         keys = jax.vmap(jax.random.fold_in)(keys, positions)
-        sampled = _sample(logits, keys, temperature, top_k, top_p)
+        sampled = _sample(logits, keys, temperature, top_k, top_p, sample == TRUNCATE)
         tokens = jnp.where(temperature > 0, sampled, tokens)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     top_logprobs, top_ids = jax.lax.top_k(logprobs, min(TOP_LOGPROBS, logits.shape[-1]))

@@ -1,0 +1,119 @@
+"""Attention over a paged key/value cache: JAX's ragged paged attention kernel on a TPU,
+an XLA path with the same numbers elsewhere.
+
+The kernel (`jax.experimental.pallas.ops.tpu.ragged_paged_attention`, the one vLLM's TPU
+backend grew from) reads each sequence's keys and values straight from its pages, only
+its own length of them, so a decode step reads the K/V it attends and no more: a dense
+cache window reads every slot's whole window. Its layout, taken as is here:
+
+    q            (T, N, H)       the queries of all sequences, concatenated (ragged: a
+                                 decode row gives one, a prefill chunk many)
+    kv_pages     (P, Z, 2K, H)   keys and values of one layer interleaved on the head
+                                 axis (k head j at 2j, v head j at 2j + 1)
+    kv_lens      (S,) int32      keys each sequence holds, its new tokens' included
+    page_indices (S, W) int32    each sequence's pages in order
+    cu_q_lens    (S + 1,) int32  where each sequence's queries start in q
+    num_seqs     (1,) int32      sequences in use (the rest is padding)
+
+A sequence's queries are its last q_len positions: query i of sequence s sits at position
+kv_lens[s] - q_len + i and sees keys 0..itself (and, with a sliding window W, only the
+last W of them). Scores are q.k times `scale` (1/sqrt(H) when None). Rows past num_seqs
+and queries past cu_q_lens[num_seqs] come back as zeros on the XLA path (the kernel
+leaves them unspecified: callers drop them).
+
+What the kernel cannot take stays on the dense path (easylm/models/attention.py): a
+softmax sink (gpt-oss), a latent cache (MLA: DeepSeek), keys and values shared from
+another layer (Gemma 4), a recurrent state (Gated DeltaNet), a chunked or bidirectional
+mask. Shape letters: T queries, N query heads, K kv heads, G = N // K, H head dim,
+P pages, Z page size, S sequences, W pages per sequence.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+IMPLEMENTATIONS = ("auto", "xla", "kernel")
+
+
+def combine(k_pages, v_pages):
+    """(P, Z, K, H) keys and values -> the kernel's (P, Z, 2K, H), interleaved."""
+    P, Z, K, H = k_pages.shape
+    return jnp.stack([k_pages, v_pages], axis=3).reshape(P, Z, 2 * K, H)
+
+
+def split(kv_pages):
+    """`combine`'s inverse: (keys, values), each (P, Z, K, H)."""
+    return kv_pages[:, :, 0::2], kv_pages[:, :, 1::2]
+
+
+def kernel_available() -> bool:
+    return jax.default_backend() == "tpu"
+
+
+def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                           scale: float | None = None, sliding_window: int = 0,
+                           soft_cap: float | None = None, implementation: str = "auto",
+                           block_sizes: tuple[int, int] | None = None):
+    """(T, N, H) attention outputs (module docstring); `implementation` auto: the kernel
+    on a TPU, else xla. `block_sizes`: the kernel's (kv pages, queries) per block (None:
+    JAX's table tuned per TPU generation)."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"paged attention implementation {implementation!r} is not one of "
+                         f"{IMPLEMENTATIONS}")
+    scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
+    if implementation == "kernel" or (implementation == "auto" and kernel_available()):
+        from jax.experimental.pallas.ops.tpu import ragged_paged_attention as rpa
+
+        return rpa.ragged_paged_attention(
+            q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=scale,
+            sliding_window=sliding_window or None, soft_cap=soft_cap,
+            **({} if block_sizes is None else dict(num_kv_pages_per_block=block_sizes[0],
+                                                   num_queries_per_block=block_sizes[1])))
+    return xla_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                               scale, sliding_window, soft_cap)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap"))
+def xla_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                        scale: float, sliding_window: int = 0, soft_cap: float | None = None):
+    """The kernel's numbers in plain XLA: each query gathers its sequence's pages (all W
+    of them, masked past its position), scores in fp32, softmax, values in their dtype;
+    the kernel's own reference (`ref_ragged_paged_attention`) does the same per sequence."""
+    T, N, H = q.shape
+    _, Z, K2, _ = kv_pages.shape
+    K = K2 // 2
+    S, W = page_indices.shape
+    t = jnp.arange(T)
+    seq = jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right") - 1, 0, S - 1)  # (T,)
+    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+    position = kv_lens[seq] - q_len + (t - cu_q_lens[seq])  # (T,)
+    real = (seq < num_seqs[0]) & (t < cu_q_lens[num_seqs[0]])
+    pages = kv_pages[page_indices[seq]]  # (T, W, Z, 2K, H)
+    kv = pages.reshape(T, W * Z, K2, H)
+    k, v = kv[:, :, 0::2], kv[:, :, 1::2]  # (T, W*Z, K, H) each
+    key = jnp.arange(W * Z)[None, :]
+    visible = key <= position[:, None]
+    if sliding_window:
+        visible &= key > position[:, None] - sliding_window
+    qg = q.reshape(T, K, N // K, H)
+    scores = jnp.einsum("TKGH,TSKH->TKGS", qg, k, preferred_element_type=jnp.float32) * scale
+    if soft_cap:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+    scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("TKGS,TSKH->TKGH", probs, v).reshape(T, N, H).astype(q.dtype)
+    return jnp.where(real[:, None, None], out, jnp.zeros_like(out))
+
+
+def decode_attention(q, kv_pages, lengths, page_table, scale: float | None = None,
+                     sliding_window: int = 0, implementation: str = "auto"):
+    """One query per sequence (a decode step): q (B, N, H) at position lengths[b] - 1 of
+    sequence b, whose keys 0..lengths[b] - 1 its pages hold (its own written before the
+    call); (B, N, H)."""
+    B = q.shape[0]
+    return ragged_paged_attention(
+        q, kv_pages, lengths.astype(jnp.int32), page_table.astype(jnp.int32),
+        jnp.arange(B + 1, dtype=jnp.int32), jnp.array([B], jnp.int32), scale,
+        sliding_window, implementation=implementation)
