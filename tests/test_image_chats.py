@@ -149,28 +149,35 @@ def train(hf, data, output_dir, steps=3, *flags):
         return [row["loss"] for row in map(json.loads, f) if "loss" in row]
 
 
-def transformers_loss(hf, image: Image.Image) -> float:
-    """transformers' labels loss on chat_row's chat with `image`, through its own
-    processor's pieces: the tokenizer's chat template and the image processor."""
+def transformers_inputs(hf, image: Image.Image, messages):
+    """(ids (1, L), where the last message's tokens start, the image's model inputs) of
+    `messages` (the last an assistant's, the first holding one image part) as transformers'
+    own processor's pieces make them: the tokenizer's chat template and the image
+    processor."""
     from transformers import AutoImageProcessor, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(hf[2])
     processor = AutoImageProcessor.from_pretrained(hf[0])
     features = processor(images=[image], return_tensors="pt")
     n = int(features["image_grid_thw"].prod()) // 4
-    messages = chat_row("x")["messages"]
-    prompt = tokenizer.apply_chat_template(messages[:1], tokenize=False,
+    prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=False,
                                            add_generation_prompt=True)
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     expand = lambda s: s.replace("<|image_pad|>", " ".join(["<|image_pad|>"] * n))  # noqa: E731
     ids = tokenizer(expand(text), add_special_tokens=False, return_tensors="pt").input_ids
     start = len(tokenizer(expand(prompt), add_special_tokens=False).input_ids)
+    return ids, start, dict(pixel_values=features["pixel_values"],
+                            image_grid_thw=features["image_grid_thw"],
+                            mm_token_type_ids=(ids == CONFIG.image_token_id).int())
+
+
+def transformers_loss(hf, image: Image.Image) -> float:
+    """transformers' labels loss on chat_row's chat with `image`."""
+    ids, start, vision = transformers_inputs(hf, image, chat_row("x")["messages"])
     labels = ids.clone()
     labels[:, :start] = -100
     with torch.no_grad():
-        return hf[1](input_ids=ids, labels=labels, pixel_values=features["pixel_values"],
-                     image_grid_thw=features["image_grid_thw"],
-                     mm_token_type_ids=(ids == CONFIG.image_token_id).int()).loss.item()
+        return hf[1](input_ids=ids, labels=labels, **vision).loss.item()
 
 
 def test_sft_through_the_command(hf, tmp_path):

@@ -42,6 +42,7 @@ class Objective(abc.ABC):
     rows: str = "documents"  # the data pipeline's row kind its batches hold
     rows_per_example: int = 1  # rows of one example (a preference pair: 2, GRPO: G)
     completion_tokens: int = 0  # rows of "prompts" leave this many tokens for rollouts
+    takes_images: bool = False  # its loss (and rollouts) read an image-text model's images
     reference: str = NO_REFERENCE
     HELP: dict = {}  # "NAME.option": help text, for each of its flags
 

@@ -311,6 +311,7 @@ class GRPOObjective(Objective):
 
     name = "grpo"
     rows = "prompts"
+    takes_images = True  # rollouts prefill a prompt's images (rollouts.py)
     HELP = HELP
 
     @classmethod

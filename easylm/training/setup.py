@@ -163,9 +163,9 @@ def _datasets(config: ConfigDict, tokenizer, objective, mesh, model: Model,
     if images is not None and mesh.shape["sp"] > 1:
         raise UserError(f"--mesh_dim={config.mesh_dim}: sp={mesh.shape['sp']} splits rows "
                         f"over devices, which image chats do not take yet; use sp=1")
-    if images is not None and objective.rows != "documents":
-        raise UserError(f"--objective={config.objective}: image chats train with next-token "
-                        f"loss only as yet (--objective=next_token)")
+    if images is not None and not objective.takes_images:
+        raise UserError(f"--objective={config.objective} does not read images as yet "
+                        f"(next_token, dpo, simpo, orpo and grpo do)")
     kind = dict(pairs=objective.rows == "pairs", images=images,
                 prompts=objective.completion_tokens if objective.rows == "prompts" else 0)
     train = DatasetFactory.load_dataset(config.train_dataset, tokenizer, **kind)
