@@ -14,6 +14,7 @@ import math
 
 import numpy as np
 import torch
+from PIL import Image
 from numerics import assert_close, assert_differs
 from test_image_chats import hf, transformers_inputs, write_data  # noqa: F401 (hf: fixture)
 from test_vision_qwen3_5 import REL, picture
@@ -81,3 +82,56 @@ def test_dpo_on_image_prompts_through_the_command(hf, tmp_path):  # noqa: F811
     assert math.isclose(rows[0]["loss"], -math.log(1 / (1 + math.exp(-h))), rel_tol=1e-6)
     assert rows[-1]["loss"] < rows[0]["loss"], [row["loss"] for row in rows]
     assert rows[-1]["rewards/margin"] > 0
+
+
+# ------------------------------------------------------------------ GRPO on image prompts
+
+COLOURS = {"w10": (200, 30, 30), "w11": (30, 30, 200)}  # the answer word: red, blue
+
+
+def colour_picture(word: str, seed: int, size: int = 8) -> Image.Image:
+    """A size x size image of `word`'s colour with noise. 8 x 8 pixels is the image
+    processor's smallest (shortest_edge 64 pixels): 2 x 2 patches of 4, one image token,
+    whose multimodal rotary leaves the text after it where 1-D positions put it."""
+    rng = np.random.RandomState(seed)
+    pixels = np.asarray(COLOURS[word]) + rng.randint(-25, 26, (size, size, 3))
+    return Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
+
+
+def colour_prompt(path: str) -> dict:
+    return {"prompt": [{"role": "user", "content": [{"type": "image", "image": path},
+                                                    {"type": "text", "text": "w40"}]}]}
+
+
+def colour_reward(prompts, completions, **fields):
+    """1 where the completion names the colour that fills the prompt's image: read from
+    the image itself (its mean red against its mean blue), not from any field."""
+    rewards = []
+    for prompt, completion in zip(prompts, completions):
+        path = next(part["image"] for part in prompt[0]["content"] if part["type"] == "image")
+        red, _, blue = np.asarray(Image.open(path).convert("RGB"), np.float64).mean((0, 1))
+        word = "w10" if red > blue else "w11"
+        text = completion[0]["content"] if isinstance(completion, list) else completion
+        rewards.append(float(text.split()[:1] == [word]))
+    return rewards
+
+
+def test_grpo_on_image_prompts_through_the_command(hf, tmp_path):  # noqa: F811
+    """Rollouts prefill each prompt's image: the engine's log-probabilities of the
+    sampled tokens = the training forward's on the same rows and images (sampler_logp_diff,
+    temperature 1: fp32 sums of REL order); the reward reads the image; 2 steps run."""
+    words = ["w10", "w11", "w11", "w10"]
+    rows = []
+    for k, word in enumerate(words):
+        path = str(tmp_path / f"{k}.png")
+        colour_picture(word, k).save(path)
+        rows.append(colour_prompt(path))
+    with open(tmp_path / "prompts.jsonl", "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    metrics = run(hf, tmp_path / "prompts.jsonl", tmp_path / "out", 2, "--objective=grpo",
+                  "--grpo.num_generations=4", "--grpo.max_new_tokens=4",
+                  "--grpo.reward_funcs=test_image_rl:colour_reward",
+                  "--train_dataset.json_dataset.batch_size=2")
+    assert len(metrics) == 2
+    for row in metrics:
+        assert row["data/rollout/sampler_logp_diff_max"] < 1e-3, row

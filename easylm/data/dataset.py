@@ -80,7 +80,8 @@ class DatasetFactory:
         loader = options.loader_options(config, section)
         shuffle = loader.shuffle and not for_eval
         if prompts:
-            source, processor = open_prompts(config, loader, tokenizer, prompts)
+            source, processor = open_prompts(config, loader, tokenizer, prompts,
+                                             images if config.text_processor.chat else None)
             order = make_order(source, loader, shuffle, loader.seed)
             kind = Prompts(loader, order)
         elif images is not None and config.text_processor.chat \

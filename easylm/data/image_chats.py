@@ -28,6 +28,7 @@ import os
 
 import numpy as np
 
+from easylm.data.images import data_folder
 from easylm.data.pairs import SIDES, Pairs, PairStream, make_pair_batch
 from easylm.data.rows import restore_size
 from easylm.data.text import TextProcessor, _get
@@ -88,7 +89,7 @@ class ImageChatProcessor:
         try:
             messages = _get(example, "messages", where, "text_processor.chat=True")
             ids, masks, encoded = self.images.encode_chat(self.text, messages, where,
-                                                          folder(where))
+                                                          data_folder(where))
         except UserError as e:
             return str(e)
         T = self.row_length - 1
@@ -99,13 +100,6 @@ class ImageChatProcessor:
         if not masks[1:].any():
             return f"{where}: no assistant token within seq_length={T}, nothing to train on"
         return ids.astype(np.int32), masks.astype(np.float32), encoded
-
-
-def folder(where: str) -> str:
-    """The folder of the data file `where` ('path:line') names: image paths are relative
-    to it ('' for a row of a huggingface dataset: the working directory)."""
-    path, sep, line = where.rpartition(":")
-    return os.path.dirname(path) if sep and line.isdigit() else ""
 
 
 class ImageChats:

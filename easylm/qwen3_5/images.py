@@ -139,6 +139,18 @@ class Qwen35ImageChats:
         return encode_image_chat(text_processor, self.image_processor, self.config, messages,
                                  where, base_dir, first)
 
+    def encode_prompt(self, ids, images, where: str):
+        """(ids with each image's placeholder repeated once per merged patch, the images'
+        encodings) of a prompt rendered to `ids` whose placeholders stand for `images`
+        (PIL, in order): a rollout's prompt (easylm/data/prompts.py)."""
+        encoded = encode_images(self.image_processor, images, self.config)
+        found = int(np.sum(np.asarray(ids) == self.image_token_id))
+        if found != len(encoded):
+            raise UserError(f"{where}: the chat template wrote {found} image placeholder(s) "
+                            f"for the {len(encoded)} image part(s)")
+        return np.asarray(expand_image_tokens(list(ids), [g for _, g in encoded], self.config),
+                          np.int32), encoded
+
     def batch_inputs(self, rows, encoded, length: int) -> dict:
         """The image inputs (B, ...) of token rows `rows` (`image_inputs`)."""
         return image_inputs(self.config, rows, encoded, length)

@@ -66,8 +66,9 @@ def start(config: ConfigDict, family: ModelFamily, cleanup: contextlib.ExitStack
                                                                  jax.random.key(0)))
     harness = _harness(config, model, tokenizer, mesh)
     objective = objectives.build(config, model, tokenizer)
+    objective.images = _image_chats(config, family, model_config)
     dataset, eval_dataset = _datasets(config, tokenizer, objective, mesh, model, model_config,
-                                      _image_chats(config, family, model_config))
+                                      objective.images)
     run_dir = run_directory(config, model.name, variants.unused_flags(family, config))
     manager, latest = _checkpoints(config, run_dir, cleanup)
     cleanup.enter_context(jax.set_mesh(mesh))
