@@ -132,6 +132,12 @@ def test_a_token_cache_refuses_image_chats_in_one_line(hf, tmp_path, capsys):
 
 
 def train(hf, data, output_dir, steps=3, *flags):
+    return [row["loss"] for row in train_metrics(hf, data, output_dir, steps, *flags)]
+
+
+def train_metrics(hf, data, output_dir, steps, *flags):
+    """The logged rows of `python -m easylm.train` on image chats `data` (fp32, batch 1,
+    lr 1e-2); `flags` added last (a repeated flag's last value counts)."""
     from easylm import train as command
 
     with contextlib.redirect_stdout(io.StringIO()):
@@ -146,7 +152,7 @@ def train(hf, data, output_dir, steps=3, *flags):
                       "--optimizer.adamw_optimizer.lr=1e-2",
                       "--optimizer.adamw_optimizer.lr_warmup_steps=0", *flags])
     with open(f"{output_dir}/run/metrics.jsonl") as f:
-        return [row["loss"] for row in map(json.loads, f) if "loss" in row]
+        return [row for row in map(json.loads, f) if "loss" in row]
 
 
 def transformers_inputs(hf, image: Image.Image, messages):

@@ -7,8 +7,6 @@ log-probabilities test_vision_qwen3_5.py compares at REL (fp32_rel(128, 70), der
 there): REL of the largest again.
 """
 
-import contextlib
-import io
 import json
 import math
 import os
@@ -18,7 +16,12 @@ import pytest
 import torch
 from PIL import Image
 from numerics import assert_close, assert_differs
-from test_image_chats import hf, transformers_inputs, write_data  # noqa: F401 (hf: fixture)
+from test_image_chats import (  # noqa: F401 (hf: the fixture)
+    hf,
+    train_metrics,
+    transformers_inputs,
+    write_data,
+)
 from test_vision_qwen3_5 import CONFIG, REL, picture
 
 T = 40
@@ -33,24 +36,10 @@ def pair_row(image, chosen="w77 w78", rejected="w5 w6 w7"):
 
 
 def run(hf, data, output_dir, steps, *flags):  # noqa: F811 (hf: the fixture's value)
-    """The metrics rows of `python -m easylm.train` on `data` (fp32, batch 1, lr 1e-2)."""
-    from easylm import train as command
-
-    with contextlib.redirect_stdout(io.StringIO()):
-        command.main(["train", "--family=qwen3_5_vl", f"--load_checkpoint=hf::{hf[0]}",
-                      f"--tokenizer={hf[2]}", f"--total_steps={steps}", "--log_freq=1",
-                      "--dtype=fp32", "--mesh_dim=1,1,-1", "--compilation_cache_dir=",
-                      "--train_dataset.text_processor.chat=True",
-                      f"--train_dataset.json_dataset.path={data}",
-                      f"--train_dataset.json_dataset.seq_length={T}",
-                      "--train_dataset.json_dataset.batch_size=1",
-                      f"--logger.output_dir={output_dir}", "--logger.experiment_id=run",
-                      "--optimizer.adamw_optimizer.lr=1e-2",
-                      "--optimizer.adamw_optimizer.lr_warmup_steps=0",
-                      # the rows' images together: 24 patches (6 image tokens)
-                      "--qwen3_5_vl.max_image_patches=32", *flags])
-    with open(f"{output_dir}/run/metrics.jsonl") as f:
-        return [row for row in map(json.loads, f) if "loss" in row]
+    """The logged rows of `python -m easylm.train` on `data`, each row's images together
+    at most 32 patches (the 24 x 16 picture's 24: 6 image tokens)."""
+    return train_metrics(hf, data, output_dir, steps, "--qwen3_5_vl.max_image_patches=32",
+                         *flags)
 
 
 def reply_logps(hf, image, reply: str) -> float:  # noqa: F811
