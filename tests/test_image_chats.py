@@ -224,8 +224,9 @@ def test_options_that_cannot_take_images_are_refused_in_one_line(hf, tmp_path, c
               f"--train_dataset.json_dataset.path={path}", f"--logger.output_dir={tmp_path}",
               "--train_dataset.json_dataset.seq_length=32"]
     for flags, message in (
-            (["--objective=dpo", "--train_dataset.preference.enabled=True"],
-             "--objective=dpo: image chats train with next-token loss only as yet"),
+            (["--objective=distill", f"--distill.teacher=hf::{hf[0]}",
+              "--distill.max_new_tokens=4"],
+             "--objective=distill does not read images as yet"),
             (["--mesh_dim=dp=1,fsdp=-1,sp=2", "--train_dataset.json_dataset.batch_size=4"],
              "sp=2 splits rows over devices, which image chats do not take yet"),
             (["--qwen3_5_vl.train_vision=some"], "train_vision='some' is not one of")):
