@@ -377,7 +377,8 @@ class PreferenceObjective(Objective):
         sections = ("train_dataset", "eval_dataset") if self.config.eval_freq else \
             ("train_dataset",)
         datasets = (DatasetFactory.load_dataset(self.config[section], self.tokenizer,
-                                                for_eval=True, pairs=True, section=section)
+                                                for_eval=True, pairs=True, section=section,
+                                                images=self.images)
                     for section in sections)
         reference = self._reference_logps(frozen)
         self._table = compute(lambda p, batch: reference_logps(reference, p, batch), params,
