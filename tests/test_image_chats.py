@@ -132,6 +132,12 @@ def test_a_token_cache_refuses_image_chats_in_one_line(hf, tmp_path, capsys):
 
 
 def train(hf, data, output_dir, steps=3, *flags):
+    return [row["loss"] for row in train_metrics(hf, data, output_dir, steps, *flags)]
+
+
+def train_metrics(hf, data, output_dir, steps, *flags):
+    """The logged rows of `python -m easylm.train` on image chats `data` (fp32, batch 1,
+    lr 1e-2); `flags` added last (a repeated flag's last value counts)."""
     from easylm import train as command
 
     with contextlib.redirect_stdout(io.StringIO()):
@@ -146,31 +152,38 @@ def train(hf, data, output_dir, steps=3, *flags):
                       "--optimizer.adamw_optimizer.lr=1e-2",
                       "--optimizer.adamw_optimizer.lr_warmup_steps=0", *flags])
     with open(f"{output_dir}/run/metrics.jsonl") as f:
-        return [row["loss"] for row in map(json.loads, f) if "loss" in row]
+        return [row for row in map(json.loads, f) if "loss" in row]
 
 
-def transformers_loss(hf, image: Image.Image) -> float:
-    """transformers' labels loss on chat_row's chat with `image`, through its own
-    processor's pieces: the tokenizer's chat template and the image processor."""
+def transformers_inputs(hf, image: Image.Image, messages):
+    """(ids (1, L), where the last message's tokens start, the image's model inputs) of
+    `messages` (the last an assistant's, the first holding one image part) as transformers'
+    own processor's pieces make them: the tokenizer's chat template and the image
+    processor."""
     from transformers import AutoImageProcessor, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(hf[2])
     processor = AutoImageProcessor.from_pretrained(hf[0])
     features = processor(images=[image], return_tensors="pt")
     n = int(features["image_grid_thw"].prod()) // 4
-    messages = chat_row("x")["messages"]
-    prompt = tokenizer.apply_chat_template(messages[:1], tokenize=False,
+    prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=False,
                                            add_generation_prompt=True)
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     expand = lambda s: s.replace("<|image_pad|>", " ".join(["<|image_pad|>"] * n))  # noqa: E731
     ids = tokenizer(expand(text), add_special_tokens=False, return_tensors="pt").input_ids
     start = len(tokenizer(expand(prompt), add_special_tokens=False).input_ids)
+    return ids, start, dict(pixel_values=features["pixel_values"],
+                            image_grid_thw=features["image_grid_thw"],
+                            mm_token_type_ids=(ids == CONFIG.image_token_id).int())
+
+
+def transformers_loss(hf, image: Image.Image) -> float:
+    """transformers' labels loss on chat_row's chat with `image`."""
+    ids, start, vision = transformers_inputs(hf, image, chat_row("x")["messages"])
     labels = ids.clone()
     labels[:, :start] = -100
     with torch.no_grad():
-        return hf[1](input_ids=ids, labels=labels, pixel_values=features["pixel_values"],
-                     image_grid_thw=features["image_grid_thw"],
-                     mm_token_type_ids=(ids == CONFIG.image_token_id).int()).loss.item()
+        return hf[1](input_ids=ids, labels=labels, **vision).loss.item()
 
 
 def test_sft_through_the_command(hf, tmp_path):
@@ -211,8 +224,9 @@ def test_options_that_cannot_take_images_are_refused_in_one_line(hf, tmp_path, c
               f"--train_dataset.json_dataset.path={path}", f"--logger.output_dir={tmp_path}",
               "--train_dataset.json_dataset.seq_length=32"]
     for flags, message in (
-            (["--objective=dpo", "--train_dataset.preference.enabled=True"],
-             "--objective=dpo: image chats train with next-token loss only as yet"),
+            (["--objective=distill", f"--distill.teacher=hf::{hf[0]}",
+              "--distill.max_new_tokens=4"],
+             "--objective=distill does not read images as yet"),
             (["--mesh_dim=dp=1,fsdp=-1,sp=2", "--train_dataset.json_dataset.batch_size=4"],
              "sp=2 splits rows over devices, which image chats do not take yet"),
             (["--qwen3_5_vl.train_vision=some"], "train_vision='some' is not one of")):

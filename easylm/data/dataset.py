@@ -37,7 +37,12 @@ import time
 import numpy as np
 
 from easylm.data import options
-from easylm.data.image_chats import ImageChatProcessor, ImageChats, image_chat_problems
+from easylm.data.image_chats import (
+    ImageChatProcessor,
+    ImageChats,
+    ImagePairs,
+    image_chat_problems,
+)
 from easylm.data.mixture import load_mixture
 from easylm.data.options import loader_block  # noqa: F401 (where callers look for it)
 from easylm.data.pairs import Pairs, open_pairs
@@ -75,10 +80,12 @@ class DatasetFactory:
         loader = options.loader_options(config, section)
         shuffle = loader.shuffle and not for_eval
         if prompts:
-            source, processor = open_prompts(config, loader, tokenizer, prompts)
+            source, processor = open_prompts(config, loader, tokenizer, prompts,
+                                             images if config.text_processor.chat else None)
             order = make_order(source, loader, shuffle, loader.seed)
             kind = Prompts(loader, order)
-        elif images is not None and config.text_processor.chat:
+        elif images is not None and config.text_processor.chat \
+                and not config.preference.enabled:
             problems = image_chat_problems(config, loader)
             if problems:
                 raise UserError(problems[0])
@@ -93,9 +100,15 @@ class DatasetFactory:
                 raise UserError(f"--{section}.preference.enabled=True makes batches of "
                                 f"preference pairs, which only a preference objective trains "
                                 f"on; this command trains next-token prediction")
-            source, processor = open_pairs(config, loader, tokenizer)
+            if images is not None and config.text_processor.chat:   # image pairs
+                problems = image_chat_problems(config, loader)
+                if problems:
+                    raise UserError(problems[0])
+            else:
+                images = None
+            source, processor = open_pairs(config, loader, tokenizer, images)
             order = make_order(source, loader, shuffle, loader.seed)
-            kind = Pairs(loader, order)
+            kind = Pairs(loader, order) if images is None else ImagePairs(loader, order, images)
         elif config.type == "mixture":
             order, processor = load_mixture(loader, config.text_processor, tokenizer, shuffle,
                                             for_eval)

@@ -18,7 +18,9 @@ image's tokens (then the row is skipped, with its file and line). A missing or u
 image skips its row the same way (with strict=True: stops the run with that line).
 
 A batch holds the text arrays (input_tokens, target_tokens, loss_masks) and the image
-inputs of its input_tokens (vision.IMAGE_KEYS), from the family's `batch_inputs`. A token
+inputs of its input_tokens (vision.IMAGE_KEYS), from the family's `batch_inputs`.
+Preference pairs of image chats (`ImagePairs`, pairs.py's reader with the family's
+`image_chats`) hold each side's: chosen_pixel_values, rejected_image_tokens, ... A token
 cache holds no images: image parts in a cache build are refused (text.py).
 """
 
@@ -26,7 +28,8 @@ import os
 
 import numpy as np
 
-from easylm.data.pairs import PairStream
+from easylm.data.images import data_folder
+from easylm.data.pairs import SIDES, Pairs, PairStream, make_pair_batch
 from easylm.data.rows import restore_size
 from easylm.data.text import TextProcessor, _get
 from easylm.errors import UserError
@@ -39,13 +42,20 @@ def image_chat_problems(config, loader) -> list[str]:
         problems.append(f"--train_dataset.type={config.type}: image chats are read from a "
                         f"json or huggingface source (a token cache or mixture holds no "
                         f"images)")
-    if config.preference.enabled:
-        problems.append("--train_dataset.preference.enabled=True: preference pairs with "
-                        "images are not read yet; train image chats with next-token loss")
     if loader.segment_ids:
         problems.append("segment_ids=True: image chats are not packed (one chat per row), "
                         "so there are no segments; set it to False")
     return problems
+
+
+def images_fit(ids, image_token_id: int, row_length: int, where: str) -> str | None:
+    """Why a row of `ids` cannot be cut to `row_length` tokens (its image tokens reach
+    past it), or None."""
+    places = np.flatnonzero(ids == image_token_id)
+    if len(places) and places[-1] >= row_length - 1:
+        return (f"{where}: its image tokens reach token {places[-1] + 1}, past "
+                f"seq_length={row_length - 1}: the chat cannot be cut without cutting an image")
+    return None
 
 
 def processor_directory(tokenizer: str, load_checkpoint: str) -> str:
@@ -79,25 +89,17 @@ class ImageChatProcessor:
         try:
             messages = _get(example, "messages", where, "text_processor.chat=True")
             ids, masks, encoded = self.images.encode_chat(self.text, messages, where,
-                                                          _folder(where))
+                                                          data_folder(where))
         except UserError as e:
             return str(e)
         T = self.row_length - 1
-        places = np.flatnonzero(ids == self.images.image_token_id)
-        if len(places) and places[-1] >= T:
-            return (f"{where}: its image tokens reach token {places[-1] + 1}, past "
-                    f"seq_length={T}: the chat cannot be cut without cutting an image")
+        cut = images_fit(ids, self.images.image_token_id, self.row_length, where)
+        if cut:
+            return cut
         ids, masks = ids[:self.row_length], masks[:self.row_length]
         if not masks[1:].any():
             return f"{where}: no assistant token within seq_length={T}, nothing to train on"
         return ids.astype(np.int32), masks.astype(np.float32), encoded
-
-
-def _folder(where: str) -> str:
-    """The folder of the data file `where` ('path:line') names: image paths are relative
-    to it ('' for a row of a huggingface dataset: the working directory)."""
-    path, sep, line = where.rpartition(":")
-    return os.path.dirname(path) if sep and line.isdigit() else ""
 
 
 class ImageChats:
@@ -149,3 +151,22 @@ class ImageChatStream(PairStream):
             return (*self._pad(np.zeros(0, np.int32), np.zeros(0, np.float32), pad_id), [])
         _, (tokens, masks, encoded) = self.queue.popleft()
         return (*self._pad(tokens, masks, pad_id), encoded)
+
+
+class ImagePairs(Pairs):
+    """Preference pairs whose chats hold images (DPO on image prompts): pairs.Pairs' rows
+    and, for each side, its rows' image inputs (`chosen_pixel_values`, ...)."""
+
+    def __init__(self, config, order, images):
+        super().__init__(config, order)
+        self.images = images
+
+    def make_batch(self, streams, served, counts, pad_id):
+        rows = self.next_rows(streams, served, counts, pad_id)
+        batch = make_pair_batch(rows)
+        for i, side in enumerate(SIDES):
+            encoded = [row[5 + i] if len(row) > 5 else [] for row in rows]
+            inputs = self.images.batch_inputs(list(batch[f"{side}_input_tokens"]), encoded,
+                                              self.seq_length)
+            batch.update({f"{side}_{key}": value for key, value in inputs.items()})
+        return batch

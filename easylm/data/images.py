@@ -77,3 +77,10 @@ def read_image(reference: str, where: str, base_dir: str = ""):
 def chat_images(messages, where: str, base_dir: str = "") -> list:
     """The images `messages` name, read, in order."""
     return [read_image(reference, where, base_dir) for reference in image_references(messages)]
+
+
+def data_folder(where: str) -> str:
+    """The folder of the data file `where` ('path:line') names: image paths are relative
+    to it ('' for a row of a huggingface dataset: the working directory)."""
+    path, sep, line = where.rpartition(":")
+    return os.path.dirname(path) if sep and line.isdigit() else ""

@@ -63,8 +63,11 @@ class PreferenceProcessor:
             config.update(ConfigDict(updates).copy_and_resolve_references())
         return config
 
-    def __init__(self, config, text_processor, tokenizer, seq_length):
+    def __init__(self, config, text_processor, tokenizer, seq_length, images=None):
+        """images: an image-text model's `image_chats` object, whose chats' image parts it
+        reads (chat mode only): then each side also carries its images' encodings."""
         self.config = self.get_default_config(config)
+        self.images = images
         self.row_length = seq_length + 1
         self.chat = bool(text_processor.chat)
         # The internal example {"prompt", "response"} of each side, tokenized EasyLM's way.
@@ -89,10 +92,26 @@ class PreferenceProcessor:
                 continue
             plans.append((len(sides), where))
             sides += pair
-        encoded = (self.text.encode_chats if self.chat else self.text.process)(sides)
+        if self.images is not None:
+            encoded = [self._with_images(*side) for side in sides]
+        else:
+            encoded = (self.text.encode_chats if self.chat else self.text.process)(sides)
         if not self.chat:
             self._count_split(sides, encoded)
         return [self._pair(plan, encoded) for plan in plans]
+
+    def _with_images(self, conversation, shared, where):
+        """(tokens, masks, the images' encodings) of one side of an image pair, or why not."""
+        from easylm.data.image_chats import images_fit
+        from easylm.data.images import data_folder
+
+        try:
+            ids, masks, encoded = self.images.encode_chat(self.text, conversation, where,
+                                                          data_folder(where), first=shared)
+        except UserError as e:
+            return str(e)
+        return images_fit(ids, self.images.image_token_id, self.row_length, where) or \
+            (ids, masks, encoded)
 
     def _count_split(self, sides, encoded):
         """Pairs whose prompt tokens, tokenized alone (as they train: the prompt is the
@@ -156,7 +175,7 @@ class PreferenceProcessor:
         for name, value in zip((c.chosen_field, c.rejected_field), values):
             if isinstance(value, str):
                 value = [{"role": "assistant", "content": value}]
-            elif not is_messages(value) or not value:
+            elif not is_messages(value, self.images is not None) or not value:
                 return (f"{where}: field {name!r} must be text or a non-empty list of "
                         f"{{\"role\": str, \"content\": str}} objects")
             if value[0]["role"] == "assistant":   # only the replies: the prompt goes first
@@ -188,7 +207,7 @@ class PreferenceProcessor:
         prompt = example[name]
         if isinstance(prompt, str):
             return [{"role": "user", "content": prompt}]
-        if not is_messages(prompt):
+        if not is_messages(prompt, self.images is not None):
             return (f"{where}: field {name!r} must be text or a list of "
                     f"{{\"role\": str, \"content\": str}} objects")
         return prompt
@@ -201,7 +220,7 @@ class PreferenceProcessor:
         for name, side in zip(SIDES, encoded[first:first + 2]):
             if isinstance(side, str):
                 return side
-            tokens, masks = side
+            tokens, masks, *pictures = side
             if not masks[1:].any():   # the first token is never a target
                 return f"{where}: the {name} response has no tokens to train on"
             trained = masks[1:self.row_length].any()
@@ -209,17 +228,22 @@ class PreferenceProcessor:
                 prompt = int(np.argmax(masks[1:] > 0)) + 1
                 return (f"{where}: the prompt is {prompt} tokens, longer than "
                         f"seq_length={self.row_length - 1}")
-            sides.append((tokens[:self.row_length], masks[:self.row_length], len(tokens)))
-        (chosen, chosen_masks, n), (rejected, rejected_masks, m) = sides
-        if np.array_equal(chosen, rejected) and np.array_equal(chosen_masks, rejected_masks):
+            sides.append((tokens[:self.row_length], masks[:self.row_length], len(tokens),
+                          pictures))
+        (chosen, chosen_masks, n, chosen_images), (rejected, rejected_masks, m,
+                                                   rejected_images) = sides
+        if np.array_equal(chosen, rejected) and np.array_equal(chosen_masks, rejected_masks) \
+                and not chosen_images:
             return (f"{where}: chosen and rejected differ only after seq_length="
                     f"{self.row_length - 1} tokens")
+        # An image pair also carries each side's images' encodings.
         return (chosen, chosen_masks, rejected, rejected_masks,
-                max(n, m) > self.row_length)
+                max(n, m) > self.row_length, *chosen_images, *rejected_images)
 
 
-def open_pairs(config, loader, tokenizer):
-    """(source, PreferenceProcessor) for a DatasetFactory config with preference.enabled."""
+def open_pairs(config, loader, tokenizer, images=None):
+    """(source, PreferenceProcessor) for a DatasetFactory config with preference.enabled;
+    `images`: an image-text model's reader of image chats (chat mode)."""
     if config.type not in ("json", "huggingface"):
         raise UserError(f"--train_dataset.preference.enabled=True reads pairs from a json or "
                         f"huggingface source, not --train_dataset.type={config.type}")
@@ -229,7 +253,7 @@ def open_pairs(config, loader, tokenizer):
     source, _ = open_source(config.type, loader, config.text_processor, tokenizer,
                             loader.strict)
     return source, PreferenceProcessor(config.preference, config.text_processor, tokenizer,
-                                       loader.seq_length)
+                                       loader.seq_length, images)
 
 
 class Pairs:
@@ -253,10 +277,14 @@ class Pairs:
         return PairStream(self.seq_length, slot)   # offset: always 0, a pair is not split
 
     def make_batch(self, streams, served, counts, pad_id):
+        return make_pair_batch(self.next_rows(streams, served, counts, pad_id))
+
+    def next_rows(self, streams, served, counts, pad_id):
+        """The served rows' `PairStream.next_row`s, each row's truncated pairs counted."""
         rows = {r: s.next_row(pad_id) for r, s in streams.items()}
         for r, row in rows.items():
-            counts[r] += row[-1]   # truncated
-        return make_pair_batch([rows[r] for r in served])
+            counts[r] += row[4]   # truncated
+        return [rows[r] for r in served]
 
     def metrics(self, counts, frontier):
         return {"dataset_truncated_pairs": int(counts.sum())}
@@ -300,14 +328,16 @@ class PairStream:
         return (self.queue[0][0] if self.queue else self.next_slot), 0
 
     def next_row(self, pad_id):
-        """(chosen tokens (T+1,), masks, rejected tokens, masks, truncated), padded with
-        pad_id and mask 0; a row of padding only (no pair) at the end of a finite pass."""
+        """(chosen tokens (T+1,), masks, rejected tokens, masks, truncated, and an image
+        pair's encodings), padded with pad_id and mask 0; a row of padding only (no pair)
+        at the end of a finite pass."""
         if not self.queue:
             empty = np.zeros(0, np.int32), np.zeros(0, np.float32)
             return (*self._pad(*empty, pad_id), *self._pad(*empty, pad_id), False)
-        _, (chosen, chosen_masks, rejected, rejected_masks, truncated) = self.queue.popleft()
+        _, (chosen, chosen_masks, rejected, rejected_masks, truncated, *images) = \
+            self.queue.popleft()
         return (*self._pad(chosen, chosen_masks, pad_id),
-                *self._pad(rejected, rejected_masks, pad_id), truncated)
+                *self._pad(rejected, rejected_masks, pad_id), truncated, *images)
 
     def _pad(self, tokens, masks, pad_id):
         need = self.row_length - len(tokens)

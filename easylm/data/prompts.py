@@ -17,13 +17,18 @@ seq_length tokens hold prompt + completion (the engine's context is seq_length).
 
 A batch (host arrays, not for the devices as they are): prompt_tokens (b, P) padded,
 prompt_lengths (b,) (0: a padding row at the end of an eval pass), and the examples
-(b,) as an object array of dicts, the prompt's own value under `prompt`.
+(b,) as an object array of dicts, the prompt's own value under `prompt`. For an
+image-text model (`images`, with text_processor.chat=True) a chat prompt may hold image
+parts (easylm/data/images.py; paths relative to the data file): each image's placeholder
+is expanded to its tokens and the batch adds image_encodings (b,), each row's images'
+encodings (the family's `encode_prompt`), which the rollouts prefill.
 """
 
 import os
 
 import numpy as np
 
+from easylm.data.images import chat_images, data_folder
 from easylm.data.pairs import PairStream
 from easylm.data.rows import restore_size
 from easylm.data.sources import open_source
@@ -43,8 +48,11 @@ def chat_template(template: str, tokenizer) -> str | None:
 class PromptProcessor:
     """Examples -> (prompt tokens (L,) int32, the example) or a skip reason."""
 
-    def __init__(self, text_processor, tokenizer, max_prompt_tokens: int):
+    def __init__(self, text_processor, tokenizer, max_prompt_tokens: int, images=None):
+        """images: an image-text model's `image_chats` object: a chat prompt may then hold
+        image parts, and a prompt is (tokens, example, its images' encodings)."""
         self.text = TextProcessor(text_processor, tokenizer)
+        self.images = images
         self.tokenizer = tokenizer
         self.max_prompt_tokens = max_prompt_tokens
         c = self.text.config
@@ -64,22 +72,30 @@ class PromptProcessor:
         if isinstance(value, str):
             ids = self.tokenizer(self._prepend + value, add_special_tokens=False)["input_ids"]
             ids = ([self._bos] if self._bos is not None else []) + list(ids)
-        elif is_messages(value) and value:
+        elif is_messages(value, self.images is not None) and value:
             if not self._template:
                 raise UserError("a prompt holds chat messages but the tokenizer has no chat "
                                 "template; set --train_dataset.text_processor.chat_template")
             text = self.tokenizer.apply_chat_template(value, chat_template=self._template,
                                                       tokenize=False, add_generation_prompt=True)
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            if self.images is not None:
+                try:
+                    ids, encoded = self.images.encode_prompt(
+                        ids, chat_images(value, where, data_folder(where)), where)
+                except UserError as e:
+                    return str(e)
         else:
             return (f"{where}: field 'prompt' must be text or a non-empty list of "
                     f"{{\"role\": str, \"content\": str}} objects")
-        if not ids:
+        if not len(ids):
             return f"{where}: empty prompt"
         if len(ids) > self.max_prompt_tokens:
             return (f"{where}: the prompt is {len(ids)} tokens, longer than the "
                     f"{self.max_prompt_tokens} a row leaves it (seq_length - "
                     f"--grpo.max_new_tokens)")
+        if self.images is not None:
+            return np.asarray(ids, np.int32), dict(example, prompt=value), encoded
         return np.asarray(ids, np.int32), dict(example, prompt=value)
 
 
@@ -103,15 +119,19 @@ class Prompts:
 
     def make_batch(self, streams, served, counts, pad_id):
         rows = [streams[r].next_prompt() for r in served]
-        longest = max([len(tokens) for tokens, _ in rows] + [1])
+        longest = max([len(row[0]) for row in rows] + [1])
         tokens = np.full((len(rows), longest), pad_id, np.int32)
-        for i, (ids, _) in enumerate(rows):
+        for i, (ids, *_) in enumerate(rows):
             tokens[i, :len(ids)] = ids
         examples = np.empty(len(rows), object)
-        examples[:] = [example for _, example in rows]
-        return {"prompt_tokens": tokens,
-                "prompt_lengths": np.asarray([len(ids) for ids, _ in rows], np.int32),
-                "examples": examples}
+        examples[:] = [row[1] for row in rows]
+        batch = {"prompt_tokens": tokens,
+                 "prompt_lengths": np.asarray([len(row[0]) for row in rows], np.int32),
+                 "examples": examples}
+        if any(len(row) > 2 for row in rows):   # image prompts: their images' encodings
+            batch["image_encodings"] = np.empty(len(rows), object)
+            batch["image_encodings"][:] = [row[2] if len(row) > 2 else [] for row in rows]
+        return batch
 
     def metrics(self, counts, frontier):
         return {}
@@ -133,9 +153,10 @@ class PromptStream(PairStream):
         return self.queue.popleft()[1]
 
 
-def open_prompts(config, loader, tokenizer, completion_tokens: int):
+def open_prompts(config, loader, tokenizer, completion_tokens: int, images=None):
     """(source, PromptProcessor) for a json or huggingface block of options, whose
-    prompts leave `completion_tokens` of a row for the completion."""
+    prompts leave `completion_tokens` of a row for the completion; `images`: an
+    image-text model's reader of image parts."""
     max_prompt_tokens = loader.seq_length - completion_tokens
     if config.type not in ("json", "huggingface"):
         raise UserError(f"--objective=grpo reads prompts from a json or huggingface source, "
@@ -145,4 +166,4 @@ def open_prompts(config, loader, tokenizer, completion_tokens: int):
                         f"prompt in rows of seq_length={loader.seq_length} tokens")
     source, _ = open_source(config.type, loader, config.text_processor, tokenizer,
                             loader.strict)
-    return source, PromptProcessor(config.text_processor, tokenizer, max_prompt_tokens)
+    return source, PromptProcessor(config.text_processor, tokenizer, max_prompt_tokens, images)

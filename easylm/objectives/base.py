@@ -42,6 +42,10 @@ class Objective(abc.ABC):
     rows: str = "documents"  # the data pipeline's row kind its batches hold
     rows_per_example: int = 1  # rows of one example (a preference pair: 2, GRPO: G)
     completion_tokens: int = 0  # rows of "prompts" leave this many tokens for rollouts
+    takes_images: bool = False  # its loss (and rollouts) read an image-text model's images
+    # That model's reader of images (its family's `image_chats`), which the trainer sets
+    # when the run's data hold image chats: what rollouts lay out their rows' images with.
+    images = None
     reference: str = NO_REFERENCE
     HELP: dict = {}  # "NAME.option": help text, for each of its flags
 

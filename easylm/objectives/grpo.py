@@ -32,6 +32,7 @@ from easylm.objectives.rollouts import (
     ROW_METRICS,
     Rollouts,
     corrects_sampling,
+    image_rows,
     rows,
     token_logps,
 )
@@ -311,6 +312,7 @@ class GRPOObjective(Objective):
 
     name = "grpo"
     rows = "prompts"
+    takes_images = True  # rollouts prefill a prompt's images (rollouts.py)
     HELP = HELP
 
     @classmethod
@@ -368,13 +370,14 @@ class GRPOObjective(Objective):
         return factory, renderer
 
     def token_logps(self, params, frozen, tokens, targets, reference: bool = False,
-                    positions=None, routing=None, router_stats=False):
+                    positions=None, routing=None, router_stats=False, images=None):
         """(log-probabilities of `targets` (N, T), entropies (N, T)) at the sampling
         temperature under the policy `params` (on the frozen base, for a variant), or the
         reference (the base with the adapters off, or the frozen copy). With the model's
         `loss_chunk_size` they are made from the hidden states a chunk of positions at a
         time (chunked_logps.py): never the (N, T, V) logits. `positions` (N, T): the
-        tokens' places when they come in another order (zig-zag under sp)."""
+        tokens' places when they come in another order (zig-zag under sp); `images`: the
+        rows' image inputs (N, ...), an image-text model's prompts'."""
         model = self.model
         if reference and model.frozen is not None:
             params = model.frozen.adapters_off(params)
@@ -382,7 +385,7 @@ class GRPOObjective(Objective):
             params, frozen = frozen["reference"], {}
         base, temperature = frozen.get("base"), self.options.temperature
         kwargs = {"base": base, "return_hidden": bool(model.loss_chunk_size),
-                  "positions": positions}
+                  "positions": positions, "images": images}
         if routing is not None:  # (B, G, L, T, K) -> (L, N*T, K), as the forward replays it
             L, K = routing.shape[2], routing.shape[-1]
             kwargs["routing"] = jnp.moveaxis(rows(routing), 1, 0).reshape(L, -1, K)
@@ -402,7 +405,8 @@ class GRPOObjective(Objective):
         logps, entropy, *stats = self.token_logps(params, frozen, tokens, targets,
                                                   positions=positions,
                                                   routing=batch.get("routing"),
-                                                  router_stats=router_loss is not None)
+                                                  router_stats=router_loss is not None,
+                                                  images=image_rows(batch))
         old = rows(batch["old_logps"]) if "old_logps" in batch else None
         ref = rows(batch["ref_logps"]) if "ref_logps" in batch else None
         is_ratio = rows(batch["is_ratio"]) if "is_ratio" in batch else None

@@ -145,6 +145,7 @@ class NextToken(Objective):
     """Language modelling on documents: the model's own next-token loss."""
 
     name = "next_token"
+    takes_images = True
 
     @classmethod
     def unused_flags(cls, config) -> tuple:

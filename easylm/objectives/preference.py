@@ -28,6 +28,7 @@ from ml_collections import ConfigDict
 
 from easylm.data import DatasetFactory
 from easylm.errors import UserError
+from easylm.models import vision
 from easylm.objectives.base import BASE, COPY, NO_REFERENCE, PRECOMPUTED, Objective
 from easylm.objectives.next_token import chunked_next_token_loss, next_token_loss
 from easylm.objectives.reference_table import (
@@ -185,10 +186,11 @@ def row_logps(model, params, rows: dict, base=None, rng=None, router_stats=False
     `model` (its forward pass and head; `base`: a variant's frozen parameters), one sequence
     per row, not packed; with the model's `loss_chunk_size` never the (N, T, V) logits.
     `positions` (N, T), where rows has them: the places of tokens in another order (zig-zag
-    under sp, training/step.py). `router_stats` (a mixture of experts): the forward's
+    under sp, training/step.py); an image pair's rows carry their image inputs. `router_stats` (a mixture of experts): the forward's
     `moe.RouterStats` third."""
     out = model.forward(params, rows["input_tokens"], rows.get("positions"), base=base, rng=rng,
-                        return_hidden=bool(model.loss_chunk_size), router_stats=router_stats)
+                        return_hidden=bool(model.loss_chunk_size), router_stats=router_stats,
+                        images=vision.image_inputs_of(rows))
     if not model.loss_chunk_size:
         logps = sequence_logps(out.logits, rows["target_tokens"], rows["loss_masks"])
     else:
@@ -204,8 +206,11 @@ def row_logps(model, params, rows: dict, base=None, rng=None, router_stats=False
 def pair_rows(batch) -> dict:
     """chosen_* and rejected_* (B, T) -> rows (2B, T), pair i in rows 2i (chosen) and
     2i+1 (rejected): one forward pass for both, and a (B, 2, T) reshape keeps a pair on
-    the device that holds its batch row. Positions too, where the batch has them."""
-    keys = ROW_KEYS + (("positions",) if "chosen_positions" in batch else ())
+    the device that holds its batch row. Positions and image inputs too, where the batch
+    has them (all (B, ...) arrays whose rows go together: images of pair i in rows 2i and
+    2i+1)."""
+    keys = ROW_KEYS + tuple(k for k in ("positions", *vision.IMAGE_KEYS)
+                            if f"chosen_{k}" in batch)
     return {k: jnp.stack([batch[f"chosen_{k}"], batch[f"rejected_{k}"]], axis=1)
             .reshape(-1, *batch[f"chosen_{k}"].shape[1:]) for k in keys}
 
@@ -284,6 +289,7 @@ class PreferenceObjective(Objective):
     below), its options the block --NAME.* and its loss `OBJECTIVES[NAME]`."""
 
     rows = "pairs"
+    takes_images = True  # image pairs' rows carry their image inputs (pair_rows)
     rows_per_example = 2  # a pair is a chosen and a rejected row
 
     @classmethod
@@ -371,7 +377,8 @@ class PreferenceObjective(Objective):
         sections = ("train_dataset", "eval_dataset") if self.config.eval_freq else \
             ("train_dataset",)
         datasets = (DatasetFactory.load_dataset(self.config[section], self.tokenizer,
-                                                for_eval=True, pairs=True, section=section)
+                                                for_eval=True, pairs=True, section=section,
+                                                images=self.images)
                     for section in sections)
         reference = self._reference_logps(frozen)
         self._table = compute(lambda p, batch: reference_logps(reference, p, batch), params,

@@ -43,10 +43,11 @@ def compute(reference_logps: Callable, params, datasets, place, path) -> "Refere
 
 
 def pair_keys(batch) -> np.ndarray:
-    """(b,) uint64: a hash of each pair's rows (both sides' tokens and masks), so that a
-    pair's reference log-probabilities are found whatever its slot, epoch or host."""
+    """(b,) uint64: a hash of each pair's rows (both sides' tokens and masks, and an image
+    pair's pixels), so that a pair's reference log-probabilities are found whatever its
+    slot, epoch or host."""
     arrays = [np.ascontiguousarray(batch[f"{side}_{k}"]) for side in ("chosen", "rejected")
-              for k in ROW_KEYS]
+              for k in ROW_KEYS + ("pixel_values",) if f"{side}_{k}" in batch]
     keys = np.empty(len(arrays[0]), np.uint64)
     for r in range(len(keys)):
         digest = hashlib.blake2b(digest_size=8)

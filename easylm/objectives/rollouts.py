@@ -34,6 +34,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from easylm.errors import UserError
+from easylm.models import vision
 from easylm.objectives import episodes as episodes_lib, rewards as rewards_lib
 from easylm.runtime.sharding import BATCH_AXES
 from easylm.serving import engine as engine_lib
@@ -83,6 +84,12 @@ def token_logps(logits, targets, temperature: float):
     return chosen, entropy
 
 
+def image_rows(batch):
+    """A rollout batch's image inputs (B, G, ...) as rows (N, ...), or None (text)."""
+    images = vision.image_inputs_of(batch)
+    return None if images is None else {k: rows(v) for k, v in images.items()}
+
+
 def rows(x):  # (B, G, ...) -> (N, ...)
     return x.reshape(-1, *x.shape[2:])
 
@@ -115,7 +122,8 @@ def sampling_keys(seed: int, salt: int, step: int, index: int, n: int) -> np.nda
     return state.reshape(n, 2)
 
 
-def generate(engine, prompts, sampling, max_new_tokens: int, eos_id, routing=None):
+def generate(engine, prompts, sampling, max_new_tokens: int, eos_id, routing=None,
+             images=None):
     """Each prompt's completion (ids, EOS included when drawn) and the engine's
     log-probabilities of them: one prefill of every row, then decode calls (each
     dispatched before the previous one's tokens are read) until every row has its EOS or
@@ -123,14 +131,15 @@ def generate(engine, prompts, sampling, max_new_tokens: int, eos_id, routing=Non
     have not; each call attends over the cache window the unfinished rows need.
     `routing` (a list, an engine recording routing): each row's expert choices (P, L, K)
     for the P positions of its prompt and completion a training row feeds (its last
-    token is a target only), appended in row order."""
+    token is a target only), appended in row order. `images`: the prompts' images
+    (engine.PromptImages), prefilled with them."""
     n = len(prompts)
     tokens, logprobs = [[] for _ in range(n)], [[] for _ in range(n)]
     chosen = [[] for _ in range(n)]  # per row: (L, K) per position fed
     done = np.zeros(n, bool)
     full = sampling.pad(engine.batch_size)
     calls = -(-(max_new_tokens - 1) // engine.config.decode_steps)
-    pending, issued = [engine.prefill(prompts, list(range(n)), sampling)], 0
+    pending, issued = [engine.prefill(prompts, list(range(n)), sampling, images)], 0
     while pending:
         if issued < calls:
             active = np.zeros(engine.batch_size, bool)
@@ -230,6 +239,8 @@ def gather_prompts(prompts: dict) -> tuple[dict, slice]:
     and places its own rows. One process: its rows, all of them."""
     if jax.process_count() == 1:
         return prompts, slice(None)
+    if "image_encodings" in prompts:
+        raise UserError("--objective=grpo on prompts with images runs in one process as yet")
     from jax.experimental import multihost_utils
 
     local = json.dumps({"tokens": [t[:n].tolist() for t, n in zip(prompts["prompt_tokens"],
@@ -309,7 +320,8 @@ class Rollouts:
             tokens = batch["input_tokens"]
             out, _ = objective.token_logps(params, frozen, rows(tokens),
                                            rows(batch["target_tokens"]), reference,
-                                           routing=batch.get("routing"))
+                                           routing=batch.get("routing"),
+                                           images=image_rows(batch))
             return out.reshape(tokens.shape)
 
         def score(params, frozen, batch):
@@ -345,6 +357,8 @@ class Rollouts:
                 "batch_size": n, "seq_length": seq_length,
                 "min_bucket": seq_length - self.options.max_new_tokens,
                 "share_prompts": self.options.share_prompts})
+            if self.objective.images is not None:  # a prompt's images prefill in one chunk
+                config.prefill_chunk_size = 0
             self.engines[key] = engine_lib.Engine(config, self.objective.model, None, self.mesh,
                                                   record_routing=self.options.routing_replay)
             self.engines[key].release()  # until the first rollout
@@ -395,10 +409,15 @@ class Rollouts:
         # A group's G rows share their prompt: the engine prefills it once (share_prompts).
         repeated = [p for p in prompt_ids for _ in range(G)]
         routing = [] if o.routing_replay else None
+        images = self._prompt_images(prompts, repeated)
         with self._leased(state, len(repeated), T, where) as (engine, sampling, generated):
             completions, logprobs = generate(engine, repeated, sampling, o.max_new_tokens,
-                                             objective.model.eos_token_id, routing)
+                                             objective.model.eos_token_id, routing, images)
         batch, metrics = self._score_rows(prompts, prompt_ids, completions, valid, T)
+        if images is not None:  # the rows' image inputs, for every forward over them
+            B, N = len(prompt_ids), len(repeated)
+            inputs = images.lay_out(list(range(N)), T)
+            batch.update({k: v.reshape(B, G, *v.shape[1:]) for k, v in inputs.items()})
         batch["sampling_logps"] = completion_values(prompt_ids, logprobs, G, T).reshape(
             batch["loss_masks"].shape)
         if routing is not None:  # (B, G, L, T, K): what the training forward replays
@@ -406,6 +425,27 @@ class Rollouts:
                 *batch["loss_masks"].shape[:2], *routing[0].shape[1:2], T, -1)
         metrics.update(generation_metrics(generated, sum(len(c) for c in completions)))
         return batch, metrics
+
+    def _prompt_images(self, prompts: dict, repeated: list):
+        """The engine's `PromptImages` of an image prompts batch's G rows per prompt (a
+        group shares its prompt's images: one key a prompt), or None for text prompts.
+        Laid out to a training row's T tokens, the same inputs serve its forward: the
+        completion's tokens are text (a sampled placeholder token too, as in the engine),
+        its rotary positions counting on from the prompt's."""
+        encodings = prompts.get("image_encodings")
+        if encodings is None:
+            return None
+        if self.objective.environment is not None:
+            raise UserError("--grpo.environment and --grpo.tools do not take prompts with "
+                            "images as yet")
+        G, reader = self.options.num_generations, self.objective.images
+
+        def lay_out(requests, T):
+            return reader.batch_inputs([[0] if i is None else repeated[i] for i in requests],
+                                       [[] if i is None else encodings[i // G]
+                                        for i in requests], T)
+
+        return engine_lib.PromptImages([i // G for i in range(len(repeated))], lay_out)
 
     @contextlib.contextmanager
     def _leased(self, state, n: int, T: int, where: tuple):

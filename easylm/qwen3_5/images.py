@@ -52,15 +52,15 @@ def expand_image_tokens(ids, grids, config: Qwen35VLConfig) -> list[int]:
 
 
 def encode_image_chat(text_processor, image_processor, config: Qwen35VLConfig, messages,
-                      where: str, base_dir: str = ""):
+                      where: str, base_dir: str = "", first: int = 0):
     """(ids, loss masks, the images' encodings) of one chat whose messages may hold image
     parts (easylm/data/images.py), rendered by the chat template (`text_processor`, a
-    TextProcessor in chat mode: loss on the assistant's tokens only), each image's
-    placeholder repeated once per merged patch (with no loss)."""
+    TextProcessor in chat mode: loss on the assistant's tokens from message `first` on),
+    each image's placeholder repeated once per merged patch (with no loss)."""
     from easylm.data.images import chat_images
 
     encoded = encode_images(image_processor, chat_images(messages, where, base_dir), config)
-    result = text_processor.encode_chats([(messages, 0, where)], parts=True)[0]
+    result = text_processor.encode_chats([(messages, first, where)], parts=True)[0]
     if isinstance(result, str):  # a row with nothing to train on: its reason
         raise UserError(result)
     ids, masks = result
@@ -132,10 +132,24 @@ class Qwen35ImageChats:
         self.config, self.image_processor = config, image_processor
         self.image_token_id = config.image_token_id
 
-    def encode_chat(self, text_processor, messages, where: str, base_dir: str = ""):
-        """(ids, masks, encodings) of a chat (`encode_image_chat`)."""
+    def encode_chat(self, text_processor, messages, where: str, base_dir: str = "",
+                    first: int = 0):
+        """(ids, masks, encodings) of a chat (`encode_image_chat`), loss on the assistant's
+        messages from `first` on (a preference pair's replies)."""
         return encode_image_chat(text_processor, self.image_processor, self.config, messages,
-                                 where, base_dir)
+                                 where, base_dir, first)
+
+    def encode_prompt(self, ids, images, where: str):
+        """(ids with each image's placeholder repeated once per merged patch, the images'
+        encodings) of a prompt rendered to `ids` whose placeholders stand for `images`
+        (PIL, in order): a rollout's prompt (easylm/data/prompts.py)."""
+        encoded = encode_images(self.image_processor, images, self.config)
+        found = int(np.sum(np.asarray(ids) == self.image_token_id))
+        if found != len(encoded):
+            raise UserError(f"{where}: the chat template wrote {found} image placeholder(s) "
+                            f"for the {len(encoded)} image part(s)")
+        return np.asarray(expand_image_tokens(list(ids), [g for _, g in encoded], self.config),
+                          np.int32), encoded
 
     def batch_inputs(self, rows, encoded, length: int) -> dict:
         """The image inputs (B, ...) of token rows `rows` (`image_inputs`)."""

@@ -43,6 +43,7 @@ import functools
 import logging
 import os
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -321,8 +322,20 @@ class Settings:
     window: int = 0  # decode: the cache positions a call attends over
 
 
+@dataclasses.dataclass(frozen=True)
+class PromptImages:
+    """An image-text model's prompts' images, for `Engine.prefill`: `keys[i]` names request
+    i's images (prompts share one prefill only when their tokens and keys are equal), and
+    `lay_out(requests, T)` gives the image inputs (U, ...) of those requests' prompts
+    (None: a padding row), right-padded to T tokens, as `Model.forward(images=)` reads
+    them (easylm/models/vision.py's IMAGE_KEYS)."""
+
+    keys: list
+    lay_out: Callable[[list, int], dict]
+
+
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["tokens", "lengths", "slot_ids", "source", "starts"],
+                   data_fields=["tokens", "lengths", "slot_ids", "source", "starts", "images"],
                    meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class PromptRows:
@@ -335,6 +348,7 @@ class PromptRows:
     slot_ids: np.ndarray  # (n,), B for padding rows
     source: np.ndarray | None  # (n,): request i's prompt row; None: row i (U = n)
     starts: np.ndarray | None = None  # (n,) extend: each suffix's first position
+    images: dict | None = None  # the prompts' image inputs (U, ...) (`PromptImages`)
 
     @property
     def request_lengths(self) -> np.ndarray:
@@ -387,12 +401,13 @@ class StagedPrefill:
 
 
 def _forward(model: Model, record: bool, params, tokens, positions, cache, base,
-             segment_ids=None):
+             segment_ids=None, images=None):
     """(logits, cache, out): with `record` (routing replay, GRPO), out is a 1-tuple of the
     expert choices each token got in each MoE layer, (n, L, T, K) int16 (L in
-    `moe.router_stats`' order); else (). `segment_ids` (n, T): 0 marks padding."""
+    `moe.router_stats`' order); else (). `segment_ids` (n, T): 0 marks padding; `images`:
+    an image-text model's image inputs of these rows (a whole prompt's, unchunked)."""
     out = model.forward(params, tokens, positions, segment_ids, cache=cache, base=base,
-                        router_stats=record)
+                        router_stats=record, images=images)
     if not record:
         return out.logits, out.cache, ()
     n, T = tokens.shape
@@ -402,7 +417,7 @@ def _forward(model: Model, record: bool, params, tokens, positions, cache, base,
 
 
 def _prompt_chunk(model: Model, record: bool, state: bool, weights, carry, chunk_ids, start,
-                  lengths):
+                  lengths, images=None):
     """One chunk of prompts (n, C) starting at position `start` through the model over
     `carry` = (their cache of T' positions, each row's last-token logits so far (n, V)):
     the next carry, and with `record` the chunk's expert choices (`_forward`)."""
@@ -412,7 +427,7 @@ def _prompt_chunk(model: Model, record: bool, state: bool, weights, carry, chunk
     positions = jnp.broadcast_to(start + jnp.arange(C, dtype=jnp.int32), (n, C))
     segments = (positions < lengths[:, None]).astype(jnp.int32) if state else None
     logits, cache, routing = _forward(model, record, params, chunk_ids, positions, cache,
-                                      base, segments)
+                                      base, segments, images)
     at = lengths - 1 - start  # each row's last token, if it falls in this chunk
     picked = logits[jnp.arange(n), jnp.clip(at, 0, C - 1)].astype(jnp.float32)
     last = jnp.where(((at >= 0) & (at < C))[:, None], picked, last)
@@ -426,7 +441,7 @@ def _chunking(T: int, chunk: int) -> tuple[int, int]:
 
 
 def _prompt_forward(model: Model, chunk: int, record: bool, weights, tokens, lengths,
-                    start=None, state: bool = False):
+                    start=None, state: bool = False, images=None):
     """The prompts' keys/values in a fresh cache of T' >= T positions (T rounded up to a
     multiple of the chunk) and each row's logits at its last token (n, V) in fp32.
 
@@ -440,9 +455,13 @@ def _prompt_forward(model: Model, chunk: int, record: bool, weights, tokens, len
     `start`: the cache of T' positions to begin from (None: zeros). With `state` (the cache
     holds a state, `CacheLayout.has_state`), each chunk also marks the padding past each
     row's length (segment id 0), which a recurrent layer then neither reads nor writes:
-    the state a row ends with is its last real token's, however the chunks fall."""
+    the state a row ends with is its last real token's, however the chunks fall.
+
+    `images`: the prompts' image inputs (`PromptImages`), read in one chunk only."""
     n, T = tokens.shape
     C, chunks = _chunking(T, chunk)
+    if images is not None and chunks > 1:
+        raise ValueError("images are prefilled in one chunk: prefill_chunk_size=0")
     ids = jnp.pad(tokens, ((0, 0), (0, chunks * C - T))).reshape(n, chunks, C)
 
     def step(carry, xs):
@@ -453,7 +472,8 @@ def _prompt_forward(model: Model, chunk: int, record: bool, weights, tokens, len
     carry = (start, jnp.zeros((n, model.vocab_size), jnp.float32))
     starts = jnp.arange(chunks, dtype=jnp.int32) * C
     if chunks == 1:  # no loop: the program of an unchunked prefill
-        (fresh, last), routing = step(carry, (ids[:, 0], starts[0]))
+        (fresh, last), routing = _prompt_chunk(model, record, state, weights, carry,
+                                               ids[:, 0], starts[0], lengths, images)
     else:
         (fresh, last), routing = jax.lax.scan(step, carry, (ids.transpose(1, 0, 2), starts))
         # (chunks, n, L, C, K) -> (n, L, chunks * C, K)
@@ -468,7 +488,8 @@ def _prefill(settings: Settings, weights, state, rows: PromptRows, sampling: Sam
     C, chunks = _chunking(T, settings.chunk)
     start = prompt_cache(model, layout, state[0], rows.slot_ids, n, chunks * C)
     fresh, logits, routing = _prompt_forward(model, settings.chunk, settings.record, weights,
-                                             rows.tokens, rows.lengths, start, layout.has_state)
+                                             rows.tokens, rows.lengths, start, layout.has_state,
+                                             rows.images)
     return _prefill_end(settings, state, fresh, logits, routing, rows, sampling)
 
 
@@ -823,16 +844,18 @@ class Engine:
             return out.fetch()
         return tuple(np.asarray(x) for x in jax.device_get(out))
 
-    def _calls(self, prompts: list[list[int]], slots: list[int]) -> list[tuple]:
+    def _calls(self, prompts: list[list[int]], slots: list[int],
+               images: PromptImages | None = None) -> list[tuple]:
         """The prefill calls for `prompts` going to `slots`: (PromptRows, the requests it
         serves), each distinct prompt once when `share_prompts` (else each request's
         own), `prefill_rows` of them a call, right-padded to the prompts' length bucket;
-        each call's request rows padded to B (slot index B: dropped). Counted in
-        `prompt_tokens`."""
+        each call's request rows padded to B (slot index B: dropped), with their `images`'
+        inputs. Counted in `prompt_tokens`."""
         B, n = self.batch_size, len(prompts)
         distinct, firsts, source = {}, [], []
         for i, prompt in enumerate(prompts):
-            key = tuple(prompt) if self.config.share_prompts else i
+            key = i if not self.config.share_prompts else \
+                (tuple(prompt), images.keys[i] if images else None)
             if key not in distinct:
                 distinct[key] = len(firsts)
                 firsts.append(i)
@@ -847,18 +870,23 @@ class Engine:
             slot_ids, rows = np.full(B, B, np.int32), np.zeros(B, np.int32)
             slot_ids[:len(requests)] = [slots[i] for i in requests]
             rows[:len(requests)] = [source[i] - first for i in requests]
-            calls.append((PromptRows(tokens, lengths, slot_ids, rows), requests))
+            inputs = None if images is None else images.lay_out(
+                (firsts[first:first + U] + [None] * U)[:U], T)
+            calls.append((PromptRows(tokens, lengths, slot_ids, rows, images=inputs), requests))
         ran = sum(len(prompts[i]) for i in firsts)
         self.prompt_tokens["prefilled"] += ran
         self.prompt_tokens["cached"] += sum(map(len, prompts)) - ran
         return calls
 
-    def prefill(self, prompts: list[list[int]], slots: list[int], sampling: Sampling):
+    def prefill(self, prompts: list[list[int]], slots: list[int], sampling: Sampling,
+                images: PromptImages | None = None):
         """Write prompts into `slots` and draw their first tokens, all chunks of a call
         at once, `prefill_rows` distinct prompts a call. Returns a `Prefilled` (device
         arrays; `fetch` gives tokens (1, n), logprobs (1, n), top ids and logprobs
-        (1, n, N); recording routing: then the prompts' expert choices (1, n, L, T, K))."""
-        parts, calls = [], self._calls(prompts, slots)
+        (1, n, N); recording routing: then the prompts' expert choices (1, n, L, T, K)).
+        `images`: an image-text model's prompts' images, their embeddings put in place of
+        their tokens' as the prompts are prefilled (one chunk: prefill_chunk_size=0)."""
+        parts, calls = [], self._calls(prompts, slots, images)
         self._reserve(slots, map(len, prompts), fresh=True)
         for rows, requests in calls:
             self.state, out = self._run(self._prefill_fns[sampling.samples()], self.weights,

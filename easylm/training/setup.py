@@ -66,8 +66,9 @@ def start(config: ConfigDict, family: ModelFamily, cleanup: contextlib.ExitStack
                                                                  jax.random.key(0)))
     harness = _harness(config, model, tokenizer, mesh)
     objective = objectives.build(config, model, tokenizer)
+    objective.images = _image_chats(config, family, model_config)
     dataset, eval_dataset = _datasets(config, tokenizer, objective, mesh, model, model_config,
-                                      _image_chats(config, family, model_config))
+                                      objective.images)
     run_dir = run_directory(config, model.name, variants.unused_flags(family, config))
     manager, latest = _checkpoints(config, run_dir, cleanup)
     cleanup.enter_context(jax.set_mesh(mesh))
@@ -163,9 +164,9 @@ def _datasets(config: ConfigDict, tokenizer, objective, mesh, model: Model,
     if images is not None and mesh.shape["sp"] > 1:
         raise UserError(f"--mesh_dim={config.mesh_dim}: sp={mesh.shape['sp']} splits rows "
                         f"over devices, which image chats do not take yet; use sp=1")
-    if images is not None and objective.rows != "documents":
-        raise UserError(f"--objective={config.objective}: image chats train with next-token "
-                        f"loss only as yet (--objective=next_token)")
+    if images is not None and not objective.takes_images:
+        raise UserError(f"--objective={config.objective} does not read images as yet "
+                        f"(next_token, dpo, simpo, orpo and grpo do)")
     kind = dict(pairs=objective.rows == "pairs", images=images,
                 prompts=objective.completion_tokens if objective.rows == "prompts" else 0)
     train = DatasetFactory.load_dataset(config.train_dataset, tokenizer, **kind)

@@ -1,0 +1,320 @@
+"""DPO and GRPO on prompts with images (Qwen3.5's image-text model) through
+`python -m easylm.train`, against transformers' Qwen3_5ForConditionalGeneration saved tiny
+and random in the test (tests/test_image_chats.py's checkpoint, processor and tokenizer).
+
+Tolerance: the logged log-probabilities are sums over a handful of response tokens of the
+log-probabilities test_vision_qwen3_5.py compares at REL (fp32_rel(128, 70), derived
+there): REL of the largest again.
+"""
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from numerics import assert_close, assert_differs
+from test_image_chats import (  # noqa: F401 (hf: the fixture)
+    hf,
+    train_metrics,
+    transformers_inputs,
+    write_data,
+)
+from test_vision_qwen3_5 import CONFIG, REL, picture
+
+T = 40
+
+
+def pair_row(image, chosen="w77 w78", rejected="w5 w6 w7"):
+    """A preference pair whose prompt (one user message) holds an image; the replies
+    are strings after it."""
+    return {"prompt": [{"role": "user", "content": [{"type": "image", "image": image},
+                                                    {"type": "text", "text": "w40 w41"}]}],
+            "chosen": chosen, "rejected": rejected}
+
+
+def run(hf, data, output_dir, steps, *flags):  # noqa: F811 (hf: the fixture's value)
+    """The logged rows of `python -m easylm.train` on `data`, each row's images together
+    at most 32 patches (the 24 x 16 picture's 24: 6 image tokens)."""
+    return train_metrics(hf, data, output_dir, steps, "--qwen3_5_vl.max_image_patches=32",
+                         *flags)
+
+
+def reply_logps(hf, image, reply: str) -> float:  # noqa: F811
+    """transformers' summed log-probability of `reply` (and its <|im_end|>) after
+    pair_row's prompt with `image`, the chat rendered by the tokenizer's template."""
+    messages = pair_row("x")["prompt"] + [{"role": "assistant", "content": reply}]
+    ids, start, vision = transformers_inputs(hf, image, messages)
+    with torch.no_grad():
+        logits = hf[1](input_ids=ids, **vision).logits.double()
+    logps = torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+    # The targets from the reply on, to its <|im_end|> (the rendered chat's last token).
+    return float(logps[start - 1:].sum())
+
+
+def test_image_pair_rows(hf, tmp_path):  # noqa: F811
+    """An image pair's sides: the prompt's image expanded to its tokens on both, loss on
+    each reply (and its <|im_end|>) only, each side's image inputs beside its rows (the
+    same patches); a pair whose image is missing is skipped with its file and line."""
+    from easylm.data import DatasetFactory
+    from easylm.data.tokenizer import load_tokenizer
+    from easylm.errors import UserError
+    from easylm.qwen3_5.vision_hf import FAMILY
+
+    path = write_data(tmp_path, [pair_row("a.png"), pair_row("missing.png")],
+                      {"a.png": picture(0, 24, 16)})
+
+    def pairs(**options):
+        config = DatasetFactory.get_default_config({
+            "text_processor": {"chat": True}, "preference": {"enabled": True},
+            "json_dataset": dict(dict(path=path, seq_length=T, batch_size=1), **options)})
+        return DatasetFactory.load_dataset(
+            config, load_tokenizer(hf[2]), process_index=0, process_count=1, pairs=True,
+            images=FAMILY.image_chats(FAMILY.hf.read_config(hf[0]), hf[0]))
+
+    data = pairs()
+    batch, _ = next(iter(data))
+    data.close()
+    for side, reply in (("chosen", [77, 78]), ("rejected", [5, 6, 7])):
+        tokens = batch[f"{side}_input_tokens"][0]
+        assert (tokens == CONFIG.image_token_id).sum() == 6
+        masks = batch[f"{side}_loss_masks"][0] > 0
+        assert batch[f"{side}_target_tokens"][0][masks].tolist() == reply + [505]
+        assert batch[f"{side}_patch_segments"].sum() == 24  # 6 x 4 patches
+    np.testing.assert_array_equal(batch["chosen_pixel_values"], batch["rejected_pixel_values"])
+    with pytest.raises(UserError, match=f"{path}:2: image .*missing.png: no such file"):
+        data = pairs(strict=True)
+        for _ in range(2):
+            next(iter(data))
+
+
+@pytest.mark.extended
+def test_dpo_on_image_prompts_through_the_command(hf, tmp_path):  # noqa: F811
+    """Step 1's log-probabilities of chosen and rejected = transformers' on the same chats
+    and image (another image: differs), so its loss is DPO's with the reference = the
+    policy: log 2, exactly; 3 steps lower it and the margin grows."""
+    path = write_data(tmp_path, [pair_row("a.png")], {"a.png": picture(0, 24, 16)})
+    rows = run(hf, path, tmp_path / "out", 3, "--objective=dpo")
+    got = np.asarray([rows[0]["logps/chosen"], rows[0]["logps/rejected"]])
+    want = np.asarray([reply_logps(hf, picture(0, 24, 16), "w77 w78"),
+                       reply_logps(hf, picture(0, 24, 16), "w5 w6 w7")])
+    assert_close(got, want, REL)
+    assert_differs(got, np.asarray([reply_logps(hf, picture(5, 24, 16), "w77 w78"),
+                                    reply_logps(hf, picture(5, 24, 16), "w5 w6 w7")]), REL)
+    # DPO (Rafailov et al. 2023, eq. 7) from transformers' log-probabilities, beta 0.1:
+    # the reference is the starting policy, so h = 0.
+    beta = 0.1
+    h = beta * ((want[0] - want[0]) - (want[1] - want[1]))
+    assert math.isclose(rows[0]["loss"], -math.log(1 / (1 + math.exp(-h))), rel_tol=1e-6)
+    assert rows[-1]["loss"] < rows[0]["loss"], [row["loss"] for row in rows]
+    assert rows[-1]["rewards/margin"] > 0
+
+
+# ------------------------------------------------------------------ GRPO on image prompts
+
+COLOURS = {"w10": (200, 30, 30), "w11": (30, 30, 200)}  # the answer word: red, blue
+
+
+def colour_picture(word: str, seed: int, size: int = 8) -> Image.Image:
+    """A size x size image of `word`'s colour with noise. 8 x 8 pixels is the image
+    processor's smallest (shortest_edge 64 pixels): 2 x 2 patches of 4, one image token,
+    whose multimodal rotary leaves the text after it where 1-D positions put it."""
+    rng = np.random.RandomState(seed)
+    pixels = np.asarray(COLOURS[word]) + rng.randint(-25, 26, (size, size, 3))
+    return Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
+
+
+def colour_prompt(path: str) -> dict:
+    return {"prompt": [{"role": "user", "content": [{"type": "image", "image": path},
+                                                    {"type": "text", "text": "w40"}]}]}
+
+
+def colour_reward(prompts, completions, **fields):
+    """1 where the completion names the colour that fills the prompt's image: read from
+    the image itself (its mean red against its mean blue), not from any field."""
+    rewards = []
+    for prompt, completion in zip(prompts, completions):
+        path = next(part["image"] for part in prompt[0]["content"] if part["type"] == "image")
+        red, _, blue = np.asarray(Image.open(path).convert("RGB"), np.float64).mean((0, 1))
+        word = "w10" if red > blue else "w11"
+        text = completion[0]["content"] if isinstance(completion, list) else completion
+        rewards.append(float(text.split()[:1] == [word]))
+    return rewards
+
+
+def greedy_with_transformers(model, ids, encoded, steps: int):
+    """(tokens, their log-probabilities) of `steps` greedy tokens after `ids`, each from
+    transformers' forward over the whole row and the image (float64 log-softmax)."""
+    pixels = torch.from_numpy(np.concatenate([p for p, _ in encoded]))
+    grids = torch.tensor([grid for _, grid in encoded])
+    row, tokens, logps = list(ids), [], []
+    for _ in range(steps):
+        x = torch.tensor([row])
+        with torch.no_grad():
+            logits = model(input_ids=x, pixel_values=pixels, image_grid_thw=grids,
+                           mm_token_type_ids=(x == CONFIG.image_token_id).int()).logits
+        last = torch.log_softmax(logits[0, -1].double(), -1)
+        tokens.append(int(last.argmax()))
+        logps.append(float(last.max()))
+        row.append(tokens[-1])
+    return tokens, np.asarray(logps)
+
+
+def test_the_engine_prefills_a_prompts_images(hf):  # noqa: F811
+    """Two prompts alike but for their image, prefilled with their images' embeddings
+    (engine.PromptImages, not shared: their keys differ), then decoded: 4 greedy tokens
+    each = transformers' and their log-probabilities within REL of the largest; the twin,
+    each prompt prefilled with the other's image, misses them."""
+    from easylm.objectives.rollouts import generate
+    from easylm.qwen3_5.vision_hf import FAMILY
+    from easylm.serving import engine as engine_lib
+
+    config = FAMILY.hf.read_config(hf[0])
+    params = FAMILY.hf.read_params(hf[0], config)
+    reader = FAMILY.image_chats(config, hf[0])
+    text = [1, 17, config.vision_start_token_id, config.image_token_id,
+            config.vision_end_token_id, 40, 41]
+    pictures = [colour_picture("w10", 0), colour_picture("w11", 1)]
+    prompts = [reader.encode_prompt(text, [p], "test") for p in pictures]
+    ids = [list(p) for p, _ in prompts]
+    engine = engine_lib.Engine({"batch_size": 2, "seq_length": 16, "min_bucket": 16,
+                                "decode_steps": 4, "prefill_chunk_size": 0},
+                               FAMILY.bind(config), params)
+
+    def ours(order):
+        engine.reset()
+        tokens, logps = generate(engine, ids, engine_lib.Sampling.empty(2), 4, None,
+                                 images=engine_lib.PromptImages([0, 1], lambda requests, T: (
+                                     reader.batch_inputs([[0] if i is None else ids[i]
+                                                          for i in requests],
+                                                         [[] if i is None else
+                                                          prompts[order[i]][1]
+                                                          for i in requests], T))))
+        return tokens, np.asarray(logps)
+
+    tokens, logps = ours([0, 1])
+    for row, (p, encoded) in enumerate(prompts):
+        want_tokens, want_logps = greedy_with_transformers(hf[1], ids[row], encoded, 4)
+        assert tokens[row] == want_tokens
+        assert_close(logps[row], want_logps, REL)
+    _, swapped = ours([1, 0])  # each prompt prefilled with the other's image
+    assert_differs(swapped[0], greedy_with_transformers(hf[1], ids[0], prompts[0][1], 4)[1],
+                   REL)
+
+
+@pytest.mark.extended
+def test_grpo_on_image_prompts_through_the_command(hf, tmp_path):  # noqa: F811
+    """Rollouts prefill each prompt's image: the engine's log-probabilities of the
+    sampled tokens = the training forward's on the same rows and images (sampler_logp_diff,
+    temperature 1: fp32 sums of REL order); the reward reads the image; 2 steps run."""
+    words = ["w10", "w11", "w11", "w10"]
+    rows = []
+    for k, word in enumerate(words):
+        path = str(tmp_path / f"{k}.png")
+        colour_picture(word, k).save(path)
+        rows.append(colour_prompt(path))
+    with open(tmp_path / "prompts.jsonl", "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    metrics = run(hf, tmp_path / "prompts.jsonl", tmp_path / "out", 2, "--objective=grpo",
+                  "--grpo.num_generations=4", "--grpo.max_new_tokens=4",
+                  "--grpo.reward_funcs=test_image_rl:colour_reward",
+                  "--train_dataset.json_dataset.batch_size=2")
+    assert len(metrics) == 2
+    for row in metrics:
+        assert row["data/rollout/sampler_logp_diff_max"] < 1e-3, row
+
+
+# ------------------------------------------- the learning task: which colour fills it
+
+def colour_data(folder, seeds, kind: str):
+    """JSON lines of `kind` (chats for SFT, prompts for GRPO) over images of the two
+    colours, alternating, one per seed; (path, the right words)."""
+    rows, words = [], []
+    for k, seed in enumerate(seeds):
+        word = sorted(COLOURS)[k % 2]
+        path = os.path.join(folder, f"{kind}_{seed}.png")
+        colour_picture(word, seed).save(path)
+        row = colour_prompt(path)
+        if kind == "chats":
+            row = {"messages": row["prompt"] + [{"role": "assistant", "content": word}]}
+        rows.append(row)
+        words.append(word)
+    data = os.path.join(folder, f"{kind}.jsonl")
+    with open(data, "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    return data, words
+
+
+def held_out_accuracy(directory, tokenizer, folder, seeds) -> float:
+    """The share of held-out images whose colour word transformers' model (an export,
+    `directory`) prefers of the two at the answer's first token: 0.5 is chance."""
+    from transformers import AutoImageProcessor, AutoTokenizer, Qwen3_5ForConditionalGeneration
+
+    model = Qwen3_5ForConditionalGeneration.from_pretrained(directory).eval()
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    processor = AutoImageProcessor.from_pretrained(directory)
+    ids = [tok.convert_tokens_to_ids(word) for word in sorted(COLOURS)]
+    data, words = colour_data(folder, seeds, "held_out")
+    right = 0
+    for line, word in zip(open(data), words):
+        messages = json.loads(line)["prompt"]
+        image = Image.open(messages[0]["content"][0]["image"])
+        features = processor(images=[image], return_tensors="pt")
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        n = int(features["image_grid_thw"].prod()) // 4
+        text = text.replace("<|image_pad|>", " ".join(["<|image_pad|>"] * n))
+        x = tok(text, add_special_tokens=False, return_tensors="pt").input_ids
+        with torch.no_grad():
+            logits = model(input_ids=x, pixel_values=features["pixel_values"],
+                           image_grid_thw=features["image_grid_thw"],
+                           mm_token_type_ids=(x == CONFIG.image_token_id).int()).logits
+        right += sorted(COLOURS)[int(logits[0, -1, ids].argmax())] == word
+    return right / len(words)
+
+
+@pytest.mark.extended
+def test_sft_then_grpo_learn_the_colour_and_the_control_stays_at_chance(hf, tmp_path):  # noqa: F811
+    """SFT on image chats, then GRPO on image prompts with colour_reward (which reads the
+    image), both through `python -m easylm.train`: the held-out accuracy (32 images of
+    seeds never trained on) rises well above chance (0.5); with learning rate 0 for both
+    stages (the control) it stays at chance. Figures: docs/vision.md."""
+    import shutil
+
+    from easylm import convert_easylm_to_hf as convert
+
+    tokenizer = tmp_path / "tokenizer"  # with the image processor: params:: runs read it
+    shutil.copytree(hf[2], tokenizer)
+    shutil.copy(os.path.join(hf[0], "preprocessor_config.json"), tokenizer)
+    chats, _ = colour_data(str(tmp_path), range(1000, 1032), "chats")
+    prompts, _ = colour_data(str(tmp_path), range(2000, 2032), "prompts")
+    held_out = range(3000, 3032)
+    results = {}
+    for name, lr in (("trained", "3e-3"), ("control", "0")):
+        out = tmp_path / name
+        common = [f"--tokenizer={tokenizer}", f"--optimizer.adamw_optimizer.lr={lr}",
+                  "--train_dataset.json_dataset.batch_size=8", "--save_model_freq=8",
+                  "--qwen3_5_vl.max_image_patches=4"]
+        run(hf, chats, out / "sft", 8, *common)
+        convert.main(["convert", f"--load_checkpoint=params::{out}/sft/run/checkpoints/8",
+                      f"--output_dir={out / 'sft_hf'}", "--verify=False"])
+        shutil.copy(os.path.join(hf[0], "preprocessor_config.json"), out / "sft_hf")
+        sft = held_out_accuracy(out / "sft_hf", tokenizer, str(tmp_path), held_out)
+        run(hf, prompts, out / "grpo", 8, *common,
+            f"--load_checkpoint=params::{out}/sft/run/checkpoints/8", "--objective=grpo",
+            "--grpo.num_generations=4", "--grpo.max_new_tokens=2",
+            "--grpo.reward_funcs=test_image_rl:colour_reward",
+            "--train_dataset.json_dataset.batch_size=4")
+        convert.main(["convert", f"--load_checkpoint=params::{out}/grpo/run/checkpoints/8",
+                      f"--output_dir={out / 'grpo_hf'}", "--verify=False"])
+        shutil.copy(os.path.join(hf[0], "preprocessor_config.json"), out / "grpo_hf")
+        grpo = held_out_accuracy(out / "grpo_hf", tokenizer, str(tmp_path), held_out)
+        results[name] = {"sft": sft, "sft_then_grpo": grpo}
+    results["untrained"] = held_out_accuracy(hf[0], tokenizer, str(tmp_path), held_out)
+    print(json.dumps(results))
+    # lr 0: the parameters keep their bits, so the control is the untrained model's chance.
+    assert results["control"] == {"sft": results["untrained"],
+                                  "sft_then_grpo": results["untrained"]}, results
+    assert 0.25 <= results["untrained"] <= 0.75, results
+    assert results["trained"]["sft_then_grpo"] >= 0.75, results
