@@ -131,16 +131,16 @@ def test_a_token_cache_refuses_image_chats_in_one_line(hf, tmp_path, capsys):
                      f"docs/vision.md); a token cache holds no images")
 
 
-def train(hf, data, output_dir, steps=3, *flags):
+def train(hf, data, output_dir, steps=3, *flags, family="qwen3_5_vl", length=T):
     from easylm import train as command
 
     with contextlib.redirect_stdout(io.StringIO()):
-        command.main(["train", "--family=qwen3_5_vl", f"--load_checkpoint=hf::{hf[0]}",
+        command.main(["train", f"--family={family}", f"--load_checkpoint=hf::{hf[0]}",
                       f"--tokenizer={hf[2]}", f"--total_steps={steps}", "--log_freq=1",
                       "--dtype=fp32", "--mesh_dim=1,1,-1", "--compilation_cache_dir=",
                       "--train_dataset.text_processor.chat=True",
                       f"--train_dataset.json_dataset.path={data}",
-                      f"--train_dataset.json_dataset.seq_length={T}",
+                      f"--train_dataset.json_dataset.seq_length={length}",
                       "--train_dataset.json_dataset.batch_size=1",
                       f"--logger.output_dir={output_dir}", "--logger.experiment_id=run",
                       "--optimizer.adamw_optimizer.lr=1e-2",

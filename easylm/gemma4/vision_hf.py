@@ -21,14 +21,17 @@ from flax import traverse_util
 from easylm.errors import UserError
 from easylm.gemma4 import hf as text_hf
 from easylm.gemma4.family import Gemma4Family
+from easylm.gemma4.images import Gemma4ImageChats
 from easylm.gemma4.vision import (
     GEMMA4_VL_PRESETS,
+    UNTRAINED,
     Gemma4VLConfig,
     Gemma4VLForConditionalGeneration,
     partition_rules,
 )
 from easylm.models.family import HFAdapter, hf_params_reader
 from easylm.models.hf_checkpoint import HFTensors, RenamedTensors, hf_key, params_from_hf
+from easylm.models.vision import load_image_processor
 
 _TOWERS = ("model.vision_tower.", "model.embed_vision.")
 _AUDIO = ("model.audio_tower.", "model.embed_audio.")
@@ -98,13 +101,14 @@ class Gemma4VLFamily(Gemma4Family):
                                                 Gemma4VLForConditionalGeneration),
                    write_params=to_hf)
 
-    not_in_commands = ("the image-text model is read, run and written through its family "
-                       "object (easylm.gemma4.vision_hf.FAMILY), but images do not reach "
-                       "the data, the trainer or the server yet (docs/vision.md); "
-                       "--family=gemma4 trains and serves its text model")
-
     def partition_rules(self, config):
         return partition_rules(config)
+
+    def image_chats(self, config, directory):
+        return Gemma4ImageChats(config, load_image_processor(directory))
+
+    def untrained_parameters(self, config):
+        return UNTRAINED[config.train_vision]
 
 
 FAMILY = Gemma4VLFamily()
