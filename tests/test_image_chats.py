@@ -41,7 +41,11 @@ def hf(tmp_path_factory):
     """(a directory with transformers' model and its image processor, the model, the
     tokenizer's directory: apart, as AutoTokenizer would read a word-level tokenizer
     beside a qwen3_5 config.json as Qwen3.5's BPE)."""
-    directory = tmp_path_factory.mktemp("qwen3_5_vl_chats")
+    return saved_checkpoint(tmp_path_factory.mktemp("qwen3_5_vl_chats"))
+
+
+def saved_checkpoint(directory):
+    """`hf`'s tuple, in `directory`."""
     model = torch_model(CONFIG)
     model.save_pretrained(directory / "hf")
     Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2,
@@ -149,9 +153,10 @@ def train(hf, data, output_dir, steps=3, *flags, family="qwen3_5_vl", length=T):
         return [row["loss"] for row in map(json.loads, f) if "loss" in row]
 
 
-def transformers_loss(hf, image: Image.Image) -> float:
-    """transformers' labels loss on chat_row's chat with `image`, through its own
-    processor's pieces: the tokenizer's chat template and the image processor."""
+def transformers_inputs(hf, image: Image.Image) -> dict:
+    """transformers' model inputs (labels -100 but on the assistant's tokens) of
+    chat_row's chat with `image`, through its own processor's pieces: the tokenizer's
+    chat template and the image processor."""
     from transformers import AutoImageProcessor, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(hf[2])
@@ -167,10 +172,15 @@ def transformers_loss(hf, image: Image.Image) -> float:
     start = len(tokenizer(expand(prompt), add_special_tokens=False).input_ids)
     labels = ids.clone()
     labels[:, :start] = -100
+    return dict(input_ids=ids, labels=labels, pixel_values=features["pixel_values"],
+                image_grid_thw=features["image_grid_thw"],
+                mm_token_type_ids=(ids == CONFIG.image_token_id).int())
+
+
+def transformers_loss(hf, image: Image.Image) -> float:
+    """transformers' labels loss on chat_row's chat with `image`."""
     with torch.no_grad():
-        return hf[1](input_ids=ids, labels=labels, pixel_values=features["pixel_values"],
-                     image_grid_thw=features["image_grid_thw"],
-                     mm_token_type_ids=(ids == CONFIG.image_token_id).int()).loss.item()
+        return hf[1](**transformers_inputs(hf, image)).loss.item()
 
 
 def test_sft_through_the_command(hf, tmp_path):

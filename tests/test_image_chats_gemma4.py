@@ -51,7 +51,11 @@ def gemma_tokenizer(config):
 def hf(tmp_path_factory):
     """(transformers' model and image processor's directory, the model, the tokenizer's
     directory)."""
-    directory = tmp_path_factory.mktemp("gemma4_vl_chats")
+    return saved_checkpoint(tmp_path_factory.mktemp("gemma4_vl_chats"))
+
+
+def saved_checkpoint(directory):
+    """`hf`'s tuple, in `directory`."""
     model = torch_model(CONFIG)
     model.save_pretrained(directory / "hf")
     Gemma4ImageProcessorPil(patch_size=2, max_soft_tokens=70, pooling_kernel_size=2
@@ -60,10 +64,11 @@ def hf(tmp_path_factory):
     return str(directory / "hf"), model, str(directory / "tokenizer")
 
 
-def transformers_loss(hf, image: Image.Image) -> float:
-    """transformers' labels loss on chat_row's chat with `image`, through its own
-    processor's pieces: the chat template, the image processor, the processor's
-    expansion of <|image|> (<boi>, one <|image|> per soft token, <eoi>)."""
+def transformers_inputs(hf, image: Image.Image) -> dict:
+    """transformers' model inputs (labels -100 but on the assistant's tokens) of
+    chat_row's chat with `image`, through its own processor's pieces: the chat template,
+    the image processor, the processor's expansion of <|image|> (<boi>, one <|image|> per
+    soft token, <eoi>)."""
     from transformers import AutoImageProcessor, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(hf[2])
@@ -80,10 +85,15 @@ def transformers_loss(hf, image: Image.Image) -> float:
     start = len(tokenizer(expand(prompt), add_special_tokens=False).input_ids)
     labels = ids.clone()
     labels[:, :start] = -100
+    return dict(input_ids=ids, labels=labels, pixel_values=features["pixel_values"],
+                image_position_ids=features["image_position_ids"],
+                mm_token_type_ids=(ids == CONFIG.image_token_id).int())
+
+
+def transformers_loss(hf, image: Image.Image) -> float:
+    """transformers' labels loss on chat_row's chat with `image`."""
     with torch.no_grad():
-        return hf[1](input_ids=ids, labels=labels, pixel_values=features["pixel_values"],
-                     image_position_ids=features["image_position_ids"],
-                     mm_token_type_ids=(ids == CONFIG.image_token_id).int()).loss.item()
+        return hf[1](**transformers_inputs(hf, image)).loss.item()
 
 
 def test_sft_through_the_command(hf, tmp_path):

@@ -68,6 +68,9 @@ VISION_RULES = (
 # the projector is transformers' embed_vision (Gemma4MultimodalEmbedder).
 UNTRAINED = {"none": (r"^(vision_tower|embed_vision)/",), "projector": (r"^vision_tower/",),
              "all": ()}
+# ... and the kernels a LoRA run adapts for it.
+LORA_TARGETS = {"none": "", "projector": r"^embed_vision/.*kernel$",
+                "all": r"^(vision_tower|embed_vision)/.*kernel$"}
 # transformers' Gemma4VisionConfig defaults: what it assumes for a key the file omits.
 VISION_DEFAULTS = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=16,
                        num_attention_heads=12, num_key_value_heads=12, head_dim=64,

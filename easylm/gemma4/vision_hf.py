@@ -24,6 +24,7 @@ from easylm.gemma4.family import Gemma4Family
 from easylm.gemma4.images import Gemma4ImageChats
 from easylm.gemma4.vision import (
     GEMMA4_VL_PRESETS,
+    LORA_TARGETS,
     UNTRAINED,
     Gemma4VLConfig,
     Gemma4VLForConditionalGeneration,
@@ -95,11 +96,16 @@ class Gemma4VLFamily(Gemma4Family):
     config_class = Gemma4VLConfig
     presets = GEMMA4_VL_PRESETS
     module_class = Gemma4VLForConditionalGeneration
-    variants = ()  # LoRA and int8 wait for the commands to take the family
+    # LoRA: the text model's projections (the text family's), and the vision side
+    # train_vision names (`lora_targets`); int8 serving not yet (docs/vision.md).
+    variants = ("lora",)
     hf = HFAdapter(model_types=("gemma4",), read_config=Gemma4VLConfig.read_hf,
                    read_params=hf_params_reader(load_hf_params,
                                                 Gemma4VLForConditionalGeneration),
-                   write_params=to_hf)
+                   write_params=to_hf,
+                   module_prefixes=(("model/", "model/language_model/"),
+                                    ("vision_tower/", "model/vision_tower/"),
+                                    ("embed_vision/", "model/embed_vision/")))
 
     def partition_rules(self, config):
         return partition_rules(config)
@@ -109,6 +115,9 @@ class Gemma4VLFamily(Gemma4Family):
 
     def untrained_parameters(self, config):
         return UNTRAINED[config.train_vision]
+
+    def lora_targets(self, config):
+        return LORA_TARGETS[config.train_vision]
 
 
 FAMILY = Gemma4VLFamily()
