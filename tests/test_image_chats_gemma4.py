@@ -125,3 +125,32 @@ def test_sft_through_the_command(hf, tmp_path):
     assert {n for n in after if n.startswith("model.vision_tower.")} <= same
     assert "model.embed_vision.embedding_projection.weight" not in same
     assert "model.language_model.layers.0.mlp.up_proj.weight" not in same
+
+
+def test_preview_and_bad_images(hf, tmp_path, capsys):
+    """preview shows each image as one marker between <boi> and <eoi>, and counts images
+    and image tokens; a missing image and a file that is no image skip their rows with
+    one line naming the file and the row, and with strict=True the command stops with
+    that one line (the same for every image-text family: easylm/data/images.py)."""
+    from cli_utils import one_line_error
+
+    from easylm.data import preview
+
+    (tmp_path / "broken.png").write_bytes(b"not a picture")
+    path = write_data(tmp_path, [chat_row("a.png"), chat_row("gone.png"),
+                                 chat_row("broken.png"), chat_row("b.png")],
+                      {"a.png": picture(0, 16, 24), "b.png": picture(1, 32, 32)})
+    argv = ["preview", "--family=gemma4_vl", f"--load_checkpoint=hf::{hf[0]}",
+            f"--tokenizer={hf[2]}", "--train_dataset.text_processor.chat=True",
+            f"--train_dataset.json_dataset.path={path}", "--num_batches=1",
+            "--train_dataset.json_dataset.seq_length=160",
+            "--train_dataset.json_dataset.batch_size=2"]
+    preview.main(argv)
+    out = capsys.readouterr().out
+    assert "<start_of_turn> user <boi>]][[<image 1: 60 tokens>]][[<eoi>" in out, out
+    assert f"(skipped: {path}:2: image {tmp_path}/gone.png: no such file)" in out
+    assert f"(skipped: {path}:3: image broken.png: cannot be read as an image" in out
+    assert "images: 2, image tokens: 124" in out
+    error = one_line_error(preview.main, argv + ["--train_dataset.json_dataset.strict=True"],
+                           capsys)
+    assert error == f"{path}:2: image {tmp_path}/gone.png: no such file"
