@@ -1,9 +1,10 @@
-"""LoRA on the image-text families (qwen3_5_vl, gemma4_vl) through the commands: adapters
-trained on image chats by `python -m easylm.train --lora.rank=4`, exported by
-`convert_easylm_to_hf --lora_mode=adapter` (a PEFT directory under transformers' module
-names, `model.language_model.layers...`, `model.visual.merger...`,
-`model.embed_vision...`) and `--lora_mode=merged`. The PEFT adapter loaded by peft onto
-transformers' model gives the merged export's log-probabilities on an image chat.
+"""LoRA on the image-text families (qwen3_5_vl, gemma4_vl): a PEFT directory written by
+easylm (transformers' module names, `model.language_model.layers...`,
+`model.visual.merger...`, `model.embed_vision...`), loaded by peft onto transformers'
+model, gives the merged model's log-probabilities on an image chat. In CI: adapters drawn
+at random (B too) and written by `Adapters.save_peft`, merged by `LoraModel.merge`. Extended:
+adapters trained on image chats by `python -m easylm.train --lora.rank=4`, exported by
+`convert_easylm_to_hf --lora_mode=adapter` and `--lora_mode=merged`.
 
 With `train_vision=projector` the projector's kernels get adapters too (the vision
 tower's do not): the PEFT file's names reach the vision side.
@@ -45,7 +46,51 @@ def logprobs(model, inputs) -> np.ndarray:
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
+def test_peft_adapter_equals_the_merged_model(family, tmp_path):
+    """Random adapters (B drawn too) written as a PEFT directory = the same adapters
+    merged, on an image chat; read back, the PEFT directory gives the adapters again."""
+    import jax
+    from peft import PeftModel
+
+    from easylm.models import registry
+    from easylm.models.family import torch_reference
+    from easylm.variants.adapters import Adapters
+    from easylm.variants.lora import LoraConfig
+
+    module, rel, size, _ = FAMILIES[family]
+    hf = module.saved_checkpoint(tmp_path)
+    owner = registry.get(family)
+    config = owner.hf.read_config(hf[0]).replace(train_vision="projector")
+    adapters = Adapters(owner)
+    lm = adapters.lora_model(config, LoraConfig(rank=4, base_dtype="fp32"))
+    drawn = lm.init_adapters(jax.random.key(0))
+    keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(drawn))))
+    drawn = jax.tree.map(lambda x: np.asarray(x + 0.05 * jax.random.normal(next(keys), x.shape)),
+                         drawn)
+    adapters.save_peft(str(tmp_path / "adapter"), lm, drawn, config)
+    projector = {"qwen3_5_vl": "model.visual.merger.linear_fc1",
+                 "gemma4_vl": "model.embed_vision.embedding_projection"}[family]
+    targets = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert projector in targets["target_modules"]  # the tower's blocks have none:
+    assert not any("blocks" in t or "vision_tower" in t for t in targets["target_modules"])
+    _, back = adapters.load_peft(str(tmp_path / "adapter"), config)
+    jax.tree.map(np.testing.assert_array_equal, back, drawn)
+
+    params = owner.hf.read_params(hf[0], config)
+    merged = torch_reference(owner, config, jax.device_get(lm.merge(lm.store_base(params),
+                                                                    drawn)))
+    inputs = module.transformers_inputs(hf, module.picture(0, *size))
+    expected = logprobs(merged, inputs)
+    adapted = PeftModel.from_pretrained(hf[1], str(tmp_path / "adapter")).eval()
+    assert_close(logprobs(adapted, inputs), expected, rel)
+    with adapted.disable_adapter():  # negative twin: the base alone misses it
+        assert_differs(logprobs(adapted, inputs), expected, rel)
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_peft_adapter_equals_the_merged_export(family, tmp_path):
+    """Through the commands: train adapters on an image chat, export both ways."""
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText
 
