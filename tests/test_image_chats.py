@@ -41,7 +41,11 @@ def hf(tmp_path_factory):
     """(a directory with transformers' model and its image processor, the model, the
     tokenizer's directory: apart, as AutoTokenizer would read a word-level tokenizer
     beside a qwen3_5 config.json as Qwen3.5's BPE)."""
-    directory = tmp_path_factory.mktemp("qwen3_5_vl_chats")
+    return saved_checkpoint(tmp_path_factory.mktemp("qwen3_5_vl_chats"))
+
+
+def saved_checkpoint(directory):
+    """`hf`'s tuple, in `directory`."""
     model = torch_model(CONFIG)
     model.save_pretrained(directory / "hf")
     Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2,
@@ -131,22 +135,23 @@ def test_a_token_cache_refuses_image_chats_in_one_line(hf, tmp_path, capsys):
                      f"docs/vision.md); a token cache holds no images")
 
 
-def train(hf, data, output_dir, steps=3, *flags):
-    return [row["loss"] for row in train_metrics(hf, data, output_dir, steps, *flags)]
+def train(hf, data, output_dir, steps=3, *flags, family="qwen3_5_vl", length=T):
+    return [row["loss"] for row in train_metrics(hf, data, output_dir, steps, *flags,
+                                                 family=family, length=length)]
 
 
-def train_metrics(hf, data, output_dir, steps, *flags):
+def train_metrics(hf, data, output_dir, steps, *flags, family="qwen3_5_vl", length=T):
     """The logged rows of `python -m easylm.train` on image chats `data` (fp32, batch 1,
     lr 1e-2); `flags` added last (a repeated flag's last value counts)."""
     from easylm import train as command
 
     with contextlib.redirect_stdout(io.StringIO()):
-        command.main(["train", "--family=qwen3_5_vl", f"--load_checkpoint=hf::{hf[0]}",
+        command.main(["train", f"--family={family}", f"--load_checkpoint=hf::{hf[0]}",
                       f"--tokenizer={hf[2]}", f"--total_steps={steps}", "--log_freq=1",
                       "--dtype=fp32", "--mesh_dim=1,1,-1", "--compilation_cache_dir=",
                       "--train_dataset.text_processor.chat=True",
                       f"--train_dataset.json_dataset.path={data}",
-                      f"--train_dataset.json_dataset.seq_length={T}",
+                      f"--train_dataset.json_dataset.seq_length={length}",
                       "--train_dataset.json_dataset.batch_size=1",
                       f"--logger.output_dir={output_dir}", "--logger.experiment_id=run",
                       "--optimizer.adamw_optimizer.lr=1e-2",
@@ -155,7 +160,7 @@ def train_metrics(hf, data, output_dir, steps, *flags):
         return [row for row in map(json.loads, f) if "loss" in row]
 
 
-def transformers_inputs(hf, image: Image.Image, messages):
+def transformers_pieces(hf, image: Image.Image, messages):
     """(ids (1, L), where the last message's tokens start, the image's model inputs) of
     `messages` (the last an assistant's, the first holding one image part) as transformers'
     own processor's pieces make them: the tokenizer's chat template and the image
@@ -177,13 +182,19 @@ def transformers_inputs(hf, image: Image.Image, messages):
                             mm_token_type_ids=(ids == CONFIG.image_token_id).int())
 
 
-def transformers_loss(hf, image: Image.Image) -> float:
-    """transformers' labels loss on chat_row's chat with `image`."""
-    ids, start, vision = transformers_inputs(hf, image, chat_row("x")["messages"])
+def transformers_inputs(hf, image: Image.Image) -> dict:
+    """transformers' model inputs (labels -100 but on the assistant's tokens) of
+    chat_row's chat with `image` (`transformers_pieces`)."""
+    ids, start, vision = transformers_pieces(hf, image, chat_row("x")["messages"])
     labels = ids.clone()
     labels[:, :start] = -100
+    return dict(input_ids=ids, labels=labels, **vision)
+
+
+def transformers_loss(hf, image: Image.Image) -> float:
+    """transformers' labels loss on chat_row's chat with `image`."""
     with torch.no_grad():
-        return hf[1](input_ids=ids, labels=labels, **vision).loss.item()
+        return hf[1](**transformers_inputs(hf, image)).loss.item()
 
 
 def test_sft_through_the_command(hf, tmp_path):

@@ -19,7 +19,7 @@ from numerics import assert_close, assert_differs
 from test_image_chats import (  # noqa: F401 (hf: the fixture)
     hf,
     train_metrics,
-    transformers_inputs,
+    transformers_pieces,
     write_data,
 )
 from test_vision_qwen3_5 import CONFIG, REL, picture
@@ -46,7 +46,7 @@ def reply_logps(hf, image, reply: str) -> float:  # noqa: F811
     """transformers' summed log-probability of `reply` (and its <|im_end|>) after
     pair_row's prompt with `image`, the chat rendered by the tokenizer's template."""
     messages = pair_row("x")["prompt"] + [{"role": "assistant", "content": reply}]
-    ids, start, vision = transformers_inputs(hf, image, messages)
+    ids, start, vision = transformers_pieces(hf, image, messages)
     with torch.no_grad():
         logits = hf[1](input_ids=ids, **vision).logits.double()
     logps = torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]

@@ -218,12 +218,3 @@ def test_image_layout_refusals(hf, ours):
     with pytest.raises(UserError, match="2 image\\(s\\) given, but the text has 1"):
         gemma_images.expand_image_tokens(chat(config, 1), [g for _, g in encoded], config)
 
-
-def test_the_commands_refuse_the_image_text_family_in_one_line(hf, capsys):
-    from cli_utils import one_line_error
-
-    from easylm import train
-
-    error = one_line_error(train.main, ["train", "--family=gemma4_vl",
-                                        f"--load_checkpoint=hf::{hf[0]}"], capsys)
-    assert "--family=gemma4_vl: the image-text model is read, run and written" in error

@@ -233,9 +233,9 @@ def image_chat_batch(hf, config, tmp_path):
                                              {"type": "text", "text": "w40 w41"}]},
                 {"role": "assistant", "content": "w77 w78 w79"}]
     text = TextProcessor({"chat": True}, vl_tokenizer(config))
-    ids, masks, encoded = qwen_images.encode_image_chat(
-        text, qwen_images.load_image_processor(hf[0]), config, messages,
-        "chats.jsonl line 1", str(tmp_path))
+    reader = qwen_images.Qwen35ImageChats(config, qwen_images.load_image_processor(hf[0]))
+    ids, masks, encoded = reader.encode_chat(text, messages, "chats.jsonl line 1",
+                                             str(tmp_path))
     assert list(ids[-4:]) == [77, 78, 79, 505] and masks.sum() == 4 and masks[-4:].all()
     assert (ids == config.image_token_id).sum() == 6  # 6 x 4 patches, 2 x 2 merged
     n = len(ids) - 1

@@ -19,7 +19,7 @@ import numpy as np
 
 from easylm.errors import UserError
 from easylm.gemma4.vision import Gemma4VLConfig
-from easylm.models.vision import expand_placeholders, lay_out_images
+from easylm.models.vision import ImageChatReader, expand_placeholders, lay_out_images
 
 
 def encode_images(processor, images, config: Gemma4VLConfig) -> list[tuple[np.ndarray, tuple]]:
@@ -51,10 +51,8 @@ def tokens_of(grid: tuple, config: Gemma4VLConfig) -> int:
 def expand_image_tokens(ids, grids, config: Gemma4VLConfig) -> list[int]:
     """`ids` with its k-th image token written as <boi>, one image token per soft token of
     image k, <eoi>."""
-    c = config
-    return expand_placeholders(ids, c.image_token_id, [
-        [c.boi_token_id] + [c.image_token_id] * tokens_of(g, c) + [c.eoi_token_id]
-        for g in grids])
+    reader = Gemma4ImageChats(config, None)
+    return expand_placeholders(ids, config.image_token_id, [reader.expansion(g) for g in grids])
 
 
 def image_inputs(config: Gemma4VLConfig, rows, encoded, length: int) -> dict:
@@ -71,3 +69,19 @@ def image_inputs(config: Gemma4VLConfig, rows, encoded, length: int) -> dict:
                           patch_values=config.patch_values(),
                           image_token_id=config.image_token_id, unit=k * k,
                           places_of=places_of, flag="--gemma4_vl.max_image_patches")
+
+
+class Gemma4ImageChats(ImageChatReader):
+    """Gemma 4's reader of image chats (easylm/models/vision.py's ImageChatReader), with
+    the checkpoint's own image processor: an image is <boi>, one <|image|> per soft
+    token, <eoi>."""
+
+    def encode_images(self, images):
+        return encode_images(self.image_processor, images, self.config)
+
+    def expansion(self, grid):
+        c = self.config
+        return [c.boi_token_id] + [c.image_token_id] * tokens_of(grid, c) + [c.eoi_token_id]
+
+    def batch_inputs(self, rows, encoded, length: int) -> dict:
+        return image_inputs(self.config, rows, encoded, length)

@@ -64,6 +64,13 @@ VISION_RULES = (
     (r"vision_tower/.*(weight|std_bias|std_scale)$", P(None)),
     (r"embed_vision/embedding_projection/kernel", P("fsdp", "mp")),
 )
+# --gemma4_vl.train_vision -> the parameters a run leaves as they are (regexes on paths):
+# the projector is transformers' embed_vision (Gemma4MultimodalEmbedder).
+UNTRAINED = {"none": (r"^(vision_tower|embed_vision)/",), "projector": (r"^vision_tower/",),
+             "all": ()}
+# ... and the kernels a LoRA run adapts for it.
+LORA_TARGETS = {"none": "", "projector": r"^embed_vision/.*kernel$",
+                "all": r"^(vision_tower|embed_vision)/.*kernel$"}
 # transformers' Gemma4VisionConfig defaults: what it assumes for a key the file omits.
 VISION_DEFAULTS = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=16,
                        num_attention_heads=12, num_key_value_heads=12, head_dim=64,
@@ -101,6 +108,8 @@ class Gemma4VLConfig(Gemma4Config):
     vision_rope_theta: float = field(100.0, "the vision 2-D rotary's base")
     vision_standardize: bool = field(False, "soft tokens (before the projector) shifted by "
                                             "std_bias and scaled by std_scale")
+    train_vision: str = field("none", "what of the vision tower a run trains: none (frozen), "
+                                      "projector (embed_vision) or all")
     max_image_patches: int = field(2520, "patches of one row's images together: image inputs "
                                          "are padded to it (a fixed shape for the compiled "
                                          "step; a multiple of vision_pooling_kernel_size^2)")
@@ -120,6 +129,8 @@ class Gemma4VLConfig(Gemma4Config):
             (self.max_image_patches > 0 and self.max_image_patches % unit == 0,
              f"max_image_patches={self.max_image_patches} must be a positive multiple of "
              f"{unit} (vision_pooling_kernel_size^2)"),
+            (self.train_vision in UNTRAINED,
+             f"train_vision={self.train_vision!r} is not one of {', '.join(UNTRAINED)}"),
         )
         for ok, message in checks:
             if not ok:
@@ -358,7 +369,10 @@ class Gemma4VLForConditionalGeneration(Gemma4ForCausalLM):
         if images is not None:
             pooled = Gemma4VisionTower(c, self.dtype, self.param_dtype, name="vision_tower")(
                 images["pixel_values"], images["patch_grid"], images["patch_segments"])
+            # What a run does not train gets no gradient, and costs no backward pass.
+            pooled = jax.lax.stop_gradient(pooled) if c.train_vision != "all" else pooled
             merged = _Projector(c, self.dtype, self.param_dtype, name="embed_vision")(pooled)
+            merged = jax.lax.stop_gradient(merged) if c.train_vision == "none" else merged
             embeddings = vision.image_embeddings(merged, images["image_tokens"])
             blocks = vision.image_blocks(images["image_tokens"])
         # The per-layer inputs read an image token as the padding token, as transformers.

@@ -21,14 +21,18 @@ from flax import traverse_util
 from easylm.errors import UserError
 from easylm.gemma4 import hf as text_hf
 from easylm.gemma4.family import Gemma4Family
+from easylm.gemma4.images import Gemma4ImageChats
 from easylm.gemma4.vision import (
     GEMMA4_VL_PRESETS,
+    LORA_TARGETS,
+    UNTRAINED,
     Gemma4VLConfig,
     Gemma4VLForConditionalGeneration,
     partition_rules,
 )
 from easylm.models.family import HFAdapter, hf_params_reader
 from easylm.models.hf_checkpoint import HFTensors, RenamedTensors, hf_key, params_from_hf
+from easylm.models.vision import load_image_processor
 
 _TOWERS = ("model.vision_tower.", "model.embed_vision.")
 _AUDIO = ("model.audio_tower.", "model.embed_audio.")
@@ -92,19 +96,28 @@ class Gemma4VLFamily(Gemma4Family):
     config_class = Gemma4VLConfig
     presets = GEMMA4_VL_PRESETS
     module_class = Gemma4VLForConditionalGeneration
-    variants = ()  # LoRA and int8 wait for the commands to take the family
+    # LoRA: the text model's projections (the text family's), and the vision side
+    # train_vision names (`lora_targets`); int8 serving not yet (docs/vision.md).
+    variants = ("lora",)
     hf = HFAdapter(model_types=("gemma4",), read_config=Gemma4VLConfig.read_hf,
                    read_params=hf_params_reader(load_hf_params,
                                                 Gemma4VLForConditionalGeneration),
-                   write_params=to_hf)
-
-    not_in_commands = ("the image-text model is read, run and written through its family "
-                       "object (easylm.gemma4.vision_hf.FAMILY), but images do not reach "
-                       "the data, the trainer or the server yet (docs/vision.md); "
-                       "--family=gemma4 trains and serves its text model")
+                   write_params=to_hf,
+                   module_prefixes=(("model/", "model/language_model/"),
+                                    ("vision_tower/", "model/vision_tower/"),
+                                    ("embed_vision/", "model/embed_vision/")))
 
     def partition_rules(self, config):
         return partition_rules(config)
+
+    def image_chats(self, config, directory):
+        return Gemma4ImageChats(config, load_image_processor(directory))
+
+    def untrained_parameters(self, config):
+        return UNTRAINED[config.train_vision]
+
+    def lora_targets(self, config):
+        return LORA_TARGETS[config.train_vision]
 
 
 FAMILY = Gemma4VLFamily()

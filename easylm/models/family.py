@@ -182,6 +182,11 @@ class HFAdapter:
     # (Qwen3-MoE, Mixtral), or interleaved, gate_0 up_0 gate_1 ... (gpt-oss); what a PEFT
     # adapter's lora_B on it is written in.
     gate_up_interleaved: bool = False
+    # (our path prefix, transformers' module path prefix) where transformers nests what
+    # our paths hold at the top (an image-text model's `model/` -> `model/language_model/`,
+    # `visual/` -> `model/visual/`): what PEFT's names of its modules follow
+    # (hf_checkpoint.renamed). Empty: our paths are transformers' modules.
+    module_prefixes: tuple[tuple[str, str], ...] = ()
 
 
 class ModelFamily:
@@ -219,6 +224,11 @@ class ModelFamily:
         """Regexes of the parameter paths a run leaves as they are (no update, no optimizer
         state, no weight decay): an image-text model's frozen vision tower."""
         return ()
+
+    def lora_targets(self, config: ModelConfig) -> str:
+        """A regex of kernel paths a LoRA run adapts besides --lora.target_modules: the
+        part of an image-text model's vision side its config trains ('': none)."""
+        return ""
 
     def from_preset(self, name: str, **overrides) -> ModelConfig:
         return preset_config(self.config_class, self.presets, name, self.name, **overrides)

@@ -398,6 +398,16 @@ def hf_module(path: str) -> str:
     return hf_key(path)[0].rsplit(".", 1)[0]
 
 
+def renamed(path: str, prefixes) -> str:
+    """`path` with the longest of the (old, new) `prefixes` it starts with made new
+    (HFAdapter.module_prefixes: our paths -> transformers' module paths, or swapped back)."""
+    matches = [(old, new) for old, new in prefixes if path.startswith(old)]
+    if not matches:
+        return path
+    old, new = max(matches, key=lambda pair: len(pair[0]))
+    return new + path[len(old):]
+
+
 def peft_key(path: str) -> str:
     """An (unscanned) adapter path -> PEFT's tensor name (the tensor is transposed)."""
     *module, leaf = path.split("/")
@@ -407,10 +417,13 @@ def peft_key(path: str) -> str:
 def peft_target_modules(kernels, all_kernels) -> list[str]:
     """PEFT's `target_modules` for adapters on `kernels` (paths) of a model with
     `all_kernels`: module names (q_proj, ...) when they select exactly these kernels, as
-    PEFT matches them (a module whose name ends with one), else the full module names."""
+    PEFT matches them (any module whose name ends with one, a kernel's module's parents
+    too: Gemma 4's vision q_proj holds the Linear q_proj.linear), else the full module
+    names."""
     modules = {hf_module(path) for path in kernels}
     names = sorted({module.rsplit(".", 1)[-1] for module in modules})
-    every = {hf_module(path) for path in all_kernels}
+    every = {".".join(parts[:i]) for parts in (hf_module(p).split(".") for p in all_kernels)
+             for i in range(1, len(parts) + 1)}
     if {m for m in every if m.rsplit(".", 1)[-1] in names} == modules:
         return names
     return sorted(modules)

@@ -229,3 +229,78 @@ def lay_out_images(rows, encoded, length: int, *, max_patches: int, patch_values
             at += n
         inputs["image_tokens"][b, places] = np.arange(len(places))
     return inputs
+
+
+class ImageChatReader:
+    """What the data pipeline asks of an image-text model (easylm/data/image_chats.py): a
+    chat with image parts as token ids, loss masks and the images' encodings
+    (`encode_chat`), and a batch's image inputs (`batch_inputs`). A family's reader (its
+    images.py) says how its image processor's output becomes patches and a grid
+    (`encode_images`), what the processor writes for one image's placeholder
+    (`expansion`), and how a batch's rows are laid out (`batch_inputs`)."""
+
+    def __init__(self, config, image_processor):
+        self.config, self.image_processor = config, image_processor
+        self.image_token_id = config.image_token_id
+
+    def encode_images(self, images) -> list[tuple[np.ndarray, tuple]]:
+        """[(patches (N, E) float32, grid)] of each PIL image."""
+        raise NotImplementedError
+
+    def expansion(self, grid: tuple) -> list[int]:
+        """The tokens that stand for one image of `grid` in a token row."""
+        raise NotImplementedError
+
+    def batch_inputs(self, rows, encoded, length: int) -> dict:
+        """The image inputs (B, ...) of token rows `rows` (each with its image tokens
+        expanded, at most `length` long) whose images `encoded` (per row) are."""
+        raise NotImplementedError
+
+    def image_tokens(self, grid: tuple) -> int:
+        """The image tokens (embeddings from the vision tower) of an image of `grid`."""
+        return self.expansion(grid).count(self.image_token_id)
+
+    def encode_chat(self, text_processor, messages, where: str, base_dir: str = "",
+                    first: int = 0):
+        """(ids, loss masks, the images' encodings) of one chat whose messages may hold
+        image parts (easylm/data/images.py), rendered by the chat template
+        (`text_processor`, a TextProcessor in chat mode: loss on the assistant's tokens
+        from message `first` on, e.g. a preference pair's replies), each image's
+        placeholder written as the processor writes it (`expansion`), with no loss."""
+        from easylm.data.images import chat_images
+
+        encoded = self.encode_images(chat_images(messages, where, base_dir))
+        result = text_processor.encode_chats([(messages, first, where)], parts=True)[0]
+        if isinstance(result, str):  # a row with nothing to train on: its reason
+            raise UserError(result)
+        ids, masks = result
+        places = np.flatnonzero(ids == self.image_token_id)
+        if len(places) != len(encoded):
+            raise UserError(f"{where}: the chat template wrote {len(places)} image "
+                            f"placeholder(s) for the {len(encoded)} image part(s)")
+        pieces_ids, pieces_masks, at = [], [], 0
+        for place, (_, grid) in zip(places, encoded):
+            tokens = self.expansion(grid)
+            pieces_ids += [ids[at:place], np.asarray(tokens, ids.dtype)]
+            pieces_masks += [masks[at:place], np.zeros(len(tokens), masks.dtype)]
+            at = place + 1
+        pieces_ids.append(ids[at:])
+        pieces_masks.append(masks[at:])
+        return np.concatenate(pieces_ids), np.concatenate(pieces_masks), encoded
+
+    def encode_prompt(self, ids, images, where: str):
+        """(ids with each image's placeholder written as the processor writes it, the
+        images' encodings) of a prompt rendered to `ids` whose placeholders stand for
+        `images` (PIL, in order): a rollout's prompt (easylm/data/prompts.py)."""
+        ids = np.asarray(ids)
+        encoded = self.encode_images(images)
+        places = np.flatnonzero(ids == self.image_token_id)
+        if len(places) != len(encoded):
+            raise UserError(f"{where}: the chat template wrote {len(places)} image "
+                            f"placeholder(s) for the {len(encoded)} image part(s)")
+        pieces, at = [], 0
+        for place, (_, grid) in zip(places, encoded):
+            pieces += [ids[at:place], np.asarray(self.expansion(grid), ids.dtype)]
+            at = place + 1
+        pieces.append(ids[at:])
+        return np.concatenate(pieces).astype(np.int32), encoded

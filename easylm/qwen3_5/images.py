@@ -18,6 +18,7 @@ import numpy as np
 
 from easylm.errors import UserError
 from easylm.models.vision import (  # noqa: F401 (load_image_processor: this module's API)
+    ImageChatReader,
     expand_placeholders,
     lay_out_images,
     load_image_processor,
@@ -49,28 +50,6 @@ def expand_image_tokens(ids, grids, config: Qwen35VLConfig) -> list[int]:
     """`ids` with its k-th image token repeated once per merged patch of image k."""
     image = config.image_token_id
     return expand_placeholders(ids, image, [[image] * tokens_of(g, config) for g in grids])
-
-
-def encode_image_chat(text_processor, image_processor, config: Qwen35VLConfig, messages,
-                      where: str, base_dir: str = "", first: int = 0):
-    """(ids, loss masks, the images' encodings) of one chat whose messages may hold image
-    parts (easylm/data/images.py), rendered by the chat template (`text_processor`, a
-    TextProcessor in chat mode: loss on the assistant's tokens from message `first` on),
-    each image's placeholder repeated once per merged patch (with no loss)."""
-    from easylm.data.images import chat_images
-
-    encoded = encode_images(image_processor, chat_images(messages, where, base_dir), config)
-    result = text_processor.encode_chats([(messages, first, where)], parts=True)[0]
-    if isinstance(result, str):  # a row with nothing to train on: its reason
-        raise UserError(result)
-    ids, masks = result
-    places = np.flatnonzero(ids == config.image_token_id)
-    if len(places) != len(encoded):
-        raise UserError(f"{where}: the chat template wrote {len(places)} image placeholder(s) "
-                        f"for the {len(encoded)} image part(s)")
-    repeats = np.ones(len(ids), np.int64)
-    repeats[places] = [tokens_of(grid, config) for _, grid in encoded]
-    return np.repeat(ids, repeats), np.repeat(masks, repeats), encoded
 
 
 def _patch_places(grid: tuple, merge: int) -> np.ndarray:
@@ -123,34 +102,15 @@ def image_inputs(config: Qwen35VLConfig, rows, encoded, length: int) -> dict:
     return inputs
 
 
-class Qwen35ImageChats:
-    """What the data pipeline asks of an image-text model (easylm/data/image_chats.py):
-    a chat with image parts as token ids, loss masks and image encodings, and a batch's
-    image inputs; Qwen3.5's, with the checkpoint's own image processor."""
+class Qwen35ImageChats(ImageChatReader):
+    """Qwen3.5's reader of image chats (easylm/models/vision.py's ImageChatReader), with
+    the checkpoint's own image processor: an image is one <|image_pad|> per merged patch."""
 
-    def __init__(self, config: Qwen35VLConfig, image_processor):
-        self.config, self.image_processor = config, image_processor
-        self.image_token_id = config.image_token_id
+    def encode_images(self, images):
+        return encode_images(self.image_processor, images, self.config)
 
-    def encode_chat(self, text_processor, messages, where: str, base_dir: str = "",
-                    first: int = 0):
-        """(ids, masks, encodings) of a chat (`encode_image_chat`), loss on the assistant's
-        messages from `first` on (a preference pair's replies)."""
-        return encode_image_chat(text_processor, self.image_processor, self.config, messages,
-                                 where, base_dir, first)
-
-    def encode_prompt(self, ids, images, where: str):
-        """(ids with each image's placeholder repeated once per merged patch, the images'
-        encodings) of a prompt rendered to `ids` whose placeholders stand for `images`
-        (PIL, in order): a rollout's prompt (easylm/data/prompts.py)."""
-        encoded = encode_images(self.image_processor, images, self.config)
-        found = int(np.sum(np.asarray(ids) == self.image_token_id))
-        if found != len(encoded):
-            raise UserError(f"{where}: the chat template wrote {found} image placeholder(s) "
-                            f"for the {len(encoded)} image part(s)")
-        return np.asarray(expand_image_tokens(list(ids), [g for _, g in encoded], self.config),
-                          np.int32), encoded
+    def expansion(self, grid):
+        return [self.image_token_id] * tokens_of(grid, self.config)
 
     def batch_inputs(self, rows, encoded, length: int) -> dict:
-        """The image inputs (B, ...) of token rows `rows` (`image_inputs`)."""
         return image_inputs(self.config, rows, encoded, length)

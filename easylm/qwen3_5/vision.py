@@ -45,6 +45,9 @@ VISION_RULES = (
 PARTITION_RULES = VISION_RULES + TEXT_RULES
 # --qwen3_5_vl.train_vision -> the parameters a run leaves as they are (regexes on paths).
 UNTRAINED = {"none": (r"^visual/",), "projector": (r"^visual/(?!merger/)",), "all": ()}
+# ... and the kernels a LoRA run adapts for it (the patch embedding, PEFT's Conv3d, never).
+LORA_TARGETS = {"none": "", "projector": r"^visual/merger/.*kernel$",
+                "all": r"^visual/(blocks|merger)/.*kernel$"}
 # transformers' Qwen3_5VisionConfig defaults: what it assumes for a key the file omits.
 VISION_DEFAULTS = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16,
                        patch_size=16, temporal_patch_size=2, spatial_merge_size=2,

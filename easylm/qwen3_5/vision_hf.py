@@ -31,6 +31,7 @@ from easylm.qwen3_5.images import Qwen35ImageChats
 from easylm.qwen3_5.vision import (
     PARTITION_RULES,
     QWEN35_VL_PRESETS,
+    LORA_TARGETS,
     UNTRAINED,
     Qwen35VLConfig,
     Qwen35VLForConditionalGeneration,
@@ -110,11 +111,15 @@ class Qwen35VLFamily(Qwen35Family):
     config_class = Qwen35VLConfig
     presets = QWEN35_VL_PRESETS
     module_class = Qwen35VLForConditionalGeneration
-    variants = ()  # LoRA and int8: not yet for the image-text model (docs/vision.md)
+    # LoRA: the text model's projections (the text family's), and the vision side
+    # train_vision names (`lora_targets`); int8 serving not yet (docs/vision.md).
+    variants = ("lora",)
     hf = HFAdapter(model_types=tuple(MULTIMODAL), read_config=Qwen35VLConfig.read_hf,
                    read_params=hf_params_reader(load_hf_params,
                                                 Qwen35VLForConditionalGeneration),
-                   write_params=to_hf)
+                   write_params=to_hf,
+                   module_prefixes=(("model/", "model/language_model/"),
+                                    ("visual/", "model/visual/")))
 
     def partition_rules(self, config):
         return PARTITION_RULES
@@ -124,6 +129,9 @@ class Qwen35VLFamily(Qwen35Family):
 
     def untrained_parameters(self, config):
         return UNTRAINED[config.train_vision]
+
+    def lora_targets(self, config):
+        return LORA_TARGETS[config.train_vision]
 
 
 FAMILY = Qwen35VLFamily()

@@ -31,7 +31,7 @@ from easylm.models.decoder import relayout
 from easylm.models.family import (ModelFamily, hf_adapter, hf_param_shapes, layout, load_params,
                                   torch_reference)
 from easylm.models.hf_checkpoint import (adapters_from_peft, expert_to_peft, peft_expert_names,
-                                         peft_key, peft_target_modules)
+                                         peft_key, peft_target_modules, renamed)
 from easylm.runtime import checkpoint
 from easylm.variants import lora_variant as variant
 from easylm.variants.lora import LoraConfig, LoraModel, read_peft, write_peft
@@ -50,9 +50,22 @@ class Adapters:
 
     def lora_model(self, config, lora: LoraConfig, dtype=jnp.float32,
                    param_dtype=jnp.float32) -> LoraModel:
+        """The LoraModel of `config` with adapters on --lora.target_modules' kernels and
+        the family's `lora_targets` (an image-text model's trained vision side)."""
         module = self.family.module_class(config.unfused(), dtype=dtype,
                                           param_dtype=param_dtype)
+        extra = self.family.lora_targets(config)
+        if extra:
+            lora = dataclasses.replace(lora, target_modules=f"(?:{lora.target_modules})|"
+                                                            f"(?:{extra})")
         return LoraModel(module, lora, dtype)
+
+    def _hf(self, path: str) -> str:
+        """Our path as transformers' module path (HFAdapter.module_prefixes)."""
+        return renamed(path, hf_adapter(self.family).module_prefixes)
+
+    def _ours(self, path: str) -> str:
+        return renamed(path, [(new, old) for old, new in hf_adapter(self.family).module_prefixes])
 
     def load_base(self, lm: LoraModel, config, spec: str, mesh):
         """The frozen base of `lm` from `spec`, in its shards of `mesh`, stored as it trains."""
@@ -69,7 +82,8 @@ class Adapters:
         targets = {path.rsplit("_", 2)[0] for path in flat}
         for path, tensor in flat.items():
             if path.endswith("/kernel_lora_a") or path.endswith("/kernel_lora_b"):
-                yield peft_key(path), np.ascontiguousarray(np.asarray(jax.device_get(tensor)).T)
+                tensor = np.asarray(jax.device_get(tensor)).T
+                yield peft_key(self._hf(path)), np.ascontiguousarray(tensor)
             elif path.endswith("_lora_a"):
                 target = path.removesuffix("_lora_a")
                 module, name = target.rsplit("/", 1)
@@ -77,7 +91,8 @@ class Adapters:
                 a, b = (np.asarray(jax.device_get(flat[target + leaf]), np.float32)
                         for leaf in ("_lora_a", "_lora_b"))
                 b = self._gate_up_columns(b, to_hf=True) if name == "gate_up_proj" else b
-                yield from zip(peft_expert_names(target, adapted), expert_to_peft(a, b))
+                yield from zip(peft_expert_names(self._hf(target), adapted),
+                               expert_to_peft(a, b))
 
     def _gate_up_columns(self, b, to_hf: bool):
         """B (E, r, 2F) of gate_up_proj, ours [gate | up] <-> the family's HF column order."""
@@ -92,7 +107,10 @@ class Adapters:
         """(adapters in `config`'s layout, target_modules regex selecting exactly the kernels
         they adapt) from PEFT-named tensors. With scanned layers every layer must carry the
         same adapters (a scan has one layer's parameters)."""
-        flat = adapters_from_peft(tensors, hf_param_shapes(self.family, config), rank, source)
+        shapes = {self._hf(path): shape
+                  for path, shape in hf_param_shapes(self.family, config).items()}
+        flat = {self._ours(path): adapter for path, adapter in
+                adapters_from_peft(tensors, shapes, rank, source).items()}
         for path in [path for path in flat if path.endswith("/gate_up_proj_lora_b")]:
             flat[path] = self._gate_up_columns(flat[path], to_hf=False)
         kernels = sorted({path.rsplit("_", 2)[0] for path in flat})
@@ -129,9 +147,10 @@ class Adapters:
         every = [path for path in hf_param_shapes(self.family, config) if path.endswith("/kernel")]
         # Full names (model.layers.0.mlp.experts.gate_up_proj): PEFT matches a name's ending,
         # and a shorter one could take in layers these adapters leave alone.
-        experts = sorted(path.replace("/", ".") for path in targets - set(kernels))
-        write_peft(directory, self.to_peft(adapters), lm.config,
-                   peft_target_modules(kernels, every) if kernels else [], base_model,
+        experts = sorted(self._hf(path).replace("/", ".") for path in targets - set(kernels))
+        modules = peft_target_modules([self._hf(k) for k in kernels],
+                                      [self._hf(k) for k in every]) if kernels else []
+        write_peft(directory, self.to_peft(adapters), lm.config, modules, base_model,
                    target_parameters=experts)
 
     def load_peft(self, directory: str, config) -> tuple[LoraConfig, dict]:
