@@ -174,3 +174,49 @@ def test_a_request_that_shares_pages_with_a_finished_one_gets_its_own_tokens(tok
             assert cached == (24 + 24 + 16 + 24 + 16 if share else 0), cached
         finally:
             batcher.stop()
+
+
+def _group_rollout(engine: Engine, twin: bool = False):
+    """GRPO's rollout on 8 slots: 4 completions each of PROMPT_C (20 tokens: 2 full pages
+    before its last token) and PROMPT_A (13: 1), sampled with a key per row, prefilled in
+    one call, then 3 decode calls. Returns (tokens, logprobs, pages in use after the
+    prefill). `twin`: slot 1 (a copy of C) also takes slot 0's third page, the one C's
+    last token and slot 0's new tokens are written to (what must stay private)."""
+    vocab = engine.model.vocab_size
+    a, c = ([t % vocab for t in p] for p in (PROMPT_A, PROMPT_C))
+    sampling = Sampling.empty(8)
+    sampling.keys[:] = np.arange(16, dtype=np.uint32).reshape(8, 2)
+    sampling.temperature[:] = 1.0
+    out = [engine.fetch(engine.prefill([c] * 4 + [a] * 4, list(range(8)), sampling))]
+    in_use = engine.pages.in_use if engine.pages else None
+    if twin:
+        engine.pages.table[1, 2] = engine.pages.table[0, 2]
+        engine.pages.dirty = True
+        engine._reserve([], [])
+    out += [engine.fetch(engine.decode(sampling)) for _ in range(3)]
+    return (np.concatenate([o[0].reshape(-1) for o in out]),
+            np.concatenate([o[1].reshape(-1) for o in out]), in_use)
+
+
+def test_a_group_shares_its_prompt_pages_and_samples_what_it_samples_alone():
+    """A prefill's requests with one prompt (GRPO's num_generations completions) hold its
+    full pages before its last token once: 3 x 2 + 3 x 1 = 9 pages fewer than with sharing
+    off, and bitwise the same sampled tokens and log-probabilities (the same programs read
+    the same values; the prompt's cache written into shared pages is one row's). The
+    twin: a copy that shares the page its last token and the owner's new tokens go to
+    draws other tokens. One engine, sharing switched in its config: one set of programs."""
+    family, config = KINDS["llama"]()
+    model = family.bind(config)
+    params = jax.jit(model.init_params)(jax.random.PRNGKey(0))
+    engine = Engine({**ENGINE, "batch_size": 8, "page_size": 8}, model, params)
+    shared = _group_rollout(engine)
+    engine.config.share_prompts = False
+    engine.reset()
+    alone = _group_rollout(engine)
+    assert shared[2] == alone[2] - 9
+    for got, want in zip(shared[:2], alone[:2]):
+        np.testing.assert_array_equal(got, want)
+    engine.config.share_prompts = True
+    engine.reset()
+    twin = _group_rollout(engine, twin=True)
+    assert np.abs(twin[1] - shared[1]).max() > 1e-3

@@ -257,12 +257,15 @@ def generation_metrics(generated: dict, tokens: int) -> dict:
     """A rollout's generation metrics from `Rollouts._leased`'s record and the tokens it
     sampled: seconds, tokens per second, the prompt tokens run through the model
     (prefill_tokens: a prompt a group shares once, with share_prompts) and those copied
-    from a shared prompt's cache (cached_prompt_tokens)."""
+    from a shared prompt's cache (cached_prompt_tokens); with --grpo.page_size, the cache
+    pages the rows held at the end (cache_pages: a group's prompt pages once)."""
     seconds = generated["seconds"]
+    pages = {} if generated.get("pages") is None else \
+        {"rollout/cache_pages": float(generated["pages"])}
     return {"rollout/generation_seconds": seconds,
             "rollout/tokens_per_second": tokens / max(seconds, 1e-9),
             "rollout/prefill_tokens": float(generated["prefilled"]),
-            "rollout/cached_prompt_tokens": float(generated["cached"])}
+            "rollout/cached_prompt_tokens": float(generated["cached"]), **pages}
 
 
 def _nothing(batch: dict) -> dict:
@@ -344,7 +347,8 @@ class Rollouts:
             config = engine_lib.get_default_config({
                 "batch_size": n, "seq_length": seq_length,
                 "min_bucket": seq_length - self.options.max_new_tokens,
-                "share_prompts": self.options.share_prompts})
+                "share_prompts": self.options.share_prompts,
+                "page_size": self.options.page_size})
             self.engines[key] = engine_lib.Engine(config, self.objective.model, None, self.mesh,
                                                   record_routing=self.options.routing_replay)
             self.engines[key].release()  # until the first rollout
@@ -430,7 +434,8 @@ class Rollouts:
         finally:
             engine.params = engine.base = None
             engine.release()
-        generated.update(seconds=time.perf_counter() - began, **engine.prompt_tokens)
+        generated.update(seconds=time.perf_counter() - began, **engine.prompt_tokens,
+                         pages=engine.pages.in_use if engine.pages else None)
 
     def episode_rollout(self, state, prompts: dict, T: int, where: tuple):
         """(host batch, metrics): G multi-turn episodes of each prompt's example with the

@@ -768,6 +768,34 @@ class Engine:
         if self.pages:
             self.pages.release(slot)
 
+    def _prompt_pages(self, prompts, slots):
+        """With pages: each prompt's slot gets pages for it (`_reserve`, fresh). With
+        sharing, a request whose prompt an earlier request of the same prefill has (GRPO's
+        num_generations completions of a prompt) takes that one's full pages before its
+        last token instead of pages of its own: the prefill writes the same values (one
+        prompt row's cache) into them for both, and neither writes below its last token
+        again, so each slot reads what it would from pages of its own."""
+        if not self.pages:
+            return
+        first, shared, own = {}, [], []
+        for prompt, slot in zip(prompts, slots):
+            slot, key = int(slot), tuple(prompt)
+            if self._share_pages and key in first and slot < self.batch_size and \
+                    slot not in self._claimed:
+                shared.append((slot, first[key], len(prompt)))
+                continue
+            own.append((slot, len(prompt)))
+            if slot < self.batch_size:
+                first.setdefault(key, slot)
+        self._reserve(*zip(*own), fresh=True)
+        for slot, owner, length in shared:
+            self.pages.release(slot)
+            self._bound[slot] = self.seq_length
+            self.pages.share(slot, self.pages.table[owner, :(length - 1) // self.config.page_size]
+                             .tolist())
+        if shared:
+            self._reserve(*list(zip(*shared))[::2])
+
     def _reserve(self, slots, positions, fresh: bool = False, strict: bool = True):
         """With pages: give each of `slots` (a slot index past the last: none) pages for
         its positions 0..positions[i]-1 (`fresh`: a new request's, after returning the
@@ -854,7 +882,7 @@ class Engine:
         arrays; `fetch` gives tokens (1, n), logprobs (1, n), top ids and logprobs
         (1, n, N); recording routing: then the prompts' expert choices (1, n, L, T, K))."""
         parts, calls = [], self._calls(prompts, slots)
-        self._reserve(slots, map(len, prompts), fresh=True)
+        self._prompt_pages(prompts, slots)
         for rows, requests in calls:
             self.state, out = self._run(self._prefill_fns[sampling.samples()], self.weights,
                                         self.state, rows,
@@ -888,7 +916,7 @@ class Engine:
         if more:
             raise ValueError(f"begin_prefill: more distinct prompts than the "
                              f"{len(rows.lengths)} one staged prefill holds")
-        self._reserve(slots, map(len, prompts), fresh=True)
+        self._prompt_pages(prompts, slots)
         U, T = rows.tokens.shape
         C, chunks = _chunking(T, self.config.prefill_chunk_size)
         start, _, _ = self._staged_fns(U, T)
