@@ -220,3 +220,44 @@ def test_a_group_shares_its_prompt_pages_and_samples_what_it_samples_alone():
     engine.reset()
     twin = _group_rollout(engine, twin=True)
     assert np.abs(twin[1] - shared[1]).max() > 1e-3
+
+
+def _long_generation(engine: Engine):
+    """PROMPT_A and PROMPT_B on 2 slots, then 4 decode calls of 4 greedy tokens (to
+    position 30 of 32). Returns (tokens, logprobs, the most pages one slot held after a
+    decode call's pages were given)."""
+    vocab = engine.model.vocab_size
+    a, b = ([t % vocab for t in p] for p in (PROMPT_A, PROMPT_B))
+    out, most = [engine.fetch(engine.prefill([a, b], [0, 1], Sampling.empty(2)))], 0
+    for _ in range(4):
+        call = engine.decode(Sampling.empty(2))
+        if engine.pages:
+            most = max(most, int((engine.pages.held - engine.pages.dropped).max()))
+        out.append(engine.fetch(call))
+    return (np.concatenate([o[0].reshape(-1) for o in out]),
+            np.concatenate([o[1].reshape(-1) for o in out]), most)
+
+
+def test_a_sliding_window_gives_back_the_pages_it_has_passed():
+    """Mistral's window of 8 on pages of 4 (every layer windowed: `Model.cache_reach` 8):
+    before a decode call of 4 steps from position p, a slot gives back its pages wholly
+    below p - 7, so it holds at most ceil((8 - 1 + 4) / 4) + 1 = 4 pages however long it
+    generates. The twin keeps every page (the engine's model with no reach declared: 8
+    pages by position 30) and draws bitwise the same tokens and log-probabilities (the
+    same programs; the window's mask weighs the given-back positions 0 as it weighs the
+    kept ones), which are the dense engine's (`test_pages_serve_what_the_dense_cache_serves`)."""
+    import dataclasses
+
+    family, config = KINDS["sliding"]()
+    model = family.bind(config)
+    assert model.cache_reach == 8 and family.bind(tiny_config()).cache_reach == 0
+    params = jax.jit(model.init_params)(jax.random.PRNGKey(0))
+    engine = Engine({**ENGINE, "page_size": 4}, model, params)
+    tokens, logprobs, most = _long_generation(engine)
+    assert most <= 4
+    engine.reset()
+    engine.model = dataclasses.replace(model, cache_reach=0)  # only `_drop_passed` reads it
+    kept_tokens, kept_logprobs, kept = _long_generation(engine)
+    assert kept == 8
+    np.testing.assert_array_equal(tokens, kept_tokens)
+    np.testing.assert_array_equal(logprobs, kept_logprobs)

@@ -996,10 +996,26 @@ class Engine:
         ends = np.where(active, ends, 0).astype(np.int32)
         if self.pages:  # pages for the positions the call writes, of slots holding some
             held = np.flatnonzero(active & (self.pages.held > 0))
+            self._drop_passed(held)
             self._reserve(held, np.minimum(self.positions[held] + self.config.decode_steps,
                                            self._bound[held]), strict=False)
         return self._decode(sampling, bucket_for(min(end, self.seq_length), self.decode_buckets),
                             ends, stop)
+
+    def _drop_passed(self, slots):
+        """With pages and a model whose every layer attends a sliding window
+        (`Model.cache_reach`): `slots`' pages wholly before their queries' reach give
+        back: a query at position p reads keys p - reach + 1 .. p, and this call's and
+        every later query of an active slot sits at or past its position (an `extend`
+        starts at its history's end). Their entries then read the scratch page, which
+        the window's mask weighs 0, as the dense engine's masked positions."""
+        reach, Z = self.model.cache_reach, self.config.page_size
+        if not reach:
+            return
+        for slot in slots:
+            passed = (int(self.positions[slot]) - reach + 1) // Z
+            if passed > 0:
+                self.pages.drop(int(slot), passed)
 
     def compile_decode(self, sampling: Sampling):
         """Compile now the decode program of every cache window for `sampling`'s kind
