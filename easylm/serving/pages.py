@@ -265,15 +265,17 @@ class PageBook:
         return int((self.refs > 0).sum())
 
 
-def check_pages(page_size: int, pages: int, slots: int, length: int) -> int:
+def check_pages(page_size: int, pages: int, slots: int, length: int, flags: str = "") -> int:
     """The pool's page count (`pages`, or 0: enough for every slot's whole length, plus
-    the scratch page); refused in one line when it cannot hold one slot's length."""
+    the scratch page); refused in one line when it cannot hold one slot's length (`flags`:
+    the flags' prefix, "plan." for the planner's)."""
     if page_size < 0 or pages < 0:
         raise UserError(f"--page_size and --pages must be >= 0, got {page_size} and {pages}")
     per_slot = -(-length // page_size)
     if pages == 0:
         return slots * per_slot + 1
     if pages < per_slot + 1:
-        raise UserError(f"--pages={pages} cannot hold one request of --seq_length={length} "
-                        f"in pages of {page_size} (needs {per_slot} and the scratch page)")
+        raise UserError(f"--{flags}pages={pages} cannot hold one request of "
+                        f"--{flags}{'serve_tokens' if flags else 'seq_length'}={length} in "
+                        f"pages of {page_size} (needs {per_slot} and the scratch page)")
     return pages
