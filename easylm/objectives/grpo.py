@@ -135,8 +135,8 @@ def get_default_config(updates=None) -> ConfigDict:
         reward_weights="", format_pattern="", length_buffer=0,
         importance_sampling_cap=3.0, importance_sampling_mode="token_truncate",
         importance_sampling_level="token", dynamic_sampling=False, max_sampling_rounds=4,
-        routing_replay=False, share_prompts=True, page_size=0, tools="", environment="", tool_timeout=10.0,
-        max_turns=4))
+        routing_replay=False, share_prompts=True, page_size=0, tools="", environment="",
+        tool_timeout=10.0, max_turns=4))
     if updates is not None:
         config.update(ConfigDict(updates).copy_and_resolve_references())
     return config
