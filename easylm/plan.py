@@ -73,7 +73,8 @@ from easylm.runtime.sharding import (
     parse_mesh_dim,
 )
 from easylm.serving.engine import get_default_config as engine_defaults
-from easylm.serving.memory import serving_bytes
+from easylm.serving.memory import page_bytes, serving_bytes
+from easylm.serving.pages import check_pages
 from easylm.training import optimizers, options
 
 GIB = 1024 ** 3
@@ -92,6 +93,12 @@ HELP = {
                          "training)",
     "plan.serve_slots": "with --plan.serve_tokens: decode slots (serve's --batch_size)",
     "plan.prefill_chunk_size": "with --plan.serve_tokens: serve's --prefill_chunk_size",
+    "plan.page_size": "with --plan.serve_tokens: serve's --page_size (0: dense): the cache is "
+                      "a pool of pages, and the plan says how many concurrent requests of "
+                      "--plan.request_tokens the pool (and the device memory) holds",
+    "plan.pages": "with --plan.page_size: serve's --pages (0: every slot's whole length)",
+    "plan.request_tokens": "with --plan.page_size: a request's prompt and new tokens, the "
+                           "pages it holds (0: --plan.serve_tokens)",
 }
 
 
@@ -103,6 +110,9 @@ def get_default_config() -> ConfigDict:
     config.serve_tokens = 0
     config.serve_slots = 1
     config.prefill_chunk_size = engine_defaults().prefill_chunk_size
+    config.page_size = 0
+    config.pages = 0
+    config.request_tokens = 0
     return config
 
 
@@ -549,9 +559,15 @@ def serving_report(config: ConfigDict, family, num_devices: int, num_processes: 
     if model.max_seq_length and plan.serve_tokens > model.max_seq_length:
         raise UserError(f"--plan.serve_tokens={plan.serve_tokens} is above the model's "
                         f"max_position_embeddings={model.max_seq_length}")
+    if plan.page_size < 0 or plan.pages < 0 or plan.request_tokens < 0:
+        raise UserError(f"--plan.page_size, --plan.pages and --plan.request_tokens must be "
+                        f">= 0, got {plan.page_size}, {plan.pages} and {plan.request_tokens}")
+    if plan.page_size:
+        check_pages(plan.page_size, plan.pages, plan.serve_slots, plan.serve_tokens, "plan.")
     compute = jnp.dtype(dtype_from_flag("dtype", config.dtype))
     parts = serving_bytes(model, sizes, compute, plan.serve_slots, plan.serve_tokens,
-                          plan.serve_tokens, plan.prefill_chunk_size)
+                          plan.serve_tokens, plan.prefill_chunk_size, page_size=plan.page_size,
+                          pages=plan.pages)
     lines = [f"plan: serving {_model_name(config, family)}, {model.num_parameters / 1e6:,.1f}M "
              f"parameters, {model.num_layers} layers | {num_devices} devices, mesh "
              f"{mesh_string(sizes)} | {plan.serve_slots} slots x {plan.serve_tokens} tokens, "
@@ -560,6 +576,8 @@ def serving_report(config: ConfigDict, family, num_devices: int, num_processes: 
              f"{', int8 weights' if config.get('quantize') == 'int8' else ''}",
              "per device:"]
     lines += [f"  {name:<12} {_size(size):>12}" for name, size in parts.items()]
+    if plan.page_size:
+        lines += page_lines(model, sizes, compute, plan, parts["total"], budget)
     fits = budget is None or parts["total"] <= budget
     if budget is None:
         lines.append("no device memory known: pass --plan.device_memory_gib to check the fit")
@@ -567,6 +585,28 @@ def serving_report(config: ConfigDict, family, num_devices: int, num_processes: 
         lines.append(f"{'fits' if fits else 'does NOT fit'} in {_size(budget)} "
                      f"({100 * parts['total'] / budget:.0f}%)")
     return "\n".join(lines), fits
+
+
+def page_lines(model, sizes: dict, dtype, plan: ConfigDict, total: int,
+               budget: int | None) -> list[str]:
+    """The serving plan's pages: how many concurrent requests of --plan.request_tokens the
+    pool holds (the batcher admits a request when the pages of its prompt and max_tokens
+    are free: `Engine.pages_needed`), and with a device memory, how many pages and
+    requests the memory the rest of the plan leaves would hold."""
+    Z, slots = plan.page_size, plan.serve_slots
+    tokens = min(plan.request_tokens or plan.serve_tokens, plan.serve_tokens)
+    pages, page = check_pages(Z, plan.pages, slots, plan.serve_tokens), \
+        page_bytes(model, sizes, dtype, Z)
+    each = -(-tokens // Z)
+    lines = [f"pages: {pages} of {Z} positions ({page / 1024:,.1f} KiB per device each, one the "
+             f"scratch page): {min(slots, (pages - 1) // each)} concurrent requests of "
+             f"{tokens} tokens ({each} pages each, {slots} slots)"]
+    if budget is not None and page:
+        most = pages + (budget - total) // page
+        lines.append(f"the device memory holds --plan.pages={max(most, 0)}: "
+                     f"{max(0, (most - 1) // each)} concurrent requests of {tokens} tokens "
+                     f"with as many slots (their recurrent state aside)")
+    return lines
 
 
 def default_config(family, objective: str | None = None) -> ConfigDict:

@@ -875,22 +875,25 @@ def test_a_step_with_no_signal_leaves_the_parameters_bitwise_unchanged(task, tmp
 
 
 def test_a_group_prefills_its_prompt_once_and_samples_what_sharing_off_does(task, tmp_path):
-    """--grpo.num_generations=8: a step's rollout runs each prompt through the model once
-    (rollout/prefill_tokens: the distinct prompts' tokens once, the other copies' cached), and
-    its rows (tokens, masks, rewards, advantages) are bitwise those of
-    --grpo.share_prompts=False, which prefills all 8 copies (the twin: 8x the tokens).
+    """--grpo.num_generations=8 on a paged cache (--grpo.page_size=2): a step's rollout runs
+    each prompt through the model once (rollout/prefill_tokens: the distinct prompts' tokens
+    once, the other copies' cached) and its copies hold its full pages once
+    (rollout/cache_pages), and its rows (tokens, masks, rewards, advantages) are bitwise
+    those of the dense engine with --grpo.share_prompts=False, which prefills all 8 copies
+    (the twin: 8x the tokens).
     The engine's log-probabilities and so the loss agree to fp32 rounding, not bitwise:
     XLA's CPU matmul sums a forward of 8 prompt rows in another order than one of 64."""
     from test_checkpoint import metrics
 
     from easylm.objectives.rollouts import Rollouts
 
-    made, real_rollout = [], Rollouts.rollout
+    made, firsts, real_rollout = [], [], Rollouts.rollout
 
     def rollout(self, state, prompts, *args):
         batch, out = real_rollout(self, state, prompts, *args)
         rows = [tuple(t[:n]) for t, n in zip(prompts["prompt_tokens"], prompts["prompt_lengths"])]
         made.append((sum(map(len, rows)), sum(map(len, set(rows))), batch))
+        firsts.append(rows)
         return batch, out
 
     got = {}
@@ -899,14 +902,22 @@ def test_a_group_prefills_its_prompt_once_and_samples_what_sharing_off_does(task
         for share in (True, False):
             llama_train.main(command(task, tmp_path / str(share), total_steps=1, eval_freq=0,
                                      **{"eval_dataset.json_dataset.path": "",
-                                        "grpo.share_prompts": share}))
+                                        "grpo.share_prompts": share,
+                                        "grpo.page_size": 2 if share else 0}))
             got[share] = metrics(tmp_path / str(share))[1]
     (prompt_tokens, distinct, shared), (_, _, dense) = made
+    rows_of_first = firsts[0]
     # A prompt the batch holds twice (the task repeats some) runs once as well.
     assert got[True]["data/rollout/prefill_tokens"] == distinct < prompt_tokens
     assert got[True]["data/rollout/cached_prompt_tokens"] == 8 * prompt_tokens - distinct
     assert got[False]["data/rollout/prefill_tokens"] == 8 * prompt_tokens
     assert got[False]["data/rollout/cached_prompt_tokens"] == 0
+    # Each copy of a prompt but the first holds none of its (len - 1) // 2 full pages
+    # before its last token; a row holds at most 24 / 2 pages.
+    copies = collections.Counter(r for r in rows_of_first for _ in range(8))
+    saved = sum((n - 1) * ((len(r) - 1) // 2) for r, n in copies.items())
+    assert saved > 0 and 0 < got[True]["data/rollout/cache_pages"] <= 64 * 12 - saved
+    assert "data/rollout/cache_pages" not in got[False]
     assert shared.keys() == dense.keys()
     for key in shared:
         if key != "sampling_logps":

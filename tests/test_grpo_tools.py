@@ -600,3 +600,24 @@ def test_plan_preview_bench_and_doctor_given_tools(tools_module, tmp_path, capsy
     with pytest.raises(SystemExit) as e:
         doctor.main(["doctor", *argv, tools, f"--logger.output_dir={tmp_path}"])
     assert e.value.code == 0 and "no problems found" in capsys.readouterr().out
+
+
+@pytest.mark.extended  # a second engine's programs and 8 episodes (~40 s); CI's cover of
+# `extend` on pages: test_serving_pages' shared prompts (`prefill_after`)
+def test_episodes_on_pages_reuse_their_pages_and_sample_what_the_dense_cache_does(
+        rollouts, tools_module):
+    """--grpo.page_size: a later turn's `extend` writes onto the pages the episode's slot
+    holds (no page returned, the history not run again), so the episodes sample the dense
+    engine's tokens with its log-probabilities (to fp32 rounding, as
+    test_serving_pages.test_pages_serve_what_the_dense_cache_serves), and hold at most
+    S / 8 pages each; the prompts' tokens only are prefilled either way."""
+    _, params, tokenizer, renderer, out, engine = rollouts
+    paged = engine_lib.Engine({**ENGINE, "page_size": 8}, engine.model, params)
+    module = tools_module[1]
+    functions = [module.add, module.boom, module.hang]
+    eps = roll(paged, renderer, tokenizer, functions, True)
+    assert [e.tokens for e in eps] == [e.tokens for e in out[True]]
+    for e, dense in zip(eps, out[True]):
+        np.testing.assert_allclose(e.logprobs, dense.logprobs, atol=1e-5, rtol=0)
+    assert [e.prefilled for e in eps] == [e.prefilled for e in out[True]]
+    assert 0 < paged.pages.in_use <= 8 * S // 8

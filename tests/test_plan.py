@@ -347,3 +347,38 @@ def test_kept_offloaded_and_flash_attention_terms(monkeypatch):
         dropped = (xla.activations + xla.working_set) - (flash.activations + flash.working_set)
         assert dropped >= scores * (L if policy == "none" else 1)
         assert flash.total < xla.total
+
+
+def _serving_plan(capsys, *flags):
+    with pytest.raises(SystemExit) as exit_info:
+        plan.main(["plan", "--llama.base_model=debug", "--mesh_dim=1,1,1", "--dtype=fp32",
+                   "--plan.num_devices=1", "--plan.serve_tokens=512", *flags])
+    return exit_info.value.code, capsys.readouterr()
+
+
+def test_serving_plan_counts_requests_by_pages(capsys):
+    """With --plan.page_size the serving plan says how many requests of
+    --plan.request_tokens the pool holds: (pages - 1 scratch) // ceil(tokens / page_size),
+    at most the slots, and how many pages (and requests) the device memory left by the rest
+    of the plan holds, a page being every layer's keys and values for page_size positions
+    (debug LLaMA: 2 layers x (K, V) x kv heads x head_dim x 16 positions x 4 bytes)."""
+    from easylm.serving.memory import serving_bytes
+
+    code, out = _serving_plan(capsys, "--plan.page_size=16", "--plan.pages=100",
+                              "--plan.serve_slots=64", "--plan.request_tokens=100",
+                              "--plan.device_memory_gib=0.0625")
+    assert code == 0, out.err
+    config = FAMILY.from_preset("debug")
+    page = config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 16 * 4
+    assert f"pages: 100 of 16 positions ({page / 1024:,.1f} KiB" in out.out
+    assert "14 concurrent requests of 100 tokens (7 pages each, 64 slots)" in out.out
+    total = serving_bytes(FAMILY.bind(config), {"dp": 1, "fsdp": 1, "sp": 1, "ep": 1, "mp": 1},
+                          jnp.float32, 64, 512, 512, 512, page_size=16, pages=100)["total"]
+    most = 100 + (2**26 - total) // page
+    assert f"holds --plan.pages={most}: {(most - 1) // 7} concurrent requests" in out.out
+    # Longer requests hold more pages each: fewer fit. Bad input is one line.
+    assert "9 concurrent requests of 128 tokens (8 pages each" in _serving_plan(
+        capsys, "--plan.page_size=16", "--plan.pages=73", "--plan.serve_slots=64",
+        "--plan.request_tokens=128")[1].out
+    code, out = _serving_plan(capsys, "--plan.page_size=16", "--plan.pages=4")
+    assert code == 2 and "--plan.pages=4 cannot hold one request" in out.err

@@ -174,3 +174,90 @@ def test_a_request_that_shares_pages_with_a_finished_one_gets_its_own_tokens(tok
             assert cached == (24 + 24 + 16 + 24 + 16 if share else 0), cached
         finally:
             batcher.stop()
+
+
+def _group_rollout(engine: Engine, twin: bool = False):
+    """GRPO's rollout on 8 slots: 4 completions each of PROMPT_C (20 tokens: 2 full pages
+    before its last token) and PROMPT_A (13: 1), sampled with a key per row, prefilled in
+    one call, then 3 decode calls. Returns (tokens, logprobs, pages in use after the
+    prefill). `twin`: slot 1 (a copy of C) also takes slot 0's third page, the one C's
+    last token and slot 0's new tokens are written to (what must stay private)."""
+    vocab = engine.model.vocab_size
+    a, c = ([t % vocab for t in p] for p in (PROMPT_A, PROMPT_C))
+    sampling = Sampling.empty(8)
+    sampling.keys[:] = np.arange(16, dtype=np.uint32).reshape(8, 2)
+    sampling.temperature[:] = 1.0
+    out = [engine.fetch(engine.prefill([c] * 4 + [a] * 4, list(range(8)), sampling))]
+    in_use = engine.pages.in_use if engine.pages else None
+    if twin:
+        engine.pages.table[1, 2] = engine.pages.table[0, 2]
+        engine.pages.dirty = True
+        engine._reserve([], [])
+    out += [engine.fetch(engine.decode(sampling)) for _ in range(3)]
+    return (np.concatenate([o[0].reshape(-1) for o in out]),
+            np.concatenate([o[1].reshape(-1) for o in out]), in_use)
+
+
+def test_a_group_shares_its_prompt_pages_and_samples_what_it_samples_alone():
+    """A prefill's requests with one prompt (GRPO's num_generations completions) hold its
+    full pages before its last token once: 3 x 2 + 3 x 1 = 9 pages fewer than with sharing
+    off, and bitwise the same sampled tokens and log-probabilities (the same programs read
+    the same values; the prompt's cache written into shared pages is one row's). The
+    twin: a copy that shares the page its last token and the owner's new tokens go to
+    draws other tokens. One engine, sharing switched in its config: one set of programs."""
+    family, config = KINDS["llama"]()
+    model = family.bind(config)
+    params = jax.jit(model.init_params)(jax.random.PRNGKey(0))
+    engine = Engine({**ENGINE, "batch_size": 8, "page_size": 8}, model, params)
+    shared = _group_rollout(engine)
+    engine.config.share_prompts = False
+    engine.reset()
+    alone = _group_rollout(engine)
+    assert shared[2] == alone[2] - 9
+    for got, want in zip(shared[:2], alone[:2]):
+        np.testing.assert_array_equal(got, want)
+    engine.config.share_prompts = True
+    engine.reset()
+    twin = _group_rollout(engine, twin=True)
+    assert np.abs(twin[1] - shared[1]).max() > 1e-3
+
+
+def _long_generation(engine: Engine):
+    """PROMPT_A and PROMPT_B on 2 slots, then 4 decode calls of 4 greedy tokens (to
+    position 30 of 32). Returns (tokens, logprobs, the most pages one slot held after a
+    decode call's pages were given)."""
+    vocab = engine.model.vocab_size
+    a, b = ([t % vocab for t in p] for p in (PROMPT_A, PROMPT_B))
+    out, most = [engine.fetch(engine.prefill([a, b], [0, 1], Sampling.empty(2)))], 0
+    for _ in range(4):
+        call = engine.decode(Sampling.empty(2))
+        if engine.pages:
+            most = max(most, int((engine.pages.held - engine.pages.dropped).max()))
+        out.append(engine.fetch(call))
+    return (np.concatenate([o[0].reshape(-1) for o in out]),
+            np.concatenate([o[1].reshape(-1) for o in out]), most)
+
+
+def test_a_sliding_window_gives_back_the_pages_it_has_passed():
+    """Mistral's window of 8 on pages of 4 (every layer windowed: `Model.cache_reach` 8):
+    before a decode call of 4 steps from position p, a slot gives back its pages wholly
+    below p - 7, so it holds at most ceil((8 - 1 + 4) / 4) + 1 = 4 pages however long it
+    generates. The twin keeps every page (the engine's model with no reach declared: 8
+    pages by position 30) and draws bitwise the same tokens and log-probabilities (the
+    same programs; the window's mask weighs the given-back positions 0 as it weighs the
+    kept ones), which are the dense engine's (`test_pages_serve_what_the_dense_cache_serves`)."""
+    import dataclasses
+
+    family, config = KINDS["sliding"]()
+    model = family.bind(config)
+    assert model.cache_reach == 8 and family.bind(tiny_config()).cache_reach == 0
+    params = jax.jit(model.init_params)(jax.random.PRNGKey(0))
+    engine = Engine({**ENGINE, "page_size": 4}, model, params)
+    tokens, logprobs, most = _long_generation(engine)
+    assert most <= 4
+    engine.reset()
+    engine.model = dataclasses.replace(model, cache_reach=0)  # only `_drop_passed` reads it
+    kept_tokens, kept_logprobs, kept = _long_generation(engine)
+    assert kept == 8
+    np.testing.assert_array_equal(tokens, kept_tokens)
+    np.testing.assert_array_equal(logprobs, kept_logprobs)

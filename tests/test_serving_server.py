@@ -605,18 +605,54 @@ def test_usage_reports_prompt_tokens_served_from_a_shared_prompt(live, tokenizer
         assert usage["prompt_tokens_details"] == {"cached_tokens": cached}
 
 
-def test_64_requests_of_any_length_on_4_slots_all_get_their_answer_alone(live):
-    # A hostile mix: 64 concurrent token-id prompts of random lengths up to the
-    # context (64 positions) with 4 cache slots, so 60 wait at first: each is queued,
-    # none fails, and each gets the greedy tokens it gets alone.
+def test_64_requests_of_any_length_with_pages_for_a_quarter_all_get_their_answer_alone(
+        live, tokenizer):
+    # A hostile mix: 64 concurrent token-id prompts of random lengths up to the context
+    # (64 positions), on a paged server of 32 slots whose pool holds the pages of a
+    # quarter of them (8-position pages; a request holds its prompt's and max_tokens'),
+    # so most wait for pages: each is queued, none fails, and each gets the greedy tokens
+    # it gets alone from the dense server. Fairness, the bound the batcher keeps
+    # (`_take_turns`, `_fit_pages`: first come, first served, a request's prompts taking
+    # turns with other requests'): every request, one prompt each, is admitted in the
+    # order it arrived, so none waits behind a later one however short.
     rs = np.random.RandomState(7)
     bodies = []
     for _ in range(64):
         length = int(rs.randint(1, 60))
         bodies.append({"prompt": [rs.randint(3, 300, length).tolist()], "temperature": 0,
                        "max_tokens": int(rs.randint(1, min(12, 64 - length) + 1))})
-    with ThreadPoolExecutor(64) as pool:
-        together = list(pool.map(lambda b: post(live, "/v1/completions", b), bodies))
+    needed = sum(-(-(len(b["prompt"][0]) + b["max_tokens"]) // 8) for b in bodies)
+    batcher, _, _ = make_batcher(stop_token_ids=(tokenizer.eos_token_id,), params=live[3],
+                                 batch_size=32, page_size=8, pages=needed // 4 + 1)
+    arrived, admitted, cut = [], [], []
+    notify, admit, fit = batcher._wake.notify, batcher._admit, batcher._fit_pages
+
+    def arrive():  # under the batcher's lock, right after `submit` queued a request
+        if batcher._waiting and id(batcher._waiting[-1]) not in map(id, arrived):
+            arrived.append(batcher._waiting[-1])
+        notify()
+
+    def record_admit(generations, free):
+        admitted.extend(generations)
+        return admit(generations, free)
+
+    def record_fit(generations, free):
+        out = fit(generations, free)
+        cut.append(len(out) < len(generations))
+        return out
+
+    batcher._wake.notify, batcher._admit, batcher._fit_pages = arrive, record_admit, record_fit
+    service = server_lib.Service({"api_key": KEY, "max_tokens": 32, "max_request_bytes": 65536,
+                                  "max_prompts": 8}, batcher, tokenizer)
+    try:
+        with ServerThread(server_lib.create_app(service)) as server:
+            paged = (server.url,)
+            with ThreadPoolExecutor(64) as pool:
+                together = list(pool.map(lambda b: post(paged, "/v1/completions", b), bodies))
+    finally:
+        batcher.stop()
     assert [r.status_code for r in together] == [200] * 64
+    assert len(arrived) == 64 and [id(g) for g in admitted] == [id(g) for g in arrived]
+    assert any(cut) and batcher.engine.pages.in_use == 0  # pages held requests back
     alone = [answer(post(live, "/v1/completions", b)) for b in bodies]
     assert [answer(r) for r in together] == alone

@@ -701,6 +701,14 @@ class CausalLM(nn.Module):
         return self.init(rng, jnp.zeros((1, seq_length), jnp.int32))["params"]
 
 
+def cache_reach(lm, config) -> int:
+    """How far back any layer of the family class `lm` reads its cache: the largest of its
+    layers' sliding windows, or 0 (the whole history) when some layer has none (a global
+    layer, a recurrent or latent one)."""
+    windows = [lm.window(config, kind) for kind in lm.layer_kinds(config)]
+    return max(windows) if windows and all(windows) else 0
+
+
 def init_cache(lm, config, batch_size: int, length: int, dtype):
     """`CausalLM.init_cache` of the family class `lm`: each layer's `layer_cache`, laid out
     like the layers."""

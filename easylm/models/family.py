@@ -109,6 +109,9 @@ class Model:
     # objectives/next_token.py.
     loss_chunk_size: int = 0
     init_cache: Callable[[int, int], Any] | None = None  # (batch, length) -> zeros
+    # How far back any layer reads its cache: its layers' largest sliding window; 0: some
+    # layer reads the whole history. A paged engine frees the pages a slot has passed.
+    cache_reach: int = 0
     cache_rules: PartitionRules = ()
     max_seq_length: int = 0  # the longest row the model can take (0: no limit)
     # A mixture of experts' router losses (moe.RouterLoss); the losses then call `forward`
@@ -242,6 +245,7 @@ class ModelFamily:
             partition_rules=self.partition_rules(config), flops_per_token=config.flops_per_token,
             loss_chunk_size=config.loss_chunk_size, init_cache=module.init_cache,
             cache_rules=self.module_class.cache_rules(config),
+            cache_reach=decoder.cache_reach(self.module_class, config),
             max_seq_length=config.max_position_embeddings, eos_token_id=config.eos_token_id,
             num_layers=config.num_hidden_layers, num_parameters=config.num_parameters(),
             router_loss=config.router_loss())

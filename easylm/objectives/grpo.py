@@ -106,6 +106,11 @@ HELP = {
                           "copy its cache (the engine's share_prompts; logged as "
                           "rollout/prefill_tokens and rollout/cached_prompt_tokens); False: "
                           "each row prefills its own copy",
+    "grpo.page_size": "the rollout engine's paged cache (the engine's --page_size): "
+                      "positions per page; a group's rows then also hold their prompt's "
+                      "full pages once (with share_prompts), and a multi-turn episode's "
+                      "cache grows page by page; 0: dense, each row owns seq_length "
+                      "positions",
     "grpo.tools": "multi-turn tool use: MODULE:FN[,FN...], plain Python functions with type "
                   "hints and an Args: docstring, shown to the model through the chat "
                   "template's tools=; its <tool_call>{json}</tool_call> (Qwen/Hermes) or "
@@ -131,8 +136,8 @@ def get_default_config(updates=None) -> ConfigDict:
         reward_weights="", format_pattern="", length_buffer=0,
         importance_sampling_cap=3.0, importance_sampling_mode="token_truncate",
         importance_sampling_level="token", dynamic_sampling=False, max_sampling_rounds=4,
-        routing_replay=False, share_prompts=True, tools="", environment="", tool_timeout=10.0,
-        max_turns=4))
+        routing_replay=False, share_prompts=True, page_size=0, tools="", environment="",
+        tool_timeout=10.0, max_turns=4))
     if updates is not None:
         config.update(ConfigDict(updates).copy_and_resolve_references())
     return config
@@ -151,6 +156,7 @@ def check_options(options, seq_length: int) -> None:
               ("num_iterations", options.num_iterations >= 1, ">= 1"),
               ("max_sampling_rounds", options.max_sampling_rounds >= 1, ">= 1"),
               ("max_turns", options.max_turns >= 1, ">= 1"),
+              ("page_size", options.page_size >= 0, ">= 0 (0: dense)"),
               ("tool_timeout", options.tool_timeout >= 0, ">= 0 (0: no limit)"),
               ("importance_sampling_cap", options.importance_sampling_cap == 0 or
                options.importance_sampling_cap >= 1, "0 (off) or >= 1"),

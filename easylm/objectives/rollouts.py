@@ -268,12 +268,15 @@ def generation_metrics(generated: dict, tokens: int) -> dict:
     """A rollout's generation metrics from `Rollouts._leased`'s record and the tokens it
     sampled: seconds, tokens per second, the prompt tokens run through the model
     (prefill_tokens: a prompt a group shares once, with share_prompts) and those copied
-    from a shared prompt's cache (cached_prompt_tokens)."""
+    from a shared prompt's cache (cached_prompt_tokens); with --grpo.page_size, the cache
+    pages the rows held at the end (cache_pages: a group's prompt pages once)."""
     seconds = generated["seconds"]
+    pages = {} if generated.get("pages") is None else \
+        {"rollout/cache_pages": float(generated["pages"])}
     return {"rollout/generation_seconds": seconds,
             "rollout/tokens_per_second": tokens / max(seconds, 1e-9),
             "rollout/prefill_tokens": float(generated["prefilled"]),
-            "rollout/cached_prompt_tokens": float(generated["cached"])}
+            "rollout/cached_prompt_tokens": float(generated["cached"]), **pages}
 
 
 def _nothing(batch: dict) -> dict:
@@ -356,7 +359,8 @@ class Rollouts:
             config = engine_lib.get_default_config({
                 "batch_size": n, "seq_length": seq_length,
                 "min_bucket": seq_length - self.options.max_new_tokens,
-                "share_prompts": self.options.share_prompts})
+                "share_prompts": self.options.share_prompts,
+                "page_size": self.options.page_size})
             if self.objective.images is not None:  # a prompt's images prefill in one chunk
                 config.prefill_chunk_size = 0
             self.engines[key] = engine_lib.Engine(config, self.objective.model, None, self.mesh,
@@ -413,18 +417,15 @@ class Rollouts:
         with self._leased(state, len(repeated), T, where) as (engine, sampling, generated):
             completions, logprobs = generate(engine, repeated, sampling, o.max_new_tokens,
                                              objective.model.eos_token_id, routing, images)
-        batch, metrics = self._score_rows(prompts, prompt_ids, completions, valid, T)
+        per_function, truncated, keep = self._completion_rewards(prompts, completions, valid)
+        rows_ = token_rows(prompt_ids, completions, G, T, pad, keep)
+        rows_["sampling_logps"] = completion_values(prompt_ids, logprobs, G, T)
+        if routing is not None:  # (N, L, T, K): what the training forward replays
+            rows_["routing"] = completion_routing(routing, T)
         if images is not None:  # the rows' image inputs, for every forward over them
-            B, N = len(prompt_ids), len(repeated)
-            inputs = images.lay_out(list(range(N)), T)
-            batch.update({k: v.reshape(B, G, *v.shape[1:]) for k, v in inputs.items()})
-        batch["sampling_logps"] = completion_values(prompt_ids, logprobs, G, T).reshape(
-            batch["loss_masks"].shape)
-        if routing is not None:  # (B, G, L, T, K): what the training forward replays
-            batch["routing"] = completion_routing(routing, T).reshape(
-                *batch["loss_masks"].shape[:2], *routing[0].shape[1:2], T, -1)
-        metrics.update(generation_metrics(generated, sum(len(c) for c in completions)))
-        return batch, metrics
+            rows_.update(images.lay_out(list(range(len(repeated))), T))
+        return self._assemble(rows_, per_function, valid, truncated,
+                              [len(c) for c in completions], generated)
 
     def _prompt_images(self, prompts: dict, repeated: list):
         """The engine's `PromptImages` of an image prompts batch's G rows per prompt (a
@@ -470,7 +471,8 @@ class Rollouts:
         finally:
             engine.params = engine.base = None
             engine.release()
-        generated.update(seconds=time.perf_counter() - began, **engine.prompt_tokens)
+        generated.update(seconds=time.perf_counter() - began, **engine.prompt_tokens,
+                         pages=engine.pages.in_use if engine.pages else None)
 
     def episode_rollout(self, state, prompts: dict, T: int, where: tuple):
         """(host batch, metrics): G multi-turn episodes of each prompt's example with the
@@ -494,16 +496,10 @@ class Rollouts:
         truncated = np.asarray([e.truncated for e in episodes])
         keep = row_valid & ~(truncated & o.mask_truncated_completions)
         rows_ = episodes_lib.episode_rows(episodes, T, pad, keep)
-        logps = rows_.pop("sampling_logps")
-        routing = rows_.pop("routing", None)  # (N, L, T, K), with routing replay
         batch, metrics = self._assemble(rows_, per_function, valid, truncated,
-                                        [len(t) for t in sampled])
-        batch["sampling_logps"] = logps.reshape(B, G, T)
-        if routing is not None:  # (B, G, L, T, K): what the training forward replays
-            batch["routing"] = routing.reshape(B, G, *routing.shape[1:])
+                                        [len(t) for t in sampled], generated)
         done = [episodes[i] for i in real] or [episodes_lib.Episode(None, [], [], [], [])]
         envs = [e.env for e in done]
-        metrics.update(generation_metrics(generated, sum(map(len, sampled))))
         metrics.update({
             "rollout/turns_per_episode": float(np.mean([e.turns for e in done])),
             "rollout/prefill_tokens_per_episode": float(np.mean([e.prefilled for e in done])),
@@ -582,10 +578,11 @@ class Rollouts:
             "rounds", "sampled_groups", "dropped_groups", "surplus_groups", "empty_groups")})
         return batch, metrics, data_metrics
 
-    def _score_rows(self, prompts, prompt_ids, completions, valid, T: int):
-        """The rewards of `completions` and the host batch around them."""
+    def _completion_rewards(self, prompts, completions, valid):
+        """(each reward function's rewards (F, B, G), each completion's truncation flag
+        (N,), whether the loss keeps it (N,)) of one-turn `completions`."""
         o, objective = self.options, self.objective
-        B, G = len(prompt_ids), o.num_generations
+        B, G = len(valid), o.num_generations
         eos = objective.model.eos_token_id
         row_valid = np.repeat(valid, G)
         truncated = np.asarray([not c or c[-1] != eos for c in completions])
@@ -595,10 +592,7 @@ class Rollouts:
             skip_special_tokens=True)
         per_function = self._rewards(real, B, [prompts["examples"][i // G] for i in real],
                                      [completions[i] for i in real], texts)
-        keep = row_valid & ~(truncated & o.mask_truncated_completions)
-        batch = token_rows(prompt_ids, completions, G, T, objective.tokenizer.pad_token_id or 0,
-                           keep)
-        return self._assemble(batch, per_function, valid, truncated, [len(c) for c in completions])
+        return per_function, truncated, row_valid & ~(truncated & o.mask_truncated_completions)
 
     def _rewards(self, real, B: int, examples, completions, texts, chat: bool = False):
         """Each reward function's rewards (F, B, G) of the rows `real` (their examples,
@@ -611,15 +605,17 @@ class Rollouts:
                                                                      texts, chat=chat))
         return per_function.reshape(-1, B, G)
 
-    def _assemble(self, batch, per_function, valid, truncated, lengths):
-        """The host batch (B, G, ...) from the token rows (N, T), each function's rewards
-        (F, B, G) and the completions' truncation flags and lengths (N,)."""
+    def _assemble(self, batch, per_function, valid, truncated, lengths, generated):
+        """(the host batch (B, G, ...), metrics) of a rollout, one-turn or episodes: from
+        its rows (N, ...: token rows, sampling_logps and with routing replay routing), each
+        function's rewards (F, B, G), the completions' truncation flags and sampled
+        lengths (N,), and `_leased`'s record of the generation."""
         o, objective = self.options, self.objective
         B, G = len(valid), o.num_generations
         row_valid = np.repeat(valid, G)
         rewards, adv, std = advantages(per_function, objective.weights, o.scale_rewards,
                                        np.broadcast_to(valid[:, None], (B, G)))
-        batch = {k: v.reshape(B, G, -1) for k, v in batch.items()}
+        batch = {k: v.reshape(B, G, *v.shape[1:]) for k, v in batch.items()}
         lengths = np.asarray(lengths, np.float32)
         values = {"advantages": adv, "valid": row_valid, "reward": np.nan_to_num(rewards),
                   "reward_std": np.nan_to_num(std), "frac_reward_zero_std": np.isclose(std, 0),
@@ -628,4 +624,5 @@ class Rollouts:
             values[f"rewards/{name}/sum"] = np.nan_to_num(r)
             values[f"rewards/{name}/count"] = ~np.isnan(r)
         batch.update({k: np.asarray(v, np.float32).reshape(B, G) for k, v in values.items()})
-        return batch, {"completions/max_length": float(lengths[row_valid].max(initial=0))}
+        return batch, {"completions/max_length": float(lengths[row_valid].max(initial=0)),
+                       **generation_metrics(generated, int(lengths.sum()))}

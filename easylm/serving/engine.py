@@ -794,6 +794,35 @@ class Engine:
         if self.pages:
             self.pages.release(slot)
 
+    def _prompt_pages(self, prompts, slots, images: PromptImages | None = None):
+        """With pages: each prompt's slot gets pages for it (`_reserve`, fresh). With
+        sharing, a request whose prompt an earlier request of the same prefill has (GRPO's
+        num_generations completions of a prompt) takes that one's full pages before its
+        last token instead of pages of its own: the prefill writes the same values (one
+        prompt row's cache) into them for both, and neither writes below its last token
+        again, so each slot reads what it would from pages of its own. Image prompts share
+        only with the same images (`images.keys`), as in `_calls`."""
+        if not self.pages:
+            return
+        first, shared, own = {}, [], []
+        for i, (prompt, slot) in enumerate(zip(prompts, slots)):
+            slot, key = int(slot), (tuple(prompt), images.keys[i] if images else None)
+            if self._share_pages and key in first and slot < self.batch_size and \
+                    slot not in self._claimed:
+                shared.append((slot, first[key], len(prompt)))
+                continue
+            own.append((slot, len(prompt)))
+            if slot < self.batch_size:
+                first.setdefault(key, slot)
+        self._reserve(*zip(*own), fresh=True)
+        for slot, owner, length in shared:
+            self.pages.release(slot)
+            self._bound[slot] = self.seq_length
+            self.pages.share(slot, self.pages.table[owner, :(length - 1) // self.config.page_size]
+                             .tolist())
+        if shared:
+            self._reserve(*list(zip(*shared))[::2])
+
     def _reserve(self, slots, positions, fresh: bool = False, strict: bool = True):
         """With pages: give each of `slots` (a slot index past the last: none) pages for
         its positions 0..positions[i]-1 (`fresh`: a new request's, after returning the
@@ -887,7 +916,7 @@ class Engine:
         `images`: an image-text model's prompts' images, their embeddings put in place of
         their tokens' as the prompts are prefilled (one chunk: prefill_chunk_size=0)."""
         parts, calls = [], self._calls(prompts, slots, images)
-        self._reserve(slots, map(len, prompts), fresh=True)
+        self._prompt_pages(prompts, slots, images)
         for rows, requests in calls:
             self.state, out = self._run(self._prefill_fns[sampling.samples()], self.weights,
                                         self.state, rows,
@@ -921,7 +950,7 @@ class Engine:
         if more:
             raise ValueError(f"begin_prefill: more distinct prompts than the "
                              f"{len(rows.lengths)} one staged prefill holds")
-        self._reserve(slots, map(len, prompts), fresh=True)
+        self._prompt_pages(prompts, slots)
         U, T = rows.tokens.shape
         C, chunks = _chunking(T, self.config.prefill_chunk_size)
         start, _, _ = self._staged_fns(U, T)
@@ -1001,10 +1030,26 @@ class Engine:
         ends = np.where(active, ends, 0).astype(np.int32)
         if self.pages:  # pages for the positions the call writes, of slots holding some
             held = np.flatnonzero(active & (self.pages.held > 0))
+            self._drop_passed(held)
             self._reserve(held, np.minimum(self.positions[held] + self.config.decode_steps,
                                            self._bound[held]), strict=False)
         return self._decode(sampling, bucket_for(min(end, self.seq_length), self.decode_buckets),
                             ends, stop)
+
+    def _drop_passed(self, slots):
+        """With pages and a model whose every layer attends a sliding window
+        (`Model.cache_reach`): `slots`' pages wholly before their queries' reach give
+        back: a query at position p reads keys p - reach + 1 .. p, and this call's and
+        every later query of an active slot sits at or past its position (an `extend`
+        starts at its history's end). Their entries then read the scratch page, which
+        the window's mask weighs 0, as the dense engine's masked positions."""
+        reach, Z = self.model.cache_reach, self.config.page_size
+        if not reach:
+            return
+        for slot in slots:
+            passed = (int(self.positions[slot]) - reach + 1) // Z
+            if passed > 0:
+                self.pages.drop(int(slot), passed)
 
     def compile_decode(self, sampling: Sampling):
         """Compile now the decode program of every cache window for `sampling`'s kind

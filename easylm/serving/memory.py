@@ -61,12 +61,34 @@ def chunk_bytes(config: dict, rows: int, chunk: int, keys: int, mp: int, dtype) 
     return scores + mask + qkv + max(mlp, logits)
 
 
+def page_bytes(model, sizes: dict, dtype, page_size: int) -> int:
+    """One device's bytes of one cache page (`serving/pages.py`): `page_size` positions of
+    every positional array, heads split over mp; the page axis counted whole (a pool's
+    pages split over dp like slots would hold more). A cache of one slot less one of no
+    positions: what a slot's state (no length axis) holds cancels."""
+    def one(length):
+        return _shard_bytes(jax.eval_shape(lambda: model.init_cache(1, length, dtype)),
+                            model.cache_rules, sizes)
+    return one(page_size) - one(0)
+
+
 def serving_bytes(model, sizes: dict, dtype, slots: int, seq_length: int, prompt: int,
-                  chunk: int, rows: int = 1) -> dict:
+                  chunk: int, rows: int = 1, page_size: int = 0, pages: int = 0) -> dict:
     """{part: bytes per device} of an engine with `slots` slots of `seq_length` positions
-    prefilling `rows` prompts of `prompt` tokens `chunk` at a time (0: at once)."""
+    prefilling `rows` prompts of `prompt` tokens `chunk` at a time (0: at once); with
+    `page_size`, its cache a pool of `pages` pages (0: the engine's default, every slot's
+    whole length and the scratch page) and each slot's state."""
     params = jax.eval_shape(model.init_params, jax.random.key(0))
     cache = jax.eval_shape(lambda: model.init_cache(slots, seq_length, dtype))
+    if page_size:
+        from easylm.serving.engine import CacheLayout
+        from easylm.serving.pages import check_pages
+
+        pages = check_pages(page_size, pages, slots, seq_length)
+        cache = CacheLayout.of(model).map(
+            lambda b, s, pool, per_slot: per_slot if s is None else pool,
+            jax.eval_shape(lambda: model.init_cache(pages, page_size, dtype)),
+            jax.eval_shape(lambda: model.init_cache(slots, page_size, dtype)))
     C = prompt if chunk <= 0 or chunk >= prompt else chunk
     padded = -(-prompt // C) * C
     fresh = jax.eval_shape(lambda: model.init_cache(rows, padded, dtype))

@@ -155,6 +155,7 @@ class PageBook:
         self.page_size = page_size
         self.table = np.full((slots, -(-length // page_size)), SCRATCH, np.int32)
         self.held = np.zeros(slots, np.int64)
+        self.dropped = np.zeros(slots, np.int64)  # the first pages a slot gave back (`drop`)
         self.free = list(range(pages - 1, SCRATCH, -1))  # pop() hands out low pages first
         self.refs = np.zeros(pages, np.int64)
         self.index: dict[bytes, int] = {}  # prefix hash -> page
@@ -195,6 +196,8 @@ class PageBook:
         """Index `slot`'s full pages of `tokens` (written, or about to be, by a call sent
         before any that reads them through the index)."""
         for i, h in enumerate(self.chain(tokens)[:int(self.held[slot])]):
+            if i < self.dropped[slot]:
+                continue
             page = int(self.table[slot, i])
             if h not in self.index and page not in self.hash_of:
                 self.index[h], self.hash_of[page] = page, h
@@ -230,20 +233,31 @@ class PageBook:
         self.dirty = self.dirty or need > 0
         return True
 
-    def release(self, slot: int):
-        """`slot`'s pages back: to the free list, or when indexed (a prefix another request
-        may share) to the unused ones; its row at the scratch page."""
-        held = int(self.held[slot])
-        for page in self.table[slot, :held][::-1].tolist():
+    def _give_back(self, slot: int, start: int, end: int):
+        """`slot`'s pages start..end-1 back: to the free list, or when indexed (a prefix
+        another request may share) to the unused ones; their entries at the scratch page."""
+        for page in self.table[slot, start:end][::-1].tolist():
             self.refs[page] -= 1
             if self.refs[page] == 0:
                 if page in self.hash_of:
                     self.unused[page] = None
                 else:
                     self.free.append(page)
-        self.table[slot, :held] = SCRATCH
-        self.held[slot] = 0
-        self.dirty = self.dirty or held > 0
+        self.table[slot, start:end] = SCRATCH
+        self.dirty = self.dirty or end > start
+
+    def release(self, slot: int):
+        """All of `slot`'s pages back (`_give_back`)."""
+        self._give_back(slot, int(self.dropped[slot]), int(self.held[slot]))
+        self.held[slot] = self.dropped[slot] = 0
+
+    def drop(self, slot: int, pages: int):
+        """`slot`'s first `pages` pages back (those its sliding windows have passed: no
+        query of it reads them again); its later pages stay where they are."""
+        pages = min(pages, int(self.held[slot]))
+        if pages > self.dropped[slot]:
+            self._give_back(slot, int(self.dropped[slot]), pages)
+            self.dropped[slot] = pages
 
     @property
     def in_use(self) -> int:
@@ -251,15 +265,17 @@ class PageBook:
         return int((self.refs > 0).sum())
 
 
-def check_pages(page_size: int, pages: int, slots: int, length: int) -> int:
+def check_pages(page_size: int, pages: int, slots: int, length: int, flags: str = "") -> int:
     """The pool's page count (`pages`, or 0: enough for every slot's whole length, plus
-    the scratch page); refused in one line when it cannot hold one slot's length."""
+    the scratch page); refused in one line when it cannot hold one slot's length (`flags`:
+    the flags' prefix, "plan." for the planner's)."""
     if page_size < 0 or pages < 0:
         raise UserError(f"--page_size and --pages must be >= 0, got {page_size} and {pages}")
     per_slot = -(-length // page_size)
     if pages == 0:
         return slots * per_slot + 1
     if pages < per_slot + 1:
-        raise UserError(f"--pages={pages} cannot hold one request of --seq_length={length} "
-                        f"in pages of {page_size} (needs {per_slot} and the scratch page)")
+        raise UserError(f"--{flags}pages={pages} cannot hold one request of "
+                        f"--{flags}{'serve_tokens' if flags else 'seq_length'}={length} in "
+                        f"pages of {page_size} (needs {per_slot} and the scratch page)")
     return pages
