@@ -182,6 +182,10 @@ class HFAdapter:
     # (Qwen3-MoE, Mixtral), or interleaved, gate_0 up_0 gate_1 ... (gpt-oss); what a PEFT
     # adapter's lora_B on it is written in.
     gate_up_interleaved: bool = False
+    # Whether transformers keeps the expert stacks (E, in, out) with no `is_transposed`
+    # (Llama 4), which PEFT's parameter wrapper reads as (E, out, in): the adapter of such
+    # a stack is written as the LoRA of its transpose (A and B trade places).
+    experts_in_first: bool = False
 
 
 class ModelFamily:

@@ -31,7 +31,7 @@ from easylm.models.decoder import relayout
 from easylm.models.family import (ModelFamily, hf_adapter, hf_param_shapes, layout, load_params,
                                   torch_reference)
 from easylm.models.hf_checkpoint import (adapters_from_peft, expert_to_peft, peft_expert_names,
-                                         peft_key, peft_target_modules)
+                                         peft_key, peft_target_modules, transposed)
 from easylm.runtime import checkpoint
 from easylm.variants import lora_variant as variant
 from easylm.variants.lora import LoraConfig, LoraModel, read_peft, write_peft
@@ -77,6 +77,8 @@ class Adapters:
                 a, b = (np.asarray(jax.device_get(flat[target + leaf]), np.float32)
                         for leaf in ("_lora_a", "_lora_b"))
                 b = self._gate_up_columns(b, to_hf=True) if name == "gate_up_proj" else b
+                if hf_adapter(self.family).experts_in_first:
+                    a, b = transposed(a, b)
                 yield from zip(peft_expert_names(target, adapted), expert_to_peft(a, b))
 
     def _gate_up_columns(self, b, to_hf: bool):
@@ -92,7 +94,8 @@ class Adapters:
         """(adapters in `config`'s layout, target_modules regex selecting exactly the kernels
         they adapt) from PEFT-named tensors. With scanned layers every layer must carry the
         same adapters (a scan has one layer's parameters)."""
-        flat = adapters_from_peft(tensors, hf_param_shapes(self.family, config), rank, source)
+        flat = adapters_from_peft(tensors, hf_param_shapes(self.family, config), rank, source,
+                                  hf_adapter(self.family).experts_in_first)
         for path in [path for path in flat if path.endswith("/gate_up_proj_lora_b")]:
             flat[path] = self._gate_up_columns(flat[path], to_hf=False)
         kernels = sorted({path.rsplit("_", 2)[0] for path in flat})
