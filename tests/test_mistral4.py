@@ -118,7 +118,7 @@ def test_lora_through_the_command_exports_a_peft_adapter_equal_to_the_merged(tmp
     before, peft, merged = lora_logprobs(
         tmp_path, directory, MLA_TARGETS,
         ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj",
-         "up_proj", "down_proj"], monkeypatch)
+         "up_proj", "down_proj"], monkeypatch, transformers.Mistral4ForCausalLM)
     rel = 2 * fp32_rel(max(config.hidden_size, config.intermediate_size, 40),
                        14 * config.num_hidden_layers + 1)
     scale = float(np.abs(merged).max())
