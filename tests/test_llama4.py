@@ -174,3 +174,12 @@ def test_lora_through_the_command_exports_a_peft_adapter_equal_to_the_merged(tmp
     scale = float(np.abs(merged).max())
     assert_close(peft, merged, rel, scale)
     assert_differs(before, merged, rel, scale)
+
+
+def test_lora_adapters_as_peft_equal_ours_and_the_merged_export(tmp_path, saved):
+    """Random adapters on every projection and the expert stacks (written transposed,
+    `HFAdapter.experts_in_first`): PEFT's model on transformers' base = ours = the merged
+    export, within the logits' tolerance; twin: PEFT with its adapters disabled."""
+    directory, _, config, params = saved
+    hf_parity.check_lora_peft(FAMILY, directory, config, params, tmp_path, _rel(config, 24),
+                              hf_parity.PROJECTIONS)
