@@ -226,10 +226,13 @@ MLA_TARGETS = (r"(q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|g
                r"up_proj|down_proj)/kernel$|experts/(gate_up_proj|down_proj)$")
 
 
-def lora_logprobs(tmp_path, directory, targets, expected_modules, monkeypatch):
+def lora_logprobs(tmp_path, directory, targets, expected_modules, monkeypatch,
+                  model_class=None):
     """Two steps of `python -m easylm.train --lora.*` on hf::`directory`, exported as a PEFT
     adapter and merged: (transformers' base, the base + PEFT adapter, the merged export)
     log-probabilities of 2 random rows of 40; the adapter's target_modules checked.
+    `model_class`: transformers' class (default AutoModelForCausalLM, which knows no
+    mistral4).
 
     peft 0.21 reads target_modules gate_proj, up_proj and down_proj of a deepseek_v3 or
     glm4_moe model as transformers 4's per-expert projections and moves them onto the fused
@@ -268,7 +271,7 @@ def lora_logprobs(tmp_path, directory, targets, expected_modules, monkeypatch):
     assert sorted(written["target_modules"]) == sorted(expected_modules)
     assert written["target_parameters"]  # the routed experts' gate_up_proj and down_proj
     ids = torch.tensor(np.random.RandomState(2).randint(3, 512, (2, 40)))
-    load = transformers.AutoModelForCausalLM.from_pretrained
+    load = (model_class or transformers.AutoModelForCausalLM).from_pretrained
     base = load(directory, dtype=torch.float32).eval()
     merged = load(tmp_path / "merged", dtype=torch.float32).eval()
     with torch.no_grad():

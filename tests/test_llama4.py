@@ -150,3 +150,36 @@ def test_export_loads_in_transformers_and_equals_served(tmp_path, saved):
     _, model, config, params = saved
     hf_parity.check_export(FAMILY, model, config, params, tmp_path, "Llama4ForCausalLM",
                            hf.load_hf_params)
+
+
+@pytest.mark.extended  # two train runs' compiles and peft: ~3 min on two shared cores
+def test_lora_through_the_command_exports_a_peft_adapter_equal_to_the_merged(tmp_path, saved,
+                                                                          monkeypatch):
+    """test_deepseek_v3's LoRA check on a Llama 4 directory: 2 steps of `python -m
+    easylm.train --lora.*` on the attention, the dense and shared MLPs and the routed
+    experts (stored input-first, (E, D, 2F), which PEFT's parameter wrapper reads as (E,
+    out, in): A and B are written in each other's place); the PEFT adapter on transformers'
+    base = the merged export, to test_deepseek_v3's tolerance over this model's 9 reductions
+    a layer and the adapters' 2; twin: the base alone."""
+    from test_deepseek_v3 import lora_logprobs
+
+    directory, _, config, _ = saved
+    targets = r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)/kernel$|" \
+              r"experts/(gate_up_proj|down_proj)$"
+    before, peft, merged = lora_logprobs(
+        tmp_path, directory, targets,
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        monkeypatch)
+    rel = 2 * fp32_rel(max(config.hidden_size, 40), 11 * config.num_hidden_layers + 1)
+    scale = float(np.abs(merged).max())
+    assert_close(peft, merged, rel, scale)
+    assert_differs(before, merged, rel, scale)
+
+
+def test_lora_adapters_as_peft_equal_ours_and_the_merged_export(tmp_path, saved):
+    """Random adapters on every projection and the expert stacks (written transposed,
+    `HFAdapter.experts_in_first`): PEFT's model on transformers' base = ours = the merged
+    export, within the logits' tolerance; twin: PEFT with its adapters disabled."""
+    directory, _, config, params = saved
+    hf_parity.check_lora_peft(FAMILY, directory, config, params, tmp_path, _rel(config, 24),
+                              hf_parity.PROJECTIONS)

@@ -105,3 +105,22 @@ def test_export_loads_in_transformers_and_equals_served(tmp_path, saved):
     _, model, config, params = saved
     hf_parity.check_export(FAMILY, model, config, params, tmp_path, "Mistral4ForCausalLM",
                            hf.load_hf_params)
+
+
+@pytest.mark.extended  # two train runs' compiles and peft: ~3 min on two shared cores
+def test_lora_through_the_command_exports_a_peft_adapter_equal_to_the_merged(tmp_path, saved,
+                                                                          monkeypatch):
+    """test_deepseek_v3's LoRA check on a Mistral 4 directory (its tolerance: 14 reductions
+    a layer with the adapters'); twin: the base alone."""
+    from test_deepseek_v3 import MLA_TARGETS, lora_logprobs
+
+    directory, _, config, _ = saved
+    before, peft, merged = lora_logprobs(
+        tmp_path, directory, MLA_TARGETS,
+        ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj",
+         "up_proj", "down_proj"], monkeypatch, transformers.Mistral4ForCausalLM)
+    rel = 2 * fp32_rel(max(config.hidden_size, config.intermediate_size, 40),
+                       14 * config.num_hidden_layers + 1)
+    scale = float(np.abs(merged).max())
+    assert_close(peft, merged, rel, scale)
+    assert_differs(before, merged, rel, scale)

@@ -255,3 +255,42 @@ def test_lora_on_the_deltanet_projections_exports_adapter_equal_to_merged(tmp_pa
                    14 * config.num_hidden_layers + 1)
     assert_close(merged, peft, rel)
     assert_differs(before, peft, rel)  # the adapters moved the logits
+
+
+def test_a_qwen3_6_multimodal_directory_serves_its_text_tower_as_transformers(saved, tmp_path):
+    """Qwen3.6 (Qwen3.6-35B-A3B) ships as `qwen3_5_moe`, Qwen3_5MoeForConditionalGeneration:
+    transformers 5.25 has no Qwen3.6 class or config field, so 3.6 differs from 3.5 in its
+    weights, not its config's shape. A tiny such directory saved by transformers (a vision
+    tower of one block, the text model the fixture's) is read through hf::DIR for its text
+    tower: the same config and parameters, bit for bit, as the text directory, and
+    transformers' multimodal model gives the text model's logits on text, so the served
+    log-probabilities are those the test above holds to transformers. Twin: a text tensor
+    changed in the directory is read as changed."""
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+    config, model, _, params, _ = saved
+    if config.model_type != "qwen3_5_moe_text":
+        pytest.skip("Qwen3-Next has no multimodal checkpoint")
+    text = model.config.to_dict()
+    vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, patch_size=4,
+                  temporal_patch_size=2, out_hidden_size=config.hidden_size)
+    whole = Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(
+        text_config=text, vision_config=vision, tie_word_embeddings=False)).eval()
+    whole.model.language_model.load_state_dict(model.model.state_dict())
+    whole.lm_head.load_state_dict(model.lm_head.state_dict())
+    whole.save_pretrained(tmp_path)
+    assert registry.family_of(f"hf::{tmp_path}") == "qwen3_5"
+    read = FAMILY.hf.read_config(str(tmp_path))
+    assert read == config
+    jax.tree.map(np.testing.assert_array_equal, FAMILY.hf.read_params(str(tmp_path), read),
+                 params)
+    with torch.no_grad():  # 40 tokens: the same modules, so equal to the bit
+        logits = whole(torch.tensor([PROMPT[:40]])).logits[0].numpy()
+    np.testing.assert_array_equal(logits, torch_model_logits(model, PROMPT[:40]))
+    with torch.no_grad():
+        whole.model.language_model.layers[0].mlp.shared_expert_gate.weight.mul_(2.0)
+    whole.save_pretrained(tmp_path)
+    changed = FAMILY.hf.read_params(str(tmp_path), read)
+    assert not np.array_equal(
+        changed["model"]["layers"]["0"]["mlp"]["shared_expert_gate"]["kernel"],
+        params["model"]["layers"]["0"]["mlp"]["shared_expert_gate"]["kernel"])

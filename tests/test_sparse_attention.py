@@ -139,3 +139,15 @@ def test_lora_through_the_command_exports_a_peft_adapter_equal_to_the_merged(tmp
     scale = float(np.abs(merged).max())
     assert_close(peft, merged, rel, scale)
     assert_differs(before, merged, rel, scale)
+
+
+@pytest.mark.parametrize("name,preset", [("deepseek_v32", "deepseek_v3_2"),
+                                         ("glm_moe_dsa", "glm_5")])
+def test_the_planners_few_layers_of_a_released_shape_keep_one_dense_layer(name, preset):
+    """The planner traces 1 and 2 layers (`shard_variant`): with 3 dense layers first in
+    the preset, the few layers are checked as 1 dense first, not refused (they were)."""
+    config = registry.get(name).from_preset(preset)
+    assert config.first_k_dense_replace == 3
+    for layers in (1, 2):
+        assert config.shard_variant(layers, 1).layer_kinds()[0] == "dense"
+    assert config.shard_variant(2, 1).layer_kinds()[1] == "moe"

@@ -89,6 +89,10 @@ class DeepseekV3Config(SigmoidMoEDecoderConfig):
             raise UserError(f"{flag}.routed_bias_update_rate="
                             f"{self.routed_bias_update_rate}: mistral4's router has no "
                             f"correction bias to move")
+        for name, least in (("kv_lora_rank", 1), ("qk_rope_head_dim", 1), ("v_head_dim", 1),
+                            ("q_lora_rank", 0)):  # else a shape deep in the load names it
+            if getattr(self, name) < least:
+                raise UserError(f"{flag}.{name}={getattr(self, name)} must be >= {least}")
         try:
             self.mla()
         except ValueError as e:
@@ -292,4 +296,16 @@ DEEPSEEK_V3_PRESETS = {
     "deepseek_v3": dict(rope_type="yarn", rope_factor=40.0, rope_mscale=1.0,
                         rope_mscale_all_dim=1.0, max_position_embeddings=163840,
                         rope_beta_fast=32.0, rope_beta_slow=1.0),
+    # Kimi K2.5's text model (moonshotai/Kimi-K2.5's text_config, a Kimi K2: written from
+    # knowledge of its config.json, not verified against the released file): DeepSeek-V3's
+    # layers with 64 heads, 384 experts (8 a token) in one group, YaRN 64x over 4096.
+    # 1,026.4B parameters, 31.7B of them in the matmuls a token runs (the card: 1T, 32B
+    # activated, its vision tower apart).
+    "kimi_k2_5": dict(vocab_size=163840, num_attention_heads=64, n_routed_experts=384,
+                      num_experts_per_tok=8, n_group=1, topk_group=1, first_k_dense_replace=1,
+                      routed_scaling_factor=2.827, rope_theta=50000.0, rope_type="yarn",
+                      rope_factor=64.0, rope_original_max_position_embeddings=4096,
+                      rope_beta_fast=1.0, rope_beta_slow=1.0, rope_mscale=1.0,
+                      rope_mscale_all_dim=1.0, max_position_embeddings=262144,
+                      bos_token_id=163584, eos_token_id=163585),
 }

@@ -364,4 +364,13 @@ DEEPSEEK_V4_PRESETS = {
     # YaRN (factor 16) is from transformers' comments; original_max_position_embeddings
     # (65536) is not verified against the released config.json.
     "deepseek_v4_flash": dict(compress_rope_type="yarn", compress_rope_factor=16.0),
+    # DeepSeek-V4-Pro: Flash's layers at the card's size (written from knowledge, not
+    # verified against its config.json): 61 layers of 7168, 128 heads, 384 experts of 3072
+    # (6 a token), 16 output groups, the indexer keeping 1024; transformers' default
+    # schedule (2 HCA, then CSA and HCA alternating). 1,573.0B parameters, 48.7B active
+    # (the card: 1.6T, 49B).
+    "deepseek_v4_pro": dict(compress_rope_type="yarn", compress_rope_factor=16.0,
+                            hidden_size=7168, num_hidden_layers=61, num_attention_heads=128,
+                            q_lora_rank=1536, moe_intermediate_size=3072,
+                            n_routed_experts=384, o_groups=16, index_topk=1024),
 }

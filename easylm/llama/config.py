@@ -189,7 +189,7 @@ class LLaMAConfig(ExpertMatmulConfig, ModelConfig):
                             f"llama.mlp_only_layers={self.mlp_only_layers!r}: dense layers among "
                             f"the experts are qwen3_moe's, not {self.model_type}'s")
         if any(not 0 <= i < self.num_hidden_layers for i in self.nope_layers()):
-            raise UserError(f"llama.no_rope_layers={self.no_rope_layers!r}: a layer index "
+            raise UserError(f"--llama.no_rope_layers={self.no_rope_layers!r}: a layer index "
                             f"outside 0..{self.num_hidden_layers - 1}")
         if any(not 0 <= i < self.num_hidden_layers for i in dense):
             raise UserError(f"llama.mlp_only_layers={self.mlp_only_layers!r}: a layer index "
@@ -241,7 +241,7 @@ class LLaMAConfig(ExpertMatmulConfig, ModelConfig):
         try:
             return tuple(int(i) for i in self.no_rope_layers.replace(" ", "").split(",") if i)
         except ValueError:
-            raise UserError(f"llama.no_rope_layers={self.no_rope_layers!r}: expected "
+            raise UserError(f"--llama.no_rope_layers={self.no_rope_layers!r}: expected "
                             f"comma-separated layer indices") from None
 
     def layer_kinds(self) -> tuple[str, ...]:

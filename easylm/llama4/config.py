@@ -92,8 +92,10 @@ class Llama4Config(ExpertMatmulConfig, ModelConfig):
             fail(f"num_experts_per_tok={self.num_experts_per_tok}: Llama 4's experts weigh "
                  f"their input by the router's score, built for one expert a token (the "
                  f"released models')")
-        if self.num_local_experts < 2 or self.attention_chunk_size < 0 or self.floor_scale < 1:
-            fail("num_local_experts must be >= 2, attention_chunk_size >= 0, floor_scale >= 1")
+        for name, least in (("num_local_experts", 2), ("attention_chunk_size", 0),
+                            ("floor_scale", 1)):
+            if getattr(self, name) < least:
+                fail(f"{name}={getattr(self, name)} must be >= {least}")
 
     # ------------------------------------------------------------------ layers
 

@@ -19,7 +19,8 @@ class Llama4Family(ModelFamily):
     variants = ("lora", "int8")
     hf = HFAdapter(model_types=("llama4_text",), read_config=Llama4Config.read_hf,
                    read_params=hf_params_reader(hf.load_hf_params, Llama4ForCausalLM),
-                   write_params=hf.to_hf, not_built=NOT_BUILT)
+                   write_params=hf.to_hf, not_built=NOT_BUILT,
+                   experts_in_first=True)
 
     def partition_rules(self, config: Llama4Config):
         return PARTITION_RULES

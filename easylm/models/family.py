@@ -190,6 +190,10 @@ class HFAdapter:
     # `visual/` -> `model/visual/`): what PEFT's names of its modules follow
     # (hf_checkpoint.renamed). Empty: our paths are transformers' modules.
     module_prefixes: tuple[tuple[str, str], ...] = ()
+    # Whether transformers keeps the expert stacks (E, in, out) with no `is_transposed`
+    # (Llama 4), which PEFT's parameter wrapper reads as (E, out, in): the adapter of such
+    # a stack is written as the LoRA of its transpose (A and B trade places).
+    experts_in_first: bool = False
 
 
 class ModelFamily:

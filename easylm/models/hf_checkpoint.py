@@ -468,10 +468,18 @@ def expert_from_peft(lora_a: np.ndarray, lora_b: np.ndarray, experts: int):
             np.ascontiguousarray(lora_b.reshape(lora_b.shape[0], r, experts).transpose(2, 1, 0)))
 
 
-def _expert_adapters(tensors: Mapping, shapes: dict, rank: int, source: str) -> dict:
+def transposed(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The LoRA of a stack's transpose: (A (E, in, r), B (E, r, out)) -> (B^T, A^T), for
+    stacks that PEFT reads the other way round (`HFAdapter.experts_in_first`)."""
+    return b.swapaxes(1, 2), a.swapaxes(1, 2)
+
+
+def _expert_adapters(tensors: Mapping, shapes: dict, rank: int, source: str,
+                     in_first: bool) -> dict:
     """{expert adapter path: array} of the PEFT tensors in `tensors` on expert modules
     (taken out of `tensors`). Which parameter a lone wrapper adapts is read from its
-    shapes: gate_up_proj's A takes D inputs and its B gives 2F, down_proj's F and D."""
+    shapes: gate_up_proj's A takes D inputs and its B gives 2F, down_proj's F and D (the
+    other way round `in_first`, `transposed`)."""
     out = {}
     for stack in [path for path in shapes if path.endswith("/experts/gate_proj")]:
         E, D, F = shapes[stack]
@@ -486,8 +494,9 @@ def _expert_adapters(tensors: Mapping, shapes: dict, rank: int, source: str) -> 
             if lora_a is None or lora_b is None:
                 raise UserError(f"{source}: {prefix}{inner} needs lora_A and lora_B")
             lora_a, lora_b = to_numpy(lora_a), to_numpy(lora_b)
-            fits = {"gate_up_proj": ((rank * E, D), (2 * F, rank * E)),
-                    "down_proj": ((rank * E, F), (D, rank * E))}
+            fits = {"gate_up_proj": (D, 2 * F), "down_proj": (F, D)}
+            fits = {name: ((rank * E, o), (i, rank * E)) if in_first else
+                    ((rank * E, i), (o, rank * E)) for name, (i, o) in fits.items()}
             name = next((n for n, want in fits.items()
                          if (lora_a.shape, lora_b.shape) == want), None)
             if name is None:
@@ -495,18 +504,20 @@ def _expert_adapters(tensors: Mapping, shapes: dict, rank: int, source: str) -> 
                                 f"lora_B {lora_b.shape}, which fit neither gate_up_proj nor "
                                 f"down_proj of {E} experts at rank {rank}")
             a, b = expert_from_peft(lora_a, lora_b, E)
+            a, b = transposed(a, b) if in_first else (a, b)
             out[f"{module}/{name}_lora_a"], out[f"{module}/{name}_lora_b"] = a, b
     return out
 
 
-def adapters_from_peft(tensors: Mapping, shapes: dict, rank: int, source: str) -> dict:
+def adapters_from_peft(tensors: Mapping, shapes: dict, rank: int, source: str,
+                       experts_in_first: bool = False) -> dict:
     """{adapter path: array} from PEFT-named tensors on a model of (unscanned) parameter
     `shapes`: each one A or B of rank `rank` on one of its kernels or expert stacks (B of
     gate_up_proj in transformers' column order: the family reorders it), both for every
     adapted one; anything else is a UserError naming it."""
     kernels = {hf_module(path): path for path in shapes if path.endswith("/kernel")}
     tensors = dict(tensors)
-    adapters, bad = _expert_adapters(tensors, shapes, rank, source), []
+    adapters, bad = _expert_adapters(tensors, shapes, rank, source, experts_in_first), []
     for name, tensor in tensors.items():
         module, _, kind = name.removeprefix(PEFT_PREFIX).rpartition(".lora_")
         path = kernels.get(module)

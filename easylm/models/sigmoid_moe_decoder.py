@@ -83,8 +83,9 @@ class SigmoidMoEDecoderConfig(ExpertMatmulConfig, ModelConfig):
     def shard_variant(self, layers: int, mp: int):
         # The planner's few layers keep one dense layer first where the model has one: the
         # second of two is then one of experts, the layer it counts L - 1 times.
-        variant = super().shard_variant(layers, mp)
-        return variant.replace(first_k_dense_replace=min(self.first_k_dense_replace, 1))
+        # Set before the layers shrink, which would else check 3 dense layers of 1.
+        fewer = self.replace(first_k_dense_replace=min(self.first_k_dense_replace, 1))
+        return super(SigmoidMoEDecoderConfig, fewer).shard_variant(layers, mp)
 
     def layer_kinds(self) -> tuple[str, ...]:
         k = self.first_k_dense_replace

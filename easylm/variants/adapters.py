@@ -31,7 +31,8 @@ from easylm.models.decoder import relayout
 from easylm.models.family import (ModelFamily, hf_adapter, hf_param_shapes, layout, load_params,
                                   torch_reference)
 from easylm.models.hf_checkpoint import (adapters_from_peft, expert_to_peft, peft_expert_names,
-                                         peft_key, peft_target_modules, renamed)
+                                         peft_key, peft_target_modules, renamed,
+                                         transposed)
 from easylm.runtime import checkpoint
 from easylm.variants import lora_variant as variant
 from easylm.variants.lora import LoraConfig, LoraModel, read_peft, write_peft
@@ -91,6 +92,8 @@ class Adapters:
                 a, b = (np.asarray(jax.device_get(flat[target + leaf]), np.float32)
                         for leaf in ("_lora_a", "_lora_b"))
                 b = self._gate_up_columns(b, to_hf=True) if name == "gate_up_proj" else b
+                if hf_adapter(self.family).experts_in_first:
+                    a, b = transposed(a, b)
                 yield from zip(peft_expert_names(self._hf(target), adapted),
                                expert_to_peft(a, b))
 
@@ -110,7 +113,8 @@ class Adapters:
         shapes = {self._hf(path): shape
                   for path, shape in hf_param_shapes(self.family, config).items()}
         flat = {self._ours(path): adapter for path, adapter in
-                adapters_from_peft(tensors, shapes, rank, source).items()}
+                adapters_from_peft(tensors, shapes, rank, source,
+                                   hf_adapter(self.family).experts_in_first).items()}
         for path in [path for path in flat if path.endswith("/gate_up_proj_lora_b")]:
             flat[path] = self._gate_up_columns(flat[path], to_hf=False)
         kernels = sorted({path.rsplit("_", 2)[0] for path in flat})
