@@ -8,7 +8,7 @@
     data    the data pipeline against raw `tokenizers` batch encoding (easylm/data/throughput.py)
     decode  the serving engine's generated tokens/s (easylm/serving/decode_bench.py)
     rollout a GRPO rollout's tokens/s, dense cache against pages and shared prompts
-            (easylm/serving/rollout_bench.py)
+            (easylm/objectives/rollout_bench.py)
 
 Example, the llama_1b shape on one GPU:
 
@@ -312,7 +312,7 @@ def main(argv=None):
     if name == "data":
         from easylm.data.throughput import main as data_main
     elif name == "rollout":
-        from easylm.serving.rollout_bench import main as data_main
+        from easylm.objectives.rollout_bench import main as data_main
     else:
         from easylm.serving.decode_bench import main as data_main
     return data_main(rest)

@@ -28,6 +28,7 @@ from transformers import (
     Qwen3_5ForConditionalGeneration,
 )
 
+from easylm.data.images import chat_images
 from easylm.errors import UserError
 from easylm.models import registry
 from easylm.qwen3_5 import images as qwen_images
@@ -234,8 +235,9 @@ def image_chat_batch(hf, config, tmp_path):
                 {"role": "assistant", "content": "w77 w78 w79"}]
     text = TextProcessor({"chat": True}, vl_tokenizer(config))
     reader = qwen_images.Qwen35ImageChats(config, qwen_images.load_image_processor(hf[0]))
-    ids, masks, encoded = reader.encode_chat(text, messages, "chats.jsonl line 1",
-                                             str(tmp_path))
+    ids, masks, encoded = reader.encode_chat(
+        text, messages, chat_images(messages, "chats.jsonl line 1", str(tmp_path)),
+        "chats.jsonl line 1")
     assert list(ids[-4:]) == [77, 78, 79, 505] and masks.sum() == 4 and masks[-4:].all()
     assert (ids == config.image_token_id).sum() == 6  # 6 x 4 patches, 2 x 2 merged
     n = len(ids) - 1

@@ -86,9 +86,7 @@ class DatasetFactory:
             kind = Prompts(loader, order)
         elif images is not None and config.text_processor.chat \
                 and not config.preference.enabled:
-            problems = image_chat_problems(config, loader)
-            if problems:
-                raise UserError(problems[0])
+            _refuse_image_problems(config, loader)
             source, _ = open_source(config.type, loader, config.text_processor, tokenizer,
                                     loader.strict)
             processor = ImageChatProcessor(config.text_processor, tokenizer, images,
@@ -101,9 +99,7 @@ class DatasetFactory:
                                 f"preference pairs, which only a preference objective trains "
                                 f"on; this command trains next-token prediction")
             if images is not None and config.text_processor.chat:   # image pairs
-                problems = image_chat_problems(config, loader)
-                if problems:
-                    raise UserError(problems[0])
+                _refuse_image_problems(config, loader)
             else:
                 images = None
             source, processor = open_pairs(config, loader, tokenizer, images)
@@ -127,6 +123,13 @@ class DatasetFactory:
         if for_eval:
             dataset.require_a_usable_example(section)
         return dataset
+
+
+def _refuse_image_problems(config, loader):
+    """The first reason image chats cannot be read from this source, as a UserError."""
+    problems = image_chat_problems(config, loader)
+    if problems:
+        raise UserError(problems[0])
 
 
 class Dataset:

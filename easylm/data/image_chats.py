@@ -28,7 +28,7 @@ import os
 
 import numpy as np
 
-from easylm.data.images import data_folder
+from easylm.data.images import chat_images, data_folder, images_fit
 from easylm.data.pairs import SIDES, Pairs, PairStream, make_pair_batch
 from easylm.data.rows import restore_size
 from easylm.data.text import TextProcessor, _get
@@ -46,16 +46,6 @@ def image_chat_problems(config, loader) -> list[str]:
         problems.append("segment_ids=True: image chats are not packed (one chat per row), "
                         "so there are no segments; set it to False")
     return problems
-
-
-def images_fit(ids, image_token_id: int, row_length: int, where: str) -> str | None:
-    """Why a row of `ids` cannot be cut to `row_length` tokens (its image tokens reach
-    past it), or None."""
-    places = np.flatnonzero(ids == image_token_id)
-    if len(places) and places[-1] >= row_length - 1:
-        return (f"{where}: its image tokens reach token {places[-1] + 1}, past "
-                f"seq_length={row_length - 1}: the chat cannot be cut without cutting an image")
-    return None
 
 
 def processor_directory(tokenizer: str, load_checkpoint: str) -> str:
@@ -88,8 +78,8 @@ class ImageChatProcessor:
     def _one(self, example, where):
         try:
             messages = _get(example, "messages", where, "text_processor.chat=True")
-            ids, masks, encoded = self.images.encode_chat(self.text, messages, where,
-                                                          data_folder(where))
+            ids, masks, encoded = self.images.encode_chat(
+                self.text, messages, chat_images(messages, where, data_folder(where)), where)
         except UserError as e:
             return str(e)
         T = self.row_length - 1

@@ -14,6 +14,8 @@ import binascii
 import io
 import os
 
+import numpy as np
+
 from easylm.errors import UserError
 
 
@@ -84,3 +86,13 @@ def data_folder(where: str) -> str:
     to it ('' for a row of a huggingface dataset: the working directory)."""
     path, sep, line = where.rpartition(":")
     return os.path.dirname(path) if sep and line.isdigit() else ""
+
+
+def images_fit(ids, image_token_id: int, row_length: int, where: str) -> str | None:
+    """Why a row of `ids` cannot be cut to `row_length` tokens (its image tokens reach
+    past it), or None."""
+    places = np.flatnonzero(ids == image_token_id)
+    if len(places) and places[-1] >= row_length - 1:
+        return (f"{where}: its image tokens reach token {places[-1] + 1}, past "
+                f"seq_length={row_length - 1}: the chat cannot be cut without cutting an image")
+    return None

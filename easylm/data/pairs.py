@@ -102,12 +102,12 @@ class PreferenceProcessor:
 
     def _with_images(self, conversation, shared, where):
         """(tokens, masks, the images' encodings) of one side of an image pair, or why not."""
-        from easylm.data.image_chats import images_fit
-        from easylm.data.images import data_folder
+        from easylm.data.images import chat_images, data_folder, images_fit
 
         try:
-            ids, masks, encoded = self.images.encode_chat(self.text, conversation, where,
-                                                          data_folder(where), first=shared)
+            images = chat_images(conversation, where, data_folder(where))
+            ids, masks, encoded = self.images.encode_chat(self.text, conversation, images,
+                                                          where, first=shared)
         except UserError as e:
             return str(e)
         return images_fit(ids, self.images.image_token_id, self.row_length, where) or \

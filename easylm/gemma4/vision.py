@@ -114,6 +114,9 @@ class Gemma4VLConfig(Gemma4Config):
                                          "are padded to it (a fixed shape for the compiled "
                                          "step; a multiple of vision_pooling_kernel_size^2)")
 
+    def lora_targets(self) -> str:
+        return LORA_TARGETS[self.train_vision]
+
     def __post_init__(self):
         super().__post_init__()
         unit = self.vision_pooling_kernel_size ** 2

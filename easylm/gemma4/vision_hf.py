@@ -24,7 +24,6 @@ from easylm.gemma4.family import Gemma4Family
 from easylm.gemma4.images import Gemma4ImageChats
 from easylm.gemma4.vision import (
     GEMMA4_VL_PRESETS,
-    LORA_TARGETS,
     UNTRAINED,
     Gemma4VLConfig,
     Gemma4VLForConditionalGeneration,
@@ -97,7 +96,8 @@ class Gemma4VLFamily(Gemma4Family):
     presets = GEMMA4_VL_PRESETS
     module_class = Gemma4VLForConditionalGeneration
     # LoRA: the text model's projections (the text family's), and the vision side
-    # train_vision names (`lora_targets`); int8 serving not yet (docs/vision.md).
+    # train_vision names (its config's `lora_targets`); int8 serving not yet
+    # (docs/vision.md).
     variants = ("lora",)
     hf = HFAdapter(model_types=("gemma4",), read_config=Gemma4VLConfig.read_hf,
                    read_params=hf_params_reader(load_hf_params,
@@ -115,9 +115,6 @@ class Gemma4VLFamily(Gemma4Family):
 
     def untrained_parameters(self, config):
         return UNTRAINED[config.train_vision]
-
-    def lora_targets(self, config):
-        return LORA_TARGETS[config.train_vision]
 
 
 FAMILY = Gemma4VLFamily()

@@ -196,6 +196,11 @@ class ModelConfig:
         """Routed experts each token takes (K), 0 for a dense model."""
         return getattr(self, self.experts_per_token_field) if self.routed_experts else 0
 
+    def lora_targets(self) -> str:
+        """A regex of kernel paths a LoRA run adapts besides --lora.target_modules: the
+        part of an image-text model's vision side its config trains ('': none)."""
+        return ""
+
     def unfused(self):
         """This config computing each projection with its own matmul (what LoRA and int8
         wrap: qwix adapts the matmul that reads a module's own kernel); the same numbers."""

@@ -232,11 +232,6 @@ class ModelFamily:
         state, no weight decay): an image-text model's frozen vision tower."""
         return ()
 
-    def lora_targets(self, config: ModelConfig) -> str:
-        """A regex of kernel paths a LoRA run adapts besides --lora.target_modules: the
-        part of an image-text model's vision side its config trains ('': none)."""
-        return ""
-
     def from_preset(self, name: str, **overrides) -> ModelConfig:
         return preset_config(self.config_class, self.presets, name, self.name, **overrides)
 

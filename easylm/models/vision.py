@@ -260,16 +260,15 @@ class ImageChatReader:
         """The image tokens (embeddings from the vision tower) of an image of `grid`."""
         return self.expansion(grid).count(self.image_token_id)
 
-    def encode_chat(self, text_processor, messages, where: str, base_dir: str = "",
-                    first: int = 0):
+    def encode_chat(self, text_processor, messages, images, where: str, first: int = 0):
         """(ids, loss masks, the images' encodings) of one chat whose messages may hold
         image parts (easylm/data/images.py), rendered by the chat template
         (`text_processor`, a TextProcessor in chat mode: loss on the assistant's tokens
         from message `first` on, e.g. a preference pair's replies), each image's
-        placeholder written as the processor writes it (`expansion`), with no loss."""
-        from easylm.data.images import chat_images
-
-        encoded = self.encode_images(chat_images(messages, where, base_dir))
+        placeholder written as the processor writes it (`expansion`), with no loss.
+        `images`: the PIL images of the messages' image parts, in order (the data
+        pipeline reads them: easylm/data/images.py's `chat_images`)."""
+        encoded = self.encode_images(images)
         result = text_processor.encode_chats([(messages, first, where)], parts=True)[0]
         if isinstance(result, str):  # a row with nothing to train on: its reason
             raise UserError(result)

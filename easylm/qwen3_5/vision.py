@@ -92,6 +92,9 @@ class Qwen35VLConfig(Qwen35Config):
                                          "are padded to it (a fixed shape for the compiled "
                                          "step; a multiple of vision_spatial_merge_size^2)")
 
+    def lora_targets(self) -> str:
+        return LORA_TARGETS[self.train_vision]
+
     def __post_init__(self):
         super().__post_init__()
         unit = self.vision_spatial_merge_size ** 2

@@ -31,7 +31,6 @@ from easylm.qwen3_5.images import Qwen35ImageChats
 from easylm.qwen3_5.vision import (
     PARTITION_RULES,
     QWEN35_VL_PRESETS,
-    LORA_TARGETS,
     UNTRAINED,
     Qwen35VLConfig,
     Qwen35VLForConditionalGeneration,
@@ -112,7 +111,8 @@ class Qwen35VLFamily(Qwen35Family):
     presets = QWEN35_VL_PRESETS
     module_class = Qwen35VLForConditionalGeneration
     # LoRA: the text model's projections (the text family's), and the vision side
-    # train_vision names (`lora_targets`); int8 serving not yet (docs/vision.md).
+    # train_vision names (its config's `lora_targets`); int8 serving not yet
+    # (docs/vision.md).
     variants = ("lora",)
     hf = HFAdapter(model_types=tuple(MULTIMODAL), read_config=Qwen35VLConfig.read_hf,
                    read_params=hf_params_reader(load_hf_params,
@@ -129,9 +129,6 @@ class Qwen35VLFamily(Qwen35Family):
 
     def untrained_parameters(self, config):
         return UNTRAINED[config.train_vision]
-
-    def lora_targets(self, config):
-        return LORA_TARGETS[config.train_vision]
 
 
 FAMILY = Qwen35VLFamily()

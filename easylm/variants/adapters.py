@@ -52,10 +52,10 @@ class Adapters:
     def lora_model(self, config, lora: LoraConfig, dtype=jnp.float32,
                    param_dtype=jnp.float32) -> LoraModel:
         """The LoraModel of `config` with adapters on --lora.target_modules' kernels and
-        the family's `lora_targets` (an image-text model's trained vision side)."""
+        the config's `lora_targets` (an image-text model's trained vision side)."""
         module = self.family.module_class(config.unfused(), dtype=dtype,
                                           param_dtype=param_dtype)
-        extra = self.family.lora_targets(config)
+        extra = config.lora_targets()
         if extra:
             lora = dataclasses.replace(lora, target_modules=f"(?:{lora.target_modules})|"
                                                             f"(?:{extra})")
