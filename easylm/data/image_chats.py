@@ -30,6 +30,7 @@ from easylm.data.pairs import PairStream
 from easylm.data.rows import restore_size
 from easylm.data.text import TextProcessor, _get
 from easylm.errors import UserError
+from easylm.models.vision import processor_directory  # noqa: F401 (the trainer's)
 
 
 def image_chat_problems(config, loader) -> list[str]:
@@ -46,15 +47,6 @@ def image_chat_problems(config, loader) -> list[str]:
         problems.append("segment_ids=True: image chats are not packed (one chat per row), "
                         "so there are no segments; set it to False")
     return problems
-
-
-def processor_directory(tokenizer: str, load_checkpoint: str) -> str:
-    """Where an image-text model's image processor is saved (preprocessor_config.json):
-    beside the --tokenizer directory, else in --load_checkpoint's hf::DIR."""
-    if not os.path.isfile(os.path.join(tokenizer, "preprocessor_config.json")) \
-            and load_checkpoint.startswith("hf::"):
-        return load_checkpoint[len("hf::"):]
-    return tokenizer
 
 
 def image_runs(tokens, image_token_id: int) -> list[tuple[int, int]]:

@@ -71,3 +71,22 @@ def image_inputs(config: Gemma4VLConfig, rows, encoded, length: int) -> dict:
                           patch_values=config.patch_values(),
                           image_token_id=config.image_token_id, unit=k * k,
                           places_of=places_of, flag="--gemma4_vl.max_image_patches")
+
+
+class Gemma4ImageChats:
+    """What the server asks of an image-text model (`Service.chat_prompt`): images as
+    encodings, a chat's placeholders expanded, a batch's image inputs; Gemma 4's, with the
+    checkpoint's own image processor."""
+
+    def __init__(self, config: Gemma4VLConfig, image_processor):
+        self.config, self.image_processor = config, image_processor
+        self.image_token_id = config.image_token_id
+
+    def encode_images(self, images) -> list:
+        return encode_images(self.image_processor, images, self.config)
+
+    def expand(self, ids, encoded) -> list[int]:
+        return expand_image_tokens(ids, [grid for _, grid in encoded], self.config)
+
+    def batch_inputs(self, rows, encoded, length: int) -> dict:
+        return image_inputs(self.config, rows, encoded, length)

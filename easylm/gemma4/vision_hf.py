@@ -27,7 +27,9 @@ from easylm.gemma4.vision import (
     Gemma4VLForConditionalGeneration,
     partition_rules,
 )
+from easylm.gemma4.images import Gemma4ImageChats
 from easylm.models.family import HFAdapter, hf_params_reader
+from easylm.models.vision import load_image_processor
 from easylm.models.hf_checkpoint import HFTensors, RenamedTensors, hf_key, params_from_hf
 
 _TOWERS = ("model.vision_tower.", "model.embed_vision.")
@@ -98,13 +100,16 @@ class Gemma4VLFamily(Gemma4Family):
                                                 Gemma4VLForConditionalGeneration),
                    write_params=to_hf)
 
-    not_in_commands = ("the image-text model is read, run and written through its family "
-                       "object (easylm.gemma4.vision_hf.FAMILY), but images do not reach "
-                       "the data, the trainer or the server yet (docs/vision.md); "
-                       "--family=gemma4 trains and serves its text model")
+    not_in_commands = ("images do not reach the data or the trainer yet (docs/vision.md): "
+                       "serve and eval take the image-text model; --family=gemma4 trains "
+                       "its text model")
+    served = True
 
     def partition_rules(self, config):
         return partition_rules(config)
+
+    def image_chats(self, config, directory):
+        return Gemma4ImageChats(config, load_image_processor(directory))
 
 
 FAMILY = Gemma4VLFamily()

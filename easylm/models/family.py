@@ -204,6 +204,9 @@ class ModelFamily:
     # Why the commands (train, serve, eval, plan, bench: `variants.build`) refuse this
     # family as yet, in one line; '': they take it.
     not_in_commands: str = ""
+    # Whether the engine's commands (serve, eval: `variants.build(serving=True)`) take it
+    # even so.
+    served: bool = False
 
     def partition_rules(self, config: ModelConfig) -> PartitionRules:
         """The table of (regex on a parameter's path, PartitionSpec) that shards it."""

@@ -140,3 +140,11 @@ class Qwen35ImageChats:
     def batch_inputs(self, rows, encoded, length: int) -> dict:
         """The image inputs (B, ...) of token rows `rows` (`image_inputs`)."""
         return image_inputs(self.config, rows, encoded, length)
+
+    def encode_images(self, images) -> list:
+        """[(patches, grid)] of PIL images (`encode_images`): what the server reads."""
+        return encode_images(self.image_processor, images, self.config)
+
+    def expand(self, ids, encoded) -> list[int]:
+        """`ids` with each image's placeholder repeated per merged patch."""
+        return expand_image_tokens(ids, [grid for _, grid in encoded], self.config)

@@ -51,7 +51,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import ConfigDict
 
 from easylm.errors import UserError
-from easylm.models import decoder
+from easylm.models import decoder, vision
 from easylm.models.context_parallel import allow_whole_rows
 from easylm.models.family import Model
 from easylm.runtime.sharding import axes_size, match_partition_rules
@@ -317,7 +317,8 @@ class Settings:
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["tokens", "lengths", "slot_ids", "source", "starts"],
+                   data_fields=["tokens", "lengths", "slot_ids", "source", "starts",
+                                "images"],
                    meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class PromptRows:
@@ -330,6 +331,7 @@ class PromptRows:
     slot_ids: np.ndarray  # (n,), B for padding rows
     source: np.ndarray | None  # (n,): request i's prompt row; None: row i (U = n)
     starts: np.ndarray | None = None  # (n,) extend: each suffix's first position
+    images: dict | None = None  # (U, ...) image inputs of image prompts (`Engine.prefill`)
 
     @property
     def request_lengths(self) -> np.ndarray:
@@ -382,12 +384,13 @@ class StagedPrefill:
 
 
 def _forward(model: Model, record: bool, params, tokens, positions, cache, base,
-             segment_ids=None):
+             segment_ids=None, images=None):
     """(logits, cache, out): with `record` (routing replay, GRPO), out is a 1-tuple of the
     expert choices each token got in each MoE layer, (n, L, T, K) int16 (L in
-    `moe.router_stats`' order); else (). `segment_ids` (n, T): 0 marks padding."""
+    `moe.router_stats`' order); else (). `segment_ids` (n, T): 0 marks padding; `images`:
+    an image-text model's image inputs of the rows (easylm/models/vision.py)."""
     out = model.forward(params, tokens, positions, segment_ids, cache=cache, base=base,
-                        router_stats=record)
+                        router_stats=record, images=images)
     if not record:
         return out.logits, out.cache, ()
     n, T = tokens.shape
@@ -397,7 +400,7 @@ def _forward(model: Model, record: bool, params, tokens, positions, cache, base,
 
 
 def _prompt_chunk(model: Model, record: bool, state: bool, weights, carry, chunk_ids, start,
-                  lengths):
+                  lengths, images=None):
     """One chunk of prompts (n, C) starting at position `start` through the model over
     `carry` = (their cache of T' positions, each row's last-token logits so far (n, V)):
     the next carry, and with `record` the chunk's expert choices (`_forward`)."""
@@ -407,7 +410,7 @@ def _prompt_chunk(model: Model, record: bool, state: bool, weights, carry, chunk
     positions = jnp.broadcast_to(start + jnp.arange(C, dtype=jnp.int32), (n, C))
     segments = (positions < lengths[:, None]).astype(jnp.int32) if state else None
     logits, cache, routing = _forward(model, record, params, chunk_ids, positions, cache,
-                                      base, segments)
+                                      base, segments, images)
     at = lengths - 1 - start  # each row's last token, if it falls in this chunk
     picked = logits[jnp.arange(n), jnp.clip(at, 0, C - 1)].astype(jnp.float32)
     last = jnp.where(((at >= 0) & (at < C))[:, None], picked, last)
@@ -421,7 +424,7 @@ def _chunking(T: int, chunk: int) -> tuple[int, int]:
 
 
 def _prompt_forward(model: Model, chunk: int, record: bool, weights, tokens, lengths,
-                    start=None, state: bool = False):
+                    start=None, state: bool = False, images=None):
     """The prompts' keys/values in a fresh cache of T' >= T positions (T rounded up to a
     multiple of the chunk) and each row's logits at its last token (n, V) in fp32.
 
@@ -435,13 +438,17 @@ def _prompt_forward(model: Model, chunk: int, record: bool, weights, tokens, len
     `start`: the cache of T' positions to begin from (None: zeros). With `state` (the cache
     holds a state, `CacheLayout.has_state`), each chunk also marks the padding past each
     row's length (segment id 0), which a recurrent layer then neither reads nor writes:
-    the state a row ends with is its last real token's, however the chunks fall."""
+    the state a row ends with is its last real token's, however the chunks fall.
+
+    `images` (image prompts' image inputs, for T tokens): the vision tower runs once, so
+    the prompts go in one chunk (the engine's image programs are unchunked)."""
     n, T = tokens.shape
     C, chunks = _chunking(T, chunk)
+    assert images is None or chunks == 1, "image prompts are prefilled in one chunk"
     ids = jnp.pad(tokens, ((0, 0), (0, chunks * C - T))).reshape(n, chunks, C)
 
     def step(carry, xs):
-        return _prompt_chunk(model, record, state, weights, carry, *xs, lengths)
+        return _prompt_chunk(model, record, state, weights, carry, *xs, lengths, images)
 
     if start is None:
         start = model.init_cache(n, chunks * C)
@@ -463,7 +470,8 @@ def _prefill(settings: Settings, weights, state, rows: PromptRows, sampling: Sam
     C, chunks = _chunking(T, settings.chunk)
     start = prompt_cache(model, layout, state[0], rows.slot_ids, n, chunks * C)
     fresh, logits, routing = _prompt_forward(model, settings.chunk, settings.record, weights,
-                                             rows.tokens, rows.lengths, start, layout.has_state)
+                                             rows.tokens, rows.lengths, start, layout.has_state,
+                                             rows.images)
     return _prefill_end(settings, state, fresh, logits, routing, rows, sampling)
 
 
@@ -674,6 +682,8 @@ class Engine:
                         **out_shardings) for sample in (False, True)}
 
         self._prefill_fns = programs(_prefill)
+        # Image prompts' (`prefill`'s images): unchunked, the vision tower run once a call.
+        self._image_prefill_fns = programs(_prefill, chunk=0)
         self._decode_fns = {(sample, length): fn for length in self.decode_buckets
                             for sample, fn in programs(_decode, window=length).items()}
         self._staged = {}  # (rows, T) -> a staged prefill's programs (`_staged_fns`)
@@ -818,16 +828,17 @@ class Engine:
             return out.fetch()
         return tuple(np.asarray(x) for x in jax.device_get(out))
 
-    def _calls(self, prompts: list[list[int]], slots: list[int]) -> list[tuple]:
+    def _calls(self, prompts: list[list[int]], slots: list[int], images=None) -> list[tuple]:
         """The prefill calls for `prompts` going to `slots`: (PromptRows, the requests it
         serves), each distinct prompt once when `share_prompts` (else each request's
         own), `prefill_rows` of them a call, right-padded to the prompts' length bucket;
         each call's request rows padded to B (slot index B: dropped). Counted in
-        `prompt_tokens`."""
+        `prompt_tokens`. `images` (`prefill`'s): each prompt its own row, never shared (an
+        image's placeholder tokens are the same whatever the image)."""
         B, n = self.batch_size, len(prompts)
         distinct, firsts, source = {}, [], []
         for i, prompt in enumerate(prompts):
-            key = tuple(prompt) if self.config.share_prompts else i
+            key = tuple(prompt) if self.config.share_prompts and images is None else i
             if key not in distinct:
                 distinct[key] = len(firsts)
                 firsts.append(i)
@@ -842,21 +853,29 @@ class Engine:
             slot_ids, rows = np.full(B, B, np.int32), np.zeros(B, np.int32)
             slot_ids[:len(requests)] = [slots[i] for i in requests]
             rows[:len(requests)] = [source[i] - first for i in requests]
-            calls.append((PromptRows(tokens, lengths, slot_ids, rows), requests))
+            laid_out = None if images is None else vision.stack_rows(
+                [images[i] for i in firsts[first:first + U]], U, T)
+            calls.append((PromptRows(tokens, lengths, slot_ids, rows, images=laid_out),
+                          requests))
         ran = sum(len(prompts[i]) for i in firsts)
         self.prompt_tokens["prefilled"] += ran
         self.prompt_tokens["cached"] += sum(map(len, prompts)) - ran
         return calls
 
-    def prefill(self, prompts: list[list[int]], slots: list[int], sampling: Sampling):
+    def prefill(self, prompts: list[list[int]], slots: list[int], sampling: Sampling,
+                images=None):
         """Write prompts into `slots` and draw their first tokens, all chunks of a call
         at once, `prefill_rows` distinct prompts a call. Returns a `Prefilled` (device
         arrays; `fetch` gives tokens (1, n), logprobs (1, n), top ids and logprobs
-        (1, n, N); recording routing: then the prompts' expert choices (1, n, L, T, K))."""
-        parts, calls = [], self._calls(prompts, slots)
+        (1, n, N); recording routing: then the prompts' expert choices (1, n, L, T, K)).
+        `images`: per prompt, an image-text model's image inputs (1, ...) laid out for
+        at least its length bucket (easylm/models/vision.py); such prompts run unchunked,
+        are never shared, and leave no pages for others to share."""
+        parts, calls = [], self._calls(prompts, slots, images)
         self._reserve(slots, map(len, prompts), fresh=True)
+        programs = self._prefill_fns if images is None else self._image_prefill_fns
         for rows, requests in calls:
-            self.state, out = self._run(self._prefill_fns[sampling.samples()], self.weights,
+            self.state, out = self._run(programs[sampling.samples()], self.weights,
                                         self.state, rows,
                                         sampling.take(requests).pad(self.batch_size).snapshot())
             self._placed(rows)
@@ -867,6 +886,8 @@ class Engine:
         """The host's record of the positions of the slots `rows` were written into."""
         real = rows.slot_ids < self.batch_size
         self.positions[rows.slot_ids[real]] = rows.request_lengths[real]
+        if rows.images is not None:  # pages keyed by token ids alone: not for images
+            return
         source = np.arange(len(rows.slot_ids)) if rows.source is None else rows.source
         self._index(rows.slot_ids, [rows.tokens[u, :rows.lengths[u]] for u in source])
 

@@ -1,0 +1,201 @@
+"""Images in chat requests (`/v1/chat/completions` with OpenAI's image parts) for both
+image-text families, served by `python -m easylm.serve`'s app (`cli.build` from its flags,
+`--load_checkpoint=hf::DIR`) through FastAPI's TestClient: 8 greedy tokens of a chat with
+a data-URL image = transformers' `generate` on the same chat (the tokenizer's chat
+template, the checkpoint's image processor), and another image changes them (the negative
+twin). The checkpoints are tests/test_vision_qwen3_5.py's and test_vision_gemma4.py's tiny
+random models, saved by transformers 5.25 here with their PIL image processors.
+
+Qwen3.5's decode continues at its multimodal rotary's positions (the image takes fewer
+positions than tokens: `rope_delta` in the cache), so 8 equal tokens after an image
+check the decode continuation too. Greedy tokens are compared as ids (their texts): equal
+argmaxes, no tolerance; the random weights keep the top two logits apart by far more
+than fp32's drift (the parity tests' REL).
+"""
+
+import base64
+import io
+import re
+import types
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from PIL import Image
+
+import test_vision_gemma4 as gemma_test
+import test_vision_qwen3_5 as qwen_test
+from easylm.gemma4.vision_hf import FAMILY as GEMMA4_VL
+from easylm.models.vision import load_image_processor
+from easylm.qwen3_5.vision_hf import FAMILY as QWEN35_VL
+from easylm.serving import cli
+
+SEQ = 160  # Gemma 4's 60 soft tokens and the chat fit; Qwen's 6 too
+
+# Gemma 4's chat template in small: an image part is <|image|> (its processor writes it
+# out as <boi>, one <|image|> per soft token, <eoi>).
+GEMMA_TEMPLATE = (
+    "{% for m in messages %}<|turn>{{ m['role'] }} {% if m['content'] is string %}"
+    "{{ m['content'] }}{% else %}{% for p in m['content'] %}{% if p['type'] == 'text' %}"
+    "{{ p['text'] }} {% else %}<|image|> {% endif %}{% endfor %}{% endif %}<turn|> "
+    "{% endfor %}{% if add_generation_prompt %}<|turn>model {% endif %}")
+
+
+def gemma_tokenizer(config):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = {"<|image|>": config.image_token_id, "<boi>": config.boi_token_id,
+                "<eoi>": config.eoi_token_id, "<|turn>": 503, "<turn|>": 504}
+    vocab = {f"w{i}": i for i in range(500)} | specials | {"user": 505, "model": 506}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w3"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(list(specials))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="w2", pad_token="w0")
+    fast.chat_template = GEMMA_TEMPLATE
+    return fast
+
+
+def data_url(image: Image.Image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def user(url: str, text: str = "w40 w41") -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": text}]}]
+
+
+class Qwen:
+    family, test, size = QWEN35_VL, qwen_test, (24, 16)
+
+    @staticmethod
+    def save(directory):
+        from transformers import Qwen2VLImageProcessorPil
+
+        config = QWEN35_VL.from_preset("debug")
+        model = qwen_test.torch_model(config)
+        model.save_pretrained(directory / "hf")
+        Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2,
+                                 size={"shortest_edge": 64, "longest_edge": 1024}
+                                 ).save_pretrained(directory / "hf")
+        tokenizer = qwen_test.vl_tokenizer(config)
+        return model, tokenizer
+
+    @staticmethod
+    def inputs(directory, tokenizer, config, image):
+        """transformers' generate inputs: the template's text, <|image_pad|> repeated per
+        merged patch (as Qwen3_5Processor writes it), the image processor's features."""
+        features = load_image_processor(directory)(images=[image], return_tensors="pt")
+        n = int(features["image_grid_thw"].prod()) // config.vision_spatial_merge_size ** 2
+        text = tokenizer.apply_chat_template(user("x"), tokenize=False,
+                                             add_generation_prompt=True)
+        text = text.replace("<|image_pad|>", " ".join(["<|image_pad|>"] * n))
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+        return dict(input_ids=ids, pixel_values=features["pixel_values"],
+                    image_grid_thw=features["image_grid_thw"],
+                    mm_token_type_ids=(ids == config.image_token_id).int())
+
+
+class Gemma:
+    family, test, size = GEMMA4_VL, gemma_test, (16, 24)
+
+    @staticmethod
+    def save(directory):
+        from transformers import Gemma4ImageProcessorPil
+
+        config = GEMMA4_VL.from_preset("debug")
+        model = gemma_test.torch_model(config)
+        model.save_pretrained(directory / "hf")
+        Gemma4ImageProcessorPil(patch_size=2, max_soft_tokens=70, pooling_kernel_size=2
+                                ).save_pretrained(directory / "hf")
+        return model, gemma_tokenizer(config)
+
+    @staticmethod
+    def inputs(directory, tokenizer, config, image):
+        """... the image as Gemma4Processor.replace_image_token writes it."""
+        from transformers import Gemma4Processor
+
+        features = load_image_processor(directory)(images=[image], return_tensors="pt")
+        names = types.SimpleNamespace(boi_token="<boi>", eoi_token="<eoi>",
+                                      image_token="<|image|>")
+        text = tokenizer.apply_chat_template(user("x"), tokenize=False,
+                                             add_generation_prompt=True)
+        text = text.replace("<|image|>", Gemma4Processor.replace_image_token(
+            names, features, 0).replace("><", "> <"))
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+        return dict(input_ids=ids, pixel_values=features["pixel_values"],
+                    image_position_ids=features["image_position_ids"],
+                    mm_token_type_ids=(ids == config.image_token_id).int())
+
+
+@pytest.fixture(scope="module", params=[Qwen, Gemma], ids=["qwen3_5_vl", "gemma4_vl"])
+def served(request, tmp_path_factory):
+    """(kind, TestClient of the served app, transformers' model, tokenizer, hf dir)."""
+    kind = request.param
+    directory = tmp_path_factory.mktemp(kind.family.name)
+    model, tokenizer = kind.save(directory)
+    tokenizer.save_pretrained(directory / "tokenizer")  # apart: see test_image_chats.py
+    flags = cli.parse_flags(kind.family, [
+        "serve", f"--load_checkpoint=hf::{directory / 'hf'}",
+        f"--tokenizer={directory / 'tokenizer'}", f"--seq_length={SEQ}", "--batch_size=2",
+        "--min_bucket=32", "--max_tokens=8", "--page_size=16"])
+    app, batcher = cli.build(kind.family, flags)
+    with TestClient(app, base_url="http://127.0.0.1") as client:
+        yield kind, client, model, tokenizer, str(directory / "hf")
+    batcher.stop()
+
+
+def chat(client, messages, **fields):
+    return client.post("/v1/chat/completions", json={
+        "messages": messages, "max_tokens": 8, "temperature": 0, "logprobs": True, **fields})
+
+
+def served_tokens(client, image) -> list[str]:
+    response = chat(client, user(data_url(image)))
+    assert response.status_code == 200, response.text
+    return [entry["token"] for entry in response.json()["choices"][0]["logprobs"]["content"]]
+
+
+def generated(served, image) -> list[str]:
+    """transformers' 8 greedy tokens (to its first end of sequence, which ours stops at)."""
+    kind, _, model, tokenizer, directory = served
+    config = kind.family.hf.read_config(directory)
+    inputs = kind.inputs(directory, tokenizer, config, image)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+    new = out[0, inputs["input_ids"].shape[1]:].tolist()
+    stops = {tokenizer.eos_token_id, config.eos_token_id}
+    ended = next((i for i, t in enumerate(new) if t in stops), len(new))
+    return [tokenizer.decode([t]) for t in new[:ended]]
+
+
+def test_greedy_tokens_of_an_image_chat_equal_transformers_generate(served):
+    kind = served[0]
+    image, other = (kind.test.picture(seed, *kind.size) for seed in (0, 9))
+    ours = served_tokens(served[1], image)
+    assert ours == generated(served, image) and len(ours) >= 4
+    # The negative twin: another image, other tokens (and transformers' own).
+    twin = served_tokens(served[1], other)
+    assert twin != ours and twin == generated(served, other)
+
+
+def test_bad_images_are_json_4xx_and_the_server_keeps_serving(served):
+    """Each a 400 naming its problem, in one line; then a good request still answers."""
+    kind, client = served[:2]
+    huge = data_url(kind.test.picture(0, 200, 200))
+    for url, message in (
+            ("https://example.com/cat.png", "remote URLs are not fetched"),
+            ("data:image/png;base64,@@@@", "does not decode"),
+            ("data:image/png;base64," + base64.b64encode(b"not a png").decode(),
+             "cannot be read as an image"),
+            ("data:text/plain;base64,aGk=", "data:image/<format>;base64"),
+            (huge, "context is 160 tokens|max_image_patches")):
+        response = chat(client, user(url))
+        error = response.json()["error"]["message"]
+        assert response.status_code == 400 and "\n" not in error, error
+        assert re.search(message, error), error
+    response = chat(client, [{"role": "user", "content": [{"type": "image_url"}]}])
+    assert response.status_code == 400
+    assert served_tokens(client, kind.test.picture(0, *kind.size))
