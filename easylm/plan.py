@@ -512,6 +512,7 @@ def report(config: ConfigDict, family, num_devices: int, num_processes: int,
         "per device:",
     ]
     lines += [f"  {name:<12} {_size(size):>12}" for name, size in plan.rows()]
+    lines += _image_lines(family, model_flags.model_config(family, config), data.seq_length)
     if budget is None:
         lines.append("no device memory known: pass --plan.device_memory_gib to check the fit")
         return "\n".join(lines), True
@@ -537,6 +538,19 @@ def report(config: ConfigDict, family, num_devices: int, num_processes: int,
     return "\n".join(lines), fits
 
 
+def _image_lines(family, model_config, seq_length: int) -> list[str]:
+    """An image-text model's: its vision tower (counted in the parameters above) and the
+    patches and image tokens a row's images take at most (of the row's tokens)."""
+    budget = model_config.image_budget()
+    if budget is None:
+        return []
+    patches, tokens = budget
+    return [f"images: vision tower {model_config.vision_parameters():,} parameters (in the "
+            f"count above); a row's images up to {patches:,} patches "
+            f"(--{family.name}.max_image_patches), {tokens:,} image tokens (rows of "
+            f"{seq_length:,} tokens); the vision tower's activations are not estimated"]
+
+
 def serving_report(config: ConfigDict, family, num_devices: int, num_processes: int,
                    budget: int | None) -> tuple[str, bool]:
     """The printed serving plan (`--plan.serve_tokens`), and whether it fits."""
@@ -560,6 +574,7 @@ def serving_report(config: ConfigDict, family, num_devices: int, num_processes: 
              f"{', int8 weights' if config.get('quantize') == 'int8' else ''}",
              "per device:"]
     lines += [f"  {name:<12} {_size(size):>12}" for name, size in parts.items()]
+    lines += _image_lines(family, model_flags.model_config(family, config), plan.serve_tokens)
     fits = budget is None or parts["total"] <= budget
     if budget is None:
         lines.append("no device memory known: pass --plan.device_memory_gib to check the fit")

@@ -187,6 +187,9 @@ class Qwen35VLConfig(Qwen35Config):
     def num_parameters(self) -> int:
         return super().num_parameters() + self.vision_parameters()
 
+    def image_budget(self) -> tuple[int, int]:
+        return self.max_image_patches, self.max_image_patches // self.vision_spatial_merge_size ** 2
+
     def to_hf_config(self):
         """transformers' Qwen3_5Config (or Qwen3_5MoeConfig): the text model's config as
         Qwen35Config writes it, with the multimodal rotary's sections, and the vision
