@@ -9,6 +9,10 @@ log-likelihoods. `top_k` is accepted as an extension. Options that would change 
 output but are not implemented (penalties, logit_bias) are 400 errors, never ignored;
 so are numbers the device could not represent (a top_p that float32 flushes to 0,
 a top_k above the vocabulary, a seed beyond 64 bits).
+
+Chat messages may hold OpenAI's image parts (`{"type": "image_url", "image_url": {"url":
+DATA_URL}}`) for an image-text model (`Service.chat_prompt`; docs/vision.md): a remote URL,
+an unreadable image or images too large for the context are 400s.
 """
 
 import time
