@@ -28,7 +28,9 @@ import test_vision_qwen3_5 as qwen_test
 from easylm.gemma4.vision_hf import FAMILY as GEMMA4_VL
 from easylm.models.vision import load_image_processor
 from easylm.qwen3_5.vision_hf import FAMILY as QWEN35_VL
-from easylm.serving import cli
+from easylm.serving import cli, server as server_lib
+from easylm.serving.batcher import Batcher
+from easylm.serving.engine import Sampling
 
 # Gemma 4's chat template in small: an image part is <|image|> (its processor writes it
 # out as <boi>, one <|image|> per soft token, <eoi>).
@@ -67,69 +69,58 @@ def user(url: str, text: str = "w40 w41") -> list[dict]:
 
 class Qwen:
     # seq_length: one length bucket and one decode window (one program each): the chat
-    # (6 image tokens) is 21 tokens, 8 more and a decode call past the end fit 64.
+    # (6 image tokens) is 15 tokens, 8 more and a decode call past the end fit 64.
     family, test, size, seq = QWEN35_VL, qwen_test, (24, 16), 64
+    features = ("pixel_values", "image_grid_thw")  # what its generate reads
+    tokenizer = staticmethod(qwen_test.vl_tokenizer)
 
     @staticmethod
-    def save(directory):
+    def processor():
         from transformers import Qwen2VLImageProcessorPil
 
-        config = QWEN35_VL.from_preset("debug")
-        model = qwen_test.torch_model(config)
-        model.save_pretrained(directory / "hf")
-        Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2,
-                                 size={"shortest_edge": 64, "longest_edge": 1024}
-                                 ).save_pretrained(directory / "hf")
-        tokenizer = qwen_test.vl_tokenizer(config)
-        return model, tokenizer
+        return Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2,
+                                        size={"shortest_edge": 64, "longest_edge": 1024})
 
     @staticmethod
-    def inputs(directory, tokenizer, config, image):
-        """transformers' generate inputs: the template's text, <|image_pad|> repeated per
-        merged patch (as Qwen3_5Processor writes it), the image processor's features."""
-        features = load_image_processor(directory)(images=[image], return_tensors="pt")
+    def expand(text, features, config):
+        """<|image_pad|> repeated per merged patch, as Qwen3_5Processor writes it."""
         n = int(features["image_grid_thw"].prod()) // config.vision_spatial_merge_size ** 2
-        text = tokenizer.apply_chat_template(user("x"), tokenize=False,
-                                             add_generation_prompt=True)
-        text = text.replace("<|image_pad|>", " ".join(["<|image_pad|>"] * n))
-        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
-        return dict(input_ids=ids, pixel_values=features["pixel_values"],
-                    image_grid_thw=features["image_grid_thw"],
-                    mm_token_type_ids=(ids == config.image_token_id).int())
+        return text.replace("<|image_pad|>", " ".join(["<|image_pad|>"] * n))
 
 
 class Gemma:
-    # The chat (62 image tokens with <boi> and <eoi>) is 77 tokens. Its processor resizes
+    # The chat (60 image tokens, <boi> and <eoi>) is 69 tokens. Its processor resizes
     # any image to at most 70 soft tokens, which fit: no image is too large.
     family, test, size, seq = GEMMA4_VL, gemma_test, (16, 24), 128
+    features = ("pixel_values", "image_position_ids")
+    tokenizer = staticmethod(gemma_tokenizer)
 
     @staticmethod
-    def save(directory):
+    def processor():
         from transformers import Gemma4ImageProcessorPil
 
-        config = GEMMA4_VL.from_preset("debug")
-        model = gemma_test.torch_model(config)
-        model.save_pretrained(directory / "hf")
-        Gemma4ImageProcessorPil(patch_size=2, max_soft_tokens=70, pooling_kernel_size=2
-                                ).save_pretrained(directory / "hf")
-        return model, gemma_tokenizer(config)
+        return Gemma4ImageProcessorPil(patch_size=2, max_soft_tokens=70, pooling_kernel_size=2)
 
     @staticmethod
-    def inputs(directory, tokenizer, config, image):
-        """... the image as Gemma4Processor.replace_image_token writes it."""
+    def expand(text, features, config):
+        """The image as Gemma4Processor.replace_image_token writes it."""
         from transformers import Gemma4Processor
 
-        features = load_image_processor(directory)(images=[image], return_tensors="pt")
         names = types.SimpleNamespace(boi_token="<boi>", eoi_token="<eoi>",
                                       image_token="<|image|>")
-        text = tokenizer.apply_chat_template(user("x"), tokenize=False,
-                                             add_generation_prompt=True)
-        text = text.replace("<|image|>", Gemma4Processor.replace_image_token(
+        return text.replace("<|image|>", Gemma4Processor.replace_image_token(
             names, features, 0).replace("><", "> <"))
-        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
-        return dict(input_ids=ids, pixel_values=features["pixel_values"],
-                    image_position_ids=features["image_position_ids"],
-                    mm_token_type_ids=(ids == config.image_token_id).int())
+
+
+def generate_inputs(kind, directory, tokenizer, config, image) -> dict:
+    """transformers' generate inputs: the chat template's text, the image's placeholder
+    expanded as the family's processor writes it, the image processor's features."""
+    features = load_image_processor(directory)(images=[image], return_tensors="pt")
+    text = tokenizer.apply_chat_template(user("x"), tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(kind.expand(text, features, config), add_special_tokens=False,
+                    return_tensors="pt").input_ids
+    return dict(input_ids=ids, **{key: features[key] for key in kind.features},
+                mm_token_type_ids=(ids == config.image_token_id).int())
 
 
 # Gemma 4's (about a minute on two cores) is before a release: CI's Qwen3.5 covers the
@@ -140,15 +131,22 @@ def served(request, tmp_path_factory):
     """(kind, TestClient of the served app, transformers' model, tokenizer, hf dir)."""
     kind = request.param
     directory = tmp_path_factory.mktemp(kind.family.name)
-    model, tokenizer = kind.save(directory)
+    config = kind.family.from_preset("debug")
+    model, tokenizer = kind.test.torch_model(config), kind.tokenizer(config)
+    model.save_pretrained(directory / "hf")
+    kind.processor().save_pretrained(directory / "hf")
     tokenizer.save_pretrained(directory / "tokenizer")  # apart: see test_image_chats.py
     flags = cli.parse_flags(kind.family, [
         "serve", f"--load_checkpoint=hf::{directory / 'hf'}",
         f"--tokenizer={directory / 'tokenizer'}", f"--seq_length={kind.seq}",
         f"--min_bucket={kind.seq}", "--batch_size=2", "--max_tokens=8", "--page_size=16"])
-    app, batcher = cli.build(kind.family, flags)
-    with TestClient(app, base_url="http://127.0.0.1") as client:
-        yield kind, client, model, tokenizer, str(directory / "hf")
+    # cli.build's pieces, the service kept for the sharing check.
+    engine, tokenizer, stop_ids = cli.load_engine(kind.family, flags)
+    batcher = Batcher(engine, stop_ids).start()
+    service = server_lib.Service(flags, batcher, tokenizer,
+                                 *cli.image_reader(kind.family, flags))
+    with TestClient(server_lib.create_app(service), base_url="http://127.0.0.1") as client:
+        yield kind, client, model, tokenizer, str(directory / "hf"), service
     batcher.stop()
 
 
@@ -167,7 +165,7 @@ def generated(served, image) -> list[str]:
     """transformers' 8 greedy tokens (to its first end of sequence, which ours stops at)."""
     kind, _, model, tokenizer, directory = served
     config = kind.family.hf.read_config(directory)
-    inputs = kind.inputs(directory, tokenizer, config, image)
+    inputs = generate_inputs(kind, directory, tokenizer, config, image)
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
     new = out[0, inputs["input_ids"].shape[1]:].tolist()
@@ -184,6 +182,18 @@ def test_greedy_tokens_of_an_image_chat_equal_transformers_generate(served):
     # The negative twin: another image, other tokens (and transformers' own).
     twin = served_tokens(served[1], other)
     assert twin != ours and twin == generated(served, other)
+
+    # Both prompts in one prefill call: the same token ids, never shared (each its own
+    # image's first token; shared by ids, both would take the first's).
+    service = served[5]
+    parts = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "w40 w41"}]}]
+    (ids, first), (same, second) = (service.chat_prompt(parts, [data_url(x)])
+                                    for x in (image, other))
+    assert ids == same
+    engine = service.batcher.engine
+    tokens = service.batcher.run(lambda: engine.fetch(engine.prefill(
+        [ids, same], [0, 1], Sampling.empty(2), images=[first, second]))[0]).result()
+    assert [service.tokenizer.decode([t]) for t in tokens[0]] == [ours[0], twin[0]]
 
 
 def test_bad_images_are_json_4xx_and_the_server_keeps_serving(served):
