@@ -128,7 +128,8 @@ def generate_inputs(kind, directory, tokenizer, config, image) -> dict:
 @pytest.fixture(scope="module", params=[Qwen, pytest.param(Gemma, marks=pytest.mark.extended)],
                 ids=["qwen3_5_vl", "gemma4_vl"])
 def served(request, tmp_path_factory):
-    """(kind, TestClient of the served app, transformers' model, tokenizer, hf dir)."""
+    """(kind, TestClient of the served app, transformers' model, tokenizer, hf dir,
+    the Service)."""
     kind = request.param
     directory = tmp_path_factory.mktemp(kind.family.name)
     config = kind.family.from_preset("debug")
@@ -163,7 +164,7 @@ def served_tokens(client, image) -> list[str]:
 
 def generated(served, image) -> list[str]:
     """transformers' 8 greedy tokens (to its first end of sequence, which ours stops at)."""
-    kind, _, model, tokenizer, directory = served
+    kind, _, model, tokenizer, directory, _ = served
     config = kind.family.hf.read_config(directory)
     inputs = generate_inputs(kind, directory, tokenizer, config, image)
     with torch.no_grad():
