@@ -682,8 +682,7 @@ class Engine:
                         **out_shardings) for sample in (False, True)}
 
         self._prefill_fns = programs(_prefill)
-        # Image prompts' (`prefill`'s images): unchunked, the vision tower run once a call.
-        self._image_prefill_fns = programs(_prefill, chunk=0)
+        self._image_prefill_fns = programs(_prefill, chunk=0)  # `prefill`'s images: unchunked
         self._decode_fns = {(sample, length): fn for length in self.decode_buckets
                             for sample, fn in programs(_decode, window=length).items()}
         self._staged = {}  # (rows, T) -> a staged prefill's programs (`_staged_fns`)
