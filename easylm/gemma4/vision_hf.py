@@ -28,7 +28,7 @@ from easylm.gemma4.vision import (
     partition_rules,
 )
 from easylm.gemma4.images import Gemma4ImageChats
-from easylm.models.family import HFAdapter, hf_params_reader
+from easylm.models.family import SERVED, HFAdapter, hf_params_reader
 from easylm.models.vision import load_image_processor
 from easylm.models.hf_checkpoint import HFTensors, RenamedTensors, hf_key, params_from_hf
 
@@ -100,10 +100,8 @@ class Gemma4VLFamily(Gemma4Family):
                                                 Gemma4VLForConditionalGeneration),
                    write_params=to_hf)
 
-    not_in_commands = ("images do not reach the data or the trainer yet (docs/vision.md): "
-                       "serve and eval take the image-text model; --family=gemma4 trains "
-                       "its text model")
-    served = True
+    not_in_commands = SERVED + ("but images do not reach the data or the trainer yet "
+                                "(docs/vision.md); --family=gemma4 trains its text model")
 
     def partition_rules(self, config):
         return partition_rules(config)

@@ -184,6 +184,10 @@ class HFAdapter:
     gate_up_interleaved: bool = False
 
 
+# How a `not_in_commands` refusal starts when the engine's commands take the family.
+SERVED = "serve and eval take it, "
+
+
 class ModelFamily:
     """What a family is: subclass (or instantiate) once per family, named in
     `easylm.models.registry`. docs/families.md walks through writing one."""
@@ -203,10 +207,9 @@ class ModelFamily:
     hf: HFAdapter | None = None  # None: no Hugging Face checkpoints
     # Why the commands (train, serve, eval, plan, bench: `variants.build`) refuse this
     # family as yet, in one line; '': they take it.
+    # One starting with SERVED ("serve and eval take it: ...") spares the engine's commands
+    # (`variants.build(serving=True)`).
     not_in_commands: str = ""
-    # Whether the engine's commands (serve, eval: `variants.build(serving=True)`) take it
-    # even so.
-    served: bool = False
 
     def partition_rules(self, config: ModelConfig) -> PartitionRules:
         """The table of (regex on a parameter's path, PartitionSpec) that shards it."""

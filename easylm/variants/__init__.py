@@ -11,7 +11,7 @@ import jax
 from easylm import model_flags
 from easylm.errors import UserError
 from easylm.models import decoder
-from easylm.models.family import Model, ModelFamily
+from easylm.models.family import SERVED, Model, ModelFamily
 
 
 def _offered(family: ModelFamily, serving: bool = False) -> list:
@@ -86,7 +86,7 @@ def build(family: ModelFamily, flags, config=None, from_checkpoint: bool = False
     `serving`, its int8 weight-only model (easylm/variants/quantize.py), read as the float
     one (with the adapters of --lora_checkpoint folded in) and quantized on the devices.
     int8 is refused for training, and without `serving`, in one line."""
-    if family.not_in_commands and not (serving and family.served):
+    if family.not_in_commands and not (serving and family.not_in_commands.startswith(SERVED)):
         raise UserError(f"--family={family.name}: {family.not_in_commands}")
     if config is None:
         config = model_flags.model_config(family, flags, from_checkpoint)
