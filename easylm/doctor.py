@@ -11,6 +11,8 @@ prints the library versions, the backend and each process's devices, and checks:
     the rows split over sp, the experts over ep, --context_parallel has an sp to use
     every process joined, and a sum over all devices sees all of them
     the compilation cache directory (if set) and `--logger.output_dir` are writable
+    an image-text model's chats: the image processor is there, and the images of the
+    first rows (IMAGE_ROWS) of --train_dataset.json_dataset.path read
 
 Process 0 prints the report; every process prints its own problems, one line
 each (`problem: ...`). Exit status: 0 healthy, 1 problems, 2 bad flags or a peer
@@ -35,6 +37,7 @@ from easylm.runtime import distributed
 from easylm.runtime.sharding import check_batch_split, make_mesh, mesh_string
 from easylm.training import options as trainer
 
+IMAGE_ROWS = 16  # the image chats whose images the doctor reads
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "transformers")
 # Reported when installed: the accelerator plugins jax runs on.
 PLUGINS = ("jax-cuda12-plugin", "jax-cuda12-pjrt", "jax-cuda13-plugin", "libtpu",
@@ -124,7 +127,29 @@ def _model_problems(config, family, mesh) -> list[str]:
     except UserError as e:
         problems.append(str(e))
     return problems + variants.training_problems(family, config) + trainer.mesh_problems(
-        config, model_config, mesh.shape, lengths)
+        config, model_config, mesh.shape, lengths) + _image_problems(config, family,
+                                                                     model_config)
+
+
+def _image_problems(config, family, model_config) -> list[str]:
+    """An image-text model's image chats (a json source): its image processor, and each
+    image of the first IMAGE_ROWS rows read (a missing or unreadable one: a line naming
+    the file and row)."""
+    from easylm.data.images import first_rows_problems
+    from easylm.models.vision import processor_directory
+
+    data = config.train_dataset
+    if not data.text_processor.chat or data.type != "json":
+        return []
+    try:
+        images = family.image_chats(model_config, processor_directory(config.tokenizer,
+                                                                      config.load_checkpoint))
+    except UserError as e:
+        return [str(e)]
+    path = data.json_dataset.path
+    if images is None or not os.path.isfile(path):
+        return []
+    return first_rows_problems(path, IMAGE_ROWS)
 
 
 def check(config, family=None) -> tuple[list[str], list[str]]:

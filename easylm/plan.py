@@ -522,6 +522,7 @@ def report(config: ConfigDict, family, num_devices: int, num_processes: int,
         "per device:",
     ]
     lines += [f"  {name:<12} {_size(size):>12}" for name, size in plan.rows()]
+    lines += _image_lines(family, model_flags.model_config(family, config), data.seq_length)
     if budget is None:
         lines.append("no device memory known: pass --plan.device_memory_gib to check the fit")
         return "\n".join(lines), True
@@ -545,6 +546,19 @@ def report(config: ConfigDict, family, num_devices: int, num_processes: int,
             flags = " ".join(f"--{k}={v}" for k, v in changes.items())
             lines.append(f"fix: {flags} -> {_size(fixed.total)} per device")
     return "\n".join(lines), fits
+
+
+def _image_lines(family, model_config, seq_length: int) -> list[str]:
+    """An image-text model's: its vision tower (counted in the parameters above) and the
+    patches and image tokens a row's images take at most (of the row's tokens)."""
+    budget = model_config.image_budget()
+    if budget is None:
+        return []
+    patches, tokens = budget
+    return [f"images: vision tower {model_config.vision_parameters():,} parameters (in the "
+            f"count above); a row's images up to {patches:,} patches "
+            f"(--{family.name}.max_image_patches), {tokens:,} image tokens (rows of "
+            f"{seq_length:,} tokens); the vision tower's activations are not estimated"]
 
 
 def serving_report(config: ConfigDict, family, num_devices: int, num_processes: int,
@@ -578,6 +592,7 @@ def serving_report(config: ConfigDict, family, num_devices: int, num_processes: 
     lines += [f"  {name:<12} {_size(size):>12}" for name, size in parts.items()]
     if plan.page_size:
         lines += page_lines(model, sizes, compute, plan, parts["total"], budget)
+    lines += _image_lines(family, model_flags.model_config(family, config), plan.serve_tokens)
     fits = budget is None or parts["total"] <= budget
     if budget is None:
         lines.append("no device memory known: pass --plan.device_memory_gib to check the fit")

@@ -135,3 +135,52 @@ def test_options_of_a_block_the_type_does_not_read_are_a_problem(data_of_each_ty
                                "--train_dataset.json_dataset.path=other.jsonl"], capsys)
     assert code == 1 and err == ("problem: --train_dataset.json_dataset.path is set but "
                                  "--train_dataset.type=mixture reads --train_dataset.mixture.*\n")
+
+
+@pytest.fixture(scope="module")
+def qwen_vl(tmp_path_factory):
+    """A tiny Qwen3.5 image-text checkpoint's config.json and PIL image processor, saved by
+    transformers (the doctor reads no weights)."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    from easylm.qwen3_5.vision_hf import FAMILY
+
+    directory = tmp_path_factory.mktemp("doctor_vl") / "hf"
+    FAMILY.from_preset("debug").to_hf_config().save_pretrained(directory)
+    Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2).save_pretrained(
+        directory)
+    return directory
+
+
+def test_the_images_of_the_first_rows_are_read(qwen_vl, tmp_path, capsys):
+    """Each missing or unreadable image of the first rows is one line naming file and row;
+    rows past doctor.IMAGE_ROWS are not read; a checkpoint with no image processor says so."""
+    import json
+
+    from PIL import Image
+
+    Image.new("RGB", (16, 24), (200, 30, 30)).save(tmp_path / "photo.png")
+    (tmp_path / "broken.png").write_bytes(b"not a png")
+    chat = lambda image: json.dumps({"messages": [  # noqa: E731
+        {"role": "user", "content": [{"type": "image", "image": image}]},
+        {"role": "assistant", "content": "w1"}]}) + "\n"
+    path = tmp_path / "chats.jsonl"
+    rows = [chat("photo.png"), chat("missing.png"), chat("broken.png")]
+    path.write_text("".join(rows + [chat("photo.png")] * (doctor.IMAGE_ROWS - 3)
+                            + [chat("late.png")]))
+    argv = ["--family=qwen3_5_vl", f"--load_checkpoint=hf::{qwen_vl}",
+            f"--tokenizer={qwen_vl}", "--train_dataset.text_processor.chat=True",
+            f"--train_dataset.json_dataset.path={path}", f"--logger.output_dir={tmp_path}"]
+    code, _, err = run_doctor(argv, capsys)
+    assert code == 1
+    assert err.splitlines() == [
+        f"problem: {path}:2: image {tmp_path}/missing.png: no such file",
+        f"problem: {path}:3: image broken.png: cannot be read as an image (cannot identify "
+        f"image file '{tmp_path}/broken.png')"]
+    path.write_text(rows[0])
+    assert run_doctor(argv, capsys)[0] == 0
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text((qwen_vl / "config.json").read_text())
+    code, _, err = run_doctor([*argv[:1], f"--load_checkpoint=hf::{tmp_path}/hf",
+                               f"--tokenizer={tmp_path}/hf", *argv[3:]], capsys)
+    assert code == 1 and "no preprocessor_config.json" in err and len(err.splitlines()) == 1

@@ -382,3 +382,25 @@ def test_serving_plan_counts_requests_by_pages(capsys):
         "--plan.request_tokens=128")[1].out
     code, out = _serving_plan(capsys, "--plan.page_size=16", "--plan.pages=4")
     assert code == 2 and "--plan.pages=4 cannot hold one request" in out.err
+
+def test_an_image_text_checkpoint_plans_its_vision_tower_and_image_tokens(tmp_path, capsys):
+    """`python -m easylm.plan --family=qwen3_5_vl --load_checkpoint=hf::DIR` (config.json
+    saved by transformers): the vision tower's parameters as built (counted from the
+    model's own shapes) and a row's image budget, in the training and the serving plan."""
+    import numpy as np
+
+    from easylm.qwen3_5.vision_hf import FAMILY as QWEN35_VL
+
+    config = QWEN35_VL.from_preset("debug", max_image_patches=256)
+    config.to_hf_config().save_pretrained(tmp_path)
+    shapes = jax.eval_shape(QWEN35_VL.bind(config).init_params, jax.random.PRNGKey(0))
+    built = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes["visual"]))
+    argv = ["--family=qwen3_5_vl", f"--load_checkpoint=hf::{tmp_path}",
+            "--qwen3_5_vl.max_image_patches=256", "--plan.device_memory_gib=1"]
+    line = (f"images: vision tower {built:,} parameters (in the count above); a row's images "
+            f"up to 256 patches (--qwen3_5_vl.max_image_patches), 64 image tokens (rows of "
+            f"{{}} tokens); the vision tower's activations are not estimated")
+    code, out, _ = run_plan([*argv, "--train_dataset.json_dataset.seq_length=96"], capsys)
+    assert code == 0 and line.format(96) in out.splitlines()
+    code, out, _ = run_plan([*argv, "--plan.serve_tokens=128"], capsys)
+    assert code == 0 and line.format(128) in out.splitlines()

@@ -320,8 +320,8 @@ def _shared_rollout(engine, share: bool, prompts, staged: bool, wrong=False):
     engine.config.share_prompts = share  # read at each prefill: one engine, its programs
     calls = engine._calls
 
-    def misplaced(prompts, slots):
-        out = calls(prompts, slots)
+    def misplaced(prompts, slots, *images):
+        out = calls(prompts, slots, *images)
         for rows, requests in out:
             n, distinct = len(requests), int(rows.source[:len(requests)].max()) + 1
             rows.source[:n] = (rows.source[:n] + 1) % distinct

@@ -115,6 +115,10 @@ HOSTILE = [
     ("image content part", request("POST", "/v1/chat/completions", js(
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]})),
      400, "messages.0.content"),
+    ("an image to a text model", request("POST", "/v1/chat/completions", js(
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+            "url": "data:image/png;base64,iVBORw0KGgo="}}]}]})), 400,
+     "hold 1 image part(s), but this model reads no images"),
     ("top_logprobs 99", request("POST", "/v1/chat/completions", js(
         {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 99})),
      400, "top_logprobs"),

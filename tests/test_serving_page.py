@@ -205,6 +205,38 @@ def test_chat_page_streams_an_answer(browser, servers):
     assert partial != shown and shown.startswith(partial), (partial, shown)
 
 
+def test_an_attached_image_goes_as_a_data_url_image_part(browser, servers, tmp_path):
+    """The file input's image is sent as OpenAI's image part (a data URL of the file's
+    bytes) before the text; this text-only server refuses it in one readable line, which
+    the page shows, and the page then sends text alone again."""
+    import base64
+
+    from PIL import Image
+    from selenium.webdriver.common.by import By
+
+    service, url = servers["open"]
+    path = tmp_path / "red.png"
+    Image.new("RGB", (4, 4), (255, 0, 0)).save(path)
+    sent, real = [], service.chat_prompt
+    service.chat_prompt = lambda messages, references: (
+        sent.append((messages, references)), real(messages, references))[1]
+    try:
+        open_page(browser, url)
+        browser.find_element(By.ID, "image").send_keys(str(path))
+        assert js(browser, "return document.getElementById('attached').textContent") == "red.png"
+        type_and_send(browser, "What colour?")
+        wait_until(browser, lambda: replies_done(browser, 1), "the refusal")
+    finally:
+        service.chat_prompt = real
+    (messages, references), = sent
+    assert references == ["data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()]
+    assert messages[-1]["content"] == [{"type": "image"}, {"type": "text", "text": "What colour?"}]
+    assert "reads no images" in last(browser, ".message.notice")
+    assert last(browser, ".message.user img", "src") == references[0]
+    # Sent once: the attachment is cleared.
+    assert js(browser, "return document.getElementById('image').files.length") == 0
+
+
 def test_stop_cancels_the_request_and_frees_its_slot(browser, servers):
     service, url = servers["open"]
     batcher = servers["batcher"]

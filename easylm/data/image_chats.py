@@ -48,15 +48,6 @@ def image_chat_problems(config, loader) -> list[str]:
     return problems
 
 
-def processor_directory(tokenizer: str, load_checkpoint: str) -> str:
-    """Where an image-text model's image processor is saved (preprocessor_config.json):
-    beside the --tokenizer directory, else in --load_checkpoint's hf::DIR."""
-    if not os.path.isfile(os.path.join(tokenizer, "preprocessor_config.json")) \
-            and load_checkpoint.startswith("hf::"):
-        return load_checkpoint[len("hf::"):]
-    return tokenizer
-
-
 def image_runs(tokens, image_token_id: int) -> list[tuple[int, int]]:
     """(start, end) of each run of image tokens in `tokens` (one run an image)."""
     edges = np.diff(np.concatenate([[0], (tokens == image_token_id).astype(np.int8), [0]]))

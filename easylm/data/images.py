@@ -12,6 +12,7 @@ and where it was (the data file and row, or the request).
 import base64
 import binascii
 import io
+import json
 import os
 
 import numpy as np
@@ -96,3 +97,24 @@ def images_fit(ids, image_token_id: int, row_length: int, where: str) -> str | N
         return (f"{where}: its image tokens reach token {places[-1] + 1}, past "
                 f"seq_length={row_length - 1}: the chat cannot be cut without cutting an image")
     return None
+
+
+def first_rows_problems(path: str, rows: int) -> list[str]:
+    """One line per image of the first `rows` chats of the JSONL file `path` that cannot
+    be read (missing, unreadable, remote), naming the file and row as the data pipeline
+    does ('path:line'): what `python -m easylm.doctor` checks before a run."""
+    problems = []
+    with open(path) as f:
+        for line, text in enumerate(f, start=1):
+            if line > rows:
+                break
+            where = f"{path}:{line}"
+            try:
+                messages = json.loads(text).get("messages") or []
+                for reference in image_references(messages):
+                    read_image(reference, where, os.path.dirname(path))
+            except UserError as e:
+                problems.append(str(e))
+            except (ValueError, AttributeError):
+                problems.append(f"{where}: not a JSON object with messages")
+    return problems

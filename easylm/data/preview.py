@@ -25,7 +25,8 @@ from ml_collections import ConfigDict
 
 from easylm import flags
 from easylm.data.dataset import DatasetFactory
-from easylm.data.image_chats import image_runs, processor_directory
+from easylm.data.image_chats import image_runs
+from easylm.models.vision import processor_directory
 from easylm.data.options import loader_block
 from easylm.data.pairs import SIDES, render_pair
 from easylm.data.reader import prepare_records

@@ -155,6 +155,10 @@ class Gemma4VLConfig(Gemma4Config):
     def num_parameters(self) -> int:
         return super().num_parameters() + self.vision_parameters()
 
+    def image_budget(self) -> tuple[int, int]:
+        return (self.max_image_patches,
+                self.max_image_patches // self.vision_pooling_kernel_size ** 2)
+
     @classmethod
     def from_hf_config(cls, hf: dict, path: str = "config.json") -> "Gemma4VLConfig":
         """A `gemma4` config.json with a vision_config (its audio tower is not read)."""

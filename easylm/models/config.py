@@ -220,6 +220,15 @@ class ModelConfig:
         """N of the 6N training FLOPs a token: the parameters a token's matmuls read."""
         raise NotImplementedError
 
+    def vision_parameters(self) -> int:
+        """An image-text model's vision tower's parameters (in `num_parameters`); 0: text."""
+        return 0
+
+    def image_budget(self) -> tuple[int, int] | None:
+        """An image-text model's (patches, image tokens) one row's images take at most
+        (its max_image_patches, and the tokens they merge into); None: a text model."""
+        return None
+
     def flops_per_token(self, seq_length: int) -> float:
         """Training FLOPs per token of rows of `seq_length`."""
         raise NotImplementedError

@@ -35,6 +35,10 @@ from easylm.models.attention import attention
 from easylm.models.decoder import apply_rotary
 
 IMAGE_KEYS = ("pixel_values", "patch_grid", "patch_segments", "image_tokens", "rope_positions")
+# The keys whose second axis is the row's tokens (T): a row laid out for T tokens holds
+# those of any shorter length as its first ones (the serving engine cuts a request's to
+# its length bucket).
+TOKEN_KEYS = ("image_tokens", "rope_positions")
 
 
 def axial_rotary(rows, cols, head_dim: int, theta: float, dtype):
@@ -164,6 +168,27 @@ def image_inputs_of(batch: dict) -> dict | None:
     if "pixel_values" not in batch:
         return None
     return {key: batch[key] for key in IMAGE_KEYS if key in batch}
+
+
+def stack_rows(rows: list[dict], count: int, length: int) -> dict:
+    """One (count, ...) image input of `rows` (each a (1, ...) image input whose token keys
+    are at least `length` long), their token keys cut to `length`, padded with rows of no
+    image (image_tokens -1, the rest zeros)."""
+    out = {}
+    for key in rows[0]:
+        parts = [row[key][:, :length] if key in TOKEN_KEYS else row[key] for row in rows]
+        blank = np.full_like(parts[0], -1 if key == "image_tokens" else 0)
+        out[key] = np.concatenate(parts + [blank] * (count - len(rows)))
+    return out
+
+
+def processor_directory(tokenizer: str, load_checkpoint: str) -> str:
+    """Where an image-text model's image processor is saved (preprocessor_config.json):
+    beside the --tokenizer directory, else in --load_checkpoint's hf::DIR."""
+    if not os.path.isfile(os.path.join(tokenizer, "preprocessor_config.json")) \
+            and load_checkpoint.startswith("hf::"):
+        return load_checkpoint[len("hf::"):]
+    return tokenizer
 
 
 def load_image_processor(directory: str):

@@ -30,6 +30,7 @@ from easylm.models.config import field
 from easylm.models.hf_checkpoint import config_fields
 from easylm.qwen3_5.config import MULTIMODAL, QWEN35_PRESETS, Qwen35Config, from_hf_dict
 from easylm.qwen3_5.model import PARTITION_RULES as TEXT_RULES, Qwen35ForCausalLM
+from easylm.runtime.sharding import BATCH_AXES
 
 VISION_RULES = (
     (r"visual/patch_embed/proj/kernel", P(None, "mp")),
@@ -192,6 +193,9 @@ class Qwen35VLConfig(Qwen35Config):
     def num_parameters(self) -> int:
         return super().num_parameters() + self.vision_parameters()
 
+    def image_budget(self) -> tuple[int, int]:
+        return self.max_image_patches, self.max_image_patches // self.vision_spatial_merge_size ** 2
+
     def to_hf_config(self):
         """transformers' Qwen3_5Config (or Qwen3_5MoeConfig): the text model's config as
         Qwen35Config writes it, with the multimodal rotary's sections, and the vision
@@ -303,7 +307,14 @@ class Qwen35VisionTower(_TowerPart):
 class Qwen35VLForConditionalGeneration(Qwen35ForCausalLM):
     """The text model, whose token embeddings take the vision tower's at the image tokens
     and whose rotary reads (time, height, width) positions, when `images` are given;
-    without them, the text model alone (the vision tower's parameters unread)."""
+    without them, the text model alone (the vision tower's parameters unread).
+
+    The cache (`init_cache`) holds the layers' and each row's `rope_delta` (B,): what its
+    rotary position is ahead of its cache position after its last image (transformers'
+    `rope_deltas`: an image of rows x cols merged patches takes rows x cols tokens but
+    max(rows, cols) positions). A call with images and a cache (a prefill, one chunk)
+    writes it; a call without images (decode, extend, a text prefill) turns at position
+    p + rope_delta, as transformers' generate does."""
 
     @nn.compact
     def __call__(self, input_ids, positions=None, segment_ids=None, cache=None,
@@ -316,8 +327,25 @@ class Qwen35VLForConditionalGeneration(Qwen35ForCausalLM):
                                                       images["patch_segments"])
             embeddings = vision.image_embeddings(merged, images["image_tokens"])
             rope_positions = images["rope_positions"]
-        return self.decode(input_ids, positions, segment_ids, cache, return_hidden,
-                           embeddings, rope_positions)
+        if cache is None:
+            return self.decode(input_ids, positions, segment_ids, cache, return_hidden,
+                               embeddings, rope_positions)
+        delta = cache["rope_delta"]
+        if rope_positions is None:
+            rope_positions = positions + delta[:, None]
+        else:  # the row's last position (padding continues its text) against its place
+            delta = (rope_positions[:, -1, 0] - positions[:, -1]).astype(delta.dtype)
+        out, layers = self.decode(input_ids, positions, segment_ids, cache["layers"],
+                                  return_hidden, embeddings, rope_positions)
+        return out, {"layers": layers, "rope_delta": delta}
+
+    def init_cache(self, batch_size: int, length: int, dtype=None):
+        return {"layers": super().init_cache(batch_size, length, dtype),
+                "rope_delta": jnp.zeros((batch_size,), jnp.int32)}
+
+    @classmethod
+    def cache_rules(cls, config):
+        return super().cache_rules(config) + ((r"(^|/)rope_delta$", P(BATCH_AXES)),)
 
     @classmethod
     def rotary(cls, config, kind, positions, dtype):

@@ -7,7 +7,8 @@ One thread owns the engine (and so the device). Each turn of its loop:
        cancelled requests, freeing their slots
     2. admit waiting requests into free slots, round-robin over the requests they
        came in (so a 300-prompt request does not hold a 1-prompt one behind it):
-       the prompts that fit one prefill chunk in one prefill call, whose first tokens
+       the prompts that fit one prefill chunk (and image prompts, whatever their
+       length: the vision tower runs once) in one prefill call, whose first tokens
        are handed out at once (a stream shows its first token right after prefill,
        not after a decode call); longer ones start a staged prefill, one at a time
     3. run ONE chunk of the staged prefill, if any (its slots are reserved; they join
@@ -38,7 +39,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from easylm.serving.engine import Engine, Sampling, bucket_for
+from easylm.serving.engine import Engine, PromptImages, Sampling, bucket_for
 from easylm.serving.text import TextStream
 
 log = logging.getLogger(__name__)
@@ -84,8 +85,11 @@ class Generation:
     with the same `group` (one HTTP request's) take turns with other groups for slots."""
 
     def __init__(self, prompt: Sequence[int], params: SamplingParams, tokenizer,
-                 on_event: Callable[[Event], None], group=None):
+                 on_event: Callable[[Event], None], group=None, images=None):
         self.prompt = list(prompt)
+        # An image prompt's image inputs (1, ...), laid out for seq_length tokens
+        # (`Engine.prefill`'s images); None: a text prompt.
+        self.images = images
         self.params = params
         self.group = self if group is None else group
         self.stop_ids: set[int] = set(params.stop_token_ids)  # the batcher adds EOS
@@ -333,7 +337,8 @@ class Batcher:
                 self._finish(i, g, "cancelled")
 
     def _one_chunk(self, g: Generation) -> bool:
-        return self.engine.prefill_chunks(len(g.prompt)) == 1
+        """Whether `g` is prefilled in one call (an image prompt always is)."""
+        return g.images is not None or self.engine.prefill_chunks(len(g.prompt)) == 1
 
     @staticmethod
     def _rows(generations: list[Generation]) -> Sampling:
@@ -371,21 +376,26 @@ class Batcher:
         another request left (`engine.claim`) from there on (`engine.prefill_after`), the
         others in one call. Returns [(device outputs, owners)] per call."""
         owners = list(zip(free, generations))
-        starts = [self.engine.claim(slot, len(g.prompt) + g.params.max_tokens, g.prompt)
+        # An image prompt takes no shared pages: its token ids do not say which image.
+        starts = [self.engine.claim(slot, len(g.prompt) + g.params.max_tokens,
+                                    g.prompt if g.images is None else ())
                   for slot, g in owners]
         calls = []
-        for after in (False, True):
-            group = [(o, s) for o, s in zip(owners, starts) if bool(s) == after]
+        for kind in ("text", "after", "images"):
+            group = [(o, s) for o, s in zip(owners, starts)
+                     if kind == ("images" if o[1].images is not None else
+                                 "after" if s else "text")]
             if not group:
                 continue
             mine = [o for o, _ in group]
             rows = self._rows([g for _, g in mine])
             prompts, slots = [g.prompt for _, g in mine], [slot for slot, _ in mine]
-            if after:  # the positions its shared pages hold: prompt tokens not run
+            if kind == "after":  # the positions its shared pages hold: prompt tokens not run
                 out = self.engine.prefill_after(prompts, slots, [s for _, s in group], rows)
                 cached = [s for _, s in group]
             else:
-                out = self.engine.prefill(prompts, slots, rows)
+                out = self.engine.prefill(prompts, slots, rows, None if kind == "text" else
+                                          PromptImages.each([g.images for _, g in mine]))
                 cached = out.cached
             for (_, g), tokens in zip(mine, cached):
                 g.cached_tokens = tokens

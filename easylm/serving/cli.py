@@ -158,9 +158,25 @@ def build(family: ModelFamily, config: ConfigDict):
 
     server_lib.check_config(config)  # before the weights load
     engine, tokenizer, stop_ids = load_engine(family, config)
+    images, no_images = image_reader(family, config)
     batcher = Batcher(engine, stop_ids).start()
-    service = server_lib.Service(config, batcher, tokenizer)
+    service = server_lib.Service(config, batcher, tokenizer, images, no_images)
     return server_lib.create_app(service), batcher
+
+
+def image_reader(family: ModelFamily, config: ConfigDict):
+    """(the family's reader of images with the checkpoint's own image processor, '') for
+    an image-text model; else (None, why requests' image parts are refused). A missing
+    preprocessor_config.json serves text only, with a warning."""
+    from easylm.models.vision import processor_directory
+
+    directory = processor_directory(config.tokenizer, config.load_checkpoint)
+    try:
+        images = family.image_chats(model_config(family, config), directory)
+    except UserError as e:
+        log.warning("serving text only: %s", e)
+        return None, f"this server reads no images ({e})"
+    return images, "" if images is not None else "this model reads no images"
 
 
 def parse_flags(family: ModelFamily, argv: list[str]) -> ConfigDict:

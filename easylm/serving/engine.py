@@ -52,7 +52,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import ConfigDict
 
 from easylm.errors import UserError
-from easylm.models import decoder
+from easylm.models import decoder, vision
 from easylm.models.context_parallel import allow_whole_rows
 from easylm.models.family import Model
 from easylm.runtime.sharding import axes_size, match_partition_rules
@@ -333,6 +333,14 @@ class PromptImages:
     keys: list
     lay_out: Callable[[list, int], dict]
 
+    @classmethod
+    def each(cls, inputs: list) -> "PromptImages":
+        """Prompts each with its own image inputs (1, ...) laid out for at least their
+        length bucket, never shared (an image's placeholder tokens are the same whatever
+        the image): the server's image chats."""
+        return cls(list(range(len(inputs))), lambda requests, T: vision.stack_rows(
+            [inputs[i] for i in requests if i is not None], len(requests), T))
+
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["tokens", "lengths", "slot_ids", "source", "starts", "images"],
@@ -465,7 +473,7 @@ def _prompt_forward(model: Model, chunk: int, record: bool, weights, tokens, len
     ids = jnp.pad(tokens, ((0, 0), (0, chunks * C - T))).reshape(n, chunks, C)
 
     def step(carry, xs):
-        return _prompt_chunk(model, record, state, weights, carry, *xs, lengths)
+        return _prompt_chunk(model, record, state, weights, carry, *xs, lengths, images)
 
     if start is None:
         start = model.init_cache(n, chunks * C)
@@ -700,6 +708,7 @@ class Engine:
                         **out_shardings) for sample in KINDS}
 
         self._prefill_fns = programs(_prefill)
+        self._image_prefill_fns = programs(_prefill, chunk=0)  # `prefill`'s images: unchunked
         self._decode_fns = {(sample, length): fn for length in self.decode_buckets
                             for sample, fn in programs(_decode, window=length).items()}
         self._staged = {}  # (rows, T) -> a staged prefill's programs (`_staged_fns`)
@@ -917,8 +926,9 @@ class Engine:
         their tokens' as the prompts are prefilled (one chunk: prefill_chunk_size=0)."""
         parts, calls = [], self._calls(prompts, slots, images)
         self._prompt_pages(prompts, slots, images)
+        programs = self._prefill_fns if images is None else self._image_prefill_fns
         for rows, requests in calls:
-            self.state, out = self._run(self._prefill_fns[sampling.samples()], self.weights,
+            self.state, out = self._run(programs[sampling.samples()], self.weights,
                                         self.state, rows,
                                         sampling.take(requests).pad(self.batch_size).snapshot())
             self._placed(rows)
@@ -929,6 +939,8 @@ class Engine:
         """The host's record of the positions of the slots `rows` were written into."""
         real = rows.slot_ids < self.batch_size
         self.positions[rows.slot_ids[real]] = rows.request_lengths[real]
+        if rows.images is not None:  # pages keyed by token ids alone: not for images
+            return
         source = np.arange(len(rows.slot_ids)) if rows.source is None else rows.source
         self._index(rows.slot_ids, [rows.tokens[u, :rows.lengths[u]] for u in source])
 

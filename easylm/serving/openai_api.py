@@ -9,11 +9,15 @@ log-likelihoods. `top_k` is accepted as an extension. Options that would change 
 output but are not implemented (penalties, logit_bias) are 400 errors, never ignored;
 so are numbers the device could not represent (a top_p that float32 flushes to 0,
 a top_k above the vocabulary, a seed beyond 64 bits).
+
+Chat messages may hold OpenAI's image parts (`{"type": "image_url", "image_url": {"url":
+DATA_URL}}`) for an image-text model (`Service.chat_prompt`; docs/vision.md): a remote URL,
+an unreadable image or images too large for the context are 400s.
 """
 
 import time
 import uuid
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 import numpy as np
 from fastapi import APIRouter, Request
@@ -113,13 +117,42 @@ class TextPart(BaseModel):
     text: Text
 
 
+class ImageURL(BaseModel):
+    url: Text
+    detail: Text | None = None  # OpenAI's; the checkpoint's image processor decides
+
+
+class ImagePart(BaseModel):
+    """OpenAI's image part: {"type": "image_url", "image_url": {"url": DATA_URL}}."""
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+Part = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]
+
+
 class Message(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     role: Literal["system", "developer", "user", "assistant"]
-    content: Union[Text, list[TextPart]]
+    content: Union[Text, list[Part]]
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return self.content if isinstance(self.content, str) else "".join(
+            p.text for p in self.content if isinstance(p, TextPart))
+
+    def images(self) -> list[str]:
+        """Its image parts' URLs, in order."""
+        return [] if isinstance(self.content, str) else [
+            p.image_url.url for p in self.content if isinstance(p, ImagePart)]
+
+    def for_template(self) -> dict:
+        """The message as the chat template reads it: text parts joined into one string,
+        unless it holds images (then its parts, each image a {"type": "image"})."""
+        if not self.images():
+            return {"role": self.role, "content": self.text()}
+        return {"role": self.role, "content": [
+            {"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"}
+            for p in self.content]}
 
 
 class ChatRequest(_Request):
@@ -231,8 +264,8 @@ async def _chat_completions(service: Service, body: ChatRequest, request: Reques
     service.check_model(body.model)
     stops = body.check_supported(service)
     service.check_samples(body.n, 1)
-    prompt = service.apply_chat_template(
-        [{"role": m.role, "content": m.text()} for m in body.messages])
+    prompt, images = service.chat_prompt([m.for_template() for m in body.messages],
+                                         [url for m in body.messages for url in m.images()])
     field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     requested = body.max_completion_tokens if field == "max_completion_tokens" else body.max_tokens
     sequences, params = service.samples(
@@ -241,10 +274,11 @@ async def _chat_completions(service: Service, body: ChatRequest, request: Reques
     k = (body.top_logprobs or 0) if body.logprobs else None
     common = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
               "model": service.config.model_name}
+    images = [images] * len(sequences)
     if body.stream:
-        return StreamingResponse(_stream_chat(service, body, common, sequences, params, k),
-                                 media_type="text/event-stream")
-    gens = await service.complete(request, sequences, params)
+        return StreamingResponse(_stream_chat(service, body, common, sequences, params, k,
+                                              images), media_type="text/event-stream")
+    gens = await service.complete(request, sequences, params, images)
     return {**common, "object": "chat.completion", "choices": [{
         "index": i, "message": {"role": "assistant", "content": g.stream.text},
         "logprobs": None if k is None else _chat_logprobs(service, g.tokens, k),
@@ -348,9 +382,9 @@ async def _stream_completion(service: Service, body, common, sequences, params, 
     yield sse("[DONE]")
 
 
-async def _stream_chat(service: Service, body, common, sequences, params, k):
+async def _stream_chat(service: Service, body, common, sequences, params, k, images):
     """Choice i's chunks carry index i, each choice opening with its role, as OpenAI's."""
-    gens, events = service.start(sequences, params)
+    gens, events = service.start(sequences, params, images)
     common = {**common, "object": "chat.completion.chunk"}
     for i in range(len(sequences)):
         yield sse({**common, "choices": [{"index": i, "delta": {"role": "assistant",

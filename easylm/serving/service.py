@@ -111,10 +111,14 @@ Text = Annotated[StrictStr, AfterValidator(check_unicode)]
 class Service:
     """What the API routes share: the tokenizer, the batcher, limits, and async helpers."""
 
-    def __init__(self, config: ConfigDict, batcher: Batcher, tokenizer):
+    def __init__(self, config: ConfigDict, batcher: Batcher, tokenizer, images=None,
+                 no_images: str = "this model reads no images"):
+        """`images`: an image-text model's reader of images (its family's `image_chats`:
+        encode_prompt, batch_inputs), or None and `no_images` saying why."""
         self.config = get_default_config(config)
         check_config(self.config)
         self.batcher, self.tokenizer = batcher, tokenizer
+        self.images, self.no_images = images, no_images
         self.seq_length = batcher.engine.seq_length
         self.vocab_size = batcher.engine.model.vocab_size
         self.chat_template = _read_template(self.config.chat_template)
@@ -179,6 +183,36 @@ class Service:
             raise APIError(400, f"the chat template rejected these messages: {e}")
         return self.encode(text, special_tokens=False)
 
+    def chat_prompt(self, messages: list[dict], references: list[str]):
+        """(token ids, image inputs (1, ...) for seq_length tokens or None) of a chat whose
+        messages hold `references` (data URLs) in their image parts, in order: each image
+        read (`easylm.data.images.read_image`: a remote URL is refused, nothing fetched) and
+        encoded by the checkpoint's image processor, its placeholder expanded."""
+        ids = self.apply_chat_template(messages)
+        if not references:
+            return ids, None
+        from easylm.data.images import read_image
+
+        if self.images is None:
+            raise APIError(400, f"the messages hold {len(references)} image part(s), but "
+                                f"{self.no_images}")
+        try:
+            pictures = [read_image(reference, f"image {k + 1} of the messages")
+                        for k, reference in enumerate(references)]
+            ids, encoded = self.images.encode_prompt(ids, pictures, "the messages")
+            ids = ids.tolist()
+        except UserError as e:
+            raise APIError(400, str(e)) from None
+        image_tokens = len(ids) - len(self.apply_chat_template(messages)) + len(references)
+        if len(ids) >= self.seq_length:
+            raise APIError(400, f"the prompt has {len(ids)} tokens, {image_tokens} of them "
+                                f"its {len(references)} image(s)'; the context is "
+                                f"{self.seq_length} tokens, so there is no room to generate")
+        try:
+            return ids, self.images.batch_inputs([ids], [encoded], self.seq_length)
+        except UserError as e:
+            raise APIError(400, f"the images do not fit: {e}") from None
+
     def max_tokens(self, prompt: Sequence[int], requested: int | None, default: int | None = None,
                    field: str = "max_tokens") -> int:
         """The number of new tokens to generate, or a 400 naming the limit that is hit."""
@@ -210,16 +244,18 @@ class Service:
                 [dataclasses.replace(sp, seed=sample_seed(sp.seed, i))
                  for sp in params for i in range(n)])
 
-    def start(self, prompts, params: Sequence[SamplingParams]):
-        """Submit one generation per prompt; returns (generations, async iterator of
-        (index, Event)). Closing the iterator early cancels what is still running."""
+    def start(self, prompts, params: Sequence[SamplingParams], images=None):
+        """Submit one generation per prompt (with `images`, each prompt's image inputs or
+        None: `chat_prompt`'s); returns (generations, async iterator of (index, Event)).
+        Closing the iterator early cancels what is still running."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         group = object()  # this request's prompts take turns with other requests'
+        images = images or [None] * len(prompts)
         gens = [Generation(p, sp, self.tokenizer,
                            lambda e, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, e)),
-                           group)
-                for i, (p, sp) in enumerate(zip(prompts, params))]
+                           group, x)
+                for i, (p, sp, x) in enumerate(zip(prompts, params, images))]
         for i, g in enumerate(gens):
             try:
                 self.batcher.submit(g)
@@ -243,9 +279,10 @@ class Service:
 
         return gens, iterate()
 
-    async def complete(self, request: Request, prompts, params: Sequence[SamplingParams]):
+    async def complete(self, request: Request, prompts, params: Sequence[SamplingParams],
+                       images=None):
         """Run generations to the end; a client that disconnects cancels them (frees slots)."""
-        gens, events = self.start(prompts, params)
+        gens, events = self.start(prompts, params, images)
 
         async def drain():
             async for _ in events:

@@ -13,7 +13,7 @@ from ml_collections import ConfigDict
 
 from easylm import flags as flag_lib, model_flags, objectives, variants
 from easylm.data import DatasetFactory, make_global_batch
-from easylm.data.image_chats import processor_directory
+from easylm.models.vision import processor_directory
 from easylm.data.tokenizer import load_tokenizer
 from easylm.errors import UserError
 from easylm.evaluation import harness_flags
@@ -148,7 +148,7 @@ def _harness(config: ConfigDict, model: Model, tokenizer, mesh):
 
 def _image_chats(config: ConfigDict, family: ModelFamily, model_config: ModelConfig):
     """An image-text family's reader of image chats (text_processor.chat=True), with its
-    image processor (`image_chats.processor_directory`); None for a family that reads no
+    image processor (`vision.processor_directory`); None for a family that reads no
     images or data that are no chats."""
     if not config.train_dataset.text_processor.chat:
         return None
