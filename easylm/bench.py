@@ -294,7 +294,8 @@ def _train_main(argv):
                         f"synthetic tokens, not another objective's (its rollouts, pairs, "
                         f"teacher): time that with python -m easylm.train, whose log has "
                         f"tokens/s (and data/rollout/seconds)")
-    config = flags.parse(train_config(family), _train_help(family), argv, usage)
+    config = flags.parse(train_config(family), _train_help(family), argv, usage,
+                         absent=variants.absent_sections(family))
     print(json.dumps(bench_train(config, family)))
 
 

@@ -95,16 +95,21 @@ def define(config: ConfigDict, help_text: dict) -> flags.FlagValues:
 
 
 def parse(config: ConfigDict, help_text: dict, argv: list[str], usage: str = "",
-          derived=(), common=(), aliases=()) -> ConfigDict:
+          derived=(), common=(), aliases=(), absent=None) -> ConfigDict:
     """A copy of `config` with the values given in `argv` (argv[0] is the program; its
     `aliases` rewritten first), then the `derived` defaults (see the module docstring),
     each rule seeing the ones before. With --help (or -h) in `argv`, prints `usage` and
     the `common` flags (all of them when `common` is empty) and the aliases, with
-    --helpfull every flag, and exits 0."""
+    --helpfull every flag, and exits 0. `absent`: {section: why its flags are not
+    offered here}, the line a flag of such a section gets instead of 'unknown flag'."""
     if wants_help(argv):
         print_help_and_exit(config, help_text, usage, common,
                             full="--helpfull" in argv[1:] or not common, aliases=aliases)
     argv = _rewrite(argv, aliases)
+    for arg in argv[1:]:
+        name = arg[2:].partition("=")[0] if arg.startswith("--") else ""
+        if name.partition(".")[0] in (absent or {}):
+            raise UserError(f"--{name}: {absent[name.partition('.')[0]]}")
     flag_values = define(config, help_text)
     try:
         rest = flag_values(argv)

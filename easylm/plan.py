@@ -648,7 +648,7 @@ def main(argv=None):
     common = [f"plan.{name}" for name in get_default_config()] + [
         name for name in options.common_flags(family) if name in flag_lib.flatten(config)]
     config = flag_lib.parse(config, help_entries(family, objective), argv, usage,
-                            common=common)
+                            common=common, absent=variants.absent_sections(family))
     num_devices = config.plan.num_devices or jax.device_count()
     num_processes = config.plan.num_processes or jax.process_count()
     budget = int(config.plan.device_memory_gib * GIB) or None

@@ -173,7 +173,8 @@ def parse_flags(family: ModelFamily, argv: list[str]) -> ConfigDict:
     common = [name for name in common_flags(family) if name in flag_lib.flatten(config)]
     return flag_lib.parse(config, help_entries(family, objective), argv, usage(family),
                           derived=family_run_defaults(family), common=common,
-                          aliases=easylm_flags.train_aliases(family))
+                          aliases=easylm_flags.train_aliases(family),
+                          absent=variants.absent_sections(family))
 
 
 # ------------------------------------------------------------ defaults of a run

@@ -30,6 +30,15 @@ def _offered(family: ModelFamily, serving: bool = False) -> list:
     return offered
 
 
+def absent_sections(family: ModelFamily) -> dict:
+    """{variant flag section: why} for the variants `family` does not offer (`flags.parse`'s
+    `absent`): `--lora.rank=8` on such a family is that one line, not 'unknown flag'."""
+    if "lora" in family.variants:
+        return {}
+    return {"lora": f"--family={family.name} does not offer LoRA as yet (docs/lora.md names "
+                    f"the families that do)"}
+
+
 def flag_sections(family: ModelFamily, serving: bool = False) -> dict:
     """Top-level flags that select a variant (`--lora.*`, `--quantize`), with their
     defaults; with `serving`, only those of the variants a served model takes."""
