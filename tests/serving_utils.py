@@ -16,7 +16,7 @@ from easylm.llama.config import LLaMAConfig
 from easylm.llama.family import FAMILY
 from easylm.llama.model import LLaMAForCausalLM
 from easylm.runtime.sharding import init_sharded
-from easylm.serving import engine as engine_lib
+from easylm.serving import engine as engine_lib, programs
 from easylm.serving.batcher import Batcher, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
@@ -166,7 +166,7 @@ def prefill_program_bytes(model, seq_length: int, chunk: int) -> int:
     engine = engine_lib.Engine({"batch_size": 1, "seq_length": seq_length,
                                 "min_bucket": seq_length, "prefill_chunk_size": chunk},
                                model, params)
-    rows = engine_lib.PromptRows(np.zeros((1, seq_length), np.int32),
+    rows = programs.PromptRows(np.zeros((1, seq_length), np.int32),
                                  np.full(1, seq_length, np.int32), np.zeros(1, np.int32),
                                  np.zeros(1, np.int32))  # every prefill gathers its rows
     args = (engine.weights, engine.state, rows, engine_lib.Sampling.empty(1))

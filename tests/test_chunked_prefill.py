@@ -17,7 +17,7 @@ from easylm.gemma.family import FAMILY as GEMMA
 from easylm.gpt_oss.family import FAMILY as GPT_OSS
 from easylm.llama.family import FAMILY as LLAMA
 from easylm.llama.model import LLaMAForCausalLM
-from easylm.serving import engine as engine_lib
+from easylm.serving import engine as engine_lib, programs
 from easylm.serving.memory import serving_bytes
 
 T, CHUNK = 40, 8  # five chunks; longer than every window below (8 or 12)
@@ -44,7 +44,7 @@ def tolerance(config) -> float:
 
 
 def _run(model, params, tokens, chunk):
-    fn = jax.jit(functools.partial(engine_lib._prompt_forward, model, chunk, False))
+    fn = jax.jit(functools.partial(programs._prompt_forward, model, chunk, False))
     fresh, last, _ = fn((params, None), tokens, jnp.asarray(LENGTHS))
     return np.asarray(last), jax.tree.map(lambda c: np.asarray(c[..., :T, :, :]), fresh)
 
@@ -92,7 +92,7 @@ def test_chunked_prefill_records_each_prompt_tokens_experts():
     tokens = jnp.asarray(np.random.RandomState(1).randint(3, config.vocab_size, (2, T)))
     recorded = {}
     for chunk in (0, CHUNK):
-        fn = jax.jit(functools.partial(engine_lib._prompt_forward, model, chunk, True))
+        fn = jax.jit(functools.partial(programs._prompt_forward, model, chunk, True))
         recorded[chunk] = np.asarray(fn((params, None), tokens, jnp.asarray(LENGTHS))[2][0])
     stats = model.forward(params, tokens, router_stats=True).router_stats
     L, _, K = stats.experts.shape
@@ -132,7 +132,7 @@ def test_chunked_engine_generates_the_same_greedy_text():
 
 def _temp_bytes(model, n_tokens, chunk):
     shapes = (jax.eval_shape(model.init_params, jax.random.PRNGKey(0)), None)
-    fn = jax.jit(functools.partial(engine_lib._prompt_forward, model, chunk, False))
+    fn = jax.jit(functools.partial(programs._prompt_forward, model, chunk, False))
     compiled = fn.lower(shapes, jax.ShapeDtypeStruct((1, n_tokens), jnp.int32),
                         jax.ShapeDtypeStruct((1,), jnp.int32)).compile()
     return compiled.memory_analysis().temp_size_in_bytes

@@ -11,7 +11,7 @@ from numerics import assert_close, assert_differs, fp32_rel
 from serving_utils import tiny_config
 
 from easylm.llama.family import FAMILY as LLAMA
-from easylm.serving import engine as engine_lib
+from easylm.serving import engine as engine_lib, programs
 from easylm.serving.memory import serving_bytes
 
 CHUNK = 8
@@ -65,7 +65,7 @@ def test_chunked_score_equals_the_whole_forward():
 def _score_bytes(model, n_tokens, chunk):
     """XLA's arguments + outputs + temporaries of the engine's score program, (1, T)."""
     shapes = (jax.eval_shape(model.init_params, jax.random.PRNGKey(0)), None)
-    fn = jax.jit(lambda w, t, g: engine_lib._score(model, chunk, w, t, g))
+    fn = jax.jit(lambda w, t, g: programs._score(model, chunk, w, t, g))
     row = jax.ShapeDtypeStruct((1, n_tokens), jnp.int32)
     m = fn.lower(shapes, row, row).compile().memory_analysis()
     return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes

@@ -30,7 +30,8 @@ from easylm.models import registry
 from easylm.models.decoder import relayout
 from easylm.qwen3_5.config import Qwen35Config, from_hf_dict
 from easylm.qwen3_5.family import FAMILY
-from easylm.serving import engine as engine_lib
+from easylm.serving import programs
+from easylm.serving.cache_layout import CacheLayout
 from easylm.serving.engine import Engine, Sampling
 
 T = 40  # past the conv window, under one DeltaNet chunk; the chunked form has its own tests
@@ -413,7 +414,7 @@ def test_a_reused_slot_starts_its_state_afresh(ours, engine, monkeypatch):
         return layout.map(lambda b, s, c, f: f if s is not None else
                           jnp.take(c, slots, axis=b, mode="clip"), cache, fresh)
 
-    monkeypatch.setattr(engine_lib, "prompt_cache", leaking)
+    monkeypatch.setattr(programs, "prompt_cache", leaking)
     config, params = ours
     leaky = Engine(ENGINE, FAMILY.bind(config), params)
     served(leaky, PROMPT_A, slot=0)
@@ -496,10 +497,10 @@ def test_a_waiting_slots_state_continues_after_its_turn(ours, engine, forward):
 
 
 def _prompt_forward(model, params, tokens, lengths, chunk, state=True):
-    fn = jax.jit(functools.partial(engine_lib._prompt_forward, model, chunk, False,
+    fn = jax.jit(functools.partial(programs._prompt_forward, model, chunk, False,
                                    state=state))
     fresh, last, _ = fn((params, None), jnp.asarray(tokens), jnp.asarray(lengths))
-    layout = engine_lib.CacheLayout.of(model)
+    layout = CacheLayout.of(model)
     T = tokens.shape[1]
     fresh = layout.map(lambda b, s, c: np.asarray(c if s is None else
                                                   jax.lax.slice_in_dim(c, 0, T, axis=s)), fresh)
@@ -579,22 +580,22 @@ def test_cache_layout_is_read_off_the_shapes_the_layers_declare(ours):
     state are per-slot states, stacked (scanned) layers only move the axes; a cache array
     with no slot axis is refused in one line."""
     config, _ = ours
-    layout = engine_lib.CacheLayout.of(FAMILY.bind(config))
+    layout = CacheLayout.of(FAMILY.bind(config))
     names = [jax.tree_util.keystr(p) for p, _ in
              jax.tree_util.tree_flatten_with_path(FAMILY.bind(config).init_cache(1, 8))[0]]
     kinds = {n: s for n, s in zip(names, layout.length)}
     assert kinds["['3']['k']"] == 1 and kinds["['0'].conv"] is None
     assert kinds["['0'].recurrent"] is None and set(layout.batch) == {0}
-    scanned = engine_lib.CacheLayout.of(FAMILY.bind(config.replace(scan_layers=True)))
+    scanned = CacheLayout.of(FAMILY.bind(config.replace(scan_layers=True)))
     # (R, B, ...): three DeltaNet slots' conv and state, the attention slot's keys/values.
     assert set(scanned.batch) == {1}
     assert scanned.length.count(None) == 6 and scanned.length.count(2) == 2
     model = FAMILY.bind(config)
     latent = dataclasses.replace(model, init_cache=lambda b, s, dtype=None: {
         "kv": jnp.zeros((b, s, 24)), "state": jnp.zeros((b, 4, 4))})
-    assert engine_lib.CacheLayout.of(latent) == engine_lib.CacheLayout((0, 0), (1, None))
+    assert CacheLayout.of(latent) == CacheLayout((0, 0), (1, None))
     shared = dataclasses.replace(model, init_cache=lambda b, s, dtype=None: {
         "table": jnp.zeros((s, 4))})
     with pytest.raises(UserError) as e:
-        engine_lib.CacheLayout.of(shared)
+        CacheLayout.of(shared)
     assert "\n" not in str(e.value) and "['table']" in str(e.value), e.value

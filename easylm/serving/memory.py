@@ -14,7 +14,7 @@ estimated before anything is compiled (`python -m easylm.plan --plan.serve_token
               (rows, C, F) and the head's (rows, C, V) logits, with a scored chunk's fp32
               log-probabilities
 
-Each chunk attends over the prompt's cache so far (easylm/serving/engine.py
+Each chunk attends over the prompt's cache so far (easylm/serving/programs.py
 `_prompt_forward`, `_score`), so nothing grows as T^2: the chunk term is linear in T, the
 caches too.
 """
@@ -81,7 +81,7 @@ def serving_bytes(model, sizes: dict, dtype, slots: int, seq_length: int, prompt
     params = jax.eval_shape(model.init_params, jax.random.key(0))
     cache = jax.eval_shape(lambda: model.init_cache(slots, seq_length, dtype))
     if page_size:
-        from easylm.serving.engine import CacheLayout
+        from easylm.serving.cache_layout import CacheLayout
         from easylm.serving.pages import check_pages
 
         pages = check_pages(page_size, pages, slots, seq_length)

@@ -2,7 +2,7 @@
 per slot, and the host's book of which slot holds which pages.
 
 Dense (`--page_size=0`), each slot owns `seq_length` positions of every positional array
-(`engine.CacheLayout`): B x S positions whether a request uses 10 of them or all. Paged,
+(`cache_layout.CacheLayout`): B x S positions whether a request uses 10 of them or all. Paged,
 every positional array is `model.init_cache(pages, page_size)`: its slot axis counts pages
 and its length axis a page's positions, whatever the layer (keys and values, MLA's latent,
 Gemma 4's shared keys and values; a scan's stacked layers only add a leading axis), and
@@ -49,10 +49,10 @@ class PagedCache:
 
 @dataclasses.dataclass(frozen=True)
 class PagedLayout:
-    """`engine.CacheLayout`'s cache methods over a `PagedCache`: the engine calls these
+    """`cache_layout.CacheLayout`'s cache methods over a `PagedCache`: the engine calls these
     where it reads and writes its cache, and the model only ever sees dense windows."""
 
-    dense: object  # the model's engine.CacheLayout: each array's slot and length axes
+    dense: object  # the model's cache_layout.CacheLayout: each array's slot and length axes
     page_size: int
     pages: int
 
