@@ -132,7 +132,8 @@ def test_a_token_cache_refuses_image_chats_in_one_line(hf, tmp_path, capsys):
         "--processes=1"], capsys)
     assert error == (f"{path}:1: a message has image parts, which only an image-text model "
                      f"reads, from a json or huggingface source (e.g. --family=qwen3_5_vl, "
-                     f"docs/vision.md); a token cache holds no images")
+                     f"docs/vision.md); a token cache holds them when built with that "
+                     f"--family")
 
 
 def train(hf, data, output_dir, steps=3, *flags, family="qwen3_5_vl", length=T):
@@ -259,3 +260,89 @@ def test_preview_shows_each_image_as_one_marker_and_counts_them(hf, tmp_path, ca
     assert "(21 tokens, 4 with loss, 1 image(s))" in out
     assert "(skipped: " + path + ":3: image " in out
     assert "images: 2, image tokens: 14" in out
+
+
+def build_cache(hf, data, output, capsys, *flags):
+    """`python -m easylm.data.cache --family=qwen3_5_vl` of image chats `data`: its line."""
+    from easylm.data import cache
+
+    cache.main(["cache", "--family=qwen3_5_vl", f"--load_checkpoint=hf::{hf[0]}",
+                f"--tokenizer={hf[2]}", "--train_dataset.text_processor.chat=True",
+                f"--train_dataset.json_dataset.path={data}", f"--output={output}",
+                "--processes=1", *flags])
+    return capsys.readouterr().out
+
+
+def test_a_token_cache_of_image_chats_trains_as_its_jsonl(hf, tmp_path, capsys):
+    """A cache built with --family holds the chats' tokens and their images' patches:
+    step 1's loss from it is the JSONL's bit for bit; a cache of another image differs."""
+    rows = [chat_row("a.png"), chat_row("b.png", answer="w5")]
+    path = write_data(tmp_path, rows, {"a.png": picture(0, 24, 16), "b.png": picture(1, 16, 32)})
+    out = build_cache(hf, path, tmp_path / "cache", capsys)
+    assert "2 documents (0 skipped), 38 tokens, 2 images (14 image tokens)" in out, out
+    os.makedirs(tmp_path / "other")
+    other = write_data(tmp_path / "other", rows, {"a.png": picture(5, 24, 16),
+                                                  "b.png": picture(1, 16, 32)})
+    build_cache(hf, other, tmp_path / "other-cache", capsys)
+    cached = ["--train_dataset.type=cache", f"--train_dataset.cache.seq_length={T}",
+              "--train_dataset.cache.batch_size=1"]
+    expected = train(hf, path, tmp_path / "json", 1)
+    assert train(hf, path, tmp_path / "cached", 1, *cached,
+                 f"--train_dataset.cache.path={tmp_path / 'cache'}") == expected
+    assert train(hf, path, tmp_path / "another", 1, *cached,
+                 f"--train_dataset.cache.path={tmp_path / 'other-cache'}") != expected
+
+
+def test_a_cache_of_image_chats_shows_its_images_and_names_a_mismatch(hf, tmp_path,
+                                                                      capsys):
+    """`preview` of the cache marks each image and counts them as for the JSONL; --verify
+    counts them; a run without the image-text model, or with another image processor, or
+    an image-text run on a text cache, is one line; a text tokenizer still refuses."""
+    import shutil
+
+    from easylm.data import cache, preview
+    from easylm.data.tokenizer import load_tokenizer
+
+    path = write_data(tmp_path, [chat_row("a.png"), chat_row("b.png")],
+                      {"a.png": picture(0, 24, 16), "b.png": picture(1, 16, 32)})
+    build_cache(hf, path, tmp_path / "cache", capsys)
+    cache.main(["cache", f"--output={tmp_path / 'cache'}", "--verify"])
+    assert "2 images (14 image tokens); sizes, shapes" in capsys.readouterr().out
+    preview.main(["preview", "--family=qwen3_5_vl", f"--load_checkpoint=hf::{hf[0]}",
+                  f"--tokenizer={hf[2]}", "--train_dataset.text_processor.chat=True",
+                  "--train_dataset.type=cache", f"--train_dataset.cache.path={tmp_path}/cache",
+                  "--num_batches=1", f"--train_dataset.cache.seq_length={T}",
+                  "--train_dataset.cache.batch_size=2"])
+    out = capsys.readouterr().out
+    assert "[[<|im_start|> user <|vision_start|>]][[<image 1: 6 tokens>]][[<|vision_end|>" in out
+    assert "(21 tokens, 4 with loss, 1 image(s))" in out
+    assert "images: 2, image tokens: 14" in out
+
+    def load(images, cache_path=tmp_path / "cache"):
+        config = DatasetFactory.get_default_config({
+            "type": "cache", "text_processor": {"chat": True},
+            "cache": dict(path=str(cache_path), seq_length=T, batch_size=2)})
+        return DatasetFactory.load_dataset(config, load_tokenizer(hf[2]), process_index=0,
+                                           process_count=1, images=images)
+
+    with pytest.raises(UserError, match="holds image chats, which only the image-text model"):
+        load(None)
+    shutil.copytree(hf[0], tmp_path / "hf2")
+    with open(tmp_path / "hf2" / "preprocessor_config.json") as f:
+        settings = json.load(f)
+    settings["image_mean"] = [0.25, 0.25, 0.25]
+    with open(tmp_path / "hf2" / "preprocessor_config.json", "w") as f:
+        json.dump(settings, f)
+    other = FAMILY.image_chats(FAMILY.hf.read_config(hf[0]), str(tmp_path / "hf2"))
+    with pytest.raises(UserError, match="built for another image-text model or image "
+                                        "processor \\(image_processor_sha256"):
+        load(other)
+    text = write_data(tmp_path / "hf2", [chat_row("w1")], {})
+    with open(text, "w") as f:
+        f.write(json.dumps({"messages": [{"role": "user", "content": "w1"},
+                                         {"role": "assistant", "content": "w2"}]}) + "\n")
+    cache.main(["cache", f"--tokenizer={hf[2]}", "--train_dataset.text_processor.chat=True",
+                f"--train_dataset.json_dataset.path={text}", f"--output={tmp_path}/text",
+                "--processes=1"])
+    with pytest.raises(UserError, match="holds no images \\(built without --family\\)"):
+        load(other, tmp_path / "text")
