@@ -65,12 +65,14 @@ def write_data(folder, rows, pictures):
     return path
 
 
-def dataset(hf, path, **options):
+def dataset(hf, path, type="json", **options):
+    """The image chats of a json file (or a token cache's directory: type="cache")."""
     from easylm.data.tokenizer import load_tokenizer
 
     config = DatasetFactory.get_default_config({
-        "text_processor": {"chat": True},
-        "json_dataset": dict(dict(path=path, seq_length=T, batch_size=2), **options)})
+        "type": type, "text_processor": {"chat": True},
+        {"json": "json_dataset", "cache": "cache"}[type]:
+            dict(dict(path=path, seq_length=T, batch_size=2), **options)})
     images = FAMILY.image_chats(FAMILY.hf.read_config(hf[0]), hf[0])
     return DatasetFactory.load_dataset(config, load_tokenizer(hf[2]), process_index=0,
                                        process_count=1, images=images)
@@ -136,14 +138,19 @@ def test_a_token_cache_refuses_image_chats_in_one_line(hf, tmp_path, capsys):
                      f"--family")
 
 
-def train(hf, data, output_dir, steps=3, *flags, family="qwen3_5_vl", length=T):
+def train(hf, data, output_dir, steps=3, *flags, family="qwen3_5_vl", length=T,
+          source="json"):
     return [row["loss"] for row in train_metrics(hf, data, output_dir, steps, *flags,
-                                                 family=family, length=length)]
+                                                 family=family, length=length,
+                                                 source=source)]
 
 
-def train_metrics(hf, data, output_dir, steps, *flags, family="qwen3_5_vl", length=T):
+def train_metrics(hf, data, output_dir, steps, *flags, family="qwen3_5_vl", length=T,
+                  source="json"):
     """The logged rows of `python -m easylm.train` on image chats `data` (fp32, batch 1,
-    lr 1e-2); `flags` added last (a repeated flag's last value counts)."""
+    lr 1e-2) of a `source` (json, or cache: a token cache's directory); `flags` added last
+    (a repeated flag's last value counts)."""
+    block = {"json": "json_dataset", "cache": "cache"}[source]
     from easylm import train as command
 
     with contextlib.redirect_stdout(io.StringIO()):
@@ -151,9 +158,9 @@ def train_metrics(hf, data, output_dir, steps, *flags, family="qwen3_5_vl", leng
                       f"--tokenizer={hf[2]}", f"--total_steps={steps}", "--log_freq=1",
                       "--dtype=fp32", "--mesh_dim=1,1,-1", "--compilation_cache_dir=",
                       "--train_dataset.text_processor.chat=True",
-                      f"--train_dataset.json_dataset.path={data}",
-                      f"--train_dataset.json_dataset.seq_length={length}",
-                      "--train_dataset.json_dataset.batch_size=1",
+                      f"--train_dataset.type={source}", f"--train_dataset.{block}.path={data}",
+                      f"--train_dataset.{block}.seq_length={length}",
+                      f"--train_dataset.{block}.batch_size=1",
                       f"--logger.output_dir={output_dir}", "--logger.experiment_id=run",
                       "--optimizer.adamw_optimizer.lr=1e-2",
                       "--optimizer.adamw_optimizer.lr_warmup_steps=0", *flags])
@@ -274,8 +281,10 @@ def build_cache(hf, data, output, capsys, *flags):
 
 
 def test_a_token_cache_of_image_chats_trains_as_its_jsonl(hf, tmp_path, capsys):
-    """A cache built with --family holds the chats' tokens and their images' patches:
-    step 1's loss from it is the JSONL's bit for bit; a cache of another image differs."""
+    """A cache built with --family holds the chats' tokens and their images' patches: its
+    batches are the JSONL's bit for bit, so is step 1's loss through `python -m
+    easylm.train`; a cache of another image gives other pixels (and test_sft_through_the_
+    command shows another image's loss differs), and nothing else."""
     rows = [chat_row("a.png"), chat_row("b.png", answer="w5")]
     path = write_data(tmp_path, rows, {"a.png": picture(0, 24, 16), "b.png": picture(1, 16, 32)})
     out = build_cache(hf, path, tmp_path / "cache", capsys)
@@ -284,13 +293,18 @@ def test_a_token_cache_of_image_chats_trains_as_its_jsonl(hf, tmp_path, capsys):
     other = write_data(tmp_path / "other", rows, {"a.png": picture(5, 24, 16),
                                                   "b.png": picture(1, 16, 32)})
     build_cache(hf, other, tmp_path / "other-cache", capsys)
-    cached = ["--train_dataset.type=cache", f"--train_dataset.cache.seq_length={T}",
-              "--train_dataset.cache.batch_size=1"]
-    expected = train(hf, path, tmp_path / "json", 1)
-    assert train(hf, path, tmp_path / "cached", 1, *cached,
-                 f"--train_dataset.cache.path={tmp_path / 'cache'}") == expected
-    assert train(hf, path, tmp_path / "another", 1, *cached,
-                 f"--train_dataset.cache.path={tmp_path / 'other-cache'}") != expected
+    batches = [next(iter(data)) for data in (
+        dataset(hf, path), dataset(hf, str(tmp_path / "cache"), type="cache"),
+        dataset(hf, str(tmp_path / "other-cache"), type="cache"))]
+    (expected, _), (cached, _), (another, _) = batches
+    assert expected.keys() == cached.keys() == another.keys()
+    for key in expected:
+        np.testing.assert_array_equal(cached[key], expected[key])
+        assert key == "pixel_values" or np.array_equal(another[key], expected[key]), key
+    assert not np.array_equal(another["pixel_values"], expected["pixel_values"])
+    losses = [train(hf, data, tmp_path / source, 1, source=source)
+              for data, source in ((path, "json"), (tmp_path / "cache", "cache"))]
+    assert losses[0] == losses[1], losses
 
 
 def test_a_cache_of_image_chats_shows_its_images_and_names_a_mismatch(hf, tmp_path,
