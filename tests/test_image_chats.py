@@ -269,11 +269,11 @@ def test_preview_shows_each_image_as_one_marker_and_counts_them(hf, tmp_path, ca
     assert "images: 2, image tokens: 14" in out
 
 
-def build_cache(hf, data, output, capsys, *flags):
-    """`python -m easylm.data.cache --family=qwen3_5_vl` of image chats `data`: its line."""
+def build_cache(hf, data, output, capsys, *flags, family="qwen3_5_vl"):
+    """`python -m easylm.data.cache --family=...` of image chats `data`: its line."""
     from easylm.data import cache
 
-    cache.main(["cache", "--family=qwen3_5_vl", f"--load_checkpoint=hf::{hf[0]}",
+    cache.main(["cache", f"--family={family}", f"--load_checkpoint=hf::{hf[0]}",
                 f"--tokenizer={hf[2]}", "--train_dataset.text_processor.chat=True",
                 f"--train_dataset.json_dataset.path={data}", f"--output={output}",
                 "--processes=1", *flags])
