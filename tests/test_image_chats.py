@@ -310,8 +310,8 @@ def test_a_token_cache_of_image_chats_trains_as_its_jsonl(hf, tmp_path, capsys):
 def test_a_cache_of_image_chats_shows_its_images_and_names_a_mismatch(hf, tmp_path,
                                                                       capsys):
     """`preview` of the cache marks each image and counts them as for the JSONL; --verify
-    counts them; a run without the image-text model, or with another image processor, or
-    an image-text run on a text cache, is one line; a text tokenizer still refuses."""
+    counts them; a run without the image-text model, or with another image processor, an
+    image-text run on a text cache, and image files that disagree are one line each."""
     import shutil
 
     from easylm.data import cache, preview
@@ -332,6 +332,8 @@ def test_a_cache_of_image_chats_shows_its_images_and_names_a_mismatch(hf, tmp_pa
     assert "(21 tokens, 4 with loss, 1 image(s))" in out
     assert "images: 2, image tokens: 14" in out
 
+    images = FAMILY.image_chats(FAMILY.hf.read_config(hf[0]), hf[0])
+
     def load(images, cache_path=tmp_path / "cache"):
         config = DatasetFactory.get_default_config({
             "type": "cache", "text_processor": {"chat": True},
@@ -341,6 +343,11 @@ def test_a_cache_of_image_chats_shows_its_images_and_names_a_mismatch(hf, tmp_pa
 
     with pytest.raises(UserError, match="holds image chats, which only the image-text model"):
         load(None)
+    table = np.load(tmp_path / "cache" / "shard-00000.images.npy")
+    table[0, 0] += 1   # the same size, an image one patch longer than the patches hold
+    np.save(tmp_path / "cache" / "shard-00000.images.npy", table)
+    with pytest.raises(UserError, match="shard 0's image files do not describe its 2 images"):
+        next(iter(load(images)))
     shutil.copytree(hf[0], tmp_path / "hf2")
     with open(tmp_path / "hf2" / "preprocessor_config.json") as f:
         settings = json.load(f)

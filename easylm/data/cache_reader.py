@@ -211,16 +211,22 @@ class CacheSource:
             raise UserError(f"token cache {self.path}: {shard_name(i, 'offsets')} does not "
                             f"describe {entry['tokens']} tokens; rebuild the cache")
         self._shards[i] = arrays[0], arrays[1], offsets
-        if len(arrays) > len(KINDS):   # image chats: the images' table and offsets in memory
-            patches, table, image_offsets = arrays[3], np.asarray(arrays[4][0:len(arrays[4])]), \
-                np.asarray(arrays[5][0:entry["documents"] + 1])
-            starts = np.concatenate([[0], np.cumsum(table[:, 0])])
-            if image_offsets[0] != 0 or image_offsets[-1] != len(table) or \
-                    (np.diff(image_offsets) < 0).any() or starts[-1] != len(patches):
-                raise UserError(f"token cache {self.path}: shard {i}'s image files do not "
-                                f"describe its {len(table)} images; rebuild the cache")
-            self._shards[i] += (patches, table, starts, image_offsets)
+        if len(arrays) > len(KINDS):   # image chats
+            self._shards[i] += self._image_table(i, *arrays[3:], entry["documents"])
         return self._shards[i]
+
+    def _image_table(self, i, patches, table, image_offsets, documents):
+        """(patches, the images' table, where each image's patches start, each document's
+        first image) of shard i, the small ones in memory, after checking they agree."""
+        table = np.asarray(table[0:len(table)])
+        image_offsets = np.asarray(image_offsets[0:documents + 1])
+        starts = np.concatenate([[0], np.cumsum(table[:, 0])])
+        if image_offsets[0] != 0 or image_offsets[-1] != len(table) or \
+                (np.diff(image_offsets) < 0).any() or starts[-1] != len(patches) or \
+                (table < 0).any() or (table[:, 1] > GRID).any():
+            raise UserError(f"token cache {self.path}: shard {i}'s image files do not "
+                            f"describe its {len(table)} images; rebuild the cache")
+        return patches, table, starts, image_offsets
 
     def _close_shard(self, i):
         shard = self._shards.pop(i)
