@@ -358,6 +358,14 @@ def test_a_cache_of_image_chats_shows_its_images_and_names_a_mismatch(hf, tmp_pa
     with pytest.raises(UserError, match="built for another image-text model or image "
                                         "processor \\(image_processor_sha256"):
         load(other)
+    from test_doctor import run_doctor
+
+    code, _, err = run_doctor([
+        "--family=qwen3_5_vl", f"--load_checkpoint=hf::{tmp_path / 'hf2'}",
+        f"--tokenizer={hf[2]}", "--train_dataset.text_processor.chat=True",
+        "--train_dataset.type=cache", f"--train_dataset.cache.path={tmp_path / 'cache'}",
+        f"--logger.output_dir={tmp_path}"], capsys)
+    assert code == 1 and "problem: token cache " in err and "image_processor_sha256" in err
     text = write_data(tmp_path / "hf2", [chat_row("w1")], {})
     with open(text, "w") as f:
         f.write(json.dumps({"messages": [{"role": "user", "content": "w1"},

@@ -122,6 +122,12 @@ class CacheSource:
     def check(self, tokenizer, text_processor, strict, images=None):
         """A run must tokenize as the cache was built (and, for a cache of image chats,
         read images with the same model's reader: `images`); a mismatch names both."""
+        self.check_images(images)
+        self._check_text(tokenizer, text_processor, strict)
+
+    def check_images(self, images):
+        """A cache of image chats is read by the image-text model's reader it was built
+        with (`images`), and only a cache of image chats by one; else one line."""
         built = self.index.get("images")
         if built and images is None:
             raise UserError(f"token cache {self.path} holds image chats, which only the "
@@ -139,6 +145,8 @@ class CacheSource:
                             f"or image processor ({key} {built.get(key)!r}, this run's has "
                             f"{now[key]!r}); pass the model it was built with, or rebuild "
                             f"the cache")
+
+    def _check_text(self, tokenizer, text_processor, strict):
         now = tokenizer_identity(tokenizer)
         built = self.index["tokenizer"]
         if built != now:
