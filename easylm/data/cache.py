@@ -165,7 +165,7 @@ def build(dataset_config, tokenizer, output, shard_size=65536, processes=1, prog
 
 def _image_arrays(images, patch_values):
     """The image files' arrays of a shard (cache_reader.IMAGE_KINDS) from each document's
-    encodings `images`, and the shard's entry fields (images, patches, image tokens)."""
+    encodings `images` ([(patches, grid)] each), and the shard's counts of them."""
     flat = [image for document in images for image in document]
     table = np.zeros((len(flat), 2 + GRID), np.int64)
     for k, (patches, grid) in enumerate(flat):

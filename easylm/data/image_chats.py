@@ -106,9 +106,12 @@ class CachedImageChats:
         for i, ((tokens, masks, encoded), _) in zip(np.asarray(ids).tolist(),
                                                     self.source.read(ids)):
             where = f"token cache {self.source.path} document {i}"
-            records.append(((self.processor.fit(tokens.astype(np.int32), masks.astype(
-                np.float32), encoded, where) if len(tokens) else
-                f"{where}: skipped when the cache was built"), None))
+            if not len(tokens):   # a row the build skipped (a missing image, ...)
+                records.append((f"{where}: skipped when the cache was built", None))
+                continue
+            chat = self.processor.fit(tokens.astype(np.int32), masks.astype(np.float32),
+                                      encoded, where)
+            records.append((chat, None))
         return records
 
     def close(self):
