@@ -205,11 +205,13 @@ def transformers_loss(hf, image: Image.Image) -> float:
         return hf[1](**transformers_inputs(hf, image)).loss.item()
 
 
-def test_sft_through_the_command(hf, tmp_path):
+def test_sft_through_the_command(hf, tmp_path, capsys):
     """Step 1's loss = transformers' labels loss on the same chat and image (another
-    image: differs); 3 steps lower it. With --qwen3_5_vl.train_vision=projector only the
-    projector of the vision tower trains (its blocks keep their bits, weight decay and
-    all); the export reloads whole in transformers."""
+    image: differs); 3 steps lower it; from the chat's token cache (`python -m
+    easylm.data.cache --family=qwen3_5_vl`) step 1's loss is the JSONL's bit for bit. With
+    --qwen3_5_vl.train_vision=projector only the projector of the vision tower trains (its
+    blocks keep their bits, weight decay and all); the export reloads whole in
+    transformers."""
     from easylm import convert_easylm_to_hf as convert
 
     path = write_data(tmp_path, [chat_row("a.png")], {"a.png": picture(0, 24, 16)})
@@ -220,6 +222,9 @@ def test_sft_through_the_command(hf, tmp_path):
     assert_differs(np.asarray(losses[:1]),
                    np.asarray([transformers_loss(hf, picture(5, 24, 16))]), REL)
     assert losses[-1] < losses[0], losses
+    build_cache(hf, path, tmp_path / "cache", capsys)
+    assert train(hf, tmp_path / "cache", tmp_path / "cached", 1,
+                 "--qwen3_5_vl.train_vision=projector", source="cache") == losses[:1]
 
     with contextlib.redirect_stdout(io.StringIO()):
         convert.main(["convert", f"--load_checkpoint=params::{tmp_path}/out/run/checkpoints/3",
@@ -280,11 +285,10 @@ def build_cache(hf, data, output, capsys, *flags, family="qwen3_5_vl"):
     return capsys.readouterr().out
 
 
-def test_a_token_cache_of_image_chats_trains_as_its_jsonl(hf, tmp_path, capsys):
+def test_a_token_cache_of_image_chats_gives_the_jsonl_batches(hf, tmp_path, capsys):
     """A cache built with --family holds the chats' tokens and their images' patches: its
-    batches are the JSONL's bit for bit, so is step 1's loss through `python -m
-    easylm.train`; a cache of another image gives other pixels (and test_sft_through_the_
-    command shows another image's loss differs), and nothing else."""
+    batches are the JSONL's bit for bit (test_sft_through_the_command trains from one: the
+    same step-1 loss); a cache of another image gives other pixels, and nothing else."""
     rows = [chat_row("a.png"), chat_row("b.png", answer="w5")]
     path = write_data(tmp_path, rows, {"a.png": picture(0, 24, 16), "b.png": picture(1, 16, 32)})
     out = build_cache(hf, path, tmp_path / "cache", capsys)
@@ -302,9 +306,6 @@ def test_a_token_cache_of_image_chats_trains_as_its_jsonl(hf, tmp_path, capsys):
         np.testing.assert_array_equal(cached[key], expected[key])
         assert key == "pixel_values" or np.array_equal(another[key], expected[key]), key
     assert not np.array_equal(another["pixel_values"], expected["pixel_values"])
-    losses = [train(hf, data, tmp_path / source, 1, source=source)
-              for data, source in ((path, "json"), (tmp_path / "cache", "cache"))]
-    assert losses[0] == losses[1], losses
 
 
 def test_a_cache_of_image_chats_shows_its_images_and_names_a_mismatch(hf, tmp_path,
