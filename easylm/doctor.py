@@ -132,20 +132,26 @@ def _model_problems(config, family, mesh) -> list[str]:
 
 
 def _image_problems(config, family, model_config) -> list[str]:
-    """An image-text model's image chats (a json source): its image processor, and each
-    image of the first IMAGE_ROWS rows read (a missing or unreadable one: a line naming
-    the file and row)."""
+    """An image-text model's image chats: its image processor, and each image of the first
+    IMAGE_ROWS rows of a json source read (a missing or unreadable one: a line naming the
+    file and row); a token cache built for this model's reader (and only if it holds
+    images)."""
+    from easylm.data.cache_reader import CacheSource
     from easylm.data.images import first_rows_problems
     from easylm.models.vision import processor_directory
 
     data = config.train_dataset
-    if not data.text_processor.chat or data.type != "json":
+    if not data.text_processor.chat or data.type not in ("json", "cache"):
         return []
     try:
         images = family.image_chats(model_config, processor_directory(config.tokenizer,
                                                                       config.load_checkpoint))
+        if data.type == "cache" and data.cache.path:
+            CacheSource(data.cache.path).check_images(images)
     except UserError as e:
         return [str(e)]
+    if data.type == "cache":
+        return []
     path = data.json_dataset.path
     if images is None or not os.path.isfile(path):
         return []

@@ -65,12 +65,14 @@ def write_data(folder, rows, pictures):
     return path
 
 
-def dataset(hf, path, **options):
+def dataset(hf, path, type="json", **options):
+    """The image chats of a json file (or a token cache's directory: type="cache")."""
     from easylm.data.tokenizer import load_tokenizer
 
     config = DatasetFactory.get_default_config({
-        "text_processor": {"chat": True},
-        "json_dataset": dict(dict(path=path, seq_length=T, batch_size=2), **options)})
+        "type": type, "text_processor": {"chat": True},
+        {"json": "json_dataset", "cache": "cache"}[type]:
+            dict(dict(path=path, seq_length=T, batch_size=2), **options)})
     images = FAMILY.image_chats(FAMILY.hf.read_config(hf[0]), hf[0])
     return DatasetFactory.load_dataset(config, load_tokenizer(hf[2]), process_index=0,
                                        process_count=1, images=images)
@@ -132,17 +134,23 @@ def test_a_token_cache_refuses_image_chats_in_one_line(hf, tmp_path, capsys):
         "--processes=1"], capsys)
     assert error == (f"{path}:1: a message has image parts, which only an image-text model "
                      f"reads, from a json or huggingface source (e.g. --family=qwen3_5_vl, "
-                     f"docs/vision.md); a token cache holds no images")
+                     f"docs/vision.md); a token cache holds them when built with that "
+                     f"--family")
 
 
-def train(hf, data, output_dir, steps=3, *flags, family="qwen3_5_vl", length=T):
+def train(hf, data, output_dir, steps=3, *flags, family="qwen3_5_vl", length=T,
+          source="json"):
     return [row["loss"] for row in train_metrics(hf, data, output_dir, steps, *flags,
-                                                 family=family, length=length)]
+                                                 family=family, length=length,
+                                                 source=source)]
 
 
-def train_metrics(hf, data, output_dir, steps, *flags, family="qwen3_5_vl", length=T):
+def train_metrics(hf, data, output_dir, steps, *flags, family="qwen3_5_vl", length=T,
+                  source="json"):
     """The logged rows of `python -m easylm.train` on image chats `data` (fp32, batch 1,
-    lr 1e-2); `flags` added last (a repeated flag's last value counts)."""
+    lr 1e-2) of a `source` (json, or cache: a token cache's directory); `flags` added last
+    (a repeated flag's last value counts)."""
+    block = {"json": "json_dataset", "cache": "cache"}[source]
     from easylm import train as command
 
     with contextlib.redirect_stdout(io.StringIO()):
@@ -150,9 +158,9 @@ def train_metrics(hf, data, output_dir, steps, *flags, family="qwen3_5_vl", leng
                       f"--tokenizer={hf[2]}", f"--total_steps={steps}", "--log_freq=1",
                       "--dtype=fp32", "--mesh_dim=1,1,-1", "--compilation_cache_dir=",
                       "--train_dataset.text_processor.chat=True",
-                      f"--train_dataset.json_dataset.path={data}",
-                      f"--train_dataset.json_dataset.seq_length={length}",
-                      "--train_dataset.json_dataset.batch_size=1",
+                      f"--train_dataset.type={source}", f"--train_dataset.{block}.path={data}",
+                      f"--train_dataset.{block}.seq_length={length}",
+                      f"--train_dataset.{block}.batch_size=1",
                       f"--logger.output_dir={output_dir}", "--logger.experiment_id=run",
                       "--optimizer.adamw_optimizer.lr=1e-2",
                       "--optimizer.adamw_optimizer.lr_warmup_steps=0", *flags])
@@ -197,11 +205,13 @@ def transformers_loss(hf, image: Image.Image) -> float:
         return hf[1](**transformers_inputs(hf, image)).loss.item()
 
 
-def test_sft_through_the_command(hf, tmp_path):
+def test_sft_through_the_command(hf, tmp_path, capsys):
     """Step 1's loss = transformers' labels loss on the same chat and image (another
-    image: differs); 3 steps lower it. With --qwen3_5_vl.train_vision=projector only the
-    projector of the vision tower trains (its blocks keep their bits, weight decay and
-    all); the export reloads whole in transformers."""
+    image: differs); 3 steps lower it; from the chat's token cache (`python -m
+    easylm.data.cache --family=qwen3_5_vl`) step 1's loss is the JSONL's bit for bit. With
+    --qwen3_5_vl.train_vision=projector only the projector of the vision tower trains (its
+    blocks keep their bits, weight decay and all); the export reloads whole in
+    transformers."""
     from easylm import convert_easylm_to_hf as convert
 
     path = write_data(tmp_path, [chat_row("a.png")], {"a.png": picture(0, 24, 16)})
@@ -212,6 +222,9 @@ def test_sft_through_the_command(hf, tmp_path):
     assert_differs(np.asarray(losses[:1]),
                    np.asarray([transformers_loss(hf, picture(5, 24, 16))]), REL)
     assert losses[-1] < losses[0], losses
+    build_cache(hf, path, tmp_path / "cache", capsys)
+    assert train(hf, tmp_path / "cache", tmp_path / "cached", 1,
+                 "--qwen3_5_vl.train_vision=projector", source="cache") == losses[:1]
 
     with contextlib.redirect_stdout(io.StringIO()):
         convert.main(["convert", f"--load_checkpoint=params::{tmp_path}/out/run/checkpoints/3",
@@ -259,3 +272,107 @@ def test_preview_shows_each_image_as_one_marker_and_counts_them(hf, tmp_path, ca
     assert "(21 tokens, 4 with loss, 1 image(s))" in out
     assert "(skipped: " + path + ":3: image " in out
     assert "images: 2, image tokens: 14" in out
+
+
+def build_cache(hf, data, output, capsys, *flags, family="qwen3_5_vl"):
+    """`python -m easylm.data.cache --family=...` of image chats `data`: its line."""
+    from easylm.data import cache
+
+    cache.main(["cache", f"--family={family}", f"--load_checkpoint=hf::{hf[0]}",
+                f"--tokenizer={hf[2]}", "--train_dataset.text_processor.chat=True",
+                f"--train_dataset.json_dataset.path={data}", f"--output={output}",
+                "--processes=1", *flags])
+    return capsys.readouterr().out
+
+
+def test_a_token_cache_of_image_chats_gives_the_jsonl_batches(hf, tmp_path, capsys):
+    """A cache built with --family holds the chats' tokens and their images' patches: its
+    batches are the JSONL's bit for bit (test_sft_through_the_command trains from one: the
+    same step-1 loss); a cache of another image gives other pixels, and nothing else."""
+    rows = [chat_row("a.png"), chat_row("b.png", answer="w5")]
+    path = write_data(tmp_path, rows, {"a.png": picture(0, 24, 16), "b.png": picture(1, 16, 32)})
+    out = build_cache(hf, path, tmp_path / "cache", capsys)
+    assert "2 documents (0 skipped), 38 tokens, 2 images (14 image tokens)" in out, out
+    os.makedirs(tmp_path / "other")
+    other = write_data(tmp_path / "other", rows, {"a.png": picture(5, 24, 16),
+                                                  "b.png": picture(1, 16, 32)})
+    build_cache(hf, other, tmp_path / "other-cache", capsys)
+    batches = [next(iter(data)) for data in (
+        dataset(hf, path), dataset(hf, str(tmp_path / "cache"), type="cache"),
+        dataset(hf, str(tmp_path / "other-cache"), type="cache"))]
+    (expected, _), (cached, _), (another, _) = batches
+    assert expected.keys() == cached.keys() == another.keys()
+    for key in expected:
+        np.testing.assert_array_equal(cached[key], expected[key])
+        assert key == "pixel_values" or np.array_equal(another[key], expected[key]), key
+    assert not np.array_equal(another["pixel_values"], expected["pixel_values"])
+
+
+def test_a_cache_of_image_chats_shows_its_images_and_names_a_mismatch(hf, tmp_path,
+                                                                      capsys):
+    """`preview` of the cache marks each image and counts them as for the JSONL; --verify
+    counts them; a run without the image-text model, or with another image processor, an
+    image-text run on a text cache, and image files that disagree are one line each."""
+    import shutil
+
+    from easylm.data import cache, preview
+    from easylm.data.tokenizer import load_tokenizer
+
+    path = write_data(tmp_path, [chat_row("a.png"), chat_row("b.png")],
+                      {"a.png": picture(0, 24, 16), "b.png": picture(1, 16, 32)})
+    build_cache(hf, path, tmp_path / "cache", capsys)
+    cache.main(["cache", f"--output={tmp_path / 'cache'}", "--verify"])
+    assert "2 images (14 image tokens); sizes, shapes" in capsys.readouterr().out
+    preview.main(["preview", "--family=qwen3_5_vl", f"--load_checkpoint=hf::{hf[0]}",
+                  f"--tokenizer={hf[2]}", "--train_dataset.text_processor.chat=True",
+                  "--train_dataset.type=cache", f"--train_dataset.cache.path={tmp_path}/cache",
+                  "--num_batches=1", f"--train_dataset.cache.seq_length={T}",
+                  "--train_dataset.cache.batch_size=2"])
+    out = capsys.readouterr().out
+    assert "[[<|im_start|> user <|vision_start|>]][[<image 1: 6 tokens>]][[<|vision_end|>" in out
+    assert "(21 tokens, 4 with loss, 1 image(s))" in out
+    assert "images: 2, image tokens: 14" in out
+
+    images = FAMILY.image_chats(FAMILY.hf.read_config(hf[0]), hf[0])
+
+    def load(images, cache_path=tmp_path / "cache"):
+        config = DatasetFactory.get_default_config({
+            "type": "cache", "text_processor": {"chat": True},
+            "cache": dict(path=str(cache_path), seq_length=T, batch_size=2)})
+        return DatasetFactory.load_dataset(config, load_tokenizer(hf[2]), process_index=0,
+                                           process_count=1, images=images)
+
+    with pytest.raises(UserError, match="holds image chats, which only the image-text model"):
+        load(None)
+    table = np.load(tmp_path / "cache" / "shard-00000.images.npy")
+    table[0, 0] += 1   # the same size, an image one patch longer than the patches hold
+    np.save(tmp_path / "cache" / "shard-00000.images.npy", table)
+    with pytest.raises(UserError, match="shard 0's image files do not describe its 2 images"):
+        next(iter(load(images)))
+    shutil.copytree(hf[0], tmp_path / "hf2")
+    with open(tmp_path / "hf2" / "preprocessor_config.json") as f:
+        settings = json.load(f)
+    settings["image_mean"] = [0.25, 0.25, 0.25]
+    with open(tmp_path / "hf2" / "preprocessor_config.json", "w") as f:
+        json.dump(settings, f)
+    other = FAMILY.image_chats(FAMILY.hf.read_config(hf[0]), str(tmp_path / "hf2"))
+    with pytest.raises(UserError, match="built for another image-text model or image "
+                                        "processor \\(image_processor_sha256"):
+        load(other)
+    from test_doctor import run_doctor
+
+    code, _, err = run_doctor([
+        "--family=qwen3_5_vl", f"--load_checkpoint=hf::{tmp_path / 'hf2'}",
+        f"--tokenizer={hf[2]}", "--train_dataset.text_processor.chat=True",
+        "--train_dataset.type=cache", f"--train_dataset.cache.path={tmp_path / 'cache'}",
+        f"--logger.output_dir={tmp_path}"], capsys)
+    assert code == 1 and "problem: token cache " in err and "image_processor_sha256" in err
+    text = write_data(tmp_path / "hf2", [chat_row("w1")], {})
+    with open(text, "w") as f:
+        f.write(json.dumps({"messages": [{"role": "user", "content": "w1"},
+                                         {"role": "assistant", "content": "w2"}]}) + "\n")
+    cache.main(["cache", f"--tokenizer={hf[2]}", "--train_dataset.text_processor.chat=True",
+                f"--train_dataset.json_dataset.path={text}", f"--output={tmp_path}/text",
+                "--processes=1"])
+    with pytest.raises(UserError, match="holds no images \\(built without --family\\)"):
+        load(other, tmp_path / "text")

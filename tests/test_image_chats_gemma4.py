@@ -14,7 +14,7 @@ import pytest
 import torch
 from numerics import assert_close, assert_differs
 from PIL import Image
-from test_image_chats import chat_row, train, write_data
+from test_image_chats import build_cache, chat_row, train, write_data
 from test_vision_gemma4 import CONFIG, REL, picture, torch_model
 from transformers import Gemma4ForConditionalGeneration, Gemma4ImageProcessorPil
 
@@ -154,3 +154,30 @@ def test_preview_and_bad_images(hf, tmp_path, capsys):
     error = one_line_error(preview.main, argv + ["--train_dataset.json_dataset.strict=True"],
                            capsys)
     assert error == f"{path}:2: image {tmp_path}/gone.png: no such file"
+
+
+def test_a_token_cache_of_gemma_image_chats_gives_the_jsonl_batches(hf, tmp_path, capsys):
+    """Gemma 4's 2-D grids and <boi>/<eoi> expansion through the token cache: its batches
+    are the JSONL's bit for bit (test_image_chats.py trains from a Qwen3.5 cache)."""
+    from easylm.data import DatasetFactory
+    from easylm.data.tokenizer import load_tokenizer
+    from easylm.gemma4.vision_hf import FAMILY
+
+    path = write_data(tmp_path, [chat_row("a.png"), chat_row("b.png")],
+                      {"a.png": picture(0, 16, 24), "b.png": picture(1, 32, 32)})
+    out = build_cache(hf, path, tmp_path / "cache", capsys, family="gemma4_vl")
+    assert "2 images (124 image tokens)" in out, out
+    images = FAMILY.image_chats(FAMILY.hf.read_config(hf[0]), hf[0])
+    batches = []
+    for kind, block, source in (("json", "json_dataset", path),
+                                ("cache", "cache", str(tmp_path / "cache"))):
+        config = DatasetFactory.get_default_config({
+            "type": kind, "text_processor": {"chat": True},
+            block: dict(path=source, seq_length=160, batch_size=2)})
+        data = DatasetFactory.load_dataset(config, load_tokenizer(hf[2]), process_index=0,
+                                           process_count=1, images=images)
+        batches.append(next(iter(data))[0])
+        data.close()
+    assert batches[0].keys() == batches[1].keys()
+    for key in batches[0]:
+        np.testing.assert_array_equal(batches[1][key], batches[0][key])

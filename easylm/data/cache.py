@@ -12,6 +12,8 @@ A cache directory (local or an fsspec URL) holds:
                            vocabulary fits, else uint32)
   shard-00000.masks.npy    their loss masks, uint8 0/1
   shard-00000.offsets.npy  int64 (documents + 1,): document i is tokens[offsets[i]:offsets[i+1]]
+  shard-00000.patches.npy, .images.npy, .image_offsets.npy   only in a cache of image
+                           chats (--family): the images' encoded patches (cache_reader.py)
   shard-00000.json         written after the shard's files: counts, byte sizes, sha256s
   index.json               written last: build.json and every shard's entry
 
@@ -49,13 +51,16 @@ from ml_collections import ConfigDict
 from easylm import flags
 from easylm.data import options
 from easylm.data.cache_reader import (
-    KINDS,
+    GRID,
     VERSION,
+    image_identity,
     processor_settings,
     shard_name,
     tokenizer_identity,
     verify,
 )
+from easylm.data.image_chats import ImageChatProcessor
+from easylm.data.images import image_chat_reader
 from easylm.data.reader import tokenize_records
 from easylm.data.sources import open_source
 from easylm.data.tokenizer import load_tokenizer
@@ -69,9 +74,10 @@ _CHUNK = 256            # documents per tokenizer call while building
 # ------------------------------------------------------------------------------- build
 
 
-def _open_for_build(dataset_config, tokenizer, shard_size):
+def _open_for_build(dataset_config, tokenizer, shard_size, images=None):
     """(config, loader options, source, processor, the cache's settings) of a build,
-    after checking the source can be cached."""
+    after checking the source can be cached. `images`: an image-text model's reader of
+    image chats, whose chats the cache then holds with their images' patches."""
     config = options.default_config(dataset_config)
     if config.type not in ("json", "huggingface"):
         raise UserError(f"python -m easylm.data.cache builds from --train_dataset.type=json "
@@ -84,6 +90,11 @@ def _open_for_build(dataset_config, tokenizer, shard_size):
     loader = options.loader_options(config)
     source, processor = open_source(config.type, loader, config.text_processor, tokenizer,
                                     loader.strict)
+    if images is not None:
+        if not config.text_processor.chat:
+            raise UserError("--family caches image chats: set "
+                            "--train_dataset.text_processor.chat=True")
+        processor = ImageChatProcessor(config.text_processor, tokenizer, images, None)
     if getattr(source, "streaming", False):
         raise UserError("a token cache needs a source with a known length; set "
                         "huggingface_dataset.streaming=False")
@@ -94,6 +105,8 @@ def _open_for_build(dataset_config, tokenizer, shard_size):
         text_processor=processor_settings(config.text_processor, tokenizer),
         num_documents=len(source), shard_size=shard_size,
         dtype="uint16" if vocab <= 1 << 16 else "uint32")
+    if images is not None:
+        settings["images"] = image_identity(images)
     for key in ("seq_length", "batch_size", "shuffle", "seed", "segment_ids",
                 "tokenizer_processes", "tokenizer_parallel_batch_size",
                 "tokenizer_parallel_chunk_size"):
@@ -101,11 +114,13 @@ def _open_for_build(dataset_config, tokenizer, shard_size):
     return config, loader, source, processor, settings
 
 
-def build(dataset_config, tokenizer, output, shard_size=65536, processes=1, progress=True):
+def build(dataset_config, tokenizer, output, shard_size=65536, processes=1, progress=True,
+          images=None):
     """Builds (or finishes) the cache of the json or map-style huggingface dataset that
-    `dataset_config` (a DatasetFactory config) names. Returns the index."""
+    `dataset_config` (a DatasetFactory config) names (image chats with `images`, an
+    image-text model's reader). Returns the index."""
     config, loader, source, processor, settings = _open_for_build(dataset_config, tokenizer,
-                                                                  shard_size)
+                                                                  shard_size, images)
     fs, root = fsspec.core.url_to_fs(output)
     fs.makedirs(root, exist_ok=True)
     _start_or_resume(fs, root, output, settings)
@@ -114,7 +129,7 @@ def build(dataset_config, tokenizer, output, shard_size=65536, processes=1, prog
             if (entry := _finished_shard(fs, root, i)) is not None}
     todo = [i for i in range(num_shards) if i not in done]
     start, started = time.time(), None
-    work = _ShardWriter(processor, settings["dtype"], loader.strict, fs, root)
+    work = _ShardWriter(processor, settings, loader.strict, fs, root)
 
     def records(i):
         return source.read(np.arange(i * shard_size,
@@ -138,11 +153,28 @@ def build(dataset_config, tokenizer, output, shard_size=65536, processes=1, prog
     index = dict(settings, shards=shards, documents=settings["num_documents"],
                  tokens=sum(s["tokens"] for s in shards),
                  skipped=sum(s["skipped"] for s in shards),
+                 **({"pictures": sum(s["images"] for s in shards),
+                     "image_tokens": sum(s["image_tokens"] for s in shards)}
+                    if images is not None else {}),
                  build_seconds=time.time() - start, built_shards=len(todo),
                  start_seconds=started - start if started else 0.0)
     _write_json(fs, f"{root}/index.json", {k: v for k, v in index.items()
                                            if k not in _RUN_ONLY})
     return index
+
+
+def _image_arrays(images, patch_values):
+    """The image files' arrays of a shard (cache_reader.IMAGE_KINDS) from each document's
+    encodings `images` ([(patches, grid)] each), and the shard's counts of them."""
+    flat = [image for document in images for image in document]
+    table = np.zeros((len(flat), 2 + GRID), np.int64)
+    for k, (patches, grid) in enumerate(flat):
+        table[k, :2 + len(grid)] = (len(patches), len(grid), *grid)
+    patches = (np.concatenate([p for p, _ in flat]).astype(np.float32) if flat
+               else np.zeros((0, patch_values), np.float32))
+    offsets = np.concatenate([[0], np.cumsum([len(d) for d in images])]).astype(np.int64)
+    return (dict(patches=patches, images=table, image_offsets=offsets),
+            dict(images=len(flat), patches=len(patches)))
 
 
 def _start_or_resume(fs, root, output, settings):
@@ -177,7 +209,7 @@ def _finished_shard(fs, root, i):
         with fs.open(f"{root}/{shard_name(i, 'json')}", "rb") as f:
             entry = json.load(f)
         if all(fs.size(f"{root}/{shard_name(i, kind)}") == entry["files"][kind]["bytes"]
-               for kind in KINDS):
+               for kind in entry["files"]):
             return entry
     except (FileNotFoundError, ValueError, KeyError):   # not written, or cut off
         pass
@@ -225,20 +257,22 @@ def _work_in_worker(i, records):
 
 
 class _ShardWriter:
-    """Tokenizes one shard's records and writes its three files, then its .json."""
+    """Tokenizes one shard's records and writes its files, then its .json."""
 
-    def __init__(self, processor, dtype, strict, fs, root):
-        self.processor, self.dtype, self.strict = processor, dtype, strict
+    def __init__(self, processor, settings, strict, fs, root):
+        self.processor, self.dtype, self.strict = processor, settings["dtype"], strict
+        self.images = settings.get("images")
         self.fs, self.root = fs, root
 
     def __call__(self, shard, records):
-        tokens, masks, lengths, skipped, first_skip = [], [], [], 0, None
+        tokens, masks, lengths, images, skipped, first_skip = [], [], [], [], 0, None
         for i in range(0, len(records), _CHUNK):
             for document in tokenize_records(records[i:i + _CHUNK], self.processor):
                 if isinstance(document, tuple):
                     tokens.append(document[0])
                     masks.append(document[1])
                     lengths.append(len(document[0]))
+                    images.append(document[2] if self.images else [])
                     continue
                 if isinstance(document, str):
                     if self.strict:
@@ -246,6 +280,7 @@ class _ShardWriter:
                     skipped += 1
                     first_skip = first_skip or document
                 lengths.append(0)   # kept, empty, so that slots stay the source's
+                images.append([])
         tokens = np.concatenate(tokens) if tokens else np.zeros(0, np.int32)
         masks = np.concatenate(masks) if masks else np.zeros(0, np.float32)
         limit = np.iinfo(self.dtype).max
@@ -257,6 +292,12 @@ class _ShardWriter:
             raise UserError("a loss mask other than 0 or 1 cannot be cached as uint8")
         arrays = dict(tokens=tokens.astype(self.dtype), masks=masks.astype(np.uint8),
                       offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+        counts = {}
+        if self.images:
+            more, counts = _image_arrays(images, self.images["patch_values"])
+            arrays.update(more)
+            counts["image_tokens"] = int((arrays["tokens"] == self.images["image_token_id"])
+                                         .sum())
         files = {}
         for kind, array in arrays.items():
             buffer = io.BytesIO()
@@ -265,7 +306,7 @@ class _ShardWriter:
             self.fs.pipe_file(f"{self.root}/{shard_name(shard, kind)}", data)
             files[kind] = dict(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
         entry = dict(shard=shard, documents=len(lengths), tokens=len(tokens),
-                     skipped=skipped, files=files)
+                     skipped=skipped, **counts, files=files)
         _write_json(self.fs, f"{self.root}/{shard_name(shard, 'json')}", entry)
         if skipped:
             logger.warning("shard %d: skipped %d documents (kept empty), the first: %s",
@@ -294,6 +335,8 @@ def default_config():
     config.processes = 0
     config.shard_size = 65536
     config.verify = False
+    config.family = ""
+    config.load_checkpoint = ""
     return config
 
 
@@ -305,6 +348,10 @@ def help_text():
             "shard_size": "documents per shard",
             "verify": "only check the cache in --output: every file's size, shape and "
                       "sha256 against its index",
+            "family": "an image-text model's family (e.g. qwen3_5_vl): the cache then holds "
+                      "image chats, their images encoded by its image processor",
+            "load_checkpoint": "with --family: hf::DIR, the model whose config.json and "
+                               "image processor encode the images",
             **{f"train_dataset.{k}": v for k, v in options.HELP.items()}}
 
 
@@ -317,18 +364,27 @@ def main(argv=None):
     if c.verify:
         index = verify(c.output)
         print(f"{c.output}: {len(index['shards'])} shards, {index['documents']:,} documents, "
-              f"{index['tokens']:,} tokens; sizes, shapes and checksums match the index")
+              f"{index['tokens']:,} tokens{_image_counts(index)}; sizes, shapes and "
+              f"checksums match the index")
         return
     processes = c.processes or os.cpu_count()
+    images = image_chat_reader(c.family, c.load_checkpoint, c.tokenizer)
     index = build(c.train_dataset, load_tokenizer(c.tokenizer), c.output, c.shard_size,
-                  processes)
+                  processes, images=images)
     started = (f", {index['start_seconds']:.1f} s of them starting workers"
                if index["start_seconds"] else "")
     workers = f"{processes} process" + ("es" if processes > 1 else "")
     print(f"{c.output}: {len(index['shards'])} shards ({index['built_shards']} built now, "
           f"{workers}), {index['documents']:,} documents ({index['skipped']} skipped), "
-          f"{index['tokens']:,} tokens, {index['dtype']}; {index['build_seconds']:.1f} s"
-          f"{started}")
+          f"{index['tokens']:,} tokens{_image_counts(index)}, {index['dtype']}; "
+          f"{index['build_seconds']:.1f} s{started}")
+
+
+def _image_counts(index):
+    """', N images (M image tokens)' of a cache of image chats, else ''."""
+    if not index.get("images"):
+        return ""
+    return f", {index['pictures']:,} images ({index['image_tokens']:,} image tokens)"
 
 
 if __name__ == "__main__":

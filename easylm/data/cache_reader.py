@@ -1,6 +1,11 @@
 """The reading side of a token cache (`cache.py` builds them): the format's names, what
 must match between a cache and a run, `CacheSource` (a cache as a source of documents)
 and `verify`. The layout of a cache directory and why it is .npy are in `cache.py`.
+
+A cache of image chats (built with --family, docs/vision.md) also holds each shard's
+images as the model's image processor encoded them (`IMAGE_KINDS`); its documents are
+(tokens, masks, [(patches (n, E) float32, grid)]), the whole chats, which the reader of
+image chats fits to a run's rows (image_chats.CachedImageChats).
 """
 
 import hashlib
@@ -16,6 +21,11 @@ from easylm.errors import UserError
 
 VERSION = 1
 KINDS = ("tokens", "masks", "offsets")
+# patches (all images' patches, float32 (n, E)); images (int64 (images, 5): patches, grid
+# length k, grid[:k], zeros); image_offsets (int64 (documents + 1,)): document i's images
+# are images[image_offsets[i]:image_offsets[i+1]].
+IMAGE_KINDS = ("patches", "images", "image_offsets")
+GRID = 3   # the longest grid an image reader gives (Qwen3.5's (t, rows, cols))
 _MAX_OPEN_SHARDS = 64   # memory maps / file handles kept open while reading
 
 
@@ -37,8 +47,24 @@ def processor_settings(text_processor, tokenizer):
     return settings
 
 
+def image_identity(images):
+    """What must match between a cache of image chats and a run: the image-text model's
+    reader, its image processor's settings and its image tokens."""
+    settings = images.image_processor.to_json_string()
+    return dict(reader=f"{type(images).__module__}.{type(images).__qualname__}",
+                image_processor_sha256=hashlib.sha256(settings.encode()).hexdigest(),
+                image_token_id=images.image_token_id,
+                patch_values=images.config.patch_values())
+
+
+def kinds_of(index):
+    """The files of each shard of a cache (its index or build settings)."""
+    return KINDS + IMAGE_KINDS if index.get("images") else KINDS
+
+
 def shard_name(shard, kind):
-    return f"shard-{shard:05d}.{kind}.npy" if kind in KINDS else f"shard-{shard:05d}.json"
+    return (f"shard-{shard:05d}.{kind}.npy" if kind in KINDS + IMAGE_KINDS
+            else f"shard-{shard:05d}.json")
 
 
 
@@ -55,8 +81,9 @@ class CacheSource:
         listing = {os.path.basename(entry["name"]): entry["size"]
                    for entry in self.fs.ls(self.root, detail=True)}
         counts = []
+        self.kinds = kinds_of(self.index)
         for i, entry in enumerate(self.index["shards"]):
-            for kind in KINDS:
+            for kind in self.kinds:
                 name, expected = shard_name(i, kind), entry["files"][kind]["bytes"]
                 if name not in listing:
                     raise UserError(f"token cache {path}: shard file {name} is missing")
@@ -83,7 +110,7 @@ class CacheSource:
             with self.fs.open(path, "rb") as f:
                 index = json.load(f)
             shards = index["shards"]
-            assert all(len(s["files"]) == len(KINDS) for s in shards)
+            assert all(len(s["files"]) == len(kinds_of(index)) for s in shards)
         except (ValueError, KeyError, TypeError, AssertionError):
             raise UserError(f"token cache {self.path}: index.json is not a valid index; "
                             f"rebuild it with python -m easylm.data.cache") from None
@@ -92,8 +119,34 @@ class CacheSource:
                             f"this easylm reads version {VERSION}; rebuild it")
         return index
 
-    def check(self, tokenizer, text_processor, strict):
-        """A run must tokenize as the cache was built; a mismatch names both."""
+    def check(self, tokenizer, text_processor, strict, images=None):
+        """A run must tokenize as the cache was built (and, for a cache of image chats,
+        read images with the same model's reader: `images`); a mismatch names both."""
+        self.check_images(images)
+        self._check_text(tokenizer, text_processor, strict)
+
+    def check_images(self, images):
+        """A cache of image chats is read by the image-text model's reader it was built
+        with (`images`), and only a cache of image chats by one; else one line."""
+        built = self.index.get("images")
+        if built and images is None:
+            raise UserError(f"token cache {self.path} holds image chats, which only the "
+                            f"image-text model it was built for reads ({built['reader']}): "
+                            f"give its --family and --load_checkpoint=hf::DIR, with "
+                            f"text_processor.chat=True")
+        if images is not None and not built:
+            raise UserError(f"token cache {self.path} holds no images (built without "
+                            f"--family); rebuild it with the image-text model's --family "
+                            f"and --load_checkpoint to train on its image chats")
+        if built and built != image_identity(images):
+            now = image_identity(images)
+            key = next(k for k in now if built.get(k) != now[k])
+            raise UserError(f"token cache {self.path} was built for another image-text model "
+                            f"or image processor ({key} {built.get(key)!r}, this run's has "
+                            f"{now[key]!r}); pass the model it was built with, or rebuild "
+                            f"the cache")
+
+    def _check_text(self, tokenizer, text_processor, strict):
         now = tokenizer_identity(tokenizer)
         built = self.index["tokenizer"]
         if built != now:
@@ -123,11 +176,12 @@ class CacheSource:
         records = [None] * len(ids)
         for s in np.unique(shards):
             where = np.flatnonzero(shards == s)
-            tokens, masks, offsets = self._open(int(s))
+            tokens, masks, offsets, *images = self._open(int(s))
             local = ids[where] - self._first[s]
-            for i, begin, end in zip(where.tolist(), offsets[local].tolist(),
-                                     offsets[local + 1].tolist()):
-                records[i] = ((tokens[begin:end], masks[begin:end]), None)
+            for i, d, begin, end in zip(where.tolist(), local.tolist(),
+                                        offsets[local].tolist(), offsets[local + 1].tolist()):
+                document = (tokens[begin:end], masks[begin:end])
+                records[i] = ((*document, _images(*images, d)) if images else document, None)
         return records
 
     def _open(self, i):
@@ -139,8 +193,14 @@ class CacheSource:
         expected = dict(tokens=((entry["tokens"],), self.index["dtype"]),
                         masks=((entry["tokens"],), "uint8"),
                         offsets=((entry["documents"] + 1,), "int64"))
+        if self.index.get("images"):
+            expected.update(
+                patches=((entry.get("patches"), self.index["images"]["patch_values"]),
+                         "float32"),
+                images=((entry.get("images"), 2 + GRID), "int64"),
+                image_offsets=((entry["documents"] + 1,), "int64"))
         arrays = []
-        for kind in KINDS:
+        for kind in self.kinds:
             name = shard_name(i, kind)
             path = f"{self.root}/{name}"
             try:
@@ -159,10 +219,26 @@ class CacheSource:
             raise UserError(f"token cache {self.path}: {shard_name(i, 'offsets')} does not "
                             f"describe {entry['tokens']} tokens; rebuild the cache")
         self._shards[i] = arrays[0], arrays[1], offsets
+        if len(arrays) > len(KINDS):   # image chats
+            self._shards[i] += self._image_table(i, *arrays[3:], entry["documents"])
         return self._shards[i]
 
+    def _image_table(self, i, patches, table, image_offsets, documents):
+        """(patches, the images' table, where each image's patches start, each document's
+        first image) of shard i, the small ones in memory, after checking they agree."""
+        table = np.asarray(table[0:len(table)])
+        image_offsets = np.asarray(image_offsets[0:documents + 1])
+        starts = np.concatenate([[0], np.cumsum(table[:, 0])])
+        if image_offsets[0] != 0 or image_offsets[-1] != len(table) or \
+                (np.diff(image_offsets) < 0).any() or starts[-1] != len(patches) or \
+                (table < 0).any() or (table[:, 1] > GRID).any():
+            raise UserError(f"token cache {self.path}: shard {i}'s image files do not "
+                            f"describe its {len(table)} images; rebuild the cache")
+        return patches, table, starts, image_offsets
+
     def _close_shard(self, i):
-        for array in self._shards.pop(i)[:2]:
+        shard = self._shards.pop(i)
+        for array in shard[:2] + shard[3:4]:
             if isinstance(array, _RangeArray):
                 array.close()
 
@@ -171,8 +247,15 @@ class CacheSource:
             self._close_shard(i)
 
 
+def _images(patches, table, starts, image_offsets, d):
+    """[(patches (n, E) float32, grid)] of a shard's document d."""
+    rows = range(int(image_offsets[d]), int(image_offsets[d + 1]))
+    return [(np.asarray(patches[int(starts[k]):int(starts[k + 1])], np.float32),
+             tuple(int(g) for g in table[k, 2:2 + table[k, 1]])) for k in rows]
+
+
 class _RangeArray:
-    """A 1-D .npy file on any fsspec filesystem, read by byte range: array[a:b]."""
+    """A .npy file on any fsspec filesystem, read by byte range: array[a:b] (rows)."""
 
     def __init__(self, fs, path):
         self.file = fs.open(path, "rb")
@@ -186,9 +269,13 @@ class _RangeArray:
 
     def __getitem__(self, key):
         begin, end, _ = key.indices(self.shape[0])
-        self.file.seek(self.start + begin * self.dtype.itemsize)
-        data = self.file.read(max(0, end - begin) * self.dtype.itemsize)
-        return np.frombuffer(data, self.dtype)
+        row = int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
+        self.file.seek(self.start + begin * row)
+        data = self.file.read(max(0, end - begin) * row)
+        return np.frombuffer(data, self.dtype).reshape(-1, *self.shape[1:])
+
+    def __len__(self):
+        return self.shape[0]
 
     def close(self):
         self.file.close()
@@ -202,7 +289,7 @@ def verify(path):
     source = CacheSource(path)
     try:
         for i, entry in enumerate(source.index["shards"]):
-            for kind in KINDS:
+            for kind in source.kinds:
                 name = shard_name(i, kind)
                 with source.fs.open(f"{source.root}/{name}", "rb") as f:
                     digest = hashlib.sha256(f.read()).hexdigest()

@@ -38,6 +38,7 @@ import numpy as np
 
 from easylm.data import options
 from easylm.data.image_chats import (
+    CachedImageChats,
     ImageChatProcessor,
     ImageChats,
     ImagePairs,
@@ -88,9 +89,11 @@ class DatasetFactory:
                 and not config.preference.enabled:
             _refuse_image_problems(config, loader)
             source, _ = open_source(config.type, loader, config.text_processor, tokenizer,
-                                    loader.strict)
+                                    loader.strict, images)
             processor = ImageChatProcessor(config.text_processor, tokenizer, images,
                                            loader.seq_length)
+            if config.type == "cache":   # whole chats, tokenized: fitted as they are read
+                source, processor = CachedImageChats(source, processor), None
             order = make_order(source, loader, shuffle, loader.seed)
             kind = ImageChats(loader, order, images)
         elif config.preference.enabled:

@@ -21,7 +21,8 @@ A batch holds the text arrays (input_tokens, target_tokens, loss_masks) and the 
 inputs of its input_tokens (vision.IMAGE_KEYS), from the family's `batch_inputs`.
 Preference pairs of image chats (`ImagePairs`, pairs.py's reader with the family's
 `image_chats`) hold each side's: chosen_pixel_values, rejected_image_tokens, ... A token
-cache holds no images: image parts in a cache build are refused (text.py).
+cache built with --family holds whole image chats and their images' patches
+(cache_reader.py); `CachedImageChats` fits them to a run's rows as a json source's are.
 """
 
 import os
@@ -38,10 +39,9 @@ from easylm.errors import UserError
 def image_chat_problems(config, loader) -> list[str]:
     """Options that cannot meet image chats, as lines (what load_dataset refuses)."""
     problems = []
-    if config.type not in ("json", "huggingface"):
+    if config.type not in ("json", "huggingface", "cache"):
         problems.append(f"--train_dataset.type={config.type}: image chats are read from a "
-                        f"json or huggingface source (a token cache or mixture holds no "
-                        f"images)")
+                        f"json, huggingface or cache source (a mixture holds no images)")
     if loader.segment_ids:
         problems.append("segment_ids=True: image chats are not packed (one chat per row), "
                         "so there are no segments; set it to False")
@@ -56,11 +56,13 @@ def image_runs(tokens, image_token_id: int) -> list[tuple[int, int]]:
 
 class ImageChatProcessor:
     """Examples -> (tokens (L,), masks (L,), the images' encodings), L <= seq_length + 1;
-    or None / a skip reason, as TextProcessor.process."""
+    or None / a skip reason, as TextProcessor.process. seq_length None: whole chats (what
+    a token cache holds)."""
 
-    def __init__(self, text_processor, tokenizer, images, seq_length: int):
+    def __init__(self, text_processor, tokenizer, images, seq_length: int | None):
         self.text = TextProcessor(text_processor, tokenizer)
-        self.images, self.row_length = images, seq_length + 1
+        self.images = images
+        self.row_length = None if seq_length is None else seq_length + 1
 
     def process(self, examples):
         return [self._one(example, where) if isinstance(example, dict) else example
@@ -73,6 +75,12 @@ class ImageChatProcessor:
                 self.text, messages, chat_images(messages, where, data_folder(where)), where)
         except UserError as e:
             return str(e)
+        return self.fit(ids, masks, encoded, where)
+
+    def fit(self, ids, masks, encoded, where):
+        """A whole chat cut to a row, or the reason it cannot be."""
+        if self.row_length is None:
+            return ids, masks, encoded
         T = self.row_length - 1
         cut = images_fit(ids, self.images.image_token_id, self.row_length, where)
         if cut:
@@ -81,6 +89,33 @@ class ImageChatProcessor:
         if not masks[1:].any():
             return f"{where}: no assistant token within seq_length={T}, nothing to train on"
         return ids.astype(np.int32), masks.astype(np.float32), encoded
+
+
+class CachedImageChats:
+    """A token cache of image chats (cache_reader.CacheSource) as a source whose documents
+    are fitted to this run's rows (`processor.fit`), as a json source's chats are."""
+
+    def __init__(self, source, processor):
+        self.source, self.processor = source, processor
+
+    def __len__(self):
+        return len(self.source)
+
+    def read(self, ids):
+        records = []
+        for i, ((tokens, masks, encoded), _) in zip(np.asarray(ids).tolist(),
+                                                    self.source.read(ids)):
+            where = f"token cache {self.source.path} document {i}"
+            if not len(tokens):   # a row the build skipped (a missing image, ...)
+                records.append((f"{where}: skipped when the cache was built", None))
+                continue
+            chat = self.processor.fit(tokens.astype(np.int32), masks.astype(np.float32),
+                                      encoded, where)
+            records.append((chat, None))
+        return records
+
+    def close(self):
+        self.source.close()
 
 
 class ImageChats:

@@ -118,3 +118,25 @@ def first_rows_problems(path: str, rows: int) -> list[str]:
             except (ValueError, AttributeError):
                 problems.append(f"{where}: not a JSON object with messages")
     return problems
+
+
+def image_chat_reader(family: str, load_checkpoint: str, tokenizer: str):
+    """The reader of image chats (models/vision.py's ImageChatReader) of the image-text
+    model --family and --load_checkpoint=hf::DIR name, or None without --family (what
+    `preview` and the token cache take)."""
+    if not family:
+        return None
+    # Only here: the families (and JAX) load when an image-text model is asked for.
+    from easylm.models import registry
+    from easylm.models.family import hf_adapter
+    from easylm.models.vision import processor_directory
+
+    model_family = registry.get(family)
+    if not load_checkpoint.startswith("hf::"):
+        raise UserError(f"--family={family}: give the model as --load_checkpoint=hf::DIR "
+                        f"(its config.json and image processor)")
+    model = hf_adapter(model_family).read_config(load_checkpoint[len("hf::"):])
+    images = model_family.image_chats(model, processor_directory(tokenizer, load_checkpoint))
+    if images is None:
+        raise UserError(f"--family={family} reads no images")
+    return images

@@ -26,7 +26,7 @@ from ml_collections import ConfigDict
 from easylm import flags
 from easylm.data.dataset import DatasetFactory
 from easylm.data.image_chats import image_runs
-from easylm.models.vision import processor_directory
+from easylm.data.images import image_chat_reader
 from easylm.data.options import loader_block
 from easylm.data.pairs import SIDES, render_pair
 from easylm.data.reader import prepare_records
@@ -297,26 +297,6 @@ def _documents_started(segment_ids, offsets):
     return int(sum(k - (k > 0 and offset > 0) for k, offset in zip(pieces, offsets)))
 
 
-def _image_chats(config):
-    """The reader of image chats --family and --load_checkpoint name, or None."""
-    if not config.family:
-        return None
-    # Only here: the families (and JAX) load when an image-text model is asked for.
-    from easylm.models import registry
-    from easylm.models.family import hf_adapter
-
-    family = registry.get(config.family)
-    if not config.load_checkpoint.startswith("hf::"):
-        raise UserError(f"--family={config.family}: give the model as --load_checkpoint="
-                        f"hf::DIR (its config.json and image processor)")
-    model = hf_adapter(family).read_config(config.load_checkpoint[len("hf::"):])
-    images = family.image_chats(model, processor_directory(config.tokenizer,
-                                                           config.load_checkpoint))
-    if images is None:
-        raise UserError(f"--family={config.family} reads no images")
-    return images
-
-
 @exit_on_user_error
 def main(argv=None):
     argv = argv or sys.argv
@@ -334,7 +314,9 @@ def main(argv=None):
                               config.grpo if multi_turn else None))
     else:
         print(preview(config.train_dataset, tokenizer, config.num_examples,
-                      config.num_batches, _image_chats(config)))
+                      config.num_batches,
+                      image_chat_reader(config.family, config.load_checkpoint,
+                                        config.tokenizer)))
 
 
 if __name__ == "__main__":

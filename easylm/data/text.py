@@ -217,8 +217,8 @@ class TextProcessor:
         if not parts and is_messages(messages, True) and _has_images(messages):
             raise UserError(f"{where}: a message has image parts, which only an image-text "
                             f"model reads, from a json or huggingface source (e.g. "
-                            f"--family=qwen3_5_vl, docs/vision.md); a token cache holds no "
-                            f"images")
+                            f"--family=qwen3_5_vl, docs/vision.md); a token cache holds "
+                            f"them when built with that --family")
         if not is_messages(messages, parts):
             raise UserError(f"{where}: 'messages' must be a list of "
                             f"{{\"role\": str, \"content\": str"
