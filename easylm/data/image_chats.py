@@ -25,7 +25,6 @@ cache built with --family holds whole image chats and their images' patches
 (cache_reader.py); `CachedImageChats` fits them to a run's rows as a json source's are.
 """
 
-import os
 
 import numpy as np
 
