@@ -25,7 +25,6 @@ cache built with --family holds whole image chats and their images' patches
 (cache_reader.py); `CachedImageChats` fits them to a run's rows as a json source's are.
 """
 
-
 import numpy as np
 
 from easylm.data.images import chat_images, data_folder, images_fit
