@@ -278,7 +278,9 @@ _ADDED = {"grpo.dynamic_sampling": False, "grpo.max_sampling_rounds": 4,
           "grpo.tools": "", "grpo.environment": "", "grpo.tool_timeout": 10.0,
           "grpo.max_turns": 4,
           # a group's prompt prefilled once: the same rows as each copy prefilled
-          "grpo.share_prompts": True}
+          "grpo.share_prompts": True,
+          # the rollouts' cache dense: the rows and samples a paged cache gives too
+          "grpo.page_size": 0}
 
 
 def _hashed(name: str, value):
