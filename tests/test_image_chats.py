@@ -205,6 +205,22 @@ def transformers_loss(hf, image: Image.Image) -> float:
         return hf[1](**transformers_inputs(hf, image)).loss.item()
 
 
+def export_kept(hf, run, output_dir, model_class) -> tuple[set, set]:
+    """(every tensor name, those bit for bit the starting model's) of `run`'s step-3
+    checkpoint exported by `python -m easylm.convert_easylm_to_hf` and loaded in
+    transformers as `model_class`, with no missing or unexpected weights."""
+    from easylm import convert_easylm_to_hf as convert
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        convert.main(["convert", f"--load_checkpoint=params::{run}/checkpoints/3",
+                      f"--output_dir={output_dir}", "--verify=False"])
+    model, info = model_class.from_pretrained(output_dir, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    before, after = dict(hf[1].state_dict()), model.state_dict()
+    return set(after), {name for name, tensor in after.items()
+                        if torch.equal(tensor, before[name])}
+
+
 def test_sft_through_the_command(hf, tmp_path, capsys):
     """Step 1's loss = transformers' labels loss on the same chat and image (another
     image: differs); 3 steps lower it; from the chat's token cache (`python -m
@@ -212,8 +228,6 @@ def test_sft_through_the_command(hf, tmp_path, capsys):
     --qwen3_5_vl.train_vision=projector only the projector of the vision tower trains (its
     blocks keep their bits, weight decay and all); the export reloads whole in
     transformers."""
-    from easylm import convert_easylm_to_hf as convert
-
     path = write_data(tmp_path, [chat_row("a.png")], {"a.png": picture(0, 24, 16)})
     losses = train(hf, path, tmp_path / "out", 3, "--save_model_freq=3",
                    "--qwen3_5_vl.train_vision=projector")
@@ -226,14 +240,8 @@ def test_sft_through_the_command(hf, tmp_path, capsys):
     assert train(hf, tmp_path / "cache", tmp_path / "cached", 1,
                  "--qwen3_5_vl.train_vision=projector", source="cache") == losses[:1]
 
-    with contextlib.redirect_stdout(io.StringIO()):
-        convert.main(["convert", f"--load_checkpoint=params::{tmp_path}/out/run/checkpoints/3",
-                      f"--output_dir={tmp_path / 'export'}", "--verify=False"])
-    model, info = Qwen3_5ForConditionalGeneration.from_pretrained(
-        tmp_path / "export", output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
-    before, after = dict(hf[1].state_dict()), model.state_dict()
-    same = {name for name, tensor in after.items() if torch.equal(tensor, before[name])}
+    after, same = export_kept(hf, tmp_path / "out/run", tmp_path / "export",
+                              Qwen3_5ForConditionalGeneration)
     assert {n for n in after if n.startswith("model.visual.") and "merger" not in n} <= same
     assert "model.visual.merger.linear_fc2.weight" not in same
     assert "model.language_model.layers.0.mlp.up_proj.weight" not in same

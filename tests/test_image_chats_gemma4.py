@@ -14,7 +14,7 @@ import pytest
 import torch
 from numerics import assert_close, assert_differs
 from PIL import Image
-from test_image_chats import build_cache, chat_row, train, write_data
+from test_image_chats import build_cache, chat_row, export_kept, train, write_data
 from test_vision_gemma4 import CONFIG, REL, picture, torch_model
 from transformers import Gemma4ForConditionalGeneration, Gemma4ImageProcessorPil
 
@@ -101,10 +101,6 @@ def test_sft_through_the_command(hf, tmp_path):
     image: differs); 3 steps lower it. With --gemma4_vl.train_vision=projector only the
     projector (embed_vision) of the vision side trains; the export reloads whole in
     transformers."""
-    from easylm import convert_easylm_to_hf as convert
-    import contextlib
-    import io
-
     path = write_data(tmp_path, [chat_row("a.png")], {"a.png": picture(0, 16, 24)})
     losses = train(hf, path, tmp_path / "out", 3, "--save_model_freq=3",
                    "--gemma4_vl.train_vision=projector", family="gemma4_vl", length=T)
@@ -114,14 +110,8 @@ def test_sft_through_the_command(hf, tmp_path):
                    np.asarray([transformers_loss(hf, picture(5, 16, 24))]), REL)
     assert losses[-1] < losses[0], losses
 
-    with contextlib.redirect_stdout(io.StringIO()):
-        convert.main(["convert", f"--load_checkpoint=params::{tmp_path}/out/run/checkpoints/3",
-                      f"--output_dir={tmp_path / 'export'}", "--verify=False"])
-    model, info = Gemma4ForConditionalGeneration.from_pretrained(
-        tmp_path / "export", output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
-    before, after = dict(hf[1].state_dict()), model.state_dict()
-    same = {name for name, tensor in after.items() if torch.equal(tensor, before[name])}
+    after, same = export_kept(hf, tmp_path / "out/run", tmp_path / "export",
+                              Gemma4ForConditionalGeneration)
     assert {n for n in after if n.startswith("model.vision_tower.")} <= same
     assert "model.embed_vision.embedding_projection.weight" not in same
     assert "model.language_model.layers.0.mlp.up_proj.weight" not in same
