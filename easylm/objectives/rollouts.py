@@ -361,8 +361,6 @@ class Rollouts:
                 "min_bucket": seq_length - self.options.max_new_tokens,
                 "share_prompts": self.options.share_prompts,
                 "page_size": self.options.page_size})
-            if self.objective.images is not None:  # a prompt's images prefill in one chunk
-                config.prefill_chunk_size = 0
             self.engines[key] = engine_lib.Engine(config, self.objective.model, None, self.mesh,
                                                   record_routing=self.options.routing_replay)
             self.engines[key].release()  # until the first rollout
