@@ -22,11 +22,11 @@ Shape letters: B batch, P patches of a row, Q merged patches, T positions, D wid
 E a patch's values (channels x frames x pixels), N heads, H head dim.
 """
 
+import abc
 import os
 from typing import Callable
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -256,7 +256,7 @@ def lay_out_images(rows, encoded, length: int, *, max_patches: int, patch_values
     return inputs
 
 
-class ImageChatReader:
+class ImageChatReader(abc.ABC):
     """What the data pipeline asks of an image-text model (easylm/data/image_chats.py): a
     chat with image parts as token ids, loss masks and the images' encodings
     (`encode_chat`), and a batch's image inputs (`batch_inputs`). A family's reader (its
@@ -268,18 +268,18 @@ class ImageChatReader:
         self.config, self.image_processor = config, image_processor
         self.image_token_id = config.image_token_id
 
+    @abc.abstractmethod
     def encode_images(self, images) -> list[tuple[np.ndarray, tuple]]:
         """[(patches (N, E) float32, grid)] of each PIL image."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def expansion(self, grid: tuple) -> list[int]:
         """The tokens that stand for one image of `grid` in a token row."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def batch_inputs(self, rows, encoded, length: int) -> dict:
         """The image inputs (B, ...) of token rows `rows` (each with its image tokens
         expanded, at most `length` long) whose images `encoded` (per row) are."""
-        raise NotImplementedError
 
     def image_tokens(self, grid: tuple) -> int:
         """The image tokens (embeddings from the vision tower) of an image of `grid`."""
