@@ -151,3 +151,38 @@ def test_a_busy_batcher_logs_the_caches_use(served, tokenizer, caplog, monkeypat
     (line, *_) = [r.getMessage() for r in caplog.records if "slots in use" in r.getMessage()]
     assert f"of {batcher.engine.batch_size} slots in use" in line, line
     assert "prompt tokens since start" in line and "requests waiting" in line, line
+
+
+def test_no_decode_call_past_every_requests_max_tokens(served, tokenizer, monkeypatch):
+    """A request bound by max_tokens gets exactly the decode calls its tokens need,
+    ceil((max_tokens - 1) / decode_steps) (its first token comes from the prefill), and
+    the tokens it gets alone; two requests of different lengths together: the longer
+    one's. Negative twin: the batcher sending a call to every occupied slot (main's rule)
+    makes one call more, each time, with the same tokens: the count tells them apart."""
+    batcher, model, params = served
+    engine, steps = batcher.engine, batcher.engine.config.decode_steps
+    expected, _ = full_forward_greedy(model, params, PROMPTS[0], 12)
+    calls = []
+    real = engine.decode
+    monkeypatch.setattr(engine, "decode", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+
+    def generate(lengths):
+        calls.clear()
+        done, gens = threading.Semaphore(0), []
+        for n in lengths:
+            gens.append(Generation(PROMPTS[0], SamplingParams(max_tokens=n, temperature=0.0),
+                                   tokenizer, lambda e: e.finish_reason and done.release()))
+        for g in gens:
+            batcher.submit(g)
+        for _ in gens:
+            assert done.acquire(timeout=60)
+        return [[t.id for t in g.tokens] for g in gens], len(calls)
+
+    for wanting, extra in ((batcher._wanting, 0),
+                           (lambda previous: [s is not None for s in batcher.slots], 1)):
+        monkeypatch.setattr(batcher, "_wanting", wanting)
+        for lengths in ((1,), (4,), (5,), (9,), (12,), (3, 12)):
+            tokens, made = generate(lengths)
+            assert tokens == [expected[:n] for n in lengths], (lengths, extra)
+            needed = -(-(max(lengths) - 1) // steps)
+            assert made == needed + (extra if needed else 0), (lengths, made, extra)

@@ -16,12 +16,14 @@ One thread owns the engine (and so the device). Each turn of its loop:
     4. dispatch one decode call (engine.decode_steps tokens for every slot)
     5. while it runs, hand out the previous call's tokens and text; requests that
        finished (stop token, stop string, max_tokens) free their slots
+    (4. sends no call to a slot whose request the call in flight already fills to its
+    max_tokens: `_wanting`.)
 
 So a request never waits for another to finish, only for the current decode call,
 one scoring chunk and one prefill chunk (a 32k-token prompt does not freeze the
 streams running beside it), and the host's bookkeeping overlaps the device's work. Being
-one call behind costs a little: a finished slot decodes one call too many, and
-tokens produced past a request's end are dropped.
+one call behind costs a little: a slot whose request stops (a stop token or string)
+decodes one call too many, and tokens produced past a request's end are dropped.
 
 A failure that belongs to one request (its settings, its detokenization, its
 client's event handler) fails that request alone; only a failing device call fails
@@ -259,8 +261,8 @@ class Batcher:
                 if prefilled is not None:
                     self._deliver(*prefilled)
                 previous, self._in_flight = self._in_flight, None
-                if any(s is not None for s in self.slots):
-                    active = [s is not None for s in self.slots]
+                active = self._wanting(previous)
+                if any(active):
                     self._in_flight = (self.engine.decode(self.sampling, active),
                                        list(enumerate(self.slots)))
                 if previous is not None:
@@ -277,6 +279,17 @@ class Batcher:
                 for g in admitted + [g for _, g in (staged[1] if staged else ())]:
                     if g.finish_reason is None:
                         self._finish(None, g, None, error=error)
+
+    def _wanting(self, previous) -> list[bool]:
+        """Per slot, whether a decode call sent now can give its request a token it may
+        keep: it has a request whose tokens so far, with those of the call still in
+        flight (`previous`), stay below max_tokens. A request that the call in flight
+        fills up then gets no call it would drop whole (one call per request fewer, and
+        a batch of max_tokens requests ends with the device idle, not decoding waste)."""
+        steps = self.engine.config.decode_steps
+        owners = [None] * len(self.slots) if previous is None else [g for _, g in previous[1]]
+        return [g is not None and len(g.tokens) + steps * (owners[i] is g) < g.params.max_tokens
+                for i, g in enumerate(self.slots)]
 
     def _log_use(self):
         """Every USE_LOG_SECONDS while requests run: the cache's slots in use, the
