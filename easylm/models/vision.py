@@ -277,9 +277,11 @@ class ImageChatReader(abc.ABC):
         """The tokens that stand for one image of `grid` in a token row."""
 
     @abc.abstractmethod
-    def batch_inputs(self, rows, encoded, length: int) -> dict:
+    def batch_inputs(self, rows, encoded, length: int, segments=None) -> dict:
         """The image inputs (B, ...) of token rows `rows` (each with its image tokens
-        expanded, at most `length` long) whose images `encoded` (per row) are."""
+        expanded, at most `length` long) whose images `encoded` (per row) are; `segments`
+        (B, length): the chats of packed rows (image_chats.py), where a family's own
+        positions restart."""
 
     def image_tokens(self, grid: tuple) -> int:
         """The image tokens (embeddings from the vision tower) of an image of `grid`."""
