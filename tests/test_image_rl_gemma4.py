@@ -1,0 +1,179 @@
+"""DPO and GRPO on prompts with images for Gemma 4's image-text model: tests/test_image_rl.py's
+tests (Qwen3.5's) run for gemma4_vl, against transformers' Gemma4ForConditionalGeneration
+saved tiny and random in the test (tests/test_image_chats_gemma4.py's checkpoint, PIL image
+processor and tokenizer). Gemma 4's image is <boi>, one <|image|> per soft token, <eoi>, its
+soft tokens see each other both ways: the rollouts' prefill and the preference rows carry
+that as the chats do.
+
+Tolerance: the logged and the engine's log-probabilities are sums over a handful of tokens
+(or single tokens) of the log-probabilities test_vision_gemma4.py compares at REL
+(fp32_rel(256, 110), derived there): REL of the largest again.
+"""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from numerics import assert_close, assert_differs
+from test_image_chats import train_metrics, write_data
+from test_image_chats_gemma4 import (  # noqa: F401 (hf: the fixture)
+    hf,
+    transformers_pieces,
+)
+from test_image_rl import colour_picture, colour_prompt, pair_row
+from test_vision_gemma4 import CONFIG, REL, picture
+
+T = 112  # a row: a prompt with one image (70 soft tokens at most) and its reply
+
+
+def run(hf, data, output_dir, steps, *flags):  # noqa: F811 (hf: the fixture's value)
+    """The logged rows of `python -m easylm.train --family=gemma4_vl` on `data`, each
+    row's images together at most 280 patches (the image processor's budget: 70 soft
+    tokens of 2 x 2 patches)."""
+    return train_metrics(hf, data, output_dir, steps, "--gemma4_vl.max_image_patches=280",
+                         *flags, family="gemma4_vl", length=T)
+
+
+def reply_logps(hf, image, reply: str) -> float:  # noqa: F811
+    """transformers' summed log-probability of `reply` (and its <end_of_turn>) after
+    pair_row's prompt with `image`, the chat rendered by the tokenizer's template."""
+    messages = pair_row("x")["prompt"] + [{"role": "assistant", "content": reply}]
+    ids, start, vision = transformers_pieces(hf, image, messages)
+    with torch.no_grad():
+        logits = hf[1](input_ids=ids, **vision).logits.double()
+    logps = torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+    return float(logps[start - 1:].sum())
+
+
+def test_gemma_image_pair_rows(hf, tmp_path):  # noqa: F811
+    """An image pair's sides: the prompt's image written <boi>, its soft tokens, <eoi> on
+    both, loss on each reply (and its <end_of_turn>) only, each side's image inputs beside
+    its rows (the same patches)."""
+    from easylm.data import DatasetFactory
+    from easylm.data.tokenizer import load_tokenizer
+    from easylm.gemma4.vision_hf import FAMILY
+
+    path = write_data(tmp_path, [pair_row("a.png")], {"a.png": picture(0, 16, 24)})
+    config = DatasetFactory.get_default_config({
+        "text_processor": {"chat": True}, "preference": {"enabled": True},
+        "json_dataset": dict(path=path, seq_length=T, batch_size=1)})
+    data = DatasetFactory.load_dataset(
+        config, load_tokenizer(hf[2]), process_index=0, process_count=1, pairs=True,
+        images=FAMILY.image_chats(FAMILY.hf.read_config(hf[0]), hf[0]))
+    batch, _ = next(iter(data))
+    data.close()
+    for side, reply in (("chosen", [77, 78]), ("rejected", [5, 6, 7])):
+        tokens = batch[f"{side}_input_tokens"][0]
+        n = (tokens == CONFIG.image_token_id).sum()
+        assert n == (batch[f"{side}_image_tokens"][0] >= 0).sum() > 0
+        begin = np.flatnonzero(tokens == CONFIG.boi_token_id)
+        assert len(begin) == 1 and tokens[begin[0] + n + 1] == CONFIG.eoi_token_id
+        masks = batch[f"{side}_loss_masks"][0] > 0
+        assert batch[f"{side}_target_tokens"][0][masks].tolist() == reply + [504]
+        assert batch[f"{side}_patch_segments"].sum() == 4 * n  # 2 x 2 patches a soft token
+    np.testing.assert_array_equal(batch["chosen_pixel_values"], batch["rejected_pixel_values"])
+
+
+@pytest.mark.extended
+def test_gemma_dpo_on_image_prompts_through_the_command(hf, tmp_path):  # noqa: F811
+    """Step 1's log-probabilities of chosen and rejected = transformers' on the same chats
+    and image (another image: differs), so its loss is DPO's with the reference = the
+    policy: log 2; 3 steps lower it and the margin grows."""
+    path = write_data(tmp_path, [pair_row("a.png")], {"a.png": picture(0, 16, 24)})
+    rows = run(hf, path, tmp_path / "out", 3, "--objective=dpo")
+    got = np.asarray([rows[0]["logps/chosen"], rows[0]["logps/rejected"]])
+    want = np.asarray([reply_logps(hf, picture(0, 16, 24), "w77 w78"),
+                       reply_logps(hf, picture(0, 16, 24), "w5 w6 w7")])
+    assert_close(got, want, REL)
+    assert_differs(got, np.asarray([reply_logps(hf, picture(5, 16, 24), "w77 w78"),
+                                    reply_logps(hf, picture(5, 16, 24), "w5 w6 w7")]), REL)
+    assert math.isclose(rows[0]["loss"], math.log(2), rel_tol=1e-6)
+    assert rows[-1]["loss"] < rows[0]["loss"], [row["loss"] for row in rows]
+    assert rows[-1]["rewards/margin"] > 0
+
+
+def greedy_with_transformers(model, ids, image, directory, steps: int):
+    """(tokens, their log-probabilities) of `steps` greedy tokens after `ids`, each from
+    transformers' forward over the whole row and `image` through the checkpoint's image
+    processor (float64 log-softmax)."""
+    from transformers import AutoImageProcessor
+
+    features = AutoImageProcessor.from_pretrained(directory)(images=[image],
+                                                             return_tensors="pt")
+    row, tokens, logps = list(ids), [], []
+    for _ in range(steps):
+        x = torch.tensor([row])
+        with torch.no_grad():
+            logits = model(input_ids=x, pixel_values=features["pixel_values"],
+                           image_position_ids=features["image_position_ids"],
+                           mm_token_type_ids=(x == CONFIG.image_token_id).int()).logits
+        last = torch.log_softmax(logits[0, -1].double(), -1)
+        tokens.append(int(last.argmax()))
+        logps.append(float(last.max()))
+        row.append(tokens[-1])
+    return tokens, np.asarray(logps)
+
+
+def test_the_engine_prefills_gemma_prompts_images(hf):  # noqa: F811
+    """Two prompts alike but for their image, prefilled with their soft tokens (seeing
+    each other both ways), then decoded: 4 greedy tokens each = transformers' and their
+    log-probabilities within REL of the largest; the twin, each prompt prefilled with the
+    other's image, misses them."""
+    from easylm.gemma4.vision_hf import FAMILY
+    from easylm.objectives.rollouts import generate
+    from easylm.serving import engine as engine_lib
+
+    config = FAMILY.hf.read_config(hf[0])
+    params = FAMILY.hf.read_params(hf[0], config)
+    reader = FAMILY.image_chats(config, hf[0])
+    text = [config.bos_token_id, 503, 505, config.image_token_id, 40, 504, 503, 506]
+    pictures = [colour_picture("w10", 0), colour_picture("w11", 1)]
+    prompts = [reader.encode_prompt(text, [p], "test") for p in pictures]
+    ids = [list(p) for p, _ in prompts]
+    engine = engine_lib.Engine({"batch_size": 2, "seq_length": 128, "min_bucket": 128,
+                                "decode_steps": 4, "prefill_chunk_size": 0},
+                               FAMILY.bind(config), params)
+
+    def ours(order):
+        engine.reset()
+        tokens, logps = generate(engine, ids, engine_lib.Sampling.empty(2), 4, None,
+                                 images=engine_lib.PromptImages([0, 1], lambda requests, T: (
+                                     reader.batch_inputs([[0] if i is None else ids[i]
+                                                          for i in requests],
+                                                         [[] if i is None else
+                                                          prompts[order[i]][1]
+                                                          for i in requests], T))))
+        return tokens, np.asarray(logps)
+
+    tokens, logps = ours([0, 1])
+    for row in range(2):
+        want_tokens, want_logps = greedy_with_transformers(hf[1], ids[row], pictures[row],
+                                                           hf[0], 4)
+        assert tokens[row] == want_tokens
+        assert_close(logps[row], want_logps, REL)
+    _, swapped = ours([1, 0])
+    assert_differs(swapped[0], greedy_with_transformers(hf[1], ids[0], pictures[0], hf[0],
+                                                        4)[1], REL)
+
+
+@pytest.mark.extended
+def test_gemma_grpo_on_image_prompts_through_the_command(hf, tmp_path):  # noqa: F811
+    """Rollouts prefill each prompt's image: the engine's log-probabilities of the sampled
+    tokens = the training forward's on the same rows and images (sampler_logp_diff); the
+    reward reads the image (test_image_rl's colour_reward); 2 steps run."""
+    rows = []
+    for k, word in enumerate(["w10", "w11", "w11", "w10"]):
+        path = str(tmp_path / f"{k}.png")
+        colour_picture(word, k).save(path)
+        rows.append(colour_prompt(path))
+    with open(tmp_path / "prompts.jsonl", "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    metrics = run(hf, tmp_path / "prompts.jsonl", tmp_path / "out", 2, "--objective=grpo",
+                  "--grpo.num_generations=4", "--grpo.max_new_tokens=4",
+                  "--grpo.reward_funcs=test_image_rl:colour_reward",
+                  "--train_dataset.json_dataset.batch_size=2")
+    assert len(metrics) == 2
+    for row in metrics:
+        assert row["data/rollout/sampler_logp_diff_max"] < 1e-3, row
