@@ -35,11 +35,12 @@ def pair_row(image, chosen="w77 w78", rejected="w5 w6 w7"):
             "chosen": chosen, "rejected": rejected}
 
 
-def run(hf, data, output_dir, steps, *flags):  # noqa: F811 (hf: the fixture's value)
-    """The logged rows of `python -m easylm.train` on `data`, each row's images together
-    at most 32 patches (the 24 x 16 picture's 24: 6 image tokens)."""
+def run(hf, data, output_dir, steps, *flags, source="json"):  # noqa: F811 (hf: the fixture's value)
+    """The logged rows of `python -m easylm.train` on `data` (a json file, or a token
+    cache: source="cache"), each row's images together at most 32 patches (the 24 x 16
+    picture's 24: 6 image tokens)."""
     return train_metrics(hf, data, output_dir, steps, "--qwen3_5_vl.max_image_patches=32",
-                         *flags)
+                         *flags, source=source)
 
 
 def reply_logps(hf, image, reply: str) -> float:  # noqa: F811
@@ -90,13 +91,92 @@ def test_image_pair_rows(hf, tmp_path):  # noqa: F811
             next(iter(data))
 
 
+def image_pairs(hf, path, source="json", **options):  # noqa: F811
+    """Image preference pairs from a json file or a token cache's directory."""
+    from easylm.data import DatasetFactory
+    from easylm.data.tokenizer import load_tokenizer
+    from easylm.qwen3_5.vision_hf import FAMILY
+
+    block = {"json": "json_dataset", "cache": "cache"}[source]
+    config = DatasetFactory.get_default_config({
+        "type": source, "text_processor": {"chat": True}, "preference": {"enabled": True},
+        block: dict(dict(path=str(path), seq_length=T, batch_size=2), **options)})
+    return DatasetFactory.load_dataset(
+        config, load_tokenizer(hf[2]), process_index=0, process_count=1, pairs=True,
+        images=FAMILY.image_chats(FAMILY.hf.read_config(hf[0]), hf[0]))
+
+
+def pair_cache(hf, data, output, capsys, *flags):  # noqa: F811
+    """`python -m easylm.data.cache --family=qwen3_5_vl` of image pairs `data`: its line."""
+    from test_image_chats import build_cache
+
+    return build_cache(hf, data, output, capsys, "--train_dataset.preference.enabled=True",
+                       *flags)
+
+
+def test_a_token_cache_of_image_pairs_gives_the_jsonl_batches(hf, tmp_path, capsys):  # noqa: F811
+    """A cache of image pairs holds each pair's sides whole and their images' patches:
+    its batches are the JSONL's bit for bit (a pair cut to the run's rows as the JSONL's,
+    a pair whose image is missing skipped in both); a cache of another image differs in
+    the pixels only; read as chats, or with other pair fields, one line each."""
+    from easylm.errors import UserError
+
+    rows = [pair_row("a.png"), pair_row("b.png", rejected=" ".join(["w9"] * T)),
+            pair_row("missing.png")]
+    path = write_data(tmp_path, rows, {"a.png": picture(0, 24, 16),
+                                       "b.png": picture(1, 16, 32)})
+    out = pair_cache(hf, path, tmp_path / "cache", capsys)
+    assert "3 documents (1 skipped)" in out and "4 images (28 image tokens)" in out, out
+    os.makedirs(tmp_path / "other")
+    other = write_data(tmp_path / "other", rows, {"a.png": picture(5, 24, 16),
+                                                  "b.png": picture(1, 16, 32)})
+    pair_cache(hf, other, tmp_path / "other-cache", capsys)
+    got = []
+    for source, where in (("json", path), ("cache", tmp_path / "cache"),
+                          ("cache", tmp_path / "other-cache")):
+        data = image_pairs(hf, where, source)
+        got.append(next(iter(data))[0])
+        data.close()
+    expected, cached, another = got
+    assert expected.keys() == cached.keys() == another.keys()
+    assert expected["rejected_loss_masks"][1].sum() > 0   # b's long reply, cut
+    for key in expected:
+        np.testing.assert_array_equal(cached[key], expected[key])
+        assert "pixel_values" in key or np.array_equal(another[key], expected[key]), key
+    assert not np.array_equal(another["chosen_pixel_values"], expected["chosen_pixel_values"])
+    with pytest.raises(UserError, match="holds preference pairs: read it with "
+                                        "--train_dataset.preference.enabled=True"):
+        from test_image_chats import dataset
+
+        dataset(hf, str(tmp_path / "cache"), type="cache")
+    from easylm.data import DatasetFactory
+    from easylm.data.tokenizer import load_tokenizer
+    from easylm.qwen3_5.vision_hf import FAMILY
+
+    config = DatasetFactory.get_default_config({
+        "type": "cache", "text_processor": {"chat": True},
+        "preference": {"enabled": True, "chosen_field": "better"},
+        "cache": dict(path=str(tmp_path / "cache"), seq_length=T, batch_size=2)})
+    with pytest.raises(UserError, match="built with preference.chosen_field='chosen' but "
+                                        "this run has preference.chosen_field='better'"):
+        DatasetFactory.load_dataset(
+            config, load_tokenizer(hf[2]), process_index=0, process_count=1, pairs=True,
+            images=FAMILY.image_chats(FAMILY.hf.read_config(hf[0]), hf[0]))
+
+
 @pytest.mark.extended
-def test_dpo_on_image_prompts_through_the_command(hf, tmp_path):  # noqa: F811
+def test_dpo_on_image_prompts_through_the_command(hf, tmp_path, capsys):  # noqa: F811
     """Step 1's log-probabilities of chosen and rejected = transformers' on the same chats
     and image (another image: differs), so its loss is DPO's with the reference = the
-    policy: log 2, exactly; 3 steps lower it and the margin grows."""
+    policy: log 2, exactly; 3 steps lower it and the margin grows. From the pair's token
+    cache step 1 logs the JSONL's loss and log-probabilities bit for bit."""
     path = write_data(tmp_path, [pair_row("a.png")], {"a.png": picture(0, 24, 16)})
     rows = run(hf, path, tmp_path / "out", 3, "--objective=dpo")
+    pair_cache(hf, path, tmp_path / "cache", capsys)
+    cached = run(hf, tmp_path / "cache", tmp_path / "cached", 1, "--objective=dpo",
+                 source="cache")
+    for key in ("loss", "logps/chosen", "logps/rejected"):
+        assert cached[0][key] == rows[0][key], key
     got = np.asarray([rows[0]["logps/chosen"], rows[0]["logps/rejected"]])
     want = np.asarray([reply_logps(hf, picture(0, 24, 16), "w77 w78"),
                        reply_logps(hf, picture(0, 24, 16), "w5 w6 w7")])

@@ -97,10 +97,16 @@ class ImageChatProcessor:
             return f"{where}: no assistant token within seq_length={T}, nothing to train on"
         return ids.astype(np.int32), masks.astype(np.float32), encoded
 
+    def fit_document(self, document, where):
+        """A token cache's document (cache_reader.CacheSource) fitted as `fit`."""
+        tokens, masks, encoded = document
+        return self.fit(tokens.astype(np.int32), masks.astype(np.float32), encoded, where)
+
 
 class CachedImageChats:
-    """A token cache of image chats (cache_reader.CacheSource) as a source whose documents
-    are fitted to this run's rows (`processor.fit`), as a json source's chats are."""
+    """A token cache of image chats or image pairs (cache_reader.CacheSource) as a source
+    whose documents are fitted to this run's rows (`processor.fit_document`: an
+    ImageChatProcessor's or a PreferenceProcessor's), as a json source's are."""
 
     def __init__(self, source, processor):
         self.source, self.processor = source, processor
@@ -110,15 +116,12 @@ class CachedImageChats:
 
     def read(self, ids):
         records = []
-        for i, ((tokens, masks, encoded), _) in zip(np.asarray(ids).tolist(),
-                                                    self.source.read(ids)):
+        for i, (document, _) in zip(np.asarray(ids).tolist(), self.source.read(ids)):
             where = f"token cache {self.source.path} document {i}"
-            if not len(tokens):   # a row the build skipped (a missing image, ...)
+            if not len(document[0]):   # a row the build skipped (a missing image, ...)
                 records.append((f"{where}: skipped when the cache was built", None))
                 continue
-            chat = self.processor.fit(tokens.astype(np.int32), masks.astype(np.float32),
-                                      encoded, where)
-            records.append((chat, None))
+            records.append((self.processor.fit_document(document, where), None))
         return records
 
     def close(self):
