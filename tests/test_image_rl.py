@@ -284,6 +284,43 @@ def test_the_engine_prefills_a_prompts_images(hf):  # noqa: F811
                    REL)
 
 
+def test_image_prompts_share_a_prefill_only_with_the_same_image(hf):  # noqa: F811
+    """The rollouts key a prompt's images by their content (vision.images_key): of three
+    prompts with equal tokens, the two with equal images (two PIL images of the same
+    pixels) share one prefill row (and, in a model with no state in its cache, its
+    pages: `_prompt_pages` takes the same key), the third, another image, gets its own;
+    keyed by prompt (the twin) none share."""
+    from easylm.models.vision import images_key
+    from easylm.qwen3_5.vision_hf import FAMILY
+    from easylm.serving import engine as engine_lib
+
+    config = FAMILY.hf.read_config(hf[0])
+    reader = FAMILY.image_chats(config, hf[0])
+    text = [1, 17, config.vision_start_token_id, config.image_token_id,
+            config.vision_end_token_id, 40, 41]
+    pictures = [colour_picture("w10", 0), colour_picture("w10", 0), colour_picture("w10", 1)]
+    prompts = [reader.encode_prompt(text, [p], "test") for p in pictures]
+    ids = [list(p) for p, _ in prompts]
+    assert ids[0] == ids[1] == ids[2]
+    engine = engine_lib.Engine({"batch_size": 3, "seq_length": 16, "min_bucket": 16,
+                                "decode_steps": 4, "prefill_chunk_size": 0},
+                               FAMILY.bind(config), FAMILY.hf.read_params(hf[0], config))
+
+    def lay_out(requests, T):
+        return reader.batch_inputs([[0] if i is None else ids[i] for i in requests],
+                                   [[] if i is None else prompts[i][1] for i in requests], T)
+
+    def rows(keys):
+        engine.prompt_tokens = {"prefilled": 0, "cached": 0}
+        (call, requests), = engine._calls(ids, [0, 1, 2], engine_lib.PromptImages(keys,
+                                                                                 lay_out))
+        return call.source[:len(requests)].tolist(), engine.prompt_tokens["cached"]
+
+    keys = [images_key(encoded) for _, encoded in prompts]
+    assert rows(keys) == ([0, 0, 1], len(ids[0]))
+    assert rows([0, 1, 2]) == ([0, 1, 2], 0)
+
+
 @pytest.mark.extended
 def test_grpo_on_image_prompts_through_the_command(hf, tmp_path):  # noqa: F811
     """Rollouts prefill each prompt's image: the engine's log-probabilities of the

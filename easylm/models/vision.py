@@ -23,6 +23,7 @@ E a patch's values (channels x frames x pixels), N heads, H head dim.
 """
 
 import abc
+import hashlib
 import os
 from typing import Callable
 
@@ -180,6 +181,19 @@ def stack_rows(rows: list[dict], count: int, length: int) -> dict:
         blank = np.full_like(parts[0], -1 if key == "image_tokens" else 0)
         out[key] = np.concatenate(parts + [blank] * (count - len(rows)))
     return out
+
+
+def images_key(encoded) -> str:
+    """The identity of a prompt's images `encoded` ([(patches, grid)]) for the serving
+    engine's prompt sharing (`PromptImages.keys`): the sha256 of their grids and patches,
+    what the image processor made of the images' bytes. Prompts of equal tokens share a
+    prefill and pages only with equal keys: an image's placeholder tokens are the same
+    whatever the image."""
+    digest = hashlib.sha256()
+    for patches, grid in encoded:
+        digest.update(np.asarray(grid, np.int64).tobytes())
+        digest.update(np.ascontiguousarray(patches, np.float32).tobytes())
+    return digest.hexdigest()
 
 
 def processor_directory(tokenizer: str, load_checkpoint: str) -> str:
