@@ -242,26 +242,24 @@ def greedy_with_transformers(model, ids, encoded, steps: int):
     return tokens, np.asarray(logps)
 
 
-def test_the_engine_prefills_a_prompts_images(hf):  # noqa: F811
-    """Two prompts alike but for their image, prefilled with their images' embeddings
-    (engine.PromptImages, not shared: their keys differ), then decoded: 4 greedy tokens
-    each = transformers' and their log-probabilities within REL of the largest; the twin,
-    each prompt prefilled with the other's image, misses them."""
+def check_image_prefill(family, directory, text, seq_length, greedy, rel):
+    """Two prompts of tokens `text` alike but for their image (colour_picture 0 and 1),
+    prefilled by the engine with their images' embeddings (engine.PromptImages, not
+    shared: their keys differ), then decoded: 4 greedy tokens each = `greedy(ids, picture)`'s
+    (transformers') and their log-probabilities within `rel` of the largest; the twin, each
+    prompt prefilled with the other's image, misses them."""
     from easylm.objectives.rollouts import generate
-    from easylm.qwen3_5.vision_hf import FAMILY
     from easylm.serving import engine as engine_lib
 
-    config = FAMILY.hf.read_config(hf[0])
-    params = FAMILY.hf.read_params(hf[0], config)
-    reader = FAMILY.image_chats(config, hf[0])
-    text = [1, 17, config.vision_start_token_id, config.image_token_id,
-            config.vision_end_token_id, 40, 41]
+    config = family.hf.read_config(directory)
+    reader = family.image_chats(config, directory)
     pictures = [colour_picture("w10", 0), colour_picture("w11", 1)]
     prompts = [reader.encode_prompt(text, [p], "test") for p in pictures]
     ids = [list(p) for p, _ in prompts]
-    engine = engine_lib.Engine({"batch_size": 2, "seq_length": 16, "min_bucket": 16,
-                                "decode_steps": 4, "prefill_chunk_size": 0},
-                               FAMILY.bind(config), params)
+    engine = engine_lib.Engine({"batch_size": 2, "seq_length": seq_length,
+                                "min_bucket": seq_length, "decode_steps": 4,
+                                "prefill_chunk_size": 0},
+                               family.bind(config), family.hf.read_params(directory, config))
 
     def ours(order):
         engine.reset()
@@ -275,13 +273,28 @@ def test_the_engine_prefills_a_prompts_images(hf):  # noqa: F811
         return tokens, np.asarray(logps)
 
     tokens, logps = ours([0, 1])
-    for row, (p, encoded) in enumerate(prompts):
-        want_tokens, want_logps = greedy_with_transformers(hf[1], ids[row], encoded, 4)
+    for row in range(2):
+        want_tokens, want_logps = greedy(ids[row], pictures[row])
         assert tokens[row] == want_tokens
-        assert_close(logps[row], want_logps, REL)
+        assert_close(logps[row], want_logps, rel)
     _, swapped = ours([1, 0])  # each prompt prefilled with the other's image
-    assert_differs(swapped[0], greedy_with_transformers(hf[1], ids[0], prompts[0][1], 4)[1],
-                   REL)
+    assert_differs(swapped[0], greedy(ids[0], pictures[0])[1], rel)
+
+
+def test_the_engine_prefills_a_prompts_images(hf):  # noqa: F811
+    """check_image_prefill for Qwen3.5 (a one-token image)."""
+    from easylm.qwen3_5 import images as qwen_images
+    from easylm.qwen3_5.vision_hf import FAMILY
+
+    processor = qwen_images.load_image_processor(hf[0])
+
+    def greedy(ids, picture):
+        encoded = qwen_images.encode_images(processor, [picture], CONFIG)
+        return greedy_with_transformers(hf[1], ids, encoded, 4)
+
+    check_image_prefill(FAMILY, hf[0], [1, 17, CONFIG.vision_start_token_id,
+                                        CONFIG.image_token_id, CONFIG.vision_end_token_id,
+                                        40, 41], 16, greedy, REL)
 
 
 def test_image_prompts_share_a_prefill_only_with_the_same_image(hf):  # noqa: F811

@@ -22,7 +22,7 @@ from test_image_chats_gemma4 import (  # noqa: F401 (hf: the fixture)
     hf,
     transformers_pieces,
 )
-from test_image_rl import colour_picture, colour_prompt, pair_row
+from test_image_rl import check_image_prefill, colour_picture, colour_prompt, pair_row
 from test_vision_gemma4 import CONFIG, REL, picture
 
 T = 112  # a row: a prompt with one image (70 soft tokens at most) and its reply
@@ -116,46 +116,18 @@ def greedy_with_transformers(model, ids, image, directory, steps: int):
     return tokens, np.asarray(logps)
 
 
+@pytest.mark.extended
 def test_the_engine_prefills_gemma_prompts_images(hf):  # noqa: F811
-    """Two prompts alike but for their image, prefilled with their soft tokens (seeing
-    each other both ways), then decoded: 4 greedy tokens each = transformers' and their
-    log-probabilities within REL of the largest; the twin, each prompt prefilled with the
-    other's image, misses them."""
+    """test_image_rl.check_image_prefill for Gemma 4: each prompt's soft tokens (seeing
+    each other both ways) prefilled, 4 greedy tokens = transformers'. Extended (25 s, as
+    Gemma 4's served image chat in test_serving_images): in CI test_image_rl's Qwen3.5 run
+    covers the engine's image prefill path, and test_image_packing Gemma 4's two-way
+    attention inside a segment."""
     from easylm.gemma4.vision_hf import FAMILY
-    from easylm.objectives.rollouts import generate
-    from easylm.serving import engine as engine_lib
 
-    config = FAMILY.hf.read_config(hf[0])
-    params = FAMILY.hf.read_params(hf[0], config)
-    reader = FAMILY.image_chats(config, hf[0])
-    text = [config.bos_token_id, 503, 505, config.image_token_id, 40, 504, 503, 506]
-    pictures = [colour_picture("w10", 0), colour_picture("w11", 1)]
-    prompts = [reader.encode_prompt(text, [p], "test") for p in pictures]
-    ids = [list(p) for p, _ in prompts]
-    engine = engine_lib.Engine({"batch_size": 2, "seq_length": 128, "min_bucket": 128,
-                                "decode_steps": 4, "prefill_chunk_size": 0},
-                               FAMILY.bind(config), params)
-
-    def ours(order):
-        engine.reset()
-        tokens, logps = generate(engine, ids, engine_lib.Sampling.empty(2), 4, None,
-                                 images=engine_lib.PromptImages([0, 1], lambda requests, T: (
-                                     reader.batch_inputs([[0] if i is None else ids[i]
-                                                          for i in requests],
-                                                         [[] if i is None else
-                                                          prompts[order[i]][1]
-                                                          for i in requests], T))))
-        return tokens, np.asarray(logps)
-
-    tokens, logps = ours([0, 1])
-    for row in range(2):
-        want_tokens, want_logps = greedy_with_transformers(hf[1], ids[row], pictures[row],
-                                                           hf[0], 4)
-        assert tokens[row] == want_tokens
-        assert_close(logps[row], want_logps, REL)
-    _, swapped = ours([1, 0])
-    assert_differs(swapped[0], greedy_with_transformers(hf[1], ids[0], pictures[0], hf[0],
-                                                        4)[1], REL)
+    text = [CONFIG.bos_token_id, 503, 505, CONFIG.image_token_id, 40, 504, 503, 506]
+    check_image_prefill(FAMILY, hf[0], text, 128, lambda ids, picture: (
+        greedy_with_transformers(hf[1], ids, picture, hf[0], 4)), REL)
 
 
 @pytest.mark.extended
