@@ -43,11 +43,12 @@ def run(hf, data, output_dir, steps, *flags, source="json"):  # noqa: F811 (hf: 
                          *flags, source=source)
 
 
-def reply_logps(hf, image, reply: str) -> float:  # noqa: F811
-    """transformers' summed log-probability of `reply` (and its <|im_end|>) after
-    pair_row's prompt with `image`, the chat rendered by the tokenizer's template."""
+def reply_logps(hf, image, reply: str, pieces=transformers_pieces) -> float:  # noqa: F811
+    """transformers' summed log-probability of `reply` (and its end-of-turn token) after
+    pair_row's prompt with `image`, the chat rendered by the tokenizer's template and
+    `pieces` (a family's test's transformers_pieces: Qwen3.5's by default)."""
     messages = pair_row("x")["prompt"] + [{"role": "assistant", "content": reply}]
-    ids, start, vision = transformers_pieces(hf, image, messages)
+    ids, start, vision = pieces(hf, image, messages)
     with torch.no_grad():
         logits = hf[1](input_ids=ids, **vision).logits.double()
     logps = torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
@@ -171,18 +172,27 @@ def test_dpo_on_image_prompts_through_the_command(hf, tmp_path, capsys):  # noqa
     policy: log 2, exactly; 3 steps lower it and the margin grows. From the pair's token
     cache step 1 logs the JSONL's loss and log-probabilities bit for bit."""
     path = write_data(tmp_path, [pair_row("a.png")], {"a.png": picture(0, 24, 16)})
-    rows = run(hf, path, tmp_path / "out", 3, "--objective=dpo")
+    rows = check_dpo(hf, tmp_path, run, [picture(0, 24, 16), picture(5, 24, 16)],
+                     transformers_pieces, REL)
     pair_cache(hf, path, tmp_path / "cache", capsys)
     cached = run(hf, tmp_path / "cache", tmp_path / "cached", 1, "--objective=dpo",
                  source="cache")
     for key in ("loss", "logps/chosen", "logps/rejected"):
         assert cached[0][key] == rows[0][key], key
+
+
+def check_dpo(hf, tmp_path, run, pictures, pieces, rel):  # noqa: F811
+    """3 steps of `run` (a family's `python -m easylm.train`) with --objective=dpo on
+    pair_row's pair with pictures[0] (written as a.png): step 1's log-probabilities of
+    chosen and rejected = transformers' (`pieces`), another image (pictures[1]) misses
+    them, the loss is DPO's, 3 steps lower it and the margin grows. Returns the rows."""
+    path = write_data(tmp_path, [pair_row("a.png")], {"a.png": pictures[0]})
+    rows = run(hf, path, tmp_path / "out", 3, "--objective=dpo")
     got = np.asarray([rows[0]["logps/chosen"], rows[0]["logps/rejected"]])
-    want = np.asarray([reply_logps(hf, picture(0, 24, 16), "w77 w78"),
-                       reply_logps(hf, picture(0, 24, 16), "w5 w6 w7")])
-    assert_close(got, want, REL)
-    assert_differs(got, np.asarray([reply_logps(hf, picture(5, 24, 16), "w77 w78"),
-                                    reply_logps(hf, picture(5, 24, 16), "w5 w6 w7")]), REL)
+    want, other = (np.asarray([reply_logps(hf, image, reply, pieces)
+                               for reply in ("w77 w78", "w5 w6 w7")]) for image in pictures)
+    assert_close(got, want, rel)
+    assert_differs(got, other, rel)
     # DPO (Rafailov et al. 2023, eq. 7) from transformers' log-probabilities, beta 0.1:
     # the reference is the starting policy, so h = 0.
     beta = 0.1
@@ -190,6 +200,7 @@ def test_dpo_on_image_prompts_through_the_command(hf, tmp_path, capsys):  # noqa
     assert math.isclose(rows[0]["loss"], -math.log(1 / (1 + math.exp(-h))), rel_tol=1e-6)
     assert rows[-1]["loss"] < rows[0]["loss"], [row["loss"] for row in rows]
     assert rows[-1]["rewards/margin"] > 0
+    return rows
 
 
 # ------------------------------------------------------------------ GRPO on image prompts
@@ -339,6 +350,13 @@ def test_grpo_on_image_prompts_through_the_command(hf, tmp_path):  # noqa: F811
     """Rollouts prefill each prompt's image: the engine's log-probabilities of the
     sampled tokens = the training forward's on the same rows and images (sampler_logp_diff,
     temperature 1: fp32 sums of REL order); the reward reads the image; 2 steps run."""
+    check_grpo(hf, tmp_path, run)
+
+
+def check_grpo(hf, tmp_path, run):  # noqa: F811
+    """2 steps of `run` (a family's `python -m easylm.train`) with --objective=grpo on 4
+    colour prompts x 4 completions, colour_reward reading the images: the engine's and the
+    training forward's log-probabilities of the sampled tokens agree."""
     words = ["w10", "w11", "w11", "w10"]
     rows = []
     for k, word in enumerate(words):

@@ -10,19 +10,15 @@ Tolerance: the logged and the engine's log-probabilities are sums over a handful
 (fp32_rel(256, 110), derived there): REL of the largest again.
 """
 
-import json
-import math
-
 import numpy as np
 import pytest
 import torch
-from numerics import assert_close, assert_differs
 from test_image_chats import train_metrics, write_data
 from test_image_chats_gemma4 import (  # noqa: F401 (hf: the fixture)
     hf,
     transformers_pieces,
 )
-from test_image_rl import check_image_prefill, colour_picture, colour_prompt, pair_row
+from test_image_rl import check_dpo, check_grpo, check_image_prefill, pair_row
 from test_vision_gemma4 import CONFIG, REL, picture
 
 T = 112  # a row: a prompt with one image (70 soft tokens at most) and its reply
@@ -34,17 +30,6 @@ def run(hf, data, output_dir, steps, *flags):  # noqa: F811 (hf: the fixture's v
     tokens of 2 x 2 patches)."""
     return train_metrics(hf, data, output_dir, steps, "--gemma4_vl.max_image_patches=280",
                          *flags, family="gemma4_vl", length=T)
-
-
-def reply_logps(hf, image, reply: str) -> float:  # noqa: F811
-    """transformers' summed log-probability of `reply` (and its <end_of_turn>) after
-    pair_row's prompt with `image`, the chat rendered by the tokenizer's template."""
-    messages = pair_row("x")["prompt"] + [{"role": "assistant", "content": reply}]
-    ids, start, vision = transformers_pieces(hf, image, messages)
-    with torch.no_grad():
-        logits = hf[1](input_ids=ids, **vision).logits.double()
-    logps = torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
-    return float(logps[start - 1:].sum())
 
 
 def test_gemma_image_pair_rows(hf, tmp_path):  # noqa: F811
@@ -78,20 +63,10 @@ def test_gemma_image_pair_rows(hf, tmp_path):  # noqa: F811
 
 @pytest.mark.extended
 def test_gemma_dpo_on_image_prompts_through_the_command(hf, tmp_path):  # noqa: F811
-    """Step 1's log-probabilities of chosen and rejected = transformers' on the same chats
-    and image (another image: differs), so its loss is DPO's with the reference = the
-    policy: log 2; 3 steps lower it and the margin grows."""
-    path = write_data(tmp_path, [pair_row("a.png")], {"a.png": picture(0, 16, 24)})
-    rows = run(hf, path, tmp_path / "out", 3, "--objective=dpo")
-    got = np.asarray([rows[0]["logps/chosen"], rows[0]["logps/rejected"]])
-    want = np.asarray([reply_logps(hf, picture(0, 16, 24), "w77 w78"),
-                       reply_logps(hf, picture(0, 16, 24), "w5 w6 w7")])
-    assert_close(got, want, REL)
-    assert_differs(got, np.asarray([reply_logps(hf, picture(5, 16, 24), "w77 w78"),
-                                    reply_logps(hf, picture(5, 16, 24), "w5 w6 w7")]), REL)
-    assert math.isclose(rows[0]["loss"], math.log(2), rel_tol=1e-6)
-    assert rows[-1]["loss"] < rows[0]["loss"], [row["loss"] for row in rows]
-    assert rows[-1]["rewards/margin"] > 0
+    """test_image_rl.check_dpo for Gemma 4: step 1's log-probabilities = transformers',
+    another image misses them, loss log 2, 3 steps lower it."""
+    check_dpo(hf, tmp_path, run, [picture(0, 16, 24), picture(5, 16, 24)],
+              transformers_pieces, REL)
 
 
 def greedy_with_transformers(model, ids, image, directory, steps: int):
@@ -132,20 +107,7 @@ def test_the_engine_prefills_gemma_prompts_images(hf):  # noqa: F811
 
 @pytest.mark.extended
 def test_gemma_grpo_on_image_prompts_through_the_command(hf, tmp_path):  # noqa: F811
-    """Rollouts prefill each prompt's image: the engine's log-probabilities of the sampled
-    tokens = the training forward's on the same rows and images (sampler_logp_diff); the
-    reward reads the image (test_image_rl's colour_reward); 2 steps run."""
-    rows = []
-    for k, word in enumerate(["w10", "w11", "w11", "w10"]):
-        path = str(tmp_path / f"{k}.png")
-        colour_picture(word, k).save(path)
-        rows.append(colour_prompt(path))
-    with open(tmp_path / "prompts.jsonl", "w") as f:
-        f.writelines(json.dumps(row) + "\n" for row in rows)
-    metrics = run(hf, tmp_path / "prompts.jsonl", tmp_path / "out", 2, "--objective=grpo",
-                  "--grpo.num_generations=4", "--grpo.max_new_tokens=4",
-                  "--grpo.reward_funcs=test_image_rl:colour_reward",
-                  "--train_dataset.json_dataset.batch_size=2")
-    assert len(metrics) == 2
-    for row in metrics:
-        assert row["data/rollout/sampler_logp_diff_max"] < 1e-3, row
+    """test_image_rl.check_grpo for Gemma 4: rollouts prefill each prompt's image, the
+    engine's and the training forward's log-probabilities agree; the reward reads the
+    image; 2 steps run."""
+    check_grpo(hf, tmp_path, run)
