@@ -187,10 +187,12 @@ def transformers_pieces(hf, image: Image.Image, messages):
                             mm_token_type_ids=(ids == CONFIG.image_token_id).int())
 
 
-def transformers_inputs(hf, image: Image.Image) -> dict:
+def transformers_inputs(hf, image: Image.Image, pieces=None) -> dict:
     """transformers' model inputs (labels -100 but on the assistant's tokens) of
-    chat_row's chat with `image` (`transformers_pieces`)."""
-    ids, start, vision = transformers_pieces(hf, image, chat_row("x")["messages"])
+    chat_row's chat with `image` (`pieces`: a family's test's transformers_pieces,
+    Qwen3.5's by default)."""
+    ids, start, vision = (pieces or transformers_pieces)(hf, image,
+                                                         chat_row("x")["messages"])
     labels = ids.clone()
     labels[:, :start] = -100
     return dict(input_ids=ids, labels=labels, **vision)

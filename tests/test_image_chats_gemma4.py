@@ -15,6 +15,7 @@ import torch
 from numerics import assert_close, assert_differs
 from PIL import Image
 from test_image_chats import build_cache, chat_row, export_kept, train, write_data
+from test_image_chats import transformers_inputs as qwen_inputs
 from test_vision_gemma4 import CONFIG, REL, picture, torch_model
 from transformers import Gemma4ForConditionalGeneration, Gemma4ImageProcessorPil
 
@@ -90,10 +91,7 @@ def transformers_pieces(hf, image: Image.Image, messages):
 def transformers_inputs(hf, image: Image.Image) -> dict:
     """transformers' model inputs (labels -100 but on the assistant's tokens) of
     chat_row's chat with `image` (`transformers_pieces`)."""
-    ids, start, vision = transformers_pieces(hf, image, chat_row("x")["messages"])
-    labels = ids.clone()
-    labels[:, :start] = -100
-    return dict(input_ids=ids, labels=labels, **vision)
+    return qwen_inputs(hf, image, transformers_pieces)
 
 
 def transformers_loss(hf, image: Image.Image) -> float:

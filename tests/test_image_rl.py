@@ -235,17 +235,16 @@ def colour_reward(prompts, completions, **fields):
     return rewards
 
 
-def greedy_with_transformers(model, ids, encoded, steps: int):
+def greedy_with_transformers(model, ids, vision: dict, steps: int):
     """(tokens, their log-probabilities) of `steps` greedy tokens after `ids`, each from
-    transformers' forward over the whole row and the image (float64 log-softmax)."""
-    pixels = torch.from_numpy(np.concatenate([p for p, _ in encoded]))
-    grids = torch.tensor([grid for _, grid in encoded])
+    transformers' forward over the whole row with the image's model inputs `vision`
+    (float64 log-softmax)."""
     row, tokens, logps = list(ids), [], []
     for _ in range(steps):
         x = torch.tensor([row])
         with torch.no_grad():
-            logits = model(input_ids=x, pixel_values=pixels, image_grid_thw=grids,
-                           mm_token_type_ids=(x == CONFIG.image_token_id).int()).logits
+            logits = model(input_ids=x, **vision,
+                           mm_token_type_ids=(x == model.config.image_token_id).int()).logits
         last = torch.log_softmax(logits[0, -1].double(), -1)
         tokens.append(int(last.argmax()))
         logps.append(float(last.max()))
@@ -300,8 +299,9 @@ def test_the_engine_prefills_a_prompts_images(hf):  # noqa: F811
     processor = qwen_images.load_image_processor(hf[0])
 
     def greedy(ids, picture):
-        encoded = qwen_images.encode_images(processor, [picture], CONFIG)
-        return greedy_with_transformers(hf[1], ids, encoded, 4)
+        (patches, grid), = qwen_images.encode_images(processor, [picture], CONFIG)
+        return greedy_with_transformers(hf[1], ids, dict(
+            pixel_values=torch.from_numpy(patches), image_grid_thw=torch.tensor([grid])), 4)
 
     check_image_prefill(FAMILY, hf[0], [1, 17, CONFIG.vision_start_token_id,
                                         CONFIG.image_token_id, CONFIG.vision_end_token_id,

@@ -12,13 +12,18 @@ Tolerance: the logged and the engine's log-probabilities are sums over a handful
 
 import numpy as np
 import pytest
-import torch
 from test_image_chats import train_metrics, write_data
 from test_image_chats_gemma4 import (  # noqa: F401 (hf: the fixture)
     hf,
     transformers_pieces,
 )
-from test_image_rl import check_dpo, check_grpo, check_image_prefill, pair_row
+from test_image_rl import (
+    check_dpo,
+    check_grpo,
+    check_image_prefill,
+    greedy_with_transformers,
+    pair_row,
+)
 from test_vision_gemma4 import CONFIG, REL, picture
 
 T = 112  # a row: a prompt with one image (70 soft tokens at most) and its reply
@@ -69,28 +74,6 @@ def test_gemma_dpo_on_image_prompts_through_the_command(hf, tmp_path):  # noqa: 
               transformers_pieces, REL)
 
 
-def greedy_with_transformers(model, ids, image, directory, steps: int):
-    """(tokens, their log-probabilities) of `steps` greedy tokens after `ids`, each from
-    transformers' forward over the whole row and `image` through the checkpoint's image
-    processor (float64 log-softmax)."""
-    from transformers import AutoImageProcessor
-
-    features = AutoImageProcessor.from_pretrained(directory)(images=[image],
-                                                             return_tensors="pt")
-    row, tokens, logps = list(ids), [], []
-    for _ in range(steps):
-        x = torch.tensor([row])
-        with torch.no_grad():
-            logits = model(input_ids=x, pixel_values=features["pixel_values"],
-                           image_position_ids=features["image_position_ids"],
-                           mm_token_type_ids=(x == CONFIG.image_token_id).int()).logits
-        last = torch.log_softmax(logits[0, -1].double(), -1)
-        tokens.append(int(last.argmax()))
-        logps.append(float(last.max()))
-        row.append(tokens[-1])
-    return tokens, np.asarray(logps)
-
-
 @pytest.mark.extended
 def test_the_engine_prefills_gemma_prompts_images(hf):  # noqa: F811
     """test_image_rl.check_image_prefill for Gemma 4: each prompt's soft tokens (seeing
@@ -98,11 +81,20 @@ def test_the_engine_prefills_gemma_prompts_images(hf):  # noqa: F811
     Gemma 4's served image chat in test_serving_images): in CI test_image_rl's Qwen3.5 run
     covers the engine's image prefill path, and test_image_packing Gemma 4's two-way
     attention inside a segment."""
+    from transformers import AutoImageProcessor
+
     from easylm.gemma4.vision_hf import FAMILY
 
     text = [CONFIG.bos_token_id, 503, 505, CONFIG.image_token_id, 40, 504, 503, 506]
-    check_image_prefill(FAMILY, hf[0], text, 128, lambda ids, picture: (
-        greedy_with_transformers(hf[1], ids, picture, hf[0], 4)), REL)
+    processor = AutoImageProcessor.from_pretrained(hf[0])
+
+    def greedy(ids, picture):
+        features = processor(images=[picture], return_tensors="pt")
+        return greedy_with_transformers(hf[1], ids, dict(
+            pixel_values=features["pixel_values"],
+            image_position_ids=features["image_position_ids"]), 4)
+
+    check_image_prefill(FAMILY, hf[0], text, 128, greedy, REL)
 
 
 @pytest.mark.extended
