@@ -314,7 +314,9 @@ def test_image_prompts_share_a_prefill_only_with_the_same_image(hf):  # noqa: F8
     pixels) share one prefill row (and, in a model with no state in its cache, its
     pages: `_prompt_pages` takes the same key), the third, another image, gets its own;
     keyed by prompt (the twin) none share."""
-    from easylm.models.vision import images_key
+    from types import SimpleNamespace
+
+    from easylm.objectives.rollouts import Rollouts
     from easylm.qwen3_5.vision_hf import FAMILY
     from easylm.serving import engine as engine_lib
 
@@ -330,18 +332,19 @@ def test_image_prompts_share_a_prefill_only_with_the_same_image(hf):  # noqa: F8
                                 "decode_steps": 4, "prefill_chunk_size": 0},
                                FAMILY.bind(config), FAMILY.hf.read_params(hf[0], config))
 
-    def lay_out(requests, T):
-        return reader.batch_inputs([[0] if i is None else ids[i] for i in requests],
-                                   [[] if i is None else prompts[i][1] for i in requests], T)
+    # The rollouts' PromptImages of these prompts, one completion each.
+    rollouts = SimpleNamespace(options=SimpleNamespace(num_generations=1),
+                               objective=SimpleNamespace(environment=None, images=reader))
+    images = Rollouts._prompt_images(rollouts, {"image_encodings": [e for _, e in prompts]},
+                                     ids)
 
     def rows(keys):
         engine.prompt_tokens = {"prefilled": 0, "cached": 0}
-        (call, requests), = engine._calls(ids, [0, 1, 2], engine_lib.PromptImages(keys,
-                                                                                 lay_out))
+        (call, requests), = engine._calls(ids, [0, 1, 2], engine_lib.PromptImages(
+            keys, images.lay_out))
         return call.source[:len(requests)].tolist(), engine.prompt_tokens["cached"]
 
-    keys = [images_key(encoded) for _, encoded in prompts]
-    assert rows(keys) == ([0, 0, 1], len(ids[0]))
+    assert rows(images.keys) == ([0, 0, 1], len(ids[0]))
     assert rows([0, 1, 2]) == ([0, 1, 2], 0)
 
 
