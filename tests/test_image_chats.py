@@ -79,7 +79,7 @@ def dataset(hf, path, type="json", **options):
 
 
 def test_image_chat_rows(hf, tmp_path):
-    """One chat a row (not packed), the image's placeholder one token per merged patch,
+    """One chat a row (segment_ids=False; tests/test_image_packing.py packs), the image's placeholder one token per merged patch,
     loss on the assistant's tokens only, the image inputs beside the tokens; a chat whose
     image would be cut, and one whose image is missing, are skipped with their line."""
     path = write_data(tmp_path, [chat_row("a.png"), chat_row("b.png", answer="w5"),
@@ -113,9 +113,6 @@ def test_image_chat_rows(hf, tmp_path):
 
 
 def test_image_chats_refuse_what_they_cannot_meet(hf, tmp_path):
-    path = write_data(tmp_path, [chat_row("a.png")], {"a.png": picture(0, 24, 16)})
-    with pytest.raises(UserError, match="segment_ids=True: image chats are not packed"):
-        dataset(hf, path, segment_ids=True)
     from easylm.data.tokenizer import load_tokenizer
     from easylm.data.text import TextProcessor
 
@@ -190,10 +187,12 @@ def transformers_pieces(hf, image: Image.Image, messages):
                             mm_token_type_ids=(ids == CONFIG.image_token_id).int())
 
 
-def transformers_inputs(hf, image: Image.Image) -> dict:
+def transformers_inputs(hf, image: Image.Image, pieces=None) -> dict:
     """transformers' model inputs (labels -100 but on the assistant's tokens) of
-    chat_row's chat with `image` (`transformers_pieces`)."""
-    ids, start, vision = transformers_pieces(hf, image, chat_row("x")["messages"])
+    chat_row's chat with `image` (`pieces`: a family's test's transformers_pieces,
+    Qwen3.5's by default)."""
+    ids, start, vision = (pieces or transformers_pieces)(hf, image,
+                                                         chat_row("x")["messages"])
     labels = ids.clone()
     labels[:, :start] = -100
     return dict(input_ids=ids, labels=labels, **vision)

@@ -15,6 +15,7 @@ import torch
 from numerics import assert_close, assert_differs
 from PIL import Image
 from test_image_chats import build_cache, chat_row, export_kept, train, write_data
+from test_image_chats import transformers_inputs as qwen_inputs
 from test_vision_gemma4 import CONFIG, REL, picture, torch_model
 from transformers import Gemma4ForConditionalGeneration, Gemma4ImageProcessorPil
 
@@ -64,30 +65,33 @@ def saved_checkpoint(directory):
     return str(directory / "hf"), model, str(directory / "tokenizer")
 
 
-def transformers_inputs(hf, image: Image.Image) -> dict:
-    """transformers' model inputs (labels -100 but on the assistant's tokens) of
-    chat_row's chat with `image`, through its own processor's pieces: the chat template,
-    the image processor, the processor's expansion of <|image|> (<boi>, one <|image|> per
-    soft token, <eoi>)."""
+def transformers_pieces(hf, image: Image.Image, messages):
+    """(ids (1, L), where the last message's tokens start, the image's model inputs) of
+    `messages` (the last an assistant's, the first holding one image part) through
+    transformers' own processor's pieces: the chat template, the image processor, the
+    processor's expansion of <|image|> (<boi>, one <|image|> per soft token, <eoi>)."""
     from transformers import AutoImageProcessor, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(hf[2])
     processor = AutoImageProcessor.from_pretrained(hf[0])
     features = processor(images=[image], return_tensors="pt")
     n = int(features["num_soft_tokens_per_image"][0])
-    messages = chat_row("x")["messages"]
-    prompt = tokenizer.apply_chat_template(messages[:1], tokenize=False,
+    prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=False,
                                            add_generation_prompt=True)
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     expand = lambda s: s.replace("<|image|>", " ".join(["<boi>"] + ["<|image|>"] * n  # noqa: E731
                                                       + ["<eoi>"]))
     ids = tokenizer(expand(text), add_special_tokens=False, return_tensors="pt").input_ids
     start = len(tokenizer(expand(prompt), add_special_tokens=False).input_ids)
-    labels = ids.clone()
-    labels[:, :start] = -100
-    return dict(input_ids=ids, labels=labels, pixel_values=features["pixel_values"],
-                image_position_ids=features["image_position_ids"],
-                mm_token_type_ids=(ids == CONFIG.image_token_id).int())
+    return ids, start, dict(pixel_values=features["pixel_values"],
+                            image_position_ids=features["image_position_ids"],
+                            mm_token_type_ids=(ids == CONFIG.image_token_id).int())
+
+
+def transformers_inputs(hf, image: Image.Image) -> dict:
+    """transformers' model inputs (labels -100 but on the assistant's tokens) of
+    chat_row's chat with `image` (`transformers_pieces`)."""
+    return qwen_inputs(hf, image, transformers_pieces)
 
 
 def transformers_loss(hf, image: Image.Image) -> float:

@@ -35,18 +35,20 @@ def pair_row(image, chosen="w77 w78", rejected="w5 w6 w7"):
             "chosen": chosen, "rejected": rejected}
 
 
-def run(hf, data, output_dir, steps, *flags):  # noqa: F811 (hf: the fixture's value)
-    """The logged rows of `python -m easylm.train` on `data`, each row's images together
-    at most 32 patches (the 24 x 16 picture's 24: 6 image tokens)."""
+def run(hf, data, output_dir, steps, *flags, source="json"):  # noqa: F811 (hf: the fixture's value)
+    """The logged rows of `python -m easylm.train` on `data` (a json file, or a token
+    cache: source="cache"), each row's images together at most 32 patches (the 24 x 16
+    picture's 24: 6 image tokens)."""
     return train_metrics(hf, data, output_dir, steps, "--qwen3_5_vl.max_image_patches=32",
-                         *flags)
+                         *flags, source=source)
 
 
-def reply_logps(hf, image, reply: str) -> float:  # noqa: F811
-    """transformers' summed log-probability of `reply` (and its <|im_end|>) after
-    pair_row's prompt with `image`, the chat rendered by the tokenizer's template."""
+def reply_logps(hf, image, reply: str, pieces=transformers_pieces) -> float:  # noqa: F811
+    """transformers' summed log-probability of `reply` (and its end-of-turn token) after
+    pair_row's prompt with `image`, the chat rendered by the tokenizer's template and
+    `pieces` (a family's test's transformers_pieces: Qwen3.5's by default)."""
     messages = pair_row("x")["prompt"] + [{"role": "assistant", "content": reply}]
-    ids, start, vision = transformers_pieces(hf, image, messages)
+    ids, start, vision = pieces(hf, image, messages)
     with torch.no_grad():
         logits = hf[1](input_ids=ids, **vision).logits.double()
     logps = torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
@@ -90,19 +92,107 @@ def test_image_pair_rows(hf, tmp_path):  # noqa: F811
             next(iter(data))
 
 
+def image_pairs(hf, path, source="json", **options):  # noqa: F811
+    """Image preference pairs from a json file or a token cache's directory."""
+    from easylm.data import DatasetFactory
+    from easylm.data.tokenizer import load_tokenizer
+    from easylm.qwen3_5.vision_hf import FAMILY
+
+    block = {"json": "json_dataset", "cache": "cache"}[source]
+    config = DatasetFactory.get_default_config({
+        "type": source, "text_processor": {"chat": True}, "preference": {"enabled": True},
+        block: dict(dict(path=str(path), seq_length=T, batch_size=2), **options)})
+    return DatasetFactory.load_dataset(
+        config, load_tokenizer(hf[2]), process_index=0, process_count=1, pairs=True,
+        images=FAMILY.image_chats(FAMILY.hf.read_config(hf[0]), hf[0]))
+
+
+def pair_cache(hf, data, output, capsys, *flags):  # noqa: F811
+    """`python -m easylm.data.cache --family=qwen3_5_vl` of image pairs `data`: its line."""
+    from test_image_chats import build_cache
+
+    return build_cache(hf, data, output, capsys, "--train_dataset.preference.enabled=True",
+                       *flags)
+
+
+def test_a_token_cache_of_image_pairs_gives_the_jsonl_batches(hf, tmp_path, capsys):  # noqa: F811
+    """A cache of image pairs holds each pair's sides whole and their images' patches:
+    its batches are the JSONL's bit for bit (a pair cut to the run's rows as the JSONL's,
+    a pair whose image is missing skipped in both); a cache of another image differs in
+    the pixels only; read as chats, or with other pair fields, one line each."""
+    from easylm.errors import UserError
+
+    rows = [pair_row("a.png"), pair_row("b.png", rejected=" ".join(["w9"] * T)),
+            pair_row("missing.png")]
+    path = write_data(tmp_path, rows, {"a.png": picture(0, 24, 16),
+                                       "b.png": picture(1, 16, 32)})
+    out = pair_cache(hf, path, tmp_path / "cache", capsys)
+    assert "3 documents (1 skipped)" in out and "4 images (28 image tokens)" in out, out
+    os.makedirs(tmp_path / "other")
+    other = write_data(tmp_path / "other", rows, {"a.png": picture(5, 24, 16),
+                                                  "b.png": picture(1, 16, 32)})
+    pair_cache(hf, other, tmp_path / "other-cache", capsys)
+    got = []
+    for source, where in (("json", path), ("cache", tmp_path / "cache"),
+                          ("cache", tmp_path / "other-cache")):
+        data = image_pairs(hf, where, source)
+        got.append(next(iter(data))[0])
+        data.close()
+    expected, cached, another = got
+    assert expected.keys() == cached.keys() == another.keys()
+    assert expected["rejected_loss_masks"][1].sum() > 0   # b's long reply, cut
+    for key in expected:
+        np.testing.assert_array_equal(cached[key], expected[key])
+        assert "pixel_values" in key or np.array_equal(another[key], expected[key]), key
+    assert not np.array_equal(another["chosen_pixel_values"], expected["chosen_pixel_values"])
+    with pytest.raises(UserError, match="holds preference pairs: read it with "
+                                        "--train_dataset.preference.enabled=True"):
+        from test_image_chats import dataset
+
+        dataset(hf, str(tmp_path / "cache"), type="cache")
+    from easylm.data import DatasetFactory
+    from easylm.data.tokenizer import load_tokenizer
+    from easylm.qwen3_5.vision_hf import FAMILY
+
+    config = DatasetFactory.get_default_config({
+        "type": "cache", "text_processor": {"chat": True},
+        "preference": {"enabled": True, "chosen_field": "better"},
+        "cache": dict(path=str(tmp_path / "cache"), seq_length=T, batch_size=2)})
+    with pytest.raises(UserError, match="built with preference.chosen_field='chosen' but "
+                                        "this run has preference.chosen_field='better'"):
+        DatasetFactory.load_dataset(
+            config, load_tokenizer(hf[2]), process_index=0, process_count=1, pairs=True,
+            images=FAMILY.image_chats(FAMILY.hf.read_config(hf[0]), hf[0]))
+
+
 @pytest.mark.extended
-def test_dpo_on_image_prompts_through_the_command(hf, tmp_path):  # noqa: F811
+def test_dpo_on_image_prompts_through_the_command(hf, tmp_path, capsys):  # noqa: F811
     """Step 1's log-probabilities of chosen and rejected = transformers' on the same chats
     and image (another image: differs), so its loss is DPO's with the reference = the
-    policy: log 2, exactly; 3 steps lower it and the margin grows."""
+    policy: log 2, exactly; 3 steps lower it and the margin grows. From the pair's token
+    cache step 1 logs the JSONL's loss and log-probabilities bit for bit."""
     path = write_data(tmp_path, [pair_row("a.png")], {"a.png": picture(0, 24, 16)})
+    rows = check_dpo(hf, tmp_path, run, [picture(0, 24, 16), picture(5, 24, 16)],
+                     transformers_pieces, REL)
+    pair_cache(hf, path, tmp_path / "cache", capsys)
+    cached = run(hf, tmp_path / "cache", tmp_path / "cached", 1, "--objective=dpo",
+                 source="cache")
+    for key in ("loss", "logps/chosen", "logps/rejected"):
+        assert cached[0][key] == rows[0][key], key
+
+
+def check_dpo(hf, tmp_path, run, pictures, pieces, rel):  # noqa: F811
+    """3 steps of `run` (a family's `python -m easylm.train`) with --objective=dpo on
+    pair_row's pair with pictures[0] (written as a.png): step 1's log-probabilities of
+    chosen and rejected = transformers' (`pieces`), another image (pictures[1]) misses
+    them, the loss is DPO's, 3 steps lower it and the margin grows. Returns the rows."""
+    path = write_data(tmp_path, [pair_row("a.png")], {"a.png": pictures[0]})
     rows = run(hf, path, tmp_path / "out", 3, "--objective=dpo")
     got = np.asarray([rows[0]["logps/chosen"], rows[0]["logps/rejected"]])
-    want = np.asarray([reply_logps(hf, picture(0, 24, 16), "w77 w78"),
-                       reply_logps(hf, picture(0, 24, 16), "w5 w6 w7")])
-    assert_close(got, want, REL)
-    assert_differs(got, np.asarray([reply_logps(hf, picture(5, 24, 16), "w77 w78"),
-                                    reply_logps(hf, picture(5, 24, 16), "w5 w6 w7")]), REL)
+    want, other = (np.asarray([reply_logps(hf, image, reply, pieces)
+                               for reply in ("w77 w78", "w5 w6 w7")]) for image in pictures)
+    assert_close(got, want, rel)
+    assert_differs(got, other, rel)
     # DPO (Rafailov et al. 2023, eq. 7) from transformers' log-probabilities, beta 0.1:
     # the reference is the starting policy, so h = 0.
     beta = 0.1
@@ -110,6 +200,7 @@ def test_dpo_on_image_prompts_through_the_command(hf, tmp_path):  # noqa: F811
     assert math.isclose(rows[0]["loss"], -math.log(1 / (1 + math.exp(-h))), rel_tol=1e-6)
     assert rows[-1]["loss"] < rows[0]["loss"], [row["loss"] for row in rows]
     assert rows[-1]["rewards/margin"] > 0
+    return rows
 
 
 # ------------------------------------------------------------------ GRPO on image prompts
@@ -144,17 +235,16 @@ def colour_reward(prompts, completions, **fields):
     return rewards
 
 
-def greedy_with_transformers(model, ids, encoded, steps: int):
+def greedy_with_transformers(model, ids, vision: dict, steps: int):
     """(tokens, their log-probabilities) of `steps` greedy tokens after `ids`, each from
-    transformers' forward over the whole row and the image (float64 log-softmax)."""
-    pixels = torch.from_numpy(np.concatenate([p for p, _ in encoded]))
-    grids = torch.tensor([grid for _, grid in encoded])
+    transformers' forward over the whole row with the image's model inputs `vision`
+    (float64 log-softmax)."""
     row, tokens, logps = list(ids), [], []
     for _ in range(steps):
         x = torch.tensor([row])
         with torch.no_grad():
-            logits = model(input_ids=x, pixel_values=pixels, image_grid_thw=grids,
-                           mm_token_type_ids=(x == CONFIG.image_token_id).int()).logits
+            logits = model(input_ids=x, **vision,
+                           mm_token_type_ids=(x == model.config.image_token_id).int()).logits
         last = torch.log_softmax(logits[0, -1].double(), -1)
         tokens.append(int(last.argmax()))
         logps.append(float(last.max()))
@@ -162,26 +252,24 @@ def greedy_with_transformers(model, ids, encoded, steps: int):
     return tokens, np.asarray(logps)
 
 
-def test_the_engine_prefills_a_prompts_images(hf):  # noqa: F811
-    """Two prompts alike but for their image, prefilled with their images' embeddings
-    (engine.PromptImages, not shared: their keys differ), then decoded: 4 greedy tokens
-    each = transformers' and their log-probabilities within REL of the largest; the twin,
-    each prompt prefilled with the other's image, misses them."""
+def check_image_prefill(family, directory, text, seq_length, greedy, rel):
+    """Two prompts of tokens `text` alike but for their image (colour_picture 0 and 1),
+    prefilled by the engine with their images' embeddings (engine.PromptImages, not
+    shared: their keys differ), then decoded: 4 greedy tokens each = `greedy(ids, picture)`'s
+    (transformers') and their log-probabilities within `rel` of the largest; the twin, each
+    prompt prefilled with the other's image, misses them."""
     from easylm.objectives.rollouts import generate
-    from easylm.qwen3_5.vision_hf import FAMILY
     from easylm.serving import engine as engine_lib
 
-    config = FAMILY.hf.read_config(hf[0])
-    params = FAMILY.hf.read_params(hf[0], config)
-    reader = FAMILY.image_chats(config, hf[0])
-    text = [1, 17, config.vision_start_token_id, config.image_token_id,
-            config.vision_end_token_id, 40, 41]
+    config = family.hf.read_config(directory)
+    reader = family.image_chats(config, directory)
     pictures = [colour_picture("w10", 0), colour_picture("w11", 1)]
     prompts = [reader.encode_prompt(text, [p], "test") for p in pictures]
     ids = [list(p) for p, _ in prompts]
-    engine = engine_lib.Engine({"batch_size": 2, "seq_length": 16, "min_bucket": 16,
-                                "decode_steps": 4, "prefill_chunk_size": 0},
-                               FAMILY.bind(config), params)
+    engine = engine_lib.Engine({"batch_size": 2, "seq_length": seq_length,
+                                "min_bucket": seq_length, "decode_steps": 4,
+                                "prefill_chunk_size": 0},
+                               family.bind(config), family.hf.read_params(directory, config))
 
     def ours(order):
         engine.reset()
@@ -195,13 +283,69 @@ def test_the_engine_prefills_a_prompts_images(hf):  # noqa: F811
         return tokens, np.asarray(logps)
 
     tokens, logps = ours([0, 1])
-    for row, (p, encoded) in enumerate(prompts):
-        want_tokens, want_logps = greedy_with_transformers(hf[1], ids[row], encoded, 4)
+    for row in range(2):
+        want_tokens, want_logps = greedy(ids[row], pictures[row])
         assert tokens[row] == want_tokens
-        assert_close(logps[row], want_logps, REL)
+        assert_close(logps[row], want_logps, rel)
     _, swapped = ours([1, 0])  # each prompt prefilled with the other's image
-    assert_differs(swapped[0], greedy_with_transformers(hf[1], ids[0], prompts[0][1], 4)[1],
-                   REL)
+    assert_differs(swapped[0], greedy(ids[0], pictures[0])[1], rel)
+
+
+def test_the_engine_prefills_a_prompts_images(hf):  # noqa: F811
+    """check_image_prefill for Qwen3.5 (a one-token image)."""
+    from easylm.qwen3_5 import images as qwen_images
+    from easylm.qwen3_5.vision_hf import FAMILY
+
+    processor = qwen_images.load_image_processor(hf[0])
+
+    def greedy(ids, picture):
+        (patches, grid), = qwen_images.encode_images(processor, [picture], CONFIG)
+        return greedy_with_transformers(hf[1], ids, dict(
+            pixel_values=torch.from_numpy(patches), image_grid_thw=torch.tensor([grid])), 4)
+
+    check_image_prefill(FAMILY, hf[0], [1, 17, CONFIG.vision_start_token_id,
+                                        CONFIG.image_token_id, CONFIG.vision_end_token_id,
+                                        40, 41], 16, greedy, REL)
+
+
+def test_image_prompts_share_a_prefill_only_with_the_same_image(hf):  # noqa: F811
+    """The rollouts key a prompt's images by their content (vision.images_key): of three
+    prompts with equal tokens, the two with equal images (two PIL images of the same
+    pixels) share one prefill row (and, in a model with no state in its cache, its
+    pages: `_prompt_pages` takes the same key), the third, another image, gets its own;
+    keyed by prompt (the twin) none share."""
+    from types import SimpleNamespace
+
+    from easylm.objectives.rollouts import Rollouts
+    from easylm.qwen3_5.vision_hf import FAMILY
+    from easylm.serving import engine as engine_lib
+
+    config = FAMILY.hf.read_config(hf[0])
+    reader = FAMILY.image_chats(config, hf[0])
+    text = [1, 17, config.vision_start_token_id, config.image_token_id,
+            config.vision_end_token_id, 40, 41]
+    pictures = [colour_picture("w10", 0), colour_picture("w10", 0), colour_picture("w10", 1)]
+    prompts = [reader.encode_prompt(text, [p], "test") for p in pictures]
+    ids = [list(p) for p, _ in prompts]
+    assert ids[0] == ids[1] == ids[2]
+    engine = engine_lib.Engine({"batch_size": 3, "seq_length": 16, "min_bucket": 16,
+                                "decode_steps": 4, "prefill_chunk_size": 0},
+                               FAMILY.bind(config), FAMILY.hf.read_params(hf[0], config))
+
+    # The rollouts' PromptImages of these prompts, one completion each.
+    rollouts = SimpleNamespace(options=SimpleNamespace(num_generations=1),
+                               objective=SimpleNamespace(environment=None, images=reader))
+    images = Rollouts._prompt_images(rollouts, {"image_encodings": [e for _, e in prompts]},
+                                     ids)
+
+    def rows(keys):
+        engine.prompt_tokens = {"prefilled": 0, "cached": 0}
+        (call, requests), = engine._calls(ids, [0, 1, 2], engine_lib.PromptImages(
+            keys, images.lay_out))
+        return call.source[:len(requests)].tolist(), engine.prompt_tokens["cached"]
+
+    assert rows(images.keys) == ([0, 0, 1], len(ids[0]))
+    assert rows([0, 1, 2]) == ([0, 1, 2], 0)
 
 
 @pytest.mark.extended
@@ -209,6 +353,13 @@ def test_grpo_on_image_prompts_through_the_command(hf, tmp_path):  # noqa: F811
     """Rollouts prefill each prompt's image: the engine's log-probabilities of the
     sampled tokens = the training forward's on the same rows and images (sampler_logp_diff,
     temperature 1: fp32 sums of REL order); the reward reads the image; 2 steps run."""
+    check_grpo(hf, tmp_path, run)
+
+
+def check_grpo(hf, tmp_path, run):  # noqa: F811
+    """2 steps of `run` (a family's `python -m easylm.train`) with --objective=grpo on 4
+    colour prompts x 4 completions, colour_reward reading the images: the engine's and the
+    training forward's log-probabilities of the sampled tokens agree."""
     words = ["w10", "w11", "w11", "w10"]
     rows = []
     for k, word in enumerate(words):

@@ -54,6 +54,7 @@ from easylm.data.cache_reader import (
     GRID,
     VERSION,
     image_identity,
+    pair_settings,
     processor_settings,
     shard_name,
     tokenizer_identity,
@@ -61,6 +62,7 @@ from easylm.data.cache_reader import (
 )
 from easylm.data.image_chats import ImageChatProcessor
 from easylm.data.images import image_chat_reader
+from easylm.data.pairs import PreferenceProcessor
 from easylm.data.reader import tokenize_records
 from easylm.data.sources import open_source
 from easylm.data.tokenizer import load_tokenizer
@@ -82,9 +84,11 @@ def _open_for_build(dataset_config, tokenizer, shard_size, images=None):
     if config.type not in ("json", "huggingface"):
         raise UserError(f"python -m easylm.data.cache builds from --train_dataset.type=json "
                         f"or huggingface, not {config.type!r}")
-    if config.preference.enabled:
-        raise UserError("a token cache holds documents, not preference pairs; train on "
-                        "pairs from their json or huggingface source")
+    pairs = bool(config.preference.enabled)
+    if pairs and images is None:
+        raise UserError("a token cache holds preference pairs only of image chats (built "
+                        "with the image-text model's --family); train on text pairs from "
+                        "their json or huggingface source")
     if shard_size <= 0:
         raise UserError(f"--shard_size must be positive, got {shard_size}")
     loader = options.loader_options(config)
@@ -94,7 +98,9 @@ def _open_for_build(dataset_config, tokenizer, shard_size, images=None):
         if not config.text_processor.chat:
             raise UserError("--family caches image chats: set "
                             "--train_dataset.text_processor.chat=True")
-        processor = ImageChatProcessor(config.text_processor, tokenizer, images, None)
+        processor = PreferenceProcessor(config.preference, config.text_processor, tokenizer,
+                                        None, images) if pairs else \
+            ImageChatProcessor(config.text_processor, tokenizer, images, None)
     if getattr(source, "streaming", False):
         raise UserError("a token cache needs a source with a known length; set "
                         "huggingface_dataset.streaming=False")
@@ -107,6 +113,8 @@ def _open_for_build(dataset_config, tokenizer, shard_size, images=None):
         dtype="uint16" if vocab <= 1 << 16 else "uint32")
     if images is not None:
         settings["images"] = image_identity(images)
+    if pairs:   # whole pairs: each the chosen side's tokens, then the rejected side's
+        settings["pairs"] = pair_settings(config.preference)
     for key in ("seq_length", "batch_size", "shuffle", "seed", "segment_ids",
                 "tokenizer_processes", "tokenizer_parallel_batch_size",
                 "tokenizer_parallel_chunk_size"):
@@ -261,11 +269,12 @@ class _ShardWriter:
 
     def __init__(self, processor, settings, strict, fs, root):
         self.processor, self.dtype, self.strict = processor, settings["dtype"], strict
-        self.images = settings.get("images")
+        self.images, self.pairs = settings.get("images"), settings.get("pairs")
         self.fs, self.root = fs, root
 
     def __call__(self, shard, records):
         tokens, masks, lengths, images, skipped, first_skip = [], [], [], [], 0, None
+        sides = []   # a cache of pairs: where each document's rejected side starts
         for i in range(0, len(records), _CHUNK):
             for document in tokenize_records(records[i:i + _CHUNK], self.processor):
                 if isinstance(document, tuple):
@@ -273,6 +282,7 @@ class _ShardWriter:
                     masks.append(document[1])
                     lengths.append(len(document[0]))
                     images.append(document[2] if self.images else [])
+                    sides.append(document[3] if self.pairs else None)
                     continue
                 if isinstance(document, str):
                     if self.strict:
@@ -281,6 +291,7 @@ class _ShardWriter:
                     first_skip = first_skip or document
                 lengths.append(0)   # kept, empty, so that slots stay the source's
                 images.append([])
+                sides.append(np.zeros(2, np.int64))
         tokens = np.concatenate(tokens) if tokens else np.zeros(0, np.int32)
         masks = np.concatenate(masks) if masks else np.zeros(0, np.float32)
         limit = np.iinfo(self.dtype).max
@@ -298,6 +309,8 @@ class _ShardWriter:
             arrays.update(more)
             counts["image_tokens"] = int((arrays["tokens"] == self.images["image_token_id"])
                                          .sum())
+        if self.pairs:
+            arrays["sides"] = np.asarray(sides, np.int64).reshape(len(lengths), 2)
         files = {}
         for kind, array in arrays.items():
             buffer = io.BytesIO()

@@ -25,6 +25,10 @@ KINDS = ("tokens", "masks", "offsets")
 # length k, grid[:k], zeros); image_offsets (int64 (documents + 1,)): document i's images
 # are images[image_offsets[i]:image_offsets[i+1]].
 IMAGE_KINDS = ("patches", "images", "image_offsets")
+# A cache of image preference pairs (each document a pair's chosen side, then its
+# rejected side) also holds sides: int64 (documents, 2): where the rejected side's tokens
+# and images start in the document.
+PAIR_KINDS = ("sides",)
 GRID = 3   # the longest grid an image reader gives (Qwen3.5's (t, rows, cols))
 _MAX_OPEN_SHARDS = 64   # memory maps / file handles kept open while reading
 
@@ -57,13 +61,19 @@ def image_identity(images):
                 patch_values=images.config.patch_values())
 
 
+def pair_settings(preference):
+    """What must match between a cache of pairs and a run: the pairs' fields."""
+    return {k: v for k, v in ConfigDict(preference).to_dict().items() if k != "enabled"}
+
+
 def kinds_of(index):
     """The files of each shard of a cache (its index or build settings)."""
-    return KINDS + IMAGE_KINDS if index.get("images") else KINDS
+    return (KINDS + (IMAGE_KINDS if index.get("images") else ())
+            + (PAIR_KINDS if index.get("pairs") else ()))
 
 
 def shard_name(shard, kind):
-    return (f"shard-{shard:05d}.{kind}.npy" if kind in KINDS + IMAGE_KINDS
+    return (f"shard-{shard:05d}.{kind}.npy" if kind in KINDS + IMAGE_KINDS + PAIR_KINDS
             else f"shard-{shard:05d}.json")
 
 
@@ -119,11 +129,24 @@ class CacheSource:
                             f"this easylm reads version {VERSION}; rebuild it")
         return index
 
-    def check(self, tokenizer, text_processor, strict, images=None):
+    def check(self, tokenizer, text_processor, strict, images=None, preference=None):
         """A run must tokenize as the cache was built (and, for a cache of image chats,
-        read images with the same model's reader: `images`); a mismatch names both."""
+        read images with the same model's reader: `images`; for a cache of pairs, read
+        pairs with the same fields: `preference`, None for a run that reads no pairs); a
+        mismatch names both."""
         self.check_images(images)
         self._check_text(tokenizer, text_processor, strict)
+        built = self.index.get("pairs")
+        if bool(built) != (preference is not None):
+            raise UserError(f"token cache {self.path} holds " + (
+                "preference pairs: read it with --train_dataset.preference.enabled=True"
+                if built else "no preference pairs (built without "
+                "--train_dataset.preference.enabled=True)"))
+        if built and built != pair_settings(preference):
+            key = next(k for k in built if built[k] != pair_settings(preference).get(k))
+            raise UserError(f"token cache {self.path} was built with preference.{key}="
+                            f"{built[key]!r} but this run has preference.{key}="
+                            f"{pair_settings(preference).get(key)!r}")
 
     def check_images(self, images):
         """A cache of image chats is read by the image-text model's reader it was built
@@ -178,10 +201,15 @@ class CacheSource:
             where = np.flatnonzero(shards == s)
             tokens, masks, offsets, *images = self._open(int(s))
             local = ids[where] - self._first[s]
+            sides = images.pop() if self.index.get("pairs") else None
             for i, d, begin, end in zip(where.tolist(), local.tolist(),
                                         offsets[local].tolist(), offsets[local + 1].tolist()):
                 document = (tokens[begin:end], masks[begin:end])
-                records[i] = ((*document, _images(*images, d)) if images else document, None)
+                if images:
+                    document += (_images(*images, d),)
+                if sides is not None:
+                    document += (tuple(int(x) for x in sides[d]),)
+                records[i] = (document, None)
         return records
 
     def _open(self, i):
@@ -199,6 +227,7 @@ class CacheSource:
                          "float32"),
                 images=((entry.get("images"), 2 + GRID), "int64"),
                 image_offsets=((entry["documents"] + 1,), "int64"))
+        expected["sides"] = ((entry["documents"], 2), "int64")
         arrays = []
         for kind in self.kinds:
             name = shard_name(i, kind)
@@ -219,8 +248,16 @@ class CacheSource:
             raise UserError(f"token cache {self.path}: {shard_name(i, 'offsets')} does not "
                             f"describe {entry['tokens']} tokens; rebuild the cache")
         self._shards[i] = arrays[0], arrays[1], offsets
-        if len(arrays) > len(KINDS):   # image chats
-            self._shards[i] += self._image_table(i, *arrays[3:], entry["documents"])
+        if self.index.get("images"):
+            self._shards[i] += self._image_table(i, *arrays[3:6], entry["documents"])
+        if self.index.get("pairs"):
+            sides = np.asarray(arrays[-1][0:entry["documents"]])
+            if isinstance(arrays[-1], _RangeArray):
+                arrays[-1].close()
+            if (sides < 0).any() or (sides[:, 0] > np.diff(offsets)).any():
+                raise UserError(f"token cache {self.path}: {shard_name(i, 'sides')} does not "
+                                f"split its documents; rebuild the cache")
+            self._shards[i] += (sides,)
         return self._shards[i]
 
     def _image_table(self, i, patches, table, image_offsets, documents):

@@ -106,6 +106,8 @@ class DatasetFactory:
             else:
                 images = None
             source, processor = open_pairs(config, loader, tokenizer, images)
+            if config.type == "cache":   # whole image pairs: fitted as they are read
+                source, processor = CachedImageChats(source, processor), None
             order = make_order(source, loader, shuffle, loader.seed)
             kind = Pairs(loader, order) if images is None else ImagePairs(loader, order, images)
         elif config.type == "mixture":

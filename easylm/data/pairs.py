@@ -65,10 +65,12 @@ class PreferenceProcessor:
 
     def __init__(self, config, text_processor, tokenizer, seq_length, images=None):
         """images: an image-text model's `image_chats` object, whose chats' image parts it
-        reads (chat mode only): then each side also carries its images' encodings."""
+        reads (chat mode only): then each side also carries its images' encodings, and
+        seq_length None gives each pair's sides whole, as one document (`whole_pair`: what
+        a token cache of image pairs holds; `fit` cuts it to a run's rows)."""
         self.config = self.get_default_config(config)
         self.images = images
-        self.row_length = seq_length + 1
+        self.row_length = None if seq_length is None else seq_length + 1
         self.chat = bool(text_processor.chat)
         # The internal example {"prompt", "response"} of each side, tokenized EasyLM's way.
         text = ConfigDict(text_processor.to_dict())
@@ -98,20 +100,29 @@ class PreferenceProcessor:
             encoded = (self.text.encode_chats if self.chat else self.text.process)(sides)
         if not self.chat:
             self._count_split(sides, encoded)
+        if self.row_length is None:
+            return [whole_pair(plan, encoded) for plan in plans]
         return [self._pair(plan, encoded) for plan in plans]
+
+    def fit_document(self, document, where):
+        """A whole image pair (`whole_pair`'s document) as a pair of this run's rows, or
+        the reason it is skipped."""
+        tokens, masks, encoded, (split, images) = document
+        tokens, masks = tokens.astype(np.int32), masks.astype(np.float32)
+        sides = [(tokens[:split], masks[:split], encoded[:images]),
+                 (tokens[split:], masks[split:], encoded[images:])]
+        return self._pair((0, where), sides)
 
     def _with_images(self, conversation, shared, where):
         """(tokens, masks, the images' encodings) of one side of an image pair, or why not."""
-        from easylm.data.images import chat_images, data_folder, images_fit
+        from easylm.data.images import chat_images, data_folder
 
         try:
             images = chat_images(conversation, where, data_folder(where))
-            ids, masks, encoded = self.images.encode_chat(self.text, conversation, images,
-                                                          where, first=shared)
+            return self.images.encode_chat(self.text, conversation, images, where,
+                                           first=shared)
         except UserError as e:
             return str(e)
-        return images_fit(ids, self.images.image_token_id, self.row_length, where) or \
-            (ids, masks, encoded)
 
     def _count_split(self, sides, encoded):
         """Pairs whose prompt tokens, tokenized alone (as they train: the prompt is the
@@ -221,6 +232,12 @@ class PreferenceProcessor:
             if isinstance(side, str):
                 return side
             tokens, masks, *pictures = side
+            if pictures:   # an image's tokens are never cut
+                from easylm.data.images import images_fit
+
+                cut = images_fit(tokens, self.images.image_token_id, self.row_length, where)
+                if cut:
+                    return cut
             if not masks[1:].any():   # the first token is never a target
                 return f"{where}: the {name} response has no tokens to train on"
             trained = masks[1:self.row_length].any()
@@ -241,17 +258,39 @@ class PreferenceProcessor:
                 max(n, m) > self.row_length, *chosen_images, *rejected_images)
 
 
+def whole_pair(plan, encoded):
+    """A pair's sides whole as one document (tokens, masks, encodings, (where the rejected
+    side's tokens start, its images)), or the reason it is skipped."""
+    if not isinstance(plan, tuple):
+        return plan
+    first, _ = plan
+    sides = encoded[first:first + 2]
+    reason = next((side for side in sides if isinstance(side, str)), None)
+    if reason is not None:
+        return reason
+    (chosen, chosen_masks, chosen_images), (rejected, rejected_masks, rejected_images) = sides
+    return (np.concatenate([chosen, rejected]).astype(np.int32),
+            np.concatenate([chosen_masks, rejected_masks]).astype(np.float32),
+            chosen_images + rejected_images,
+            np.asarray([len(chosen), len(chosen_images)], np.int64))
+
+
 def open_pairs(config, loader, tokenizer, images=None):
     """(source, PreferenceProcessor) for a DatasetFactory config with preference.enabled;
-    `images`: an image-text model's reader of image chats (chat mode)."""
-    if config.type not in ("json", "huggingface"):
-        raise UserError(f"--train_dataset.preference.enabled=True reads pairs from a json or "
-                        f"huggingface source, not --train_dataset.type={config.type}")
+    `images`: an image-text model's reader of image chats (chat mode), whose pairs may
+    also come from a token cache."""
+    sources = ("json", "huggingface") + (("cache",) if images is not None else ())
+    if config.type not in sources:
+        raise UserError(f"--train_dataset.preference.enabled=True reads pairs from a "
+                        f"{', '.join(sources[:-1])} or {sources[-1]} source, not "
+                        f"--train_dataset.type={config.type}")
     if loader.segment_ids:
         raise UserError("segment_ids=True: preference pairs are not packed (one pair per "
                         "row), so there are no segments; set it to False")
+    # A token cache of image pairs (built with --family) holds whole pairs, which the
+    # processor fits to this run's rows (`fit_document`) as they are read.
     source, _ = open_source(config.type, loader, config.text_processor, tokenizer,
-                            loader.strict)
+                            loader.strict, images, config.preference)
     return source, PreferenceProcessor(config.preference, config.text_processor, tokenizer,
                                        loader.seq_length, images)
 

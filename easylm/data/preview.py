@@ -197,7 +197,8 @@ def preview_prompts(config, tokenizer, num_examples, num_batches, completion_tok
 
 
 def preview(config, tokenizer, num_examples, num_batches, images=None):
-    """`images`: an image-text model's reader of image chats (not packed: one a row)."""
+    """`images`: an image-text model's reader of image chats (one a row, or packed with
+    segment_ids=True)."""
     # Segment ids (they change nothing else) tell where documents start; pairs are not
     # packed, so each side starts one (its BOS).
     config = DatasetFactory.get_default_config(config)
@@ -261,20 +262,24 @@ def preview_image_chats(config, tokenizer, num_examples, num_batches, images):
     records = dataset.order.read(slots)
     lines = _examples(dataset, tokenizer, slots, records,
                       prepare_records(records, dataset.processor), images)
-    batches = targets = loss = pictures = image_tokens = 0
+    batches = targets = loss = pictures = image_tokens = chats = rows = 0
     metrics = {}
     for batch, metrics in dataset:
         if batches == num_batches:
             break
         batches += 1
+        if "segment_ids" in batch:   # packed: the chats of each row
+            chats += int(batch["segment_ids"].max(axis=1).sum())
+            rows += int((batch["segment_ids"].max(axis=1) > 0).sum())
         targets += batch["target_tokens"].size
         loss += int(batch["loss_masks"].sum())
         pictures += int(batch["patch_segments"].max(axis=1).sum())
         image_tokens += int((batch["image_tokens"] >= 0).sum())
     dataset.close()
     return "\n".join(lines + [
-        f"{batches} batches of {dataset.batch_size} x {dataset.seq_length} tokens, one chat "
-        f"a row (not packed)",
+        f"{batches} batches of {dataset.batch_size} x {dataset.seq_length} tokens, " +
+        (f"packed: {chats} chats in {rows} rows" if dataset.kind.packed else
+         "one chat a row (not packed)"),
         f"target tokens: {targets}, with loss: {loss} ({100 * loss / max(targets, 1):.1f}%)",
         f"images: {pictures}, image tokens: {image_tokens}",
         f"chats skipped: {metrics.get('dataset_skipped_documents', 0)} (of those the "

@@ -243,10 +243,12 @@ class StreamingOrder:
         raise UserError(f"huggingface dataset {self.source.name} has no rows")
 
 
-def open_source(kind, options, text_processor, tokenizer, strict, images=None):
+def open_source(kind, options, text_processor, tokenizer, strict, images=None,
+                preference=None):
     """(source, what tokenizes its records) for a json, huggingface or cache block of
     options; a token cache needs no tokenizing once its settings match the run's (and a
-    cache of image chats was built for `images`, the run's image-text model's reader)."""
+    cache of image chats was built for `images`, the run's image-text model's reader; a
+    cache of pairs with the run's `preference` options)."""
     if kind == "json":
         return JsonSource(options.path), TextProcessor(text_processor, tokenizer)
     if kind == "huggingface":
@@ -258,7 +260,7 @@ def open_source(kind, options, text_processor, tokenizer, strict, images=None):
             raise UserError("--train_dataset.type=cache needs cache.path (a directory written "
                             "by python -m easylm.data.cache)")
         source = CacheSource(options.path)
-        source.check(tokenizer, text_processor, strict, images)
+        source.check(tokenizer, text_processor, strict, images, preference)
         return source, None
     raise UserError(f"unknown source type {kind!r}; expected json, huggingface or cache")
 

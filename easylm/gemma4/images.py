@@ -83,5 +83,7 @@ class Gemma4ImageChats(ImageChatReader):
         c = self.config
         return [c.boi_token_id] + [c.image_token_id] * tokens_of(grid, c) + [c.eoi_token_id]
 
-    def batch_inputs(self, rows, encoded, length: int) -> dict:
+    def batch_inputs(self, rows, encoded, length: int, segments=None) -> dict:
+        # 1-D positions: packed chats' restart with the batch's `positions`; the model
+        # keeps an image's two-way attention inside its segment (BidirectionalBlocks).
         return image_inputs(self.config, rows, encoded, length)

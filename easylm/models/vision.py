@@ -23,6 +23,7 @@ E a patch's values (channels x frames x pixels), N heads, H head dim.
 """
 
 import abc
+import hashlib
 import os
 from typing import Callable
 
@@ -182,6 +183,19 @@ def stack_rows(rows: list[dict], count: int, length: int) -> dict:
     return out
 
 
+def images_key(encoded) -> str:
+    """The identity of a prompt's images `encoded` ([(patches, grid)]) for the serving
+    engine's prompt sharing (`PromptImages.keys`): the sha256 of their grids and patches,
+    what the image processor made of the images' bytes. Prompts of equal tokens share a
+    prefill and pages only with equal keys: an image's placeholder tokens are the same
+    whatever the image."""
+    digest = hashlib.sha256()
+    for patches, grid in encoded:
+        digest.update(np.asarray(grid, np.int64).tobytes())
+        digest.update(np.ascontiguousarray(patches, np.float32).tobytes())
+    return digest.hexdigest()
+
+
 def processor_directory(tokenizer: str, load_checkpoint: str) -> str:
     """Where an image-text model's image processor is saved (preprocessor_config.json):
     beside the --tokenizer directory, else in --load_checkpoint's hf::DIR."""
@@ -277,9 +291,11 @@ class ImageChatReader(abc.ABC):
         """The tokens that stand for one image of `grid` in a token row."""
 
     @abc.abstractmethod
-    def batch_inputs(self, rows, encoded, length: int) -> dict:
+    def batch_inputs(self, rows, encoded, length: int, segments=None) -> dict:
         """The image inputs (B, ...) of token rows `rows` (each with its image tokens
-        expanded, at most `length` long) whose images `encoded` (per row) are."""
+        expanded, at most `length` long) whose images `encoded` (per row) are; `segments`
+        (B, length): the chats of packed rows (image_chats.py), where a family's own
+        positions restart."""
 
     def image_tokens(self, grid: tuple) -> int:
         """The image tokens (embeddings from the vision tower) of an image of `grid`."""

@@ -426,8 +426,10 @@ class Rollouts:
                               [len(c) for c in completions], generated)
 
     def _prompt_images(self, prompts: dict, repeated: list):
-        """The engine's `PromptImages` of an image prompts batch's G rows per prompt (a
-        group shares its prompt's images: one key a prompt), or None for text prompts.
+        """The engine's `PromptImages` of an image prompts batch's G rows per prompt, or
+        None for text prompts. A prompt's key is its images' content (`vision.images_key`):
+        a group shares its prompt's prefill and pages, and so do prompts of equal tokens
+        and images; equal tokens with other images never do.
         Laid out to a training row's T tokens, the same inputs serve its forward: the
         completion's tokens are text (a sampled placeholder token too, as in the engine),
         its rotary positions counting on from the prompt's."""
@@ -444,7 +446,8 @@ class Rollouts:
                                        [[] if i is None else encodings[i // G]
                                         for i in requests], T)
 
-        return engine_lib.PromptImages([i // G for i in range(len(repeated))], lay_out)
+        keys = [vision.images_key(encoded) for encoded in encodings]
+        return engine_lib.PromptImages([keys[i // G] for i in range(len(repeated))], lay_out)
 
     @contextlib.contextmanager
     def _leased(self, state, n: int, T: int, where: tuple):

@@ -65,13 +65,16 @@ def _patch_places(grid: tuple, merge: int) -> np.ndarray:
     return np.tile(places, (t, 1))
 
 
-def rope_positions(ids, grids, config: Qwen35VLConfig) -> np.ndarray:
-    """(T, 3): each token's (time, height, width) rotary positions."""
+def rope_positions(ids, grids, config: Qwen35VLConfig, segments=None) -> np.ndarray:
+    """(T, 3): each token's (time, height, width) rotary positions; restarting at 0 where
+    `segments` (T,) changes (packed chats: no image spans two)."""
     m = config.vision_spatial_merge_size
     ids = np.asarray(ids)
     out = np.zeros((len(ids), 3), np.int64)
     start, i, k = 0, 0, 0
     while i < len(ids):
+        if segments is not None and i and segments[i] != segments[i - 1]:
+            start = 0
         if ids[i] != config.image_token_id:
             out[i] = start
             start, i = start + 1, i + 1
@@ -85,10 +88,12 @@ def rope_positions(ids, grids, config: Qwen35VLConfig) -> np.ndarray:
     return out
 
 
-def image_inputs(config: Qwen35VLConfig, rows, encoded, length: int) -> dict:
+def image_inputs(config: Qwen35VLConfig, rows, encoded, length: int,
+                 segments=None) -> dict:
     """The image inputs (B, ...) of token rows `rows` (each with its image tokens
     expanded, at most `length` long) whose images `encoded` (per row, `encode_images`'
-    pairs) are; rows shorter than `length` are padded as text."""
+    pairs) are; rows shorter than `length` are padded as text; with `segments` (B, length)
+    each segment's rotary positions start at 0."""
     m = config.vision_spatial_merge_size
     inputs = lay_out_images(rows, encoded, length, max_patches=config.max_image_patches,
                             patch_values=config.patch_values(),
@@ -98,7 +103,8 @@ def image_inputs(config: Qwen35VLConfig, rows, encoded, length: int) -> dict:
     inputs["rope_positions"] = np.zeros((len(rows), length, 3), np.int32)
     for b, (ids, images) in enumerate(zip(rows, encoded)):
         padded = list(ids[:length]) + [0] * (length - min(len(ids), length))
-        inputs["rope_positions"][b] = rope_positions(padded, [g for _, g in images], config)
+        inputs["rope_positions"][b] = rope_positions(
+            padded, [g for _, g in images], config, None if segments is None else segments[b])
     return inputs
 
 
@@ -112,5 +118,5 @@ class Qwen35ImageChats(ImageChatReader):
     def expansion(self, grid):
         return [self.image_token_id] * tokens_of(grid, self.config)
 
-    def batch_inputs(self, rows, encoded, length: int) -> dict:
-        return image_inputs(self.config, rows, encoded, length)
+    def batch_inputs(self, rows, encoded, length: int, segments=None) -> dict:
+        return image_inputs(self.config, rows, encoded, length, segments)
