@@ -68,7 +68,7 @@ def _serve(engine: Engine, corrupt: bool = False):
         take(engine.decode(Sampling.empty(2)))
     start = engine.claim(1, 32, d)
     if start:
-        take(engine.prefill_after([d], [1], [start], Sampling.empty(1)))
+        take(engine.prefill_after([d], [1], [start], Sampling.empty(1)), slice(0, 1))
     else:
         take(engine.prefill([d, a], [1, 2], Sampling.empty(2)), slice(0, 1))
     take(engine.decode(Sampling.empty(2)))
@@ -142,14 +142,25 @@ def test_too_few_pages_for_one_request_is_refused():
             {"seq_length": 64, "page_size": 16, "pages": 4}))
 
 
-def test_requests_wait_for_pages_and_get_their_tokens(tokenizer):
+def test_requests_wait_for_pages_and_get_their_tokens(tokenizer, caplog, monkeypatch):
     """10 requests on 4 slots with pages for about 3 of them at once (8 pages of 8
     positions; a request holds its prompt's and 12 new tokens' pages, 2 to 5): each waits
     for finished requests' pages, none fails, each gets the tokens a full forward greedily
-    gives, and every page is back in the pool at the end."""
+    gives, and every page is back in the pool at the end. The batcher's use line (logged
+    at every step here) says how many pages are held."""
+    import logging
+    import re
+
+    from easylm.serving import batcher as batcher_module
+
+    monkeypatch.setattr(batcher_module, "USE_LOG_SECONDS", 0.0)
     batcher, model, params = make_batcher(page_size=8, pages=9)
     try:
-        gens = batcher.generate(PROMPTS * 2, GREEDY, tokenizer)
+        with caplog.at_level(logging.INFO, logger=batcher_module.log.name):
+            gens = batcher.generate(PROMPTS * 2, GREEDY, tokenizer)
+        held = [int(m.group(1)) for r in caplog.records
+                if (m := re.search(r"(\d+) of 8 pages in use \(\d+ free\)", r.getMessage()))]
+        assert held and max(held) > 0
         for g in gens:
             assert g.finish_reason == "length", g.finish_reason
             expected, _ = full_forward_greedy(model, params, g.prompt, GREEDY.max_tokens)
@@ -184,6 +195,9 @@ def test_a_request_that_shares_pages_with_a_finished_one_gets_its_own_tokens(tok
             # SYSTEM: pages of tokens before their last) or 24 positions.
             cached = engine.prompt_tokens["cached"]
             assert cached == (24 + 24 + 16 + 24 + 16 if share else 0), cached
+            # Per request: what /v1's usage.prompt_tokens_details.cached_tokens reports.
+            assert [g.cached_tokens for g in [first] + gens] == \
+                ([0, 24, 24, 16, 24, 16] if share else [0] * 6)
         finally:
             batcher.stop()
 
