@@ -225,7 +225,8 @@ def test_warmup_compiles_a_fixed_set_and_no_mix_of_requests_compiles_after(
                 **({} if page_size else {("score",): len(lengths)})}
     batcher, model, params = make_batcher(
         mesh=make_mesh(mesh_dim), seq_length=seq_length, batch_size=4,
-        min_bucket=min_bucket, prefill_budget=budget, page_size=page_size)
+        min_bucket=min_bucket, prefill_budget=budget, page_size=page_size,
+        pages=16 if page_size else 0)  # 16: pages the batch axes (fsdp 4) would divide
     try:
         engine = batcher.engine
         if page_size:  # (pages, 8, K=2, H) keys and values: K over mp=2, pages whole

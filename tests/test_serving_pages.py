@@ -107,6 +107,15 @@ def test_pages_serve_what_the_dense_cache_serves(kind):
     np.testing.assert_array_equal(paged_tokens, tokens)
     np.testing.assert_allclose(paged_logprobs, logprobs, atol=1e-5, rtol=0)
     assert engine.pages.in_use > 0 and not engine.pages.dirty
+    # Sharing off (read at `reset` and each prefill: the same programs), every prompt in
+    # pages of its own: the dense engine's tokens too.
+    engine.config.share_prompts = False
+    engine.reset()
+    (alone_tokens, alone_logprobs), alone_start = _serve(engine)
+    assert alone_start == 0
+    np.testing.assert_array_equal(alone_tokens, tokens)
+    np.testing.assert_allclose(alone_logprobs, logprobs, atol=1e-5, rtol=0)
+    engine.config.share_prompts = True
     engine.reset()
     (_, bad_logprobs), _ = _serve(engine, corrupt=True)
     assert np.abs(bad_logprobs - logprobs).max() > 1e-3
@@ -146,21 +155,26 @@ def test_requests_wait_for_pages_and_get_their_tokens(tokenizer, caplog, monkeyp
     """10 requests on 4 slots with pages for about 3 of them at once (8 pages of 8
     positions; a request holds its prompt's and 12 new tokens' pages, 2 to 5): each waits
     for finished requests' pages, none fails, each gets the tokens a full forward greedily
-    gives, and every page is back in the pool at the end. The batcher's use line (logged
-    at every step here) says how many pages are held."""
+    gives, and every page is back in the pool at the end. Prompts are prefilled 16 tokens
+    at a time, so the 24-token one is staged (a chunk per batcher step, written into its
+    pages at the last). The batcher's use line (logged at every step here) says how many
+    pages are held."""
     import logging
     import re
 
     from easylm.serving import batcher as batcher_module
 
     monkeypatch.setattr(batcher_module, "USE_LOG_SECONDS", 0.0)
-    batcher, model, params = make_batcher(page_size=8, pages=9)
+    batcher, model, params = make_batcher(page_size=8, pages=9, prefill_chunk_size=16)
+    staged = []
+    begin = batcher.engine.begin_prefill
+    batcher.engine.begin_prefill = lambda *a: staged.append(1) or begin(*a)
     try:
         with caplog.at_level(logging.INFO, logger=batcher_module.log.name):
             gens = batcher.generate(PROMPTS * 2, GREEDY, tokenizer)
         held = [int(m.group(1)) for r in caplog.records
                 if (m := re.search(r"(\d+) of 8 pages in use \(\d+ free\)", r.getMessage()))]
-        assert held and max(held) > 0
+        assert held and max(held) > 0 and staged
         for g in gens:
             assert g.finish_reason == "length", g.finish_reason
             expected, _ = full_forward_greedy(model, params, g.prompt, GREEDY.max_tokens)
