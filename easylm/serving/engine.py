@@ -304,6 +304,7 @@ class Engine:
         after `release`)."""
         self.state = self._run(self._init_state)
         self.positions[:] = 0
+        self._share_pages = False  # whether a prompt may take an earlier one's pages
         if self.pages:
             self.pages = PageBook(self.batch_size, self.seq_length, self.config.page_size,
                                   self.layout.pages)
@@ -719,7 +720,7 @@ class Engine:
             programs += [(self._decode_fns[kind, length], (
                 self.weights, self.state, ends, np.int32(-1), self._dummy_sampling(B, kind)))
                 for length in self.decode_buckets]
-        for kind in sample if self._shares_pages else ():  # `prefill_after`'s
+        for kind in sample if self._share_pages else ():  # `prefill_after`'s
             programs += [(self._extend_fns[kind], (self.weights, self.state,
                                                    self._dummy_suffixes(T),
                                                    self._dummy_sampling(B, kind)))
@@ -745,7 +746,7 @@ class Engine:
             # positions are written again before its queries can see them.
             for length in self.decode_buckets:
                 jax.block_until_ready(self._decode(self._dummy_sampling(B, kind), length))
-            for T in self.length_buckets if self._shares_pages else ():
+            for T in self.length_buckets if self._share_pages else ():
                 self.state, out = self._run(self._extend_fns[kind], self.weights, self.state,
                                             self._dummy_suffixes(T), self._dummy_sampling(B, kind))
                 jax.block_until_ready(out)
@@ -758,7 +759,7 @@ class Engine:
                 f"prefill{' and score' * score} of prompt lengths {self.length_buckets} "
                 f"({rows} rows a call), decode over cache windows {self.decode_buckets} ({B} "
                 f"slots, {self.config.decode_steps} steps a call), "
-                f"{'prompts after shared pages, ' * self._shares_pages}"
+                f"{'prompts after shared pages, ' * self._share_pages}"
                 f"{', '.join(KIND_NAMES[k] for k in sample)}")
         log.info(line)
         return line
@@ -769,11 +770,6 @@ class Engine:
         prompts = [[0] * (T - 1) + [i % self.model.vocab_size]
                    for i in range(self.prefill_rows[T])]
         return prompts, [self.batch_size] * len(prompts)
-
-    @property
-    def _shares_pages(self) -> bool:
-        """Whether a prompt may take an earlier one's pages (`claim`, `prefill_after`)."""
-        return bool(self.pages) and self._share_pages
 
     def _dummy_suffixes(self, T: int) -> PromptRows:
         """Warm-up's `prefill_after` rows of bucket T, to slot index B (writes dropped)."""
