@@ -886,6 +886,7 @@ def test_a_group_prefills_its_prompt_once_and_samples_what_sharing_off_does(task
     from test_checkpoint import metrics
 
     from easylm.objectives.rollouts import Rollouts
+    from easylm.serving.pages import group_pages
 
     made, firsts, real_rollout = [], [], Rollouts.rollout
 
@@ -918,6 +919,13 @@ def test_a_group_prefills_its_prompt_once_and_samples_what_sharing_off_does(task
     saved = sum((n - 1) * ((len(r) - 1) // 2) for r, n in copies.items())
     assert saved > 0 and 0 < got[True]["data/rollout/cache_pages"] <= 64 * 12 - saved
     assert "data/rollout/cache_pages" not in got[False]
+    # The pool is sized for what the groups need (`pages.group_pages`: 8 groups' prompts
+    # of up to 24 - 8 tokens once, each row's own pages), not 64 rows x 12 pages, so the
+    # rollout holds fewer bytes than the dense cache of its 64 rows (and the rows above
+    # show it is enough).
+    pool = group_pages(64, 8, 16, 8, 24, 2)
+    assert got[True]["data/rollout/cache_pool_pages"] == pool < 64 * 12 + 1
+    assert got[True]["data/rollout/cache_bytes"] < got[True]["data/rollout/dense_cache_bytes"]
     assert shared.keys() == dense.keys()
     for key in shared:
         if key != "sampling_logps":

@@ -160,9 +160,10 @@ def test_greedy_matches_hf_generate(tokenizer, variant):
 
 def _compiled(engine) -> dict:
     """Programs compiled so far, by jitted function (those compiled at least once): prefill
-    (per sampling kind), decode (kind x window), score."""
+    (per sampling kind), decode (kind x window), extend (per kind), score."""
     fns = {**{("prefill", k): f for k, f in engine._prefill_fns.items()},
            **{("decode", *k): f for k, f in engine._decode_fns.items()},
+           **{("extend", k): f for k, f in engine._extend_fns.items()},
            ("score",): engine._score_fn}
     return {key: n for key, f in fns.items() if (n := f._cache_size())}
 
@@ -191,47 +192,80 @@ def _counting_compiles():
         jax.monitoring.unregister_event_duration_listener(listen)
 
 
-def test_warmup_compiles_a_fixed_set_and_no_mix_of_requests_compiles_after(tokenizer):
+@pytest.mark.parametrize("page_size, mesh_dim", [(0, "1,2,4"), (8, "1,4,2")])
+def test_warmup_compiles_a_fixed_set_and_no_mix_of_requests_compiles_after(
+        tokenizer, page_size, mesh_dim):
     """Warm-up compiles each program once, a set derived here from the flags (seq_length
     32, min_bucket 16, batch_size 4): prompts in length buckets 16, 32 (doubling from
     min_bucket), prefill_budget // bucket rows a call (so one program per bucket,
     whatever the number of prompts); decode windows over 16, 32 cache positions
-    (doubling from max(min_bucket, seq_length / 8)); each for greedy and for sampling.
+    (doubling from max(min_bucket, seq_length / 8)); each for greedy and for sampling;
+    with pages (and sharing), per length bucket the extend of B rows that runs the rest
+    of a prompt after the pages it shares (`prefill_after`).
     Then a random mix of requests (prompt lengths, max_tokens, shared prompts, greedy and
-    sampled, more than the slots) compiles nothing at all: no program and no eager
-    operation. Negative twins: the first prefill on a cold engine compiles, and so does
-    `extend`, which warm-up leaves out."""
+    sampled, more than the slots; with pages, prompts that start with a finished one's
+    pages) compiles nothing at all: no program and no eager operation. Negative twins:
+    the first prefill on a cold engine compiles, and so does an `extend` of other shapes
+    (multi-turn episodes'), which warm-up leaves out.
+
+    On a mesh, as the server runs: the state must not change shardings after warm-up.
+    With pages the pool's heads are split over mp as the dense cache's and its pages
+    whole on each device, and the greedy requests get the tokens of one device's full
+    forward."""
     seq_length, min_bucket, budget = 32, 16, 40
     lengths = _doublings(min_bucket, seq_length)
     windows = _doublings(max(min_bucket, seq_length // 8), seq_length)
     # Greedy and sampling rows (the mix below has no top-k/top-p: the third kind, which
     # the server's warm-up also compiles, is left out to keep this test's compiles).
-    kinds = (sampling_lib.GREEDY, sampling_lib.SAMPLE)
+    # With pages (CI time), greedy rows only and no score programs.
+    kinds = (sampling_lib.GREEDY,) + (() if page_size else (sampling_lib.SAMPLE,))
     expected = {**{("prefill", sample): len(lengths) for sample in kinds},
                 **{("decode", sample, w): 1 for sample in kinds for w in windows},
-                ("score",): len(lengths)}
-    # On a mesh, as the server runs: the state must not change shardings after warm-up.
-    batcher, _, _ = make_batcher(mesh=make_mesh("1,2,4"), seq_length=seq_length, batch_size=4,
-                                 min_bucket=min_bucket, prefill_budget=budget)
+                **{("extend", sample): len(lengths) for sample in kinds if page_size},
+                **({} if page_size else {("score",): len(lengths)})}
+    batcher, model, params = make_batcher(
+        mesh=make_mesh(mesh_dim), seq_length=seq_length, batch_size=4,
+        min_bucket=min_bucket, prefill_budget=budget, page_size=page_size,
+        pages=16 if page_size else 0)  # 16: pages the batch axes (fsdp 4) would divide
     try:
         engine = batcher.engine
+        if page_size:  # (pages, 8, K=2, H) keys and values: K over mp=2, pages whole
+            leaf = engine.cache.pool["0"]["k"]
+            assert leaf.sharding.is_equivalent_to(
+                NamedSharding(engine.mesh, P(None, None, "mp", None)), leaf.ndim)
         assert engine.prefill_rows == {16: 2, 32: 1}
         with _counting_compiles() as cold:
             engine.fetch(engine.prefill([[1, 2]], [0], engine_lib.Sampling.empty(1)))
         assert cold  # the counter sees a compile
-        print(engine.warmup(sample=kinds))
+        print(engine.warmup(sample=kinds, score=not page_size))
         assert _compiled(engine) == expected
         rs = np.random.RandomState(0)
         prompts = [[1, *rs.randint(3, 300, rs.randint(0, 28)).tolist()] for _ in range(9)]
         prompts += prompts[:3]  # shared prompts in one prefill
+        # Then a prompt alone, and three that start with its full pages (a finished
+        # request's: with pages, they run the rest only).
+        first = [1, *rs.randint(3, 300, 19).tolist()]
+        later = [first] + [first[:16] + rs.randint(3, 300, n).tolist() for n in (1, 5, 12)]
+        after = []
+        engine.prefill_after = lambda *a, run=engine.prefill_after: after.append(1) or run(*a)
         with _counting_compiles() as compiles:
-            params = [SamplingParams(max_tokens=int(rs.randint(1, seq_length - len(p) + 1)),
-                                     temperature=float(rs.choice([0.0, 0.8])), seed=i)
-                      for i, p in enumerate(prompts)]
-            gens = batcher.generate(prompts, params, tokenizer)
-            assert [len(g.tokens) for g in gens] == [q.max_tokens for q in params]
-            engine.score([[1, 2, 3]] * 3 + [list(range(30))], [[2, 3, 4]] * 3 + [[0] * 30])
+            sampled = [SamplingParams(max_tokens=int(rs.randint(1, seq_length - len(p) + 1)),
+                                      temperature=float(rs.choice([0.0, 0.8])) * (
+                                          len(kinds) - 1), seed=i)
+                       for i, p in enumerate(prompts + later)]
+            n = len(prompts)
+            gens = batcher.generate(prompts, sampled[:n], tokenizer)
+            gens += batcher.generate(later[:1], sampled[n:n + 1], tokenizer)
+            gens += batcher.generate(later[1:], sampled[n + 1:], tokenizer)
+            assert [len(g.tokens) for g in gens] == [q.max_tokens for q in sampled]
+            if not page_size:
+                engine.score([[1, 2, 3]] * 3 + [list(range(30))], [[2, 3, 4]] * 3 + [[0] * 30])
         assert compiles == [] and _compiled(engine) == expected
+        assert bool(after) == bool(page_size)  # the pages' programs ran
+        for g, q in zip(gens, sampled):  # (the dense engine's: tests above)
+            if page_size and q.temperature == 0:
+                want, _ = full_forward_greedy(model, params, g.prompt, q.max_tokens)
+                assert [t.id for t in g.tokens] == want
         with _counting_compiles() as compiles:  # not among warm-up's programs
             batcher.run(lambda: engine.fetch(engine.extend(
                 [[5, 6]], [0], [3], engine_lib.Sampling.empty(1)))).result()

@@ -42,13 +42,16 @@ KINDS = {
 
 
 def _serve(engine: Engine, corrupt: bool = False):
-    """A session on 2 slots: A and B prefilled together (in chunks of 8), 8 tokens
-    decoded, slot 1 takes C (its pages returned and others given), 4 more tokens each.
-    Returns every drawn token and its log-probability. `corrupt`: after the prefill,
-    slot 0's page table points one page off. Two programs in all: C's prefill has a
-    padding row (slot index B, its writes dropped) to reuse A and B's."""
+    """A session on 2 slots: A twice prefilled together (in chunks of 8: with pages and
+    sharing, the copy holds A's first page once), 8 tokens decoded, then slot 1 takes D,
+    which starts with A's first page (with pages and sharing: that page, indexed, and
+    only the rest run, `claim` and `prefill_after`), 4 more tokens each. Returns every
+    drawn token and its log-probability. `corrupt`: after the prefill, slot 0's page table
+    points one page off. D's prefill, where it runs whole, has a padding row (slot index
+    B, its writes dropped) to reuse the first prefill's program."""
     vocab = engine.model.vocab_size
-    a, b, c = ([t % vocab for t in p] for p in (PROMPT_A, PROMPT_B, PROMPT_C))
+    a, c = ([t % vocab for t in p] for p in (PROMPT_A, PROMPT_C))
+    d = a[:8] + c[:9]
     tokens, logprobs = [], []
 
     def take(out, slots=slice(None)):
@@ -56,16 +59,20 @@ def _serve(engine: Engine, corrupt: bool = False):
         tokens.append(out[0][:, slots])
         logprobs.append(out[1][:, slots])
 
-    take(engine.prefill([a, b], [0, 1], Sampling.empty(2)))
+    take(engine.prefill([a, a], [0, 1], Sampling.empty(2)))
     if corrupt:
         held = int(engine.pages.held[0])
         engine.pages.table[0, :held] = engine.pages.table[0, :held] + 1
         engine.pages.dirty = True
     for _ in range(2):
         take(engine.decode(Sampling.empty(2)))
-    take(engine.prefill([c, a], [1, 2], Sampling.empty(2)), slice(0, 1))
+    start = engine.claim(1, 32, d)
+    if start:
+        take(engine.prefill_after([d], [1], [start], Sampling.empty(1)), slice(0, 1))
+    else:
+        take(engine.prefill([d, a], [1, 2], Sampling.empty(2)), slice(0, 1))
     take(engine.decode(Sampling.empty(2)))
-    return [np.concatenate([x.reshape(-1) for x in xs]) for xs in (tokens, logprobs)]
+    return [np.concatenate([x.reshape(-1) for x in xs]) for xs in (tokens, logprobs)], start
 
 
 # The three slowest to compile are `extended` (CI's time budget leaves them out): their
@@ -86,17 +93,31 @@ def kind(request):
 def test_pages_serve_what_the_dense_cache_serves(kind):
     """Same greedy tokens; log-probabilities equal to fp32 rounding: the model reads the
     same values at every position its mask admits (a gather instead of a slice), and the
-    masked ones weigh exactly 0. XLA may fuse the two programs differently, so allow a few
-    ulps of the fp32 log-probabilities (|logp| < ~10: 1e-5 absolute). The negative twin,
-    on the same programs: slot 0's page table one page off changes what it draws."""
-    name, model, params, (tokens, logprobs) = kind
+    masked ones weigh exactly 0; a prompt that shares pages (a copy in one prefill, a
+    later prompt's first page) reads what its own would hold. XLA may fuse the programs
+    differently (and D's rest runs as an extend, not a prefill), so allow a few ulps of
+    the fp32 log-probabilities (|logp| < ~10: 1e-5 absolute). The negative twin, on the
+    same programs: slot 0's page table one page off changes what it draws. Qwen3.5's
+    recurrent state cannot start mid-prompt: it shares no page (D runs whole), and its
+    copies of A share the prompt's run, not its pages (`_share_pages`)."""
+    name, model, params, ((tokens, logprobs), _) = kind
     engine = Engine({**ENGINE, "page_size": 8}, model, params)
-    paged_tokens, paged_logprobs = _serve(engine)
+    (paged_tokens, paged_logprobs), start = _serve(engine)
+    assert start == (0 if name == "qwen3_5" else 8)
     np.testing.assert_array_equal(paged_tokens, tokens)
     np.testing.assert_allclose(paged_logprobs, logprobs, atol=1e-5, rtol=0)
     assert engine.pages.in_use > 0 and not engine.pages.dirty
+    # Sharing off (read at `reset` and each prefill: the same programs), every prompt in
+    # pages of its own: the dense engine's tokens too.
+    engine.config.share_prompts = False
     engine.reset()
-    _, bad_logprobs = _serve(engine, corrupt=True)
+    (alone_tokens, alone_logprobs), alone_start = _serve(engine)
+    assert alone_start == 0
+    np.testing.assert_array_equal(alone_tokens, tokens)
+    np.testing.assert_allclose(alone_logprobs, logprobs, atol=1e-5, rtol=0)
+    engine.config.share_prompts = True
+    engine.reset()
+    (_, bad_logprobs), _ = _serve(engine, corrupt=True)
     assert np.abs(bad_logprobs - logprobs).max() > 1e-3
 
 
@@ -130,14 +151,30 @@ def test_too_few_pages_for_one_request_is_refused():
             {"seq_length": 64, "page_size": 16, "pages": 4}))
 
 
-def test_requests_wait_for_pages_and_get_their_tokens(tokenizer):
+def test_requests_wait_for_pages_and_get_their_tokens(tokenizer, caplog, monkeypatch):
     """10 requests on 4 slots with pages for about 3 of them at once (8 pages of 8
     positions; a request holds its prompt's and 12 new tokens' pages, 2 to 5): each waits
     for finished requests' pages, none fails, each gets the tokens a full forward greedily
-    gives, and every page is back in the pool at the end."""
-    batcher, model, params = make_batcher(page_size=8, pages=9)
+    gives, and every page is back in the pool at the end. Prompts are prefilled 16 tokens
+    at a time, so the 24-token one is staged (a chunk per batcher step, written into its
+    pages at the last). The batcher's use line (logged at every step here) says how many
+    pages are held."""
+    import logging
+    import re
+
+    from easylm.serving import batcher as batcher_module
+
+    monkeypatch.setattr(batcher_module, "USE_LOG_SECONDS", 0.0)
+    batcher, model, params = make_batcher(page_size=8, pages=9, prefill_chunk_size=16)
+    staged = []
+    begin = batcher.engine.begin_prefill
+    batcher.engine.begin_prefill = lambda *a: staged.append(1) or begin(*a)
     try:
-        gens = batcher.generate(PROMPTS * 2, GREEDY, tokenizer)
+        with caplog.at_level(logging.INFO, logger=batcher_module.log.name):
+            gens = batcher.generate(PROMPTS * 2, GREEDY, tokenizer)
+        held = [int(m.group(1)) for r in caplog.records
+                if (m := re.search(r"(\d+) of 8 pages in use \(\d+ free\)", r.getMessage()))]
+        assert held and max(held) > 0 and staged
         for g in gens:
             assert g.finish_reason == "length", g.finish_reason
             expected, _ = full_forward_greedy(model, params, g.prompt, GREEDY.max_tokens)
@@ -172,6 +209,9 @@ def test_a_request_that_shares_pages_with_a_finished_one_gets_its_own_tokens(tok
             # SYSTEM: pages of tokens before their last) or 24 positions.
             cached = engine.prompt_tokens["cached"]
             assert cached == (24 + 24 + 16 + 24 + 16 if share else 0), cached
+            # Per request: what /v1's usage.prompt_tokens_details.cached_tokens reports.
+            assert [g.cached_tokens for g in [first] + gens] == \
+                ([0, 24, 24, 16, 24, 16] if share else [0] * 6)
         finally:
             batcher.stop()
 
@@ -261,3 +301,30 @@ def test_a_sliding_window_gives_back_the_pages_it_has_passed():
     assert kept == 8
     np.testing.assert_array_equal(tokens, kept_tokens)
     np.testing.assert_array_equal(logprobs, kept_logprobs)
+
+
+def test_a_grpo_pool_holds_what_its_groups_need_and_no_more():
+    """`pages.group_pages`, the pool GRPO's one-turn rollouts get (rollouts.py
+    `_pool_pages`): 8 rows in 2 groups of 4 with one prompt each, prompts of up to 20
+    tokens, 12 new tokens (3 decode calls of 4 steps, `rollouts.generate` with no EOS so
+    every row decodes to the end). Over every prompt length the most pages the engine
+    ever holds, plus the scratch page, is the figure: enough (no rollout runs out) and
+    no more (some length uses every page). Its bytes are below the dense cache's."""
+    from easylm.objectives.rollouts import generate
+    from easylm.serving.pages import group_pages
+
+    family, config = KINDS["llama"]()
+    model = family.bind(config)
+    params = jax.jit(model.init_params)(jax.random.PRNGKey(0))
+    engine = Engine({**ENGINE, "batch_size": 8, "min_bucket": 20, "page_size": 8}, model, params)
+    most = 0
+    for length in range(1, 21):
+        engine.reset()
+        prompts = [[(7 * i + group) % 300 + 3 for i in range(length)] for group in (0, 1)]
+        generate(engine, [p for p in prompts for _ in range(4)], Sampling.empty(8), 12, -1)
+        most = max(most, engine.pages.in_use)
+    pool = group_pages(8, 4, 20, 12, 32, 8)
+    assert most + 1 == pool < engine.layout.pages  # the default: every row's 4 pages
+    page = sum(x.nbytes for x in jax.tree.leaves(engine.cache.pool)) // engine.layout.pages
+    dense = sum(x.nbytes for x in jax.tree.leaves(model.init_cache(8, 32)))
+    assert pool * page < dense

@@ -37,7 +37,7 @@ from easylm.errors import UserError
 from easylm.models import vision
 from easylm.objectives import episodes as episodes_lib, rewards as rewards_lib
 from easylm.runtime.sharding import BATCH_AXES
-from easylm.serving import engine as engine_lib
+from easylm.serving import cache_layout, engine as engine_lib, pages as pages_lib
 
 # (B, G) per-completion values a batch carries for the metrics (besides each reward
 # function's rewards/<name>/sum and /count).
@@ -264,15 +264,28 @@ def gather_prompts(prompts: dict) -> tuple[dict, slice]:
              "examples": examples}, slice(jax.process_index() * b, (jax.process_index() + 1) * b))
 
 
+def cache_sizes(engine) -> dict:
+    """A paged engine's pool (pages, the scratch page included), the bytes of its cache
+    (the pool, each row's state and the page table, all devices') and those of the dense
+    cache of its rows (every row's whole length)."""
+    dense = jax.eval_shape(lambda: engine.model.init_cache(engine.batch_size, engine.seq_length))
+    return {"cache_pool_pages": engine.layout.pages,
+            "cache_bytes": sum(x.nbytes for x in jax.tree.leaves(engine.cache)),
+            "dense_cache_bytes": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(dense))}
+
+
 def generation_metrics(generated: dict, tokens: int) -> dict:
     """A rollout's generation metrics from `Rollouts._leased`'s record and the tokens it
     sampled: seconds, tokens per second, the prompt tokens run through the model
     (prefill_tokens: a prompt a group shares once, with share_prompts) and those copied
     from a shared prompt's cache (cached_prompt_tokens); with --grpo.page_size, the cache
-    pages the rows held at the end (cache_pages: a group's prompt pages once)."""
+    pages the rows held at the end (cache_pages: a group's prompt pages once), the pool's
+    pages and its bytes beside the dense cache's (`cache_sizes`)."""
     seconds = generated["seconds"]
-    pages = {} if generated.get("pages") is None else \
-        {"rollout/cache_pages": float(generated["pages"])}
+    pages = {} if generated.get("pages") is None else {
+        "rollout/cache_pages": float(generated["pages"]),
+        **{f"rollout/{k}": float(generated[k]) for k in ("cache_pool_pages", "cache_bytes",
+                                                       "dense_cache_bytes")}}
     return {"rollout/generation_seconds": seconds,
             "rollout/tokens_per_second": tokens / max(seconds, 1e-9),
             "rollout/prefill_tokens": float(generated["prefilled"]),
@@ -361,10 +374,27 @@ class Rollouts:
                 "min_bucket": seq_length - self.options.max_new_tokens,
                 "share_prompts": self.options.share_prompts,
                 "page_size": self.options.page_size})
+            config.pages = self._pool_pages(config)
             self.engines[key] = engine_lib.Engine(config, self.objective.model, None, self.mesh,
                                                   record_routing=self.options.routing_replay)
             self.engines[key].release()  # until the first rollout
         return self.engines[key]
+
+    def _pool_pages(self, config) -> int:
+        """With --grpo.page_size and sharing, one-turn rollouts' pool: what the groups
+        need at most (`pages.group_pages`: each prompt's full pages once, each
+        completion's own, the positions decode calls write past max_new_tokens before
+        the host reads that a row ended), not every row's whole length; else 0 (the
+        engine's default: every row's length). Episodes' rows grow by their turns, and a
+        recurrent state (Gated DeltaNet) shares no page: the whole length for them."""
+        o = self.options
+        if not (o.page_size and o.share_prompts and self.objective.environment is None) or \
+                cache_layout.check_cache(self.objective.model).has_state:
+            return 0
+        steps = config.decode_steps
+        written = -(-(o.max_new_tokens - 1) // steps) * steps  # decode calls x steps
+        return pages_lib.group_pages(config.batch_size, o.num_generations, config.min_bucket,
+                                     written, config.seq_length, o.page_size)
 
     def batches(self, dataset, place, live_state):
         """(device batch, metrics) per step. A batch of rollouts serves num_iterations
@@ -467,13 +497,14 @@ class Rollouts:
             engine.compile_decode(sampling.pad(n))
             engine.reset()
         generated, began = {}, time.perf_counter()
+        sizes = cache_sizes(engine) if engine.pages else {}
         try:
             yield engine, sampling, generated
         finally:
             engine.params = engine.base = None
             engine.release()
         generated.update(seconds=time.perf_counter() - began, **engine.prompt_tokens,
-                         pages=engine.pages.in_use if engine.pages else None)
+                         pages=engine.pages.in_use if engine.pages else None, **sizes)
 
     def episode_rollout(self, state, prompts: dict, T: int, where: tuple):
         """(host batch, metrics): G multi-turn episodes of each prompt's example with the

@@ -292,14 +292,17 @@ class Batcher:
                 for i, g in enumerate(self.slots)]
 
     def _log_use(self):
-        """Every USE_LOG_SECONDS while requests run: the cache's slots in use, the
-        requests waiting for one, and the prompt tokens prefilled and shared since start."""
+        """Every USE_LOG_SECONDS while requests run: the cache's slots in use (with
+        pages: the pool's pages held, a shared page once, and those a request may take:
+        free or holding an earlier prompt's prefix), the requests waiting for one, and the
+        prompt tokens prefilled and shared since start."""
         now = time.monotonic()
         if now - self._logged < USE_LOG_SECONDS:
             return
         self._logged = now
         engine, free = self.engine, self.engine.pages_free()
-        pages = "" if free is None else f", {free} pages free"
+        pages = "" if free is None else (f", {engine.pages.in_use} of "
+                                         f"{engine.pages.pages - 1} pages in use ({free} free)")
         log.info("cache: %d of %d slots in use (%d positions each)%s, %d requests waiting; "
                  "prompt tokens since start: %d prefilled, %d from shared prompts",
                  sum(s is not None for s in self.slots), engine.batch_size,

@@ -287,8 +287,9 @@ class Engine:
         if mesh is None:
             return None, jax.jit(init_state)
         shapes = jax.eval_shape(lambda: layout.empty(model, B, S))
-        arrays = shapes.pool if self.pages else shapes  # a pool's pages split like slots
-        specs = match_partition_rules(model.cache_rules, arrays)
+        arrays = shapes.pool if self.pages else shapes
+        specs = layout.pool_specs(model.cache_rules, arrays) if self.pages else \
+            match_partition_rules(model.cache_rules, arrays)
         cache_shardings = jax.tree.map(
             lambda spec, s: NamedSharding(mesh, fitted_spec(spec, s.shape, mesh)),
             specs, arrays, is_leaf=lambda x: isinstance(x, P))
@@ -303,6 +304,7 @@ class Engine:
         after `release`)."""
         self.state = self._run(self._init_state)
         self.positions[:] = 0
+        self._share_pages = False  # whether a prompt may take an earlier one's pages
         if self.pages:
             self.pages = PageBook(self.batch_size, self.seq_length, self.config.page_size,
                                   self.layout.pages)
@@ -643,9 +645,13 @@ class Engine:
         state continues from the slot's, which must be that of its tokens before
         starts[i]: the decode calls since its last turn began held it there (`decode`'s
         active, ends and stop)."""
+        return self._extend(suffixes, slots, starts, sampling,
+                            bucket_for(len(suffixes), self.row_buckets),
+                            bucket_for(max(len(x) for x in suffixes), self.extend_buckets))
+
+    def _extend(self, suffixes, slots, starts, sampling: Sampling, rows: int, T: int):
+        """`extend` in a call of `rows` rows of T tokens."""
         n = len(suffixes)
-        rows = bucket_for(n, self.row_buckets)
-        T = bucket_for(max(len(x) for x in suffixes), self.extend_buckets)
         tokens = np.zeros((rows, T), np.int32)
         lengths, begin = np.ones(rows, np.int32), np.zeros(rows, np.int32)
         slot_ids = np.full(rows, self.batch_size, np.int32)
@@ -665,8 +671,11 @@ class Engine:
     def prefill_after(self, prompts: list[list[int]], slots: list[int], starts: list[int],
                       sampling: Sampling):
         """`prefill` of prompts whose first starts[i] positions their slots' shared pages
-        already hold (`claim`): only the rest runs through the model (`extend`)."""
-        out = self.extend([p[s:] for p, s in zip(prompts, starts)], slots, starts, sampling)
+        already hold (`claim`): only the rest runs through the model (`extend`), in a
+        call of B rows padded to a prompt length bucket: the programs `warmup` compiles."""
+        suffixes = [p[s:] for p, s in zip(prompts, starts)]
+        out = self._extend(suffixes, slots, starts, sampling, self.batch_size,
+                           bucket_for(max(map(len, suffixes)), self.length_buckets))
         self.prompt_tokens["prefilled"] += sum(len(p) - s for p, s in zip(prompts, starts))
         self.prompt_tokens["cached"] += sum(starts)
         self._index(slots, prompts)
@@ -695,8 +704,10 @@ class Engine:
         program, per cache window a decode program, for each kind of rows in `sample`
         (`sampling.kind`: greedy, sampling, sampling with top-k or top-p). The one-call programs are traced one by one and compiled side by side
         in threads (XLA compiles one program on one core); jit's calls then find them
-        compiled. Afterwards no prompt length, number of prompts or max_tokens compiles
-        anything (`extend`'s programs, multi-turn episodes', are not among them).
+        compiled. With pages and sharing, per length bucket also the extend of B rows
+        that runs a prompt's rest after its shared pages (`prefill_after`). Afterwards no
+        prompt length, number of prompts or max_tokens compiles anything (`extend`'s
+        programs of other shapes, multi-turn episodes', are not among them).
         Returns (and logs) one line: what was compiled, in how long."""
         began, B = time.perf_counter(), self.batch_size
         programs = []  # (jitted function, its arguments)
@@ -709,6 +720,11 @@ class Engine:
             programs += [(self._decode_fns[kind, length], (
                 self.weights, self.state, ends, np.int32(-1), self._dummy_sampling(B, kind)))
                 for length in self.decode_buckets]
+        for kind in sample if self._share_pages else ():  # `prefill_after`'s
+            programs += [(self._extend_fns[kind], (self.weights, self.state,
+                                                   self._dummy_suffixes(T),
+                                                   self._dummy_sampling(B, kind)))
+                         for T in self.length_buckets]
         if score:
             programs += [(self._score_fn, (self.weights, *[np.zeros(
                 (self.prefill_rows[T], T), np.int32)] * 2)) for T in self.length_buckets]
@@ -730,6 +746,10 @@ class Engine:
             # positions are written again before its queries can see them.
             for length in self.decode_buckets:
                 jax.block_until_ready(self._decode(self._dummy_sampling(B, kind), length))
+            for T in self.length_buckets if self._share_pages else ():
+                self.state, out = self._run(self._extend_fns[kind], self.weights, self.state,
+                                            self._dummy_suffixes(T), self._dummy_sampling(B, kind))
+                jax.block_until_ready(out)
         if score:
             for T in self.length_buckets:
                 self.score([[0] * T], [[0] * T])
@@ -739,6 +759,7 @@ class Engine:
                 f"prefill{' and score' * score} of prompt lengths {self.length_buckets} "
                 f"({rows} rows a call), decode over cache windows {self.decode_buckets} ({B} "
                 f"slots, {self.config.decode_steps} steps a call), "
+                f"{'prompts after shared pages, ' * self._share_pages}"
                 f"{', '.join(KIND_NAMES[k] for k in sample)}")
         log.info(line)
         return line
@@ -749,6 +770,12 @@ class Engine:
         prompts = [[0] * (T - 1) + [i % self.model.vocab_size]
                    for i in range(self.prefill_rows[T])]
         return prompts, [self.batch_size] * len(prompts)
+
+    def _dummy_suffixes(self, T: int) -> PromptRows:
+        """Warm-up's `prefill_after` rows of bucket T, to slot index B (writes dropped)."""
+        B = self.batch_size
+        return PromptRows(np.zeros((B, T), np.int32), np.ones(B, np.int32),
+                          np.full(B, B, np.int32), None, np.zeros(B, np.int32))
 
     @staticmethod
     def _dummy_sampling(rows: int, sample: int) -> Sampling:

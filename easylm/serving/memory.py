@@ -27,12 +27,12 @@ import jax.numpy as jnp
 from easylm.runtime.sharding import axes_size, match_partition_rules
 
 
-def _shard_bytes(shapes, rules, sizes: dict, dtype=None) -> int:
-    """One device's bytes of `shapes` under `rules`, every float leaf in `dtype` (None: its
-    own; an integer leaf, int8 weights, in its own); a dimension the axes do not divide
-    stays whole (as the engine's `fitted_spec` keeps it)."""
+def _shard_bytes(shapes, rules, sizes: dict, dtype=None, specs=None) -> int:
+    """One device's bytes of `shapes` under `rules` (or the PartitionSpecs `specs`), every
+    float leaf in `dtype` (None: its own; an integer leaf, int8 weights, in its own); a
+    dimension the axes do not divide stays whole (as the engine's `fitted_spec` keeps it)."""
     total = 0
-    specs = match_partition_rules(rules, shapes)
+    specs = match_partition_rules(rules, shapes) if specs is None else specs
     for leaf, spec in zip(jax.tree.leaves(shapes), jax.tree.leaves(
             specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))):
         shape = list(leaf.shape)
@@ -63,8 +63,8 @@ def chunk_bytes(config: dict, rows: int, chunk: int, keys: int, mp: int, dtype) 
 
 def page_bytes(model, sizes: dict, dtype, page_size: int) -> int:
     """One device's bytes of one cache page (`serving/pages.py`): `page_size` positions of
-    every positional array, heads split over mp; the page axis counted whole (a pool's
-    pages split over dp like slots would hold more). A cache of one slot less one of no
+    every positional array, heads split over mp; every device holds every page
+    (`PagedLayout.pool_specs`). A cache of one slot less one of no
     positions: what a slot's state (no length axis) holds cancels."""
     def one(length):
         return _shard_bytes(jax.eval_shape(lambda: model.init_cache(1, length, dtype)),
@@ -80,15 +80,18 @@ def serving_bytes(model, sizes: dict, dtype, slots: int, seq_length: int, prompt
     whole length and the scratch page) and each slot's state."""
     params = jax.eval_shape(model.init_params, jax.random.key(0))
     cache = jax.eval_shape(lambda: model.init_cache(slots, seq_length, dtype))
+    cache_specs = None
     if page_size:
         from easylm.serving.cache_layout import CacheLayout
-        from easylm.serving.pages import check_pages
+        from easylm.serving.pages import PagedLayout, check_pages
 
         pages = check_pages(page_size, pages, slots, seq_length)
-        cache = CacheLayout.of(model).map(
+        layout = PagedLayout(CacheLayout.of(model), page_size, pages)
+        cache = layout.map(
             lambda b, s, pool, per_slot: per_slot if s is None else pool,
             jax.eval_shape(lambda: model.init_cache(pages, page_size, dtype)),
             jax.eval_shape(lambda: model.init_cache(slots, page_size, dtype)))
+        cache_specs = layout.pool_specs(model.cache_rules, cache)  # the engine's
     C = prompt if chunk <= 0 or chunk >= prompt else chunk
     padded = -(-prompt // C) * C
     fresh = jax.eval_shape(lambda: model.init_cache(rows, padded, dtype))
@@ -97,7 +100,7 @@ def serving_bytes(model, sizes: dict, dtype, slots: int, seq_length: int, prompt
         # The caches as `init_cache` makes them in `dtype`: keys and values in it, a
         # recurrent state in its own (Gated DeltaNet's fp32), the same bytes whatever the
         # length (a constant per linear layer).
-        "kv cache": _shard_bytes(cache, model.cache_rules, sizes),
+        "kv cache": _shard_bytes(cache, model.cache_rules, sizes, specs=cache_specs),
         "prompt": _shard_bytes(fresh, model.cache_rules, sizes),
         "chunk": chunk_bytes(model.config, rows, C, padded, sizes["mp"], dtype),
     }

@@ -196,7 +196,8 @@ def _chat_logprobs(service: Service, tokens: list[Token], k: int):
 
 def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     """OpenAI's usage; `cached_tokens`: prompt tokens served from another request's run
-    of the same prompt (the engine's share_prompts)."""
+    of the same prompt, or with --page_size from the pages an earlier request's prompt
+    left (the engine's share_prompts)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}

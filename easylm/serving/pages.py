@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from easylm.errors import UserError
+from easylm.runtime.sharding import match_partition_rules
 
 SCRATCH = 0  # the page that positions without a page of their own read and write
 
@@ -62,6 +63,26 @@ class PagedLayout:
 
     def map(self, fn, *trees):
         return self.dense.map(fn, *trees)
+
+    def pool_specs(self, rules, pool):
+        """The pool's PartitionSpecs by the cache's `rules` (`Model.cache_rules`): a
+        positional array's heads split as the dense cache's (over 'mp'), its page axis
+        whole on every device; a state's slot axis split like the dense cache's slots.
+        Why not the pages over the batch axes like slots: a slot's pages may be any of
+        the pool's (a shared prompt's, the free list's), so every window would gather
+        pages from other devices and every write scatter into them."""
+        specs = jax.tree.leaves(match_partition_rules(rules, pool),
+                                is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+
+        def whole_pages(b, s, leaf, spec):
+            if s is None:
+                return spec
+            dims = list(spec) + [None] * (leaf.ndim - len(spec))
+            dims[b] = None
+            return jax.sharding.PartitionSpec(*dims)
+        return jax.tree.unflatten(jax.tree.structure(pool), [
+            whole_pages(b, s, leaf, spec) for b, s, leaf, spec in
+            zip(self.dense.batch, self.dense.length, jax.tree.leaves(pool), specs)])
 
     def empty(self, model, slots: int, length: int) -> PagedCache:
         """Zero pages and every slot's table at the scratch page."""
@@ -263,6 +284,22 @@ class PageBook:
     def in_use(self) -> int:
         """Pages some slot holds (a shared page once; the scratch page not counted)."""
         return int((self.refs > 0).sum())
+
+
+def group_pages(rows: int, group: int, prompt: int, new: int, length: int,
+                page_size: int) -> int:
+    """The pool (with the scratch page) that `rows` requests in groups of `group` with
+    one prompt (GRPO's num_generations completions) need at most, when prompts have up to
+    `prompt` tokens and each request writes `new` positions after its prompt (up to
+    `length`): a group holds its prompt's full pages before its last token once
+    (`Engine._prompt_pages`) and each request its own pages from there. The largest over
+    the prompt lengths 1..prompt: a longer prompt shares more."""
+    Z, most = page_size, 0
+    for L in range(1, prompt + 1):
+        shared = (L - 1) // Z
+        own = -(-min(L + new, length) // Z) - shared
+        most = max(most, -(-rows // group) * shared + rows * own)
+    return most + 1
 
 
 def check_pages(page_size: int, pages: int, slots: int, length: int, flags: str = "") -> int:
