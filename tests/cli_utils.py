@@ -4,8 +4,17 @@ a short training run of a HF directory through the command."""
 import contextlib
 import io
 import json
+import os
+import re
 
 import pytest
+
+
+def xla_flags(devices: int) -> str:
+    """This session's XLA_FLAGS (conftest.py's compile flags kept) with `devices` host
+    devices: for the commands a test starts on another mesh."""
+    return re.sub(r"--xla_force_host_platform_device_count=\d+",
+                  f"--xla_force_host_platform_device_count={devices}", os.environ["XLA_FLAGS"])
 
 
 def one_line_error(main, argv: list[str], capsys) -> str:

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cli_utils import xla_flags
 from ml_collections import ConfigDict
 
 from easylm import model_flags
@@ -37,7 +38,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOTAL_STEPS = 40
 # Subprocess runs use 2 devices: sharded saves, but quicker to compile than 8.
 ENV = {**os.environ, "PYTHONPATH": REPO, "WANDB_MODE": "disabled",
-       "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+       "XLA_FLAGS": xla_flags(2)}
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +162,7 @@ def test_sigkill_then_resume_under_sequence_parallel_is_bitwise_identical(data_p
            f"--total_steps={steps}", "--save_model_freq=2",
            f"--optimizer.adamw_optimizer.lr_decay_steps={steps}",
            f"--compilation_cache_dir={tmp_path / 'xla'}"]
-    env = {**ENV, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = {**ENV, "XLA_FLAGS": xla_flags(8)}
     result = subprocess.run(cmd, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     reference = {"metrics": metrics(tmp_path / "a"),

@@ -293,11 +293,12 @@ def test_sigkill_then_resume_continues_with_the_same_numbers(task, learned, tmp_
     done or logged without a checkpoint: what the resume must not read."""
     import signal
 
+    from cli_utils import xla_flags
     from test_checkpoint import ENV, metrics, run_until
 
     # Without the evaluations: they draw their own keys and change nothing trained.
     argv = command(task, tmp_path, eval_freq=0, total_steps=6, save_model_freq=2)
-    env = dict(ENV, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = dict(ENV, XLA_FLAGS=xla_flags(8))
     code, _, _ = run_until([sys.executable, "-m", "easylm.train", *argv[1:]], tmp_path, 2,
                            signal.SIGKILL, env)
     assert code == -signal.SIGKILL

@@ -611,6 +611,7 @@ def test_dynamic_sampling_trains_no_group_without_a_signal_and_resumes_exactly(t
     import os
     import signal
 
+    from cli_utils import xla_flags
     from test_checkpoint import ENV, metrics, run_until
 
     def run(directory, steps=3, **flags):
@@ -637,7 +638,7 @@ def test_dynamic_sampling_trains_no_group_without_a_signal_and_resumes_exactly(t
         "eval_dataset.json_dataset.path": "", "grpo.num_generations": 4,
         "grpo.reward_funcs": "grpo_task_rewards:odd_only",
         "optimizer.adamw_optimizer.lr_decay_steps": 3, **dynamic})
-    env = dict(ENV, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    env = dict(ENV, XLA_FLAGS=xla_flags(8),
                PYTHONPATH=os.pathsep.join([ENV["PYTHONPATH"], os.path.dirname(task[0])]))
     code, _, _ = run_until([sys.executable, "-m", "easylm.train", *argv[1:]], killed, 2,
                            signal.SIGKILL, env)
@@ -668,12 +669,13 @@ def test_sigkill_then_resume_regenerates_the_same_rollouts(task, learned, tmp_pa
     import os
     import signal
 
+    from cli_utils import xla_flags
     from test_checkpoint import ENV, metrics, run_until
 
     got, _, _ = learned
     # Without the evaluations: they draw their own keys and change nothing trained.
     argv = command(task, tmp_path, total_steps=8, eval_freq=0, save_model_freq=3)
-    env = dict(ENV, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    env = dict(ENV, XLA_FLAGS=xla_flags(8),
                PYTHONPATH=os.pathsep.join([ENV["PYTHONPATH"], os.path.dirname(task[0])]))
     code, _, _ = run_until([sys.executable, "-m", "easylm.llama.train", *argv[1:]], tmp_path,
                            np.random.randint(4, 8), signal.SIGKILL, env)

@@ -15,6 +15,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from cli_utils import xla_flags
 from numerics import forward_rel
 
 from easylm import flags, variants
@@ -54,7 +55,7 @@ def launch(module, flag_list, directory, num_processes=1, devices=8, only=None):
     start, to leave peers missing). Every child is killed if the deadline passes."""
     os.makedirs(directory, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu", "WANDB_MODE": "offline",
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+           "XLA_FLAGS": xla_flags(devices),
            "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     port = free_port()
     children = []

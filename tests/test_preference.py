@@ -497,10 +497,11 @@ def test_dpo_step_one_is_an_exact_tie(pair_files, tmp_path, lora):
 
 
 def test_dpo_sigkill_then_resume_is_bitwise_identical(pair_files, live_run, tmp_path):
+    from cli_utils import xla_flags
     from test_checkpoint import ENV, metrics, run_until
 
     cmd = [sys.executable, "-m", "easylm.llama.train", *command(pair_files, tmp_path)]
-    env = dict(ENV, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = dict(ENV, XLA_FLAGS=xla_flags(8))
     code, _, _ = run_until(cmd, tmp_path, np.random.randint(4, 9), signal.SIGKILL, env)
     assert code == -signal.SIGKILL
     # The resumed run reloads the reference from where the run started: the seed's init.

@@ -105,6 +105,7 @@ def test_grpo_with_replay_killed_then_resumed_is_bitwise(directory, task, tmp_pa
     norm, reward, the sampler-trainer figures), so the rollouts after the resume and their
     recorded choices were the same. The three runs share a compilation cache, so only the
     first compiles."""
+    from cli_utils import xla_flags
     from test_checkpoint import ENV, metrics, run_until
     from test_routing_replay import STEPS, grpo_argv
 
@@ -113,7 +114,7 @@ def test_grpo_with_replay_killed_then_resumed_is_bitwise(directory, task, tmp_pa
             "--mesh_dim=8,1,1", f"--compilation_cache_dir={tmp_path / 'compiled'}"]
         return [sys.executable, "-m", "easylm.train", *flags]
 
-    env = dict(ENV, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    env = dict(ENV, XLA_FLAGS=xla_flags(8),
                PYTHONPATH=os.pathsep.join([ENV["PYTHONPATH"], os.path.dirname(task[0])]))
     whole = subprocess.run(argv(tmp_path / "whole"), env=env, capture_output=True, text=True,
                            timeout=300)

@@ -177,9 +177,11 @@ def quick_start(tmp_path_factory):
 
 def newcomer_env() -> dict:
     """This environment as a newcomer's shell has it: one CPU device, not the 8 virtual
-    ones conftest.py makes for the sharding tests (the README shows a 1-device mesh)."""
-    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
-                   os.environ.get("XLA_FLAGS", "")).strip()
+    ones conftest.py makes for the sharding tests (the README shows a 1-device mesh), and
+    XLA's defaults, not conftest.py's faster-compiling COMPILE_FLAGS (the README shows
+    the losses of XLA's defaults)."""
+    flags = re.sub(r"--xla_(force_host_platform_device_count|backend_optimization_level|"
+                   r"cpu_use_fusion_emitters)=\w+", "", os.environ.get("XLA_FLAGS", "")).strip()
     return {**os.environ, "PYTHONPATH": REPO, "XLA_FLAGS": flags}
 
 

@@ -310,13 +310,14 @@ def test_sigkill_then_resume_with_replay_is_bitwise(command_run, task, tmp_path,
     import signal
     import sys
 
+    from cli_utils import xla_flags
     from test_checkpoint import ENV, metrics, run_until
 
     from easylm import train
 
     directory, _, _, got = command_run
     argv = grpo_argv(directory, task, tmp_path)
-    env = dict(ENV, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    env = dict(ENV, XLA_FLAGS=xla_flags(8),
                PYTHONPATH=os.pathsep.join([ENV["PYTHONPATH"], os.path.dirname(task[0])]))
     code, _, _ = run_until([sys.executable, "-m", "easylm.train", *argv[1:]], tmp_path, 2,
                            signal.SIGKILL, env)
