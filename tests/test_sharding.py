@@ -21,6 +21,7 @@ from easylm.runtime.sharding import (
     named_shardings,
     parse_mesh_dim,
     path_to_string,
+    rule_shardings,
 )
 
 
@@ -201,3 +202,44 @@ def test_parameters_are_never_whole_on_one_device():
     params = init_sharded(model.init_params, PARTITION_RULES, make_mesh("1,8,1"), jax.random.PRNGKey(0))
     kernel = params["model"]["layers"]["0"]["mlp"]["up_proj"]["kernel"]
     assert {shard.data.shape for shard in kernel.addressable_shards} == {(8, 128)}
+
+
+def test_rule_shardings_refuse_a_dimension_the_mesh_cannot_split():
+    mesh = make_mesh("1,4,2")
+    shapes = {"params": {"lm_head": {"kernel": jax.ShapeDtypeStruct((32, 600), jnp.float32)}}}
+    # a vocabulary mp=2 divides is placed as the rule table says
+    sharding = rule_shardings(mesh, PARTITION_RULES, shapes)["params"]["lm_head"]["kernel"]
+    assert sharding == named_shardings(mesh, match_partition_rules(
+        PARTITION_RULES, shapes))["params"]["lm_head"]["kernel"]
+    shapes["params"]["lm_head"]["kernel"] = jax.ShapeDtypeStruct((32, 601), jnp.float32)
+    with pytest.raises(UserError, match=r"^parameter 'params/lm_head/kernel' of shape "
+                       r"\(32, 601\) cannot be split over mp=2 of the mesh on its axis 1 "):
+        rule_shardings(mesh, PARTITION_RULES, shapes)
+
+
+def test_a_checkpoint_the_mesh_cannot_split_is_one_line_in_train_and_serve(tmp_path, capsys):
+    """A vocabulary of 601 over mp=2: was JAX's IndivisibleError traceback while placing."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from easylm import serve, train
+
+    LlamaForCausalLM(LlamaConfig(
+        vocab_size=601, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2)).save_pretrained(tmp_path / "hf")
+    capsys.readouterr()  # transformers' progress bar
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join('{"text": "row %d of words"}\n' % i for i in range(16)))
+    common = [f"--load_checkpoint=hf::{tmp_path / 'hf'}", "--mesh_dim=1,4,2"]
+    runs = [(serve.main, ["serve", *common, "--port=0"]),
+            (train.main, ["train", *common, "--total_steps=1",
+                          f"--train_dataset.json_dataset.path={data}",
+                          "--train_dataset.json_dataset.seq_length=16",
+                          "--train_dataset.json_dataset.batch_size=8",
+                          f"--logger.output_dir={tmp_path / 'out'}"])]
+    for main, argv in runs:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err  # train warns first that the tokenizer is embedded
+        assert e.value.code == 2 and "Traceback" not in err
+        assert "lm_head/kernel' of shape (32, 601) cannot be split over mp=2" in \
+            err.splitlines()[-1]

@@ -381,7 +381,7 @@ def read_params(directory: str, abstract_params, rules: PartitionRules, relayout
     placed by `rules` on the same mesh, and rearranged on the devices (not donated: a
     stacked array cannot become its slices in place; the stored copy goes once done)."""
     from easylm.runtime import checkpoint
-    from easylm.runtime.sharding import match_partition_rules, named_shardings
+    from easylm.runtime.sharding import rule_shardings
 
     checkpoint.check_checkpoint_dir(directory)
     stored = checkpoint.stored_tree(directory, "params")
@@ -389,7 +389,7 @@ def read_params(directory: str, abstract_params, rules: PartitionRules, relayout
     if jax.tree.structure(as_stored) == jax.tree.structure(abstract_params):
         return checkpoint.restore_items(directory, {"params": abstract_params})["params"]
     sharding = jax.tree.leaves(abstract_params)[0].sharding
-    shardings = named_shardings(sharding.mesh, match_partition_rules(rules, as_stored))
+    shardings = rule_shardings(sharding.mesh, rules, as_stored)
     target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                           as_stored, shardings)
     restored = checkpoint.restore_items(directory, {"params": target})["params"]
@@ -400,9 +400,9 @@ def read_params(directory: str, abstract_params, rules: PartitionRules, relayout
 def abstract_params(model: Model, mesh, dtype=None) -> Any:
     """ShapeDtypeStructs of `model`'s parameters with their shardings on `mesh` (and, with
     `dtype`, that dtype): a restore or load target."""
-    from easylm.runtime.sharding import match_partition_rules, named_shardings
+    from easylm.runtime.sharding import rule_shardings
 
     shapes = jax.eval_shape(model.init_params, jax.random.PRNGKey(0))
-    shardings = named_shardings(mesh, match_partition_rules(model.partition_rules, shapes))
+    shardings = rule_shardings(mesh, model.partition_rules, shapes)
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype, sharding=s),
                         shapes, shardings)

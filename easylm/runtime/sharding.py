@@ -237,6 +237,31 @@ def named_shardings(mesh: Mesh, specs):
     )
 
 
+def rule_shardings(mesh: Mesh, rules: PartitionRules, shapes):
+    """NamedShardings on `mesh` of the leaves of `shapes` (arrays or ShapeDtypeStructs) by
+    the rule table `rules`, after checking that the mesh splits every dimension a rule
+    splits: a UserError naming the parameter, its shape and the axis (not JAX's
+    IndivisibleError traceback when the arrays are placed)."""
+    specs = match_partition_rules(rules, shapes)
+    mesh_shape = dict(mesh.shape)
+
+    def check(path, leaf, spec):
+        for axis, (dim, axes) in enumerate(zip(np.shape(leaf), over_parameter_axes(
+                spec, mesh_shape))):
+            ways = axes_size(mesh_shape, axes)
+            if dim % ways:
+                names = [a for a in spec_axes(axes) if mesh_shape[a] > 1]
+                split = "*".join(f"{a}={mesh_shape[a]}" for a in names)
+                raise UserError(
+                    f"parameter {path_to_string(path)!r} of shape {np.shape(leaf)} cannot be "
+                    f"split over {split} of the mesh on its axis {axis} ({dim} is not a "
+                    f"multiple of {ways}): give a --mesh_dim whose {'*'.join(names)} "
+                    f"divides {dim}")
+
+    jax.tree_util.tree_map_with_path(check, shapes, specs)
+    return named_shardings(mesh, specs)
+
+
 def spec_axes(axes) -> tuple:
     """One entry of a PartitionSpec (an axis name, a tuple of them, or None) as a tuple."""
     return () if axes is None else axes if isinstance(axes, tuple) else (axes,)
@@ -287,6 +312,6 @@ def init_sharded(init_fn: Callable, rules: PartitionRules, mesh: Mesh, *args):
     ever holds the whole model.
     """
     shapes = jax.eval_shape(init_fn, *args)
-    shardings = named_shardings(mesh, match_partition_rules(rules, shapes))
+    shardings = rule_shardings(mesh, rules, shapes)
     with jax.set_mesh(mesh):
         return jax.jit(init_fn, out_shardings=shardings)(*args)

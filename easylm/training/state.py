@@ -16,11 +16,7 @@ from easylm.errors import UserError
 from easylm.models.family import Model
 from easylm.runtime import checkpoint
 from easylm.runtime.dtypes import dtype_from_flag
-from easylm.runtime.sharding import (
-    init_sharded,
-    match_partition_rules,
-    named_shardings,
-)
+from easylm.runtime.sharding import init_sharded, rule_shardings
 from easylm.training import optimizers
 from easylm.training.options import LOAD_PREFIXES
 
@@ -109,7 +105,7 @@ def read_params(model: Model, kind: str, directory: str, abstract):
 def abstract_state(model: Model, tx, mesh, seed: int) -> TrainState:
     """ShapeDtypeStructs with shardings: the restore target for checkpoints."""
     shapes = jax.eval_shape(lambda rng: _initial_state(model, tx, rng), jax.random.key(seed))
-    shardings = named_shardings(mesh, match_partition_rules(_state_rules(model), shapes))
+    shardings = rule_shardings(mesh, _state_rules(model), shapes)
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         shapes, shardings)
 

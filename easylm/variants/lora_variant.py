@@ -20,7 +20,7 @@ from easylm.errors import UserError
 from easylm.models.family import Frozen, Model
 from easylm.runtime import checkpoint
 from easylm.runtime.dtypes import dtype_from_flag
-from easylm.runtime.sharding import PartitionRules, match_partition_rules, named_shardings
+from easylm.runtime.sharding import PartitionRules, rule_shardings
 from easylm.variants.lora import (
     DEFAULT_TARGET_MODULES,
     DENSE_TARGET_MODULES,
@@ -159,12 +159,12 @@ def load_base(lm: LoraModel, spec: str, mesh, load, rules: PartitionRules):
                         f"params:: or trainstate_params::")
     shapes = jax.eval_shape(lm.base_module.init_params, jax.random.key(0))
     read = READ_DTYPE.get(lm.config.base_dtype, jnp.bfloat16)
-    shardings = named_shardings(mesh, match_partition_rules(rules, shapes))
+    shardings = rule_shardings(mesh, rules, shapes)
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, read, sharding=s),
                             shapes, shardings)
     base = load(spec, abstract)
     stored = jax.eval_shape(lm.store_base, shapes)
-    out = named_shardings(mesh, match_partition_rules(partition_rules(rules), stored))
+    out = rule_shardings(mesh, partition_rules(rules), stored)
     return jax.jit(lm.store_base, out_shardings=out, donate_argnums=0)(base)
 
 

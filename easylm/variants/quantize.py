@@ -35,11 +35,7 @@ import jax.numpy as jnp
 import qwix
 
 from easylm.errors import UserError
-from easylm.runtime.sharding import (
-    PartitionRules,
-    match_partition_rules,
-    named_shardings,
-)
+from easylm.runtime.sharding import PartitionRules, rule_shardings
 from easylm.variants.lora import (
     flat,
     nested,
@@ -110,8 +106,7 @@ class Int8Model:
         scale needs only its own output column), the result placed by `rules` extended
         to quantized kernels (values like the kernel, scales like its output axis)."""
         shapes = jax.eval_shape(self.quantize, params)
-        shardings = named_shardings(mesh, match_partition_rules(
-            partition_rules(rules), shapes))
+        shardings = rule_shardings(mesh, partition_rules(rules), shapes)
         with jax.set_mesh(mesh):
             return jax.jit(self.quantize, out_shardings=shardings)(params)
 
