@@ -101,15 +101,7 @@ class DatasetFactory:
                 raise UserError(f"--{section}.preference.enabled=True makes batches of "
                                 f"preference pairs, which only a preference objective trains "
                                 f"on; this command trains next-token prediction")
-            if images is not None and config.text_processor.chat:   # image pairs
-                _refuse_image_problems(config, loader)
-            else:
-                images = None
-            source, processor = open_pairs(config, loader, tokenizer, images)
-            if config.type == "cache":   # whole image pairs: fitted as they are read
-                source, processor = CachedImageChats(source, processor), None
-            order = make_order(source, loader, shuffle, loader.seed)
-            kind = Pairs(loader, order) if images is None else ImagePairs(loader, order, images)
+            order, processor, kind = _pair_batches(config, loader, tokenizer, shuffle, images)
         elif config.type == "mixture":
             order, processor = load_mixture(loader, config.text_processor, tokenizer, shuffle,
                                             for_eval)
@@ -128,6 +120,21 @@ class DatasetFactory:
         if for_eval:
             dataset.require_a_usable_example(section)
         return dataset
+
+
+def _pair_batches(config, loader, tokenizer, shuffle: bool, images):
+    """(order, processor, kind) of preference pairs: text pairs, or image chats' pairs when
+    `images` (an image-text model's `image_chats`) and text_processor.chat=True."""
+    if images is not None and config.text_processor.chat:   # image pairs
+        _refuse_image_problems(config, loader)
+    else:
+        images = None
+    source, processor = open_pairs(config, loader, tokenizer, images)
+    if config.type == "cache":   # whole image pairs: fitted as they are read
+        source, processor = CachedImageChats(source, processor), None
+    order = make_order(source, loader, shuffle, loader.seed)
+    return order, processor, (Pairs(loader, order) if images is None
+                              else ImagePairs(loader, order, images))
 
 
 def _refuse_image_problems(config, loader):

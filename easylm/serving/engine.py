@@ -238,7 +238,8 @@ class Engine:
         # Cache lengths a decode call attends over: S/8, S/4, S/2, S (or from min_bucket
         # when that is larger), so short requests on a long-context server read a fraction
         # of the cache per token, at the cost of at most four decode programs per kind.
-        self.decode_buckets = buckets(config.seq_length, max(config.min_bucket, config.seq_length // 8))
+        self.decode_buckets = buckets(config.seq_length,
+                                      max(config.min_bucket, config.seq_length // 8))
         # Each slot's position as the device has it (every decode call advances all).
         self.positions = np.zeros(config.batch_size, np.int64)
         # Prompt tokens since `reset`: run through the model, and shared (`share_prompts`).
@@ -702,9 +703,9 @@ class Engine:
         """Compile now the programs requests run, rather than on the first that needs
         them: per length bucket a prefill (and with chunks a staged prefill's) and a score
         program, per cache window a decode program, for each kind of rows in `sample`
-        (`sampling.kind`: greedy, sampling, sampling with top-k or top-p). The one-call programs are traced one by one and compiled side by side
-        in threads (XLA compiles one program on one core); jit's calls then find them
-        compiled. With pages and sharing, per length bucket also the extend of B rows
+        (`sampling.kind`: greedy, sampling, sampling with top-k or top-p). The one-call
+        programs are traced one by one and compiled side by side in threads (XLA compiles
+        one program on one core); jit's calls then find them compiled. With pages and sharing, per length bucket also the extend of B rows
         that runs a prompt's rest after its shared pages (`prefill_after`). Afterwards no
         prompt length, number of prompts or max_tokens compiles anything (`extend`'s
         programs of other shapes, multi-turn episodes', are not among them).
@@ -731,7 +732,25 @@ class Engine:
         lowered = [self._run(lambda: fn.lower(*args)) for fn, args in programs]
         with concurrent.futures.ThreadPoolExecutor(min(len(lowered), os.cpu_count() or 1)) as pool:
             list(pool.map(lambda program: program.compile(), lowered))
-        # Each program run once: the staged prefills compile here.
+        self._run_each_once(sample)
+        if score:
+            for T in self.length_buckets:
+                self.score([[0] * T], [[0] * T])
+        self.reset()
+        rows = ", ".join(str(self.prefill_rows[T]) for T in self.length_buckets)
+        line = (f"compiled {len(programs)} programs in {time.perf_counter() - began:.1f}s: "
+                f"prefill{' and score' * score} of prompt lengths {self.length_buckets} "
+                f"({rows} rows a call), decode over cache windows {self.decode_buckets} ({B} "
+                f"slots, {self.config.decode_steps} steps a call), "
+                f"{'prompts after shared pages, ' * self._share_pages}"
+                f"{', '.join(KIND_NAMES[k] for k in sample)}")
+        log.info(line)
+        return line
+
+    def _run_each_once(self, sample):
+        """Warm-up's second half: each program run once (the staged prefills, which are
+        not lowered ahead, compile here), for each kind of rows in `sample`."""
+        B = self.batch_size
         for kind in sample:
             for T in self.length_buckets:
                 prompts, slots = self._dummy_prompts(T)
@@ -750,19 +769,6 @@ class Engine:
                 self.state, out = self._run(self._extend_fns[kind], self.weights, self.state,
                                             self._dummy_suffixes(T), self._dummy_sampling(B, kind))
                 jax.block_until_ready(out)
-        if score:
-            for T in self.length_buckets:
-                self.score([[0] * T], [[0] * T])
-        self.reset()
-        rows = ", ".join(str(self.prefill_rows[T]) for T in self.length_buckets)
-        line = (f"compiled {len(programs)} programs in {time.perf_counter() - began:.1f}s: "
-                f"prefill{' and score' * score} of prompt lengths {self.length_buckets} "
-                f"({rows} rows a call), decode over cache windows {self.decode_buckets} ({B} "
-                f"slots, {self.config.decode_steps} steps a call), "
-                f"{'prompts after shared pages, ' * self._share_pages}"
-                f"{', '.join(KIND_NAMES[k] for k in sample)}")
-        log.info(line)
-        return line
 
     def _dummy_prompts(self, T: int):
         """Warm-up's prompts of bucket T, one call's worth, all distinct, and their slots:
