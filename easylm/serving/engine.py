@@ -705,10 +705,11 @@ class Engine:
         program, per cache window a decode program, for each kind of rows in `sample`
         (`sampling.kind`: greedy, sampling, sampling with top-k or top-p). The one-call
         programs are traced one by one and compiled side by side in threads (XLA compiles
-        one program on one core); jit's calls then find them compiled. With pages and sharing, per length bucket also the extend of B rows
-        that runs a prompt's rest after its shared pages (`prefill_after`). Afterwards no
-        prompt length, number of prompts or max_tokens compiles anything (`extend`'s
-        programs of other shapes, multi-turn episodes', are not among them).
+        one program on one core); jit's calls then find them compiled. With pages and
+        sharing, per length bucket also the extend of B rows that runs a prompt's rest
+        after its shared pages (`prefill_after`). Afterwards no prompt length, number of
+        prompts or max_tokens compiles anything (`extend`'s programs of other shapes,
+        multi-turn episodes', are not among them).
         Returns (and logs) one line: what was compiled, in how long."""
         began, B = time.perf_counter(), self.batch_size
         programs = []  # (jitted function, its arguments)
