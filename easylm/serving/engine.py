@@ -53,7 +53,8 @@ from ml_collections import ConfigDict
 from easylm.errors import UserError
 from easylm.models.family import Model
 from easylm.runtime.sharding import axes_size, match_partition_rules
-from easylm.serving.pages import PageBook, PagedCache, PagedLayout, check_pages
+from easylm.serving.pages import (PageBook, PagedCache, PagedLayout, check_pages,
+                                  kernel_layout)
 from easylm.serving.cache_layout import check_cache
 from easylm.serving.programs import (PromptImages, PromptRows, Sampling, Settings, _chunking,
                                      _decode, _extend, _prefill, _prompt_chunk, _score,
@@ -224,7 +225,8 @@ class Engine:
         if config.page_size:
             pages = check_pages(config.page_size, config.pages, config.batch_size,
                                 config.seq_length)
-            self.layout = layout = PagedLayout(layout, config.page_size, pages)
+            self.layout = layout = PagedLayout(layout, config.page_size, pages,
+                                               kernel_layout(model, layout))
             self.pages = PageBook(config.batch_size, config.seq_length, config.page_size, pages)
         # `params` and, for a variant, its frozen `base`: what `Model.forward` reads.
         self.model, self.params, self.base, self.mesh = model, params, base, mesh
@@ -263,8 +265,12 @@ class Engine:
 
         self._prefill_fns = programs(_prefill)
         self._image_prefill_fns = programs(_prefill, chunk=0)  # `prefill`'s images: unchunked
+        # Decoding straight from the pages (`PagedLayout.direct`) reads no window: one
+        # program per kind serves every bucket.
+        windows = {length: programs(_decode, window=length) for length in
+                   ([0] if layout.direct else self.decode_buckets)}
         self._decode_fns = {(sample, length): fn for length in self.decode_buckets
-                            for sample, fn in programs(_decode, window=length).items()}
+                            for sample, fn in windows[0 if layout.direct else length].items()}
         self._staged = {}  # (rows, T) -> a staged prefill's programs (`_staged_fns`)
         # Suffix lengths an `extend` call is padded to: short ones (a tool's answer) stay short.
         self.extend_buckets = buckets(config.seq_length, min(8, config.seq_length))
@@ -706,9 +712,9 @@ class Engine:
                 programs.append((self._prefill_fns[kind], (
                     self.weights, self.state, rows, self._dummy_sampling(B, kind))))
             ends = np.full(B, np.iinfo(np.int32).max, np.int32)
-            programs += [(self._decode_fns[kind, length], (
-                self.weights, self.state, ends, np.int32(-1), self._dummy_sampling(B, kind)))
-                for length in self.decode_buckets]
+            programs += [(fn, (self.weights, self.state, ends, np.int32(-1),
+                               self._dummy_sampling(B, kind))) for fn in dict.fromkeys(
+                self._decode_fns[kind, length] for length in self.decode_buckets)]
         if score:
             programs += [(self._score_fn, (self.weights, *[np.zeros(
                 (self.prefill_rows[T], T), np.int32)] * 2)) for T in self.length_buckets]
