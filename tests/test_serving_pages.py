@@ -86,9 +86,10 @@ def kind(request):
 
 def test_pages_serve_what_the_dense_cache_serves(kind, monkeypatch):
     """Same greedy tokens; log-probabilities equal to fp32 rounding: the model reads the
-    same values at every position its mask admits (a gather instead of a slice, or
-    LLaMA's decode straight from the pages through the ragged paged attention's XLA
-    path), and the masked ones weigh exactly 0. XLA may fuse the programs differently and
+    same values at every position its mask admits (a gather instead of a slice, or, with
+    --decode_from_pages, LLaMA's decode straight from the pages through the ragged paged
+    attention's XLA path), and the masked ones weigh exactly 0. The other tests here
+    decode over gathered windows (--decode_from_pages off). XLA may fuse the programs differently and
     the paged path scales scores where the dense one scales queries, so allow a few ulps
     of the fp32 log-probabilities (|logp| < ~10: 1e-5 absolute). The negative twin, on
     the same programs: slot 0's page table one page off changes what it draws."""
@@ -97,7 +98,7 @@ def test_pages_serve_what_the_dense_cache_serves(kind, monkeypatch):
     attend = paged_attention.decode_attention
     monkeypatch.setattr(paged_attention, "decode_attention",
                         lambda *args, **kw: traced.append(1) or attend(*args, **kw))
-    engine = Engine({**ENGINE, "page_size": 8}, model, params)
+    engine = Engine({**ENGINE, "page_size": 8, "decode_from_pages": True}, model, params)
     paged_tokens, paged_logprobs = _serve(engine)
     # Plain attention layers (LLaMA's, a sliding window's) decode straight from the
     # pool; sinks, a latent, shared K/V and a state keep their dense path.

@@ -42,8 +42,9 @@ HELP = {
                   "slot; 0: prompt_length + new_tokens",
     "decode_steps": "tokens decoded per device call",
     "decode_unroll": "the engine's --decode_unroll: the steps of a call unrolled, not a loop",
-    "page_size": "the engine's --page_size: the cache in pages of this many positions (a "
-                 "LLaMA-like model then decodes straight from them); 0: a dense cache",
+    "page_size": "the engine's --page_size: the cache in pages of this many positions; 0: "
+                 "a dense cache",
+    "decode_from_pages": "the engine's --decode_from_pages (with --page_size)",
     **run_flags.help_entries("dtype", "mesh_dim", **ENGINE_NOTES),
     "quantize": "comma-separated weight formats to time side by side: none (the dtype's), "
                 "int8 (--quantize=int8 of the server)",
@@ -61,6 +62,7 @@ def default_config(family) -> ConfigDict:
     config.decode_steps = 8
     config.decode_unroll = False
     config.page_size = 0
+    config.decode_from_pages = False
     config.update(run_flags.get_default_config("dtype", "mesh_dim", mesh_dim=ENGINE_MESH_DIM))
     config.quantize = "none"
     config.hf = "auto"
@@ -81,7 +83,8 @@ def engine_tokens_per_second(model, params, batch: int, config, tokenizer, promp
     engine = engine_lib.Engine(
         {"batch_size": batch, "seq_length": config.seq_length or config.prompt_length + config.new_tokens,
          "decode_steps": config.decode_steps, "decode_unroll": config.decode_unroll,
-         "min_bucket": config.prompt_length, "page_size": config.page_size},
+         "min_bucket": config.prompt_length, "page_size": config.page_size,
+         "decode_from_pages": config.decode_from_pages},
         model, params, mesh)
     print(f"batch {batch:>4}: {engine.warmup(sample=(False,), score=False)}", flush=True)
     batcher = Batcher(engine).start()

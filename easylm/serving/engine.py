@@ -96,6 +96,11 @@ HELP = {
                  "positions requests use; 0: dense, each slot owns seq_length positions",
     "pages": "pages in the pool with --page_size (one of them a scratch page); 0: enough "
              "for every slot's whole seq_length",
+    "decode_from_pages": "with --page_size, decode attends straight from the pages (ragged "
+                         "paged attention: the kernel on TPU) where every positional cache "
+                         "is an attention layer's keys and values, instead of a dense window "
+                         "gathered and written back; experimental: slower on the v5e at "
+                         "batch 16 and 64 (docs/benchmarks.md)",
 }
 
 
@@ -112,6 +117,7 @@ def get_default_config(updates=None) -> ConfigDict:
     config.share_prompts = True
     config.page_size = 0
     config.pages = 0
+    config.decode_from_pages = False
     if updates is not None:
         config.update(ConfigDict(updates).copy_and_resolve_references())
     return config
@@ -126,6 +132,8 @@ def check_config(config: ConfigDict):
                         f"{config.prefill_chunk_size}")
     if config.page_size:
         check_pages(config.page_size, config.pages, config.batch_size, config.seq_length)
+    if config.decode_from_pages and not config.page_size:
+        raise UserError("--decode_from_pages needs pages: set --page_size")
 
 
 def cached_tokens(prompts: list[list[int]], calls: list) -> list[int]:
@@ -225,8 +233,8 @@ class Engine:
         if config.page_size:
             pages = check_pages(config.page_size, config.pages, config.batch_size,
                                 config.seq_length)
-            self.layout = layout = PagedLayout(layout, config.page_size, pages,
-                                               kernel_layout(model, layout))
+            self.layout = layout = PagedLayout(layout, config.page_size, pages, kernel_layout(
+                model, layout) if config.decode_from_pages else None)
             self.pages = PageBook(config.batch_size, config.seq_length, config.page_size, pages)
         # `params` and, for a variant, its frozen `base`: what `Model.forward` reads.
         self.model, self.params, self.base, self.mesh = model, params, base, mesh
