@@ -84,7 +84,10 @@ def engine_tokens_per_second(model, params, batch: int, config, tokenizer, promp
         {"batch_size": batch, "seq_length": config.seq_length or config.prompt_length + config.new_tokens,
          "decode_steps": config.decode_steps, "decode_unroll": config.decode_unroll,
          "min_bucket": config.prompt_length, "page_size": config.page_size,
-         "decode_from_pages": config.decode_from_pages},
+         "decode_from_pages": config.decode_from_pages,
+         # The runs repeat their prompts: with pages, sharing would find them cached and
+         # run the timed prompts as extends, whose programs warm-up does not compile.
+         "share_prompts": False},
         model, params, mesh)
     print(f"batch {batch:>4}: {engine.warmup(sample=(False,), score=False)}", flush=True)
     batcher = Batcher(engine).start()

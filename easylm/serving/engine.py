@@ -99,8 +99,8 @@ HELP = {
     "decode_from_pages": "with --page_size, decode attends straight from the pages (ragged "
                          "paged attention: the kernel on TPU) where every positional cache "
                          "is an attention layer's keys and values, instead of a dense window "
-                         "gathered and written back; experimental: slower on the v5e at "
-                         "batch 16 and 64 (docs/benchmarks.md)",
+                         "gathered and written back; experimental: exact on CPU, its speed "
+                         "on a TPU not yet measured (docs/serving.md)",
 }
 
 
