@@ -33,6 +33,8 @@ def main():
     parser.add_argument("--prompt_length", type=int, default=128)
     parser.add_argument("--new_tokens", type=int, default=256)
     parser.add_argument("--page_size", type=int, default=0)
+    parser.add_argument("--decode_from_pages", action="store_true",
+                        help="the engine's --decode_from_pages (with --page_size)")
     parser.add_argument("--calls", type=int, default=4)
     parser.add_argument("--out", default="")
     args = parser.parse_args()
@@ -43,7 +45,9 @@ def main():
         S = args.prompt_length + args.new_tokens
         engine = engine_lib.Engine({"batch_size": batch, "seq_length": S,
                                     "min_bucket": args.prompt_length,
-                                    "page_size": args.page_size}, model, params)
+                                    "page_size": args.page_size,
+                                    "decode_from_pages": args.decode_from_pages},
+                                   model, params)
         line = engine.warmup(sample=(False,), score=False)
         print(line, flush=True)
         sampling = engine_lib.Sampling.empty(batch)

@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 
+from easylm.models import paged_attention
 from easylm.serving import engine as engine_lib
 from easylm.serving.engine import Engine, Sampling
 from easylm.serving.pages import SCRATCH, PageBook
@@ -90,20 +91,32 @@ def kind(request):
     return request.param, model, params, dense
 
 
-def test_pages_serve_what_the_dense_cache_serves(kind):
+def test_pages_serve_what_the_dense_cache_serves(kind, monkeypatch):
     """Same greedy tokens; log-probabilities equal to fp32 rounding: the model reads the
-    same values at every position its mask admits (a gather instead of a slice), and the
-    masked ones weigh exactly 0; a prompt that shares pages (a copy in one prefill, a
-    later prompt's first page) reads what its own would hold. XLA may fuse the programs
-    differently (and D's rest runs as an extend, not a prefill), so allow a few ulps of
-    the fp32 log-probabilities (|logp| < ~10: 1e-5 absolute). The negative twin, on the
-    same programs: slot 0's page table one page off changes what it draws. Qwen3.5's
-    recurrent state cannot start mid-prompt: it shares no page (D runs whole), and its
-    copies of A share the prompt's run, not its pages (`_share_pages`)."""
+    same values at every position its mask admits (a gather instead of a slice, or, with
+    --decode_from_pages, LLaMA's decode straight from the pages through the ragged paged
+    attention's XLA path), and the masked ones weigh exactly 0; a prompt that shares
+    pages (a copy in one prefill, a later prompt's first page) reads what its own would
+    hold. The other tests here decode over gathered windows (--decode_from_pages off).
+    XLA may fuse the programs differently (and D's rest runs as an extend, not a
+    prefill), and the paged path scales scores where the dense one scales queries, so
+    allow a few ulps of the fp32 log-probabilities (|logp| < ~10: 1e-5 absolute). The
+    negative twin, on the same programs: slot 0's page table one page off changes what
+    it draws. Qwen3.5's recurrent state cannot start mid-prompt: it shares no page (D
+    runs whole), and its copies of A share the prompt's run, not its pages
+    (`_share_pages`)."""
     name, model, params, ((tokens, logprobs), _) = kind
-    engine = Engine({**ENGINE, "page_size": 8}, model, params)
+    traced = []  # decode programs that attend from the pages (traced once each)
+    attend = paged_attention.decode_attention
+    monkeypatch.setattr(paged_attention, "decode_attention",
+                        lambda *args, **kw: traced.append(1) or attend(*args, **kw))
+    engine = Engine({**ENGINE, "page_size": 8, "decode_from_pages": True}, model, params)
     (paged_tokens, paged_logprobs), start = _serve(engine)
     assert start == (0 if name == "qwen3_5" else 8)
+    # Plain attention layers (LLaMA's, a sliding window's) decode straight from the
+    # pool; sinks, a latent, shared K/V and a state keep their dense path.
+    assert bool(traced) == (name in ("llama", "sliding")), (name, len(traced))
+    assert engine.layout.direct == (name in ("llama", "sliding", "gpt_oss", "gemma4"))
     np.testing.assert_array_equal(paged_tokens, tokens)
     np.testing.assert_allclose(paged_logprobs, logprobs, atol=1e-5, rtol=0)
     assert engine.pages.in_use > 0 and not engine.pages.dirty

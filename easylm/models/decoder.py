@@ -42,6 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 from easylm.models import remat
 from easylm.models.context_parallel import SplitSequence
+from easylm.models.paged_attention import PagedKV
 from easylm.errors import UserError
 from easylm.models.attention import (
     BidirectionalBlocks,
@@ -57,7 +58,8 @@ from easylm.runtime.sharding import BATCH_AXES, PARAMETER_AXES, constrain
 # The key/value cache (B, S, K, H): batch split like activations, heads on 'mp' like the
 # k/v projections that fill it.
 CACHE_SPEC = P(BATCH_AXES, None, "mp", None)
-CACHE_PARTITION_RULES = ((r"(^|/)(k|v)$", CACHE_SPEC),)
+# "kv": keys and values interleaved in one page pool (serving/pages.py's kernel layout).
+CACHE_PARTITION_RULES = ((r"(^|/)(k|v|kv)$", CACHE_SPEC),)
 # Activations (B, T, ...) split their T over 'sp' (context parallelism; size 1 otherwise).
 HEADS = P(BATCH_AXES, "sp", "mp", None)  # (B, T, heads, H)
 
@@ -195,6 +197,10 @@ def cache_length(lm, config, cache) -> int:
     """S, the positions `cache` (laid out as `init_cache(lm, config, ...)`) holds: the
     length of its first positional array (`length_axes`); 0 when it holds only state
     (no attention layer: nothing reads the mask)."""
+    paged = [x for x in jax.tree.leaves(cache, is_leaf=lambda x: isinstance(x, PagedKV))
+             if isinstance(x, PagedKV)]
+    if paged:  # a decode step straight from the page pool: each table's reach
+        return paged[0].length
     axes = length_axes(lambda batch, length: init_cache(lm, config, batch, length, jnp.float32))
     leaves = jax.tree.leaves(cache)
     assert len(leaves) == len(axes), (len(leaves), len(axes))
@@ -203,7 +209,12 @@ def cache_length(lm, config, cache) -> int:
 
 def write_cache(cache, k, v, positions):
     """(k, v) over all S cache positions (B, S, K, H) in the compute dtype, and the cache
-    with this call's keys/values (B, T, K, H) written at their `positions` (B, T)."""
+    with this call's keys/values (B, T, K, H) written at their `positions` (B, T); a
+    `PagedKV` cache (the serving engine's pages) is written in place and read back whole."""
+    if isinstance(cache, PagedKV):
+        cache = cache.write(k, v, positions)
+        k_all, v_all = cache.gather()
+        return k_all.astype(k.dtype), v_all.astype(v.dtype), cache
     rows = jnp.arange(k.shape[0])[:, None]
     k_all = cache["k"].at[rows, positions].set(k.astype(cache["k"].dtype))
     v_all = cache["v"].at[rows, positions].set(v.astype(cache["v"].dtype))
@@ -250,12 +261,25 @@ class Attention(Sublayer):
         q = constrain(apply_rotary(q, cos, sin), HEADS)
         k = constrain(apply_rotary(k, cos, sin), HEADS)
         v = constrain(v, HEADS)
-        if cache is not None:
-            k, v, cache = write_cache(cache, k, v, positions)
-        out = self.attend(q, k, v, mask, window, positions)  # (B, T, N, H)
+        if self.reads_pages(cache, mask):  # a decode step: one query per sequence
+            cache = cache.write(k, v, positions)
+            out = cache.attend(q, positions, self.scale, window)
+        else:
+            if cache is not None:
+                k, v, cache = write_cache(cache, k, v, positions)
+            out = self.attend(q, k, v, mask, window, positions)  # (B, T, N, H)
         out = checkpoint_name(out, "attention_out")
         out = self.dense(c.hidden_size, "o_proj", self.out_bias)(out.reshape(B, T, N * H))
         return out, cache
+
+    def reads_pages(self, cache, mask) -> bool:
+        """Whether this call attends straight from the serving engine's pages
+        (`paged_attention.PagedKV`, the ragged paged attention kernel on a TPU): one query
+        per sequence under the cache's causal mask and the layer's window, with the shared
+        softmax (`attend` not overridden: gpt-oss's sinks are not the kernel's). Otherwise
+        a `PagedKV` is read back whole (`write_cache`) and attended as a dense cache."""
+        return (isinstance(cache, PagedKV) and isinstance(mask, jax.Array)
+                and mask.shape[1] == 1 and type(self).attend is Attention.attend)
 
     def attend(self, q, k, v, mask, window, positions):
         """The configured kernel over q (B, T, N, H), k, v (B, S, K, H), or context

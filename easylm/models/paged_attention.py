@@ -28,6 +28,7 @@ mask. Shape letters: T queries, N query heads, K kv heads, G = N // K, H head di
 P pages, Z page size, S sequences, W pages per sequence.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -38,14 +39,56 @@ IMPLEMENTATIONS = ("auto", "xla", "kernel")
 
 
 def combine(k_pages, v_pages):
-    """(P, Z, K, H) keys and values -> the kernel's (P, Z, 2K, H), interleaved."""
-    P, Z, K, H = k_pages.shape
-    return jnp.stack([k_pages, v_pages], axis=3).reshape(P, Z, 2 * K, H)
+    """(..., K, H) keys and values -> the kernel's (..., 2K, H), interleaved: pages
+    (P, Z, K, H) -> (P, Z, 2K, H), and alike with any leading axes."""
+    *lead, K, H = k_pages.shape
+    return jnp.stack([k_pages, v_pages], axis=-2).reshape(*lead, 2 * K, H)
 
 
 def split(kv_pages):
-    """`combine`'s inverse: (keys, values), each (P, Z, K, H)."""
-    return kv_pages[:, :, 0::2], kv_pages[:, :, 1::2]
+    """`combine`'s inverse: (keys, values), each (..., K, H)."""
+    return kv_pages[..., 0::2, :], kv_pages[..., 1::2, :]
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["kv", "table"],
+                   meta_fields=[])
+@dataclasses.dataclass
+class PagedKV:
+    """One attention layer's cache entry when the serving engine decodes straight from its
+    page pool (easylm/serving/pages.py): the layer's pages `kv` (P, Z, 2K, H) (`combine`'s
+    layout) and each sequence's page table (B, W). Sequence b's position p lives at offset
+    p % Z of page table[b, p // Z]. `decoder.write_cache` writes into it and reads it back
+    as a dense (B, W * Z) cache (any layer's attention); `decoder.Attention` attends over
+    it with `decode_attention` instead (one query per sequence, no copy of the cache)."""
+
+    kv: jax.Array
+    table: jax.Array
+
+    @property
+    def length(self) -> int:
+        """W * Z: the positions a sequence's table reaches."""
+        return self.table.shape[-1] * self.kv.shape[-3]
+
+    def write(self, k, v, positions) -> "PagedKV":
+        """Keys and values (B, T, K, H) written at `positions` (B, T) of each sequence's
+        pages (a position past the table's reach: at its last page)."""
+        Z, W = self.kv.shape[1], self.table.shape[1]
+        page = self.table[jnp.arange(k.shape[0])[:, None], jnp.minimum(positions // Z, W - 1)]
+        kv = self.kv.at[page, positions % Z].set(combine(k, v).astype(self.kv.dtype))
+        return PagedKV(kv, self.table)
+
+    def gather(self):
+        """Keys and values (B, W * Z, K, H): each sequence's pages in order, as a dense
+        cache holds them."""
+        B, W = self.table.shape
+        pages = self.kv[self.table].reshape(B, self.length, *self.kv.shape[2:])
+        return split(pages)
+
+    def attend(self, q, positions, scale: float | None = None, sliding_window: int = 0):
+        """q (B, 1, N, H) at `positions` (B, 1), its own keys written (`write`): the
+        attention outputs (B, 1, N, H), each query seeing keys 0..its position."""
+        return decode_attention(q[:, 0], self.kv, positions[:, 0] + 1, self.table, scale,
+                                sliding_window)[:, None]
 
 
 def kernel_available() -> bool:

@@ -58,6 +58,8 @@ class CacheLayout:
             length.append(length_axes[0] if length_axes else None)
         return cls(tuple(batch), tuple(length))
 
+    direct = False  # decode reads a dense window (`pages.PagedLayout.direct`: the pool)
+
     @property
     def has_state(self) -> bool:
         """Whether some array is a slot's state (no length axis)."""

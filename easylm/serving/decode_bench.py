@@ -42,6 +42,9 @@ HELP = {
                   "slot; 0: prompt_length + new_tokens",
     "decode_steps": "tokens decoded per device call",
     "decode_unroll": "the engine's --decode_unroll: the steps of a call unrolled, not a loop",
+    "page_size": "the engine's --page_size: the cache in pages of this many positions; 0: "
+                 "a dense cache",
+    "decode_from_pages": "the engine's --decode_from_pages (with --page_size)",
     **run_flags.help_entries("dtype", "mesh_dim", **ENGINE_NOTES),
     "quantize": "comma-separated weight formats to time side by side: none (the dtype's), "
                 "int8 (--quantize=int8 of the server)",
@@ -58,6 +61,8 @@ def default_config(family) -> ConfigDict:
     config.seq_length = 0
     config.decode_steps = 8
     config.decode_unroll = False
+    config.page_size = 0
+    config.decode_from_pages = False
     config.update(run_flags.get_default_config("dtype", "mesh_dim", mesh_dim=ENGINE_MESH_DIM))
     config.quantize = "none"
     config.hf = "auto"
@@ -78,7 +83,11 @@ def engine_tokens_per_second(model, params, batch: int, config, tokenizer, promp
     engine = engine_lib.Engine(
         {"batch_size": batch, "seq_length": config.seq_length or config.prompt_length + config.new_tokens,
          "decode_steps": config.decode_steps, "decode_unroll": config.decode_unroll,
-         "min_bucket": config.prompt_length},
+         "min_bucket": config.prompt_length, "page_size": config.page_size,
+         "decode_from_pages": config.decode_from_pages,
+         # The runs repeat their prompts: with pages, sharing would find them cached and
+         # run the timed prompts as extends, whose programs warm-up does not compile.
+         "share_prompts": False},
         model, params, mesh)
     print(f"batch {batch:>4}: {engine.warmup(sample=(False,), score=False)}", flush=True)
     batcher = Batcher(engine).start()

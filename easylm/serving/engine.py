@@ -53,7 +53,8 @@ from ml_collections import ConfigDict
 from easylm.errors import UserError
 from easylm.models.family import Model
 from easylm.runtime.sharding import axes_size, match_partition_rules
-from easylm.serving.pages import PageBook, PagedCache, PagedLayout, check_pages
+from easylm.serving.pages import (PageBook, PagedCache, PagedLayout, check_pages,
+                                  kernel_layout)
 from easylm.serving.cache_layout import check_cache
 from easylm.serving.programs import (PromptImages, PromptRows, Sampling, Settings, _chunking,
                                      _decode, _extend, _prefill, _prompt_chunk, _score,
@@ -95,6 +96,11 @@ HELP = {
                  "positions requests use; 0: dense, each slot owns seq_length positions",
     "pages": "pages in the pool with --page_size (one of them a scratch page); 0: enough "
              "for every slot's whole seq_length",
+    "decode_from_pages": "with --page_size, decode attends straight from the pages (ragged "
+                         "paged attention: the kernel on TPU) where every positional cache "
+                         "is an attention layer's keys and values, instead of a dense window "
+                         "gathered and written back; experimental: exact on CPU, its speed "
+                         "on a TPU not yet measured (docs/serving.md)",
 }
 
 
@@ -111,6 +117,7 @@ def get_default_config(updates=None) -> ConfigDict:
     config.share_prompts = True
     config.page_size = 0
     config.pages = 0
+    config.decode_from_pages = False
     if updates is not None:
         config.update(ConfigDict(updates).copy_and_resolve_references())
     return config
@@ -125,6 +132,8 @@ def check_config(config: ConfigDict):
                         f"{config.prefill_chunk_size}")
     if config.page_size:
         check_pages(config.page_size, config.pages, config.batch_size, config.seq_length)
+    if config.decode_from_pages and not config.page_size:
+        raise UserError("--decode_from_pages needs pages: set --page_size")
 
 
 def cached_tokens(prompts: list[list[int]], calls: list) -> list[int]:
@@ -224,7 +233,8 @@ class Engine:
         if config.page_size:
             pages = check_pages(config.page_size, config.pages, config.batch_size,
                                 config.seq_length)
-            self.layout = layout = PagedLayout(layout, config.page_size, pages)
+            self.layout = layout = PagedLayout(layout, config.page_size, pages, kernel_layout(
+                model, layout) if config.decode_from_pages else None)
             self.pages = PageBook(config.batch_size, config.seq_length, config.page_size, pages)
         # `params` and, for a variant, its frozen `base`: what `Model.forward` reads.
         self.model, self.params, self.base, self.mesh = model, params, base, mesh
@@ -264,8 +274,12 @@ class Engine:
 
         self._prefill_fns = programs(_prefill)
         self._image_prefill_fns = programs(_prefill, chunk=0)  # `prefill`'s images: unchunked
+        # Decoding straight from the pages (`PagedLayout.direct`) reads no window: one
+        # program per kind serves every bucket.
+        windows = {length: programs(_decode, window=length) for length in
+                   ([0] if layout.direct else self.decode_buckets)}
         self._decode_fns = {(sample, length): fn for length in self.decode_buckets
-                            for sample, fn in programs(_decode, window=length).items()}
+                            for sample, fn in windows[0 if layout.direct else length].items()}
         self._staged = {}  # (rows, T) -> a staged prefill's programs (`_staged_fns`)
         # Suffix lengths an `extend` call is padded to: short ones (a tool's answer) stay short.
         self.extend_buckets = buckets(config.seq_length, min(8, config.seq_length))
@@ -719,9 +733,9 @@ class Engine:
                 programs.append((self._prefill_fns[kind], (
                     self.weights, self.state, rows, self._dummy_sampling(B, kind))))
             ends = np.full(B, np.iinfo(np.int32).max, np.int32)
-            programs += [(self._decode_fns[kind, length], (
-                self.weights, self.state, ends, np.int32(-1), self._dummy_sampling(B, kind)))
-                for length in self.decode_buckets]
+            programs += [(fn, (self.weights, self.state, ends, np.int32(-1),
+                               self._dummy_sampling(B, kind))) for fn in dict.fromkeys(
+                self._decode_fns[kind, length] for length in self.decode_buckets)]
         for kind in sample if self._share_pages else ():  # `prefill_after`'s
             programs += [(self._extend_fns[kind], (self.weights, self.state,
                                                    self._dummy_suffixes(T),

@@ -31,7 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from easylm.errors import UserError
+from easylm.models.paged_attention import PagedKV, combine, split
 from easylm.runtime.sharding import match_partition_rules
+from easylm.serving.cache_layout import CacheLayout
 
 SCRATCH = 0  # the page that positions without a page of their own read and write
 
@@ -56,6 +58,38 @@ class PagedLayout:
     dense: object  # the model's cache_layout.CacheLayout: each array's slot and length axes
     page_size: int
     pages: int
+    # The pool's layout when every positional array is an attention layer's keys or values
+    # and no slot holds a state (`kernel_layout`): each layer's pair interleaved in one
+    # array (`paged_attention.combine`), which decode attends straight from (`decoded`).
+    packed: CacheLayout | None = None
+
+    @property
+    def direct(self) -> bool:
+        """Whether decode reads the pool in place (`decoded`) instead of a dense window."""
+        return self.packed is not None
+
+    def _pool(self):
+        return self.packed or self.dense
+
+    def _pack(self, tree):
+        return _swap(tree, {"k", "v"}, lambda e: {"kv": combine(e["k"], e["v"])}) \
+            if self.direct else tree
+
+    def _unpack(self, tree):
+        return _swap(tree, {"kv"}, lambda e: dict(zip("kv", split(e["kv"])))) \
+            if self.direct else tree
+
+    def decoded(self, cache: PagedCache, step):
+        """`step(entries)` -> (out, entries) over the pool with each layer's pair a
+        `PagedKV` (its pages and every slot's table): (out, the cache it leaves)."""
+        def entry(e):
+            kv = e["kv"]  # (..., P, Z, 2K, H): a scan's stacked layers lead
+            return PagedKV(kv, jnp.broadcast_to(cache.table, (*kv.shape[:-4],
+                                                              *cache.table.shape)))
+        out, entries = step(_swap(cache.pool, {"kv"}, entry))
+        pool = jax.tree.map(lambda x: {"kv": x.kv} if isinstance(x, PagedKV) else x, entries,
+                            is_leaf=lambda x: isinstance(x, PagedKV))
+        return out, PagedCache(pool, cache.table)
 
     @property
     def has_state(self) -> bool:
@@ -82,15 +116,15 @@ class PagedLayout:
             return jax.sharding.PartitionSpec(*dims)
         return jax.tree.unflatten(jax.tree.structure(pool), [
             whole_pages(b, s, leaf, spec) for b, s, leaf, spec in
-            zip(self.dense.batch, self.dense.length, jax.tree.leaves(pool), specs)])
+            zip(self._pool().batch, self._pool().length, jax.tree.leaves(pool), specs)])
 
     def empty(self, model, slots: int, length: int) -> PagedCache:
         """Zero pages and every slot's table at the scratch page."""
         pool = self.dense.map(lambda b, s, paged, per_slot: per_slot if s is None else paged,
                               model.init_cache(self.pages, self.page_size),
                               model.init_cache(slots, self.page_size))
-        return PagedCache(pool, jnp.full((slots, -(-length // self.page_size)), SCRATCH,
-                                         jnp.int32))
+        return PagedCache(self._pack(pool), jnp.full(
+            (slots, -(-length // self.page_size)), SCRATCH, jnp.int32))
 
     def cache_length(self, cache: PagedCache) -> int:
         return cache.table.shape[1] * self.page_size
@@ -128,7 +162,7 @@ class PagedLayout:
                 return jnp.take(c, slots, axis=b, mode="clip")
             out = self._positions_first(b, s, c)[index]  # (n, length, ...)
             return jnp.moveaxis(out, (0, 1), (b, s))
-        return self.dense.map(take, cache.pool)
+        return self._unpack(self._pool().map(take, cache.pool))
 
     def window(self, cache: PagedCache, length: int):
         """Every slot's first `length` positions, dense (B, length); states whole."""
@@ -149,13 +183,39 @@ class PagedLayout:
             flat = flat.at[index.reshape(-1)].set(
                 rows.reshape(-1, *rows.shape[2:]).astype(c.dtype), mode="drop")
             return self._back(b, s, flat, c)
-        return PagedCache(self.dense.map(write, cache.pool, fresh), cache.table)
+        return PagedCache(self._pool().map(write, cache.pool, self._pack(fresh)), cache.table)
 
     def write_window(self, cache: PagedCache, window) -> PagedCache:
         """`window` (from `window`) written back through every slot's pages."""
         length = next((leaf.shape[s] for leaf, s in zip(jax.tree.leaves(window),
                                                         self.dense.length) if s is not None), 0)
         return self.write_slots(cache, window, jnp.arange(cache.table.shape[0]), length)
+
+
+def _swap(tree, keys: set, fn):
+    """`tree` (nested dicts) with fn(entry) in place of every dict whose keys are `keys`."""
+    if isinstance(tree, dict) and set(tree) == keys:
+        return fn(tree)
+    if isinstance(tree, dict):
+        return {name: _swap(x, keys, fn) for name, x in tree.items()}
+    return tree
+
+
+def kernel_layout(model, dense: CacheLayout) -> CacheLayout | None:
+    """The pool's layout with each attention layer's keys and values interleaved in one
+    array "kv" (the axes of its keys), or None when some positional array is not a layer's
+    keys or values (MLA's latent, ...) or a slot holds a state (Gated DeltaNet): those
+    decode over a dense window (`PagedLayout.window`)."""
+    if dense.has_state:
+        return None
+    tree = jax.eval_shape(lambda: model.init_cache(2, 8))
+    axes = jax.tree.unflatten(jax.tree.structure(tree), list(zip(dense.batch, dense.length)))
+    packed = _swap(axes, {"k", "v"}, lambda e: {"kv": e["k"]} if e["k"] == e["v"] else e)
+    pairs = jax.tree.leaves(_swap(packed, {"kv"}, lambda e: {"kv": "pair"}))
+    if not pairs or any(x != "pair" for x in pairs):
+        return None
+    leaves = jax.tree.leaves(packed, is_leaf=lambda x: isinstance(x, tuple))
+    return CacheLayout(tuple(b for b, _ in leaves), tuple(s for _, s in leaves))
 
 
 class PageBook:

@@ -311,6 +311,8 @@ def _decode(settings: Settings, weights, state, ends, stop, sampling: Sampling):
         settings.record
     params, base = weights
     cache, tokens, positions = state
+    if layout.direct:
+        return _decode_pages(settings, weights, state, sampling)
     # The first `length` positions, decoded in a copy and written back once per call:
     # each step then reads L positions of keys and values, not S (a state goes whole).
     window = layout.window(cache, length)
@@ -342,6 +344,33 @@ def _decode(settings: Settings, weights, state, ends, stop, sampling: Sampling):
     (window, tokens, positions), outs = jax.lax.scan(step, (window, tokens, positions), None,
                                                      length=settings.steps, unroll=unroll)
     return (layout.write_window(cache, window), tokens, positions), outs  # outs: (C, B, ...)
+
+
+def _decode_pages(settings: Settings, weights, state, sampling: Sampling):
+    """`_decode` straight from the page pool (`pages.PagedLayout.direct`: attention layers
+    only, no state): each step writes every slot's new keys and values into its page and
+    attends over its own pages (`paged_attention.PagedKV`; the ragged paged attention
+    kernel on a TPU), so nothing is copied out of the pool or back; `window` is unused."""
+    model, layout, record = settings.model, settings.layout, settings.record
+    params, base = weights
+    cache, tokens, positions = state
+    last = layout.cache_length(cache) - 1
+
+    def step(carry, _):
+        cache, tokens, positions = carry  # tokens (B,): the last token, not yet in the cache
+        at = jnp.minimum(positions, last)[:, None]  # idle slots write (garbage) at the end
+
+        def forward(entries):
+            logits, entries, routing = _forward(model, record, params, tokens[:, None], at,
+                                                entries, base)
+            return (logits, routing), entries
+        (logits, routing), cache = layout.decoded(cache, forward)
+        out = sampling.draw(logits[:, 0], positions + 1, settings.sample)
+        return (cache, out[0], positions + 1), out + tuple(r[:, :, 0] for r in routing)
+
+    unroll = settings.steps if settings.unroll else 1
+    return jax.lax.scan(step, (cache, tokens, positions), None, length=settings.steps,
+                        unroll=unroll)
 
 
 def _score(model: Model, chunk: int, weights, tokens, targets):
