@@ -258,3 +258,34 @@ def test_the_released_shape_counts_as_its_card():
     config = FAMILY.from_preset("deepseek_v4_flash")
     assert round(config.num_parameters() / 1e9) == 284
     assert round(config.num_matmul_parameters() / 1e9) == 13
+
+
+# Every projection PEFT can adapt, by transformers' module names (HFAdapter.module_path):
+# the attention's, the compressors' and the indexer's, the shared and routed experts. Not
+# o_a_proj: transformers' grouped linear takes (B, T, G, in/G), which PEFT's LoRA layer
+# would adapt as a plain Linear (its B's G * R outputs do not fit the G x R it returns);
+# our model reads it in an einsum outside its module, which LoRA refuses in one line.
+LORA_TARGETS = (r"(q_a_proj|q_b_proj|kv_proj|o_b_proj|gate_proj|up_proj|down_proj|"
+                r"weights_proj)/kernel$|experts/(gate_up_proj|down_proj)$")
+LORA_MODULES = ["down_proj", "gate_proj", "kv_proj", "o_b_proj", "q_a_proj", "q_b_proj",
+                "up_proj", "weights_proj"]
+
+
+def test_lora_adapters_as_peft_equal_ours_and_the_merged_export(tmp_path, saved):
+    """Random adapters on every adaptable projection and the expert stacks, by PEFT's
+    names on transformers' modules (self_attn.q_a_proj, mlp.shared_experts.gate_proj,
+    self_attn.compressor.indexer.q_b_proj, ...): PEFT's model on transformers' base = ours
+    = the merged export, within the logits' tolerance (24 tokens, 2 more reductions a
+    layer for the adapters); twin: PEFT with its adapters disabled."""
+    directory, _, config, params = saved
+    hf_parity.check_lora_peft(FAMILY, directory, config, params, tmp_path,
+                              fp32_rel(max(config.hidden_size, 24), 22 * 3 + 1),
+                              LORA_MODULES, LORA_TARGETS)
+
+
+def test_lora_on_the_grouped_output_projection_is_one_line(saved):
+    from easylm.variants.adapters import Adapters
+    from easylm.variants.lora import LoraConfig
+
+    with pytest.raises(UserError, match="could not adapt .*wo_a"):
+        Adapters(FAMILY).lora_model(saved[2], LoraConfig(rank=4, target_modules="o_a_proj"))
