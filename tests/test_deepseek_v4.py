@@ -30,10 +30,10 @@ PROMPT = 300
 CHUNK = 100  # the served prompt's prefill chunk: not a multiple of either compress rate
 
 
-def _save(directory):
+def _save(directory, hidden_size=32):
     torch.manual_seed(0)
     config = transformers.DeepseekV4Config(
-        vocab_size=V, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=3,
+        vocab_size=V, hidden_size=hidden_size, moe_intermediate_size=16, num_hidden_layers=3,
         num_attention_heads=4, head_dim=16, q_lora_rank=16, partial_rotary_factor=0.5,
         n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
         layer_types=["sliding_attention", "compressed_sparse_attention",
