@@ -289,3 +289,22 @@ def test_lora_on_the_grouped_output_projection_is_one_line(saved):
 
     with pytest.raises(UserError, match="could not adapt .*wo_a"):
         Adapters(FAMILY).lora_model(saved[2], LoraConfig(rank=4, target_modules="o_a_proj"))
+
+
+@pytest.mark.extended  # two train runs' compiles and peft: ~5 min on two shared cores
+def test_lora_through_the_command_exports_a_peft_adapter_equal_to_the_merged(tmp_path, saved,
+                                                                          monkeypatch):
+    """test_deepseek_v3's LoRA check on a DeepSeek-V4 directory: 2 steps of `python -m
+    easylm.train --lora.*` with LORA_TARGETS (transformers' names), the PEFT adapter on
+    transformers' base = the merged export, to the logits' tolerance over this model's 22
+    reductions a layer (20, the adapters' 2), twice for the two exports; twin: the base
+    alone."""
+    from test_deepseek_v3 import lora_logprobs
+
+    directory, _, config, _ = saved
+    before, peft, merged = lora_logprobs(tmp_path, directory, LORA_TARGETS, LORA_MODULES,
+                                         monkeypatch)
+    rel = 2 * fp32_rel(max(config.hidden_size, 40), 22 * config.num_hidden_layers + 1)
+    scale = float(np.abs(merged).max())
+    assert_close(peft, merged, rel, scale)
+    assert_differs(before, merged, rel, scale)
