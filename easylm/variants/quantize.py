@@ -89,6 +89,12 @@ class Int8Model:
         # did not turn into one would be served in full precision, silently.
         self._template = flat(jax.eval_shape(self.module.init_params, jax.random.key(0)))
         missed = [path for path in self.targets if not hasattr(self._template[path], "array")]
+        # What the rest is stored in: the compute dtype, except where the module declares a
+        # parameter fp32 whatever its param_dtype (DeepSeek-V4's hyper-connections, routers
+        # and its token -> experts table, integers carried as floats).
+        in_compute = module.clone(param_dtype=self.dtype)
+        self._stored = {path: leaf.dtype for path, leaf in
+                        flat(jax.eval_shape(in_compute.init_params, jax.random.key(0))).items()}
         if missed:
             raise UserError(f"--quantize=int8 could not quantize {len(missed)} kernel(s), which "
                             f"the model reads outside their own module's matmul: "
@@ -104,8 +110,8 @@ class Int8Model:
                     array=quantize_kernel(leaf, "int8", self.dtype))
             elif path in self.stacks:
                 out[path] = quantize_stack(leaf, "int8", self.dtype)
-            else:  # in the compute dtype, or fp32 where the module declares it (V4's hc)
-                out[path] = jnp.asarray(leaf, self._template[path].dtype)
+            else:
+                out[path] = jnp.asarray(leaf, self._stored[path])
         return nested(out)
 
     def quantize_sharded(self, params, rules: PartitionRules, mesh) -> Any:
