@@ -281,6 +281,22 @@ def test_lora_adapters_as_peft_equal_ours_and_the_merged_export(tmp_path, saved)
     hf_parity.check_lora_peft(FAMILY, directory, config, params, tmp_path,
                               fp32_rel(max(config.hidden_size, 24), 22 * 3 + 1),
                               LORA_MODULES, LORA_TARGETS)
+    # Read back by PEFT's names onto our paths (what serve --lora_checkpoint=DIR does) and
+    # written again: the same tensors under the same names.
+    from safetensors.numpy import load_file
+
+    from easylm.variants.adapters import Adapters
+
+    adapters_of = Adapters(FAMILY)
+    lora, adapters = adapters_of.load_peft(str(tmp_path / "adapter"), config)
+    assert "attn/wq_a" in lora.target_modules.replace("\\", "")
+    adapters_of.save_peft(str(tmp_path / "again"), adapters_of.lora_model(config, lora),
+                          adapters, config)
+    first, again = (load_file(tmp_path / d / "adapter_model.safetensors")
+                    for d in ("adapter", "again"))
+    assert sorted(first) == sorted(again)
+    for name in first:
+        np.testing.assert_array_equal(first[name], again[name], err_msg=name)
 
 
 def test_lora_on_the_grouped_output_projection_is_one_line(saved):

@@ -31,8 +31,7 @@ from easylm.models.decoder import relayout
 from easylm.models.family import (ModelFamily, hf_adapter, hf_param_shapes, layout, load_params,
                                   torch_reference)
 from easylm.models.hf_checkpoint import (adapters_from_peft, expert_to_peft, peft_expert_names,
-                                         peft_key, peft_target_modules,
-                                         transposed)
+                                         peft_key, peft_target_modules, transposed)
 from easylm.runtime import checkpoint
 from easylm.variants import lora_variant as variant
 from easylm.variants.lora import LoraConfig, LoraModel, read_peft, write_peft
