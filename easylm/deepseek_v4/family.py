@@ -1,6 +1,6 @@
 """The DeepSeek-V4 family (V4-Flash, V4-Pro): `FAMILY`. Full forward (training,
 scoring) and serving (its caches all positional: model.py's docstring) exact to
-transformers."""
+transformers; LoRA and int8 by transformers' module names (hf.MODULE_RENAMES)."""
 
 from easylm.deepseek_v4 import hf
 from easylm.deepseek_v4.config import DEEPSEEK_V4_PRESETS, DeepseekV4Config
