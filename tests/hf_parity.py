@@ -125,11 +125,12 @@ def check_whole_export(family, config, params, reference, model_class, tmp_path)
     assert family.hf.read_config(str(tmp_path)) == config
 
 
-def check_lora_peft(family, directory, config, params, tmp_path, rel, target_modules):
+def check_lora_peft(family, directory, config, params, tmp_path, rel, target_modules,
+                    targets=None):
     """Random adapters (drawn at 0.2, so that a misplaced one shows) on every default
-    target: the PEFT directory on transformers' model, our adapted model, and the merged
-    export loaded in transformers compute the same logits (within `rel` of the largest);
-    twin: PEFT with the adapters disabled."""
+    target (or `targets`, a --lora.target_modules): the PEFT directory on transformers'
+    model, our adapted model, and the merged export loaded in transformers compute the
+    same logits (within `rel` of the largest); twin: PEFT with the adapters disabled."""
     from peft import PeftModel
 
     from easylm.models.hf_checkpoint import write_safetensors
@@ -137,7 +138,9 @@ def check_lora_peft(family, directory, config, params, tmp_path, rel, target_mod
     from easylm.variants.lora import LoraConfig
 
     adapters_of = Adapters(family)
-    lm = adapters_of.lora_model(config, LoraConfig(rank=4, alpha=8.0, base_dtype="fp32"))
+    lm = adapters_of.lora_model(config, LoraConfig(rank=4, alpha=8.0, base_dtype="fp32",
+                                                   **({"target_modules": targets} if targets
+                                                      else {})))
     rng = np.random.default_rng(1)
     adapters = jax.tree.map(lambda x: jnp.asarray(0.2 * rng.standard_normal(x.shape), x.dtype),
                             lm.adapter_shapes)

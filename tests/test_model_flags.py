@@ -45,19 +45,17 @@ def test_the_commands_a_run_prints_are_ones_that_exist():
 
 
 def test_a_lora_flag_on_a_family_without_lora_is_the_line_that_says_so():
-    """`--lora.rank=4` for a family that offers no LoRA (deepseek_v4) names the family and
-    why, in train, plan and bench, instead of absl's 'unknown flag'; a family with LoRA
+    """`--lora.rank=4` for a family that offers no LoRA (the toy family) names the family
+    and why, in train, plan and bench, instead of absl's 'unknown flag'; a family with LoRA
     takes the same flag (the twin)."""
     import pytest
 
     from easylm.errors import UserError
-    from easylm.models import registry
     from easylm.training import options
 
-    v4 = registry.get("deepseek_v4")
-    assert "lora" not in v4.variants
+    assert "lora" not in TOY.variants
     with pytest.raises(UserError) as error:
-        options.parse_flags(v4, ["train", "--lora.rank=4"])
-    assert str(error.value) == ("--lora.rank: --family=deepseek_v4 does not offer LoRA as yet "
+        options.parse_flags(TOY, ["train", "--lora.rank=4"])
+    assert str(error.value) == ("--lora.rank: --family=toy does not offer LoRA as yet "
                                 "(docs/lora.md names the families that do)")
     assert options.parse_flags(LLAMA, ["train", "--lora.rank=4"]).lora.rank == 4

@@ -27,6 +27,19 @@ from easylm.models.hf_checkpoint import HFTensors, some, to_numpy
 from easylm.models.sigmoid_moe_hf import DTYPES, param_shapes
 
 EXPERT_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+# Our module paths (the checkpoint's) -> transformers' modules, as its conversion_mapping.py
+# renames the checkpoint's on load, in order (HFAdapter.module_renames): the names PEFT
+# adapters and --lora.target_modules use. The indexer sits inside the compressor there.
+MODULE_RENAMES = ((r"/attn/indexer/weights_proj(?=/)", "/attn/indexer/scorer/weights_proj"),
+                  (r"/attn/indexer/compressor/", "/attn/indexer/"),
+                  (r"/attn/indexer/", "/self_attn/compressor/indexer/"),
+                  (r"/attn/", "/self_attn/"), (r"/ffn/", "/mlp/"),
+                  (r"/wq_a(?=/)", "/q_a_proj"), (r"/wq_b(?=/)", "/q_b_proj"),
+                  (r"/wkv(?=/)", "/kv_proj"), (r"/wgate(?=/)", "/gate_proj"),
+                  (r"/wo_a(?=/)", "/o_a_proj"), (r"/wo_b(?=/)", "/o_b_proj"),
+                  (r"/shared_experts/w1(?=/)", "/shared_experts/gate_proj"),
+                  (r"/shared_experts/w3(?=/)", "/shared_experts/up_proj"),
+                  (r"/shared_experts/w2(?=/)", "/shared_experts/down_proj"))
 _RELEASED = ((r"^embed\.weight$", "model.embed_tokens.weight"), (r"^norm\.weight$",
              "model.norm.weight"), (r"^hc_head_(fn|base|scale)$", r"model.hc_head.hc_\1"),
              (r"^layers\.", "model.layers."))

@@ -22,6 +22,7 @@ one the run began on.
 """
 
 import dataclasses
+import re
 from typing import Any, Callable, Iterable
 
 import flax.struct
@@ -32,7 +33,7 @@ import jax.numpy as jnp
 from easylm.errors import UserError
 from easylm.models import decoder, moe
 from easylm.models.config import ModelConfig, preset_config
-from easylm.models.hf_checkpoint import (causal_lm_class, hf_key, params_from_hf,
+from easylm.models.hf_checkpoint import (causal_lm_class, hf_key, params_from_hf, renamed,
                                          write_safetensors)
 from easylm.runtime.sharding import PartitionRules, path_to_string
 
@@ -194,6 +195,18 @@ class HFAdapter:
     # (Llama 4), which PEFT's parameter wrapper reads as (E, out, in): the adapter of such
     # a stack is written as the LoRA of its transpose (A and B trade places).
     experts_in_first: bool = False
+    # (regex, replacement) applied in order to a path after `module_prefixes`, where our
+    # paths are a checkpoint's names that transformers renames on load (DeepSeek-V4's
+    # attn/wq_a -> self_attn/q_a_proj): what PEFT's names and --lora.target_modules and
+    # --quantize's targets also match.
+    module_renames: tuple[tuple[str, str], ...] = ()
+
+    def module_path(self, path: str) -> str:
+        """Our '/'-path as the path of transformers' module (and leaf) that holds it."""
+        path = renamed(path, self.module_prefixes)
+        for pattern, replacement in self.module_renames:
+            path = re.sub(pattern, replacement, path)
+        return path
 
 
 class ModelFamily:

@@ -31,8 +31,7 @@ from easylm.models.decoder import relayout
 from easylm.models.family import (ModelFamily, hf_adapter, hf_param_shapes, layout, load_params,
                                   torch_reference)
 from easylm.models.hf_checkpoint import (adapters_from_peft, expert_to_peft, peft_expert_names,
-                                         peft_key, peft_target_modules, renamed,
-                                         transposed)
+                                         peft_key, peft_target_modules, transposed)
 from easylm.runtime import checkpoint
 from easylm.variants import lora_variant as variant
 from easylm.variants.lora import LoraConfig, LoraModel, read_peft, write_peft
@@ -59,14 +58,16 @@ class Adapters:
         if extra:
             lora = dataclasses.replace(lora, target_modules=f"(?:{lora.target_modules})|"
                                                             f"(?:{extra})")
-        return LoraModel(module, lora, dtype)
+        return LoraModel(module, lora, dtype, names=self.family.hf and self._hf)
 
     def _hf(self, path: str) -> str:
-        """Our path as transformers' module path (HFAdapter.module_prefixes)."""
-        return renamed(path, hf_adapter(self.family).module_prefixes)
+        """Our path as transformers' module path (HFAdapter.module_path)."""
+        return hf_adapter(self.family).module_path(path)
 
-    def _ours(self, path: str) -> str:
-        return renamed(path, [(new, old) for old, new in hf_adapter(self.family).module_prefixes])
+    def _ours(self, paths) -> dict[str, str]:
+        """{transformers' module path: ours} of the modules holding `paths` (ours)."""
+        modules = {path.rsplit("/", 1)[0] for path in paths}
+        return {self._hf(module + "/x")[:-2]: module for module in modules}
 
     def load_base(self, lm: LoraModel, config, spec: str, mesh):
         """The frozen base of `lm` from `spec`, in its shards of `mesh`, stored as it trains."""
@@ -110,11 +111,14 @@ class Adapters:
         """(adapters in `config`'s layout, target_modules regex selecting exactly the kernels
         they adapt) from PEFT-named tensors. With scanned layers every layer must carry the
         same adapters (a scan has one layer's parameters)."""
-        shapes = {self._hf(path): shape
-                  for path, shape in hf_param_shapes(self.family, config).items()}
-        flat = {self._ours(path): adapter for path, adapter in
-                adapters_from_peft(tensors, shapes, rank, source,
-                                   hf_adapter(self.family).experts_in_first).items()}
+        ours = hf_param_shapes(self.family, config)
+        shapes = {self._hf(path): shape for path, shape in ours.items()}
+        modules = self._ours(ours)
+        flat = {}
+        for path, adapter in adapters_from_peft(tensors, shapes, rank, source,
+                                                hf_adapter(self.family).experts_in_first).items():
+            module, leaf = path.rsplit("/", 1)
+            flat[modules.get(module, module) + "/" + leaf] = adapter
         for path in [path for path in flat if path.endswith("/gate_up_proj_lora_b")]:
             flat[path] = self._gate_up_columns(flat[path], to_hf=False)
         kernels = sorted({path.rsplit("_", 2)[0] for path in flat})

@@ -177,15 +177,18 @@ def _is_quantized(x) -> bool:
     return hasattr(x, "array") and isinstance(getattr(x, "array"), qwix.QArray)
 
 
-def target_paths(shapes, pattern: str, experts: bool = False) -> list[str]:
+def target_paths(shapes, pattern: str, experts: bool = False, names=None) -> list[str]:
     """The '/'-paths of the kernels `pattern` selects (re.search), in tree order; with
-    `experts`, of the expert stacks too, by their adapters' names (`expert_stacks`)."""
+    `experts`, of the expert stacks too, by their adapters' names (`expert_stacks`).
+    `names`: path -> transformers' module path (`HFAdapter.module_path`), which `pattern`
+    may match instead (DeepSeek-V4's attn/wq_a is self_attn/q_a_proj there)."""
     kernels = [path for path, leaf in flat(shapes).items()
                if path.endswith("/kernel") and len(leaf.shape) >= 2]
     if experts:
         kernels += [path for path in flat(shapes) if path.endswith("/experts/gate_proj")
                     for path in _expert_targets(path)]
-    targets = [path for path in kernels if re.search(pattern, path)]
+    targets = [path for path in kernels if re.search(pattern, path)
+               or names is not None and re.search(pattern, names(path))]
     if not targets:
         some = ", ".join(kernels[:4]) + (", ..." if len(kernels) > 4 else "")
         raise UserError(f"--lora.target_modules={pattern!r} matches none of the model's "
@@ -301,13 +304,14 @@ class LoraModel:
     error here, not a silently unadapted layer.
     """
 
-    def __init__(self, module: nn.Module, config: LoraConfig, dtype=jnp.float32):
+    def __init__(self, module: nn.Module, config: LoraConfig, dtype=jnp.float32, names=None):
         if config.rank < 1:
             raise UserError(f"--lora.rank must be >= 1 to build adapters, got {config.rank}")
         config = config.resolved(dtype)
         self.config, self.dtype, self.base_module = config, jnp.dtype(dtype), module
         shapes = flat(jax.eval_shape(module.init_params, jax.random.key(0)))
-        self.targets = tuple(target_paths(nested(shapes), config.target_modules, experts=True))
+        self.targets = tuple(target_paths(nested(shapes), config.target_modules, experts=True,
+                                          names=names))
         self.kernels = tuple(path for path in self.targets if not is_expert_target(path))
         experts = [path for path in self.targets if is_expert_target(path)]
         self.stacks = {stack: target for target in experts for stack in expert_stacks(target)}

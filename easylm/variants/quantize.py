@@ -51,10 +51,13 @@ HELP = "weight-only quantization of the matmul kernels at load: none or int8 (pe
 # of an 8B model's weights. Gated DeltaNet's wide projections too (Qwen3.5's in_proj_qkv,
 # in_proj_z, Qwen3-Next's fused in_proj_qkvz, and out_proj); its per-head decay and
 # write-strength projections (in_proj_a/b/ba, D x heads) stay in the compute dtype, as
-# the routers do. Multi-head latent attention's (DeepSeek-V3) four besides o_proj.
+# the routers do. Multi-head latent attention's (DeepSeek-V3) four besides o_proj;
+# DeepSeek-V4's, by transformers' names (HFAdapter.module_path): kv_proj (its attention's,
+# compressors' and indexer's) and o_b_proj (its grouped o_a_proj is read by an einsum
+# outside its module: it stays in the compute dtype, as do its hyper-connections).
 DEFAULT_TARGETS = (r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|lm_head|"
                    r"in_proj_qkvz|in_proj_qkv|in_proj_z|out_proj|"
-                   r"q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj)/kernel$")
+                   r"q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|kv_proj|o_b_proj)/kernel$")
 # A mixture of experts' stacked expert weights (easylm/models/moe.py), quantized here
 # rather than by qwix (see the module doc).
 EXPERT_STACKS = re.compile(r"experts/(gate_proj|up_proj|down_proj)$")
@@ -69,11 +72,11 @@ class Int8Model:
     numbers).
     """
 
-    def __init__(self, module: nn.Module, pattern: str = DEFAULT_TARGETS):
+    def __init__(self, module: nn.Module, pattern: str = DEFAULT_TARGETS, names=None):
         self.base_module = module
         self.dtype = jnp.dtype(module.dtype)
         shapes = jax.eval_shape(module.init_params, jax.random.key(0))
-        self.targets = tuple(target_paths(shapes, pattern))
+        self.targets = tuple(target_paths(shapes, pattern, names=names))
         self.stacks = tuple(path for path in flat(shapes) if EXPERT_STACKS.search(path))
         modules = "|".join(re.escape(path[: -len("/kernel")]) for path in self.targets)
         rule = qwix.QtRule(module_path=f"({modules})", weight_qtype=jnp.int8)
@@ -82,6 +85,12 @@ class Int8Model:
         # did not turn into one would be served in full precision, silently.
         self._template = flat(jax.eval_shape(self.module.init_params, jax.random.key(0)))
         missed = [path for path in self.targets if not hasattr(self._template[path], "array")]
+        # What the rest is stored in: the compute dtype, except where the module declares a
+        # parameter fp32 whatever its param_dtype (DeepSeek-V4's hyper-connections, routers
+        # and its token -> experts table, integers carried as floats).
+        in_compute = module.clone(param_dtype=self.dtype)
+        self._stored = {path: leaf.dtype for path, leaf in
+                        flat(jax.eval_shape(in_compute.init_params, jax.random.key(0))).items()}
         if missed:
             raise UserError(f"--quantize=int8 could not quantize {len(missed)} kernel(s), which "
                             f"the model reads outside their own module's matmul: "
@@ -98,7 +107,7 @@ class Int8Model:
             elif path in self.stacks:
                 out[path] = quantize_stack(leaf, "int8", self.dtype)
             else:
-                out[path] = jnp.asarray(leaf, self.dtype)
+                out[path] = jnp.asarray(leaf, self._stored[path])
         return nested(out)
 
     def quantize_sharded(self, params, rules: PartitionRules, mesh) -> Any:
@@ -167,7 +176,8 @@ def int8_variant(family, config, dtype, model):
     devices. qwix quantizes the matmuls that read a module's own kernel, so the
     projections run unfused (the same parameters, the same numbers)."""
     unfused = config.unfused()
-    int8 = Int8Model(family.module_class(unfused, dtype=dtype, param_dtype=dtype))
+    int8 = Int8Model(family.module_class(unfused, dtype=dtype, param_dtype=dtype),
+                     names=family.hf and family.hf.module_path)
 
     def apply(params, base, rng, collections, *args, **kwargs):
         del base, rng  # no frozen parameters, no dropout
