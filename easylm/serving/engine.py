@@ -213,6 +213,17 @@ class StagedPrefill:
         return self.tokens.shape[1] // self.C
 
 
+def _layout_and_pages(config: ConfigDict, model: Model):
+    """The engine's cache layout and, with --page_size, its `PageBook` (else None)."""
+    layout = check_cache(model)
+    if not config.page_size:
+        return layout, None
+    pages = check_pages(config.page_size, config.pages, config.batch_size, config.seq_length)
+    return (PagedLayout(layout, config.page_size, pages, kernel_layout(model, layout)
+                        if config.decode_from_pages else None),
+            PageBook(config.batch_size, config.seq_length, config.page_size, pages))
+
+
 class Engine:
     """Holds params and the slots' device state; called from one thread (the batcher's).
 
@@ -228,14 +239,9 @@ class Engine:
         return each token's expert choices in every MoE layer (`_forward`); so does extend."""
         self.config = config = get_default_config(config)
         check_config(config)
-        self.layout = layout = check_cache(model)
-        self.pages = None  # with --page_size, the host's book of each slot's pages
-        if config.page_size:
-            pages = check_pages(config.page_size, config.pages, config.batch_size,
-                                config.seq_length)
-            self.layout = layout = PagedLayout(layout, config.page_size, pages, kernel_layout(
-                model, layout) if config.decode_from_pages else None)
-            self.pages = PageBook(config.batch_size, config.seq_length, config.page_size, pages)
+        # With --page_size, `pages` is the host's book of each slot's pages (else None).
+        self.layout, self.pages = _layout_and_pages(config, model)
+        layout = self.layout
         # `params` and, for a variant, its frozen `base`: what `Model.forward` reads.
         self.model, self.params, self.base, self.mesh = model, params, base, mesh
         self.batch_size, self.seq_length = config.batch_size, config.seq_length
@@ -284,8 +290,7 @@ class Engine:
         # Suffix lengths an `extend` call is padded to: short ones (a tool's answer) stay short.
         self.extend_buckets = buckets(config.seq_length, min(8, config.seq_length))
         self._extend_fns = programs(_extend)
-        # Replicated outputs: on several hosts each process can then read them (sharded
-        # ones would span devices of other processes).
+        # Replicated outputs: each host's process can read them (sharded ones would not).
         self._score_fn = jax.jit(functools.partial(_score, model, config.prefill_chunk_size), **(
             {} if mesh is None else {"out_shardings": NamedSharding(mesh, P())}))
 
