@@ -252,7 +252,7 @@ def greedy_with_transformers(model, ids, vision: dict, steps: int):
     return tokens, np.asarray(logps)
 
 
-def check_image_prefill(family, directory, text, seq_length, greedy, rel):
+def check_image_prefill(family, directory, text, seq_length, greedy, rel, size: int = 8):
     """Two prompts of tokens `text` alike but for their image (colour_picture 0 and 1),
     prefilled by the engine with their images' embeddings (engine.PromptImages, not
     shared: their keys differ), then decoded: 4 greedy tokens each = `greedy(ids, picture)`'s
@@ -263,7 +263,7 @@ def check_image_prefill(family, directory, text, seq_length, greedy, rel):
 
     config = family.hf.read_config(directory)
     reader = family.image_chats(config, directory)
-    pictures = [colour_picture("w10", 0), colour_picture("w11", 1)]
+    pictures = [colour_picture("w10", 0, size), colour_picture("w11", 1, size)]
     prompts = [reader.encode_prompt(text, [p], "test") for p in pictures]
     ids = [list(p) for p, _ in prompts]
     engine = engine_lib.Engine({"batch_size": 2, "seq_length": seq_length,
@@ -291,8 +291,11 @@ def check_image_prefill(family, directory, text, seq_length, greedy, rel):
     assert_differs(swapped[0], greedy(ids[0], pictures[0])[1], rel)
 
 
-def test_the_engine_prefills_a_prompts_images(hf):  # noqa: F811
-    """check_image_prefill for Qwen3.5 (a one-token image)."""
+@pytest.mark.parametrize("size", [8, 16])
+def test_the_engine_prefills_a_prompts_images(hf, size):  # noqa: F811
+    """check_image_prefill for Qwen3.5: a one-token image (8 x 8 pixels), and one of 2 x 2
+    merged patches (16 x 16), whose 4 tokens advance the multimodal rotary by 2: the
+    decode after it must add the cache's `rope_delta` (-2) to its positions."""
     from easylm.qwen3_5 import images as qwen_images
     from easylm.qwen3_5.vision_hf import FAMILY
 
@@ -305,7 +308,7 @@ def test_the_engine_prefills_a_prompts_images(hf):  # noqa: F811
 
     check_image_prefill(FAMILY, hf[0], [1, 17, CONFIG.vision_start_token_id,
                                         CONFIG.image_token_id, CONFIG.vision_end_token_id,
-                                        40, 41], 16, greedy, REL)
+                                        40, 41], 16, greedy, REL, size)
 
 
 def test_image_prompts_share_a_prefill_only_with_the_same_image(hf):  # noqa: F811
