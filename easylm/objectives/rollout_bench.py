@@ -15,6 +15,8 @@ one process, one engine after the other:
             prefilled once and copied to its group's rows
     shared  --page_size=0 --share_prompts=True: the dense cache, each distinct prompt
             prefilled once (what sharing gains without pages)
+    pages   as paged, with --decode_from_pages: decode attends straight from the pages
+            (ragged paged attention), no window gathered or written back
 
 Each engine compiles its programs first (`Engine.warmup`, sampling), runs one untimed
 rollout, then `repeats` timed ones; the line per way says tokens/s (median), the prompt
@@ -36,6 +38,7 @@ from easylm import flags as flag_lib, model_flags, variants
 from easylm.errors import UserError, exit_on_user_error
 from easylm.objectives.rollouts import generate, sampling_keys
 from easylm.runtime import run_flags
+from easylm.runtime.compilation import counting_compiles
 from easylm.runtime.sharding import init_sharded, make_mesh
 from easylm.serving import engine as engine_lib
 from easylm.serving.cli import ENGINE_MESH_DIM, ENGINE_NOTES, model_config
@@ -48,7 +51,8 @@ HELP = {
     "page_size": "the paged way's --page_size",
     "decode_steps": "tokens decoded per device call (every way)",
     "repeats": "timed rollouts per way (after one untimed)",
-    "ways": "comma-separated ways to measure: dense, paged, shared (the first is the baseline)",
+    "ways": "comma-separated ways to measure: dense, paged, shared, pages (the first is the "
+            "baseline)",
     "stall_report_s": "every this many seconds, print every thread's Python stack to stderr "
                       "(faulthandler): where a run that seems stuck is; 0: off",
     **run_flags.help_entries("dtype", "mesh_dim", **ENGINE_NOTES),
@@ -56,7 +60,8 @@ HELP = {
 
 WAYS = {"dense": {"page_size": 0, "share_prompts": False},
         "paged": {"share_prompts": True},
-        "shared": {"page_size": 0, "share_prompts": True}}
+        "shared": {"page_size": 0, "share_prompts": True},
+        "pages": {"share_prompts": True, "decode_from_pages": True}}
 
 
 def default_config(family) -> ConfigDict:
@@ -90,21 +95,24 @@ def measure(way: str, config: ConfigDict, model, params, mesh, prompts) -> dict:
     sampling = engine_lib.Sampling.empty(rows)
     sampling.keys[:] = sampling_keys(0, 0, 0, 0, rows)
     sampling.temperature[:] = 1.0
-    times, first = [], None
+    times, first, timed_compiles = [], None, 0
     for i in range(1 + config.repeats):
         engine.reset()
-        start = time.perf_counter()
-        out, _ = generate(engine, prompts, sampling, config.new_tokens, eos_id=None)
-        elapsed = time.perf_counter() - start
+        with counting_compiles() as compiles:
+            start = time.perf_counter()
+            out, _ = generate(engine, prompts, sampling, config.new_tokens, eos_id=None)
+            elapsed = time.perf_counter() - start
+        timed_compiles += len(compiles) if i else 0
         if sum(map(len, out)) != rows * config.new_tokens:
             raise RuntimeError(f"{way}: the rollout generated {sum(map(len, out))} tokens")
         if i == 0:
             first = time.perf_counter() - began
         else:
             times.append(elapsed)
-        print(f"{way}: rollout {i} {elapsed:.2f}s", flush=True)
+        print(f"{way}: rollout {i} {elapsed:.2f}s, {len(compiles)} compiles", flush=True)
     return {"way": way, "tokens_per_s": rows * config.new_tokens / statistics.median(times),
-            "prefilled": engine.prompt_tokens["prefilled"], "start_to_first_rollout_s": first}
+            "prefilled": engine.prompt_tokens["prefilled"], "start_to_first_rollout_s": first,
+            "timed_compiles": timed_compiles}
 
 
 def run(config: ConfigDict, family) -> list[dict]:

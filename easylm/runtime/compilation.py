@@ -1,6 +1,7 @@
 """Before the first compile: the persistent XLA compilation cache and, on GPU hosts, the
 XLA flags measured to help training."""
 
+import contextlib
 import os
 
 import jax
@@ -39,3 +40,21 @@ def _gpu_plugin_installed() -> bool:
 
     return any(installed(name)
                for name in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12"))
+
+
+@contextlib.contextmanager
+def counting_compiles():
+    """A list that gets one entry (seconds) per XLA compile while the block runs (every
+    jitted function's and every eager operation's: `jax.monitoring`'s backend-compile
+    event); the benchmarks report it so a timed region is known to hold no compile."""
+    compiles = []
+
+    def listen(event, duration, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield compiles
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)

@@ -26,6 +26,7 @@ from easylm import flags as flag_lib, model_flags
 from easylm.errors import UserError, exit_on_user_error
 from easylm.models.family import torch_reference
 from easylm.runtime import run_flags
+from easylm.runtime.compilation import counting_compiles
 from easylm.runtime.dtypes import dtype_from_flag
 from easylm.runtime.sharding import init_sharded, make_mesh
 from easylm.serving import engine as engine_lib
@@ -75,8 +76,9 @@ def help_entries(family) -> dict:
 
 
 def engine_tokens_per_second(model, params, batch: int, config, tokenizer, prompts,
-                             mesh) -> tuple[float, float]:
-    """(tokens/s, seconds from the engine's start to a first token): the engine is made
+                             mesh) -> tuple[float, float, int]:
+    """(tokens/s, seconds from the engine's start to a first token, XLA compiles inside
+    the timed run): the engine is made
     and warmed up (its greedy programs compiled: `Engine.warmup`) and serves one token,
     then the timed run (after one untimed one)."""
     began = time.perf_counter()
@@ -96,13 +98,17 @@ def engine_tokens_per_second(model, params, batch: int, config, tokenizer, promp
         batcher.generate(prompts[:1], SamplingParams(max_tokens=1, temperature=0.0), tokenizer)
         first = time.perf_counter() - began
         batcher.generate(prompts, greedy, tokenizer)
-        start = time.perf_counter()
-        gens = batcher.generate(prompts, greedy, tokenizer)
-        elapsed = time.perf_counter() - start
+        with counting_compiles() as compiles:
+            start = time.perf_counter()
+            gens = batcher.generate(prompts, greedy, tokenizer)
+            elapsed = time.perf_counter() - start
     finally:
         batcher.stop()
     assert all(len(g.tokens) == config.new_tokens for g in gens)
-    return batch * config.new_tokens / elapsed, first
+    if compiles:  # a timed run that compiled measures the compiler, not the engine
+        print(f"batch {batch:>4}: {len(compiles)} compiles ({sum(compiles):.1f}s) inside the "
+              f"timed run", flush=True)
+    return batch * config.new_tokens / elapsed, first, len(compiles)
 
 
 def hf_tokens_per_second(hf_model, prompts, new_tokens: int) -> float:
@@ -215,7 +221,8 @@ def _measure(batch: int, config: ConfigDict, vocab_size: int, variants: dict, hf
         3, vocab_size, (batch, config.prompt_length)).tolist()
     row = {"batch": batch}
     for name, (variant, weights) in variants.items():
-        row[KEYS[name]], row[f"{KEYS[name][:-len('tokens_per_s')]}first_token_s"] = \
+        prefix = KEYS[name][:-len('tokens_per_s')]
+        row[KEYS[name]], row[f"{prefix}first_token_s"], row[f"{prefix}timed_compiles"] = \
             engine_tokens_per_second(variant, weights, batch, config, tokenizer, prompts, mesh)
     if hf_model is not None:
         row["hf_tokens_per_s"] = hf_tokens_per_second(hf_model, prompts, config.new_tokens)
