@@ -12,7 +12,8 @@ one process, one engine after the other:
     dense   --page_size=0 --share_prompts=False: each row owns seq_length cache
             positions and every copy of a prompt is prefilled
     paged   --page_size=Z --share_prompts=True: the cache in pages, each distinct prompt
-            prefilled once and copied to its group's rows
+            prefilled once and copied to its group's rows; the pool as GRPO sizes it
+            (`pages.group_pages`)
     shared  --page_size=0 --share_prompts=True: the dense cache, each distinct prompt
             prefilled once (what sharing gains without pages)
     pages   as paged, with --decode_from_pages: decode attends straight from the pages
@@ -41,6 +42,7 @@ from easylm.runtime import run_flags
 from easylm.runtime.compilation import counting_compiles
 from easylm.runtime.sharding import init_sharded, make_mesh
 from easylm.serving import engine as engine_lib
+from easylm.serving.pages import group_pages
 from easylm.serving.cli import ENGINE_MESH_DIM, ENGINE_NOTES, model_config
 
 HELP = {
@@ -88,6 +90,10 @@ def measure(way: str, config: ConfigDict, model, params, mesh, prompts) -> dict:
     settings = {"batch_size": rows, "seq_length": config.prompt_length + config.new_tokens,
                 "min_bucket": config.prompt_length, "decode_steps": config.decode_steps,
                 "page_size": config.page_size, **WAYS[way]}
+    if settings["page_size"] and settings["share_prompts"]:  # the pool GRPO's rollouts size
+        written = -(-(config.new_tokens - 1) // config.decode_steps) * config.decode_steps
+        settings["pages"] = group_pages(rows, config.group, config.prompt_length, written,
+                                        settings["seq_length"], settings["page_size"])
     print(f"{way}: making the engine", flush=True)
     engine = engine_lib.Engine(settings, model, params, mesh)
     print(f"{way}: compiling ({time.perf_counter() - began:.1f}s)", flush=True)
