@@ -715,6 +715,8 @@ def long_prompts(tmp_path):
     ({"grpo.max_new_tokens": 24}, "--grpo.max_new_tokens must be >= 1 and below the row's "
      "seq_length=24, leaving room for a prompt, got 24"),
     ({"grpo.max_sampling_rounds": 0}, "--grpo.max_sampling_rounds must be >= 1, got 0"),
+    ({"grpo.decode_from_pages": True}, "--grpo.decode_from_pages needs pages: set "
+     "--grpo.page_size"),
     ({"grpo.loss_type": "ppo"}, "--grpo.loss_type must be one of grpo, bnpo, dr_grpo, dapo, "
      "got 'ppo'"),
     ({"grpo.importance_sampling_level": "seq"}, "--grpo.importance_sampling_level must be "
@@ -936,5 +938,54 @@ def test_a_group_prefills_its_prompt_once_and_samples_what_sharing_off_does(task
     # (twice the logits' error) at the logits' scale, about their log-probabilities'.
     scale = float(np.abs(dense["sampling_logps"]).max())
     np.testing.assert_allclose(shared["sampling_logps"], dense["sampling_logps"], rtol=0,
+                               atol=2 * 8 * np.sqrt(256) * EPS32 * scale)
+    assert got[True]["loss"] == pytest.approx(got[False]["loss"], rel=1e-5, abs=1e-7)
+
+
+def test_decode_from_pages_samples_the_rows_of_the_window_path(task, tmp_path):
+    """--grpo.decode_from_pages (the engine's decode straight from the pages, ragged paged
+    attention: its XLA path here) against the same paged rollout gathering windows: the
+    engine is the direct one (no window program), and the step's rows (tokens, masks,
+    rewards, advantages) are bitwise the window path's. The sampler's log-probabilities
+    and the loss (importance-sampled by them) agree to fp32 rounding, not bitwise: the
+    paged path scores a query against all of a row's pages (masked) in one einsum, the
+    window path against its window, so XLA sums the softmax in another order.
+    Without --grpo.page_size the option is refused (test_bad_setup_is_one_line)."""
+    from test_checkpoint import metrics
+
+    from easylm.objectives.rollouts import Rollouts
+
+    made, direct, real_rollout, real_engine = [], [], Rollouts.rollout, Rollouts._engine
+
+    def rollout(self, state, prompts, *args):
+        batch, out = real_rollout(self, state, prompts, *args)
+        made.append(batch)
+        return batch, out
+
+    def engine(self, *args):
+        e = real_engine(self, *args)
+        direct.append(e.layout.direct)
+        return e
+
+    got = {}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Rollouts, "rollout", rollout)
+        patch.setattr(Rollouts, "_engine", engine)
+        for pages in (True, False):
+            llama_train.main(command(task, tmp_path / str(pages), total_steps=1, eval_freq=0,
+                                     **{"eval_dataset.json_dataset.path": "",
+                                        "grpo.page_size": 2,
+                                        "grpo.decode_from_pages": pages}))
+            got[pages] = metrics(tmp_path / str(pages))[1]
+    assert set(direct[:1]) == {True} and set(direct[-1:]) == {False}
+    paged, window = made
+    assert paged.keys() == window.keys()
+    for key in paged:
+        if key != "sampling_logps":
+            np.testing.assert_array_equal(paged[key], window[key], err_msg=key)
+    # One layer's forward (D=64, F=256, 24 positions: about 8 reductions) to a log-softmax
+    # (twice the logits' error) at the logits' scale, as in the sharing test above.
+    scale = float(np.abs(window["sampling_logps"]).max())
+    np.testing.assert_allclose(paged["sampling_logps"], window["sampling_logps"], rtol=0,
                                atol=2 * 8 * np.sqrt(256) * EPS32 * scale)
     assert got[True]["loss"] == pytest.approx(got[False]["loss"], rel=1e-5, abs=1e-7)

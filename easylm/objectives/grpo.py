@@ -111,6 +111,10 @@ HELP = {
                       "full pages once (with share_prompts), and a multi-turn episode's "
                       "cache grows page by page; 0: dense, each row owns seq_length "
                       "positions",
+    "grpo.decode_from_pages": "with --grpo.page_size, the rollouts' decode attends straight "
+                              "from the pages (the engine's --decode_from_pages: ragged paged "
+                              "attention, the kernel on a TPU) instead of gathering each "
+                              "row's window",
     "grpo.tools": "multi-turn tool use: MODULE:FN[,FN...], plain Python functions with type "
                   "hints and an Args: docstring, shown to the model through the chat "
                   "template's tools=; its <tool_call>{json}</tool_call> (Qwen/Hermes) or "
@@ -136,7 +140,8 @@ def get_default_config(updates=None) -> ConfigDict:
         reward_weights="", format_pattern="", length_buffer=0,
         importance_sampling_cap=3.0, importance_sampling_mode="token_truncate",
         importance_sampling_level="token", dynamic_sampling=False, max_sampling_rounds=4,
-        routing_replay=False, share_prompts=True, page_size=0, tools="", environment="",
+        routing_replay=False, share_prompts=True, page_size=0, decode_from_pages=False,
+        tools="", environment="",
         tool_timeout=10.0, max_turns=4))
     if updates is not None:
         config.update(ConfigDict(updates).copy_and_resolve_references())
@@ -170,6 +175,8 @@ def check_options(options, seq_length: int) -> None:
     for name, ok, expected in checks:
         if not ok:
             raise UserError(f"--grpo.{name} must be {expected}, got {options[name]!r}")
+    if options.decode_from_pages and not options.page_size:
+        raise UserError("--grpo.decode_from_pages needs pages: set --grpo.page_size")
     if options.importance_sampling_mode != "token_truncate" and not corrects_sampling(options):
         # Asked for by name, so not left out in silence as the default cap is.
         raise UserError(f"--grpo.importance_sampling_mode={options.importance_sampling_mode} "

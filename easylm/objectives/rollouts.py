@@ -373,7 +373,8 @@ class Rollouts:
                 "batch_size": n, "seq_length": seq_length,
                 "min_bucket": seq_length - self.options.max_new_tokens,
                 "share_prompts": self.options.share_prompts,
-                "page_size": self.options.page_size})
+                "page_size": self.options.page_size,
+                "decode_from_pages": self.options.decode_from_pages})
             config.pages = self._pool_pages(config)
             self.engines[key] = engine_lib.Engine(config, self.objective.model, None, self.mesh,
                                                   record_routing=self.options.routing_replay)
