@@ -36,7 +36,6 @@ import jax.numpy as jnp
 import numpy as np
 
 IMPLEMENTATIONS = ("auto", "xla", "kernel")
-DECODE_QUERIES_PER_BLOCK = 8
 
 
 def combine(k_pages, v_pages):
@@ -157,12 +156,7 @@ def decode_attention(q, kv_pages, lengths, page_table, scale: float | None = Non
     sequence b, whose keys 0..lengths[b] - 1 its pages hold (its own written before the
     call); (B, N, H)."""
     B = q.shape[0]
-    # A decode row is one query: blocks of 8 queries, not JAX's default 32 (its tuned table
-    # has no entry this small), waste less of each sequence's (queries x keys) product;
-    # measured 3-5% faster a layer on a v5e at 64 rows (scripts/paged_kernel_bench.py,
-    # docs/benchmarks.md). Pages per block as JAX's default: the row's, at most 128.
     return ragged_paged_attention(
         q, kv_pages, lengths.astype(jnp.int32), page_table.astype(jnp.int32),
         jnp.arange(B + 1, dtype=jnp.int32), jnp.array([B], jnp.int32), scale,
-        sliding_window, implementation=implementation,
-        block_sizes=(min(page_table.shape[1], 128), min(B, DECODE_QUERIES_PER_BLOCK)))
+        sliding_window, implementation=implementation)
