@@ -14,4 +14,6 @@ def test_decode_benchmark_reports_both_engines():
     assert [r["batch"] for r in rows] == [2]
     for row in rows:
         assert row["easylm_tokens_per_s"] > 0 and row["hf_tokens_per_s"] > 0
+        # Warm-up compiled every program the timed run uses: the row times the engine.
+        assert row["easylm_timed_compiles"] == 0
         assert row["ratio"] == pytest.approx(row["easylm_tokens_per_s"] / row["hf_tokens_per_s"])
