@@ -930,16 +930,22 @@ def test_a_group_prefills_its_prompt_once_and_samples_what_sharing_off_does(task
     pool = group_pages(64, 8, 16, 8, 24, 2)
     assert got[True]["data/rollout/cache_pool_pages"] == pool < 64 * 12 + 1
     assert got[True]["data/rollout/cache_bytes"] < got[True]["data/rollout/dense_cache_bytes"]
-    assert shared.keys() == dense.keys()
-    for key in shared:
+    _same_rows(shared, dense, got[True]["loss"], got[False]["loss"])
+
+
+def _same_rows(a: dict, b: dict, loss_a: float, loss_b: float):
+    """Two rollouts' rows bitwise equal but the sampler's log-probabilities, and those and
+    the losses to fp32 rounding."""
+    assert a.keys() == b.keys()
+    for key in a:
         if key != "sampling_logps":
-            np.testing.assert_array_equal(shared[key], dense[key], err_msg=key)
+            np.testing.assert_array_equal(a[key], b[key], err_msg=key)
     # One layer's forward (D=64, F=256, 24 positions: about 8 reductions) to a log-softmax
     # (twice the logits' error) at the logits' scale, about their log-probabilities'.
-    scale = float(np.abs(dense["sampling_logps"]).max())
-    np.testing.assert_allclose(shared["sampling_logps"], dense["sampling_logps"], rtol=0,
+    scale = float(np.abs(b["sampling_logps"]).max())
+    np.testing.assert_allclose(a["sampling_logps"], b["sampling_logps"], rtol=0,
                                atol=2 * 8 * np.sqrt(256) * EPS32 * scale)
-    assert got[True]["loss"] == pytest.approx(got[False]["loss"], rel=1e-5, abs=1e-7)
+    assert loss_a == pytest.approx(loss_b, rel=1e-5, abs=1e-7)
 
 
 def test_decode_from_pages_samples_the_rows_of_the_window_path(task, tmp_path):
@@ -978,14 +984,4 @@ def test_decode_from_pages_samples_the_rows_of_the_window_path(task, tmp_path):
                                         "grpo.decode_from_pages": pages}))
             got[pages] = metrics(tmp_path / str(pages))[1]
     assert set(direct[:1]) == {True} and set(direct[-1:]) == {False}
-    paged, window = made
-    assert paged.keys() == window.keys()
-    for key in paged:
-        if key != "sampling_logps":
-            np.testing.assert_array_equal(paged[key], window[key], err_msg=key)
-    # One layer's forward (D=64, F=256, 24 positions: about 8 reductions) to a log-softmax
-    # (twice the logits' error) at the logits' scale, as in the sharing test above.
-    scale = float(np.abs(window["sampling_logps"]).max())
-    np.testing.assert_allclose(paged["sampling_logps"], window["sampling_logps"], rtol=0,
-                               atol=2 * 8 * np.sqrt(256) * EPS32 * scale)
-    assert got[True]["loss"] == pytest.approx(got[False]["loss"], rel=1e-5, abs=1e-7)
+    _same_rows(*made, got[True]["loss"], got[False]["loss"])

@@ -1,7 +1,6 @@
 """The generation engine: KV-cache parity with a full forward pass, HF parity, decode
 windows, compiled programs, sharding."""
 
-import contextlib
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +22,7 @@ from serving_utils import (  # noqa: F401 (a fixture)
 from transformers import LlamaForCausalLM as HFLlama
 
 from easylm.llama.hf import from_hf
+from easylm.runtime.compilation import counting_compiles
 from easylm.runtime.sharding import make_mesh
 from easylm.serving import engine as engine_lib
 from easylm.serving import sampling as sampling_lib
@@ -175,23 +175,6 @@ def _doublings(start: int, stop: int) -> list[int]:
     return out
 
 
-@contextlib.contextmanager
-def _counting_compiles():
-    """A list that gets one entry per XLA compile while the block runs (every jitted
-    function's and every eager operation's: `jax.monitoring`'s backend-compile event)."""
-    compiles = []
-
-    def listen(event, duration, **_):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        yield compiles
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
-
-
 @pytest.mark.parametrize("page_size, mesh_dim", [(0, "1,2,4"), (8, "1,4,2")])
 def test_warmup_compiles_a_fixed_set_and_no_mix_of_requests_compiles_after(
         tokenizer, page_size, mesh_dim):
@@ -234,7 +217,7 @@ def test_warmup_compiles_a_fixed_set_and_no_mix_of_requests_compiles_after(
             assert leaf.sharding.is_equivalent_to(
                 NamedSharding(engine.mesh, P(None, None, "mp", None)), leaf.ndim)
         assert engine.prefill_rows == {16: 2, 32: 1}
-        with _counting_compiles() as cold:
+        with counting_compiles() as cold:
             engine.fetch(engine.prefill([[1, 2]], [0], engine_lib.Sampling.empty(1)))
         assert cold  # the counter sees a compile
         print(engine.warmup(sample=kinds, score=not page_size))
@@ -248,7 +231,7 @@ def test_warmup_compiles_a_fixed_set_and_no_mix_of_requests_compiles_after(
         later = [first] + [first[:16] + rs.randint(3, 300, n).tolist() for n in (1, 5, 12)]
         after = []
         engine.prefill_after = lambda *a, run=engine.prefill_after: after.append(1) or run(*a)
-        with _counting_compiles() as compiles:
+        with counting_compiles() as compiles:
             sampled = [SamplingParams(max_tokens=int(rs.randint(1, seq_length - len(p) + 1)),
                                       temperature=float(rs.choice([0.0, 0.8])) * (
                                           len(kinds) - 1), seed=i)
@@ -266,7 +249,7 @@ def test_warmup_compiles_a_fixed_set_and_no_mix_of_requests_compiles_after(
             if page_size and q.temperature == 0:
                 want, _ = full_forward_greedy(model, params, g.prompt, q.max_tokens)
                 assert [t.id for t in g.tokens] == want
-        with _counting_compiles() as compiles:  # not among warm-up's programs
+        with counting_compiles() as compiles:  # not among warm-up's programs
             batcher.run(lambda: engine.fetch(engine.extend(
                 [[5, 6]], [0], [3], engine_lib.Sampling.empty(1)))).result()
         assert compiles
