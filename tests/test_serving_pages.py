@@ -9,6 +9,7 @@ import pytest
 
 from easylm.models import paged_attention
 from easylm.serving import engine as engine_lib
+from easylm.serving import programs
 from easylm.serving.engine import Engine, Sampling
 from easylm.serving.pages import SCRATCH, PageBook
 from serving_utils import GREEDY, PROMPTS, full_forward_greedy, make_batcher, tiny_config
@@ -341,3 +342,39 @@ def test_a_grpo_pool_holds_what_its_groups_need_and_no_more():
     page = sum(x.nbytes for x in jax.tree.leaves(engine.cache.pool)) // engine.layout.pages
     dense = sum(x.nbytes for x in jax.tree.leaves(model.init_cache(8, 32)))
     assert pool * page < dense
+
+
+def _prompt_program_temporaries(model, params) -> dict[str, int]:
+    """XLA's temporary bytes of the greedy prefill and extend programs of 4 rows of 128
+    tokens (unchunked) on pages of 16 with sharing: what warm-up compiles."""
+    engine = Engine({"batch_size": 4, "seq_length": 128, "min_bucket": 128,
+                     "decode_steps": 1, "prefill_chunk_size": 0, "page_size": 16}, model, params)
+    (rows, _), = engine._calls(*engine._dummy_prompts(128))
+    calls = {"prefill": (engine._prefill_fns[False], rows),
+             "extend": (engine._extend_fns[False], engine._dummy_suffixes(128))}
+    return {name: fn.lower(engine.weights, engine.state, rows, engine._dummy_sampling(4, False))
+            .compile().memory_analysis().temp_size_in_bytes
+            for name, (fn, rows) in calls.items()}
+
+
+def test_prompt_programs_make_logits_at_each_rows_last_token_only(monkeypatch):
+    """A prefill or an extend draws from each row's last token only, so its head makes
+    (rows, 1, V) logits, not (rows, T, V): at GRPO's shape (64 rows of 512 after shared
+    pages, qwen3_0.6b's 151,936 tokens) the extend's whole logits were 21 GB of
+    temporaries and did not fit a v5e. Here 4 x 128 tokens of a 16,384-token vocabulary
+    over a 64-wide model: whole fp32 logits are 32 MiB.
+    Twin: the head over every position again (as before), then the pick."""
+    model = _family("llama").bind(tiny_config(vocab_size=16384))
+    params = jax.jit(model.init_params)(jax.random.PRNGKey(0))
+    whole = 4 * 128 * 16384 * 4
+    assert max(_prompt_program_temporaries(model, params).values()) < whole / 8
+    forward = programs._forward
+
+    def every_position(*args, logits_at=None, **kwargs):
+        logits, *rest = forward(*args, **kwargs)
+        if logits_at is not None:
+            logits = logits[np.arange(logits.shape[0]), logits_at][:, None]
+        return (logits, *rest)
+
+    monkeypatch.setattr(programs, "_forward", every_position)
+    assert min(_prompt_program_temporaries(model, params).values()) >= whole

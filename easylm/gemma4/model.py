@@ -279,9 +279,10 @@ class Gemma4ForCausalLM(CausalLM):
 
     @nn.compact
     def __call__(self, input_ids, positions=None, segment_ids=None, cache=None,
-                 return_hidden=False):
+                 return_hidden=False, logits_at=None):
         return self.soft_cap(self.decode(input_ids, positions, segment_ids, cache,
-                                         return_hidden), cache, return_hidden)
+                                         return_hidden, logits_at=logits_at),
+                             cache, return_hidden)
 
     def soft_cap(self, out, cache, return_hidden):
         """`decode`'s output with the logits capped: c * tanh(logits / c)."""

@@ -370,7 +370,7 @@ class Gemma4VLForConditionalGeneration(Gemma4ForCausalLM):
 
     @nn.compact
     def __call__(self, input_ids, positions=None, segment_ids=None, cache=None,
-                 return_hidden=False, images=None):
+                 return_hidden=False, images=None, logits_at=None):
         c = self.config
         embeddings = blocks = None
         if images is not None:
@@ -385,7 +385,7 @@ class Gemma4VLForConditionalGeneration(Gemma4ForCausalLM):
         # The per-layer inputs read an image token as the padding token, as transformers.
         input_ids = jnp.where(input_ids == c.image_token_id, c.pad_token_id or 0, input_ids)
         out = self.decode(input_ids, positions, segment_ids, cache, return_hidden,
-                          embeddings, blocks=blocks)
+                          embeddings, blocks=blocks, logits_at=logits_at)
         return self.soft_cap(out, cache, return_hidden)
 
     @classmethod

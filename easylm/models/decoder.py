@@ -676,16 +676,21 @@ class CausalLM(nn.Module):
 
     @nn.compact
     def __call__(self, input_ids, positions=None, segment_ids=None, cache=None,
-                 return_hidden=False):
-        return self.decode(input_ids, positions, segment_ids, cache, return_hidden)
+                 return_hidden=False, logits_at=None):
+        return self.decode(input_ids, positions, segment_ids, cache, return_hidden,
+                           logits_at=logits_at)
 
     def decode(self, input_ids, positions=None, segment_ids=None, cache=None,
-               return_hidden=False, embeddings=None, rope_positions=None, blocks=None):
+               return_hidden=False, embeddings=None, rope_positions=None, blocks=None,
+               logits_at=None):
         """The body of `__call__` (called from a compact method), with what a multimodal
         model adds: `embeddings` (values (B, T, D), where (B, T)) in place of the tokens'
         where `where` holds, `rope_positions` for the rotary (`rotary`), and `blocks`
         (B, T) the block (an image) each token is in, -1 for none, for the kinds of
-        layers in which a block's tokens see each other both ways (`bidirectional`)."""
+        layers in which a block's tokens see each other both ways (`bidirectional`).
+        `logits_at` (B,): the one position of each row to make logits at, (B, 1, V) (the
+        serving engine's prefill and extend read only each row's last token: (B, T, V)
+        logits of a long prompt batch would be most of its memory)."""
         B, T = input_ids.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -694,6 +699,9 @@ class CausalLM(nn.Module):
                                   rope_positions, blocks)  # (B, T, D)
         if return_hidden:
             return hidden if cache is None else (hidden, new_cache)
+        sequence_axis = "sp"
+        if logits_at is not None:
+            hidden, sequence_axis = hidden[jnp.arange(B), logits_at][:, None], None
         if self.config.tie_word_embeddings:
             embedding = self.variables["params"]["model"]["embed_tokens"]["embedding"]
             logits = hidden @ embedding.astype(self.dtype).T
@@ -702,7 +710,7 @@ class CausalLM(nn.Module):
                               param_dtype=self.param_dtype,
                               kernel_init=nn.initializers.normal(self.config.initializer_range),
                               name="lm_head")(hidden)
-        logits = constrain(logits, P(BATCH_AXES, "sp", "mp"))
+        logits = constrain(logits, P(BATCH_AXES, sequence_axis, "mp"))
         return logits if cache is None else (logits, new_cache)
 
     @classmethod

@@ -131,7 +131,7 @@ class Model:
 
     def forward(self, params, ids, positions=None, segment_ids=None, cache=None, *,
                 base=None, rng=None, return_hidden=False, router_stats=False,
-                routing=None, images=None) -> ForwardOut:
+                routing=None, images=None, logits_at=None) -> ForwardOut:
         """The one forward pass every objective, the serving engine and the evaluator run,
         over ids (B, T) at `positions` (B, T; None: 0..T-1), packed documents
         `segment_ids` (B, T) or a `cache` (`init_cache`). return_hidden: the final norm's
@@ -139,7 +139,7 @@ class Model:
         layers' statistics for the router losses; routing: (L, N, K) expert choices to
         replay, as router_stats stacks them; images: a multimodal model's image inputs
         (easylm/models/vision.py's `ImageInputs` fields, (B, ...) each), for a module that
-        takes them."""
+        takes them; logits_at (B,): logits (B, 1, V) at one position of each row only."""
         collections = {}
         if routing is not None:
             collections[moe.REPLAY] = moe.replay_collection(self.router_params(params, base),
@@ -147,7 +147,8 @@ class Model:
         out = self.apply(params, base, rng, collections, ids, positions=positions,
                          segment_ids=segment_ids, cache=cache, return_hidden=return_hidden,
                          mutable=["router"] if router_stats else False,
-                         **({} if images is None else {"images": images}))
+                         **({} if images is None else {"images": images}),
+                         **({} if logits_at is None else {"logits_at": logits_at}))
         stats = None
         if router_stats:
             out, variables = out

@@ -318,7 +318,7 @@ class Qwen35VLForConditionalGeneration(Qwen35ForCausalLM):
 
     @nn.compact
     def __call__(self, input_ids, positions=None, segment_ids=None, cache=None,
-                 return_hidden=False, images=None):
+                 return_hidden=False, images=None, logits_at=None):
         embeddings = rope_positions = None
         if images is not None:
             merged = Qwen35VisionTower(self.config, self.dtype, self.param_dtype,
@@ -329,14 +329,15 @@ class Qwen35VLForConditionalGeneration(Qwen35ForCausalLM):
             rope_positions = images["rope_positions"]
         if cache is None:
             return self.decode(input_ids, positions, segment_ids, cache, return_hidden,
-                               embeddings, rope_positions)
+                               embeddings, rope_positions, logits_at=logits_at)
         delta = cache["rope_delta"]
         if rope_positions is None:
             rope_positions = positions + delta[:, None]
         else:  # the row's last position (padding continues its text) against its place
             delta = (rope_positions[:, -1, 0] - positions[:, -1]).astype(delta.dtype)
         out, layers = self.decode(input_ids, positions, segment_ids, cache["layers"],
-                                  return_hidden, embeddings, rope_positions)
+                                  return_hidden, embeddings, rope_positions,
+                                  logits_at=logits_at)
         return out, {"layers": layers, "rope_delta": delta}
 
     def init_cache(self, batch_size: int, length: int, dtype=None):

@@ -137,13 +137,14 @@ class PromptRows:
 
 
 def _forward(model: Model, record: bool, params, tokens, positions, cache, base,
-             segment_ids=None, images=None):
+             segment_ids=None, images=None, logits_at=None):
     """(logits, cache, out): with `record` (routing replay, GRPO), out is a 1-tuple of the
     expert choices each token got in each MoE layer, (n, L, T, K) int16 (L in
     `moe.router_stats`' order); else (). `segment_ids` (n, T): 0 marks padding; `images`:
-    an image-text model's image inputs of these rows (a whole prompt's, unchunked)."""
+    an image-text model's image inputs of these rows (a whole prompt's, unchunked);
+    `logits_at` (n,): logits (n, 1, V) at that position of each row only."""
     out = model.forward(params, tokens, positions, segment_ids, cache=cache, base=base,
-                        router_stats=record, images=images)
+                        router_stats=record, images=images, logits_at=logits_at)
     if not record:
         return out.logits, out.cache, ()
     n, T = tokens.shape
@@ -162,10 +163,11 @@ def _prompt_chunk(model: Model, record: bool, state: bool, weights, carry, chunk
     n, C = chunk_ids.shape
     positions = jnp.broadcast_to(start + jnp.arange(C, dtype=jnp.int32), (n, C))
     segments = (positions < lengths[:, None]).astype(jnp.int32) if state else None
-    logits, cache, routing = _forward(model, record, params, chunk_ids, positions, cache,
-                                      base, segments, images)
     at = lengths - 1 - start  # each row's last token, if it falls in this chunk
-    picked = logits[jnp.arange(n), jnp.clip(at, 0, C - 1)].astype(jnp.float32)
+    logits, cache, routing = _forward(model, record, params, chunk_ids, positions, cache,
+                                      base, segments, images,
+                                      logits_at=jnp.clip(at, 0, C - 1))
+    picked = logits[:, 0].astype(jnp.float32)
     last = jnp.where(((at >= 0) & (at < C))[:, None], picked, last)
     return (cache, last), routing
 
@@ -184,8 +186,8 @@ def _prompt_forward(model: Model, chunk: int, record: bool, weights, tokens, len
     The prompt goes through the model `chunk` tokens at a time (a loop on the device,
     `_prompt_chunk` per chunk): each chunk writes its keys/values and attends over the
     cache so far and itself under the cache's causal (and sliding-window) mask, so a layer
-    holds (chunk, T') scores, never (T, T), and the head makes (n, chunk, V) logits, never
-    (n, T, V). With `record`, a third output: the expert choices of each prompt token,
+    holds (chunk, T') scores, never (T, T), and the head makes logits for each row's one
+    position that matters in the chunk (n, 1, V), never (n, T, V). With `record`, a third output: the expert choices of each prompt token,
     (n, L, T, K) (`_forward`).
 
     `start`: the cache of T' positions to begin from (None: zeros). With `state` (the cache
@@ -287,8 +289,8 @@ def _extend(settings: Settings, weights, state, rows: PromptRows, sampling: Samp
     segments = (jnp.arange(T)[None, :] < lengths[:, None]).astype(jnp.int32) \
         if layout.has_state else None
     logits, held, routing = _forward(model, settings.record, params, tokens, positions, held,
-                                     base, segments)
-    picked = logits[jnp.arange(n), lengths - 1].astype(jnp.float32)  # (n, V)
+                                     base, segments, logits_at=lengths - 1)
+    picked = logits[:, 0].astype(jnp.float32)  # (n, V)
     out = sampling.draw(picked, starts + lengths, settings.sample) + routing
     cache = layout.write_slots(cache, held, slots, S)
     last = last.at[slots].set(out[0], mode="drop")
