@@ -104,13 +104,14 @@ REFUSED = {
 # the next-token runs' in CI) under the other variants and layouts, and on the other
 # kinds of pairs; Gemma's DPO unscanned under LoRA (Gemma's LoRA stays in CI: its GRPO
 # case and tests/test_gemma_cli.py's LoRA run; its unscanned layers: the same file's
-# scanned-equals-unscanned test; DPO under LoRA: the LLaMA case); GRPO under QLoRA (GRPO
-# under LoRA: the Gemma case; QLoRA's frozen nf4 base is the same in every objective).
-# The extended cases took ~122 s of CI's summed time (--durations, two workers).
+# scanned-equals-unscanned test; DPO under LoRA: the LLaMA case); LLaMA's full-model GRPO
+# resumed with accumulation (tests/test_grpo.py trains it full, resumes it after a SIGKILL
+# and accumulates). GRPO under QLoRA stays in CI: only this file samples rollouts from an
+# nf4 base. The extended cases took ~115 s of CI's summed time (--durations, two workers).
 EXTENDED = {("simpo", "pairs", "lora", False, 1), ("simpo", "chat_pairs", "qlora", True, 1),
             ("orpo", "chat_pairs", "full", True, 1), ("orpo", "hf_pairs", "lora", False, 2),
             ("gemma", "dpo", "pairs", "lora", False, 2),
-            ("llama", "grpo", "prompts", "qlora", True, 1)}
+            ("llama", "grpo", "prompts", "full", False, 2)}
 
 
 def ci_cases(cases):
