@@ -450,6 +450,12 @@ def test_generic_commands_refuse_an_unknown_family_in_one_line(tmp_path, argv, m
     assert "Traceback" not in result.stderr
 
 
+# Extended (20.7 s of CI's summed time): in CI a Gemma LoRA run's adapter and merged
+# exports give PEFT's logits (tests/test_gemma_cli.py::test_a_lora_run_exports_a_peft_
+# adapter_and_a_merged_model), and the generic exporter's merged tensors are the source's
+# bit for bit where no adapter reaches (tests/test_lora_train.py::test_merged_export_is_
+# peft_on_the_source_base, LLaMA). What only this adds: that tensor check on Gemma.
+@pytest.mark.extended
 def test_a_gemma_lora_run_exports_merged_as_peft_merges(tmp_path, capsys):
     # A LoRA run on a Gemma directory (the generic trainer), then the generic exporter's
     # --lora_mode=adapter and merged: the merged tensors are PEFT's merge_and_unload of the

@@ -223,7 +223,7 @@ def export_kept(hf, run, output_dir, model_class) -> tuple[set, set]:
 def test_sft_through_the_command(hf, tmp_path, capsys):
     """Step 1's loss = transformers' labels loss on the same chat and image (another
     image: differs); 3 steps lower it; from the chat's token cache (`python -m
-    easylm.data.cache --family=qwen3_5_vl`) step 1's loss is the JSONL's bit for bit. With
+    easylm.data.cache --family=qwen3_5_vl`) the losses are the JSONL's bit for bit. With
     --qwen3_5_vl.train_vision=projector only the projector of the vision tower trains (its
     blocks keep their bits, weight decay and all); the export reloads whole in
     transformers."""
@@ -235,9 +235,13 @@ def test_sft_through_the_command(hf, tmp_path, capsys):
     assert_differs(np.asarray(losses[:1]),
                    np.asarray([transformers_loss(hf, picture(5, 24, 16))]), REL)
     assert losses[-1] < losses[0], losses
+    # The same command on the cache (the same flags: a run of another length is another
+    # program, its schedule's constants in it, which XLA may fuse otherwise: with
+    # --xla_cpu_use_fusion_emitters=false a 1-step run's step-1 loss is 6.364340782 where
+    # the 3-step run's is 6.364340305, from the JSONL and from the cache alike).
     build_cache(hf, path, tmp_path / "cache", capsys)
-    assert train(hf, tmp_path / "cache", tmp_path / "cached", 1,
-                 "--qwen3_5_vl.train_vision=projector", source="cache") == losses[:1]
+    assert train(hf, tmp_path / "cache", tmp_path / "cached", 3, "--save_model_freq=3",
+                 "--qwen3_5_vl.train_vision=projector", source="cache") == losses
 
     after, same = export_kept(hf, tmp_path / "out/run", tmp_path / "export",
                               Qwen3_5ForConditionalGeneration)

@@ -438,6 +438,13 @@ def test_episodes_replay_matches_the_sampler_and_routing_anew_does_not(episodes)
     assert_differs(unextended, sampler, atol, scale=1.0)
 
 
+# Extended (24.5 s of CI's summed time): in CI the episodes' recorded choices replay
+# within the bound (test_episodes_replay_matches_the_sampler_and_routing_anew_does_not,
+# the command's rollout code), the command logs that bound's figure with replay
+# (test_grpo_command_logs_the_sampler_trainer_difference_within_rounding) and runs tools
+# (tests/test_grpo_tools.py::test_train_command_runs_on_through_failing_tools). What only
+# this adds: the two flags in one command.
+@pytest.mark.extended
 def test_grpo_command_with_tools_and_replay(episodes, tools_module, tmp_path, monkeypatch):
     """python -m easylm.train --objective=grpo --grpo.routing_replay=True --grpo.tools=...
     on the near-tied Qwen3-MoE: two steps of multi-turn episodes with tool calls, each
