@@ -44,6 +44,7 @@ XLA's analysis); with `--quantize=int8`, the weights as the int8 variant stores 
 Exit status: 0 fits (or no device memory known), 1 does not fit, 2 bad flags.
 """
 
+import contextlib
 import dataclasses
 import math
 import sys
@@ -190,13 +191,27 @@ def parameter_bytes(tree, rules, sizes: dict) -> int:
 # `report` estimates the run as given and then each change it tries (twenty and more for
 # a model that does not fit); those change the optimizer, the mesh, the rows or the remat
 # policy, none of which changes a model's parameters, and only the policy what a model
-# keeps. So each model is built, and each trace made, once a process: a preset's whole
-# model (unscanned, its init traced layer by layer) took 5-30 s of CPU to build and as
-# much to shape, and the largest plans took 17-29 minutes on two shared cores.
-_MEMO: dict = {}
+# keeps. So within one answer (`_sharing`: `report`, `find_fix`, `longest_row`) each model
+# is built, and each trace made, once: a preset's whole model (unscanned, its init traced
+# layer by layer) took 5-30 s of CPU to build and as much to shape, and the largest plans
+# took 17-29 minutes on two shared cores.
+_MEMO: dict | None = None  # None: outside an answer, nothing kept
+
+
+@contextlib.contextmanager
+def _sharing():
+    global _MEMO
+    outer = _MEMO
+    _MEMO = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _MEMO = outer
 
 
 def _memo(key: tuple, compute):
+    if _MEMO is None:
+        return compute()
     if key not in _MEMO:
         _MEMO[key] = compute()
     return _MEMO[key]
@@ -435,6 +450,12 @@ def longest_row(config: ConfigDict, family, num_devices: int, num_processes: int
     """The longest rows (a multiple of `row_step`, at most the model's
     max_position_embeddings) whose plan fits in `budget` bytes; 0 if none does.
     Doubling, then bisection: about 2 log2(longest / step) estimates."""
+    with _sharing():
+        return _longest_row(config, family, num_devices, num_processes, budget, step)
+
+
+def _longest_row(config: ConfigDict, family, num_devices: int, num_processes: int,
+                 budget: int, step: int) -> int:
     step = row_step(config, family, num_devices, num_processes, step)
     limit = model_flags.model_config(family, config).max_position_embeddings // step
     key = f"train_dataset.{loader_block(config.train_dataset)}.seq_length"
@@ -521,6 +542,12 @@ def find_fix(config: ConfigDict, family, num_devices: int, num_processes: int,
              budget: int) -> tuple[dict, Estimate] | None:
     """The first single change whose estimate fits in `budget` bytes; failing that, the
     changes that help, taken together in order until it fits; None if nothing does."""
+    with _sharing():
+        return _find_fix(config, family, num_devices, num_processes, budget)
+
+
+def _find_fix(config: ConfigDict, family, num_devices: int, num_processes: int,
+              budget: int) -> tuple[dict, Estimate] | None:
     plan = lambda changes: estimate(_changed(config, changes), family,  # noqa: E731
                                     num_devices, num_processes)
     fixes = candidate_fixes(config, family, num_devices, num_processes)
@@ -559,6 +586,12 @@ def _model_name(config: ConfigDict, family) -> str:
 def report(config: ConfigDict, family, num_devices: int, num_processes: int,
            budget: int | None) -> tuple[str, bool]:
     """The printed plan, and whether it fits (True when no budget is known)."""
+    with _sharing():
+        return _report(config, family, num_devices, num_processes, budget)
+
+
+def _report(config: ConfigDict, family, num_devices: int, num_processes: int,
+            budget: int | None) -> tuple[str, bool]:
     plan = estimate(config, family, num_devices, num_processes)
     model = _whole_model(family, config)
     objective = objectives.build(config, model, None)
