@@ -435,8 +435,8 @@ def test_a_lora_build_walks_no_trace_per_adapted_kernel(monkeypatch):
     """qwix reads each adapted kernel's sharding; of a tracer JAX builds an error message
     that walks the whole trace so far (`JaxprStackFrame.find_progenitors`): quadratic in a
     model's depth (DeepSeek-V4-Flash's QLoRA build: 77 of 98 s). Building a LoRA model
-    walks none (on 5364dba: one walk an adapted kernel, 7 here), and leaves JAX's message as it
-    was."""
+    walks none (on 5364dba: one walk an adapted kernel, 7 here), and leaves JAX's message
+    as it was."""
     from jax._src.interpreters import partial_eval
 
     walks = []
