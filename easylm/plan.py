@@ -44,6 +44,7 @@ XLA's analysis); with `--quantize=int8`, the weights as the int8 variant stores 
 Exit status: 0 fits (or no device memory known), 1 does not fit, 2 bad flags.
 """
 
+import contextlib
 import dataclasses
 import math
 import sys
@@ -186,13 +187,90 @@ def parameter_bytes(tree, rules, sizes: dict) -> int:
     return shard_bytes(tree, specs, sizes)
 
 
+# ------------------------------------------- what the estimates share, built once
+# `report` estimates the run as given and then each change it tries (twenty and more for
+# a model that does not fit); those change the optimizer, the mesh, the rows or the remat
+# policy, none of which changes a model's parameters, and only the policy what a model
+# keeps. So within one answer (`_sharing`: `report`, `find_fix`, `longest_row`) each model
+# is built, and each trace made, once: a preset's whole model (unscanned, its init traced
+# layer by layer) took 5-30 s of CPU to build and as much to shape, and the largest plans
+# took 17-29 minutes on two shared cores.
+_MEMO: dict | None = None  # None: outside an answer, nothing kept
+
+
+@contextlib.contextmanager
+def _sharing():
+    global _MEMO
+    outer = _MEMO
+    _MEMO = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _MEMO = outer
+
+
+def _memo(key: tuple, compute):
+    if _MEMO is None:
+        return compute()
+    if key not in _MEMO:
+        _MEMO[key] = compute()
+    return _MEMO[key]
+
+
+def _build_key(family, flags: ConfigDict, model_config) -> tuple:
+    """What `variants.build(family, flags, model_config)` reads: the model's config, its
+    variants' flags (LoRA's, --quantize), the dtypes and the checkpoint (an hf:: one's
+    config.json is in the model config already; its path names what is loaded)."""
+    read = {name: flags.get(name) for name in ("lora", "quantize", "dtype", "param_dtype",
+                                                "load_checkpoint", "lora_checkpoint")}
+    return (family.name, repr(model_config),
+            repr({k: v.to_dict() if isinstance(v, ConfigDict) else v for k, v in read.items()}))
+
+
+def _build(family, flags: ConfigDict, model_config):
+    return _memo(("build", *_build_key(family, flags, model_config)),
+                 lambda: variants.build(family, flags, model_config))
+
+
+def _whole_model(family, flags: ConfigDict):
+    """The run's model, built with remat_policy none: the plan reads of the whole model
+    only what a remat policy does not change (parameters, rules, layers, the objective's
+    rows); the policy itself it reads from the flags (`_remat`)."""
+    return _build(family, flags, _config(family, flags).replace(remat_policy="none"))
+
+
+def _config(family, flags: ConfigDict):
+    return model_flags.model_config(family, flags)
+
+
+def _remat(family, flags: ConfigDict) -> str:
+    return _config(family, flags).remat_policy
+
+
 def _shard_model(family, config: ConfigDict, layers: int, mp: int, remat: str | None = None):
     """The model of `config` with `layers` layers and one mp shard's heads, MLP and
     vocabulary (and, with `remat`, that policy): its activations are one device's."""
-    variant = model_flags.model_config(family, config).shard_variant(layers, mp)
+    variant = _config(family, config).shard_variant(layers, mp)
     if remat is not None:
-        variant = dataclasses.replace(variant, remat_policy=remat)
-    return variants.build(family, config, variant)
+        variant = variant.replace(remat_policy=remat)
+    return variant, _build(family, config, variant)
+
+
+def _model_shapes(family, flags: ConfigDict, model_config=None):
+    """(trained, frozen or None) parameter shapes of the model of `model_config` (default:
+    the flags' whole model), which no remat policy changes."""
+    model_config = (model_config or _config(family, flags)).replace(remat_policy="none")
+    return _memo(("shapes", *_build_key(family, flags, model_config)),
+                 lambda: _shapes(_build(family, flags, model_config)))
+
+
+def _saved_bytes(family, config: ConfigDict, layers: int, mp: int, batch, sp: int,
+                 flash: bool, remat: str | None = None) -> int:
+    """`_residual_bytes` of `_shard_model(family, config, layers, mp, remat)`."""
+    variant, model = _shard_model(family, config, layers, mp, remat)
+    key = ("saved", *_build_key(family, config, variant), repr(batch), sp, flash,
+           _strategy(config))
+    return _memo(key, lambda: _residual_bytes(model, batch, sp, flash))
 
 
 def _shapes(model):
@@ -243,7 +321,8 @@ def _gathered_layer(family, config, mp: int, compute) -> int:
     its backward pass: the trained ones in the compute dtype and their gradient in their
     own; the frozen ones as stored and, where that is not the compute dtype (a quantized
     or cast kernel), again in it."""
-    one, two = (_shapes(_shard_model(family, config, n, 1)) for n in (1, 2))
+    one, two = (_model_shapes(family, config, _config(family, config).shard_variant(n, 1))
+                for n in (1, 2))
     count = lambda tree: sum(x.size for x in jax.tree.leaves(tree))  # noqa: E731
     size = compute.itemsize
     total = (count(two[0]) - count(one[0])) * size + nbytes(two[0]) - nbytes(one[0])
@@ -302,14 +381,17 @@ def _estimate(config: ConfigDict, family, num_devices: int, num_processes: int) 
     T, sp = data.seq_length, sizes["sp"]
     _check_plannable(config, family, sizes, T)
     config, flash = _flash_as_xla(family, config)
-    model = variants.build(family, config)
+    model = _whole_model(family, config)
     # A preference pair is two rows; the policy's activations are then those of the
     # language-model loss on them (the reference's forward pass keeps none).
     objective = objectives.build(config, model, None)
     rows *= objective.rows_per_example
-    params, frozen_shapes = _shapes(model)
+    params, frozen_shapes = _model_shapes(family, config)
     tx, _ = optimizers.get_optimizer(config.optimizer)
-    opt_state = jax.eval_shape(tx.init, params)
+    opt_state = _memo(("optimizer", *_build_key(family, config, _config(family, config)
+                                                 .replace(remat_policy="none")),
+                       repr(config.optimizer.to_dict())),
+                      lambda: jax.eval_shape(tx.init, params))
     rules = model.partition_rules
     parameters = parameter_bytes(params, rules, sizes)
     optimizer = parameter_bytes(opt_state, tuple(rules) + optimizers.STATE_RULES, sizes)
@@ -323,17 +405,15 @@ def _estimate(config: ConfigDict, family, num_devices: int, num_processes: int) 
     if data.segment_ids:
         batch.update(segment_ids=micro, positions=micro)
     mp = sizes["mp"]
-    saved = [_residual_bytes(_shard_model(family, config, n, mp), batch, sp, flash)
-             for n in (1, 2)]
+    saved = [_saved_bytes(family, config, n, mp, batch, sp, flash) for n in (1, 2)]
     per_layer = saved[1] - saved[0]
     activations = saved[0] + (model.num_layers - 1) * per_layer
 
     # One layer's backward: with remat its forward is recomputed (everything a layer
     # keeps without remat, less what the policy keeps anyway) ...
     working = 0
-    if model.config.get("remat_policy", "none") != "none":
-        plain = [_residual_bytes(_shard_model(family, config, n, mp, "none"), batch, sp, flash)
-                 for n in (1, 2)]
+    if _remat(family, config) != "none":
+        plain = [_saved_bytes(family, config, n, mp, batch, sp, flash, "none") for n in (1, 2)]
         working += (plain[1] - plain[0]) - per_layer
     # ... and with fsdp (or sp: PARAMETER_AXES) its weights are gathered whole and their
     # gradient is whole until reduce-scattered.
@@ -370,6 +450,12 @@ def longest_row(config: ConfigDict, family, num_devices: int, num_processes: int
     """The longest rows (a multiple of `row_step`, at most the model's
     max_position_embeddings) whose plan fits in `budget` bytes; 0 if none does.
     Doubling, then bisection: about 2 log2(longest / step) estimates."""
+    with _sharing():
+        return _longest_row(config, family, num_devices, num_processes, budget, step)
+
+
+def _longest_row(config: ConfigDict, family, num_devices: int, num_processes: int,
+                 budget: int, step: int) -> int:
     step = row_step(config, family, num_devices, num_processes, step)
     limit = model_flags.model_config(family, config).max_position_embeddings // step
     key = f"train_dataset.{loader_block(config.train_dataset)}.seq_length"
@@ -456,6 +542,12 @@ def find_fix(config: ConfigDict, family, num_devices: int, num_processes: int,
              budget: int) -> tuple[dict, Estimate] | None:
     """The first single change whose estimate fits in `budget` bytes; failing that, the
     changes that help, taken together in order until it fits; None if nothing does."""
+    with _sharing():
+        return _find_fix(config, family, num_devices, num_processes, budget)
+
+
+def _find_fix(config: ConfigDict, family, num_devices: int, num_processes: int,
+              budget: int) -> tuple[dict, Estimate] | None:
     plan = lambda changes: estimate(_changed(config, changes), family,  # noqa: E731
                                     num_devices, num_processes)
     fixes = candidate_fixes(config, family, num_devices, num_processes)
@@ -494,8 +586,14 @@ def _model_name(config: ConfigDict, family) -> str:
 def report(config: ConfigDict, family, num_devices: int, num_processes: int,
            budget: int | None) -> tuple[str, bool]:
     """The printed plan, and whether it fits (True when no budget is known)."""
+    with _sharing():
+        return _report(config, family, num_devices, num_processes, budget)
+
+
+def _report(config: ConfigDict, family, num_devices: int, num_processes: int,
+            budget: int | None) -> tuple[str, bool]:
     plan = estimate(config, family, num_devices, num_processes)
-    model = variants.build(family, config)
+    model = _whole_model(family, config)
     objective = objectives.build(config, model, None)
     data = _dataset(config)
     compute = jnp.dtype(dtype_from_flag("dtype", config.dtype)).name
@@ -509,7 +607,7 @@ def report(config: ConfigDict, family, num_devices: int, num_processes: int,
                 f"{model.frozen.num_parameters / 1e6:,.1f}M frozen in {model.frozen.dtype}")
     names = {jnp.dtype(dtype): name for name, dtype in DTYPES.items()}
     trained = sorted({names.get(jnp.dtype(x.dtype), jnp.dtype(x.dtype).name)
-                      for x in jax.tree.leaves(_shapes(model)[0])})
+                      for x in jax.tree.leaves(_model_shapes(family, config)[0])})
     lines = [
         f"plan: {what}, {model.num_layers} layers | "
         f"{num_devices} devices, mesh {mesh}"
@@ -518,7 +616,7 @@ def report(config: ConfigDict, family, num_devices: int, num_processes: int,
         f"{data.seq_length} tokens per step | compute {compute}"
         f"{' (--dtype=auto on ' + jax.default_backend() + ')' if config.dtype == 'auto' else ''}, "
         f"parameters {'/'.join(trained)} | {config.optimizer.type} | remat "
-        f"{model.config['remat_policy']}",
+        f"{_remat(family, config)}",
         "per device:",
     ]
     lines += [f"  {name:<12} {_size(size):>12}" for name, size in plan.rows()]

@@ -140,3 +140,45 @@ def test_qlora_starts_at_the_dequantized_base_and_lowers_the_loss(loaded, tmp_pa
     for _ in range(3):
         adapters, state, _ = step(adapters, state)
     assert float(loss(adapters)) < first - 0.01, name  # 3 steps at 1e-2 move it ~0.1-1
+
+
+@pytest.mark.extended  # a QLoRA train compile and an int8 serve compile: ~2-4 min here
+def test_deepseek_v4_qlora_and_int8_through_the_commands(tmp_path):
+    """DeepSeek-V4 (a 64-wide tiny directory, nf4's blocks dividing its inputs) through the
+    public commands, as note3 says was done by hand: `python -m easylm.train` with
+    --lora.base_dtype=nf4 logs 3 finite losses, the last below the first; `python -m
+    easylm.serve --quantize=int8` scores a prompt finitely, answers one over its context
+    with a JSON 400 and goes on answering (its health)."""
+    import contextlib
+    import io
+    import math
+
+    from test_families_cli import RUN, _server
+
+    from easylm import train
+
+    family, config, _ = _load("deepseek_v4", tmp_path / "hf", hidden_size=64)
+    directory = tmp_path / "hf"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        train.main(["train", f"--load_checkpoint=hf::{directory}", *RUN, "--total_steps=3",
+                    "--lora.rank=4", "--lora.base_dtype=nf4",
+                    f"--lora.target_modules={_nf4_targets(family, config)}",
+                    f"--logger.output_dir={tmp_path}", "--logger.experiment_id=qlora"])
+    losses = [float(line.split("| loss ")[1].split()[0])
+              for line in out.getvalue().splitlines() if "| loss " in line]
+    assert len(losses) == 3 and all(map(math.isfinite, losses)), out.getvalue()
+    assert losses[-1] < losses[0], losses
+    client, batcher = _server("deepseek_v4", directory, ["--quantize=int8"])
+    try:
+        body = {"prompt": list(range(3, 23)), "max_tokens": 0, "echo": True, "logprobs": 1}
+        response = client.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        logprobs = response.json()["choices"][0]["logprobs"]["token_logprobs"][1:]
+        assert len(logprobs) == 19 and all(map(math.isfinite, logprobs))
+        response = client.post("/v1/completions", json={"prompt": list(range(3, 83)),
+                                                        "max_tokens": 4})
+        assert response.status_code == 400 and "error" in response.json(), response.text
+        assert client.get("/health").status_code == 200
+    finally:
+        batcher.stop()

@@ -404,3 +404,47 @@ def test_an_image_text_checkpoint_plans_its_vision_tower_and_image_tokens(tmp_pa
     assert code == 0 and line.format(96) in out.splitlines()
     code, out, _ = run_plan([*argv, "--plan.serve_tokens=128"], capsys)
     assert code == 0 and line.format(128) in out.splitlines()
+
+
+def test_an_answer_builds_each_model_once_and_each_fix_plans_as_alone(monkeypatch):
+    """The estimates of one answer (`report`, `find_fix`, `longest_row`: the run as given
+    and each change tried) share each model and each trace (a preset's whole model took
+    5-30 s of CPU to build and as many to shape, 20-odd times an answer). Shared, the run's
+    whole model is built once however many changes are estimated; and each change's
+    estimate is the one it gets alone (catches a model, trace or optimizer state reused for
+    a change it does not fit: a key without the remat policy, the rows or the optimizer's
+    flags, or the mesh)."""
+    built = []
+    build = variants.build
+    monkeypatch.setattr(variants, "build", lambda family, flags, config=None, **kw: (
+        built.append(config), build(family, flags, config, **kw))[1])
+    config = parse(*A, "--mesh_dim=2,4,1", "--train_dataset.json_dataset.seq_length=64")
+    changes = [{}, {"llama.remat_policy": "nothing_saveable"},
+               {"optimizer.accumulate_gradient_steps": 2, "mesh_dim": "1,8,1"}]
+    with plan._sharing():
+        shared = [plan.estimate(plan._changed(config, c), FAMILY, 8) for c in changes]
+    whole = [c for c in built if c is None or c.num_hidden_layers == 4]
+    assert len(whole) == 1, len(whole)
+    alone = [plan.estimate(plan._changed(config, c), FAMILY, 8) for c in changes]
+    assert shared == alone
+    # Each change changes the estimate (else the comparison above proves nothing of it).
+    assert len({repr(e) for e in alone}) == len(changes)
+
+
+def test_a_lora_build_walks_no_trace_per_adapted_kernel(monkeypatch):
+    """qwix reads each adapted kernel's sharding; of a tracer JAX builds an error message
+    that walks the whole trace so far (`JaxprStackFrame.find_progenitors`): quadratic in a
+    model's depth (DeepSeek-V4-Flash's QLoRA build: 77 of 98 s). Building a LoRA model
+    walks none (on 5364dba: one walk an adapted kernel, 7 here), and leaves JAX's message
+    as it was."""
+    from jax._src.interpreters import partial_eval
+
+    walks = []
+    walk = partial_eval.JaxprStackFrame.find_progenitors
+    monkeypatch.setattr(partial_eval.JaxprStackFrame, "find_progenitors",
+                        lambda self, tracer: (walks.append(1), walk(self, tracer))[1])
+    origin = partial_eval.DynamicJaxprTracer._origin_msg
+    model = variants.build(FAMILY, parse(*B, "--mesh_dim=1,8,1", "--lora.rank=4",
+                                         "--lora.base_dtype=nf4"))
+    assert model.frozen is not None and not walks
+    assert partial_eval.DynamicJaxprTracer._origin_msg is origin

@@ -44,6 +44,7 @@ in the compute dtype):
           absmax into [-1, 1] and rounded to the nearest of the 16 NF4 levels.
 """
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -322,7 +323,9 @@ class LoraModel:
         self._eval_module = self.module if not config.dropout else self._wrap(module, 0.0)
         # qwix's own abstract init: the quantized kernels' WithAux templates, and a check
         # that it adapts exactly the targeted kernels.
-        template, adapters = split(jax.eval_shape(self.module.init_params, jax.random.key(0)))
+        with _tracers_without_origin():
+            template, adapters = split(jax.eval_shape(self.module.init_params,
+                                                      jax.random.key(0)))
         adapted = sorted({path.rsplit("_", 2)[0] for path in flat(adapters)})
         if adapted != sorted(self.kernels):
             missed = sorted(set(self.kernels) - set(adapted))
@@ -449,6 +452,26 @@ class LoraModel:
 
     def num_adapter_parameters(self) -> int:
         return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.adapter_shapes))
+
+
+@contextlib.contextmanager
+def _tracers_without_origin():
+    """qwix asks each adapted kernel for its sharding, `getattr(kernel, 'sharding', None)`
+    (qwix/_src/providers/lora.py, `_get_or_create_lora_params`); of a tracer JAX answers
+    with an AttributeError whose message first walks the whole trace so far back to the
+    value's origin (`DynamicJaxprTracer._origin_msg`). Over the abstract init of a whole
+    unscanned model that is quadratic in its depth: DeepSeek-V4-Flash's QLoRA build took
+    98 s, 77 of them there. getattr's default swallows the message unread, so while that
+    init is traced the origin is left out of tracers' messages (the error still raised)."""
+    from jax._src.interpreters import partial_eval
+
+    tracer = partial_eval.DynamicJaxprTracer
+    original = tracer._origin_msg
+    tracer._origin_msg = lambda self: ""
+    try:
+        yield
+    finally:
+        tracer._origin_msg = original
 
 
 def _expert_adapter_shapes(target: str, shapes: dict, rank: int) -> dict:
