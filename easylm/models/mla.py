@@ -183,14 +183,16 @@ class MultiHeadLatentAttention(nn.Module):
             if mask is None:
                 mask = jnp.arange(kv.shape[1])[None, None, :] <= positions[:, :, None]
         kv_b = self.dense(N * (P + V), "kv_b_proj")  # latent (..., C) -> (..., N (P + V))
-        if self.absorbs(T, cache):
+        if self.absorbs(T, cache, mask):
             out = self.absorbed(q_nope, q_rope, kv, self.kv_b_kernel(kv_b), mask)
         else:
             out = self.expanded(q_nope, q_rope, kv, kv_b, mask)
         out = self.dense(c.hidden_size, "o_proj", c.attention_bias)(out.reshape(B, T, N * V))
         return out, cache
 
-    def absorbs(self, T: int, cache) -> bool:
+    def absorbs(self, T: int, cache, mask=None) -> bool:
+        """Whether a call of T queries absorbs; `mask` is what `attend` was given (a
+        layer that attends over a few gathered keys, sparse_attention.py's, absorbs by it)."""
         if self.absorb is not None:
             return self.absorb
         c = self.config
@@ -279,8 +281,13 @@ class MultiHeadLatentAttention(nn.Module):
         q = jnp.concatenate([q_latent, q_rope], axis=-1)  # (B, T, N, C + R)
         # The cached row is the key; its latent part is also the value (its rope part
         # rides along as a value and is cut off).
-        out = attention(q, kv, kv, mask, c.attention, scale=c.softmax_scale)[..., :C]
+        out = self.latent_attention(q, kv, mask)[..., :C]
         return jnp.einsum("BTNC,CNV->BTNV", out, w[..., P:])
+
+    def latent_attention(self, q, kv, mask):
+        """q (B, T, N, C + R) over the cached rows kv (B, S, 1, C + R) as keys and values
+        under `mask` (B, T, S): (B, T, N, C + R)."""
+        return attention(q, kv, kv, mask, self.config.attention, scale=self.config.softmax_scale)
 
 
 class LatentRotary:
