@@ -208,12 +208,13 @@ class MultiHeadLatentAttention(nn.Module):
         """kv_b_proj's kernel (C, N, X) as its matmul computes with it, for absorbing. A
         variant's kernel (LoRA's W + s A B, qwix intercepting the matmul; int8's, stored as
         qwix's WithAux) is what kv_b_proj makes of the identity: C * C * N X multiply-adds a
-        call, which a plain kernel, read as it is, does not cost."""
+        call, which a plain kernel, read as it is, does not cost; so is one not made yet
+        (at init, which then makes it)."""
         c = self.config
         C, N = c.kv_lora_rank, c.num_attention_heads
         stored = self.variables.get("params", {}).get("kv_b_proj", {})
         kernel = stored.get("kernel")
-        if "kernel_lora_a" in stored or hasattr(kernel, "array"):
+        if kernel is None or "kernel_lora_a" in stored or hasattr(kernel, "array"):
             kernel = kv_b(jnp.eye(C, dtype=self.dtype))
         return kernel.astype(self.dtype).reshape(C, N, -1)
 
