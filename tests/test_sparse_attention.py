@@ -23,7 +23,8 @@ transformers = pytest.importorskip("transformers")
 import jax
 import hf_parity
 
-from easylm.models import registry
+from easylm.models import registry, sparse_attention
+from easylm.serving import engine as engine_lib
 
 V = 512  # the embedded tokenizer's, for the training run
 PROMPT = 300
@@ -69,33 +70,93 @@ def saved(request, tmp_path_factory):
     return family, directory, model, config, family.hf.read_params(directory, config)
 
 
-def _rel(config, terms=PROMPT):
+def _rel(config, terms=PROMPT, per_layer=11):
     """Relative error of the logits: per layer 11 reductions in sequence (DeepSeek-V3's:
     the q latent and its norm, q_b, the kv latent and its norm, kv_b, scores, their
     weighted sum, o; the router, gate/up, down) over at most max(D, F, keys) terms, then
-    the head. The indexer only chooses keys: with no tie at the boundary (module
-    docstring) it adds no error."""
+    the head; 13 where the keys are gathered (absorbed: the query through kv_b's key half
+    and the output through its value half in place of kv_b). The indexer only chooses
+    keys: with no tie at the boundary (module docstring) it adds no error."""
     return fp32_rel(max(config.hidden_size, config.intermediate_size, terms),
-                    11 * config.num_hidden_layers + 1)
+                    per_layer * config.num_hidden_layers + 1)
 
 
 def _prompt(n=PROMPT, seed=0):
     return [int(t) for t in np.random.default_rng(seed).integers(3, V, n)]
 
 
-def test_served_logprobs_of_a_long_prompt_match_transformers(saved):
-    """The engine's log-probabilities of a 300-token prompt (the indexer's keys cached) =
-    transformers'; twin (a full forward, the same tolerance): the indexer ignored, every
-    query attending to all its keys."""
+def test_served_logprobs_and_greedy_tokens_match_transformers(saved, monkeypatch):
+    """The engine (its default `topk_attention=auto`: here each query attends to its 16
+    kept latents only, gathered) prefilling a 300-token prompt in chunks of 64 over a cache
+    of 320, then decoding over it: the prompt's log-probabilities = transformers' (the
+    masked reference), 12 greedy tokens after it = `generate`. Twins (the same tolerance):
+    the indexer ignored (a full forward keeping every key), and the invisible keys of
+    queries that see fewer than k (the first 15 positions, whose chunk's later keys are
+    already cached) left unmasked in the gather (which `auto` must have chosen to differ)."""
     family, _, model, config, params = saved
     prompt = _prompt()
     expected, logits = hf_parity.reference_logprobs(model, prompt)
-    atol = 2 * _rel(config) * float(np.abs(logits).max())
-    assert_close(hf_parity.served_logprobs(family.bind(config), params, prompt), expected,
-                 rel=atol, scale=1.0)
+    atol = 2 * _rel(config, per_layer=13) * float(np.abs(logits).max())
+
+    def engine():
+        return engine_lib.Engine({"batch_size": 1, "seq_length": 320, "min_bucket": 64,
+                                  "decode_steps": 4, "prefill_chunk_size": 64},
+                                 family.bind(config), params)
+
+    served = engine()
+    assert_close(served.score([prompt[:-1]], [prompt[1:]])[0][0], expected, rel=atol,
+                 scale=1.0)
+    out = served.fetch(served.prefill([prompt], [0], engine_lib.Sampling.empty(1)))
+    tokens = [int(out[0][0, 0])]
+    for _ in range(3):
+        tokens += [int(t) for t in served.fetch(served.decode(
+            engine_lib.Sampling.empty(1)))[0][:, 0]]
+    with torch.no_grad():
+        assert tokens[:12] == model.generate(torch.tensor([prompt]), max_new_tokens=12,
+                                             do_sample=False)[0, PROMPT:].tolist()
     dense = family.module_class(config.replace(index_topk=PROMPT))
     assert_differs(hf_parity.module_logprobs(dense, params, prompt), expected, rel=atol,
                    scale=1.0)
+    unmasked = sparse_attention.gathered_attention
+    monkeypatch.setattr(sparse_attention, "gathered_attention", lambda q, kv, keys, scale: (
+        unmasked(q, kv, keys._replace(valid=keys.valid | True), scale)))
+    assert_differs(engine().score([prompt[:-1]], [prompt[1:]])[0][0], expected, rel=atol,
+                   scale=1.0)
+
+
+@pytest.mark.extended  # CI runs the engine's default (auto) only (its time budget)
+def test_masked_and_gathered_keys_serve_alike(saved):
+    """`topk_attention=mask` and `gather` forced: the engine's log-probabilities of the
+    prompt in chunks of 64 agree (each within the tolerance of transformers'); twin: one
+    key more kept in the gather."""
+    family, _, model, config, params = saved
+    prompt = _prompt()
+    expected, logits = hf_parity.reference_logprobs(model, prompt)
+    atol = 2 * _rel(config, per_layer=13) * float(np.abs(logits).max())
+
+    def scored(config):
+        return engine_lib.Engine({"batch_size": 1, "seq_length": 320, "min_bucket": 64,
+                                  "prefill_chunk_size": 64}, family.bind(config),
+                                 params).score([prompt[:-1]], [prompt[1:]])[0][0]
+
+    mask, gather = scored(config.replace(topk_attention="mask")), \
+        scored(config.replace(topk_attention="gather"))
+    assert_close(gather, mask, rel=2 * atol, scale=1.0)
+    assert_differs(scored(config.replace(topk_attention="gather", index_topk=TOPK + 1)),
+                   mask, rel=2 * atol, scale=1.0)
+
+
+def test_auto_gathers_where_it_counts_fewer_flops():
+    """`auto`'s rule at DeepSeek-V3.2's shape: a decode step gathers once the cache holds
+    more than the 2048 kept keys; a prefill chunk of 512 over 32k positions gathers (the
+    masked form would expand every cached latent), one of 2048 over 4096 does not (the
+    absorbed form costs 1088 multiply-adds a head and pair against the expanded 320)."""
+    config = registry.get("deepseek_v32").from_preset("deepseek_v3_2")
+    mla, k = config.mla(), config.index_topk
+    assert sparse_attention.gather_pays(mla, 1, 32768, k, dense_absorbs=True)
+    assert not sparse_attention.gather_pays(mla, 1, 2048, k, dense_absorbs=True)
+    assert sparse_attention.gather_pays(mla, 512, 32768, k, dense_absorbs=False)
+    assert not sparse_attention.gather_pays(mla, 2048, 4096, k, dense_absorbs=False)
 
 
 @pytest.mark.extended  # CI runs the served log-probabilities only (its time budget)

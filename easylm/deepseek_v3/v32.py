@@ -32,6 +32,10 @@ class DeepseekV32Config(DeepseekV3Config):
     index_n_heads: int = field(64, "indexer query heads")
     index_head_dim: int = field(128, "indexer head width (its first qk_rope_head_dim "
                                      "dims rotary)")
+    topk_attention: str = field("auto", "attention over the kept keys: gather (only their "
+                                        "latents), mask (full attention masked to them, as "
+                                        "transformers), auto (gather with a cache where it "
+                                        "counts fewer FLOPs)")
 
     def __post_init__(self):
         super().__post_init__()
@@ -39,6 +43,9 @@ class DeepseekV32Config(DeepseekV3Config):
                                          f"the q latent; give one (> 0)"),
                   (self.index_topk >= 1, f"index_topk={self.index_topk} must be >= 1"),
                   (self.index_n_heads >= 1, f"index_n_heads={self.index_n_heads} must be >= 1"),
+                  (self.topk_attention in sparse_attention.TOPK_ATTENTION,
+                   f"topk_attention={self.topk_attention!r} is not one of "
+                   f"{', '.join(sparse_attention.TOPK_ATTENTION)}"),
                   (self.qk_rope_head_dim <= self.index_head_dim,
                    f"index_head_dim={self.index_head_dim} must be at least "
                    f"qk_rope_head_dim={self.qk_rope_head_dim} (its rotary dims)"))

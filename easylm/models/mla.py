@@ -183,14 +183,16 @@ class MultiHeadLatentAttention(nn.Module):
             if mask is None:
                 mask = jnp.arange(kv.shape[1])[None, None, :] <= positions[:, :, None]
         kv_b = self.dense(N * (P + V), "kv_b_proj")  # latent (..., C) -> (..., N (P + V))
-        if self.absorbs(T, cache):
+        if self.absorbs(T, cache, mask):
             out = self.absorbed(q_nope, q_rope, kv, self.kv_b_kernel(kv_b), mask)
         else:
             out = self.expanded(q_nope, q_rope, kv, kv_b, mask)
         out = self.dense(c.hidden_size, "o_proj", c.attention_bias)(out.reshape(B, T, N * V))
         return out, cache
 
-    def absorbs(self, T: int, cache) -> bool:
+    def absorbs(self, T: int, cache, mask=None) -> bool:
+        """Whether a call of T queries absorbs; `mask` is what `attend` was given (a
+        layer that attends over a few gathered keys, sparse_attention.py's, absorbs by it)."""
         if self.absorb is not None:
             return self.absorb
         c = self.config
@@ -206,12 +208,13 @@ class MultiHeadLatentAttention(nn.Module):
         """kv_b_proj's kernel (C, N, X) as its matmul computes with it, for absorbing. A
         variant's kernel (LoRA's W + s A B, qwix intercepting the matmul; int8's, stored as
         qwix's WithAux) is what kv_b_proj makes of the identity: C * C * N X multiply-adds a
-        call, which a plain kernel, read as it is, does not cost."""
+        call, which a plain kernel, read as it is, does not cost; so is one not made yet
+        (at init, which then makes it)."""
         c = self.config
         C, N = c.kv_lora_rank, c.num_attention_heads
         stored = self.variables.get("params", {}).get("kv_b_proj", {})
         kernel = stored.get("kernel")
-        if "kernel_lora_a" in stored or hasattr(kernel, "array"):
+        if kernel is None or "kernel_lora_a" in stored or hasattr(kernel, "array"):
             kernel = kv_b(jnp.eye(C, dtype=self.dtype))
         return kernel.astype(self.dtype).reshape(C, N, -1)
 
@@ -279,8 +282,13 @@ class MultiHeadLatentAttention(nn.Module):
         q = jnp.concatenate([q_latent, q_rope], axis=-1)  # (B, T, N, C + R)
         # The cached row is the key; its latent part is also the value (its rope part
         # rides along as a value and is cut off).
-        out = attention(q, kv, kv, mask, c.attention, scale=c.softmax_scale)[..., :C]
+        out = self.latent_attention(q, kv, mask)[..., :C]
         return jnp.einsum("BTNC,CNV->BTNV", out, w[..., P:])
+
+    def latent_attention(self, q, kv, mask):
+        """q (B, T, N, C + R) over the cached rows kv (B, S, 1, C + R) as keys and values
+        under `mask` (B, T, S): (B, T, N, C + R)."""
+        return attention(q, kv, kv, mask, self.config.attention, scale=self.config.softmax_scale)
 
 
 class LatentRotary:

@@ -1,6 +1,7 @@
 """DeepSeek sparse attention (DSA: DeepSeek-V3.2, GLM-5) on multi-head latent attention
-(mla.py), as transformers 5.25's `DeepseekV32Attention` / `GlmMoeDsaAttention` compute it:
-a dense reference, the indexer's top-k turned into a mask over full attention.
+(mla.py), as transformers 5.25's `DeepseekV32Attention` / `GlmMoeDsaAttention` compute it
+(the reference: the indexer's top-k a mask over full attention) and, where it pays, by
+gathering only the kept keys (serving).
 
 Each layer's lightning indexer scores every visible key for every query, cheaply:
 
@@ -23,13 +24,26 @@ Serving: the indexer's keys are one more positional cache array per layer,
 learns its axes from `init_cache` shapes like any other. Shared layers cache the latent
 only.
 
-What the sparse form would save over this dense reference (docs/families.md gives the
-arithmetic): attention over topk keys instead of S, so O(T * topk) instead of O(T * S)
-score and value FLOPs; the indexer itself still scores all S keys, but with H * K
-(64 x 128 for DeepSeek-V3.2) multiply-adds per pair, in fp8 on the released kernels.
+Two ways to attend over the kept keys, equal up to summation order (`topk_attention`,
+a config field: auto, gather, mask):
+    mask     full MLA over all S keys under the mask of the kept ones, as transformers
+             computes it (absorbed or expanded, as MLA picks: mla.py)
+    gather   each query's k kept rows of the latent gathered (B, T, k, C + R) and attended
+             over in MLA's absorbed form (`gathered_attention`): k keys instead of S
+`auto` gathers where there is a cache (serving: decode, extend, each prefill chunk) and
+`gather_pays` counts fewer multiply-adds than the masked form; without a cache (training,
+a full forward) it masks. There the absorbed form costs 2C + R multiply-adds a head and
+pair against the expanded P + R + V (1088 against 320 at DeepSeek-V3.2's shape), so the
+gather counts fewer only past T ~ 3.4 k (~7,000 tokens a row), where the rows it holds for
+the backward pass, T * k * (C + R), are 16 GB bf16 a layer and more: a fused kernel's
+job (FlashMLA's sparse prefill), not XLA's gather.
+
+The indexer itself still scores all S keys (H * K multiply-adds a pair, 64 x 128 for
+DeepSeek-V3.2; fp8 on the released kernels): docs/families.md gives the arithmetic.
 
 Shape letters: B batch, T queries, S keys, D width, Q q_lora_rank, H indexer heads, K
-indexer head dim, R rotary dims.
+indexer head dim, R rotary dims, C MLA's latent, k the keys a query keeps (min(topk, S)),
+W = C + R a cached row.
 """
 
 import dataclasses
@@ -45,10 +59,11 @@ from easylm.models import sigmoid_moe_decoder
 from easylm.models.attention import dense_mask
 from easylm.models.context_parallel import SplitSequence
 from easylm.models.decoder import apply_rotary
-from easylm.models.mla import LatentCache, LatentRotary, MultiHeadLatentAttention
+from easylm.models.mla import LatentCache, LatentRotary, MLAConfig, MultiHeadLatentAttention
 from easylm.runtime.sharding import BATCH_AXES, constrain
 
 SHARED = "_shared_topk"  # suffix of a layer kind that reuses the last full layer's choice
+TOPK_ATTENTION = ("auto", "gather", "mask")  # the module docstring's two ways, or counted
 INDEXER_NORM_EPS = 1e-6  # transformers' k_norm: nn.LayerNorm(K, eps=1e-6)
 PARTITION_RULES = (
     (r"indexer/(wq_b|wk|weights_proj)/kernel", P("fsdp", None)),
@@ -92,6 +107,52 @@ class IndexedLatentCache(NamedTuple):
             k.astype(self.index_k.dtype)))
 
 
+class Selection(NamedTuple):
+    """The keys each query keeps: `top` (B, T, k) their positions (k = min(topk, S)) and
+    `valid` (B, T, k) whether each is visible. A query that sees fewer than k keys still
+    gets k positions, its invisible ones last (scored -inf), as torch.topk gives them; the
+    mask transformers builds from them keeps only the visible ones."""
+
+    top: jax.Array
+    valid: jax.Array
+
+    def mask(self, S: int):
+        """(B, T, S) bool: the kept visible keys."""
+        B, T, _ = self.top.shape
+        return jnp.zeros((B, T, S), bool).at[
+            jnp.arange(B)[:, None, None], jnp.arange(T)[None, :, None], self.top].set(self.valid)
+
+
+def gathered_attention(q, kv, selection: Selection, scale: float):
+    """q (B, T, N, W) over each query's kept rows of kv (B, S, 1, W), the rows its keys
+    and values: (B, T, N, W). attention.xla_attention's arithmetic (q scaled in its dtype,
+    scores in fp32, invisible ones at fp32's min, probabilities cast to the values' dtype)
+    over k rows instead of S, so it equals the masked form but for the order of the sums."""
+    B, T, k = selection.top.shape
+    rows = jnp.take_along_axis(kv[:, :, 0], selection.top.reshape(B, T * k, 1), axis=1)
+    rows = rows.reshape(B, T, k, kv.shape[-1])  # (B, T, k, W)
+    q = q * jnp.asarray(scale, q.dtype)
+    scores = jnp.einsum("BTNW,BTkW->BTNk", q, rows, preferred_element_type=jnp.float32)
+    scores = jnp.where(selection.valid[:, :, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1)
+    return jnp.einsum("BTNk,BTkW->BTNW", probs.astype(rows.dtype), rows)
+
+
+def gather_pays(mla: MLAConfig, T: int, S: int, k: int, dense_absorbs: bool) -> bool:
+    """Whether T queries over k gathered keys each (absorbed) count fewer multiply-adds
+    than the masked form over all S keys (absorbed, or expanded: MLA's choice). The
+    indexer, the same in both, is left out; so are the memory footprints (the gather holds
+    T * k rows of W, the masked form N * T * S scores and, expanded, S * N * (P + V))."""
+    C, R, N = mla.kv_lora_rank, mla.qk_rope_head_dim, mla.num_attention_heads
+    P, V = mla.qk_nope_head_dim, mla.v_head_dim
+    if dense_absorbs:  # the same form over S keys
+        return k < S
+    pair = N * (2 * C + R)  # absorbed: a score over C + R and a value over C, per head
+    fold = T * N * C * (P + V)  # the queries and outputs through kv_b_proj's halves
+    expanded = S * N * C * (P + V) + T * S * N * (P + R + V)
+    return k < S and T * k * pair + fold < expanded
+
+
 class LayerNorm(nn.Module):
     """transformers' nn.LayerNorm under its names (weight, bias), in fp32."""
 
@@ -120,8 +181,8 @@ def rotate(x, cos, sin, interleave: bool):
 
 class Indexer(nn.Module):
     """(x (B, T, D), q_latent (B, T, Q), cos, sin (B, T, R), positions (B, T), visible
-    (B, T, S) bool, cache) -> (selected (B, T, S) bool: the top-k visible keys of each
-    query, cache with this call's keys written)."""
+    (B or 1, T, S) bool, cache) -> (each query's top-k visible keys (`Selection`), cache
+    with this call's keys written)."""
 
     config: IndexerConfig
     dtype: jnp.dtype = jnp.float32
@@ -151,18 +212,19 @@ class Indexer(nn.Module):
         weights = self.dense(H, "weights_proj")(x32) * H ** -0.5  # (B, T, H)
         index = jnp.einsum("BTH,BTHS->BTS", weights, scores)
         index = jnp.where(visible, index, -jnp.inf)
-        _, top = jax.lax.top_k(index, min(c.topk, index.shape[-1]))  # (B, T, topk)
-        selected = jnp.zeros(index.shape, bool).at[
-            jnp.arange(B)[:, None, None], jnp.arange(T)[None, :, None], top].set(True)
-        return jax.lax.stop_gradient(selected), cache
+        _, top = jax.lax.top_k(index, min(c.topk, index.shape[-1]))  # (B, T, k)
+        valid = jnp.take_along_axis(jnp.broadcast_to(visible, index.shape), top, axis=-1)
+        return Selection(top, valid), cache
 
 
 class SparseLatentAttention(MultiHeadLatentAttention):
     """MLA over the keys an indexer selects: (x, cos, sin, positions, mask, cache,
-    selected) -> (out, cache, selected). With `indexer` None (a shared layer) the keys are
-    `selected`, the last full layer's."""
+    selected) -> (out, cache, selected (`Selection`)). With `indexer` None (a shared layer)
+    the keys are `selected`, the last full layer's. `gather`: `TOPK_ATTENTION`'s choice
+    (the module docstring)."""
 
     indexer: IndexerConfig | None = None
+    gather: str = "auto"
 
     @nn.compact
     def __call__(self, x, cos, sin, positions, mask=None, cache=None, selected=None):
@@ -171,14 +233,31 @@ class SparseLatentAttention(MultiHeadLatentAttention):
                             "with sp > 1) is not built: its indexer scores every key of the "
                             "sequence; use sp=1")
         T = x.shape[1]
-        visible = dense_mask(mask, T, T if cache is None else cache.kv.shape[1])
+        S = T if cache is None else cache.kv.shape[1]
+        visible = dense_mask(mask, T, S)
         q_latent = self.query_latent(x)
         if self.indexer is not None:
             selected, cache = Indexer(self.indexer, self.dtype, self.param_dtype,
                                       name="indexer")(x, q_latent, cos, sin, positions,
                                                       visible, cache)
-        out, cache = self.attend(x, q_latent, cos, sin, positions, visible & selected, cache)
+        keys = selected if self.gathers(T, S, selected.top.shape[-1], cache) \
+            else selected.mask(S)
+        out, cache = self.attend(x, q_latent, cos, sin, positions, keys, cache)
         return out, cache, selected
+
+    def gathers(self, T: int, S: int, k: int, cache) -> bool:
+        if self.gather != "auto":
+            return self.gather == "gather"
+        return cache is not None and gather_pays(
+            self.config, T, S, k, MultiHeadLatentAttention.absorbs(self, T, cache))
+
+    def absorbs(self, T: int, cache, mask=None) -> bool:
+        return isinstance(mask, Selection) or super().absorbs(T, cache, mask)
+
+    def latent_attention(self, q, kv, mask):
+        if isinstance(mask, Selection):
+            return gathered_attention(q, kv, mask, self.config.softmax_scale)
+        return super().latent_attention(q, kv, mask)
 
 
 def mlp_kind(kind: str) -> str:
@@ -196,7 +275,8 @@ class DecoderLayer(sigmoid_moe_decoder.DecoderLayer):
         x, selected = x if isinstance(x, tuple) else (x, None)
         own = None if self.kind.endswith(SHARED) else c.indexer()
         h, cache, selected = SparseLatentAttention(
-            c.mla(), self.dtype, self.param_dtype, indexer=own, name="self_attn")(
+            c.mla(), self.dtype, self.param_dtype, indexer=own, gather=c.topk_attention,
+            name="self_attn")(
             self.norm("input_layernorm")(x), cos, sin, positions, mask, cache, selected)
         x = x + h
         x = x + self.feed_forward(self.norm("post_attention_layernorm")(x), mlp_kind(self.kind))
@@ -228,10 +308,11 @@ class SparseMLACausalLM(LatentRotary, sigmoid_moe_decoder.SigmoidMoECausalLM):
 
     @classmethod
     def layer_stream(cls, config, x, input_ids, dtype, param_dtype, length: int):
-        """x, or (x, no key selected yet (B, T, length)) where layers share a choice."""
+        """x, or (x, no key selected yet) where layers share a choice."""
         if not config.shares_topk():
             return x, None
-        return (x, jnp.zeros((*x.shape[:2], length), bool)), None
+        shape = (*x.shape[:2], min(config.index_topk, length))  # (B, T, k)
+        return (x, Selection(jnp.zeros(shape, jnp.int32), jnp.zeros(shape, bool))), None
 
     @classmethod
     def stream_hidden(cls, config, stream):
