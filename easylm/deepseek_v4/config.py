@@ -19,6 +19,7 @@ from easylm.models import rope
 from easylm.models.config import ModelConfig, default, field
 from easylm.models.hf_checkpoint import config_fields
 from easylm.models.moe import ExpertMatmulConfig, MoEConfig, RouterLoss
+from easylm.models.sparse_attention import TOPK_ATTENTION
 from easylm.models.sigmoid_moe_decoder import check_model_type, skip_mtp
 
 ATTENTION_TYPES = ("sliding_attention", "compressed_sparse_attention",
@@ -63,6 +64,10 @@ class DeepseekV4Config(ExpertMatmulConfig, ModelConfig):
     index_n_heads: int = field(64, "the indexer's query heads")
     index_head_dim: int = field(128, "the indexer's head width")
     index_topk: int = field(512, "compressed entries the indexer keeps per query")
+    topk_attention: str = field("auto", "served attention over the kept keys: gather (only "
+                                        "the window's keys and the kept entries), mask (all "
+                                        "cached positions masked to them, as transformers), "
+                                        "auto (gather with a cache where it reads fewer keys)")
     hc_mult: int = field(4, "residual streams of the hyper-connections")
     hc_sinkhorn_iters: int = field(20, "Sinkhorn iterations of the stream-mixing matrix")
     hc_eps: float = field(1e-6, "the hyper-connections' epsilon")
@@ -96,6 +101,9 @@ class DeepseekV4Config(ExpertMatmulConfig, ModelConfig):
             fail(f"n_shared_experts={self.n_shared_experts}: one shared expert is built")
         if self.scoring_func not in SCORING:
             fail(f"scoring_func={self.scoring_func!r} is not one of {', '.join(SCORING)}")
+        if self.topk_attention not in TOPK_ATTENTION:
+            fail(f"topk_attention={self.topk_attention!r} is not one of "
+                 f"{', '.join(TOPK_ATTENTION)}")
         if self.compress_rope_type not in ("default", "yarn"):
             fail(f"compress_rope_type={self.compress_rope_type!r} is not one of default, yarn")
         if self.num_attention_heads * self.head_dim % self.o_groups:

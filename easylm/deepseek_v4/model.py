@@ -62,8 +62,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from easylm.deepseek_v4.config import DeepseekV4Config
-from easylm.models import moe
+from easylm.models import moe, sparse_attention
 from easylm.models.decoder import CausalLM, FP32ScaledRMSNorm, Sublayer
+from easylm.models.sparse_attention import Selection, use_gather
 from easylm.runtime.sharding import BATCH_AXES, constrain
 
 PARTITION_RULES = moe.PARTITION_RULES + (
@@ -191,8 +192,8 @@ def compressor_cache(batch: int, length: int, width: int, overlap: bool, dtype) 
 
 
 class Indexer(Sublayer):
-    """The lightning indexer: (which visible entries (B, T, W) each query keeps, the cache:
-    None, or with one, of the S entries at position resolution)."""
+    """The lightning indexer: (the visible entries each query keeps (a `Selection` of k
+    among W, or with a cache among the S entries at position resolution), the cache)."""
 
     @nn.compact
     def __call__(self, u, q_res, cos, sin, inv_freq, visible, positions=None, cache=None):
@@ -207,17 +208,10 @@ class Indexer(Sublayer):
                                         keys.astype(jnp.float32))) * I ** -0.5
         heads = self.dense(M, "weights_proj")(u).astype(jnp.float32) * M ** -0.5
         scores = jnp.einsum("BTMW,BTM->BTW", scores, heads)
-        scores = jnp.where(visible, scores, -jnp.inf)
         # The top k by index, not by a threshold: relu leaves ties (at 0) that a threshold
         # would all keep; ties go to the lower index (jax's top_k, as torch's on CPU), and
         # entries at position resolution keep the entries' order.
-        k = min(c.index_topk, keys.shape[1])
-        if k:
-            chosen = jax.lax.top_k(scores, k)[1]  # (B, T, k)
-            picked = jnp.zeros(scores.shape, bool)
-            picked = jax.vmap(jax.vmap(lambda row, at: row.at[at].set(True)))(picked, chosen)
-            visible = visible & picked
-        return visible, cache
+        return Selection.best(scores, visible, min(c.index_topk, keys.shape[1])), cache
 
 
 class Attention(Sublayer):
@@ -247,18 +241,23 @@ class Attention(Sublayer):
             same = True
         mask = same & (keys[:, None, :] <= queries[:, :, None]) & (
             queries[:, :, None] - keys[:, None, :] < c.sliding_window)  # (B, T, S)
+        entries = picked = None
         if c.compress_rate(self.attention_type):
-            entries, visible, cache = self.compressed(u, q_res, cos, sin, inv_freq, segment_ids,
-                                                      positions, keys, queries, cache)
-            kv = jnp.concatenate([kv, entries.astype(kv.dtype)], axis=1)
-            mask = jnp.concatenate([mask, visible], axis=-1)
-        logits = jnp.einsum("BTNH,BSH->BNTS", q.astype(jnp.float32),
-                            kv.astype(jnp.float32)) * H ** -0.5
-        logits = jnp.where(mask[:, None], logits, -jnp.inf)
+            entries, visible, picked, cache = self.compressed(
+                u, q_res, cos, sin, inv_freq, segment_ids, positions, keys, queries, cache)
         sink = self.param("attn_sink", nn.initializers.zeros, (N,), jnp.float32)
-        sink = jnp.broadcast_to(sink[None, :, None, None], (B, N, T, 1))
-        probs = jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
-        out = jnp.einsum("BNTS,BSH->BTNH", probs.astype(self.dtype), kv.astype(self.dtype))
+        if self.gathers(kv.shape[1], entries is not None, picked, cache):
+            out = self.gathered(q, kv, entries, picked, positions, sink)
+        else:
+            if entries is not None:
+                kv = jnp.concatenate([kv, entries.astype(kv.dtype)], axis=1)
+                mask = jnp.concatenate([mask, visible], axis=-1)
+            logits = jnp.einsum("BTNH,BSH->BNTS", q.astype(jnp.float32),
+                                kv.astype(jnp.float32)) * H ** -0.5
+            logits = jnp.where(mask[:, None], logits, -jnp.inf)
+            sink = jnp.broadcast_to(sink[None, :, None, None], (B, N, T, 1))
+            probs = jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
+            out = jnp.einsum("BNTS,BSH->BTNH", probs.astype(self.dtype), kv.astype(self.dtype))
         out = rotate(out, cos, -sin).reshape(B, T, G, N * H // G)
         wo_a = _Kernel((N * H // G, G * c.o_lora_rank), c.initializer_range, self.param_dtype,
                        name="wo_a")()
@@ -266,10 +265,43 @@ class Attention(Sublayer):
                          wo_a.astype(self.dtype).reshape(N * H // G, G, c.o_lora_rank))
         return self.dense(c.hidden_size, "wo_b")(out.reshape(B, T, G * c.o_lora_rank)), cache
 
+    def window(self, S: int) -> int:
+        return min(self.config.sliding_window, S)
+
+    def gathers(self, S: int, compressed: bool, picked, cache) -> bool:
+        """`topk_attention`'s choice (sparse_attention.use_gather). Served (keys at position
+        resolution), the masked form scores all S cached positions, and S more for a
+        compressed type; the gather reads the window and the kept entries (CSA: k; HCA: all
+        S / m), the same multiply-adds a key in both forms."""
+        m = self.config.compress_rate(self.attention_type)
+        kept = 0 if not compressed else picked.top.shape[-1] if picked is not None else S // m
+        return use_gather(self.config.topk_attention, cache,
+                          lambda: self.window(S) + kept < S * (1 + compressed))
+
+    def gathered(self, q, kv, entries, picked, positions, sink):
+        """The served sparse form: each query's window of cached keys and its compressed
+        entries (CSA: the indexer's `picked`; HCA: every entry position (w + 1) m - 1, those
+        past the query invisible) gathered and attended over with the sinks
+        (sparse_attention.attend_rows): (B, T, N, H)."""
+        B, S, H = kv.shape
+        selections = [(kv, Selection.window(positions, self.window(S)))]
+        if entries is not None:
+            if picked is None:  # HCA: every entry
+                m = self.config.compress_rate(self.attention_type)
+                top = jnp.broadcast_to((jnp.arange(S // m) + 1) * m - 1,
+                                       (*positions.shape, S // m))
+                picked = Selection(top, top <= positions[..., None])
+            selections.append((entries, picked))
+        rows = jnp.concatenate([sparse_attention.gather_rows(a, keys).astype(self.dtype)
+                                for a, keys in selections], axis=2)
+        valid = jnp.concatenate([keys.valid for _, keys in selections], axis=-1)
+        return sparse_attention.attend_rows(q.astype(jnp.float32), rows, valid, H ** -0.5, sink)
+
     def compressed(self, u, q_res, cos, sin, inv_freq, segment_ids, positions, keys, queries,
                    cache):
         """(the compressed entries (B, W or S, H), which each query sees (B, T, W or S),
-        the cache). Their parameters are made also when T < m (no entry then)."""
+        the indexer's `Selection` (CSA; else None), the cache). Their parameters are made
+        also when T < m (no entry then)."""
         c = self.config
         B, T, _ = u.shape
         m = c.compress_rate(self.attention_type)
@@ -290,13 +322,15 @@ class Attention(Sublayer):
                                                       cache["compressor"])
             visible = (keys[:, None, :] <= queries[:, :, None]) & (
                 (keys[:, None, :] + 1) % m == 0)
+        picked = None
         if csa:
-            visible, indexed = Indexer(c, self.dtype, self.param_dtype, name="indexer")(
+            picked, indexed = Indexer(c, self.dtype, self.param_dtype, name="indexer")(
                 u, q_res, cos, sin, inv_freq, visible, positions,
                 None if cache is None else cache["indexer"])
+            visible = picked.mask(visible.shape[-1])
             if cache is not None:
                 cache["indexer"] = indexed
-        return entries, visible, cache
+        return entries, visible, picked, cache
 
 
 def layer_cache(c: DeepseekV4Config, attention: str, batch: int, length: int, dtype) -> dict:

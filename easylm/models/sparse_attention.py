@@ -122,20 +122,61 @@ class Selection(NamedTuple):
         return jnp.zeros((B, T, S), bool).at[
             jnp.arange(B)[:, None, None], jnp.arange(T)[None, :, None], self.top].set(self.valid)
 
+    @classmethod
+    def best(cls, scores, visible, k: int):
+        """The k keys of highest `scores` (B, T, S) among the `visible` (B or 1, T, S), ties
+        to the lower position (jax's top_k, as torch's on CPU)."""
+        visible = jnp.broadcast_to(visible, scores.shape)
+        if not k:  # no key yet (DeepSeek-V4: no compressed entry before m tokens)
+            return cls(jnp.zeros((*scores.shape[:2], 0), jnp.int32), visible[..., :0])
+        _, top = jax.lax.top_k(jnp.where(visible, scores, -jnp.inf), k)
+        return cls(top, jnp.take_along_axis(visible, top, axis=-1))
+
+    @classmethod
+    def window(cls, positions, width: int):
+        """The `width` positions up to each query's (B, T) (its sliding window), those
+        before position 0 invisible."""
+        top = positions[..., None] - width + 1 + jnp.arange(width)
+        return cls(jnp.maximum(top, 0), top >= 0)
+
+
+def gather_rows(kv, selection: Selection):
+    """Each query's kept rows of kv (B, S, W): (B, T, k, W)."""
+    B, T, k = selection.top.shape
+    rows = jnp.take_along_axis(kv, selection.top.reshape(B, T * k, 1), axis=1)
+    return rows.reshape(B, T, k, kv.shape[-1])
+
+
+def attend_rows(q, rows, valid, scale: float, sink=None):
+    """q (B, T, N, W) over its own rows (B, T, k, W), which are its keys and values, the
+    `valid` (B, T, k) ones only: (B, T, N, W). attention.xla_attention's arithmetic (q
+    scaled in its dtype, scores in fp32, invisible ones at fp32's min, probabilities cast to
+    the values' dtype); `sink` (N,), fp32: a logit per head that joins the softmax and is
+    dropped (DeepSeek-V4's)."""
+    q = q * jnp.asarray(scale, q.dtype)
+    scores = jnp.einsum("BTNW,BTkW->BTNk", q, rows, preferred_element_type=jnp.float32)
+    scores = jnp.where(valid[:, :, None], scores, jnp.finfo(jnp.float32).min)
+    if sink is not None:
+        sink = jnp.broadcast_to(sink[:, None].astype(jnp.float32), (*scores.shape[:-1], 1))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
+    else:
+        probs = jax.nn.softmax(scores, axis=-1)
+    return jnp.einsum("BTNk,BTkW->BTNW", probs.astype(rows.dtype), rows)
+
 
 def gathered_attention(q, kv, selection: Selection, scale: float):
     """q (B, T, N, W) over each query's kept rows of kv (B, S, 1, W), the rows its keys
-    and values: (B, T, N, W). attention.xla_attention's arithmetic (q scaled in its dtype,
-    scores in fp32, invisible ones at fp32's min, probabilities cast to the values' dtype)
-    over k rows instead of S, so it equals the masked form but for the order of the sums."""
-    B, T, k = selection.top.shape
-    rows = jnp.take_along_axis(kv[:, :, 0], selection.top.reshape(B, T * k, 1), axis=1)
-    rows = rows.reshape(B, T, k, kv.shape[-1])  # (B, T, k, W)
-    q = q * jnp.asarray(scale, q.dtype)
-    scores = jnp.einsum("BTNW,BTkW->BTNk", q, rows, preferred_element_type=jnp.float32)
-    scores = jnp.where(selection.valid[:, :, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1)
-    return jnp.einsum("BTNk,BTkW->BTNW", probs.astype(rows.dtype), rows)
+    and values: (B, T, N, W) (`attend_rows`), so it equals the masked form but for the
+    order of the sums."""
+    return attend_rows(q, gather_rows(kv[:, :, 0], selection), selection.valid, scale)
+
+
+def use_gather(mode: str, cache, pays) -> bool:
+    """`TOPK_ATTENTION`'s choice: gather or mask as told; auto: gather with a cache where
+    `pays()` (the gather counts fewer multiply-adds: `gather_pays` for MLA)."""
+    if mode != "auto":
+        return mode == "gather"
+    return cache is not None and pays()
 
 
 def gather_pays(mla: MLAConfig, T: int, S: int, k: int, dense_absorbs: bool) -> bool:
@@ -211,10 +252,7 @@ class Indexer(nn.Module):
         scores = jax.nn.relu(jnp.einsum("BTHK,BSK->BTHS", q, k) * K ** -0.5)
         weights = self.dense(H, "weights_proj")(x32) * H ** -0.5  # (B, T, H)
         index = jnp.einsum("BTH,BTHS->BTS", weights, scores)
-        index = jnp.where(visible, index, -jnp.inf)
-        _, top = jax.lax.top_k(index, min(c.topk, index.shape[-1]))  # (B, T, k)
-        valid = jnp.take_along_axis(jnp.broadcast_to(visible, index.shape), top, axis=-1)
-        return Selection(top, valid), cache
+        return Selection.best(index, visible, min(c.topk, index.shape[-1])), cache
 
 
 class SparseLatentAttention(MultiHeadLatentAttention):
@@ -246,10 +284,8 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         return out, cache, selected
 
     def gathers(self, T: int, S: int, k: int, cache) -> bool:
-        if self.gather != "auto":
-            return self.gather == "gather"
-        return cache is not None and gather_pays(
-            self.config, T, S, k, MultiHeadLatentAttention.absorbs(self, T, cache))
+        return use_gather(self.gather, cache, lambda: gather_pays(
+            self.config, T, S, k, MultiHeadLatentAttention.absorbs(self, T, cache)))
 
     def absorbs(self, T: int, cache, mask=None) -> bool:
         return isinstance(mask, Selection) or super().absorbs(T, cache, mask)
