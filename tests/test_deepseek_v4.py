@@ -23,6 +23,7 @@ from serving_utils import assert_engine_greedy_equals_generate
 from easylm.deepseek_v4 import hf, model as v4_model
 from easylm.deepseek_v4.family import FAMILY
 from easylm.errors import UserError
+from easylm.models import sparse_attention
 from easylm.serving.engine import Engine, Sampling
 
 V = 512  # the embedded tokenizer's, for the training run
@@ -144,22 +145,42 @@ def test_logprobs_of_a_long_prompt_match_transformers(saved):
     assert_differs(collapsed, expected, rel=atol, scale=1.0)
 
 
-def served(config, params, prompt, chunk=CHUNK):
-    """The engine's log-probabilities of prompt[1:], its prompt `chunk` tokens a call."""
+def served(config, params, prompt, chunk=CHUNK, scored=None):
+    """The engine's log-probabilities of prompt[1:], its prompt `chunk` tokens a call (and
+    with `scored`, the tokens after, and whether each is the greedy choice)."""
+    tokens = prompt + (scored or [])
     engine = Engine({"batch_size": 1, "seq_length": 320, "min_bucket": 320,
                      "prefill_chunk_size": chunk}, FAMILY.bind(config), params)
-    return engine.score([prompt[:-1]], [prompt[1:]])[0][0]
+    logprobs, greedy = engine.score([tokens[:-1]], [tokens[1:]])[0][:2]
+    return (logprobs[:len(prompt) - 1], greedy[len(prompt) - 1:]) if scored else logprobs
 
 
-def test_served_logprobs_of_a_long_prompt_match_transformers(saved):
-    """Through the engine's caches, 100 tokens a chunk: the CSA (4, with the window before)
-    and HCA (8) windows straddle the chunks' edges, so entries are made from windows
-    pending in the cache; same tolerance as the full forward (the same sums)."""
+def test_served_logprobs_and_greedy_tokens_through_the_gather_match_transformers(
+        saved, monkeypatch):
+    """Through the engine's caches, 100 tokens a chunk, its default `topk_attention=auto`
+    gathering each query's keys: the window's 16 and its kept entries (CSA: 3 of up to 78;
+    HCA: every one, up to 39) of the 320 cached positions. The CSA (4, with the window
+    before) and HCA (8) windows straddle the chunks' edges, so entries are made from
+    windows pending in the cache. Log-probabilities of the 300-token prompt = transformers'
+    (same tolerance as the full forward: the same sums, over fewer keys); `generate`'s 12
+    greedy tokens after it, scored with it, are each the engine's greedy choice (decoding
+    them one by one: the extended greedy tests). Twin: the gather's invisible keys unmasked
+    (the first 15 queries' window slots before position 0, the entries past each query),
+    which only the gather reads."""
     _, model, config, params = saved
     prompt = _prompt()
     expected, logits = hf_parity.reference_logprobs(model, prompt)
     atol = 2 * _rel(config) * float(np.abs(logits).max())
-    assert_close(served(config, params, prompt), expected, rel=atol, scale=1.0)
+    with torch.no_grad():
+        greedy = model.generate(torch.tensor([prompt]), max_new_tokens=12,
+                                do_sample=False)[0, PROMPT:].tolist()
+    logprobs, chosen = served(config, params, prompt, scored=greedy)
+    assert_close(logprobs, expected, rel=atol, scale=1.0)
+    assert chosen.tolist() == [True] * 12
+    attend = sparse_attention.attend_rows
+    monkeypatch.setattr(sparse_attention, "attend_rows", lambda q, rows, valid, scale, sink: (
+        attend(q, rows, valid | True, scale, sink)))
+    assert_differs(served(config, params, prompt), expected, rel=atol, scale=1.0)
 
 
 @pytest.mark.extended  # CI runs the served log-probabilities and the full forward's twins
