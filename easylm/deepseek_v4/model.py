@@ -1,7 +1,9 @@
 """DeepSeek-V4's model on the shared decoder (easylm/models/decoder.py), as transformers
-5.25's modeling_deepseek_v4.py computes it. A dense reference: every query is scored
-against all T tokens and all compressed entries and masked where transformers masks
-(docs/model.md says what the sparse form would save).
+5.25's modeling_deepseek_v4.py computes it. Without a cache a dense reference: every query
+is scored against all T tokens and all compressed entries and masked where transformers
+masks. Served, `topk_attention` (auto: with a cache) gathers each query's keys instead:
+its window and its kept entries (`Attention.gathered`, sparse_attention's Selection and
+attend_rows; docs/model.md counts what it saves).
 
 Served (a cache, `layer_cache`), every array is positional (B, S, ...), so the engine's
 generic code slices, pages and writes it by position with no state per slot: the shared
