@@ -67,7 +67,8 @@ class DeepseekV4Config(ExpertMatmulConfig, ModelConfig):
     topk_attention: str = field("auto", "served attention over the kept keys: gather (only "
                                         "the window's keys and the kept entries), mask (all "
                                         "cached positions masked to them, as transformers), "
-                                        "auto (gather with a cache where it reads fewer keys)")
+                                        "auto (gather where it reads fewer keys); without a "
+                                        "cache (training) always mask")
     hc_mult: int = field(4, "residual streams of the hyper-connections")
     hc_sinkhorn_iters: int = field(20, "Sinkhorn iterations of the stream-mixing matrix")
     hc_eps: float = field(1e-6, "the hyper-connections' epsilon")

@@ -271,14 +271,16 @@ class Attention(Sublayer):
         return min(self.config.sliding_window, S)
 
     def gathers(self, S: int, compressed: bool, picked, cache) -> bool:
-        """`topk_attention`'s choice (sparse_attention.use_gather). Served (keys at position
+        """`topk_attention`'s choice (sparse_attention.use_gather), served only: without a
+        cache (training, a full forward) always the mask. Served (keys at position
         resolution), the masked form scores all S cached positions, and S more for a
         compressed type; the gather reads the window and the kept entries (CSA: k; HCA: all
         S / m), the same multiply-adds a key in both forms."""
         m = self.config.compress_rate(self.attention_type)
         kept = 0 if not compressed else picked.top.shape[-1] if picked is not None else S // m
-        return use_gather(self.config.topk_attention, cache,
-                          lambda: self.window(S) + kept < S * (1 + compressed))
+        return cache is not None and use_gather(
+            self.config.topk_attention, cache,
+            lambda: self.window(S) + kept < S * (1 + compressed))
 
     def gathered(self, q, kv, entries, picked, positions, sink):
         """The served sparse form: each query's window of cached keys and its compressed
