@@ -41,6 +41,10 @@ job (FlashMLA's sparse prefill), not XLA's gather.
 The indexer itself still scores all S keys (H * K multiply-adds a pair, 64 x 128 for
 DeepSeek-V3.2; fp8 on the released kernels): docs/families.md gives the arithmetic.
 
+DeepSeek-V4's served attention (easylm/deepseek_v4/model.py) takes the same pieces: its
+indexer's pick is a `Selection` (`Selection.best`), its sliding window one too
+(`Selection.window`), and `gather_rows` / `attend_rows` (with its sinks) attend over them.
+
 Shape letters: B batch, T queries, S keys, D width, Q q_lora_rank, H indexer heads, K
 indexer head dim, R rotary dims, C MLA's latent, k the keys a query keeps (min(topk, S)),
 W = C + R a cached row.
@@ -141,9 +145,11 @@ class Selection(NamedTuple):
 
 
 def gather_rows(kv, selection: Selection):
-    """Each query's kept rows of kv (B, S, W): (B, T, k, W)."""
+    """Each query's kept rows of kv (B, S, W): (B, T, k, W). A position past S (a padded
+    or idle row's window: the engine's decode reads a prefix of the cache) reads row S - 1,
+    not take_along_axis's NaN fill, which would reach the row's output through its 0 weight."""
     B, T, k = selection.top.shape
-    rows = jnp.take_along_axis(kv, selection.top.reshape(B, T * k, 1), axis=1)
+    rows = jnp.take_along_axis(kv, selection.top.reshape(B, T * k, 1), axis=1, mode="clip")
     return rows.reshape(B, T, k, kv.shape[-1])
 
 
