@@ -361,7 +361,7 @@ def test_redefaulted_flags_keep_the_directories_runs_had(argv, old_id):
     # --lora.base_dtype defaulted to auto (computed by the code at cac0ba9), and before
     # --lora.target_modules' default took the expert stacks too, and before the
     # weight-decay exclusions' default named DeepSeek-V3's routing bias and Gemma 4's
-    # layer_scalar, and before GRPO's dynamic sampling and multi-turn flags (computed at 77b6cac): the same command still
+    # layer_scalar, and before GRPO's dynamic sampling, multi-turn and pages flags (computed at 77b6cac): the same command still
     # resumes its run; a setting that trains otherwise is another run.
     def run_id(*extra):
         config = train.parse_flags(["train", *argv, *extra])

@@ -280,7 +280,9 @@ _ADDED = {"grpo.dynamic_sampling": False, "grpo.max_sampling_rounds": 4,
           # a group's prompt prefilled once: the same rows as each copy prefilled
           "grpo.share_prompts": True,
           # the rollouts' cache dense: the rows and samples a paged cache gives too
-          "grpo.page_size": 0}
+          "grpo.page_size": 0,
+          # decoding through gathered windows: the rows decoding from the pages gives too
+          "grpo.decode_from_pages": False}
 
 
 def _hashed(name: str, value):
