@@ -183,8 +183,8 @@ def test_warmup_compiles_a_fixed_set_and_no_mix_of_requests_compiles_after(
     min_bucket), prefill_budget // bucket rows a call (so one program per bucket,
     whatever the number of prompts); decode windows over 16, 32 cache positions
     (doubling from max(min_bucket, seq_length / 8)); each for greedy and for sampling;
-    with pages (and sharing), per length bucket the extend of B rows that runs the rest
-    of a prompt after the pages it shares (`prefill_after`).
+    with pages (and sharing), per page length and length bucket the extend of B rows
+    that runs the rest of a prompt after the pages it shares (`prefill_after`).
     Then a random mix of requests (prompt lengths, max_tokens, shared prompts, greedy and
     sampled, more than the slots; with pages, prompts that start with a finished one's
     pages) compiles nothing at all: no program and no eager operation. Negative twins:
@@ -204,7 +204,8 @@ def test_warmup_compiles_a_fixed_set_and_no_mix_of_requests_compiles_after(
     kinds = (sampling_lib.GREEDY,) + (() if page_size else (sampling_lib.SAMPLE,))
     expected = {**{("prefill", sample): len(lengths) for sample in kinds},
                 **{("decode", sample, w): 1 for sample in kinds for w in windows},
-                **{("extend", sample): len(lengths) for sample in kinds if page_size},
+                **{("extend", sample): len({page_size, *lengths}) for sample in kinds
+                   if page_size},
                 **({} if page_size else {("score",): len(lengths)})}
     batcher, model, params = make_batcher(
         mesh=make_mesh(mesh_dim), seq_length=seq_length, batch_size=4,

@@ -378,3 +378,31 @@ def test_prompt_programs_make_logits_at_each_rows_last_token_only(monkeypatch):
 
     monkeypatch.setattr(programs, "_forward", every_position)
     assert min(_prompt_program_temporaries(model, params).values()) >= whole
+
+
+def test_a_rest_within_a_page_runs_through_a_page_long_extend():
+    """A prompt whose pages but the last are shared (a GRPO copy, a repeated conversation)
+    runs its rest padded to one page, not to a prompt length bucket, and draws what the
+    dense engine draws for the whole prompt. Twin: padded to the prompt bucket as before
+    (32 positions for a 2-token rest): the same token, 4x the positions run."""
+    family, config = KINDS["llama"]()
+    model = family.bind(config)
+    params = jax.jit(model.init_params)(jax.random.PRNGKey(0))
+    engine = Engine({**ENGINE, "page_size": 8}, model, params)
+    a = [t % model.vocab_size for t in PROMPT_A]
+    e = a[:8] + [3, 4]  # A's first page, then a rest of 2
+    dense = Engine(ENGINE, model, params)
+    want = dense.fetch(dense.prefill([e], [1], Sampling.empty(1)))
+    assert engine.after_buckets == [8, 32]
+    padded, extend = [], engine._extend
+    engine._extend = lambda *args: padded.append(args[-1]) or extend(*args)
+    for buckets in (engine.after_buckets, engine.length_buckets):
+        engine.reset()
+        engine.after_buckets = buckets
+        engine.fetch(engine.prefill([a], [0], Sampling.empty(1)))
+        start = engine.claim(1, 32, e)
+        assert start == 8
+        got = engine.fetch(engine.prefill_after([e], [1], [start], Sampling.empty(1)))
+        np.testing.assert_array_equal(got[0][:, :1], want[0][:, :1])
+        np.testing.assert_allclose(got[1][:, :1], want[1][:, :1], atol=1e-5, rtol=0)
+    assert padded == [8, 32]

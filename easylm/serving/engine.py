@@ -247,6 +247,11 @@ class Engine:
         self.batch_size, self.seq_length = config.batch_size, config.seq_length
         self.length_buckets = buckets(config.seq_length, config.min_bucket)
         self.row_buckets = buckets(config.batch_size, 1)  # an extend's rows
+        # Lengths `prefill_after` pads a prompt's rest to: one page first (a GRPO group's
+        # copies share every full page before the prompt's last token, so their rest is at
+        # most a page: a 512-token bucket would run 32x the tokens), then the prompts'.
+        self.after_buckets = sorted({*self.length_buckets, *(
+            [config.page_size] if 0 < config.page_size < config.seq_length else [])})
         # Rows of one prefill or score call of each length bucket: prefill_budget tokens
         # (1 to B rows), so each bucket has one program whatever the number of prompts.
         self.prefill_rows = {T: min(config.batch_size, max(1, config.prefill_budget // T))
@@ -692,10 +697,11 @@ class Engine:
                       sampling: Sampling):
         """`prefill` of prompts whose first starts[i] positions their slots' shared pages
         already hold (`claim`): only the rest runs through the model (`extend`), in a
-        call of B rows padded to a prompt length bucket: the programs `warmup` compiles."""
+        call of B rows padded to a page or a prompt length bucket (`after_buckets`): the
+        programs `warmup` compiles."""
         suffixes = [p[s:] for p, s in zip(prompts, starts)]
         out = self._extend(suffixes, slots, starts, sampling, self.batch_size,
-                           bucket_for(max(map(len, suffixes)), self.length_buckets))
+                           bucket_for(max(map(len, suffixes)), self.after_buckets))
         self.prompt_tokens["prefilled"] += sum(len(p) - s for p, s in zip(prompts, starts))
         self.prompt_tokens["cached"] += sum(starts)
         self._index(slots, prompts)
@@ -745,7 +751,7 @@ class Engine:
             programs += [(self._extend_fns[kind], (self.weights, self.state,
                                                    self._dummy_suffixes(T),
                                                    self._dummy_sampling(B, kind)))
-                         for T in self.length_buckets]
+                         for T in self.after_buckets]
         if score:
             programs += [(self._score_fn, (self.weights, *[np.zeros(
                 (self.prefill_rows[T], T), np.int32)] * 2)) for T in self.length_buckets]
@@ -762,7 +768,7 @@ class Engine:
                 f"prefill{' and score' * score} of prompt lengths {self.length_buckets} "
                 f"({rows} rows a call), decode over cache windows {self.decode_buckets} ({B} "
                 f"slots, {self.config.decode_steps} steps a call), "
-                f"{'prompts after shared pages, ' * self._share_pages}"
+                f"{f'prompts of {self.after_buckets} after shared pages, ' * self._share_pages}"
                 f"{', '.join(KIND_NAMES[k] for k in sample)}")
         log.info(line)
         return line
@@ -785,7 +791,7 @@ class Engine:
             # positions are written again before its queries can see them.
             for length in self.decode_buckets:
                 jax.block_until_ready(self._decode(self._dummy_sampling(B, kind), length))
-            for T in self.length_buckets if self._share_pages else ():
+            for T in self.after_buckets if self._share_pages else ():
                 self.state, out = self._run(self._extend_fns[kind], self.weights, self.state,
                                             self._dummy_suffixes(T), self._dummy_sampling(B, kind))
                 jax.block_until_ready(out)
