@@ -8,20 +8,19 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
-# The tests' tiny models are compile-bound: LLVM at -O0 and XLA's loop emitters instead of
-# its MLIR fusion emitters compile them faster (CPU time of an ep = fsdp training test:
-# 34.8 s, 23.7 s at -O0, 19.6 s with both; whole suite 2,668 s at -O0, 2,034 s with both).
-# Exported, so xdist workers and the commands the tests start inherit them (tests that set
-# their own device count keep them: cli_utils.xla_flags). They change float bits (another
-# fusion, instruction selection and summing order), so a test compares bits only between
-# runs of one program in one environment: two programs that differ in a constant (a run of
-# 1 step and one of 3, whose schedules differ) may be fused otherwise (test_image_chats'
-# cache run is the JSONL run's command). The README's quick start, whose printed losses the
-# README shows, runs with XLA's defaults (test_readme.newcomer_env). One whole-suite run
-# with both flags lost a worker to a segmentation fault inside XLA's serialization of a
-# compiled program (JAX's persistent cache, which an earlier in-process test had switched
-# on); that program compiled and serialized 100 times with both flags did not crash.
-COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+# The tests' tiny models are compile-bound: LLVM at -O0 compiles them faster (CPU time of
+# an ep = fsdp training test: 34.8 s, 23.7 s at -O0). Exported, so xdist workers and the
+# commands the tests start inherit it (tests that set their own device count keep it:
+# cli_utils.xla_flags). It may change float bits, so a test compares bits only between
+# runs of one program in one environment (two programs that differ in a constant, a run
+# of 1 step and one of 3, may be fused otherwise: test_image_chats' cache run is the JSONL
+# run's command). The README's quick start, whose printed losses the README shows, runs
+# with XLA's defaults (test_readme.newcomer_env). Not also `--xla_cpu_use_fusion_emitters=
+# false` (XLA's older loop emitters: whole suite 2,668 -> 1,531 s with both): two of three
+# whole-suite runs with both lost an xdist worker to a segmentation fault (once inside
+# JAX's serialization of a compiled program for its persistent cache, once in
+# test_sharding; not reproduced alone), which would fail CI.
+COMPILE_FLAGS = ("--xla_backend_optimization_level=0",)
 for flag in COMPILE_FLAGS:
     if flag.split("=")[0] not in os.environ["XLA_FLAGS"]:
         os.environ["XLA_FLAGS"] += " " + flag
