@@ -380,7 +380,7 @@ def test_prompt_programs_make_logits_at_each_rows_last_token_only(monkeypatch):
     assert min(_prompt_program_temporaries(model, params).values()) >= whole
 
 
-def test_a_rest_within_a_page_runs_through_a_page_long_extend():
+def test_a_rest_within_a_page_runs_through_a_page_long_extend(monkeypatch):
     """A prompt whose pages but the last are shared (a GRPO copy, a repeated conversation)
     runs its rest padded to one page, not to a prompt length bucket, and draws what the
     dense engine draws for the whole prompt. Twin: padded to the prompt bucket as before
@@ -396,9 +396,10 @@ def test_a_rest_within_a_page_runs_through_a_page_long_extend():
     assert engine.after_buckets == [8, 32]
     padded, extend = [], engine._extend
     engine._extend = lambda *args: padded.append(args[-1]) or extend(*args)
-    for buckets in (engine.after_buckets, engine.length_buckets):
+    for twin in (False, True):
+        if twin:
+            monkeypatch.setattr(Engine, "after_buckets", property(lambda e: e.length_buckets))
         engine.reset()
-        engine.after_buckets = buckets
         engine.fetch(engine.prefill([a], [0], Sampling.empty(1)))
         start = engine.claim(1, 32, e)
         assert start == 8

@@ -247,11 +247,6 @@ class Engine:
         self.batch_size, self.seq_length = config.batch_size, config.seq_length
         self.length_buckets = buckets(config.seq_length, config.min_bucket)
         self.row_buckets = buckets(config.batch_size, 1)  # an extend's rows
-        # Lengths `prefill_after` pads a prompt's rest to: one page first (a GRPO group's
-        # copies share every full page before the prompt's last token, so their rest is at
-        # most a page: a 512-token bucket would run 32x the tokens), then the prompts'.
-        self.after_buckets = sorted({*self.length_buckets, *(
-            [config.page_size] if 0 < config.page_size < config.seq_length else [])})
         # Rows of one prefill or score call of each length bucket: prefill_budget tokens
         # (1 to B rows), so each bucket has one program whatever the number of prompts.
         self.prefill_rows = {T: min(config.batch_size, max(1, config.prefill_budget // T))
@@ -298,6 +293,14 @@ class Engine:
         # Replicated outputs: each host's process can read them (sharded ones would not).
         self._score_fn = jax.jit(functools.partial(_score, model, config.prefill_chunk_size), **(
             {} if mesh is None else {"out_shardings": NamedSharding(mesh, P())}))
+
+    @property
+    def after_buckets(self) -> list[int]:
+        """Lengths `prefill_after` pads a prompt's rest to: one page first (a GRPO group's
+        copies share every full page before the prompt's last token, so their rest is at
+        most a page: a 512-token bucket would run 32x the tokens), then the prompts'."""
+        Z = self.config.page_size
+        return sorted({*self.length_buckets, *([Z] if 0 < Z < self.seq_length else [])})
 
     def _state_program(self):
         """(the state's shardings or None, the program that makes a zero state): the
