@@ -45,7 +45,7 @@ Batch = dict  # name -> (B, T) arrays: input_tokens, target_tokens, loss_masks, 
 class ForwardOut:
     """What `Model.forward` gives: each field is there when it was asked for, else None."""
 
-    logits: jax.Array | None = None  # (B, T, V) in the compute dtype (not with return_hidden)
+    logits: jax.Array | None = None  # (B, T, V) in the compute dtype, (B, 1, V) with logits_at
     hidden: jax.Array | None = None  # (B, T, D), the final norm's output (return_hidden)
     cache: Any = None  # the cache passed in, with this call's entries written
     router_stats: moe.RouterStats | None = None  # the routers' statistics (router_stats=True)
