@@ -11,6 +11,7 @@ from numerics import assert_close, assert_differs, fp32_rel
 from serving_utils import full_forward_greedy, make_batcher, tokenizer  # noqa: F401 (a fixture)
 
 from easylm.serving.batcher import Generation, SamplingParams
+from easylm.runtime.compilation import counting_compiles
 from easylm.serving.engine import Engine, Sampling
 
 CHUNK = 8
@@ -122,20 +123,42 @@ def test_a_staged_prefill_keeps_a_recurrent_state_while_others_decode():
 
 def test_a_staged_prefill_on_a_mesh_compiles_each_program_once():
     """On a (1, 2, 4) mesh, as the server runs: the carry keeps the cache's shardings from
-    chunk to chunk (one compile of the chunk program for all of them, and none for a
-    second prompt), and the first token is the one-call prefill's."""
+    chunk to chunk (the chunk program compiles at the first chunk only), a second prompt
+    compiles nothing, and the first token is the one-call prefill's. Compiles are counted
+    by XLA's compile events (a jitted function's `_cache_size` is a process-wide LRU's
+    view and read 0 for a program that had just run, once, in a CI worker), with the
+    persistent cache off (a hit there is no compile event)."""
     from easylm.runtime.sharding import make_mesh
 
     batcher, _, _ = make_batcher(mesh=make_mesh("1,2,4"), batch_size=2, min_bucket=CHUNK,
                                  prefill_chunk_size=2 * CHUNK)
     batcher.stop()  # the engine alone
     engine = batcher.engine
-    one_call = engine.fetch(engine.prefill([LONG], [0], Sampling.empty(1)))[0]
-    for _ in range(2):
-        staged = engine.begin_prefill([LONG], [1], Sampling.empty(1))
-        while (out := engine.prefill_step(staged)) is None:
-            engine.decode(Sampling.empty(2))
-        np.testing.assert_array_equal(engine.fetch(out)[0], one_call)
+    persistent = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        one_call = engine.fetch(engine.prefill([LONG], [0], Sampling.empty(1)))[0]
+        engine.decode(Sampling.empty(2))  # compiled before the staged prefills
+        per_call = []  # each prompt's compiles: (start, each chunk's)
+        for _ in range(2):
+            with counting_compiles() as started:
+                staged = engine.begin_prefill([LONG], [1], Sampling.empty(1))
+            chunks = []
+            while True:
+                with counting_compiles() as compiles:
+                    out = engine.prefill_step(staged)
+                chunks.append(len(compiles))
+                if out is not None:
+                    break
+                with counting_compiles() as compiles:
+                    engine.decode(Sampling.empty(2))
+                assert compiles == []
+            np.testing.assert_array_equal(engine.fetch(out)[0], one_call)
+            per_call.append((len(started), chunks))
+    finally:
+        jax.config.update("jax_enable_compilation_cache", persistent)
     assert staged.chunks == 4
-    start, chunk, end = engine._staged_fns(engine.prefill_rows[64], 64)
-    assert (start._cache_size(), chunk._cache_size(), end[False]._cache_size()) == (1, 1, 1)
+    (start, chunks), again = per_call
+    # The first prompt: its start, its first chunk and its end (at the last chunk) compile.
+    assert start >= 1 and chunks[0] >= 1 and chunks[1:-1] == [0, 0] and chunks[-1] >= 1
+    assert again == (0, [0, 0, 0, 0])
