@@ -36,6 +36,10 @@ class DeepseekV32Config(DeepseekV3Config):
                                         "latents), mask (full attention masked to them, as "
                                         "transformers), auto (gather with a cache where it "
                                         "counts fewer FLOPs)")
+    query_block: int = field(0, "without a cache (training, scoring), the masked attention "
+                                "and the indexer's top-k this many queries at a time, each "
+                                "block recomputed in the backward pass: memory O(heads x "
+                                "block x keys) a layer, not O(heads x keys^2); 0: all at once")
 
     def __post_init__(self):
         super().__post_init__()
@@ -46,6 +50,11 @@ class DeepseekV32Config(DeepseekV3Config):
                   (self.topk_attention in sparse_attention.TOPK_ATTENTION,
                    f"topk_attention={self.topk_attention!r} is not one of "
                    f"{', '.join(sparse_attention.TOPK_ATTENTION)}"),
+                  (self.query_block >= 0, f"query_block={self.query_block} must be >= 0 "
+                                          f"(0: all queries at once)"),
+                  (not (self.query_block and self.topk_attention == "gather"),
+                   f"query_block={self.query_block} blocks the masked form; "
+                   f"topk_attention=gather trains through the gather (use auto or mask)"),
                   (self.qk_rope_head_dim <= self.index_head_dim,
                    f"index_head_dim={self.index_head_dim} must be at least "
                    f"qk_rope_head_dim={self.qk_rope_head_dim} (its rotary dims)"))

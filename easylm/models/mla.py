@@ -271,8 +271,12 @@ class MultiHeadLatentAttention(nn.Module):
         # dimensions add nothing to a score, and padded value columns are cut off).
         width = max(c.qk_head_dim, V)
         q, k, v = (jnp.pad(a, [(0, 0)] * 3 + [(0, width - a.shape[-1])]) for a in (q, k, v))
-        out = attention(q, k, v, mask, c.attention, scale=c.softmax_scale)
-        return out[..., :V]
+        return self.expanded_attention(q, k, v, mask)[..., :V]
+
+    def expanded_attention(self, q, k, v, mask):
+        """q (B, T, N, W), k, v (B, S, N, W) under `mask`: (B, T, N, W). A layer that
+        attends otherwise (sparse_attention.py's, by blocks of queries) overrides it."""
+        return attention(q, k, v, mask, self.config.attention, scale=self.config.softmax_scale)
 
     def absorbed(self, q_nope, q_rope, kv, w, mask):
         """Attention on the cache as it is, one key/value head of C + R: (B, T, N, V)."""

@@ -60,7 +60,7 @@ from jax.sharding import PartitionSpec as P
 
 from easylm.errors import UserError
 from easylm.models import sigmoid_moe_decoder
-from easylm.models.attention import dense_mask
+from easylm.models.attention import attention, dense_mask
 from easylm.models.context_parallel import SplitSequence
 from easylm.models.decoder import apply_rotary
 from easylm.models.mla import LatentCache, LatentRotary, MLAConfig, MultiHeadLatentAttention
@@ -200,6 +200,93 @@ def gather_pays(mla: MLAConfig, T: int, S: int, k: int, dense_absorbs: bool) -> 
     return k < S and T * k * pair + fold < expanded
 
 
+class QueryBlocks(NamedTuple):
+    """A call without a cache (T == S) taken `block` queries at a time (`query_block`, the
+    module docstring): the mask as the decoder gives it, causal within `segment_ids` (B,
+    T), the documents of a packed row, or causal (None), made one block of rows at a time."""
+
+    block: int
+    segment_ids: jax.Array | None = None
+
+    def rows(self, start, segment_ids, S: int):
+        """(B or 1, block, S) bool: what queries start .. start + block - 1 see;
+        `segment_ids` (B, block) theirs (a padded row's are its last real row's)."""
+        t = start + jnp.arange(self.block)
+        causal = (jnp.arange(S)[None, :] <= t[:, None])[None]
+        if segment_ids is None:
+            return causal
+        return causal & (segment_ids[:, :, None] == self.segment_ids[:, None, :])
+
+
+class BlockedKeys(NamedTuple):
+    """The kept keys (`selection`, (B, T, k)) attended `block` queries at a time, each
+    block's (B, block, S) mask made from its rows and dropped (`by_query_blocks`)."""
+
+    selection: Selection
+    block: int
+
+
+def by_query_blocks(fn, block: int, rows: tuple):
+    """fn(start, *rows of `block` queries) -> a tree of (B, block, ...), over T queries one
+    block after another (jax.lax.map): `rows` a tuple of trees of (B, T, ...) arrays (None
+    leaves allowed). The last block is padded with copies of the last row, whose results are cut
+    off (so they reach no gradient). Returns fn's tree at (B, T, ...)."""
+    T = jax.tree.leaves(rows)[0].shape[1]
+    n = -(-T // block)
+    pad = n * block - T
+
+    def split(a):  # (B, T, ...) -> (n, B, block, ...)
+        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), mode="edge")
+        return jnp.moveaxis(a.reshape(a.shape[0], n, block, *a.shape[2:]), 1, 0)
+
+    def join(a):  # (n, B, block, ...) -> (B, T, ...)
+        a = jnp.moveaxis(a, 0, 1)
+        return a.reshape(a.shape[0], n * block, *a.shape[3:])[:, :T]
+
+    out = jax.lax.map(lambda xs: fn(xs[0], *xs[1]),
+                      (jnp.arange(n) * block, jax.tree.map(split, rows)))
+    return jax.tree.map(join, out)
+
+
+def index_scores(q, k, weights):
+    """The indexer's scores (B, T, S) of queries q (B, T, H, K) (rotated), keys k (B, S, K)
+    and head weights (B, T, H) (already / sqrt(H)), in fp32."""
+    scores = jax.nn.relu(jnp.einsum("BTHK,BSK->BTHS", q, k) * q.shape[-1] ** -0.5)
+    return jnp.einsum("BTH,BTHS->BTS", weights, scores)
+
+
+def select(q, k, weights, visible, topk: int) -> Selection:
+    """The `topk` visible keys of highest `index_scores`. `visible` (B or 1, T, S) bool, or
+    `QueryBlocks`: then the scores, the visible rows and the top-k are made one block of
+    queries at a time, (B, block, H, S) and (B, block, S) at most, never (B, T, S); the
+    same `lax.top_k` on the same rows, so the same keys. The choice gets no gradient
+    either way (stop_gradient: nothing of it is kept for the backward pass)."""
+    k_ = min(topk, k.shape[1])
+    if not isinstance(visible, QueryBlocks):
+        return Selection.best(index_scores(q, k, weights), visible, k_)
+    q, k, weights = jax.lax.stop_gradient((q, k, weights))
+    S = k.shape[1]
+
+    def block(start, q, weights, segment_ids):
+        return Selection.best(index_scores(q, k, weights),
+                              visible.rows(start, segment_ids, S), k_)
+
+    return by_query_blocks(block, visible.block, (q, weights, visible.segment_ids))
+
+
+def blocked_attention(q, k, v, keys: BlockedKeys, implementation: str, scale: float):
+    """attention.attention(q, k, v, keys.selection.mask(S)) one block of queries at a time,
+    each block under jax.checkpoint, so that neither pass holds more than one block's
+    (B, N, block, S) scores and (B, block, S) mask: q (B, T, N, H), k, v (B, S, N, H)."""
+    S = k.shape[1]
+
+    def block(start, q, selection):
+        return attention(q, k, v, selection.mask(S), implementation, scale=scale)
+
+    return by_query_blocks(jax.checkpoint(block, prevent_cse=False), keys.block,
+                           (q, keys.selection))
+
+
 class LayerNorm(nn.Module):
     """transformers' nn.LayerNorm under its names (weight, bias), in fp32."""
 
@@ -228,8 +315,8 @@ def rotate(x, cos, sin, interleave: bool):
 
 class Indexer(nn.Module):
     """(x (B, T, D), q_latent (B, T, Q), cos, sin (B, T, R), positions (B, T), visible
-    (B or 1, T, S) bool, cache) -> (each query's top-k visible keys (`Selection`), cache
-    with this call's keys written)."""
+    (B or 1, T, S) bool or `QueryBlocks`, cache) -> (each query's top-k visible keys
+    (`Selection`), cache with this call's keys written)."""
 
     config: IndexerConfig
     dtype: jnp.dtype = jnp.float32
@@ -255,20 +342,20 @@ class Indexer(nn.Module):
         if cache is not None:
             cache = cache.write_index(k, positions)
             k = cache.index_k.astype(jnp.float32)  # (B, S, K)
-        scores = jax.nn.relu(jnp.einsum("BTHK,BSK->BTHS", q, k) * K ** -0.5)
         weights = self.dense(H, "weights_proj")(x32) * H ** -0.5  # (B, T, H)
-        index = jnp.einsum("BTH,BTHS->BTS", weights, scores)
-        return Selection.best(index, visible, min(c.topk, index.shape[-1])), cache
+        return select(q, k, weights, visible, c.topk), cache
 
 
 class SparseLatentAttention(MultiHeadLatentAttention):
     """MLA over the keys an indexer selects: (x, cos, sin, positions, mask, cache,
     selected) -> (out, cache, selected (`Selection`)). With `indexer` None (a shared layer)
-    the keys are `selected`, the last full layer's. `gather`: `TOPK_ATTENTION`'s choice
-    (the module docstring)."""
+    the keys are `selected`, the last full layer's. `gather`: `TOPK_ATTENTION`'s choice;
+    `query_block`: the masked form without a cache `query_block` queries at a time (0:
+    all at once; the module docstring)."""
 
     indexer: IndexerConfig | None = None
     gather: str = "auto"
+    query_block: int = 0
 
     @nn.compact
     def __call__(self, x, cos, sin, positions, mask=None, cache=None, selected=None):
@@ -278,14 +365,21 @@ class SparseLatentAttention(MultiHeadLatentAttention):
                             "sequence; use sp=1")
         T = x.shape[1]
         S = T if cache is None else cache.kv.shape[1]
-        visible = dense_mask(mask, T, S)
+        blocked = (self.query_block and cache is None and not use_gather(self.gather, None, None)
+                   and (mask is None or getattr(mask, "ndim", 0) == 2))  # causal, segment ids
+        visible = QueryBlocks(min(self.query_block, T), mask) if blocked else \
+            dense_mask(mask, T, S)
         q_latent = self.query_latent(x)
         if self.indexer is not None:
             selected, cache = Indexer(self.indexer, self.dtype, self.param_dtype,
                                       name="indexer")(x, q_latent, cos, sin, positions,
                                                       visible, cache)
-        keys = selected if self.gathers(T, S, selected.top.shape[-1], cache) \
-            else selected.mask(S)
+        if blocked:
+            keys = BlockedKeys(selected, visible.block)
+        elif self.gathers(T, S, selected.top.shape[-1], cache):
+            keys = selected
+        else:
+            keys = selected.mask(S)
         out, cache = self.attend(x, q_latent, cos, sin, positions, keys, cache)
         return out, cache, selected
 
@@ -300,6 +394,12 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         if isinstance(mask, Selection):
             return gathered_attention(q, kv, mask, self.config.softmax_scale)
         return super().latent_attention(q, kv, mask)
+
+    def expanded_attention(self, q, k, v, mask):
+        if isinstance(mask, BlockedKeys):
+            return blocked_attention(q, k, v, mask, self.config.attention,
+                                     self.config.softmax_scale)
+        return super().expanded_attention(q, k, v, mask)
 
 
 def mlp_kind(kind: str) -> str:
@@ -318,7 +418,7 @@ class DecoderLayer(sigmoid_moe_decoder.DecoderLayer):
         own = None if self.kind.endswith(SHARED) else c.indexer()
         h, cache, selected = SparseLatentAttention(
             c.mla(), self.dtype, self.param_dtype, indexer=own, gather=c.topk_attention,
-            name="self_attn")(
+            query_block=c.query_block, name="self_attn")(
             self.norm("input_layernorm")(x), cos, sin, positions, mask, cache, selected)
         x = x + h
         x = x + self.feed_forward(self.norm("post_attention_layernorm")(x), mlp_kind(self.kind))
