@@ -41,6 +41,23 @@ job (FlashMLA's sparse prefill), not XLA's gather.
 The indexer itself still scores all S keys (H * K multiply-adds a pair, 64 x 128 for
 DeepSeek-V3.2; fp8 on the released kernels): docs/families.md gives the arithmetic.
 
+Training by blocks of queries (`query_block` b, a config field; 0: all at once). Without
+a cache the masked form makes, per layer, the indexer's per-head scores (T, H, S) and
+its (T, S) scores and mask, and MLA's (N, T, S) scores and probabilities, which the
+backward pass keeps: at DeepSeek-V3.2's shape (N = 128, H = 64) 512 GiB of fp32 scores
+a layer and row at T = S = 32k, 8 TiB at 128k. With b > 0 the queries go b at a time
+(`by_query_blocks`, a lax.map): each block's indexer scores and top-k (`select`: the
+same lax.top_k over the same rows, so the same keys) and its masked attention over all
+S keys (`blocked_attention`, each block under jax.checkpoint: the backward pass
+recomputes a block instead of keeping its scores), so no more than (N, b, S) and (b, H,
+S) exist at once: at b = 128, 2 GiB and 1 GiB fp32 at 32k, 8 and 4 GiB at 128k. Kept
+across blocks: the choice, (T, k) positions (320 MiB at 32k), and what both forms keep
+(the expanded keys and values, (S, N, P + R + V)). The same multiply-adds as the masked
+form, plus the attention's forward once more in the backward pass; no FLOP is saved:
+attending over the k kept keys only (FLOP-sparse training) needs a fused kernel, as
+above. Off by default: not yet timed on the TPU (a loop of smaller matmuls, and the
+recomputation), so a run turns it on where memory asks for it (the planner's answer).
+
 DeepSeek-V4's served attention (easylm/deepseek_v4/model.py) takes the same pieces: its
 indexer's pick is a `Selection` (`Selection.best`), its sliding window one too
 (`Selection.window`), and `gather_rows` / `attend_rows` (with its sinks) attend over them.
