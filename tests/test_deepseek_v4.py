@@ -145,6 +145,66 @@ def test_logprobs_of_a_long_prompt_match_transformers(saved):
     assert_differs(collapsed, expected, rel=atol, scale=1.0)
 
 
+def _offset_blocks(monkeypatch):
+    """A twin's blocks: each block's queries taken one position late (their windows,
+    entries and causal rows shifted)."""
+    blocks = sparse_attention.by_query_blocks
+    monkeypatch.setattr(sparse_attention, "by_query_blocks", lambda fn, block, rows: blocks(
+        lambda start, *xs: fn(start + 1, *xs), block, rows))
+
+
+def test_query_blocks_score_a_long_prompt_as_transformers(saved, monkeypatch):
+    """`query_block=64` (the sliding, compressed sparse and heavily compressed layers by
+    blocks of 64 queries, the last of 299 ragged; each over its window's 79 tokens and the
+    entries): the log-probabilities = transformers' (the full forward's tolerance); twin:
+    the blocks one position late."""
+    _, model, config, params = saved
+    prompt = _prompt()
+    expected, logits = hf_parity.reference_logprobs(model, prompt)
+    atol = 2 * _rel(config) * float(np.abs(logits).max())
+    blocked = FAMILY.module_class(config.replace(query_block=64))
+    assert_close(hf_parity.module_logprobs(blocked, params, prompt), expected, rel=atol,
+                 scale=1.0)
+    _offset_blocks(monkeypatch)
+    assert_differs(hf_parity.module_logprobs(blocked, params, prompt), expected, rel=atol,
+                   scale=1.0)
+
+
+@pytest.mark.extended  # CI: the blocks' log-probabilities = transformers' (above)
+def test_query_blocks_equal_the_mask_in_gradients(saved):
+    """`query_block=16` over rows of 70 (ragged; one row packed with two documents): the
+    logits and every parameter's gradient = the whole form's; tolerances: the same keys
+    (the same top_k over the same rows), only summation order differs: `_rel`'s chain for
+    the logits, twice it (the backward walks it back) for each gradient, of its largest
+    entry; the gradients that are 0 (the indexer's, the hash table, the correction bias)
+    are 0 in both."""
+    _, _, config, params = saved
+    ids = jnp.asarray(np.random.default_rng(1).integers(3, V, (2, 71)))
+    segment_ids = jnp.asarray([[1] * 70, [1] * 30 + [2] * 40])
+
+    def loss_and_grads(config):
+        model = FAMILY.bind(config)
+
+        def loss(p):
+            logits = model.forward(p, ids[:, :-1], segment_ids=segment_ids).logits
+            logp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
+            return -jnp.take_along_axis(logp, ids[:, 1:, None], -1).mean(), logits
+        (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+        return logits, grads
+
+    expected, expected_grads = loss_and_grads(config)
+    logits, grads = loss_and_grads(config.replace(query_block=16))
+    rel = _rel(config, terms=70)
+    assert_close(logits, expected, rel)
+    flat = jax.tree_util.tree_flatten_with_path(expected_grads)[0]
+    for (path, want), got in zip(flat, jax.tree.leaves(grads)):
+        name = jax.tree_util.keystr(path)
+        if not np.any(np.asarray(want)):
+            assert not np.any(np.asarray(got)), name
+        else:
+            assert_close(got, want, 2 * rel, err_msg=name)
+
+
 def served(config, params, prompt, chunk=CHUNK, scored=None):
     """The engine's log-probabilities of prompt[1:], its prompt `chunk` tokens a call (and
     with `scored`, the tokens after, and whether each is the greedy choice)."""

@@ -225,6 +225,9 @@ def _loss_and_grads(model, params, ids, segment_ids):
     return np.asarray(logits), grads
 
 
+# CI runs GLM-5's (DeepSeek-V3.2's layers, and shared ones); V3.2's is extended (CI time)
+@pytest.mark.parametrize("saved", [pytest.param("deepseek_v32", marks=pytest.mark.extended),
+                                   "glm_moe_dsa"], indirect=True)
 def test_query_blocks_equal_the_mask_in_logits_and_gradients(saved, monkeypatch):
     """`query_block=16` over rows of 45 (the last block ragged; 16 keys kept, below the
     rows; one row packed with two documents): the logits and every parameter's gradient =

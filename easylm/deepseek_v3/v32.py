@@ -36,10 +36,7 @@ class DeepseekV32Config(DeepseekV3Config):
                                         "latents), mask (full attention masked to them, as "
                                         "transformers), auto (gather with a cache where it "
                                         "counts fewer FLOPs)")
-    query_block: int = field(0, "without a cache (training, scoring), the masked attention "
-                                "and the indexer's top-k this many queries at a time, each "
-                                "block recomputed in the backward pass: memory O(heads x "
-                                "block x keys) a layer, not O(heads x keys^2); 0: all at once")
+    query_block: int = field(0, sparse_attention.QUERY_BLOCK_HELP)
 
     def __post_init__(self):
         super().__post_init__()

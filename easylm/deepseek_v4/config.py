@@ -19,7 +19,7 @@ from easylm.models import rope
 from easylm.models.config import ModelConfig, default, field
 from easylm.models.hf_checkpoint import config_fields
 from easylm.models.moe import ExpertMatmulConfig, MoEConfig, RouterLoss
-from easylm.models.sparse_attention import TOPK_ATTENTION
+from easylm.models.sparse_attention import QUERY_BLOCK_HELP, TOPK_ATTENTION
 from easylm.models.sigmoid_moe_decoder import check_model_type, skip_mtp
 
 ATTENTION_TYPES = ("sliding_attention", "compressed_sparse_attention",
@@ -69,6 +69,7 @@ class DeepseekV4Config(ExpertMatmulConfig, ModelConfig):
                                         "cached positions masked to them, as transformers), "
                                         "auto (gather where it reads fewer keys); without a "
                                         "cache (training) always mask")
+    query_block: int = field(0, QUERY_BLOCK_HELP)
     hc_mult: int = field(4, "residual streams of the hyper-connections")
     hc_sinkhorn_iters: int = field(20, "Sinkhorn iterations of the stream-mixing matrix")
     hc_eps: float = field(1e-6, "the hyper-connections' epsilon")
@@ -105,6 +106,8 @@ class DeepseekV4Config(ExpertMatmulConfig, ModelConfig):
         if self.topk_attention not in TOPK_ATTENTION:
             fail(f"topk_attention={self.topk_attention!r} is not one of "
                  f"{', '.join(TOPK_ATTENTION)}")
+        if self.query_block < 0:
+            fail(f"query_block={self.query_block} must be >= 0 (0: all queries at once)")
         if self.compress_rope_type not in ("default", "yarn"):
             fail(f"compress_rope_type={self.compress_rope_type!r} is not one of default, yarn")
         if self.num_attention_heads * self.head_dim % self.o_groups:

@@ -58,6 +58,8 @@ packed row (segment ids) masks the window and the compressed entries by document
 entry is visible where the tokens it compresses are all in the query's document).
 """
 
+from typing import NamedTuple
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -206,14 +208,47 @@ class Indexer(Sublayer):
                                  width=I, overlap=True, name="compressor")(
             u, inv_freq, positions, cache)  # (B, W or S, I)
         q = rotate(self.dense(M * I, "wq_b")(q_res).reshape(B, T, M, I), cos, sin)
-        scores = jax.nn.relu(jnp.einsum("BTMI,BWI->BTMW", q.astype(jnp.float32),
-                                        keys.astype(jnp.float32))) * I ** -0.5
         heads = self.dense(M, "weights_proj")(u).astype(jnp.float32) * M ** -0.5
-        scores = jnp.einsum("BTMW,BTM->BTW", scores, heads)
         # The top k by index, not by a threshold: relu leaves ties (at 0) that a threshold
         # would all keep; ties go to the lower index (jax's top_k, as torch's on CPU), and
-        # entries at position resolution keep the entries' order.
-        return Selection.best(scores, visible, min(c.index_topk, keys.shape[1])), cache
+        # entries at position resolution keep the entries' order. `visible` may be
+        # `EntryBlocks`: then block by block of queries (sparse_attention.select).
+        return sparse_attention.select(q.astype(jnp.float32), keys.astype(jnp.float32), heads,
+                                       visible, c.index_topk), cache
+
+
+class EntryBlocks(NamedTuple):
+    """Which compressed entries (W of `rate` tokens) queries see without a cache, made
+    `block` query rows at a time (sparse_attention.select and `Attention.blocked` take it
+    as sparse_attention.QueryBlocks): entry w from token (w + 1) rate - 1 on, and in a
+    packed row only within its document (`first` (B, W): the segment id of the first token
+    it reads; `segment_ids` (B, T) the queries'; None: one document)."""
+
+    block: int
+    rate: int
+    segment_ids: jax.Array | None = None
+    first: jax.Array | None = None
+
+    def rows(self, start, segment_ids, W: int):
+        """(B or 1, block, W) bool for queries start .. start + block - 1 (`segment_ids`
+        (B, block) theirs)."""
+        t = start + jnp.arange(self.block)
+        seen = ((jnp.arange(W)[None, :] + 1) * self.rate <= t[:, None] + 1)[None]
+        if segment_ids is None:
+            return seen
+        return seen & (self.first[:, None, :] == segment_ids[:, :, None])
+
+
+def sink_attention(q, kv, mask, sink, dtype):
+    """q (B, T, N, H) over keys that are their values kv (B, S, H) under mask (B or 1, T,
+    S), the sink logits (N,) in the softmax and dropped: (B, T, N, H), scores in fp32."""
+    B, T, N, H = q.shape
+    logits = jnp.einsum("BTNH,BSH->BNTS", q.astype(jnp.float32),
+                        kv.astype(jnp.float32)) * H ** -0.5
+    logits = jnp.where(mask[:, None], logits, -jnp.inf)
+    sink = jnp.broadcast_to(sink[None, :, None, None], (B, N, T, 1))
+    probs = jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
+    return jnp.einsum("BNTS,BSH->BTNH", probs.astype(dtype), kv.astype(dtype))
 
 
 class Attention(Sublayer):
@@ -230,7 +265,7 @@ class Attention(Sublayer):
         q = unweighted_rms(self.dense(N * H, "wq_b")(q_res).reshape(B, T, N, H), c.rms_norm_eps)
         q = rotate(q, cos, sin)
         kv = rotate(norm("norm")(self.dense(H, "wkv")(u))[:, :, None, :], cos, sin)[:, :, 0]
-        if cache is None:  # the T tokens, by document
+        if cache is None:  # the T tokens, by document (by blocks of queries: `blocked`'s)
             keys = queries = jnp.arange(T)[None, :]
             same = (jnp.ones((B, T, T), bool) if segment_ids is None else
                     segment_ids[:, :, None] == segment_ids[:, None, :])
@@ -243,23 +278,22 @@ class Attention(Sublayer):
             same = True
         mask = same & (keys[:, None, :] <= queries[:, :, None]) & (
             queries[:, :, None] - keys[:, None, :] < c.sliding_window)  # (B, T, S)
-        entries = picked = None
+        block = min(c.query_block, T) if cache is None else 0
+        entries = picked = visible = None
         if c.compress_rate(self.attention_type):
             entries, visible, picked, cache = self.compressed(
-                u, q_res, cos, sin, inv_freq, segment_ids, positions, keys, queries, cache)
+                u, q_res, cos, sin, inv_freq, segment_ids, positions, keys, queries, cache,
+                block)
         sink = self.param("attn_sink", nn.initializers.zeros, (N,), jnp.float32)
-        if self.gathers(kv.shape[1], entries is not None, picked, cache):
+        if block:
+            out = self.blocked(q, kv, entries, visible, picked, segment_ids, sink, block)
+        elif self.gathers(kv.shape[1], entries is not None, picked, cache):
             out = self.gathered(q, kv, entries, picked, positions, sink)
         else:
             if entries is not None:
                 kv = jnp.concatenate([kv, entries.astype(kv.dtype)], axis=1)
                 mask = jnp.concatenate([mask, visible], axis=-1)
-            logits = jnp.einsum("BTNH,BSH->BNTS", q.astype(jnp.float32),
-                                kv.astype(jnp.float32)) * H ** -0.5
-            logits = jnp.where(mask[:, None], logits, -jnp.inf)
-            sink = jnp.broadcast_to(sink[None, :, None, None], (B, N, T, 1))
-            probs = jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
-            out = jnp.einsum("BNTS,BSH->BTNH", probs.astype(self.dtype), kv.astype(self.dtype))
+            out = sink_attention(q, kv, mask, sink, self.dtype)
         out = rotate(out, cos, -sin).reshape(B, T, G, N * H // G)
         wo_a = _Kernel((N * H // G, G * c.o_lora_rank), c.initializer_range, self.param_dtype,
                        name="wo_a")()
@@ -301,11 +335,41 @@ class Attention(Sublayer):
         valid = jnp.concatenate([keys.valid for _, keys in selections], axis=-1)
         return sparse_attention.attend_rows(q.astype(jnp.float32), rows, valid, H ** -0.5, sink)
 
+    def blocked(self, q, kv, entries, seen: EntryBlocks | None, picked, segment_ids, sink,
+                block: int):
+        """The masked form without a cache, `block` queries at a time (`query_block`;
+        sparse_attention.by_query_blocks, each block under jax.checkpoint: the backward pass
+        recomputes it): a block's queries over the L = block + window - 1 tokens their
+        windows reach and the compressed entries (CSA: the indexer's `picked`; HCA: the
+        visible ones, `seen`), (N, block, L + W) scores at once instead of (N, T, T + W):
+        (B, T, N, H)."""
+        B, T, N, H = q.shape
+        window = self.config.sliding_window
+        L = min(T, block + window - 1)
+
+        def one(start, q, segments, picked):
+            first = jnp.clip(start - window + 1, 0, T - L)  # the window's first token
+            keys = jax.lax.dynamic_slice_in_dim(kv, first, L, axis=1)
+            t, s = start + jnp.arange(block)[:, None], first + jnp.arange(L)[None, :]
+            mask = jnp.broadcast_to(((s <= t) & (t - s < window))[None], (B, block, L))
+            if segments is not None:
+                mask &= segments[:, :, None] == jax.lax.dynamic_slice_in_dim(
+                    segment_ids, first, L, axis=1)[:, None, :]
+            if entries is not None:
+                W = entries.shape[1]
+                kept = seen.rows(start, segments, W) if picked is None else picked.mask(W)
+                keys = jnp.concatenate([keys, entries.astype(keys.dtype)], axis=1)
+                mask = jnp.concatenate([mask, jnp.broadcast_to(kept, (B, block, W))], axis=-1)
+            return sink_attention(q, keys, mask, sink, self.dtype)
+
+        return sparse_attention.by_query_blocks(jax.checkpoint(one, prevent_cse=False), block,
+                                                (q, segment_ids, picked))
+
     def compressed(self, u, q_res, cos, sin, inv_freq, segment_ids, positions, keys, queries,
-                   cache):
-        """(the compressed entries (B, W or S, H), which each query sees (B, T, W or S),
-        the indexer's `Selection` (CSA; else None), the cache). Their parameters are made
-        also when T < m (no entry then)."""
+                   cache, block: int = 0):
+        """(the compressed entries (B, W or S, H), which each query sees (B, T, W or S);
+        with `block` (no cache) `EntryBlocks` instead, the indexer's `Selection` (CSA; else
+        None), the cache). Their parameters are made also when T < m (no entry then)."""
         c = self.config
         B, T, _ = u.shape
         m = c.compress_rate(self.attention_type)
@@ -314,13 +378,13 @@ class Attention(Sublayer):
                                 overlap=csa, name="compressor")
         if cache is None:
             entries, _ = compressor(u, inv_freq)
-            w = jnp.arange(entries.shape[1])
-            visible = jnp.broadcast_to((w[None, :] + 1) * m <= queries[0, :, None] + 1,
-                                       (B, T, len(w)))
-            if segment_ids is not None:  # the entry's tokens all in the query's document
-                first = jnp.maximum(w - csa, 0) * m
-                visible = visible & (segment_ids[:, first][:, None, :]
-                                     == segment_ids[:, :, None])
+            W = entries.shape[1]
+            first = None  # the entry's tokens all in the query's document
+            if segment_ids is not None:
+                first = segment_ids[:, jnp.maximum(jnp.arange(W) - csa, 0) * m]
+            visible = EntryBlocks(block or T, m, segment_ids, first)
+            if not block:
+                visible = jnp.broadcast_to(visible.rows(0, segment_ids, W), (B, T, W))
         else:  # the entry of the window ending at key position s, seen from s on
             entries, cache["compressor"] = compressor(u, inv_freq, positions,
                                                       cache["compressor"])
@@ -331,7 +395,8 @@ class Attention(Sublayer):
             picked, indexed = Indexer(c, self.dtype, self.param_dtype, name="indexer")(
                 u, q_res, cos, sin, inv_freq, visible, positions,
                 None if cache is None else cache["indexer"])
-            visible = picked.mask(visible.shape[-1])
+            if not block:
+                visible = picked.mask(visible.shape[-1])
             if cache is not None:
                 cache["indexer"] = indexed
         return entries, visible, picked, cache

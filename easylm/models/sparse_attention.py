@@ -85,6 +85,11 @@ from easylm.runtime.sharding import BATCH_AXES, constrain
 
 SHARED = "_shared_topk"  # suffix of a layer kind that reuses the last full layer's choice
 TOPK_ATTENTION = ("auto", "gather", "mask")  # the module docstring's two ways, or counted
+# The config field `query_block`'s help (the module docstring: training by blocks of queries)
+QUERY_BLOCK_HELP = ("without a cache (training, scoring), the masked attention and the "
+                    "indexer's top-k this many queries at a time, each block recomputed in "
+                    "the backward pass: memory O(heads x block x keys) a layer, not O(heads "
+                    "x queries x keys); 0: all at once")
 INDEXER_NORM_EPS = 1e-6  # transformers' k_norm: nn.LayerNorm(K, eps=1e-6)
 PARTITION_RULES = (
     (r"indexer/(wq_b|wk|weights_proj)/kernel", P("fsdp", None)),
@@ -274,12 +279,13 @@ def index_scores(q, k, weights):
 
 def select(q, k, weights, visible, topk: int) -> Selection:
     """The `topk` visible keys of highest `index_scores`. `visible` (B or 1, T, S) bool, or
-    `QueryBlocks`: then the scores, the visible rows and the top-k are made one block of
+    `QueryBlocks` (or what has its `block`, `segment_ids` and `rows`: DeepSeek-V4's
+    compressed entries, easylm/deepseek_v4/model.py's `EntryBlocks`): then the scores, the visible rows and the top-k are made one block of
     queries at a time, (B, block, H, S) and (B, block, S) at most, never (B, T, S); the
     same `lax.top_k` on the same rows, so the same keys. The choice gets no gradient
     either way (stop_gradient: nothing of it is kept for the backward pass)."""
     k_ = min(topk, k.shape[1])
-    if not isinstance(visible, QueryBlocks):
+    if not hasattr(visible, "rows"):  # an array
         return Selection.best(index_scores(q, k, weights), visible, k_)
     q, k, weights = jax.lax.stop_gradient((q, k, weights))
     S = k.shape[1]
