@@ -4,6 +4,12 @@ one (only the kept keys' latents), `--deepseek_v32.topk_attention=mask|gather`, 
 process, as a ratio (easylm/models/sparse_attention.py).
 
     python scripts/bench_sparse_attention.py --cases=decode:32:32768,extend:1:32768:256
+    python scripts/bench_sparse_attention.py --cases=train:1:2048:256
+
+A case `train:batch:queries:block` times one layer's training gradient without a cache,
+the masked form all queries at once against `block` at a time (`query_block`), with
+XLA's compiled temporaries of each (not yet run on the TPU; at V3.2's shape the whole
+form's (128, T, T) fp32 scores alone are 2 GiB at T = 2048, 8 GiB at 4096).
 
 Each case `kind:batch:cache[:queries]` runs `SparseLatentAttention` at DeepSeek-V3.2's
 shape (the `deepseek_v3_2` preset: 128 heads, latent 512 + 64, indexer 64 x 128, top-k
@@ -90,6 +96,43 @@ def run_case(config, params_of, kind: str, B: int, S: int, T: int, iters: int) -
             "device": jax.devices()[0].device_kind}
 
 
+def run_train_case(config, params_of, B: int, T: int, block: int, iters: int) -> dict:
+    """One layer's training step without a cache (forward and gradient of the parameters
+    and the input), all T queries at once against `block` at a time (`query_block`):
+    their times and XLA's compiled temporaries."""
+    dtype = jnp.bfloat16
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    inv_freq, factor = config.mla().rope()
+    cos, sin = rotary_embedding(positions, jnp.asarray(inv_freq), dtype, factor)
+    x = jax.random.normal(jax.random.PRNGKey(1), (B, T, config.hidden_size), dtype)
+    times, temp, out = {}, {}, {}
+    for name, b in (("whole", 0), ("blocks", block)):
+        module = SparseLatentAttention(config.mla(), dtype, dtype, indexer=config.indexer(),
+                                       gather="mask", query_block=b)
+        params = params_of(module, x, cos, sin, positions, None)
+
+        def loss(params, x, module=module):
+            y = module.apply({"params": params}, x, cos, sin, positions)[0]
+            return jnp.mean(jnp.square(y.astype(jnp.float32)))
+
+        step = jax.jit(jax.grad(loss, argnums=(0, 1)))
+        temp[name] = step.lower(params, x).compile().memory_analysis().temp_size_in_bytes
+        grads = step(params, x)
+        jax.block_until_ready(grads)
+        samples = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            jax.block_until_ready(step(params, x))
+            samples.append(time.perf_counter() - start)
+        times[name], out[name] = float(np.median(samples)), grads[1]
+    same = float(jnp.max(jnp.abs(out["whole"].astype(jnp.float32)
+                                 - out["blocks"].astype(jnp.float32))))
+    return {"case": "train", "batch": B, "queries": T, "query_block": block,
+            "whole_ms": times["whole"] * 1e3, "blocks_ms": times["blocks"] * 1e3,
+            "whole_temp_gib": temp["whole"] / 2 ** 30, "blocks_temp_gib": temp["blocks"] / 2 ** 30,
+            "max_abs_difference_dx": same, "device": jax.devices()[0].device_kind}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default="decode:32:32768,extend:1:32768:256")
@@ -108,8 +151,12 @@ def main():
 
     for case in args.cases.split(","):
         kind, B, S, *T = case.split(":")
-        line = json.dumps(run_case(config, params_of, kind, int(B), int(S),
-                                   int(T[0]) if T else 1, args.iters))
+        if kind == "train":  # train:batch:queries:block
+            result = run_train_case(config, params_of, int(B), int(S), int(T[0]), args.iters)
+        else:
+            result = run_case(config, params_of, kind, int(B), int(S), int(T[0]) if T else 1,
+                              args.iters)
+        line = json.dumps(result)
         print(line, flush=True)
         if args.out:
             with open(args.out, "a") as f:
