@@ -2,8 +2,9 @@
 5.25's modeling_deepseek_v4.py computes it. Without a cache a dense reference: every query
 is scored against all T tokens and all compressed entries and masked where transformers
 masks; with `query_block` b, b queries at a time over the tokens their windows reach and
-the entries (`Attention.blocked`: (N, b, b + window - 1 + W) scores, not (N, T, T + W)). Served, `topk_attention` (auto: with a cache) gathers each query's keys instead:
-its window and its kept entries (`Attention.gathered`, sparse_attention's Selection and
+the entries (`Attention.blocked`: (N, b, b + window - 1 + W) scores, not (N, T, T + W)).
+Served, `topk_attention` (auto: with a cache) gathers each query's keys instead: its
+window and its kept entries (`Attention.gathered`, sparse_attention's Selection and
 attend_rows; docs/model.md counts what it saves).
 
 Served (a cache, `layer_cache`), every array is positional (B, S, ...), so the engine's

@@ -251,8 +251,8 @@ class BlockedKeys(NamedTuple):
 def by_query_blocks(fn, block: int, rows: tuple):
     """fn(start, *rows of `block` queries) -> a tree of (B, block, ...), over T queries one
     block after another (jax.lax.map): `rows` a tuple of trees of (B, T, ...) arrays (None
-    leaves allowed). The last block is padded with copies of the last row, whose results are cut
-    off (so they reach no gradient). Returns fn's tree at (B, T, ...)."""
+    leaves allowed). The last block is padded with copies of the last row, whose results
+    are cut off (so they reach no gradient). Returns fn's tree at (B, T, ...)."""
     T = jax.tree.leaves(rows)[0].shape[1]
     n = -(-T // block)
     pad = n * block - T
@@ -280,10 +280,11 @@ def index_scores(q, k, weights):
 def select(q, k, weights, visible, topk: int) -> Selection:
     """The `topk` visible keys of highest `index_scores`. `visible` (B or 1, T, S) bool, or
     `QueryBlocks` (or what has its `block`, `segment_ids` and `rows`: DeepSeek-V4's
-    compressed entries, easylm/deepseek_v4/model.py's `EntryBlocks`): then the scores, the visible rows and the top-k are made one block of
-    queries at a time, (B, block, H, S) and (B, block, S) at most, never (B, T, S); the
-    same `lax.top_k` on the same rows, so the same keys. The choice gets no gradient
-    either way (stop_gradient: nothing of it is kept for the backward pass)."""
+    compressed entries, easylm/deepseek_v4/model.py's `EntryBlocks`): then the scores,
+    the visible rows and the top-k are made one block of queries at a time, (B, block,
+    H, S) and (B, block, S) at most, never (B, T, S); the same `lax.top_k` on the same
+    rows, so the same keys. The choice gets no gradient either way (stop_gradient:
+    nothing of it is kept for the backward pass)."""
     k_ = min(topk, k.shape[1])
     if not hasattr(visible, "rows"):  # an array
         return Selection.best(index_scores(q, k, weights), visible, k_)
