@@ -86,3 +86,16 @@ def test_decode_attention_reaches_the_kernel_by_name(monkeypatch):
                  REL32)
     with pytest.raises(ValueError, match="decode kernel 'fast'"):
         pa.decode_attention(q, kv, lengths, table, kernel="fast")
+
+
+def test_the_tpu_variant_lowers_to_mosaic():
+    """What interpret mode cannot run (the bf16 rows split as uint32 pairs) at least
+    lowers: JAX exports the kernel for a TPU from the CPU (Pallas -> Mosaic; Mosaic's own
+    compile runs on a TPU only), at llama_1b's decode shape in pages of 16."""
+    S, N, K, H, W = 64, 16, 16, 128, 24
+    args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in [
+        ((S, N, H), jnp.bfloat16), ((S * W, 16, 2 * K, H), jnp.bfloat16),
+        ((S,), jnp.int32), ((S, W), jnp.int32)]]
+    kernel = jax.jit(lambda *a: batched_decode_attention(*a, scale=H ** -0.5))
+    exported = jax.export.export(kernel, platforms=["tpu"])(*args)
+    assert "tpu_custom_call" in exported.mlir_module()

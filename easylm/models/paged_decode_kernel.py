@@ -87,7 +87,11 @@ def _kernel(lengths_ref, table_ref, q_ref, kv_hbm, o_ref, buf, sems, m_ref, l_re
 
     @pl.when(step == 0)
     def _():
-        buf[...] = jnp.zeros_like(buf)
+        for half in (0, 1):
+            def zero(s, _, half=half):  # one sequence's rows of one buffer at a time
+                buf[half, s] = jnp.zeros(buf.shape[2:], buf.dtype)
+                return 0
+            jax.lax.fori_loop(0, b, zero, 0)
         copies(i, c, slot, lambda x: x.start())
 
     @pl.when(step + 1 < blocks * chunks)
