@@ -30,6 +30,7 @@ P pages, Z page size, S sequences, W pages per sequence.
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -41,9 +42,10 @@ IMPLEMENTATIONS = ("auto", "xla", "kernel")
 # Decode kernels (the engine's --decode_kernel): JAX's ragged paged attention, or ours
 # that reads several sequences' pages per step (paged_decode_kernel.py).
 DECODE_KERNELS = ("rpa", "batched")
-# Pallas interpret mode for the batched kernel off a TPU (tests; slow). JAX 0.10.2's
-# interpreter cannot run the rpa kernel (tests/test_paged_attention.py).
-INTERPRET = False
+# Pallas interpret mode for the batched kernel off a TPU (EASYLM_PALLAS_INTERPRET=1, as
+# splash.py, or tests; slow). JAX 0.10.2's interpreter cannot run the rpa kernel
+# (tests/test_paged_attention.py).
+INTERPRET = os.environ.get("EASYLM_PALLAS_INTERPRET", "") == "1"
 
 
 def combine(k_pages, v_pages):

@@ -106,7 +106,8 @@ HELP = {
                      "(JAX's ragged paged attention) or batched (ours: several sequences' "
                      "pages per step, the next step's copied meanwhile; "
                      "models/paged_decode_kernel.py; unmeasured on a TPU); off a TPU both "
-                     "run the same XLA path",
+                     "run the same XLA path (EASYLM_PALLAS_INTERPRET=1: batched in Pallas "
+                     "interpret mode, slow)",
 }
 
 
