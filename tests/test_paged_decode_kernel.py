@@ -60,8 +60,9 @@ def test_kernel_is_the_xla_path(N, K, dtype, rel):
 
 
 def test_a_sliding_window_and_one_step_per_block():
-    """A window of 6 keys (masked: its earlier pages are still read) and the default
-    blocks (every page of a sequence in one step); twin: the window off."""
+    """A window of 6 keys (the pages it has passed not copied: a stale or zero buffer
+    there, masked) and the default blocks (every page of a sequence in one step); twin:
+    the window off."""
     q, kv, lengths, table = _case(4, 2, jnp.float32, seed=1)
     expected = pa.decode_attention(q, kv, lengths, table, 0.3, 6, implementation="xla")
     out = batched_decode_attention(q, kv, lengths, table, 0.3, 6, interpret=True)
@@ -96,6 +97,7 @@ def test_the_tpu_variant_lowers_to_mosaic():
     args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in [
         ((S, N, H), jnp.bfloat16), ((S * W, 16, 2 * K, H), jnp.bfloat16),
         ((S,), jnp.int32), ((S, W), jnp.int32)]]
-    kernel = jax.jit(lambda *a: batched_decode_attention(*a, scale=H ** -0.5))
-    exported = jax.export.export(kernel, platforms=["tpu"])(*args)
-    assert "tpu_custom_call" in exported.mlir_module()
+    for window in (0, 128):
+        kernel = jax.jit(lambda *a, w=window: batched_decode_attention(*a, H ** -0.5, w))
+        exported = jax.export.export(kernel, platforms=["tpu"])(*args)
+        assert "tpu_custom_call" in exported.mlir_module()

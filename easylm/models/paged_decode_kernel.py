@@ -21,7 +21,7 @@ other buffer, then waits for its own and computes, so the DMA engine always has 
 block's pages to move. Per sequence and kv head: k and v are strided rows of the buffer
 (bf16: JAX's trick, the buffer read as uint32 rows holding each (k, v) pair, split by
 shifts), scores q.k in fp32 (G x C*Z), masked past the length (and before a sliding
-window, whose earlier pages are still read), softmax, times v.
+window, whose passed pages are not copied), softmax, times v.
 
 Both buffers are zeroed at the first step: a page not copied (past a sequence's length)
 then holds zeros or an earlier block's pages, never uninitialised memory whose NaN
@@ -74,9 +74,12 @@ def _kernel(lengths_ref, table_ref, q_ref, kv_hbm, o_ref, buf, sems, m_ref, l_re
     def copies(i, c, slot, act):
         """Start or wait for (`act`) the copies of step (i, c)'s pages into `slot`."""
         def seq(s, _):
-            n = jnp.minimum(pl.cdiv(lengths_ref[i * b + s], Z), W)  # its pages
+            length = lengths_ref[i * b + s]
+            n = jnp.minimum(pl.cdiv(length, Z), W)  # its pages
+            # A sliding window's passed pages are not read (their keys are masked).
+            first = jax.lax.div(jnp.maximum(length - window, 0), Z) if window else 0
             for p in range(C):
-                @pl.when(c * C + p < n)
+                @pl.when((c * C + p < n) & (c * C + p >= first))
                 def _():
                     page = table_ref[(i * b + s) * W + c * C + p]
                     act(pltpu.make_async_copy(
