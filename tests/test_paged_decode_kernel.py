@@ -25,7 +25,7 @@ BLOCKS = (2, 2)  # 2 sequences a block, 2 pages a sequence a step: 3 steps a blo
 # in sequence (scores, softmax sum, values), relative to the largest output.
 REL32 = fp32_rel(128, 3)
 # bf16: both paths round the probabilities to bf16 before the values (half an ulp,
-# 2^-8 relative, each) and the output once more; the kernel's probabilities are relative
+# 2^-8 relative, each; the VPU variant keeps them fp32) and the output once more; the kernel's probabilities are relative
 # to a step's running maximum, the XLA path's to the sequence's, so a weight can round
 # differently: a few bf16 ulps of the largest output.
 REL16 = 2 * EPS_BF16
@@ -40,22 +40,25 @@ def _case(N, K, dtype, seed=0):
     return q, kv, jnp.asarray(LENGTHS, jnp.int32), table
 
 
-@pytest.mark.parametrize("N,K,dtype,rel", [(2, 2, jnp.float32, REL32),  # MHA
-                                           (4, 2, jnp.float32, REL32),  # GQA: G = 2
-                                           (4, 2, jnp.bfloat16, REL16)])
-def test_kernel_is_the_xla_path(N, K, dtype, rel):
+@pytest.mark.parametrize("N,K,dtype,rel,vpu", [
+    (2, 2, jnp.float32, REL32, False),  # MHA
+    (4, 2, jnp.float32, REL32, False),  # GQA: G = 2
+    (4, 2, jnp.bfloat16, REL16, False),
+    (4, 2, jnp.float32, REL32, True),  # both products on the VPU
+    (4, 2, jnp.bfloat16, REL16, True)])
+def test_kernel_is_the_xla_path(N, K, dtype, rel, vpu):
     q, kv, lengths, table = _case(N, K, dtype)
     expected = pa.decode_attention(q, kv, lengths, table, 0.3, implementation="xla")
     # Eager DMAs (each lands when started) with race detection: a copy into the buffer a
     # step still reads, or a read before its wait, is reported.
     params = pltpu.InterpretParams(detect_races=True, dma_execution_mode="eager")
     out = batched_decode_attention(q, kv, lengths, table, 0.3, blocks=BLOCKS,
-                                   interpret=params)
+                                   vpu=vpu, interpret=params)
     assert not tpu_interpret.races.races_found
     assert_close(out, expected.astype(jnp.float32), rel)
     # Negative twin: a page table one page off reads other keys.
     shifted = batched_decode_attention(q, kv, lengths, jnp.roll(table, 1, axis=1), 0.3,
-                                       blocks=BLOCKS, interpret=True)
+                                       blocks=BLOCKS, vpu=vpu, interpret=True)
     assert_differs(shifted, expected.astype(jnp.float32), rel)
 
 
@@ -97,7 +100,8 @@ def test_the_tpu_variant_lowers_to_mosaic():
     args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in [
         ((S, N, H), jnp.bfloat16), ((S * W, 16, 2 * K, H), jnp.bfloat16),
         ((S,), jnp.int32), ((S, W), jnp.int32)]]
-    for window in (0, 128):
-        kernel = jax.jit(lambda *a, w=window: batched_decode_attention(*a, H ** -0.5, w))
+    for window, vpu in ((0, False), (128, False), (0, True)):
+        kernel = jax.jit(lambda *a, w=window, c=vpu: batched_decode_attention(
+            *a, H ** -0.5, w, vpu=c))
         exported = jax.export.export(kernel, platforms=["tpu"])(*args)
         assert "tpu_custom_call" in exported.mlir_module()

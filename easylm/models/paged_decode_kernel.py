@@ -63,7 +63,7 @@ def _head(buf, j, K, rows, packed):
 
 
 def _kernel(lengths_ref, table_ref, q_ref, kv_hbm, o_ref, buf, sems, m_ref, l_ref, acc_ref,
-            *, b, C, Z, K, G, W, scale, window, packed):
+            *, b, C, Z, K, G, W, scale, window, packed, vpu):
     i, c = pl.program_id(0), pl.program_id(1)
     blocks, chunks = pl.num_programs(0), pl.num_programs(1)
     step = i * chunks + c
@@ -115,31 +115,48 @@ def _kernel(lengths_ref, table_ref, q_ref, kv_hbm, o_ref, buf, sems, m_ref, l_re
     for s in range(1, b):
         longest = jnp.maximum(longest, lengths_ref[i * b + s])
 
+    def update(s, at, scores, m_axis, values):
+        """The online softmax of query rows `at` of sequence s over this step's `scores`
+        (masked), reduced over `m_axis`; values(probs) -> their (n, H) weighted sum."""
+        n = at.size
+        m_prev = jnp.max(m_ref[s, at, :], axis=1, keepdims=True)  # (n, 1)
+        l_prev = jnp.max(l_ref[s, at, :], axis=1, keepdims=True)
+        m_new = jnp.max(scores, axis=m_axis, keepdims=True)
+        m = jnp.maximum(m_prev, m_new if m_axis == 1 else m_new.T)
+        probs = jnp.exp(scores - (m if m_axis == 1 else m.T))
+        alpha = jnp.exp(m_prev - m)
+        total = jnp.sum(probs, axis=m_axis, keepdims=True)
+        lanes = m_ref.shape[-1]
+        m_ref[s, at, :] = jnp.broadcast_to(m, (n, lanes))
+        l_ref[s, at, :] = jnp.broadcast_to(
+            alpha * l_prev + (total if m_axis == 1 else total.T), (n, lanes))
+        acc_ref[s, at, :] = alpha * acc_ref[s, at, :] + values(probs)
+
     @pl.when(c * rows < longest)  # some sequence of the block has keys in this step
     def _():
         def seq(s, _):
             length = lengths_ref[i * b + s]
-            key = c * rows + jax.lax.broadcasted_iota(jnp.int32, (G, rows), 1)
+            shape = (rows, 1) if vpu else (G, rows)
+            key = c * rows + jax.lax.broadcasted_iota(jnp.int32, shape, 0 if vpu else 1)
             visible = key < length
             if window:
                 visible &= key >= length - window
             for j in range(K):
                 k, v = _head(buf.at[slot, s], j, K, rows, packed)
-                q = q_ref[s, pl.ds(j * G, G), :]  # (G, H)
-                scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                                             preferred_element_type=jnp.float32) * scale
-                scores = jnp.where(visible, scores, MASK)  # (G, rows)
-                m_prev = jnp.max(m_ref[s, pl.ds(j * G, G), :], axis=1, keepdims=True)
-                l_prev = jnp.max(l_ref[s, pl.ds(j * G, G), :], axis=1, keepdims=True)
-                m = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))  # (G, 1)
-                probs = jnp.exp(scores - m)
-                alpha = jnp.exp(m_prev - m)
-                lanes = m_ref.shape[-1]
-                m_ref[s, pl.ds(j * G, G), :] = jnp.broadcast_to(m, (G, lanes))
-                l_ref[s, pl.ds(j * G, G), :] = jnp.broadcast_to(
-                    alpha * l_prev + jnp.sum(probs, axis=1, keepdims=True), (G, lanes))
-                pv = jnp.dot(probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-                acc_ref[s, pl.ds(j * G, G), :] = alpha * acc_ref[s, pl.ds(j * G, G), :] + pv
+                if not vpu:  # q rows against the keys, both products on the MXU
+                    q = q_ref[s, pl.ds(j * G, G), :]  # (G, H)
+                    scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                                                 preferred_element_type=jnp.float32)
+                    update(s, pl.ds(j * G, G), jnp.where(visible, scores * scale, MASK), 1,
+                           lambda p, v=v: jnp.dot(p.astype(v.dtype), v,
+                                                  preferred_element_type=jnp.float32))
+                    continue
+                for g in range(G):  # one query: its scores a column, products on the VPU
+                    q = q_ref[s, pl.ds(j * G + g, 1), :].astype(jnp.float32)  # (1, H)
+                    scores = jnp.sum(k.astype(jnp.float32) * q, axis=1, keepdims=True)
+                    update(s, pl.ds(j * G + g, 1), jnp.where(visible, scores * scale, MASK),
+                           0, lambda p, v=v: jnp.sum(p * v.astype(jnp.float32), axis=0,
+                                                     keepdims=True))
             return 0
         jax.lax.fori_loop(0, b, seq, 0)
 
@@ -149,15 +166,20 @@ def _kernel(lengths_ref, table_ref, q_ref, kv_hbm, o_ref, buf, sems, m_ref, l_re
         o_ref[...] = (acc_ref[...] / jnp.where(l == 0, 1.0, l)).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "blocks", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "blocks", "vpu",
+                                             "interpret"))
 def batched_decode_attention(q, kv_pages, lengths, page_table, scale: float,
                              sliding_window: int = 0, blocks: tuple[int, int] | None = None,
-                             interpret=False):
+                             vpu: bool = False, interpret=False):
     """(S, N, H) attention outputs of one query per sequence (module docstring), q at
     position lengths[s] - 1 seeing keys 0..lengths[s] - 1 (the last `sliding_window`
     only, when set). `blocks`: (sequences per block, pages per sequence per step); None:
-    `default_blocks`. `interpret`: True or a `pltpu.InterpretParams` runs the kernel in
-    Pallas' TPU interpret mode (any backend; tests)."""
+    `default_blocks`. `vpu`: both products on the VPU, one query at a time (its
+    scores a column: elementwise products summed over the lanes, then the values
+    weighted and summed over the keys) instead of the MXU's (G, keys) row block, whose
+    one real row pays for a whole weight tile; which is faster on a TPU is not measured. `interpret`: True or
+    a `pltpu.InterpretParams` runs the kernel in Pallas' TPU interpret mode (any
+    backend; tests)."""
     S, N, H = q.shape
     P, Z, K2, _ = kv_pages.shape
     K, W = K2 // 2, page_table.shape[1]
@@ -171,7 +193,7 @@ def batched_decode_attention(q, kv_pages, lengths, page_table, scale: float,
     table = jnp.pad(page_table.astype(jnp.int32), ((0, pad), (0, 0))).reshape(-1)
     kernel = functools.partial(
         _kernel, b=b, C=C, Z=Z, K=K, G=N // K, W=W, scale=scale, window=sliding_window,
-        packed=kv_pages.dtype.itemsize == 2 and not interpret)
+        packed=kv_pages.dtype.itemsize == 2 and not interpret, vpu=vpu)
     buffer_bytes = 2 * b * C * Z * K2 * H * kv_pages.dtype.itemsize
     out = pl.pallas_call(
         kernel,
