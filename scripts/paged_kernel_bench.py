@@ -1,10 +1,11 @@
 """Paged attention kernels alone, at a decode step's shape: microseconds per layer call
 and the K/V bandwidth each reaches, per page size and block sizes. JAX's ragged paged
-attention ("rpa") and ours ("batched", easylm/models/paged_decode_kernel.py) in one run:
+attention ("rpa") and ours ("batched", "batched_vpu": easylm/models/paged_decode_kernel.py)
+in one run:
 
     python scripts/paged_kernel_bench.py --batch=64 --heads=16 --kv_heads=16 \
         --context=256 --seq_length=384 --page_sizes=16 --queries_per_block=0,8 \
-        --seqs_per_block=2,4,8 --pages_per_step=0,8
+        --seqs_per_block=2,4,8 --pages_per_step=0,8 --vpu=0,1
 
 One query per sequence (a decode step), every sequence `context` keys (its pages spread
 over the pool at random), `layers` calls chained in one program (each call's output is
@@ -48,6 +49,8 @@ def main():
     parser.add_argument("--pages_per_step", default="0",
                         help="batched's pages per sequence per grid step, comma-separated; "
                              "0: its default (paged_decode_kernel.default_blocks)")
+    parser.add_argument("--vpu", default="0",
+                        help="batched's products: 0 on the MXU, 1 on the VPU; comma-separated")
     parser.add_argument("--layers", type=int, default=22)
     parser.add_argument("--calls", type=int, default=5)
     args = parser.parse_args()
@@ -62,18 +65,19 @@ def main():
         lengths = jnp.full((B,), args.context, jnp.int32)
         q = jax.random.normal(jax.random.PRNGKey(1), (B, N, H), jnp.bfloat16)
         settings = [("rpa", bq) for bq in _ints(args.queries_per_block)]
-        for b in _ints(args.seqs_per_block):
-            for c in _ints(args.pages_per_step):
-                settings.append(("batched", (b, c) if c else
-                                 default_blocks(B, W, Z * 2 * K * H * 2, b)))
+        for vpu in _ints(args.vpu):
+            for b in _ints(args.seqs_per_block):
+                for c in _ints(args.pages_per_step):
+                    settings.append(("batched_vpu" if vpu else "batched", (b, c) if c else
+                                     default_blocks(B, W, Z * 2 * K * H * 2, b)))
         reference = None
         for kernel, setting in settings:
             def attend(q, kernel=kernel, setting=setting):
-                if kernel == "batched":
+                if kernel != "rpa":
                     # Off a TPU (a smoke run of this script): interpret mode, slow.
                     return batched_decode_attention(
                         q, pool, lengths, table, 1 / np.sqrt(H), blocks=setting,
-                        interpret=jax.default_backend() != "tpu")
+                        vpu=kernel == "batched_vpu", interpret=jax.default_backend() != "tpu")
                 if setting == 0:
                     return decode_attention(q, pool, lengths, table)
                 return ragged_paged_attention(
@@ -88,7 +92,7 @@ def main():
                 once = jax.jit(attend)(q).astype(jnp.float32)
                 if kernel == "rpa" and reference is None:
                     reference = once
-                elif kernel == "batched" and reference is not None:
+                elif kernel != "rpa" and reference is not None:
                     row["max_abs_diff_from_rpa"] = float(jnp.max(jnp.abs(once - reference)))
                 jax.block_until_ready(chain(q))
                 start = time.perf_counter()

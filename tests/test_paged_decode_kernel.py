@@ -84,10 +84,11 @@ def test_decode_attention_reaches_the_kernel_by_name(monkeypatch):
     pa.decode_attention(q, kv, lengths, table, kernel="batched")
     assert calls == []  # off a TPU, interpret mode off: the XLA path
     monkeypatch.setattr(pa, "INTERPRET", True)
-    out = pa.decode_attention(q, kv, lengths, table, kernel="batched")
-    assert len(calls) == 1 and calls[0]["interpret"] is True
-    assert_close(out, pa.decode_attention(q, kv, lengths, table, implementation="xla"),
-                 REL32)
+    expected = pa.decode_attention(q, kv, lengths, table, implementation="xla")
+    for kernel in ("batched", "batched_vpu"):
+        assert_close(pa.decode_attention(q, kv, lengths, table, kernel=kernel), expected,
+                     REL32)
+    assert [(c["interpret"], c["vpu"]) for c in calls] == [(True, False), (True, True)]
     with pytest.raises(ValueError, match="decode kernel 'fast'"):
         pa.decode_attention(q, kv, lengths, table, kernel="fast")
 

@@ -191,7 +191,7 @@ def test_too_few_pages_for_one_request_is_refused():
 @pytest.mark.parametrize("flags,message", [
     ({"decode_kernel": "batched"}, "--decode_kernel=batched needs --decode_from_pages"),
     ({"page_size": 8, "decode_from_pages": True, "decode_kernel": "fast"},
-     "--decode_kernel must be one of rpa, batched, got 'fast'")])
+     "--decode_kernel must be one of rpa, batched, batched_vpu, got 'fast'")])
 def test_a_decode_kernel_is_refused_where_it_cannot_run(flags, message):
     from easylm.errors import UserError
 

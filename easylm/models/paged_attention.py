@@ -40,8 +40,9 @@ from easylm.models.paged_decode_kernel import batched_decode_attention
 
 IMPLEMENTATIONS = ("auto", "xla", "kernel")
 # Decode kernels (the engine's --decode_kernel): JAX's ragged paged attention, or ours
-# that reads several sequences' pages per step (paged_decode_kernel.py).
-DECODE_KERNELS = ("rpa", "batched")
+# that reads several sequences' pages per step (paged_decode_kernel.py), its products on
+# the MXU or (batched_vpu) on the VPU.
+DECODE_KERNELS = ("rpa", "batched", "batched_vpu")
 # Pallas interpret mode for the batched kernel off a TPU (EASYLM_PALLAS_INTERPRET=1, as
 # splash.py, or tests; slow). JAX 0.10.2's interpreter cannot run the rpa kernel
 # (tests/test_paged_attention.py).
@@ -167,16 +168,17 @@ def decode_attention(q, kv_pages, lengths, page_table, scale: float | None = Non
                      kernel: str = "rpa"):
     """One query per sequence (a decode step): q (B, N, H) at position lengths[b] - 1 of
     sequence b, whose keys 0..lengths[b] - 1 its pages hold (its own written before the
-    call); (B, N, H). `kernel` batched: paged_decode_kernel's where a kernel runs (a
-    TPU, or INTERPRET), else the same xla path."""
+    call); (B, N, H). `kernel` batched or batched_vpu: paged_decode_kernel's where a
+    kernel runs (a TPU, or INTERPRET), else the same xla path."""
     if kernel not in DECODE_KERNELS:
         raise ValueError(f"decode kernel {kernel!r} is not one of {DECODE_KERNELS}")
     B = q.shape[0]
-    if kernel == "batched" and implementation != "xla" and (
+    if kernel != "rpa" and implementation != "xla" and (
             implementation == "kernel" or kernel_available() or INTERPRET):
         scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
         return batched_decode_attention(q, kv_pages, lengths, page_table, float(scale),
-                                        sliding_window, interpret=not kernel_available())
+                                        sliding_window, vpu=kernel == "batched_vpu",
+                                        interpret=not kernel_available())
     return ragged_paged_attention(
         q, kv_pages, lengths.astype(jnp.int32), page_table.astype(jnp.int32),
         jnp.arange(B + 1, dtype=jnp.int32), jnp.array([B], jnp.int32), scale,

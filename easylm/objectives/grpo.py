@@ -117,8 +117,8 @@ HELP = {
                               "attention, the kernel on a TPU) instead of gathering each "
                               "row's window",
     "grpo.decode_kernel": "with --grpo.decode_from_pages, the engine's --decode_kernel: rpa "
-                          "(JAX's ragged paged attention) or batched (paged_decode_kernel.py, "
-                          "unmeasured on a TPU)",
+                          "(JAX's ragged paged attention), batched or batched_vpu "
+                          "(paged_decode_kernel.py, unmeasured on a TPU)",
     "grpo.tools": "multi-turn tool use: MODULE:FN[,FN...], plain Python functions with type "
                   "hints and an Args: docstring, shown to the model through the chat "
                   "template's tools=; its <tool_call>{json}</tool_call> (Qwen/Hermes) or "

@@ -46,7 +46,8 @@ HELP = {
     "page_size": "the engine's --page_size: the cache in pages of this many positions; 0: "
                  "a dense cache",
     "decode_from_pages": "the engine's --decode_from_pages (with --page_size)",
-    "decode_kernel": "the engine's --decode_kernel (with --decode_from_pages): rpa, batched",
+    "decode_kernel": "the engine's --decode_kernel (with --decode_from_pages): rpa, batched, "
+                     "batched_vpu",
     **run_flags.help_entries("dtype", "mesh_dim", **ENGINE_NOTES),
     "quantize": "comma-separated weight formats to time side by side: none (the dtype's), "
                 "int8 (--quantize=int8 of the server)",

@@ -105,9 +105,9 @@ HELP = {
     "decode_kernel": "with --decode_from_pages, the TPU kernel decode attends with: rpa "
                      "(JAX's ragged paged attention) or batched (ours: several sequences' "
                      "pages per step, the next step's copied meanwhile; "
-                     "models/paged_decode_kernel.py; unmeasured on a TPU); off a TPU both "
-                     "run the same XLA path (EASYLM_PALLAS_INTERPRET=1: batched in Pallas "
-                     "interpret mode, slow)",
+                     "models/paged_decode_kernel.py; unmeasured on a TPU) or batched_vpu "
+                     "(the same, its products on the VPU); off a TPU all run the same XLA "
+                     "path (EASYLM_PALLAS_INTERPRET=1: ours in Pallas interpret mode, slow)",
 }
 
 
