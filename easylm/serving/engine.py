@@ -103,7 +103,7 @@ HELP = {
                          "gathered and written back; experimental: exact on CPU, its speed "
                          "on a TPU not yet measured (docs/serving.md)",
     "decode_kernel": "with --decode_from_pages, the TPU kernel decode attends with: rpa "
-                     "(JAX's ragged paged attention) or batched (ours: several sequences' "
+                     "(JAX's ragged paged attention), batched (ours: several sequences' "
                      "pages per step, the next step's copied meanwhile; "
                      "models/paged_decode_kernel.py; unmeasured on a TPU) or batched_vpu "
                      "(the same, its products on the VPU); off a TPU all run the same XLA "
