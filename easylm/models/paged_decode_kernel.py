@@ -20,8 +20,9 @@ sequence's length; the step first starts the copies of the next step's pages int
 other buffer, then waits for its own and computes, so the DMA engine always has the next
 block's pages to move. Per sequence and kv head: k and v are strided rows of the buffer
 (bf16: JAX's trick, the buffer read as uint32 rows holding each (k, v) pair, split by
-shifts), scores q.k in fp32 (G x C*Z), masked past the length (and before a sliding
-window, whose passed pages are not copied), softmax, times v.
+shifts), scores q.k in fp32 (G x C*Z) on the MXU, masked past the length (and before a
+sliding window, whose passed pages are not copied), softmax, times v; or (`vpu`) per
+query on the VPU, its scores a column, in fp32.
 
 Both buffers are zeroed at the first step: a page not copied (past a sequence's length)
 then holds zeros or an earlier block's pages, never uninitialised memory whose NaN
