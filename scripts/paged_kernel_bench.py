@@ -1,13 +1,17 @@
-"""JAX's ragged paged attention kernel alone, at a decode step's shape: microseconds per
-layer call and the K/V bandwidth it reaches, per page size and block sizes.
+"""Paged attention kernels alone, at a decode step's shape: microseconds per layer call
+and the K/V bandwidth each reaches, per page size and block sizes. JAX's ragged paged
+attention ("rpa") and ours ("batched", "batched_vpu": easylm/models/paged_decode_kernel.py)
+in one run:
 
     python scripts/paged_kernel_bench.py --batch=64 --heads=16 --kv_heads=16 \
-        --context=256 --seq_length=384 --page_sizes=16,32,64,128 --queries_per_block=0,8,16
+        --context=256 --seq_length=384 --page_sizes=16 --queries_per_block=0,8 \
+        --seqs_per_block=2,4,8 --pages_per_step=0,8 --vpu=0,1
 
 One query per sequence (a decode step), every sequence `context` keys (its pages spread
 over the pool at random), `layers` calls chained in one program (each call's output is
-the next one's query) so the time is the device's. A JSON line per setting; the K/V
-bytes a call must read over 819 GB/s (the v5e's HBM) for comparison.
+the next one's query) so the time is the device's. A JSON line per setting: the K/V bytes
+a call must read over 819 GB/s (the v5e's HBM) for comparison, and for the batched kernel
+its largest difference from JAX's kernel on the same inputs (bf16: ~1e-2 expected).
 """
 
 import argparse
@@ -19,6 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from easylm.models.paged_attention import decode_attention, ragged_paged_attention
+from easylm.models.paged_decode_kernel import batched_decode_attention, default_blocks
+
+HBM = 819e9  # bytes/s, one v5e chip
+
+
+def _ints(text):
+    return [int(x) for x in text.split(",") if x]
 
 
 def main():
@@ -29,47 +40,71 @@ def main():
     parser.add_argument("--head_dim", type=int, default=128)
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--seq_length", type=int, default=384)
-    parser.add_argument("--page_sizes", default="16,32,64,128")
+    parser.add_argument("--page_sizes", default="16")
     parser.add_argument("--queries_per_block", default="0",
-                        help="comma-separated; 0: the engine's (paged_attention.decode_attention)")
+                        help="rpa's, comma-separated; 0: the engine's "
+                             "(paged_attention.decode_attention); empty: rpa not run")
+    parser.add_argument("--seqs_per_block", default="4",
+                        help="batched's, comma-separated; empty: batched not run")
+    parser.add_argument("--pages_per_step", default="0",
+                        help="batched's pages per sequence per grid step, comma-separated; "
+                             "0: its default (paged_decode_kernel.default_blocks)")
+    parser.add_argument("--vpu", default="0",
+                        help="batched's products: 0 on the MXU, 1 on the VPU; comma-separated")
     parser.add_argument("--layers", type=int, default=22)
     parser.add_argument("--calls", type=int, default=5)
     args = parser.parse_args()
     B, N, K, H = args.batch, args.heads, args.kv_heads, args.head_dim
     rng = np.random.default_rng(0)
     kv_bytes = B * args.context * 2 * K * H * 2
-    for Z in map(int, args.page_sizes.split(",")):
+    for Z in _ints(args.page_sizes):
         W = -(-args.seq_length // Z)
         P = B * W
         pool = jax.random.normal(jax.random.PRNGKey(0), (P, Z, 2 * K, H), jnp.bfloat16)
         table = jnp.asarray(rng.permutation(P).reshape(B, W), jnp.int32)
         lengths = jnp.full((B,), args.context, jnp.int32)
         q = jax.random.normal(jax.random.PRNGKey(1), (B, N, H), jnp.bfloat16)
-        for bq in map(int, args.queries_per_block.split(",")):
-            blocks = None if bq == 0 else (W, bq)
+        settings = [("rpa", bq) for bq in _ints(args.queries_per_block)]
+        for vpu in _ints(args.vpu):
+            for b in _ints(args.seqs_per_block):
+                for c in _ints(args.pages_per_step):
+                    settings.append(("batched_vpu" if vpu else "batched", (b, c) if c else
+                                     default_blocks(B, W, Z * 2 * K * H * 2, b)))
+        reference = None
+        for kernel, setting in settings:
+            def attend(q, kernel=kernel, setting=setting):
+                if kernel != "rpa":
+                    # Off a TPU (a smoke run of this script): interpret mode, slow.
+                    return batched_decode_attention(
+                        q, pool, lengths, table, 1 / np.sqrt(H), blocks=setting,
+                        vpu=kernel == "batched_vpu", interpret=jax.default_backend() != "tpu")
+                if setting == 0:
+                    return decode_attention(q, pool, lengths, table)
+                return ragged_paged_attention(
+                    q, pool, lengths, table, jnp.arange(B + 1, dtype=jnp.int32),
+                    jnp.array([B], jnp.int32), block_sizes=(W, setting))
 
-            @jax.jit
-            def chain(q, pool, table, lengths):
-                def layer(_, q):
-                    if blocks is None:
-                        return decode_attention(q, pool, lengths, table)
-                    return ragged_paged_attention(
-                        q, pool, lengths, table, jnp.arange(B + 1, dtype=jnp.int32),
-                        jnp.array([B], jnp.int32), block_sizes=blocks)
-                return jax.lax.fori_loop(0, args.layers, layer, q)
-
+            chain = jax.jit(lambda q: jax.lax.fori_loop(0, args.layers,
+                                                        lambda _, q: attend(q), q))
+            row = {"kernel": kernel, "page_size": Z,
+                   ("queries_per_block" if kernel == "rpa" else "blocks"): setting or "engine"}
             try:
-                jax.block_until_ready(chain(q, pool, table, lengths))
+                once = jax.jit(attend)(q).astype(jnp.float32)
+                if kernel == "rpa" and reference is None:
+                    reference = once
+                elif kernel != "rpa" and reference is not None:
+                    row["max_abs_diff_from_rpa"] = float(jnp.max(jnp.abs(once - reference)))
+                jax.block_until_ready(chain(q))
                 start = time.perf_counter()
                 for _ in range(args.calls):
-                    out = chain(q, pool, table, lengths)
+                    out = chain(q)
                 jax.block_until_ready(out)
                 us = (time.perf_counter() - start) / (args.calls * args.layers) * 1e6
-                row = {"page_size": Z, "queries_per_block": bq or "engine", "us_per_layer": us,
-                       "kv_gb_per_s": kv_bytes / us / 1e3,
-                       "us_at_819": kv_bytes / 819e9 * 1e6}
-            except Exception as e:  # a block size the kernel refuses: say so, go on
-                row = {"page_size": Z, "queries_per_block": bq, "error": repr(e)[:300]}
+                row.update(us_per_layer=us, kv_gb_per_s=kv_bytes / us / 1e3,
+                           hbm_fraction=kv_bytes / us / 1e-6 / HBM,
+                           us_at_819=kv_bytes / HBM * 1e6)
+            except Exception as e:  # a block size a kernel refuses: say so, go on
+                row["error"] = repr(e)[:300]
             print(json.dumps(row), flush=True)
 
 

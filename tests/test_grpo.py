@@ -717,6 +717,8 @@ def long_prompts(tmp_path):
     ({"grpo.max_sampling_rounds": 0}, "--grpo.max_sampling_rounds must be >= 1, got 0"),
     ({"grpo.decode_from_pages": True}, "--grpo.decode_from_pages needs pages: set "
      "--grpo.page_size"),
+    ({"grpo.decode_kernel": "batched"}, "--grpo.decode_kernel=batched needs "
+     "--grpo.decode_from_pages"),
     ({"grpo.loss_type": "ppo"}, "--grpo.loss_type must be one of grpo, bnpo, dr_grpo, dapo, "
      "got 'ppo'"),
     ({"grpo.importance_sampling_level": "seq"}, "--grpo.importance_sampling_level must be "

@@ -135,6 +135,31 @@ def test_pages_serve_what_the_dense_cache_serves(kind, monkeypatch):
     assert np.abs(bad_logprobs - logprobs).max() > 1e-3
 
 
+def test_the_batched_decode_kernel_serves_what_the_dense_cache_serves(kind, monkeypatch):
+    """--decode_kernel=batched (paged_decode_kernel.py, in Pallas interpret mode here):
+    the dense engine's greedy tokens, log-probabilities to fp32 rounding as above (the
+    kernel's online softmax sums in another order); twin: a page table one page off.
+    LLaMA only: the sliding window is the kernel's test's (test_paged_decode_kernel.py),
+    the other kinds decode over a dense window."""
+    name, model, params, ((tokens, logprobs), _) = kind
+    if name != "llama":
+        pytest.skip("the kernel's engine check runs on LLaMA (CI time)")
+    monkeypatch.setattr(paged_attention, "INTERPRET", True)
+    calls = []
+    kernel = paged_attention.batched_decode_attention
+    monkeypatch.setattr(paged_attention, "batched_decode_attention",
+                        lambda *args, **kw: calls.append(1) or kernel(*args, **kw))
+    engine = Engine({**ENGINE, "page_size": 8, "decode_from_pages": True,
+                     "decode_kernel": "batched"}, model, params)
+    (paged_tokens, paged_logprobs), _ = _serve(engine)
+    assert calls  # traced into the decode program
+    np.testing.assert_array_equal(paged_tokens, tokens)
+    np.testing.assert_allclose(paged_logprobs, logprobs, atol=1e-5, rtol=0)
+    engine.reset()
+    (_, bad_logprobs), _ = _serve(engine, corrupt=True)
+    assert np.abs(bad_logprobs - logprobs).max() > 1e-3
+
+
 def test_a_recurrent_state_prefills_in_full(kind):
     """Gated DeltaNet's state at a page's end is not kept, so a prompt that starts with
     another's indexed pages cannot start there: Qwen3.5 shares no page (`claim` gives 0);
@@ -163,6 +188,17 @@ def test_too_few_pages_for_one_request_is_refused():
     with pytest.raises(UserError, match="--pages=4"):
         engine_lib.check_config(engine_lib.get_default_config(
             {"seq_length": 64, "page_size": 16, "pages": 4}))
+
+
+@pytest.mark.parametrize("flags,message", [
+    ({"decode_kernel": "batched"}, "--decode_kernel=batched needs --decode_from_pages"),
+    ({"page_size": 8, "decode_from_pages": True, "decode_kernel": "fast"},
+     "--decode_kernel must be one of rpa, batched, batched_vpu, got 'fast'")])
+def test_a_decode_kernel_is_refused_where_it_cannot_run(flags, message):
+    from easylm.errors import UserError
+
+    with pytest.raises(UserError, match=message):
+        engine_lib.check_config(engine_lib.get_default_config({"seq_length": 32, **flags}))
 
 
 def test_requests_wait_for_pages_and_get_their_tokens(tokenizer, caplog, monkeypatch):

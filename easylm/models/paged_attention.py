@@ -30,12 +30,23 @@ P pages, Z page size, S sequences, W pages per sequence.
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from easylm.models.paged_decode_kernel import batched_decode_attention
+
 IMPLEMENTATIONS = ("auto", "xla", "kernel")
+# Decode kernels (the engine's --decode_kernel): JAX's ragged paged attention, or ours
+# that reads several sequences' pages per step (paged_decode_kernel.py), its products on
+# the MXU or (batched_vpu) on the VPU.
+DECODE_KERNELS = ("rpa", "batched", "batched_vpu")
+# Pallas interpret mode for the batched kernel off a TPU (EASYLM_PALLAS_INTERPRET=1, as
+# splash.py, or tests; slow). JAX 0.10.2's interpreter cannot run the rpa kernel
+# (tests/test_paged_attention.py).
+INTERPRET = os.environ.get("EASYLM_PALLAS_INTERPRET", "") == "1"
 
 
 def combine(k_pages, v_pages):
@@ -51,7 +62,7 @@ def split(kv_pages):
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["kv", "table"],
-                   meta_fields=[])
+                   meta_fields=["kernel"])
 @dataclasses.dataclass
 class PagedKV:
     """One attention layer's cache entry when the serving engine decodes straight from its
@@ -59,10 +70,12 @@ class PagedKV:
     layout) and each sequence's page table (B, W). Sequence b's position p lives at offset
     p % Z of page table[b, p // Z]. `decoder.write_cache` writes into it and reads it back
     as a dense (B, W * Z) cache (any layer's attention); `decoder.Attention` attends over
-    it with `decode_attention` instead (one query per sequence, no copy of the cache)."""
+    it with `decode_attention` instead (one query per sequence, no copy of the cache)
+    through `kernel` (`DECODE_KERNELS`)."""
 
     kv: jax.Array
     table: jax.Array
+    kernel: str = "rpa"
 
     @property
     def length(self) -> int:
@@ -75,7 +88,7 @@ class PagedKV:
         Z, W = self.kv.shape[1], self.table.shape[1]
         page = self.table[jnp.arange(k.shape[0])[:, None], jnp.minimum(positions // Z, W - 1)]
         kv = self.kv.at[page, positions % Z].set(combine(k, v).astype(self.kv.dtype))
-        return PagedKV(kv, self.table)
+        return PagedKV(kv, self.table, self.kernel)
 
     def gather(self):
         """Keys and values (B, W * Z, K, H): each sequence's pages in order, as a dense
@@ -88,7 +101,7 @@ class PagedKV:
         """q (B, 1, N, H) at `positions` (B, 1), its own keys written (`write`): the
         attention outputs (B, 1, N, H), each query seeing keys 0..its position."""
         return decode_attention(q[:, 0], self.kv, positions[:, 0] + 1, self.table, scale,
-                                sliding_window)[:, None]
+                                sliding_window, kernel=self.kernel)[:, None]
 
 
 def kernel_available() -> bool:
@@ -151,11 +164,21 @@ def xla_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
 
 
 def decode_attention(q, kv_pages, lengths, page_table, scale: float | None = None,
-                     sliding_window: int = 0, implementation: str = "auto"):
+                     sliding_window: int = 0, implementation: str = "auto",
+                     kernel: str = "rpa"):
     """One query per sequence (a decode step): q (B, N, H) at position lengths[b] - 1 of
     sequence b, whose keys 0..lengths[b] - 1 its pages hold (its own written before the
-    call); (B, N, H)."""
+    call); (B, N, H). `kernel` batched or batched_vpu: paged_decode_kernel's where a
+    kernel runs (a TPU, or INTERPRET), else the same xla path."""
+    if kernel not in DECODE_KERNELS:
+        raise ValueError(f"decode kernel {kernel!r} is not one of {DECODE_KERNELS}")
     B = q.shape[0]
+    if kernel != "rpa" and implementation != "xla" and (
+            implementation == "kernel" or kernel_available() or INTERPRET):
+        scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
+        return batched_decode_attention(q, kv_pages, lengths, page_table, float(scale),
+                                        sliding_window, vpu=kernel == "batched_vpu",
+                                        interpret=not kernel_available())
     return ragged_paged_attention(
         q, kv_pages, lengths.astype(jnp.int32), page_table.astype(jnp.int32),
         jnp.arange(B + 1, dtype=jnp.int32), jnp.array([B], jnp.int32), scale,

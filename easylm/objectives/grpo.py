@@ -25,6 +25,7 @@ from easylm.data import environments
 from easylm.data.conversations import make_renderer
 from easylm.data.options import loader_block
 from easylm.errors import UserError
+from easylm.models.paged_attention import DECODE_KERNELS
 from easylm.objectives import rewards as rewards_lib
 from easylm.objectives.base import BASE, COPY, NO_REFERENCE, Objective
 from easylm.objectives.chunked_logps import chunked_token_logps
@@ -115,6 +116,9 @@ HELP = {
                               "from the pages (the engine's --decode_from_pages: ragged paged "
                               "attention, the kernel on a TPU) instead of gathering each "
                               "row's window",
+    "grpo.decode_kernel": "with --grpo.decode_from_pages, the engine's --decode_kernel: rpa "
+                          "(JAX's ragged paged attention), batched or batched_vpu "
+                          "(paged_decode_kernel.py, unmeasured on a TPU)",
     "grpo.tools": "multi-turn tool use: MODULE:FN[,FN...], plain Python functions with type "
                   "hints and an Args: docstring, shown to the model through the chat "
                   "template's tools=; its <tool_call>{json}</tool_call> (Qwen/Hermes) or "
@@ -141,7 +145,7 @@ def get_default_config(updates=None) -> ConfigDict:
         importance_sampling_cap=3.0, importance_sampling_mode="token_truncate",
         importance_sampling_level="token", dynamic_sampling=False, max_sampling_rounds=4,
         routing_replay=False, share_prompts=True, page_size=0, decode_from_pages=False,
-        tools="", environment="",
+        decode_kernel="rpa", tools="", environment="",
         tool_timeout=10.0, max_turns=4))
     if updates is not None:
         config.update(ConfigDict(updates).copy_and_resolve_references())
@@ -177,6 +181,12 @@ def check_options(options, seq_length: int) -> None:
             raise UserError(f"--grpo.{name} must be {expected}, got {options[name]!r}")
     if options.decode_from_pages and not options.page_size:
         raise UserError("--grpo.decode_from_pages needs pages: set --grpo.page_size")
+    if options.decode_kernel not in DECODE_KERNELS:
+        raise UserError(f"--grpo.decode_kernel must be one of {', '.join(DECODE_KERNELS)}, "
+                        f"got {options.decode_kernel!r}")
+    if options.decode_kernel != "rpa" and not options.decode_from_pages:
+        raise UserError(f"--grpo.decode_kernel={options.decode_kernel} needs "
+                        f"--grpo.decode_from_pages")
     if options.importance_sampling_mode != "token_truncate" and not corrects_sampling(options):
         # Asked for by name, so not left out in silence as the default cap is.
         raise UserError(f"--grpo.importance_sampling_mode={options.importance_sampling_mode} "

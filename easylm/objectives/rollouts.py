@@ -374,7 +374,8 @@ class Rollouts:
                 "min_bucket": seq_length - self.options.max_new_tokens,
                 "share_prompts": self.options.share_prompts,
                 "page_size": self.options.page_size,
-                "decode_from_pages": self.options.decode_from_pages})
+                "decode_from_pages": self.options.decode_from_pages,
+                "decode_kernel": self.options.decode_kernel})
             config.pages = self._pool_pages(config)
             self.engines[key] = engine_lib.Engine(config, self.objective.model, None, self.mesh,
                                                   record_routing=self.options.routing_replay)

@@ -46,6 +46,8 @@ HELP = {
     "page_size": "the engine's --page_size: the cache in pages of this many positions; 0: "
                  "a dense cache",
     "decode_from_pages": "the engine's --decode_from_pages (with --page_size)",
+    "decode_kernel": "the engine's --decode_kernel (with --decode_from_pages): rpa, batched, "
+                     "batched_vpu",
     **run_flags.help_entries("dtype", "mesh_dim", **ENGINE_NOTES),
     "quantize": "comma-separated weight formats to time side by side: none (the dtype's), "
                 "int8 (--quantize=int8 of the server)",
@@ -64,6 +66,7 @@ def default_config(family) -> ConfigDict:
     config.decode_unroll = False
     config.page_size = 0
     config.decode_from_pages = False
+    config.decode_kernel = "rpa"
     config.update(run_flags.get_default_config("dtype", "mesh_dim", mesh_dim=ENGINE_MESH_DIM))
     config.quantize = "none"
     config.hf = "auto"
@@ -86,7 +89,7 @@ def engine_tokens_per_second(model, params, batch: int, config, tokenizer, promp
         {"batch_size": batch, "seq_length": config.seq_length or config.prompt_length + config.new_tokens,
          "decode_steps": config.decode_steps, "decode_unroll": config.decode_unroll,
          "min_bucket": config.prompt_length, "page_size": config.page_size,
-         "decode_from_pages": config.decode_from_pages,
+         "decode_from_pages": config.decode_from_pages, "decode_kernel": config.decode_kernel,
          # The runs repeat their prompts: with pages, sharing would find them cached and
          # run the timed prompts as extends, whose programs warm-up does not compile.
          "share_prompts": False},

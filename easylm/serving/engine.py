@@ -52,6 +52,7 @@ from ml_collections import ConfigDict
 
 from easylm.errors import UserError
 from easylm.models.family import Model
+from easylm.models.paged_attention import DECODE_KERNELS
 from easylm.runtime.sharding import axes_size, match_partition_rules
 from easylm.serving.pages import (PageBook, PagedCache, PagedLayout, check_pages,
                                   kernel_layout)
@@ -101,6 +102,12 @@ HELP = {
                          "is an attention layer's keys and values, instead of a dense window "
                          "gathered and written back; experimental: exact on CPU, its speed "
                          "on a TPU not yet measured (docs/serving.md)",
+    "decode_kernel": "with --decode_from_pages, the TPU kernel decode attends with: rpa "
+                     "(JAX's ragged paged attention), batched (ours: several sequences' "
+                     "pages per step, the next step's copied meanwhile; "
+                     "models/paged_decode_kernel.py; unmeasured on a TPU) or batched_vpu "
+                     "(the same, its products on the VPU); off a TPU all run the same XLA "
+                     "path (EASYLM_PALLAS_INTERPRET=1: ours in Pallas interpret mode, slow)",
 }
 
 
@@ -118,6 +125,7 @@ def get_default_config(updates=None) -> ConfigDict:
     config.page_size = 0
     config.pages = 0
     config.decode_from_pages = False
+    config.decode_kernel = "rpa"
     if updates is not None:
         config.update(ConfigDict(updates).copy_and_resolve_references())
     return config
@@ -134,6 +142,11 @@ def check_config(config: ConfigDict):
         check_pages(config.page_size, config.pages, config.batch_size, config.seq_length)
     if config.decode_from_pages and not config.page_size:
         raise UserError("--decode_from_pages needs pages: set --page_size")
+    if config.decode_kernel not in DECODE_KERNELS:
+        raise UserError(f"--decode_kernel must be one of {', '.join(DECODE_KERNELS)}, got "
+                        f"{config.decode_kernel!r}")
+    if config.decode_kernel != "rpa" and not config.decode_from_pages:
+        raise UserError(f"--decode_kernel={config.decode_kernel} needs --decode_from_pages")
 
 
 def cached_tokens(prompts: list[list[int]], calls: list) -> list[int]:
@@ -220,7 +233,7 @@ def _layout_and_pages(config: ConfigDict, model: Model):
         return layout, None
     pages = check_pages(config.page_size, config.pages, config.batch_size, config.seq_length)
     return (PagedLayout(layout, config.page_size, pages, kernel_layout(model, layout)
-                        if config.decode_from_pages else None),
+                        if config.decode_from_pages else None, config.decode_kernel),
             PageBook(config.batch_size, config.seq_length, config.page_size, pages))
 
 

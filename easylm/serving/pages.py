@@ -62,6 +62,7 @@ class PagedLayout:
     # and no slot holds a state (`kernel_layout`): each layer's pair interleaved in one
     # array (`paged_attention.combine`), which decode attends straight from (`decoded`).
     packed: CacheLayout | None = None
+    decode_kernel: str = "rpa"  # the kernel decode attends with (`PagedKV.kernel`)
 
     @property
     def direct(self) -> bool:
@@ -85,7 +86,8 @@ class PagedLayout:
         def entry(e):
             kv = e["kv"]  # (..., P, Z, 2K, H): a scan's stacked layers lead
             return PagedKV(kv, jnp.broadcast_to(cache.table, (*kv.shape[:-4],
-                                                              *cache.table.shape)))
+                                                              *cache.table.shape)),
+                           self.decode_kernel)
         out, entries = step(_swap(cache.pool, {"kv"}, entry))
         pool = jax.tree.map(lambda x: {"kv": x.kv} if isinstance(x, PagedKV) else x, entries,
                             is_leaf=lambda x: isinstance(x, PagedKV))

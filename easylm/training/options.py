@@ -282,7 +282,9 @@ _ADDED = {"grpo.dynamic_sampling": False, "grpo.max_sampling_rounds": 4,
           # the rollouts' cache dense: the rows and samples a paged cache gives too
           "grpo.page_size": 0,
           # decoding through gathered windows: the rows decoding from the pages gives too
-          "grpo.decode_from_pages": False}
+          "grpo.decode_from_pages": False,
+          # JAX's kernel (off a TPU both kernels run the same XLA path)
+          "grpo.decode_kernel": "rpa"}
 
 
 def _hashed(name: str, value):

@@ -1,0 +1,219 @@
+"""A decode-only paged attention kernel (Pallas, TPU) that reads several sequences' pages
+per grid step, the next block's pages in flight while this block computes.
+
+Why our own: JAX 0.10.2's ragged paged attention kernel (paged_attention.py's "rpa")
+serves prefill and decode rows alike; at a decode step it computes, per sequence and kv
+head, a (32 rows x keys) block of which one row is real, with its keys and values masked
+element by element, and at llama_1b's batch 64 it reads K/V at 51-55% of the v5e's HBM
+bandwidth whatever its block sizes (docs/benchmarks.md). Decode rows are simpler: one query
+per sequence, G = N // K rows per kv head. This kernel does that and only that.
+
+Layout (paged_attention.py's): q (S, N, H), one query per sequence at position
+lengths[s] - 1; kv_pages (P, Z, 2K, H), k head j at 2j, v head j at 2j + 1; page_table
+(S, W); lengths (S,). The wrapper views the pool as (P, Z * 2K, H) (the same bytes; on a
+TPU no copy when 2K is a multiple of the dtype's sublane tile: 8 rows fp32, 16 bf16).
+
+Grid (S / b, W / C), both sequential: step (i, c) attends sequences i*b .. i*b + b - 1
+over their pages c*C .. c*C + C - 1 (an online softmax across c). Its pages arrive by one
+DMA each into one of two VMEM buffers (b, C * Z * 2K, H), only the pages below each
+sequence's length; the step first starts the copies of the next step's pages into the
+other buffer, then waits for its own and computes, so the DMA engine always has the next
+block's pages to move. Per sequence and kv head: k and v are strided rows of the buffer
+(bf16: JAX's trick, the buffer read as uint32 rows holding each (k, v) pair, split by
+shifts), scores q.k in fp32 (G x C*Z) on the MXU, masked past the length (and before a
+sliding window, whose passed pages are not copied), softmax, times v; or (`vpu`) per
+query on the VPU, its scores a column, in fp32.
+
+Both buffers are zeroed at the first step: a page not copied (past a sequence's length)
+then holds zeros or an earlier block's pages, never uninitialised memory whose NaN
+would survive a zero probability. Pallas interpret mode (`interpret`, tests on the CPU)
+runs the same steps, except that it cannot read a ref through a bitcast (JAX 0.10.2:
+"'BitcastTransform' object has no attribute 'indices'"), so there bf16 rows are read with
+a plain strided load; the uint32 split runs on the TPU only.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: exp(MASK - m) is 0, never NaN
+BUFFER_BYTES = 8 << 20  # one of the two K/V buffers: 8 MiB (v5e VMEM: 128 MiB)
+
+
+def default_blocks(S, W, page_bytes, seqs_per_block=4):
+    """(sequences per block, pages per sequence per step): `seqs_per_block` (at most S),
+    and as many pages as fit one buffer of BUFFER_BYTES (at most W)."""
+    b = max(1, min(seqs_per_block, S))
+    return b, max(1, min(W, BUFFER_BYTES // (b * page_bytes)))
+
+
+def _head(buf, j, K, rows, packed):
+    """Keys and values (rows, H) of kv head j from one sequence's buffer (rows * 2K, H)."""
+    if not packed:  # fp32, or interpret mode
+        return (buf[pl.ds(2 * j, rows, stride=2 * K), :],
+                buf[pl.ds(2 * j + 1, rows, stride=2 * K), :])
+    # bf16: uint32 row r holds bf16 rows 2r (low half: k) and 2r + 1 (high half: v); a
+    # bf16 is an fp32's high half, so each split is exact.
+    pairs = buf.bitcast(jnp.uint32)[pl.ds(j, rows, stride=K), :]
+    k = pltpu.bitcast(pairs << 16, jnp.float32)
+    v = pltpu.bitcast(pairs & jnp.uint32(0xFFFF0000), jnp.float32)
+    return k.astype(buf.dtype), v.astype(buf.dtype)
+
+
+def _kernel(lengths_ref, table_ref, q_ref, kv_hbm, o_ref, buf, sems, m_ref, l_ref, acc_ref,
+            *, b, C, Z, K, G, W, scale, window, packed, vpu):
+    i, c = pl.program_id(0), pl.program_id(1)
+    blocks, chunks = pl.num_programs(0), pl.num_programs(1)
+    step = i * chunks + c
+    slot = step % 2
+    rows = C * Z  # keys per sequence per step
+    page_rows = Z * 2 * K
+
+    def copies(i, c, slot, act):
+        """Start or wait for (`act`) the copies of step (i, c)'s pages into `slot`."""
+        def seq(s, _):
+            length = lengths_ref[i * b + s]
+            n = jnp.minimum(pl.cdiv(length, Z), W)  # its pages
+            # A sliding window's passed pages are not read (their keys are masked).
+            first = jax.lax.div(jnp.maximum(length - window, 0), Z) if window else 0
+            for p in range(C):
+                @pl.when((c * C + p < n) & (c * C + p >= first))
+                def _():
+                    page = table_ref[(i * b + s) * W + c * C + p]
+                    act(pltpu.make_async_copy(
+                        kv_hbm.at[page], buf.at[slot, s, pl.ds(p * page_rows, page_rows)],
+                        sems.at[slot]))
+            return 0
+        jax.lax.fori_loop(0, b, seq, 0)
+
+    @pl.when(step == 0)
+    def _():
+        for half in (0, 1):
+            def zero(s, _, half=half):  # one sequence's rows of one buffer at a time
+                buf[half, s] = jnp.zeros(buf.shape[2:], buf.dtype)
+                return 0
+            jax.lax.fori_loop(0, b, zero, 0)
+        copies(i, c, slot, lambda x: x.start())
+
+    @pl.when(step + 1 < blocks * chunks)
+    def _():  # the next step's pages, into the other buffer
+        last = c + 1 == chunks
+        copies(jnp.where(last, i + 1, i), jnp.where(last, 0, c + 1), 1 - slot,
+               lambda x: x.start())
+
+    copies(i, c, slot, lambda x: x.wait())
+
+    @pl.when(c == 0)
+    def _():
+        m_ref[...] = jnp.full_like(m_ref, MASK)
+        l_ref[...] = jnp.zeros_like(l_ref)
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    longest = lengths_ref[i * b]
+    for s in range(1, b):
+        longest = jnp.maximum(longest, lengths_ref[i * b + s])
+
+    def update(s, at, scores, m_axis, values):
+        """The online softmax of query rows `at` of sequence s over this step's `scores`
+        (masked), reduced over `m_axis`; values(probs) -> their (n, H) weighted sum."""
+        n = at.size
+        m_prev = jnp.max(m_ref[s, at, :], axis=1, keepdims=True)  # (n, 1)
+        l_prev = jnp.max(l_ref[s, at, :], axis=1, keepdims=True)
+        m_new = jnp.max(scores, axis=m_axis, keepdims=True)
+        m = jnp.maximum(m_prev, m_new if m_axis == 1 else m_new.T)
+        probs = jnp.exp(scores - (m if m_axis == 1 else m.T))
+        alpha = jnp.exp(m_prev - m)
+        total = jnp.sum(probs, axis=m_axis, keepdims=True)
+        lanes = m_ref.shape[-1]
+        m_ref[s, at, :] = jnp.broadcast_to(m, (n, lanes))
+        l_ref[s, at, :] = jnp.broadcast_to(
+            alpha * l_prev + (total if m_axis == 1 else total.T), (n, lanes))
+        acc_ref[s, at, :] = alpha * acc_ref[s, at, :] + values(probs)
+
+    @pl.when(c * rows < longest)  # some sequence of the block has keys in this step
+    def _():
+        def seq(s, _):
+            length = lengths_ref[i * b + s]
+            shape = (rows, 1) if vpu else (G, rows)
+            key = c * rows + jax.lax.broadcasted_iota(jnp.int32, shape, 0 if vpu else 1)
+            visible = key < length
+            if window:
+                visible &= key >= length - window
+            for j in range(K):
+                k, v = _head(buf.at[slot, s], j, K, rows, packed)
+                if not vpu:  # q rows against the keys, both products on the MXU
+                    q = q_ref[s, pl.ds(j * G, G), :]  # (G, H)
+                    scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                                                 preferred_element_type=jnp.float32)
+                    update(s, pl.ds(j * G, G), jnp.where(visible, scores * scale, MASK), 1,
+                           lambda p, v=v: jnp.dot(p.astype(v.dtype), v,
+                                                  preferred_element_type=jnp.float32))
+                    continue
+                for g in range(G):  # one query: its scores a column, products on the VPU
+                    q = q_ref[s, pl.ds(j * G + g, 1), :].astype(jnp.float32)  # (1, H)
+                    scores = jnp.sum(k.astype(jnp.float32) * q, axis=1, keepdims=True)
+                    update(s, pl.ds(j * G + g, 1), jnp.where(visible, scores * scale, MASK),
+                           0, lambda p, v=v: jnp.sum(p * v.astype(jnp.float32), axis=0,
+                                                     keepdims=True))
+            return 0
+        jax.lax.fori_loop(0, b, seq, 0)
+
+    @pl.when(c == chunks - 1)
+    def _():
+        l = jnp.max(l_ref[...], axis=-1, keepdims=True)
+        o_ref[...] = (acc_ref[...] / jnp.where(l == 0, 1.0, l)).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "blocks", "vpu",
+                                             "interpret"))
+def batched_decode_attention(q, kv_pages, lengths, page_table, scale: float,
+                             sliding_window: int = 0, blocks: tuple[int, int] | None = None,
+                             vpu: bool = False, interpret=False):
+    """(S, N, H) attention outputs of one query per sequence (module docstring), q at
+    position lengths[s] - 1 seeing keys 0..lengths[s] - 1 (the last `sliding_window`
+    only, when set). `blocks`: (sequences per block, pages per sequence per step); None:
+    `default_blocks`. `vpu`: both products on the VPU, one query at a time (its
+    scores a column: elementwise products summed over the lanes, then the values
+    weighted and summed over the keys) instead of the MXU's (G, keys) row block, whose
+    one real row pays for a whole weight tile; which is faster on a TPU is not measured. `interpret`: True or
+    a `pltpu.InterpretParams` runs the kernel in Pallas' TPU interpret mode (any
+    backend; tests)."""
+    S, N, H = q.shape
+    P, Z, K2, _ = kv_pages.shape
+    K, W = K2 // 2, page_table.shape[1]
+    if kv_pages.dtype.itemsize not in (2, 4):
+        raise ValueError(f"the batched decode kernel reads fp32 or bf16 pages, not "
+                         f"{kv_pages.dtype}")
+    b, C = blocks or default_blocks(S, W, Z * K2 * H * kv_pages.dtype.itemsize)
+    pad = -S % b  # padded sequences: no keys, no copies, their rows dropped
+    q_ = jnp.pad(q, ((0, pad), (0, 0), (0, 0)))
+    lengths_ = jnp.pad(lengths.astype(jnp.int32), (0, pad))
+    table = jnp.pad(page_table.astype(jnp.int32), ((0, pad), (0, 0))).reshape(-1)
+    kernel = functools.partial(
+        _kernel, b=b, C=C, Z=Z, K=K, G=N // K, W=W, scale=scale, window=sliding_window,
+        packed=kv_pages.dtype.itemsize == 2 and not interpret, vpu=vpu)
+    buffer_bytes = 2 * b * C * Z * K2 * H * kv_pages.dtype.itemsize
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(q_.shape, q.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=((S + pad) // b, pl.cdiv(W, C)),
+            in_specs=[pl.BlockSpec((b, N, H), lambda i, c, *_: (i, 0, 0)),
+                      pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=pl.BlockSpec((b, N, H), lambda i, c, *_: (i, 0, 0)),
+            scratch_shapes=[pltpu.VMEM((2, b, C * Z * K2, H), kv_pages.dtype),
+                            pltpu.SemaphoreType.DMA((2,)),
+                            pltpu.VMEM((b, N, 128), jnp.float32),  # running max
+                            pltpu.VMEM((b, N, 128), jnp.float32),  # running sum
+                            pltpu.VMEM((b, N, H), jnp.float32)]),  # running output
+        compiler_params=pltpu.CompilerParams(
+            # Sequential: a step starts the next one's copies.
+            dimension_semantics=("arbitrary", "arbitrary"),
+            vmem_limit_bytes=min(buffer_bytes + (32 << 20), 100 << 20)),
+        interpret=pltpu.InterpretParams() if interpret is True else interpret,
+    )(lengths_, table, q_, kv_pages.reshape(P, Z * K2, H))
+    return out[:S]

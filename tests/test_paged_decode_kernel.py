@@ -1,0 +1,107 @@
+"""The batched decode kernel (easylm/models/paged_decode_kernel.py) in Pallas' TPU
+interpret mode against the paged attention's XLA path (itself checked against dense
+attention in test_paged_attention.py). Interpret mode runs the kernel's DMAs, semaphores
+and double buffer as the TPU would order them, with uninitialised VMEM read as NaN; what
+it cannot run, the bf16 uint32 split of the buffer's rows, is the TPU's only."""
+
+import jax
+import jax._src.pallas.mosaic.interpret.interpret_pallas_call as tpu_interpret
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+from numerics import EPS_BF16, assert_close, assert_differs, fp32_rel
+
+from easylm.models import paged_attention as pa
+from easylm.models.paged_decode_kernel import batched_decode_attention
+
+Z, W, H = 8, 5, 128  # pages of 8, 5 a sequence, TPU-sized heads
+# A key, a page, several pages, 36 and 40 keys across the 2-page (16-key) steps of
+# BLOCKS; five sequences in blocks of two: the last block padded.
+LENGTHS = (1, 8, 17, 36, 40)
+BLOCKS = (2, 2)  # 2 sequences a block, 2 pages a sequence a step: 3 steps a block
+# fp32: the same sums in another order (an online softmax over three steps, each
+# rescaled once): sqrt(40 keys) or sqrt(128 head dims) rounding terms, three reductions
+# in sequence (scores, softmax sum, values), relative to the largest output.
+REL32 = fp32_rel(128, 3)
+# bf16: both paths round the probabilities to bf16 before the values (half an ulp,
+# 2^-8 relative, each; the VPU variant keeps them fp32) and the output once more; the kernel's probabilities are relative
+# to a step's running maximum, the XLA path's to the sequence's, so a weight can round
+# differently: a few bf16 ulps of the largest output.
+REL16 = 2 * EPS_BF16
+
+
+def _case(N, K, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    P = len(LENGTHS) * W + 1  # page 0 unused, as the engine's scratch page
+    kv = jnp.asarray(rng.normal(size=(P, Z, 2 * K, H)), dtype)
+    table = jnp.asarray(rng.permutation(np.arange(1, P)).reshape(len(LENGTHS), W), jnp.int32)
+    q = jnp.asarray(rng.normal(size=(len(LENGTHS), N, H)), dtype)
+    return q, kv, jnp.asarray(LENGTHS, jnp.int32), table
+
+
+@pytest.mark.parametrize("N,K,dtype,rel,vpu", [
+    (2, 2, jnp.float32, REL32, False),  # MHA
+    (4, 2, jnp.bfloat16, REL16, False),  # GQA: G = 2
+    (4, 2, jnp.float32, REL32, True),  # both products on the VPU
+    (4, 2, jnp.bfloat16, REL16, True)])
+def test_kernel_is_the_xla_path(N, K, dtype, rel, vpu):
+    q, kv, lengths, table = _case(N, K, dtype)
+    expected = pa.decode_attention(q, kv, lengths, table, 0.3, implementation="xla")
+    # Eager DMAs (each lands when started) with race detection: a copy into the buffer a
+    # step still reads, or a read before its wait, is reported.
+    params = pltpu.InterpretParams(detect_races=True, dma_execution_mode="eager")
+    out = batched_decode_attention(q, kv, lengths, table, 0.3, blocks=BLOCKS,
+                                   vpu=vpu, interpret=params)
+    assert not tpu_interpret.races.races_found
+    assert_close(out, expected.astype(jnp.float32), rel)
+    # Negative twin: a page table one page off reads other keys.
+    shifted = batched_decode_attention(q, kv, lengths, jnp.roll(table, 1, axis=1), 0.3,
+                                       blocks=BLOCKS, vpu=vpu, interpret=True)
+    assert_differs(shifted, expected.astype(jnp.float32), rel)
+
+
+def test_a_sliding_window_and_one_step_per_block():
+    """A window of 6 keys (the pages it has passed not copied: a stale or zero buffer
+    there, masked) and the default blocks (every page of a sequence in one step); twin:
+    the window off."""
+    q, kv, lengths, table = _case(4, 2, jnp.float32, seed=1)
+    expected = pa.decode_attention(q, kv, lengths, table, 0.3, 6, implementation="xla")
+    out = batched_decode_attention(q, kv, lengths, table, 0.3, 6, interpret=True)
+    assert_close(out, expected, REL32)
+    assert_differs(batched_decode_attention(q, kv, lengths, table, 0.3, interpret=True),
+                   expected, REL32)
+
+
+def test_decode_attention_reaches_the_kernel_by_name(monkeypatch):
+    """`decode_attention(kernel="batched")` runs the kernel where one runs (here:
+    INTERPRET), the XLA path where none does; an unknown kernel is refused."""
+    q, kv, lengths, table = _case(2, 2, jnp.float32)
+    calls = []
+    monkeypatch.setattr(pa, "batched_decode_attention",
+                        lambda *a, **k: calls.append(k) or batched_decode_attention(*a, **k))
+    pa.decode_attention(q, kv, lengths, table, kernel="batched")
+    assert calls == []  # off a TPU, interpret mode off: the XLA path
+    monkeypatch.setattr(pa, "INTERPRET", True)
+    expected = pa.decode_attention(q, kv, lengths, table, implementation="xla")
+    for kernel in ("batched", "batched_vpu"):
+        assert_close(pa.decode_attention(q, kv, lengths, table, kernel=kernel), expected,
+                     REL32)
+    assert [(c["interpret"], c["vpu"]) for c in calls] == [(True, False), (True, True)]
+    with pytest.raises(ValueError, match="decode kernel 'fast'"):
+        pa.decode_attention(q, kv, lengths, table, kernel="fast")
+
+
+def test_the_tpu_variant_lowers_to_mosaic():
+    """What interpret mode cannot run (the bf16 rows split as uint32 pairs) at least
+    lowers: JAX exports the kernel for a TPU from the CPU (Pallas -> Mosaic; Mosaic's own
+    compile runs on a TPU only), at llama_1b's decode shape in pages of 16."""
+    S, N, K, H, W = 64, 16, 16, 128, 24
+    args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in [
+        ((S, N, H), jnp.bfloat16), ((S * W, 16, 2 * K, H), jnp.bfloat16),
+        ((S,), jnp.int32), ((S, W), jnp.int32)]]
+    for window, vpu in ((0, False), (128, False), (0, True)):
+        kernel = jax.jit(lambda *a, w=window, c=vpu: batched_decode_attention(
+            *a, H ** -0.5, w, vpu=c))
+        exported = jax.export.export(kernel, platforms=["tpu"])(*args)
+        assert "tpu_custom_call" in exported.mlir_module()
