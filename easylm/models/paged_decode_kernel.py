@@ -33,6 +33,7 @@ a plain strided load; the uint32 split runs on the TPU only.
 """
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -63,31 +64,101 @@ def _head(buf, j, K, rows, packed):
     return k.astype(buf.dtype), v.astype(buf.dtype)
 
 
+class _Dims(NamedTuple):
+    """The kernel's static sizes (`batched_decode_attention`): b sequences a block, C pages
+    a step, page size Z, K kv heads, G query rows each, W pages a sequence."""
+
+    b: int
+    C: int
+    Z: int
+    K: int
+    G: int
+    W: int
+    scale: float
+    window: int
+    packed: bool
+    vpu: bool
+
+
+def _copies(d: _Dims, lengths_ref, table_ref, kv_hbm, buf, sems, i, c, slot, act):
+    """Start or wait for (`act`) the copies of step (i, c)'s pages into buffer `slot`."""
+    page_rows = d.Z * 2 * d.K
+
+    def seq(s, _):
+        length = lengths_ref[i * d.b + s]
+        n = jnp.minimum(pl.cdiv(length, d.Z), d.W)  # its pages
+        # A sliding window's passed pages are not read (their keys are masked).
+        first = jax.lax.div(jnp.maximum(length - d.window, 0), d.Z) if d.window else 0
+        for p in range(d.C):
+            @pl.when((c * d.C + p < n) & (c * d.C + p >= first))
+            def _():
+                page = table_ref[(i * d.b + s) * d.W + c * d.C + p]
+                act(pltpu.make_async_copy(
+                    kv_hbm.at[page], buf.at[slot, s, pl.ds(p * page_rows, page_rows)],
+                    sems.at[slot]))
+        return 0
+    jax.lax.fori_loop(0, d.b, seq, 0)
+
+
+def _update(m_ref, l_ref, acc_ref, s, at, scores, m_axis, values):
+    """The online softmax of query rows `at` of sequence s over one step's `scores`
+    (masked), reduced over `m_axis`; values(probs) -> their (n, H) weighted sum."""
+    n = at.size
+    m_prev = jnp.max(m_ref[s, at, :], axis=1, keepdims=True)  # (n, 1)
+    l_prev = jnp.max(l_ref[s, at, :], axis=1, keepdims=True)
+    m_new = jnp.max(scores, axis=m_axis, keepdims=True)
+    m = jnp.maximum(m_prev, m_new if m_axis == 1 else m_new.T)
+    probs = jnp.exp(scores - (m if m_axis == 1 else m.T))
+    alpha = jnp.exp(m_prev - m)
+    total = jnp.sum(probs, axis=m_axis, keepdims=True)
+    lanes = m_ref.shape[-1]
+    m_ref[s, at, :] = jnp.broadcast_to(m, (n, lanes))
+    l_ref[s, at, :] = jnp.broadcast_to(
+        alpha * l_prev + (total if m_axis == 1 else total.T), (n, lanes))
+    acc_ref[s, at, :] = alpha * acc_ref[s, at, :] + values(probs)
+
+
+def _attend(d: _Dims, lengths_ref, q_ref, buf, state, i, c, slot):
+    """Each sequence of block i over its keys of step c (in buffer `slot`), into the
+    running softmax `state` (m_ref, l_ref, acc_ref)."""
+    rows = d.C * d.Z  # keys per sequence per step
+
+    def seq(s, _):
+        length = lengths_ref[i * d.b + s]
+        shape = (rows, 1) if d.vpu else (d.G, rows)
+        key = c * rows + jax.lax.broadcasted_iota(jnp.int32, shape, 0 if d.vpu else 1)
+        visible = key < length
+        if d.window:
+            visible &= key >= length - d.window
+        for j in range(d.K):
+            k, v = _head(buf.at[slot, s], j, d.K, rows, d.packed)
+            if not d.vpu:  # q rows against the keys, both products on the MXU
+                q = q_ref[s, pl.ds(j * d.G, d.G), :]  # (G, H)
+                scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                                             preferred_element_type=jnp.float32)
+                _update(*state, s, pl.ds(j * d.G, d.G),
+                        jnp.where(visible, scores * d.scale, MASK), 1,
+                        lambda p, v=v: jnp.dot(p.astype(v.dtype), v,
+                                               preferred_element_type=jnp.float32))
+                continue
+            for g in range(d.G):  # one query: its scores a column, products on the VPU
+                q = q_ref[s, pl.ds(j * d.G + g, 1), :].astype(jnp.float32)  # (1, H)
+                scores = jnp.sum(k.astype(jnp.float32) * q, axis=1, keepdims=True)
+                _update(*state, s, pl.ds(j * d.G + g, 1),
+                        jnp.where(visible, scores * d.scale, MASK), 0,
+                        lambda p, v=v: jnp.sum(p * v.astype(jnp.float32), axis=0,
+                                               keepdims=True))
+        return 0
+    jax.lax.fori_loop(0, d.b, seq, 0)
+
+
 def _kernel(lengths_ref, table_ref, q_ref, kv_hbm, o_ref, buf, sems, m_ref, l_ref, acc_ref,
-            *, b, C, Z, K, G, W, scale, window, packed, vpu):
+            *, d: _Dims):
     i, c = pl.program_id(0), pl.program_id(1)
     blocks, chunks = pl.num_programs(0), pl.num_programs(1)
     step = i * chunks + c
     slot = step % 2
-    rows = C * Z  # keys per sequence per step
-    page_rows = Z * 2 * K
-
-    def copies(i, c, slot, act):
-        """Start or wait for (`act`) the copies of step (i, c)'s pages into `slot`."""
-        def seq(s, _):
-            length = lengths_ref[i * b + s]
-            n = jnp.minimum(pl.cdiv(length, Z), W)  # its pages
-            # A sliding window's passed pages are not read (their keys are masked).
-            first = jax.lax.div(jnp.maximum(length - window, 0), Z) if window else 0
-            for p in range(C):
-                @pl.when((c * C + p < n) & (c * C + p >= first))
-                def _():
-                    page = table_ref[(i * b + s) * W + c * C + p]
-                    act(pltpu.make_async_copy(
-                        kv_hbm.at[page], buf.at[slot, s, pl.ds(p * page_rows, page_rows)],
-                        sems.at[slot]))
-            return 0
-        jax.lax.fori_loop(0, b, seq, 0)
+    copies = functools.partial(_copies, d, lengths_ref, table_ref, kv_hbm, buf, sems)
 
     @pl.when(step == 0)
     def _():
@@ -95,7 +166,7 @@ def _kernel(lengths_ref, table_ref, q_ref, kv_hbm, o_ref, buf, sems, m_ref, l_re
             def zero(s, _, half=half):  # one sequence's rows of one buffer at a time
                 buf[half, s] = jnp.zeros(buf.shape[2:], buf.dtype)
                 return 0
-            jax.lax.fori_loop(0, b, zero, 0)
+            jax.lax.fori_loop(0, d.b, zero, 0)
         copies(i, c, slot, lambda x: x.start())
 
     @pl.when(step + 1 < blocks * chunks)
@@ -112,54 +183,13 @@ def _kernel(lengths_ref, table_ref, q_ref, kv_hbm, o_ref, buf, sems, m_ref, l_re
         l_ref[...] = jnp.zeros_like(l_ref)
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    longest = lengths_ref[i * b]
-    for s in range(1, b):
-        longest = jnp.maximum(longest, lengths_ref[i * b + s])
+    longest = lengths_ref[i * d.b]
+    for s in range(1, d.b):
+        longest = jnp.maximum(longest, lengths_ref[i * d.b + s])
 
-    def update(s, at, scores, m_axis, values):
-        """The online softmax of query rows `at` of sequence s over this step's `scores`
-        (masked), reduced over `m_axis`; values(probs) -> their (n, H) weighted sum."""
-        n = at.size
-        m_prev = jnp.max(m_ref[s, at, :], axis=1, keepdims=True)  # (n, 1)
-        l_prev = jnp.max(l_ref[s, at, :], axis=1, keepdims=True)
-        m_new = jnp.max(scores, axis=m_axis, keepdims=True)
-        m = jnp.maximum(m_prev, m_new if m_axis == 1 else m_new.T)
-        probs = jnp.exp(scores - (m if m_axis == 1 else m.T))
-        alpha = jnp.exp(m_prev - m)
-        total = jnp.sum(probs, axis=m_axis, keepdims=True)
-        lanes = m_ref.shape[-1]
-        m_ref[s, at, :] = jnp.broadcast_to(m, (n, lanes))
-        l_ref[s, at, :] = jnp.broadcast_to(
-            alpha * l_prev + (total if m_axis == 1 else total.T), (n, lanes))
-        acc_ref[s, at, :] = alpha * acc_ref[s, at, :] + values(probs)
-
-    @pl.when(c * rows < longest)  # some sequence of the block has keys in this step
+    @pl.when(c * d.C * d.Z < longest)  # some sequence of the block has keys in this step
     def _():
-        def seq(s, _):
-            length = lengths_ref[i * b + s]
-            shape = (rows, 1) if vpu else (G, rows)
-            key = c * rows + jax.lax.broadcasted_iota(jnp.int32, shape, 0 if vpu else 1)
-            visible = key < length
-            if window:
-                visible &= key >= length - window
-            for j in range(K):
-                k, v = _head(buf.at[slot, s], j, K, rows, packed)
-                if not vpu:  # q rows against the keys, both products on the MXU
-                    q = q_ref[s, pl.ds(j * G, G), :]  # (G, H)
-                    scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                                                 preferred_element_type=jnp.float32)
-                    update(s, pl.ds(j * G, G), jnp.where(visible, scores * scale, MASK), 1,
-                           lambda p, v=v: jnp.dot(p.astype(v.dtype), v,
-                                                  preferred_element_type=jnp.float32))
-                    continue
-                for g in range(G):  # one query: its scores a column, products on the VPU
-                    q = q_ref[s, pl.ds(j * G + g, 1), :].astype(jnp.float32)  # (1, H)
-                    scores = jnp.sum(k.astype(jnp.float32) * q, axis=1, keepdims=True)
-                    update(s, pl.ds(j * G + g, 1), jnp.where(visible, scores * scale, MASK),
-                           0, lambda p, v=v: jnp.sum(p * v.astype(jnp.float32), axis=0,
-                                                     keepdims=True))
-            return 0
-        jax.lax.fori_loop(0, b, seq, 0)
+        _attend(d, lengths_ref, q_ref, buf, (m_ref, l_ref, acc_ref), i, c, slot)
 
     @pl.when(c == chunks - 1)
     def _():
@@ -192,9 +222,9 @@ def batched_decode_attention(q, kv_pages, lengths, page_table, scale: float,
     q_ = jnp.pad(q, ((0, pad), (0, 0), (0, 0)))
     lengths_ = jnp.pad(lengths.astype(jnp.int32), (0, pad))
     table = jnp.pad(page_table.astype(jnp.int32), ((0, pad), (0, 0))).reshape(-1)
-    kernel = functools.partial(
-        _kernel, b=b, C=C, Z=Z, K=K, G=N // K, W=W, scale=scale, window=sliding_window,
-        packed=kv_pages.dtype.itemsize == 2 and not interpret, vpu=vpu)
+    kernel = functools.partial(_kernel, d=_Dims(
+        b, C, Z, K, N // K, W, scale, sliding_window,
+        packed=kv_pages.dtype.itemsize == 2 and not interpret, vpu=vpu))
     buffer_bytes = 2 * b * C * Z * K2 * H * kv_pages.dtype.itemsize
     out = pl.pallas_call(
         kernel,
