@@ -90,6 +90,8 @@ QUERY_BLOCK_HELP = ("without a cache (training, scoring), the masked attention a
                     "indexer's top-k this many queries at a time, each block recomputed in "
                     "the backward pass: memory O(heads x block x keys) a layer, not O(heads "
                     "x queries x keys); 0: all at once")
+INDEXER_LOSSES = ("dense", "sparse")
+INDEXER_COLLECTION = "indexer"  # what each layer sows its KL into (family.Model.forward)  # the module docstring's two stages of the KL loss
 INDEXER_NORM_EPS = 1e-6  # transformers' k_norm: nn.LayerNorm(K, eps=1e-6)
 PARTITION_RULES = (
     (r"indexer/(wq_b|wk|weights_proj)/kernel", P("fsdp", None)),
@@ -108,6 +110,7 @@ class IndexerConfig:
     topk: int
     rope_interleave: bool = False  # GLM-5: rotary pairs (x0, x1), ...; DeepSeek-V3.2: halves
     initializer_range: float = 0.02
+    loss: str = ""  # the indexer's KL loss without a cache (INDEXER_LOSSES); "": none
 
 
 class IndexedLatentCache(NamedTuple):
@@ -277,6 +280,60 @@ def index_scores(q, k, weights):
     return jnp.einsum("BTH,BTHS->BTS", weights, scores)
 
 
+class IndexerTarget(NamedTuple):
+    """The keys MLA attends to (a (B, T, S) mask or `BlockedKeys`) and what the indexer's
+    KL loss reads beside them: the indexer's rotated queries (B, T, H, K), keys (B, S, K)
+    and head weights (B, T, H) (their gradient the loss's), the `visible` keys ((B or 1,
+    T, S) bool, or the `QueryBlocks` they come from), `form` (INDEXER_LOSSES) and
+    `counted` (B, T): the queries the mean counts (a packed row's padding, segment 0, not)."""
+
+    keys: object
+    index: tuple
+    visible: object
+    form: str
+    counted: jax.Array
+
+    def attend(self, q, k, v, implementation: str, scale: float):
+        """MLA's attention of q (B, T, N, W) over k, v (B, S, N, W) under `keys` and the
+        indexer's loss: (out (B, T, N, W), the mean KL over the counted queries)."""
+        if not isinstance(self.keys, BlockedKeys):
+            out = attention(q, k, v, self.keys, implementation, scale=scale)
+            kl = indexer_kl(q, k, scale, *self.index, self.visible, self.keys, self.form)
+        else:
+            S = k.shape[1]
+            iq, ik, weights = self.index
+
+            def block(start, q, selection, iq, weights, segment_ids):
+                kept = selection.mask(S)
+                visible = self.visible.rows(start, segment_ids, S)
+                return (attention(q, k, v, kept, implementation, scale=scale),
+                        indexer_kl(q, k, scale, iq, ik, weights, visible, kept, self.form))
+
+            out, kl = by_query_blocks(
+                jax.checkpoint(block, prevent_cse=False), self.keys.block,
+                (q, self.keys.selection, iq, weights, self.visible.segment_ids))
+        counted = self.counted.astype(jnp.float32)
+        return out, jnp.sum(kl * counted) / jnp.maximum(jnp.sum(counted), 1.0)
+
+
+def indexer_kl(q, k, scale: float, iq, ik, weights, visible, kept, form: str):
+    """Each query's KL(p || softmax(I)) (B, T), the indexer's loss (DeepSeek-V3.2's
+    report): p the main attention's probabilities, summed over its N heads and
+    L1-normalized (no gradient), I `index_scores`, both over the `visible` keys (form
+    dense: the dense attention's p) or over the `kept` ones only (sparse: the attention MLA
+    computes, and I renormalized over the same keys). q (B, T, N, W), k (B, S, N, W) as
+    MLA attends with them; iq, ik, weights the indexer's (`index_scores`)."""
+    allowed = jnp.broadcast_to(visible, kept.shape) & (kept if form == "sparse" else True)
+    low = jnp.finfo(jnp.float32).min
+    logits = jnp.einsum("BTNW,BSNW->BNTS", *jax.lax.stop_gradient((q, k)),
+                        preferred_element_type=jnp.float32) * scale
+    probs = jax.nn.softmax(jnp.where(allowed[:, None], logits, low), axis=-1)
+    p = jax.lax.stop_gradient(probs.sum(1) / probs.shape[1])  # (B, T, S), rows sum to 1
+    log_q = jax.nn.log_softmax(jnp.where(allowed, index_scores(iq, ik, weights), low), -1)
+    terms = p * (jnp.log(jnp.where(p > 0, p, 1.0)) - log_q)
+    return jnp.sum(jnp.where(allowed & (p > 0), terms, 0.0), axis=-1)
+
+
 def select(q, k, weights, visible, topk: int) -> Selection:
     """The `topk` visible keys of highest `index_scores`. `visible` (B or 1, T, S) bool, or
     `QueryBlocks` (or what has its `block`, `segment_ids` and `rows`: DeepSeek-V4's
@@ -340,7 +397,8 @@ def rotate(x, cos, sin, interleave: bool):
 class Indexer(nn.Module):
     """(x (B, T, D), q_latent (B, T, Q), cos, sin (B, T, R), positions (B, T), visible
     (B or 1, T, S) bool or `QueryBlocks`, cache) -> (each query's top-k visible keys
-    (`Selection`), cache with this call's keys written)."""
+    (`Selection`), cache with this call's keys written, (q, k, weights) as
+    `index_scores` takes them: what the KL loss trains through)."""
 
     config: IndexerConfig
     dtype: jnp.dtype = jnp.float32
@@ -367,7 +425,7 @@ class Indexer(nn.Module):
             cache = cache.write_index(k, positions)
             k = cache.index_k.astype(jnp.float32)  # (B, S, K)
         weights = self.dense(H, "weights_proj")(x32) * H ** -0.5  # (B, T, H)
-        return select(q, k, weights, visible, c.topk), cache
+        return select(q, k, weights, visible, c.topk), cache, (q, k, weights)
 
 
 class SparseLatentAttention(MultiHeadLatentAttention):
@@ -394,16 +452,23 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         visible = QueryBlocks(min(self.query_block, T), mask) if blocked else \
             dense_mask(mask, T, S)
         q_latent = self.query_latent(x)
+        # The KL loss (training: no cache) trains the indexer alone: its inputs detached,
+        # so that the LM loss reaches none of it and the KL nothing else.
+        loss = self.indexer.loss if self.indexer is not None and cache is None else ""
         if self.indexer is not None:
-            selected, cache = Indexer(self.indexer, self.dtype, self.param_dtype,
-                                      name="indexer")(x, q_latent, cos, sin, positions,
-                                                      visible, cache)
+            inputs = jax.lax.stop_gradient((x, q_latent)) if loss else (x, q_latent)
+            selected, cache, index = Indexer(self.indexer, self.dtype, self.param_dtype,
+                                             name="indexer")(*inputs, cos, sin, positions,
+                                                             visible, cache)
         if blocked:
             keys = BlockedKeys(selected, visible.block)
         elif self.gathers(T, S, selected.top.shape[-1], cache):
             keys = selected
         else:
             keys = selected.mask(S)
+        if loss:
+            counted = mask > 0 if getattr(mask, "ndim", 0) == 2 else jnp.ones((1, T), bool)
+            keys = IndexerTarget(keys, index, visible, loss, counted)
         out, cache = self.attend(x, q_latent, cos, sin, positions, keys, cache)
         return out, cache, selected
 
@@ -420,6 +485,10 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         return super().latent_attention(q, kv, mask)
 
     def expanded_attention(self, q, k, v, mask):
+        if isinstance(mask, IndexerTarget):  # what training adds: moe.py's router stats' way
+            out, kl = mask.attend(q, k, v, self.config.attention, self.config.softmax_scale)
+            self.sow(INDEXER_COLLECTION, "kl", kl)
+            return out
         if isinstance(mask, BlockedKeys):
             return blocked_attention(q, k, v, mask, self.config.attention,
                                      self.config.softmax_scale)
