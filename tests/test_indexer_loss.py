@@ -1,0 +1,146 @@
+"""The DeepSeek sparse attention indexer's KL loss (easylm/models/sparse_attention.py
+`indexer_kl`, objectives/indexer_loss.py) against transformers 5.25's own modules on a
+tiny random DeepSeek-V3.2 directory (fp32, 2 layers, 16 keys kept of a 40-token row,
+32 indexer heads so that no top-k boundary falls on a tie: test_sparse_attention.py's
+module docstring): the target p_t is the eager attention's probabilities
+(`output_attentions`) summed over heads and L1-normalized, I_t the indexer's scores as its
+module computes them (read where it takes its top-k); dense: over every visible key,
+sparse: over the kept keys (the indexer's own output), both renormalized there. The dense target of a
+layer is its dense attention over what the sparse layers before it give (that layer's
+indexer keeping every key), as the model being trained computes it.
+"""
+
+import numpy as np
+import pytest
+from numerics import assert_close, assert_differs, fp32_rel
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import jax
+import jax.numpy as jnp
+
+from easylm.models import registry
+
+V = 512
+T = 40
+TOPK = 16
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("deepseek_v32"))
+    torch.manual_seed(0)
+    config = transformers.DeepseekV32Config(
+        vocab_size=V, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+        n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+        first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=512,
+        initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        index_topk=TOPK, index_n_heads=32, index_head_dim=16)
+    transformers.DeepseekV32ForCausalLM(config).eval().save_pretrained(directory)
+    family = registry.get("deepseek_v32")
+    ours = family.hf.read_config(directory)
+    return family, directory, ours, family.hf.read_params(directory, ours)
+
+
+def _ids(seed=0):
+    return np.random.default_rng(seed).integers(3, V, (1, T))
+
+
+def _reference(directory, ids, monkeypatch):
+    """Per layer: the sparse model's attention probabilities (B, N, T, S), the dense ones
+    (that layer's indexer keeping every key, the layers before it as they are: the input
+    the sparse model gives it), the indexer's masked scores (B, T, S) and its top-k (B,
+    T, k)."""
+    scores, kept, inside = [], [], []
+    topk = torch.Tensor.topk
+
+    def recording(self, *args, **kwargs):  # the indexer's scores, where it takes the top-k
+        if inside:
+            scores.append(self.detach().double())
+        return topk(self, *args, **kwargs)
+
+    def done(module, args, out):  # a hook that returns None leaves the output as it is
+        inside.clear()
+        kept.append(out.long())
+
+    model = transformers.DeepseekV32ForCausalLM.from_pretrained(
+        directory, attn_implementation="eager").eval()
+    indexers = [layer.self_attn.indexer for layer in model.model.layers]
+    hooks = [h for indexer in indexers for h in (
+        indexer.register_forward_pre_hook(lambda *a: inside.append(1)),
+        indexer.register_forward_hook(done))]
+    monkeypatch.setattr(torch.Tensor, "topk", recording)
+
+    def attentions():
+        with torch.no_grad():
+            return [a.double() for a in model(torch.tensor(ids), output_attentions=True).attentions]
+
+    sparse = attentions()
+    for hook in hooks:
+        hook.remove()
+    inside.clear()
+    dense = []
+    for layer, indexer in enumerate(indexers):
+        indexer.index_topk = T
+        dense.append(attentions()[layer])
+        indexer.index_topk = TOPK
+    return {"sparse": sparse, "dense": dense}, scores, kept
+
+
+def _kl(probs, scores, allowed, normalize=True):
+    """Each query's KL(p || softmax(I)) over `allowed` (B, T, S), in float64: p the heads'
+    sum of `probs` (B, N, T, S), L1-normalized (or not: a twin)."""
+    p = probs.sum(1)
+    p = p / p.sum(-1, keepdim=True) if normalize else p
+    log_q = torch.log_softmax(scores.masked_fill(~allowed, float("-inf")), -1)
+    terms = torch.where(allowed & (p > 0), p * (torch.log(p.clamp_min(1e-300)) - log_q), 0.0)
+    return terms.sum(-1)
+
+
+def _sowed(family, config, params, ids, **fields):
+    """The per-layer KL the layers sow (L,), through the module as training runs it."""
+    model = family.bind(config.replace(indexer_loss_coef=1.0, **fields))
+    _, variables = model.apply(params, None, None, {}, jnp.asarray(ids), mutable=["indexer"])
+    return np.concatenate([np.atleast_1d(v) for v in jax.tree.leaves(variables["indexer"])])
+
+
+def test_sowed_kl_equals_transformers_dense_and_sparse(saved, monkeypatch):
+    """Each layer's KL (the mean over the row's queries), dense and sparse, = the one
+    computed in float64 from transformers' attention probabilities and indexer scores.
+    Tolerance: the probabilities and the scores come out of at most 2 layers of fp32
+    reductions (`fp32_rel` over the widest sum, 11 in sequence a layer as
+    test_sparse_attention's `_rel`), so p and I carry that relative error; the KL's terms
+    p (log p - log q) then move by p's error times |log p - log q| plus p times the error
+    of log p (relative error of p) and of log q (twice the largest score's absolute error:
+    I_s and the log-sum-exp): bounded by rel x (1 + max |log p - log q| + 2 max |I|) a
+    query, and so a mean. Twins: p not L1-normalized (the heads' sum), and the sparse KL
+    with its restriction dropped on I (softmax over every visible key)."""
+    family, directory, config, params = saved
+    ids = _ids()
+    attentions, scores, kept = _reference(directory, ids, monkeypatch)
+    visible = torch.ones(T, T, dtype=torch.bool).tril()[None]
+    rel = fp32_rel(max(config.hidden_size, config.intermediate_size, T),
+                   11 * config.num_hidden_layers + 1)
+    for form in ("dense", "sparse"):
+        want, twins, bound = [], [], 0.0
+        for layer, I in enumerate(scores):
+            chosen = torch.zeros(1, T, T, dtype=torch.bool).scatter(-1, kept[layer], True)
+            allowed = visible & chosen if form == "sparse" else visible
+            probs = attentions[form][layer]
+            want.append(float(_kl(probs, I, allowed).mean()))
+            twins.append(float(_kl(probs, I, allowed, normalize=False).mean()))
+            if form == "sparse":
+                twins.append(float(_kl(probs, I, visible).mean()))
+            heads = probs.sum(1) / probs.sum(1).sum(-1, keepdim=True)
+            bound = max(bound, 1 + 2 * float(I[allowed].abs().max()) + float(
+                torch.log(heads[allowed & (heads > 0)]).abs().max()))
+        got = _sowed(family, config, params, ids, indexer_loss=form)
+        assert got.shape == (config.num_hidden_layers,)
+        assert np.all(np.asarray(want) > 0)
+        assert_close(got, np.asarray(want), rel * bound, scale=1.0)
+        twin = np.asarray(twins).reshape(config.num_hidden_layers, -1)
+        for column in twin.T:
+            assert_differs(got, column, rel * bound, scale=1.0)
