@@ -144,3 +144,68 @@ def test_sowed_kl_equals_transformers_dense_and_sparse(saved, monkeypatch):
         twin = np.asarray(twins).reshape(config.num_hidden_layers, -1)
         for column in twin.T:
             assert_differs(got, column, rel * bound, scale=1.0)
+
+
+def _grads(family, config, params, ids, segment_ids):
+    """The next-token objective's summed loss (with the KL term where the config asks) and
+    its gradient, and the logged means, over rows `ids`."""
+    from easylm.objectives.next_token import next_token_sums
+
+    model = family.bind(config)
+    batch = {"input_tokens": ids[:, :-1], "target_tokens": ids[:, 1:],
+             "loss_masks": jnp.ones_like(ids[:, 1:], jnp.float32),
+             "segment_ids": segment_ids[:, :-1]}
+
+    def loss(p):
+        sums = next_token_sums(model, p, batch, None)
+        return sums.loss, sums.means()
+    (_, means), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+    return means, jax.tree_util.tree_flatten_with_path(grads)[0]
+
+
+def _same(got, want, rel, name):
+    """assert_close, or both 0 (the routers' correction bias gets no gradient)."""
+    if np.any(np.asarray(want)):
+        assert_close(got, want, rel, err_msg=name)
+    else:
+        assert not np.any(np.asarray(got)), name
+
+
+def test_the_kl_trains_the_indexer_only_and_blocks_equal_the_whole(saved, monkeypatch):
+    """Rows of 40 (one packed with two documents): with the loss on (sparse, coef 1) each
+    indexer parameter gets a gradient (0 with it off: the top-k has none) and every other
+    parameter's gradient = the loss-off run's (the indexer's inputs detached, the target
+    stop-gradient; the same arithmetic: to fp32 rounding of the chain as
+    test_sparse_attention's query-block test, twice `rel` of each gradient's largest entry);
+    the logged loss = ce_loss + indexer_loss. `query_block=16` (the last block ragged):
+    the same KL and indexer gradients (the same keys, summation order only). Twin: without
+    the detachment (stop_gradient a no-op) other gradients differ."""
+    family, _, config, params = saved
+    ids = jnp.asarray(np.random.default_rng(1).integers(3, V, (2, T + 1)))
+    segment_ids = jnp.asarray([[1] * (T + 1), [1] * 18 + [2] * (T + 1 - 18)])
+    rel = 2 * fp32_rel(max(config.hidden_size, config.intermediate_size, T),
+                       11 * config.num_hidden_layers + 1)
+    _, off = _grads(family, config, params, ids, segment_ids)
+    on = config.replace(indexer_loss_coef=1.0)
+    means, grads = _grads(family, on, params, ids, segment_ids)
+    assert means["indexer_loss"] > 0
+    assert_close(means["loss"], means["ce_loss"] + means["indexer_loss"], rel)
+    trained = set()
+    for (path, want), (_, got) in zip(off, grads):
+        name = jax.tree_util.keystr(path)
+        if "indexer" in name:
+            assert not np.any(np.asarray(want)) and np.any(np.asarray(got)), name
+            trained.add(name.split("indexer")[1])
+        else:
+            _same(got, want, rel, name)
+    assert len(trained) == 5, trained  # wq_b, wk, k_norm's weight and bias, weights_proj
+    blocked_means, blocked = _grads(family, on.replace(query_block=16), params, ids,
+                                    segment_ids)
+    assert_close(blocked_means["indexer_loss"], means["indexer_loss"], rel)
+    for (path, want), (_, got) in zip(grads, blocked):
+        _same(got, want, 2 * rel, jax.tree_util.keystr(path))
+    monkeypatch.setattr(jax.lax, "stop_gradient", lambda x: x)
+    _, attached = _grads(family, on, params, ids, segment_ids)
+    assert any(np.abs(np.asarray(got) - np.asarray(want)).max() > rel * np.abs(want).max()
+               for (path, want), (_, got) in zip(off, attached)
+               if "indexer" not in jax.tree_util.keystr(path))
