@@ -209,3 +209,67 @@ def test_the_kl_trains_the_indexer_only_and_blocks_equal_the_whole(saved, monkey
     assert any(np.abs(np.asarray(got) - np.asarray(want)).max() > rel * np.abs(want).max()
                for (path, want), (_, got) in zip(off, attached)
                if "indexer" not in jax.tree_util.keystr(path))
+
+
+def _command_losses(directory, output_dir, *flags):
+    """The logged indexer_loss of 6 steps of `python -m easylm.train --load_checkpoint=
+    hf::DIR --deepseek_v32.indexer_loss_coef=1` (rows of 32 > the 16 keys kept, lr 1e-2
+    after one warm-up step at 0), run in process."""
+    import contextlib
+    import io
+    import json
+
+    from easylm import train
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        train.main(["train", f"--load_checkpoint=hf::{directory}", "--tokenizer=embedded",
+                    "--total_steps=6", "--log_freq=1", "--mesh_dim=1,1,-1",
+                    "--train_dataset.json_dataset.seq_length=32",
+                    "--train_dataset.json_dataset.batch_size=4", "--compilation_cache_dir=",
+                    f"--logger.output_dir={output_dir}", "--logger.experiment_id=run",
+                    "--optimizer.adamw_optimizer.lr=1e-2",
+                    "--optimizer.adamw_optimizer.lr_warmup_steps=1", "--save_model_freq=0",
+                    "--deepseek_v32.indexer_loss_coef=1", *flags])
+    with open(f"{output_dir}/run/metrics.jsonl") as f:
+        return [row for row in map(json.loads, f) if "indexer_loss" in row]
+
+
+@pytest.mark.extended  # CI: the gradients test covers what trains (its time budget)
+@pytest.mark.parametrize("flags", [("--dtype=fp32",),
+                                   ("--dtype=bf16", "--deepseek_v32.indexer_loss=dense")])
+def test_the_train_command_lowers_the_logged_indexer_loss(saved, tmp_path, flags):
+    """fp32 with the sparse loss (the model trains too, so its target moves: the loss
+    falls over the 6 steps, not at each), bf16 with the dense warm-up (everything but the
+    indexers frozen: `ce_loss` moves with the batch only). Each step logs `indexer_loss`
+    and a `loss` = ce_loss + the KL (coef 1)."""
+    _, directory, _, _ = saved
+    rows = _command_losses(directory, tmp_path, *flags)
+    assert len(rows) == 6
+    kl = [row["indexer_loss"] for row in rows]
+    assert kl[-1] < kl[0], kl
+    for row in rows:
+        assert abs(row["loss"] - row["ce_loss"] - row["indexer_loss"]) < 1e-3 * row["loss"]
+
+
+def test_bad_indexer_loss_flags_are_one_line(saved, capsys, tmp_path):
+    from cli_utils import one_line_error
+
+    from easylm import train
+
+    _, directory, _, _ = saved
+    base = ["train", f"--load_checkpoint=hf::{directory}", "--tokenizer=embedded",
+            f"--logger.output_dir={tmp_path}"]
+    assert one_line_error(train.main, [*base, "--deepseek_v32.indexer_loss=warm"], capsys) \
+        == "--deepseek_v32.indexer_loss='warm' is not one of dense, sparse"
+    assert "must be >= 0" in one_line_error(
+        train.main, [*base, "--deepseek_v32.indexer_loss_coef=-1"], capsys)
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n')
+    with pytest.raises(SystemExit) as e:  # after the embedded tokenizer's warning line
+        train.main([*base, "--deepseek_v32.indexer_loss_coef=1", "--objective=dpo",
+                    "--train_dataset.preference.enabled=True",
+                    f"--train_dataset.json_dataset.path={pairs}"])
+    err = capsys.readouterr().err.splitlines()
+    assert e.value.code == 2 and "Traceback" not in "".join(err), err
+    assert err[-1] == ("error: --deepseek_v32.indexer_loss_coef=1.0: the indexer's KL loss "
+                       "is added by --objective=next_token only, not dpo; set it to 0")
