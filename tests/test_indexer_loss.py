@@ -101,9 +101,11 @@ def _kl(probs, scores, allowed, normalize=True):
 
 
 def _sowed(family, config, params, ids, **fields):
-    """The per-layer KL the layers sow (L,), through the module as training runs it."""
+    """The per-layer KL the layers sow (L,), through the module as training runs it: a
+    batch of the row twice (a mean over queries, so the row's)."""
     model = family.bind(config.replace(indexer_loss_coef=1.0, **fields))
-    _, variables = model.apply(params, None, None, {}, jnp.asarray(ids), mutable=["indexer"])
+    _, variables = model.apply(params, None, None, {}, jnp.asarray(np.concatenate([ids, ids])),
+                               mutable=["indexer"])
     return np.concatenate([np.atleast_1d(v) for v in jax.tree.leaves(variables["indexer"])])
 
 

@@ -312,7 +312,7 @@ class IndexerTarget(NamedTuple):
             out, kl = by_query_blocks(
                 jax.checkpoint(block, prevent_cse=False), self.keys.block,
                 (q, self.keys.selection, iq, weights, self.visible.segment_ids))
-        counted = self.counted.astype(jnp.float32)
+        counted = jnp.broadcast_to(self.counted, kl.shape).astype(jnp.float32)
         return out, jnp.sum(kl * counted) / jnp.maximum(jnp.sum(counted), 1.0)
 
 
