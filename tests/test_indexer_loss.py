@@ -275,3 +275,27 @@ def test_bad_indexer_loss_flags_are_one_line(saved, capsys, tmp_path):
     assert e.value.code == 2 and "Traceback" not in "".join(err), err
     assert err[-1] == ("error: --deepseek_v32.indexer_loss_coef=1.0: the indexer's KL loss "
                        "is added by --objective=next_token only, not dpo; set it to 0")
+
+
+def test_the_dense_warm_up_leaves_all_but_the_indexers_untrained():
+    """`indexer_loss=dense` (with a coef) is DeepSeek-V3.2's warm-up: the family's
+    `untrained_parameters` (optimizers.leave_untrained: no update, no optimizer state)
+    match every path but the indexers'; sparse or off, none. GLM-5 alike (its family is
+    V3.2's)."""
+    import re
+
+    from easylm.training.optimizers import leave_untrained  # noqa: F401 (what reads them)
+
+    paths = ["model/layers/0/self_attn/q_a_proj/kernel", "model/embed_tokens/embedding",
+             "model/layers/1/mlp/experts/gate_proj", "model/layers/0/self_attn/indexer/wq_b/kernel",
+             "model/layers/1/self_attn/indexer/k_norm/bias",
+             "model/layers/1/self_attn/indexer/weights_proj/kernel_lora_a"]
+    for name in ("deepseek_v32", "glm_moe_dsa"):
+        family = registry.get(name)
+        config = family.from_preset("debug")
+        for fields, frozen in ((dict(indexer_loss_coef=1.0, indexer_loss="dense"), 3),
+                               (dict(indexer_loss_coef=1.0), 0),
+                               (dict(indexer_loss="dense"), 0)):
+            patterns = family.untrained_parameters(config.replace(**fields))
+            matched = [p for p in paths if any(re.search(r, p) for r in patterns)]
+            assert matched == paths[:frozen], (name, fields, matched)
