@@ -284,8 +284,6 @@ def test_the_dense_warm_up_leaves_all_but_the_indexers_untrained():
     V3.2's)."""
     import re
 
-    from easylm.training.optimizers import leave_untrained  # noqa: F401 (what reads them)
-
     paths = ["model/layers/0/self_attn/q_a_proj/kernel", "model/embed_tokens/embedding",
              "model/layers/1/mlp/experts/gate_proj", "model/layers/0/self_attn/indexer/wq_b/kernel",
              "model/layers/1/self_attn/indexer/k_norm/bias",
