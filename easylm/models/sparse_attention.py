@@ -17,7 +17,21 @@ and the `topk` visible keys of highest score are the only ones MLA attends to (a
 while a query sees fewer). GLM-5's "shared" layers (`shared_topk` kinds) have no indexer:
 they attend to the keys the last full layer chose, which the layers pass on beside x
 (`SparseMLACausalLM.layer_stream`). The choice gets no gradient (transformers computes the
-indexer under no_grad; DeepSeek trains it with its own KL loss, which is not built here).
+indexer under no_grad); the indexer trains on its own loss, below.
+
+The indexer's KL loss (DeepSeek-V3.2's report; a config's `indexer_loss_coef` > 0, in
+training: without a cache). For each query t, p_t = MLA's attention probabilities summed
+over its N heads and L1-normalized (no gradient), and the layer's loss is the mean over
+the queries of KL(p_t || softmax(I_t)), I the indexer's scores (`indexer_kl`):
+    dense    over every visible key: p_t the dense attention's (the warm-up stage;
+             the family then leaves everything but the indexers untrained)
+    sparse   over the kept keys S_t only: p_t the attention MLA computes over them, I_t
+             renormalized over S_t (the sparse stage)
+The indexer's inputs (x, q_latent) are detached, so that the KL trains only the indexer
+and the LM loss none of it. Each layer sows its KL (`self.sow(INDEXER_COLLECTION, ...)`,
+moe.py's router statistics' way), whole or block by block inside `by_query_blocks`; the
+next-token objective adds coef x the mean over layers (objectives/indexer_loss.py).
+Serving and scoring (a cache, or no loss asked) compute none of it.
 
 Serving: the indexer's keys are one more positional cache array per layer,
 `IndexedLatentCache.index_k` (B, S, K) beside the latent (B, S, 1, C + R); the engine
