@@ -16,6 +16,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from easylm.objectives.router_loss import RouterSums
+
 
 class IndexerSums(NamedTuple):
     sums: Any  # the objective's sums (LossSums, RouterSums, ...)
@@ -26,17 +28,8 @@ class IndexerSums(NamedTuple):
     def loss(self):
         return self.sums.loss + self.weighted
 
-    @property
-    def count(self):
-        return self.sums.count
-
-    @property
-    def COUNT(self):  # noqa: N802 (the sums types' class attribute)
-        return self.sums.COUNT
-
-    @property
-    def PART(self):  # noqa: N802 (the sums types' class attribute)
-        return self.sums.PART
+    # The sums types' interface, as the router terms' wrapper gives it (router_loss.py).
+    count, COUNT, PART = RouterSums.count, RouterSums.COUNT, RouterSums.PART
 
     def __getattr__(self, name):  # what the inner sums carry besides (RouterSums' load)
         return getattr(self.sums, name)
@@ -48,8 +41,7 @@ class IndexerSums(NamedTuple):
         return {**own, "loss": own["loss"] + self.weighted / count,
                 self.PART: own.get(self.PART, own["loss"]), "indexer_loss": kl}
 
-    def total_mean(self):
-        return self.loss / jnp.maximum(self.count, 1.0)
+    total_mean = RouterSums.total_mean
 
 
 def with_indexer_loss(sums, kl, coef: float) -> IndexerSums:
