@@ -142,10 +142,10 @@ class Model:
         `segment_ids` (B, T) or a `cache` (`init_cache`). return_hidden: the final norm's
         output instead of logits (`head` turns it into logits); router_stats: the MoE
         layers' statistics for the router losses; indexer_loss: the sparse attention
-        layers' KL loss (a model with `indexer_loss` set, trained); routing: (L, N, K) expert choices to
-        replay, as router_stats stacks them; images: a multimodal model's image inputs
-        (easylm/models/vision.py's `ImageInputs` fields, (B, ...) each), for a module that
-        takes them; logits_at (B,): logits (B, 1, V) at one position of each row only."""
+        layers' KL loss (a model with `indexer_loss` set, trained); routing: (L, N, K)
+        expert choices to replay, as router_stats stacks them; images: a multimodal
+        model's image inputs (easylm/models/vision.py's `ImageInputs` fields, (B, ...)
+        each), for a module that takes them; logits_at (B,): logits (B, 1, V) at one position of each row only."""
         collections = {}
         if routing is not None:
             collections[moe.REPLAY] = moe.replay_collection(self.router_params(params, base),

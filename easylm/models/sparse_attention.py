@@ -31,7 +31,8 @@ The indexer's inputs (x, q_latent) are detached, so that the KL trains only the 
 and the LM loss none of it. Each layer sows its KL (`self.sow(INDEXER_COLLECTION, ...)`,
 moe.py's router statistics' way), whole or block by block inside `by_query_blocks`; the
 next-token objective adds coef x the mean over layers (objectives/indexer_loss.py).
-Serving and scoring (a cache, or no loss asked) compute none of it.
+Serving computes none of it (a cache); a forward that does not ask for it (scoring) drops
+what the layers sow, and XLA what computes it.
 
 Serving: the indexer's keys are one more positional cache array per layer,
 `IndexedLatentCache.index_k` (B, S, K) beside the latent (B, S, 1, C + R); the engine
@@ -104,8 +105,8 @@ QUERY_BLOCK_HELP = ("without a cache (training, scoring), the masked attention a
                     "indexer's top-k this many queries at a time, each block recomputed in "
                     "the backward pass: memory O(heads x block x keys) a layer, not O(heads "
                     "x queries x keys); 0: all at once")
-INDEXER_LOSSES = ("dense", "sparse")
-INDEXER_COLLECTION = "indexer"  # what each layer sows its KL into (family.Model.forward)  # the module docstring's two stages of the KL loss
+INDEXER_LOSSES = ("dense", "sparse")  # the module docstring's two stages of the KL loss
+INDEXER_COLLECTION = "indexer"  # what each layer sows its KL into (family.Model.forward)
 INDEXER_NORM_EPS = 1e-6  # transformers' k_norm: nn.LayerNorm(K, eps=1e-6)
 PARTITION_RULES = (
     (r"indexer/(wq_b|wk|weights_proj)/kernel", P("fsdp", None)),
