@@ -1,13 +1,13 @@
 """The DeepSeek sparse attention indexer's KL loss (easylm/models/sparse_attention.py
 `indexer_kl`, objectives/indexer_loss.py) against transformers 5.25's own modules on a
-tiny random DeepSeek-V3.2 directory (fp32, 2 layers, 16 keys kept of a 40-token row,
-32 indexer heads so that no top-k boundary falls on a tie: test_sparse_attention.py's
+tiny random DeepSeek-V3.2 directory (fp32, 2 layers, 16 keys kept of a 40-token row, 32
+indexer heads so that no top-k boundary falls on a tie: test_sparse_attention.py's
 module docstring): the target p_t is the eager attention's probabilities
 (`output_attentions`) summed over heads and L1-normalized, I_t the indexer's scores as its
 module computes them (read where it takes its top-k); dense: over every visible key,
-sparse: over the kept keys (the indexer's own output), both renormalized there. The dense target of a
-layer is its dense attention over what the sparse layers before it give (that layer's
-indexer keeping every key), as the model being trained computes it.
+sparse: over the kept keys (the indexer's own output), both renormalized there. The dense
+target of a layer is its dense attention over what the sparse layers before it give
+(that layer's indexer keeping every key), as the model being trained computes it.
 """
 
 import numpy as np

@@ -145,7 +145,8 @@ class Model:
         layers' KL loss (a model with `indexer_loss` set, trained); routing: (L, N, K)
         expert choices to replay, as router_stats stacks them; images: a multimodal
         model's image inputs (easylm/models/vision.py's `ImageInputs` fields, (B, ...)
-        each), for a module that takes them; logits_at (B,): logits (B, 1, V) at one position of each row only."""
+        each), for a module that takes them; logits_at (B,): logits (B, 1, V) at one
+        position of each row only."""
         collections = {}
         if routing is not None:
             collections[moe.REPLAY] = moe.replay_collection(self.router_params(params, base),
