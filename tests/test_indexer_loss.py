@@ -27,11 +27,17 @@ T = 40
 TOPK = 16
 
 
+ARCHITECTURES = {"deepseek_v32": "DeepseekV32", "glm_moe_dsa": "GlmMoeDsa"}
+
+
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    directory = str(tmp_path_factory.mktemp("deepseek_v32"))
+def saved(request, tmp_path_factory):
+    """DeepSeek-V3.2's directory (2 layers), or where a test asks, GLM-5's (3 layers, the
+    third sharing the second's keys: no indexer of its own)."""
+    name = getattr(request, "param", "deepseek_v32")
+    directory = str(tmp_path_factory.mktemp(name))
     torch.manual_seed(0)
-    config = transformers.DeepseekV32Config(
+    fields = dict(
         vocab_size=V, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
         n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
@@ -39,8 +45,12 @@ def saved(tmp_path_factory):
         qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=512,
         initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
         index_topk=TOPK, index_n_heads=32, index_head_dim=16)
-    transformers.DeepseekV32ForCausalLM(config).eval().save_pretrained(directory)
-    family = registry.get("deepseek_v32")
+    if name == "glm_moe_dsa":
+        fields.update(num_hidden_layers=3, indexer_types=["full", "full", "shared"])
+    config = getattr(transformers, ARCHITECTURES[name] + "Config")(**fields)
+    model = getattr(transformers, ARCHITECTURES[name] + "ForCausalLM")(config)
+    model.eval().save_pretrained(directory)
+    family = registry.get(name)
     ours = family.hf.read_config(directory)
     return family, directory, ours, family.hf.read_params(directory, ours)
 
@@ -49,7 +59,7 @@ def _ids(seed=0):
     return np.random.default_rng(seed).integers(3, V, (1, T))
 
 
-def _reference(directory, ids, monkeypatch):
+def _reference(family, directory, ids, monkeypatch):
     """Per layer: the sparse model's attention probabilities (B, N, T, S), the dense ones
     (that layer's indexer keeping every key, the layers before it as they are: the input
     the sparse model gives it), the indexer's masked scores (B, T, S) and its top-k (B,
@@ -66,10 +76,11 @@ def _reference(directory, ids, monkeypatch):
         inside.clear()
         kept.append(out.long())
 
-    model = transformers.DeepseekV32ForCausalLM.from_pretrained(
+    model = getattr(transformers, ARCHITECTURES[family.name] + "ForCausalLM").from_pretrained(
         directory, attn_implementation="eager").eval()
-    indexers = [layer.self_attn.indexer for layer in model.model.layers]
-    hooks = [h for indexer in indexers for h in (
+    indexers = {i: layer.self_attn.indexer for i, layer in enumerate(model.model.layers)
+                if layer.self_attn.indexer is not None}  # GLM-5's shared layers have none
+    hooks = [h for indexer in indexers.values() for h in (
         indexer.register_forward_pre_hook(lambda *a: inside.append(1)),
         indexer.register_forward_hook(done))]
     monkeypatch.setattr(torch.Tensor, "topk", recording)
@@ -83,11 +94,11 @@ def _reference(directory, ids, monkeypatch):
         hook.remove()
     inside.clear()
     dense = []
-    for layer, indexer in enumerate(indexers):
+    for layer, indexer in indexers.items():
         indexer.index_topk = T
         dense.append(attentions()[layer])
         indexer.index_topk = TOPK
-    return {"sparse": sparse, "dense": dense}, scores, kept
+    return {"sparse": [sparse[i] for i in indexers], "dense": dense}, scores, kept
 
 
 def _kl(probs, scores, allowed, normalize=True):
@@ -109,6 +120,9 @@ def _sowed(family, config, params, ids, **fields):
     return np.concatenate([np.atleast_1d(v) for v in jax.tree.leaves(variables["indexer"])])
 
 
+# CI runs DeepSeek-V3.2's; GLM-5's (interleaved rotary, a shared layer) is extended
+@pytest.mark.parametrize("saved", ["deepseek_v32", pytest.param(
+    "glm_moe_dsa", marks=pytest.mark.extended)], indirect=True)
 def test_sowed_kl_equals_transformers_dense_and_sparse(saved, monkeypatch):
     """Each layer's KL (the mean over the row's queries), dense and sparse, = the one
     computed in float64 from transformers' attention probabilities and indexer scores.
@@ -122,7 +136,7 @@ def test_sowed_kl_equals_transformers_dense_and_sparse(saved, monkeypatch):
     with its restriction dropped on I (softmax over every visible key)."""
     family, directory, config, params = saved
     ids = _ids()
-    attentions, scores, kept = _reference(directory, ids, monkeypatch)
+    attentions, scores, kept = _reference(family, directory, ids, monkeypatch)
     visible = torch.ones(T, T, dtype=torch.bool).tril()[None]
     rel = fp32_rel(max(config.hidden_size, config.intermediate_size, T),
                    11 * config.num_hidden_layers + 1)
@@ -140,10 +154,10 @@ def test_sowed_kl_equals_transformers_dense_and_sparse(saved, monkeypatch):
             bound = max(bound, 1 + 2 * float(I[allowed].abs().max()) + float(
                 torch.log(heads[allowed & (heads > 0)]).abs().max()))
         got = _sowed(family, config, params, ids, indexer_loss=form)
-        assert got.shape == (config.num_hidden_layers,)
+        assert got.shape == (len(scores),)
         assert np.all(np.asarray(want) > 0)
         assert_close(got, np.asarray(want), rel * bound, scale=1.0)
-        twin = np.asarray(twins).reshape(config.num_hidden_layers, -1)
+        twin = np.asarray(twins).reshape(len(scores), -1)
         for column in twin.T:
             assert_differs(got, column, rel * bound, scale=1.0)
 
