@@ -111,10 +111,14 @@ class DeepseekV32Config(DeepseekV3Config):
 
     def flops_per_token(self, seq_length: int) -> float:
         # The dense reference: MLA over all keys (DeepSeek-V3's count), and the indexer's
-        # scores, forward only (no gradient reaches it), H * K multiply-adds a pair.
+        # scores, H * K multiply-adds a pair: forward only (no gradient reaches it), or with
+        # the KL loss forward and backward (3x) and the target's N-head scores once more.
         full = self.shared_topk().count(False)
-        return super().flops_per_token(seq_length) + \
-            full * 2 * self.index_n_heads * self.index_head_dim * seq_length / 2
+        pairs = full * seq_length / 2  # a token's causal keys, on average, in each layer
+        indexer = 2 * self.index_n_heads * self.index_head_dim * pairs
+        if self.indexer_loss_coef:
+            indexer = 3 * indexer + 2 * self.num_attention_heads * self.mla().qk_head_dim * pairs
+        return super().flops_per_token(seq_length) + indexer
 
     # ---------------------------------------------------- HF transformers
 
