@@ -37,6 +37,12 @@ class DeepseekV32Config(DeepseekV3Config):
                                         "transformers), auto (gather with a cache where it "
                                         "counts fewer FLOPs)")
     query_block: int = field(0, sparse_attention.QUERY_BLOCK_HELP)
+    indexer_loss_coef: float = field(0.0, "training: this times the indexer's KL loss (the "
+                                          "mean over layers) added to the loss, the indexer's "
+                                          "inputs detached; 0: none, the indexer untrained")
+    indexer_loss: str = field("sparse", "the indexer's KL target: sparse (the attention over "
+                                        "the kept keys) or dense (over every visible key: "
+                                        "DeepSeek-V3.2's warm-up)")
 
     def __post_init__(self):
         super().__post_init__()
@@ -52,6 +58,15 @@ class DeepseekV32Config(DeepseekV3Config):
                   (not (self.query_block and self.topk_attention == "gather"),
                    f"query_block={self.query_block} blocks the masked form; "
                    f"topk_attention=gather trains through the gather (use auto or mask)"),
+                  (self.indexer_loss_coef >= 0,
+                   f"indexer_loss_coef={self.indexer_loss_coef} must be >= 0 (0: none)"),
+                  (self.indexer_loss in sparse_attention.INDEXER_LOSSES,
+                   f"indexer_loss={self.indexer_loss!r} is not one of "
+                   f"{', '.join(sparse_attention.INDEXER_LOSSES)}"),
+                  (not (self.indexer_loss_coef and self.topk_attention == "gather"),
+                   f"indexer_loss_coef={self.indexer_loss_coef}: the KL loss reads the masked "
+                   f"form's attention; topk_attention=gather trains through the gather (use "
+                   f"auto or mask)"),
                   (self.qk_rope_head_dim <= self.index_head_dim,
                    f"index_head_dim={self.index_head_dim} must be at least "
                    f"qk_rope_head_dim={self.qk_rope_head_dim} (its rotary dims)"))
@@ -66,7 +81,11 @@ class DeepseekV32Config(DeepseekV3Config):
         return IndexerConfig(q_lora_rank=self.q_lora_rank, n_heads=self.index_n_heads,
                              head_dim=self.index_head_dim, rope_dim=self.qk_rope_head_dim,
                              topk=self.index_topk, rope_interleave=self.indexer_rope_interleave,
-                             initializer_range=self.initializer_range)
+                             initializer_range=self.initializer_range,
+                             loss=self.indexer_loss if self.indexer_loss_coef else "")
+
+    def indexer_loss_weight(self) -> float:
+        return self.indexer_loss_coef
 
     def shared_topk(self) -> tuple[bool, ...]:
         """Per layer: whether it reuses the last full layer's keys (GLM-5's shared ones)."""
@@ -92,10 +111,14 @@ class DeepseekV32Config(DeepseekV3Config):
 
     def flops_per_token(self, seq_length: int) -> float:
         # The dense reference: MLA over all keys (DeepSeek-V3's count), and the indexer's
-        # scores, forward only (no gradient reaches it), H * K multiply-adds a pair.
+        # scores, H * K multiply-adds a pair: forward only (no gradient reaches it), or with
+        # the KL loss forward and backward (3x) and the target's N-head scores once more.
         full = self.shared_topk().count(False)
-        return super().flops_per_token(seq_length) + \
-            full * 2 * self.index_n_heads * self.index_head_dim * seq_length / 2
+        pairs = full * seq_length / 2  # a token's causal keys, on average, in each layer
+        indexer = 2 * self.index_n_heads * self.index_head_dim * pairs
+        if self.indexer_loss_coef:
+            indexer = 3 * indexer + 2 * self.num_attention_heads * self.mla().qk_head_dim * pairs
+        return super().flops_per_token(seq_length) + indexer
 
     # ---------------------------------------------------- HF transformers
 
@@ -183,6 +206,12 @@ class DeepseekV32Family(ModelFamily):
 
     def partition_rules(self, config: DeepseekV32Config):
         return PARTITION_RULES
+
+    def untrained_parameters(self, config: DeepseekV32Config):
+        # DeepSeek-V3.2's dense warm-up: only the indexers train (on their KL loss).
+        if config.indexer_loss_coef and config.indexer_loss == "dense":
+            return (r"^(?!.*indexer/)",)
+        return ()
 
 
 FAMILY = DeepseekV32Family()

@@ -210,6 +210,11 @@ class ModelConfig:
         """What training adds for the routers (`moe.RouterLoss`); None: no routers."""
         return None
 
+    def indexer_loss_weight(self) -> float:
+        """What training adds times the sparse attention indexers' KL loss (the mean over
+        layers they sow, easylm/models/sparse_attention.py); 0: none."""
+        return 0.0
+
     # --------------------------------------------------------------- counting
 
     def num_parameters(self) -> int:

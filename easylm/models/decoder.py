@@ -562,8 +562,9 @@ class _Backbone(nn.Module):
             own = () if inputs is None else (_per_repeat(inputs, start, repeats, n),)
             stack = nn.scan(
                 # 'router': what a mixture-of-experts layer sows (moe.RouterStats), per layer;
-                # 'routing': the choices it replays (moe.replay_collection), per layer.
-                body, variable_axes={"params": 0, "router": 0, "routing": 0},
+                # 'routing': the choices it replays (moe.replay_collection), per layer;
+                # 'indexer': a sparse attention layer's KL loss (sparse_attention.py).
+                body, variable_axes={"params": 0, "router": 0, "routing": 0, "indexer": 0},
                 # 'dropout': each layer its own key when one is given (LoRA's adapter
                 # dropout, easylm/variants/lora.py); a scan passes no stream it does not name.
                 split_rngs={"params": True, "dropout": True},

@@ -49,6 +49,8 @@ class ForwardOut:
     hidden: jax.Array | None = None  # (B, T, D), the final norm's output (return_hidden)
     cache: Any = None  # the cache passed in, with this call's entries written
     router_stats: moe.RouterStats | None = None  # the routers' statistics (router_stats=True)
+    # The sparse attention indexers' KL loss, the mean over layers (indexer_loss=True)
+    indexer_loss: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +120,9 @@ class Model:
     # A mixture of experts' router losses (moe.RouterLoss); the losses then call `forward`
     # with router_stats=True (objectives/router_loss.py). None: no routers.
     router_loss: Any = None
+    # What the losses add times the indexers' KL loss (`ModelConfig.indexer_loss_weight`);
+    # they then call `forward` with indexer_loss=True (objectives/indexer_loss.py). 0: none.
+    indexer_loss: float = 0.0
     eos_token_id: int | None = None
     num_layers: int = 1  # what the planner extrapolates over
     num_parameters: int = 0
@@ -131,36 +136,43 @@ class Model:
 
     def forward(self, params, ids, positions=None, segment_ids=None, cache=None, *,
                 base=None, rng=None, return_hidden=False, router_stats=False,
-                routing=None, images=None, logits_at=None) -> ForwardOut:
+                indexer_loss=False, routing=None, images=None, logits_at=None) -> ForwardOut:
         """The one forward pass every objective, the serving engine and the evaluator run,
         over ids (B, T) at `positions` (B, T; None: 0..T-1), packed documents
         `segment_ids` (B, T) or a `cache` (`init_cache`). return_hidden: the final norm's
         output instead of logits (`head` turns it into logits); router_stats: the MoE
-        layers' statistics for the router losses; routing: (L, N, K) expert choices to
-        replay, as router_stats stacks them; images: a multimodal model's image inputs
-        (easylm/models/vision.py's `ImageInputs` fields, (B, ...) each), for a module that
-        takes them; logits_at (B,): logits (B, 1, V) at one position of each row only."""
+        layers' statistics for the router losses; indexer_loss: the sparse attention
+        layers' KL loss (a model with `indexer_loss` set, trained); routing: (L, N, K)
+        expert choices to replay, as router_stats stacks them; images: a multimodal
+        model's image inputs (easylm/models/vision.py's `ImageInputs` fields, (B, ...)
+        each), for a module that takes them; logits_at (B,): logits (B, 1, V) at one
+        position of each row only."""
         collections = {}
         if routing is not None:
             collections[moe.REPLAY] = moe.replay_collection(self.router_params(params, base),
                                                             routing)
         out = self.apply(params, base, rng, collections, ids, positions=positions,
                          segment_ids=segment_ids, cache=cache, return_hidden=return_hidden,
-                         mutable=["router"] if router_stats else False,
+                         mutable=[name for name, on in (("router", router_stats),
+                                                        ("indexer", indexer_loss)) if on]
+                         or False,
                          **({} if images is None else {"images": images}),
                          **({} if logits_at is None else {"logits_at": logits_at}))
-        stats = None
-        if router_stats:
+        stats = kl = None
+        if router_stats or indexer_loss:
             out, variables = out
             # None where no layer routed (the planner's one dense layer of a model whose
             # first layers are dense).
             stats = moe.router_stats(variables["router"]) if "router" in variables else None
+            if indexer_loss:  # per layer, stacked where scanned
+                kl = jnp.mean(jnp.concatenate([jnp.atleast_1d(v) for v in jax.tree.leaves(
+                    variables.get("indexer", {"none": jnp.zeros(1)}))]))
         new_cache = None
         if cache is not None:
             out, new_cache = out
         if return_hidden:
-            return ForwardOut(hidden=out, cache=new_cache, router_stats=stats)
-        return ForwardOut(logits=out, cache=new_cache, router_stats=stats)
+            return ForwardOut(hidden=out, cache=new_cache, router_stats=stats, indexer_loss=kl)
+        return ForwardOut(logits=out, cache=new_cache, router_stats=stats, indexer_loss=kl)
 
     def forward_flops(self, seq_length: int) -> float:
         if self.forward_flops_per_token is not None:
@@ -261,7 +273,7 @@ class ModelFamily:
             cache_reach=decoder.cache_reach(self.module_class, config),
             max_seq_length=config.max_position_embeddings, eos_token_id=config.eos_token_id,
             num_layers=config.num_hidden_layers, num_parameters=config.num_parameters(),
-            router_loss=config.router_loss())
+            router_loss=config.router_loss(), indexer_loss=config.indexer_loss_weight())
 
 
 # ------------------------------------------------------ generic functions over a family

@@ -17,7 +17,22 @@ and the `topk` visible keys of highest score are the only ones MLA attends to (a
 while a query sees fewer). GLM-5's "shared" layers (`shared_topk` kinds) have no indexer:
 they attend to the keys the last full layer chose, which the layers pass on beside x
 (`SparseMLACausalLM.layer_stream`). The choice gets no gradient (transformers computes the
-indexer under no_grad; DeepSeek trains it with its own KL loss, which is not built here).
+indexer under no_grad); the indexer trains on its own loss, below.
+
+The indexer's KL loss (DeepSeek-V3.2's report; a config's `indexer_loss_coef` > 0, in
+training: without a cache). For each query t, p_t = MLA's attention probabilities summed
+over its N heads and L1-normalized (no gradient), and the layer's loss is the mean over
+the queries of KL(p_t || softmax(I_t)), I the indexer's scores (`indexer_kl`):
+    dense    over every visible key: p_t the dense attention's (the warm-up stage;
+             the family then leaves everything but the indexers untrained)
+    sparse   over the kept keys S_t only: p_t the attention MLA computes over them, I_t
+             renormalized over S_t (the sparse stage)
+The indexer's inputs (x, q_latent) are detached, so that the KL trains only the indexer
+and the LM loss none of it. Each layer sows its KL (`self.sow(INDEXER_COLLECTION, ...)`,
+moe.py's router statistics' way), whole or block by block inside `by_query_blocks`; the
+next-token objective adds coef x the mean over layers (objectives/indexer_loss.py).
+Serving computes none of it (a cache); a forward that does not ask for it (scoring) drops
+what the layers sow, and XLA what computes it.
 
 Serving: the indexer's keys are one more positional cache array per layer,
 `IndexedLatentCache.index_k` (B, S, K) beside the latent (B, S, 1, C + R); the engine
@@ -90,6 +105,8 @@ QUERY_BLOCK_HELP = ("without a cache (training, scoring), the masked attention a
                     "indexer's top-k this many queries at a time, each block recomputed in "
                     "the backward pass: memory O(heads x block x keys) a layer, not O(heads "
                     "x queries x keys); 0: all at once")
+INDEXER_LOSSES = ("dense", "sparse")  # the module docstring's two stages of the KL loss
+INDEXER_COLLECTION = "indexer"  # what each layer sows its KL into (family.Model.forward)
 INDEXER_NORM_EPS = 1e-6  # transformers' k_norm: nn.LayerNorm(K, eps=1e-6)
 PARTITION_RULES = (
     (r"indexer/(wq_b|wk|weights_proj)/kernel", P("fsdp", None)),
@@ -108,6 +125,7 @@ class IndexerConfig:
     topk: int
     rope_interleave: bool = False  # GLM-5: rotary pairs (x0, x1), ...; DeepSeek-V3.2: halves
     initializer_range: float = 0.02
+    loss: str = ""  # the indexer's KL loss without a cache (INDEXER_LOSSES); "": none
 
 
 class IndexedLatentCache(NamedTuple):
@@ -277,6 +295,60 @@ def index_scores(q, k, weights):
     return jnp.einsum("BTH,BTHS->BTS", weights, scores)
 
 
+class IndexerTarget(NamedTuple):
+    """The keys MLA attends to (a (B, T, S) mask or `BlockedKeys`) and what the indexer's
+    KL loss reads beside them: the indexer's rotated queries (B, T, H, K), keys (B, S, K)
+    and head weights (B, T, H) (their gradient the loss's), the `visible` keys ((B or 1,
+    T, S) bool, or the `QueryBlocks` they come from), `form` (INDEXER_LOSSES) and
+    `counted` (B, T): the queries the mean counts (a packed row's padding, segment 0, not)."""
+
+    keys: object
+    index: tuple
+    visible: object
+    form: str
+    counted: jax.Array
+
+    def attend(self, q, k, v, implementation: str, scale: float):
+        """MLA's attention of q (B, T, N, W) over k, v (B, S, N, W) under `keys` and the
+        indexer's loss: (out (B, T, N, W), the mean KL over the counted queries)."""
+        if not isinstance(self.keys, BlockedKeys):
+            out = attention(q, k, v, self.keys, implementation, scale=scale)
+            kl = indexer_kl(q, k, scale, *self.index, self.visible, self.keys, self.form)
+        else:
+            S = k.shape[1]
+            iq, ik, weights = self.index
+
+            def block(start, q, selection, iq, weights, segment_ids):
+                kept = selection.mask(S)
+                visible = self.visible.rows(start, segment_ids, S)
+                return (attention(q, k, v, kept, implementation, scale=scale),
+                        indexer_kl(q, k, scale, iq, ik, weights, visible, kept, self.form))
+
+            out, kl = by_query_blocks(
+                jax.checkpoint(block, prevent_cse=False), self.keys.block,
+                (q, self.keys.selection, iq, weights, self.visible.segment_ids))
+        counted = jnp.broadcast_to(self.counted, kl.shape).astype(jnp.float32)
+        return out, jnp.sum(kl * counted) / jnp.maximum(jnp.sum(counted), 1.0)
+
+
+def indexer_kl(q, k, scale: float, iq, ik, weights, visible, kept, form: str):
+    """Each query's KL(p || softmax(I)) (B, T), the indexer's loss (DeepSeek-V3.2's
+    report): p the main attention's probabilities, summed over its N heads and
+    L1-normalized (no gradient), I `index_scores`, both over the `visible` keys (form
+    dense: the dense attention's p) or over the `kept` ones only (sparse: the attention MLA
+    computes, and I renormalized over the same keys). q (B, T, N, W), k (B, S, N, W) as
+    MLA attends with them; iq, ik, weights the indexer's (`index_scores`)."""
+    allowed = jnp.broadcast_to(visible, kept.shape) & (kept if form == "sparse" else True)
+    low = jnp.finfo(jnp.float32).min
+    logits = jnp.einsum("BTNW,BSNW->BNTS", *jax.lax.stop_gradient((q, k)),
+                        preferred_element_type=jnp.float32) * scale
+    probs = jax.nn.softmax(jnp.where(allowed[:, None], logits, low), axis=-1)
+    p = jax.lax.stop_gradient(probs.sum(1) / probs.shape[1])  # (B, T, S), rows sum to 1
+    log_q = jax.nn.log_softmax(jnp.where(allowed, index_scores(iq, ik, weights), low), -1)
+    terms = p * (jnp.log(jnp.where(p > 0, p, 1.0)) - log_q)
+    return jnp.sum(jnp.where(allowed & (p > 0), terms, 0.0), axis=-1)
+
+
 def select(q, k, weights, visible, topk: int) -> Selection:
     """The `topk` visible keys of highest `index_scores`. `visible` (B or 1, T, S) bool, or
     `QueryBlocks` (or what has its `block`, `segment_ids` and `rows`: DeepSeek-V4's
@@ -340,7 +412,8 @@ def rotate(x, cos, sin, interleave: bool):
 class Indexer(nn.Module):
     """(x (B, T, D), q_latent (B, T, Q), cos, sin (B, T, R), positions (B, T), visible
     (B or 1, T, S) bool or `QueryBlocks`, cache) -> (each query's top-k visible keys
-    (`Selection`), cache with this call's keys written)."""
+    (`Selection`), cache with this call's keys written, (q, k, weights) as
+    `index_scores` takes them: what the KL loss trains through)."""
 
     config: IndexerConfig
     dtype: jnp.dtype = jnp.float32
@@ -367,7 +440,7 @@ class Indexer(nn.Module):
             cache = cache.write_index(k, positions)
             k = cache.index_k.astype(jnp.float32)  # (B, S, K)
         weights = self.dense(H, "weights_proj")(x32) * H ** -0.5  # (B, T, H)
-        return select(q, k, weights, visible, c.topk), cache
+        return select(q, k, weights, visible, c.topk), cache, (q, k, weights)
 
 
 class SparseLatentAttention(MultiHeadLatentAttention):
@@ -394,16 +467,23 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         visible = QueryBlocks(min(self.query_block, T), mask) if blocked else \
             dense_mask(mask, T, S)
         q_latent = self.query_latent(x)
+        # The KL loss (training: no cache) trains the indexer alone: its inputs detached,
+        # so that the LM loss reaches none of it and the KL nothing else.
+        loss = self.indexer.loss if self.indexer is not None and cache is None else ""
         if self.indexer is not None:
-            selected, cache = Indexer(self.indexer, self.dtype, self.param_dtype,
-                                      name="indexer")(x, q_latent, cos, sin, positions,
-                                                      visible, cache)
+            inputs = jax.lax.stop_gradient((x, q_latent)) if loss else (x, q_latent)
+            selected, cache, index = Indexer(self.indexer, self.dtype, self.param_dtype,
+                                             name="indexer")(*inputs, cos, sin, positions,
+                                                             visible, cache)
         if blocked:
             keys = BlockedKeys(selected, visible.block)
         elif self.gathers(T, S, selected.top.shape[-1], cache):
             keys = selected
         else:
             keys = selected.mask(S)
+        if loss:
+            counted = mask > 0 if getattr(mask, "ndim", 0) == 2 else jnp.ones((1, T), bool)
+            keys = IndexerTarget(keys, index, visible, loss, counted)
         out, cache = self.attend(x, q_latent, cos, sin, positions, keys, cache)
         return out, cache, selected
 
@@ -420,6 +500,10 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         return super().latent_attention(q, kv, mask)
 
     def expanded_attention(self, q, k, v, mask):
+        if isinstance(mask, IndexerTarget):  # what training adds: moe.py's router stats' way
+            out, kl = mask.attend(q, k, v, self.config.attention, self.config.softmax_scale)
+            self.sow(INDEXER_COLLECTION, "kl", kl)
+            return out
         if isinstance(mask, BlockedKeys):
             return blocked_attention(q, k, v, mask, self.config.attention,
                                      self.config.softmax_scale)

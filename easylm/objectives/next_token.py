@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from easylm.errors import UserError
 from easylm.models import vision
 from easylm.objectives.base import Objective
+from easylm.objectives.indexer_loss import with_indexer_loss
 from easylm.objectives.router_loss import with_router_loss
 
 
@@ -63,6 +64,7 @@ def next_token_sums(model, params, batch, rng, base=None) -> LossSums:
                         batch.get("segment_ids"), base=base, rng=rng, return_hidden=chunked,
                         # a mixture of experts: its router losses too
                         router_stats=model.router_loss is not None,
+                        indexer_loss=bool(model.indexer_loss),  # a sparse attention's KL
                         images=vision.image_inputs_of(batch))
     if not chunked:
         sums = next_token_loss(out.logits, batch["target_tokens"], batch["loss_masks"])
@@ -70,9 +72,12 @@ def next_token_sums(model, params, batch, rng, base=None) -> LossSums:
         sums = chunked_next_token_loss(out.hidden, model.head(params, base),
                                        batch["target_tokens"], batch["loss_masks"],
                                        model.loss_chunk_size)
-    if out.router_stats is None:
-        return sums
-    return with_router_loss(sums, out.router_stats, model.router_loss, batch.get("segment_ids"))
+    if out.router_stats is not None:
+        sums = with_router_loss(sums, out.router_stats, model.router_loss,
+                                batch.get("segment_ids"))
+    if out.indexer_loss is not None:
+        sums = with_indexer_loss(sums, out.indexer_loss, model.indexer_loss)
+    return sums
 
 
 @jax.custom_vjp
