@@ -42,14 +42,16 @@ def test_names_and_module_class_reach_the_classes_and_bad_ones_are_one_line():
 
 def test_an_objective_is_imported_only_when_chosen():
     # What next-token training imports of easylm.objectives: the registry, the interface,
-    # its own module and the router losses it adds for a mixture of experts; not DPO's
-    # reference tables, GRPO's rollouts or its rewards.
+    # its own module, the router losses it adds for a mixture of experts and the indexer
+    # loss for a sparse attention model; not DPO's reference tables, GRPO's rollouts or
+    # its rewards.
     code = ("import sys; from easylm import objectives; objectives.get('next_token'); "
             "print(' '.join(sorted(m for m in sys.modules if m.startswith('easylm.objectives'))))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                          text=True, timeout=300, check=True).stdout.split()
     assert out == ["easylm.objectives", "easylm.objectives.base",
-                   "easylm.objectives.next_token", "easylm.objectives.router_loss"], out
+                   "easylm.objectives.indexer_loss", "easylm.objectives.next_token",
+                   "easylm.objectives.router_loss"], out
 
 
 def scan_name_branches(source: str, filename: str = "<source>") -> list[str]:

@@ -93,7 +93,7 @@ def help_entries(objective: str | None = None) -> dict:
 def build(config: ConfigDict, model, tokenizer):
     """The `Objective` --objective names, for `model`."""
     chosen = _chosen(config)
-    if model.indexer_loss and chosen.name != "next_token":
+    if model.indexer_loss and not chosen.adds_indexer_loss:
         raise UserError(f"--{model.name}.indexer_loss_coef={model.indexer_loss}: the "
                         f"indexer's KL loss is added by --objective=next_token only, not "
                         f"{config.objective}; set it to 0")

@@ -43,6 +43,9 @@ class Objective(abc.ABC):
     rows_per_example: int = 1  # rows of one example (a preference pair: 2, GRPO: G)
     completion_tokens: int = 0  # rows of "prompts" leave this many tokens for rollouts
     takes_images: bool = False  # its loss (and rollouts) read an image-text model's images
+    # Its loss adds a sparse attention model's indexer KL term (`Model.indexer_loss`,
+    # objectives/indexer_loss.py); the others refuse a model that asks for it.
+    adds_indexer_loss: bool = False
     # That model's reader of images (its family's `image_chats`), which the trainer sets
     # when the run's data hold image chats: what rollouts lay out their rows' images with.
     images = None

@@ -150,6 +150,7 @@ class NextToken(Objective):
     """Language modelling on documents: the model's own next-token loss."""
 
     name = "next_token"
+    adds_indexer_loss = True
     takes_images = True
 
     @classmethod
