@@ -125,9 +125,8 @@ def test_a_staged_prefill_on_a_mesh_compiles_each_program_once():
     """On a (1, 2, 4) mesh, as the server runs: the carry keeps the cache's shardings from
     chunk to chunk (the chunk program compiles at the first chunk only), a second prompt
     compiles nothing, and the first token is the one-call prefill's. Compiles are counted
-    by XLA's compile events (a jitted function's `_cache_size` is a process-wide LRU's
-    view and read 0 for a program that had just run, once, in a CI worker), with the
-    persistent cache off (a hit there is no compile event)."""
+    by XLA's compile events (a jitted function's `_cache_size` read 0 for a program that
+    had just run, in a CI worker; cause not found), with the persistent cache off."""
     from easylm.runtime.sharding import make_mesh
 
     batcher, _, _ = make_batcher(mesh=make_mesh("1,2,4"), batch_size=2, min_bucket=CHUNK,
