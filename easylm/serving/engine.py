@@ -100,8 +100,8 @@ HELP = {
     "decode_from_pages": "with --page_size, decode attends straight from the pages (ragged "
                          "paged attention: the kernel on TPU) where every positional cache "
                          "is an attention layer's keys and values, instead of a dense window "
-                         "gathered and written back; experimental: exact on CPU, its speed "
-                         "on a TPU not yet measured (docs/serving.md)",
+                         "gathered and written back; exact on CPU; on a v5e 16-28% faster than "
+                         "the window path at batch 16-64 (docs/serving.md)",
     "decode_kernel": "with --decode_from_pages, the TPU kernel decode attends with: rpa "
                      "(JAX's ragged paged attention), batched (ours: several sequences' "
                      "pages per step, the next step's copied meanwhile; "
