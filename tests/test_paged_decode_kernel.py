@@ -5,7 +5,6 @@ and double buffer as the TPU would order them, with uninitialised VMEM read as N
 it cannot run, the bf16 uint32 split of the buffer's rows, is the TPU's only."""
 
 import jax
-import jax._src.pallas.mosaic.interpret.interpret_pallas_call as tpu_interpret
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -14,6 +13,11 @@ from numerics import EPS_BF16, assert_close, assert_differs, fp32_rel
 
 from easylm.models import paged_attention as pa
 from easylm.models.paged_decode_kernel import batched_decode_attention
+
+try:  # where JAX 0.10.2 keeps the interpreter's race report (private: it may move)
+    import jax._src.pallas.mosaic.interpret.interpret_pallas_call as tpu_interpret
+except ImportError:  # then the parity is still checked, the race report not
+    tpu_interpret = None
 
 Z, W, H = 8, 5, 128  # pages of 8, 5 a sequence, TPU-sized heads
 # A key, a page, several pages, 36 and 40 keys across the 2-page (16-key) steps of
@@ -53,7 +57,7 @@ def test_kernel_is_the_xla_path(N, K, dtype, rel, vpu):
     params = pltpu.InterpretParams(detect_races=True, dma_execution_mode="eager")
     out = batched_decode_attention(q, kv, lengths, table, 0.3, blocks=BLOCKS,
                                    vpu=vpu, interpret=params)
-    assert not tpu_interpret.races.races_found
+    assert tpu_interpret is None or not tpu_interpret.races.races_found
     assert_close(out, expected.astype(jnp.float32), rel)
     # Negative twin: a page table one page off reads other keys.
     shifted = batched_decode_attention(q, kv, lengths, jnp.roll(table, 1, axis=1), 0.3,
