@@ -34,24 +34,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402  (after the environment above)
 
 
-@pytest.fixture(autouse=True)
-def _persistent_cache_ends_with_its_test():
-    """A command run in process (easylm.train's main without --compilation_cache_dir=)
-    switches JAX's persistent compilation cache on (~/.cache/easylm/jax) for the rest of
-    its worker: every later compile, each eager operation's too, was then written there
-    by both workers at once (85,876 files, 1.5 GB after one suite), and a worker crashed
-    while serializing a program for it (2026-12-06). A test that switches it on has it
-    for itself only."""
-    yield
-    import jax
-
-    if jax.config.jax_compilation_cache_dir:
-        from jax._src import compilation_cache
-
-        jax.config.update("jax_compilation_cache_dir", None)
-        compilation_cache.reset_cache()
-
-
 @pytest.fixture(scope="session")
 def served():
     """(batcher, Flax module, params): the tiny LLaMA behind a batcher, shared by the
