@@ -55,6 +55,8 @@ HELP = {
     "repeats": "timed rollouts per way (after one untimed)",
     "ways": "comma-separated ways to measure: dense, paged, shared, pages (the first is the "
             "baseline)",
+    "decode_kernel": "the `pages` way's --decode_kernel: rpa (JAX's ragged paged attention), "
+                     "batched or batched_vpu (easylm/models/paged_decode_kernel.py)",
     "stall_report_s": "every this many seconds, print every thread's Python stack to stderr "
                       "(faulthandler): where a run that seems stuck is; 0: off",
     **run_flags.help_entries("dtype", "mesh_dim", **ENGINE_NOTES),
@@ -76,6 +78,7 @@ def default_config(family) -> ConfigDict:
     config.decode_steps = 8
     config.repeats = 2
     config.ways = "dense,paged"
+    config.decode_kernel = "rpa"
     config.stall_report_s = 0
     config.update(run_flags.get_default_config("dtype", "mesh_dim", mesh_dim=ENGINE_MESH_DIM))
     config[family.name] = model_flags.flag_config(family, family.tiny_preset)
@@ -90,6 +93,8 @@ def measure(way: str, config: ConfigDict, model, params, mesh, prompts) -> dict:
     settings = {"batch_size": rows, "seq_length": config.prompt_length + config.new_tokens,
                 "min_bucket": config.prompt_length, "decode_steps": config.decode_steps,
                 "page_size": config.page_size, **WAYS[way]}
+    if settings.get("decode_from_pages"):
+        settings["decode_kernel"] = config.decode_kernel
     if settings["page_size"] and settings["share_prompts"]:  # the pool GRPO's rollouts size
         written = -(-(config.new_tokens - 1) // config.decode_steps) * config.decode_steps
         settings["pages"] = group_pages(rows, config.group, config.prompt_length, written,
