@@ -312,6 +312,48 @@ def test_a_group_shares_its_prompt_pages_and_samples_what_it_samples_alone():
     assert np.abs(twin[1] - shared[1]).max() > 1e-3
 
 
+def test_prefix_groups_read_a_groups_pages_once_and_sample_what_each_samples_alone(
+        monkeypatch):
+    """--prefix_groups (cascade attention, paged_attention.shared_prefix_attention, its
+    XLA path here): the group rollout's two groups (4 copies of C on 2 shared pages, 4 of
+    A on 1) attend their shared pages once a group and their own after them; the same
+    sampled tokens as every slot over its own table, log-probabilities to fp32 rounding
+    (two softmaxes merged by log-sum-exp sum in another order). Twin: each slot of C's
+    group read as its first member takes the first copy's queries over the prefix."""
+    family, config = KINDS["llama"]()
+    model = family.bind(config)
+    params = jax.jit(model.init_params)(jax.random.PRNGKey(0))
+    settings = {**ENGINE, "batch_size": 8, "page_size": 8, "decode_from_pages": True,
+                "decode_kernel": "batched"}
+    plain = _group_rollout(Engine(settings, model, params))
+    engine = Engine({**settings, "prefix_groups": 2}, model, params)
+    grouped = _group_rollout(engine)
+    groups = engine.pages.shared_groups(2, 8)
+    assert groups["length"].tolist() == [16, 8]
+    assert groups["shared"].tolist() == [16] * 4 + [8] * 4
+    np.testing.assert_array_equal(grouped[0], plain[0])
+    np.testing.assert_allclose(grouped[1], plain[1], atol=1e-5, rtol=0)
+    shared_groups = PageBook.shared_groups
+
+    def first_member(book, *args):
+        out = shared_groups(book, *args)
+        out["member"][:4] = 0
+        return out
+    monkeypatch.setattr(PageBook, "shared_groups", first_member)
+    engine.reset()
+    twin = _group_rollout(engine)
+    assert np.abs(twin[1] - plain[1]).max() > 1e-3
+
+
+def test_prefix_groups_are_refused_without_a_kernel_that_merges():
+    from easylm.errors import UserError
+
+    with pytest.raises(UserError, match="--prefix_groups needs --decode_kernel=batched"):
+        engine_lib.check_config(engine_lib.get_default_config(
+            {"seq_length": 64, "page_size": 16, "decode_from_pages": True,
+             "prefix_groups": 4}))
+
+
 def _long_generation(engine: Engine):
     """PROMPT_A and PROMPT_B on 2 slots, then 4 decode calls of 4 greedy tokens (to
     position 30 of 32). Returns (tokens, logprobs, the most pages one slot held after a

@@ -78,6 +78,7 @@ class _Dims(NamedTuple):
     window: int
     packed: bool
     vpu: bool
+    lse: bool = False  # also write each query row's log-sum-exp
 
 
 def _copies(d: _Dims, lengths_ref, table_ref, kv_hbm, buf, sems, i, c, slot, act):
@@ -152,8 +153,9 @@ def _attend(d: _Dims, lengths_ref, q_ref, buf, state, i, c, slot):
     jax.lax.fori_loop(0, d.b, seq, 0)
 
 
-def _kernel(lengths_ref, table_ref, q_ref, kv_hbm, o_ref, buf, sems, m_ref, l_ref, acc_ref,
-            *, d: _Dims):
+def _kernel(lengths_ref, table_ref, q_ref, kv_hbm, o_ref, *refs, d: _Dims):
+    lse_ref = refs[0] if d.lse else None
+    buf, sems, m_ref, l_ref, acc_ref = refs[d.lse:]
     i, c = pl.program_id(0), pl.program_id(1)
     blocks, chunks = pl.num_programs(0), pl.num_programs(1)
     step = i * chunks + c
@@ -195,16 +197,24 @@ def _kernel(lengths_ref, table_ref, q_ref, kv_hbm, o_ref, buf, sems, m_ref, l_re
     def _():
         l = jnp.max(l_ref[...], axis=-1, keepdims=True)
         o_ref[...] = (acc_ref[...] / jnp.where(l == 0, 1.0, l)).astype(o_ref.dtype)
+        if d.lse:  # in the scaled scores' units; MASK for a row that saw no key
+            l = l_ref[...]
+            lse_ref[...] = jnp.where(l > 0, m_ref[...] + jnp.log(jnp.where(l > 0, l, 1.0)),
+                                     MASK)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "blocks", "vpu",
-                                             "interpret"))
+                                             "interpret", "lse"))
 def batched_decode_attention(q, kv_pages, lengths, page_table, scale: float,
                              sliding_window: int = 0, blocks: tuple[int, int] | None = None,
-                             vpu: bool = False, interpret=False):
+                             vpu: bool = False, interpret=False, lse: bool = False):
     """(S, N, H) attention outputs of one query per sequence (module docstring), q at
     position lengths[s] - 1 seeing keys 0..lengths[s] - 1 (the last `sliding_window`
-    only, when set). `blocks`: (sequences per block, pages per sequence per step); None:
+    only, when set); with `lse`, also each row's log-sum-exp of its scaled scores (S, N)
+    fp32 (MASK where a sequence has no key), which merges two attentions over disjoint
+    keys (`paged_attention.shared_prefix_attention`). A sequence's N rows may be any
+    number of queries: kv head j serves rows j * N / K .. (j + 1) * N / K - 1 (a group
+    of sequences' queries over their shared pages). `blocks`: (sequences per block, pages per sequence per step); None:
     `default_blocks`. `vpu`: both products on the VPU, one query at a time (its
     scores a column: elementwise products summed over the lanes, then the values
     weighted and summed over the keys) instead of the MXU's (G, keys) row block, whose
@@ -224,17 +234,19 @@ def batched_decode_attention(q, kv_pages, lengths, page_table, scale: float,
     table = jnp.pad(page_table.astype(jnp.int32), ((0, pad), (0, 0))).reshape(-1)
     kernel = functools.partial(_kernel, d=_Dims(
         b, C, Z, K, N // K, W, scale, sliding_window,
-        packed=kv_pages.dtype.itemsize == 2 and not interpret, vpu=vpu))
+        packed=kv_pages.dtype.itemsize == 2 and not interpret, vpu=vpu, lse=lse))
     buffer_bytes = 2 * b * C * Z * K2 * H * kv_pages.dtype.itemsize
+    rows = pl.BlockSpec((b, N, H), lambda i, c, *_: (i, 0, 0))
+    lanes = pl.BlockSpec((b, N, 128), lambda i, c, *_: (i, 0, 0))
     out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct(q_.shape, q.dtype),
+        out_shape=(jax.ShapeDtypeStruct(q_.shape, q.dtype),
+                   *([jax.ShapeDtypeStruct((S + pad, N, 128), jnp.float32)] if lse else [])),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=((S + pad) // b, pl.cdiv(W, C)),
-            in_specs=[pl.BlockSpec((b, N, H), lambda i, c, *_: (i, 0, 0)),
-                      pl.BlockSpec(memory_space=pl.ANY)],
-            out_specs=pl.BlockSpec((b, N, H), lambda i, c, *_: (i, 0, 0)),
+            in_specs=[rows, pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=(rows, *([lanes] if lse else [])),
             scratch_shapes=[pltpu.VMEM((2, b, C * Z * K2, H), kv_pages.dtype),
                             pltpu.SemaphoreType.DMA((2,)),
                             pltpu.VMEM((b, N, 128), jnp.float32),  # running max
@@ -246,4 +258,4 @@ def batched_decode_attention(q, kv_pages, lengths, page_table, scale: float,
             vmem_limit_bytes=min(buffer_bytes + (32 << 20), 100 << 20)),
         interpret=pltpu.InterpretParams() if interpret is True else interpret,
     )(lengths_, table, q_, kv_pages.reshape(P, Z * K2, H))
-    return out[:S]
+    return (out[0][:S], out[1][:S, :, 0]) if lse else out[0][:S]

@@ -119,6 +119,10 @@ HELP = {
     "grpo.decode_kernel": "with --grpo.decode_from_pages, the engine's --decode_kernel: rpa "
                           "(JAX's ragged paged attention), batched or batched_vpu "
                           "(paged_decode_kernel.py, unmeasured on a TPU)",
+    "grpo.shared_prefix_attention": "with --grpo.decode_kernel=batched or batched_vpu: decode "
+                                    "reads each group's shared prompt pages once for its "
+                                    "num_generations rows (the engine's --prefix_groups, "
+                                    "one group per prompt: cascade attention)",
     "grpo.tools": "multi-turn tool use: MODULE:FN[,FN...], plain Python functions with type "
                   "hints and an Args: docstring, shown to the model through the chat "
                   "template's tools=; its <tool_call>{json}</tool_call> (Qwen/Hermes) or "
@@ -145,7 +149,7 @@ def get_default_config(updates=None) -> ConfigDict:
         importance_sampling_cap=3.0, importance_sampling_mode="token_truncate",
         importance_sampling_level="token", dynamic_sampling=False, max_sampling_rounds=4,
         routing_replay=False, share_prompts=True, page_size=0, decode_from_pages=False,
-        decode_kernel="rpa", tools="", environment="",
+        decode_kernel="rpa", shared_prefix_attention=False, tools="", environment="",
         tool_timeout=10.0, max_turns=4))
     if updates is not None:
         config.update(ConfigDict(updates).copy_and_resolve_references())
@@ -187,6 +191,10 @@ def check_options(options, seq_length: int) -> None:
     if options.decode_kernel != "rpa" and not options.decode_from_pages:
         raise UserError(f"--grpo.decode_kernel={options.decode_kernel} needs "
                         f"--grpo.decode_from_pages")
+    if options.shared_prefix_attention and (options.decode_kernel == "rpa"
+                                            or not options.share_prompts):
+        raise UserError("--grpo.shared_prefix_attention needs --grpo.decode_kernel=batched or "
+                        "batched_vpu and --grpo.share_prompts")
     if options.importance_sampling_mode != "token_truncate" and not corrects_sampling(options):
         # Asked for by name, so not left out in silence as the default cap is.
         raise UserError(f"--grpo.importance_sampling_mode={options.importance_sampling_mode} "

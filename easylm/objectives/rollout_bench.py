@@ -18,6 +18,8 @@ one process, one engine after the other:
             prefilled once (what sharing gains without pages)
     pages   as paged, with --decode_from_pages: decode attends straight from the pages
             (ragged paged attention), no window gathered or written back
+    grouped as pages, with --prefix_groups=prompts and our decode kernel (--decode_kernel,
+            batched when rpa): each group's prompt pages read once a step for its rows
 
 Each engine compiles its programs first (`Engine.warmup`, sampling), runs one untimed
 rollout, then `repeats` timed ones; the line per way says tokens/s (median), the prompt
@@ -53,8 +55,8 @@ HELP = {
     "page_size": "the paged way's --page_size",
     "decode_steps": "tokens decoded per device call (every way)",
     "repeats": "timed rollouts per way (after one untimed)",
-    "ways": "comma-separated ways to measure: dense, paged, shared, pages (the first is the "
-            "baseline)",
+    "ways": "comma-separated ways to measure: dense, paged, shared, pages, grouped (the first "
+            "is the baseline)",
     "decode_kernel": "the `pages` way's --decode_kernel: rpa (JAX's ragged paged attention), "
                      "batched or batched_vpu (easylm/models/paged_decode_kernel.py)",
     "stall_report_s": "every this many seconds, print every thread's Python stack to stderr "
@@ -65,7 +67,8 @@ HELP = {
 WAYS = {"dense": {"page_size": 0, "share_prompts": False},
         "paged": {"share_prompts": True},
         "shared": {"page_size": 0, "share_prompts": True},
-        "pages": {"share_prompts": True, "decode_from_pages": True}}
+        "pages": {"share_prompts": True, "decode_from_pages": True},
+        "grouped": {"share_prompts": True, "decode_from_pages": True, "prefix_groups": True}}
 
 
 def default_config(family) -> ConfigDict:
@@ -95,6 +98,10 @@ def measure(way: str, config: ConfigDict, model, params, mesh, prompts) -> dict:
                 "page_size": config.page_size, **WAYS[way]}
     if settings.get("decode_from_pages"):
         settings["decode_kernel"] = config.decode_kernel
+    if settings.get("prefix_groups"):  # one group a prompt; its kernel ours, not rpa
+        settings["prefix_groups"] = config.prompts
+        settings["decode_kernel"] = "batched" if config.decode_kernel == "rpa" \
+            else config.decode_kernel
     if settings["page_size"] and settings["share_prompts"]:  # the pool GRPO's rollouts size
         written = -(-(config.new_tokens - 1) // config.decode_steps) * config.decode_steps
         settings["pages"] = group_pages(rows, config.group, config.prompt_length, written,

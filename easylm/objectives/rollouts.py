@@ -375,7 +375,10 @@ class Rollouts:
                 "share_prompts": self.options.share_prompts,
                 "page_size": self.options.page_size,
                 "decode_from_pages": self.options.decode_from_pages,
-                "decode_kernel": self.options.decode_kernel})
+                "decode_kernel": self.options.decode_kernel,
+                # one group per prompt: a rollout's rows are its prompts' copies
+                "prefix_groups": -(-n // self.options.num_generations)
+                if self.options.shared_prefix_attention else 0})
             config.pages = self._pool_pages(config)
             self.engines[key] = engine_lib.Engine(config, self.objective.model, None, self.mesh,
                                                   record_routing=self.options.routing_replay)

@@ -52,7 +52,7 @@ from ml_collections import ConfigDict
 
 from easylm.errors import UserError
 from easylm.models.family import Model
-from easylm.models.paged_attention import DECODE_KERNELS
+from easylm.models.paged_attention import DECODE_KERNELS, SharedPrefix
 from easylm.runtime.sharding import axes_size, match_partition_rules
 from easylm.serving.pages import (PageBook, PagedCache, PagedLayout, check_pages,
                                   kernel_layout)
@@ -108,6 +108,12 @@ HELP = {
                      "models/paged_decode_kernel.py; unmeasured on a TPU) or batched_vpu "
                      "(the same, its products on the VPU); off a TPU all run the same XLA "
                      "path (EASYLM_PALLAS_INTERPRET=1: ours in Pallas interpret mode, slow)",
+    "prefix_groups": "with --decode_kernel=batched or batched_vpu: up to this many groups of "
+                     "slots whose leading pages are shared (GRPO's completions of one "
+                     "prompt) attend over those pages once a group, the members' queries "
+                     "together, and over their own pages after them, merged by log-sum-exp "
+                     "(cascade attention; models/paged_attention.py); sliding-window layers "
+                     "read every slot's pages; 0: off",
 }
 
 
@@ -126,6 +132,7 @@ def get_default_config(updates=None) -> ConfigDict:
     config.pages = 0
     config.decode_from_pages = False
     config.decode_kernel = "rpa"
+    config.prefix_groups = 0
     if updates is not None:
         config.update(ConfigDict(updates).copy_and_resolve_references())
     return config
@@ -147,6 +154,11 @@ def check_config(config: ConfigDict):
                         f"{config.decode_kernel!r}")
     if config.decode_kernel != "rpa" and not config.decode_from_pages:
         raise UserError(f"--decode_kernel={config.decode_kernel} needs --decode_from_pages")
+    if config.prefix_groups < 0:
+        raise UserError(f"--prefix_groups must be >= 0, got {config.prefix_groups}")
+    if config.prefix_groups and (config.decode_kernel == "rpa" or not config.share_prompts):
+        raise UserError("--prefix_groups needs --decode_kernel=batched or batched_vpu (JAX's "
+                        "rpa kernel gives no log-sum-exp to merge with) and --share_prompts")
 
 
 def cached_tokens(prompts: list[list[int]], calls: list) -> list[int]:
@@ -233,7 +245,8 @@ def _layout_and_pages(config: ConfigDict, model: Model):
         return layout, None
     pages = check_pages(config.page_size, config.pages, config.batch_size, config.seq_length)
     return (PagedLayout(layout, config.page_size, pages, kernel_layout(model, layout)
-                        if config.decode_from_pages else None, config.decode_kernel),
+                        if config.decode_from_pages else None, config.decode_kernel,
+                        config.prefix_groups),
             PageBook(config.batch_size, config.seq_length, config.page_size, pages))
 
 
@@ -336,7 +349,8 @@ class Engine:
             specs, arrays, is_leaf=lambda x: isinstance(x, P))
         replicated = NamedSharding(mesh, P())
         if self.pages:
-            cache_shardings = PagedCache(cache_shardings, replicated)
+            cache_shardings = PagedCache(cache_shardings, replicated, SharedPrefix(
+                *[replicated] * 6) if layout.prefix_groups else None)
         shardings = (cache_shardings, replicated, replicated)
         return shardings, jax.jit(init_state, out_shardings=shardings)
 
@@ -451,10 +465,12 @@ class Engine:
                                    f"{self.pages.needed(slot, upto)}, {len(self.pages.free)} free")
         if self.pages.dirty:
             cache, last, positions_ = self.state
-            table = jnp.asarray(self.pages.table)
+            groups = self.layout.prefix_groups
+            table, prefix = jax.tree.map(jnp.asarray, (self.pages.table, SharedPrefix(
+                **self.pages.shared_groups(groups, self.batch_size)) if groups else None))
             if self.mesh is not None:
-                table = jax.device_put(table, NamedSharding(self.mesh, P()))
-            self.state = (PagedCache(cache.pool, table), last, positions_)
+                table, prefix = jax.device_put((table, prefix), NamedSharding(self.mesh, P()))
+            self.state = (PagedCache(cache.pool, table, prefix), last, positions_)
             self.pages.dirty = False
 
     def _run(self, fn, *args):

@@ -31,23 +31,26 @@ import jax.numpy as jnp
 import numpy as np
 
 from easylm.errors import UserError
-from easylm.models.paged_attention import PagedKV, combine, split
+from easylm.models.paged_attention import PagedKV, SharedPrefix, combine, split
 from easylm.runtime.sharding import match_partition_rules
 from easylm.serving.cache_layout import CacheLayout
 
 SCRATCH = 0  # the page that positions without a page of their own read and write
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["pool", "table"],
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["pool", "table", "prefix"],
                    meta_fields=[])
 @dataclasses.dataclass
 class PagedCache:
     """The engine's cache when paged: `pool`, laid out like `model.init_cache`'s tree (a
     positional array's slot axis holds P pages, its length axis Z positions; a state's
-    slot axis B slots), and `table` (B, S / Z) int32, each slot's pages in order."""
+    slot axis B slots), `table` (B, S / Z) int32, each slot's pages in order, and with
+    --prefix_groups the groups of slots that share their leading pages
+    (`PageBook.shared_groups`), which decode reads once a group."""
 
     pool: object
     table: jax.Array
+    prefix: SharedPrefix | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +66,7 @@ class PagedLayout:
     # array (`paged_attention.combine`), which decode attends straight from (`decoded`).
     packed: CacheLayout | None = None
     decode_kernel: str = "rpa"  # the kernel decode attends with (`PagedKV.kernel`)
+    prefix_groups: int = 0  # groups of slots on shared pages decode reads once (E)
 
     @property
     def direct(self) -> bool:
@@ -85,13 +89,13 @@ class PagedLayout:
         `PagedKV` (its pages and every slot's table): (out, the cache it leaves)."""
         def entry(e):
             kv = e["kv"]  # (..., P, Z, 2K, H): a scan's stacked layers lead
-            return PagedKV(kv, jnp.broadcast_to(cache.table, (*kv.shape[:-4],
-                                                              *cache.table.shape)),
-                           self.decode_kernel)
+            lead = jax.tree.map(lambda x: jnp.broadcast_to(x, (*kv.shape[:-4], *x.shape)),
+                                (cache.table, cache.prefix))
+            return PagedKV(kv, lead[0], self.decode_kernel, lead[1])
         out, entries = step(_swap(cache.pool, {"kv"}, entry))
         pool = jax.tree.map(lambda x: {"kv": x.kv} if isinstance(x, PagedKV) else x, entries,
                             is_leaf=lambda x: isinstance(x, PagedKV))
-        return out, PagedCache(pool, cache.table)
+        return out, dataclasses.replace(cache, pool=pool)
 
     @property
     def has_state(self) -> bool:
@@ -125,8 +129,11 @@ class PagedLayout:
         pool = self.dense.map(lambda b, s, paged, per_slot: per_slot if s is None else paged,
                               model.init_cache(self.pages, self.page_size),
                               model.init_cache(slots, self.page_size))
-        return PagedCache(self._pack(pool), jnp.full(
-            (slots, -(-length // self.page_size)), SCRATCH, jnp.int32))
+        table = np.full((slots, -(-length // self.page_size)), SCRATCH, np.int32)
+        prefix = SharedPrefix(**no_groups(self.prefix_groups, table)) \
+            if self.prefix_groups else None
+        return PagedCache(self._pack(pool), jnp.asarray(table),
+                          jax.tree.map(jnp.asarray, prefix))
 
     def cache_length(self, cache: PagedCache) -> int:
         return cache.table.shape[1] * self.page_size
@@ -185,7 +192,8 @@ class PagedLayout:
             flat = flat.at[index.reshape(-1)].set(
                 rows.reshape(-1, *rows.shape[2:]).astype(c.dtype), mode="drop")
             return self._back(b, s, flat, c)
-        return PagedCache(self._pool().map(write, cache.pool, self._pack(fresh)), cache.table)
+        return dataclasses.replace(cache, pool=self._pool().map(write, cache.pool,
+                                                                self._pack(fresh)))
 
     def write_window(self, cache: PagedCache, window) -> PagedCache:
         """`window` (from `window`) written back through every slot's pages."""
@@ -342,10 +350,46 @@ class PageBook:
             self._give_back(slot, int(self.dropped[slot]), pages)
             self.dropped[slot] = pages
 
+    def shared_groups(self, groups: int, members: int) -> dict:
+        """`SharedPrefix`'s arrays (numpy): slots whose leading pages are the same pages,
+        each held by more than one slot (so written once and never again: a sharing slot
+        writes only past them), as groups of at least 2, the most shared positions first,
+        at most `groups` groups of `members`; the other slots share nothing."""
+        B, _ = self.table.shape
+        runs = collections.defaultdict(list)
+        for b in np.flatnonzero((self.held > 0) & (self.dropped == 0)):
+            n = 0
+            while n < self.held[b] and self.refs[self.table[b, n]] > 1:
+                n += 1
+            if n:
+                runs[tuple(self.table[b, :n].tolist())].append(int(b))
+        chosen = sorted((k for k in runs if len(runs[k]) > 1),
+                        key=lambda k: -min(len(runs[k]), members) * len(k))[:groups]
+        out = no_groups(groups, self.table, members)
+        for e, pages in enumerate(chosen):
+            out["table"][e, :len(pages)] = pages
+            out["length"][e] = len(pages) * self.page_size
+            for i, b in enumerate(runs[pages][:members]):
+                out["members"][e, i], out["group"][b], out["member"][b] = b, e, i
+                out["shared"][b] = len(pages) * self.page_size
+        return out
+
     @property
     def in_use(self) -> int:
         """Pages some slot holds (a shared page once; the scratch page not counted)."""
         return int((self.refs > 0).sum())
+
+
+def no_groups(groups: int, table, members: int = 0) -> dict:
+    """`SharedPrefix`'s arrays (numpy) with no group: `groups` groups of `members` (0: as
+    many as slots), every slot sharing nothing."""
+    B, W = table.shape
+    members = members or B
+    return {"table": np.full((groups, W), SCRATCH, np.int32),
+            "length": np.zeros(groups, np.int32),
+            "members": np.full((groups, members), B, np.int32),
+            "group": np.zeros(B, np.int32), "member": np.zeros(B, np.int32),
+            "shared": np.zeros(B, np.int32)}
 
 
 def group_pages(rows: int, group: int, prompt: int, new: int, length: int,
