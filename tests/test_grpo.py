@@ -719,6 +719,9 @@ def long_prompts(tmp_path):
      "--grpo.page_size"),
     ({"grpo.decode_kernel": "batched"}, "--grpo.decode_kernel=batched needs "
      "--grpo.decode_from_pages"),
+    ({"grpo.page_size": 2, "grpo.decode_from_pages": True,
+      "grpo.shared_prefix_attention": True}, "--grpo.shared_prefix_attention needs "
+     "--grpo.decode_kernel=batched or batched_vpu and --grpo.share_prompts"),
     ({"grpo.loss_type": "ppo"}, "--grpo.loss_type must be one of grpo, bnpo, dr_grpo, dapo, "
      "got 'ppo'"),
     ({"grpo.importance_sampling_level": "seq"}, "--grpo.importance_sampling_level must be "
@@ -986,4 +989,46 @@ def test_decode_from_pages_samples_the_rows_of_the_window_path(task, tmp_path):
                                         "grpo.decode_from_pages": pages}))
             got[pages] = metrics(tmp_path / str(pages))[1]
     assert set(direct[:1]) == {True} and set(direct[-1:]) == {False}
+    _same_rows(*made, got[True]["loss"], got[False]["loss"])
+
+
+def test_shared_prefix_attention_samples_the_rows_of_every_row_on_its_own_pages(task,
+                                                                                 tmp_path):
+    """--grpo.shared_prefix_attention (the engine's --prefix_groups, one group a prompt:
+    a group's prompt pages read once a step, paged_attention.shared_prefix_attention's
+    XLA path here) against the same rollout with every row over its own page table: the
+    rows bitwise, the sampler's log-probabilities and the loss to fp32 rounding (two
+    softmaxes merged by log-sum-exp). The engine had a group per prompt and its rows
+    were grouped: 8 prompts of 8 copies, every one of the 64 rows in its prompt's group
+    (a group per distinct prompt: the task repeats some)."""
+    from test_checkpoint import metrics
+
+    from easylm.objectives.rollouts import Rollouts
+    from easylm.serving.pages import PageBook
+
+    made, grouped = [], []
+    real_rollout, real_groups = Rollouts.rollout, PageBook.shared_groups
+
+    def rollout(self, state, prompts, *args):
+        batch, out = real_rollout(self, state, prompts, *args)
+        made.append(batch)
+        return batch, out
+
+    def groups(book, *args):
+        out = real_groups(book, *args)
+        grouped.append((int((out["shared"] > 0).sum()), int((out["length"] > 0).sum())))
+        return out
+
+    got = {}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Rollouts, "rollout", rollout)
+        patch.setattr(PageBook, "shared_groups", groups)
+        for shared in (True, False):
+            llama_train.main(command(task, tmp_path / str(shared), total_steps=1, eval_freq=0,
+                                     **{"eval_dataset.json_dataset.path": "",
+                                        "grpo.page_size": 2, "grpo.decode_from_pages": True,
+                                        "grpo.decode_kernel": "batched",
+                                        "grpo.shared_prefix_attention": shared}))
+            got[shared] = metrics(tmp_path / str(shared))[1]
+    assert max(grouped)[0] == 64 and 2 <= max(grouped)[1] <= 8
     _same_rows(*made, got[True]["loss"], got[False]["loss"])

@@ -109,3 +109,24 @@ def test_the_page_book_groups_slots_by_their_shared_pages():
     one = book.shared_groups(groups=1, members=2)
     assert one["members"].tolist() == [[0, 1]]
     assert one["shared"].tolist() == [8, 8, 0, 0, 0, 0]
+
+
+def test_the_tpu_variant_lowers_to_mosaic(monkeypatch):
+    """The cascade through the kernel, exported for a TPU from the CPU (Pallas -> Mosaic;
+    Mosaic's own compile runs on a TPU only) at GRPO's qwen3_0.6b rollout shape: 64 rows
+    in 8 groups, pages of 16, bf16 (the uint32 row split interpret mode cannot run)."""
+    import jax
+
+    from easylm.models import paged_attention
+
+    monkeypatch.setattr(paged_attention, "kernel_available", lambda: True)
+    B, N, K, H, W, E = 64, 16, 8, 128, 48, 8
+    i32 = jnp.int32
+    args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in [
+        ((B, N, H), jnp.bfloat16), ((B * W, 16, 2 * K, H), jnp.bfloat16), ((B,), i32),
+        ((B, W), i32)]]
+    prefix = SharedPrefix(*[jax.ShapeDtypeStruct(shape, i32) for shape in [
+        (E, W), (E,), (E, B), (B,), (B,), (B,)]])
+    exported = jax.export.export(jax.jit(lambda *a: shared_prefix_attention(
+        *a, kernel="batched")), platforms=["tpu"])(*args, prefix)
+    assert exported.mlir_module().count("tpu_custom_call") >= 2
