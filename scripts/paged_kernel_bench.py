@@ -51,10 +51,18 @@ def main():
                              "0: its default (paged_decode_kernel.default_blocks)")
     parser.add_argument("--vpu", default="0",
                         help="batched's products: 0 on the MXU, 1 on the VPU; comma-separated")
+    parser.add_argument("--group", type=int, default=0,
+                        help="> 1: sequences in groups of this many sharing their first "
+                             "--shared positions (GRPO's completions of a prompt), JAX's "
+                             "kernel over each whole table against the cascade "
+                             "(paged_attention.shared_prefix_attention, our kernel)")
+    parser.add_argument("--shared", type=int, default=512)
     parser.add_argument("--layers", type=int, default=22)
     parser.add_argument("--calls", type=int, default=5)
     args = parser.parse_args()
     B, N, K, H = args.batch, args.heads, args.kv_heads, args.head_dim
+    if args.group > 1:
+        return grouped(args)
     rng = np.random.default_rng(0)
     kv_bytes = B * args.context * 2 * K * H * 2
     for Z in _ints(args.page_sizes):
@@ -106,6 +114,72 @@ def main():
             except Exception as e:  # a block size a kernel refuses: say so, go on
                 row["error"] = repr(e)[:300]
             print(json.dumps(row), flush=True)
+
+
+def _timed(attend, q, layers: int, calls: int) -> float:
+    """Microseconds a layer: `layers` calls chained in one program, `calls` programs."""
+    chain = jax.jit(lambda q: jax.lax.fori_loop(0, layers, lambda _, q: attend(q), q))
+    jax.block_until_ready(chain(q))
+    start = time.perf_counter()
+    for _ in range(calls):
+        out = chain(q)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / (calls * layers) * 1e6
+
+
+def grouped(args):
+    """--group: B sequences in groups sharing their first `shared` positions' pages (the
+    rest `context - shared` their own); a row each for JAX's kernel over every whole table
+    and for the cascade, with the K/V bytes each must read and its difference from JAX's."""
+    from easylm.models.paged_attention import SharedPrefix, shared_prefix_attention
+
+    B, N, K, H, Z = args.batch, args.heads, args.kv_heads, args.head_dim, \
+        int(args.page_sizes.split(",")[0])
+    E, shared_pages = B // args.group, args.shared // Z
+    W = -(-args.seq_length // Z)
+    own = -(-args.context // Z) - shared_pages
+    P = 1 + E * shared_pages + B * own
+    rng = np.random.default_rng(0)
+    order = rng.permutation(np.arange(1, P))
+    prompt = order[:E * shared_pages].reshape(E, shared_pages)
+    rest = order[E * shared_pages:].reshape(B, own)
+    table = np.zeros((B, W), np.int32)
+    for b in range(B):
+        table[b, :shared_pages], table[b, shared_pages:shared_pages + own] = \
+            prompt[b // args.group], rest[b]
+    members = np.arange(B, dtype=np.int32).reshape(E, args.group)
+    prefix = SharedPrefix(
+        table=jnp.asarray(np.pad(prompt, ((0, 0), (0, W - shared_pages))), jnp.int32),
+        length=jnp.full((E,), args.shared, jnp.int32), members=jnp.asarray(members),
+        group=jnp.asarray(np.arange(B) // args.group, jnp.int32),
+        member=jnp.asarray(np.arange(B) % args.group, jnp.int32),
+        shared=jnp.full((B,), args.shared, jnp.int32))
+    pool = jax.random.normal(jax.random.PRNGKey(0), (P, Z, 2 * K, H), jnp.bfloat16)
+    lengths = jnp.full((B,), args.context, jnp.int32)
+    q = jax.random.normal(jax.random.PRNGKey(1), (B, N, H), jnp.bfloat16)
+    table = jnp.asarray(table)
+    position = 2 * K * H * 2  # bytes of one position's keys and values
+    ways = {"rpa": (lambda q: decode_attention(q, pool, lengths, table),
+                    B * args.context * position),
+            "cascade": (lambda q: shared_prefix_attention(q, pool, lengths, table, prefix,
+                                                          kernel="batched"),
+                        (E * args.shared + B * (args.context - args.shared)) * position)}
+    reference = None
+    for name, (attend, kv_bytes) in ways.items():
+        row = {"kernel": name, "page_size": Z, "group": args.group, "shared": args.shared,
+               "context": args.context}
+        try:
+            once = jax.jit(attend)(q).astype(jnp.float32)
+            if reference is None:
+                reference = once
+            else:
+                row["max_abs_diff_from_rpa"] = float(jnp.max(jnp.abs(once - reference)))
+            us = _timed(attend, q, args.layers, args.calls)
+            row.update(us_per_layer=us, kv_mb=kv_bytes / 1e6, us_at_819=kv_bytes / HBM * 1e6,
+                       hbm_fraction=kv_bytes / us / 1e-6 / HBM)
+        except Exception as e:  # noqa: BLE001 (a kernel Mosaic refuses: say so, go on)
+            row["error"] = repr(e)[:300]
+        print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":
