@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from easylm.models.paged_decode_kernel import MASK, batched_decode_attention, default_blocks
+from easylm.models.paged_decode_kernel import MASK, batched_decode_attention
 
 IMPLEMENTATIONS = ("auto", "xla", "kernel")
 # Decode kernels (the engine's --decode_kernel): JAX's ragged paged attention, or ours
@@ -259,10 +259,7 @@ def shared_prefix_attention(q, kv_pages, lengths, page_table, prefix: SharedPref
     def attend(q, lengths, table):
         lengths, table = lengths.astype(jnp.int32), table.astype(jnp.int32)
         if _kernel_runs(kernel, implementation):
-            # 2 sequences a block: on a v5e the fastest of 2, 4 and 8 at llama_1b's batch
-            # 64 (316 us a layer against 400 and 323; docs/benchmarks.md).
-            blocks = default_blocks(q.shape[0], W, Z * K2 * H * kv_pages.dtype.itemsize, 2)
-            return batched_decode_attention(q, kv_pages, lengths, table, scale, blocks=blocks,
+            return batched_decode_attention(q, kv_pages, lengths, table, scale,
                                             vpu=kernel == "batched_vpu",
                                             interpret=not kernel_available(), lse=True)
         return xla_decode_attention(q, kv_pages, lengths, table, scale)

@@ -44,9 +44,11 @@ MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: exp(MASK - m) is 0, n
 BUFFER_BYTES = 8 << 20  # one of the two K/V buffers: 8 MiB (v5e VMEM: 128 MiB)
 
 
-def default_blocks(S, W, page_bytes, seqs_per_block=4):
+def default_blocks(S, W, page_bytes, seqs_per_block=2):
     """(sequences per block, pages per sequence per step): `seqs_per_block` (at most S),
-    and as many pages as fit one buffer of BUFFER_BYTES (at most W)."""
+    and as many pages as fit one buffer of BUFFER_BYTES (at most W). 2: on a v5e at
+    llama_1b's batch 64 (pages of 16, 256 keys) 316 us a layer, against 400 at 4 and 323
+    at 8 (docs/benchmarks.md, 2026-12-06)."""
     b = max(1, min(seqs_per_block, S))
     return b, max(1, min(W, BUFFER_BYTES // (b * page_bytes)))
 
