@@ -118,7 +118,7 @@ HELP = {
                               "row's window",
     "grpo.decode_kernel": "with --grpo.decode_from_pages, the engine's --decode_kernel: rpa "
                           "(JAX's ragged paged attention), batched or batched_vpu "
-                          "(paged_decode_kernel.py, unmeasured on a TPU)",
+                          "(paged_decode_kernel.py; on a v5e no faster than rpa)",
     "grpo.shared_prefix_attention": "with --grpo.decode_kernel=batched or batched_vpu: decode "
                                     "reads each group's shared prompt pages once for its "
                                     "num_generations rows (the engine's --prefix_groups, "
