@@ -159,15 +159,18 @@ def grouped(args):
     q = jax.random.normal(jax.random.PRNGKey(1), (B, N, H), jnp.bfloat16)
     table = jnp.asarray(table)
     position = 2 * K * H * 2  # bytes of one position's keys and values
-    ways = {"rpa": (lambda q: decode_attention(q, pool, lengths, table),
-                    B * args.context * position),
-            "cascade": (lambda q: shared_prefix_attention(q, pool, lengths, table, prefix,
-                                                          kernel="batched"),
-                        (E * args.shared + B * (args.context - args.shared)) * position)}
+    ways = {("rpa", None): (lambda q: decode_attention(q, pool, lengths, table),
+                            B * args.context * position)}
+    for b in _ints(args.seqs_per_block):  # the cascade at each of the kernel's settings
+        for c in _ints(args.pages_per_step):
+            ways["cascade", (b, c) if c else None] = (
+                lambda q, blocks=(b, c) if c else None: shared_prefix_attention(
+                    q, pool, lengths, table, prefix, kernel="batched", blocks=blocks),
+                (E * args.shared + B * (args.context - args.shared)) * position)
     reference = None
-    for name, (attend, kv_bytes) in ways.items():
+    for (name, setting), (attend, kv_bytes) in ways.items():
         row = {"kernel": name, "page_size": Z, "group": args.group, "shared": args.shared,
-               "context": args.context}
+               "context": args.context, **({"blocks": setting} if setting else {})}
         try:
             once = jax.jit(attend)(q).astype(jnp.float32)
             if reference is None:
