@@ -962,32 +962,17 @@ def test_decode_from_pages_samples_the_rows_of_the_window_path(task, tmp_path):
     paged path scores a query against all of a row's pages (masked) in one einsum, the
     window path against its window, so XLA sums the softmax in another order.
     Without --grpo.page_size the option is refused (test_bad_setup_is_one_line)."""
-    from test_checkpoint import metrics
-
     from easylm.objectives.rollouts import Rollouts
 
-    made, direct, real_rollout, real_engine = [], [], Rollouts.rollout, Rollouts._engine
-
-    def rollout(self, state, prompts, *args):
-        batch, out = real_rollout(self, state, prompts, *args)
-        made.append(batch)
-        return batch, out
+    direct, real_engine = [], Rollouts._engine
 
     def engine(self, *args):
         e = real_engine(self, *args)
         direct.append(e.layout.direct)
         return e
-
-    got = {}
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(Rollouts, "rollout", rollout)
-        patch.setattr(Rollouts, "_engine", engine)
-        for pages in (True, False):
-            llama_train.main(command(task, tmp_path / str(pages), total_steps=1, eval_freq=0,
-                                     **{"eval_dataset.json_dataset.path": "",
-                                        "grpo.page_size": 2,
-                                        "grpo.decode_from_pages": pages}))
-            got[pages] = metrics(tmp_path / str(pages))[1]
+    made, got = _paged_steps(task, tmp_path, {
+        pages: {"grpo.decode_from_pages": pages} for pages in (True, False)},
+        [(Rollouts, "_engine", engine)])
     assert set(direct[:1]) == {True} and set(direct[-1:]) == {False}
     _same_rows(*made, got[True]["loss"], got[False]["loss"])
 
@@ -1001,34 +986,43 @@ def test_shared_prefix_attention_samples_the_rows_of_every_row_on_its_own_pages(
     softmaxes merged by log-sum-exp). The engine had a group per prompt and its rows
     were grouped: 8 prompts of 8 copies, every one of the 64 rows in its prompt's group
     (a group per distinct prompt: the task repeats some)."""
-    from test_checkpoint import metrics
-
-    from easylm.objectives.rollouts import Rollouts
     from easylm.serving.pages import PageBook
 
-    made, grouped = [], []
-    real_rollout, real_groups = Rollouts.rollout, PageBook.shared_groups
-
-    def rollout(self, state, prompts, *args):
-        batch, out = real_rollout(self, state, prompts, *args)
-        made.append(batch)
-        return batch, out
+    grouped, real_groups = [], PageBook.shared_groups
 
     def groups(book, *args):
         out = real_groups(book, *args)
         grouped.append((int((out["shared"] > 0).sum()), int((out["length"] > 0).sum())))
         return out
-
-    got = {}
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(Rollouts, "rollout", rollout)
-        patch.setattr(PageBook, "shared_groups", groups)
-        for shared in (True, False):
-            llama_train.main(command(task, tmp_path / str(shared), total_steps=1, eval_freq=0,
-                                     **{"eval_dataset.json_dataset.path": "",
-                                        "grpo.page_size": 2, "grpo.decode_from_pages": True,
-                                        "grpo.decode_kernel": "batched",
-                                        "grpo.shared_prefix_attention": shared}))
-            got[shared] = metrics(tmp_path / str(shared))[1]
+    made, got = _paged_steps(task, tmp_path, {shared: {
+        "grpo.decode_from_pages": True, "grpo.decode_kernel": "batched",
+        "grpo.shared_prefix_attention": shared} for shared in (True, False)},
+        [(PageBook, "shared_groups", groups)])
     assert max(grouped)[0] == 64 and 2 <= max(grouped)[1] <= 8
     _same_rows(*made, got[True]["loss"], got[False]["loss"])
+
+
+def _paged_steps(task, tmp_path, runs: dict, patches=()):
+    """One GRPO step on a paged rollout (--grpo.page_size=2) per entry of `runs` (a name
+    -> its flags): each step's rows (`Rollouts.rollout`'s batch, in order) and the
+    metrics it logged, by name; `patches` (object, attribute, value) set meanwhile."""
+    from test_checkpoint import metrics
+
+    from easylm.objectives.rollouts import Rollouts
+
+    made, got, real_rollout = [], {}, Rollouts.rollout
+
+    def rollout(self, state, prompts, *args):
+        batch, out = real_rollout(self, state, prompts, *args)
+        made.append(batch)
+        return batch, out
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Rollouts, "rollout", rollout)
+        for target, name, value in patches:
+            patch.setattr(target, name, value)
+        for name, flags in runs.items():
+            llama_train.main(command(task, tmp_path / str(name), total_steps=1, eval_freq=0,
+                                     **{"eval_dataset.json_dataset.path": "",
+                                        "grpo.page_size": 2, **flags}))
+            got[name] = metrics(tmp_path / str(name))[1]
+    return made, got
