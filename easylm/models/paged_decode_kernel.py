@@ -216,13 +216,13 @@ def batched_decode_attention(q, kv_pages, lengths, page_table, scale: float,
     fp32 (MASK where a sequence has no key), which merges two attentions over disjoint
     keys (`paged_attention.shared_prefix_attention`). A sequence's N rows may be any
     number of queries: kv head j serves rows j * N / K .. (j + 1) * N / K - 1 (a group
-    of sequences' queries over their shared pages). `blocks`: (sequences per block, pages per sequence per step); None:
-    `default_blocks`. `vpu`: both products on the VPU, one query at a time (its
-    scores a column: elementwise products summed over the lanes, then the values
-    weighted and summed over the keys) instead of the MXU's (G, keys) row block, whose
-    one real row pays for a whole weight tile; which is faster on a TPU is not measured. `interpret`: True or
-    a `pltpu.InterpretParams` runs the kernel in Pallas' TPU interpret mode (any
-    backend; tests)."""
+    of sequences' queries over their shared pages). `blocks`: (sequences per block,
+    pages per sequence per step); None: `default_blocks`. `vpu`: both products on the
+    VPU, one query at a time (its scores a column: elementwise products summed over the
+    lanes, then the values weighted and summed over the keys) instead of the MXU's
+    (G, keys) row block, whose one real row pays for a whole weight tile; on a v5e
+    slower (docs/benchmarks.md). `interpret`: True or a `pltpu.InterpretParams` runs the
+    kernel in Pallas' TPU interpret mode (any backend; tests)."""
     S, N, H = q.shape
     P, Z, K2, _ = kv_pages.shape
     K, W = K2 // 2, page_table.shape[1]

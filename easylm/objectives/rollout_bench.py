@@ -57,8 +57,9 @@ HELP = {
     "repeats": "timed rollouts per way (after one untimed)",
     "ways": "comma-separated ways to measure: dense, paged, shared, pages, grouped (the first "
             "is the baseline)",
-    "decode_kernel": "the `pages` way's --decode_kernel: rpa (JAX's ragged paged attention), "
-                     "batched or batched_vpu (easylm/models/paged_decode_kernel.py)",
+    "decode_kernel": "the `pages` and `grouped` ways' --decode_kernel: rpa (JAX's ragged "
+                     "paged attention; `grouped` takes batched instead), batched or "
+                     "batched_vpu (easylm/models/paged_decode_kernel.py)",
     "stall_report_s": "every this many seconds, print every thread's Python stack to stderr "
                       "(faulthandler): where a run that seems stuck is; 0: off",
     **run_flags.help_entries("dtype", "mesh_dim", **ENGINE_NOTES),

@@ -105,9 +105,10 @@ HELP = {
     "decode_kernel": "with --decode_from_pages, the TPU kernel decode attends with: rpa "
                      "(JAX's ragged paged attention), batched (ours: several sequences' "
                      "pages per step, the next step's copied meanwhile; "
-                     "models/paged_decode_kernel.py; on a v5e no faster than rpa) or batched_vpu "
-                     "(the same, its products on the VPU); off a TPU all run the same XLA "
-                     "path (EASYLM_PALLAS_INTERPRET=1: ours in Pallas interpret mode, slow)",
+                     "models/paged_decode_kernel.py; on a v5e no faster than rpa) or "
+                     "batched_vpu (the same, its products on the VPU); off a TPU all run the "
+                     "same XLA path (EASYLM_PALLAS_INTERPRET=1: ours in Pallas interpret "
+                     "mode, slow)",
     "prefix_groups": "with --decode_kernel=batched or batched_vpu: up to this many groups of "
                      "slots whose leading pages are shared (GRPO's completions of one "
                      "prompt) attend over those pages once a group, the members' queries "
