@@ -3,7 +3,6 @@ windows, compiled programs, sharding."""
 
 
 import collections
-import contextlib
 
 import jax
 import jax.numpy as jnp
@@ -161,26 +160,13 @@ def test_greedy_matches_hf_generate(tokenizer, variant):
         assert [t.id for t in g.tokens] == out[0, len(prompt):].tolist()
 
 
-@contextlib.contextmanager
-def _compiled_programs():
-    """A Counter of the engine's programs compiled while the block runs, by program
-    (prefill, decode, extend, score), from XLA's compile events: each (kind, window,
-    bucket) is a compile of its program. (A jitted function's `_cache_size()` is not
-    used: it read 0 for programs that had just run in a long CI worker.)"""
-    from jax._src import dispatch
-
-    names = collections.Counter()
-
-    def listen(event, duration, fun_name="", **_):
-        program = fun_name.removeprefix("jit(_").removesuffix(")")
-        if event == dispatch.BACKEND_COMPILE_EVENT and program in PROGRAMS:
-            names[program] += 1
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        yield names
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
+def _programs(compiles) -> dict:
+    """The engine's programs among `counting_compiles`' entries, counted by program
+    (prefill, decode, extend, score): each (kind, window, bucket) is a compile of its
+    program. (A jitted function's `_cache_size()` is not used: it read 0 for programs
+    that had just run in a long CI worker.)"""
+    names = (c.program.removeprefix("jit(_").removesuffix(")") for c in compiles)
+    return dict(collections.Counter(n for n in names if n in PROGRAMS))
 
 
 PROGRAMS = ("prefill", "decode", "extend", "score")  # the engine's jitted `_<name>`s
@@ -244,12 +230,12 @@ def test_warmup_compiles_a_fixed_set_and_no_mix_of_requests_compiles_after(
             assert leaf.sharding.is_equivalent_to(
                 NamedSharding(engine.mesh, P(None, None, "mp", None)), leaf.ndim)
         assert engine.prefill_rows == {16: 2, 32: 1}
-        with _compiled_programs() as programs:
+        with counting_compiles() as programs:
             with counting_compiles() as cold:
                 engine.fetch(engine.prefill([[1, 2]], [0], engine_lib.Sampling.empty(1)))
             assert cold  # the counter sees a compile
             print(engine.warmup(sample=kinds, score=not page_size))
-        assert dict(programs) == _by_program(expected)
+        assert _programs(programs) == _by_program(expected)
         rs = np.random.RandomState(0)
         prompts = [[1, *rs.randint(3, 300, rs.randint(0, 28)).tolist()] for _ in range(9)]
         prompts += prompts[:3]  # shared prompts in one prefill

@@ -3,10 +3,13 @@ XLA flags measured to help training."""
 
 import contextlib
 import os
+from typing import NamedTuple
 
 import jax
 
-# LLMs; +1.1% on the llama_1b step on one H200, docs/benchmarks.md).
+# On GPU hosts: the latency-hiding scheduler, and cuBLAS instead of Triton for the GEMMs
+# (Triton's are slower at the shapes of LLMs; +1.1% on the llama_1b step on one H200,
+# docs/benchmarks.md).
 GPU_XLA_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true",
                  "--xla_gpu_enable_triton_gemm=false")
 
@@ -42,16 +45,24 @@ def _gpu_plugin_installed() -> bool:
                for name in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12"))
 
 
+class Compile(NamedTuple):
+    """One XLA compile: the compiled function's name ("jit(_decode)") and its seconds."""
+
+    program: str
+    seconds: float
+
+
 @contextlib.contextmanager
 def counting_compiles():
-    """A list that gets one entry (seconds) per XLA compile while the block runs (every
-    jitted function's and every eager operation's: `jax.monitoring`'s backend-compile
-    event); the benchmarks report it so a timed region is known to hold no compile."""
+    """A list that gets one `Compile` per XLA compile while the block runs (every jitted
+    function's and every eager operation's: `jax.monitoring`'s backend-compile event);
+    the benchmarks report it so a timed region is known to hold no compile, and tests
+    count a program's compiles by its name."""
     compiles = []
 
-    def listen(event, duration, **_):
+    def listen(event, duration, fun_name="", **_):
         if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(duration)
+            compiles.append(Compile(fun_name, duration))
 
     jax.monitoring.register_event_duration_secs_listener(listen)
     try:
