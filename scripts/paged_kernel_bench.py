@@ -92,8 +92,6 @@ def main():
                     q, pool, lengths, table, jnp.arange(B + 1, dtype=jnp.int32),
                     jnp.array([B], jnp.int32), block_sizes=(W, setting))
 
-            chain = jax.jit(lambda q: jax.lax.fori_loop(0, args.layers,
-                                                        lambda _, q: attend(q), q))
             row = {"kernel": kernel, "page_size": Z,
                    ("queries_per_block" if kernel == "rpa" else "blocks"): setting or "engine"}
             try:
@@ -102,12 +100,7 @@ def main():
                     reference = once
                 elif kernel != "rpa" and reference is not None:
                     row["max_abs_diff_from_rpa"] = float(jnp.max(jnp.abs(once - reference)))
-                jax.block_until_ready(chain(q))
-                start = time.perf_counter()
-                for _ in range(args.calls):
-                    out = chain(q)
-                jax.block_until_ready(out)
-                us = (time.perf_counter() - start) / (args.calls * args.layers) * 1e6
+                us = _timed(attend, q, args.layers, args.calls)
                 row.update(us_per_layer=us, kv_gb_per_s=kv_bytes / us / 1e3,
                            hbm_fraction=kv_bytes / us / 1e-6 / HBM,
                            us_at_819=kv_bytes / HBM * 1e6)
