@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from easylm.models.paged_attention import decode_attention, ragged_paged_attention
-from easylm.models.paged_decode_kernel import batched_decode_attention, default_blocks
+from easylm.models.paged_decode_kernel import (batched_decode_attention, default_blocks,
+                                               product_pages)
 
 HBM = 819e9  # bytes/s, one v5e chip
 
@@ -49,6 +50,10 @@ def main():
     parser.add_argument("--pages_per_step", default="0",
                         help="batched's pages per sequence per grid step, comma-separated; "
                              "0: its default (paged_decode_kernel.default_blocks)")
+    parser.add_argument("--product_keys", default="0",
+                        help="batched's keys per product (a multiple of the page size), "
+                             "comma-separated; 0: its default (PRODUCT_KEYS, at most the "
+                             "step's)")
     parser.add_argument("--vpu", default="0",
                         help="batched's products: 0 on the MXU, 1 on the VPU; comma-separated")
     parser.add_argument("--group", type=int, default=0,
@@ -74,10 +79,8 @@ def main():
         q = jax.random.normal(jax.random.PRNGKey(1), (B, N, H), jnp.bfloat16)
         settings = [("rpa", bq) for bq in _ints(args.queries_per_block)]
         for vpu in _ints(args.vpu):
-            for b in _ints(args.seqs_per_block):
-                for c in _ints(args.pages_per_step):
-                    settings.append(("batched_vpu" if vpu else "batched", (b, c) if c else
-                                     default_blocks(B, W, Z * 2 * K * H * 2, b)))
+            for blocks in _blocks(args, B, W, Z, K, H):
+                settings.append(("batched_vpu" if vpu else "batched", blocks))
         reference = None
         for kernel, setting in settings:
             def attend(q, kernel=kernel, setting=setting):
@@ -107,6 +110,20 @@ def main():
             except Exception as e:  # a block size a kernel refuses: say so, go on
                 row["error"] = repr(e)[:300]
             print(json.dumps(row), flush=True)
+
+
+def _blocks(args, B, W, Z, K, H):
+    """The kernel's (sequences a block, pages a step, pages a product) settings swept."""
+    out = []
+    for b in _ints(args.seqs_per_block):
+        for c in _ints(args.pages_per_step):
+            for keys in _ints(args.product_keys):
+                b_, c_, u = default_blocks(B, W, Z * 2 * K * H * 2, Z, b)
+                c_ = c or c_
+                u = product_pages(c_, Z, keys) if keys else product_pages(c_, Z)
+                if (b_, c_, u) not in out:
+                    out.append((b_, c_, u))
+    return out
 
 
 def _timed(attend, q, layers: int, calls: int) -> float:
@@ -154,12 +171,11 @@ def grouped(args):
     position = 2 * K * H * 2  # bytes of one position's keys and values
     ways = {("rpa", None): (lambda q: decode_attention(q, pool, lengths, table),
                             B * args.context * position)}
-    for b in _ints(args.seqs_per_block):  # the cascade at each of the kernel's settings
-        for c in _ints(args.pages_per_step):
-            ways["cascade", (b, c) if c else None] = (
-                lambda q, blocks=(b, c) if c else None: shared_prefix_attention(
-                    q, pool, lengths, table, prefix, kernel="batched", blocks=blocks),
-                (E * args.shared + B * (args.context - args.shared)) * position)
+    for blocks in _blocks(args, B, W, Z, K, H):  # the cascade at each of the kernel's settings
+        ways["cascade", blocks] = (
+            lambda q, blocks=blocks: shared_prefix_attention(
+                q, pool, lengths, table, prefix, kernel="batched", blocks=blocks),
+            (E * args.shared + B * (args.context - args.shared)) * position)
     reference = None
     for (name, setting), (attend, kv_bytes) in ways.items():
         row = {"kernel": name, "page_size": Z, "group": args.group, "shared": args.shared,

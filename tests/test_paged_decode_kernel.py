@@ -24,6 +24,9 @@ Z, W, H = 8, 5, 128  # pages of 8, 5 a sequence, TPU-sized heads
 # BLOCKS; five sequences in blocks of two: the last block padded.
 LENGTHS = (1, 8, 17, 36, 40)
 BLOCKS = (2, 2)  # 2 sequences a block, 2 pages a sequence a step: 3 steps a block
+# 4 pages a step in products of one page: a step computes only the products below a
+# sequence's length (and, with a window, from its first visible key's).
+PRODUCTS = (2, 4, 1)
 # fp32: the same sums in another order (an online softmax over three steps, each
 # rescaled once): sqrt(40 keys) or sqrt(128 head dims) rounding terms, three reductions
 # in sequence (scores, softmax sum, values), relative to the largest output.
@@ -44,24 +47,25 @@ def _case(N, K, dtype, seed=0):
     return q, kv, jnp.asarray(LENGTHS, jnp.int32), table
 
 
-@pytest.mark.parametrize("N,K,dtype,rel,vpu", [
-    (2, 2, jnp.float32, REL32, False),  # MHA
-    (4, 2, jnp.bfloat16, REL16, False),  # GQA: G = 2
-    (4, 2, jnp.float32, REL32, True),  # both products on the VPU
-    (4, 2, jnp.bfloat16, REL16, True)])
-def test_kernel_is_the_xla_path(N, K, dtype, rel, vpu):
+@pytest.mark.parametrize("N,K,dtype,rel,vpu,blocks", [
+    (2, 2, jnp.float32, REL32, False, BLOCKS),  # MHA
+    (4, 2, jnp.bfloat16, REL16, False, BLOCKS),  # GQA: G = 2
+    (4, 2, jnp.bfloat16, REL16, False, PRODUCTS),
+    (4, 2, jnp.float32, REL32, True, BLOCKS),  # both products on the VPU
+    (4, 2, jnp.bfloat16, REL16, True, PRODUCTS)])
+def test_kernel_is_the_xla_path(N, K, dtype, rel, vpu, blocks):
     q, kv, lengths, table = _case(N, K, dtype)
     expected = pa.decode_attention(q, kv, lengths, table, 0.3, implementation="xla")
     # Eager DMAs (each lands when started) with race detection: a copy into the buffer a
     # step still reads, or a read before its wait, is reported.
     params = pltpu.InterpretParams(detect_races=True, dma_execution_mode="eager")
-    out = batched_decode_attention(q, kv, lengths, table, 0.3, blocks=BLOCKS,
+    out = batched_decode_attention(q, kv, lengths, table, 0.3, blocks=blocks,
                                    vpu=vpu, interpret=params)
     assert tpu_interpret is None or not tpu_interpret.races.races_found
     assert_close(out, expected.astype(jnp.float32), rel)
     # Negative twin: a page table one page off reads other keys.
     shifted = batched_decode_attention(q, kv, lengths, jnp.roll(table, 1, axis=1), 0.3,
-                                       blocks=BLOCKS, vpu=vpu, interpret=True)
+                                       blocks=blocks, vpu=vpu, interpret=True)
     assert_differs(shifted, expected.astype(jnp.float32), rel)
 
 
@@ -73,6 +77,8 @@ def test_a_sliding_window_and_one_step_per_block():
     expected = pa.decode_attention(q, kv, lengths, table, 0.3, 6, implementation="xla")
     out = batched_decode_attention(q, kv, lengths, table, 0.3, 6, interpret=True)
     assert_close(out, expected, REL32)
+    assert_close(batched_decode_attention(q, kv, lengths, table, 0.3, 6, blocks=PRODUCTS,
+                                          interpret=True), expected, REL32)
     assert_differs(batched_decode_attention(q, kv, lengths, table, 0.3, interpret=True),
                    expected, REL32)
 

@@ -42,15 +42,26 @@ from jax.experimental.pallas import tpu as pltpu
 
 MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: exp(MASK - m) is 0, never NaN
 BUFFER_BYTES = 8 << 20  # one of the two K/V buffers: 8 MiB (v5e VMEM: 128 MiB)
+PRODUCT_KEYS = 128  # keys per product by default: one MXU tile's width
 
 
-def default_blocks(S, W, page_bytes, seqs_per_block=2):
-    """(sequences per block, pages per sequence per step): `seqs_per_block` (at most S),
-    and as many pages as fit one buffer of BUFFER_BYTES (at most W). 2: on a v5e at
-    llama_1b's batch 64 (pages of 16, 256 keys) 316 us a layer, against 400 at 4 and 323
-    at 8 (docs/benchmarks.md, 2026-12-06)."""
+def default_blocks(S, W, page_bytes, page_size, seqs_per_block=2):
+    """(sequences per block, pages per sequence per step, pages per product):
+    `seqs_per_block` (at most S); as many pages as fit one buffer of BUFFER_BYTES (at most
+    W), rounded down to whole products; products of PRODUCT_KEYS keys (fewer where a
+    sequence has fewer pages). 2 sequences: on a v5e at llama_1b's batch 64 (pages of 16,
+    256 keys) 316 us a layer, against 400 at 4 and 323 at 8 (docs/benchmarks.md,
+    2026-12-06, before products)."""
     b = max(1, min(seqs_per_block, S))
-    return b, max(1, min(W, BUFFER_BYTES // (b * page_bytes)))
+    C = max(1, min(W, BUFFER_BYTES // (b * page_bytes)))
+    u = max(1, min(C, PRODUCT_KEYS // page_size))
+    return b, C // u * u, u
+
+
+def product_pages(C, Z, keys=PRODUCT_KEYS):
+    """Pages per product for a given C pages a step: the most that divide C and hold at
+    most `keys` keys (at least 1)."""
+    return max(u for u in range(1, C + 1) if C % u == 0 and (u == 1 or u * Z <= keys))
 
 
 def _head(buf, j, K, rows, packed):
@@ -68,10 +79,12 @@ def _head(buf, j, K, rows, packed):
 
 class _Dims(NamedTuple):
     """The kernel's static sizes (`batched_decode_attention`): b sequences a block, C pages
-    a step, page size Z, K kv heads, G query rows each, W pages a sequence."""
+    a step, u pages a product, page size Z, K kv heads, G query rows each, W pages a
+    sequence."""
 
     b: int
     C: int
+    u: int
     Z: int
     K: int
     G: int
@@ -97,7 +110,8 @@ def _copies(d: _Dims, lengths_ref, table_ref, kv_hbm, buf, sems, i, c, slot, act
             def _():
                 page = table_ref[(i * d.b + s) * d.W + c * d.C + p]
                 act(pltpu.make_async_copy(
-                    kv_hbm.at[page], buf.at[slot, s, pl.ds(p * page_rows, page_rows)],
+                    kv_hbm.at[page],
+                    buf.at[slot, s, p // d.u, pl.ds(p % d.u * page_rows, page_rows)],
                     sems.at[slot]))
         return 0
     jax.lax.fori_loop(0, d.b, seq, 0)
@@ -123,34 +137,44 @@ def _update(m_ref, l_ref, acc_ref, s, at, scores, m_axis, values):
 
 def _attend(d: _Dims, lengths_ref, q_ref, buf, state, i, c, slot):
     """Each sequence of block i over its keys of step c (in buffer `slot`), into the
-    running softmax `state` (m_ref, l_ref, acc_ref)."""
-    rows = d.C * d.Z  # keys per sequence per step
+    running softmax `state` (m_ref, l_ref, acc_ref): a product of u pages (T keys) at a
+    time, only those holding keys below its length (and in its window)."""
+    T = d.u * d.Z  # keys per product
+    base = c * d.C * d.Z  # the step's first key
 
     def seq(s, _):
         length = lengths_ref[i * d.b + s]
-        shape = (rows, 1) if d.vpu else (d.G, rows)
-        key = c * rows + jax.lax.broadcasted_iota(jnp.int32, shape, 0 if d.vpu else 1)
-        visible = key < length
-        if d.window:
-            visible &= key >= length - d.window
-        for j in range(d.K):
-            k, v = _head(buf.at[slot, s], j, d.K, rows, d.packed)
-            if not d.vpu:  # q rows against the keys, both products on the MXU
-                q = q_ref[s, pl.ds(j * d.G, d.G), :]  # (G, H)
-                scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                                             preferred_element_type=jnp.float32)
-                _update(*state, s, pl.ds(j * d.G, d.G),
-                        jnp.where(visible, scores * d.scale, MASK), 1,
-                        lambda p, v=v: jnp.dot(p.astype(v.dtype), v,
-                                               preferred_element_type=jnp.float32))
-                continue
-            for g in range(d.G):  # one query: its scores a column, products on the VPU
-                q = q_ref[s, pl.ds(j * d.G + g, 1), :].astype(jnp.float32)  # (1, H)
-                scores = jnp.sum(k.astype(jnp.float32) * q, axis=1, keepdims=True)
-                _update(*state, s, pl.ds(j * d.G + g, 1),
-                        jnp.where(visible, scores * d.scale, MASK), 0,
-                        lambda p, v=v: jnp.sum(p * v.astype(jnp.float32), axis=0,
-                                               keepdims=True))
+        last = jnp.clip(pl.cdiv(length - base, T), 0, d.C // d.u)  # products with keys
+        first = jnp.clip(jax.lax.div(jnp.maximum(length - d.window - base, 0), T), 0,
+                         last) if d.window else 0
+
+        def product(t, _):
+            shape = (T, 1) if d.vpu else (d.G, T)
+            key = base + t * T + jax.lax.broadcasted_iota(jnp.int32, shape,
+                                                          0 if d.vpu else 1)
+            visible = key < length
+            if d.window:
+                visible &= key >= length - d.window
+            for j in range(d.K):
+                k, v = _head(buf.at[slot, s, t], j, d.K, T, d.packed)
+                if not d.vpu:  # q rows against the keys, both products on the MXU
+                    q = q_ref[s, pl.ds(j * d.G, d.G), :]  # (G, H)
+                    scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                                                 preferred_element_type=jnp.float32)
+                    _update(*state, s, pl.ds(j * d.G, d.G),
+                            jnp.where(visible, scores * d.scale, MASK), 1,
+                            lambda p, v=v: jnp.dot(p.astype(v.dtype), v,
+                                                   preferred_element_type=jnp.float32))
+                    continue
+                for g in range(d.G):  # one query: its scores a column, products on the VPU
+                    q = q_ref[s, pl.ds(j * d.G + g, 1), :].astype(jnp.float32)  # (1, H)
+                    scores = jnp.sum(k.astype(jnp.float32) * q, axis=1, keepdims=True)
+                    _update(*state, s, pl.ds(j * d.G + g, 1),
+                            jnp.where(visible, scores * d.scale, MASK), 0,
+                            lambda p, v=v: jnp.sum(p * v.astype(jnp.float32), axis=0,
+                                                   keepdims=True))
+            return 0
+        jax.lax.fori_loop(first, last, product, 0)
         return 0
     jax.lax.fori_loop(0, d.b, seq, 0)
 
@@ -168,7 +192,8 @@ def _kernel(lengths_ref, table_ref, q_ref, kv_hbm, o_ref, *refs, d: _Dims):
     def _():
         for half in (0, 1):
             def zero(s, _, half=half):  # one sequence's rows of one buffer at a time
-                buf[half, s] = jnp.zeros(buf.shape[2:], buf.dtype)
+                for t in range(d.C // d.u):
+                    buf[half, s, t] = jnp.zeros(buf.shape[3:], buf.dtype)
                 return 0
             jax.lax.fori_loop(0, d.b, zero, 0)
         copies(i, c, slot, lambda x: x.start())
@@ -217,7 +242,9 @@ def batched_decode_attention(q, kv_pages, lengths, page_table, scale: float,
     keys (`paged_attention.shared_prefix_attention`). A sequence's N rows may be any
     number of queries: kv head j serves rows j * N / K .. (j + 1) * N / K - 1 (a group
     of sequences' queries over their shared pages). `blocks`: (sequences per block,
-    pages per sequence per step); None: `default_blocks`. `vpu`: both products on the
+    pages per sequence per step[, pages per product]: `product_pages` when left out);
+    None: `default_blocks`. A step computes a sequence's products only up to its
+    length, so its time follows the keys it holds, not the step's width. `vpu`: both products on the
     VPU, one query at a time (its scores a column: elementwise products summed over the
     lanes, then the values weighted and summed over the keys) instead of the MXU's
     (G, keys) row block, whose one real row pays for a whole weight tile; on a v5e
@@ -229,13 +256,16 @@ def batched_decode_attention(q, kv_pages, lengths, page_table, scale: float,
     if kv_pages.dtype.itemsize not in (2, 4):
         raise ValueError(f"the batched decode kernel reads fp32 or bf16 pages, not "
                          f"{kv_pages.dtype}")
-    b, C = blocks or default_blocks(S, W, Z * K2 * H * kv_pages.dtype.itemsize)
+    b, C, *u = blocks or default_blocks(S, W, Z * K2 * H * kv_pages.dtype.itemsize, Z)
+    u = u[0] if u else product_pages(C, Z)
+    if C % u:
+        raise ValueError(f"blocks={blocks}: {u} pages a product do not divide {C} a step")
     pad = -S % b  # padded sequences: no keys, no copies, their rows dropped
     q_ = jnp.pad(q, ((0, pad), (0, 0), (0, 0)))
     lengths_ = jnp.pad(lengths.astype(jnp.int32), (0, pad))
     table = jnp.pad(page_table.astype(jnp.int32), ((0, pad), (0, 0))).reshape(-1)
     kernel = functools.partial(_kernel, d=_Dims(
-        b, C, Z, K, N // K, W, scale, sliding_window,
+        b, C, u, Z, K, N // K, W, scale, sliding_window,
         packed=kv_pages.dtype.itemsize == 2 and not interpret, vpu=vpu, lse=lse))
     buffer_bytes = 2 * b * C * Z * K2 * H * kv_pages.dtype.itemsize
     rows = pl.BlockSpec((b, N, H), lambda i, c, *_: (i, 0, 0))
@@ -249,7 +279,7 @@ def batched_decode_attention(q, kv_pages, lengths, page_table, scale: float,
             grid=((S + pad) // b, pl.cdiv(W, C)),
             in_specs=[rows, pl.BlockSpec(memory_space=pl.ANY)],
             out_specs=(rows, *([lanes] if lse else [])),
-            scratch_shapes=[pltpu.VMEM((2, b, C * Z * K2, H), kv_pages.dtype),
+            scratch_shapes=[pltpu.VMEM((2, b, C // u, u * Z * K2, H), kv_pages.dtype),
                             pltpu.SemaphoreType.DMA((2,)),
                             pltpu.VMEM((b, N, 128), jnp.float32),  # running max
                             pltpu.VMEM((b, N, 128), jnp.float32),  # running sum
