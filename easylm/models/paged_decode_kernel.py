@@ -14,14 +14,18 @@ lengths[s] - 1; kv_pages (P, Z, 2K, H), k head j at 2j, v head j at 2j + 1; page
 TPU no copy when 2K is a multiple of the dtype's sublane tile: 8 rows fp32, 16 bf16).
 
 Grid (S / b, W / C), both sequential: step (i, c) attends sequences i*b .. i*b + b - 1
-over their pages c*C .. c*C + C - 1 (an online softmax across c). Its pages arrive by one
-DMA each into one of two VMEM buffers (b, C * Z * 2K, H), only the pages below each
-sequence's length; the step first starts the copies of the next step's pages into the
-other buffer, then waits for its own and computes, so the DMA engine always has the next
-block's pages to move. Per sequence and kv head: k and v are strided rows of the buffer
-(bf16: JAX's trick, the buffer read as uint32 rows holding each (k, v) pair, split by
-shifts), scores q.k in fp32 (G x C*Z) on the MXU, masked past the length (and before a
-sliding window, whose passed pages are not copied), softmax, times v; or (`vpu`) per
+over their pages c*C .. c*C + C - 1 (an online softmax across c and within a step). Its
+pages arrive by one DMA each into one of two VMEM buffers (b, C / u, u * Z * 2K, H), only
+the pages below each sequence's length; the step first starts the copies of the next
+step's pages into the other buffer, then waits for its own and computes, so the DMA
+engine always has the next block's pages to move. A sequence is computed u pages (a
+product, T = u * Z keys) at a time, only the products holding keys below its length: its
+cost follows its keys, not the step's C * Z (on a v5e at llama_1b's batch 64, 259 us a
+layer against 316-323 with one product a step, and JAX's 319-325; docs/benchmarks.md).
+Per sequence, product and kv head: k and v are strided rows of the buffer (bf16: JAX's
+trick, the buffer read as uint32 rows holding each (k, v) pair, split by shifts), scores
+q.k in fp32 (G x T) on the MXU, masked past the length (and before a sliding window,
+whose passed pages are not copied), an online softmax update, times v; or (`vpu`) per
 query on the VPU, its scores a column, in fp32.
 
 Both buffers are zeroed at the first step: a page not copied (past a sequence's length)

@@ -105,7 +105,8 @@ HELP = {
     "decode_kernel": "with --decode_from_pages, the TPU kernel decode attends with: rpa "
                      "(JAX's ragged paged attention), batched (ours: several sequences' "
                      "pages per step, the next step's copied meanwhile; "
-                     "models/paged_decode_kernel.py; on a v5e no faster than rpa) or "
+                     "models/paged_decode_kernel.py; on a v5e 5% faster than rpa at "
+                     "llama_1b's batch 64) or "
                      "batched_vpu (the same, its products on the VPU); off a TPU all run the "
                      "same XLA path (EASYLM_PALLAS_INTERPRET=1: ours in Pallas interpret "
                      "mode, slow)",
@@ -114,7 +115,8 @@ HELP = {
                      "prompt) attend over those pages once a group, the members' queries "
                      "together, and over their own pages after them, merged by log-sum-exp "
                      "(cascade attention; models/paged_attention.py); sliding-window layers "
-                     "read every slot's pages; 0: off",
+                     "read every slot's pages; on a v5e a GRPO rollout 1.61x the dense "
+                     "cache's, 1.43x without it; 0: off",
 }
 
 
