@@ -31,6 +31,7 @@ from transformers import (
 from easylm.data.images import chat_images
 from easylm.errors import UserError
 from easylm.models import registry
+from easylm.models.vision import pil_backend
 from easylm.qwen3_5 import images as qwen_images
 from easylm.qwen3_5.vision_hf import FAMILY
 from easylm.runtime.sharding import match_partition_rules
@@ -151,7 +152,7 @@ def test_image_chat_logprobs_equal_transformers(hf, ours, forward, sizes):
 
 
 def test_the_checkpoints_own_image_processor_is_read(hf):
-    processor = AutoImageProcessor.from_pretrained(hf[0], use_fast=False)
+    processor = AutoImageProcessor.from_pretrained(hf[0], **pil_backend())
     assert type(processor).__name__ == "Qwen2VLImageProcessorPil"
     assert type(qwen_images.load_image_processor(hf[0])) is type(processor)
 

@@ -213,7 +213,17 @@ def load_image_processor(directory: str):
                         f"the checkpoint was trained with is needed to read images")
     from transformers import AutoImageProcessor
 
-    return AutoImageProcessor.from_pretrained(directory, use_fast=False)
+    return AutoImageProcessor.from_pretrained(directory, **pil_backend())
+
+
+def pil_backend() -> dict:
+    """from_pretrained's keyword for the PIL class: `backend="pil"` where transformers has
+    named backends (its image_processing_backends; `use_fast` is then deprecated, with a
+    warning on stderr at every load), `use_fast=False` before."""
+    import importlib.util
+
+    return {"backend": "pil"} if importlib.util.find_spec(
+        "transformers.image_processing_backends") else {"use_fast": False}
 
 
 def expand_placeholders(ids, placeholder: int, expansions) -> list[int]:

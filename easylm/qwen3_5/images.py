@@ -1,7 +1,7 @@
 """Images into Qwen3.5's image inputs (easylm/models/vision.py's IMAGE_KEYS), on the host.
 
 The pixels are the checkpoint's own image processor's (transformers' `AutoImageProcessor`
-read from the checkpoint's preprocessor_config.json, `use_fast=False`: Qwen2-VL's PIL
+read from the checkpoint's preprocessor_config.json, its PIL backend: Qwen2-VL's PIL
 processor, which resizes each image to a multiple of patch x merge pixels within its pixel
 budget, normalises it and cuts it into patches, 2 x 2 merge blocks first). Not
 `AutoProcessor`: for Qwen3.5 it also builds a video processor, which needs torchvision.
