@@ -51,15 +51,18 @@ PRODUCT_KEYS = 128  # keys per product by default: one MXU tile's width
 
 def default_blocks(S, W, page_bytes, page_size, seqs_per_block=2):
     """(sequences per block, pages per sequence per step, pages per product):
-    `seqs_per_block` (at most S); as many pages as fit one buffer of BUFFER_BYTES (at most
-    W), rounded down to whole products; products of PRODUCT_KEYS keys (fewer where a
-    sequence has fewer pages). 2 sequences: on a v5e at llama_1b's batch 64 (pages of 16,
-    256 keys) 316 us a layer, against 400 at 4 and 323 at 8 (docs/benchmarks.md,
-    2026-12-06, before products)."""
+    `seqs_per_block` (at most S); products of PRODUCT_KEYS keys (fewer where a table has
+    fewer pages or a buffer holds fewer); as many pages a step as one buffer of
+    BUFFER_BYTES holds in whole products, at most the table's rounded up to a product
+    (pages past the table are never copied nor computed), so a table that fits takes one
+    step: a second, empty step would leave the next block's copies nothing to overlap
+    (on a v5e 412-428 us a layer at 16 pages a step, against 259 at 24, llama_1b's whole
+    table; docs/benchmarks.md). 2 sequences: at llama_1b's batch 64 (pages of 16, 256
+    keys) 316 us a layer, against 400 at 4 and 323 at 8 (2026-12-06, before products)."""
     b = max(1, min(seqs_per_block, S))
-    C = max(1, min(W, BUFFER_BYTES // (b * page_bytes)))
-    u = max(1, min(C, PRODUCT_KEYS // page_size))
-    return b, C // u * u, u
+    fits = max(1, BUFFER_BYTES // (b * page_bytes))
+    u = max(1, min(PRODUCT_KEYS // page_size, W, fits))
+    return b, max(u, min(-(-W // u) * u, fits // u * u)), u
 
 
 def product_pages(C, Z, keys=PRODUCT_KEYS):
@@ -237,7 +240,7 @@ def _kernel(lengths_ref, table_ref, q_ref, kv_hbm, o_ref, *refs, d: _Dims):
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "blocks", "vpu",
                                              "interpret", "lse"))
 def batched_decode_attention(q, kv_pages, lengths, page_table, scale: float,
-                             sliding_window: int = 0, blocks: tuple[int, int] | None = None,
+                             sliding_window: int = 0, blocks: tuple[int, ...] | None = None,
                              vpu: bool = False, interpret=False, lse: bool = False):
     """(S, N, H) attention outputs of one query per sequence (module docstring), q at
     position lengths[s] - 1 seeing keys 0..lengths[s] - 1 (the last `sliding_window`
@@ -248,8 +251,8 @@ def batched_decode_attention(q, kv_pages, lengths, page_table, scale: float,
     of sequences' queries over their shared pages). `blocks`: (sequences per block,
     pages per sequence per step[, pages per product]: `product_pages` when left out);
     None: `default_blocks`. A step computes a sequence's products only up to its
-    length, so its time follows the keys it holds, not the step's width. `vpu`: both products on the
-    VPU, one query at a time (its scores a column: elementwise products summed over the
+    length, so its time follows the keys it holds, not the step's width. `vpu`: both
+    products on the VPU, one query at a time (its scores a column: elementwise products summed over the
     lanes, then the values weighted and summed over the keys) instead of the MXU's
     (G, keys) row block, whose one real row pays for a whole weight tile; on a v5e
     slower (docs/benchmarks.md). `interpret`: True or a `pltpu.InterpretParams` runs the
