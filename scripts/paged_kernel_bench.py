@@ -5,7 +5,7 @@ in one run:
 
     python scripts/paged_kernel_bench.py --batch=64 --heads=16 --kv_heads=16 \
         --context=256 --seq_length=384 --page_sizes=16 --queries_per_block=0,8 \
-        --seqs_per_block=2,4,8 --pages_per_step=0,8 --vpu=0,1
+        --seqs_per_block=2,4,8 --pages_per_step=0,8 --product_keys=64,128 --vpu=0,1
 
 One query per sequence (a decode step), every sequence `context` keys (its pages spread
 over the pool at random), `layers` calls chained in one program (each call's output is
