@@ -218,8 +218,8 @@ def load_image_processor(directory: str):
 
 def pil_backend() -> dict:
     """from_pretrained's keyword for the PIL class: `backend="pil"` where transformers has
-    named backends (its image_processing_backends; `use_fast` is then deprecated, with a
-    warning on stderr at every load), `use_fast=False` before."""
+    named backends (its image_processing_backends; `use_fast` is then deprecated: a
+    warning on stderr at a process's first load), `use_fast=False` before."""
     import importlib.util
 
     return {"backend": "pil"} if importlib.util.find_spec(
