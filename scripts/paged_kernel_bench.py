@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from easylm.models.paged_attention import decode_attention, ragged_paged_attention
-from easylm.models.paged_decode_kernel import (batched_decode_attention, default_blocks,
-                                               product_pages)
+from easylm.models.paged_decode_kernel import (PRODUCT_KEYS, batched_decode_attention,
+                                               default_blocks, product_pages)
 
 HBM = 819e9  # bytes/s, one v5e chip
 
@@ -119,8 +119,9 @@ def _blocks(args, B, W, Z, K, H):
         for c in _ints(args.pages_per_step):
             for keys in _ints(args.product_keys):
                 b_, c_, u = default_blocks(B, W, Z * 2 * K * H * 2, Z, b)
-                c_ = c or c_
-                u = product_pages(c_, Z, keys) if keys else product_pages(c_, Z)
+                if c or keys:  # else the kernel's own default, as the engine runs it
+                    c_ = c or c_
+                    u = product_pages(c_, Z, keys or PRODUCT_KEYS)
                 if (b_, c_, u) not in out:
                     out.append((b_, c_, u))
     return out

@@ -250,8 +250,8 @@ def shared_prefix_attention(q, kv_pages, lengths, page_table, prefix: SharedPref
     At GRPO's 8 completions of a 512-token prompt, 256 tokens each, a step reads the
     prompts' keys once instead of 8 times: 3.3x fewer K/V bytes mid-rollout (8x at its
     first step, 2.4x at its last). The kernel (`kernel` batched or batched_vpu, where it
-    runs; `blocks`: its (sequences a block, pages a step) for both calls, None: its
-    defaults) or the XLA path off a TPU."""
+    runs; `blocks`: its (sequences a block, pages a step[, pages a product]) for both
+    calls, None: its defaults) or the XLA path off a TPU."""
     B, N, H = q.shape
     _, Z, K2, _ = kv_pages.shape
     K, W = K2 // 2, page_table.shape[1]

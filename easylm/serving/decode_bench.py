@@ -109,8 +109,9 @@ def engine_tokens_per_second(model, params, batch: int, config, tokenizer, promp
         batcher.stop()
     assert all(len(g.tokens) == config.new_tokens for g in gens)
     if compiles:  # a timed run that compiled measures the compiler, not the engine
-        print(f"batch {batch:>4}: {len(compiles)} compiles ({sum(c.seconds for c in compiles):.1f}s) inside the "
-              f"timed run", flush=True)
+        seconds = sum(c.seconds for c in compiles)
+        print(f"batch {batch:>4}: {len(compiles)} compiles ({seconds:.1f}s) inside the timed "
+              f"run", flush=True)
     return batch * config.new_tokens / elapsed, first, len(compiles)
 
 

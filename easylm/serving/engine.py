@@ -106,10 +106,9 @@ HELP = {
                      "(JAX's ragged paged attention), batched (ours: several sequences' "
                      "pages per step, the next step's copied meanwhile; "
                      "models/paged_decode_kernel.py; on a v5e 5% faster than rpa at "
-                     "llama_1b's batch 64) or "
-                     "batched_vpu (the same, its products on the VPU); off a TPU all run the "
-                     "same XLA path (EASYLM_PALLAS_INTERPRET=1: ours in Pallas interpret "
-                     "mode, slow)",
+                     "llama_1b's batch 64) or batched_vpu (the same, its products on the "
+                     "VPU); off a TPU all run the same XLA path (EASYLM_PALLAS_INTERPRET=1: "
+                     "ours in Pallas interpret mode, slow)",
     "prefix_groups": "with --decode_kernel=batched or batched_vpu: up to this many groups of "
                      "slots whose leading pages are shared (GRPO's completions of one "
                      "prompt) attend over those pages once a group, the members' queries "
