@@ -56,6 +56,10 @@ def main():
                              "step's)")
     parser.add_argument("--vpu", default="0",
                         help="batched's products: 0 on the MXU, 1 on the VPU; comma-separated")
+    parser.add_argument("--all_heads", default="0",
+                        help="batched's products: 1 over every kv head at once (one MXU "
+                             "product and one softmax update a sequence and product), 0 "
+                             "one kv head at a time; comma-separated")
     parser.add_argument("--group", type=int, default=0,
                         help="> 1: sequences in groups of this many sharing their first "
                              "--shared positions (GRPO's completions of a prompt), JAX's "
@@ -79,8 +83,10 @@ def main():
         q = jax.random.normal(jax.random.PRNGKey(1), (B, N, H), jnp.bfloat16)
         settings = [("rpa", bq) for bq in _ints(args.queries_per_block)]
         for vpu in _ints(args.vpu):
-            for blocks in _blocks(args, B, W, Z, K, H):
-                settings.append(("batched_vpu" if vpu else "batched", blocks))
+            for together in [0] if vpu else _ints(args.all_heads):
+                for blocks in _blocks(args, B, W, Z, K, H):
+                    settings.append(("batched_vpu" if vpu else
+                                     "batched_all_heads" if together else "batched", blocks))
         reference = None
         for kernel, setting in settings:
             def attend(q, kernel=kernel, setting=setting):
@@ -88,7 +94,8 @@ def main():
                     # Off a TPU (a smoke run of this script): interpret mode, slow.
                     return batched_decode_attention(
                         q, pool, lengths, table, 1 / np.sqrt(H), blocks=setting,
-                        vpu=kernel == "batched_vpu", interpret=jax.default_backend() != "tpu")
+                        vpu=kernel == "batched_vpu", all_heads=kernel == "batched_all_heads",
+                        interpret=jax.default_backend() != "tpu")
                 if setting == 0:
                     return decode_attention(q, pool, lengths, table)
                 return ragged_paged_attention(

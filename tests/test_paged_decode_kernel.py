@@ -11,7 +11,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 from numerics import EPS_BF16, assert_close, assert_differs, fp32_rel
 
-from easylm.models import paged_attention as pa
+from easylm.models import paged_attention as pa, paged_decode_kernel as pdk
 from easylm.models.paged_decode_kernel import batched_decode_attention
 
 try:  # where JAX 0.10.2 keeps the interpreter's race report (private: it may move)
@@ -47,41 +47,69 @@ def _case(N, K, dtype, seed=0):
     return q, kv, jnp.asarray(LENGTHS, jnp.int32), table
 
 
-@pytest.mark.parametrize("N,K,dtype,rel,vpu,blocks", [
-    (2, 2, jnp.float32, REL32, False, BLOCKS),  # MHA
-    (4, 2, jnp.bfloat16, REL16, False, BLOCKS),  # GQA: G = 2
-    (4, 2, jnp.bfloat16, REL16, False, PRODUCTS),
-    (4, 2, jnp.float32, REL32, True, BLOCKS),  # both products on the VPU
-    (4, 2, jnp.bfloat16, REL16, True, PRODUCTS)])
-def test_kernel_is_the_xla_path(N, K, dtype, rel, vpu, blocks):
+@pytest.mark.parametrize("N,K,dtype,rel,vpu,all_heads,blocks", [
+    (2, 2, jnp.float32, REL32, False, False, BLOCKS),  # MHA, a product per kv head
+    (4, 2, jnp.bfloat16, REL16, False, False, BLOCKS),  # GQA: G = 2
+    (4, 2, jnp.bfloat16, REL16, False, False, PRODUCTS),
+    (4, 2, jnp.float32, REL32, True, False, BLOCKS),  # both products on the VPU
+    (4, 2, jnp.bfloat16, REL16, True, False, PRODUCTS),
+    # One product over every kv head: another head's columns masked in each row.
+    (2, 2, jnp.float32, REL32, False, True, BLOCKS),
+    (4, 2, jnp.bfloat16, REL16, False, True, PRODUCTS),
+    (6, 3, jnp.float32, REL32, False, True, PRODUCTS)])  # 3 kv heads of 2 rows
+def test_kernel_is_the_xla_path(N, K, dtype, rel, vpu, all_heads, blocks):
     q, kv, lengths, table = _case(N, K, dtype)
     expected = pa.decode_attention(q, kv, lengths, table, 0.3, implementation="xla")
     # Eager DMAs (each lands when started) with race detection: a copy into the buffer a
     # step still reads, or a read before its wait, is reported.
     params = pltpu.InterpretParams(detect_races=True, dma_execution_mode="eager")
     out = batched_decode_attention(q, kv, lengths, table, 0.3, blocks=blocks,
-                                   vpu=vpu, interpret=params)
+                                   vpu=vpu, interpret=params, all_heads=all_heads)
     assert tpu_interpret is None or not tpu_interpret.races.races_found
     assert_close(out, expected.astype(jnp.float32), rel)
     # Negative twin: a page table one page off reads other keys.
     shifted = batched_decode_attention(q, kv, lengths, jnp.roll(table, 1, axis=1), 0.3,
-                                       blocks=blocks, vpu=vpu, interpret=True)
+                                       blocks=blocks, vpu=vpu, interpret=True,
+                                       all_heads=all_heads)
     assert_differs(shifted, expected.astype(jnp.float32), rel)
 
 
 def test_a_sliding_window_and_one_step_per_block():
     """A window of 6 keys (the pages it has passed not copied: a stale or zero buffer
-    there, masked) and the default blocks (every page of a sequence in one step); twin:
-    the window off."""
+    there, masked) and the default blocks (every page of a sequence in one step), a
+    product over every kv head and one a head; twin: the window off."""
     q, kv, lengths, table = _case(4, 2, jnp.float32, seed=1)
     expected = pa.decode_attention(q, kv, lengths, table, 0.3, 6, implementation="xla")
     out = batched_decode_attention(q, kv, lengths, table, 0.3, 6, interpret=True)
     assert_close(out, expected, REL32)
     for blocks in (PRODUCTS, (2, 6, 2)):  # (2, 6, 2): a step wider than the 5-page tables
-        assert_close(batched_decode_attention(q, kv, lengths, table, 0.3, 6, blocks=blocks,
-                                              interpret=True), expected, REL32)
+        for all_heads in (True, False):
+            assert_close(batched_decode_attention(q, kv, lengths, table, 0.3, 6,
+                                                  blocks=blocks, interpret=True,
+                                                  all_heads=all_heads), expected, REL32)
     assert_differs(batched_decode_attention(q, kv, lengths, table, 0.3, interpret=True),
                    expected, REL32)
+
+
+def test_a_product_over_every_kv_head_while_its_scores_fit(monkeypatch):
+    """By default a product serves every kv head while its fp32 scores (N x keys x K)
+    take at most ALL_HEADS_SCORES bytes, else one kv head at a time; never with the VPU's
+    products (refused when asked)."""
+    chosen = []
+    kernel = pdk._kernel
+    monkeypatch.setattr(pdk, "_kernel", lambda *a, d, **k: chosen.append(d.all_heads)
+                        or kernel(*a, d=d, **k))
+    q, kv, lengths, table = _case(4, 2, jnp.float32)
+    expected = pa.decode_attention(q, kv, lengths, table, 0.3, implementation="xla")
+    for limit in (4 * 8 * 2 * 4, 4 * 8 * 2 * 4 - 1):  # PRODUCTS: 8 keys a product
+        monkeypatch.setattr(pdk, "ALL_HEADS_SCORES", limit)
+        # a scale of its own: a new trace, not the jit cache's
+        assert_close(batched_decode_attention(q, kv, lengths, table, 0.3 + limit * 1e-9,
+                                              blocks=PRODUCTS, interpret=True),
+                     expected, REL32)
+    assert chosen == [True, False]
+    with pytest.raises(ValueError, match="all_heads products are the MXU's"):
+        batched_decode_attention(q, kv, lengths, table, 0.3, vpu=True, all_heads=True)
 
 
 def test_decode_attention_reaches_the_kernel_by_name(monkeypatch):
@@ -111,8 +139,9 @@ def test_the_tpu_variant_lowers_to_mosaic():
     args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in [
         ((S, N, H), jnp.bfloat16), ((S * W, 16, 2 * K, H), jnp.bfloat16),
         ((S,), jnp.int32), ((S, W), jnp.int32)]]
-    for window, vpu in ((0, False), (128, False), (0, True)):
-        kernel = jax.jit(lambda *a, w=window, c=vpu: batched_decode_attention(
-            *a, H ** -0.5, w, vpu=c))
+    for window, vpu, all_heads in ((0, False, None), (128, False, None), (0, False, False),
+                                   (0, True, False)):
+        kernel = jax.jit(lambda *a, w=window, c=vpu, h=all_heads: batched_decode_attention(
+            *a, H ** -0.5, w, vpu=c, all_heads=h))
         exported = jax.export.export(kernel, platforms=["tpu"])(*args)
         assert "tpu_custom_call" in exported.mlir_module()

@@ -22,11 +22,18 @@ engine always has the next block's pages to move. A sequence is computed u pages
 product, T = u * Z keys) at a time, only the products holding keys below its length: its
 cost follows its keys, not the step's C * Z (on a v5e at llama_1b's batch 64, 259 us a
 layer against 316-323 with one product a step, and JAX's 319-325; docs/benchmarks.md).
-Per sequence, product and kv head: k and v are strided rows of the buffer (bf16: JAX's
-trick, the buffer read as uint32 rows holding each (k, v) pair, split by shifts), scores
-q.k in fp32 (G x T) on the MXU, masked past the length (and before a sliding window,
-whose passed pages are not copied), an online softmax update, times v; or (`vpu`) per
-query on the VPU, its scores a column, in fp32.
+
+A product's keys and values are the buffer's even and odd rows (bf16: JAX's trick, the
+buffer read as uint32 rows holding each (k, v) pair, split by shifts). By default
+(`all_heads`) one product serves every kv head: the sequence's N query rows against all
+T * K keys of the product in one MXU product (N x T * K fp32 scores), a row's columns of
+other kv heads masked as keys past the length are (and before a sliding window, whose
+passed pages are not copied), one online softmax update, times all T * K values. That
+is K times the MXU's work of one product per head, but one chain of softmax steps a
+product instead of K: at llama_1b's batch 64 (16 kv heads of one query each) 197 us a
+layer against 259, 83% of HBM; in the cascade at GRPO's shape 168 us against 205
+(docs/benchmarks.md). Otherwise per kv head: scores q.k (G x T) on the MXU and an update
+each; or (`vpu`) per query on the VPU, its scores a column, in fp32.
 
 Both buffers are zeroed at the first step: a page not copied (past a sequence's length)
 then holds zeros or an earlier block's pages, never uninitialised memory whose NaN
@@ -41,12 +48,14 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: exp(MASK - m) is 0, never NaN
 BUFFER_BYTES = 8 << 20  # one of the two K/V buffers: 8 MiB (v5e VMEM: 128 MiB)
 PRODUCT_KEYS = 128  # keys per product by default: one MXU tile's width
+ALL_HEADS_SCORES = 1 << 20  # all_heads by default while a product's fp32 scores fit
 
 
 def default_blocks(S, W, page_bytes, page_size, seqs_per_block=2):
@@ -101,6 +110,7 @@ class _Dims(NamedTuple):
     packed: bool
     vpu: bool
     lse: bool = False  # also write each query row's log-sum-exp
+    all_heads: bool = False  # one product over every kv head (`batched_decode_attention`)
 
 
 def _copies(d: _Dims, lengths_ref, table_ref, kv_hbm, buf, sems, i, c, slot, act):
@@ -142,7 +152,7 @@ def _update(m_ref, l_ref, acc_ref, s, at, scores, m_axis, values):
     acc_ref[s, at, :] = alpha * acc_ref[s, at, :] + values(probs)
 
 
-def _attend(d: _Dims, lengths_ref, q_ref, buf, state, i, c, slot):
+def _attend(d: _Dims, lengths_ref, q_ref, key_ref, buf, state, i, c, slot):
     """Each sequence of block i over its keys of step c (in buffer `slot`), into the
     running softmax `state` (m_ref, l_ref, acc_ref): a product of u pages (T keys) at a
     time, only those holding keys below its length (and in its window)."""
@@ -154,6 +164,19 @@ def _attend(d: _Dims, lengths_ref, q_ref, buf, state, i, c, slot):
         last = jnp.clip(pl.cdiv(length - base, T), 0, d.C // d.u)  # products with keys
         first = jnp.clip(jax.lax.div(jnp.maximum(length - d.window - base, 0), T), 0,
                          last) if d.window else 0
+
+        def together(t, _):  # every kv head at once: (N, T * K) scores, rows (key, head)
+            k, v = _head(buf.at[slot, s, t], 0, 1, T * d.K, d.packed)
+            scores = jax.lax.dot_general(q_ref[s], k, (((1,), (1,)), ((), ())),
+                                         preferred_element_type=jnp.float32)
+            keys = length - base - t * T  # the product's keys below the length
+            visible = key_ref[...] < keys  # another head's columns: never
+            if d.window:
+                visible &= key_ref[...] >= keys - d.window
+            _update(*state, s, pl.ds(0, d.K * d.G), jnp.where(visible, scores * d.scale, MASK),
+                    1, lambda p: jnp.dot(p.astype(v.dtype), v,
+                                         preferred_element_type=jnp.float32))
+            return 0
 
         def product(t, _):
             shape = (T, 1) if d.vpu else (d.G, T)
@@ -181,14 +204,15 @@ def _attend(d: _Dims, lengths_ref, q_ref, buf, state, i, c, slot):
                             lambda p, v=v: jnp.sum(p * v.astype(jnp.float32), axis=0,
                                                    keepdims=True))
             return 0
-        jax.lax.fori_loop(first, last, product, 0)
+        jax.lax.fori_loop(first, last, together if d.all_heads else product, 0)
         return 0
     jax.lax.fori_loop(0, d.b, seq, 0)
 
 
-def _kernel(lengths_ref, table_ref, q_ref, kv_hbm, o_ref, *refs, d: _Dims):
-    lse_ref = refs[0] if d.lse else None
-    buf, sems, m_ref, l_ref, acc_ref = refs[d.lse:]
+def _kernel(lengths_ref, table_ref, q_ref, kv_hbm, *refs, d: _Dims):
+    key_ref, refs = (refs[0], refs[1:]) if d.all_heads else (None, refs)
+    o_ref, lse_ref = refs[0], refs[1] if d.lse else None
+    buf, sems, m_ref, l_ref, acc_ref = refs[1 + d.lse:]
     i, c = pl.program_id(0), pl.program_id(1)
     blocks, chunks = pl.num_programs(0), pl.num_programs(1)
     step = i * chunks + c
@@ -225,7 +249,7 @@ def _kernel(lengths_ref, table_ref, q_ref, kv_hbm, o_ref, *refs, d: _Dims):
 
     @pl.when(c * d.C * d.Z < longest)  # some sequence of the block has keys in this step
     def _():
-        _attend(d, lengths_ref, q_ref, buf, (m_ref, l_ref, acc_ref), i, c, slot)
+        _attend(d, lengths_ref, q_ref, key_ref, buf, (m_ref, l_ref, acc_ref), i, c, slot)
 
     @pl.when(c == chunks - 1)
     def _():
@@ -238,10 +262,11 @@ def _kernel(lengths_ref, table_ref, q_ref, kv_hbm, o_ref, *refs, d: _Dims):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "blocks", "vpu",
-                                             "interpret", "lse"))
+                                             "interpret", "lse", "all_heads"))
 def batched_decode_attention(q, kv_pages, lengths, page_table, scale: float,
                              sliding_window: int = 0, blocks: tuple[int, ...] | None = None,
-                             vpu: bool = False, interpret=False, lse: bool = False):
+                             vpu: bool = False, interpret=False, lse: bool = False,
+                             all_heads: bool | None = None):
     """(S, N, H) attention outputs of one query per sequence (module docstring), q at
     position lengths[s] - 1 seeing keys 0..lengths[s] - 1 (the last `sliding_window`
     only, when set); with `lse`, also each row's log-sum-exp of its scaled scores (S, N)
@@ -252,11 +277,14 @@ def batched_decode_attention(q, kv_pages, lengths, page_table, scale: float,
     pages per sequence per step[, pages per product]: `product_pages` when left out);
     None: `default_blocks`. A step computes a sequence's products only up to its
     length, so its time follows the keys it holds, not the step's width. `vpu`: both
-    products on the VPU, one query at a time (its scores a column: elementwise products summed over the
-    lanes, then the values weighted and summed over the keys) instead of the MXU's
-    (G, keys) row block, whose one real row pays for a whole weight tile; on a v5e
-    slower (docs/benchmarks.md). `interpret`: True or a `pltpu.InterpretParams` runs the
-    kernel in Pallas' TPU interpret mode (any backend; tests)."""
+    products on the VPU, one query at a time (its scores a column: elementwise products
+    summed over the lanes, then the values weighted and summed over the keys) instead of
+    the MXU's (G, keys) row block, whose one real row pays for a whole weight tile; on a
+    v5e slower (docs/benchmarks.md). `all_heads`: a product over every kv head at once
+    (module docstring); None: where not `vpu` and a product's fp32 scores (N x keys x
+    K) take at most ALL_HEADS_SCORES bytes. `interpret`: True or a
+    `pltpu.InterpretParams` runs the kernel in Pallas' TPU interpret mode (any backend;
+    tests)."""
     S, N, H = q.shape
     P, Z, K2, _ = kv_pages.shape
     K, W = K2 // 2, page_table.shape[1]
@@ -271,9 +299,20 @@ def batched_decode_attention(q, kv_pages, lengths, page_table, scale: float,
     q_ = jnp.pad(q, ((0, pad), (0, 0), (0, 0)))
     lengths_ = jnp.pad(lengths.astype(jnp.int32), (0, pad))
     table = jnp.pad(page_table.astype(jnp.int32), ((0, pad), (0, 0))).reshape(-1)
+    if all_heads is None:
+        all_heads = not vpu and N * u * Z * K * 4 <= ALL_HEADS_SCORES
+    if all_heads and vpu:
+        raise ValueError("the batched decode kernel's all_heads products are the MXU's, "
+                         "not vpu's")
     kernel = functools.partial(_kernel, d=_Dims(
         b, C, u, Z, K, N // K, W, scale, sliding_window,
-        packed=kv_pages.dtype.itemsize == 2 and not interpret, vpu=vpu, lse=lse))
+        packed=kv_pages.dtype.itemsize == 2 and not interpret, vpu=vpu, lse=lse,
+        all_heads=all_heads))
+    keys = []
+    if all_heads:  # column (key t, head j) of a product's scores: t for head j's rows
+        column, row = np.arange(u * Z * K), np.arange(N)
+        keys = [jnp.asarray(np.where(column % K == row[:, None] // (N // K), column // K,
+                                     1 << 30), jnp.int32)]
     buffer_bytes = 2 * b * C * Z * K2 * H * kv_pages.dtype.itemsize
     rows = pl.BlockSpec((b, N, H), lambda i, c, *_: (i, 0, 0))
     lanes = pl.BlockSpec((b, N, 128), lambda i, c, *_: (i, 0, 0))
@@ -284,7 +323,8 @@ def batched_decode_attention(q, kv_pages, lengths, page_table, scale: float,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=((S + pad) // b, pl.cdiv(W, C)),
-            in_specs=[rows, pl.BlockSpec(memory_space=pl.ANY)],
+            in_specs=[rows, pl.BlockSpec(memory_space=pl.ANY),
+                      *[pl.BlockSpec(x.shape, lambda i, c, *_: (0, 0)) for x in keys]],
             out_specs=(rows, *([lanes] if lse else [])),
             scratch_shapes=[pltpu.VMEM((2, b, C // u, u * Z * K2, H), kv_pages.dtype),
                             pltpu.SemaphoreType.DMA((2,)),
@@ -296,5 +336,5 @@ def batched_decode_attention(q, kv_pages, lengths, page_table, scale: float,
             dimension_semantics=("arbitrary", "arbitrary"),
             vmem_limit_bytes=min(buffer_bytes + (32 << 20), 100 << 20)),
         interpret=pltpu.InterpretParams() if interpret is True else interpret,
-    )(lengths_, table, q_, kv_pages.reshape(P, Z * K2, H))
+    )(lengths_, table, q_, kv_pages.reshape(P, Z * K2, H), *keys)
     return (out[0][:S], out[1][:S, :, 0]) if lse else out[0][:S]
