@@ -261,6 +261,36 @@ def _kernel(lengths_ref, table_ref, q_ref, kv_hbm, *refs, d: _Dims):
                                      MASK)
 
 
+def _dims(S, N, H, kv_pages, W, scale, sliding_window, blocks, vpu, interpret, lse,
+          all_heads) -> _Dims:
+    """`batched_decode_attention`'s arguments checked, its blocks and form chosen."""
+    _, Z, K2, _ = kv_pages.shape
+    K = K2 // 2
+    if kv_pages.dtype.itemsize not in (2, 4):
+        raise ValueError(f"the batched decode kernel reads fp32 or bf16 pages, not "
+                         f"{kv_pages.dtype}")
+    b, C, *u = blocks or default_blocks(S, W, Z * K2 * H * kv_pages.dtype.itemsize, Z)
+    u = u[0] if u else product_pages(C, Z)
+    if C % u:
+        raise ValueError(f"blocks={blocks}: {u} pages a product do not divide {C} a step")
+    if all_heads is None:
+        all_heads = not vpu and N * u * Z * K * 4 <= ALL_HEADS_SCORES
+    if all_heads and vpu:
+        raise ValueError("the batched decode kernel's all_heads products are the MXU's, "
+                         "not vpu's")
+    return _Dims(b, C, u, Z, K, N // K, W, scale, sliding_window,
+                 packed=kv_pages.dtype.itemsize == 2 and not interpret, vpu=vpu, lse=lse,
+                 all_heads=all_heads)
+
+
+def _head_keys(d: _Dims, N: int):
+    """(N, u * Z * K) int32: for row n and column (key t, kv head j) of an all-heads
+    product's scores, t where j is row n's kv head, else 2^30 (never below a length)."""
+    column, row = np.arange(d.u * d.Z * d.K), np.arange(N)
+    return jnp.asarray(np.where(column % d.K == row[:, None] // d.G, column // d.K, 1 << 30),
+                       jnp.int32)
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "blocks", "vpu",
                                              "interpret", "lse", "all_heads"))
 def batched_decode_attention(q, kv_pages, lengths, page_table, scale: float,
@@ -287,32 +317,15 @@ def batched_decode_attention(q, kv_pages, lengths, page_table, scale: float,
     tests)."""
     S, N, H = q.shape
     P, Z, K2, _ = kv_pages.shape
-    K, W = K2 // 2, page_table.shape[1]
-    if kv_pages.dtype.itemsize not in (2, 4):
-        raise ValueError(f"the batched decode kernel reads fp32 or bf16 pages, not "
-                         f"{kv_pages.dtype}")
-    b, C, *u = blocks or default_blocks(S, W, Z * K2 * H * kv_pages.dtype.itemsize, Z)
-    u = u[0] if u else product_pages(C, Z)
-    if C % u:
-        raise ValueError(f"blocks={blocks}: {u} pages a product do not divide {C} a step")
+    d = _dims(S, N, H, kv_pages, page_table.shape[1], scale, sliding_window, blocks, vpu,
+              interpret, lse, all_heads)
+    b, C, u = d.b, d.C, d.u
     pad = -S % b  # padded sequences: no keys, no copies, their rows dropped
     q_ = jnp.pad(q, ((0, pad), (0, 0), (0, 0)))
     lengths_ = jnp.pad(lengths.astype(jnp.int32), (0, pad))
     table = jnp.pad(page_table.astype(jnp.int32), ((0, pad), (0, 0))).reshape(-1)
-    if all_heads is None:
-        all_heads = not vpu and N * u * Z * K * 4 <= ALL_HEADS_SCORES
-    if all_heads and vpu:
-        raise ValueError("the batched decode kernel's all_heads products are the MXU's, "
-                         "not vpu's")
-    kernel = functools.partial(_kernel, d=_Dims(
-        b, C, u, Z, K, N // K, W, scale, sliding_window,
-        packed=kv_pages.dtype.itemsize == 2 and not interpret, vpu=vpu, lse=lse,
-        all_heads=all_heads))
-    keys = []
-    if all_heads:  # column (key t, head j) of a product's scores: t for head j's rows
-        column, row = np.arange(u * Z * K), np.arange(N)
-        keys = [jnp.asarray(np.where(column % K == row[:, None] // (N // K), column // K,
-                                     1 << 30), jnp.int32)]
+    kernel = functools.partial(_kernel, d=d)
+    keys = [_head_keys(d, N)] if d.all_heads else []
     buffer_bytes = 2 * b * C * Z * K2 * H * kv_pages.dtype.itemsize
     rows = pl.BlockSpec((b, N, H), lambda i, c, *_: (i, 0, 0))
     lanes = pl.BlockSpec((b, N, 128), lambda i, c, *_: (i, 0, 0))
@@ -322,7 +335,7 @@ def batched_decode_attention(q, kv_pages, lengths, page_table, scale: float,
                    *([jax.ShapeDtypeStruct((S + pad, N, 128), jnp.float32)] if lse else [])),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
-            grid=((S + pad) // b, pl.cdiv(W, C)),
+            grid=((S + pad) // b, pl.cdiv(d.W, C)),
             in_specs=[rows, pl.BlockSpec(memory_space=pl.ANY),
                       *[pl.BlockSpec(x.shape, lambda i, c, *_: (0, 0)) for x in keys]],
             out_specs=(rows, *([lanes] if lse else [])),
