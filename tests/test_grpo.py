@@ -717,9 +717,9 @@ def long_prompts(tmp_path):
     ({"grpo.max_sampling_rounds": 0}, "--grpo.max_sampling_rounds must be >= 1, got 0"),
     ({"grpo.decode_from_pages": True}, "--grpo.decode_from_pages needs pages: set "
      "--grpo.page_size"),
-    ({"grpo.decode_kernel": "batched"}, "--grpo.decode_kernel=batched needs "
+    ({"grpo.decode_kernel": "rpa"}, "--grpo.decode_kernel=rpa needs "
      "--grpo.decode_from_pages"),
-    ({"grpo.page_size": 2, "grpo.decode_from_pages": True,
+    ({"grpo.page_size": 2, "grpo.decode_from_pages": True, "grpo.decode_kernel": "rpa",
       "grpo.shared_prefix_attention": True}, "--grpo.shared_prefix_attention needs "
      "--grpo.decode_kernel=batched or batched_vpu and --grpo.share_prompts"),
     ({"grpo.loss_type": "ppo"}, "--grpo.loss_type must be one of grpo, bnpo, dr_grpo, dapo, "

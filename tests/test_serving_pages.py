@@ -191,7 +191,7 @@ def test_too_few_pages_for_one_request_is_refused():
 
 
 @pytest.mark.parametrize("flags,message", [
-    ({"decode_kernel": "batched"}, "--decode_kernel=batched needs --decode_from_pages"),
+    ({"decode_kernel": "rpa"}, "--decode_kernel=rpa needs --decode_from_pages"),
     ({"page_size": 8, "decode_from_pages": True, "decode_kernel": "fast"},
      "--decode_kernel must be one of rpa, batched, batched_vpu, got 'fast'")])
 def test_a_decode_kernel_is_refused_where_it_cannot_run(flags, message):
@@ -351,7 +351,7 @@ def test_prefix_groups_are_refused_without_a_kernel_that_merges():
     with pytest.raises(UserError, match="--prefix_groups needs --decode_kernel=batched"):
         engine_lib.check_config(engine_lib.get_default_config(
             {"seq_length": 64, "page_size": 16, "decode_from_pages": True,
-             "prefix_groups": 4}))
+             "decode_kernel": "rpa", "prefix_groups": 4}))
 
 
 def _long_generation(engine: Engine):

@@ -379,6 +379,9 @@ def test_redefaulted_flags_keep_the_directories_runs_had(argv, old_id):
         assert run_id("--grpo.dynamic_sampling=True") != old_id
         assert run_id("--grpo.max_turns=4", "--grpo.tool_timeout=10") == old_id  # multi-turn's
         assert run_id("--grpo.max_turns=2") != old_id
+        # The decode kernel's default, now ours, reads as JAX's: the rows to float rounding
+        assert run_id("--grpo.decode_kernel=rpa") == old_id
+        assert run_id("--grpo.decode_kernel=batched_vpu") != old_id
     if "--lora.rank=16" in argv:
         assert run_id("--lora.target_modules=q_proj/kernel$") != old_id
 

@@ -98,7 +98,7 @@ class PagedKV:
 
     kv: jax.Array
     table: jax.Array
-    kernel: str = "rpa"
+    kernel: str = "batched"
     prefix: SharedPrefix | None = None
 
     @property
@@ -192,7 +192,7 @@ def xla_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
 
 def decode_attention(q, kv_pages, lengths, page_table, scale: float | None = None,
                      sliding_window: int = 0, implementation: str = "auto",
-                     kernel: str = "rpa"):
+                     kernel: str = "batched"):
     """One query per sequence (a decode step): q (B, N, H) at position lengths[b] - 1 of
     sequence b, whose keys 0..lengths[b] - 1 its pages hold (its own written before the
     call); (B, N, H). `kernel` batched or batched_vpu: paged_decode_kernel's where a

@@ -57,9 +57,9 @@ HELP = {
     "repeats": "timed rollouts per way (after one untimed)",
     "ways": "comma-separated ways to measure: dense, paged, shared, pages, grouped (the first "
             "is the baseline)",
-    "decode_kernel": "the `pages` and `grouped` ways' --decode_kernel: rpa (JAX's ragged "
-                     "paged attention; `grouped` takes batched instead), batched or "
-                     "batched_vpu (easylm/models/paged_decode_kernel.py)",
+    "decode_kernel": "the `pages` and `grouped` ways' --decode_kernel: batched or "
+                     "batched_vpu (easylm/models/paged_decode_kernel.py), rpa (JAX's ragged "
+                     "paged attention; `grouped` takes batched instead)",
     "stall_report_s": "every this many seconds, print every thread's Python stack to stderr "
                       "(faulthandler): where a run that seems stuck is; 0: off",
     **run_flags.help_entries("dtype", "mesh_dim", **ENGINE_NOTES),
@@ -82,7 +82,7 @@ def default_config(family) -> ConfigDict:
     config.decode_steps = 8
     config.repeats = 2
     config.ways = "dense,paged"
-    config.decode_kernel = "rpa"
+    config.decode_kernel = "batched"
     config.stall_report_s = 0
     config.update(run_flags.get_default_config("dtype", "mesh_dim", mesh_dim=ENGINE_MESH_DIM))
     config[family.name] = model_flags.flag_config(family, family.tiny_preset)

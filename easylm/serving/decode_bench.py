@@ -46,7 +46,7 @@ HELP = {
     "page_size": "the engine's --page_size: the cache in pages of this many positions; 0: "
                  "a dense cache",
     "decode_from_pages": "the engine's --decode_from_pages (with --page_size)",
-    "decode_kernel": "the engine's --decode_kernel (with --decode_from_pages): rpa, batched, "
+    "decode_kernel": "the engine's --decode_kernel (with --decode_from_pages): batched, rpa, "
                      "batched_vpu",
     **run_flags.help_entries("dtype", "mesh_dim", **ENGINE_NOTES),
     "quantize": "comma-separated weight formats to time side by side: none (the dtype's), "
@@ -66,7 +66,7 @@ def default_config(family) -> ConfigDict:
     config.decode_unroll = False
     config.page_size = 0
     config.decode_from_pages = False
-    config.decode_kernel = "rpa"
+    config.decode_kernel = "batched"
     config.update(run_flags.get_default_config("dtype", "mesh_dim", mesh_dim=ENGINE_MESH_DIM))
     config.quantize = "none"
     config.hf = "auto"

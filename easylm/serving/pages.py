@@ -65,7 +65,7 @@ class PagedLayout:
     # and no slot holds a state (`kernel_layout`): each layer's pair interleaved in one
     # array (`paged_attention.combine`), which decode attends straight from (`decoded`).
     packed: CacheLayout | None = None
-    decode_kernel: str = "rpa"  # the kernel decode attends with (`PagedKV.kernel`)
+    decode_kernel: str = "batched"  # the kernel decode attends with (`PagedKV.kernel`)
     prefix_groups: int = 0  # groups of slots on shared pages decode reads once (E)
 
     @property

@@ -268,7 +268,10 @@ _REDEFAULTED = {"train_dataset.text_processor.add_bos_token": ("auto", True),
                 # checkpoint) left undecayed: no other model has the parameters
                 **{f"optimizer.{name}_optimizer.weight_decay_exclusions":
                    ("norm,embed,e_score_correction_bias,layer_scalar", "norm,embed")
-                   for name in ("adamw", "palm")}}
+                   for name in ("adamw", "palm")},
+                # our decode kernel: on a TPU the same rows as JAX's to float rounding,
+                # off a TPU the same XLA path
+                "grpo.decode_kernel": ("batched", "rpa")}
 
 
 # Flags added after runs were named by their hash, with the value that trains as before
@@ -283,7 +286,8 @@ _ADDED = {"grpo.dynamic_sampling": False, "grpo.max_sampling_rounds": 4,
           "grpo.page_size": 0,
           # decoding through gathered windows: the rows decoding from the pages gives too
           "grpo.decode_from_pages": False,
-          # JAX's kernel (off a TPU both kernels run the same XLA path)
+          # JAX's kernel (off a TPU both kernels run the same XLA path); the new default
+          # (`_REDEFAULTED`), ours, gives the same rows to float rounding on a TPU
           "grpo.decode_kernel": "rpa",
           # every row over its own page table: the same rows to float rounding
           "grpo.shared_prefix_attention": False}
@@ -310,7 +314,7 @@ def run_directory(config: ConfigDict, model_name: str, unused: tuple = ()) -> st
                 and not k.startswith(("logger.", "jax_distributed.", "eval_harness.",
                                       *objectives.unused_flags(config), *unused,
                                       *optimizers.unused_flags(config.optimizer)))
-                and v is not None and not (k in _ADDED and v == _ADDED[k])}
+                and v is not None and not (k in _ADDED and _hashed(k, v) == _ADDED[k])}
         digest = hashlib.sha1(json.dumps(flat, sort_keys=True).encode()).hexdigest()[:8]
         experiment_id = f"{model_name}-{digest}"
     return checkpoint.absolute_path(os.path.join(config.logger.output_dir, experiment_id))
