@@ -127,6 +127,11 @@ def test_decode_attention_reaches_the_kernel_by_name(monkeypatch):
         assert_close(pa.decode_attention(q, kv, lengths, table, kernel=kernel), expected,
                      REL32)
     assert [(c["interpret"], c["vpu"]) for c in calls] == [(True, False), (True, True)]
+    # A head wider than BATCHED_HEAD_DIM (Mosaic refuses some on a TPU): JAX's path
+    wide = [jnp.tile(x, (1,) * (x.ndim - 1) + (2,)) for x in (q, kv)]
+    assert_close(pa.decode_attention(wide[0], wide[1], lengths, table, kernel="batched"),
+                 pa.decode_attention(*wide, lengths, table, implementation="xla"), REL32)
+    assert len(calls) == 2
     with pytest.raises(ValueError, match="decode kernel 'fast'"):
         pa.decode_attention(q, kv, lengths, table, kernel="fast")
 

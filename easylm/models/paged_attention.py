@@ -43,6 +43,11 @@ IMPLEMENTATIONS = ("auto", "xla", "kernel")
 # that reads several sequences' pages per step (paged_decode_kernel.py), its products on
 # the MXU or (batched_vpu) on the VPU.
 DECODE_KERNELS = ("rpa", "batched", "batched_vpu")
+# The largest head dim ours takes: on a v5e it compiles and equals the XLA path at 64 and
+# 128 (bf16 and fp32 pages, with and without a window), and Mosaic refuses fp32 pages of
+# 256 ("the last dim size is not 128" in a strided load). A larger head decodes with
+# JAX's kernel, and a group's shared pages (which need ours) with the XLA path.
+BATCHED_HEAD_DIM = 128
 # Pallas interpret mode for the batched kernel off a TPU (EASYLM_PALLAS_INTERPRET=1, as
 # splash.py, or tests; slow). JAX 0.10.2's interpreter cannot run the rpa kernel
 # (tests/test_paged_attention.py).
@@ -196,11 +201,12 @@ def decode_attention(q, kv_pages, lengths, page_table, scale: float | None = Non
     """One query per sequence (a decode step): q (B, N, H) at position lengths[b] - 1 of
     sequence b, whose keys 0..lengths[b] - 1 its pages hold (its own written before the
     call); (B, N, H). `kernel` batched or batched_vpu: paged_decode_kernel's where a
-    kernel runs (a TPU, or INTERPRET), else the same xla path."""
+    kernel runs (a TPU, or INTERPRET) and H <= BATCHED_HEAD_DIM, else JAX's kernel's
+    path (rpa: its kernel on a TPU, the same XLA path elsewhere)."""
     if kernel not in DECODE_KERNELS:
         raise ValueError(f"decode kernel {kernel!r} is not one of {DECODE_KERNELS}")
     B = q.shape[0]
-    if _kernel_runs(kernel, implementation):
+    if _kernel_runs(kernel, implementation, q.shape[-1]):
         scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
         return batched_decode_attention(q, kv_pages, lengths, page_table, float(scale),
                                         sliding_window, vpu=kernel == "batched_vpu",
@@ -211,9 +217,10 @@ def decode_attention(q, kv_pages, lengths, page_table, scale: float | None = Non
         sliding_window, implementation=implementation)
 
 
-def _kernel_runs(kernel: str, implementation: str) -> bool:
-    """Whether decode attends with paged_decode_kernel's kernel (a TPU, or INTERPRET)."""
-    return kernel != "rpa" and implementation != "xla" and (
+def _kernel_runs(kernel: str, implementation: str, head_dim: int) -> bool:
+    """Whether decode attends with paged_decode_kernel's kernel (a TPU, or INTERPRET;
+    heads of at most BATCHED_HEAD_DIM)."""
+    return kernel != "rpa" and implementation != "xla" and head_dim <= BATCHED_HEAD_DIM and (
         implementation == "kernel" or kernel_available() or INTERPRET)
 
 
@@ -260,7 +267,7 @@ def shared_prefix_attention(q, kv_pages, lengths, page_table, prefix: SharedPref
 
     def attend(q, lengths, table):
         lengths, table = lengths.astype(jnp.int32), table.astype(jnp.int32)
-        if _kernel_runs(kernel, implementation):
+        if _kernel_runs(kernel, implementation, H):
             return batched_decode_attention(q, kv_pages, lengths, table, scale,
                                             blocks=blocks, vpu=kernel == "batched_vpu",
                                             interpret=not kernel_available(), lse=True)
