@@ -31,7 +31,31 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+import logging  # noqa: E402
 import pytest  # noqa: E402  (after the environment above)
+
+
+@pytest.fixture(autouse=True)
+def _root_logger_as_found():
+    """A command's main() run in the test process (`logging.basicConfig(force=True)`: the
+    server's, lm-eval's, the token cache's) points the root logger at the test's captured
+    stderr, which closes when the test ends: a later test's log line (or a thread's left
+    running) then printed "--- Logging error --- ValueError: I/O operation on closed
+    file" into the run's output. Each test leaves the root logger's handlers and level as
+    it found them (besides pytest's own capture, which it adds and removes itself)."""
+    def own(handler):
+        return type(handler).__module__.startswith("_pytest")
+
+    root = logging.getLogger()
+    before, level = [h for h in root.handlers if not own(h)], root.level
+    yield
+    for handler in root.handlers[:]:
+        if not own(handler) and handler not in before:
+            root.removeHandler(handler)
+    for handler in before:
+        if handler not in root.handlers:
+            root.addHandler(handler)
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session")
