@@ -20,8 +20,9 @@ the pages below each sequence's length; the step first starts the copies of the 
 step's pages into the other buffer, then waits for its own and computes, so the DMA
 engine always has the next block's pages to move. A sequence is computed u pages (a
 product, T = u * Z keys) at a time, only the products holding keys below its length: its
-cost follows its keys, not the step's C * Z (on a v5e at llama_1b's batch 64, 259 us a
-layer against 316-323 with one product a step, and JAX's 319-325; docs/benchmarks.md).
+cost follows its keys, not the step's C * Z (on a v5e at llama_1b's batch 64, a product
+a kv head: 259 us a layer against 316-323 with one product a step, and JAX's 319-325;
+docs/benchmarks.md).
 
 A product's keys and values are the buffer's even and odd rows (bf16: JAX's trick, the
 buffer read as uint32 rows holding each (k, v) pair, split by shifts). By default
