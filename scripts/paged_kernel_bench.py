@@ -1,6 +1,7 @@
 """Paged attention kernels alone, at a decode step's shape: microseconds per layer call
 and the K/V bandwidth each reaches, per page size and block sizes. JAX's ragged paged
-attention ("rpa") and ours ("batched", "batched_vpu": easylm/models/paged_decode_kernel.py)
+attention ("rpa") and ours ("batched": every kv head in a product, its default;
+"batched_per_head"; "batched_vpu": easylm/models/paged_decode_kernel.py)
 in one run:
 
     python scripts/paged_kernel_bench.py --batch=64 --heads=16 --kv_heads=16 \
@@ -56,10 +57,11 @@ def main():
                              "step's)")
     parser.add_argument("--vpu", default="0",
                         help="batched's products: 0 on the MXU, 1 on the VPU; comma-separated")
-    parser.add_argument("--all_heads", default="0",
+    parser.add_argument("--all_heads", default="1",
                         help="batched's products: 1 over every kv head at once (one MXU "
-                             "product and one softmax update a sequence and product), 0 "
-                             "one kv head at a time; comma-separated")
+                             "product and one softmax update a sequence and product: the "
+                             "kernel's default), 0 one kv head at a time (batched_per_head); "
+                             "comma-separated")
     parser.add_argument("--group", type=int, default=0,
                         help="> 1: sequences in groups of this many sharing their first "
                              "--shared positions (GRPO's completions of a prompt), JAX's "
@@ -86,7 +88,7 @@ def main():
             for together in [0] if vpu else _ints(args.all_heads):
                 for blocks in _blocks(args, B, W, Z, K, H):
                     settings.append(("batched_vpu" if vpu else
-                                     "batched_all_heads" if together else "batched", blocks))
+                                     "batched" if together else "batched_per_head", blocks))
         reference = None
         for kernel, setting in settings:
             def attend(q, kernel=kernel, setting=setting):
@@ -94,7 +96,7 @@ def main():
                     # Off a TPU (a smoke run of this script): interpret mode, slow.
                     return batched_decode_attention(
                         q, pool, lengths, table, 1 / np.sqrt(H), blocks=setting,
-                        vpu=kernel == "batched_vpu", all_heads=kernel == "batched_all_heads",
+                        vpu=kernel == "batched_vpu", all_heads=kernel == "batched",
                         interpret=jax.default_backend() != "tpu")
                 if setting == 0:
                     return decode_attention(q, pool, lengths, table)

@@ -286,8 +286,7 @@ _ADDED = {"grpo.dynamic_sampling": False, "grpo.max_sampling_rounds": 4,
           "grpo.page_size": 0,
           # decoding through gathered windows: the rows decoding from the pages gives too
           "grpo.decode_from_pages": False,
-          # JAX's kernel (off a TPU both kernels run the same XLA path); the new default
-          # (`_REDEFAULTED`), ours, gives the same rows to float rounding on a TPU
+          # JAX's kernel (off a TPU both kernels run the same XLA path)
           "grpo.decode_kernel": "rpa",
           # every row over its own page table: the same rows to float rounding
           "grpo.shared_prefix_attention": False}
